@@ -1,0 +1,212 @@
+"""The daemon's configuration: YAML in, frozen dataclasses out.
+
+/etc/gpuwarden/gpuwarden.yaml is read first, then conf.d/*.yaml beside it in
+lexical order (mappings merge, other values replace). Every problem becomes a
+one-line `FILE:LINE: key.path: what is wrong (what is allowed)`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Union
+
+from . import yamlfile
+from .gpu.sim.scenario import builtin_scenarios, resolve_scenario
+from .schema import MISSING, NONE_WORDS, Reader, type_name
+from .yamlfile import ConfigError, Document, Path_
+
+DEFAULT_PATH = Path("/etc/gpuwarden/gpuwarden.yaml")
+EX_CONFIG = 78  # sysexits.h; the unit's RestartPreventExitStatus
+
+# A clock setting: "max", an inclusive (min, max) MHz range, or None (leave alone).
+ClockTarget = Union[str, tuple[int, int], None]
+MAX_MHZ = 100_000
+MAX_WATTS = 5_000
+
+PER_GPU_KEYS = ("persistence_mode", "gpu_clocks", "memory_clocks", "power_limit_w")
+UUID_RE = re.compile(r"^(GPU|MIG)-[0-9A-Za-z-]+$")
+
+
+@dataclass(frozen=True)
+class GpuTuning:
+    """What to set on one GPU."""
+
+    persistence_mode: bool = True
+    gpu_clocks: ClockTarget = "max"
+    memory_clocks: ClockTarget = None
+    power_limit_w: float | None = None
+
+
+@dataclass(frozen=True)
+class TuningConfig:
+    apply: bool = True
+    restore_on_stop: bool = False
+    default: GpuTuning = GpuTuning()
+    # Per-GPU partial overrides, keyed by index ("0") or UUID, as (key, ((setting, value), ...)).
+    overrides: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
+
+    def for_gpu(self, index: int, uuid: str) -> GpuTuning:
+        by_key = dict(self.overrides)
+        tuning = self.default
+        for key in (str(index), uuid):  # a UUID is more specific, so it wins
+            if key in by_key:
+                tuning = replace(tuning, **dict(by_key[key]))
+        return tuning
+
+    def override_source(self, index: int, uuid: str, setting: str) -> Path_:
+        """The config key path a GPU's effective setting came from."""
+        by_key = dict(self.overrides)
+        for key in (uuid, str(index)):
+            if key in by_key and setting in dict(by_key[key]):
+                return ("tuning", "gpus", key, setting)
+        return ("tuning", setting)
+
+
+@dataclass(frozen=True)
+class GpuBackendConfig:
+    backend: str = "nvml"
+    scenario: str = "rtx-pro-4000-headless"
+    scenario_path: Path | None = None  # resolved file for backend "sim"
+
+
+@dataclass(frozen=True)
+class Config:
+    gpu: GpuBackendConfig = GpuBackendConfig()
+    poll_interval_s: float = 1.0
+    counters_interval_s: float = 10.0
+    tuning: TuningConfig = TuningConfig()
+    files: tuple[str, ...] = ()
+    document: Document | None = field(default=None, compare=False, repr=False)
+
+    def error(self, path: Path_, message: str, allowed: str | None = None) -> ConfigError:
+        """A ConfigError pointing at the file and line that set `path`."""
+        if self.document is None:
+            return ConfigError("(defaults)", 0, yamlfile.key_name(path), message, allowed)
+        return self.document.error(path, message, allowed)
+
+
+def dropin_files(path: Path) -> list[Path]:
+    conf_d = path.parent / "conf.d"
+    return sorted(conf_d.glob("*.yaml")) if conf_d.is_dir() else []
+
+
+def load(path: str | Path = DEFAULT_PATH) -> Config:
+    """Read, merge and validate; raise ConfigErrors listing every problem."""
+    path = Path(path)
+    files = [path, *dropin_files(path)]
+    doc = None
+    for file in files:
+        part = _load_mapping(file)
+        doc = part if doc is None else yamlfile.merge(doc, part)
+    return _validate(doc, tuple(str(f) for f in files))
+
+
+def parse_text(text: str, name: str = "<config>") -> Config:
+    """Validate config text (used by tests and `check` on stdin-like input)."""
+    return _validate(_mapping_or_error(yamlfile.parse(text, name)), (name,))
+
+
+def _load_mapping(file: Path) -> Document:
+    return _mapping_or_error(yamlfile.load(file))
+
+
+def _mapping_or_error(doc: Document) -> Document:
+    if not isinstance(doc.value, dict):
+        raise ConfigError(doc.file, 1, "(top level)", f"expected a mapping of settings, got {type_name(doc.value)}")
+    return doc
+
+
+def _validate(doc: Document, files: tuple[str, ...]) -> Config:
+    r = Reader(doc)
+    r.mapping((), ("gpu", "poll_interval_s", "counters_interval_s", "tuning"))
+    gpu = _gpu_section(r, Path(doc.file).parent)
+    poll = r.number(("poll_interval_s",), 1.0, 0.05, 3600, unit=" s")
+    counters = r.number(("counters_interval_s",), 10.0, 1, 86400, unit=" s")
+    tuning = _tuning_section(r)
+    r.raise_if_errors()
+    return Config(gpu=gpu, poll_interval_s=float(poll), counters_interval_s=float(counters),
+                  tuning=tuning, files=files, document=doc)
+
+
+def _gpu_section(r: Reader, base_dir: Path) -> GpuBackendConfig:
+    r.mapping(("gpu",), ("backend", "scenario"))
+    backend = r.string(("gpu", "backend"), "nvml", ("nvml", "sim"))
+    scenario = r.string(("gpu", "scenario"), "rtx-pro-4000-headless")
+    scenario_path = None
+    if backend == "sim" and isinstance(scenario, str):
+        scenario_path = resolve_scenario(scenario, base_dir)
+        if scenario_path is None:
+            r.fail(("gpu", "scenario"), f"no scenario named '{scenario}' and no such file",
+                   "built-in: " + ", ".join(builtin_scenarios()) + ", or a path to a scenario file")
+    return GpuBackendConfig(backend, scenario, scenario_path)
+
+
+def _tuning_section(r: Reader) -> TuningConfig:
+    base = ("tuning",)
+    r.mapping(base, ("apply", "restore_on_stop", "gpus") + PER_GPU_KEYS)
+    default = GpuTuning(
+        persistence_mode=r.boolean(base + ("persistence_mode",), True),
+        gpu_clocks=_clock_target(r, base + ("gpu_clocks",), "max"),
+        memory_clocks=_clock_target(r, base + ("memory_clocks",), None),
+        power_limit_w=r.optional_number(base + ("power_limit_w",), None, 1, MAX_WATTS, unit=" W"),
+    )
+    overrides = []
+    for key, value in r.mapping(base + ("gpus",), None).items():
+        path = base + ("gpus", key)
+        if not (key.isdigit() or UUID_RE.match(key)):
+            r.fail(path, "not a GPU index or UUID", "an index such as \"0\" or a UUID such as GPU-5c1e...")
+            continue
+        if not isinstance(value, dict):
+            r.fail(path, f"expected a mapping of per-GPU settings, got {type_name(value)}",
+                   "keys: " + ", ".join(PER_GPU_KEYS))
+            continue
+        r.mapping(path, PER_GPU_KEYS)
+        settings = []
+        for setting in PER_GPU_KEYS:
+            if setting not in value:
+                continue
+            sub = path + (setting,)
+            if setting == "persistence_mode":
+                settings.append((setting, r.boolean(sub, True)))
+            elif setting == "power_limit_w":
+                settings.append((setting, r.optional_number(sub, None, 1, MAX_WATTS, unit=" W")))
+            else:
+                settings.append((setting, _clock_target(r, sub, None)))
+        overrides.append((key, tuple(settings)))
+    return TuningConfig(
+        apply=r.boolean(base + ("apply",), True),
+        restore_on_stop=r.boolean(base + ("restore_on_stop",), False),
+        default=default,
+        overrides=tuple(overrides),
+    )
+
+
+def _clock_target(r: Reader, path: Path_, default: ClockTarget) -> ClockTarget:
+    allowed = f"max, none, or [MIN_MHZ, MAX_MHZ] with 1 <= MIN <= MAX <= {MAX_MHZ}"
+    value = r.get(path)
+    if value is MISSING:
+        return default
+    if value is None or (isinstance(value, str) and value.lower() in NONE_WORDS):
+        return None
+    if isinstance(value, str):
+        if value.lower() == "max":
+            return "max"
+        r.fail(path, f"'{value}' is not a clock setting", allowed)
+        return default
+    if not isinstance(value, list) or len(value) != 2:
+        shape = f"a list of {len(value)}" if isinstance(value, list) else type_name(value)
+        r.fail(path, f"expected a [MIN, MAX] pair, got {shape}", allowed)
+        return default
+    low, high = value
+    if any(isinstance(v, bool) or not isinstance(v, int) for v in value):
+        r.fail(path, f"clock values must be whole MHz, got {value!r}", allowed)
+        return default
+    if low < 1 or high > MAX_MHZ:
+        r.fail(path, f"[{low}, {high}] MHz is out of range", allowed)
+        return default
+    if low > high:
+        r.fail(path, f"min {low} MHz is above max {high} MHz", allowed)
+        return default
+    return (low, high)

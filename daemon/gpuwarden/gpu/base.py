@@ -1,0 +1,147 @@
+"""The one GPU interface and the one sample value every backend returns."""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Mapping
+
+
+class ClockEventReason(enum.IntFlag):
+    """Why clocks are below their maximum (NVML clock-event / throttle reason bits)."""
+
+    NONE = 0
+    GpuIdle = 0x1
+    ApplicationsClocksSetting = 0x2
+    SwPowerCap = 0x4
+    HwSlowdown = 0x8
+    SyncBoost = 0x10
+    SwThermalSlowdown = 0x20
+    HwThermalSlowdown = 0x40
+    HwPowerBrakeSlowdown = 0x80
+    DisplayClockSetting = 0x100
+
+    def names(self) -> list[str]:
+        return [r.name for r in ClockEventReason if r and r in self]
+
+
+# NVML perf-policy ids for the cumulative violation counters we read.
+VIOLATION_POLICIES = {
+    "power": 0,
+    "thermal": 1,
+    "sync_boost": 2,
+    "board_limit": 3,
+    "low_utilization": 4,
+    "reliability": 5,
+}
+
+@dataclass(frozen=True, slots=True)
+class GpuSample:
+    """One reading of one GPU. A field the card does not support is None."""
+
+    index: int
+    uuid: str
+    name: str
+    pci_bus_id: str
+    compute_capability: str | None  # "12.0"
+    up: bool = True  # False when the GPU is lost or unreadable; then most fields are None
+    timestamp: float = 0.0  # monotonic seconds when read
+    sm_clock_mhz: int | None = None
+    memory_clock_mhz: int | None = None
+    graphics_clock_mhz: int | None = None
+    max_sm_clock_mhz: int | None = None
+    max_memory_clock_mhz: int | None = None
+    max_graphics_clock_mhz: int | None = None
+    power_w: float | None = None
+    power_limit_w: float | None = None
+    power_limit_min_w: float | None = None
+    power_limit_max_w: float | None = None
+    power_limit_default_w: float | None = None
+    temperature_c: float | None = None
+    utilization_pct: float | None = None
+    memory_utilization_pct: float | None = None
+    memory_used_bytes: int | None = None
+    memory_total_bytes: int | None = None
+    persistence_mode: bool | None = None
+    performance_state: int | None = None  # 0 (P0, fastest) .. 15
+    clock_event_reasons: ClockEventReason | None = None
+    violation_seconds: Mapping[str, float | None] = field(default_factory=dict)  # keys: VIOLATION_POLICIES
+    energy_joules: float | None = None
+    memory_bus_width_bits: int | None = None
+    error: str | None = None  # why the GPU is down, when up is False
+
+    @property
+    def memory_bandwidth_bytes_per_s(self) -> float | None:
+        """Peak DRAM bandwidth implied by the current memory clock (double data rate)."""
+        if self.memory_clock_mhz is None or self.memory_bus_width_bits is None:
+            return None
+        return 2 * self.memory_clock_mhz * 1e6 * self.memory_bus_width_bits / 8
+
+    def as_dict(self) -> dict:
+        out = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        out["violation_seconds"] = dict(self.violation_seconds)
+        reasons = self.clock_event_reasons
+        out["clock_event_reasons"] = None if reasons is None else reasons.names()
+        out["memory_bandwidth_bytes_per_s"] = self.memory_bandwidth_bytes_per_s
+        return out
+
+
+@dataclass(frozen=True)
+class GpuCapabilities:
+    """What a GPU accepts, read once: the limits tuning is validated against."""
+
+    memory_clocks_mhz: tuple[int, ...] = ()  # supported memory clocks, descending
+    graphics_clocks_mhz: tuple[int, ...] = ()  # supported at the highest memory clock, descending
+    power_limit_min_w: float | None = None
+    power_limit_max_w: float | None = None
+    power_limit_default_w: float | None = None
+
+
+class Gpu(ABC):
+    """One GPU. Setters raise gpu.errors classes; sample() never raises."""
+
+    index: int
+    uuid: str
+    name: str
+    pci_bus_id: str
+
+    @abstractmethod
+    def sample(self) -> GpuSample: ...
+
+    @abstractmethod
+    def capabilities(self) -> GpuCapabilities: ...
+
+    @abstractmethod
+    def set_persistence_mode(self, enabled: bool) -> None: ...
+
+    @abstractmethod
+    def set_gpu_locked_clocks(self, min_mhz: int, max_mhz: int) -> None: ...
+
+    @abstractmethod
+    def reset_gpu_locked_clocks(self) -> None: ...
+
+    @abstractmethod
+    def set_memory_locked_clocks(self, min_mhz: int, max_mhz: int) -> None: ...
+
+    @abstractmethod
+    def reset_memory_locked_clocks(self) -> None: ...
+
+    @abstractmethod
+    def set_power_limit_w(self, watts: float) -> None: ...
+
+
+class GpuBackend(ABC):
+    """The GPUs of one host, in PCI bus order."""
+
+    @abstractmethod
+    def gpus(self) -> list[Gpu]: ...
+
+    @abstractmethod
+    def driver_version(self) -> str | None: ...
+
+    @abstractmethod
+    def persistenced_running(self) -> bool: ...
+
+    def close(self) -> None:
+        """Release the backend; safe to call twice."""

@@ -1,0 +1,285 @@
+"""The production backend: NVML through nvidia-ml-py (module `pynvml`).
+
+Every call goes through `NvmlGpu._read`, the seam tests replace by passing a
+fake module. One failing field never fails the whole sample; GPU_IS_LOST
+marks the GPU down until NVML can be re-initialised and finds it again.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from . import errors
+from .base import VIOLATION_POLICIES, ClockEventReason, Gpu, GpuBackend, GpuCapabilities, GpuSample
+
+CLOCK_GRAPHICS, CLOCK_SM, CLOCK_MEM = 0, 1, 2
+TEMPERATURE_GPU = 0
+FUNCTION_NOT_FOUND = 13
+REINIT_INTERVAL_S = 5.0  # how often to retry NVML while a GPU is lost
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def persistenced_pids(proc_root: str = "/proc") -> list[int]:
+    """PIDs of nvidia-persistenced (its comm is cut to 15 characters)."""
+    pids = []
+    for comm in Path(proc_root).glob("[0-9]*/comm"):
+        try:
+            if comm.read_text().strip() == "nvidia-persiste":
+                pids.append(int(comm.parent.name))
+        except OSError:
+            continue  # the process ended while we looked
+    return sorted(pids)
+
+
+class NvmlBackend(GpuBackend):
+    def __init__(self, nvml: Any = None, clock: Callable[[], float] = time.monotonic,
+                 counters_interval_s: float = 10.0, proc_root: str = "/proc"):
+        self.nvml = nvml if nvml is not None else _import_pynvml()
+        self.clock = clock
+        self.counters_interval_s = counters_interval_s
+        self.proc_root = proc_root
+        self._open = False
+        self._last_reinit = float("-inf")
+        self._init()
+        handles = []
+        for i in range(self._call(self.nvml.nvmlDeviceGetCount)):
+            handle = self._call(self.nvml.nvmlDeviceGetHandleByIndex, i)
+            bus = _text(self._call(self.nvml.nvmlDeviceGetPciInfo, handle).busId)
+            handles.append((bus.lower(), handle))
+        handles.sort(key=lambda pair: pair[0])  # PCI order = CUDA_DEVICE_ORDER=PCI_BUS_ID
+        self._gpus = [NvmlGpu(self, index, handle) for index, (_, handle) in enumerate(handles)]
+
+    def _init(self) -> None:
+        self._call(self.nvml.nvmlInit)
+        self._open = True
+
+    def _call(self, fn: Callable, *args: Any) -> Any:
+        """Call NVML where failure means NVML is unusable (start-up)."""
+        try:
+            return fn(*args)
+        except self.nvml.NVMLError as exc:
+            raise errors.Unavailable(f"NVML: {exc} (is the NVIDIA driver loaded?)") from None
+
+    def gpus(self) -> list[Gpu]:
+        return list(self._gpus)
+
+    def driver_version(self) -> str | None:
+        try:
+            return _text(self.nvml.nvmlSystemGetDriverVersion())
+        except self.nvml.NVMLError:
+            return None
+
+    def persistenced_running(self) -> bool:
+        return bool(persistenced_pids(self.proc_root))
+
+    def reinit(self) -> bool:
+        """Restart NVML and re-find every GPU by UUID; rate-limited."""
+        now = self.clock()
+        if now - self._last_reinit < REINIT_INTERVAL_S:
+            return False
+        self._last_reinit = now
+        try:
+            if self._open:
+                self._open = False
+                self.nvml.nvmlShutdown()
+            self.nvml.nvmlInit()
+            self._open = True
+        except self.nvml.NVMLError:
+            return False
+        for gpu in self._gpus:
+            gpu.refind()
+        return True
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            try:
+                self.nvml.nvmlShutdown()
+            except self.nvml.NVMLError:
+                pass  # shutting down anyway
+
+
+def _import_pynvml() -> Any:
+    try:
+        return importlib.import_module("pynvml")
+    except ImportError:
+        raise errors.Unavailable("NVML: the nvidia-ml-py package (module pynvml) is not installed") from None
+
+
+class NvmlGpu(Gpu):
+    def __init__(self, backend: NvmlBackend, index: int, handle: Any):
+        self.backend = backend
+        self.nvml = backend.nvml
+        self.index = index
+        self.handle = handle
+        self.up = True
+        self.down_reason: str | None = None
+        self._unsupported: set[tuple] = set()  # (call, args) that said NOT_SUPPORTED: not asked again
+        self._counters_at = float("-inf")
+        self._energy: float | None = None
+        self._violations: dict[str, float | None] = {}
+        self.uuid = _text(self._read("nvmlDeviceGetUUID") or f"GPU-unknown-{index}")
+        self.name = _text(self._read("nvmlDeviceGetName") or "unknown")
+        pci = self._read("nvmlDeviceGetPciInfo")
+        self.pci_bus_id = _text(pci.busId) if pci is not None else "unknown"
+        cc = self._read("nvmlDeviceGetCudaComputeCapability")
+        self.compute_capability = f"{cc[0]}.{cc[1]}" if cc else None
+        self.memory_bus_width_bits = self._read("nvmlDeviceGetMemoryBusWidth")
+
+    # -- the seam ---------------------------------------------------------------
+    def _read(self, fn_name: str, *args: Any) -> Any:
+        """One NVML read: None if unsupported or failing; GpuLost propagates."""
+        key = (fn_name, args)
+        if key in self._unsupported:
+            return None
+        fn = getattr(self.nvml, fn_name, None)
+        if fn is None:  # an old nvidia-ml-py without this call
+            self._unsupported.add(key)
+            return None
+        try:
+            return fn(self.handle, *args)
+        except self.nvml.NVMLError as exc:
+            code = getattr(exc, "value", None)
+            if code == errors.GpuLost.nvml_code:
+                raise errors.GpuLost(f"GPU {self.index} ({getattr(self, 'uuid', '?')}) is lost") from None
+            if code in (errors.NotSupported.nvml_code, FUNCTION_NOT_FOUND):
+                self._unsupported.add(key)  # it will not start working: stop asking
+            return None
+
+    def _set(self, what: str, fn_name: str, *args: Any) -> None:
+        """One NVML setter, with its failure turned into our error classes."""
+        try:
+            getattr(self.nvml, fn_name)(self.handle, *args)
+        except self.nvml.NVMLError as exc:
+            code = getattr(exc, "value", None)
+            cls = errors.BY_CODE.get(code, errors.GpuError)
+            hint = {
+                errors.NoPermission: "needs root or CAP_SYS_ADMIN",
+                errors.NotSupported: "is not supported on this GPU",
+                errors.InvalidArgument: "was rejected as out of range",
+                errors.GpuLost: "failed: the GPU is lost",
+            }.get(cls, f"failed: {exc}")
+            raise cls(f"GPU {self.index} ({self.uuid}): {what} {hint} ({cls.nvml_name})") from None
+
+    # -- reading ----------------------------------------------------------------
+    def sample(self) -> GpuSample:
+        now = self.backend.clock()
+        if not self.up and not (self.backend.reinit() and self.up):
+            return self._down(now)
+        try:
+            return self._sample(now)
+        except errors.GpuLost as exc:
+            self.up, self.down_reason = False, str(exc)
+            return self._down(now)
+
+    def _down(self, now: float) -> GpuSample:
+        return GpuSample(self.index, self.uuid, self.name, self.pci_bus_id, self.compute_capability,
+                         up=False, timestamp=now, error=self.down_reason)
+
+    def refind(self) -> None:
+        """After an NVML re-init: take a fresh handle for our UUID, if the GPU is back."""
+        try:
+            self.handle = self.nvml.nvmlDeviceGetHandleByUUID(self.uuid)
+            self.nvml.nvmlDeviceGetClockInfo(self.handle, CLOCK_SM)  # must answer to count as back
+        except self.nvml.NVMLError as exc:
+            self.up, self.down_reason = False, f"GPU {self.index} ({self.uuid}) not back: {exc}"
+            return
+        self.up, self.down_reason = True, None
+
+    def _sample(self, now: float) -> GpuSample:
+        r = self._read
+        power_mw = r("nvmlDeviceGetPowerUsage")
+        limit_mw = r("nvmlDeviceGetEnforcedPowerLimit")
+        constraints = r("nvmlDeviceGetPowerManagementLimitConstraints")
+        default_mw = r("nvmlDeviceGetPowerManagementDefaultLimit")
+        util = r("nvmlDeviceGetUtilizationRates")
+        memory = r("nvmlDeviceGetMemoryInfo")
+        persistence = r("nvmlDeviceGetPersistenceMode")
+        if now - self._counters_at >= self.backend.counters_interval_s:
+            self._read_counters()
+            self._counters_at = now
+        return GpuSample(
+            self.index, self.uuid, self.name, self.pci_bus_id, self.compute_capability,
+            up=True, timestamp=now,
+            sm_clock_mhz=r("nvmlDeviceGetClockInfo", CLOCK_SM),
+            memory_clock_mhz=r("nvmlDeviceGetClockInfo", CLOCK_MEM),
+            graphics_clock_mhz=r("nvmlDeviceGetClockInfo", CLOCK_GRAPHICS),
+            max_sm_clock_mhz=r("nvmlDeviceGetMaxClockInfo", CLOCK_SM),
+            max_memory_clock_mhz=r("nvmlDeviceGetMaxClockInfo", CLOCK_MEM),
+            max_graphics_clock_mhz=r("nvmlDeviceGetMaxClockInfo", CLOCK_GRAPHICS),
+            power_w=_scaled(power_mw, 1e-3),
+            power_limit_w=_scaled(limit_mw, 1e-3),
+            power_limit_min_w=_scaled(constraints[0], 1e-3) if constraints else None,
+            power_limit_max_w=_scaled(constraints[1], 1e-3) if constraints else None,
+            power_limit_default_w=_scaled(default_mw, 1e-3),
+            temperature_c=r("nvmlDeviceGetTemperature", TEMPERATURE_GPU),
+            utilization_pct=util.gpu if util is not None else None,
+            memory_utilization_pct=util.memory if util is not None else None,
+            memory_used_bytes=memory.used if memory is not None else None,
+            memory_total_bytes=memory.total if memory is not None else None,
+            persistence_mode=bool(persistence) if persistence is not None else None,
+            performance_state=r("nvmlDeviceGetPerformanceState"),
+            clock_event_reasons=self._reasons(),
+            violation_seconds=dict(self._violations),
+            energy_joules=self._energy,
+            memory_bus_width_bits=self.memory_bus_width_bits,
+        )
+
+    def _reasons(self) -> ClockEventReason | None:
+        # Drivers before 535 only have the older "throttle reasons" name for this call.
+        value = self._read("nvmlDeviceGetCurrentClocksEventReasons")
+        if value is None and ("nvmlDeviceGetCurrentClocksEventReasons", ()) in self._unsupported:
+            value = self._read("nvmlDeviceGetCurrentClocksThrottleReasons")
+        return ClockEventReason(value) if value is not None else None
+
+    def _read_counters(self) -> None:
+        """The slow cumulative counters (energy ~4 ms, violations ~0.8 ms each)."""
+        self._energy = _scaled(self._read("nvmlDeviceGetTotalEnergyConsumption"), 1e-3)
+        for name, policy in VIOLATION_POLICIES.items():
+            status = self._read("nvmlDeviceGetViolationStatus", policy)
+            self._violations[name] = status.violationTime * 1e-9 if status is not None else None
+
+    def capabilities(self) -> GpuCapabilities:
+        mem = sorted(self._read("nvmlDeviceGetSupportedMemoryClocks") or [], reverse=True)
+        graphics = sorted(self._read("nvmlDeviceGetSupportedGraphicsClocks", mem[0]) or [], reverse=True) if mem else []
+        constraints = self._read("nvmlDeviceGetPowerManagementLimitConstraints")
+        default_mw = self._read("nvmlDeviceGetPowerManagementDefaultLimit")
+        return GpuCapabilities(
+            memory_clocks_mhz=tuple(mem),
+            graphics_clocks_mhz=tuple(graphics),
+            power_limit_min_w=_scaled(constraints[0], 1e-3) if constraints else None,
+            power_limit_max_w=_scaled(constraints[1], 1e-3) if constraints else None,
+            power_limit_default_w=_scaled(default_mw, 1e-3),
+        )
+
+    # -- setting (never called in read-only mode) ---------------------------------
+    def set_persistence_mode(self, enabled: bool) -> None:
+        self._set("setting persistence mode", "nvmlDeviceSetPersistenceMode", 1 if enabled else 0)
+
+    def set_gpu_locked_clocks(self, min_mhz: int, max_mhz: int) -> None:
+        self._set(f"locking GPU clocks to {min_mhz}-{max_mhz} MHz", "nvmlDeviceSetGpuLockedClocks", min_mhz, max_mhz)
+
+    def reset_gpu_locked_clocks(self) -> None:
+        self._set("resetting locked GPU clocks", "nvmlDeviceResetGpuLockedClocks")
+
+    def set_memory_locked_clocks(self, min_mhz: int, max_mhz: int) -> None:
+        self._set(f"locking memory clocks to {min_mhz}-{max_mhz} MHz", "nvmlDeviceSetMemoryLockedClocks",
+                  min_mhz, max_mhz)
+
+    def reset_memory_locked_clocks(self) -> None:
+        self._set("resetting locked memory clocks", "nvmlDeviceResetMemoryLockedClocks")
+
+    def set_power_limit_w(self, watts: float) -> None:
+        self._set(f"setting the power limit to {watts:g} W", "nvmlDeviceSetPowerManagementLimit",
+                  int(round(watts * 1000)))
+
+
+def _scaled(value: float | None, factor: float) -> float | None:
+    return None if value is None else value * factor
+

@@ -1,0 +1,278 @@
+"""The simulated backend: GPUs that behave the way users reported real ones do.
+
+Clocks follow a small physical model: a locked clock holds unless the power
+draw it implies exceeds the limit (then it sinks, with SwPowerCap), a headless
+card without `boost_under_load` stays at idle clocks under load, and a driver
+reload drops every lock. Setters fail with the same error classes as NVML.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid as uuidlib
+from typing import Callable
+
+from .. import errors
+from ..base import ClockEventReason as R
+from ..base import VIOLATION_POLICIES, Gpu, GpuBackend, GpuCapabilities, GpuSample
+from .scenario import Event, GpuModel, Scenario
+
+MIB = 1024 * 1024
+# Default SM clock under each slowdown, as a fraction of the max clock.
+SLOWDOWN_FRACTION = {"thermal_slowdown": 0.7, "hw_thermal_slowdown": 0.5, "hw_slowdown": 0.5}
+SLOWDOWN_REASON = {"clock_collapse": R.NONE, "thermal_slowdown": R.SwThermalSlowdown,
+                   "hw_thermal_slowdown": R.HwThermalSlowdown, "hw_slowdown": R.HwSlowdown,
+                   "power_brake": R.HwPowerBrakeSlowdown}
+# Which violation counter each reason feeds.
+VIOLATION_OF = {R.SwPowerCap: "power", R.SwThermalSlowdown: "thermal", R.HwThermalSlowdown: "thermal",
+                R.HwSlowdown: "board_limit", R.HwPowerBrakeSlowdown: "board_limit",
+                R.GpuIdle: "low_utilization"}
+
+
+class ManualClock:
+    """A time source that tests advance by hand: no sleeping."""
+
+    def __init__(self, start: float = 0.0):
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def wall_clock() -> Callable[[], float]:
+    """Seconds since the simulation started, from the monotonic clock."""
+    start = time.monotonic()
+    return lambda: time.monotonic() - start
+
+
+class SimBackend(GpuBackend):
+    def __init__(self, scenario: Scenario, clock: Callable[[], float] | None = None):
+        self.scenario = scenario
+        self.clock = clock or wall_clock()
+        self._pending = list(scenario.events)
+        self._time = self.clock()
+        self._gpus = [SimGpu(self, i, model) for i, model in enumerate(scenario.gpus)]
+        self.advance()
+
+    def gpus(self) -> list[Gpu]:
+        return list(self._gpus)
+
+    def driver_version(self) -> str | None:
+        return self.scenario.driver_version
+
+    def persistenced_running(self) -> bool:
+        return self.scenario.nvidia_persistenced
+
+    def advance(self) -> None:
+        """Play the timeline up to now, integrating energy and violation time."""
+        now = self.clock()
+        while self._pending and self._pending[0].at_s <= now:
+            event = self._pending.pop(0)
+            self._integrate_to(max(event.at_s, self._time))
+            for gpu in self._gpus:
+                if event.gpus is None or gpu.index in event.gpus:
+                    gpu.apply(event)
+        self._integrate_to(now)
+
+    def _integrate_to(self, t: float) -> None:
+        dt = t - self._time
+        if dt > 0:
+            for gpu in self._gpus:
+                gpu.integrate(dt)
+            self._time = t
+
+
+class SimGpu(Gpu):
+    def __init__(self, backend: SimBackend, index: int, model: GpuModel):
+        self.backend, self.index, self.model = backend, index, model
+        self.name = model.name
+        self.uuid = "GPU-" + str(uuidlib.uuid5(uuidlib.NAMESPACE_URL,
+                                               f"gpuwarden-sim/{backend.scenario.name}/{index}"))
+        self.pci_bus_id = f"00000000:{(index + 1) * 0x10:02X}:00.0"
+        self.utilization = 0.0
+        self.memory_used_pct = 1.0
+        self.conditions: dict[str, dict] = {}  # active condition events by kind
+        self.lost = False
+        self.energy_j = 0.0
+        self.violations = {name: 0.0 for name in VIOLATION_POLICIES}
+        self._reset_driver_state()
+
+    def _reset_driver_state(self) -> None:
+        """What a driver load leaves: no locks, persistence off, default power limit."""
+        self.persistence = False
+        self.gpu_lock: tuple[int, int] | None = None
+        self.memory_lock: tuple[int, int] | None = None
+        self.power_limit_w = self.model.default_power_limit_w
+
+    # -- timeline ---------------------------------------------------------------
+    def apply(self, event: Event) -> None:
+        if event.ends:
+            self.conditions.pop(event.kind, None)
+            if event.kind == "gpu_lost":
+                self.lost = False
+                self._reset_driver_state()  # it comes back through a driver re-probe
+            return
+        if event.kind == "load":
+            self.utilization = event.params["utilization_pct"]
+            self.memory_used_pct = event.params.get("memory_used_pct", self.memory_used_pct)
+        elif event.kind == "driver_reload":
+            self._reset_driver_state()
+        elif event.kind == "gpu_lost":
+            self.lost = True
+        else:
+            self.conditions[event.kind] = dict(event.params)
+
+    def integrate(self, dt: float) -> None:
+        if self.lost:
+            return
+        _, _, power, _, reasons = self._operating_point()
+        self.energy_j += power * dt
+        for reason, counter in VIOLATION_OF.items():
+            if reason in reasons:
+                self.violations[counter] += dt
+
+    # -- the physics ------------------------------------------------------------
+    def _floor_clock(self, mhz: float) -> int:
+        """The highest supported graphics clock at or below mhz."""
+        clocks = self.model.graphics_clocks_mhz
+        return next((c for c in clocks if c <= mhz + 1e-6), clocks[-1])
+
+    def _draw(self, sm_mhz: float) -> float:
+        m = self.model
+        return m.idle_power_w + self.utilization / 100 * (m.full_load_power_w - m.idle_power_w) * (
+            sm_mhz / m.graphics_clock_max_mhz)
+
+    def _operating_point(self) -> tuple[int, int, float, float, R]:
+        """(sm MHz, memory MHz, watts, celsius, reasons) for the current state."""
+        m = self.model
+        busy = self.utilization > 0
+        reasons = R.NONE
+        if self.gpu_lock:
+            sm = self.gpu_lock[1]
+            if sm < m.graphics_clock_max_mhz:
+                reasons |= R.ApplicationsClocksSetting
+        elif busy and m.boost_under_load:
+            sm = m.graphics_clock_max_mhz
+        else:
+            sm = m.idle_sm_clock_mhz
+        if not busy and not self.gpu_lock:
+            reasons |= R.GpuIdle
+        limit = min(self.power_limit_w, self.conditions.get("power_cap", {}).get("watts", float("inf")))
+        if busy and self._draw(sm) > limit:
+            per_mhz = (self._draw(m.graphics_clock_max_mhz) - m.idle_power_w) / m.graphics_clock_max_mhz
+            sm = min(sm, self._floor_clock((limit - m.idle_power_w) / per_mhz))
+            reasons |= R.SwPowerCap
+        for kind, reason in SLOWDOWN_REASON.items():
+            if kind in self.conditions:
+                default = SLOWDOWN_FRACTION.get(kind, 0) * m.graphics_clock_max_mhz or m.idle_sm_clock_mhz
+                sm = min(sm, self._floor_clock(self.conditions[kind].get("sm_clock_mhz", default)))
+                reasons |= reason
+        if self.memory_lock:
+            mem = self.memory_lock[1]
+        elif self.gpu_lock or (busy and m.boost_under_load):
+            mem = m.memory_clocks_mhz[-1]
+        else:
+            mem = m.idle_memory_clock_mhz
+        power = self._draw(sm)
+        temp = m.idle_temperature_c + (power - m.idle_power_w) * m.celsius_per_watt
+        for kind in ("thermal_slowdown", "hw_thermal_slowdown"):
+            temp = self.conditions.get(kind, {}).get("temperature_c", temp)
+        return sm, mem, power, temp, reasons
+
+    # -- Gpu interface ----------------------------------------------------------
+    def sample(self) -> GpuSample:
+        self.backend.advance()
+        now = self.backend.clock()
+        if self.lost:
+            return GpuSample(self.index, self.uuid, self.name, self.pci_bus_id, self.model.compute_capability,
+                             up=False, timestamp=now, error=f"GPU {self.index} ({self.uuid}) is lost")
+        m, ns = self.model, self.model.not_supported
+        sm, mem, power, temp, reasons = self._operating_point()
+        limits = "power_limit" not in ns
+        total = m.memory_total_mib * MIB
+        return GpuSample(
+            self.index, self.uuid, self.name, self.pci_bus_id, m.compute_capability,
+            up=True, timestamp=now,
+            sm_clock_mhz=sm, memory_clock_mhz=mem, graphics_clock_mhz=sm,
+            max_sm_clock_mhz=m.graphics_clock_max_mhz, max_memory_clock_mhz=m.memory_clocks_mhz[-1],
+            max_graphics_clock_mhz=m.graphics_clock_max_mhz,
+            power_w=round(power, 3),
+            power_limit_w=self.power_limit_w if limits else None,
+            power_limit_min_w=m.min_power_limit_w if limits else None,
+            power_limit_max_w=m.max_power_limit_w if limits else None,
+            power_limit_default_w=m.default_power_limit_w if limits else None,
+            temperature_c=round(temp),
+            utilization_pct=self.utilization,
+            memory_utilization_pct=self.utilization * mem / m.memory_clocks_mhz[-1],
+            memory_used_bytes=int(total * self.memory_used_pct / 100) if "memory_info" not in ns else None,
+            memory_total_bytes=total if "memory_info" not in ns else None,
+            persistence_mode=self.persistence if "persistence_mode" not in ns else None,
+            performance_state=0 if sm > m.idle_sm_clock_mhz else 8,
+            clock_event_reasons=reasons if "clock_event_reasons" not in ns else None,
+            violation_seconds=dict(self.violations) if "violation_counters" not in ns
+            else dict.fromkeys(self.violations),
+            energy_joules=self.energy_j if "energy" not in ns else None,
+            memory_bus_width_bits=m.memory_bus_width_bits,
+        )
+
+    def capabilities(self) -> GpuCapabilities:
+        m = self.model
+        limits = "power_limit" not in m.not_supported
+        return GpuCapabilities(
+            memory_clocks_mhz=tuple(sorted(m.memory_clocks_mhz, reverse=True)),
+            graphics_clocks_mhz=m.graphics_clocks_mhz,
+            power_limit_min_w=m.min_power_limit_w if limits else None,
+            power_limit_max_w=m.max_power_limit_w if limits else None,
+            power_limit_default_w=m.default_power_limit_w if limits else None,
+        )
+
+    def _setter(self, what: str, feature: str | None = None) -> None:
+        """The checks a real setter makes, in NVML's order."""
+        self.backend.advance()
+        where = f"GPU {self.index} ({self.uuid}): {what}"
+        if self.lost:
+            raise errors.GpuLost(f"{where} failed: the GPU is lost (NVML_ERROR_GPU_IS_LOST)")
+        if feature in self.model.not_supported:
+            raise errors.NotSupported(f"{where} is not supported on this GPU (NVML_ERROR_NOT_SUPPORTED)")
+        if not self.backend.scenario.as_root:
+            raise errors.NoPermission(f"{where} needs root or CAP_SYS_ADMIN (NVML_ERROR_NO_PERMISSION)")
+
+    def _check_range(self, what: str, low: float, high: float, allowed_low: float, allowed_high: float) -> None:
+        if low > high or low < allowed_low or high > allowed_high:
+            raise errors.InvalidArgument(
+                f"GPU {self.index} ({self.uuid}): {what} was rejected as out of range "
+                f"(allowed {allowed_low:g}-{allowed_high:g}) (NVML_ERROR_INVALID_ARGUMENT)")
+
+    def set_persistence_mode(self, enabled: bool) -> None:
+        self._setter("setting persistence mode", "persistence_mode")
+        self.persistence = enabled
+
+    def set_gpu_locked_clocks(self, min_mhz: int, max_mhz: int) -> None:
+        self._setter(f"locking GPU clocks to {min_mhz}-{max_mhz} MHz")
+        m = self.model
+        self._check_range(f"locking GPU clocks to {min_mhz}-{max_mhz} MHz", min_mhz, max_mhz,
+                          m.graphics_clocks_mhz[-1], m.graphics_clock_max_mhz)
+        self.gpu_lock = (min_mhz, max_mhz)
+
+    def reset_gpu_locked_clocks(self) -> None:
+        self._setter("resetting locked GPU clocks")
+        self.gpu_lock = None
+
+    def set_memory_locked_clocks(self, min_mhz: int, max_mhz: int) -> None:
+        what = f"locking memory clocks to {min_mhz}-{max_mhz} MHz"
+        self._setter(what, "memory_locked_clocks")
+        self._check_range(what, min_mhz, max_mhz, self.model.memory_clocks_mhz[0], self.model.memory_clocks_mhz[-1])
+        self.memory_lock = (min_mhz, max_mhz)
+
+    def reset_memory_locked_clocks(self) -> None:
+        self._setter("resetting locked memory clocks", "memory_locked_clocks")
+        self.memory_lock = None
+
+    def set_power_limit_w(self, watts: float) -> None:
+        what = f"setting the power limit to {watts:g} W"
+        self._setter(what, "power_limit")
+        self._check_range(what, watts, watts, self.model.min_power_limit_w, self.model.max_power_limit_w)
+        self.power_limit_w = watts

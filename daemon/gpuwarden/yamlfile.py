@@ -1,0 +1,157 @@
+"""Read YAML files while remembering the file and line of every key.
+
+Config and scenario errors must name FILE:LINE, and PyYAML's plain loaders drop
+that information (and silently keep the last of two duplicate keys), so we
+compose the node tree ourselves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+Path_ = tuple[str, ...]
+
+
+class ConfigError(Exception):
+    """One problem in a file a user wrote, rendered as one line."""
+
+    def __init__(self, file: str, line: int, key: str, message: str, allowed: str | None = None):
+        self.file, self.line, self.key, self.message, self.allowed = file, line, key, message, allowed
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        text = f"{self.file}:{self.line}: {self.key}: {self.message}"
+        return f"{text} ({self.allowed})" if self.allowed else text
+
+    def as_dict(self) -> dict:
+        return {"file": self.file, "line": self.line, "key": self.key,
+                "message": self.message, "allowed": self.allowed}
+
+
+class ConfigErrors(Exception):
+    """All the problems found in one pass, so a user fixes them in one go."""
+
+    def __init__(self, errors: list[ConfigError]):
+        self.errors = errors
+        super().__init__("\n".join(str(e) for e in errors))
+
+
+def key_name(path: Path_) -> str:
+    return ".".join(path) if path else "(top level)"
+
+
+@dataclass
+class Document:
+    """Plain Python values plus the location that set each key path."""
+
+    value: Any
+    file: str
+    where: dict[Path_, tuple[str, int]] = field(default_factory=dict)
+
+    def locate(self, path: Path_) -> tuple[str, int]:
+        # The nearest enclosing key that has a line; the file's start otherwise.
+        for cut in range(len(path), -1, -1):
+            if path[:cut] in self.where:
+                return self.where[path[:cut]]
+        return self.file, 1
+
+    def error(self, path: Path_, message: str, allowed: str | None = None) -> ConfigError:
+        file, line = self.locate(path)
+        return ConfigError(file, line, key_name(path), message, allowed)
+
+
+def load(file: str | Path) -> Document:
+    """Parse one YAML file; raise ConfigError for anything unreadable."""
+    name = str(file)
+    try:
+        text = Path(file).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(name, 1, "(file)", "file not found", "give an existing file, e.g. with --config") from None
+    except IsADirectoryError:
+        raise ConfigError(name, 1, "(file)", "is a directory, not a file") from None
+    except PermissionError:
+        raise ConfigError(name, 1, "(file)", "permission denied", "run as root or make the file readable") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(name, 1, "(file)", f"not UTF-8 text ({exc.reason})") from None
+    except OSError as exc:
+        raise ConfigError(name, 1, "(file)", f"cannot read: {exc.strerror}") from None
+    return parse(text, name)
+
+
+def parse(text: str, name: str) -> Document:
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = mark.line + 1 if mark else 1
+        raise ConfigError(name, line, "(yaml)", f"invalid YAML: {exc.problem or exc.context}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(name, 1, "(yaml)", f"invalid YAML: {exc}") from None
+    if node is None:
+        raise ConfigError(name, 1, "(file)", "file is empty", "expected a mapping of settings")
+    doc = Document(None, name)
+    doc.value = _convert(node, (), doc, yaml.SafeLoader(""))
+    return doc
+
+
+def _convert(node: yaml.Node, path: Path_, doc: Document, scalars: yaml.SafeLoader) -> Any:
+    if isinstance(node, yaml.MappingNode):
+        out: dict[str, Any] = {}
+        for key_node, value_node in node.value:
+            if not isinstance(key_node, yaml.ScalarNode):
+                raise ConfigError(doc.file, key_node.start_mark.line + 1, key_name(path),
+                                  "keys must be plain names")
+            key = str(key_node.value)
+            child = path + (key,)
+            if key in out:
+                first = doc.where[child][1]
+                raise ConfigError(doc.file, key_node.start_mark.line + 1, key_name(child),
+                                  f"duplicate key (first set on line {first})")
+            doc.where[child] = (doc.file, key_node.start_mark.line + 1)
+            out[key] = _convert(value_node, child, doc, scalars)
+        return out
+    if isinstance(node, yaml.SequenceNode):
+        items = []
+        for i, item in enumerate(node.value):
+            child = path + (str(i),)
+            doc.where[child] = (doc.file, item.start_mark.line + 1)
+            items.append(_convert(item, child, doc, scalars))
+        return items
+    try:
+        # The node's tag was resolved while composing; this turns it into a value.
+        return scalars.construct_object(node, deep=True)
+    except yaml.YAMLError as exc:
+        raise ConfigError(doc.file, node.start_mark.line + 1, key_name(path), f"bad value: {exc}") from None
+
+
+def merge(base: Document, over: Document) -> Document:
+    """Deep-merge `over` into `base`: mappings merge, everything else replaces."""
+    if not isinstance(base.value, dict) or not isinstance(over.value, dict):
+        return over
+    merged = Document(_merge_values(base.value, over.value), base.file, dict(base.where))
+    # A replaced subtree must not keep stale locations from the base file.
+    for path in over.where:
+        if not isinstance(_get(over.value, path), dict):
+            for stale in [p for p in merged.where if p[:len(path)] == path and len(p) > len(path)]:
+                del merged.where[stale]
+    merged.where.update(over.where)
+    return merged
+
+
+def _merge_values(a: Any, b: Any) -> Any:
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = dict(a)
+        for key, value in b.items():
+            out[key] = _merge_values(a[key], value) if key in a else value
+        return out
+    return b
+
+
+def _get(value: Any, path: Path_) -> Any:
+    for part in path:
+        value = value[part] if isinstance(value, dict) else value[int(part)]
+    return value
