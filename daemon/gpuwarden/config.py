@@ -7,6 +7,7 @@ one-line `FILE:LINE: key.path: what is wrong (what is allowed)`.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -79,6 +80,27 @@ class Config:
     tuning: TuningConfig = TuningConfig()
     files: tuple[str, ...] = ()
     document: Document | None = field(default=None, compare=False, repr=False)
+
+    def as_dict(self) -> dict:
+        """The effective settings, in the config file's own shape (parses back to an equal Config)."""
+        def clocks(value: ClockTarget) -> Any:
+            return list(value) if isinstance(value, tuple) else ("none" if value is None else value)
+
+        def per_gpu(settings: dict) -> dict:
+            return {k: clocks(v) if k.endswith("_clocks") else ("none" if v is None else v)
+                    for k, v in settings.items()}
+
+        t = self.tuning
+        return {
+            "gpu": {"backend": self.gpu.backend, "scenario": self.gpu.scenario},
+            "poll_interval_s": self.poll_interval_s,
+            "counters_interval_s": self.counters_interval_s,
+            "tuning": {
+                "apply": t.apply, "restore_on_stop": t.restore_on_stop,
+                **per_gpu(dataclasses.asdict(t.default)),
+                "gpus": {key: per_gpu(dict(settings)) for key, settings in t.overrides},
+            },
+        }
 
     def error(self, path: Path_, message: str, allowed: str | None = None) -> ConfigError:
         """A ConfigError pointing at the file and line that set `path`."""

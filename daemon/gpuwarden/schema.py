@@ -32,7 +32,8 @@ class Reader:
 
     def raise_if_errors(self) -> None:
         if self.errors:
-            raise ConfigErrors(self.errors)
+            files = list(dict.fromkeys(e.file for e in self.errors))
+            raise ConfigErrors(sorted(self.errors, key=lambda e: (files.index(e.file), e.line)))
 
     def get(self, path: Path_) -> Any:
         value = self.doc.value

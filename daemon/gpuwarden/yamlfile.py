@@ -98,7 +98,13 @@ def parse(text: str, name: str) -> Document:
     return doc
 
 
+STANDARD_COLLECTION_TAGS = ("tag:yaml.org,2002:map", "tag:yaml.org,2002:seq")
+
+
 def _convert(node: yaml.Node, path: Path_, doc: Document, scalars: yaml.SafeLoader) -> Any:
+    if not isinstance(node, yaml.ScalarNode) and node.tag not in STANDARD_COLLECTION_TAGS:
+        # Scalars get the same check from SafeLoader below; nothing here ever builds objects.
+        raise ConfigError(doc.file, node.start_mark.line + 1, key_name(path), f"unsupported YAML tag {node.tag}")
     if isinstance(node, yaml.MappingNode):
         out: dict[str, Any] = {}
         for key_node, value_node in node.value:
@@ -125,7 +131,8 @@ def _convert(node: yaml.Node, path: Path_, doc: Document, scalars: yaml.SafeLoad
         # The node's tag was resolved while composing; this turns it into a value.
         return scalars.construct_object(node, deep=True)
     except yaml.YAMLError as exc:
-        raise ConfigError(doc.file, node.start_mark.line + 1, key_name(path), f"bad value: {exc}") from None
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(doc.file, node.start_mark.line + 1, key_name(path), f"bad value: {problem}") from None
 
 
 def merge(base: Document, over: Document) -> Document:

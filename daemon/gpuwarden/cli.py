@@ -1,0 +1,197 @@
+"""Command line: check, plan, apply, run."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+from pathlib import Path
+
+from . import __version__, config as configmod
+from .config import EX_CONFIG, Config
+from .gpu import errors, open_backend
+from .gpu.sim.scenario import builtin_scenarios, resolve_scenario
+from .tuning import Outcome, Plan, Tuner, make_plan
+from .yamlfile import ConfigError, ConfigErrors
+
+EX_OK, EX_FAIL, EX_UNAVAILABLE, EX_NOPERM = 0, 1, 69, 77  # sysexits.h where one fits
+
+DESCRIPTION = """\
+gpuwarden keeps NVIDIA inference GPUs tuned: at start it turns on persistence
+mode and locks GPU/memory clocks (and optionally a power limit) through NVML,
+checking every value against what the card supports, then watches the GPUs.
+
+Exit status: 0 ok, 1 a tuning step failed, 69 NVML unavailable,
+77 permission denied (needs root or CAP_SYS_ADMIN), 78 configuration error."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gpuwarden", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"gpuwarden {__version__}")
+    # --config and --sim work before or after the command name.
+    _add_common(parser, default_config=configmod.DEFAULT_PATH, default_sim=None)
+    common = argparse.ArgumentParser(add_help=False)
+    _add_common(common, default_config=argparse.SUPPRESS, default_sim=argparse.SUPPRESS)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("check", parents=[common], help="validate the config and, where GPUs are reachable, "
+                       "the tuning values against the cards; exit 0 or 78")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = sub.add_parser("plan", parents=[common], help="print what tuning would change on each GPU; touches nothing")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    sub.add_parser("apply", parents=[common], help="apply the tuning once, verify it, and exit (for boot-time "
+                   "tuning without the daemon)")
+    p = sub.add_parser("run", parents=[common], help="the daemon: apply the tuning, then sample every "
+                       "poll_interval_s until SIGTERM/SIGINT")
+    p.add_argument("--read-only", action="store_true", help="never touch the GPUs (same as tuning.apply: false)")
+    p.add_argument("--duration", type=float, metavar="SECONDS", help="stop by itself after SECONDS")
+    return parser
+
+
+def _add_common(parser: argparse.ArgumentParser, default_config, default_sim) -> None:
+    parser.add_argument("-c", "--config", type=Path, default=default_config,
+                        help=f"config file; conf.d/*.yaml beside it is merged in (default: {configmod.DEFAULT_PATH})")
+    parser.add_argument("--sim", metavar="SCENARIO", default=default_sim,
+                        help="use the simulated GPUs of SCENARIO instead of NVML (built-in: "
+                             + ", ".join(builtin_scenarios()) + ", or a scenario file)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except (ConfigError, ConfigErrors) as exc:
+        return _config_failure(exc, getattr(args, "json", False))
+    except errors.GpuError as exc:
+        print(f"gpuwarden: {exc}", file=sys.stderr)
+        return EX_UNAVAILABLE if isinstance(exc, errors.Unavailable) else EX_FAIL
+    except KeyboardInterrupt:
+        print("gpuwarden: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return EX_FAIL  # e.g. `gpuwarden plan | head`
+
+
+def _config_failure(exc: ConfigError | ConfigErrors, as_json: bool) -> int:
+    problems = exc.errors if isinstance(exc, ConfigErrors) else [exc]
+    if as_json:
+        print(json.dumps({"ok": False, "errors": [p.as_dict() for p in problems]}, indent=2))
+    else:
+        for problem in problems:
+            print(problem, file=sys.stderr)
+    return EX_CONFIG
+
+
+def load_config(args: argparse.Namespace) -> Config:
+    config = configmod.load(args.config)
+    if args.sim:
+        path = resolve_scenario(args.sim, Path.cwd())
+        if path is None:
+            raise ConfigError("(command line)", 0, "--sim", f"no scenario named '{args.sim}' and no such file",
+                              "built-in: " + ", ".join(builtin_scenarios()) + ", or a path to a scenario file")
+        gpu = dataclasses.replace(config.gpu, backend="sim", scenario=args.sim, scenario_path=path)
+        config = dataclasses.replace(config, gpu=gpu)
+    if getattr(args, "read_only", False):
+        config = dataclasses.replace(config, tuning=dataclasses.replace(config.tuning, apply=False))
+    return config
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    config = load_config(args)
+    try:
+        backend = open_backend(config)
+    except errors.Unavailable as exc:
+        skipped = str(exc)
+        gpus = 0
+    else:
+        try:
+            make_plan(backend, config)
+            gpus, skipped = len(backend.gpus()), None
+        finally:
+            backend.close()
+    if args.json:
+        print(json.dumps({"ok": True, "files": list(config.files), "gpus_checked": gpus,
+                          "gpu_checks_skipped": skipped}, indent=2))
+    else:
+        print(f"config OK: {', '.join(config.files)}")
+        print(f"GPU checks skipped: {skipped}" if skipped else f"tuning values OK on {gpus} GPU(s)")
+    return EX_OK
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    config = load_config(args)
+    backend = open_backend(config)
+    try:
+        plan = make_plan(backend, config)
+    finally:
+        backend.close()
+    if args.json:
+        print(json.dumps({"apply": config.tuning.apply, **plan.as_dict()}, indent=2))
+        return EX_OK
+    print(render_plan(plan, config))
+    return EX_OK
+
+
+def render_plan(plan: Plan, config: Config) -> str:
+    lines = [f"note: {note}" for note in plan.notes]
+    if any(a.setting.endswith("_clocks") for a in plan.actions):
+        lines.append("note: NVML cannot read a clock lock back, so locks are set on every apply "
+                     "and verified by reading the clock")
+    for gpu in plan.gpus:
+        lines.append(f"GPU {gpu.index}  {gpu.name}  {gpu.uuid}")
+        lines.extend(f"  {a.describe()}" for a in gpu.actions)
+        if not gpu.actions:
+            lines.append("  nothing to do")
+    if not config.tuning.apply:
+        lines.append("tuning.apply is false: `gpuwarden run` will only monitor, and `apply` refuses")
+    return "\n".join(lines)
+
+
+def cmd_apply(args: argparse.Namespace) -> int:
+    config = load_config(args)
+    if not config.tuning.apply:
+        file, line = config.document.locate(("tuning", "apply")) if config.document else ("(defaults)", 0)
+        print(f"gpuwarden: nothing applied: tuning.apply is false ({file}:{line})", file=sys.stderr)
+        return EX_FAIL
+    backend = open_backend(config)
+    try:
+        plan = make_plan(backend, config)
+        tuner = Tuner(backend)
+        applied = tuner.apply(plan)
+        verified = tuner.verify(plan) if all(o.ok for o in applied) else []
+    finally:
+        backend.close()
+    for outcome in applied:
+        print(f"applied {outcome.describe()}")
+    for outcome in verified:
+        print(f"verified {outcome.describe()}")
+    return apply_status(applied + verified)
+
+
+def apply_status(outcomes: list[Outcome]) -> int:
+    if any(o.error is errors.NoPermission for o in outcomes):
+        return EX_NOPERM
+    return EX_OK if all(o.ok for o in outcomes) else EX_FAIL
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .daemon import Daemon, run
+
+    config = load_config(args)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stderr)
+    backend = open_backend(config)
+    try:
+        run(Daemon(config, backend), duration_s=args.duration)
+    finally:
+        backend.close()
+    return EX_OK
+
+
+COMMANDS = {"check": cmd_check, "plan": cmd_plan, "apply": cmd_apply, "run": cmd_run}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""Config validation: a corpus of bad configs, each must exit 78 naming FILE:LINE and key."""
+
+import dataclasses
+import subprocess
+
+import pytest
+import yaml
+
+from conftest import DEFAULT_CONFIG, gpuwarden_cmd, subprocess_env
+from gpuwarden import config
+
+# (case id, file text, expected line, expected key, fragment of the message)
+BAD = [
+    ("unknown-top-key", "poll_interval_s: 1\nfoo: 2\n", 2, "foo", "unknown key"),
+    ("unknown-tuning-key", "tuning:\n  apply: true\n  gpu_clock: max\n", 3, "tuning.gpu_clock", "unknown key"),
+    ("unknown-gpu-key", "gpu:\n  backend: nvml\n  driver: x\n", 3, "gpu.driver", "unknown key"),
+    ("backend-bad-choice", "gpu:\n  backend: cuda\n", 2, "gpu.backend", "not a valid choice"),
+    ("backend-wrong-type", "gpu:\n  backend: 3\n", 2, "gpu.backend", "expected a non-empty string"),
+    ("gpu-not-mapping", "gpu: nvml\n", 1, "gpu", "expected a mapping"),
+    ("tuning-not-mapping", "tuning: [1, 2]\n", 1, "tuning", "expected a mapping"),
+    ("poll-string", "poll_interval_s: fast\n", 1, "poll_interval_s", "expected a number"),
+    ("poll-negative", "poll_interval_s: -1\n", 1, "poll_interval_s", "out of range"),
+    ("poll-zero", "poll_interval_s: 0\n", 1, "poll_interval_s", "out of range"),
+    ("poll-bool", "poll_interval_s: true\n", 1, "poll_interval_s", "expected a number"),
+    ("counters-too-small", "counters_interval_s: 0.1\n", 1, "counters_interval_s", "out of range"),
+    ("apply-string", "tuning:\n  apply: \"yes please\"\n", 2, "tuning.apply", "expected true or false"),
+    ("apply-number", "tuning:\n  apply: 1\n", 2, "tuning.apply", "expected true or false"),
+    ("persistence-string", "tuning:\n  persistence_mode: \"on\"\n", 2, "tuning.persistence_mode",
+     "expected true or false"),
+    ("clocks-min-above-max", "tuning:\n  gpu_clocks: [3090, 2400]\n", 2, "tuning.gpu_clocks", "is above max"),
+    ("clocks-one-value", "tuning:\n  gpu_clocks: [3090]\n", 2, "tuning.gpu_clocks", "a list of 1"),
+    ("clocks-three-values", "tuning:\n  gpu_clocks: [1, 2, 3]\n", 2, "tuning.gpu_clocks", "a list of 3"),
+    ("clocks-negative", "tuning:\n  gpu_clocks: [-5, 100]\n", 2, "tuning.gpu_clocks", "out of range"),
+    ("clocks-float", "tuning:\n  gpu_clocks: [1500.5, 2000]\n", 2, "tuning.gpu_clocks", "whole MHz"),
+    ("clocks-word", "tuning:\n  gpu_clocks: fastest\n", 2, "tuning.gpu_clocks", "not a clock setting"),
+    ("clocks-number", "tuning:\n  memory_clocks: 14001\n", 2, "tuning.memory_clocks", "expected a [MIN, MAX] pair"),
+    ("clocks-huge", "tuning:\n  memory_clocks: [1, 999999]\n", 2, "tuning.memory_clocks", "out of range"),
+    ("power-negative", "tuning:\n  power_limit_w: -10\n", 2, "tuning.power_limit_w", "out of range"),
+    ("power-word", "tuning:\n  power_limit_w: lots\n", 2, "tuning.power_limit_w", "expected a number or none"),
+    ("power-list", "tuning:\n  power_limit_w: [100]\n", 2, "tuning.power_limit_w", "expected a number"),
+    ("restore-string", "tuning:\n  restore_on_stop: sometimes\n", 2, "tuning.restore_on_stop", "true or false"),
+    ("override-bad-key", "tuning:\n  gpus:\n    first: {gpu_clocks: max}\n", 3, "tuning.gpus.first",
+     "not a GPU index or UUID"),
+    ("override-unknown-setting", "tuning:\n  gpus:\n    \"0\":\n      apply: false\n", 4, "tuning.gpus.0.apply",
+     "unknown key"),
+    ("override-not-mapping", "tuning:\n  gpus:\n    \"1\": max\n", 3, "tuning.gpus.1", "expected a mapping"),
+    ("override-bad-clocks", "tuning:\n  gpus:\n    \"1\": {gpu_clocks: [2400, 100]}\n", 3,
+     "tuning.gpus.1.gpu_clocks", "is above max"),
+    ("duplicate-key", "poll_interval_s: 1\ntuning:\n  apply: true\n  apply: false\n", 4, "tuning.apply",
+     "duplicate key (first set on line 3)"),
+    ("duplicate-top-key", "tuning: {}\npoll_interval_s: 1\npoll_interval_s: 2\n", 3, "poll_interval_s",
+     "duplicate key"),
+    ("bad-yaml-indent", "tuning:\n  apply: true\n persistence_mode: true\n", 3, "(yaml)", "invalid YAML"),
+    ("bad-yaml-unclosed", "tuning:\n  gpu_clocks: [1, 2\n", 3, "(yaml)", "invalid YAML"),
+    ("bad-yaml-tab", "tuning:\n\tapply: true\n", 2, "(yaml)", "invalid YAML"),
+    ("empty-file", "", 1, "(file)", "file is empty"),
+    ("only-comments", "# nothing here\n", 1, "(file)", "file is empty"),
+    ("top-level-list", "- a\n- b\n", 1, "(top level)", "expected a mapping"),
+    ("top-level-scalar", "hello\n", 1, "(top level)", "expected a mapping"),
+    ("scenario-missing", "gpu:\n  backend: sim\n  scenario: no-such-scenario\n", 3, "gpu.scenario",
+     "no scenario named 'no-such-scenario'"),
+    ("python-tag", "poll_interval_s: !!python/object:os.system [ls]\n", 1, "poll_interval_s",
+     "unsupported YAML tag"),
+    ("python-scalar-tag", "tuning:\n  apply: !!python/name:os.system\n", 2, "tuning.apply", "bad value"),
+]
+
+
+@pytest.mark.parametrize("case,text,line,key,fragment", BAD, ids=[c[0] for c in BAD])
+def test_bad_config_exits_78_with_file_line_and_key(cli, write, case, text, line, key, fragment):
+    path = write("gpuwarden.yaml", text)
+    status, out, err = cli("check", "--config", path)
+    assert status == 78
+    assert f"{path}:{line}: {key}: " in err, err
+    assert fragment in err
+    assert "Traceback" not in err + out
+    assert all(l.startswith(f"{path}:") for l in err.splitlines()), "every error is one FILE:LINE line"
+
+
+def test_corpus_is_large_enough():
+    assert len(BAD) >= 30
+
+
+def test_all_errors_are_reported_in_one_pass(cli, write):
+    path = write("gpuwarden.yaml", "poll_interval_s: -1\ntuning:\n  apply: 3\n  gpu_clocks: [5, 1]\n")
+    status, _, err = cli("check", "-c", path)
+    assert status == 78
+    assert [l.split(": ")[0] for l in err.splitlines()] == [f"{path}:1", f"{path}:3", f"{path}:4"]
+
+
+def test_error_line_carries_allowed_values(cli, write):
+    path = write("gpuwarden.yaml", "gpu:\n  backend: cuda\n")
+    _, _, err = cli("check", "-c", path)
+    assert err.strip() == f"{path}:2: gpu.backend: 'cuda' is not a valid choice (allowed: nvml, sim)"
+
+
+def test_missing_file(cli, tmp_path):
+    path = tmp_path / "absent.yaml"
+    status, _, err = cli("check", "-c", path)
+    assert status == 78
+    assert err.startswith(f"{path}:1: (file): file not found")
+
+
+def test_directory_instead_of_file(cli, tmp_path):
+    status, _, err = cli("check", "-c", tmp_path)
+    assert status == 78 and f"{tmp_path}:1: (file): is a directory" in err
+
+
+def test_dropin_error_names_the_dropin_file(cli, write):
+    main = write("gpuwarden.yaml", "tuning:\n  apply: true\n")
+    dropin = write("conf.d/20-clocks.yaml", "# site override\ntuning:\n  gpu_clocks: [2000, 1000]\n")
+    status, _, err = cli("check", "-c", main)
+    assert status == 78
+    assert err.startswith(f"{dropin}:3: tuning.gpu_clocks: min 2000 MHz is above max 1000 MHz")
+
+
+def test_dropins_merge_in_lexical_order(write):
+    main = write("gpuwarden.yaml", "poll_interval_s: 1\ntuning:\n  gpu_clocks: max\n  power_limit_w: 120\n")
+    write("conf.d/20-b.yaml", "tuning:\n  gpu_clocks: [2000, 2000]\n")
+    write("conf.d/10-a.yaml", "tuning:\n  gpu_clocks: [1000, 1000]\npoll_interval_s: 0.5\n")
+    write("conf.d/ignored.txt", "this: is not yaml config\n")
+    cfg = config.load(main)
+    assert cfg.tuning.default.gpu_clocks == (2000, 2000)  # 20-b comes after 10-a
+    assert cfg.tuning.default.power_limit_w == 120  # untouched keys survive the merge
+    assert cfg.poll_interval_s == 0.5
+    assert [p.rsplit("/", 1)[-1] for p in cfg.files] == ["gpuwarden.yaml", "10-a.yaml", "20-b.yaml"]
+
+
+def test_scenario_file_errors_point_into_the_scenario(cli, write):
+    scenario = write("bad-scenario.yaml", "name: x\ngpus:\n  - name: G\n    compute_capability: 12.0\n")
+    main = write("gpuwarden.yaml", "gpu:\n  backend: sim\n  scenario: bad-scenario.yaml\n")
+    status, _, err = cli("check", "-c", main)
+    assert status == 78
+    assert f"{scenario}:4: gpus.0.compute_capability: expected a quoted" in err
+
+
+def test_real_process_exits_78_without_traceback(write):
+    path = write("gpuwarden.yaml", "tuning:\n  gpu_clocks: [3090, 2400]\n")
+    for command in ("check", "plan", "apply", "run"):
+        proc = subprocess.run(gpuwarden_cmd() + [command, "-c", str(path)], capture_output=True, text=True,
+                              env=subprocess_env(), timeout=60)
+        assert proc.returncode == 78, (command, proc.stderr)
+        assert proc.stderr.strip() == f"{path}:2: tuning.gpu_clocks: min 3090 MHz is above max 2400 MHz " \
+                                      f"(max, none, or [MIN_MHZ, MAX_MHZ] with 1 <= MIN <= MAX <= 100000)"
+
+
+GOOD = [
+    "gpu:\n  backend: nvml\n",
+    "poll_interval_s: 0.25\ncounters_interval_s: 5\ntuning:\n  apply: false\n",
+    "tuning:\n  gpu_clocks: [2400, 3090]\n  memory_clocks: max\n  power_limit_w: 130.5\n  restore_on_stop: true\n",
+    "tuning:\n  gpu_clocks: none\n  persistence_mode: false\n  gpus:\n    \"1\": {gpu_clocks: [2400, 2400]}\n"
+    "    GPU-5c1e0d6a-aaaa-bbbb: {power_limit_w: 120, memory_clocks: none}\n",
+    "gpu:\n  backend: sim\n  scenario: dgx-spark\ntuning:\n  gpu_clocks: null\n",
+]
+
+
+@pytest.mark.parametrize("text", GOOD)
+def test_good_configs_round_trip(text):
+    first = config.parse_text(text)
+    again = config.parse_text(yaml.safe_dump(first.as_dict()))
+    assert dataclasses.replace(again, files=()) == dataclasses.replace(first, files=())
+
+
+def test_shipped_default_config_is_valid_and_safe(cli):
+    status, out, _ = cli("check", "-c", DEFAULT_CONFIG)
+    assert status == 0 and "config OK" in out
+    cfg = config.load(DEFAULT_CONFIG)
+    assert cfg.gpu.backend == "nvml"
+    assert cfg.tuning.apply and cfg.tuning.default.gpu_clocks == "max"
+    assert cfg.tuning.default.power_limit_w is None and not cfg.tuning.restore_on_stop
+
+
+def test_shipped_default_config_explains_every_key():
+    text = DEFAULT_CONFIG.read_text()
+    cfg = config.load(DEFAULT_CONFIG).as_dict()
+    keys = list(cfg) + list(cfg["gpu"]) + list(cfg["tuning"])
+    for key in keys:
+        line = next(i for i, l in enumerate(text.splitlines()) if l.strip().startswith(f"{key}:"))
+        assert text.splitlines()[line - 1].strip().startswith("#"), f"{key} has no comment above it"
+
+
+def test_per_gpu_override_precedence():
+    cfg = config.parse_text("tuning:\n  power_limit_w: 100\n  gpus:\n    \"0\": {power_limit_w: 110}\n"
+                            "    GPU-abc: {power_limit_w: 120}\n")
+    assert cfg.tuning.for_gpu(0, "GPU-abc").power_limit_w == 120  # UUID beats index
+    assert cfg.tuning.for_gpu(0, "GPU-other").power_limit_w == 110
+    assert cfg.tuning.for_gpu(1, "GPU-other").power_limit_w == 100
+    assert cfg.tuning.override_source(0, "GPU-other", "power_limit_w") == ("tuning", "gpus", "0", "power_limit_w")
