@@ -35,12 +35,9 @@ def cli(capsys):
 
 
 def gpuwarden_cmd() -> list[str]:
-    """The installed console script, or the module when run from a checkout."""
-    return [sys.executable, "-m", "gpuwarden.cli"]
+    """The gpuwarden package installed in the interpreter running the tests."""
+    return [sys.executable, "-m", "gpuwarden"]
 
 
 def subprocess_env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT / "daemon") + os.pathsep + env.get("PYTHONPATH", "")
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
+    return dict(os.environ, PYTHONUNBUFFERED="1")

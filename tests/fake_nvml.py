@@ -1,0 +1,133 @@
+"""A stand-in for the `pynvml` module: the calls NvmlBackend makes, over plain dicts.
+
+Errors are injected per call name (and optionally per device) with NVML's own
+return codes, so the tests exercise the backend's real error handling.
+"""
+
+from collections import Counter
+from types import SimpleNamespace
+
+NOT_SUPPORTED, NO_PERMISSION, INVALID_ARGUMENT, GPU_IS_LOST = 3, 4, 2, 15
+FUNCTION_NOT_FOUND, LIBRARY_NOT_FOUND, UNKNOWN = 13, 12, 999
+
+
+class NVMLError(Exception):
+    def __init__(self, value):
+        self.value = value
+        super().__init__(value)
+
+    def __str__(self):
+        return {3: "Not Supported", 4: "Insufficient Permissions", 2: "Invalid Argument", 15: "GPU is lost",
+                13: "Function Not Found", 12: "NVML Shared Library Not Found"}.get(self.value, "Unknown Error")
+
+
+def device(uuid, bus, **over):
+    """An H100-like device record; `over` replaces any field."""
+    dev = dict(uuid=uuid.encode(), name=b"NVIDIA H100 80GB HBM3", busId=bus.encode(), cc=(9, 0),
+               clocks={0: 1980, 1: 1980, 2: 2619}, max_clocks={0: 1980, 1: 1980, 2: 2619},
+               power_mw=312_500, limit_mw=700_000, constraints=(200_000, 700_000), default_mw=700_000,
+               temp=41, util=(97, 60), mem=(40 * 2**30, 80 * 2**30), persistence=0, pstate=0,
+               reasons=0x4, violations={0: 5_000_000_000, 1: 0, 2: 0, 3: 0, 4: 0, 5: 0},
+               energy_mj=123_456_789, bus_width=5120, mem_clocks=[2619, 1593],
+               graphics_clocks=[1980, 1965, 210], gpu_lock=None, mem_lock=None)
+    dev.update(over)
+    return dev
+
+
+class FakeNvml:
+    NVMLError = NVMLError
+
+    def __init__(self, devices):
+        self.devices = devices
+        self.fail = {}  # (call name, device index or None) -> NVML return code
+        self.calls = Counter()
+        self.inits = 0
+
+    # -- helpers ----------------------------------------------------------------
+    def _check(self, name, index=None):
+        self.calls[name] += 1
+        for key in ((name, index), (name, None)):
+            if key in self.fail:
+                raise NVMLError(self.fail[key])
+
+    def _dev(self, name, handle):
+        self._check(name, handle.index)
+        if self.devices[handle.index].get("lost"):
+            raise NVMLError(GPU_IS_LOST)
+        return self.devices[handle.index]
+
+    # -- library ----------------------------------------------------------------
+    def nvmlInit(self):
+        self._check("nvmlInit")
+        self.inits += 1
+
+    def nvmlShutdown(self):
+        self._check("nvmlShutdown")
+
+    def nvmlSystemGetDriverVersion(self):
+        return "580.126.20"
+
+    def nvmlDeviceGetCount(self):
+        return len(self.devices)
+
+    def nvmlDeviceGetHandleByIndex(self, index):
+        return SimpleNamespace(index=index)
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        self._check("nvmlDeviceGetHandleByUUID")
+        for i, dev in enumerate(self.devices):
+            if dev["uuid"].decode() == uuid and not dev.get("lost"):
+                return SimpleNamespace(index=i)
+        raise NVMLError(6)
+
+    # -- reads ------------------------------------------------------------------
+    def nvmlDeviceGetUUID(self, h): return self._dev("nvmlDeviceGetUUID", h)["uuid"]
+    def nvmlDeviceGetName(self, h): return self._dev("nvmlDeviceGetName", h)["name"]
+    def nvmlDeviceGetPciInfo(self, h): return SimpleNamespace(busId=self._dev("nvmlDeviceGetPciInfo", h)["busId"])
+    def nvmlDeviceGetCudaComputeCapability(self, h): return self._dev("nvmlDeviceGetCudaComputeCapability", h)["cc"]
+    def nvmlDeviceGetMemoryBusWidth(self, h): return self._dev("nvmlDeviceGetMemoryBusWidth", h)["bus_width"]
+    def nvmlDeviceGetClockInfo(self, h, t): return self._dev("nvmlDeviceGetClockInfo", h)["clocks"][t]
+    def nvmlDeviceGetMaxClockInfo(self, h, t): return self._dev("nvmlDeviceGetMaxClockInfo", h)["max_clocks"][t]
+    def nvmlDeviceGetPowerUsage(self, h): return self._dev("nvmlDeviceGetPowerUsage", h)["power_mw"]
+    def nvmlDeviceGetEnforcedPowerLimit(self, h): return self._dev("nvmlDeviceGetEnforcedPowerLimit", h)["limit_mw"]
+    def nvmlDeviceGetPowerManagementDefaultLimit(self, h):
+        return self._dev("nvmlDeviceGetPowerManagementDefaultLimit", h)["default_mw"]
+    def nvmlDeviceGetPowerManagementLimitConstraints(self, h):
+        return list(self._dev("nvmlDeviceGetPowerManagementLimitConstraints", h)["constraints"])
+    def nvmlDeviceGetTemperature(self, h, sensor): return self._dev("nvmlDeviceGetTemperature", h)["temp"]
+    def nvmlDeviceGetUtilizationRates(self, h):
+        gpu, memory = self._dev("nvmlDeviceGetUtilizationRates", h)["util"]
+        return SimpleNamespace(gpu=gpu, memory=memory)
+    def nvmlDeviceGetMemoryInfo(self, h):
+        used, total = self._dev("nvmlDeviceGetMemoryInfo", h)["mem"]
+        return SimpleNamespace(used=used, total=total, free=total - used)
+    def nvmlDeviceGetPersistenceMode(self, h): return self._dev("nvmlDeviceGetPersistenceMode", h)["persistence"]
+    def nvmlDeviceGetPerformanceState(self, h): return self._dev("nvmlDeviceGetPerformanceState", h)["pstate"]
+    def nvmlDeviceGetCurrentClocksEventReasons(self, h):
+        return self._dev("nvmlDeviceGetCurrentClocksEventReasons", h)["reasons"]
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, h):
+        return self._dev("nvmlDeviceGetCurrentClocksThrottleReasons", h)["reasons"]
+    def nvmlDeviceGetViolationStatus(self, h, policy):
+        ns = self._dev("nvmlDeviceGetViolationStatus", h)["violations"][policy]
+        return SimpleNamespace(referenceTime=0, violationTime=ns)
+    def nvmlDeviceGetTotalEnergyConsumption(self, h):
+        return self._dev("nvmlDeviceGetTotalEnergyConsumption", h)["energy_mj"]
+    def nvmlDeviceGetSupportedMemoryClocks(self, h): return self._dev("nvmlDeviceGetSupportedMemoryClocks", h)["mem_clocks"]
+    def nvmlDeviceGetSupportedGraphicsClocks(self, h, mem):
+        return self._dev("nvmlDeviceGetSupportedGraphicsClocks", h)["graphics_clocks"]
+
+    # -- setters ----------------------------------------------------------------
+    def nvmlDeviceSetPersistenceMode(self, h, mode): self._dev("nvmlDeviceSetPersistenceMode", h)["persistence"] = mode
+    def nvmlDeviceSetPowerManagementLimit(self, h, mw):
+        dev = self._dev("nvmlDeviceSetPowerManagementLimit", h)
+        if not dev["constraints"][0] <= mw <= dev["constraints"][1]:
+            raise NVMLError(INVALID_ARGUMENT)
+        dev["limit_mw"] = mw
+    def nvmlDeviceSetGpuLockedClocks(self, h, low, high):
+        dev = self._dev("nvmlDeviceSetGpuLockedClocks", h)
+        dev["gpu_lock"] = (low, high)
+        dev["clocks"][0] = dev["clocks"][1] = high
+    def nvmlDeviceResetGpuLockedClocks(self, h): self._dev("nvmlDeviceResetGpuLockedClocks", h)["gpu_lock"] = None
+    def nvmlDeviceSetMemoryLockedClocks(self, h, low, high):
+        self._dev("nvmlDeviceSetMemoryLockedClocks", h)["mem_lock"] = (low, high)
+    def nvmlDeviceResetMemoryLockedClocks(self, h): self._dev("nvmlDeviceResetMemoryLockedClocks", h)["mem_lock"] = None

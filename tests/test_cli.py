@@ -1,0 +1,182 @@
+"""The command line, in-process and as a real process with real signals."""
+
+import json
+import signal
+import subprocess
+import time
+
+import pytest
+
+from conftest import DEFAULT_CONFIG, gpuwarden_cmd, subprocess_env
+from gpuwarden import __version__, config
+from gpuwarden.daemon import Daemon, describe_sample
+from gpuwarden.gpu import open_backend
+from gpuwarden.gpu.sim.backend import ManualClock
+from gpuwarden.gpu.sim.scenario import resolve_scenario
+
+SIM = ("-c", DEFAULT_CONFIG, "--sim")
+
+
+def test_version(capsys):
+    from gpuwarden.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.strip() == f"gpuwarden {__version__}"
+
+
+def test_check_validates_tuning_against_sim_gpus(cli):
+    status, out, _ = cli("check", *SIM, "rtx-pro-4000-headless")
+    assert status == 0 and "tuning values OK on 2 GPU(s)" in out
+
+
+def test_check_json_lists_errors(cli, write):
+    path = write("g.yaml", "tuning:\n  gpu_clocks: [5, 1]\n  bogus: 1\n")
+    status, out, _ = cli("check", "--json", "-c", path)
+    report = json.loads(out)
+    assert status == 78 and report["ok"] is False
+    assert [(e["line"], e["key"]) for e in report["errors"]] == [(2, "tuning.gpu_clocks"), (3, "tuning.bogus")]
+
+
+def test_check_catches_a_power_limit_the_card_rejects(cli, write):
+    path = write("g.yaml", "gpu:\n  backend: sim\n  scenario: rtx-pro-4000-headless\ntuning:\n  power_limit_w: 160\n")
+    status, _, err = cli("check", "-c", path)
+    assert status == 78
+    assert f"{path}:5: tuning.power_limit_w: GPU 0" in err and "(allowed 70-145 W)" in err
+
+
+def test_options_work_before_and_after_the_command(cli):
+    assert cli("--sim", "dgx-spark", "-c", DEFAULT_CONFIG, "plan")[0] == 0
+    assert cli("plan", "--sim", "dgx-spark", "-c", DEFAULT_CONFIG)[0] == 0
+
+
+def test_plan_prints_actions_and_touches_nothing(cli):
+    status, out, _ = cli("plan", *SIM, "rtx-pro-4000-headless")
+    assert status == 0
+    assert "GPU 0 gpu_clocks: 180 MHz now -> lock 3090-3090 MHz" in out
+    assert "GPU 1 persistence_mode: off -> on" in out
+
+
+def test_plan_json(cli):
+    status, out, _ = cli("plan", "--json", *SIM, "rtx-pro-6000-tp4")
+    plan = json.loads(out)
+    assert status == 0 and plan["apply"] is True and len(plan["gpus"]) == 4
+    clocks = [a for g in plan["gpus"] for a in g["actions"] if a["setting"] == "gpu_clocks"]
+    assert {tuple(a["target"]) for a in clocks} == {(3090, 3090)}
+
+
+def test_apply_applies_and_verifies(cli):
+    status, out, _ = cli("apply", *SIM, "rtx-pro-4000-headless")
+    assert status == 0
+    assert out.count("verified GPU") == 4 and "reads 3090 MHz" in out
+
+
+def test_apply_without_root_exits_77(cli, write):
+    text = resolve_scenario("lock-lost").read_text().replace("as_root: true", "as_root: false")
+    status, out, _ = cli("apply", *SIM, write("user.yaml", text))
+    assert status == 77 and "needs root or CAP_SYS_ADMIN" in out
+
+
+def test_apply_refuses_when_tuning_apply_is_false(cli, write):
+    path = write("g.yaml", "gpu:\n  backend: sim\ntuning:\n  apply: false\n")
+    status, _, err = cli("apply", "-c", path)
+    assert status == 1 and f"tuning.apply is false ({path}:4)" in err
+
+
+def test_unknown_sim_scenario_is_a_config_error(cli):
+    status, _, err = cli("plan", *SIM, "no-such")
+    assert status == 78 and "--sim: no scenario named 'no-such'" in err
+
+
+def test_nvml_unavailable_is_one_line_exit_69(cli):
+    # This machine has no NVIDIA driver; the real NVML backend must say so plainly.
+    status, _, err = cli("plan", "-c", DEFAULT_CONFIG)
+    if status == 0:
+        pytest.skip("an NVIDIA driver is present here")
+    assert status == 69 and len(err.strip().splitlines()) == 1 and err.startswith("gpuwarden: NVML")
+
+
+def test_daemon_start_and_tick_in_sim_time():
+    cfg = config.parse_text("gpu:\n  backend: sim\n  scenario: rtx-pro-4000-headless\n")
+    clock = ManualClock()
+    daemon = Daemon(cfg, open_backend(cfg, clock))
+    daemon.start()
+    clock.advance(25)
+    samples = daemon.tick()
+    assert [s.sm_clock_mhz for s in samples] == [1935, 3090]
+    assert "[SwPowerCap]" in describe_sample(samples[0])
+
+
+def test_daemon_read_only_changes_nothing():
+    cfg = config.parse_text("gpu:\n  backend: sim\n  scenario: rtx-pro-4000-headless\ntuning:\n  apply: false\n")
+    backend = open_backend(cfg, ManualClock())
+    Daemon(cfg, backend).start()
+    assert all(g.gpu_lock is None and not g.persistence for g in backend.gpus())
+
+
+def start_daemon(*args):
+    return subprocess.Popen(gpuwarden_cmd() + ["run", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=subprocess_env())
+
+
+def read_until(proc, text, timeout=30):
+    lines, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if text in line:
+            return lines
+    proc.kill()
+    raise AssertionError(f"{text!r} not seen in:\n{''.join(lines)}")
+
+
+def test_run_for_a_duration_shows_180_becoming_the_locked_max():
+    proc = start_daemon(*SIM, "rtx-pro-4000-headless", "--duration", "1.2")
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert "before tuning: GPU0 sm 180/3090 MHz mem 405 MHz" in out
+    assert "GPU0 sm 3090/3090 MHz mem 14001 MHz" in out
+    assert "ran for 1.2 s as asked" in out and "Traceback" not in out
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_stop_signal_restores_when_configured_and_exits_0(write, sig):
+    path = write("g.yaml", "poll_interval_s: 0.1\ntuning:\n  restore_on_stop: true\n")
+    proc = start_daemon("-c", path, "--sim", "rtx-pro-4000-headless")
+    read_until(proc, "GPU0 sm 3090/3090")
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    assert f"{signal.Signals(sig).name} received, stopping" in out
+    assert "restore GPU 0 gpu_clocks" in out and "Traceback" not in out
+
+
+def test_sighup_does_not_kill_the_daemon():
+    proc = start_daemon(*SIM, "lock-lost")
+    read_until(proc, "GPU0 sm")
+    proc.send_signal(signal.SIGHUP)
+    read_until(proc, "SIGHUP received")
+    read_until(proc, "GPU0 sm")  # still sampling
+    proc.terminate()
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and "Traceback" not in out
+
+
+def test_run_with_a_value_the_card_rejects_exits_78_before_touching_anything(write):
+    path = write("g.yaml", "tuning:\n  power_limit_w: 160\n")
+    proc = subprocess.run(gpuwarden_cmd() + ["run", "-c", str(path), "--sim", "rtx-pro-4000-headless"],
+                          capture_output=True, text=True, env=subprocess_env(), timeout=60)
+    assert proc.returncode == 78
+    assert "160 W is outside this GPU's power constraints (allowed 70-145 W)" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_console_script_is_installed():
+    import sys
+    from pathlib import Path
+
+    script = Path(sys.executable).parent / "gpuwarden"
+    proc = subprocess.run([str(script), "--version"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"gpuwarden {__version__}"

@@ -1,0 +1,174 @@
+"""The NVML backend over a fake pynvml module, with NVML errors injected per call."""
+
+import pytest
+
+from fake_nvml import (FUNCTION_NOT_FOUND, GPU_IS_LOST, INVALID_ARGUMENT, LIBRARY_NOT_FOUND, NO_PERMISSION,
+                       NOT_SUPPORTED, UNKNOWN, FakeNvml, device)
+from gpuwarden import config
+from gpuwarden.gpu import errors
+from gpuwarden.gpu.base import ClockEventReason as R
+from gpuwarden.gpu.nvml import REINIT_INTERVAL_S, NvmlBackend, persistenced_pids
+from gpuwarden.gpu.sim.backend import ManualClock
+from gpuwarden.tuning import Tuner, make_plan
+
+
+def backend_with(*devices, counters_interval_s=10.0):
+    fake = FakeNvml(list(devices))
+    clock = ManualClock(100.0)
+    return NvmlBackend(fake, clock=clock, counters_interval_s=counters_interval_s), fake, clock
+
+
+def two_gpus():
+    # NVML index order differs from PCI order on purpose.
+    return backend_with(device("GPU-bbb", "00000000:9A:00.0"), device("GPU-aaa", "00000000:18:00.0"))
+
+
+def test_gpus_are_ordered_by_pci_bus_id():
+    backend, _, _ = two_gpus()
+    assert [(g.index, g.uuid, g.pci_bus_id) for g in backend.gpus()] == [
+        (0, "GPU-aaa", "00000000:18:00.0"), (1, "GPU-bbb", "00000000:9A:00.0")]
+
+
+def test_sample_converts_every_field_to_base_units():
+    backend, _, _ = backend_with(device("GPU-aaa", "00000000:18:00.0"))
+    s = backend.gpus()[0].sample()
+    assert s.up and s.name == "NVIDIA H100 80GB HBM3" and s.compute_capability == "9.0"
+    assert (s.sm_clock_mhz, s.memory_clock_mhz, s.graphics_clock_mhz) == (1980, 2619, 1980)
+    assert (s.max_sm_clock_mhz, s.max_memory_clock_mhz) == (1980, 2619)
+    assert s.power_w == pytest.approx(312.5) and s.power_limit_w == pytest.approx(700)
+    assert (s.power_limit_min_w, s.power_limit_max_w, s.power_limit_default_w) == pytest.approx((200, 700, 700))
+    assert (s.temperature_c, s.utilization_pct, s.memory_utilization_pct) == (41, 97, 60)
+    assert (s.memory_used_bytes, s.memory_total_bytes) == (40 * 2**30, 80 * 2**30)
+    assert s.persistence_mode is False and s.performance_state == 0
+    assert s.clock_event_reasons == R.SwPowerCap and s.clock_event_reasons.names() == ["SwPowerCap"]
+    assert s.violation_seconds["power"] == pytest.approx(5.0) and s.violation_seconds["thermal"] == 0
+    assert s.energy_joules == pytest.approx(123_456.789)
+    assert s.memory_bus_width_bits == 5120
+    assert s.memory_bandwidth_bytes_per_s == pytest.approx(2 * 2619e6 * 5120 / 8)
+
+
+def test_not_supported_field_is_none_and_not_asked_again():
+    backend, fake, _ = backend_with(device("GPU-aaa", "00000000:18:00.0"))
+    fake.fail[("nvmlDeviceGetMemoryInfo", None)] = NOT_SUPPORTED
+    fake.fail[("nvmlDeviceGetPowerManagementLimitConstraints", None)] = NOT_SUPPORTED
+    gpu = backend.gpus()[0]
+    first, second = gpu.sample(), gpu.sample()
+    assert first.memory_total_bytes is None and first.power_limit_min_w is None
+    assert first.sm_clock_mhz == 1980 and first.power_w == pytest.approx(312.5)  # the rest still reads
+    assert second.memory_used_bytes is None
+    assert fake.calls["nvmlDeviceGetMemoryInfo"] == 1
+
+
+def test_transient_error_is_none_this_time_and_retried():
+    backend, fake, _ = backend_with(device("GPU-aaa", "00000000:18:00.0"))
+    gpu = backend.gpus()[0]
+    fake.fail[("nvmlDeviceGetTemperature", None)] = UNKNOWN
+    assert gpu.sample().temperature_c is None
+    del fake.fail[("nvmlDeviceGetTemperature", None)]
+    assert gpu.sample().temperature_c == 41
+
+
+def test_older_driver_falls_back_to_throttle_reasons():
+    backend, fake, _ = backend_with(device("GPU-aaa", "00000000:18:00.0", reasons=0x21))
+    fake.fail[("nvmlDeviceGetCurrentClocksEventReasons", None)] = FUNCTION_NOT_FOUND
+    gpu = backend.gpus()[0]
+    assert gpu.sample().clock_event_reasons == R.GpuIdle | R.SwThermalSlowdown
+    assert gpu.sample().clock_event_reasons == R.GpuIdle | R.SwThermalSlowdown
+    assert fake.calls["nvmlDeviceGetCurrentClocksEventReasons"] == 1  # not asked again
+    assert fake.calls["nvmlDeviceGetCurrentClocksThrottleReasons"] == 2
+
+
+def test_gpu_lost_marks_it_down_then_reinit_brings_it_back():
+    backend, fake, clock = two_gpus()
+    gone = fake.devices[0]  # NVML index 0 is PCI-order GPU 1 (GPU-bbb)
+    gone["lost"] = True
+    samples = [g.sample() for g in backend.gpus()]
+    assert samples[0].up and not samples[1].up
+    assert "GPU-bbb" in samples[1].error and "lost" in samples[1].error
+    inits = fake.inits
+    clock.advance(1)
+    assert not backend.gpus()[1].sample().up  # still lost: one re-init attempt
+    clock.advance(1)
+    backend.gpus()[1].sample()
+    assert fake.inits == inits + 1, "re-init is rate-limited"
+    gone["lost"] = False
+    clock.advance(REINIT_INTERVAL_S)
+    back = backend.gpus()[1].sample()
+    assert back.up and back.uuid == "GPU-bbb" and back.sm_clock_mhz == 1980
+    assert backend.gpus()[0].sample().up
+
+
+def test_slow_counters_are_read_every_counters_interval_only():
+    backend, fake, clock = backend_with(device("GPU-aaa", "00000000:18:00.0"), counters_interval_s=5)
+    gpu = backend.gpus()[0]
+    for _ in range(10):
+        gpu.sample()
+        clock.advance(1)
+    assert fake.calls["nvmlDeviceGetTotalEnergyConsumption"] == 2
+    assert fake.calls["nvmlDeviceGetViolationStatus"] == 2 * 6
+    assert fake.calls["nvmlDeviceGetClockInfo"] == 10 * 3
+    fake.devices[0]["energy_mj"] += 5000
+    clock.advance(5)
+    assert gpu.sample().energy_joules == pytest.approx(123_461.789)
+
+
+def test_unsupported_violation_policy_is_none():
+    backend, fake, _ = backend_with(device("GPU-aaa", "00000000:18:00.0"))
+    fake.fail[("nvmlDeviceGetViolationStatus", None)] = NOT_SUPPORTED
+    assert set(backend.gpus()[0].sample().violation_seconds.values()) == {None}
+
+
+@pytest.mark.parametrize("code,cls,text", [
+    (NO_PERMISSION, errors.NoPermission, "needs root or CAP_SYS_ADMIN (NVML_ERROR_NO_PERMISSION)"),
+    (NOT_SUPPORTED, errors.NotSupported, "is not supported on this GPU"),
+    (INVALID_ARGUMENT, errors.InvalidArgument, "was rejected as out of range"),
+    (GPU_IS_LOST, errors.GpuLost, "the GPU is lost"),
+])
+def test_setter_errors_become_clear_gpu_errors(code, cls, text):
+    backend, fake, _ = backend_with(device("GPU-aaa", "00000000:18:00.0"))
+    fake.fail[("nvmlDeviceSetGpuLockedClocks", None)] = code
+    with pytest.raises(cls) as info:
+        backend.gpus()[0].set_gpu_locked_clocks(1980, 1980)
+    assert str(info.value).startswith("GPU 0 (GPU-aaa): locking GPU clocks to 1980-1980 MHz")
+    assert text in str(info.value)
+
+
+def test_power_limit_is_set_in_milliwatts():
+    backend, fake, _ = backend_with(device("GPU-aaa", "00000000:18:00.0"))
+    backend.gpus()[0].set_power_limit_w(450.5)
+    assert fake.devices[0]["limit_mw"] == 450_500
+
+
+def test_nvml_missing_is_unavailable():
+    fake = FakeNvml([])
+    fake.fail[("nvmlInit", None)] = LIBRARY_NOT_FOUND
+    with pytest.raises(errors.Unavailable, match="NVML Shared Library Not Found"):
+        NvmlBackend(fake)
+
+
+def test_capabilities():
+    backend, _, _ = backend_with(device("GPU-aaa", "00000000:18:00.0"))
+    caps = backend.gpus()[0].capabilities()
+    assert caps.memory_clocks_mhz == (2619, 1593) and caps.graphics_clocks_mhz[0] == 1980
+    assert (caps.power_limit_min_w, caps.power_limit_max_w) == (200, 700)
+
+
+def test_tuning_end_to_end_through_the_nvml_backend():
+    backend, fake, _ = two_gpus()
+    cfg = config.parse_text("tuning:\n  power_limit_w: 650\n  gpus:\n    GPU-bbb: {gpu_clocks: [1965, 1965]}\n")
+    plan = make_plan(backend, cfg)
+    tuner = Tuner(backend)
+    assert all(o.ok for o in tuner.apply(plan) + tuner.verify(plan))
+    by_uuid = {d["uuid"].decode(): d for d in fake.devices}
+    assert by_uuid["GPU-aaa"]["gpu_lock"] == (1980, 1980) and by_uuid["GPU-bbb"]["gpu_lock"] == (1965, 1965)
+    assert by_uuid["GPU-aaa"]["limit_mw"] == 650_000 and by_uuid["GPU-aaa"]["persistence"] == 1
+    tuner.restore()
+    assert by_uuid["GPU-aaa"]["gpu_lock"] is None and by_uuid["GPU-aaa"]["limit_mw"] == 700_000
+    assert by_uuid["GPU-aaa"]["persistence"] == 0
+
+
+def test_persistenced_is_found_by_its_truncated_comm(tmp_path):
+    for pid, comm in ((12, "bash"), (345, "nvidia-persiste"), (7, "python3")):
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "comm").write_text(comm + "\n")
+    assert persistenced_pids(str(tmp_path)) == [345]
