@@ -107,6 +107,7 @@ def test_slow_counters_are_read_every_counters_interval_only():
     assert fake.calls["nvmlDeviceGetTotalEnergyConsumption"] == 2
     assert fake.calls["nvmlDeviceGetViolationStatus"] == 2 * 6
     assert fake.calls["nvmlDeviceGetClockInfo"] == 10 * 3
+    assert fake.calls["nvmlDeviceGetMaxClockInfo"] == 3  # static, ~1.4 ms each on an H200: read once
     fake.devices[0]["energy_mj"] += 5000
     clock.advance(5)
     assert gpu.sample().energy_joules == pytest.approx(123_461.789)
@@ -172,3 +173,12 @@ def test_persistenced_is_found_by_its_truncated_comm(tmp_path):
         (tmp_path / str(pid)).mkdir()
         (tmp_path / str(pid) / "comm").write_text(comm + "\n")
     assert persistenced_pids(str(tmp_path)) == [345]
+
+
+def test_gpu_lost_at_start_comes_up_down_not_crashing():
+    lost = device("GPU-bbb", "00000000:9A:00.0")
+    backend, fake, _ = backend_with(device("GPU-aaa", "00000000:18:00.0"), lost)
+    lost["lost"] = True
+    fresh = NvmlBackend(fake, clock=ManualClock())
+    samples = [g.sample() for g in fresh.gpus()]
+    assert [s.up for s in samples] == [True, False]
