@@ -112,7 +112,8 @@ class FakeNvml:
         return SimpleNamespace(referenceTime=0, violationTime=ns)
     def nvmlDeviceGetTotalEnergyConsumption(self, h):
         return self._dev("nvmlDeviceGetTotalEnergyConsumption", h)["energy_mj"]
-    def nvmlDeviceGetSupportedMemoryClocks(self, h): return self._dev("nvmlDeviceGetSupportedMemoryClocks", h)["mem_clocks"]
+    def nvmlDeviceGetSupportedMemoryClocks(self, h):
+        return self._dev("nvmlDeviceGetSupportedMemoryClocks", h)["mem_clocks"]
     def nvmlDeviceGetSupportedGraphicsClocks(self, h, mem):
         return self._dev("nvmlDeviceGetSupportedGraphicsClocks", h)["graphics_clocks"]
 

@@ -73,7 +73,7 @@ def test_bad_config_exits_78_with_file_line_and_key(cli, write, case, text, line
     assert f"{path}:{line}: {key}: " in err, err
     assert fragment in err
     assert "Traceback" not in err + out
-    assert all(l.startswith(f"{path}:") for l in err.splitlines()), "every error is one FILE:LINE line"
+    assert all(row.startswith(f"{path}:") for row in err.splitlines()), "every error is one FILE:LINE line"
 
 
 def test_corpus_is_large_enough():
@@ -84,7 +84,7 @@ def test_all_errors_are_reported_in_one_pass(cli, write):
     path = write("gpuwarden.yaml", "poll_interval_s: -1\ntuning:\n  apply: 3\n  gpu_clocks: [5, 1]\n")
     status, _, err = cli("check", "-c", path)
     assert status == 78
-    assert [l.split(": ")[0] for l in err.splitlines()] == [f"{path}:1", f"{path}:3", f"{path}:4"]
+    assert [row.split(": ")[0] for row in err.splitlines()] == [f"{path}:1", f"{path}:3", f"{path}:4"]
 
 
 def test_error_line_carries_allowed_values(cli, write):
@@ -174,7 +174,7 @@ def test_shipped_default_config_explains_every_key():
     cfg = config.load(DEFAULT_CONFIG).as_dict()
     keys = list(cfg) + list(cfg["gpu"]) + list(cfg["tuning"])
     for key in keys:
-        line = next(i for i, l in enumerate(text.splitlines()) if l.strip().startswith(f"{key}:"))
+        line = next(i for i, row in enumerate(text.splitlines()) if row.strip().startswith(f"{key}:"))
         assert text.splitlines()[line - 1].strip().startswith("#"), f"{key} has no comment above it"
 
 

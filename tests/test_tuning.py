@@ -103,7 +103,8 @@ def test_per_gpu_override_by_index_and_uuid():
 
 
 def test_nvidia_persistenced_is_noted_and_persistence_left_alone(write):
-    text = resolve_scenario("lock-lost").read_text().replace("as_root: true", "as_root: true\nnvidia_persistenced: true")
+    text = resolve_scenario("lock-lost").read_text().replace("as_root: true",
+                                                             "as_root: true\nnvidia_persistenced: true")
     cfg = config.parse_text(f"gpu:\n  backend: sim\n  scenario: {write('p.yaml', text)}\n")
     backend = open_backend(cfg, ManualClock())
     plan = make_plan(backend, cfg)

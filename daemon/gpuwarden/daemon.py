@@ -12,7 +12,7 @@ import os
 import select
 import signal
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from .config import Config
 from .gpu.base import GpuBackend, GpuSample

@@ -6,7 +6,8 @@ input the same way: unknown keys, wrong types and out-of-range values.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 from .yamlfile import ConfigError, ConfigErrors, Document, Path_
 

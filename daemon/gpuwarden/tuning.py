@@ -9,7 +9,8 @@ itself and accepts a lower one only when a power or thermal reason explains it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 from .config import Config, GpuTuning
 from .gpu import errors

@@ -5,7 +5,8 @@ Nothing above this package knows which backend is in use.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from .base import ClockEventReason, Gpu, GpuBackend, GpuCapabilities, GpuSample
 from .errors import GpuError
@@ -16,7 +17,7 @@ if TYPE_CHECKING:
 __all__ = ["ClockEventReason", "Gpu", "GpuBackend", "GpuCapabilities", "GpuSample", "GpuError", "open_backend"]
 
 
-def open_backend(config: "Config", clock: Callable[[], float] | None = None) -> GpuBackend:
+def open_backend(config: Config, clock: Callable[[], float] | None = None) -> GpuBackend:
     """Open the backend the config names. Raises gpu.errors.Unavailable or ConfigError."""
     if config.gpu.backend == "sim":
         from .sim.backend import SimBackend

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Mapping
+from collections.abc import Mapping
 
 
 class ClockEventReason(enum.IntFlag):

@@ -7,10 +7,12 @@ marks the GPU down until NVML can be re-initialised and finds it again.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from . import errors
 from .base import VIOLATION_POLICIES, ClockEventReason, Gpu, GpuBackend, GpuCapabilities, GpuSample
@@ -102,10 +104,8 @@ class NvmlBackend(GpuBackend):
     def close(self) -> None:
         if self._open:
             self._open = False
-            try:
+            with contextlib.suppress(self.nvml.NVMLError):  # shutting down anyway
                 self.nvml.nvmlShutdown()
-            except self.nvml.NVMLError:
-                pass  # shutting down anyway
 
 
 def _import_pynvml() -> Any:

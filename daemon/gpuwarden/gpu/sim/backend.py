@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid as uuidlib
-from typing import Callable
+from collections.abc import Callable
 
 from .. import errors
 from ..base import ClockEventReason as R
