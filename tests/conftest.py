@@ -41,3 +41,74 @@ def gpuwarden_cmd() -> list[str]:
 
 def subprocess_env() -> dict:
     return dict(os.environ, PYTHONUNBUFFERED="1")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class DaemonProcess:
+    """`gpuwarden run` as a real process, with its log collected line by line."""
+
+    def __init__(self, config_path, *args, env=None):
+        import subprocess
+        import threading
+
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen([*gpuwarden_cmd(), "run", "-c", str(config_path), *args],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=env or subprocess_env())
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_for(self, text: str, timeout: float = 30.0, after: int = 0) -> str:
+        """The first log line from index `after` on that contains text."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in self.lines[after:]:
+                if text in line:
+                    return line
+            if self.proc.poll() is not None and not self._reader.is_alive():
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"{text!r} not logged; log was:\n" + "\n".join(self.lines))
+
+    def stop(self, sig=None, timeout: float = 30.0) -> int:
+        import signal
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig or signal.SIGTERM)
+        code = self.proc.wait(timeout)
+        self._reader.join(5)
+        return code
+
+    @property
+    def log(self) -> str:
+        return "\n".join(self.lines)
+
+
+@pytest.fixture
+def daemons():
+    """Start daemons; every one still running at the end of the test is killed."""
+    started: list[DaemonProcess] = []
+
+    def _start(config_path, *args, env=None) -> DaemonProcess:
+        d = DaemonProcess(config_path, *args, env=env)
+        started.append(d)
+        return d
+
+    yield _start
+    for d in started:
+        if d.proc.poll() is None:
+            d.proc.kill()
+            d.proc.wait(10)

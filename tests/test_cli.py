@@ -1,17 +1,12 @@
 """The command line, in-process and as a real process with real signals."""
 
 import json
-import signal
 import subprocess
-import time
 
 import pytest
 
 from conftest import DEFAULT_CONFIG, gpuwarden_cmd, subprocess_env
-from gpuwarden import __version__, config
-from gpuwarden.daemon import Daemon, describe_sample
-from gpuwarden.gpu import open_backend
-from gpuwarden.gpu.sim.backend import ManualClock
+from gpuwarden import __version__
 from gpuwarden.gpu.sim.scenario import resolve_scenario
 
 SIM = ("-c", DEFAULT_CONFIG, "--sim")
@@ -94,74 +89,6 @@ def test_nvml_unavailable_is_one_line_exit_69(cli):
     if status == 0:
         pytest.skip("an NVIDIA driver is present here")
     assert status == 69 and len(err.strip().splitlines()) == 1 and err.startswith("gpuwarden: NVML")
-
-
-def test_daemon_start_and_tick_in_sim_time():
-    cfg = config.parse_text("gpu:\n  backend: sim\n  scenario: rtx-pro-4000-headless\n")
-    clock = ManualClock()
-    daemon = Daemon(cfg, open_backend(cfg, clock))
-    daemon.start()
-    clock.advance(25)
-    samples = daemon.tick()
-    assert [s.sm_clock_mhz for s in samples] == [1935, 3090]
-    assert "[SwPowerCap]" in describe_sample(samples[0])
-
-
-def test_daemon_read_only_changes_nothing():
-    cfg = config.parse_text("gpu:\n  backend: sim\n  scenario: rtx-pro-4000-headless\ntuning:\n  apply: false\n")
-    backend = open_backend(cfg, ManualClock())
-    Daemon(cfg, backend).start()
-    assert all(g.gpu_lock is None and not g.persistence for g in backend.gpus())
-
-
-def start_daemon(*args):
-    return subprocess.Popen(gpuwarden_cmd() + ["run", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=subprocess_env())
-
-
-def read_until(proc, text, timeout=30):
-    lines, deadline = [], time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if text in line:
-            return lines
-    proc.kill()
-    raise AssertionError(f"{text!r} not seen in:\n{''.join(lines)}")
-
-
-def test_run_for_a_duration_shows_180_becoming_the_locked_max():
-    proc = start_daemon(*SIM, "rtx-pro-4000-headless", "--duration", "1.2")
-    out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 0, out
-    assert "before tuning: GPU0 sm 180/3090 MHz mem 405 MHz" in out
-    assert "GPU0 sm 3090/3090 MHz mem 14001 MHz" in out
-    assert "ran for 1.2 s as asked" in out and "Traceback" not in out
-
-
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_stop_signal_restores_when_configured_and_exits_0(write, sig):
-    path = write("g.yaml", "poll_interval_s: 0.1\ntuning:\n  restore_on_stop: true\n")
-    proc = start_daemon("-c", path, "--sim", "rtx-pro-4000-headless")
-    read_until(proc, "GPU0 sm 3090/3090")
-    proc.send_signal(sig)
-    out, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 0, out
-    assert f"{signal.Signals(sig).name} received, stopping" in out
-    assert "restore GPU 0 gpu_clocks" in out and "Traceback" not in out
-
-
-def test_sighup_does_not_kill_the_daemon():
-    proc = start_daemon(*SIM, "lock-lost")
-    read_until(proc, "GPU0 sm")
-    proc.send_signal(signal.SIGHUP)
-    read_until(proc, "SIGHUP received")
-    read_until(proc, "GPU0 sm")  # still sampling
-    proc.terminate()
-    out, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 0 and "Traceback" not in out
 
 
 def test_run_with_a_value_the_card_rejects_exits_78_before_touching_anything(write):

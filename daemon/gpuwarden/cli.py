@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 import sys
 from pathlib import Path
 
@@ -17,14 +16,16 @@ from .tuning import Outcome, Plan, Tuner, make_plan
 from .yamlfile import ConfigError, ConfigErrors
 
 EX_OK, EX_FAIL, EX_UNAVAILABLE, EX_NOPERM = 0, 1, 69, 77  # sysexits.h where one fits
+EX_NOT_RUNNING = 3  # as `systemctl status` says of an inactive unit
 
 DESCRIPTION = """\
 gpuwarden keeps NVIDIA inference GPUs tuned: at start it turns on persistence
 mode and locks GPU/memory clocks (and optionally a power limit) through NVML,
 checking every value against what the card supports, then watches the GPUs.
 
-Exit status: 0 ok, 1 a tuning step failed, 69 NVML unavailable,
-77 permission denied (needs root or CAP_SYS_ADMIN), 78 configuration error."""
+Exit status: 0 ok, 1 a tuning step failed, 3 no daemon running (status),
+69 NVML unavailable, 77 permission denied (needs root or CAP_SYS_ADMIN),
+78 configuration error."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,10 +45,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     sub.add_parser("apply", parents=[common], help="apply the tuning once, verify it, and exit (for boot-time "
                    "tuning without the daemon)")
-    p = sub.add_parser("run", parents=[common], help="the daemon: apply the tuning, then sample every "
-                       "poll_interval_s until SIGTERM/SIGINT")
+    p = sub.add_parser("run", parents=[common], help="the daemon: apply the tuning, then monitor every "
+                       "poll_interval_s and serve metrics until SIGTERM/SIGINT (SIGHUP reloads the config)")
     p.add_argument("--read-only", action="store_true", help="never touch the GPUs (same as tuning.apply: false)")
     p.add_argument("--duration", type=float, metavar="SECONDS", help="stop by itself after SECONDS")
+    p.add_argument("-v", "--verbose", action="store_true", help="log every sample, not one per log_interval_s")
+    p = sub.add_parser("status", parents=[common], help="show the running daemon's view: clocks, power, "
+                       "reasons and firing alerts per GPU (exit 3 if no daemon answers)")
+    p.add_argument("--json", action="store_true", help="the daemon's raw /status JSON")
     return parser
 
 
@@ -96,6 +101,8 @@ def load_config(args: argparse.Namespace) -> Config:
         config = dataclasses.replace(config, gpu=gpu)
     if getattr(args, "read_only", False):
         config = dataclasses.replace(config, tuning=dataclasses.replace(config.tuning, apply=False))
+    if getattr(args, "verbose", False):
+        config = dataclasses.replace(config, log_interval_s=0.0)
     return config
 
 
@@ -178,19 +185,38 @@ def apply_status(outcomes: list[Outcome]) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .daemon import Daemon, run
+    from .daemon import Daemon, StartupError, run
+    from .systemd import setup_logging
 
     config = load_config(args)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stderr)
+    setup_logging()
     backend = open_backend(config)
     try:
-        run(Daemon(config, backend), duration_s=args.duration)
+        run(Daemon(config, backend, reload=lambda: load_config(args)), duration_s=args.duration)
+    except StartupError as exc:
+        print(f"gpuwarden: {exc}", file=sys.stderr)
+        return EX_FAIL
     finally:
         backend.close()
     return EX_OK
 
 
-COMMANDS = {"check": cmd_check, "plan": cmd_plan, "apply": cmd_apply, "run": cmd_run}
+def cmd_status(args: argparse.Namespace) -> int:
+    from .status import fetch_status, render_status
+
+    config = load_config(args)
+    if config.metrics.url is None:
+        print("gpuwarden: metrics.listen is none, so the daemon serves no /status to read", file=sys.stderr)
+        return EX_NOT_RUNNING
+    state = fetch_status(config.metrics.url)
+    if state is None:
+        print(f"gpuwarden is not running (nothing answers on {config.metrics.url})")
+        return EX_NOT_RUNNING
+    print(json.dumps(state, indent=2) if args.json else render_status(state))
+    return EX_OK
+
+
+COMMANDS = {"check": cmd_check, "plan": cmd_plan, "apply": cmd_apply, "run": cmd_run, "status": cmd_status}
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Union
 
 from . import yamlfile
+from .alerts import AlertSettings, Threshold
 from .gpu.sim.scenario import builtin_scenarios, resolve_scenario
 from .schema import MISSING, NONE_WORDS, Reader, type_name
 from .yamlfile import ConfigError, Document, Path_
@@ -72,12 +73,30 @@ class GpuBackendConfig:
     scenario_path: Path | None = None  # resolved file for backend "sim"
 
 
+DEFAULT_LISTEN = ("127.0.0.1", 9847)  # dcgm-exporter uses 9400, nvidia_gpu_exporter 9835
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    listen: tuple[str, int] | None = DEFAULT_LISTEN  # None: no HTTP endpoint
+
+    @property
+    def url(self) -> str | None:
+        if self.listen is None:
+            return None
+        host, port = self.listen
+        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 @dataclass(frozen=True)
 class Config:
     gpu: GpuBackendConfig = GpuBackendConfig()
     poll_interval_s: float = 1.0
     counters_interval_s: float = 10.0
+    log_interval_s: float = 60.0
     tuning: TuningConfig = TuningConfig()
+    alerts: AlertSettings = AlertSettings()
+    metrics: MetricsConfig = MetricsConfig()
     files: tuple[str, ...] = ()
     document: Document | None = field(default=None, compare=False, repr=False)
 
@@ -90,11 +109,21 @@ class Config:
             return {k: clocks(v) if k.endswith("_clocks") else ("none" if v is None else v)
                     for k, v in settings.items()}
 
-        t = self.tuning
+        t, a = self.tuning, self.alerts
+        listen = self.metrics.listen
         return {
             "gpu": {"backend": self.gpu.backend, "scenario": self.gpu.scenario},
             "poll_interval_s": self.poll_interval_s,
             "counters_interval_s": self.counters_interval_s,
+            "log_interval_s": self.log_interval_s,
+            "alerts": {
+                "for_s": a.for_s, "clear_for_s": a.clear_for_s, "repeat_s": a.repeat_s,
+                "busy_utilization_pct": a.busy_utilization_pct,
+                "sm_clock_min_mhz": _threshold_value(a.sm_clock_min),
+                "memory_clock_min_mhz": _threshold_value(a.memory_clock_min),
+                "reapply_min_interval_s": a.reapply_min_interval_s,
+            },
+            "metrics": {"listen": "none" if listen is None else self.metrics.url.split("//", 1)[1]},
             "tuning": {
                 "apply": t.apply, "restore_on_stop": t.restore_on_stop,
                 **per_gpu(dataclasses.asdict(t.default)),
@@ -140,16 +169,82 @@ def _mapping_or_error(doc: Document) -> Document:
     return doc
 
 
+def _threshold_value(t: Threshold) -> Any:
+    return t.mhz if t.mhz is not None else f"{t.fraction * 100:g}%"
+
+
 def _validate(doc: Document, files: tuple[str, ...]) -> Config:
     r = Reader(doc)
-    r.mapping((), ("gpu", "poll_interval_s", "counters_interval_s", "tuning"))
+    r.mapping((), ("gpu", "poll_interval_s", "counters_interval_s", "log_interval_s", "tuning", "alerts",
+                   "metrics"))
     gpu = _gpu_section(r, Path(doc.file).parent)
     poll = r.number(("poll_interval_s",), 1.0, 0.05, 3600, unit=" s")
     counters = r.number(("counters_interval_s",), 10.0, 1, 86400, unit=" s")
+    log_interval = r.number(("log_interval_s",), 60.0, 0, 86400, unit=" s")
     tuning = _tuning_section(r)
+    alerts = _alerts_section(r)
+    metrics = MetricsConfig(_listen(r, ("metrics", "listen")))
+    r.mapping(("metrics",), ("listen",))
     r.raise_if_errors()
     return Config(gpu=gpu, poll_interval_s=float(poll), counters_interval_s=float(counters),
-                  tuning=tuning, files=files, document=doc)
+                  log_interval_s=float(log_interval), tuning=tuning, alerts=alerts, metrics=metrics,
+                  files=files, document=doc)
+
+
+def _alerts_section(r: Reader) -> AlertSettings:
+    base = ("alerts",)
+    r.mapping(base, ("for_s", "clear_for_s", "repeat_s", "busy_utilization_pct", "sm_clock_min_mhz",
+                     "memory_clock_min_mhz", "reapply_min_interval_s"))
+    d = AlertSettings()
+    return AlertSettings(
+        for_s=float(r.number(base + ("for_s",), d.for_s, 0, 86400, unit=" s")),
+        clear_for_s=float(r.number(base + ("clear_for_s",), d.clear_for_s, 0, 86400, unit=" s")),
+        repeat_s=float(r.number(base + ("repeat_s",), d.repeat_s, 1, 604800, unit=" s")),
+        busy_utilization_pct=float(r.number(base + ("busy_utilization_pct",), d.busy_utilization_pct, 0, 100,
+                                            unit=" %")),
+        sm_clock_min=_threshold(r, base + ("sm_clock_min_mhz",), d.sm_clock_min),
+        memory_clock_min=_threshold(r, base + ("memory_clock_min_mhz",), d.memory_clock_min),
+        reapply_min_interval_s=float(r.number(base + ("reapply_min_interval_s",), d.reapply_min_interval_s,
+                                              1, 86400, unit=" s")),
+    )
+
+
+def _threshold(r: Reader, path: Path_, default: Threshold) -> Threshold:
+    value = r.get(path)
+    allowed = f"MHz (1-{MAX_MHZ}), or a percentage of the locked (else max) clock such as \"50%\""
+    if value is MISSING:
+        return default
+    if isinstance(value, str) and value.endswith("%"):
+        try:
+            pct = float(value[:-1])
+        except ValueError:
+            pct = -1.0
+        if 0 < pct <= 100:
+            return Threshold(fraction=pct / 100)
+        r.fail(path, f"'{value}' is not a percentage between 0 and 100", allowed)
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1 <= value <= MAX_MHZ:
+        r.fail(path, f"expected MHz or a percentage, got {type_name(value)} {value!r}", allowed)
+        return default
+    return Threshold(mhz=float(value))
+
+
+def _listen(r: Reader, path: Path_) -> tuple[str, int] | None:
+    value = r.get(path)
+    allowed = "HOST:PORT such as 127.0.0.1:9847 or [::1]:9847, or none to serve no metrics"
+    if value is MISSING:
+        return DEFAULT_LISTEN
+    if value is None or (isinstance(value, str) and value.lower() in NONE_WORDS):
+        return None
+    if not isinstance(value, str) or ":" not in value:
+        r.fail(path, f"expected HOST:PORT, got {type_name(value)} {value!r}", allowed)
+        return DEFAULT_LISTEN
+    host, _, port = value.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not port.isdigit() or not 1 <= int(port) <= 65535 or not host:
+        r.fail(path, f"'{value}' is not a valid HOST:PORT", allowed)
+        return DEFAULT_LISTEN
+    return host, int(port)
 
 
 def _gpu_section(r: Reader, base_dir: Path) -> GpuBackendConfig:

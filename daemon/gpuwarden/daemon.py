@@ -1,12 +1,14 @@
-"""The long-running daemon: tune once, then sample every poll interval.
+"""The long-running daemon: tune, then monitor on a fixed period until stopped.
 
 As in gunicorn's arbiter, signal handlers do nothing but wake the main loop
 (through signal.set_wakeup_fd); the loop reads which signals arrived and
-dispatches them by name, so no work ever runs inside a handler.
+dispatches them by name (handle_term, handle_hup, ...), so no work ever runs
+inside a handler and a signal can never interrupt a half-done step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import select
@@ -14,72 +16,102 @@ import signal
 import time
 from collections.abc import Callable
 
+from . import __version__
 from .config import Config
-from .gpu.base import GpuBackend, GpuSample
+from .exporter import MetricsServer, make_registry
+from .gpu.base import GpuBackend
+from .monitor import Monitor, describe_sample
+from .systemd import Notifier
 from .tuning import Plan, Tuner, make_plan
+from .yamlfile import ConfigError, ConfigErrors
 
 log = logging.getLogger("gpuwarden")
 
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# Settings a reload cannot change in a running daemon.
+RESTART_ONLY = ("gpu", "metrics", "counters_interval_s")
 
 
-def describe_sample(s: GpuSample) -> str:
-    """One compact, readable summary of a GPU for the log."""
-    if not s.up:
-        return f"GPU{s.index} DOWN ({s.error})"
-    parts = [f"GPU{s.index} sm {_num(s.sm_clock_mhz)}/{_num(s.max_sm_clock_mhz)} MHz",
-             f"mem {_num(s.memory_clock_mhz)} MHz"]
-    power = f"{s.power_w:.0f}" if s.power_w is not None else "?"
-    parts.append(f"{power}/{s.power_limit_w:.0f} W" if s.power_limit_w is not None else f"{power} W")
-    parts.append(f"{_num(s.temperature_c)} C")
-    parts.append(f"util {_num(s.utilization_pct)}%")
-    if s.performance_state is not None:
-        parts.append(f"P{s.performance_state}")
-    reasons = s.clock_event_reasons.names() if s.clock_event_reasons else []
-    if reasons:
-        parts.append("[" + ",".join(reasons) + "]")
-    return " ".join(parts)
-
-
-def _num(value: float | None) -> str:
-    return "?" if value is None else f"{value:.0f}"
+class StartupError(Exception):
+    """The daemon cannot start; the message is one line for the user."""
 
 
 class Daemon:
-    def __init__(self, config: Config, backend: GpuBackend):
+    def __init__(self, config: Config, backend: GpuBackend, reload: Callable[[], Config] | None = None,
+                 notifier: Notifier | None = None):
         self.config = config
         self.backend = backend
+        self.reload_config = reload
+        self.notifier = notifier or Notifier()
         self.tuner = Tuner(backend)
+        self.monitor = Monitor(config, backend, self.tuner)
         self.plan: Plan | None = None
+        self.server: MetricsServer | None = None
         self.stopping = False
+        self.started_at = time.time()
 
-    def start(self) -> None:
-        """Plan, and apply unless read-only. Raises ConfigErrors for unsupported values."""
+    # -- life cycle -------------------------------------------------------------
+    def start(self, now: float) -> None:
+        """Plan and tune, serve metrics, take the first sample, then tell systemd we are ready.
+        Raises ConfigErrors for values a card rejects, StartupError if the port is taken."""
         self.plan = make_plan(self.backend, self.config)
         for note in self.plan.notes:
             log.info("%s", note)
         log.info("before tuning: %s", " | ".join(describe_sample(g.sample()) for g in self.backend.gpus()))
+        self._tune(self.plan)
+        if self.config.metrics.listen is not None:
+            try:
+                self.server = MetricsServer(self.config.metrics.listen, make_registry(lambda: self.monitor.snapshot),
+                                            self.status)
+            except OSError as exc:
+                host, port = self.config.metrics.listen
+                raise StartupError(f"cannot serve metrics on {host}:{port}: {exc.strerror} "
+                                   "(change metrics.listen, or set it to none)") from None
+            self.server.start()
+            log.info("serving /metrics and /status on %s", self.config.metrics.url)
+        snapshot = self.monitor.tick(now)
+        self.notifier.ready(snapshot.status_line())
+
+    def _tune(self, plan: Plan) -> None:
+        self.monitor.use_plan(plan, applied=self.config.tuning.apply)
         if not self.config.tuning.apply:
-            for action in self.plan.actions:
+            for action in plan.actions:
                 log.info("read-only (tuning.apply is false), would do: %s", action.describe())
             return
-        for outcome in self.tuner.apply(self.plan):
+        for outcome in self.tuner.apply(plan):
             if not outcome.ok:
                 log.error("tuning %s", outcome.describe())
-        for outcome in self.tuner.verify(self.plan):
+        for outcome in self.tuner.verify(plan):
             (log.info if outcome.ok else log.warning)("tuning %s", outcome.describe("verified"))
 
-    def tick(self) -> list[GpuSample]:
-        samples = [gpu.sample() for gpu in self.backend.gpus()]
-        log.info("%s", " | ".join(describe_sample(s) for s in samples))
-        return samples
+    def tick(self, now: float, lag: float = 0.0) -> None:
+        try:
+            snapshot = self.monitor.tick(now, lag)
+        except Exception as exc:  # one bad poll must not end the daemon; the next one may work
+            log.error("poll failed: %s: %s", type(exc).__name__, exc)
+            return
+        self.notifier.status(snapshot.status_line())
 
     def stop(self) -> None:
+        self.notifier.stopping()
         if self.config.tuning.apply and self.config.tuning.restore_on_stop:
             for outcome in self.tuner.restore():
                 (log.info if outcome.ok else log.error)("restore %s", outcome.describe())
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+    def status(self) -> dict:
+        """What `gpuwarden status` shows: the daemon, plus the latest snapshot."""
+        snapshot = self.monitor.snapshot
+        return {"daemon": {"version": __version__, "pid": os.getpid(), "started_at": self.started_at,
+                           "config_files": list(self.config.files), "poll_interval_s": self.config.poll_interval_s},
+                **(snapshot.as_dict() if snapshot else {})}
 
     # -- signal dispatch (by name, as in gunicorn) -----------------------------------
+    def dispatch(self, signum: int) -> None:
+        getattr(self, "handle_" + signal.Signals(signum).name[3:].lower())()
+
     def handle_term(self) -> None:
         log.info("SIGTERM received, stopping")
         self.stopping = True
@@ -89,15 +121,42 @@ class Daemon:
         self.stopping = True
 
     def handle_hup(self) -> None:
-        log.info("SIGHUP received; config reload is not implemented yet, keeping the current config")
+        """Reload: validate the new config first; on any error keep running the old one."""
+        if self.reload_config is None:
+            log.warning("SIGHUP received, but this daemon has no config file to reload")
+            return
+        try:
+            new = self.reload_config()
+            changed = [key for key in RESTART_ONLY if getattr(new, key) != getattr(self.config, key)]
+            new = dataclasses.replace(new, **{key: getattr(self.config, key) for key in changed})
+            plan = make_plan(self.backend, new)
+        except (ConfigError, ConfigErrors) as exc:
+            problems = exc.errors if isinstance(exc, ConfigErrors) else [exc]
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            log.error("reload failed, still running the previous config: %s%s", problems[0], more)
+            return
+        if changed:
+            log.warning("reload: %s only change on restart; keeping the running values", ", ".join(changed))
+        old, self.config = self.config, new
+        self.monitor.config = new
+        if new.tuning != old.tuning:
+            self._release_dropped(old, plan)
+            self.plan = plan
+            self._tune(plan)
+        log.info("config reloaded from %s", ", ".join(new.files))
 
-    def dispatch(self, signum: int) -> None:
-        name = signal.Signals(signum).name[3:].lower()
-        getattr(self, f"handle_{name}")()
+    def _release_dropped(self, old: Config, plan: Plan) -> None:
+        """Undo settings the old tuning made that the new one no longer wants."""
+        if not old.tuning.apply:
+            return
+        kept = {(a.gpu, a.setting) for a in plan.actions} if self.config.tuning.apply else set()
+        dropped = {(a.gpu, a.setting) for a in (self.plan.actions if self.plan else ())} - kept
+        for outcome in self.tuner.restore(only=dropped):
+            (log.info if outcome.ok else log.error)("reload: no longer wanted, %s", outcome.describe())
 
 
 class SignalWaker:
-    """Signals wake a select() through a pipe; handlers only let the byte through."""
+    """Signals wake a select() through a pipe; the handlers themselves do nothing."""
 
     def __init__(self) -> None:
         self.read_fd, self.write_fd = os.pipe()
@@ -128,24 +187,26 @@ class SignalWaker:
 
 
 def run(daemon: Daemon, duration_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
-    """The main loop: tick on a fixed period until a stop signal or duration_s."""
+    """The main loop: poll on a fixed period, ping the watchdog, until a stop signal or duration_s."""
     waker = SignalWaker()
     try:
-        daemon.start()
-        start = next_tick = clock()
+        start = clock()
+        daemon.start(start)
+        next_tick = start + daemon.config.poll_interval_s
         while not daemon.stopping:
             now = clock()
+            daemon.notifier.watchdog(now)
             if duration_s is not None and now - start >= duration_s:
                 log.info("ran for %g s as asked, stopping", duration_s)
                 break
             if now >= next_tick:
-                daemon.tick()
+                daemon.tick(now, lag=now - next_tick)
                 # Keep the period fixed; after a stall, skip missed ticks rather than burst.
                 next_tick = max(next_tick + daemon.config.poll_interval_s, now)
-            timeout = next_tick - clock()
+            waits = [next_tick - clock(), daemon.notifier.next_watchdog_in(clock())]
             if duration_s is not None:
-                timeout = min(timeout, start + duration_s - clock())
-            for signum in waker.wait(timeout):
+                waits.append(start + duration_s - clock())
+            for signum in waker.wait(min(w for w in waits if w is not None)):
                 daemon.dispatch(signum)
         daemon.stop()
     finally:

@@ -196,6 +196,7 @@ class OriginalState:
     persistence_mode: bool | None = None
     power_limit_w: float | None = None
     locked: set[str] = field(default_factory=set)  # settings whose locks gpuwarden set
+    recorded: set[str] = field(default_factory=set)  # settings whose original is above
 
 
 class Tuner:
@@ -209,12 +210,11 @@ class Tuner:
     def apply(self, plan: Plan) -> list[Outcome]:
         outcomes = []
         for action in plan.actions:
+            self._record_original(action)  # unchanged ones too: a later re-apply must not mistake drift for it
             if not action.change:
                 continue
-            gpu = self._gpu(action.gpu)
-            self._record_original(action)
             try:
-                _set(gpu, action.setting, action.target)
+                _set(self._gpu(action.gpu), action.setting, action.target)
             except errors.GpuError as exc:
                 outcomes.append(Outcome(action, False, str(exc), type(exc)))
                 continue
@@ -225,9 +225,12 @@ class Tuner:
 
     def _record_original(self, action: Action) -> None:
         state = self.original.setdefault(action.gpu, OriginalState())
-        if action.setting == "persistence_mode" and state.persistence_mode is None:
+        if action.setting in state.recorded:
+            return
+        state.recorded.add(action.setting)
+        if action.setting == "persistence_mode":
             state.persistence_mode = action.current
-        if action.setting == "power_limit_w" and state.power_limit_w is None:
+        if action.setting == "power_limit_w":
             state.power_limit_w = action.current
 
     def verify(self, plan: Plan) -> list[Outcome]:
@@ -235,8 +238,8 @@ class Tuner:
         samples = {g.index: g.sample() for g in self.backend.gpus()}
         return [_verify(action, samples[action.gpu]) for action in plan.actions if action.target is not None]
 
-    def restore(self) -> list[Outcome]:
-        """Put back what apply changed; forget it once restored."""
+    def restore(self, only: set[tuple[int, str]] | None = None) -> list[Outcome]:
+        """Put back what apply changed (or only these (gpu, setting) pairs); forget what was restored."""
         outcomes = []
         for index, state in sorted(self.original.items()):
             gpu = self._gpu(index)
@@ -246,13 +249,20 @@ class Tuner:
             if state.persistence_mode is False:
                 undo.append(("persistence_mode", False))
             for setting, value in undo:
+                if only is not None and (index, setting) not in only:
+                    continue
                 action = Action(index, gpu.uuid, setting, None, value, True, "restore")
                 try:
                     _set(gpu, setting, value)
                     outcomes.append(Outcome(action, True))
                 except errors.GpuError as exc:
                     outcomes.append(Outcome(action, False, str(exc), type(exc)))
-        self.original.clear()
+                state.locked.discard(setting)
+                state.recorded.discard(setting)
+                if setting == "power_limit_w":
+                    state.power_limit_w = None
+                if setting == "persistence_mode":
+                    state.persistence_mode = None
         return outcomes
 
 

@@ -1,0 +1,226 @@
+"""Alert rules over GPU samples, and the per-GPU state machine that debounces them.
+
+A rule must hold for `for_s` before it fires and be false for `clear_for_s`
+before it resolves (pending -> firing -> clearing -> resolved), so a value that
+hovers around a threshold never flaps. Only firing, resolving and the periodic
+reminder are logged; pending and a clearing that came back are silent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .gpu.base import ClockEventReason as R
+from .gpu.base import GpuSample
+
+WARNING, CRITICAL = "warning", "critical"
+THERMAL_OR_POWER = (R.SwPowerCap | R.SwThermalSlowdown | R.HwThermalSlowdown | R.HwSlowdown
+                    | R.HwPowerBrakeSlowdown | R.SyncBoost)
+LOCK_TOLERANCE_MHZ = 30
+
+
+@dataclass(frozen=True)
+class Threshold:
+    """A clock threshold: absolute MHz, or a fraction of the locked (else max) clock."""
+
+    mhz: float | None = None
+    fraction: float | None = None
+
+    def resolve(self, reference_mhz: float | None) -> float | None:
+        if self.mhz is not None:
+            return self.mhz
+        if self.fraction is None or reference_mhz is None:
+            return None
+        return self.fraction * reference_mhz
+
+    def __str__(self) -> str:
+        return f"{self.mhz:g} MHz" if self.mhz is not None else f"{self.fraction * 100:g}%"
+
+
+@dataclass(frozen=True)
+class AlertSettings:
+    for_s: float = 2.0
+    clear_for_s: float = 10.0
+    repeat_s: float = 600.0
+    busy_utilization_pct: float = 20.0
+    sm_clock_min: Threshold = Threshold(fraction=0.5)
+    memory_clock_min: Threshold = Threshold(fraction=0.5)
+    reapply_min_interval_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class GpuContext:
+    """What a rule needs beyond the sample: the configured state and busy input."""
+
+    busy: bool
+    sm_lock: tuple[int, int] | None  # configured and applied locks; None if not locking
+    memory_lock: tuple[int, int] | None
+    persistence_wanted: bool
+    settings: AlertSettings
+
+
+@dataclass(frozen=True)
+class Check:
+    active: bool
+    observed: str = ""  # e.g. "SM clock 180 MHz"
+    threshold: str = ""  # e.g. "< 1545 MHz (50% of locked 3090 MHz)"
+    short: str = ""  # for the STATUS line, e.g. "-16%"
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    severity: str
+    hint: str
+    check: Callable[[GpuSample, GpuContext], Check]
+
+
+INACTIVE = Check(False)
+
+
+def _reasons(s: GpuSample) -> R:
+    return s.clock_event_reasons or R.NONE
+
+
+def _clock_low(kind: str, clock: int | None, maximum: int | None, lock: tuple[int, int] | None,
+               threshold: Threshold, ctx: GpuContext, s: GpuSample) -> Check:
+    reference = lock[1] if lock else maximum
+    limit = threshold.resolve(reference)
+    if not ctx.busy or clock is None or limit is None:
+        return INACTIVE
+    basis = "" if threshold.mhz is not None else f" ({threshold} of {'locked' if lock else 'max'} {reference} MHz)"
+    return Check(clock < limit, f"{kind} clock {clock} MHz while busy (util {_pct(s.utilization_pct)})",
+                 f"< {limit:.0f} MHz{basis}", f"{clock} MHz")
+
+
+def _pct(value: float | None) -> str:
+    return "?" if value is None else f"{value:.0f}%"
+
+
+def sm_clock_low(s: GpuSample, ctx: GpuContext) -> Check:
+    return _clock_low("SM", s.sm_clock_mhz, s.max_sm_clock_mhz, ctx.sm_lock, ctx.settings.sm_clock_min, ctx, s)
+
+
+def memory_clock_low(s: GpuSample, ctx: GpuContext) -> Check:
+    return _clock_low("memory", s.memory_clock_mhz, s.max_memory_clock_mhz, ctx.memory_lock,
+                      ctx.settings.memory_clock_min, ctx, s)
+
+
+def clock_lock_lost(s: GpuSample, ctx: GpuContext) -> Check:
+    if ctx.sm_lock is None or s.sm_clock_mhz is None:
+        return INACTIVE
+    low = ctx.sm_lock[0] - LOCK_TOLERANCE_MHZ
+    explained = bool(_reasons(s) & THERMAL_OR_POWER)
+    return Check(s.sm_clock_mhz < low and not explained, f"SM clock {s.sm_clock_mhz} MHz",
+                 f"< locked min {ctx.sm_lock[0]} MHz with no power or thermal reason", f"{s.sm_clock_mhz} MHz")
+
+
+def _loss(s: GpuSample, ctx: GpuContext) -> tuple[str, str]:
+    reference = ctx.sm_lock[1] if ctx.sm_lock else s.max_sm_clock_mhz
+    if not reference or s.sm_clock_mhz is None:
+        return "", ""
+    loss = (s.sm_clock_mhz - reference) / reference * 100
+    basis = "locked" if ctx.sm_lock else "max"
+    return f"SM clock {s.sm_clock_mhz} MHz, {loss:+.0f}% of {basis} {reference} MHz", f"{loss:+.0f}%"
+
+
+def power_capped(s: GpuSample, ctx: GpuContext) -> Check:
+    if not ctx.busy or R.SwPowerCap not in _reasons(s):
+        return INACTIVE
+    observed, short = _loss(s, ctx)
+    draw = f"{s.power_w:.0f} W" if s.power_w is not None else "? W"
+    limit = f"{s.power_limit_w:.0f} W" if s.power_limit_w is not None else "the limit"
+    return Check(True, f"{observed}; drawing {draw}", f"at power limit {limit} (SwPowerCap)", short)
+
+
+def _reason_rule(reason: R) -> Callable[[GpuSample, GpuContext], Check]:
+    def check(s: GpuSample, ctx: GpuContext) -> Check:
+        if reason not in _reasons(s):
+            return INACTIVE
+        observed, short = _loss(s, ctx)
+        temp = f", {s.temperature_c:.0f} C" if s.temperature_c is not None else ""
+        return Check(True, observed + temp, f"{reason.name} active", short)
+    return check
+
+
+def persistence_off(s: GpuSample, ctx: GpuContext) -> Check:
+    return Check(ctx.persistence_wanted and s.persistence_mode is False, "persistence mode off",
+                 "configured on", "off")
+
+
+def gpu_lost(s: GpuSample, ctx: GpuContext) -> Check:
+    return Check(not s.up, f"GPU unreadable: {s.error}", "NVML must answer", "lost")
+
+
+RULES: tuple[Rule, ...] = (
+    Rule("sm_clock_low", WARNING, "lock the clocks (tuning.gpu_clocks: max) and check `gpuwarden plan`",
+         sm_clock_low),
+    Rule("memory_clock_low", WARNING, "lock the GPU clocks or tuning.memory_clocks: max", memory_clock_low),
+    Rule("clock_lock_lost", WARNING, "a driver reload or GPU reset dropped the lock; gpuwarden re-applies it",
+         clock_lock_lost),
+    Rule("power_capped", WARNING, "the card is at its power limit; raise tuning.power_limit_w within the "
+         "constraints, or accept the clock loss", power_capped),
+    Rule("thermal_slowdown", WARNING, "improve cooling or airflow", _reason_rule(R.SwThermalSlowdown)),
+    Rule("hw_thermal_slowdown", CRITICAL, "the GPU is overheating: check fans and airflow now",
+         _reason_rule(R.HwThermalSlowdown)),
+    Rule("hw_slowdown", CRITICAL, "check the power supply and cabling (HW slowdown asserted)",
+         _reason_rule(R.HwSlowdown)),
+    Rule("power_brake", CRITICAL, "the system asserted the power brake: check the PSU and its load",
+         _reason_rule(R.HwPowerBrakeSlowdown)),
+    Rule("persistence_off", WARNING, "a driver reload turned it off; gpuwarden re-applies it "
+         "(nvidia-persistenced also keeps it on)", persistence_off),
+    Rule("gpu_lost", CRITICAL, "check `dmesg` for Xid errors; the GPU may need a reset or a reboot", gpu_lost),
+)
+RULES_BY_NAME = {rule.name: rule for rule in RULES}
+# Rules that the daemon answers by re-applying the tuning.
+REAPPLY_ON = ("clock_lock_lost", "persistence_off")
+
+INACTIVE_PHASE, PENDING, FIRING, CLEARING = "inactive", "pending", "firing", "clearing"
+
+
+@dataclass
+class AlertState:
+    """One rule on one GPU."""
+
+    rule: Rule
+    gpu: int
+    uuid: str
+    phase: str = INACTIVE_PHASE
+    since: float = 0.0  # when the condition last changed (for pending / clearing)
+    fired_at: float = 0.0
+    last_logged: float = 0.0
+    check: Check = INACTIVE
+
+    @property
+    def firing(self) -> bool:
+        return self.phase in (FIRING, CLEARING)
+
+    def step(self, check: Check, now: float, settings: AlertSettings) -> str | None:
+        """Advance on one evaluation; return 'firing', 'resolved', 'reminder' or None."""
+        if check.active:
+            self.check = check  # the last active observation, which the resolve line quotes
+        if self.phase == INACTIVE_PHASE:
+            if not check.active:
+                return None
+            self.phase, self.since = PENDING, now
+        if self.phase == PENDING:
+            if not check.active:
+                self.phase = INACTIVE_PHASE
+                return None
+            if now - self.since >= settings.for_s:
+                self.phase, self.fired_at, self.last_logged = FIRING, now, now
+                return "firing"
+            return None
+        if check.active:
+            self.phase = FIRING  # a clearing that came back is still the same alert
+            if now - self.last_logged >= settings.repeat_s:
+                self.last_logged = now
+                return "reminder"
+            return None
+        if self.phase == FIRING:
+            self.phase, self.since = CLEARING, now
+        if now - self.since >= settings.clear_for_s:
+            self.phase = INACTIVE_PHASE
+            return "resolved"
+        return None

@@ -1,0 +1,198 @@
+"""Prometheus metrics and the /status JSON, both served from the latest snapshot.
+
+Following client_python's guidance for exporters: our own CollectorRegistry and
+a collector that builds fresh metric families on each scrape, in base units. A
+scrape only reads the snapshot; it never calls NVML.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from . import __version__
+from .gpu.base import VIOLATION_POLICIES, ClockEventReason
+from .monitor import Snapshot
+
+log = logging.getLogger("gpuwarden")
+MHZ = 1e6
+REASON_NAMES = [r.name for r in ClockEventReason if r]
+
+
+class SnapshotCollector:
+    def __init__(self, snapshot: Callable[[], Snapshot | None]):
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        build = GaugeMetricFamily("gpuwarden_build_info", "gpuwarden version", labels=["version"])
+        build.add_metric([__version__], 1)
+        yield build
+        snap = self.snapshot()
+        if snap is None:  # before the first tick
+            return
+        yield from _gpu_metrics(snap)
+        yield from _alert_metrics(snap)
+        yield GaugeMetricFamily("gpuwarden_sample_duration_seconds",
+                                "Time the last poll took to sample every GPU", value=snap.sample_duration_s)
+        yield GaugeMetricFamily("gpuwarden_loop_lag_seconds",
+                                "How late the last poll started against its schedule", value=snap.loop_lag_s)
+        yield GaugeMetricFamily("gpuwarden_last_sample_timestamp_seconds",
+                                "Unix time of the last poll", value=snap.taken_at)
+
+
+def _gauge(name: str, doc: str, labels: tuple[str, ...] = ("gpu",)) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, labels=list(labels))
+
+
+def _gpu_metrics(snap: Snapshot) -> Iterator[Metric]:
+    info = _gauge("gpuwarden_gpu_info", "GPU identity (value is always 1)",
+                  ("gpu", "uuid", "name", "pci_bus_id", "compute_capability"))
+    up = _gauge("gpuwarden_gpu_up", "1 if the GPU answered the last poll")
+    # (metric, help, value from the view); value None means "not reported by this GPU".
+    gauges = [
+        ("gpuwarden_gpu_sm_clock_hertz", "Current SM clock", lambda v: _hz(v.sample.sm_clock_mhz)),
+        ("gpuwarden_gpu_sm_clock_max_hertz", "Highest SM clock the GPU supports",
+         lambda v: _hz(v.sample.max_sm_clock_mhz)),
+        ("gpuwarden_gpu_sm_clock_lock_hertz", "SM clock gpuwarden locks to (upper bound)",
+         lambda v: _hz(v.sm_lock[1]) if v.sm_lock else None),
+        ("gpuwarden_gpu_memory_clock_hertz", "Current memory clock", lambda v: _hz(v.sample.memory_clock_mhz)),
+        ("gpuwarden_gpu_memory_clock_max_hertz", "Highest memory clock the GPU supports",
+         lambda v: _hz(v.sample.max_memory_clock_mhz)),
+        ("gpuwarden_gpu_memory_clock_lock_hertz", "Memory clock gpuwarden locks to (upper bound)",
+         lambda v: _hz(v.memory_lock[1]) if v.memory_lock else None),
+        ("gpuwarden_gpu_memory_bandwidth_bytes_per_second",
+         "Peak memory bandwidth at the current memory clock (2 x clock x bus width / 8)",
+         lambda v: v.sample.memory_bandwidth_bytes_per_s),
+        ("gpuwarden_gpu_power_watts", "Current power draw", lambda v: v.sample.power_w),
+        ("gpuwarden_gpu_power_limit_watts", "Enforced power limit", lambda v: v.sample.power_limit_w),
+        ("gpuwarden_gpu_power_limit_max_watts", "Highest power limit the GPU accepts",
+         lambda v: v.sample.power_limit_max_w),
+        ("gpuwarden_gpu_temperature_celsius", "GPU temperature", lambda v: v.sample.temperature_c),
+        ("gpuwarden_gpu_utilization_ratio", "Fraction of time a kernel ran over the last sample period",
+         lambda v: None if v.sample.utilization_pct is None else v.sample.utilization_pct / 100),
+        ("gpuwarden_gpu_memory_used_bytes", "Device memory in use", lambda v: v.sample.memory_used_bytes),
+        ("gpuwarden_gpu_memory_total_bytes", "Device memory in total", lambda v: v.sample.memory_total_bytes),
+        ("gpuwarden_gpu_persistence_mode", "1 if persistence mode is on",
+         lambda v: None if v.sample.persistence_mode is None else int(v.sample.persistence_mode)),
+        ("gpuwarden_gpu_performance_state", "Performance state, 0 (P0, fastest) to 15",
+         lambda v: v.sample.performance_state),
+    ]
+    families = [(_gauge(name, doc), value) for name, doc, value in gauges]
+    energy = CounterMetricFamily("gpuwarden_gpu_energy_joules", "Energy used since the driver loaded",
+                                 labels=["gpu"])
+    active = _gauge("gpuwarden_gpu_clock_event_active", "1 while a clock-event (throttle) reason is active",
+                    ("gpu", "reason"))
+    seconds = CounterMetricFamily("gpuwarden_gpu_clock_event_seconds",
+                                  "Time clocks were held down, by NVML violation counter", labels=["gpu", "reason"])
+    for view in snap.gpus:
+        s = view.sample
+        gpu = str(s.index)
+        info.add_metric([gpu, s.uuid, s.name, s.pci_bus_id, s.compute_capability or ""], 1)
+        up.add_metric([gpu], int(s.up))
+        if not s.up:
+            continue
+        for family, value in families:
+            v = value(view)
+            if v is not None:
+                family.add_metric([gpu], v)
+        if s.energy_joules is not None:
+            energy.add_metric([gpu], s.energy_joules)
+        if s.clock_event_reasons is not None:
+            for name in REASON_NAMES:
+                active.add_metric([gpu, name], int(ClockEventReason[name] in s.clock_event_reasons))
+        for policy in VIOLATION_POLICIES:
+            v = s.violation_seconds.get(policy)
+            if v is not None:
+                seconds.add_metric([gpu, policy], v)
+    yield info
+    yield up
+    for family, _ in families:
+        yield family
+    yield energy
+    yield active
+    yield seconds
+
+
+def _hz(mhz: float | None) -> float | None:
+    return None if mhz is None else mhz * MHZ
+
+
+def _alert_metrics(snap: Snapshot) -> Iterator[Metric]:
+    active = _gauge("gpuwarden_alert_active", "1 while an alert fires", ("alert", "gpu", "severity"))
+    for a in snap.alerts:
+        active.add_metric([a.alert, str(a.gpu), a.severity], int(a.firing))
+    yield active
+    transitions = CounterMetricFamily("gpuwarden_alert_transitions", "Alert state changes, by new state",
+                                      labels=["alert", "gpu", "to"])
+    for (alert, gpu, to), count in sorted(snap.transitions.items()):
+        transitions.add_metric([alert, str(gpu), to], count)
+    yield transitions
+    reapplies = CounterMetricFamily("gpuwarden_tuning_reapplies", "Times the tuning was re-applied after drift",
+                                    labels=["gpu"])
+    for view in snap.gpus:
+        reapplies.add_metric([str(view.sample.index)], snap.reapplies.get(view.sample.index, 0))
+    yield reapplies
+
+
+def make_registry(snapshot: Callable[[], Snapshot | None]) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SnapshotCollector(snapshot))
+    return registry
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+class MetricsServer:
+    """`/metrics` for Prometheus and `/status` for `gpuwarden status`, on a background thread."""
+
+    def __init__(self, listen: tuple[str, int], registry: CollectorRegistry, status: Callable[[], dict]):
+        host, port = listen
+        server_class = type("Server", (_Server,), {"address_family": socket.AF_INET6 if ":" in host
+                                                   else socket.AF_INET})
+        self.httpd = server_class((host, port), _handler(registry, status))
+        self.address = self.httpd.server_address[:2]
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="metrics", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _handler(registry: CollectorRegistry, status: Callable[[], dict]) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                self._reply(200, CONTENT_TYPE_LATEST, generate_latest(registry))
+            elif path == "/status":
+                self._reply(200, "application/json", json.dumps(status()).encode())
+            elif path == "/":
+                self._reply(200, "text/plain; charset=utf-8",
+                            b"gpuwarden: /metrics for Prometheus, /status for `gpuwarden status`\n")
+            else:
+                self._reply(404, "text/plain; charset=utf-8", b"not found\n")
+
+        def _reply(self, code: int, content_type: str, body: bytes) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args) -> None:  # noqa: A002 (http.server's signature)
+            log.debug("http %s", format % args)
+
+    return Handler

@@ -1,0 +1,217 @@
+"""Sample every GPU, evaluate the alert rules, keep the latest snapshot.
+
+The snapshot is the one source for the log, the metrics, the STATUS line and
+`gpuwarden status`; it is immutable and replaced whole on each tick, so the
+exporter thread reads it without locks.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .alerts import CRITICAL, FIRING, REAPPLY_ON, RULES, AlertState, GpuContext
+from .config import Config
+from .gpu.base import GpuBackend, GpuSample
+from .systemd import NOTICE
+from .tuning import Plan, Tuner, make_plan
+from .yamlfile import ConfigErrors
+
+log = logging.getLogger("gpuwarden")
+
+
+@dataclass(frozen=True)
+class GpuView:
+    sample: GpuSample
+    sm_lock: tuple[int, int] | None
+    memory_lock: tuple[int, int] | None
+
+
+@dataclass(frozen=True)
+class AlertView:
+    alert: str
+    gpu: int
+    uuid: str
+    severity: str
+    phase: str
+    firing: bool
+    observed: str
+    threshold: str
+    short: str
+    fired_at: float  # monotonic seconds
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in ("alert", "gpu", "uuid", "severity", "phase", "observed",
+                                              "threshold", "short")}
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    taken_at: float  # wall-clock seconds
+    monotonic: float
+    gpus: tuple[GpuView, ...]
+    alerts: tuple[AlertView, ...]  # every rule on every GPU, firing or not
+    transitions: dict[tuple[str, int, str], int] = field(default_factory=dict)  # (alert, gpu, to) -> count
+    reapplies: dict[int, int] = field(default_factory=dict)  # gpu -> count
+    sample_duration_s: float = 0.0
+    loop_lag_s: float = 0.0
+    read_only: bool = False
+
+    def firing(self) -> list[AlertView]:
+        return [a for a in self.alerts if a.firing]
+
+    def status_line(self) -> str:
+        """One line for systemd's STATUS=, e.g. `2 GPUs · locked 3090 MHz · GPU0 power_capped (-16%)`."""
+        n = len(self.gpus)
+        parts = [f"{n} GPU" + ("s" if n != 1 else "")]
+        locks = sorted({v.sm_lock[1] for v in self.gpus if v.sm_lock})
+        if self.read_only:
+            parts.append("read-only")
+        elif locks:
+            parts.append(f"locked {locks[0]} MHz" if len(locks) == 1 else f"locked {locks[0]}-{locks[-1]} MHz")
+        else:
+            parts.append("clocks not locked")
+        firing = sorted(self.firing(), key=lambda a: (a.severity != CRITICAL, a.gpu, a.alert))
+        shown = [f"GPU{a.gpu} {a.alert}" + (f" ({a.short})" if a.short else "") for a in firing[:3]]
+        if len(firing) > 3:
+            shown.append(f"+{len(firing) - 3} more")
+        parts.append(", ".join(shown) if shown else "ok")
+        return " · ".join(parts)
+
+    def as_dict(self) -> dict:
+        return {
+            "taken_at": self.taken_at,
+            "read_only": self.read_only,
+            "status": self.status_line(),
+            "gpus": [{**v.sample.as_dict(), "sm_lock_mhz": list(v.sm_lock) if v.sm_lock else None,
+                      "memory_lock_mhz": list(v.memory_lock) if v.memory_lock else None} for v in self.gpus],
+            "alerts_firing": [a.as_dict() for a in self.firing()],
+            "tuning_reapplies": {str(k): v for k, v in self.reapplies.items()},
+            "sample_duration_seconds": self.sample_duration_s,
+            "loop_lag_seconds": self.loop_lag_s,
+        }
+
+
+class Monitor:
+    def __init__(self, config: Config, backend: GpuBackend, tuner: Tuner,
+                 wall: Callable[[], float] = time.time):
+        self.config = config
+        self.backend = backend
+        self.tuner = tuner
+        self.wall = wall
+        self.states = {(rule.name, gpu.index): AlertState(rule, gpu.index, gpu.uuid)
+                       for gpu in backend.gpus() for rule in RULES}
+        self.transitions: Counter = Counter()
+        self.reapplies: Counter = Counter()
+        self._last_reapply: dict[int, float] = {}
+        self._last_sample_log = float("-inf")
+        self.locks: dict[int, tuple] = {}
+        self.running_requests: int | None = None  # fed by the vLLM supervisor; counts as busy
+        self.snapshot: Snapshot | None = None
+
+    def use_plan(self, plan: Plan, applied: bool) -> None:
+        """Remember the locks the plan sets, which the clock rules measure against."""
+        self.locks = {}
+        for action in plan.actions if applied else ():
+            if action.setting in ("gpu_clocks", "memory_clocks"):
+                sm, mem = self.locks.get(action.gpu, (None, None))
+                self.locks[action.gpu] = (action.target, mem) if action.setting == "gpu_clocks" else (sm, action.target)
+
+    def report_running_requests(self, count: int | None) -> None:
+        self.running_requests = count
+
+    def _context(self, sample: GpuSample) -> GpuContext:
+        settings = self.config.alerts
+        sm_lock, mem_lock = self.locks.get(sample.index, (None, None))
+        busy = (sample.utilization_pct or 0) >= settings.busy_utilization_pct or bool(self.running_requests)
+        # Read-only mode sets nothing, so "configured on" is only a wish there, not drift.
+        wanted = self.config.tuning.apply and self.config.tuning.for_gpu(sample.index, sample.uuid).persistence_mode
+        return GpuContext(busy, sm_lock, mem_lock, wanted, settings)
+
+    def tick(self, now: float, loop_lag_s: float = 0.0) -> Snapshot:
+        started = time.perf_counter()
+        samples = [gpu.sample() for gpu in self.backend.gpus()]
+        duration = time.perf_counter() - started
+        if now - self._last_sample_log >= self.config.log_interval_s:
+            self._last_sample_log = now
+            log.info("%s", " | ".join(describe_sample(s) for s in samples))
+        for sample in samples:
+            ctx = self._context(sample)
+            for rule in RULES:
+                state = self.states[(rule.name, sample.index)]
+                event = state.step(rule.check(sample, ctx), now, self.config.alerts)
+                if event:
+                    self._log_event(event, state, sample, now)
+            self._maybe_reapply(sample, now)
+        self.snapshot = Snapshot(
+            taken_at=self.wall(), monotonic=now,
+            gpus=tuple(GpuView(s, *self.locks.get(s.index, (None, None))) for s in samples),
+            alerts=tuple(_view(state) for state in self.states.values()),
+            transitions=dict(self.transitions), reapplies=dict(self.reapplies),
+            sample_duration_s=duration, loop_lag_s=loop_lag_s, read_only=not self.config.tuning.apply)
+        return self.snapshot
+
+    def _log_event(self, event: str, state: AlertState, sample: GpuSample, now: float) -> None:
+        rule, check = state.rule, state.check
+        who = f"GPU{state.gpu} {state.uuid} {rule.name}"
+        if event == "resolved":
+            self.transitions[(rule.name, state.gpu, "resolved")] += 1
+            log.log(NOTICE, "%s resolved after %.0f s (was: %s)", who, now - state.fired_at, check.observed)
+            return
+        if event == "firing":
+            self.transitions[(rule.name, state.gpu, "firing")] += 1
+        reasons = ",".join(sample.clock_event_reasons.names()) if sample.clock_event_reasons else "none"
+        level = logging.CRITICAL if rule.severity == CRITICAL else logging.WARNING
+        what = "firing" if event == "firing" else f"still firing after {now - state.fired_at:.0f} s"
+        log.log(level, "%s %s: %s %s; reasons: %s; fix: %s", who, what, check.observed, check.threshold,
+                reasons, rule.hint)
+
+    def _maybe_reapply(self, sample: GpuSample, now: float) -> None:
+        if not self.config.tuning.apply or not sample.up:
+            return
+        causes = [name for name in REAPPLY_ON if self.states[(name, sample.index)].phase == FIRING]
+        last = self._last_reapply.get(sample.index, float("-inf"))
+        if not causes or now - last < self.config.alerts.reapply_min_interval_s:
+            return
+        self._last_reapply[sample.index] = now
+        try:
+            plan = make_plan(self.backend, self.config)
+        except ConfigErrors as exc:
+            log.error("GPU%d re-apply skipped, the tuning no longer fits the card: %s", sample.index, exc.errors[0])
+            return
+        mine = Plan(tuple(g for g in plan.gpus if g.index == sample.index))
+        outcomes = self.tuner.apply(mine)
+        self.reapplies[sample.index] += 1
+        done = "; ".join(o.describe() for o in outcomes) or "nothing to change"
+        log.warning("GPU%d %s re-applied tuning after %s: %s", sample.index, sample.uuid, ", ".join(causes), done)
+
+
+def _view(state: AlertState) -> AlertView:
+    check = state.check
+    return AlertView(state.rule.name, state.gpu, state.uuid, state.rule.severity, state.phase, state.firing,
+                     check.observed, check.threshold, check.short, state.fired_at)
+
+
+def describe_sample(s: GpuSample) -> str:
+    """One compact, readable summary of a GPU for the log."""
+    if not s.up:
+        return f"GPU{s.index} DOWN ({s.error})"
+    parts = [f"GPU{s.index} sm {_num(s.sm_clock_mhz)}/{_num(s.max_sm_clock_mhz)} MHz",
+             f"mem {_num(s.memory_clock_mhz)} MHz"]
+    power = _num(s.power_w)
+    parts.append(f"{power}/{s.power_limit_w:.0f} W" if s.power_limit_w is not None else f"{power} W")
+    parts.append(f"{_num(s.temperature_c)} C")
+    parts.append(f"util {_num(s.utilization_pct)}%")
+    if s.performance_state is not None:
+        parts.append(f"P{s.performance_state}")
+    reasons = s.clock_event_reasons.names() if s.clock_event_reasons else []
+    if reasons:
+        parts.append("[" + ",".join(reasons) + "]")
+    return " ".join(parts)
+
+
+def _num(value: float | None) -> str:
+    return "?" if value is None else f"{value:.0f}"

@@ -1,0 +1,58 @@
+"""`gpuwarden status`: read the running daemon's /status and show it as a table."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+
+def fetch_status(base_url: str, timeout_s: float = 3.0) -> dict | None:
+    """The daemon's /status JSON, or None when nothing answers there."""
+    try:
+        with urllib.request.urlopen(f"{base_url}/status", timeout=timeout_s) as reply:
+            return json.load(reply)
+    except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError):
+        return None
+
+
+def _mhz(current, lock, maximum) -> str:
+    text = "?" if current is None else f"{current}"
+    if lock:
+        text += f" / lock {lock[1]}"
+    return text + (f" / max {maximum}" if maximum is not None else "")
+
+
+def _power(gpu: dict) -> str:
+    draw, limit = gpu.get("power_w"), gpu.get("power_limit_w")
+    text = "?" if draw is None else f"{draw:.0f}"
+    return text + (f" / {limit:.0f} W" if limit is not None else " W")
+
+
+def render_status(state: dict) -> str:
+    daemon = state.get("daemon", {})
+    uptime = time.time() - daemon.get("started_at", time.time())
+    lines = [f"gpuwarden {daemon.get('version', '?')} (pid {daemon.get('pid', '?')}, up {uptime:.0f} s): "
+             f"{state.get('status', 'no sample yet')}"]
+    rows = [("GPU", "NAME", "SM MHz", "MEM MHz", "POWER", "TEMP", "UTIL", "REASONS")]
+    for gpu in state.get("gpus", []):
+        if not gpu.get("up", True):
+            rows.append((str(gpu["index"]), gpu["name"], "DOWN", "", "", "", "", gpu.get("error") or ""))
+            continue
+        temp, util = gpu.get("temperature_c"), gpu.get("utilization_pct")
+        rows.append((str(gpu["index"]), gpu["name"],
+                     _mhz(gpu.get("sm_clock_mhz"), gpu.get("sm_lock_mhz"), gpu.get("max_sm_clock_mhz")),
+                     _mhz(gpu.get("memory_clock_mhz"), gpu.get("memory_lock_mhz"), gpu.get("max_memory_clock_mhz")),
+                     _power(gpu), "?" if temp is None else f"{temp:.0f} C",
+                     "?" if util is None else f"{util:.0f}%",
+                     ",".join(gpu.get("clock_event_reasons") or []) or "-"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    firing = state.get("alerts_firing", [])
+    lines.append("")
+    lines.append("Alerts firing:" if firing else "No alerts firing.")
+    for alert in firing:
+        lines.append(f"  [{alert['severity']}] GPU{alert['gpu']} {alert['alert']}: {alert['observed']} "
+                     f"{alert['threshold']}")
+    return "\n".join(lines)

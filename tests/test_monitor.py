@@ -1,0 +1,184 @@
+"""Alert rules driven by sim timelines; transitions asserted exactly, in sim time."""
+
+import logging
+
+import pytest
+
+from gpuwarden import config
+from gpuwarden.alerts import AlertSettings, AlertState, Check, RULES_BY_NAME
+from gpuwarden.gpu import open_backend
+from gpuwarden.gpu.sim.backend import ManualClock
+from gpuwarden.monitor import Monitor
+from gpuwarden.tuning import Tuner, make_plan
+
+FAST = "poll_interval_s: 0.5\nalerts:\n  for_s: 1\n  clear_for_s: 2\n"
+
+
+def monitor_for(scenario, extra=FAST, clock=None):
+    cfg = config.parse_text(f"gpu:\n  backend: sim\n  scenario: {scenario}\nmetrics:\n  listen: none\n{extra}")
+    clock = clock or ManualClock()
+    backend = open_backend(cfg, clock)
+    tuner = Tuner(backend)
+    plan = make_plan(backend, cfg)
+    if cfg.tuning.apply:
+        tuner.apply(plan)
+    monitor = Monitor(cfg, backend, tuner)
+    monitor.use_plan(plan, cfg.tuning.apply)
+    return monitor, clock
+
+
+def play(monitor, clock, until, step=0.5):
+    """Tick every step until `until`; return [(t, gpu, alert, 'firing'|'resolved')]."""
+    events, firing = [], set()
+    while clock.now <= until + 1e-9:
+        snapshot = monitor.tick(clock.now)
+        now = {(a.gpu, a.alert) for a in snapshot.firing()}
+        events += [(clock.now, g, a, "firing") for g, a in sorted(now - firing)]
+        events += [(clock.now, g, a, "resolved") for g, a in sorted(firing - now)]
+        firing = now
+        clock.advance(step)
+    return events
+
+
+def test_read_only_headless_card_fires_clock_low_for_each_busy_gpu():
+    monitor, clock = monitor_for("rtx-pro-4000-headless", FAST + "tuning:\n  apply: false\n")
+    events = play(monitor, clock, 3)
+    assert events == [(1.0, 0, "memory_clock_low", "firing"), (1.0, 0, "sm_clock_low", "firing"),
+                      (1.0, 1, "memory_clock_low", "firing"), (1.0, 1, "sm_clock_low", "firing")]
+
+
+def test_locked_card_raises_no_clock_alert_only_the_power_cap():
+    monitor, clock = monitor_for("rtx-pro-4000-headless")
+    events = play(monitor, clock, 45)
+    # Load steps up at t=20 on GPU 0 and back at t=40; for_s 1, clear_for_s 2.
+    assert events == [(21.0, 0, "power_capped", "firing"), (42.0, 0, "power_capped", "resolved")]
+    capped = [a for a in monitor.snapshot.alerts if a.alert == "power_capped" and a.gpu == 0][0]
+    assert capped.short == "-37%"  # 1935 of locked 3090 MHz
+
+
+def test_lock_lost_is_detected_reapplied_and_resolved():
+    monitor, clock = monitor_for("lock-lost", FAST + "  reapply_min_interval_s: 5\n")
+    events = play(monitor, clock, 40)
+    assert events == [
+        (11.0, 0, "clock_lock_lost", "firing"), (11.0, 0, "memory_clock_low", "firing"),
+        (11.0, 0, "persistence_off", "firing"), (11.0, 0, "sm_clock_low", "firing"),
+        (13.5, 0, "clock_lock_lost", "resolved"), (13.5, 0, "memory_clock_low", "resolved"),
+        (13.5, 0, "persistence_off", "resolved"), (13.5, 0, "sm_clock_low", "resolved"),
+        (31.0, 0, "clock_lock_lost", "firing"), (31.0, 0, "memory_clock_low", "firing"),
+        (31.0, 0, "persistence_off", "firing"), (31.0, 0, "sm_clock_low", "firing"),
+        (33.5, 0, "clock_lock_lost", "resolved"), (33.5, 0, "memory_clock_low", "resolved"),
+        (33.5, 0, "persistence_off", "resolved"), (33.5, 0, "sm_clock_low", "resolved"),
+    ]
+    assert monitor.reapplies[0] == 2
+    gpu = monitor.backend.gpus()[0]
+    assert gpu.gpu_lock == (3090, 3090) and gpu.persistence
+
+
+def test_reapply_is_rate_limited(write):
+    # A lock that keeps dropping: driver reloads every second for 20 s.
+    text = open(config.__file__.replace("config.py", "gpu/scenarios/lock-lost.yaml")).read().split("timeline:")[0]
+    text += "timeline:\n  - {at_s: 0, event: load, utilization_pct: 60}\n" + "".join(
+        f"  - {{at_s: {t}, event: driver_reload}}\n" for t in range(5, 25))
+    monitor, clock = monitor_for(write("flaky.yaml", text), FAST + "  reapply_min_interval_s: 5\n")
+    play(monitor, clock, 25)
+    assert monitor.reapplies[0] == 4  # t=6, 11, 16, 21: at most one per 5 s
+
+
+def test_gpu_lost_then_back_resolves_and_relocks():
+    monitor, clock = monitor_for("gpu-lost")
+    events = play(monitor, clock, 30)
+    lost = [e for e in events if e[2] == "gpu_lost"]
+    assert lost == [(11.0, 1, "gpu_lost", "firing"), (22.0, 1, "gpu_lost", "resolved")]
+    assert not any(e[1] == 0 for e in events), "GPU 0 was never affected"
+    # Back without its lock at t=20: clock_lock_lost fires at 21 and the tuning is re-applied.
+    assert (21.0, 1, "clock_lock_lost", "firing") in events
+    assert monitor.backend.gpus()[1].gpu_lock == (3090, 3090)
+
+
+def test_thermal_scenario_severities():
+    monitor, clock = monitor_for("thermal")
+    events = play(monitor, clock, 50)
+    fired = {(t, a) for t, _, a, kind in events if kind == "firing"}
+    assert {(11.0, "thermal_slowdown"), (26.0, "hw_thermal_slowdown"), (36.0, "power_brake"),
+            (41.0, "hw_slowdown")} <= fired
+    severity = {a.alert: a.severity for a in monitor.snapshot.alerts}
+    assert severity["thermal_slowdown"] == "warning"
+    assert {severity[r] for r in ("hw_thermal_slowdown", "hw_slowdown", "power_brake", "gpu_lost")} == {"critical"}
+
+
+def test_no_flapping_around_the_threshold(write):
+    # Utilization toggles between busy and idle every second: never busy for for_s = 2.
+    text = open(config.__file__.replace("config.py", "gpu/scenarios/lock-lost.yaml")).read().split("timeline:")[0]
+    text += "timeline:\n" + "".join(f"  - {{at_s: {t}, event: load, utilization_pct: {60 if t % 2 else 0}}}\n"
+                                    for t in range(0, 30))
+    monitor, clock = monitor_for(write("toggle.yaml", text), "alerts:\n  for_s: 2\n  clear_for_s: 5\n"
+                                                            "tuning:\n  apply: false\n")
+    assert play(monitor, clock, 30, step=0.25) == []
+
+
+def test_firing_alert_survives_short_clear_periods():
+    state = AlertState(RULES_BY_NAME["sm_clock_low"], 0, "GPU-x")
+    settings = AlertSettings(for_s=1, clear_for_s=5, repeat_s=1000)
+    on, off = Check(True, "SM clock 180 MHz"), Check(False)
+    timeline = [(0, on), (1, on), (2, off), (4, on), (5, off), (9, off), (10, off)]
+    events = [(t, state.step(check, t, settings)) for t, check in timeline]
+    assert [e for e in events if e[1]] == [(1, "firing"), (10, "resolved")]
+
+
+def test_reminder_every_repeat_s(caplog):
+    monitor, clock = monitor_for("rtx-pro-4000-headless", FAST + "  repeat_s: 5\ntuning:\n  apply: false\n")
+    with caplog.at_level(logging.WARNING, logger="gpuwarden"):
+        play(monitor, clock, 12)
+    gpu0_sm = [r.getMessage() for r in caplog.records if r.getMessage().startswith("GPU0") and "sm_clock_low" in
+               r.getMessage()]
+    assert len(gpu0_sm) == 3  # fired at 1 s, reminded at 6 s and 11 s
+    assert "still firing after 5 s" in gpu0_sm[1]
+
+
+def test_busy_hook_counts_as_busy():
+    # dgx-spark's load is 70 %; with a busy threshold of 90 % only the hook makes it busy.
+    monitor, clock = monitor_for("dgx-spark", FAST + "  busy_utilization_pct: 90\n  sm_clock_min_mhz: 5000\n"
+                                                     "tuning:\n  apply: false\n")
+    assert play(monitor, clock, 3) == []
+    monitor.report_running_requests(2)
+    assert play(monitor, clock, 6)[0][1:] == (0, "sm_clock_low", "firing")
+
+
+def test_absolute_threshold_in_mhz():
+    monitor, clock = monitor_for("rtx-pro-4000-headless", FAST + "  sm_clock_min_mhz: 2000\n")
+    events = play(monitor, clock, 25)
+    assert (21.0, 0, "sm_clock_low", "firing") in events  # power-capped 1935 MHz < 2000 MHz
+
+
+def test_journal_lines_carry_gpu_uuid_value_threshold_reasons_and_fix(caplog):
+    monitor, clock = monitor_for("rtx-pro-4000-headless")
+    with caplog.at_level(logging.INFO, logger="gpuwarden"):
+        play(monitor, clock, 45)
+    uuid = monitor.backend.gpus()[0].uuid
+    firing = [r for r in caplog.records if "power_capped firing" in r.getMessage()]
+    resolved = [r for r in caplog.records if "power_capped resolved" in r.getMessage()]
+    assert len(firing) == 1 and len(resolved) == 1, "exactly one line per transition"
+    assert firing[0].levelno == logging.WARNING and resolved[0].levelno == 25  # NOTICE
+    assert firing[0].getMessage() == (
+        f"GPU0 {uuid} power_capped firing: SM clock 1935 MHz, -37% of locked 3090 MHz; drawing 145 W "
+        "at power limit 145 W (SwPowerCap); reasons: SwPowerCap; fix: the card is at its power limit; "
+        "raise tuning.power_limit_w within the constraints, or accept the clock loss")
+
+
+def test_critical_rules_log_at_crit(caplog):
+    monitor, clock = monitor_for("gpu-lost")
+    with caplog.at_level(logging.WARNING, logger="gpuwarden"):
+        play(monitor, clock, 12)
+    (line,) = [r for r in caplog.records if "gpu_lost firing" in r.getMessage()]
+    assert line.levelno == logging.CRITICAL
+
+
+@pytest.mark.parametrize("scenario", ["rtx-pro-4000-headless", "rtx-pro-6000-tp4", "dgx-spark"])
+def test_status_line(scenario):
+    monitor, clock = monitor_for(scenario)
+    play(monitor, clock, 25)
+    line = monitor.snapshot.status_line()
+    n = len(monitor.backend.gpus())
+    assert line.startswith(f"{n} GPU" + ("s" if n > 1 else "") + " · locked ")
+    if scenario == "rtx-pro-4000-headless":
+        assert line == "2 GPUs · locked 3090 MHz · GPU0 power_capped (-37%)"
