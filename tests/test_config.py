@@ -59,6 +59,16 @@ BAD = [
     ("top-level-scalar", "hello\n", 1, "(top level)", "expected a mapping"),
     ("scenario-missing", "gpu:\n  backend: sim\n  scenario: no-such-scenario\n", 3, "gpu.scenario",
      "no scenario named 'no-such-scenario'"),
+    ("alerts-unknown", "alerts:\n  for: 3\n", 2, "alerts.for", "unknown key"),
+    ("alerts-negative", "alerts:\n  for_s: -1\n", 2, "alerts.for_s", "out of range"),
+    ("threshold-percent-bad", "alerts:\n  sm_clock_min_mhz: \"150%\"\n", 2, "alerts.sm_clock_min_mhz",
+     "not a percentage"),
+    ("threshold-word", "alerts:\n  memory_clock_min_mhz: low\n", 2, "alerts.memory_clock_min_mhz",
+     "expected MHz or a percentage"),
+    ("busy-over-100", "alerts:\n  busy_utilization_pct: 120\n", 2, "alerts.busy_utilization_pct", "out of range"),
+    ("listen-no-port", "metrics:\n  listen: localhost\n", 2, "metrics.listen", "expected HOST:PORT"),
+    ("listen-bad-port", "metrics:\n  listen: 127.0.0.1:99999\n", 2, "metrics.listen", "not a valid HOST:PORT"),
+    ("metrics-unknown", "metrics:\n  port: 9847\n", 2, "metrics.port", "unknown key"),
     ("python-tag", "poll_interval_s: !!python/object:os.system [ls]\n", 1, "poll_interval_s",
      "unsupported YAML tag"),
     ("python-scalar-tag", "tuning:\n  apply: !!python/name:os.system\n", 2, "tuning.apply", "bad value"),
@@ -150,6 +160,8 @@ GOOD = [
     "tuning:\n  gpu_clocks: none\n  persistence_mode: false\n  gpus:\n    \"1\": {gpu_clocks: [2400, 2400]}\n"
     "    GPU-5c1e0d6a-aaaa-bbbb: {power_limit_w: 120, memory_clocks: none}\n",
     "gpu:\n  backend: sim\n  scenario: dgx-spark\ntuning:\n  gpu_clocks: null\n",
+    "alerts:\n  for_s: 0\n  sm_clock_min_mhz: 1200\n  memory_clock_min_mhz: \"75%\"\nmetrics:\n  listen: none\n",
+    "metrics:\n  listen: \"[::1]:9999\"\nlog_interval_s: 0\n",
 ]
 
 
@@ -172,7 +184,7 @@ def test_shipped_default_config_is_valid_and_safe(cli):
 def test_shipped_default_config_explains_every_key():
     text = DEFAULT_CONFIG.read_text()
     cfg = config.load(DEFAULT_CONFIG).as_dict()
-    keys = list(cfg) + list(cfg["gpu"]) + list(cfg["tuning"])
+    keys = list(cfg) + list(cfg["gpu"]) + list(cfg["tuning"]) + list(cfg["alerts"]) + list(cfg["metrics"])
     for key in keys:
         line = next(i for i, row in enumerate(text.splitlines()) if row.strip().startswith(f"{key}:"))
         assert text.splitlines()[line - 1].strip().startswith("#"), f"{key} has no comment above it"

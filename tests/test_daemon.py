@@ -16,6 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from conftest import DEFAULT_CONFIG, free_port, gpuwarden_cmd, subprocess_env
 from gpuwarden.systemd import JournalFormatter, stderr_is_journal
 
+pytestmark = pytest.mark.integration  # real daemon processes: seconds each
+
 
 def write_config(write, text="", name="gpuwarden.yaml"):
     port = free_port()
@@ -50,7 +52,7 @@ def test_done_when_read_only_warns_within_2_5_s_and_metrics_agree(write, daemons
     line = d.wait_for("WARNING GPU1 ")
     assert "sm_clock_low firing" in d.log and elapsed < 2.5 + 1.5  # + interpreter start-up on a busy CI box
     # The daemon's own clock: from its first log line to the warning.
-    stamps = [re.match(r"(\S+ \S+)", l).group(1) for l in (d.lines[0], line)]
+    stamps = [re.match(r"(\S+ \S+)", row).group(1) for row in (d.lines[0], line)]
     t0, t1 = (time.mktime(time.strptime(s, "%Y-%m-%d %H:%M:%S")) for s in stamps)
     assert t1 - t0 <= 3  # whole-second stamps: within 2.5 s, give or take a second boundary
     families = scrape(base)
@@ -173,12 +175,20 @@ def test_journal_formatter_and_detection(tmp_path):
         assert not stderr_is_journal({}, f.fileno())
 
 
-def test_sd_notify_ready_status_watchdog_stopping(write, tmp_path):
-    path, _ = write_config(write)
-    sock_path = str(tmp_path / "notify.sock")
+@pytest.fixture
+def notify_socket(tmp_path):
+    """A real AF_UNIX datagram socket, as systemd's NOTIFY_SOCKET is."""
+    path = str(tmp_path / "notify.sock")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    sock.bind(sock_path)
+    sock.bind(path)
     sock.settimeout(15)
+    yield sock, path
+    sock.close()
+
+
+def test_sd_notify_ready_status_watchdog_stopping(write, notify_socket):
+    path, _ = write_config(write)
+    sock, sock_path = notify_socket
     env = dict(subprocess_env(), NOTIFY_SOCKET=sock_path, WATCHDOG_USEC="400000")
     proc = subprocess.Popen(gpuwarden_cmd() + ["run", "-c", str(path), "--sim", "rtx-pro-4000-headless"],
                             stderr=subprocess.DEVNULL, env=env)
@@ -196,16 +206,12 @@ def test_sd_notify_ready_status_watchdog_stopping(write, tmp_path):
         assert proc.wait(15) == 0
     finally:
         proc.kill()
-        sock.close()
 
 
-def test_watchdog_pings_at_half_the_timeout(write, tmp_path):
+def test_watchdog_pings_at_half_the_timeout(write, notify_socket):
     path, _ = write_config(write, "poll_interval_s: 5\n")  # the poll alone would be far too slow
     path.write_text(path.read_text().replace("poll_interval_s: 0.5\n", ""))
-    sock_path = str(tmp_path / "notify.sock")
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    sock.bind(sock_path)
-    sock.settimeout(10)
+    sock, sock_path = notify_socket
     env = dict(subprocess_env(), NOTIFY_SOCKET=sock_path, WATCHDOG_USEC="1000000")
     proc = subprocess.Popen(gpuwarden_cmd() + ["run", "-c", str(path), "--sim", "lock-lost"],
                             stderr=subprocess.DEVNULL, env=env)
@@ -214,12 +220,11 @@ def test_watchdog_pings_at_half_the_timeout(write, tmp_path):
         while len(pings) < 5:
             if sock.recv(4096) == b"WATCHDOG=1":
                 pings.append(time.monotonic())
-        gaps = [b - a for a, b in zip(pings, pings[1:])]
+        gaps = [b - a for a, b in zip(pings, pings[1:], strict=False)]
         assert all(0.3 < g < 0.8 for g in gaps), gaps
     finally:
         proc.kill()
         proc.wait(10)
-        sock.close()
 
 
 def test_sighup_with_a_good_config_applies_new_tuning(write, daemons):

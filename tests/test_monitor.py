@@ -8,6 +8,7 @@ from gpuwarden import config
 from gpuwarden.alerts import AlertSettings, AlertState, Check, RULES_BY_NAME
 from gpuwarden.gpu import open_backend
 from gpuwarden.gpu.sim.backend import ManualClock
+from gpuwarden.gpu.sim.scenario import resolve_scenario
 from gpuwarden.monitor import Monitor
 from gpuwarden.tuning import Tuner, make_plan
 
@@ -76,7 +77,7 @@ def test_lock_lost_is_detected_reapplied_and_resolved():
 
 def test_reapply_is_rate_limited(write):
     # A lock that keeps dropping: driver reloads every second for 20 s.
-    text = open(config.__file__.replace("config.py", "gpu/scenarios/lock-lost.yaml")).read().split("timeline:")[0]
+    text = resolve_scenario("lock-lost").read_text().split("timeline:")[0]
     text += "timeline:\n  - {at_s: 0, event: load, utilization_pct: 60}\n" + "".join(
         f"  - {{at_s: {t}, event: driver_reload}}\n" for t in range(5, 25))
     monitor, clock = monitor_for(write("flaky.yaml", text), FAST + "  reapply_min_interval_s: 5\n")
@@ -108,7 +109,7 @@ def test_thermal_scenario_severities():
 
 def test_no_flapping_around_the_threshold(write):
     # Utilization toggles between busy and idle every second: never busy for for_s = 2.
-    text = open(config.__file__.replace("config.py", "gpu/scenarios/lock-lost.yaml")).read().split("timeline:")[0]
+    text = resolve_scenario("lock-lost").read_text().split("timeline:")[0]
     text += "timeline:\n" + "".join(f"  - {{at_s: {t}, event: load, utilization_pct: {60 if t % 2 else 0}}}\n"
                                     for t in range(0, 30))
     monitor, clock = monitor_for(write("toggle.yaml", text), "alerts:\n  for_s: 2\n  clear_for_s: 5\n"

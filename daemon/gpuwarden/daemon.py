@@ -200,7 +200,9 @@ def run(daemon: Daemon, duration_s: float | None = None, clock: Callable[[], flo
                 log.info("ran for %g s as asked, stopping", duration_s)
                 break
             if now >= next_tick:
-                daemon.tick(now, lag=now - next_tick)
+                # Alerts count time on the schedule, so for_s spans whole polls: a tick that runs a
+                # millisecond late must not push firing back by a whole poll interval.
+                daemon.tick(next_tick, lag=now - next_tick)
                 # Keep the period fixed; after a stall, skip missed ticks rather than burst.
                 next_tick = max(next_tick + daemon.config.poll_interval_s, now)
             waits = [next_tick - clock(), daemon.notifier.next_watchdog_in(clock())]

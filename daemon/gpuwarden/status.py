@@ -48,7 +48,7 @@ def render_status(state: dict) -> str:
                      "?" if util is None else f"{util:.0f}%",
                      ",".join(gpu.get("clock_event_reasons") or []) or "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     firing = state.get("alerts_firing", [])
     lines.append("")
     lines.append("Alerts firing:" if firing else "No alerts firing.")
