@@ -1,4 +1,4 @@
-"""Command line: check, plan, apply, run."""
+"""Command line: check, plan, apply, run, status."""
 
 from __future__ import annotations
 
