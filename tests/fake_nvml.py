@@ -117,6 +117,10 @@ class FakeNvml:
     def nvmlDeviceGetSupportedGraphicsClocks(self, h, mem):
         return self._dev("nvmlDeviceGetSupportedGraphicsClocks", h)["graphics_clocks"]
 
+    def nvmlDeviceGetComputeRunningProcesses(self, h):
+        return [SimpleNamespace(pid=pid, usedGpuMemory=used)
+                for pid, used in self._dev("nvmlDeviceGetComputeRunningProcesses", h).get("processes", [])]
+
     # -- setters ----------------------------------------------------------------
     def nvmlDeviceSetPersistenceMode(self, h, mode): self._dev("nvmlDeviceSetPersistenceMode", h)["persistence"] = mode
     def nvmlDeviceSetPowerManagementLimit(self, h, mw):

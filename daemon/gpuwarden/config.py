@@ -89,6 +89,38 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True)
+class ServeConfig:
+    """The vLLM child: what to run, as whom, and how to supervise it."""
+
+    enabled: bool = False
+    profile: str = "auto"
+    model: str = ""
+    command: tuple[str, ...] = ("vllm", "serve")
+    python: str | None = None  # vLLM's interpreter for the flag check; None: derived from command
+    host: str = "127.0.0.1"
+    port: int = 8000
+    user: str = "gpuwarden"
+    gpus: tuple[str, ...] | None = None  # indices or UUIDs; None: all
+    args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    allow_lint_errors: bool = False
+    startup_timeout_s: float = 1800.0
+    stop_timeout_s: float = 30.0
+    liveness_interval_s: float = 10.0
+    liveness_failures: int = 3
+    backoff_max_s: float = 60.0
+    stable_after_s: float = 300.0
+    crash_loop_failures: int = 5
+    crash_loop_window_s: float = 600.0
+    profiles_dir: Path | None = None  # profiles.d beside the config file
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+
+@dataclass(frozen=True)
 class Config:
     gpu: GpuBackendConfig = GpuBackendConfig()
     poll_interval_s: float = 1.0
@@ -97,6 +129,7 @@ class Config:
     tuning: TuningConfig = TuningConfig()
     alerts: AlertSettings = AlertSettings()
     metrics: MetricsConfig = MetricsConfig()
+    serve: ServeConfig = ServeConfig()
     files: tuple[str, ...] = ()
     document: Document | None = field(default=None, compare=False, repr=False)
 
@@ -124,6 +157,7 @@ class Config:
                 "reapply_min_interval_s": a.reapply_min_interval_s,
             },
             "metrics": {"listen": "none" if listen is None else self.metrics.url.split("//", 1)[1]},
+            "serve": _serve_dict(self.serve),
             "tuning": {
                 "apply": t.apply, "restore_on_stop": t.restore_on_stop,
                 **per_gpu(dataclasses.asdict(t.default)),
@@ -169,6 +203,15 @@ def _mapping_or_error(doc: Document) -> Document:
     return doc
 
 
+def _serve_dict(s: ServeConfig) -> dict:
+    out = {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name != "profiles_dir"}
+    out.update(command=list(s.command), args=list(s.args), env=dict(s.env),
+               gpus="all" if s.gpus is None else list(s.gpus), python=s.python or "auto")
+    if not s.model:
+        del out["model"]  # unset is not an empty string
+    return out
+
+
 def _threshold_value(t: Threshold) -> Any:
     return t.mhz if t.mhz is not None else f"{t.fraction * 100:g}%"
 
@@ -176,7 +219,7 @@ def _threshold_value(t: Threshold) -> Any:
 def _validate(doc: Document, files: tuple[str, ...]) -> Config:
     r = Reader(doc)
     r.mapping((), ("gpu", "poll_interval_s", "counters_interval_s", "log_interval_s", "tuning", "alerts",
-                   "metrics"))
+                   "metrics", "serve"))
     gpu = _gpu_section(r, Path(doc.file).parent)
     poll = r.number(("poll_interval_s",), 1.0, 0.05, 3600, unit=" s")
     counters = r.number(("counters_interval_s",), 10.0, 1, 86400, unit=" s")
@@ -185,10 +228,72 @@ def _validate(doc: Document, files: tuple[str, ...]) -> Config:
     alerts = _alerts_section(r)
     metrics = MetricsConfig(_listen(r, ("metrics", "listen")))
     r.mapping(("metrics",), ("listen",))
+    serve = _serve_section(r, Path(doc.file).parent)
     r.raise_if_errors()
     return Config(gpu=gpu, poll_interval_s=float(poll), counters_interval_s=float(counters),
                   log_interval_s=float(log_interval), tuning=tuning, alerts=alerts, metrics=metrics,
-                  files=files, document=doc)
+                  serve=serve, files=files, document=doc)
+
+
+def _serve_section(r: Reader, base_dir: Path) -> ServeConfig:
+    base = ("serve",)
+    d = ServeConfig()
+    r.mapping(base, [f.name for f in dataclasses.fields(ServeConfig) if f.name != "profiles_dir"])
+    enabled = r.boolean(base + ("enabled",), d.enabled)
+    model = r.string(base + ("model",), d.model)
+    if enabled and not model:
+        r.fail(base + ("enabled",), "serving is enabled but serve.model is not set", "a model path or name")
+    command = tuple(_string_list(r, base + ("command",), d.command))
+    if not command:
+        r.fail(base + ("command",), "the command is empty", "an argv prefix such as [vllm, serve]")
+    python = r.string(base + ("python",), "auto")
+    user = r.string(base + ("user",), d.user)
+    if user == "root":
+        r.fail(base + ("user",), "vLLM never runs as root", "an unprivileged user such as gpuwarden")
+    gpus = r.get(base + ("gpus",))
+    if gpus is MISSING or gpus == "all":
+        gpus = None
+    elif not (isinstance(gpus, list) and gpus and all(isinstance(g, (int, str)) and not isinstance(g, bool)
+                                                      for g in gpus)):
+        r.fail(base + ("gpus",), f"expected all or a list of GPU indices or UUIDs, got {gpus!r}")
+        gpus = None
+    else:
+        gpus = tuple(str(g) for g in gpus)
+    env = r.mapping(base + ("env",), None)
+    for key, value in env.items():
+        if not isinstance(value, str):
+            r.fail(base + ("env", key), f"expected a string, got {type_name(value)} {value!r}", 'quote it: "1"')
+    number = r.number
+    return ServeConfig(
+        enabled=enabled, profile=r.string(base + ("profile",), d.profile), model=model, command=command,
+        python=None if python == "auto" else python,
+        host=r.string(base + ("host",), d.host),
+        port=r.number(base + ("port",), d.port, 1, 65535, integer=True),
+        user=user, gpus=gpus, args=tuple(_string_list(r, base + ("args",), d.args)),
+        env=tuple((k, str(v)) for k, v in env.items()),
+        allow_lint_errors=r.boolean(base + ("allow_lint_errors",), d.allow_lint_errors),
+        startup_timeout_s=float(number(base + ("startup_timeout_s",), d.startup_timeout_s, 1, 86400, unit=" s")),
+        stop_timeout_s=float(number(base + ("stop_timeout_s",), d.stop_timeout_s, 1, 3600, unit=" s")),
+        liveness_interval_s=float(number(base + ("liveness_interval_s",), d.liveness_interval_s, 0.1, 3600,
+                                         unit=" s")),
+        liveness_failures=number(base + ("liveness_failures",), d.liveness_failures, 1, 100, integer=True),
+        backoff_max_s=float(number(base + ("backoff_max_s",), d.backoff_max_s, 1, 3600, unit=" s")),
+        stable_after_s=float(number(base + ("stable_after_s",), d.stable_after_s, 1, 86400, unit=" s")),
+        crash_loop_failures=number(base + ("crash_loop_failures",), d.crash_loop_failures, 1, 1000, integer=True),
+        crash_loop_window_s=float(number(base + ("crash_loop_window_s",), d.crash_loop_window_s, 1, 86400,
+                                         unit=" s")),
+        profiles_dir=base_dir / "profiles.d",
+    )
+
+
+def _string_list(r: Reader, path: Path_, default: tuple[str, ...]) -> list[str]:
+    value = r.get(path)
+    if value is MISSING:
+        return list(default)
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        r.fail(path, f"expected a list of strings, got {value!r}", 'quote numbers: ["--max-num-seqs", "8"]')
+        return list(default)
+    return value
 
 
 def _alerts_section(r: Reader) -> AlertSettings:

@@ -9,7 +9,6 @@ reaching the card. Not collected by pytest (no GPU in CI).
 """
 
 import json
-import logging
 import sys
 import time
 
@@ -18,6 +17,7 @@ import pynvml
 from gpuwarden import config
 from gpuwarden.daemon import Daemon, run
 from gpuwarden.gpu.nvml import NvmlBackend
+from gpuwarden.systemd import setup_logging
 from gpuwarden.tuning import make_plan
 
 READ_PREFIXES = ("nvmlDeviceGet", "nvmlSystemGet")
@@ -37,8 +37,9 @@ class ReadOnlyNvml:
 
 
 def main(seconds: float) -> int:
-    cfg = config.parse_text("poll_interval_s: 0.5\ncounters_interval_s: 1\ntuning:\n  apply: false\n"
-                            "  memory_clocks: max\n", name="probe.yaml")
+    cfg = config.parse_text("poll_interval_s: 0.5\ncounters_interval_s: 1\nlog_interval_s: 0\n"
+                            "metrics:\n  listen: none\ntuning:\n  apply: false\n  memory_clocks: max\n",
+                            name="probe.yaml")
     backend = NvmlBackend(ReadOnlyNvml(), counters_interval_s=cfg.counters_interval_s)
     print(json.dumps({"driver_version": backend.driver_version(), "gpus": len(backend.gpus()),
                       "nvidia_persistenced": backend.persistenced_running()}))
@@ -65,7 +66,7 @@ def main(seconds: float) -> int:
     plan = make_plan(backend, cfg)
     for action in plan.actions:
         print("plan (not applied):", action.describe())
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stdout)
+    setup_logging()
     run(Daemon(cfg, backend), duration_s=3)
     backend.close()
     return 0

@@ -113,6 +113,10 @@ class Gpu(ABC):
     def capabilities(self) -> GpuCapabilities: ...
 
     @abstractmethod
+    def compute_processes(self) -> list[tuple[int, int | None]]:
+        """(pid, GPU memory bytes or None) of the compute processes on this GPU."""
+
+    @abstractmethod
     def set_persistence_mode(self, enabled: bool) -> None: ...
 
     @abstractmethod

@@ -264,6 +264,13 @@ class NvmlGpu(Gpu):
             status = self._read("nvmlDeviceGetViolationStatus", policy)
             self._violations[name] = status.violationTime * 1e-9 if status is not None else None
 
+    def compute_processes(self) -> list[tuple[int, int | None]]:
+        try:
+            procs = self._read("nvmlDeviceGetComputeRunningProcesses") or []
+        except errors.GpuLost:
+            return []
+        return [(p.pid, getattr(p, "usedGpuMemory", None)) for p in procs]
+
     def capabilities(self) -> GpuCapabilities:
         mem = sorted(self._read("nvmlDeviceGetSupportedMemoryClocks") or [], reverse=True)
         graphics = sorted(self._read("nvmlDeviceGetSupportedGraphicsClocks", mem[0]) or [], reverse=True) if mem else []

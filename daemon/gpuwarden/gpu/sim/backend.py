@@ -98,6 +98,7 @@ class SimGpu(Gpu):
         self.lost = False
         self.energy_j = 0.0
         self.violations = {name: 0.0 for name in VIOLATION_POLICIES}
+        self.processes: list[tuple[int, int | None]] = []  # compute processes a test puts on the card
         self._reset_driver_state()
 
     def _reset_driver_state(self) -> None:
@@ -217,6 +218,9 @@ class SimGpu(Gpu):
             energy_joules=self.energy_j if "energy" not in ns else None,
             memory_bus_width_bits=m.memory_bus_width_bits,
         )
+
+    def compute_processes(self) -> list[tuple[int, int | None]]:
+        return list(self.processes)
 
     def capabilities(self) -> GpuCapabilities:
         m = self.model
