@@ -1,10 +1,11 @@
-"""Command line: check, plan, apply, run, status."""
+"""Command line: check, plan, apply, run, status, profiles."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -41,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check", parents=[common], help="validate the config and, where GPUs are reachable, "
                        "the tuning values against the cards; exit 0 or 78")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--deep", action="store_true", help="also lint the vLLM command and run vLLM's own serve-args "
+                   "parser on it, in vLLM's interpreter (takes as long as importing vLLM)")
     p = sub.add_parser("plan", parents=[common], help="print what tuning would change on each GPU; touches nothing")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     sub.add_parser("apply", parents=[common], help="apply the tuning once, verify it, and exit (for boot-time "
@@ -50,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--read-only", action="store_true", help="never touch the GPUs (same as tuning.apply: false)")
     p.add_argument("--duration", type=float, metavar="SECONDS", help="stop by itself after SECONDS")
     p.add_argument("-v", "--verbose", action="store_true", help="log every sample, not one per log_interval_s")
+    p = sub.add_parser("profiles", parents=[common], help="the vLLM serving profiles: `profiles list`, "
+                       "`profiles show NAME` (the final command, env and lint)")
+    p.add_argument("action", choices=("list", "show"))
+    p.add_argument("name", nargs="?", help="the profile to show (default: serve.profile, auto-selected)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
     p = sub.add_parser("status", parents=[common], help="show the running daemon's view: clocks, power, "
                        "reasons and firing alerts per GPU (exit 3 if no daemon answers)")
     p.add_argument("--json", action="store_true", help="the daemon's raw /status JSON")
@@ -108,6 +116,7 @@ def load_config(args: argparse.Namespace) -> Config:
 
 def cmd_check(args: argparse.Namespace) -> int:
     config = load_config(args)
+    serving = None
     try:
         backend = open_backend(config)
     except errors.Unavailable as exc:
@@ -117,15 +126,106 @@ def cmd_check(args: argparse.Namespace) -> int:
         try:
             make_plan(backend, config)
             gpus, skipped = len(backend.gpus()), None
+            if args.deep:
+                serving = _deep_check(config, backend, args.json)
         finally:
             backend.close()
     if args.json:
         print(json.dumps({"ok": True, "files": list(config.files), "gpus_checked": gpus,
-                          "gpu_checks_skipped": skipped}, indent=2))
+                          "gpu_checks_skipped": skipped, "serve": serving}, indent=2))
     else:
         print(f"config OK: {', '.join(config.files)}")
         print(f"GPU checks skipped: {skipped}" if skipped else f"tuning values OK on {gpus} GPU(s)")
     return EX_OK
+
+
+def _deep_check(config: Config, backend, as_json: bool) -> dict:
+    """Lint the vLLM command and run vLLM's parser on it; ConfigErrors if anything blocks a start."""
+    from .serving.prepare import prepare_serve
+
+    prepared = prepare_serve(config, backend, deep=True)
+    problems = prepared.blocking(config)
+    if not as_json:
+        for finding in prepared.findings:
+            print(f"lint {finding}", file=sys.stderr if finding.severity == "error" else sys.stdout)
+    if problems:
+        raise ConfigErrors(problems)
+    if not as_json:
+        print(f"vLLM {prepared.flags.vllm_version} accepts: {shlex.join(prepared.command.argv)}")
+    return {"profile": prepared.command.profile.name, "argv": list(prepared.command.argv),
+            "vllm_version": prepared.flags.vllm_version, "lint": [f.as_dict() for f in prepared.findings]}
+
+
+def cmd_profiles(args: argparse.Namespace) -> int:
+    from .serving.command import build_command, chosen_gpus, profile_error
+    from .serving.lint import lint
+    from .serving.profiles import load_profiles, select_profile
+
+    config = load_config(args)
+    profiles = load_profiles(config.serve.profiles_dir)
+    if args.action == "list":
+        if args.json:
+            print(json.dumps([p.as_dict() for p in profiles.values()], indent=2))
+        for p in ([] if args.json else sorted(profiles.values(), key=lambda p: p.name)):
+            ccs = ",".join(p.compute_capabilities) or "any"
+            count = f"{p.gpu_count[0]}" if p.gpu_count[0] == p.gpu_count[1] else f"{p.gpu_count[0]}-{p.gpu_count[1]}"
+            print(f"{p.name:30s} cc {ccs:9s} {count:>5s} GPU(s)  {p.description}")
+        return EX_OK
+    gpus = _gpus_for_profiles(config)
+    wanted = args.name or config.serve.profile
+    profile = select_profile(profiles, wanted, chosen_gpus(config, gpus) if gpus else [])
+    if profile is None:
+        raise profile_error(config, wanted, list(profiles))
+    if not gpus:  # no GPUs readable here: show the command for the profile's own minimum
+        gpus = [_placeholder_gpu(i, profile) for i in range(profile.gpu_count[0])]
+    command = build_command(config.serve, profile, chosen_gpus(config, gpus) if config.serve.gpus else gpus,
+                            base_env={})  # only what gpuwarden adds, not this shell's environment
+    findings = lint(command.argv, command.env, profile, [g.compute_capability or "" for g in command.gpus],
+                    config.serve.model)
+    if args.json:
+        print(json.dumps({**profile.as_dict(), "final_argv": list(command.argv), "final_env": command.env,
+                          "lint": [f.as_dict() for f in findings]}, indent=2))
+        return EX_OK
+    print(render_profile(profile, command, findings))
+    return EX_OK
+
+
+def _gpus_for_profiles(config: Config) -> list:
+    try:
+        backend = open_backend(config)
+    except errors.Unavailable:
+        return []
+    try:
+        return [g.sample() for g in backend.gpus()]
+    finally:
+        backend.close()
+
+
+def _placeholder_gpu(index: int, profile):
+    from .gpu.base import GpuSample
+
+    cc = profile.compute_capabilities[0] if profile.compute_capabilities else None
+    return GpuSample(index, f"GPU-{index}", "(no GPU readable here)", "", cc)
+
+
+def render_profile(profile, command, findings) -> str:
+    lines = [f"profile {profile.name}: {profile.description}", f"  from {profile.file}"]
+    ccs = ", ".join(profile.compute_capabilities) or "any"
+    lines.append(f"  match: compute capability {ccs}; {profile.gpu_count[0]}-{profile.gpu_count[1]} GPUs; "
+                 f">= {profile.min_memory_gib:g} GiB each")
+    good = ", ".join(profile.known_good) or "none listed"
+    bad = "; ".join(f"{b.version} ({b.reason})" for b in profile.known_bad) or "none listed"
+    lines.append(f"  vLLM known good: {good}; known bad: {bad}")
+    if profile.tuning_hints:
+        lines.append("  tuning hints: " + ", ".join(f"{k}: {v}" for k, v in profile.tuning_hints))
+    lines.append("command (env from the profile, serve.env and the GPU selection):")
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in command.env.items())
+    lines.append(f"  {env} {shlex.join(command.argv)}")
+    lines.append("lint:" if findings else "lint: no findings")
+    lines.extend(f"  {f}" for f in findings)
+    for text, source in profile.notes:
+        lines.append(f"note: {text} [source: {source}]")
+    return "\n".join(lines)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -216,7 +316,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     return EX_OK
 
 
-COMMANDS = {"check": cmd_check, "plan": cmd_plan, "apply": cmd_apply, "run": cmd_run, "status": cmd_status}
+COMMANDS = {"check": cmd_check, "plan": cmd_plan, "apply": cmd_apply, "run": cmd_run, "status": cmd_status,
+            "profiles": cmd_profiles}
 
 
 if __name__ == "__main__":

@@ -21,6 +21,9 @@ from .config import Config
 from .exporter import MetricsServer, make_registry
 from .gpu.base import GpuBackend
 from .monitor import Monitor, describe_sample
+from .serving.prepare import prepare_serve
+from .serving.supervisor import RUNNING, Supervisor
+from .serving.vllm_metrics import VllmMetricsReader
 from .systemd import Notifier
 from .tuning import Plan, Tuner, make_plan
 from .yamlfile import ConfigError, ConfigErrors
@@ -47,6 +50,9 @@ class Daemon:
         self.monitor = Monitor(config, backend, self.tuner)
         self.plan: Plan | None = None
         self.server: MetricsServer | None = None
+        self.supervisor: Supervisor | None = None
+        self.vllm_reader: VllmMetricsReader | None = None
+        self.ready_sent = False
         self.stopping = False
         self.started_at = time.time()
 
@@ -69,8 +75,27 @@ class Daemon:
                                    "(change metrics.listen, or set it to none)") from None
             self.server.start()
             log.info("serving /metrics and /status on %s", self.config.metrics.url)
-        snapshot = self.monitor.tick(now)
-        self.notifier.ready(snapshot.status_line())
+        if self.config.serve.enabled:
+            self._start_serving(now, deep=True)
+        self.tick(now)
+
+    def _start_serving(self, now: float, deep: bool) -> None:
+        """Check the vLLM command (lint; with deep, vLLM's own parser too), then start the child.
+        Raises ConfigErrors when something blocks the start."""
+        prepared = prepare_serve(self.config, self.backend, deep=deep)
+        for finding in prepared.findings:
+            log.warning("vLLM lint %s", finding)
+        problems = prepared.blocking(self.config)
+        if problems:
+            raise ConfigErrors(problems)
+        if prepared.flags is not None:
+            log.info("vLLM %s accepts the flags (checked with %s)", prepared.flags.vllm_version,
+                     prepared.flags.python)
+        chosen = {g.index for g in prepared.command.gpus}
+        self.supervisor = Supervisor(self.config.serve, prepared.command,
+                                     [g for g in self.backend.gpus() if g.index in chosen])
+        self.vllm_reader = VllmMetricsReader(self.config.serve.url + "/metrics")
+        self.supervisor.start(now)
 
     def _tune(self, plan: Plan) -> None:
         self.monitor.use_plan(plan, applied=self.config.tuning.apply)
@@ -87,13 +112,37 @@ class Daemon:
     def tick(self, now: float, lag: float = 0.0) -> None:
         try:
             snapshot = self.monitor.tick(now, lag)
+            if self.supervisor is not None:
+                snapshot = self._serving_tick(now, snapshot)
         except Exception as exc:  # one bad poll must not end the daemon; the next one may work
             log.error("poll failed: %s: %s", type(exc).__name__, exc)
             return
-        self.notifier.status(snapshot.status_line())
+        status = snapshot.status_line()
+        # READY only once everything is usable: tuned, and vLLM healthy when serving.
+        if not self.ready_sent and (self.supervisor is None or self.supervisor.state == RUNNING):
+            self.notifier.ready(status)
+            self.ready_sent = True
+        self.notifier.status(status)
+
+    def _serving_tick(self, now: float, snapshot):
+        was_running = self.supervisor.state == RUNNING
+        self.supervisor.tick(now)
+        stats = None
+        if self.supervisor.state == RUNNING:
+            if not was_running:
+                self.vllm_reader.reset()  # a new child: its counters restart at zero
+            stats = self.vllm_reader.read(now)
+        # Running requests make a GPU busy even between kernels.
+        self.monitor.report_running_requests(int(stats.requests_running) if stats and stats.requests_running
+                                             else None)
+        snapshot = dataclasses.replace(snapshot, serving=self.supervisor.view(), vllm=stats)
+        self.monitor.snapshot = snapshot
+        return snapshot
 
     def stop(self) -> None:
         self.notifier.stopping()
+        if self.supervisor is not None:
+            self.supervisor.stop()
         if self.config.tuning.apply and self.config.tuning.restore_on_stop:
             for outcome in self.tuner.restore():
                 (log.info if outcome.ok else log.error)("restore %s", outcome.describe())
@@ -143,7 +192,25 @@ class Daemon:
             self._release_dropped(old, plan)
             self.plan = plan
             self._tune(plan)
+        self._reload_serving(old)
         log.info("config reloaded from %s", ", ".join(new.files))
+
+    def _reload_serving(self, old: Config) -> None:
+        """A changed serve section restarts vLLM; an unchanged one only leaves FATAL."""
+        now = time.monotonic()
+        if self.config.serve == old.serve:
+            if self.supervisor is not None:
+                self.supervisor.reset(now)
+            return
+        if self.supervisor is not None:
+            self.supervisor.stop()
+            self.supervisor = None
+        if self.config.serve.enabled:
+            try:  # lint only: vLLM's parser takes too long to run inside the watchdog's window
+                self._start_serving(now, deep=False)
+            except (ConfigError, ConfigErrors) as exc:
+                problems = exc.errors if isinstance(exc, ConfigErrors) else [exc]
+                log.error("reload: vLLM not started: %s", problems[0])
 
     def _release_dropped(self, old: Config, plan: Plan) -> None:
         """Undo settings the old tuning made that the new one no longer wants."""

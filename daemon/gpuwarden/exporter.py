@@ -39,6 +39,8 @@ class SnapshotCollector:
             return
         yield from _gpu_metrics(snap)
         yield from _alert_metrics(snap)
+        if snap.serving is not None:
+            yield from _vllm_metrics(snap)
         yield GaugeMetricFamily("gpuwarden_sample_duration_seconds",
                                 "Time the last poll took to sample every GPU", value=snap.sample_duration_s)
         yield GaugeMetricFamily("gpuwarden_loop_lag_seconds",
@@ -128,6 +130,9 @@ def _alert_metrics(snap: Snapshot) -> Iterator[Metric]:
     active = _gauge("gpuwarden_alert_active", "1 while an alert fires", ("alert", "gpu", "severity"))
     for a in snap.alerts:
         active.add_metric([a.alert, str(a.gpu), a.severity], int(a.firing))
+    if snap.serving is not None:  # host-wide: vLLM serves across the GPUs
+        active.add_metric(["vllm_fatal", "all", "critical"], int(snap.serving.state == "FATAL"))
+        active.add_metric(["vllm_start_blocked", "all", "warning"], int(snap.serving.blocked))
     yield active
     transitions = CounterMetricFamily("gpuwarden_alert_transitions", "Alert state changes, by new state",
                                       labels=["alert", "gpu", "to"])
@@ -139,6 +144,38 @@ def _alert_metrics(snap: Snapshot) -> Iterator[Metric]:
     for view in snap.gpus:
         reapplies.add_metric([str(view.sample.index)], snap.reapplies.get(view.sample.index, 0))
     yield reapplies
+
+
+def _vllm_metrics(snap: Snapshot) -> Iterator[Metric]:
+    from .serving.supervisor import STATES
+
+    s = snap.serving
+    info = _gauge("gpuwarden_vllm_info", "The served model and profile (value is always 1)", ("model", "profile"))
+    info.add_metric([s.model, s.profile], 1)
+    yield info
+    state = _gauge("gpuwarden_vllm_state", "1 for the vLLM child's current state", ("state",))
+    for name in STATES:
+        state.add_metric([name], int(name == s.state))
+    yield state
+    yield CounterMetricFamily("gpuwarden_vllm_restarts", "Times the vLLM child was restarted", value=s.restarts)
+    if s.last_exit_code is not None:
+        yield GaugeMetricFamily("gpuwarden_vllm_last_exit_code", "Exit status of the last child (negative: signal)",
+                                value=s.last_exit_code)
+    if s.time_to_healthy_s is not None:
+        yield GaugeMetricFamily("gpuwarden_vllm_time_to_healthy_seconds",
+                                "Seconds from the last start to /health answering 200", value=s.time_to_healthy_s)
+    stats = snap.vllm
+    for name, doc, value in (
+            ("gpuwarden_vllm_generation_tokens_per_second", "Generated tokens per second, between two polls",
+             stats and stats.generation_tokens_per_s),
+            ("gpuwarden_vllm_prompt_tokens_per_second", "Prompt tokens per second, between two polls",
+             stats and stats.prompt_tokens_per_s),
+            ("gpuwarden_vllm_requests_running", "Requests vLLM is running", stats and stats.requests_running),
+            ("gpuwarden_vllm_requests_waiting", "Requests waiting in vLLM's queue", stats and stats.requests_waiting),
+            ("gpuwarden_vllm_kv_cache_usage_ratio", "Fraction of the KV cache in use",
+             stats and stats.kv_cache_usage_ratio)):
+        if value is not None:
+            yield GaugeMetricFamily(name, doc, value=value)
 
 
 def make_registry(snapshot: Callable[[], Snapshot | None]) -> CollectorRegistry:

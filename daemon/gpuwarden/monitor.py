@@ -7,11 +7,13 @@ exporter thread reads it without locks.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .alerts import CRITICAL, FIRING, REAPPLY_ON, RULES, AlertState, GpuContext
 from .config import Config
@@ -19,6 +21,10 @@ from .gpu.base import GpuBackend, GpuSample
 from .systemd import NOTICE
 from .tuning import Plan, Tuner, make_plan
 from .yamlfile import ConfigErrors
+
+if TYPE_CHECKING:
+    from .serving.supervisor import ServingView
+    from .serving.vllm_metrics import VllmStats
 
 log = logging.getLogger("gpuwarden")
 
@@ -59,6 +65,8 @@ class Snapshot:
     sample_duration_s: float = 0.0
     loop_lag_s: float = 0.0
     read_only: bool = False
+    serving: ServingView | None = None  # set by the daemon when serve.enabled
+    vllm: VllmStats | None = None
 
     def firing(self) -> list[AlertView]:
         return [a for a in self.alerts if a.firing]
@@ -79,7 +87,17 @@ class Snapshot:
         if len(firing) > 3:
             shown.append(f"+{len(firing) - 3} more")
         parts.append(", ".join(shown) if shown else "ok")
+        if self.serving is not None:
+            parts.append(self._serving_part())
         return " · ".join(parts)
+
+    def _serving_part(self) -> str:
+        s = self.serving
+        model = s.model.rstrip("/").rsplit("/", 1)[-1]
+        if s.state != "RUNNING":
+            return f"vLLM {s.state} ({model}, {s.profile})" + (f": {s.problem}" if s.problem else "")
+        rate = self.vllm.generation_tokens_per_s if self.vllm else None
+        return f"{model} ({s.profile}) " + (f"{rate:.0f} tok/s" if rate is not None else "serving")
 
     def as_dict(self) -> dict:
         return {
@@ -92,6 +110,8 @@ class Snapshot:
             "tuning_reapplies": {str(k): v for k, v in self.reapplies.items()},
             "sample_duration_seconds": self.sample_duration_s,
             "loop_lag_seconds": self.loop_lag_s,
+            "serving": dataclasses.asdict(self.serving) if self.serving else None,
+            "vllm": dataclasses.asdict(self.vllm) if self.vllm else None,
         }
 
 

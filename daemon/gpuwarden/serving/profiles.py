@@ -67,8 +67,8 @@ class Profile:
                 "notes": [{"text": t, "source": s} for t, s in self.notes]}
 
 
-def load_profile(path: Path) -> Profile:
-    doc = yamlfile.load(path)
+def load_profile(file: Path) -> Profile:
+    doc = yamlfile.load(file)
     if not isinstance(doc.value, dict):
         raise ConfigError(doc.file, 1, "(top level)", f"expected a profile mapping, got {type_name(doc.value)}")
     r = Reader(doc)
@@ -94,9 +94,9 @@ def load_profile(path: Path) -> Profile:
         r.mapping(path, ("text", "source"), required=("text", "source"))
         notes.append((r.string(path + ("text",), ""), r.string(path + ("source",), "")))
     profile = Profile(
-        name=r.string(("name",), path.stem),
+        name=r.string(("name",), file.stem),
         description=r.string(("description",), ""),
-        file=str(path),
+        file=str(file),
         compute_capabilities=tuple(_strings(r, ("match", "compute_capabilities"))),
         gpu_count=(count[0], count[1]),
         min_memory_gib=float(r.number(("match", "min_memory_gib"), 0, 0, 100_000, unit=" GiB")),

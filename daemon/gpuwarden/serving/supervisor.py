@@ -53,11 +53,14 @@ class ProcessOps:
     def spawn(self, argv: tuple[str, ...], env: dict[str, str], user: str | None,
               on_line: Callable[[str], None]) -> Child:
         kwargs: dict = {}
-        if user is not None:
+        if user is None:  # we stay ourselves
+            me = pwd.getpwuid(os.geteuid())
+            env = {"HOME": me.pw_dir, "USER": me.pw_name, "LOGNAME": me.pw_name, **env}
+        else:
             entry = pwd.getpwnam(user)
             groups = [g.gr_gid for g in grp.getgrall() if g.gr_name in DEVICE_GROUPS]
             kwargs = {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": groups}
-            env = {**env, "HOME": entry.pw_dir, "USER": user, "LOGNAME": user}
+            env = {"HOME": entry.pw_dir, "USER": user, "LOGNAME": user, **env}  # serve.env may override
         process = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
                                    cwd="/", **kwargs)
@@ -127,6 +130,7 @@ class ServingView:
     last_exit_code: int | None
     time_to_healthy_s: float | None
     problem: str | None  # why it is not serving, when it is not
+    blocked: bool = False  # waiting for the GPUs to be free before a start
 
 
 class Supervisor:
@@ -144,6 +148,7 @@ class Supervisor:
         self.last_exit_code: int | None = None
         self.time_to_healthy_s: float | None = None
         self.problem: str | None = None
+        self.blocked = False
         self._failures: deque[float] = deque()
         self._consecutive = 0
         self._started_at = 0.0
@@ -188,6 +193,7 @@ class Supervisor:
             self._fatal(f"user {self.user} does not exist (create it, or set serve.user)")
             return
         blocked = self._preflight()
+        self.blocked = blocked is not None
         if blocked:
             self.problem = blocked
             self.state, self._retry_at = BACKOFF, now + PREFLIGHT_RETRY_S
@@ -324,7 +330,7 @@ class Supervisor:
     def view(self) -> ServingView:
         return ServingView(self.state, self.serve.model, self.command.profile.name,
                            self.child.pid if self.child else None, self.restarts, self.last_exit_code,
-                           self.time_to_healthy_s, self.problem)
+                           self.time_to_healthy_s, self.problem, self.blocked)
 
 
 def _describe_exit(code: int) -> str:

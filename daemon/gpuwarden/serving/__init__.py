@@ -1,0 +1,1 @@
+"""Running vLLM under gpuwarden: profiles, lint, the command, the supervisor and its metrics."""

@@ -1,0 +1,53 @@
+"""From config and GPUs to a checked vLLM command: profile, argv/env, lint, and vLLM's own parser."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import Config
+from ..gpu.base import GpuBackend
+from ..yamlfile import ConfigError, ConfigErrors
+from .command import ServeCommand, build_command, chosen_gpus, profile_error
+from .flagcheck import FlagCheck, check_flags
+from .lint import ERROR, Finding, lint
+from .profiles import load_profiles, select_profile
+
+
+@dataclass(frozen=True)
+class PreparedServe:
+    command: ServeCommand
+    findings: tuple[Finding, ...]
+    flags: FlagCheck | None  # None when the deep check was not run
+
+    def blocking(self, config: Config) -> list[ConfigError]:
+        """What stops the start: lint errors (unless allowed) and vLLM's parser rejecting the flags."""
+        where = ("serve", "args") if config.serve.args else ("serve", "profile")
+        problems = []
+        if not config.serve.allow_lint_errors:
+            problems += [config.error(where, f"lint {f.rule}: {f.message}",
+                                      "fix it, or set serve.allow_lint_errors: true")
+                         for f in self.findings if f.severity == ERROR]
+        if self.flags is not None and not self.flags.ok:
+            problems.append(config.error(where, f"vLLM rejects the flags: {self.flags.error}"))
+        return problems
+
+
+def prepare_serve(config: Config, backend: GpuBackend, deep: bool) -> PreparedServe:
+    """Raises ConfigError(s) for an unknown profile, GPU or profile file; never starts anything."""
+    samples = [gpu.sample() for gpu in backend.gpus()]
+    gpus = chosen_gpus(config, samples)
+    profiles = load_profiles(config.serve.profiles_dir)
+    profile = select_profile(profiles, config.serve.profile, gpus)
+    if profile is None:
+        if config.serve.profile != "auto":
+            raise profile_error(config, config.serve.profile, list(profiles))
+        raise ConfigErrors([config.error(("serve", "profile"), "no profile matches these GPUs",
+                                         "name one, or add one to profiles.d")])
+    command = build_command(config.serve, profile, gpus)
+    ccs = [g.compute_capability or "" for g in gpus]
+    prepared = PreparedServe(command, tuple(lint(command.argv, command.env, profile, ccs, config.serve.model)), None)
+    if not deep or prepared.blocking(config):
+        return prepared  # lint already blocks: no need to wait for vLLM's import
+    flags = check_flags(config.serve, command.flags)
+    findings = lint(command.argv, command.env, profile, ccs, config.serve.model, flags.vllm_version)
+    return PreparedServe(command, tuple(findings), flags)
