@@ -184,7 +184,7 @@ def test_shipped_default_config_is_valid_and_safe(cli):
 def test_shipped_default_config_explains_every_key():
     text = DEFAULT_CONFIG.read_text()
     cfg = config.load(DEFAULT_CONFIG).as_dict()
-    keys = list(cfg) + list(cfg["gpu"]) + list(cfg["tuning"]) + list(cfg["alerts"]) + list(cfg["metrics"]) + list(cfg["serve"])
+    keys = list(cfg) + [k for section in ("gpu", "tuning", "alerts", "metrics", "serve") for k in cfg[section]]
     for key in keys:
         line = next(i for i, row in enumerate(text.splitlines()) if row.strip().startswith(f"{key}:"))
         assert text.splitlines()[line - 1].strip().startswith("#"), f"{key} has no comment above it"

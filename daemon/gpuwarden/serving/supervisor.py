@@ -10,6 +10,7 @@ SIGTERM, then SIGKILL, and what must be empty before the next start.
 
 from __future__ import annotations
 
+import contextlib
 import grp
 import logging
 import os
@@ -50,6 +51,19 @@ class Child:
 class ProcessOps:
     """Every OS call the supervisor makes. Tests pass a fake."""
 
+    def child_identity(self, user: str) -> tuple[str | None, int | None]:
+        """(user to drop to, or None to stay ourselves; the child's uid, or None if the user does not exist).
+        Only root can drop privileges, so anyone else runs vLLM as themselves."""
+        if os.geteuid() != 0:
+            me = pwd.getpwuid(os.geteuid()).pw_name
+            if me != user:
+                log.info("not running as root, so vLLM runs as %s rather than serve.user %s", me, user)
+            return None, os.geteuid()
+        try:
+            return user, pwd.getpwnam(user).pw_uid
+        except KeyError:
+            return user, None
+
     def spawn(self, argv: tuple[str, ...], env: dict[str, str], user: str | None,
               on_line: Callable[[str], None]) -> Child:
         kwargs: dict = {}
@@ -72,16 +86,12 @@ class ProcessOps:
         return child.process.poll() if child.process else None
 
     def killpg(self, pgid: int, sig: int) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # already gone
             os.killpg(pgid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass  # already gone
 
     def kill(self, pid: int, sig: int) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
 
     def group_pids(self, pgid: int) -> list[int]:
         """Live processes in a process group, orphans re-parented to init included."""
@@ -143,7 +153,7 @@ class Supervisor:
         self.clock = clock
         self.state = STOPPED
         self.child: Child | None = None
-        self.user = self._child_user()
+        self.user, self.uid = self.ops.child_identity(serve.user)
         self.restarts = 0
         self.last_exit_code: int | None = None
         self.time_to_healthy_s: float | None = None
@@ -159,22 +169,6 @@ class Supervisor:
         self._last_level = logging.INFO
         self.error_lines: deque[str] = deque(maxlen=10)
 
-    # -- identity -----------------------------------------------------------------
-    def _child_user(self) -> str | None:
-        """The user to drop to, or None to stay who we are (only when we are not root)."""
-        if os.geteuid() != 0:
-            me = pwd.getpwuid(os.geteuid()).pw_name
-            if me != self.serve.user:
-                log.info("not running as root, so vLLM runs as %s rather than serve.user %s", me, self.serve.user)
-            return None
-        return self.serve.user
-
-    def _child_uid(self) -> int | None:
-        try:
-            return pwd.getpwnam(self.user).pw_uid if self.user else os.geteuid()
-        except KeyError:
-            return None
-
     # -- the child's output ---------------------------------------------------------
     def on_line(self, line: str) -> None:
         match = VLLM_LEVEL.match(line)
@@ -189,7 +183,7 @@ class Supervisor:
     def start(self, now: float) -> None:
         if self.state in (STARTING, RUNNING, STOPPING):
             return
-        if self.user is not None and self._child_uid() is None:
+        if self.uid is None:
             self._fatal(f"user {self.user} does not exist (create it, or set serve.user)")
             return
         blocked = self._preflight()
@@ -207,7 +201,7 @@ class Supervisor:
 
     def _preflight(self) -> str | None:
         """None if the GPUs are free for a new child; else why not (after killing our own leftovers)."""
-        uid = self._child_uid()
+        uid = self.uid
         for gpu in self.gpus:
             for pid, _ in gpu.compute_processes():
                 if self.ops.uid_of(pid) == uid:

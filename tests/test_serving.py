@@ -1,0 +1,403 @@
+"""Profiles, lint rules, the argv/env builder, the vLLM metrics reader and the supervisor's state machine."""
+
+import os
+import signal
+
+import pytest
+
+from gpuwarden import config
+from gpuwarden.gpu import open_backend
+from gpuwarden.gpu.base import GpuSample
+from gpuwarden.gpu.sim.backend import ManualClock
+from gpuwarden.gpu.sim.scenario import builtin_scenarios
+from gpuwarden.serving.command import build_command, chosen_gpus, flag_value
+from gpuwarden.serving.lint import lint
+from gpuwarden.serving.profiles import load_profiles, select_profile
+from gpuwarden.serving.supervisor import (BACKOFF, FATAL, RUNNING, STARTING, STOPPED, Child, Supervisor)
+from gpuwarden.serving.vllm_metrics import VllmMetricsReader, parse
+from gpuwarden.yamlfile import ConfigErrors
+
+PROFILES = load_profiles(None)
+
+
+def sample(index=0, cc="12.0", mem_gib=24, uuid=None):
+    return GpuSample(index, uuid or f"GPU-{index}", "G", f"00:{index}", cc,
+                     memory_total_bytes=None if mem_gib is None else mem_gib * 2**30, memory_used_bytes=0)
+
+
+# -- profiles -------------------------------------------------------------------
+
+def test_builtin_profiles_carry_the_reported_flags():
+    assert set(PROFILES) == {"sm120-small-dense", "sm120-glm47-nvfp4-tp4", "sm120-deepseek-v4-flash-tp8",
+                             "sm121-gpt-oss-120b", "generic"}
+    small = PROFILES["sm120-small-dense"]
+    assert flag_value(small.args, "--attention-backend") == "TRITON_ATTN"
+    assert flag_value(small.args, "--gpu-memory-utilization") == "0.85"
+    assert "--enable-chunked-prefill" not in small.args and small.bad_version("0.18.1") is not None
+    assert small.bad_version("0.17.1") is None
+    glm = PROFILES["sm120-glm47-nvfp4-tp4"]
+    assert flag_value(glm.args, "--gpu-memory-utilization") == "0.80" and dict(glm.env) == {
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    dsv4 = dict(PROFILES["sm120-deepseek-v4-flash-tp8"].env)
+    assert dsv4 == {"VLLM_TRITON_MLA_SPARSE_ALLOW_CUDAGRAPH": "1", "VLLM_USE_DEEP_GEMM": "0"}
+    assert flag_value(PROFILES["sm121-gpt-oss-120b"].args, "--kv-cache-dtype") == "fp8"
+
+
+@pytest.mark.parametrize("gpus,expected", [
+    ([sample(0)], "sm120-small-dense"),
+    ([sample(i, mem_gib=96) for i in range(4)], "sm120-glm47-nvfp4-tp4"),
+    ([sample(i, mem_gib=96) for i in range(8)], "sm120-deepseek-v4-flash-tp8"),
+    ([sample(0, cc="12.1", mem_gib=None)], "sm121-gpt-oss-120b"),
+    ([sample(0, cc="9.0", mem_gib=141)], "generic"),
+    ([sample(0), sample(1)], "generic"),  # two 24 GB SM120 cards: no two-GPU profile
+])
+def test_auto_selection(gpus, expected):
+    assert select_profile(PROFILES, "auto", gpus).name == expected
+
+
+@pytest.mark.parametrize("scenario", builtin_scenarios())
+def test_every_scenario_gets_a_profile(scenario):
+    cfg = config.parse_text(f"gpu:\n  backend: sim\n  scenario: {scenario}\n")
+    samples = [g.sample() for g in open_backend(cfg, ManualClock()).gpus()]
+    assert select_profile(PROFILES, "auto", [s for s in samples if s.up]) is not None
+
+
+def test_user_profiles_override_builtins_by_name(write):
+    write("profiles.d/sm120-small-dense.yaml", "name: sm120-small-dense\ndescription: mine\n"
+          "args: [--max-num-seqs, \"4\"]\n")
+    profiles = load_profiles(write("x", "").parent / "profiles.d")
+    assert profiles["sm120-small-dense"].description == "mine" and len(profiles) == 5
+
+
+def test_bad_profile_file_is_a_located_error(write):
+    path = write("profiles.d/bad.yaml", "name: bad\nargs: [--max-num-seqs, 8]\nmatch:\n  gpu_count: [4, 2]\n")
+    with pytest.raises(ConfigErrors) as info:
+        load_profiles(path.parent)
+    lines = [str(e) for e in info.value.errors]
+    assert f"{path}:2: args.1: expected a string, got an integer 8 (quote numbers: \"8\")" in lines
+    assert any(line.startswith(f"{path}:4: match.gpu_count: expected [MIN, MAX]") for line in lines)
+
+
+# -- the command ---------------------------------------------------------------------
+
+def serve_config(text=""):
+    return config.parse_text("serve:\n  model: /m/Qwen3-4B\n  port: 8123\n" + text, name="c.yaml")
+
+
+def test_final_argv_and_env():
+    cfg = serve_config("  args: [--max-num-seqs, \"4\"]\n  env: {VLLM_API_KEY: k}\n")
+    base = {"PATH": "/bin", "NOTIFY_SOCKET": "/run/x", "WATCHDOG_USEC": "1", "WATCHDOG_PID": "1", "HOME": "/root"}
+    cmd = build_command(cfg.serve, PROFILES["sm120-small-dense"], [sample(1)], base)
+    assert cmd.argv[:4] == ("vllm", "serve", "--model", "/m/Qwen3-4B")
+    assert cmd.argv[-4:] == ("--host", "127.0.0.1", "--port", "8123")
+    assert flag_value(cmd.argv, "--max-num-seqs") == "4"  # the user's args come after the profile's: they win
+    assert cmd.env["CUDA_VISIBLE_DEVICES"] == "1" and cmd.env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert cmd.env["VLLM_API_KEY"] == "k" and cmd.env["PATH"] == "/bin"
+    assert not {"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "HOME"} & set(cmd.env)
+
+
+def test_gpu_selection_by_index_and_uuid():
+    cfg = serve_config("  gpus: [GPU-3, 1]\n")
+    chosen = chosen_gpus(cfg, [sample(i) for i in range(4)])
+    assert [g.index for g in chosen] == [1, 3]
+    bad = serve_config("  gpus: [7]\n")
+    with pytest.raises(Exception, match=r"c.yaml:4: serve.gpus.0: no GPU '7' on this host"):
+        chosen_gpus(bad, [sample(0)])
+
+
+# -- lint ----------------------------------------------------------------------------
+
+GENERIC = PROFILES["generic"]
+
+
+def rules(argv, env=None, cc="12.0", model="/m/Qwen3-4B", version=None, profile=GENERIC):
+    return {f.rule: f.severity for f in lint(argv, env or {}, profile, [cc], model, version)}
+
+
+@pytest.mark.parametrize("argv,env,model,rule,severity", [
+    (["--kv-cache-dtype", "fp8_e5m2", "--max-num-seqs", "8"], {}, "/m/Qwen3-4B", "kv-cache-fp8-e5m2", "warning"),
+    (["--enable-chunked-prefill", "--max-num-seqs", "1"], {}, "/m/Qwen3-4B", "chunked-prefill-single-seq", "warning"),
+    (["--speculative-config", '{"method": "ngram"}'], {}, "/m/Qwen3-4B", "ngram-small-model", "warning"),
+    (["--enforce-eager"], {}, "/m/Qwen3-4B", "enforce-eager", "warning"),
+    (["--attention-backend", "FLASHINFER"], {}, "/m/Qwen3-4B", "flashinfer-sm120", "error"),
+    (["--attention-backend", "triton"], {}, "/m/Qwen3-4B", "attention-backend-case", "error"),
+    (["--tensor-parallel-size", "4", "--gpu-memory-utilization", "0.90"], {}, "/m/GLM-4.7",
+     "gpu-memory-utilization-tp4", "warning"),
+    ([], {"VLLM_USE_DEEP_GEMM": "1"}, "/m/Qwen3-4B", "deep-gemm-sm120", "error"),
+    ([], {}, "/m/DeepSeek-V4-Flash", "dsv4-sparse-mla-cudagraph", "warning"),
+    (["--api-key", "secret"], {}, "/m/Qwen3-4B", "api-key-on-command-line", "error"),
+])
+def test_each_lint_rule_fires(argv, env, model, rule, severity):
+    assert rules(argv, env, model=model).get(rule) == severity
+
+
+def test_lint_rules_stay_quiet_on_good_commands():
+    good = list(PROFILES["sm120-small-dense"].args)
+    assert rules(good) == {}
+    assert rules(["--kv-cache-dtype", "fp8_e5m2"], cc="9.0") == {}  # an SM120 finding, not an H100 one
+    assert rules(["--speculative-config", '{"method": "ngram"}'], model="/m/Llama-70B") == {}
+    assert rules(["--tensor-parallel-size", "4", "--gpu-memory-utilization", "0.80"]) == {}
+    assert rules([], {"VLLM_TRITON_MLA_SPARSE_ALLOW_CUDAGRAPH": "1"}, model="/m/DeepSeek-V4-Flash") == {}
+    finding = lint(["--attention-backend", "triton"], {}, GENERIC, ["12.0"], "/m/x")[0]
+    assert "use TRITON_ATTN" in finding.message and finding.source
+
+
+def test_known_bad_vllm_version_is_an_error():
+    small = PROFILES["sm120-small-dense"]
+    assert rules(list(small.args), version="0.18.1", profile=small) == {"vllm-known-bad": "error"}
+    assert rules(list(small.args), version="0.17.1", profile=small) == {}
+
+
+# -- vLLM metrics ----------------------------------------------------------------------
+
+SCRAPE = """# TYPE vllm:generation_tokens counter
+vllm:generation_tokens_total{{engine="0",model_name="m"}} {gen}
+vllm:prompt_tokens_total{{engine="0",model_name="m"}} {prompt}
+vllm:num_requests_running{{engine="0",model_name="m"}} 3.0
+vllm:num_requests_waiting{{engine="0",model_name="m"}} 1.0
+vllm:{kv}{{engine="0",model_name="m"}} 0.25
+"""
+
+
+def test_metrics_rates_and_the_kv_cache_rename(monkeypatch):
+    texts = iter([SCRAPE.format(gen=100, prompt=10, kv="kv_cache_usage_perc"),
+                  SCRAPE.format(gen=334, prompt=48, kv="gpu_cache_usage_perc")])
+    reader = VllmMetricsReader("http://x/metrics")
+
+    class Reply:
+        def __init__(self):
+            self.text = next(texts)
+
+        def read(self):
+            return self.text.encode()
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+    monkeypatch.setattr("urllib.request.urlopen", lambda url, timeout: Reply())
+    first = reader.read(10.0)
+    assert first.generation_tokens_per_s is None and first.kv_cache_usage_ratio == 0.25
+    second = reader.read(11.0)
+    assert second.generation_tokens_per_s == 234 and second.prompt_tokens_per_s == 38
+    assert (second.requests_running, second.requests_waiting, second.kv_cache_usage_ratio) == (3, 1, 0.25)
+
+
+def test_unreachable_metrics_is_none():
+    assert VllmMetricsReader("http://127.0.0.1:9/metrics", timeout_s=0.5).read(0) is None
+    assert parse('a_total{x="1"} 2\na_total{x="2"} 3\n')["a_total"] == 5
+
+
+# -- supervisor state machine, with the OS seam replaced ----------------------------------------
+
+class FakeOps:
+    def __init__(self, clock):
+        self.clock = clock
+        self.children, self.exit, self.groups = [], {}, {}
+        self.health = False
+        self.signals, self.uids, self.killed = [], {}, []
+
+    def child_identity(self, user):
+        return None, os.geteuid()
+
+    def spawn(self, argv, env, user, on_line):
+        pid = 1000 + 10 * len(self.children)
+        self.children.append((argv, env, user))
+        self.groups[pid] = [pid, pid + 1, pid + 2]  # API server, EngineCore, Worker
+        on_line("INFO 11-26 [api_server.py:1] starting")
+        return Child(pid, pid)
+
+    def poll(self, child):
+        return self.exit.get(child.pid)
+
+    def killpg(self, pgid, sig):
+        self.signals.append((pgid, sig))
+        if sig == signal.SIGKILL:
+            self.groups[pgid] = []
+
+    def kill(self, pid, sig):
+        self.killed.append((pid, sig))
+
+    def group_pids(self, pgid):
+        return list(self.groups.get(pgid, []))
+
+    def uid_of(self, pid):
+        return self.uids.get(pid)
+
+    def healthy(self, url, timeout=2.0):
+        return self.health
+
+    def sleep(self, seconds):
+        self.clock.advance(seconds)
+
+
+class FakeGpu:
+    def __init__(self, used_gib=0.0, processes=()):
+        self.index, self.processes = 0, list(processes)
+        self.used = used_gib
+
+    def compute_processes(self):
+        return list(self.processes)
+
+    def sample(self):
+        return GpuSample(0, "GPU-0", "G", "", "12.0", memory_total_bytes=24 * 2**30,
+                         memory_used_bytes=int(self.used * 2**30))
+
+
+def supervisor(text="", gpu=None, crash_loop_failures=4):
+    cfg = serve_config(f"  crash_loop_failures: {crash_loop_failures}\n  crash_loop_window_s: 100\n"
+                       "  stable_after_s: 30\n  liveness_interval_s: 5\n  liveness_failures: 2\n"
+                       "  startup_timeout_s: 60\n" + text)
+    clock = ManualClock(100)
+    ops = FakeOps(clock)
+    cmd = build_command(cfg.serve, GENERIC, [sample()], {"PATH": "/bin"})
+    sup = Supervisor(cfg.serve, cmd, [gpu or FakeGpu()], ops=ops, clock=clock)
+    return sup, ops, clock
+
+
+def test_start_healthy_running():
+    sup, ops, clock = supervisor()
+    sup.start(clock.now)
+    assert sup.state == STARTING and len(ops.children) == 1
+    clock.advance(1)
+    sup.tick(clock.now)
+    assert sup.state == STARTING
+    ops.health = True
+    clock.advance(44)
+    sup.tick(clock.now)
+    assert sup.state == RUNNING and sup.time_to_healthy_s == 45
+
+
+def test_sigkilled_api_server_is_cleaned_up_and_restarted_with_backoff():
+    sup, ops, clock = supervisor()
+    ops.health = True
+    sup.start(clock.now)
+    sup.tick(clock.now)
+    pid = sup.child.pid
+    ops.exit[pid] = -signal.SIGKILL
+    ops.groups[pid] = [pid + 1, pid + 2]  # the orphans
+    sup.tick(clock.now)
+    assert (pid, signal.SIGKILL) in ops.signals and ops.group_pids(pid) == []
+    assert sup.state == BACKOFF and sup.last_exit_code == -9 and sup.restarts == 1
+    clock.advance(0.9)
+    sup.tick(clock.now)
+    assert len(ops.children) == 1  # 1 s backoff not over yet
+    clock.advance(0.2)
+    sup.tick(clock.now)
+    assert sup.state == STARTING and len(ops.children) == 2
+
+
+def test_backoff_doubles_caps_and_resets_after_a_stable_run():
+    sup, ops, clock = supervisor("  backoff_max_s: 4\n", crash_loop_failures=99)
+    delays = []
+    for _ in range(5):
+        sup.start(clock.now)
+        ops.exit[sup.child.pid] = 1
+        sup.tick(clock.now)
+        delays.append(sup._retry_at - clock.now)
+        clock.advance(delays[-1])
+    assert delays == [1, 2, 4, 4, 4]
+    ops.health = True
+    sup.tick(clock.now)  # starts
+    sup.tick(clock.now)  # healthy
+    assert sup.state == RUNNING
+    clock.advance(31)
+    sup.tick(clock.now)  # stable for stable_after_s
+    ops.exit[sup.child.pid] = 1
+    sup.tick(clock.now)
+    assert sup._retry_at - clock.now == 1
+
+
+def test_died_while_starting_differs_from_exited_later(caplog):
+    sup, ops, clock = supervisor()
+    sup.start(clock.now)
+    ops.exit[sup.child.pid] = 1
+    sup.tick(clock.now)
+    assert "vLLM died while starting with exit status 1" in caplog.text
+    clock.advance(2)
+    sup.tick(clock.now)
+    ops.health = True
+    sup.tick(clock.now)
+    ops.exit[sup.child.pid] = 2
+    sup.tick(clock.now)
+    assert "vLLM exited with exit status 2" in caplog.text
+
+
+def test_crash_loop_goes_fatal_with_the_last_error_lines_and_sighup_resets(caplog):
+    sup, ops, clock = supervisor()
+    for _ in range(4):
+        sup.start(clock.now)
+        sup.on_line("ERROR 11-26 [core.py:1] OSError: /m/Qwen3-4B does not appear to have a file named config.json")
+        sup.on_line("Traceback line without a level")
+        ops.exit[sup.child.pid] = 1
+        sup.tick(clock.now)
+        clock.advance(10)
+    assert sup.state == FATAL
+    fatal = [r for r in caplog.records if "vLLM FATAL" in r.getMessage()]
+    assert len(fatal) == 1 and fatal[0].levelname == "CRITICAL"
+    assert "4 failures within 100 s" in fatal[0].getMessage()
+    assert "does not appear to have a file named config.json" in fatal[0].getMessage()
+    assert "Traceback line without a level" in fatal[0].getMessage()  # continuation keeps the ERROR level
+    clock.advance(1000)
+    sup.tick(clock.now)
+    assert sup.state == FATAL and len(ops.children) == 4  # stays down until SIGHUP
+    sup.reset(clock.now)
+    assert sup.state == STARTING and len(ops.children) == 5
+
+
+def test_liveness_failures_restart_the_child():
+    sup, ops, clock = supervisor()
+    ops.health = True
+    sup.start(clock.now)
+    sup.tick(clock.now)
+    ops.health = False
+    clock.advance(5)
+    sup.tick(clock.now)
+    assert sup.state == RUNNING
+    clock.advance(5)
+    sup.tick(clock.now)
+    assert sup.state == BACKOFF and "2 liveness probes" in sup.problem
+
+
+def test_startup_timeout():
+    sup, ops, clock = supervisor()
+    sup.start(clock.now)
+    clock.advance(61)
+    sup.tick(clock.now)
+    assert sup.state == BACKOFF and "startup_timeout_s" in sup.problem
+    assert ops.groups[1000] == []
+
+
+def test_stop_sends_sigterm_then_sigkill_to_the_group():
+    sup, ops, clock = supervisor("  stop_timeout_s: 3\n")
+    ops.health = True
+    sup.start(clock.now)
+    sup.tick(clock.now)
+    started = clock.now
+    sup.stop()  # the fake group ignores SIGTERM
+    assert [s for _, s in ops.signals] == [signal.SIGTERM, signal.SIGKILL]
+    assert clock.now - started == pytest.approx(3, abs=0.2) and sup.state == STOPPED
+    assert ops.group_pids(1000) == []
+
+
+def test_preflight_kills_our_leftovers_and_waits_for_foreign_processes():
+    gpu = FakeGpu(processes=[(4242, 2**30)])
+    sup, ops, clock = supervisor(gpu=gpu)
+    ops.uids[4242] = os.geteuid()  # ours: a leftover engine from an earlier child
+    sup.start(clock.now)
+    assert (4242, signal.SIGKILL) in ops.killed
+    gpu.processes = [(777, 2**30)]
+    ops.uids[777] = 12345  # somebody else's
+    sup.stop()
+    sup.start(clock.now)
+    assert sup.state == BACKOFF and sup.blocked and "other compute processes [777]" in sup.problem
+    assert sup.view().blocked
+
+
+def test_preflight_waits_for_free_memory():
+    sup, ops, clock = supervisor("  args: [--gpu-memory-utilization, \"0.85\"]\n", gpu=FakeGpu(used_gib=10))
+    sup.start(clock.now)
+    assert sup.state == BACKOFF and "less than --gpu-memory-utilization 0.85" in sup.problem
+    assert ops.children == []
