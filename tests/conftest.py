@@ -1,5 +1,9 @@
 import os
+import pwd
+import shutil
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -112,3 +116,42 @@ def daemons():
         if d.proc.poll() is None:
             d.proc.kill()
             d.proc.wait(10)
+
+
+# -- the real CPU build of vLLM (tests/vllm/install) ---------------------------------------------
+VENV = Path(os.environ.get("GPUWARDEN_VLLM_VENV", "/opt/gpuwarden-test/venv-vllm"))
+CHILD_USER = "gpuwarden-test"
+
+
+@pytest.fixture(scope="session")
+def vllm_python():
+    python = VENV / "bin" / "python"
+    if not python.exists():
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"vLLM is missing under CI=true: {python} (tests/run installs it with tests/vllm/install)")
+        pytest.skip(f"vLLM not installed at {VENV} (run bash tests/vllm/install)")
+    return python
+
+
+@pytest.fixture(scope="session")
+def tiny_model(vllm_python):
+    folder = Path(tempfile.mkdtemp(prefix="gpuwarden-tiny-model-"))
+    subprocess.run([str(vllm_python), str(ROOT / "tests" / "vllm" / "make_tiny_model.py"), str(folder)],
+                   check=True, capture_output=True, timeout=300)
+    for path in [folder, *folder.iterdir()]:  # the child user must read it
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def child_user():
+    """An unprivileged user for vLLM when the tests run as root (as in CI); else we are that user."""
+    if os.geteuid() != 0:
+        return pwd.getpwuid(os.geteuid()).pw_name
+    try:
+        pwd.getpwnam(CHILD_USER)
+    except KeyError:
+        subprocess.run(["useradd", "--system", "--create-home", "--home-dir", f"/var/lib/{CHILD_USER}",
+                        "--shell", "/usr/sbin/nologin", CHILD_USER], check=True)
+    return CHILD_USER

@@ -7,56 +7,18 @@ it these tests skip, except under CI=true, where a missing vLLM is a failure.
 import json
 import os
 import pwd
-import shutil
 import signal
 import socket
 import subprocess
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, free_port, gpuwarden_cmd, subprocess_env
+from conftest import free_port, gpuwarden_cmd, subprocess_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
-VENV = Path(os.environ.get("GPUWARDEN_VLLM_VENV", "/opt/gpuwarden-test/venv-vllm"))
-CHILD_USER = "gpuwarden-test"
-
-
-@pytest.fixture(scope="session")
-def vllm_python():
-    python = VENV / "bin" / "python"
-    if not python.exists():
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"vLLM is missing under CI=true: {python} (tests/run installs it with tests/vllm/install)")
-        pytest.skip(f"vLLM not installed at {VENV} (run bash tests/vllm/install)")
-    return python
-
-
-@pytest.fixture(scope="session")
-def tiny_model(vllm_python):
-    folder = Path(tempfile.mkdtemp(prefix="gpuwarden-tiny-model-"))
-    subprocess.run([str(vllm_python), str(ROOT / "tests" / "vllm" / "make_tiny_model.py"), str(folder)],
-                   check=True, capture_output=True, timeout=300)
-    for path in [folder, *folder.iterdir()]:  # the child user must read it
-        path.chmod(0o755 if path.is_dir() else 0o644)
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
-
-
-@pytest.fixture(scope="session")
-def child_user():
-    """An unprivileged user for vLLM when the tests run as root (as in CI); else we are that user."""
-    if os.geteuid() != 0:
-        return pwd.getpwuid(os.geteuid()).pw_name
-    try:
-        pwd.getpwnam(CHILD_USER)
-    except KeyError:
-        subprocess.run(["useradd", "--system", "--create-home", "--home-dir", f"/var/lib/{CHILD_USER}",
-                        "--shell", "/usr/sbin/nologin", CHILD_USER], check=True)
-    return CHILD_USER
 
 
 def serving_config(write, vllm_python, model, user, vllm_port, extra_args=(), extra=""):

@@ -1,0 +1,177 @@
+"""The shipped rules and dashboard against a real Prometheus (Debian's package) scraping a real daemon.
+
+The daemon runs read-only on a two-GPU headless RTX PRO 4000 sim (clocks stuck
+at 180 MHz while busy) and serves the tiny model with the CPU build of vLLM, so
+every GPU and vLLM series exists.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+
+import pytest
+import yaml
+
+from conftest import ROOT, free_port
+from gpuwarden.gpu.sim.scenario import resolve_scenario
+
+pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+RULES = ROOT / "etc" / "prometheus" / "gpuwarden-rules.yml"
+DASHBOARD = ROOT / "etc" / "grafana" / "gpuwarden-dashboard.json"
+RULE_TESTS = ROOT / "tests" / "prometheus" / "gpuwarden-rules.test.yml"
+# Grafana's variables, as a query with every host and GPU selected sends them.
+VARIABLES = {"$instance": ".*", "$gpu": ".*", "$__rate_interval": "1m", "$__interval": "15s"}
+
+
+def tool(name):
+    path = shutil.which(name)
+    if path is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{name} is missing under CI=true: tests/run installs Debian's prometheus package")
+        pytest.skip(f"{name} not installed (tests/run installs Debian's prometheus package)")
+    return path
+
+
+def test_promtool_checks_and_unit_tests_the_rules():
+    promtool = tool("promtool")
+    check = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0 and "SUCCESS: 18 rules found" in check.stdout, check.stdout + check.stderr
+    test = subprocess.run([promtool, "test", "rules", str(RULE_TESTS)], capture_output=True, text=True, timeout=120)
+    assert test.returncode == 0 and "SUCCESS" in test.stdout, test.stdout + test.stderr
+
+
+def test_every_alert_has_a_unit_test_and_its_parts():
+    rules = yaml.safe_load(RULES.read_text())
+    alerts = [r for g in rules["groups"] for r in g["rules"] if "alert" in r]
+    tested = {t["alertname"] for case in yaml.safe_load(RULE_TESTS.read_text())["tests"]
+              for t in case["alert_rule_test"] if t["exp_alerts"]}
+    assert {a["alert"] for a in alerts} == tested
+    for alert in alerts:
+        assert "for" in alert or alert["alert"] == "VllmRestarting"  # an increase over 1 h needs no for:
+        assert alert["labels"]["severity"] in ("warning", "critical")
+        assert alert["annotations"]["summary"] and "Fix:" in alert["annotations"]["description"]
+
+
+def dashboard_exprs():
+    dashboard = json.loads(DASHBOARD.read_text())
+    return [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+
+
+def substitute(expr):
+    for name, value in VARIABLES.items():
+        expr = expr.replace(name, value)
+    return expr
+
+
+def test_dashboard_is_templated_by_datasource_instance_and_gpu():
+    dashboard = json.loads(DASHBOARD.read_text())
+    names = [v["name"] for v in dashboard["templating"]["list"]]
+    assert names == ["datasource", "instance", "gpu"]
+    for panel in dashboard["panels"]:
+        if panel["type"] != "row":
+            assert panel["datasource"]["uid"] == "${datasource}"
+    exprs = " ".join(dashboard_exprs())
+    for metric in ("gpuwarden_gpu_sm_clock_hertz", "gpuwarden_gpu_sm_clock_lock_hertz", "gpuwarden_gpu_power_watts",
+                   "gpuwarden_gpu_power_limit_watts", "gpuwarden_gpu_clock_event_active",
+                   "gpuwarden_gpu_temperature_celsius", "gpuwarden_alert_active",
+                   "gpuwarden_vllm_generation_tokens_per_second", "gpuwarden_vllm_requests_running",
+                   "gpuwarden_vllm_requests_waiting", "gpuwarden_vllm_kv_cache_usage_ratio",
+                   "gpuwarden_vllm_restarts_total", "gpuwarden_vllm_state", "gpuwarden_sample_duration_seconds",
+                   "gpuwarden_loop_lag_seconds"):
+        assert metric in exprs, metric
+
+
+def query(base, expr):
+    url = f"{base}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    try:
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            return json.load(reply)
+    except urllib.error.HTTPError as exc:
+        return json.load(exc)
+
+
+def alerts(base):
+    with urllib.request.urlopen(f"{base}/api/v1/alerts", timeout=10) as reply:
+        return json.load(reply)["data"]["alerts"]
+
+
+def test_real_prometheus_fires_the_clock_alert_and_every_query_has_data(write, daemons, vllm_python, tiny_model,
+                                                                       child_user, tmp_path):
+    prometheus = tool("prometheus")
+    scenario = write("scenario.yaml", resolve_scenario("rtx-pro-4000-headless").read_text()
+                     .replace("memory_used_pct: 85", "memory_used_pct: 10"))  # room for vLLM's preflight
+    write("profiles.d/cpu-tiny.yaml", "name: cpu-tiny\ndescription: tiny model on vLLM's CPU build\n"
+          "args: [--gpu-memory-utilization, \"0.3\", --max-model-len, \"256\", --enforce-eager]\n")
+    # Host A watches read-only (its clocks stay at 180 MHz: the alert); host B tunes, locks memory too,
+    # and serves, so every series the rules and the dashboard read exists.
+    port_a, port_b, prom_port = free_port(), free_port(), free_port()
+    common = f"poll_interval_s: 0.5\nalerts:\n  for_s: 1\ngpu:\n  backend: sim\n  scenario: {scenario}\n"
+    config_a = write("a.yaml", common + f"tuning:\n  apply: false\nmetrics:\n  listen: 127.0.0.1:{port_a}\n")
+    config_b = write("gpuwarden.yaml", common + f"""tuning:
+  memory_clocks: max
+metrics:
+  listen: 127.0.0.1:{port_b}
+serve:
+  enabled: true
+  profile: cpu-tiny
+  model: {tiny_model}
+  command: [{vllm_python}, -m, vllm.entrypoints.openai.api_server]
+  port: {free_port()}
+  user: {child_user}
+  startup_timeout_s: 400
+  stop_timeout_s: 20
+""")
+    targets = [f"127.0.0.1:{port_a}", f"127.0.0.1:{port_b}"]
+    prom_config = write("prometheus.yml", yaml.safe_dump({
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(RULES)],
+        "scrape_configs": [{"job_name": "gpuwarden", "static_configs": [{"targets": targets}]}],
+    }))
+    d = daemons(config_b)
+    host_a = daemons(config_a)
+    started = time.monotonic()
+    prom_log = open(tmp_path / "prometheus.log", "w")  # noqa: SIM115 (closed in the finally below)
+    prom = subprocess.Popen([prometheus, f"--config.file={prom_config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                             f"--web.listen-address=127.0.0.1:{prom_port}"], stdout=subprocess.DEVNULL, stderr=prom_log)
+    base = f"http://127.0.0.1:{prom_port}"
+    try:
+        # The daemon fires after for_s (1 s); Prometheus needs one scrape (1 s), then the rule's `for: 1m`,
+        # then one evaluation (1 s): firing 62-66 s after start, on this 2-core box give or take start-up.
+        fired = None
+        while time.monotonic() - started < 120 and fired is None:
+            try:
+                firing = [a for a in alerts(base) if a["labels"]["alertname"] == "GpuClocksLowWhileBusy"
+                          and a["state"] == "firing"]
+            except OSError:
+                firing = []
+            if {a["labels"]["gpu"] for a in firing if a["labels"]["alert"] == "sm_clock_low"
+                    and a["labels"]["instance"] == targets[0]} == {"0", "1"}:
+                fired = time.monotonic() - started
+            time.sleep(0.5)
+        assert fired is not None, "GpuClocksLowWhileBusy never fired for both GPUs"
+        assert 60 <= fired <= 80, fired
+        assert not [a for a in firing if a["labels"]["instance"] == targets[1]], "the tuned host is fine"
+
+        d.wait_for("vLLM healthy after", timeout=400)
+        time.sleep(3)  # two reads of vLLM's metrics make a rate; a few rule evaluations
+        rules = yaml.safe_load(RULES.read_text())
+        rule_exprs = [r["expr"] for g in rules["groups"] for r in g["rules"]]
+        for expr in rule_exprs + [substitute(e) for e in dashboard_exprs()]:
+            result = query(base, expr)
+            assert result["status"] == "success", (expr, result)
+            if "alert" not in expr and not re.search(r"(==|<|>) *[0-9.]+$|absent\(|\band\b", expr):
+                assert result["data"]["result"], f"no data for {expr}"
+        # Alert expressions are empty while all is well: each metric they read must still exist.
+        for name in sorted(set(re.findall(r"\b(gpuwarden[_:][a-z0-9_:]+|up)\b", " ".join(rule_exprs)))):
+            assert query(base, f'{{__name__="{name}"}}')["data"]["result"], f"no series {name}"
+    finally:
+        prom.terminate()
+        prom.wait(30)
+        prom_log.close()
+        d.stop()
+        host_a.stop()
