@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -108,11 +109,19 @@ class NvmlBackend(GpuBackend):
                 self.nvml.nvmlShutdown()
 
 
+# Where the Debian package puts its pinned copy of nvidia-ml-py (not in main), off the system's path.
+VENDOR_DIR = "/usr/share/gpuwarden/vendor"
+
+
 def _import_pynvml() -> Any:
     try:
         return importlib.import_module("pynvml")
     except ImportError:
-        raise errors.Unavailable("NVML: the nvidia-ml-py package (module pynvml) is not installed") from None
+        pass
+    if Path(VENDOR_DIR, "pynvml.py").is_file():
+        sys.path.append(VENDOR_DIR)
+        return importlib.import_module("pynvml")
+    raise errors.Unavailable("NVML: the nvidia-ml-py package (module pynvml) is not installed")
 
 
 class NvmlGpu(Gpu):
