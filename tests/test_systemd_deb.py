@@ -1,0 +1,130 @@
+"""The .deb, installed with apt into a debootstrapped Debian 12 and booted under a real systemd (nspawn).
+
+Needs root, debootstrap and systemd-nspawn; tests/systemd/make-rootfs caches the
+rootfs. Under CI=true a missing part is a failure, elsewhere a skip.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+pytestmark = [pytest.mark.integration, pytest.mark.systemd]
+HERE = ROOT / "tests" / "systemd"
+ROOTFS_CACHE = Path(os.environ.get("GPUWARDEN_ROOTFS", "/var/cache/gpuwarden-test/bookworm-rootfs"))
+
+
+def require(condition, why):
+    if not condition:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"under CI=true: {why}")
+        pytest.skip(why)
+
+
+@pytest.fixture(scope="module")
+def deb():
+    require(os.geteuid() == 0, "building and installing the .deb needs root")
+    proc = subprocess.run([str(ROOT / "packaging" / "build-deb")], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (path,) = (ROOT / "dist").glob("gpuwarden_*_all.deb")
+    return path, proc.stdout
+
+
+def nspawn(root, *args, timeout=600, boot=False, binds=()):
+    Path("/run/systemd/nspawn").mkdir(parents=True, exist_ok=True)
+    cmd = ["systemd-nspawn", "-q", "-D", str(root), "--register=no", "--keep-unit",
+           *[f"--bind={b}" for b in binds], *(["-b"] if boot else []), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+@pytest.fixture(scope="module")
+def installed_root(deb, tmp_path_factory):
+    """A copy of the cached rootfs with the .deb installed by apt (dependencies from Debian)."""
+    require(shutil.which("systemd-nspawn") is not None or os.environ.get("CI") == "true",
+            "systemd-nspawn not installed (tests/systemd/make-rootfs installs it)")
+    proc = subprocess.run(["bash", str(HERE / "make-rootfs"), str(ROOTFS_CACHE)], capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    root = tmp_path_factory.mktemp("nspawn") / "root"
+    subprocess.run(["cp", "-a", "--reflink=auto", str(ROOTFS_CACHE), str(root)], check=True)
+    shutil.copy(deb[0], root / "tmp" / "gpuwarden.deb")
+    # The test drop-in exists before the package does, as an admin's would: dpkg keeps it.
+    (root / "etc" / "gpuwarden" / "conf.d").mkdir(parents=True)
+    shutil.copy(HERE / "10-e2e.yaml", root / "etc" / "gpuwarden" / "conf.d" / "10-e2e.yaml")
+    proc = nspawn(root, "/bin/sh", "-c", "apt-get update -qq && DEBIAN_FRONTEND=noninteractive "
+                  "apt-get install -y -qq --no-install-recommends /tmp/gpuwarden.deb")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return root
+
+
+def add_checks(root, script):
+    shutil.copy(script, root / "usr" / "local" / "bin" / "gpuwarden-e2e")
+    (root / "usr" / "local" / "bin" / "gpuwarden-e2e").chmod(0o755)
+    unit = root / "etc" / "systemd" / "system" / "gpuwarden-e2e.service"
+    shutil.copy(HERE / "gpuwarden-e2e.service", unit)
+    wants = root / "etc" / "systemd" / "system" / "multi-user.target.wants"
+    wants.mkdir(parents=True, exist_ok=True)
+    (wants / "gpuwarden-e2e.service").symlink_to("/etc/systemd/system/gpuwarden-e2e.service")
+
+
+def results(folder):
+    text = (folder / "results.txt").read_text()
+    return dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
+
+
+def test_lintian_is_clean_and_warnings_are_justified(deb):
+    tags = re.findall(r"^([EWIPX]): gpuwarden: ([a-z0-9-]+)", deb[1], re.M)
+    assert not [t for level, t in tags if level == "E"], deb[1]
+    readme = (ROOT / "packaging" / "README").read_text()
+    for level, tag in tags:
+        if level in "WI":
+            assert tag in readme, f"lintian {level}: {tag} is not justified in packaging/README"
+
+
+def test_package_contents(deb):
+    listing = subprocess.run(["dpkg-deb", "-c", str(deb[0])], capture_output=True, text=True, check=True).stdout
+    for path in ("./etc/gpuwarden/gpuwarden.yaml", "./lib/systemd/system/gpuwarden.service", "./usr/bin/gpuwarden",
+                 "./usr/lib/sysusers.d/gpuwarden.conf", "./usr/share/gpuwarden/vendor/pynvml.py",
+                 "./usr/share/gpuwarden/prometheus/gpuwarden-rules.yml", "./usr/share/man/man8/gpuwarden.8.gz"):
+        assert path in listing, path
+    info = subprocess.run(["dpkg-deb", "-f", str(deb[0]), "Architecture", "Depends"], capture_output=True, text=True,
+                          check=True).stdout
+    assert "Architecture: all" in info and "python3-prometheus-client" in info and "python3-sdnotify" in info
+    conffiles = subprocess.run(["dpkg-deb", "-I", str(deb[0]), "conffiles"], capture_output=True, text=True).stdout
+    assert conffiles.split() == ["/etc/gpuwarden/gpuwarden.yaml"]
+
+
+def test_boots_tunes_alerts_stops_fails_cleanly_and_survives_a_stall(installed_root, tmp_path):
+    root = tmp_path / "root"
+    subprocess.run(["cp", "-a", "--reflink=auto", str(installed_root), str(root)], check=True)
+    add_checks(root, HERE / "e2e-checks")
+    folder = tmp_path / "results"
+    folder.mkdir()
+    started = time.monotonic()
+    proc = nspawn(root, boot=True, binds=[f"{folder}:/results"], timeout=400)
+    got = results(folder)
+    assert got.get("done") == "yes", (proc.stdout[-3000:], got)
+    assert got["active"] == "active"
+    assert got["status_read_only"].startswith("2 GPUs · read-only · GPU0 ") and "sm_clock_low" in got[
+        "status_read_only"] or "memory_clock_low" in got["status_read_only"]
+    assert int(got["warnings_low_clock"]) == 2, got  # one firing line per busy GPU
+    assert int(got["warnings_priority"]) >= 4 and int(got["warnings_chatty"]) == 0
+    assert int(got["metrics_alert_firing"]) == 2
+    assert got["status_tuned"].startswith("2 GPUs · locked 3090 MHz")
+    assert int(got["resolved_low_clock"]) == 2 and int(got["metrics_alert_clear"]) == 2
+    assert int(got["metrics_tuning"]) == 2
+    assert float(got["stop_seconds"]) < 10 and got["stop_result"] == "success" and got["stop_status"] == "0"
+    assert got["broken_state"] == "failed" and got["broken_status"] == "78" and got["broken_restarts"] == "0"
+    assert got["broken_logged"] == "1"
+    assert int(got["watchdog_restarts"]) >= 1 and got["watchdog_new_pid"] == "yes"
+    assert int(got["watchdog_logged"]) >= 1 and got["watchdog_active"] == "active"
+    verify = (folder / "verify.txt").read_text()
+    assert got["verify_lines"] == "0", f"systemd-analyze verify printed:\n{verify}"
+    assert got["security"].startswith("Overall exposure level for gpuwarden.service")
+    assert time.monotonic() - started < 300
