@@ -53,12 +53,12 @@ def installed_root(deb, tmp_path_factory):
     assert proc.returncode == 0, proc.stderr
     root = tmp_path_factory.mktemp("nspawn") / "root"
     subprocess.run(["cp", "-a", "--reflink=auto", str(ROOTFS_CACHE), str(root)], check=True)
-    shutil.copy(deb[0], root / "tmp" / "gpuwarden.deb")
+    shutil.copy(deb[0], root / "var" / "cache" / "gpuwarden.deb")  # nspawn mounts its own /tmp
     # The test drop-in exists before the package does, as an admin's would: dpkg keeps it.
     (root / "etc" / "gpuwarden" / "conf.d").mkdir(parents=True)
     shutil.copy(HERE / "10-e2e.yaml", root / "etc" / "gpuwarden" / "conf.d" / "10-e2e.yaml")
     proc = nspawn(root, "/bin/sh", "-c", "apt-get update -qq && DEBIAN_FRONTEND=noninteractive "
-                  "apt-get install -y -qq --no-install-recommends /tmp/gpuwarden.deb")
+                  "apt-get install -y -qq --no-install-recommends /var/cache/gpuwarden.deb man-db")  # man-db: verify checks the man page
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return root
 
@@ -116,7 +116,7 @@ def test_boots_tunes_alerts_stops_fails_cleanly_and_survives_a_stall(installed_r
     assert int(got["warnings_low_clock"]) == 2, got  # one firing line per busy GPU
     assert int(got["warnings_priority"]) >= 4 and int(got["warnings_chatty"]) == 0
     assert int(got["metrics_alert_firing"]) == 2
-    assert got["status_tuned"].startswith("2 GPUs · locked 3090 MHz")
+    assert got["status_tuned"].startswith("2 GPUs · locked 3090 MHz"), (folder / "journal.txt").read_text()[-4000:]
     assert int(got["resolved_low_clock"]) == 2 and int(got["metrics_alert_clear"]) == 2
     assert int(got["metrics_tuning"]) == 2
     assert float(got["stop_seconds"]) < 10 and got["stop_result"] == "success" and got["stop_status"] == "0"

@@ -14,6 +14,7 @@ from .config import EX_CONFIG, Config
 from .gpu import errors, open_backend
 from .gpu.sim.scenario import builtin_scenarios, resolve_scenario
 from .tuning import Outcome, Plan, Tuner, make_plan
+from .systemd import print_error
 from .yamlfile import ConfigError, ConfigErrors
 
 EX_OK, EX_FAIL, EX_UNAVAILABLE, EX_NOPERM = 0, 1, 69, 77  # sysexits.h where one fits
@@ -79,10 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ConfigErrors) as exc:
         return _config_failure(exc, getattr(args, "json", False))
     except errors.GpuError as exc:
-        print(f"gpuwarden: {exc}", file=sys.stderr)
+        print_error(f"gpuwarden: {exc}")
         return EX_UNAVAILABLE if isinstance(exc, errors.Unavailable) else EX_FAIL
     except KeyboardInterrupt:
-        print("gpuwarden: interrupted", file=sys.stderr)
+        print_error("gpuwarden: interrupted")
         return 130
     except BrokenPipeError:
         return EX_FAIL  # e.g. `gpuwarden plan | head`
@@ -94,7 +95,7 @@ def _config_failure(exc: ConfigError | ConfigErrors, as_json: bool) -> int:
         print(json.dumps({"ok": False, "errors": [p.as_dict() for p in problems]}, indent=2))
     else:
         for problem in problems:
-            print(problem, file=sys.stderr)
+            print_error(str(problem))
     return EX_CONFIG
 
 
@@ -261,7 +262,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
     config = load_config(args)
     if not config.tuning.apply:
         file, line = config.document.locate(("tuning", "apply")) if config.document else ("(defaults)", 0)
-        print(f"gpuwarden: nothing applied: tuning.apply is false ({file}:{line})", file=sys.stderr)
+        print_error(f"gpuwarden: nothing applied: tuning.apply is false ({file}:{line})")
         return EX_FAIL
     backend = open_backend(config)
     try:
@@ -294,7 +295,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         run(Daemon(config, backend, reload=lambda: load_config(args)), duration_s=args.duration)
     except StartupError as exc:
-        print(f"gpuwarden: {exc}", file=sys.stderr)
+        print_error(f"gpuwarden: {exc}")
         return EX_FAIL
     finally:
         backend.close()
@@ -306,7 +307,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     config = load_config(args)
     if config.metrics.url is None:
-        print("gpuwarden: metrics.listen is none, so the daemon serves no /status to read", file=sys.stderr)
+        print_error("gpuwarden: metrics.listen is none, so the daemon serves no /status to read")
         return EX_NOT_RUNNING
     state = fetch_status(config.metrics.url)
     if state is None:

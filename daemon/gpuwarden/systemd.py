@@ -33,6 +33,12 @@ def stderr_is_journal(env: Mapping[str, str] = os.environ, fd: int = 2) -> bool:
     return (st.st_dev, st.st_ino) == (int(dev), int(ino))
 
 
+def print_error(text: str) -> None:
+    """One error line on stderr, at priority err when stderr is the journal."""
+    prefix = "<3>" if stderr_is_journal() else ""
+    print(f"{prefix}{text}", file=sys.stderr)
+
+
 class JournalFormatter(logging.Formatter):
     """`<N>message`: journald stores N as the priority, so `journalctl -p warning` works."""
 
