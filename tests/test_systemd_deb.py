@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT  # noqa: F401 (vllm fixtures come from conftest too)
 
 pytestmark = [pytest.mark.integration, pytest.mark.systemd]
 HERE = ROOT / "tests" / "systemd"
@@ -58,7 +58,8 @@ def installed_root(deb, tmp_path_factory):
     (root / "etc" / "gpuwarden" / "conf.d").mkdir(parents=True)
     shutil.copy(HERE / "10-e2e.yaml", root / "etc" / "gpuwarden" / "conf.d" / "10-e2e.yaml")
     proc = nspawn(root, "/bin/sh", "-c", "apt-get update -qq && DEBIAN_FRONTEND=noninteractive "
-                  "apt-get install -y -qq --no-install-recommends /var/cache/gpuwarden.deb man-db")  # man-db: verify checks the man page
+                  "apt-get install -y -qq --no-install-recommends /var/cache/gpuwarden.deb man-db libnuma1")
+    # man-db: verify checks the man page; libnuma1: vLLM's CPU build needs it (a GPU host's vLLM brings its own)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return root
 
@@ -128,3 +129,35 @@ def test_boots_tunes_alerts_stops_fails_cleanly_and_survives_a_stall(installed_r
     assert got["verify_lines"] == "0", f"systemd-analyze verify printed:\n{verify}"
     assert got["security"].startswith("Overall exposure level for gpuwarden.service")
     assert time.monotonic() - started < 300
+
+
+def test_serving_ready_only_when_vllm_is_healthy_and_stop_leaves_nothing(installed_root, tmp_path, vllm_python,
+                                                                        tiny_model):
+    root = tmp_path / "root"
+    subprocess.run(["cp", "-a", "--reflink=auto", str(installed_root), str(root)], check=True)
+    add_checks(root, HERE / "e2e-vllm-checks")
+    conf = root / "etc" / "gpuwarden" / "conf.d"
+    (conf / "10-e2e.yaml").unlink()
+    (conf / "10-e2e-vllm.yaml").write_text((HERE / "10-e2e-vllm.yaml").read_text()
+                                           .replace("VLLM_PYTHON", str(vllm_python)))
+    (root / "etc" / "gpuwarden" / "profiles.d" / "cpu-tiny.yaml").write_text(
+        "name: cpu-tiny\ndescription: the tiny test model on vLLM's CPU build\n"
+        "args: [--gpu-memory-utilization, \"0.3\", --max-model-len, \"256\", --enforce-eager]\n")
+    folder = tmp_path / "results"
+    folder.mkdir()
+    venv = vllm_python.parent.parent
+    proc = nspawn(root, boot=True, timeout=600,
+                  binds=[f"{folder}:/results", f"{venv}:{venv}", f"{tiny_model}:/srv/tiny-model"])
+    got = results(folder)
+    journal = (folder / "journal.txt").read_text() if (folder / "journal.txt").exists() else proc.stdout[-3000:]
+    assert got.get("done") == "yes", journal[-4000:]
+    assert got["state"] == "active" and got["health"] == "200", journal[-4000:]
+    assert int(got["vllm_processes"]) >= 2, "the API server and its engine run as the gpuwarden user"
+    assert got["completion"] == "1"
+    assert "tiny-model (cpu-tiny)" in got["status"]
+    # READY=1 (systemd's "Started") came only after vLLM answered /health.
+    lines = journal.splitlines()
+    healthy = next(i for i, line in enumerate(lines) if "vLLM healthy after" in line)
+    started = next(i for i, line in enumerate(lines) if "Started gpuwarden.service" in line)
+    assert healthy < started
+    assert got["stop_result"] == "success" and got["leftover"] == "0"

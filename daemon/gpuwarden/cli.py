@@ -1,4 +1,4 @@
-"""Command line: check, plan, apply, run, status, profiles."""
+"""Command line: check, plan, apply, run, status, profiles, doctor."""
 
 from __future__ import annotations
 
@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=("list", "show"))
     p.add_argument("name", nargs="?", help="the profile to show (default: serve.profile, auto-selected)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = sub.add_parser("doctor", parents=[common], help="one-shot, read-only preflight: persistence, clocks and "
+                       "throttle reasons, power limit, driver, and the vLLM setup; exit 0 ok, 1 warnings, 2 errors")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--no-deep", action="store_true", help="skip running vLLM's own flag parser (slow: imports vLLM)")
     p = sub.add_parser("status", parents=[common], help="show the running daemon's view: clocks, power, "
                        "reasons and firing alerts per GPU (exit 3 if no daemon answers)")
     p.add_argument("--json", action="store_true", help="the daemon's raw /status JSON")
@@ -302,6 +306,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     return EX_OK
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from .doctor import diagnose, exit_status
+
+    config = load_config(args)
+    backend = open_backend(config)
+    try:
+        findings = diagnose(config, backend, deep=not args.no_deep)
+    finally:
+        backend.close()
+    if args.json:
+        print(json.dumps({"exit_status": exit_status(findings), "findings": [f.as_dict() for f in findings]},
+                         indent=2))
+    else:
+        print("\n".join(str(f) for f in findings))
+    return exit_status(findings)
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from .status import fetch_status, render_status
 
@@ -318,7 +339,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"check": cmd_check, "plan": cmd_plan, "apply": cmd_apply, "run": cmd_run, "status": cmd_status,
-            "profiles": cmd_profiles}
+            "profiles": cmd_profiles, "doctor": cmd_doctor}
 
 
 if __name__ == "__main__":

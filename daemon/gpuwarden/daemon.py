@@ -22,7 +22,7 @@ from .exporter import MetricsServer, make_registry
 from .gpu.base import GpuBackend
 from .monitor import Monitor, describe_sample
 from .serving.prepare import prepare_serve
-from .serving.supervisor import RUNNING, Supervisor
+from .serving.supervisor import FATAL, RUNNING, Supervisor
 from .serving.vllm_metrics import VllmMetricsReader
 from .systemd import Notifier
 from .tuning import Plan, Tuner, make_plan
@@ -118,8 +118,9 @@ class Daemon:
             log.error("poll failed: %s: %s", type(exc).__name__, exc)
             return
         status = snapshot.status_line()
-        # READY only once everything is usable: tuned, and vLLM healthy when serving.
-        if not self.ready_sent and (self.supervisor is None or self.supervisor.state == RUNNING):
+        # READY once everything is usable: tuned, and vLLM healthy when serving. A vLLM that went FATAL
+        # also ends the start-up, so that `systemctl start` returns and the STATUS line says why.
+        if not self.ready_sent and (self.supervisor is None or self.supervisor.state in (RUNNING, FATAL)):
             self.notifier.ready(status)
             self.ready_sent = True
         self.notifier.status(status)

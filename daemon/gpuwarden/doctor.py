@@ -1,0 +1,138 @@
+"""`gpuwarden doctor`: a one-shot, read-only preflight of the GPUs and the vLLM setup.
+
+For people who do not run the daemon, and for the daemon's own start. Every
+finding is one line with a severity and, where something is wrong, the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import Config
+from .gpu.base import ClockEventReason as R
+from .gpu.base import GpuBackend, GpuSample
+from .yamlfile import ConfigError, ConfigErrors
+
+OK, INFO, WARNING, ERROR = "ok", "info", "warning", "error"
+EXIT = {OK: 0, INFO: 0, WARNING: 1, ERROR: 2}
+MIN_SM120_DRIVER = 580  # CUDA graphs work on SM120 from driver 580 on (the RTX PRO 4000 report)
+BUSY_PCT = 20
+
+
+@dataclass(frozen=True)
+class Finding:
+    severity: str
+    check: str
+    message: str
+    fix: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.severity.upper():7s} {self.check}: {self.message}" + (f" -> fix: {self.fix}" if self.fix else "")
+
+    def as_dict(self) -> dict:
+        return {"severity": self.severity, "check": self.check, "message": self.message, "fix": self.fix}
+
+
+def exit_status(findings: list[Finding]) -> int:
+    return max((EXIT[f.severity] for f in findings), default=0)
+
+
+def diagnose(config: Config, backend: GpuBackend, deep: bool = True) -> list[Finding]:
+    findings = [_driver(backend)]
+    persistenced = backend.persistenced_running()
+    for gpu in backend.gpus():
+        s = gpu.sample()
+        if not s.up:
+            findings.append(Finding(ERROR, f"GPU{s.index} present", f"{s.uuid} is lost: {s.error}",
+                                    "check `dmesg` for Xid errors; reset the GPU or reboot"))
+            continue
+        findings.append(_persistence(s, persistenced))
+        findings.append(_clocks(s))
+        findings.append(_power(s))
+    findings.extend(_serving(config, backend, deep))
+    return findings
+
+
+def _driver(backend: GpuBackend) -> Finding:
+    version = backend.driver_version()
+    if version is None:
+        return Finding(WARNING, "driver", "NVML did not report a driver version")
+    sm12x = [g.index for g in backend.gpus() if (g.sample().compute_capability or "").startswith("12.")]
+    major = int(version.split(".")[0]) if version.split(".")[0].isdigit() else 0
+    if sm12x and major < MIN_SM120_DRIVER:
+        return Finding(WARNING, "driver", f"driver {version} on SM12x GPUs {sm12x}",
+                       f"install driver {MIN_SM120_DRIVER} or newer (CUDA graphs on SM120)")
+    return Finding(OK, "driver", f"driver {version}")
+
+
+def _persistence(s: GpuSample, persistenced: bool) -> Finding:
+    check = f"GPU{s.index} persistence"
+    if s.persistence_mode is None:
+        return Finding(INFO, check, "persistence mode is not reported by this GPU")
+    if s.persistence_mode:
+        return Finding(OK, check, "persistence mode on" + (" (nvidia-persistenced runs)" if persistenced else ""))
+    if persistenced:
+        return Finding(WARNING, check, "persistence mode off although nvidia-persistenced runs",
+                       "restart nvidia-persistenced, or `sudo gpuwarden apply`")
+    return Finding(WARNING, check, "persistence mode off and nvidia-persistenced is not running: the driver "
+                   "unloads between CUDA programs", "`sudo gpuwarden apply` (or run the gpuwarden service)")
+
+
+def _clocks(s: GpuSample) -> Finding:
+    check = f"GPU{s.index} clocks"
+    reasons = s.clock_event_reasons or R.NONE
+    names = ",".join(reasons.names()) or "none"
+    sm, top = s.sm_clock_mhz, s.max_sm_clock_mhz
+    if sm is None or top is None:
+        return Finding(INFO, check, "clocks are not reported by this GPU")
+    busy = (s.utilization_pct or 0) >= BUSY_PCT
+    now = f"SM {sm}/{top} MHz, memory {s.memory_clock_mhz} MHz, util {s.utilization_pct}%, P{s.performance_state}, " \
+          f"reasons {names}"
+    if busy and sm < top / 2 and not reasons & (R.SwPowerCap | R.SwThermalSlowdown | R.HwThermalSlowdown
+                                                | R.HwSlowdown | R.HwPowerBrakeSlowdown):
+        return Finding(ERROR, check, f"busy but stuck low with no throttle reason: {now}",
+                       "lock the clocks: `sudo gpuwarden apply` with tuning.gpu_clocks: max")
+    if busy and reasons & (R.HwThermalSlowdown | R.HwSlowdown | R.HwPowerBrakeSlowdown):
+        return Finding(ERROR, check, f"hardware slowdown: {now}", "check cooling and the power supply now")
+    if busy and reasons & (R.SwPowerCap | R.SwThermalSlowdown):
+        return Finding(WARNING, check, f"throttled: {now}", "raise the power limit within its constraints, or "
+                       "improve cooling")
+    if not busy and sm < top / 2 and (s.performance_state or 0) >= 8 and (s.compute_capability or "").startswith("12."):
+        return Finding(WARNING, check, f"idle and unlocked: {now}; headless SM12x cards stay at these clocks under "
+                       "load", "lock the clocks: `sudo gpuwarden apply` with tuning.gpu_clocks: max")
+    return Finding(OK, check, now)
+
+
+def _power(s: GpuSample) -> Finding:
+    check = f"GPU{s.index} power limit"
+    low, high, limit = s.power_limit_min_w, s.power_limit_max_w, s.power_limit_w
+    if limit is None or low is None or high is None:
+        return Finding(INFO, check, "the power limit is not reported by this GPU")
+    text = f"{limit:g} W (allowed {low:g}-{high:g} W)"
+    if limit < high - 0.5:
+        return Finding(WARNING, check, f"{text}: below the card's maximum",
+                       f"tuning.power_limit_w: {high:g} if the GPU hits SwPowerCap")
+    return Finding(OK, check, text)
+
+
+def _serving(config: Config, backend: GpuBackend, deep: bool) -> list[Finding]:
+    if not config.serve.enabled:
+        return [Finding(INFO, "vLLM", "serving is off (serve.enabled: false): vLLM checks skipped")]
+    from .serving.prepare import prepare_serve
+
+    try:
+        prepared = prepare_serve(config, backend, deep=deep)
+    except (ConfigError, ConfigErrors) as exc:
+        first = exc.errors[0] if isinstance(exc, ConfigErrors) else exc
+        return [Finding(ERROR, "vLLM profile", str(first))]
+    findings = [Finding(OK, "vLLM profile", f"{prepared.command.profile.name} for {config.serve.model}")]
+    for lint in prepared.findings:
+        findings.append(Finding(ERROR if lint.severity == "error" else WARNING, f"vLLM lint {lint.rule}",
+                                f"{lint.message} [source: {lint.source}]"))
+    if prepared.flags is not None:
+        if prepared.flags.ok:
+            findings.append(Finding(OK, "vLLM flags", f"vLLM {prepared.flags.vllm_version} accepts the command"))
+        else:
+            findings.append(Finding(ERROR, "vLLM flags", f"vLLM rejects the command: {prepared.flags.error}",
+                                    "fix serve.args or the profile; `gpuwarden profiles show` prints it"))
+    return findings

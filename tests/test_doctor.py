@@ -1,0 +1,74 @@
+"""`gpuwarden doctor` on every sim scenario: findings, severities and exit status."""
+
+import json
+
+import pytest
+
+from conftest import DEFAULT_CONFIG
+from gpuwarden import config
+from gpuwarden.doctor import diagnose, exit_status
+from gpuwarden.gpu import open_backend
+from gpuwarden.gpu.sim.backend import ManualClock
+from gpuwarden.gpu.sim.scenario import builtin_scenarios
+from gpuwarden.tuning import Tuner, make_plan
+
+# Untuned, as every scenario boots: the headless SM120 cards stay at 180 MHz while busy (an error);
+# the DGX Spark boosts, so only its persistence mode is off (a warning).
+EXPECTED_EXIT = {"rtx-pro-4000-headless": 2, "rtx-pro-6000-tp4": 2, "dgx-spark": 1, "lock-lost": 2,
+                 "gpu-lost": 2, "thermal": 2}
+
+
+@pytest.mark.parametrize("scenario", builtin_scenarios())
+def test_doctor_on_every_scenario(cli, scenario):
+    status, out, _ = cli("doctor", "--json", "-c", DEFAULT_CONFIG, "--sim", scenario)
+    report = json.loads(out)
+    assert status == EXPECTED_EXIT[scenario] == report["exit_status"]
+    checks = {f["check"]: f for f in report["findings"]}
+    assert checks["driver"]["severity"] == "ok"
+    assert checks["GPU0 persistence"]["severity"] == "warning" and checks["GPU0 persistence"]["fix"]
+    assert checks["vLLM"]["severity"] == "info"  # serving is off in the default config
+    if scenario == "dgx-spark":
+        assert checks["GPU0 power limit"]["severity"] == "info" and checks["GPU0 clocks"]["severity"] == "ok"
+    else:
+        assert checks["GPU0 clocks"]["severity"] == "error"
+        assert "busy but stuck low with no throttle reason" in checks["GPU0 clocks"]["message"]
+        assert "gpu_clocks: max" in checks["GPU0 clocks"]["fix"]
+
+
+def test_doctor_is_happy_once_tuned():
+    cfg = config.parse_text("gpu:\n  backend: sim\n  scenario: rtx-pro-4000-headless\n")
+    backend = open_backend(cfg, ManualClock())
+    Tuner(backend).apply(make_plan(backend, cfg))
+    findings = diagnose(cfg, backend, deep=False)
+    assert exit_status(findings) == 0, [str(f) for f in findings]
+    assert {f.severity for f in findings} <= {"ok", "info"}
+
+
+def test_doctor_reports_throttling_and_a_low_power_limit():
+    clock = ManualClock()
+    cfg = config.parse_text("gpu:\n  backend: sim\n  scenario: rtx-pro-4000-headless\n")
+    backend = open_backend(cfg, clock)
+    gpu = backend.gpus()[0]
+    gpu.set_gpu_locked_clocks(3090, 3090)
+    gpu.set_power_limit_w(100)
+    findings = {f.check: f for f in diagnose(cfg, backend, deep=False)}
+    assert findings["GPU0 clocks"].severity == "warning" and "SwPowerCap" in findings["GPU0 clocks"].message
+    assert findings["GPU0 power limit"].severity == "warning"
+    assert "100 W (allowed 70-145 W): below the card's maximum" in findings["GPU0 power limit"].message
+
+
+def test_doctor_lints_the_vllm_command(write, cli):
+    path = write("g.yaml", "gpu:\n  backend: sim\n  scenario: dgx-spark\nserve:\n  enabled: true\n"
+                 "  model: /m/Qwen3-4B\n  args: [--attention-backend, triton, --enforce-eager]\n")
+    status, out, _ = cli("doctor", "--no-deep", "-c", path)
+    assert status == 2
+    assert "ERROR   vLLM lint attention-backend-case: attention backend 'triton' must be upper case" in out
+    assert "WARNING vLLM lint enforce-eager" in out
+    assert "OK      vLLM profile: sm121-gpt-oss-120b for /m/Qwen3-4B" in out
+
+
+def test_doctor_text_is_one_line_per_finding(cli):
+    status, out, _ = cli("doctor", "-c", DEFAULT_CONFIG, "--sim", "dgx-spark")
+    lines = out.strip().splitlines()
+    assert status == 1 and len(lines) == 5
+    assert all(line.split()[0] in ("OK", "INFO", "WARNING", "ERROR") for line in lines)
