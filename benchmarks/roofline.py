@@ -11,8 +11,6 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "hardware"))
 
 from nvml_readonly import ReadOnlyNvml  # noqa: E402
@@ -25,6 +23,12 @@ def main() -> None:
     parser.add_argument("--gib", type=float, default=4.0, help="buffer size")
     parser.add_argument("--iters", type=int, default=50)
     args = parser.parse_args()
+    try:
+        import torch
+    except ImportError:
+        raise SystemExit("roofline: needs PyTorch with CUDA on a GPU host") from None
+    if not torch.cuda.is_available():
+        raise SystemExit("roofline: needs a CUDA GPU (torch.cuda.is_available() is false)")
     n = int(args.gib * 2**30) // 4
     src = torch.ones(n, dtype=torch.float32, device="cuda")
     dst = torch.empty_like(src)

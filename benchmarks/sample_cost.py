@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "hardw
 
 from nvml_readonly import ReadOnlyNvml  # noqa: E402
 
+from gpuwarden.gpu.errors import GpuError  # noqa: E402
 from gpuwarden.gpu.nvml import NvmlBackend  # noqa: E402
 
 # The same fields a GpuSample carries, as nvidia-smi names them.
@@ -42,7 +43,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--smi-runs", type=int, default=30)
     args = parser.parse_args()
-    backend = NvmlBackend(ReadOnlyNvml(), counters_interval_s=1e9)  # counters: first sample only
+    try:
+        backend = NvmlBackend(ReadOnlyNvml(), counters_interval_s=1e9)  # counters: first sample only
+    except GpuError as exc:
+        raise SystemExit(f"sample_cost: needs an NVIDIA GPU host: {exc}") from None
     gpus = backend.gpus()
     n = len(gpus)
     for gpu in gpus:
