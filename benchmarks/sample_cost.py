@@ -67,7 +67,8 @@ def main() -> None:
     print(f"| gpuwarden poll sample (NVML, in-process) | {poll[0] / n * 1e6:.0f} µs | {poll[1] / n * 1e6:.0f} µs |")
     print(f"| gpuwarden sample + energy + 6 violation counters | {counters[0] / n * 1e3:.2f} ms | "
           f"{counters[1] / n * 1e3:.2f} ms |")
-    print(f"| nvidia-smi --query-gpu (same fields, one process) | {smi[0] / n * 1e3:.1f} ms | {smi[1] / n * 1e3:.1f} ms |")
+    print(f"| nvidia-smi --query-gpu (same fields, one process) | {smi[0] / n * 1e3:.1f} ms | "
+          f"{smi[1] / n * 1e3:.1f} ms |")
     print(f"\nnvidia-smi / gpuwarden poll sample, medians: {smi[0] / poll[0]:.0f}x")
     print(f"nvidia-smi / gpuwarden sample with counters, medians: {smi[0] / counters[0]:.1f}x")
 

@@ -24,6 +24,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from gpuwarden.serving.supervisor import ProcessOps
+
 ROOT = Path(__file__).resolve().parent.parent
 VENV = Path(os.environ.get("GPUWARDEN_VLLM_VENV", "/opt/gpuwarden-test/venv-vllm"))
 
@@ -34,16 +36,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def group_alive(pgid: int) -> list[int]:
-    alive = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            alive.append(int(stat.parent.name))
-    return alive
+def group_alive(pgid):
+    """Live processes of a process group, orphans included: the supervisor's own check."""
+    return ProcessOps().group_pids(pgid)
 
 
 class Log:
