@@ -111,9 +111,8 @@ class Daemon:
 
     def tick(self, now: float, lag: float = 0.0) -> None:
         try:
-            snapshot = self.monitor.tick(now, lag)
-            if self.supervisor is not None:
-                snapshot = self._serving_tick(now, snapshot)
+            serving, stats = self._serving_tick(now) if self.supervisor is not None else (None, None)
+            snapshot = self.monitor.tick(now, lag, serving=serving, vllm=stats)
         except Exception as exc:  # one bad poll must not end the daemon; the next one may work
             log.error("poll failed: %s: %s", type(exc).__name__, exc)
             return
@@ -125,7 +124,8 @@ class Daemon:
             self.ready_sent = True
         self.notifier.status(status)
 
-    def _serving_tick(self, now: float, snapshot):
+    def _serving_tick(self, now: float):
+        """Advance the vLLM child and read its metrics, before the GPUs are evaluated."""
         was_running = self.supervisor.state == RUNNING
         self.supervisor.tick(now)
         stats = None
@@ -136,9 +136,7 @@ class Daemon:
         # Running requests make a GPU busy even between kernels.
         self.monitor.report_running_requests(int(stats.requests_running) if stats and stats.requests_running
                                              else None)
-        snapshot = dataclasses.replace(snapshot, serving=self.supervisor.view(), vllm=stats)
-        self.monitor.snapshot = snapshot
-        return snapshot
+        return self.supervisor.view(), stats
 
     def stop(self) -> None:
         self.notifier.stopping()

@@ -151,7 +151,9 @@ class Monitor:
         wanted = self.config.tuning.apply and self.config.tuning.for_gpu(sample.index, sample.uuid).persistence_mode
         return GpuContext(busy, sm_lock, mem_lock, wanted, settings)
 
-    def tick(self, now: float, loop_lag_s: float = 0.0) -> Snapshot:
+    def tick(self, now: float, loop_lag_s: float = 0.0, serving: ServingView | None = None,
+             vllm: VllmStats | None = None) -> Snapshot:
+        """Sample, evaluate, and publish one complete snapshot (the exporter thread reads it any time)."""
         started = time.perf_counter()
         samples = [gpu.sample() for gpu in self.backend.gpus()]
         duration = time.perf_counter() - started
@@ -171,7 +173,8 @@ class Monitor:
             gpus=tuple(GpuView(s, *self.locks.get(s.index, (None, None))) for s in samples),
             alerts=tuple(_view(state) for state in self.states.values()),
             transitions=dict(self.transitions), reapplies=dict(self.reapplies),
-            sample_duration_s=duration, loop_lag_s=loop_lag_s, read_only=not self.config.tuning.apply)
+            sample_duration_s=duration, loop_lag_s=loop_lag_s, read_only=not self.config.tuning.apply,
+            serving=serving, vllm=vllm)
         return self.snapshot
 
     def _log_event(self, event: str, state: AlertState, sample: GpuSample, now: float) -> None:
