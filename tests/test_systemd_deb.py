@@ -128,6 +128,9 @@ def test_boots_tunes_alerts_stops_fails_cleanly_and_survives_a_stall(installed_r
     verify = (folder / "verify.txt").read_text()
     assert got["verify_lines"] == "0", f"systemd-analyze verify printed:\n{verify}"
     assert got["security"].startswith("Overall exposure level for gpuwarden.service")
+    assert got["upgrade_restarted"] == "yes"
+    assert got["removed_inactive"] in ("inactive", "unknown") and got["removed_config_kept"] == "yes"
+    assert (got["purged_config"], got["purged_state"], got["purged_unit"]) == ("gone", "gone", "gone")
     assert time.monotonic() - started < 300
 
 
