@@ -197,7 +197,6 @@ class MetricsServer:
         server_class = type("Server", (_Server,), {"address_family": socket.AF_INET6 if ":" in host
                                                    else socket.AF_INET})
         self.httpd = server_class((host, port), _handler(registry, status))
-        self.address = self.httpd.server_address[:2]
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="metrics", daemon=True)
 
     def start(self) -> None:

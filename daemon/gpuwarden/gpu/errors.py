@@ -40,5 +40,3 @@ class Unavailable(GpuError):
 
 
 BY_CODE = {cls.nvml_code: cls for cls in (NotSupported, NoPermission, InvalidArgument, GpuLost)}
-# Codes that mean "NVML is not usable on this host at all".
-UNAVAILABLE_CODES = {9, 12, 6}  # DRIVER_NOT_LOADED, LIBRARY_NOT_FOUND, NOT_FOUND
