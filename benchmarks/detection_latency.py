@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import random
-import socket
 import tempfile
 import threading
 import time
 import urllib.request
 from pathlib import Path
+
+from _common import free_port, percentile
 
 from gpuwarden import config
 from gpuwarden.daemon import Daemon, run
@@ -48,12 +48,6 @@ class FiringLine(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         if self.at is None and "sm_clock_low firing" in record.getMessage():
             self.at = time.monotonic()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def watch_metric(url: str, stop: threading.Event, seen: list[float]) -> None:
@@ -90,11 +84,6 @@ def trial(poll_s: float, for_s: float, folder: Path) -> tuple[float, float]:
     if line.at is None or not seen:
         raise SystemExit(f"no detection within the run (poll {poll_s} s)")
     return line.at - collapse, seen[0] - collapse
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
 def main() -> None:

@@ -12,15 +12,15 @@ it times --scrapes back-to-back scrapes for p50/p99.
 from __future__ import annotations
 
 import argparse
-import math
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from _common import free_port, percentile
 
 from gpuwarden.gpu.sim.scenario import resolve_scenario
 
@@ -44,12 +44,6 @@ def rss_mib(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     raise RuntimeError("no VmRSS")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(url: str) -> float:
@@ -122,7 +116,7 @@ def main() -> None:
             print(f"| 8 | {rate:g} Hz | {duration:g} s | {cpu:.1f} | {rss0:.1f} MiB | {rss1:.1f} MiB | "
                   f"{rss1 - rss0:+.1f} MiB |")
         times = scrape_latency(folder, scrapes)
-        p50, p99 = times[len(times) // 2], times[max(0, math.ceil(0.99 * len(times)) - 1)]
+        p50, p99 = percentile(times, 0.5), percentile(times, 0.99)
         print(f"\n/metrics with 8 GPUs, {len(times)} sequential scrapes: p50 {p50 * 1e3:.2f} ms, "
               f"p99 {p99 * 1e3:.2f} ms, max {times[-1] * 1e3:.2f} ms")
 

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,16 +22,12 @@ import time
 import urllib.request
 from pathlib import Path
 
+from _common import free_port, percentile
+
 from gpuwarden.serving.supervisor import ProcessOps
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV = Path(os.environ.get("GPUWARDEN_VLLM_VENV", "/opt/gpuwarden-test/venv-vllm"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def group_alive(pgid):
@@ -60,11 +54,6 @@ class Log:
                     return stamp, line
             time.sleep(0.01)
         raise SystemExit(f"timed out waiting for {text!r}")
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
 def main() -> None:
@@ -143,8 +132,8 @@ serve:
             daemon.kill()
     print("| kill cycles | detected p50 / p99 | restart issued p50 / p99 | healthy again p50 / p99 | orphans left |")
     print("| ---: | ---: | ---: | ---: | ---: |")
-    print(f"| {cycles} | {pct(detect, .5):.2f} / {pct(detect, .99):.2f} s | {pct(restart, .5):.2f} / "
-          f"{pct(restart, .99):.2f} s | {pct(healthy, .5):.1f} / {pct(healthy, .99):.1f} s | {orphans} |")
+    cells = [f"{percentile(xs, .5):.2f} / {percentile(xs, .99):.2f} s" for xs in (detect, restart, healthy)]
+    print(f"| {cycles} | {' | '.join(cells)} | {orphans} |")
     print(f"\nSIGTERM to the daemon: it exited after {exited:.2f} s; every vLLM process gone after {all_gone:.2f} s")
 
 
