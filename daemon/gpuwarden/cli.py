@@ -12,7 +12,7 @@ from pathlib import Path
 from . import __version__, config as configmod
 from .config import EX_CONFIG, Config
 from .gpu import errors, open_backend
-from .gpu.sim.scenario import builtin_scenarios, resolve_scenario
+from .gpu.sim.scenario import builtin_scenarios, resolve_scenario, unknown_scenario
 from .tuning import Outcome, Plan, Tuner, make_plan
 from .systemd import print_error
 from .yamlfile import ConfigError, ConfigErrors
@@ -108,8 +108,7 @@ def load_config(args: argparse.Namespace) -> Config:
     if args.sim:
         path = resolve_scenario(args.sim, Path.cwd())
         if path is None:
-            raise ConfigError("(command line)", 0, "--sim", f"no scenario named '{args.sim}' and no such file",
-                              "built-in: " + ", ".join(builtin_scenarios()) + ", or a path to a scenario file")
+            raise ConfigError("(command line)", 0, "--sim", *unknown_scenario(args.sim))
         gpu = dataclasses.replace(config.gpu, backend="sim", scenario=args.sim, scenario_path=path)
         config = dataclasses.replace(config, gpu=gpu)
     if getattr(args, "read_only", False):
@@ -265,8 +264,8 @@ def render_plan(plan: Plan, config: Config) -> str:
 def cmd_apply(args: argparse.Namespace) -> int:
     config = load_config(args)
     if not config.tuning.apply:
-        file, line = config.document.locate(("tuning", "apply")) if config.document else ("(defaults)", 0)
-        print_error(f"gpuwarden: nothing applied: tuning.apply is false ({file}:{line})")
+        where = config.error(("tuning", "apply"), "")  # only for its file and line
+        print_error(f"gpuwarden: nothing applied: tuning.apply is false ({where.file}:{where.line})")
         return EX_FAIL
     backend = open_backend(config)
     try:

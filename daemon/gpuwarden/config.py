@@ -15,7 +15,7 @@ from typing import Any, Union
 
 from . import yamlfile
 from .alerts import AlertSettings, Threshold
-from .gpu.sim.scenario import builtin_scenarios, resolve_scenario
+from .gpu.sim.scenario import resolve_scenario, unknown_scenario
 from .schema import MISSING, NONE_WORDS, Reader, type_name
 from .yamlfile import ConfigError, Document, Path_
 
@@ -360,8 +360,7 @@ def _gpu_section(r: Reader, base_dir: Path) -> GpuBackendConfig:
     if backend == "sim" and isinstance(scenario, str):
         scenario_path = resolve_scenario(scenario, base_dir)
         if scenario_path is None:
-            r.fail(("gpu", "scenario"), f"no scenario named '{scenario}' and no such file",
-                   "built-in: " + ", ".join(builtin_scenarios()) + ", or a path to a scenario file")
+            r.fail(("gpu", "scenario"), *unknown_scenario(scenario))
     return GpuBackendConfig(backend, scenario, scenario_path)
 
 

@@ -11,9 +11,11 @@ from ..gpu.base import GpuSample
 from ..yamlfile import ConfigError
 from .profiles import Profile
 
-# Never inherited by the child: they belong to our unit (or, for HOME/USER/LOGNAME, to our user), not to vLLM.
-STRIPPED_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "JOURNAL_STREAM", "LISTEN_FDS", "LISTEN_PID",
-                "LISTEN_FDNAMES", "HOME", "USER", "LOGNAME")
+# Never inherited by anything we start: they belong to our unit, not to vLLM.
+UNIT_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "JOURNAL_STREAM", "LISTEN_FDS", "LISTEN_PID",
+            "LISTEN_FDNAMES")
+# Not inherited by the vLLM child either: they describe our user, and the child runs as serve.user.
+STRIPPED_ENV = UNIT_ENV + ("HOME", "USER", "LOGNAME")
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's own default
 
 

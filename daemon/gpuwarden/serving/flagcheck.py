@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import ServeConfig
+from .command import UNIT_ENV
 
 MARK = "GPUWARDEN-FLAGCHECK "
 PROBE = r"""
@@ -75,7 +76,7 @@ def check_flags(serve: ServeConfig, flags: list[str], timeout_s: float = 600) ->
     if python is None:
         return FlagCheck(False, f"cannot find vLLM's Python from serve.command {list(serve.command)} "
                                 "(set serve.python)", None, "")
-    env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
+    env = {k: v for k, v in os.environ.items() if k not in UNIT_ENV}
     try:
         proc = subprocess.run([python, "-c", PROBE, json.dumps(flags)], capture_output=True, text=True,
                               timeout=timeout_s, env=env, stdin=subprocess.DEVNULL)

@@ -100,6 +100,12 @@ def resolve_scenario(name: str, base_dir: Path | None = None) -> Path | None:
     return path if path.is_file() else None
 
 
+def unknown_scenario(name: str) -> tuple[str, str]:
+    """(message, allowed) for a scenario that is neither built in nor a file."""
+    return (f"no scenario named '{name}' and no such file",
+            "built-in: " + ", ".join(builtin_scenarios()) + ", or a path to a scenario file")
+
+
 def load_scenario(path: str | Path) -> Scenario:
     """Parse and validate; raise ConfigError/ConfigErrors with FILE:LINE."""
     doc = yamlfile.load(path)
