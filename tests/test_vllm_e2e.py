@@ -120,7 +120,10 @@ def test_serves_survives_sigkill_without_orphans_and_stops_clean(write, daemons,
     second_pid = int(restarted.split("(pid ")[1].split(",")[0])
     d.wait_for("vLLM healthy after", after=mark, timeout=400)
     assert complete(port, tiny_model)["choices"][0]["text"]
-    state = status(base)
+    # The snapshot with RUNNING is published once that poll has also read vLLM's /metrics.
+    deadline = time.monotonic() + 15
+    while (state := status(base))["serving"]["state"] != "RUNNING" and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert state["serving"]["state"] == "RUNNING" and state["serving"]["restarts"] == 1
     assert state["serving"]["last_exit_code"] == -9
 
