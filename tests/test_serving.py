@@ -13,7 +13,9 @@ from gpuwarden.gpu.sim.scenario import builtin_scenarios
 from gpuwarden.serving.command import build_command, chosen_gpus, flag_value
 from gpuwarden.serving.lint import lint
 from gpuwarden.serving.profiles import load_profiles, select_profile
-from gpuwarden.serving.supervisor import (BACKOFF, FATAL, RUNNING, STARTING, STOPPED, Child, Supervisor)
+from gpuwarden.serving.processes import Child
+from gpuwarden.serving.supervisor import (BACKOFF, FATAL, RUNNING, STARTING, STOPPED, STOPPING,
+                                          Supervisor)
 from gpuwarden.serving.vllm_metrics import VllmMetricsReader, parse
 from gpuwarden.yamlfile import ConfigErrors
 
@@ -159,35 +161,54 @@ vllm:{kv}{{engine="0",model_name="m"}} 0.25
 """
 
 
+class Inline:
+    """The Background interface, run synchronously, so state-machine tests need no threads."""
+
+    def __init__(self, clock):
+        self.clock, self.busy, self._done = clock, False, None
+
+    def start(self, fn, *args):
+        from gpuwarden.background import Outcome
+
+        at = self.clock()
+        try:
+            self._done = Outcome(fn(*args), None, at, self.clock())
+        except Exception as exc:
+            self._done = Outcome(None, exc, at, self.clock())
+        return True
+
+    def take(self):
+        done, self._done = self._done, None
+        return done
+
+    def discard(self):
+        self._done = None
+
+
 def test_metrics_rates_and_the_kv_cache_rename(monkeypatch):
     texts = iter([SCRAPE.format(gen=100, prompt=10, kv="kv_cache_usage_perc"),
                   SCRAPE.format(gen=334, prompt=48, kv="gpu_cache_usage_perc")])
-    reader = VllmMetricsReader("http://x/metrics")
-
-    class Reply:
-        def __init__(self):
-            self.text = next(texts)
-
-        def read(self):
-            return self.text.encode()
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *a):
-            return False
-
-    monkeypatch.setattr("urllib.request.urlopen", lambda url, timeout: Reply())
+    clock = ManualClock(10)
+    reader = VllmMetricsReader("http://x/metrics", clock, Inline(clock))
+    monkeypatch.setattr("gpuwarden.serving.vllm_metrics.fetch", lambda url: parse(next(texts)))
     first = reader.read(10.0)
     assert first.generation_tokens_per_s is None and first.kv_cache_usage_ratio == 0.25
+    clock.advance(1)
     second = reader.read(11.0)
     assert second.generation_tokens_per_s == 234 and second.prompt_tokens_per_s == 38
     assert (second.requests_running, second.requests_waiting, second.kv_cache_usage_ratio) == (3, 1, 0.25)
 
 
 def test_unreachable_metrics_is_none():
-    assert VllmMetricsReader("http://127.0.0.1:9/metrics", timeout_s=0.5).read(0) is None
+    clock = ManualClock(0)
+    assert VllmMetricsReader("http://127.0.0.1:9/metrics", clock, Inline(clock)).read(0) is None
     assert parse('a_total{x="1"} 2\na_total{x="2"} 3\n')["a_total"] == 5
+
+
+def test_non_finite_vllm_values_are_dropped():
+    values = parse("vllm:num_requests_running NaN\nvllm:num_requests_waiting +Inf\n"
+                   "vllm:generation_tokens_total 12\n")
+    assert values == {"vllm:generation_tokens_total": 12.0}
 
 
 # -- supervisor state machine, with the OS seam replaced ----------------------------------------
@@ -196,13 +217,18 @@ class FakeOps:
     def __init__(self, clock):
         self.clock = clock
         self.children, self.exit, self.groups = [], {}, {}
-        self.health = False
+        self.health_ok = False
+        self.spawn_error = None
+        self.port_is_free = True
+        self.squatters, self.escapees = set(), []
         self.signals, self.uids, self.killed = [], {}, []
 
     def child_identity(self, user):
         return None, os.geteuid()
 
     def spawn(self, argv, env, user, on_line):
+        if self.spawn_error is not None:
+            raise self.spawn_error
         pid = 1000 + 10 * len(self.children)
         self.children.append((argv, env, user))
         self.groups[pid] = [pid, pid + 1, pid + 2]  # API server, EngineCore, Worker
@@ -226,11 +252,34 @@ class FakeOps:
     def uid_of(self, pid):
         return self.uids.get(pid)
 
-    def healthy(self, url, timeout=2.0):
-        return self.health
+    def health(self, url):
+        from gpuwarden.httpget import HttpError, Reply
 
-    def sleep(self, seconds):
-        self.clock.advance(seconds)
+        if self.spawn_error is not None:
+            raise HttpError("connection refused")
+        return Reply(200 if self.health_ok else 503, b"", 0)
+
+    def background(self, name):
+        return Inline(self.clock)
+
+    def port_free(self, host, port):
+        return self.port_is_free
+
+    def listeners(self, port, among):
+        return [p for p in among if p not in self.squatters]
+
+    def who_listens(self, port):
+        return "pid 4444 (user mallory, nc)"
+
+    def escaped(self):
+        out, self.escapees = self.escapees, []
+        return out
+
+    def reap(self, pids):
+        pass
+
+    def describe(self, pid):
+        return f"pid {pid}"
 
 
 class FakeGpu:
@@ -264,7 +313,7 @@ def test_start_healthy_running():
     clock.advance(1)
     sup.tick(clock.now)
     assert sup.state == STARTING
-    ops.health = True
+    ops.health_ok = True
     clock.advance(44)
     sup.tick(clock.now)
     assert sup.state == RUNNING and sup.time_to_healthy_s == 45
@@ -272,7 +321,7 @@ def test_start_healthy_running():
 
 def test_sigkilled_api_server_is_cleaned_up_and_restarted_with_backoff():
     sup, ops, clock = supervisor()
-    ops.health = True
+    ops.health_ok = True
     sup.start(clock.now)
     sup.tick(clock.now)
     pid = sup.child.pid
@@ -299,7 +348,7 @@ def test_backoff_doubles_caps_and_resets_after_a_stable_run():
         delays.append(sup._retry_at - clock.now)
         clock.advance(delays[-1])
     assert delays == [1, 2, 4, 4, 4]
-    ops.health = True
+    ops.health_ok = True
     sup.tick(clock.now)  # starts
     sup.tick(clock.now)  # healthy
     assert sup.state == RUNNING
@@ -318,7 +367,7 @@ def test_died_while_starting_differs_from_exited_later(caplog):
     assert "vLLM died while starting with exit status 1" in caplog.text
     clock.advance(2)
     sup.tick(clock.now)
-    ops.health = True
+    ops.health_ok = True
     sup.tick(clock.now)
     ops.exit[sup.child.pid] = 2
     sup.tick(clock.now)
@@ -349,10 +398,10 @@ def test_crash_loop_goes_fatal_with_the_last_error_lines_and_sighup_resets(caplo
 
 def test_liveness_failures_restart_the_child():
     sup, ops, clock = supervisor()
-    ops.health = True
+    ops.health_ok = True
     sup.start(clock.now)
     sup.tick(clock.now)
-    ops.health = False
+    ops.health_ok = False
     clock.advance(5)
     sup.tick(clock.now)
     assert sup.state == RUNNING
@@ -370,16 +419,109 @@ def test_startup_timeout():
     assert ops.groups[1000] == []
 
 
-def test_stop_sends_sigterm_then_sigkill_to_the_group():
+def test_stop_is_a_timed_state_sigterm_then_sigkill_to_the_group():
     sup, ops, clock = supervisor("  stop_timeout_s: 3\n")
-    ops.health = True
+    ops.health_ok = True
     sup.start(clock.now)
     sup.tick(clock.now)
     started = clock.now
-    sup.stop()  # the fake group ignores SIGTERM
+    sup.stop(clock.now)  # returns at once; the fake group ignores SIGTERM
+    assert sup.state == STOPPING and clock.now == started
+    assert [s for _, s in ops.signals] == [signal.SIGTERM]
+    clock.advance(2.9)
+    sup.tick(clock.now)
+    assert sup.state == STOPPING and [s for _, s in ops.signals] == [signal.SIGTERM]
+    clock.advance(0.2)
+    sup.tick(clock.now)  # the deadline passed: SIGKILL
     assert [s for _, s in ops.signals] == [signal.SIGTERM, signal.SIGKILL]
-    assert clock.now - started == pytest.approx(3, abs=0.2) and sup.state == STOPPED
-    assert ops.group_pids(1000) == []
+    sup.tick(clock.now)
+    assert sup.state == STOPPED and sup.stopped and ops.group_pids(1000) == []
+
+
+def test_a_second_stop_request_escalates_at_once():
+    sup, ops, clock = supervisor("  stop_timeout_s: 600\n")
+    ops.health_ok = True
+    sup.start(clock.now)
+    sup.tick(clock.now)
+    sup.stop(clock.now)
+    sup.kill_now(clock.now)
+    assert [s for _, s in ops.signals] == [signal.SIGTERM, signal.SIGKILL]
+    sup.tick(clock.now)
+    assert sup.state == STOPPED
+
+
+def test_spawn_failures_back_off_then_go_fatal(caplog):
+    sup, ops, clock = supervisor(crash_loop_failures=3)
+    ops.spawn_error = FileNotFoundError(2, "No such file or directory", "/opt/vllm/bin/vllm")
+    sup.start(clock.now)
+    assert sup.state == BACKOFF and sup.problem == ("vLLM could not be started: No such file or directory: "
+                                                    "/opt/vllm/bin/vllm")
+    for _ in range(5):
+        clock.advance(10)
+        sup.tick(clock.now)
+    assert sup.state == FATAL and "3 failures within 100 s" in sup.problem
+    attempts = [r for r in caplog.records if r.levelname == "ERROR" and "could not be started" in r.getMessage()]
+    assert len(attempts) == 3, "one line per attempt, and no more after FATAL"
+
+
+def test_a_step_that_raises_still_ends_in_backoff():
+    sup, ops, clock = supervisor()
+    ops.health_ok = True
+    sup.start(clock.now)
+    sup.tick(clock.now)
+
+    def no_fds(pgid, sig):
+        raise OSError(24, "Too many open files")
+
+    ops.killpg = no_fds
+    ops.exit[sup.child.pid] = 1
+    with pytest.raises(OSError):
+        sup.tick(clock.now)
+    assert sup.state == BACKOFF, "never stuck in EXITED"
+
+
+def test_transitions_go_through_the_table_and_are_counted():
+    from gpuwarden.serving.supervisor import TransitionError
+
+    sup, ops, clock = supervisor()
+    with pytest.raises(TransitionError):
+        sup._transition(RUNNING)  # STOPPED -> RUNNING skips STARTING
+    ops.health_ok = True
+    sup.start(clock.now)
+    sup.tick(clock.now)
+    assert sup.transitions == {("STOPPED", "STARTING"): 1, ("STARTING", "RUNNING"): 1}
+
+
+def test_a_squatter_on_the_port_is_never_taken_for_vllm(caplog):
+    sup, ops, clock = supervisor()
+    ops.port_is_free = False
+    sup.start(clock.now)
+    assert sup.state == BACKOFF and sup.blocked and ops.children == []
+    assert sup.problem == "port 8123 on 127.0.0.1 is in use by pid 4444 (user mallory, nc); vLLM needs it"
+    clock.advance(5)
+    sup.tick(clock.now)
+    assert caplog.text.count("vLLM start waits") == 1, "said once per reason, not every retry"
+    # It got the port after our preflight: its /health answer is not trusted.
+    ops.port_is_free, ops.health_ok = True, True
+    clock.advance(5)
+    sup.tick(clock.now)
+    assert sup.state == STARTING
+    ops.squatters = set(ops.groups[sup.child.pid])
+    sup.tick(clock.now)
+    assert sup.state == BACKOFF and "not by vLLM's process group" in sup.problem
+
+
+def test_processes_that_left_the_group_are_killed_and_named(caplog):
+    sup, ops, clock = supervisor()
+    ops.health_ok = True
+    sup.start(clock.now)
+    sup.tick(clock.now)
+    sup.stop(clock.now)
+    ops.groups[1000] = []  # the group obeyed SIGTERM; a setsid() grandchild did not see it
+    ops.escapees = [5555]
+    sup.tick(clock.now)
+    assert sup.state == STOPPED and (5555, signal.SIGKILL) in ops.killed
+    assert "killed 1 process(es) that had left vLLM's process group: pid 5555" in caplog.text
 
 
 def test_preflight_kills_our_leftovers_and_waits_for_foreign_processes():
@@ -390,7 +532,9 @@ def test_preflight_kills_our_leftovers_and_waits_for_foreign_processes():
     assert (4242, signal.SIGKILL) in ops.killed
     gpu.processes = [(777, 2**30)]
     ops.uids[777] = 12345  # somebody else's
-    sup.stop()
+    sup.stop(clock.now)
+    ops.groups[1000] = []  # it obeyed SIGTERM
+    sup.tick(clock.now)
     sup.start(clock.now)
     assert sup.state == BACKOFF and sup.blocked and "other compute processes [777]" in sup.problem
     assert sup.view().blocked

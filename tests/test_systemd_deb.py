@@ -96,7 +96,7 @@ def test_package_contents(deb):
         assert path in listing, path
     info = subprocess.run(["dpkg-deb", "-f", str(deb[0]), "Architecture", "Depends"], capture_output=True, text=True,
                           check=True).stdout
-    assert "Architecture: all" in info and "python3-prometheus-client" in info and "python3-sdnotify" in info
+    assert "Architecture: all" in info and "python3-prometheus-client" in info and "sdnotify" not in info
     conffiles = subprocess.run(["dpkg-deb", "-I", str(deb[0]), "conffiles"], capture_output=True, text=True).stdout
     assert conffiles.split() == ["/etc/gpuwarden/gpuwarden.yaml"]
 

@@ -196,8 +196,11 @@ class AlertState:
     def firing(self) -> bool:
         return self.phase in (FIRING, CLEARING)
 
-    def step(self, check: Check, now: float, settings: AlertSettings) -> str | None:
-        """Advance on one evaluation; return 'firing', 'resolved', 'reminder' or None."""
+    def step(self, check: Check, now: float, settings: AlertSettings, restart_timers: bool = False) -> str | None:
+        """Advance on one evaluation; return 'firing', 'resolved', 'reminder' or None. restart_timers: the
+        previous reading is too old to count, so pending and clearing start again from this one."""
+        if restart_timers and self.phase in (PENDING, CLEARING):
+            self.since = now
         if check.active:
             self.check = check  # the last active observation, which the resolve line quotes
         if self.phase == INACTIVE_PHASE:

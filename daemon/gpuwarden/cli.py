@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -77,7 +78,21 @@ def _add_common(parser: argparse.ArgumentParser, default_config, default_sim) ->
                              + ", ".join(builtin_scenarios()) + ", or a scenario file)")
 
 
+def open_standard_fds() -> None:
+    """Started with stdin, stdout or stderr closed, the next open() would take that number, and the signal
+    pipe or a socket would receive our prints. Point any closed one of fds 0-2 at /dev/null first."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+
+
 def main(argv: list[str] | None = None) -> int:
+    open_standard_fds()
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
@@ -293,15 +308,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .systemd import setup_logging
 
     config = load_config(args)
-    setup_logging()
+    logs = setup_logging()
     backend = open_backend(config)
     try:
         run(Daemon(config, backend, reload=lambda: load_config(args)), duration_s=args.duration)
     except StartupError as exc:
+        logs.close()
         print_error(f"gpuwarden: {exc}")
         return EX_FAIL
     finally:
         backend.close()
+        logs.close()
     return EX_OK
 
 

@@ -263,13 +263,24 @@ def _serve_section(r: Reader, base_dir: Path) -> ServeConfig:
     for key, value in env.items():
         if not isinstance(value, str):
             r.fail(base + ("env", key), f"expected a string, got {type_name(value)} {value!r}", 'quote it: "1"')
+        elif "\0" in value:
+            r.fail(base + ("env", key), "contains a NUL byte, which no process environment can hold")
+        if not key or "=" in key or "\0" in key:
+            r.fail(base + ("env", key), f"{key!r} cannot be an environment variable name",
+                   "a name without '=' or NUL, such as VLLM_LOGGING_LEVEL")
+    args = tuple(_string_list(r, base + ("args",), d.args))
+    for name, values in (("command", command), ("args", args), ("model", (model,))):
+        for i, value in enumerate(values):
+            if "\0" in value:
+                path = base + (name,) if name == "model" else base + (name, str(i))
+                r.fail(path, "contains a NUL byte, which no command line can hold")
     number = r.number
     return ServeConfig(
         enabled=enabled, profile=r.string(base + ("profile",), d.profile), model=model, command=command,
         python=None if python == "auto" else python,
         host=r.string(base + ("host",), d.host),
         port=r.number(base + ("port",), d.port, 1, 65535, integer=True),
-        user=user, gpus=gpus, args=tuple(_string_list(r, base + ("args",), d.args)),
+        user=user, gpus=gpus, args=args,
         env=tuple((k, str(v)) for k, v in env.items()),
         allow_lint_errors=r.boolean(base + ("allow_lint_errors",), d.allow_lint_errors),
         startup_timeout_s=float(number(base + ("startup_timeout_s",), d.startup_timeout_s, 1, 86400, unit=" s")),

@@ -4,12 +4,19 @@ As in gunicorn's arbiter, signal handlers do nothing but wake the main loop
 (through signal.set_wakeup_fd); the loop reads which signals arrived and
 dispatches them by name (handle_term, handle_hup, ...), so no work ever runs
 inside a handler and a signal can never interrupt a half-done step.
+
+The loop never waits on anything it does not own: reads of the child happen
+on worker threads with a total deadline, stopping the child is a timed state
+the tick advances, and log lines go through a bounded queue. Serving and GPU
+monitoring fail separately, and the watchdog is fed only while snapshots are
+published on schedule, so systemd restarts a daemon whose polls stopped.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import select
 import signal
@@ -18,10 +25,11 @@ from collections.abc import Callable
 
 from . import __version__
 from .config import Config
-from .exporter import MetricsServer, make_registry
+from .exporter import Exposition, MetricsServer
 from .gpu.base import GpuBackend
 from .monitor import Monitor, describe_sample
-from .serving.prepare import prepare_serve
+from .serving.prepare import PreparedServe, prepare_serve
+from .serving.processes import ProcessOps
 from .serving.supervisor import FATAL, RUNNING, Supervisor
 from .serving.vllm_metrics import VllmMetricsReader
 from .systemd import Notifier
@@ -33,6 +41,8 @@ log = logging.getLogger("gpuwarden")
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 # Settings a reload cannot change in a running daemon.
 RESTART_ONLY = ("gpu", "metrics", "counters_interval_s")
+ERROR_REPEAT_S = 60.0  # the same serving or poll error is logged at most this often
+STOP_MARGIN_S = 30.0  # beyond the child's drain, for SIGKILL and restoring the tuning
 
 
 class StartupError(Exception):
@@ -41,61 +51,75 @@ class StartupError(Exception):
 
 class Daemon:
     def __init__(self, config: Config, backend: GpuBackend, reload: Callable[[], Config] | None = None,
-                 notifier: Notifier | None = None):
+                 notifier: Notifier | None = None, ops: ProcessOps | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.config = config
         self.backend = backend
         self.reload_config = reload
         self.notifier = notifier or Notifier()
+        self.ops = ops
+        self.clock = clock
         self.tuner = Tuner(backend)
         self.monitor = Monitor(config, backend, self.tuner)
+        self.exposition = Exposition(lambda: self.monitor.snapshot, clock)
         self.plan: Plan | None = None
         self.server: MetricsServer | None = None
         self.supervisor: Supervisor | None = None
+        self.pending: Supervisor | None = None  # the next child, started once the old one has stopped
         self.vllm_reader: VllmMetricsReader | None = None
         self.ready_sent = False
         self.stopping = False
+        self.tuned = False
         self.started_at = time.time()
+        self.published_at: float | None = None
+        self._stale_logged = False
+        self._errors: dict[str, float] = {}  # message -> when last logged
 
     # -- life cycle -------------------------------------------------------------
     def start(self, now: float) -> None:
-        """Plan and tune, serve metrics, take the first sample, then tell systemd we are ready.
-        Raises ConfigErrors for values a card rejects, StartupError if the port is taken."""
-        self.plan = make_plan(self.backend, self.config)
-        for note in self.plan.notes:
-            log.info("%s", note)
-        log.info("before tuning: %s", " | ".join(describe_sample(g.sample()) for g in self.backend.gpus()))
-        self._tune(self.plan)
+        """Take the port and check the vLLM command first (what can fail), then tune, start vLLM, take the
+        first sample, and tell systemd we are ready. Raises ConfigErrors for values a card or vLLM rejects,
+        StartupError if the metrics port is taken; neither leaves a GPU setting changed."""
         if self.config.metrics.listen is not None:
             try:
-                self.server = MetricsServer(self.config.metrics.listen, make_registry(lambda: self.monitor.snapshot),
-                                            self.status)
+                self.server = MetricsServer(self.config.metrics.listen, self.exposition, self.status)
             except OSError as exc:
                 host, port = self.config.metrics.listen
                 raise StartupError(f"cannot serve metrics on {host}:{port}: {exc.strerror} "
                                    "(change metrics.listen, or set it to none)") from None
+        self.plan = make_plan(self.backend, self.config)
+        serving = self._prepare_serving(self.config, deep=True) if self.config.serve.enabled else None
+        for note in self.plan.notes:
+            log.info("%s", note)
+        log.info("before tuning: %s", " | ".join(describe_sample(g.sample()) for g in self.backend.gpus()))
+        self._tune(self.plan)
+        if self.server is not None:
             self.server.start()
             log.info("serving /metrics and /status on %s", self.config.metrics.url)
-        if self.config.serve.enabled:
-            self._start_serving(now, deep=True)
+        if serving is not None:
+            self.supervisor = serving
+            self.vllm_reader = self._reader(self.config)
+            self.supervisor.start(now)
         self.tick(now)
 
-    def _start_serving(self, now: float, deep: bool) -> None:
-        """Check the vLLM command (lint; with deep, vLLM's own parser too), then start the child.
-        Raises ConfigErrors when something blocks the start."""
-        prepared = prepare_serve(self.config, self.backend, deep=deep)
+    def _prepare_serving(self, config: Config, deep: bool) -> Supervisor:
+        """Everything a start needs, checked, without starting: profile, GPUs, lint, spawnability (and with
+        deep, vLLM's own parser). Raises ConfigErrors when something would block the start."""
+        prepared: PreparedServe = prepare_serve(config, self.backend, deep=deep)
         for finding in prepared.findings:
             log.warning("vLLM lint %s", finding)
-        problems = prepared.blocking(self.config)
+        problems = prepared.blocking(config)
         if problems:
             raise ConfigErrors(problems)
         if prepared.flags is not None:
             log.info("vLLM %s accepts the flags (checked with %s)", prepared.flags.vllm_version,
                      prepared.flags.python)
         chosen = {g.index for g in prepared.command.gpus}
-        self.supervisor = Supervisor(self.config.serve, prepared.command,
-                                     [g for g in self.backend.gpus() if g.index in chosen])
-        self.vllm_reader = VllmMetricsReader(self.config.serve.url + "/metrics")
-        self.supervisor.start(now)
+        return Supervisor(config.serve, prepared.command, [g for g in self.backend.gpus() if g.index in chosen],
+                          ops=self.ops, clock=self.clock)
+
+    def _reader(self, config: Config) -> VllmMetricsReader:
+        return VllmMetricsReader(config.serve.url + "/metrics", self.clock)
 
     def _tune(self, plan: Plan) -> None:
         self.monitor.use_plan(plan, applied=self.config.tuning.apply)
@@ -103,6 +127,7 @@ class Daemon:
             for action in plan.actions:
                 log.info("read-only (tuning.apply is false), would do: %s", action.describe())
             return
+        self.tuned = True
         for outcome in self.tuner.apply(plan):
             if not outcome.ok:
                 log.error("tuning %s", outcome.describe())
@@ -110,12 +135,19 @@ class Daemon:
             (log.info if outcome.ok else log.warning)("tuning %s", outcome.describe("verified"))
 
     def tick(self, now: float, lag: float = 0.0) -> None:
+        """One poll: advance serving (its faults stay there), then sample and publish the GPUs."""
+        serving, stats = self._serving_tick(now)
         try:
-            serving, stats = self._serving_tick(now) if self.supervisor is not None else (None, None)
-            snapshot = self.monitor.tick(now, lag, serving=serving, vllm=stats)
+            snapshot = self.monitor.tick(now, lag, serving=serving, vllm=stats, published_at=self.clock())
         except Exception as exc:  # one bad poll must not end the daemon; the next one may work
-            log.error("poll failed: %s: %s", type(exc).__name__, exc)
+            self._error_once(f"poll failed: {type(exc).__name__}: {exc}")
             return
+        self.published_at = snapshot.published_at
+        if self._stale_logged:
+            log.log(logging.WARNING, "polls are published again; feeding the watchdog")
+            self._stale_logged = False
+        if self.server is not None:
+            self.exposition.published()
         status = snapshot.status_line()
         # READY once everything is usable: tuned, and vLLM healthy when serving. A vLLM that went FATAL
         # also ends the start-up, so that `systemctl start` returns and the STATUS line says why.
@@ -125,63 +157,149 @@ class Daemon:
         self.notifier.status(status)
 
     def _serving_tick(self, now: float):
-        """Advance the vLLM child and read its metrics, before the GPUs are evaluated."""
-        was_running = self.supervisor.state == RUNNING
-        self.supervisor.tick(now)
-        stats = None
-        if self.supervisor.state == RUNNING:
-            if not was_running:
-                self.vllm_reader.reset()  # a new child: its counters restart at zero
-            stats = self.vllm_reader.read(now)
-        # Running requests make a GPU busy even between kernels.
-        self.monitor.report_running_requests(int(stats.requests_running) if stats and stats.requests_running
-                                             else None)
-        return self.supervisor.view(), stats
+        """Advance the vLLM child and read its metrics. Never raises: a serving fault is logged and
+        the GPUs are still polled."""
+        try:
+            self._swap_in_pending(now)
+            if self.supervisor is None:
+                self.monitor.report_running_requests(None)
+                return None, None
+            was_running = self.supervisor.state == RUNNING
+            self.supervisor.tick(now)
+            stats = None
+            if self.supervisor.state == RUNNING:
+                if not was_running:
+                    self.vllm_reader.reset()  # a new child: its counters restart at zero
+                stats = self.vllm_reader.read(now)
+            # Running requests make a GPU busy even between kernels.
+            running = stats.requests_running if stats else None
+            self.monitor.report_running_requests(int(running) if running else None)
+            return self.supervisor.view(), stats
+        except Exception as exc:
+            self._error_once(f"serving: {type(exc).__name__}: {exc} (GPU monitoring goes on)")
+            try:
+                return (self.supervisor.view() if self.supervisor else None), None
+            except Exception:
+                return None, None
 
-    def stop(self) -> None:
+    def _swap_in_pending(self, now: float) -> None:
+        """After a reload, the new child starts once the old one is fully stopped."""
+        if self.supervisor is not None and not self.supervisor.stopped:
+            return
+        if self.pending is not None:
+            self.supervisor, self.pending = self.pending, None
+            self.vllm_reader = self._reader(self.config)
+            self.supervisor.start(now)
+        elif self.supervisor is not None and not self.config.serve.enabled:
+            self.supervisor = self.vllm_reader = None
+
+    def _error_once(self, message: str) -> None:
+        """Log an error, but the same one at most every ERROR_REPEAT_S."""
+        now = self.clock()
+        if now - self._errors.get(message, float("-inf")) >= ERROR_REPEAT_S:
+            self._errors[message] = now
+            log.error("%s", message)
+
+    # -- the watchdog means "the snapshot is fresh" -------------------------------------
+    @property
+    def stale_after_s(self) -> float:
+        return max(3 * self.config.poll_interval_s, self.config.poll_interval_s + 2.0)
+
+    def fresh(self, now: float) -> bool:
+        return self.published_at is not None and now - self.published_at <= self.stale_after_s
+
+    def feed_watchdog(self, now: float) -> None:
+        if self.fresh(now):
+            self.notifier.watchdog(now)
+        elif self.published_at is not None and not self._stale_logged:
+            self._stale_logged = True
+            log.critical("no poll published for %.1f s: not feeding the watchdog", now - self.published_at)
+
+    # -- stopping ------------------------------------------------------------------------
+    def begin_stop(self, now: float) -> None:
+        """Start stopping: the child drains (a timed state) while the loop keeps polling."""
+        if self.stopping:
+            return
+        self.stopping = True
+        self.pending = None
         self.notifier.stopping()
         if self.supervisor is not None:
-            self.supervisor.stop()
-        if self.config.tuning.apply and self.config.tuning.restore_on_stop:
-            for outcome in self.tuner.restore():
-                (log.info if outcome.ok else log.error)("restore %s", outcome.describe())
+            # systemd's TimeoutStopSec covers the default drain; a longer one asks for more time.
+            self.notifier.extend_timeout(self.config.serve.stop_timeout_s + STOP_MARGIN_S)
+            self.supervisor.stop(now)
+
+    @property
+    def stop_done(self) -> bool:
+        return self.stopping and (self.supervisor is None or self.supervisor.stopped)
+
+    def finish(self) -> None:
+        """The last step of every exit, also after an error: restore the tuning if asked, close the port."""
+        if self.tuned and self.config.tuning.apply and self.config.tuning.restore_on_stop:
+            try:
+                for outcome in self.tuner.restore():
+                    (log.info if outcome.ok else log.error)("restore %s", outcome.describe())
+            except Exception as exc:
+                log.error("restore failed: %s: %s", type(exc).__name__, exc)
         if self.server is not None:
             self.server.stop()
             self.server = None
+        self.exposition.close()
 
     def status(self) -> dict:
-        """What `gpuwarden status` shows: the daemon, plus the latest snapshot."""
+        """What `gpuwarden status` shows: the daemon, plus the latest snapshot (finite numbers only)."""
         snapshot = self.monitor.snapshot
-        return {"daemon": {"version": __version__, "pid": os.getpid(), "started_at": self.started_at,
-                           "config_files": list(self.config.files), "poll_interval_s": self.config.poll_interval_s},
-                **(snapshot.as_dict() if snapshot else {})}
+        age = None if snapshot is None else max(0.0, self.clock() - snapshot.published_at)
+        return _finite({"daemon": {"version": __version__, "pid": os.getpid(), "started_at": self.started_at,
+                                   "config_files": list(self.config.files),
+                                   "poll_interval_s": self.config.poll_interval_s,
+                                   "snapshot_age_seconds": age, "stale": age is not None and age > self.stale_after_s},
+                        **(snapshot.as_dict() if snapshot else {})})
 
     # -- signal dispatch (by name, as in gunicorn) -----------------------------------
     def dispatch(self, signum: int) -> None:
         getattr(self, "handle_" + signal.Signals(signum).name[3:].lower())()
 
     def handle_term(self) -> None:
+        now = self.clock()
+        if self.stopping:
+            log.warning("SIGTERM again while stopping: not waiting for vLLM's drain")
+            if self.supervisor is not None:
+                self.supervisor.kill_now(now)
+            return
         log.info("SIGTERM received, stopping")
-        self.stopping = True
+        self.begin_stop(now)
 
     def handle_int(self) -> None:
+        now = self.clock()
+        if self.stopping and self.supervisor is not None:
+            self.supervisor.kill_now(now)
+            return
         log.info("SIGINT received, stopping")
-        self.stopping = True
+        self.begin_stop(now)
 
     def handle_hup(self) -> None:
-        """Reload: validate the new config first; on any error keep running the old one."""
+        """Reload: load, validate and prepare everything first; on any error keep running what runs."""
         if self.reload_config is None:
             log.warning("SIGHUP received, but this daemon has no config file to reload")
+            return
+        if self.stopping:
+            log.warning("SIGHUP received while stopping: ignored")
             return
         try:
             new = self.reload_config()
             changed = [key for key in RESTART_ONLY if getattr(new, key) != getattr(self.config, key)]
             new = dataclasses.replace(new, **{key: getattr(self.config, key) for key in changed})
             plan = make_plan(self.backend, new)
+            serve_changed = new.serve != self.config.serve
+            # lint only: vLLM's parser takes too long to run inside the watchdog's window
+            serving = self._prepare_serving(new, deep=False) if serve_changed and new.serve.enabled else None
         except (ConfigError, ConfigErrors) as exc:
             problems = exc.errors if isinstance(exc, ConfigErrors) else [exc]
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             log.error("reload failed, still running the previous config: %s%s", problems[0], more)
+            return
+        except Exception as exc:  # RecursionError, MemoryError, a bug: still keep what runs
+            log.error("reload failed, still running the previous config: %s: %s", type(exc).__name__, exc)
             return
         if changed:
             log.warning("reload: %s only change on restart; keeping the running values", ", ".join(changed))
@@ -191,25 +309,14 @@ class Daemon:
             self._release_dropped(old, plan)
             self.plan = plan
             self._tune(plan)
-        self._reload_serving(old)
-        log.info("config reloaded from %s", ", ".join(new.files))
-
-    def _reload_serving(self, old: Config) -> None:
-        """A changed serve section restarts vLLM; an unchanged one only leaves FATAL."""
-        now = time.monotonic()
-        if self.config.serve == old.serve:
+        now = self.clock()
+        if serve_changed:
             if self.supervisor is not None:
-                self.supervisor.reset(now)
-            return
-        if self.supervisor is not None:
-            self.supervisor.stop()
-            self.supervisor = None
-        if self.config.serve.enabled:
-            try:  # lint only: vLLM's parser takes too long to run inside the watchdog's window
-                self._start_serving(now, deep=False)
-            except (ConfigError, ConfigErrors) as exc:
-                problems = exc.errors if isinstance(exc, ConfigErrors) else [exc]
-                log.error("reload: vLLM not started: %s", problems[0])
+                self.supervisor.stop(now)  # the new child starts once this one has stopped
+            self.pending = serving
+        elif self.supervisor is not None:
+            self.supervisor.reset(now)
+        log.info("config reloaded from %s", ", ".join(new.files))
 
     def _release_dropped(self, old: Config, plan: Plan) -> None:
         """Undo settings the old tuning made that the new one no longer wants."""
@@ -219,6 +326,17 @@ class Daemon:
         dropped = {(a.gpu, a.setting) for a in (self.plan.actions if self.plan else ())} - kept
         for outcome in self.tuner.restore(only=dropped):
             (log.info if outcome.ok else log.error)("reload: no longer wanted, %s", outcome.describe())
+
+
+def _finite(value):
+    """The same structure with NaN and infinities as None: /status must be valid JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 class SignalWaker:
@@ -253,29 +371,35 @@ class SignalWaker:
 
 
 def run(daemon: Daemon, duration_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
-    """The main loop: poll on a fixed period, ping the watchdog, until a stop signal or duration_s."""
+    """The main loop: poll on a fixed period, feed the watchdog while polls are fresh, until stopped."""
     waker = SignalWaker()
     try:
         start = clock()
         daemon.start(start)
-        next_tick = start + daemon.config.poll_interval_s
-        while not daemon.stopping:
+        poll = daemon.config.poll_interval_s
+        next_tick = start + poll
+        while not daemon.stop_done:
             now = clock()
-            daemon.notifier.watchdog(now)
-            if duration_s is not None and now - start >= duration_s:
+            daemon.feed_watchdog(now)
+            if duration_s is not None and now - start >= duration_s and not daemon.stopping:
                 log.info("ran for %g s as asked, stopping", duration_s)
-                break
+                daemon.begin_stop(now)
             if now >= next_tick:
+                lag = now - next_tick
                 # Alerts count time on the schedule, so for_s spans whole polls: a tick that runs a
-                # millisecond late must not push firing back by a whole poll interval.
-                daemon.tick(next_tick, lag=now - next_tick)
-                # Keep the period fixed; after a stall, skip missed ticks rather than burst.
-                next_tick = max(next_tick + daemon.config.poll_interval_s, now)
-            waits = [next_tick - clock(), daemon.notifier.next_watchdog_in(clock())]
-            if duration_s is not None:
+                # millisecond late must not push firing back by a whole poll interval. After a stall
+                # (longer than a poll), the schedule is abandoned: the reading is stamped with the real time.
+                stamp = next_tick if lag < poll else now
+                daemon.tick(stamp, lag=lag)
+                next_tick = stamp + poll
+            waits = [next_tick - clock()]
+            if daemon.fresh(clock()):  # a stale daemon sends no pings, so it must not wake up for them
+                waits.append(daemon.notifier.next_watchdog_in(clock()))
+            if duration_s is not None and not daemon.stopping:
                 waits.append(start + duration_s - clock())
             for signum in waker.wait(min(w for w in waits if w is not None)):
                 daemon.dispatch(signum)
-        daemon.stop()
+            poll = daemon.config.poll_interval_s
     finally:
+        daemon.finish()
         waker.close()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from .serving.vllm_metrics import VllmStats
 
 log = logging.getLogger("gpuwarden")
+STALL_POLLS = 3  # a gap of this many poll intervals between two readings is a stall, not a poll
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,9 @@ class Snapshot:
     read_only: bool = False
     serving: ServingView | None = None  # set by the daemon when serve.enabled
     vllm: VllmStats | None = None
+    sequence: int = 0  # polls published so far
+    published_at: float = 0.0  # monotonic seconds when this snapshot was published
+    loop_lag: LagWindow | None = None
 
     def firing(self) -> list[AlertView]:
         return [a for a in self.alerts if a.firing]
@@ -110,9 +114,33 @@ class Snapshot:
             "tuning_reapplies": {str(k): v for k, v in self.reapplies.items()},
             "sample_duration_seconds": self.sample_duration_s,
             "loop_lag_seconds": self.loop_lag_s,
+            "sequence": self.sequence,
+            "loop_lag": self.loop_lag.as_dict() if self.loop_lag else None,
             "serving": dataclasses.asdict(self.serving) if self.serving else None,
             "vllm": dataclasses.asdict(self.vllm) if self.vllm else None,
         }
+
+
+@dataclass(frozen=True)
+class LagWindow:
+    """How late the last polls started against their schedule: the loop's health in three numbers."""
+
+    polls: int
+    p50_s: float
+    p99_s: float
+    max_s: float
+
+    @classmethod
+    def of(cls, lags: list[float]) -> LagWindow:
+        ordered = sorted(lags)
+        pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+        return cls(len(ordered), pick(0.5), pick(0.99), ordered[-1])
+
+    def as_dict(self) -> dict:
+        return {"polls": self.polls, "p50_seconds": self.p50_s, "p99_seconds": self.p99_s, "max_seconds": self.max_s}
+
+
+LAG_WINDOW = 300  # polls
 
 
 class Monitor:
@@ -131,6 +159,8 @@ class Monitor:
         self.locks: dict[int, tuple] = {}
         self.running_requests: int | None = None  # fed by the vLLM supervisor; counts as busy
         self.snapshot: Snapshot | None = None
+        self._lags: deque[float] = deque(maxlen=LAG_WINDOW)
+        self._last_tick: float | None = None
 
     def use_plan(self, plan: Plan, applied: bool) -> None:
         """Remember the locks the plan sets, which the clock rules measure against."""
@@ -152,8 +182,13 @@ class Monitor:
         return GpuContext(busy, sm_lock, mem_lock, wanted, settings)
 
     def tick(self, now: float, loop_lag_s: float = 0.0, serving: ServingView | None = None,
-             vllm: VllmStats | None = None) -> Snapshot:
+             vllm: VllmStats | None = None, published_at: float | None = None) -> Snapshot:
         """Sample, evaluate, and publish one complete snapshot (the exporter thread reads it any time)."""
+        # After a stall (SIGSTOP, a frozen host) one reading cannot show that a condition held for for_s:
+        # pending and clearing timers start again from this reading.
+        stalled = self._last_tick is not None and now - self._last_tick > STALL_POLLS * self.config.poll_interval_s
+        self._last_tick = now
+        self._lags.append(loop_lag_s)
         started = time.perf_counter()
         samples = [gpu.sample() for gpu in self.backend.gpus()]
         duration = time.perf_counter() - started
@@ -164,7 +199,7 @@ class Monitor:
             ctx = self._context(sample)
             for rule in RULES:
                 state = self.states[(rule.name, sample.index)]
-                event = state.step(rule.check(sample, ctx), now, self.config.alerts)
+                event = state.step(rule.check(sample, ctx), now, self.config.alerts, restart_timers=stalled)
                 if event:
                     self._log_event(event, state, sample, now)
             self._maybe_reapply(sample, now)
@@ -174,7 +209,9 @@ class Monitor:
             alerts=tuple(_view(state) for state in self.states.values()),
             transitions=dict(self.transitions), reapplies=dict(self.reapplies),
             sample_duration_s=duration, loop_lag_s=loop_lag_s, read_only=not self.config.tuning.apply,
-            serving=serving, vllm=vllm)
+            serving=serving, vllm=vllm, sequence=(self.snapshot.sequence + 1) if self.snapshot else 1,
+            published_at=time.monotonic() if published_at is None else published_at,
+            loop_lag=LagWindow.of(list(self._lags)))
         return self.snapshot
 
     def _log_event(self, event: str, state: AlertState, sample: GpuSample, now: float) -> None:

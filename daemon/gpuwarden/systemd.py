@@ -2,16 +2,20 @@
 
 Both are no-ops outside systemd: without NOTIFY_SOCKET nothing is sent, and
 without a JOURNAL_STREAM that matches our stderr, log lines stay plain text.
+Neither may stall the main loop: notifications are non-blocking datagrams, and
+log records go through a bounded queue to a writer thread, so a journal that
+stops reading costs dropped (and counted) lines, never a frozen poll.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import queue
+import socket
 import sys
+import threading
 from collections.abc import Mapping
-
-import sdnotify
 
 NOTICE = 25  # syslog's "notice", between INFO and WARNING
 logging.addLevelName(NOTICE, "NOTICE")
@@ -47,27 +51,75 @@ class JournalFormatter(logging.Formatter):
         return f"<{priority}>{super().format(record)}"
 
 
-def setup_logging(level: int = logging.INFO, journal: bool | None = None) -> logging.Handler:
-    """Log to stderr, with priority prefixes when stderr is the journal."""
+LOG_QUEUE_RECORDS = 10_000  # about a minute of the chattiest vLLM start-up
+
+
+class QueuedLog(logging.Handler):
+    """Hands records to a writer thread through a bounded queue; a full queue drops and counts."""
+
+    def __init__(self, target: logging.Handler, capacity: int = LOG_QUEUE_RECORDS):
+        super().__init__()
+        self.target = target
+        self.queue: queue.Queue = queue.Queue(capacity)
+        self.dropped = 0  # records lost because the sink did not keep up
+        self._reported = 0
+        self._thread = threading.Thread(target=self._write, name="log-writer", daemon=True)
+        self._thread.start()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            record.msg, record.args = record.getMessage(), None  # format here: args may change later
+            if record.exc_info:
+                record.msg += "\n" + logging.Formatter().formatException(record.exc_info)
+                record.exc_info = None
+            self.queue.put_nowait(record)
+        except queue.Full:
+            self.dropped += 1
+
+    def _write(self) -> None:
+        while (record := self.queue.get()) is not None:
+            if self.dropped > self._reported and self.queue.empty():
+                lost, self._reported = self.dropped - self._reported, self.dropped
+                self.target.handle(logging.LogRecord("gpuwarden", logging.WARNING, __file__, 0,
+                                                     "%d log lines were dropped: the log sink was too slow",
+                                                     (lost,), None))
+            self.target.handle(record)
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Flush what is queued, waiting at most timeout_s for a stalled sink."""
+        try:
+            self.queue.put(None, timeout=timeout_s)
+        except queue.Full:
+            pass
+        self._thread.join(timeout_s)
+        super().close()
+
+
+def setup_logging(level: int = logging.INFO, journal: bool | None = None) -> QueuedLog:
+    """Log to stderr, with priority prefixes when stderr is the journal, through a bounded queue."""
     if journal is None:
         journal = stderr_is_journal()
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JournalFormatter("%(message)s") if journal else
                          logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S"))
+    queued = QueuedLog(handler)
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
-    root.addHandler(handler)
+    root.addHandler(queued)
     root.setLevel(level)
-    return handler
+    return queued
 
 
 class Notifier:
     """READY / STATUS / WATCHDOG / STOPPING for a Type=notify unit."""
 
     def __init__(self, env: Mapping[str, str] = os.environ):
-        self.enabled = bool(env.get("NOTIFY_SOCKET"))
-        self._sd = sdnotify.SystemdNotifier() if self.enabled else None
+        path = env.get("NOTIFY_SOCKET", "")
+        self.enabled = bool(path)
+        self._address = "\0" + path[1:] if path.startswith("@") else path  # "@": the abstract namespace
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) if self.enabled else None
+        self.dropped = 0  # messages systemd's socket did not take at once
         self._status: str | None = None
         self.watchdog_interval_s: float | None = None
         usec, pid = env.get("WATCHDOG_USEC", ""), env.get("WATCHDOG_PID", "")
@@ -76,9 +128,12 @@ class Notifier:
         self._next_watchdog = 0.0
 
     def _send(self, message: str) -> None:
-        if self._sd is not None:
-            # sdnotify encodes as Latin-1, systemd reads UTF-8: hand it the UTF-8 bytes as Latin-1 text.
-            self._sd.notify(message.encode("utf-8").decode("latin-1"))
+        if self._sock is None:
+            return
+        try:  # never wait for systemd: a full socket buffer costs this message, not a poll
+            self._sock.sendto(message.encode("utf-8"), socket.MSG_DONTWAIT, self._address)
+        except OSError:
+            self.dropped += 1
 
     def ready(self, status: str) -> None:
         self._status = status
@@ -99,3 +154,7 @@ class Notifier:
 
     def stopping(self) -> None:
         self._send("STOPPING=1")
+
+    def extend_timeout(self, seconds: float) -> None:
+        """Ask systemd for seconds more before its start/stop timeout (a long vLLM drain)."""
+        self._send(f"EXTEND_TIMEOUT_USEC={int(seconds * 1e6)}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from dataclasses import dataclass
 
 from ..config import Config
@@ -29,7 +31,23 @@ class PreparedServe:
                          for f in self.findings if f.severity == ERROR]
         if self.flags is not None and not self.flags.ok:
             problems.append(config.error(where, f"vLLM rejects the flags: {self.flags.error}"))
+        missing = executable_problem(self.command.argv[0], self.command.env.get("PATH", os.defpath))
+        if missing:
+            problems.append(config.error(("serve", "command"), missing,
+                                         "an absolute path to vLLM's executable or Python"))
         return problems
+
+
+def executable_problem(program: str, path: str) -> str | None:
+    """Why program cannot be executed (as the child would find it on path), or None."""
+    found = program if "/" in program else shutil.which(program, path=path)
+    if found is None:
+        return f"{program} is not found on the child's PATH ({path})"
+    if not os.path.isfile(found):
+        return f"{found} does not exist or is not a file"
+    if not os.stat(found).st_mode & 0o111:
+        return f"{found} is not executable"
+    return None
 
 
 def prepare_serve(config: Config, backend: GpuBackend, deep: bool) -> PreparedServe:

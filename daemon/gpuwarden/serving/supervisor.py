@@ -2,130 +2,56 @@
 
 Modelled on supervisor's process.py: states STOPPED, STARTING, RUNNING,
 BACKOFF, STOPPING, EXITED and FATAL, "died while starting" told apart from
-"died later", and every OS call behind one seam (ProcessOps) that tests
-replace. The child runs in its own session, so its process group holds the
-API server and every engine/worker process it forks; that group is what gets
-SIGTERM, then SIGKILL, and what must be empty before the next start.
+"died later", and every OS call behind one seam (processes.ProcessOps) that
+tests replace. Every state change goes through _transition(), which checks it
+against ALLOWED_FROM, logs it and counts it. Nothing here blocks the loop:
+STOPPING is a timed state that tick() advances (SIGTERM, stop_timeout_s, then
+SIGKILL), and /health is read on a worker thread with a total deadline.
+
+The child runs in its own session, so its process group holds the API server
+and every engine/worker process it forks; that group is what gets SIGTERM,
+then SIGKILL, and what must be empty before the next start. A process that
+left the group (setsid, double fork) is found through the subreaper and killed
+with it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import grp
 import logging
-import os
-import pwd
 import re
 import signal
-import subprocess
-import threading
 import time
-import urllib.error
-import urllib.request
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 from ..config import ServeConfig
 from ..gpu.base import Gpu
 from .command import ServeCommand, gpu_memory_utilization
+from .processes import Child, ProcessOps
 
 log = logging.getLogger("gpuwarden")
 
 STOPPED, STARTING, RUNNING, BACKOFF, STOPPING, EXITED, FATAL = (
     "STOPPED", "STARTING", "RUNNING", "BACKOFF", "STOPPING", "EXITED", "FATAL")
 STATES = (STOPPED, STARTING, RUNNING, BACKOFF, STOPPING, EXITED, FATAL)
-DEVICE_GROUPS = ("video", "render")  # /dev/nvidia* and /dev/dri access; the only extra groups the child gets
+# new state -> the states it may be entered from
+ALLOWED_FROM = {
+    STARTING: (STOPPED, BACKOFF),
+    RUNNING: (STARTING,),
+    EXITED: (STARTING, RUNNING),
+    BACKOFF: (STOPPED, BACKOFF, EXITED),
+    STOPPING: (STARTING, RUNNING),
+    STOPPED: (STOPPED, STOPPING, BACKOFF, EXITED, FATAL),
+    FATAL: (STOPPED, BACKOFF, EXITED),
+}
 VLLM_LEVEL = re.compile(r"^(?:\(\w+ pid=\d+\)\s*)?(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")
 PREFLIGHT_RETRY_S = 5.0
+KILL_WAIT_S = 5.0  # after SIGKILL, how long a stop waits for the kernel before giving up on survivors
 
 
-@dataclass
-class Child:
-    pid: int
-    pgid: int
-    process: subprocess.Popen | None = None
-
-
-class ProcessOps:
-    """Every OS call the supervisor makes. Tests pass a fake."""
-
-    def child_identity(self, user: str) -> tuple[str | None, int | None]:
-        """(user to drop to, or None to stay ourselves; the child's uid, or None if the user does not exist).
-        Only root can drop privileges, so anyone else runs vLLM as themselves."""
-        if os.geteuid() != 0:
-            me = pwd.getpwuid(os.geteuid()).pw_name
-            if me != user:
-                log.info("not running as root, so vLLM runs as %s rather than serve.user %s", me, user)
-            return None, os.geteuid()
-        try:
-            return user, pwd.getpwnam(user).pw_uid
-        except KeyError:
-            return user, None
-
-    def spawn(self, argv: tuple[str, ...], env: dict[str, str], user: str | None,
-              on_line: Callable[[str], None]) -> Child:
-        kwargs: dict = {}
-        if user is None:  # we stay ourselves
-            me = pwd.getpwuid(os.geteuid())
-            env = {"HOME": me.pw_dir, "USER": me.pw_name, "LOGNAME": me.pw_name, **env}
-        else:
-            entry = pwd.getpwnam(user)
-            groups = [g.gr_gid for g in grp.getgrall() if g.gr_name in DEVICE_GROUPS]
-            kwargs = {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": groups}
-            env = {"HOME": entry.pw_dir, "USER": user, "LOGNAME": user, **env}  # serve.env may override
-        process = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
-                                   cwd="/", **kwargs)
-        threading.Thread(target=_forward, args=(process.stdout, on_line), daemon=True,
-                         name=f"vllm-output-{process.pid}").start()
-        return Child(process.pid, process.pid, process)
-
-    def poll(self, child: Child) -> int | None:
-        return child.process.poll() if child.process else None
-
-    def killpg(self, pgid: int, sig: int) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):  # already gone
-            os.killpg(pgid, sig)
-
-    def kill(self, pid: int, sig: int) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, sig)
-
-    def group_pids(self, pgid: int) -> list[int]:
-        """Live processes in a process group, orphans re-parented to init included."""
-        pids = []
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":  # pgrp, and not a zombie
-                pids.append(int(stat.parent.name))
-        return pids
-
-    def uid_of(self, pid: int) -> int | None:
-        try:
-            return Path(f"/proc/{pid}").stat().st_uid
-        except OSError:
-            return None
-
-    def healthy(self, url: str, timeout: float = 2.0) -> bool:
-        try:
-            with urllib.request.urlopen(url, timeout=timeout) as reply:
-                return reply.status == 200
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-            return False
-
-    def sleep(self, seconds: float) -> None:
-        time.sleep(seconds)
-
-
-def _forward(stream, on_line: Callable[[str], None]) -> None:
-    for raw in iter(stream.readline, b""):
-        on_line(raw.decode("utf-8", "replace").rstrip())
-    stream.close()
+class TransitionError(RuntimeError):
+    """A state change the table does not allow: a bug in the supervisor, never user input."""
 
 
 @dataclass(frozen=True)
@@ -140,7 +66,7 @@ class ServingView:
     last_exit_code: int | None
     time_to_healthy_s: float | None
     problem: str | None  # why it is not serving, when it is not
-    blocked: bool = False  # waiting for the GPUs to be free before a start
+    blocked: bool = False  # waiting for the GPUs or the port to be free before a start
 
 
 class Supervisor:
@@ -159,6 +85,9 @@ class Supervisor:
         self.time_to_healthy_s: float | None = None
         self.problem: str | None = None
         self.blocked = False
+        self.transitions: Counter = Counter()  # (from, to) -> count
+        self.error_lines: deque[str] = deque(maxlen=10)
+        self._probe = self.ops.background("vllm-health")
         self._failures: deque[float] = deque()
         self._consecutive = 0
         self._started_at = 0.0
@@ -167,7 +96,21 @@ class Supervisor:
         self._next_probe = 0.0
         self._probe_failures = 0
         self._last_level = logging.INFO
-        self.error_lines: deque[str] = deque(maxlen=10)
+        self._dying: set[int] = set()  # pids of killed groups that may not have exited yet
+        self._kill_at = 0.0
+        self._killed = False
+        self._stop_began = 0.0
+        self._stop_count = 0
+
+    # -- the one way to change state ---------------------------------------------------
+    def _transition(self, new: str, message: str | None = None, level: int = logging.INFO) -> None:
+        old = self.state
+        if old not in ALLOWED_FROM[new]:
+            raise TransitionError(f"vLLM supervisor: {old} -> {new} is not allowed")
+        self.state = new
+        self.transitions[(old, new)] += 1
+        if message:
+            log.log(level, "%s", message)
 
     # -- the child's output ---------------------------------------------------------
     def on_line(self, line: str) -> None:
@@ -177,30 +120,46 @@ class Supervisor:
         # Lines without a level (traceback bodies) keep the level of the line they follow.
         log.log(self._last_level, "vllm: %s", line)
         if self._last_level >= logging.WARNING or re.search(r"Error|Exception", line):
-            self.error_lines.append(line)
+            self.error_lines.append(line[:1000])
 
     # -- life cycle -------------------------------------------------------------------
     def start(self, now: float) -> None:
-        if self.state in (STARTING, RUNNING, STOPPING):
+        if self.state not in ALLOWED_FROM[STARTING]:
             return
         if self.uid is None:
             self._fatal(f"user {self.user} does not exist (create it, or set serve.user)")
             return
         blocked = self._preflight()
-        self.blocked = blocked is not None
         if blocked:
-            self.problem = blocked
-            self.state, self._retry_at = BACKOFF, now + PREFLIGHT_RETRY_S
-            log.warning("vLLM start waits: %s", blocked)
+            if blocked != self.problem:  # said once per reason, not every retry
+                log.warning("vLLM start waits: %s", blocked)
+            self.blocked, self.problem, self._retry_at = True, blocked, now + PREFLIGHT_RETRY_S
+            self._transition(BACKOFF)
             return
+        self.blocked = False
         self.error_lines.clear()
-        self.child = self.ops.spawn(self.command.argv, self.command.env, self.user, self.on_line)
-        self.state, self._started_at, self.problem = STARTING, now, None
-        log.info("vLLM starting (pid %d, profile %s): %s", self.child.pid, self.command.profile.name,
-                 " ".join(self.command.argv))
+        try:
+            self.child = self.ops.spawn(self.command.argv, self.command.env, self.user, self.on_line)
+        except (OSError, ValueError, TypeError) as exc:  # missing binary, unreadable venv, NUL byte, ...
+            self._failed(now, f"vLLM could not be started: {_describe_error(exc)}")
+            return
+        self._started_at, self.problem = now, None
+        self._probe.discard()
+        self._transition(STARTING, f"vLLM starting (pid {self.child.pid}, profile {self.command.profile.name}): "
+                                   + " ".join(self.command.argv))
 
     def _preflight(self) -> str | None:
-        """None if the GPUs are free for a new child; else why not (after killing our own leftovers)."""
+        """None if the GPUs and the port are free for a new child; else why not (after killing our own
+        leftovers: the previous group, processes that escaped it, our user's processes on the GPUs)."""
+        self._kill_escaped()
+        if self._dying:
+            self.ops.reap(self._dying)
+            survivors = [pid for pid in self._dying if self.ops.uid_of(pid) is not None]
+            for pid in survivors:
+                self.ops.kill(pid, signal.SIGKILL)
+            self._dying = set(survivors)
+            if survivors:
+                return f"processes {sorted(survivors)} of the previous vLLM are still exiting"
         uid = self.uid
         for gpu in self.gpus:
             for pid, _ in gpu.compute_processes():
@@ -208,6 +167,9 @@ class Supervisor:
                     log.warning("GPU%d: killing leftover vLLM process %d of user %s", gpu.index, pid,
                                 self.user or "self")
                     self.ops.kill(pid, signal.SIGKILL)
+        if not self.ops.port_free(self.serve.host, self.serve.port):
+            return (f"port {self.serve.port} on {self.serve.host} is in use by "
+                    f"{self.ops.who_listens(self.serve.port)}; vLLM needs it")
         want = gpu_memory_utilization(self.command.argv)
         for gpu in self.gpus:
             s = gpu.sample()
@@ -224,6 +186,8 @@ class Supervisor:
     def tick(self, now: float) -> None:
         if self.state == BACKOFF and now >= self._retry_at:
             self.start(now)
+        elif self.state == STOPPING:
+            self._stopping(now)
         elif self.state in (STARTING, RUNNING):
             code = self.ops.poll(self.child)
             if code is not None:
@@ -234,12 +198,31 @@ class Supervisor:
             else:
                 self._running(now)
 
+    def _health(self) -> tuple[bool | None, str]:
+        """(True healthy / False not / None no answer yet, why): the latest /health answer about this child."""
+        self._probe.start(self.ops.health, self.serve.url + "/health")
+        outcome = self._probe.take()
+        if outcome is None or outcome.started_at < self._started_at:
+            return None, ""
+        if outcome.error is not None:
+            return False, str(outcome.error)
+        if outcome.value.status != 200:
+            return False, f"/health answered {outcome.value.status}"
+        group = self.ops.group_pids(self.child.pgid)
+        if not self.ops.listeners(self.serve.port, group):
+            return False, (f"port {self.serve.port} is answered by {self.ops.who_listens(self.serve.port)}, "
+                           "not by vLLM's process group")
+        return True, ""
+
     def _starting(self, now: float) -> None:
-        if self.ops.healthy(self.serve.url + "/health"):
-            self.state, self._running_since = RUNNING, now
+        healthy, why = self._health()
+        if healthy:
+            self._running_since = now
             self.time_to_healthy_s = now - self._started_at
             self._next_probe, self._probe_failures = now + self.serve.liveness_interval_s, 0
-            log.info("vLLM healthy after %.1f s on %s", self.time_to_healthy_s, self.serve.url)
+            self._transition(RUNNING, f"vLLM healthy after {self.time_to_healthy_s:.1f} s on {self.serve.url}")
+        elif healthy is False and "not by vLLM's process group" in why:
+            self._failed(now, f"vLLM not trusted: {why}")
         elif now - self._started_at > self.serve.startup_timeout_s:
             self._failed(now, f"vLLM not healthy within startup_timeout_s {self.serve.startup_timeout_s:g} s")
 
@@ -248,77 +231,124 @@ class Supervisor:
             self._consecutive = 0  # a stable run resets the backoff
         if now < self._next_probe:
             return
+        healthy, why = self._health()
+        if healthy is None:
+            return  # still waiting for this probe's answer
         self._next_probe = now + self.serve.liveness_interval_s
-        if self.ops.healthy(self.serve.url + "/health"):
+        if healthy:
             self._probe_failures = 0
             return
         self._probe_failures += 1
-        log.warning("vLLM liveness probe failed (%d of %d)", self._probe_failures, self.serve.liveness_failures)
+        log.warning("vLLM liveness probe failed (%d of %d): %s", self._probe_failures,
+                    self.serve.liveness_failures, why)
         if self._probe_failures >= self.serve.liveness_failures:
             self._failed(now, f"vLLM failed {self._probe_failures} liveness probes in a row")
 
     def _failed(self, now: float, reason: str, code: int | None = None) -> None:
-        self.state = EXITED
+        """The child is gone or must go: kill its group, then BACKOFF or FATAL, whatever a step raises."""
         self.last_exit_code = code
-        left = self._kill_group()
-        log.error("%s; %s", reason, f"killed {left} leftover processes of its group" if left else "no process left")
-        self._failures.append(now)
-        while self._failures and now - self._failures[0] > self.serve.crash_loop_window_s:
-            self._failures.popleft()
-        if len(self._failures) >= self.serve.crash_loop_failures:
-            self._fatal(f"{len(self._failures)} failures within {self.serve.crash_loop_window_s:g} s; "
-                        f"last: {reason}")
-            return
-        self._consecutive += 1
-        delay = min(self.serve.backoff_max_s, 2.0 ** (self._consecutive - 1))
-        self.restarts += 1
-        self.state, self._retry_at, self.problem = BACKOFF, now + delay, reason
-        log.warning("vLLM restarts in %g s (restart %d)", delay, self.restarts)
+        try:
+            if self.child is not None:
+                self._transition(EXITED)
+                left = self._kill_group()
+                log.error("%s; %s", reason, f"killed {left} leftover processes of its group" if left
+                          else "no process left")
+            else:
+                log.error("%s", reason)
+        finally:
+            self._failures.append(now)
+            while self._failures and now - self._failures[0] > self.serve.crash_loop_window_s:
+                self._failures.popleft()
+            if len(self._failures) >= self.serve.crash_loop_failures:
+                self._fatal(f"{len(self._failures)} failures within {self.serve.crash_loop_window_s:g} s; "
+                            f"last: {reason}")
+            else:
+                self._consecutive += 1
+                delay = min(self.serve.backoff_max_s, 2.0 ** (self._consecutive - 1))
+                self.restarts += 1
+                self._retry_at, self.problem = now + delay, reason
+                self._transition(BACKOFF, f"vLLM restarts in {delay:g} s (restart {self.restarts})",
+                                 logging.WARNING)
 
     def _fatal(self, reason: str) -> None:
-        self.state, self.problem = FATAL, reason
+        self.problem = reason
         last = " | ".join(self.error_lines) or "none captured"
-        log.critical("vLLM FATAL, not restarting until SIGHUP: %s; its last error lines: %s", reason, last)
+        self._transition(FATAL, f"vLLM FATAL, not restarting until SIGHUP: {reason}; its last error lines: "
+                                f"{last}", logging.CRITICAL)
 
-    def _kill_group(self, grace_s: float = 0.0) -> int:
-        """SIGTERM (then after grace_s SIGKILL) the child's group; wait until it is empty. Returns how many
-        processes were still alive when we began."""
-        if self.child is None:
-            return 0
+    def _kill_group(self) -> int:
+        """SIGKILL the child's group without waiting; the next start checks that it is gone.
+        Returns how many processes were alive."""
         pgid = self.child.pgid
         alive = self.ops.group_pids(pgid)
-        if alive:
-            self.ops.killpg(pgid, signal.SIGTERM if grace_s else signal.SIGKILL)
-            deadline = self.clock() + grace_s
-            while self.ops.group_pids(pgid) and self.clock() < deadline:
-                self.ops.sleep(0.1)
-            self.ops.killpg(pgid, signal.SIGKILL)
-            for _ in range(100):  # SIGKILL is quick; verify rather than assume
-                if not self.ops.group_pids(pgid):
-                    break
-                self.ops.sleep(0.05)
-            else:
-                log.error("processes %s of vLLM's group survived SIGKILL", self.ops.group_pids(pgid))
-        self.ops.poll(self.child)  # reap the leader
+        self.ops.killpg(pgid, signal.SIGKILL)
+        self.ops.poll(self.child)  # reap the leader if it is already gone
+        self._dying.update(alive)
         self.child = None
         return len(alive)
 
-    def stop(self) -> None:
-        """SIGTERM to the group, stop_timeout_s to drain, then SIGKILL; nothing of it remains."""
-        if self.child is None:
-            self.state = STOPPED
+    def _kill_escaped(self) -> None:
+        """Kill processes that left a previous child's group (they were re-parented to us) and say so."""
+        escaped = self.ops.escaped()
+        if not escaped:
             return
-        self.state = STOPPING
-        left = self._kill_group(grace_s=self.serve.stop_timeout_s)
-        self.state = STOPPED
-        log.info("vLLM stopped (%d processes in its group at the stop)", left)
+        described = ", ".join(self.ops.describe(pid) for pid in escaped)
+        for pid in escaped:
+            self.ops.kill(pid, signal.SIGKILL)
+        self._dying.update(escaped)
+        log.warning("killed %d process(es) that had left vLLM's process group: %s", len(escaped), described)
+
+    # -- stopping: a timed state ------------------------------------------------------
+    def stop(self, now: float) -> None:
+        """Begin a stop: SIGTERM to the group now, SIGKILL once stop_timeout_s has passed (in tick)."""
+        if self.state == STOPPING:
+            return
+        if self.child is None:
+            self.blocked = False
+            self._transition(STOPPED)
+            return
+        self._stop_count = len(self.ops.group_pids(self.child.pgid))
+        self.ops.killpg(self.child.pgid, signal.SIGTERM)
+        self._stop_began, self._kill_at, self._killed = now, now + self.serve.stop_timeout_s, False
+        self._transition(STOPPING, f"vLLM stopping: SIGTERM to its {self._stop_count} processes, SIGKILL after "
+                                   f"{self.serve.stop_timeout_s:g} s")
+
+    def kill_now(self, now: float) -> None:
+        """A second stop request: do not wait for the drain."""
+        if self.state == STOPPING and not self._killed:
+            log.warning("vLLM stop: asked again, SIGKILL now")
+            self._kill_at = now
+            self._stopping(now)
+
+    @property
+    def stopped(self) -> bool:
+        return self.state == STOPPED
+
+    def _stopping(self, now: float) -> None:
+        self.ops.poll(self.child)  # reap the leader
+        alive = self.ops.group_pids(self.child.pgid)
+        if alive and now < self._kill_at:
+            return
+        if alive and not self._killed:
+            log.warning("vLLM did not stop within %g s: SIGKILL to %d processes", now - self._stop_began, len(alive))
+            self.ops.killpg(self.child.pgid, signal.SIGKILL)
+            self._killed, self._kill_at = True, now + KILL_WAIT_S
+            return
+        if alive:
+            log.error("processes %s of vLLM's group survived SIGKILL for %g s", alive, KILL_WAIT_S)
+            self._dying.update(alive)
+        self.ops.poll(self.child)
+        self.child = None
+        self._kill_escaped()
+        self._transition(STOPPED, f"vLLM stopped after {now - self._stop_began:.1f} s ({self._stop_count} "
+                                  "processes in its group at the stop)")
 
     def reset(self, now: float) -> None:
         """SIGHUP: leave FATAL and try again from scratch."""
         if self.state == FATAL:
             self._failures.clear()
             self._consecutive = 0
-            self.state = STOPPED
+            self._transition(STOPPED)
             self.start(now)
 
     def view(self) -> ServingView:
@@ -334,3 +364,9 @@ def _describe_exit(code: int) -> str:
         except ValueError:
             return f"signal {-code}"
     return f"exit status {code}"
+
+
+def _describe_error(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror}: {exc.filename}" if exc.filename else exc.strerror
+    return str(exc)

@@ -3,21 +3,31 @@
 vLLM renamed gauges across versions (vllm:gpu_cache_usage_perc became
 vllm:kv_cache_usage_perc); both are read. Rates come from two scrapes'
 counters, so the first scrape after a (re)start reports no rate yet.
+
+The read runs on a worker thread with a total deadline and a size cap, so a
+/metrics that trickles, sends a gigabyte or never accepts costs the loop
+nothing: read() hands back the latest finished answer and starts the next.
+Values that are not finite (NaN, +Inf) are dropped, as if vLLM had not sent them.
 """
 
 from __future__ import annotations
 
-import urllib.error
-import urllib.request
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from .. import httpget
+from ..background import Background
 
 GENERATION = "vllm:generation_tokens_total"
 PROMPT = "vllm:prompt_tokens_total"
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 KV_CACHE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # new name first
+DEADLINE_S = 2.0
+MAX_BYTES = 8 * 1024 * 1024  # a real vLLM /metrics is 50-200 KB
 
 
 @dataclass(frozen=True)
@@ -30,39 +40,55 @@ class VllmStats:
 
 
 def parse(text: str) -> dict[str, float]:
-    """Sample name -> value, summed over label sets (engines, models)."""
+    """Sample name -> value, summed over label sets (engines, models); non-finite samples are dropped."""
     totals: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+            if math.isfinite(sample.value):
+                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
     return totals
 
 
+def fetch(url: str) -> dict[str, float]:
+    """One bounded read of /metrics, parsed (on the worker thread). Raises httpget.HttpError or ValueError."""
+    reply = httpget.get(url, DEADLINE_S, MAX_BYTES)
+    if reply.status != 200:
+        raise httpget.HttpError(f"{url} answered {reply.status}")
+    return parse(reply.body.decode("utf-8", "replace"))
+
+
 class VllmMetricsReader:
-    def __init__(self, url: str, timeout_s: float = 2.0):
+    def __init__(self, url: str, clock: Callable[[], float], background: Background | None = None):
         self.url = url
-        self.timeout_s = timeout_s
+        self.job = background or Background("vllm-metrics", clock)
         self._last: tuple[float, dict[str, float]] | None = None
+        self._latest: VllmStats | None = None
 
     def reset(self) -> None:
         """A new child: its counters start from zero, so forget the old ones."""
-        self._last = None
+        self._last, self._latest = None, None
+        self.job.discard()
 
     def read(self, now: float) -> VllmStats | None:
-        try:
-            with urllib.request.urlopen(self.url, timeout=self.timeout_s) as reply:
-                values = parse(reply.read().decode("utf-8", "replace"))
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError):
+        """The latest stats (None while none or after a failed read); starts the next read in the background."""
+        self.job.start(fetch, self.url)
+        outcome = self.job.take()
+        if outcome is None:
+            return self._latest
+        if outcome.error is not None:
+            self._latest = None
             return None
-        previous, self._last = self._last, (now, values)
+        values, at = outcome.value, outcome.finished_at
+        previous, self._last = self._last, (at, values)
         kv = next((values[name] for name in KV_CACHE if name in values), None)
-        return VllmStats(
-            generation_tokens_per_s=_rate(previous, now, values, GENERATION),
-            prompt_tokens_per_s=_rate(previous, now, values, PROMPT),
+        self._latest = VllmStats(
+            generation_tokens_per_s=_rate(previous, at, values, GENERATION),
+            prompt_tokens_per_s=_rate(previous, at, values, PROMPT),
             requests_running=values.get(RUNNING),
             requests_waiting=values.get(WAITING),
             kv_cache_usage_ratio=kv,
         )
+        return self._latest
 
 
 def _rate(previous: tuple[float, dict[str, float]] | None, now: float, values: dict[str, float],

@@ -1,0 +1,133 @@
+"""A bounded HTTP GET: a total deadline and a size cap, whatever the other side does.
+
+urllib's timeout applies to each socket read, and read() has no limit, so a
+server that trickles one byte a second, or sends a gigabyte, holds the caller
+for as long as it likes. Everything we read from another process (vLLM's
+/health and /metrics, the daemon's /status) goes through here instead.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+MAX_HEADER_BYTES = 64 * 1024
+
+
+class HttpError(Exception):
+    """The read failed or broke a limit; the message is one line."""
+
+
+@dataclass(frozen=True)
+class Reply:
+    status: int
+    body: bytes
+    local_port: int  # our end of the connection, to find the peer in /proc/net/tcp
+
+
+def get(url: str, deadline_s: float, max_bytes: int) -> Reply:
+    """GET url, done within deadline_s seconds in total and at most max_bytes of body; else HttpError."""
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise HttpError(f"only http:// URLs are read, not {url!r}")
+    host, port = parts.hostname, parts.port or 80
+    path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    end = time.monotonic() + deadline_s
+
+    def remaining() -> float:
+        left = end - time.monotonic()
+        if left <= 0:
+            raise HttpError(f"no complete answer from {url} within {deadline_s:g} s")
+        return left
+
+    try:
+        with socket.create_connection((host, port), timeout=remaining()) as sock:
+            local_port = sock.getsockname()[1]
+            name = f"[{host}]" if ":" in host else host
+            request = f"GET {path} HTTP/1.1\r\nHost: {name}:{port}\r\nConnection: close\r\n" \
+                      "Accept-Encoding: identity\r\n\r\n"
+            sock.settimeout(remaining())
+            sock.sendall(request.encode("ascii"))
+            data = bytearray()
+            limit = MAX_HEADER_BYTES + max_bytes
+            while True:
+                sock.settimeout(remaining())
+                chunk = sock.recv(min(65536, limit + 1 - len(data)))
+                if not chunk:
+                    break
+                data += chunk
+                if len(data) > limit:
+                    raise HttpError(f"the answer from {url} is larger than {max_bytes} bytes")
+                if _complete(data):
+                    break
+    except HttpError:
+        raise
+    except (OSError, ValueError) as exc:  # refused, reset, timed out, unresolvable
+        raise HttpError(f"{url}: {exc.strerror if isinstance(exc, OSError) and exc.strerror else exc}") from None
+    status, body = _parse(bytes(data), url, max_bytes)
+    return Reply(status, body, local_port)
+
+
+def _split(data: bytes) -> tuple[bytes, bytes] | None:
+    head, sep, rest = data.partition(b"\r\n\r\n")
+    return (head, rest) if sep else None
+
+
+def _headers(head: bytes) -> dict[str, str]:
+    out = {}
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.decode("latin-1").partition(":")
+        out[name.strip().lower()] = value.strip()
+    return out
+
+
+def _complete(data: bytes) -> bool:
+    """True once a Content-Length body has fully arrived (no need to wait for the close)."""
+    split = _split(data)
+    if split is None:
+        return False
+    length = _headers(split[0]).get("content-length", "")
+    return length.isdigit() and len(split[1]) >= int(length)
+
+
+def _parse(data: bytes, url: str, max_bytes: int) -> tuple[int, bytes]:
+    split = _split(data)
+    if split is None:
+        if len(data) > MAX_HEADER_BYTES:
+            raise HttpError(f"the headers from {url} are larger than {MAX_HEADER_BYTES} bytes")
+        raise HttpError(f"{url} closed the connection before a complete answer")
+    head, body = split
+    status_line = head.split(b"\r\n", 1)[0].split()
+    if len(status_line) < 2 or not status_line[0].startswith(b"HTTP/") or not status_line[1].isdigit():
+        raise HttpError(f"{url} did not answer with HTTP")
+    headers = _headers(head)
+    if headers.get("transfer-encoding", "").lower() == "chunked":
+        body = _dechunk(body, url)
+    elif headers.get("content-length", "").isdigit():
+        length = int(headers["content-length"])
+        if len(body) < length:
+            raise HttpError(f"{url} closed the connection after {len(body)} of {length} bytes")
+        body = body[:length]
+    if len(body) > max_bytes:
+        raise HttpError(f"the answer from {url} is larger than {max_bytes} bytes")
+    return int(status_line[1]), body
+
+
+def _dechunk(body: bytes, url: str) -> bytes:
+    out, rest = bytearray(), body
+    while True:
+        size_line, sep, rest = rest.partition(b"\r\n")
+        try:
+            size = int(size_line.split(b";")[0], 16)
+        except ValueError:
+            raise HttpError(f"{url} sent a malformed chunked body") from None
+        if not sep or size < 0:
+            raise HttpError(f"{url} sent a malformed chunked body")
+        if size == 0:
+            return bytes(out)
+        if len(rest) < size + 2:
+            raise HttpError(f"{url} closed the connection inside a chunk")
+        out += rest[:size]
+        rest = rest[size + 2:]

@@ -1,0 +1,83 @@
+"""Who listens on a TCP port: so that only our child's process group is ever taken for the child.
+
+Any local process can bind serve.port before vLLM does and answer /health.
+The kernel's socket tables (/proc/net/tcp, tcp6) name the listening socket's
+inode, and /proc/PID/fd names the processes holding it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import pwd
+import socket
+from collections.abc import Iterable
+from pathlib import Path
+
+LISTEN = "0A"
+
+
+def listening_inodes(port: int, proc: str = "/proc") -> set[int]:
+    inodes = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = Path(proc, "net", table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[3] == LISTEN and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(int(fields[9]))
+    return inodes
+
+
+def holders(inodes: set[int], pids: Iterable[int] | None = None, proc: str = "/proc") -> list[int]:
+    """The processes (of pids, or all we may look at) with one of these sockets open."""
+    if not inodes:
+        return []
+    wanted = {f"socket:[{inode}]" for inode in inodes}
+    candidates = pids if pids is not None else (int(p.name) for p in Path(proc).iterdir() if p.name.isdigit())
+    found = []
+    for pid in candidates:
+        with contextlib.suppress(OSError):  # gone, or not ours to look at
+            for fd in os.scandir(f"{proc}/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(fd.path) in wanted:
+                        found.append(pid)
+                        break
+    return found
+
+
+def port_free(host: str, port: int) -> bool:
+    """True if we could bind host:port now (nothing listens there)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return False
+            raise
+    return True
+
+
+def describe(pid: int, proc: str = "/proc") -> str:
+    """'pid 1234 (user bob, python3)', as far as /proc tells."""
+    try:
+        uid = os.stat(f"{proc}/{pid}").st_uid
+        comm = Path(proc, str(pid), "comm").read_text().strip()
+    except OSError:
+        return f"pid {pid}"
+    try:
+        user = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        user = f"uid {uid}"
+    return f"pid {pid} (user {user}, {comm})"
+
+
+def who_listens(port: int, proc: str = "/proc") -> str:
+    """A readable account of the listeners on port, for an error line."""
+    pids = holders(listening_inodes(port, proc), proc=proc)
+    return ", ".join(describe(pid, proc) for pid in pids) or "a process we cannot see"

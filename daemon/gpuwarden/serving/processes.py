@@ -1,0 +1,177 @@
+"""Every OS call the supervisor makes, behind one seam (ProcessOps) that tests replace.
+
+As in supervisor's process.py, a spawn that fails is an error the supervisor
+turns into a child failure, never an exception in the loop. The daemon is a
+child subreaper (prctl PR_SET_CHILD_SUBREAPER), so a process that leaves the
+child's process group (setsid(), a double fork) is re-parented to us rather
+than to init when its parent dies: we can still find it and kill it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import grp
+import logging
+import os
+import pwd
+import subprocess
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import httpget
+from ..background import Background
+from . import ports
+
+log = logging.getLogger("gpuwarden")
+
+DEVICE_GROUPS = ("video", "render")  # /dev/nvidia* and /dev/dri access; the only extra groups the child gets
+MAX_LINE_BYTES = 16 * 1024  # a child's line longer than this is cut: one log record must stay small
+HEALTH_DEADLINE_S = 5.0
+HEALTH_MAX_BYTES = 64 * 1024
+PR_SET_CHILD_SUBREAPER = 36
+
+
+@dataclass
+class Child:
+    pid: int
+    pgid: int
+    process: subprocess.Popen | None = None
+
+
+class ProcessOps:
+    """The real OS. Tests pass a fake with the same methods."""
+
+    def __init__(self) -> None:
+        self._spawned: set[int] = set()  # our own children (not escaped processes)
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+    def child_identity(self, user: str) -> tuple[str | None, int | None]:
+        """(user to drop to, or None to stay ourselves; the child's uid, or None if the user does not exist).
+        Only root can drop privileges, so anyone else runs vLLM as themselves."""
+        if os.geteuid() != 0:
+            me = pwd.getpwuid(os.geteuid()).pw_name
+            if me != user:
+                log.info("not running as root, so vLLM runs as %s rather than serve.user %s", me, user)
+            return None, os.geteuid()
+        try:
+            return user, pwd.getpwnam(user).pw_uid
+        except KeyError:
+            return user, None
+
+    def spawn(self, argv: tuple[str, ...], env: dict[str, str], user: str | None,
+              on_line: Callable[[str], None]) -> Child:
+        """Start the child in its own session. Raises OSError, ValueError or SubprocessError when it cannot."""
+        kwargs: dict = {}
+        if user is None:  # we stay ourselves
+            me = pwd.getpwuid(os.geteuid())
+            env = {"HOME": me.pw_dir, "USER": me.pw_name, "LOGNAME": me.pw_name, **env}
+        else:
+            entry = pwd.getpwnam(user)
+            groups = [g.gr_gid for g in grp.getgrall() if g.gr_name in DEVICE_GROUPS]
+            kwargs = {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": groups}
+            env = {"HOME": entry.pw_dir, "USER": user, "LOGNAME": user, **env}  # serve.env may override
+        process = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
+                                   cwd="/", **kwargs)
+        self._spawned.add(process.pid)
+        threading.Thread(target=forward_lines, args=(process.stdout, on_line), daemon=True,
+                         name=f"child-output-{process.pid}").start()
+        return Child(process.pid, process.pid, process)
+
+    def poll(self, child: Child) -> int | None:
+        if child.process is None:
+            return None
+        code = child.process.poll()
+        if code is not None:
+            self._spawned.discard(child.pid)
+        return code
+
+    def killpg(self, pgid: int, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # already gone
+            os.killpg(pgid, sig)
+
+    def kill(self, pid: int, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+    def group_pids(self, pgid: int) -> list[int]:
+        """Live processes in a process group, orphans re-parented to init included."""
+        return [pid for pid, (ppid, pgrp) in _processes().items() if pgrp == pgid]
+
+    def escaped(self) -> list[int]:
+        """Processes re-parented to us that we did not start ourselves: they left a child's group."""
+        me = os.getpid()
+        return [pid for pid, (ppid, _) in _processes().items() if ppid == me and pid not in self._spawned]
+
+    def reap(self, pids: Iterable[int]) -> None:
+        """Collect the exit status of processes re-parented to us, so they do not stay zombies."""
+        for pid in pids:
+            if pid in self._spawned:
+                continue  # Popen reaps its own
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitpid(pid, os.WNOHANG)
+
+    def uid_of(self, pid: int) -> int | None:
+        try:
+            return Path(f"/proc/{pid}").stat().st_uid
+        except OSError:
+            return None
+
+    def describe(self, pid: int) -> str:
+        return ports.describe(pid)
+
+    def background(self, name: str) -> Background:
+        import time
+
+        return Background(name, time.monotonic)
+
+    def health(self, url: str) -> httpget.Reply:
+        return httpget.get(url, HEALTH_DEADLINE_S, HEALTH_MAX_BYTES)
+
+    def port_free(self, host: str, port: int) -> bool:
+        return ports.port_free(host, port)
+
+    def listeners(self, port: int, among: Iterable[int]) -> list[int]:
+        """Which of these processes hold the socket listening on port."""
+        return ports.holders(ports.listening_inodes(port), among)
+
+    def who_listens(self, port: int) -> str:
+        return ports.who_listens(port)
+
+
+def _processes() -> dict[int, tuple[int, int]]:
+    """pid -> (ppid, process group) of every live, non-zombie process."""
+    out = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue  # ended while we looked
+        if fields[0] != b"Z":
+            out[int(entry.name)] = (int(fields[1]), int(fields[2]))
+    return out
+
+
+def forward_lines(stream, on_line: Callable[[str], None], limit: int = MAX_LINE_BYTES) -> None:
+    """Hand the child's output to on_line a line at a time; a line longer than limit is cut there and the
+    rest of it skipped, so an endless line can neither balloon our memory nor one log record."""
+    with contextlib.suppress(OSError, ValueError):
+        while raw := stream.readline(limit):
+            if raw.endswith(b"\n") or len(raw) < limit:
+                on_line(raw.decode("utf-8", "replace").rstrip())
+                continue
+            skipped = 0
+            while (rest := stream.readline(limit)) and not rest.endswith(b"\n"):
+                skipped += len(rest)
+            skipped += len(rest)
+            on_line(raw.decode("utf-8", "replace") + f" [line cut: {skipped} more bytes dropped]")
+    with contextlib.suppress(OSError):
+        stream.close()
+
