@@ -74,9 +74,7 @@ def main() -> None:
         path.chmod(0o644)
     model.chmod(0o755)
     (work / "profiles.d").mkdir()
-    (work / "profiles.d" / "cpu-tiny.yaml").write_text(
-        "name: cpu-tiny\ndescription: tiny model\n"
-        "args: [--gpu-memory-utilization, \"0.3\", --max-model-len, \"256\", --enforce-eager]\n")
+    (work / "profiles.d" / "cpu-tiny.yaml").write_text((ROOT / "tests" / "vllm" / "cpu-tiny.yaml").read_text())
     metrics = free_port()
     user = "gpuwarden-test" if os.geteuid() == 0 else os.environ.get("USER", "nobody")
     config = work / "gpuwarden.yaml"

@@ -10,6 +10,38 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "etc" / "gpuwarden" / "gpuwarden.yaml"
+CPU_TINY_PROFILE = ROOT / "tests" / "vllm" / "cpu-tiny.yaml"
+# CPU features that decide which kernels vLLM's CPU build runs (a missing one means SIGILL, exit -4).
+CPU_FLAGS_THAT_MATTER = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_fp16", "avx512_vnni",
+                         "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_report() -> str:
+    """The CPU, the flags that matter to vLLM's kernels, and what torch in vLLM's venv makes of them."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
+    have = [f for f in CPU_FLAGS_THAT_MATTER if f in flags]
+    lacks = [f for f in CPU_FLAGS_THAT_MATTER if f not in flags]
+    torch_view = "vLLM's venv not found"
+    python = VENV / "bin" / "python"
+    if python.exists():
+        probe = subprocess.run([str(python), "-c", "import torch; print('capability', "
+                                "torch.backends.cpu.get_cpu_capability(), 'amx_tile', "
+                                "torch.cpu._is_amx_tile_supported())"], capture_output=True, text=True, timeout=120)
+        torch_view = (probe.stdout or probe.stderr).strip().splitlines()[-1] if (probe.stdout or probe.stderr) else "?"
+    return (f"CPU: {model}; {os.cpu_count()} cores\n  has: {' '.join(have) or 'none'}\n"
+            f"  lacks: {' '.join(lacks) or 'none'}\n  torch in vLLM's venv: {torch_view}")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """When a real-vLLM test failed, say which CPU it ran on: a worker that dies with SIGILL is a kernel
+    this CPU (or its hypervisor) does not support."""
+    failed = [r for r in terminalreporter.stats.get("failed", []) + terminalreporter.stats.get("error", [])
+              if "vllm" in getattr(r, "keywords", {})]
+    if failed:
+        terminalreporter.section("CPU of this run (a vLLM test failed)")
+        terminalreporter.write_line(cpu_report())
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import urllib.request
 import pytest
 import yaml
 
-from conftest import ROOT, free_port
+from conftest import CPU_TINY_PROFILE, ROOT, free_port
 from gpuwarden.gpu.sim.scenario import resolve_scenario
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
@@ -105,8 +105,7 @@ def test_real_prometheus_fires_the_clock_alert_and_every_query_has_data(write, d
     prometheus = tool("prometheus")
     scenario = write("scenario.yaml", resolve_scenario("rtx-pro-4000-headless").read_text()
                      .replace("memory_used_pct: 85", "memory_used_pct: 10"))  # room for vLLM's preflight
-    write("profiles.d/cpu-tiny.yaml", "name: cpu-tiny\ndescription: tiny model on vLLM's CPU build\n"
-          "args: [--gpu-memory-utilization, \"0.3\", --max-model-len, \"256\", --enforce-eager]\n")
+    write("profiles.d/cpu-tiny.yaml", CPU_TINY_PROFILE.read_text())
     # Host A watches read-only (its clocks stay at 180 MHz: the alert); host B tunes, locks memory too,
     # and serves, so every series the rules and the dashboard read exists.
     port_a, port_b, prom_port = free_port(), free_port(), free_port()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT  # noqa: F401 (vllm fixtures come from conftest too)
+from conftest import CPU_TINY_PROFILE, ROOT
 
 pytestmark = [pytest.mark.integration, pytest.mark.systemd]
 HERE = ROOT / "tests" / "systemd"
@@ -143,9 +143,7 @@ def test_serving_ready_only_when_vllm_is_healthy_and_stop_leaves_nothing(install
     (conf / "10-e2e.yaml").unlink()
     (conf / "10-e2e-vllm.yaml").write_text((HERE / "10-e2e-vllm.yaml").read_text()
                                            .replace("VLLM_PYTHON", str(vllm_python)))
-    (root / "etc" / "gpuwarden" / "profiles.d" / "cpu-tiny.yaml").write_text(
-        "name: cpu-tiny\ndescription: the tiny test model on vLLM's CPU build\n"
-        "args: [--gpu-memory-utilization, \"0.3\", --max-model-len, \"256\", --enforce-eager]\n")
+    (root / "etc" / "gpuwarden" / "profiles.d" / "cpu-tiny.yaml").write_text(CPU_TINY_PROFILE.read_text())
     folder = tmp_path / "results"
     folder.mkdir()
     venv = vllm_python.parent.parent

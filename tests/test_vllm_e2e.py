@@ -16,14 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, gpuwarden_cmd, subprocess_env
+from conftest import CPU_TINY_PROFILE, free_port, gpuwarden_cmd, subprocess_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
 
 def serving_config(write, vllm_python, model, user, vllm_port, extra_args=(), extra=""):
-    write("profiles.d/cpu-tiny.yaml", "name: cpu-tiny\ndescription: the tiny test model on vLLM's CPU build\n"
-          "args: [--gpu-memory-utilization, \"0.3\", --max-model-len, \"256\", --enforce-eager]\n")
+    write("profiles.d/cpu-tiny.yaml", CPU_TINY_PROFILE.read_text())
     args = json.dumps(list(extra_args))
     return write("gpuwarden.yaml", f"""poll_interval_s: 0.5
 metrics:
@@ -81,7 +80,6 @@ def test_serves_survives_sigkill_without_orphans_and_stops_clean(write, daemons,
     sock.bind(sock_path)
     sock.setblocking(False)
     d = daemons(path, env=dict(subprocess_env(), NOTIFY_SOCKET=sock_path))
-    d.wait_for("vLLM lint warning: enforce-eager")  # warnings are logged, not blocking
     started = d.wait_for("vLLM starting (pid")
     first_pid = int(started.split("(pid ")[1].split(",")[0])
     assert Path(f"/proc/{first_pid}").stat().st_uid == pwd.getpwnam(child_user).pw_uid

@@ -233,7 +233,7 @@ class Exposition:
 
 
 MAX_CONNECTIONS = 64  # concurrent HTTP connections; more are closed at once (fds stay well under 1024)
-CONNECTION_TIMEOUT_S = 10.0  # a client that sends or reads nothing for this long is dropped
+CONNECTION_TIMEOUT_S = 5.0  # a client that sends or reads nothing for this long is dropped
 LISTEN_BACKLOG = 128
 
 

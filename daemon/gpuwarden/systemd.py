@@ -55,16 +55,26 @@ LOG_QUEUE_RECORDS = 10_000  # about a minute of the chattiest vLLM start-up
 
 
 class QueuedLog(logging.Handler):
-    """Hands records to a writer thread through a bounded queue; a full queue drops and counts."""
+    """Hands records to a writer thread through a bounded queue; a full queue drops and counts.
 
-    def __init__(self, target: logging.Handler, capacity: int = LOG_QUEUE_RECORDS):
+    The writer formats and calls os.write() itself rather than through a StreamHandler: a write
+    blocked on a stalled pipe then holds no lock that logging.shutdown() or the interpreter's exit
+    would wait for, so even a daemon whose stderr nobody reads still exits on SIGTERM.
+    """
+
+    def __init__(self, formatter: logging.Formatter, fd: int = 2, capacity: int = LOG_QUEUE_RECORDS):
         super().__init__()
-        self.target = target
+        self.setFormatter(formatter)
+        self.fd = fd
         self.queue: queue.Queue = queue.Queue(capacity)
         self.dropped = 0  # records lost because the sink did not keep up
         self._reported = 0
         self._thread = threading.Thread(target=self._write, name="log-writer", daemon=True)
         self._thread.start()
+
+    def handle(self, record: logging.LogRecord) -> bool:
+        self.emit(record)  # no handler lock: the queue is the only shared state, and it has its own
+        return True
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -80,10 +90,17 @@ class QueuedLog(logging.Handler):
         while (record := self.queue.get()) is not None:
             if self.dropped > self._reported and self.queue.empty():
                 lost, self._reported = self.dropped - self._reported, self.dropped
-                self.target.handle(logging.LogRecord("gpuwarden", logging.WARNING, __file__, 0,
-                                                     "%d log lines were dropped: the log sink was too slow",
-                                                     (lost,), None))
-            self.target.handle(record)
+                self._out(logging.LogRecord("gpuwarden", logging.WARNING, __file__, 0,
+                                            "%d log lines were dropped: the log sink was too slow", (lost,), None))
+            self._out(record)
+
+    def _out(self, record: logging.LogRecord) -> None:
+        data = (self.format(record) + "\n").encode("utf-8", "replace")
+        try:
+            while data:
+                data = data[os.write(self.fd, data):]
+        except OSError:
+            self.dropped += 1  # stderr closed or broken: nothing to tell
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Flush what is queued, waiting at most timeout_s for a stalled sink."""
@@ -99,10 +116,8 @@ def setup_logging(level: int = logging.INFO, journal: bool | None = None) -> Que
     """Log to stderr, with priority prefixes when stderr is the journal, through a bounded queue."""
     if journal is None:
         journal = stderr_is_journal()
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JournalFormatter("%(message)s") if journal else
-                         logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S"))
-    queued = QueuedLog(handler)
+    queued = QueuedLog(JournalFormatter("%(message)s") if journal else
+                       logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S"))
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)

@@ -1,0 +1,127 @@
+"""A misbehaving stand-in for vLLM, run as a real process by the fault tests and the soak benchmark.
+
+    python fakechild.py --mode MODE[,MODE...] [vLLM's flags ... --host H --port P]
+
+It takes what gpuwarden appends (--model ..., --host, --port) and ignores the rest.
+Modes:
+  healthy      /health 200 and a small vLLM /metrics whose counters grow (the default)
+  trickle      /metrics answers one byte a second
+  huge         /metrics sends a 1 GB body
+  noaccept     binds and listens, never accepts (vLLM while it loads a model)
+  nan          /metrics says NaN and +Inf for the request gauges
+  flood        prints one 200 MB line with no newline, then serves as healthy
+  ignore-term  ignores SIGTERM
+  setsid       forks a grandchild that calls setsid() and sleeps: it leaves the process group
+  doublefork   forks a child that forks a grandchild and exits at once
+  crash        exits with status 3 after 1 s
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+
+METRICS = """# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{{engine="0",model_name="m"}} {gen}
+vllm:prompt_tokens_total{{engine="0",model_name="m"}} {prompt}
+vllm:num_requests_running{{engine="0",model_name="m"}} {running}
+vllm:num_requests_waiting{{engine="0",model_name="m"}} {waiting}
+vllm:kv_cache_usage_perc{{engine="0",model_name="m"}} 0.1
+"""
+
+
+def answer(conn: socket.socket, modes: set[str], started: float) -> None:
+    with conn:
+        conn.settimeout(30)
+        request = b""
+        while b"\r\n\r\n" not in request:
+            chunk = conn.recv(4096)
+            if not chunk:
+                return
+            request += chunk
+        path = request.split(b" ", 2)[1].decode()
+        if path == "/health":
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            return
+        if path != "/metrics":
+            conn.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            return
+        if "huge" in modes:
+            size = 1 << 30
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % size)
+            block = b"# " + b"x" * 65533 + b"\n"
+            for _ in range(size // len(block)):
+                conn.sendall(block)
+            return
+        gen = int((time.monotonic() - started) * 100)
+        running, waiting = ("NaN", "+Inf") if "nan" in modes else ("2", "0")
+        body = METRICS.format(gen=gen, prompt=gen // 2, running=running, waiting=waiting).encode()
+        head = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body)
+        if "trickle" in modes:
+            for byte in head + body:
+                conn.sendall(bytes([byte]))
+                time.sleep(1)
+            return
+        conn.sendall(head + body)
+
+
+def serve(host: str, port: int, modes: set[str]) -> None:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, port))
+    listener.listen(8)
+    started = time.monotonic()
+    if "noaccept" in modes:
+        while True:
+            time.sleep(3600)
+    while True:
+        conn, _ = listener.accept()
+        threading.Thread(target=answer, args=(conn, modes, started), daemon=True).start()
+
+
+def leave_the_group(modes: set[str]) -> None:
+    if "setsid" in modes and os.fork() == 0:
+        os.setsid()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        while True:
+            time.sleep(3600)
+    if "doublefork" in modes and os.fork() == 0:
+        if os.fork() == 0:
+            os.setsid()
+            while True:
+                time.sleep(3600)
+        os._exit(0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", default="healthy")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    args, _ = parser.parse_known_args()
+    modes = set(args.mode.split(","))
+    if "ignore-term" in modes:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print(f"INFO fakechild pid {os.getpid()} modes {sorted(modes)} on {args.host}:{args.port}", flush=True)
+    leave_the_group(modes)
+    if "flood" in modes:
+        line = b"y" * (1 << 20)
+        for _ in range(200):
+            sys.stdout.buffer.write(line)
+        sys.stdout.buffer.write(b"\n")
+        sys.stdout.flush()
+    if "crash" in modes:
+        time.sleep(1)
+        print("ERROR fakechild: crashing on purpose", flush=True)
+        sys.exit(3)
+    serve(args.host, args.port, modes)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,442 @@
+"""Faults between processes, with real processes: the daemon against a misbehaving child (tests/fakechild.py).
+
+Each test asserts that the daemon kept polling on schedule (loop lag p99 under 100 ms, read from its own
+/status), fed or stopped feeding the watchdog as it should, and left no process behind.
+"""
+
+import json
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, free_port, gpuwarden_cmd, subprocess_env
+
+pytestmark = pytest.mark.integration
+FAKE = ROOT / "tests" / "fakechild.py"
+FLAGCHECK = ROOT / "tests" / "fakechild-flagcheck"
+POLL = 0.25
+
+
+@pytest.fixture(scope="session")
+def fake(child_user):
+    """The fake child where serve.user can read it, run by Debian's python3 (the user cannot enter /root)."""
+    folder = Path(tempfile.mkdtemp(prefix="gpuwarden-fakechild-"))
+    folder.chmod(0o755)
+    shutil.copy(FAKE, folder / "fakechild.py")
+    (folder / "fakechild.py").chmod(0o644)
+    yield {"script": folder / "fakechild.py", "python": "/usr/bin/python3", "user": child_user}
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def fault_config(write, fake, mode, port=None, extra="", serve_extra=""):
+    port = port or free_port()
+    metrics = free_port()
+    path = write("gpuwarden.yaml", f"""poll_interval_s: {POLL}
+alerts:
+  for_s: 1
+metrics:
+  listen: 127.0.0.1:{metrics}
+gpu:
+  backend: sim
+  scenario: dgx-spark
+serve:
+  enabled: true
+  profile: generic
+  model: /fake/model
+  command: [{fake["python"]}, {fake["script"]}, --mode, "{mode}"]
+  python: {FLAGCHECK}
+  port: {port}
+  user: {fake["user"]}
+{_serve_settings(serve_extra)}{extra}""")
+    return path, f"http://127.0.0.1:{metrics}", port
+
+
+def _serve_settings(overrides):
+    """The fault tests' serve timings, with the given "  key: value" lines replacing defaults."""
+    settings = {"startup_timeout_s": "60", "stop_timeout_s": "2", "liveness_interval_s": "1", "backoff_max_s": "1"}
+    for line in overrides.splitlines():
+        key, _, value = line.strip().partition(": ")
+        settings[key] = value
+    return "".join(f"  {k}: {v}\n" for k, v in settings.items())
+
+
+def status(base, timeout=3.0):
+    with urllib.request.urlopen(base + "/status", timeout=timeout) as reply:
+        return json.load(reply)
+
+
+def metrics(base):
+    with urllib.request.urlopen(base + "/metrics", timeout=3) as reply:
+        return reply.read().decode()
+
+
+def wait_until(what, timeout=30.0, every=0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = what()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"not true within {timeout} s: {what}")
+
+
+def serving_state(base):
+    try:
+        return (status(base).get("serving") or {}).get("state")
+    except OSError:
+        return None
+
+
+def fakes_alive(config_path):
+    """Processes started from the fake child with this test's config dir on their command line, any session."""
+    token = b"fakechild.py"
+    alive = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if token in cmdline.read_bytes() and b"pytest" not in cmdline.read_bytes() and Path(cmdline.parent, "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                alive.append(int(cmdline.parent.name))
+        except OSError:
+            continue
+    return alive
+
+
+@pytest.fixture
+def no_fakes_left():
+    """After the test, no fake child (or its escaped grandchild) may be alive; kill any by PID and fail."""
+    before = set(fakes_alive(None))
+    yield
+    left = [pid for pid in fakes_alive(None) if pid not in before]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes left behind: {left}"
+
+
+class Notify:
+    """A real sd_notify socket, as systemd's NOTIFY_SOCKET is."""
+
+    def __init__(self, tmp_path):
+        self.path = str(tmp_path / "notify.sock")
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(self.path)
+        self.messages: list[tuple[float, str]] = []  # (when it arrived, message)
+        threading.Thread(target=self._receive, daemon=True).start()
+
+    def _receive(self):
+        while True:
+            try:
+                data = self.sock.recv(4096)
+            except OSError:
+                return
+            self.messages.append((time.monotonic(), data.decode()))
+
+    def drain(self):
+        return list(self.messages)
+
+    def pings(self, since=0.0):
+        return [t for t, m in self.drain() if m == "WATCHDOG=1" and t >= since]
+
+    def env(self, watchdog_s=1.0):
+        return dict(subprocess_env(), NOTIFY_SOCKET=self.path, WATCHDOG_USEC=str(int(watchdog_s * 1e6)))
+
+
+def assert_on_schedule(base, seconds, since_sequence=None):
+    """Polls kept their schedule: loop lag p99 < 100 ms over the daemon's recent polls, none missed."""
+    first = wait_until(lambda: (lambda st: st if "sequence" in st else None)(status(base)), timeout=10)
+    time.sleep(seconds)
+    last = status(base)
+    lag = last["loop_lag"]
+    assert lag["p99_seconds"] < 0.1, lag
+    expected = seconds / POLL
+    done = last["sequence"] - first["sequence"]
+    assert done >= 0.8 * expected, f"{done} polls in {seconds} s, expected about {expected:.0f}"
+    assert not last["daemon"]["stale"]
+    return last
+
+
+def own_log(d):
+    """The daemon's log without its child's lines (a fake child that is cut off may print a traceback)."""
+    return "\n".join(line for line in d.lines if "vllm: " not in line)
+
+
+def assert_fed(notify, since, until, watchdog_s=1.0):
+    pings = notify.pings(since)
+    gaps = [b - a for a, b in zip([since, *pings], [*pings, until])]
+    assert max(gaps) < watchdog_s * 0.9, f"watchdog gaps {gaps}"
+
+
+@pytest.mark.parametrize("mode", ["trickle", "huge", "nan"])
+def test_a_hostile_metrics_endpoint_never_stalls_the_loop(write, fake, daemons, tmp_path, no_fakes_left, mode):
+    path, base, _ = fault_config(write, fake, mode)
+    notify = Notify(tmp_path)
+    d = daemons(path, env=notify.env())
+    d.wait_for("vLLM healthy after", timeout=30)
+    began = time.monotonic()
+    last = assert_on_schedule(base, 4)
+    assert_fed(notify, began, time.monotonic())
+    assert last["serving"]["state"] == "RUNNING"
+    assert last["vllm"] is None or last["vllm"]["requests_running"] is None, "a NaN or an unread body is no value"
+    rss_kib = int(next(line.split()[1] for line in Path(f"/proc/{d.proc.pid}/status").read_text().splitlines()
+                       if line.startswith("VmRSS:")))
+    assert rss_kib < 200 * 1024, f"RSS {rss_kib} KiB: a 1 GB body must not be held"
+    started = time.monotonic()
+    assert d.stop() == 0 and time.monotonic() - started < 5, "SIGTERM is handled at once"
+    assert "Traceback" not in own_log(d)
+
+
+def test_a_child_that_binds_but_never_accepts_costs_the_loop_nothing(write, fake, daemons, tmp_path, no_fakes_left):
+    path, base, _ = fault_config(write, fake, "noaccept")
+    notify = Notify(tmp_path)
+    d = daemons(path, env=notify.env())
+    d.wait_for("vLLM starting (pid")
+    began = time.monotonic()
+    last = assert_on_schedule(base, 4)
+    assert last["serving"]["state"] == "STARTING"
+    assert not [m for _, m in notify.drain() if m.startswith("READY=1")], "not ready before healthy"
+    assert_fed(notify, began, time.monotonic())
+    assert d.stop() == 0 and "Traceback" not in own_log(d)
+
+
+def test_an_endless_line_is_cut_and_memory_stays_flat(write, fake, daemons, no_fakes_left):
+    path, base, _ = fault_config(write, fake, "flood")
+    d = daemons(path)
+    line = d.wait_for("[line cut:", timeout=60)
+    assert len(line) < 20_000 and "more bytes dropped" in line
+    d.wait_for("vLLM healthy after", timeout=30)
+    assert_on_schedule(base, 2)
+    rss_kib = int(next(row.split()[1] for row in Path(f"/proc/{d.proc.pid}/status").read_text().splitlines()
+                       if row.startswith("VmRSS:")))
+    assert rss_kib < 150 * 1024, f"RSS {rss_kib} KiB after a 200 MB line"
+    assert d.stop() == 0
+
+
+def test_a_child_that_ignores_sigterm_is_killed_after_the_timeout_while_the_loop_polls(write, fake, daemons, tmp_path,
+                                                                                      no_fakes_left):
+    path, base, _ = fault_config(write, fake, "ignore-term", serve_extra="  stop_timeout_s: 3\n")
+    notify = Notify(tmp_path)
+    d = daemons(path, env=notify.env())
+    d.wait_for("vLLM healthy after", timeout=30)
+    notify.drain()
+    began = time.monotonic()
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(15) == 0
+    took = time.monotonic() - began
+    assert 3 <= took < 6, took
+    assert "SIGKILL to 1 processes" in d.log
+    assert_fed(notify, began, began + 3)  # the drain did not stop the pings
+    messages = [m for _, m in notify.drain()]
+    assert "STOPPING=1" in messages and "EXTEND_TIMEOUT_USEC=33000000" in messages
+
+
+def test_a_second_sigterm_does_not_wait_for_the_drain(write, fake, daemons, no_fakes_left):
+    path, _, _ = fault_config(write, fake, "ignore-term", serve_extra="  stop_timeout_s: 600\n")
+    d = daemons(path)
+    d.wait_for("vLLM healthy after", timeout=30)
+    began = time.monotonic()
+    d.proc.send_signal(signal.SIGTERM)
+    d.wait_for("vLLM stopping: SIGTERM")
+    d.proc.send_signal(signal.SIGTERM)
+    assert d.proc.wait(10) == 0 and time.monotonic() - began < 5
+    assert "SIGTERM again while stopping" in d.log
+
+
+@pytest.mark.parametrize("mode", ["setsid", "doublefork"])
+def test_processes_that_leave_the_group_are_found_and_killed(write, fake, daemons, no_fakes_left, mode):
+    path, _, _ = fault_config(write, fake, mode)
+    d = daemons(path)
+    d.wait_for("vLLM healthy after", timeout=30)
+    time.sleep(0.5)
+    assert len(fakes_alive(path)) == 2, "the child and its escaped grandchild"
+    assert d.stop() == 0
+    assert "that had left vLLM's process group: pid" in d.log
+    # no_fakes_left asserts that nothing is left
+
+
+def test_a_missing_binary_backs_off_to_fatal_and_the_gpus_are_still_polled(write, fake, daemons, tmp_path, no_fakes_left):
+    path, base, _ = fault_config(write, fake, "healthy", serve_extra="  crash_loop_failures: 3\n  crash_loop_window_s: 60\n")
+    gone = Path(tempfile.mkdtemp(prefix="gpuwarden-gone-")) / "python3"
+    gone.parent.chmod(0o755)
+    os.symlink(fake["python"], gone)
+    path.write_text(path.read_text().replace(f"command: [{fake['python']},", f"command: [{gone},"))
+    notify = Notify(tmp_path)
+    d = daemons(path, env=notify.env())
+    d.wait_for("vLLM healthy after", timeout=30)
+    gone.unlink()  # removed by an upgrade while vLLM runs
+    child = status(base)["serving"]["pid"]
+    os.kill(child, signal.SIGKILL)
+    d.wait_for("vLLM FATAL", timeout=20)
+    assert d.log.count("ERROR vLLM could not be started: No such file or directory") == 2  # then FATAL
+    began = time.monotonic()
+    last = assert_on_schedule(base, 2)
+    assert last["serving"]["state"] == "FATAL"
+    assert_fed(notify, began, time.monotonic())
+    assert d.stop() == 0 and "Traceback" not in own_log(d)
+
+
+def test_a_reload_that_cannot_be_carried_out_keeps_the_running_child(write, fake, daemons, no_fakes_left):
+    path, base, _ = fault_config(write, fake, "healthy")
+    d = daemons(path)
+    d.wait_for("vLLM healthy after", timeout=30)
+    pid = status(base)["serving"]["pid"]
+    good = path.read_text()
+    for bad, says in ((good.replace(f"command: [{fake['python']},", "command: [/nonexistent/python,"),
+                       "serve.command: /nonexistent/python does not exist"),
+                      (good.replace("profile: generic", "profile: genric"), "no profile named 'genric'"),
+                      (good + "  gpus: [7]\n", "no GPU '7' on this host"),
+                      (good.replace("alerts:\n  for_s: 1", "alerts:\n  for_s: 1" + "0" * 400),
+                       "reload failed"),
+                      (good + "x: &a [*a]\n", "reload failed")):
+        mark = len(d.lines)
+        path.write_text(bad)
+        d.proc.send_signal(signal.SIGHUP)
+        line = d.wait_for("reload failed, still running the previous config", after=mark)
+        assert says in line, line
+    time.sleep(1)
+    state = status(base)
+    assert state["serving"]["state"] == "RUNNING" and state["serving"]["pid"] == pid
+    assert "vLLM stopping" not in d.log and "config reloaded" not in d.log
+    assert d.stop() == 0 and "Traceback" not in own_log(d)
+
+
+def test_a_changed_serve_section_starts_the_new_child_after_the_old_one_stopped(write, fake, daemons, no_fakes_left):
+    path, base, _ = fault_config(write, fake, "ignore-term", serve_extra="  stop_timeout_s: 2\n  startup_timeout_s: 3\n")
+    d = daemons(path)
+    d.wait_for("vLLM healthy after", timeout=30)
+    old = status(base)["serving"]["pid"]
+    path.write_text(path.read_text().replace('"ignore-term"', '"healthy"'))
+    d.proc.send_signal(signal.SIGHUP)
+    d.wait_for("config reloaded")
+    d.wait_for("vLLM stopped after", timeout=10)
+    d.wait_for("vLLM healthy after", after=d.lines.index(next(x for x in d.lines if "vLLM stopped after" in x)),
+               timeout=10)
+    new = status(base)["serving"]
+    assert new["state"] == "RUNNING" and new["pid"] != old, "the 2 s drain did not eat the 3 s start-up"
+    assert d.stop() == 0
+
+
+def test_a_squatter_of_another_user_gets_no_ready_no_metrics_and_one_error_line(write, fake, daemons, tmp_path,
+                                                                               no_fakes_left):
+    if os.geteuid() != 0:
+        pytest.skip("starting the squatter as another user needs root")
+    port = free_port()
+    nobody = pwd.getpwnam("nobody")
+    squatter = subprocess.Popen([fake["python"], str(fake["script"]), "--port", str(port)], user=nobody.pw_uid,
+                                group=nobody.pw_gid, stdout=subprocess.DEVNULL, cwd="/")
+    try:
+        wait_until(lambda: not _port_free(port), timeout=10)
+        path, base, _ = fault_config(write, fake, "healthy", port=port)
+        notify = Notify(tmp_path)
+        d = daemons(path, env=notify.env())
+        line = d.wait_for("vLLM start waits", timeout=20)
+        assert f"port {port} on 127.0.0.1 is in use by pid {squatter.pid} (user nobody, python" in line
+        assert_on_schedule(base, 3)
+        assert d.log.count("vLLM start waits") == 1
+        assert not [m for _, m in notify.drain() if m.startswith("READY=1")]
+        text = metrics(base)
+        assert "gpuwarden_vllm_generation_tokens_per_second" not in text
+        assert 'gpuwarden_alert_active{alert="vllm_start_blocked",gpu="all",severity="warning"} 1.0' in text
+        assert d.stop() == 0
+    finally:
+        squatter.kill()
+        squatter.wait(5)
+
+
+def _port_free(port):
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def test_a_stderr_nobody_reads_does_not_stop_the_loop_or_sigterm(write, tmp_path):
+    port = free_port()
+    path = write("g.yaml", f"poll_interval_s: 0.05\nlog_interval_s: 0\nmetrics:\n  listen: 127.0.0.1:{port}\n"
+                           "tuning:\n  apply: false\n")
+    notify = Notify(tmp_path)
+    # stderr is a pipe we never read: after 64 KiB every write would block.
+    proc = subprocess.Popen(gpuwarden_cmd() + ["run", "-c", str(path), "--sim", "rtx-pro-4000-headless"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=notify.env(0.5))
+    try:
+        time.sleep(4)  # ~80 polls, each logging two GPUs: far more than the pipe holds
+        base = f"http://127.0.0.1:{port}"
+        began = time.monotonic()
+        state = status(base)
+        assert state["loop_lag"]["p99_seconds"] < 0.1 and not state["daemon"]["stale"]
+        time.sleep(1)
+        assert_fed(notify, began, time.monotonic(), watchdog_s=0.5)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+    finally:
+        proc.kill()
+        proc.wait(5)
+
+
+def test_started_with_stdio_closed_the_signal_pipe_does_not_take_fds_0_to_2(write, tmp_path):
+    path = write("g.yaml", "metrics:\n  listen: none\ntuning:\n  apply: false\n")
+    out = tmp_path / "fds"
+    script = (f"import os, sys, runpy; os.close(0); os.close(1); "
+              f"sys.argv = ['gpuwarden', 'run', '-c', {str(path)!r}, '--sim', 'lock-lost', '--duration', '1.5']; "
+              f"import gpuwarden.daemon as d; real = d.SignalWaker.__init__\n"
+              f"def spy(self):\n real(self); open({str(out)!r}, 'w').write(f'{{self.read_fd}} {{self.write_fd}}')\n"
+              f"d.SignalWaker.__init__ = spy\nrunpy.run_module('gpuwarden', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True, timeout=60,
+                          env=subprocess_env())
+    assert proc.returncode == 0, proc.stderr
+    assert all(int(fd) > 2 for fd in out.read_text().split())
+
+
+def test_a_metrics_port_in_use_fails_before_any_gpu_is_touched(write):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        path = write("g.yaml", f"metrics:\n  listen: 127.0.0.1:{port}\n")
+        proc = subprocess.run(gpuwarden_cmd() + ["run", "-c", str(path), "--sim", "rtx-pro-4000-headless"],
+                              capture_output=True, text=True, env=subprocess_env(), timeout=60)
+    assert proc.returncode == 1 and "cannot serve metrics on" in proc.stderr
+    assert "before tuning" not in proc.stderr and "gpu_clocks" not in proc.stderr, "nothing was tuned"
+
+
+def test_idle_connections_are_capped_and_the_daemon_keeps_serving(write, daemons, tmp_path):
+    port = free_port()
+    path = write("g.yaml", f"poll_interval_s: {POLL}\nmetrics:\n  listen: 127.0.0.1:{port}\ntuning:\n  apply: false\n")
+    notify = Notify(tmp_path)
+    d = daemons(path, "--sim", "rtx-pro-4000-headless", env=notify.env())
+    d.wait_for("serving /metrics")
+    base = f"http://127.0.0.1:{port}"
+    idle = []
+    began = time.monotonic()
+    try:
+        for _ in range(1100):
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex(("127.0.0.1", port))
+            idle.append(s)
+        time.sleep(2)
+        fds = len(os.listdir(f"/proc/{d.proc.pid}/fd"))
+        assert fds < 150, f"{fds} fds open in the daemon with 1,100 idle connections"
+        assert_fed(notify, began, time.monotonic())  # the loop polls on through the crowd
+    finally:
+        for s in idle:
+            s.close()
+    time.sleep(0.5)
+    assert "gpuwarden_gpu_up" in metrics(base), "serves again once the crowd is gone"
+    state = status(base)
+    assert state["loop_lag"]["p99_seconds"] < 0.1 and not state["daemon"]["stale"]
+    d.proc.send_signal(signal.SIGHUP)
+    d.wait_for("config reloaded")
+    assert d.stop() == 0 and "Traceback" not in own_log(d)
+    assert d.log.count("metrics endpoint:") <= 1, "client errors are one line, not one per connection"
