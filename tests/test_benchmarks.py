@@ -22,6 +22,22 @@ def test_benchmark_smoke(script, expect):
     assert "Traceback" not in proc.stderr
 
 
+def test_scrape_benchmark_smoke():
+    # Against HEAD: a fresh clone has it, and older revisions may need packages this venv lacks.
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scrape.py"), "--smoke", "--before", "HEAD"],
+                          capture_output=True, text=True, env=subprocess_env(), timeout=180, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| 8 |")]
+    assert len(rows) == 2 and all(row.split("|")[5].strip() == "0" for row in rows), proc.stdout  # none failed
+
+
+def test_soak_smoke_stays_flat_and_leaves_nothing(child_user):
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--smoke"], capture_output=True,
+                          text=True, env=subprocess_env(), timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "SIGTERM: exit 0; fake-child processes left: 0; tracebacks in the daemon's own log: 0" in proc.stdout
+
+
 @pytest.mark.vllm
 def test_supervisor_benchmark_smoke(vllm_python):
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "supervisor.py"), "--smoke"], capture_output=True,

@@ -233,7 +233,8 @@ class Exposition:
 
 
 MAX_CONNECTIONS = 64  # concurrent HTTP connections; more are closed at once (fds stay well under 1024)
-CONNECTION_TIMEOUT_S = 5.0  # a client that sends or reads nothing for this long is dropped
+REQUEST_TIMEOUT_S = 1.0  # to send the request after connecting: an idle crowd frees its slots fast
+CONNECTION_TIMEOUT_S = 5.0  # per read or write while answering
 LISTEN_BACKLOG = 128
 
 
@@ -313,9 +314,10 @@ class MetricsServer:
 
 def _handler(exposition: Exposition, status: Callable[[], dict]) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
-        timeout = CONNECTION_TIMEOUT_S  # socket timeout for every read and write of this connection
+        timeout = REQUEST_TIMEOUT_S  # socket timeout until the request has arrived
 
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+            self.connection.settimeout(CONNECTION_TIMEOUT_S)
             path = self.path.split("?", 1)[0]
             if path == "/metrics":
                 self._reply(200, CONTENT_TYPE_LATEST, exposition.body())

@@ -52,15 +52,25 @@ def get(url: str, deadline_s: float, max_bytes: int) -> Reply:
             sock.sendall(request.encode("ascii"))
             data = bytearray()
             limit = MAX_HEADER_BYTES + max_bytes
+            head_end, length = -1, None  # the head is parsed once, not on every chunk
             while True:
                 sock.settimeout(remaining())
                 chunk = sock.recv(min(65536, limit + 1 - len(data)))
                 if not chunk:
                     break
+                searched = max(0, len(data) - 3)
                 data += chunk
                 if len(data) > limit:
                     raise HttpError(f"the answer from {url} is larger than {max_bytes} bytes")
-                if _complete(data):
+                if head_end < 0:
+                    head_end = data.find(b"\r\n\r\n", searched)
+                    if head_end < 0:
+                        continue
+                    declared = _headers(bytes(data[:head_end])).get("content-length", "")
+                    length = int(declared) if declared.isdigit() else None
+                    if length is not None and length > max_bytes:
+                        raise HttpError(f"the answer from {url} is larger than {max_bytes} bytes ({length})")
+                if length is not None and len(data) - head_end - 4 >= length:
                     break
     except HttpError:
         raise
@@ -81,15 +91,6 @@ def _headers(head: bytes) -> dict[str, str]:
         name, _, value = line.decode("latin-1").partition(":")
         out[name.strip().lower()] = value.strip()
     return out
-
-
-def _complete(data: bytes) -> bool:
-    """True once a Content-Length body has fully arrived (no need to wait for the close)."""
-    split = _split(data)
-    if split is None:
-        return False
-    length = _headers(split[0]).get("content-length", "")
-    return length.isdigit() and len(split[1]) >= int(length)
 
 
 def _parse(data: bytes, url: str, max_bytes: int) -> tuple[int, bytes]:
