@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, free_port, gpuwarden_cmd, subprocess_env
+from gpuwarden.gpu.sim.scenario import resolve_scenario
 
 pytestmark = pytest.mark.integration
 FAKE = ROOT / "tests" / "fakechild.py"
@@ -440,3 +441,24 @@ def test_idle_connections_are_capped_and_the_daemon_keeps_serving(write, daemons
     d.wait_for("config reloaded")
     assert d.stop() == 0 and "Traceback" not in own_log(d)
     assert d.log.count("metrics endpoint:") <= 1, "client errors are one line, not one per connection"
+
+
+def test_after_sigstop_the_stalled_time_does_not_count_toward_for_s(write, daemons):
+    # The GPUs turn busy at t=3 s while the daemon is stopped; at 180 MHz that is sm_clock_low (read-only).
+    scenario = write("scenario.yaml", resolve_scenario("rtx-pro-4000-headless").read_text().replace(
+        "  - {at_s: 0, event: load, utilization_pct: 60, memory_used_pct: 85}   # vLLM already serving",
+        "  - {at_s: 3, event: load, utilization_pct: 60, memory_used_pct: 85}"))
+    port = free_port()
+    path = write("g.yaml", f"poll_interval_s: {POLL}\nalerts:\n  for_s: 2\nmetrics:\n  listen: 127.0.0.1:{port}\n"
+                           f"tuning:\n  apply: false\ngpu:\n  backend: sim\n  scenario: {scenario}\n")
+    d = daemons(path)
+    d.wait_for("serving /metrics")
+    time.sleep(1)
+    d.proc.send_signal(signal.SIGSTOP)
+    time.sleep(6)
+    d.proc.send_signal(signal.SIGCONT)
+    resumed = time.monotonic()
+    d.wait_for("sm_clock_low firing", timeout=10)
+    fired = time.monotonic()
+    assert fired - resumed >= 2 - 0.2, f"fired {fired - resumed:.2f} s after SIGCONT: the stall counted toward for_s"
+    assert d.stop() == 0

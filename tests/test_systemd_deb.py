@@ -65,6 +65,12 @@ def installed_root(deb, tmp_path_factory):
 
 
 def add_checks(root, script):
+    # The fake child and its flag-check stand-in, for the broken-serving check.
+    lib = root / "usr" / "local" / "lib" / "gpuwarden-e2e"
+    lib.mkdir(parents=True, exist_ok=True)
+    for name, mode in (("fakechild.py", 0o644), ("fakechild-flagcheck", 0o755)):
+        shutil.copy(ROOT / "tests" / name, lib / name)
+        (lib / name).chmod(mode)
     shutil.copy(script, root / "usr" / "local" / "bin" / "gpuwarden-e2e")
     (root / "usr" / "local" / "bin" / "gpuwarden-e2e").chmod(0o755)
     unit = root / "etc" / "systemd" / "system" / "gpuwarden-e2e.service"
@@ -125,6 +131,10 @@ def test_boots_tunes_alerts_stops_fails_cleanly_and_survives_a_stall(installed_r
     assert got["broken_logged"] == "1"
     assert int(got["watchdog_restarts"]) >= 1 and got["watchdog_new_pid"] == "yes"
     assert int(got["watchdog_logged"]) >= 1 and got["watchdog_active"] == "active"
+    # A broken serving side: vLLM FATAL, but the polls go on, so the watchdog is fed and nothing restarts.
+    assert got["broken_serving_active"] == "active" and got["broken_serving_restarts"] == "0", got
+    assert "vLLM FATAL" in got["broken_serving_status"] and got["broken_serving_fatal"] == "1", got
+    assert float(got["broken_serving_age"]) < 2, got
     verify = (folder / "verify.txt").read_text()
     assert got["verify_lines"] == "0", f"systemd-analyze verify printed:\n{verify}"
     assert got["security"].startswith("Overall exposure level for gpuwarden.service")
