@@ -1,6 +1,7 @@
 """Profiles, lint rules, the argv/env builder, the vLLM metrics reader and the supervisor's state machine."""
 
 import os
+import pwd
 import signal
 
 import pytest
@@ -13,6 +14,7 @@ from gpuwarden.gpu.sim.scenario import builtin_scenarios
 from gpuwarden.serving.command import build_command, chosen_gpus, flag_value
 from gpuwarden.serving.lint import lint
 from gpuwarden.serving.profiles import load_profiles, select_profile
+from gpuwarden.serving.identity import Identity
 from gpuwarden.serving.processes import Child
 from gpuwarden.serving.supervisor import (BACKOFF, FATAL, RUNNING, STARTING, STOPPED, STOPPING,
                                           Supervisor)
@@ -87,15 +89,46 @@ def serve_config(text=""):
 
 
 def test_final_argv_and_env():
-    cfg = serve_config("  args: [--max-num-seqs, \"4\"]\n  env: {VLLM_API_KEY: k}\n")
-    base = {"PATH": "/bin", "NOTIFY_SOCKET": "/run/x", "WATCHDOG_USEC": "1", "WATCHDOG_PID": "1", "HOME": "/root"}
-    cmd = build_command(cfg.serve, PROFILES["sm120-small-dense"], [sample(1)], base)
+    cfg = serve_config("  args: [--max-num-seqs, \"4\"]\n  env: {VLLM_LOGGING_LEVEL: WARNING}\n")
+    base = {"PATH": "/root/bin:/bin", "NOTIFY_SOCKET": "/run/x", "WATCHDOG_USEC": "1", "WATCHDOG_PID": "1",
+            "HOME": "/root", "CREDENTIALS_DIRECTORY": "/run/credentials/gpuwarden.service", "INVOCATION_ID": "ab",
+            "DB_PASSWORD": "x", "LANG": "C.UTF-8", "LC_TIME": "C", "CUDA_CACHE_PATH": "/c", "NCCL_P2P_DISABLE": "1",
+            "NVIDIA_DRIVER_CAPABILITIES": "compute"}
+    cmd = build_command(cfg.serve, PROFILES["sm120-small-dense"], [sample(1)], base, secrets={"VLLM_API_KEY": "k"})
     assert cmd.argv[:4] == ("vllm", "serve", "--model", "/m/Qwen3-4B")
     assert cmd.argv[-4:] == ("--host", "127.0.0.1", "--port", "8123")
     assert flag_value(cmd.argv, "--max-num-seqs") == "4"  # the user's args come after the profile's: they win
     assert cmd.env["CUDA_VISIBLE_DEVICES"] == "1" and cmd.env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
-    assert cmd.env["VLLM_API_KEY"] == "k" and cmd.env["PATH"] == "/bin"
-    assert not {"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "HOME"} & set(cmd.env)
+    assert cmd.env == {"LANG": "C.UTF-8", "LC_TIME": "C", "CUDA_CACHE_PATH": "/c", "NCCL_P2P_DISABLE": "1",
+                       "NVIDIA_DRIVER_CAPABILITIES": "compute",  # the allow-list of our environment
+                       "PATH": "/usr/local/bin:/usr/bin:/bin",  # made for the child, never ours
+                       "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_API_KEY": "k",  # serve.env, then the secrets
+                       "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "1"}
+
+
+def test_redaction_of_secret_looking_values():
+    from gpuwarden.serving.secrets import redact_argv, redact_env
+
+    assert redact_env({"VLLM_API_KEY": "k", "HF_TOKEN": "t", "VLLM_LOGGING_LEVEL": "INFO", "EMPTY_KEY": ""}) == {
+        "VLLM_API_KEY": "<redacted>", "HF_TOKEN": "<redacted>", "VLLM_LOGGING_LEVEL": "INFO", "EMPTY_KEY": ""}
+    assert redact_argv(["vllm", "--api-key", "k", "--hf-token=t", "--port", "1"]) == [
+        "vllm", "--api-key", "<redacted>", "--hf-token=<redacted>", "--port", "1"]
+
+
+def test_env_file_format_and_permissions(write):
+    from gpuwarden.serving.secrets import SecretFileError, read_env_file
+
+    path = write("s.env", "# comment\nexport VLLM_API_KEY='k 1'\n\nHF_TOKEN=t\n")
+    path.chmod(0o600)
+    assert read_env_file(path, owner=os.geteuid()) == {"VLLM_API_KEY": "k 1", "HF_TOKEN": "t"}
+    path.chmod(0o640)
+    with pytest.raises(SecretFileError, match="mode 0640 lets others read it"):
+        read_env_file(path, owner=os.geteuid())
+    bad = write("b.env", "ok=1\nnot a line\n")
+    bad.chmod(0o600)
+    with pytest.raises(SecretFileError) as info:
+        read_env_file(bad, owner=os.geteuid())
+    assert info.value.line == 2 and "not a line" not in info.value.message
 
 
 def test_gpu_selection_by_index_and_uuid():
@@ -223,9 +256,6 @@ class FakeOps:
         self.squatters, self.escapees = set(), []
         self.signals, self.uids, self.killed = [], {}, []
 
-    def child_identity(self, user):
-        return None, os.geteuid()
-
     def spawn(self, argv, env, user, on_line):
         if self.spawn_error is not None:
             raise self.spawn_error
@@ -302,7 +332,9 @@ def supervisor(text="", gpu=None, crash_loop_failures=4):
     clock = ManualClock(100)
     ops = FakeOps(clock)
     cmd = build_command(cfg.serve, GENERIC, [sample()], {"PATH": "/bin"})
-    sup = Supervisor(cfg.serve, cmd, [gpu or FakeGpu()], ops=ops, clock=clock)
+    me = pwd.getpwuid(os.geteuid())
+    sup = Supervisor(cfg.serve, cmd, Identity(me.pw_name, me.pw_uid, me.pw_gid, me.pw_dir, (), False),
+                     [gpu or FakeGpu()], ops=ops, clock=clock)
     return sup, ops, clock
 
 

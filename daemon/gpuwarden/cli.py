@@ -161,6 +161,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 def _deep_check(config: Config, backend, as_json: bool) -> dict:
     """Lint the vLLM command and run vLLM's parser on it; ConfigErrors if anything blocks a start."""
     from .serving.prepare import prepare_serve
+    from .serving.secrets import redact_argv
 
     prepared = prepare_serve(config, backend, deep=True)
     problems = prepared.blocking(config)
@@ -170,8 +171,8 @@ def _deep_check(config: Config, backend, as_json: bool) -> dict:
     if problems:
         raise ConfigErrors(problems)
     if not as_json:
-        print(f"vLLM {prepared.flags.vllm_version} accepts: {shlex.join(prepared.command.argv)}")
-    return {"profile": prepared.command.profile.name, "argv": list(prepared.command.argv),
+        print(f"vLLM {prepared.flags.vllm_version} accepts: {shlex.join(redact_argv(prepared.command.argv))}")
+    return {"profile": prepared.command.profile.name, "argv": redact_argv(prepared.command.argv),
             "vllm_version": prepared.flags.vllm_version, "lint": [f.as_dict() for f in prepared.findings]}
 
 
@@ -179,6 +180,7 @@ def cmd_profiles(args: argparse.Namespace) -> int:
     from .serving.command import build_command, chosen_gpus, profile_error
     from .serving.lint import lint
     from .serving.profiles import load_profiles, select_profile
+    from .serving.secrets import redact_argv, redact_env
 
     config = load_config(args)
     profiles = load_profiles(config.serve.profiles_dir)
@@ -202,8 +204,8 @@ def cmd_profiles(args: argparse.Namespace) -> int:
     findings = lint(command.argv, command.env, profile, [g.compute_capability or "" for g in command.gpus],
                     config.serve.model)
     if args.json:
-        print(json.dumps({**profile.as_dict(), "final_argv": list(command.argv), "final_env": command.env,
-                          "lint": [f.as_dict() for f in findings]}, indent=2))
+        print(json.dumps({**profile.as_dict(), "final_argv": redact_argv(command.argv),
+                          "final_env": redact_env(command.env), "lint": [f.as_dict() for f in findings]}, indent=2))
         return EX_OK
     print(render_profile(profile, command, findings))
     return EX_OK
@@ -238,8 +240,8 @@ def render_profile(profile, command, findings) -> str:
     if profile.tuning_hints:
         lines.append("  tuning hints: " + ", ".join(f"{k}: {v}" for k, v in profile.tuning_hints))
     lines.append("command (env from the profile, serve.env and the GPU selection):")
-    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in command.env.items())
-    lines.append(f"  {env} {shlex.join(command.argv)}")
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in redact_env(command.env).items())
+    lines.append(f"  {env} {shlex.join(redact_argv(command.argv))}")
     lines.append("lint:" if findings else "lint: no findings")
     lines.extend(f"  {f}" for f in findings)
     for text, source in profile.notes:

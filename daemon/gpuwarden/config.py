@@ -103,6 +103,7 @@ class ServeConfig:
     gpus: tuple[str, ...] | None = None  # indices or UUIDs; None: all
     args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
+    env_file: Path | None = None  # KEY=VALUE secrets for the child, in a root-only file (serving/secrets.py)
     allow_lint_errors: bool = False
     startup_timeout_s: float = 1800.0
     stop_timeout_s: float = 30.0
@@ -206,7 +207,8 @@ def _mapping_or_error(doc: Document) -> Document:
 def _serve_dict(s: ServeConfig) -> dict:
     out = {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name != "profiles_dir"}
     out.update(command=list(s.command), args=list(s.args), env=dict(s.env),
-               gpus="all" if s.gpus is None else list(s.gpus), python=s.python or "auto")
+               gpus="all" if s.gpus is None else list(s.gpus), python=s.python or "auto",
+               env_file="none" if s.env_file is None else str(s.env_file))
     if not s.model:
         del out["model"]  # unset is not an empty string
     return out
@@ -274,6 +276,8 @@ def _serve_section(r: Reader, base_dir: Path) -> ServeConfig:
             if "\0" in value:
                 path = base + (name,) if name == "model" else base + (name, str(i))
                 r.fail(path, "contains a NUL byte, which no command line can hold")
+    env_file = r.string(base + ("env_file",), "none")
+    env_file = None if str(env_file).lower() in NONE_WORDS else base_dir / env_file
     number = r.number
     return ServeConfig(
         enabled=enabled, profile=r.string(base + ("profile",), d.profile), model=model, command=command,
@@ -281,7 +285,7 @@ def _serve_section(r: Reader, base_dir: Path) -> ServeConfig:
         host=r.string(base + ("host",), d.host),
         port=r.number(base + ("port",), d.port, 1, 65535, integer=True),
         user=user, gpus=gpus, args=args,
-        env=tuple((k, str(v)) for k, v in env.items()),
+        env=tuple((k, str(v)) for k, v in env.items()), env_file=env_file,
         allow_lint_errors=r.boolean(base + ("allow_lint_errors",), d.allow_lint_errors),
         startup_timeout_s=float(number(base + ("startup_timeout_s",), d.startup_timeout_s, 1, 86400, unit=" s")),
         stop_timeout_s=float(number(base + ("stop_timeout_s",), d.stop_timeout_s, 1, 3600, unit=" s")),

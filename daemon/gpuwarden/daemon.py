@@ -57,7 +57,7 @@ class Daemon:
         self.backend = backend
         self.reload_config = reload
         self.notifier = notifier or Notifier()
-        self.ops = ops
+        self.ops = ops or ProcessOps()  # one for every child: it knows which processes we started
         self.clock = clock
         self.tuner = Tuner(backend)
         self.monitor = Monitor(config, backend, self.tuner)
@@ -77,9 +77,11 @@ class Daemon:
 
     # -- life cycle -------------------------------------------------------------
     def start(self, now: float) -> None:
-        """Take the port and check the vLLM command first (what can fail), then tune, start vLLM, take the
-        first sample, and tell systemd we are ready. Raises ConfigErrors for values a card or vLLM rejects,
-        StartupError if the metrics port is taken; neither leaves a GPU setting changed."""
+        """Check the plan and the vLLM command and take the port first (what can fail), then tune, start vLLM,
+        take the first sample, and tell systemd we are ready. Raises ConfigErrors for values a card or vLLM
+        rejects, StartupError if the metrics port is taken; neither leaves a GPU setting changed."""
+        self.plan = make_plan(self.backend, self.config)
+        serving = self._prepare_serving(self.config, deep=True) if self.config.serve.enabled else None
         if self.config.metrics.listen is not None:
             try:
                 self.server = MetricsServer(self.config.metrics.listen, self.exposition, self.status)
@@ -87,8 +89,6 @@ class Daemon:
                 host, port = self.config.metrics.listen
                 raise StartupError(f"cannot serve metrics on {host}:{port}: {exc.strerror} "
                                    "(change metrics.listen, or set it to none)") from None
-        self.plan = make_plan(self.backend, self.config)
-        serving = self._prepare_serving(self.config, deep=True) if self.config.serve.enabled else None
         for note in self.plan.notes:
             log.info("%s", note)
         log.info("before tuning: %s", " | ".join(describe_sample(g.sample()) for g in self.backend.gpus()))
@@ -115,8 +115,8 @@ class Daemon:
             log.info("vLLM %s accepts the flags (checked with %s)", prepared.flags.vllm_version,
                      prepared.flags.python)
         chosen = {g.index for g in prepared.command.gpus}
-        return Supervisor(config.serve, prepared.command, [g for g in self.backend.gpus() if g.index in chosen],
-                          ops=self.ops, clock=self.clock)
+        return Supervisor(config.serve, prepared.command, prepared.identity,
+                          [g for g in self.backend.gpus() if g.index in chosen], ops=self.ops, clock=self.clock)
 
     def _reader(self, config: Config) -> VllmMetricsReader:
         return VllmMetricsReader(config.serve.url + "/metrics", self.clock)

@@ -200,6 +200,7 @@ class Exposition:
         self._rendered: tuple[Snapshot | None, bytes] = (None, generate_latest(self.registry))
         self._wake = threading.Event()
         self._closed = False
+        self._last_error = ""
         self._thread = threading.Thread(target=self._render_loop, name="metrics-render", daemon=True)
         self._thread.start()
 
@@ -215,8 +216,11 @@ class Exposition:
             if snap is not self._rendered[0]:
                 try:
                     self._rendered = (snap, generate_latest(self.registry))
-                except Exception as exc:  # keep serving the last good body; say why once per snapshot
-                    log.error("metrics: rendering failed: %s: %s", type(exc).__name__, exc)
+                except Exception as exc:  # keep serving the last good body; say why once per new error
+                    error = f"{type(exc).__name__}: {exc}"
+                    if error != self._last_error:
+                        self._last_error = error
+                        log.error("metrics: rendering failed, serving the previous poll: %s", error)
 
     def body(self) -> bytes:
         snap, rendered = self._rendered

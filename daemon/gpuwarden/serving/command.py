@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -11,11 +12,11 @@ from ..gpu.base import GpuSample
 from ..yamlfile import ConfigError
 from .profiles import Profile
 
-# Never inherited by anything we start: they belong to our unit, not to vLLM.
-UNIT_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "JOURNAL_STREAM", "LISTEN_FDS", "LISTEN_PID",
-            "LISTEN_FDNAMES")
-# Not inherited by the vLLM child either: they describe our user, and the child runs as serve.user.
-STRIPPED_ENV = UNIT_ENV + ("HOME", "USER", "LOGNAME")
+# What the child inherits from our environment: the locale and the CUDA/NCCL/NVIDIA settings, nothing else
+# (not our credentials, our unit's notify socket, our PATH with /root in it, or a secret in the unit's env).
+INHERITED_ENV = ("LANG", "LANGUAGE", "TZ")
+INHERITED_PREFIXES = ("LC_", "CUDA_", "NCCL_", "NVIDIA_")
+CHILD_PATH = "/usr/local/bin:/usr/bin:/bin"  # after the directory of the child's own executable
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's own default
 
 
@@ -47,14 +48,26 @@ def chosen_gpus(config: Config, samples: Sequence[GpuSample]) -> list[GpuSample]
     return sorted(chosen, key=lambda s: s.index)
 
 
+def child_env(base_env: Mapping[str, str], program: str) -> dict[str, str]:
+    """The allow-listed part of our environment, plus a PATH made for the child."""
+    env = {k: v for k, v in base_env.items() if k in INHERITED_ENV or k.startswith(INHERITED_PREFIXES)}
+    found = program if "/" in program else shutil.which(program, path=base_env.get("PATH", os.defpath))
+    first = os.path.dirname(os.path.abspath(found)) if found else None
+    env["PATH"] = ":".join(p for p in (first, CHILD_PATH) if p)
+    return env
+
+
 def build_command(serve: ServeConfig, profile: Profile, gpus: Sequence[GpuSample],
-                  base_env: Mapping[str, str] = os.environ) -> ServeCommand:
+                  base_env: Mapping[str, str] = os.environ, secrets: Mapping[str, str] | None = None) -> ServeCommand:
+    """argv and env for the child. env: the allow-list of base_env, then the profile's, serve.env, and the
+    secrets (from a root-only file or a credential), in that order; HOME, USER and LOGNAME come at spawn."""
     # Later flags win in argparse, so the user's args override the profile's.
     argv = (*serve.command, "--model", serve.model, *profile.args, *serve.args,
             "--host", serve.host, "--port", str(serve.port))
-    env = {k: v for k, v in base_env.items() if k not in STRIPPED_ENV}
+    env = child_env(base_env, serve.command[0])
     env.update(dict(profile.env))
     env.update(dict(serve.env))
+    env.update(secrets or {})
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # so CUDA's indices are ours
     env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g.index) for g in gpus)
     return ServeCommand(argv, env, profile, tuple(gpus))

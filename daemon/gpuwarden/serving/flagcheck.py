@@ -8,15 +8,15 @@ gpuwarden's own interpreter.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import ServeConfig
-from .command import UNIT_ENV
+from .identity import Identity, popen
 
 MARK = "GPUWARDEN-FLAGCHECK "
 PROBE = r"""
@@ -71,26 +71,33 @@ def vllm_python(serve: ServeConfig) -> str | None:
     return None
 
 
-def check_flags(serve: ServeConfig, flags: list[str], timeout_s: float = 600) -> FlagCheck:
+def check_flags(serve: ServeConfig, flags: list[str], identity: Identity, env: Mapping[str, str],
+                timeout_s: float = 600) -> FlagCheck:
+    """Run vLLM's parser on flags, started exactly as the child is (identity.popen: serve.user, no
+    capabilities, no_new_privs, the child's environment): it imports code from vLLM's install."""
     python = vllm_python(serve)
     if python is None:
         return FlagCheck(False, f"cannot find vLLM's Python from serve.command {list(serve.command)} "
                                 "(set serve.python)", None, "")
-    env = {k: v for k, v in os.environ.items() if k not in UNIT_ENV}
     try:
-        proc = subprocess.run([python, "-c", PROBE, json.dumps(flags)], capture_output=True, text=True,
-                              timeout=timeout_s, env=env, stdin=subprocess.DEVNULL)
+        proc = popen(identity, [python, "-c", PROBE, json.dumps(flags)], env, stdout=subprocess.PIPE,
+                     stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, errors="replace")
     except FileNotFoundError:
         return FlagCheck(False, f"vLLM's Python {python} does not exist (set serve.python)", None, python)
+    except (OSError, ValueError, subprocess.SubprocessError) as exc:
+        return FlagCheck(False, f"vLLM's flag check could not start {python}: {exc}", None, python)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
         return FlagCheck(False, f"vLLM's flag check did not finish within {timeout_s:g} s", None, python)
-    result = next((json.loads(line[len(MARK):]) for line in proc.stdout.splitlines() if line.startswith(MARK)),
-                  None)
+    result = next((json.loads(line[len(MARK):]) for line in out.splitlines() if line.startswith(MARK)), None)
     if result is None:
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        last = (err.strip().splitlines() or ["no output"])[-1]
         return FlagCheck(False, f"vLLM's flag check failed to run: {last}", None, python)
     error = result["error"]
     if not result["ok"] and error is None:
-        error = next((line.split("error: ", 1)[1] for line in reversed(proc.stderr.splitlines())
+        error = next((line.split("error: ", 1)[1] for line in reversed(err.splitlines())
                       if "error: " in line), "vLLM's parser rejected the arguments")
     return FlagCheck(bool(result["ok"]), error, result["vllm_version"], python)

@@ -89,6 +89,6 @@ def lint(argv: Sequence[str], env: Mapping[str, str], profile: Profile, compute_
         found.append(Finding(ERROR, "vllm-known-bad", f"vLLM {vllm_version} is on profile {profile.name}'s "
                              f"known-bad list: {bad.reason}", profile.notes[0][1] if profile.notes else profile.file))
     if has_flag(argv, "--api-key"):
-        found.append(Finding(ERROR, "api-key-on-command-line", "--api-key on the command line shows in ps; put it "
-                             "in serve.env as VLLM_API_KEY instead", PS_SOURCE))
+        found.append(Finding(ERROR, "api-key-on-command-line", "--api-key on the command line shows in ps; put "
+                             "VLLM_API_KEY=... in /etc/gpuwarden/credentials/vllm.env (root-only) instead", PS_SOURCE))
     return found

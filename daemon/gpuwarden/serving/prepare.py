@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..config import Config
@@ -11,13 +12,16 @@ from ..gpu.base import GpuBackend
 from ..yamlfile import ConfigError, ConfigErrors
 from .command import ServeCommand, build_command, chosen_gpus, profile_error
 from .flagcheck import FlagCheck, check_flags
+from .identity import Identity, IdentityError, resolve
 from .lint import ERROR, Finding, lint
 from .profiles import load_profiles, select_profile
+from .secrets import SecretFileError, credentials_file, read_env_file
 
 
 @dataclass(frozen=True)
 class PreparedServe:
     command: ServeCommand
+    identity: Identity
     findings: tuple[Finding, ...]
     flags: FlagCheck | None  # None when the deep check was not run
 
@@ -50,8 +54,33 @@ def executable_problem(program: str, path: str) -> str | None:
     return None
 
 
+def child_identity(config: Config) -> Identity:
+    """serve.user, resolved and checked; ConfigError when it must not run vLLM."""
+    try:
+        return resolve(config.serve.user)
+    except IdentityError as exc:
+        raise config.error(("serve", "user"), str(exc)) from None
+
+
+def child_secrets(config: Config, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The credential vllm.env, then serve.env_file (which wins); ConfigError as FILE:LINE of the file."""
+    out: dict[str, str] = {}
+    for path, key in ((credentials_file(environ), None), (config.serve.env_file, ("serve", "env_file"))):
+        if path is None:
+            continue
+        try:
+            out.update(read_env_file(path, owner=None if os.geteuid() == 0 else os.geteuid()))
+        except SecretFileError as exc:
+            where = f" (named by {config.error(key, '').file}: serve.env_file)" if key else " (systemd credential)"
+            raise ConfigError(str(path), exc.line, "(secrets)", exc.message + where) from None
+    return out
+
+
 def prepare_serve(config: Config, backend: GpuBackend, deep: bool) -> PreparedServe:
-    """Raises ConfigError(s) for an unknown profile, GPU or profile file; never starts anything."""
+    """Raises ConfigError(s) for an unknown profile, GPU, profile file, serve.user or secrets file; never
+    starts anything."""
+    identity = child_identity(config)
+    secrets = child_secrets(config)
     samples = [gpu.sample() for gpu in backend.gpus()]
     gpus = chosen_gpus(config, samples)
     profiles = load_profiles(config.serve.profiles_dir)
@@ -61,11 +90,12 @@ def prepare_serve(config: Config, backend: GpuBackend, deep: bool) -> PreparedSe
             raise profile_error(config, config.serve.profile, list(profiles))
         raise ConfigErrors([config.error(("serve", "profile"), "no profile matches these GPUs",
                                          "name one, or add one to profiles.d")])
-    command = build_command(config.serve, profile, gpus)
+    command = build_command(config.serve, profile, gpus, secrets=secrets)
     ccs = [g.compute_capability or "" for g in gpus]
-    prepared = PreparedServe(command, tuple(lint(command.argv, command.env, profile, ccs, config.serve.model)), None)
+    prepared = PreparedServe(command, identity, tuple(lint(command.argv, command.env, profile, ccs,
+                                                           config.serve.model)), None)
     if not deep or prepared.blocking(config):
         return prepared  # lint already blocks: no need to wait for vLLM's import
-    flags = check_flags(config.serve, command.flags)
+    flags = check_flags(config.serve, command.flags, identity, command.env)
     findings = lint(command.argv, command.env, profile, ccs, config.serve.model, flags.vllm_version)
-    return PreparedServe(command, tuple(findings), flags)
+    return PreparedServe(command, identity, tuple(findings), flags)

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import grp
 import logging
 import os
-import pwd
 import subprocess
 import threading
 from collections.abc import Callable, Iterable
@@ -24,10 +22,10 @@ from pathlib import Path
 from .. import httpget
 from ..background import Background
 from . import ports
+from .identity import Identity, popen
 
 log = logging.getLogger("gpuwarden")
 
-DEVICE_GROUPS = ("video", "render")  # /dev/nvidia* and /dev/dri access; the only extra groups the child gets
 MAX_LINE_BYTES = 16 * 1024  # a child's line longer than this is cut: one log record must stay small
 HEALTH_DEADLINE_S = 5.0
 HEALTH_MAX_BYTES = 64 * 1024
@@ -49,34 +47,12 @@ class ProcessOps:
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
-    def child_identity(self, user: str) -> tuple[str | None, int | None]:
-        """(user to drop to, or None to stay ourselves; the child's uid, or None if the user does not exist).
-        Only root can drop privileges, so anyone else runs vLLM as themselves."""
-        if os.geteuid() != 0:
-            me = pwd.getpwuid(os.geteuid()).pw_name
-            if me != user:
-                log.info("not running as root, so vLLM runs as %s rather than serve.user %s", me, user)
-            return None, os.geteuid()
-        try:
-            return user, pwd.getpwnam(user).pw_uid
-        except KeyError:
-            return user, None
-
-    def spawn(self, argv: tuple[str, ...], env: dict[str, str], user: str | None,
+    def spawn(self, argv: tuple[str, ...], env: dict[str, str], identity: Identity,
               on_line: Callable[[str], None]) -> Child:
-        """Start the child in its own session. Raises OSError, ValueError or SubprocessError when it cannot."""
-        kwargs: dict = {}
-        if user is None:  # we stay ourselves
-            me = pwd.getpwuid(os.geteuid())
-            env = {"HOME": me.pw_dir, "USER": me.pw_name, "LOGNAME": me.pw_name, **env}
-        else:
-            entry = pwd.getpwnam(user)
-            groups = [g.gr_gid for g in grp.getgrall() if g.gr_name in DEVICE_GROUPS]
-            kwargs = {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": groups}
-            env = {"HOME": entry.pw_dir, "USER": user, "LOGNAME": user, **env}  # serve.env may override
-        process = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
-                                   cwd="/", **kwargs)
+        """Start the child in its own session, as identity (identity.popen: serve.user, no capabilities,
+        no_new_privs). Raises OSError, ValueError or SubprocessError when it cannot."""
+        process = popen(identity, argv, env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, start_new_session=True)
         self._spawned.add(process.pid)
         threading.Thread(target=forward_lines, args=(process.stdout, on_line), daemon=True,
                          name=f"child-output-{process.pid}").start()

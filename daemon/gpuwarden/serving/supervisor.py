@@ -28,7 +28,9 @@ from dataclasses import dataclass
 from ..config import ServeConfig
 from ..gpu.base import Gpu
 from .command import ServeCommand, gpu_memory_utilization
+from .identity import Identity
 from .processes import Child, ProcessOps
+from .secrets import redact_argv
 
 log = logging.getLogger("gpuwarden")
 
@@ -70,16 +72,16 @@ class ServingView:
 
 
 class Supervisor:
-    def __init__(self, serve: ServeConfig, command: ServeCommand, gpus: list[Gpu],
+    def __init__(self, serve: ServeConfig, command: ServeCommand, identity: Identity, gpus: list[Gpu],
                  ops: ProcessOps | None = None, clock: Callable[[], float] = time.monotonic):
         self.serve = serve
         self.command = command
+        self.identity = identity
         self.gpus = gpus
         self.ops = ops or ProcessOps()
         self.clock = clock
         self.state = STOPPED
         self.child: Child | None = None
-        self.user, self.uid = self.ops.child_identity(serve.user)
         self.restarts = 0
         self.last_exit_code: int | None = None
         self.time_to_healthy_s: float | None = None
@@ -126,9 +128,6 @@ class Supervisor:
     def start(self, now: float) -> None:
         if self.state not in ALLOWED_FROM[STARTING]:
             return
-        if self.uid is None:
-            self._fatal(f"user {self.user} does not exist (create it, or set serve.user)")
-            return
         blocked = self._preflight()
         if blocked:
             if blocked != self.problem:  # said once per reason, not every retry
@@ -139,14 +138,14 @@ class Supervisor:
         self.blocked = False
         self.error_lines.clear()
         try:
-            self.child = self.ops.spawn(self.command.argv, self.command.env, self.user, self.on_line)
+            self.child = self.ops.spawn(self.command.argv, self.command.env, self.identity, self.on_line)
         except (OSError, ValueError, TypeError) as exc:  # missing binary, unreadable venv, NUL byte, ...
             self._failed(now, f"vLLM could not be started: {_describe_error(exc)}")
             return
         self._started_at, self.problem = now, None
         self._probe.discard()
-        self._transition(STARTING, f"vLLM starting (pid {self.child.pid}, profile {self.command.profile.name}): "
-                                   + " ".join(self.command.argv))
+        self._transition(STARTING, f"vLLM starting (pid {self.child.pid}, profile {self.command.profile.name}, "
+                                   f"user {self.identity.name}): " + " ".join(redact_argv(self.command.argv)))
 
     def _preflight(self) -> str | None:
         """None if the GPUs and the port are free for a new child; else why not (after killing our own
@@ -160,12 +159,12 @@ class Supervisor:
             self._dying = set(survivors)
             if survivors:
                 return f"processes {sorted(survivors)} of the previous vLLM are still exiting"
-        uid = self.uid
+        uid = self.identity.uid
         for gpu in self.gpus:
             for pid, _ in gpu.compute_processes():
                 if self.ops.uid_of(pid) == uid:
                     log.warning("GPU%d: killing leftover vLLM process %d of user %s", gpu.index, pid,
-                                self.user or "self")
+                                self.identity.name)
                     self.ops.kill(pid, signal.SIGKILL)
         if not self.ops.port_free(self.serve.host, self.serve.port):
             return (f"port {self.serve.port} on {self.serve.host} is in use by "

@@ -1,0 +1,94 @@
+"""Who code from vLLM's install runs as, and the one way such a process is started.
+
+gpuwarden runs as root with CAP_SYS_ADMIN; vLLM's venv is often writable by the
+account that serves it. So everything executed from that install (the child,
+vLLM's flag parser in `run`, `check --deep` and `doctor`) starts here: as
+serve.user, with only the video/render groups, with no capabilities (a switch
+from uid 0 to another uid clears them), and with no_new_privs set, so that no
+setuid or file-capability binary can win them back. serve.user is checked by
+uid and groups, not by name: uid 0, or membership of a group that grants root,
+is refused whatever the name.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import grp
+import os
+import pwd
+import subprocess
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+DEVICE_GROUPS = ("video", "render")  # /dev/nvidia* and /dev/dri access; the only extra groups the child gets
+ROOT_GROUPS = ("root", "sudo", "wheel", "admin")  # gid 0, and the groups sudo gives root to on Debian/RHEL/Ubuntu
+PR_SET_NO_NEW_PRIVS = 38
+
+
+class IdentityError(Exception):
+    """serve.user cannot be used; the message is one line for the user."""
+
+
+@dataclass(frozen=True)
+class Identity:
+    name: str
+    uid: int
+    gid: int
+    home: str
+    groups: tuple[int, ...]  # the supplementary groups the process gets
+    switch: bool  # False: we are not root, so the process runs as ourselves
+
+    def popen_kwargs(self) -> dict:
+        """What subprocess needs to start a process as this identity."""
+        if not self.switch:
+            return {}
+        return {"user": self.uid, "group": self.gid, "extra_groups": list(self.groups)}
+
+    def env(self) -> dict[str, str]:
+        return {"HOME": self.home, "USER": self.name, "LOGNAME": self.name}
+
+
+def resolve(user: str) -> Identity:
+    """serve.user as the identity to start vLLM's code with; IdentityError when it must not be used.
+    Only root can switch users, so anyone else runs it as themselves (and is not root)."""
+    if os.geteuid() != 0:
+        me = pwd.getpwuid(os.geteuid())
+        return Identity(me.pw_name, me.pw_uid, me.pw_gid, me.pw_dir, (), switch=False)
+    try:
+        entry = pwd.getpwnam(user)
+    except KeyError:
+        raise IdentityError(f"user {user} does not exist (create it, or set serve.user)") from None
+    if entry.pw_uid == 0:
+        raise IdentityError(f"user {user} has uid 0: it is root by another name (vLLM never runs as root)")
+    member_of = {g.gr_gid: g.gr_name for g in grp.getgrall() if user in g.gr_mem}
+    member_of[entry.pw_gid] = _group_name(entry.pw_gid)
+    granting = sorted(name for gid, name in member_of.items() if gid == 0 or name in ROOT_GROUPS)
+    if granting:
+        raise IdentityError(f"user {user} is in group {', '.join(granting)}, which grants root "
+                            "(vLLM never runs as root): use an account outside it")
+    groups = tuple(g.gr_gid for g in grp.getgrall() if g.gr_name in DEVICE_GROUPS)
+    return Identity(user, entry.pw_uid, entry.pw_gid, entry.pw_dir, groups, switch=True)
+
+
+def _group_name(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
+
+
+# Resolved here, in the parent: between fork and exec the child only calls it (no import, no lookup).
+_prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+
+def _no_new_privs() -> None:
+    if _prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
+
+
+def popen(identity: Identity, argv: Sequence[str], env: Mapping[str, str], **kwargs) -> subprocess.Popen:
+    """Start argv as identity: its uid, gid and device groups only, no capabilities, no_new_privs (the unit
+    sets NoNewPrivileges=yes too; this covers `check --deep`, `doctor` and `run` outside systemd), in /.
+    env may override HOME, USER and LOGNAME. Raises OSError, ValueError or SubprocessError."""
+    return subprocess.Popen(list(argv), env={**identity.env(), **env}, cwd="/", close_fds=True,
+                            preexec_fn=_no_new_privs, **identity.popen_kwargs(), **kwargs)

@@ -1,0 +1,105 @@
+"""Secrets for the child (vLLM's API key, a Hugging Face token): where they come from, and never printed.
+
+They come from a root-only file, never from the world-readable config: the
+systemd credential `vllm.env` ($CREDENTIALS_DIRECTORY/vllm.env, wired with
+LoadCredential= in the unit from /etc/gpuwarden/credentials/vllm.env), or a
+file named by serve.env_file. Both hold KEY=VALUE lines. Wherever gpuwarden
+prints or serves a command or an environment, secret-looking values are
+replaced by "<redacted>".
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+CREDENTIAL = "vllm.env"
+MAX_BYTES = 64 * 1024
+REDACTED = "<redacted>"
+SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL|AUTH", re.I)
+SECRET_FLAGS = ("--api-key", "--hf-token", "--ssl-keyfile-password")
+NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class SecretFileError(Exception):
+    """The file cannot be used; (line, message) for a FILE:LINE error."""
+
+    def __init__(self, line: int, message: str):
+        self.line, self.message = line, message
+        super().__init__(message)
+
+
+def is_secret(name: str) -> bool:
+    return bool(SECRET_NAME.search(name))
+
+
+def redact_env(env: Mapping[str, str]) -> dict[str, str]:
+    return {k: (REDACTED if is_secret(k) and v else v) for k, v in env.items()}
+
+
+def redact_argv(argv: Sequence[str]) -> list[str]:
+    out, hide = [], False
+    for arg in argv:
+        flag, eq, _ = arg.partition("=")
+        if hide:
+            out.append(REDACTED)
+            hide = False
+        elif eq and flag in SECRET_FLAGS:
+            out.append(f"{flag}={REDACTED}")
+        else:
+            out.append(arg)
+            hide = arg in SECRET_FLAGS
+    return out
+
+
+def read_env_file(path: Path, owner: int | None = None) -> dict[str, str]:
+    """KEY=VALUE lines from a file only its owner (root, or `owner`) can read. Raises SecretFileError."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise SecretFileError(1, "file not found") from None
+    except OSError as exc:
+        raise SecretFileError(1, f"cannot open: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise SecretFileError(1, "not a regular file")
+        wanted = 0 if owner is None else owner
+        if st.st_uid != wanted:
+            raise SecretFileError(1, f"owned by uid {st.st_uid}, not {wanted}: anyone who owns it can read the key")
+        if st.st_mode & 0o077:
+            raise SecretFileError(1, f"mode {stat.S_IMODE(st.st_mode):04o} lets others read it: chmod 600 {path}")
+        data = f.read(MAX_BYTES + 1)
+    if len(data) > MAX_BYTES:
+        raise SecretFileError(1, f"larger than {MAX_BYTES} bytes")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise SecretFileError(1, "not UTF-8 text") from None
+    env: dict[str, str] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        name, eq, value = line.partition("=")
+        name, value = name.strip(), value.strip()
+        if name.startswith("export "):
+            name = name[len("export "):].strip()
+        if not eq or not NAME.match(name):
+            raise SecretFileError(number, "expected KEY=VALUE (the line's content is not shown: it may be secret)")
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        if "\0" in value:
+            raise SecretFileError(number, f"{name}: contains a NUL byte")
+        env[name] = value
+    return env
+
+
+def credentials_file(environ: Mapping[str, str] = os.environ) -> Path | None:
+    """The systemd credential vllm.env, when the unit passed one."""
+    folder = environ.get("CREDENTIALS_DIRECTORY")
+    path = Path(folder, CREDENTIAL) if folder else None
+    return path if path is not None and path.exists() else None
