@@ -57,8 +57,9 @@ def test_doctor_reports_throttling_and_a_low_power_limit():
     assert "100 W (allowed 70-145 W): below the card's maximum" in findings["GPU0 power limit"].message
 
 
-def test_doctor_lints_the_vllm_command(write, cli):
+def test_doctor_lints_the_vllm_command(write, cli, child_user):
     path = write("g.yaml", "gpu:\n  backend: sim\n  scenario: dgx-spark\nserve:\n  enabled: true\n"
+                 f"  user: {child_user}\n"
                  "  model: /m/Qwen3-4B\n  args: [--attention-backend, triton, --enforce-eager]\n")
     status, out, _ = cli("doctor", "--no-deep", "-c", path)
     assert status == 2

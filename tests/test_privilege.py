@@ -148,7 +148,9 @@ def test_run_starts_the_flag_check_and_the_child_unprivileged_with_only_the_allo
     creds = tmp_path / "creds"
     creds.mkdir()
     env = dict(subprocess_env(), CREDENTIALS_DIRECTORY=str(creds), INVOCATION_ID="0123abcd", MY_DB_PASSWORD="x",
-               PATH="/root/bin:" + os.environ.get("PATH", ""), LC_ALL="C.UTF-8", NCCL_DEBUG="WARN")
+               PATH="/root/bin:" + os.environ.get("PATH", ""), LANG="C.UTF-8", LC_ALL="C.UTF-8", NCCL_DEBUG="WARN")
+    env.pop("LANGUAGE", None)
+    env.pop("TZ", None)
     d = daemons(path, env=env)
     d.wait_for("vLLM healthy after", timeout=60)
     lines = records(planted)
@@ -161,7 +163,7 @@ def test_run_starts_the_flag_check_and_the_child_unprivileged_with_only_the_allo
                      Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0") if item)
     home = pwd.getpwnam(planted["user"]).pw_dir
     assert child_env == {
-        "LC_ALL": "C.UTF-8", "NCCL_DEBUG": "WARN",  # the locale, the CUDA and NCCL variables
+        "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "NCCL_DEBUG": "WARN",  # the locale, the CUDA and NCCL variables
         "PATH": f"{planted['python'].parent}:/usr/local/bin:/usr/bin:/bin",  # made for the child
         "HOME": home, "USER": planted["user"], "LOGNAME": planted["user"],
         "PLANT_LOG": str(planted["log"]),  # serve.env
@@ -194,6 +196,7 @@ def test_serve_user_that_is_root_by_another_name_is_refused(write, planted, kind
         else ["useradd", "-M", "-s", "/usr/sbin/nologin", "-G", "sudo", name]
     if kind == "member of sudo":
         subprocess.run(["groupadd", "-f", "sudo"], check=True)
+    subprocess.run(["userdel", "-f", name], capture_output=True)  # a leftover of an interrupted run
     subprocess.run(add, check=True)
     try:
         path, _ = config(write, planted)
@@ -206,4 +209,5 @@ def test_serve_user_that_is_root_by_another_name_is_refused(write, planted, kind
         assert line.startswith(f"{path}:") and f"serve.user: user {name} {says}" in line, line
         assert not records(planted) or "vLLM starting" not in proc.stderr
     finally:
-        subprocess.run(["userdel", name], capture_output=True)
+        # -f: a uid-0 account is "in use" by every root process
+        subprocess.run(["userdel", "-f", name], capture_output=True)

@@ -577,3 +577,13 @@ def test_preflight_waits_for_free_memory():
     sup.start(clock.now)
     assert sup.state == BACKOFF and "less than --gpu-memory-utilization 0.85" in sup.problem
     assert ops.children == []
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_profiles_show_redacts_secret_looking_values(write, cli, as_json):
+    path = write("g.yaml", "serve:\n  model: /m/Qwen3-4B\n  env: {VLLM_API_KEY: sk-live-123, VLLM_LOGGING_LEVEL: INFO}\n"
+                 "  allow_lint_errors: true\n  args: [--api-key, sk-arg-456]\n")
+    status, out, _ = cli("profiles", "show", "generic", "-c", path, *(["--json"] if as_json else []))
+    assert status == 0
+    assert "sk-live-123" not in out and "sk-arg-456" not in out and "<redacted>" in out
+    assert "VLLM_LOGGING_LEVEL" in out and "INFO" in out

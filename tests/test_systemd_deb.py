@@ -17,6 +17,7 @@ from conftest import CPU_TINY_PROFILE, ROOT
 
 pytestmark = [pytest.mark.integration, pytest.mark.systemd]
 HERE = ROOT / "tests" / "systemd"
+API_KEY = "sk-e2e-credential-5f1c"
 ROOTFS_CACHE = Path(os.environ.get("GPUWARDEN_ROOTFS", "/var/cache/gpuwarden-test/bookworm-rootfs"))
 
 
@@ -135,9 +136,12 @@ def test_boots_tunes_alerts_stops_fails_cleanly_and_survives_a_stall(installed_r
     assert got["broken_serving_active"] == "active" and got["broken_serving_restarts"] == "0", got
     assert "vLLM FATAL" in got["broken_serving_status"] and got["broken_serving_fatal"] == "1", got
     assert float(got["broken_serving_age"]) < 2, got
+    assert got["confdir_mode"] == "750" and got["nobody_reads_config"] == "no", got
+    assert got["credential"].startswith("vllm.env") and got["credential_mode"] == "600 root", got
     verify = (folder / "verify.txt").read_text()
     assert got["verify_lines"] == "0", f"systemd-analyze verify printed:\n{verify}"
     assert got["security"].startswith("Overall exposure level for gpuwarden.service")
+    assert float(got["security"].split(": ")[1].split()[0]) <= 4.3, got["security"]
     assert got["upgrade_restarted"] == "yes"
     assert got["removed_inactive"] in ("inactive", "unknown") and got["removed_config_kept"] == "yes"
     assert (got["purged_config"], got["purged_state"], got["purged_unit"]) == ("gone", "gone", "gone")
@@ -154,6 +158,8 @@ def test_serving_ready_only_when_vllm_is_healthy_and_stop_leaves_nothing(install
     (conf / "10-e2e-vllm.yaml").write_text((HERE / "10-e2e-vllm.yaml").read_text()
                                            .replace("VLLM_PYTHON", str(vllm_python)))
     (root / "etc" / "gpuwarden" / "profiles.d" / "cpu-tiny.yaml").write_text(CPU_TINY_PROFILE.read_text())
+    # vLLM's API key goes only where the package says: the root-only credential file.
+    (root / "etc" / "gpuwarden" / "credentials" / "vllm.env").write_text(f"VLLM_API_KEY={API_KEY}\n")
     folder = tmp_path / "results"
     folder.mkdir()
     venv = vllm_python.parent.parent
@@ -164,7 +170,9 @@ def test_serving_ready_only_when_vllm_is_healthy_and_stop_leaves_nothing(install
     assert got.get("done") == "yes", journal[-4000:]
     assert got["state"] == "active" and got["health"] == "200", journal[-4000:]
     assert int(got["vllm_processes"]) >= 2, "the API server and its engine run as the gpuwarden user"
-    assert got["completion"] == "1"
+    assert got["completion"] == "1" and got["completion_without_key"] == "401"  # vLLM got the key, and uses it
+    assert int(got["key_in_child_env"]) >= 1
+    assert got["key_in_journal"] == "0" and got["key_in_status"] == "0"
     assert "tiny-model (cpu-tiny)" in got["status"]
     # READY=1 (systemd's "Started") came only after vLLM answered /health.
     lines = journal.splitlines()

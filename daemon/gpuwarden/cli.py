@@ -14,6 +14,7 @@ from . import __version__, config as configmod
 from .config import EX_CONFIG, Config
 from .gpu import errors, open_backend
 from .gpu.sim.scenario import builtin_scenarios, resolve_scenario, unknown_scenario
+from .serving.secrets import redact_argv, redact_env
 from .tuning import Outcome, Plan, Tuner, make_plan
 from .systemd import print_error
 from .yamlfile import ConfigError, ConfigErrors
@@ -67,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("status", parents=[common], help="show the running daemon's view: clocks, power, "
                        "reasons and firing alerts per GPU (exit 3 if no daemon answers)")
     p.add_argument("--json", action="store_true", help="the daemon's raw /status JSON")
+    p.add_argument("--user", metavar="NAME", help="basic auth user when metrics.web_config asks for one (the "
+                   "password comes from $GPUWARDEN_PASSWORD)")
     return parser
 
 
@@ -161,7 +164,6 @@ def cmd_check(args: argparse.Namespace) -> int:
 def _deep_check(config: Config, backend, as_json: bool) -> dict:
     """Lint the vLLM command and run vLLM's parser on it; ConfigErrors if anything blocks a start."""
     from .serving.prepare import prepare_serve
-    from .serving.secrets import redact_argv
 
     prepared = prepare_serve(config, backend, deep=True)
     problems = prepared.blocking(config)
@@ -180,7 +182,6 @@ def cmd_profiles(args: argparse.Namespace) -> int:
     from .serving.command import build_command, chosen_gpus, profile_error
     from .serving.lint import lint
     from .serving.profiles import load_profiles, select_profile
-    from .serving.secrets import redact_argv, redact_env
 
     config = load_config(args)
     profiles = load_profiles(config.serve.profiles_dir)
@@ -342,13 +343,18 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from .status import fetch_status, render_status
+    from .status import StatusError, fetch_status, render_status
 
     config = load_config(args)
     if config.metrics.url is None:
         print_error("gpuwarden: metrics.listen is none, so the daemon serves no /status to read")
         return EX_NOT_RUNNING
-    state = fetch_status(config.metrics.url)
+    auth = (args.user, os.environ.get("GPUWARDEN_PASSWORD", "")) if args.user else None
+    try:
+        state = fetch_status(config.metrics, auth)
+    except StatusError as exc:
+        print_error(f"gpuwarden: {exc}")
+        return EX_NOT_RUNNING
     if state is None:
         print(f"gpuwarden is not running (nothing answers on {config.metrics.url})")
         return EX_NOT_RUNNING

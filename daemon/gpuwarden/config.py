@@ -13,10 +13,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Union
 
-from . import yamlfile
+from . import webconfig, yamlfile
 from .alerts import AlertSettings, Threshold
 from .gpu.sim.scenario import resolve_scenario, unknown_scenario
 from .schema import MISSING, NONE_WORDS, Reader, type_name
+from .webconfig import WebConfig
 from .yamlfile import ConfigError, Document, Path_
 
 DEFAULT_PATH = Path("/etc/gpuwarden/gpuwarden.yaml")
@@ -79,13 +80,15 @@ DEFAULT_LISTEN = ("127.0.0.1", 9847)  # dcgm-exporter uses 9400, nvidia_gpu_expo
 @dataclass(frozen=True)
 class MetricsConfig:
     listen: tuple[str, int] | None = DEFAULT_LISTEN  # None: no HTTP endpoint
+    web: WebConfig | None = None  # TLS and basic auth (metrics.web_config)
 
     @property
     def url(self) -> str | None:
         if self.listen is None:
             return None
         host, port = self.listen
-        return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        scheme = "https" if self.web is not None and self.web.tls else "http"
+        return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 @dataclass(frozen=True)
@@ -157,7 +160,8 @@ class Config:
                 "memory_clock_min_mhz": _threshold_value(a.memory_clock_min),
                 "reapply_min_interval_s": a.reapply_min_interval_s,
             },
-            "metrics": {"listen": "none" if listen is None else self.metrics.url.split("//", 1)[1]},
+            "metrics": {"listen": "none" if listen is None else self.metrics.url.split("//", 1)[1],
+                        "web_config": "none" if self.metrics.web is None else self.metrics.web.file},
             "serve": _serve_dict(self.serve),
             "tuning": {
                 "apply": t.apply, "restore_on_stop": t.restore_on_stop,
@@ -228,8 +232,8 @@ def _validate(doc: Document, files: tuple[str, ...]) -> Config:
     log_interval = r.number(("log_interval_s",), 60.0, 0, 86400, unit=" s")
     tuning = _tuning_section(r)
     alerts = _alerts_section(r)
-    metrics = MetricsConfig(_listen(r, ("metrics", "listen")))
-    r.mapping(("metrics",), ("listen",))
+    metrics = MetricsConfig(_listen(r, ("metrics", "listen")), _web_config(r, Path(doc.file).parent))
+    r.mapping(("metrics",), ("listen", "web_config"))
     serve = _serve_section(r, Path(doc.file).parent)
     r.raise_if_errors()
     return Config(gpu=gpu, poll_interval_s=float(poll), counters_interval_s=float(counters),
@@ -347,6 +351,19 @@ def _threshold(r: Reader, path: Path_, default: Threshold) -> Threshold:
         r.fail(path, f"expected MHz or a percentage, got {type_name(value)} {value!r}", allowed)
         return default
     return Threshold(mhz=float(value))
+
+
+def _web_config(r: Reader, base_dir: Path) -> WebConfig | None:
+    value = r.string(("metrics", "web_config"), "none")
+    if str(value).lower() in NONE_WORDS:
+        return None
+    try:
+        return webconfig.load(base_dir / value)
+    except ConfigError as exc:
+        r.errors.append(exc)
+    except yamlfile.ConfigErrors as exc:
+        r.errors.extend(exc.errors)
+    return None
 
 
 def _listen(r: Reader, path: Path_) -> tuple[str, int] | None:

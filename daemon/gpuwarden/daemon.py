@@ -84,7 +84,8 @@ class Daemon:
         serving = self._prepare_serving(self.config, deep=True) if self.config.serve.enabled else None
         if self.config.metrics.listen is not None:
             try:
-                self.server = MetricsServer(self.config.metrics.listen, self.exposition, self.status)
+                self.server = MetricsServer(self.config.metrics.listen, self.exposition, self.status,
+                                            self.config.metrics.web)
             except OSError as exc:
                 host, port = self.config.metrics.listen
                 raise StartupError(f"cannot serve metrics on {host}:{port}: {exc.strerror} "

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,6 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from . import __version__
 from .gpu.base import VIOLATION_POLICIES, ClockEventReason
 from .monitor import Snapshot
+from .webconfig import REALM, WebConfig
 
 log = logging.getLogger("gpuwarden")
 MHZ = 1e6
@@ -298,12 +300,17 @@ class _Server(ThreadingHTTPServer):
 class MetricsServer:
     """`/metrics` for Prometheus and `/status` for `gpuwarden status`, on a background thread."""
 
-    def __init__(self, listen: tuple[str, int], exposition: Exposition, status: Callable[[], dict]):
+    def __init__(self, listen: tuple[str, int], exposition: Exposition, status: Callable[[], dict],
+                 web: WebConfig | None = None):
         host, port = listen
         server_class = type("Server", (_Server,), {"address_family": socket.AF_INET6 if ":" in host
                                                    else socket.AF_INET})
         self.exposition = exposition
-        self.httpd = server_class((host, port), _handler(exposition, status))
+        self.httpd = server_class((host, port), _handler(exposition, status, web))
+        if web is not None and web.tls:
+            # The handshake happens in each connection's thread (Handler.setup), never in the accept loop.
+            self.httpd.socket = web.ssl_context().wrap_socket(self.httpd.socket, server_side=True,
+                                                              do_handshake_on_connect=False)
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="metrics", daemon=True)
 
     def start(self) -> None:
@@ -316,12 +323,24 @@ class MetricsServer:
         self.exposition.close()
 
 
-def _handler(exposition: Exposition, status: Callable[[], dict]) -> type[BaseHTTPRequestHandler]:
+def _handler(exposition: Exposition, status: Callable[[], dict],
+             web: WebConfig | None) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         timeout = REQUEST_TIMEOUT_S  # socket timeout until the request has arrived
 
+        def setup(self) -> None:
+            super().setup()
+            if isinstance(self.connection, ssl.SSLSocket):
+                self.connection.do_handshake()  # within REQUEST_TIMEOUT_S; a failure is a client error
+
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
             self.connection.settimeout(CONNECTION_TIMEOUT_S)
+            if web is not None and not web.authorized(self.headers.get("Authorization")):
+                self.send_response(401)
+                self.send_header("WWW-Authenticate", f'Basic realm="{REALM}"')
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
             path = self.path.split("?", 1)[0]
             if path == "/metrics":
                 self._reply(200, CONTENT_TYPE_LATEST, exposition.body())

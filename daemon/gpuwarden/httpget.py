@@ -9,6 +9,7 @@ for as long as it likes. Everything we read from another process (vLLM's
 from __future__ import annotations
 
 import socket
+import ssl
 import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -27,12 +28,14 @@ class Reply:
     local_port: int  # our end of the connection, to find the peer in /proc/net/tcp
 
 
-def get(url: str, deadline_s: float, max_bytes: int) -> Reply:
-    """GET url, done within deadline_s seconds in total and at most max_bytes of body; else HttpError."""
+def get(url: str, deadline_s: float, max_bytes: int, headers: dict[str, str] | None = None,
+        context: ssl.SSLContext | None = None) -> Reply:
+    """GET url, done within deadline_s seconds in total and at most max_bytes of body; else HttpError.
+    https:// needs the context to verify the server with."""
     parts = urlsplit(url)
-    if parts.scheme != "http" or not parts.hostname:
-        raise HttpError(f"only http:// URLs are read, not {url!r}")
-    host, port = parts.hostname, parts.port or 80
+    if parts.scheme not in ("http", "https") or not parts.hostname or (parts.scheme == "https") != bool(context):
+        raise HttpError(f"cannot read {url!r} (http://, or https:// with a TLS context)")
+    host, port = parts.hostname, parts.port or (443 if context else 80)
     path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     end = time.monotonic() + deadline_s
 
@@ -43,11 +46,13 @@ def get(url: str, deadline_s: float, max_bytes: int) -> Reply:
         return left
 
     try:
-        with socket.create_connection((host, port), timeout=remaining()) as sock:
+        with socket.create_connection((host, port), timeout=remaining()) as raw:
+            sock = context.wrap_socket(raw, server_hostname=host) if context else raw
             local_port = sock.getsockname()[1]
             name = f"[{host}]" if ":" in host else host
+            extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
             request = f"GET {path} HTTP/1.1\r\nHost: {name}:{port}\r\nConnection: close\r\n" \
-                      "Accept-Encoding: identity\r\n\r\n"
+                      f"Accept-Encoding: identity\r\n{extra}\r\n"
             sock.settimeout(remaining())
             sock.sendall(request.encode("ascii"))
             data = bytearray()

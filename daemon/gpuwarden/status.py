@@ -3,18 +3,43 @@
 from __future__ import annotations
 
 import json
+import ssl
 import time
-import urllib.error
-import urllib.request
+
+from . import httpget
+from .config import MetricsConfig
+from .webconfig import basic_auth_header
 
 
-def fetch_status(base_url: str, timeout_s: float = 3.0) -> dict | None:
-    """The daemon's /status JSON, or None when nothing answers there."""
+class StatusError(Exception):
+    """Something answered, but not with the daemon's /status; the message says what to do."""
+
+
+def fetch_status(metrics: MetricsConfig, auth: tuple[str, str] | None = None, timeout_s: float = 3.0) -> dict | None:
+    """The daemon's /status JSON; None when nothing answers there; StatusError for any other answer."""
+    context = headers = None
+    web = metrics.web
+    if web is not None and web.tls:
+        context = ssl.create_default_context(cafile=str(web.cert_file))  # trust exactly the daemon's certificate
+        context.check_hostname = False
+    if auth is not None:
+        headers = {"Authorization": basic_auth_header(*auth)}
     try:
-        with urllib.request.urlopen(f"{base_url}/status", timeout=timeout_s) as reply:
-            return json.load(reply)
-    except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError):
-        return None
+        reply = httpget.get(f"{metrics.url}/status", timeout_s, 16 * 1024 * 1024, headers, context)
+    except httpget.HttpError as exc:
+        if "refused" in str(exc).lower():
+            return None
+        raise StatusError(f"{metrics.url}: {exc}") from None
+    if reply.status == 401:
+        raise StatusError(f"{metrics.url} wants basic auth (metrics.web_config): give --user NAME, with the "
+                          "password in $GPUWARDEN_PASSWORD")
+    try:
+        state = json.loads(reply.body)
+    except (ValueError, UnicodeDecodeError):
+        state = None
+    if reply.status != 200 or not isinstance(state, dict) or "daemon" not in state:
+        raise StatusError(f"something other than gpuwarden answers on {metrics.url} (HTTP {reply.status})")
+    return state
 
 
 def _mhz(current, lock, maximum) -> str:
