@@ -107,3 +107,18 @@ def test_console_script_is_installed():
     script = Path(sys.executable).parent / "gpuwarden"
     proc = subprocess.run([str(script), "--version"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip() == f"gpuwarden {__version__}"
+
+
+@pytest.mark.parametrize("serve,says", [
+    ("  profile: genric\n", "serve.profile: no profile named 'genric'"),
+    ("  gpus: [7]\n", "serve.gpus.0: no GPU '7' on this host"),
+    ("  args: [--attention-backend, flashinfer]\n", "lint attention-backend-case"),
+    ("  command: [/nonexistent/vllm, serve]\n", "serve.command: /nonexistent/vllm does not exist"),
+])
+def test_check_finds_what_run_would_refuse(write, cli, child_user, serve, says):
+    base = ("gpu:\n  backend: sim\n  scenario: rtx-pro-4000-headless\nserve:\n  enabled: true\n  model: /m/Qwen3-4B\n"
+            f"  user: {child_user}\n")
+    if "command:" not in serve:
+        base += "  command: [/usr/bin/python3, -m, vllm.entrypoints.openai.api_server]\n"
+    status, _, err = cli("check", "-c", write("g.yaml", base + serve))
+    assert status == 78 and says in err, err

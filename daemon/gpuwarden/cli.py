@@ -148,8 +148,8 @@ def cmd_check(args: argparse.Namespace) -> int:
         try:
             make_plan(backend, config)
             gpus, skipped = len(backend.gpus()), None
-            if args.deep:
-                serving = _deep_check(config, backend, args.json)
+            if args.deep or config.serve.enabled:  # what `run` would refuse, `check` finds
+                serving = _serve_check(config, backend, args.deep, args.json)
         finally:
             backend.close()
     if args.json:
@@ -161,21 +161,25 @@ def cmd_check(args: argparse.Namespace) -> int:
     return EX_OK
 
 
-def _deep_check(config: Config, backend, as_json: bool) -> dict:
-    """Lint the vLLM command and run vLLM's parser on it; ConfigErrors if anything blocks a start."""
+def _serve_check(config: Config, backend, deep: bool, as_json: bool) -> dict:
+    """Everything `run` checks before starting vLLM: profile, GPUs, serve.user, secrets, lint, the executable,
+    and with deep, vLLM's own parser (in vLLM's interpreter, as serve.user). ConfigErrors if a start is blocked."""
     from .serving.prepare import prepare_serve
 
-    prepared = prepare_serve(config, backend, deep=True)
+    prepared = prepare_serve(config, backend, deep=deep)
     problems = prepared.blocking(config)
     if not as_json:
         for finding in prepared.findings:
             print(f"lint {finding}", file=sys.stderr if finding.severity == "error" else sys.stdout)
     if problems:
         raise ConfigErrors(problems)
+    version = prepared.flags.vllm_version if prepared.flags else None
     if not as_json:
-        print(f"vLLM {prepared.flags.vllm_version} accepts: {shlex.join(redact_argv(prepared.command.argv))}")
+        argv = shlex.join(redact_argv(prepared.command.argv))
+        print(f"vLLM {version} accepts: {argv}" if deep else f"vLLM command checked (--deep also runs vLLM's "
+              f"parser): {argv}")
     return {"profile": prepared.command.profile.name, "argv": redact_argv(prepared.command.argv),
-            "vllm_version": prepared.flags.vllm_version, "lint": [f.as_dict() for f in prepared.findings]}
+            "vllm_version": version, "lint": [f.as_dict() for f in prepared.findings]}
 
 
 def cmd_profiles(args: argparse.Namespace) -> int:
