@@ -314,6 +314,7 @@ def test_port_in_use_is_one_line(write):
     assert proc.returncode == 1
     assert f"gpuwarden: cannot serve metrics on 127.0.0.1:{port}: Address already in use" in proc.stderr
     assert "Traceback" not in proc.stderr
+    assert "before tuning" not in proc.stderr and "gpu_clocks:" not in proc.stderr, "no GPU was touched"
 
 
 def test_default_listen_is_loopback_off_the_other_exporters_ports():
