@@ -137,7 +137,7 @@ def test_boots_tunes_alerts_stops_fails_cleanly_and_survives_a_stall(installed_r
     assert "vLLM FATAL" in got["broken_serving_status"] and got["broken_serving_fatal"] == "1", got
     assert float(got["broken_serving_age"]) < 2, got
     assert got["confdir_mode"] == "750" and got["nobody_reads_config"] == "no", got
-    assert got["credential"].startswith("vllm.env") and got["credential_mode"] == "600 root", got
+    assert got["credential"] == "vllm.env" and got["credential_mode"] == "600 root", got
     verify = (folder / "verify.txt").read_text()
     assert got["verify_lines"] == "0", f"systemd-analyze verify printed:\n{verify}"
     assert got["security"].startswith("Overall exposure level for gpuwarden.service")
