@@ -37,7 +37,8 @@ def test_check_catches_a_power_limit_the_card_rejects(cli, write):
     path = write("g.yaml", "gpu:\n  backend: sim\n  scenario: rtx-pro-4000-headless\ntuning:\n  power_limit_w: 160\n")
     status, _, err = cli("check", "-c", path)
     assert status == 78
-    assert f"{path}:5: tuning.power_limit_w: GPU 0" in err and "(allowed 70-145 W)" in err
+    assert err.splitlines() == [f"{path}:5: tuning.power_limit_w: GPUs 0, 1 (NVIDIA RTX PRO 4000 Blackwell): "
+                                "160 W is outside this GPU's power constraints (allowed 70-145 W)"]
 
 
 def test_options_work_before_and_after_the_command(cli):

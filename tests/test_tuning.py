@@ -64,10 +64,15 @@ def test_power_limit_outside_constraints_is_a_config_error_naming_gpu_value_and_
     with pytest.raises(ConfigErrors) as info:
         make_plan(backend, cfg)
     lines = [str(e) for e in info.value.errors]
-    assert len(lines) == 2  # one per GPU
-    uuid0 = backend.gpus()[0].uuid
-    assert lines[0] == (f"test.yaml:5: tuning.power_limit_w: GPU 0 (NVIDIA RTX PRO 4000 Blackwell, {uuid0}): "
-                        "160 W is outside this GPU's power constraints (allowed 70-145 W)")
+    assert lines == ["test.yaml:5: tuning.power_limit_w: GPUs 0, 1 (NVIDIA RTX PRO 4000 Blackwell): "
+                     "160 W is outside this GPU's power constraints (allowed 70-145 W)"]  # once, naming both GPUs
+    cfg, backend = setup("rtx-pro-4000-headless", "tuning:\n  gpus:\n    \"1\": {power_limit_w: 160}\n")
+    with pytest.raises(ConfigErrors) as info:
+        make_plan(backend, cfg)
+    uuid1 = backend.gpus()[1].uuid
+    assert [str(e) for e in info.value.errors] == [
+        f"test.yaml:6: tuning.gpus.1.power_limit_w: GPU 1 (NVIDIA RTX PRO 4000 Blackwell, {uuid1}): "
+        "160 W is outside this GPU's power constraints (allowed 70-145 W)"]
 
 
 def test_unsupported_clock_is_a_config_error_at_the_override_line():

@@ -8,6 +8,7 @@ one-line `FILE:LINE: key.path: what is wrong (what is allowed)`.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -178,8 +179,20 @@ class Config:
 
 
 def dropin_files(path: Path) -> list[Path]:
+    """conf.d/*.yaml in lexical order. As systemd and sudo do with their drop-in directories, names that
+    start with "." (editor lock files such as .#x.yaml, hidden files) are skipped; backups (x.yaml~,
+    x.yaml.bak, x.yaml.dpkg-old) do not end in .yaml. A conf.d we cannot list is an error, not an empty one."""
     conf_d = path.parent / "conf.d"
-    return sorted(conf_d.glob("*.yaml")) if conf_d.is_dir() else []
+    try:
+        names = sorted(entry.name for entry in os.scandir(conf_d))
+    except FileNotFoundError:
+        return []
+    except NotADirectoryError:
+        raise ConfigError(str(conf_d), 1, "(file)", "is not a directory") from None
+    except PermissionError:
+        raise ConfigError(str(conf_d), 1, "(file)", "permission denied: its drop-ins cannot be checked",
+                          "run as root") from None
+    return [conf_d / name for name in names if name.endswith(".yaml") and not name.startswith(".")]
 
 
 def load(path: str | Path = DEFAULT_PATH) -> Config:
@@ -188,7 +201,7 @@ def load(path: str | Path = DEFAULT_PATH) -> Config:
     files = [path, *dropin_files(path)]
     doc = None
     for file in files:
-        part = _load_mapping(file)
+        part = _load_mapping(file, dropin=file != path)
         doc = part if doc is None else yamlfile.merge(doc, part)
     return _validate(doc, tuple(str(f) for f in files))
 
@@ -198,13 +211,14 @@ def parse_text(text: str, name: str = "<config>") -> Config:
     return _validate(_mapping_or_error(yamlfile.parse(text, name)), (name,))
 
 
-def _load_mapping(file: Path) -> Document:
-    return _mapping_or_error(yamlfile.load(file))
+def _load_mapping(file: Path, dropin: bool = False) -> Document:
+    return _mapping_or_error(yamlfile.load(file, empty_ok=dropin))  # a drop-in of only comments is fine
 
 
 def _mapping_or_error(doc: Document) -> Document:
     if not isinstance(doc.value, dict):
-        raise ConfigError(doc.file, 1, "(top level)", f"expected a mapping of settings, got {type_name(doc.value)}")
+        raise ConfigError(doc.file, doc.root_line, "(top level)",
+                          f"expected a mapping of settings, got {type_name(doc.value)}")
     return doc
 
 

@@ -90,6 +90,7 @@ def make_plan(backend: GpuBackend, config: Config) -> Plan:
     when a configured value is outside what a card supports."""
     gpus = backend.gpus()
     problems: list[ConfigError] = []
+    per_gpu: dict[tuple, list[Gpu]] = {}  # the same problem on several GPUs is said once, naming them all
     _check_override_keys(config, gpus, problems)
     persistenced = backend.persistenced_running()
     notes = ["nvidia-persistenced is running: it keeps the driver loaded, so gpuwarden leaves "
@@ -102,10 +103,15 @@ def make_plan(backend: GpuBackend, config: Config) -> Plan:
             plans.append(GpuPlan(gpu.index, gpu.uuid, gpu.name, ()))
             continue
         want = config.tuning.for_gpu(gpu.index, gpu.uuid)
-        actions = _gpu_actions(config, gpu, want, sample, gpu.capabilities(), persistenced, problems)
+        actions = _gpu_actions(config, gpu, want, sample, gpu.capabilities(), persistenced, per_gpu)
         plans.append(GpuPlan(gpu.index, gpu.uuid, gpu.name, tuple(actions)))
+    for (path, message, allowed), on in per_gpu.items():
+        names = sorted({g.name for g in on})
+        who = f"GPU {on[0].index} ({on[0].name}, {on[0].uuid})" if len(on) == 1 else \
+            f"GPUs {', '.join(str(g.index) for g in on)} ({', '.join(names)})"
+        problems.append(config.error(path, f"{who}: {message}", allowed))
     if problems:
-        raise ConfigErrors(problems)
+        raise ConfigErrors(sorted(problems, key=lambda e: (e.file, e.line, e.key)))
     return Plan(tuple(plans), tuple(notes))
 
 
@@ -119,10 +125,10 @@ def _check_override_keys(config: Config, gpus: list[Gpu], problems: list[ConfigE
 
 
 def _gpu_actions(config: Config, gpu: Gpu, want: GpuTuning, sample: GpuSample, caps: GpuCapabilities,
-                 persistenced: bool, problems: list[ConfigError]) -> list[Action]:
+                 persistenced: bool, per_gpu: dict[tuple, list[Gpu]]) -> list[Action]:
     def fail(setting: str, message: str, allowed: str | None = None) -> None:
         path = config.tuning.override_source(gpu.index, gpu.uuid, setting)
-        problems.append(config.error(path, f"GPU {gpu.index} ({gpu.name}, {gpu.uuid}): {message}", allowed))
+        per_gpu.setdefault((path, message, allowed), []).append(gpu)
 
     actions = []
     if want.persistence_mode:

@@ -3,15 +3,28 @@
 Config and scenario errors must name FILE:LINE, and PyYAML's plain loaders drop
 that information (and silently keep the last of two duplicate keys), so we
 compose the node tree ourselves.
+
+Every input has limits, each reported as one FILE:LINE line: only regular files
+are read (a FIFO or /dev/zero in conf.d is refused, not read), up to MAX_BYTES;
+nesting is measured on the event stream before anything recurses; aliases may
+expand to at most MAX_VALUES values (an alias bomb stops there) and never to
+themselves; an integer has at most MAX_DIGITS digits.
 """
 
 from __future__ import annotations
 
+import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+MAX_BYTES = 1024 * 1024
+MAX_DEPTH = 64
+MAX_VALUES = 100_000
+MAX_DIGITS = 30
 
 Path_ = tuple[str, ...]
 
@@ -51,6 +64,7 @@ class Document:
     value: Any
     file: str
     where: dict[Path_, tuple[str, int]] = field(default_factory=dict)
+    root_line: int = 1  # where the top-level value starts
 
     def locate(self, path: Path_) -> tuple[str, int]:
         # The nearest enclosing key that has a line; the file's start otherwise.
@@ -64,45 +78,112 @@ class Document:
         return ConfigError(file, line, key_name(path), message, allowed)
 
 
-def load(file: str | Path) -> Document:
-    """Parse one YAML file; raise ConfigError for anything unreadable."""
+def read_text(file: str | Path) -> str:
+    """A regular file's UTF-8 text, at most MAX_BYTES; ConfigError for anything else."""
     name = str(file)
     try:
-        text = Path(file).read_text(encoding="utf-8")
+        # O_NONBLOCK: opening a FIFO must not wait for a writer (we refuse it right after).
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise ConfigError(name, 1, "(file)", "file not found", "give an existing file, e.g. with --config") from None
     except IsADirectoryError:
         raise ConfigError(name, 1, "(file)", "is a directory, not a file") from None
     except PermissionError:
         raise ConfigError(name, 1, "(file)", "permission denied", "run as root or make the file readable") from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError(name, 1, "(file)", f"not UTF-8 text ({exc.reason})") from None
     except OSError as exc:
         raise ConfigError(name, 1, "(file)", f"cannot read: {exc.strerror}") from None
-    return parse(text, name)
-
-
-def parse(text: str, name: str) -> Document:
     try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise ConfigError(name, 1, "(file)", "is a directory, not a file")
+        if not stat.S_ISREG(mode):
+            raise ConfigError(name, 1, "(file)", "not a regular file (a FIFO, a device or a socket is never read)")
+        data = b""
+        while len(data) <= MAX_BYTES and (chunk := os.read(fd, MAX_BYTES + 1 - len(data))):
+            data += chunk
+    finally:
+        os.close(fd)
+    if len(data) > MAX_BYTES:
+        raise ConfigError(name, 1, "(file)", f"larger than {MAX_BYTES // 1024} KiB", "a config file is a few KiB")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(name, 1, "(file)", f"not UTF-8 text ({exc.reason})") from None
+
+
+def load(file: str | Path, empty_ok: bool = False) -> Document:
+    """Parse one YAML file; raise ConfigError for anything unreadable or over a limit."""
+    return parse(read_text(file), str(file), empty_ok)
+
+
+def _one_line(text: object) -> str:
+    return " ".join(str(text).split())
+
+
+def parse(text: str, name: str, empty_ok: bool = False) -> Document:
+    """Parse YAML text; empty_ok: a file of only comments is an empty mapping (a drop-in), not an error."""
+    try:
+        _check_depth(text, name)
         node = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = mark.line + 1 if mark else 1
-        raise ConfigError(name, line, "(yaml)", f"invalid YAML: {exc.problem or exc.context}") from None
+        raise ConfigError(name, line, "(yaml)", f"invalid YAML: {_one_line(exc.problem or exc.context)}") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(name, 1, "(yaml)", f"invalid YAML: {exc}") from None
+        raise ConfigError(name, 1, "(yaml)", f"invalid YAML: {_one_line(exc)}") from None
     if node is None:
+        if empty_ok:
+            return Document({}, name)
         raise ConfigError(name, 1, "(file)", "file is empty", "expected a mapping of settings")
-    doc = Document(None, name)
-    doc.value = _convert(node, (), doc, yaml.SafeLoader(""))
+    doc = Document(None, name, root_line=node.start_mark.line + 1)
+    doc.value = _convert(node, (), doc, yaml.SafeLoader(""), _Budget())
     return doc
+
+
+def _check_depth(text: str, name: str) -> None:
+    """Nesting deeper than MAX_DEPTH, found on the event stream (which does not recurse), with its line."""
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise ConfigError(name, event.start_mark.line + 1, "(yaml)",
+                                  f"nested more than {MAX_DEPTH} levels deep")
+        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            depth -= 1
+
+
+class _Budget:
+    """How many values aliases may still expand to; and the nodes being converted (an alias to one of
+    them would never end)."""
+
+    def __init__(self) -> None:
+        self.left = MAX_VALUES
+        self.open: set[int] = set()
 
 
 STANDARD_COLLECTION_TAGS = ("tag:yaml.org,2002:map", "tag:yaml.org,2002:seq")
 
 
-def _convert(node: yaml.Node, path: Path_, doc: Document, scalars: yaml.SafeLoader) -> Any:
-    if not isinstance(node, yaml.ScalarNode) and node.tag not in STANDARD_COLLECTION_TAGS:
+def _convert(node: yaml.Node, path: Path_, doc: Document, scalars: yaml.SafeLoader, budget: _Budget) -> Any:
+    line = node.start_mark.line + 1
+    budget.left -= 1
+    if budget.left < 0:  # name the top-level key: deeper lines are the anchors', shared by every copy
+        raise ConfigError(doc.file, doc.where.get(path[:1], (doc.file, line))[1], key_name(path[:1]),
+                          f"aliases expand to more than {MAX_VALUES} values")
+    if id(node) in budget.open:
+        raise ConfigError(doc.file, line, key_name(path), "an alias that contains itself")
+    if isinstance(node, yaml.ScalarNode):
+        return _scalar(node, path, doc, scalars)
+    budget.open.add(id(node))
+    try:
+        return _collection(node, path, doc, scalars, budget)
+    finally:
+        budget.open.discard(id(node))
+
+
+def _collection(node: yaml.Node, path: Path_, doc: Document, scalars: yaml.SafeLoader, budget: _Budget) -> Any:
+    if node.tag not in STANDARD_COLLECTION_TAGS:
         # Scalars get the same check from SafeLoader below; nothing here ever builds objects.
         raise ConfigError(doc.file, node.start_mark.line + 1, key_name(path), f"unsupported YAML tag {node.tag}")
     if isinstance(node, yaml.MappingNode):
@@ -118,19 +199,25 @@ def _convert(node: yaml.Node, path: Path_, doc: Document, scalars: yaml.SafeLoad
                 raise ConfigError(doc.file, key_node.start_mark.line + 1, key_name(child),
                                   f"duplicate key (first set on line {first})")
             doc.where[child] = (doc.file, key_node.start_mark.line + 1)
-            out[key] = _convert(value_node, child, doc, scalars)
+            out[key] = _convert(value_node, child, doc, scalars, budget)
         return out
-    if isinstance(node, yaml.SequenceNode):
-        items = []
-        for i, item in enumerate(node.value):
-            child = path + (str(i),)
-            doc.where[child] = (doc.file, item.start_mark.line + 1)
-            items.append(_convert(item, child, doc, scalars))
-        return items
+    items = []
+    for i, item in enumerate(node.value):
+        child = path + (str(i),)
+        doc.where[child] = (doc.file, item.start_mark.line + 1)
+        items.append(_convert(item, child, doc, scalars, budget))
+    return items
+
+
+def _scalar(node: yaml.ScalarNode, path: Path_, doc: Document, scalars: yaml.SafeLoader) -> Any:
+    digits = sum(c.isdigit() for c in node.value)
+    if node.tag == "tag:yaml.org,2002:int" and digits > MAX_DIGITS:
+        raise ConfigError(doc.file, node.start_mark.line + 1, key_name(path),
+                          f"a number with {digits} digits", f"at most {MAX_DIGITS}")
     try:
         # The node's tag was resolved while composing; this turns it into a value.
         return scalars.construct_object(node, deep=True)
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, ValueError, OverflowError) as exc:
         problem = getattr(exc, "problem", None) or str(exc)
         raise ConfigError(doc.file, node.start_mark.line + 1, key_name(path), f"bad value: {problem}") from None
 
