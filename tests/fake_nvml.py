@@ -26,7 +26,7 @@ def device(uuid, bus, **over):
     dev = dict(uuid=uuid.encode(), name=b"NVIDIA H100 80GB HBM3", busId=bus.encode(), cc=(9, 0),
                clocks={0: 1980, 1: 1980, 2: 2619}, max_clocks={0: 1980, 1: 1980, 2: 2619},
                power_mw=312_500, limit_mw=700_000, constraints=(200_000, 700_000), default_mw=700_000,
-               temp=41, util=(97, 60), mem=(40 * 2**30, 80 * 2**30), persistence=0, pstate=0,
+               temp=41, util=(97, 60), mem=(40 * 2**30, 80 * 2**30), reserved=616 * 2**20, persistence=0, pstate=0,
                reasons=0x4, violations={0: 5_000_000_000, 1: 0, 2: 0, 3: 0, 4: 0, 5: 0},
                energy_mj=123_456_789, bus_width=5120, mem_clocks=[2619, 1593],
                graphics_clocks=[1980, 1965, 210], gpu_lock=None, mem_lock=None)
@@ -36,6 +36,7 @@ def device(uuid, bus, **over):
 
 class FakeNvml:
     NVMLError = NVMLError
+    nvmlMemory_v2 = 0x02000028  # pynvml's version word for nvmlDeviceGetMemoryInfo_v2
 
     def __init__(self, devices):
         self.devices = devices
@@ -98,9 +99,13 @@ class FakeNvml:
     def nvmlDeviceGetUtilizationRates(self, h):
         gpu, memory = self._dev("nvmlDeviceGetUtilizationRates", h)["util"]
         return SimpleNamespace(gpu=gpu, memory=memory)
-    def nvmlDeviceGetMemoryInfo(self, h):
-        used, total = self._dev("nvmlDeviceGetMemoryInfo", h)["mem"]
-        return SimpleNamespace(used=used, total=total, free=total - used)
+    def nvmlDeviceGetMemoryInfo(self, h, version=None):
+        """As NVML: v1 counts the driver's reservation as used; v2 (nvmlMemory_v2) reports it apart."""
+        dev = self._dev("nvmlDeviceGetMemoryInfo_v2" if version else "nvmlDeviceGetMemoryInfo", h)
+        (used, total), reserved = dev["mem"], dev["reserved"]
+        if version:
+            return SimpleNamespace(used=used, total=total, reserved=reserved, free=total - used - reserved)
+        return SimpleNamespace(used=used + reserved, total=total, free=total - used - reserved)
     def nvmlDeviceGetPersistenceMode(self, h): return self._dev("nvmlDeviceGetPersistenceMode", h)["persistence"]
     def nvmlDeviceGetPerformanceState(self, h): return self._dev("nvmlDeviceGetPerformanceState", h)["pstate"]
     def nvmlDeviceGetCurrentClocksEventReasons(self, h):

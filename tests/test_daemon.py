@@ -322,3 +322,43 @@ def test_default_listen_is_loopback_off_the_other_exporters_ports():
 
     host, port = config.load(DEFAULT_CONFIG).metrics.listen
     assert host == "127.0.0.1" and port not in (9400, 9835)
+
+
+def test_persistence_left_to_nvidia_persistenced_raises_no_alert(write, daemons):
+    # nvidia-persistenced runs with --no-persistence-mode: persistence reads off on every GPU, for good.
+    path, base = write_config(write)
+    path.write_text(path.read_text().replace("alerts:\n  for_s: 1\n", "alerts:\n  for_s: 0.5\n  reapply_min_interval_s: 1\n"))
+    d = daemons(path, "--sim", "persistenced-no-persistence")
+    d.wait_for("leaves persistence mode to it")
+    time.sleep(3)  # many polls past for_s and the re-apply interval
+    families = scrape(base)
+    assert value(families, "gpuwarden_gpu_persistence_mode", gpu="0") == 0
+    assert value(families, "gpuwarden_alert_active", alert="persistence_off", gpu="0") == 0
+    assert "persistence_off" not in d.log and "re-applied tuning" not in d.log
+    assert d.stop() == 0
+
+
+def test_status_says_so_when_something_else_answers(write, cli):
+    import http.server
+    import threading
+
+    class NotUs(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", "5")
+            self.end_headers()
+            self.wfile.write(b"hello")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), NotUs)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        path = write("g.yaml", f"metrics:\n  listen: 127.0.0.1:{server.server_address[1]}\n")
+        status, out, err = cli("status", "-c", path)
+    finally:
+        server.shutdown()
+    assert status == 3 and out == ""
+    assert err.strip() == (f"gpuwarden: something other than gpuwarden answers on "
+                           f"http://127.0.0.1:{server.server_address[1]} (HTTP 200)")

@@ -15,7 +15,7 @@ from gpuwarden.tuning import Tuner, make_plan
 # Untuned, as every scenario boots: the headless SM120 cards stay at 180 MHz while busy (an error);
 # the DGX Spark boosts, so only its persistence mode is off (a warning).
 EXPECTED_EXIT = {"rtx-pro-4000-headless": 2, "rtx-pro-6000-tp4": 2, "dgx-spark": 1, "lock-lost": 2,
-                 "gpu-lost": 2, "thermal": 2}
+                 "gpu-lost": 2, "thermal": 2, "persistenced-no-persistence": 2}
 
 
 @pytest.mark.parametrize("scenario", builtin_scenarios())
@@ -25,7 +25,10 @@ def test_doctor_on_every_scenario(cli, scenario):
     assert status == EXPECTED_EXIT[scenario] == report["exit_status"]
     checks = {f["check"]: f for f in report["findings"]}
     assert checks["driver"]["severity"] == "ok"
-    assert checks["GPU0 persistence"]["severity"] == "warning" and checks["GPU0 persistence"]["fix"]
+    if scenario == "persistenced-no-persistence":  # left to nvidia-persistenced: nothing to fix
+        assert checks["GPU0 persistence"]["severity"] == "info" and not checks["GPU0 persistence"]["fix"]
+    else:
+        assert checks["GPU0 persistence"]["severity"] == "warning" and checks["GPU0 persistence"]["fix"]
     assert checks["vLLM"]["severity"] == "info"  # serving is off in the default config
     if scenario == "dgx-spark":
         assert checks["GPU0 power limit"]["severity"] == "info" and checks["GPU0 clocks"]["severity"] == "ok"

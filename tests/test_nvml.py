@@ -49,14 +49,15 @@ def test_sample_converts_every_field_to_base_units():
 
 def test_not_supported_field_is_none_and_not_asked_again():
     backend, fake, _ = backend_with(device("GPU-aaa", "00000000:18:00.0"))
-    fake.fail[("nvmlDeviceGetMemoryInfo", None)] = NOT_SUPPORTED
+    fake.fail[("nvmlDeviceGetMemoryInfo", None)] = NOT_SUPPORTED  # both versions, as on a GB10
+    fake.fail[("nvmlDeviceGetMemoryInfo_v2", None)] = NOT_SUPPORTED
     fake.fail[("nvmlDeviceGetPowerManagementLimitConstraints", None)] = NOT_SUPPORTED
     gpu = backend.gpus()[0]
     first, second = gpu.sample(), gpu.sample()
     assert first.memory_total_bytes is None and first.power_limit_min_w is None
     assert first.sm_clock_mhz == 1980 and first.power_w == pytest.approx(312.5)  # the rest still reads
     assert second.memory_used_bytes is None
-    assert fake.calls["nvmlDeviceGetMemoryInfo"] == 1
+    assert fake.calls["nvmlDeviceGetMemoryInfo"] == 1 and fake.calls["nvmlDeviceGetMemoryInfo_v2"] == 1
 
 
 def test_transient_error_is_none_this_time_and_retried():
@@ -182,3 +183,14 @@ def test_gpu_lost_at_start_comes_up_down_not_crashing():
     fresh = NvmlBackend(fake, clock=ManualClock())
     samples = [g.sample() for g in fresh.gpus()]
     assert [s.up for s in samples] == [True, False]
+
+
+def test_memory_reserved_by_the_driver_is_apart_from_used():
+    # An idle H200: nvidia-smi shows 0 MiB used and 616 MiB reserved; v1 of the call counts both as used.
+    nvml = FakeNvml([device("GPU-a", "00000000:01:00.0", mem=(0, 141 * 2**30), reserved=616 * 2**20)])
+    s = NvmlBackend(nvml).gpus()[0].sample()
+    assert (s.memory_used_bytes, s.memory_reserved_bytes) == (0, 616 * 2**20)
+    old = FakeNvml([device("GPU-a", "00000000:01:00.0", mem=(0, 141 * 2**30), reserved=616 * 2**20)])
+    old.fail[("nvmlDeviceGetMemoryInfo_v2", None)] = FUNCTION_NOT_FOUND  # a driver without the v2 call
+    s = NvmlBackend(old).gpus()[0].sample()
+    assert (s.memory_used_bytes, s.memory_reserved_bytes) == (616 * 2**20, None)

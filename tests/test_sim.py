@@ -220,3 +220,16 @@ def test_manual_clock_needs_no_sleep():
     clock.advance(3600)  # an hour of sim time, instantly
     s = backend.gpus()[0].sample()
     assert s.timestamp == 3600 and s.energy_joules > 0
+
+
+def test_a_card_whose_full_load_power_is_its_idle_power_is_refused(write):
+    from gpuwarden.gpu.sim.scenario import load_scenario
+    from gpuwarden.yamlfile import ConfigErrors
+
+    path = write("s.yaml", "name: s\ngpus:\n  - name: G\n    compute_capability: \"12.0\"\n"
+                 "    memory_clocks_mhz: [405]\n    graphics_clocks_mhz: [180, 3090, 15]\n"
+                 "    power: {idle_w: 100, full_load_w: 100}\n")
+    with pytest.raises(ConfigErrors) as info:
+        load_scenario(path)
+    assert [str(e) for e in info.value.errors] == [
+        f"{path}:7: gpus.0.power.full_load_w: full_load_w 100 W must be above idle_w 100 W"]

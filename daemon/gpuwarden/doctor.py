@@ -71,9 +71,8 @@ def _persistence(s: GpuSample, persistenced: bool) -> Finding:
         return Finding(INFO, check, "persistence mode is not reported by this GPU")
     if s.persistence_mode:
         return Finding(OK, check, "persistence mode on" + (" (nvidia-persistenced runs)" if persistenced else ""))
-    if persistenced:
-        return Finding(WARNING, check, "persistence mode off although nvidia-persistenced runs",
-                       "restart nvidia-persistenced, or `sudo gpuwarden apply`")
+    if persistenced:  # it keeps the driver loaded either way; some distributions run it with --no-persistence-mode
+        return Finding(INFO, check, "persistence mode off; nvidia-persistenced runs and keeps the driver loaded")
     return Finding(WARNING, check, "persistence mode off and nvidia-persistenced is not running: the driver "
                    "unloads between CUDA programs", "`sudo gpuwarden apply` (or run the gpuwarden service)")
 

@@ -157,13 +157,16 @@ class Monitor:
         self._last_reapply: dict[int, float] = {}
         self._last_sample_log = float("-inf")
         self.locks: dict[int, tuple] = {}
+        self.persistenced = False
         self.running_requests: int | None = None  # fed by the vLLM supervisor; counts as busy
         self.snapshot: Snapshot | None = None
         self._lags: deque[float] = deque(maxlen=LAG_WINDOW)
         self._last_tick: float | None = None
 
     def use_plan(self, plan: Plan, applied: bool) -> None:
-        """Remember the locks the plan sets, which the clock rules measure against."""
+        """Remember the locks the plan sets, which the clock rules measure against, and whether
+        persistence mode is left to nvidia-persistenced."""
+        self.persistenced = plan.persistenced
         self.locks = {}
         for action in plan.actions if applied else ():
             if action.setting in ("gpu_clocks", "memory_clocks"):
@@ -177,8 +180,11 @@ class Monitor:
         settings = self.config.alerts
         sm_lock, mem_lock = self.locks.get(sample.index, (None, None))
         busy = (sample.utilization_pct or 0) >= settings.busy_utilization_pct or bool(self.running_requests)
-        # Read-only mode sets nothing, so "configured on" is only a wish there, not drift.
-        wanted = self.config.tuning.apply and self.config.tuning.for_gpu(sample.index, sample.uuid).persistence_mode
+        # Read-only mode sets nothing, so "configured on" is only a wish there, not drift. While
+        # nvidia-persistenced runs, the plan leaves persistence mode to it (some distributions run it with
+        # --no-persistence-mode, and that is their choice), so off is not drift either.
+        wanted = (self.config.tuning.apply and not self.persistenced
+                  and self.config.tuning.for_gpu(sample.index, sample.uuid).persistence_mode)
         return GpuContext(busy, sm_lock, mem_lock, wanted, settings)
 
     def tick(self, now: float, loop_lag_s: float = 0.0, serving: ServingView | None = None,

@@ -72,6 +72,7 @@ class GpuPlan:
 class Plan:
     gpus: tuple[GpuPlan, ...]
     notes: tuple[str, ...] = ()
+    persistenced: bool = False  # nvidia-persistenced runs: persistence mode is left to it
 
     @property
     def actions(self) -> list[Action]:
@@ -112,7 +113,7 @@ def make_plan(backend: GpuBackend, config: Config) -> Plan:
         problems.append(config.error(path, f"{who}: {message}", allowed))
     if problems:
         raise ConfigErrors(sorted(problems, key=lambda e: (e.file, e.line, e.key)))
-    return Plan(tuple(plans), tuple(notes))
+    return Plan(tuple(plans), tuple(notes), persistenced)
 
 
 def _check_override_keys(config: Config, gpus: list[Gpu], problems: list[ConfigError]) -> None:

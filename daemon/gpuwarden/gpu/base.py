@@ -63,6 +63,7 @@ class GpuSample:
     memory_utilization_pct: float | None = None
     memory_used_bytes: int | None = None
     memory_total_bytes: int | None = None
+    memory_reserved_bytes: int | None = None  # the driver's own reservation, not in memory_used_bytes
     persistence_mode: bool | None = None
     performance_state: int | None = None  # 0 (P0, fastest) .. 15
     clock_event_reasons: ClockEventReason | None = None

@@ -227,7 +227,7 @@ class NvmlGpu(Gpu):
         constraints = r("nvmlDeviceGetPowerManagementLimitConstraints")
         default_mw = r("nvmlDeviceGetPowerManagementDefaultLimit")
         util = r("nvmlDeviceGetUtilizationRates")
-        memory = r("nvmlDeviceGetMemoryInfo")
+        used, total, reserved = self._memory()
         persistence = r("nvmlDeviceGetPersistenceMode")
         if now - self._counters_at >= self.backend.counters_interval_s:
             self._read_counters()
@@ -249,8 +249,9 @@ class NvmlGpu(Gpu):
             temperature_c=r("nvmlDeviceGetTemperature", TEMPERATURE_GPU),
             utilization_pct=util.gpu if util is not None else None,
             memory_utilization_pct=util.memory if util is not None else None,
-            memory_used_bytes=memory.used if memory is not None else None,
-            memory_total_bytes=memory.total if memory is not None else None,
+            memory_used_bytes=used,
+            memory_total_bytes=total,
+            memory_reserved_bytes=reserved,
             persistence_mode=bool(persistence) if persistence is not None else None,
             performance_state=r("nvmlDeviceGetPerformanceState"),
             clock_event_reasons=self._reasons(),
@@ -258,6 +259,16 @@ class NvmlGpu(Gpu):
             energy_joules=self._energy,
             memory_bus_width_bits=self.memory_bus_width_bits,
         )
+
+    def _memory(self) -> tuple[int | None, int | None, int | None]:
+        """(used, total, reserved) bytes. NVML's v2 call tells the driver's reservation apart (an idle H200:
+        0 used, 616 MiB reserved); the v1 call counts it as used, so older drivers report reserved None."""
+        version = getattr(self.nvml, "nvmlMemory_v2", None)
+        memory = self._read("nvmlDeviceGetMemoryInfo", version) if version is not None else None
+        if memory is not None:
+            return memory.used, memory.total, memory.reserved
+        memory = self._read("nvmlDeviceGetMemoryInfo")
+        return (memory.used, memory.total, None) if memory is not None else (None, None, None)
 
     def _reasons(self) -> ClockEventReason | None:
         # Drivers before 535 only have the older "throttle reasons" name for this call.

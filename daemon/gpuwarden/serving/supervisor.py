@@ -176,7 +176,7 @@ class Supervisor:
             if others:
                 return f"GPU{gpu.index} runs other compute processes {others}"
             if s.memory_total_bytes and s.memory_used_bytes is not None:
-                free = s.memory_total_bytes - s.memory_used_bytes
+                free = s.memory_total_bytes - s.memory_used_bytes - (s.memory_reserved_bytes or 0)
                 if free < want * s.memory_total_bytes:
                     return (f"GPU{gpu.index} has {free / 2**30:.1f} GiB free, less than "
                             f"--gpu-memory-utilization {want:g} of {s.memory_total_bytes / 2**30:.1f} GiB")

@@ -183,6 +183,9 @@ def _gpu_models(r: Reader, path: tuple[str, ...]) -> list[GpuModel]:
     )
     if not model.min_power_limit_w <= model.default_power_limit_w <= model.max_power_limit_w:
         r.fail(p, "limits must satisfy min_limit_w <= default_limit_w <= max_limit_w")
+    if model.full_load_power_w <= model.idle_power_w:  # the clock model divides by their difference
+        r.fail(p + ("full_load_w",), f"full_load_w {model.full_load_power_w:g} W must be above idle_w "
+               f"{model.idle_power_w:g} W")
     return [model] * count
 
 
