@@ -144,10 +144,14 @@ def daemons():
         return d
 
     yield _start
-    for d in started:
+    for d in started:  # a test that failed half-way: SIGTERM first, so the daemon stops its child too
         if d.proc.poll() is None:
-            d.proc.kill()
-            d.proc.wait(10)
+            d.proc.terminate()
+            try:
+                d.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                d.proc.kill()
+                d.proc.wait(10)
 
 
 # -- the real CPU build of vLLM (tests/vllm/install) ---------------------------------------------

@@ -277,6 +277,10 @@ def test_a_missing_binary_backs_off_to_fatal_and_the_gpus_are_still_polled(write
     os.kill(child, signal.SIGKILL)
     d.wait_for("vLLM FATAL", timeout=20)
     assert d.log.count("ERROR vLLM could not be started: No such file or directory") == 2  # then FATAL
+    # The serving alert lives beside the GPU alerts: in /status, and counted.
+    firing = wait_until(lambda: [a for a in status(base)["alerts_firing"] if a["alert"] == "vllm_fatal"], timeout=5)
+    assert firing[0]["gpu"] is None and firing[0]["severity"] == "critical"
+    assert 'gpuwarden_alert_transitions_total{alert="vllm_fatal",gpu="all",to="firing"} 1.0' in metrics(base)
     began = time.monotonic()
     last = assert_on_schedule(base, 2)
     assert last["serving"]["state"] == "FATAL"
@@ -338,10 +342,10 @@ def test_a_squatter_of_another_user_gets_no_ready_no_metrics_and_one_error_line(
         path, base, _ = fault_config(write, fake, "healthy", port=port)
         notify = Notify(tmp_path)
         d = daemons(path, env=notify.env())
-        line = d.wait_for("vLLM start waits", timeout=20)
+        line = d.wait_for("vllm_start_blocked firing", timeout=20)
         assert f"port {port} on 127.0.0.1 is in use by pid {squatter.pid} (user nobody, python" in line
         assert_on_schedule(base, 3)
-        assert d.log.count("vLLM start waits") == 1
+        assert d.log.count("vllm_start_blocked firing") == 1 and d.log.count("INFO vLLM start waits") == 1
         assert not [m for _, m in notify.drain() if m.startswith("READY=1")]
         text = metrics(base)
         assert "gpuwarden_vllm_generation_tokens_per_second" not in text

@@ -525,6 +525,7 @@ def test_transitions_go_through_the_table_and_are_counted():
 
 
 def test_a_squatter_on_the_port_is_never_taken_for_vllm(caplog):
+    caplog.set_level("INFO")
     sup, ops, clock = supervisor()
     ops.port_is_free = False
     sup.start(clock.now)

@@ -172,7 +172,26 @@ RULES: tuple[Rule, ...] = (
          "(nvidia-persistenced also keeps it on)", persistence_off),
     Rule("gpu_lost", CRITICAL, "check `dmesg` for Xid errors; the GPU may need a reset or a reboot", gpu_lost),
 )
-RULES_BY_NAME = {rule.name: rule for rule in RULES}
+
+
+# Host-wide serving alerts: evaluated on the supervisor's view, debounced, logged and counted like the rest.
+def vllm_fatal(view, _ctx=None) -> Check:
+    return Check(view is not None and view.state == "FATAL", f"vLLM FATAL: {view.problem}" if view else "",
+                 "vLLM must be running", "FATAL")
+
+
+def vllm_start_blocked(view, _ctx=None) -> Check:
+    return Check(view is not None and view.blocked, f"vLLM start waits: {view.problem}" if view else "",
+                 "the GPUs and the port must be free", "waiting")
+
+
+SERVING_RULES: tuple[Rule, ...] = (
+    Rule("vllm_fatal", CRITICAL, "fix the cause in vLLM's error lines above, then `systemctl reload gpuwarden` "
+         "to try again", vllm_fatal),
+    Rule("vllm_start_blocked", WARNING, "stop the process named here or free the memory or port; vLLM starts "
+         "as soon as they are free", vllm_start_blocked),
+)
+RULES_BY_NAME = {rule.name: rule for rule in RULES + SERVING_RULES}
 # Rules that the daemon answers by re-applying the tuning.
 REAPPLY_ON = ("clock_lock_lost", "persistence_off")
 
@@ -184,7 +203,7 @@ class AlertState:
     """One rule on one GPU."""
 
     rule: Rule
-    gpu: int
+    gpu: int | None  # None: a host-wide alert (serving)
     uuid: str
     phase: str = INACTIVE_PHASE
     since: float = 0.0  # when the condition last changed (for pending / clearing)

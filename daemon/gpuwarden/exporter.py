@@ -127,22 +127,23 @@ def _gpu_metrics(snap: Snapshot) -> Iterator[Metric]:
     yield seconds
 
 
+def _gpu_label(gpu: int | None) -> str:
+    return "all" if gpu is None else str(gpu)
+
+
 def _hz(mhz: float | None) -> float | None:
     return None if mhz is None else mhz * MHZ
 
 
 def _alert_metrics(snap: Snapshot) -> Iterator[Metric]:
     active = _gauge("gpuwarden_alert_active", "1 while an alert fires", ("alert", "gpu", "severity"))
-    for a in snap.alerts:
-        active.add_metric([a.alert, str(a.gpu), a.severity], int(a.firing))
-    if snap.serving is not None:  # host-wide: vLLM serves across the GPUs
-        active.add_metric(["vllm_fatal", "all", "critical"], int(snap.serving.state == "FATAL"))
-        active.add_metric(["vllm_start_blocked", "all", "warning"], int(snap.serving.blocked))
+    for a in snap.alerts:  # host-wide ones (vLLM serves across the GPUs) carry gpu="all"
+        active.add_metric([a.alert, _gpu_label(a.gpu), a.severity], int(a.firing))
     yield active
     transitions = CounterMetricFamily("gpuwarden_alert_transitions", "Alert state changes, by new state",
                                       labels=["alert", "gpu", "to"])
-    for (alert, gpu, to), count in sorted(snap.transitions.items()):
-        transitions.add_metric([alert, str(gpu), to], count)
+    for (alert, gpu, to), count in sorted(snap.transitions.items(), key=lambda item: str(item[0])):
+        transitions.add_metric([alert, _gpu_label(gpu), to], count)
     yield transitions
     reapplies = CounterMetricFamily("gpuwarden_tuning_reapplies", "Times the tuning was re-applied after drift",
                                     labels=["gpu"])

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .alerts import CRITICAL, FIRING, REAPPLY_ON, RULES, AlertState, GpuContext
+from .alerts import CRITICAL, FIRING, REAPPLY_ON, RULES, SERVING_RULES, AlertState, GpuContext
 from .config import Config
 from .gpu.base import GpuBackend, GpuSample
 from .systemd import NOTICE
@@ -40,7 +40,7 @@ class GpuView:
 @dataclass(frozen=True)
 class AlertView:
     alert: str
-    gpu: int
+    gpu: int | None  # None: host-wide
     uuid: str
     severity: str
     phase: str
@@ -86,8 +86,9 @@ class Snapshot:
             parts.append(f"locked {locks[0]} MHz" if len(locks) == 1 else f"locked {locks[0]}-{locks[-1]} MHz")
         else:
             parts.append("clocks not locked")
-        firing = sorted(self.firing(), key=lambda a: (a.severity != CRITICAL, a.gpu, a.alert))
-        shown = [f"GPU{a.gpu} {a.alert}" + (f" ({a.short})" if a.short else "") for a in firing[:3]]
+        firing = sorted(self.firing(), key=lambda a: (a.severity != CRITICAL, a.gpu is not None, a.gpu or 0, a.alert))
+        shown = [(f"GPU{a.gpu} " if a.gpu is not None else "") + a.alert + (f" ({a.short})" if a.short else "")
+                 for a in firing[:3]]
         if len(firing) > 3:
             shown.append(f"+{len(firing) - 3} more")
         parts.append(", ".join(shown) if shown else "ok")
@@ -152,6 +153,7 @@ class Monitor:
         self.wall = wall
         self.states = {(rule.name, gpu.index): AlertState(rule, gpu.index, gpu.uuid)
                        for gpu in backend.gpus() for rule in RULES}
+        self.serving_states = {rule.name: AlertState(rule, None, "") for rule in SERVING_RULES}
         self.transitions: Counter = Counter()
         self.reapplies: Counter = Counter()
         self._last_reapply: dict[int, float] = {}
@@ -209,10 +211,15 @@ class Monitor:
                 if event:
                     self._log_event(event, state, sample, now)
             self._maybe_reapply(sample, now)
+        for state in self.serving_states.values():
+            event = state.step(state.rule.check(serving), now, self.config.alerts, restart_timers=stalled)
+            if event:
+                self._log_event(event, state, None, now)
+        host_alerts = [_view(state) for state in self.serving_states.values()] if serving is not None else []
         self.snapshot = Snapshot(
             taken_at=self.wall(), monotonic=now,
             gpus=tuple(GpuView(s, *self.locks.get(s.index, (None, None))) for s in samples),
-            alerts=tuple(_view(state) for state in self.states.values()),
+            alerts=tuple([_view(state) for state in self.states.values()] + host_alerts),
             transitions=dict(self.transitions), reapplies=dict(self.reapplies),
             sample_duration_s=duration, loop_lag_s=loop_lag_s, read_only=not self.config.tuning.apply,
             serving=serving, vllm=vllm, sequence=(self.snapshot.sequence + 1) if self.snapshot else 1,
@@ -220,18 +227,21 @@ class Monitor:
             loop_lag=LagWindow.of(list(self._lags)))
         return self.snapshot
 
-    def _log_event(self, event: str, state: AlertState, sample: GpuSample, now: float) -> None:
+    def _log_event(self, event: str, state: AlertState, sample: GpuSample | None, now: float) -> None:
         rule, check = state.rule, state.check
-        who = f"GPU{state.gpu} {state.uuid} {rule.name}"
+        who = f"GPU{state.gpu} {state.uuid} {rule.name}" if state.gpu is not None else rule.name
         if event == "resolved":
             self.transitions[(rule.name, state.gpu, "resolved")] += 1
             log.log(NOTICE, "%s resolved after %.0f s (was: %s)", who, now - state.fired_at, check.observed)
             return
         if event == "firing":
             self.transitions[(rule.name, state.gpu, "firing")] += 1
-        reasons = ",".join(sample.clock_event_reasons.names()) if sample.clock_event_reasons else "none"
         level = logging.CRITICAL if rule.severity == CRITICAL else logging.WARNING
         what = "firing" if event == "firing" else f"still firing after {now - state.fired_at:.0f} s"
+        if sample is None:  # host-wide: no clock-event reasons to show
+            log.log(level, "%s %s: %s; fix: %s", who, what, check.observed, rule.hint)
+            return
+        reasons = ",".join(sample.clock_event_reasons.names()) if sample.clock_event_reasons else "none"
         log.log(level, "%s %s: %s %s; reasons: %s; fix: %s", who, what, check.observed, check.threshold,
                 reasons, rule.hint)
 

@@ -78,6 +78,7 @@ def render_status(state: dict) -> str:
     lines.append("")
     lines.append("Alerts firing:" if firing else "No alerts firing.")
     for alert in firing:
-        lines.append(f"  [{alert['severity']}] GPU{alert['gpu']} {alert['alert']}: {alert['observed']} "
+        where = f"GPU{alert['gpu']} " if alert["gpu"] is not None else ""
+        lines.append(f"  [{alert['severity']}] {where}{alert['alert']}: {alert['observed']} "
                      f"{alert['threshold']}")
     return "\n".join(lines)

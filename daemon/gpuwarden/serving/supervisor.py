@@ -130,8 +130,8 @@ class Supervisor:
             return
         blocked = self._preflight()
         if blocked:
-            if blocked != self.problem:  # said once per reason, not every retry
-                log.warning("vLLM start waits: %s", blocked)
+            if blocked != self.problem:  # the alert vllm_start_blocked warns, with reminders; this is the detail
+                log.info("vLLM start waits: %s", blocked)
             self.blocked, self.problem, self._retry_at = True, blocked, now + PREFLIGHT_RETRY_S
             self._transition(BACKOFF)
             return
