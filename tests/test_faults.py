@@ -454,3 +454,39 @@ def test_after_sigstop_the_stalled_time_does_not_count_toward_for_s(write, daemo
     fired = time.monotonic()
     assert fired - resumed >= 2 - 0.2, f"fired {fired - resumed:.2f} s after SIGCONT: the stall counted toward for_s"
     assert d.stop() == 0
+
+
+def test_a_child_killed_while_alive_is_reaped_and_the_next_start_happens(write, fake, daemons, no_fakes_left):
+    # A start-up timeout kills a live group: its leader is our child, and must be reaped (through its
+    # Popen) before the next start, or that start would wait for it forever.
+    path, base, _ = fault_config(write, fake, "noaccept", serve_extra="  startup_timeout_s: 2\n")
+    d = daemons(path)
+    d.wait_for("not healthy within startup_timeout_s", timeout=15)
+    d.wait_for("vLLM starting (pid", after=d.lines.index(next(x for x in d.lines if "startup_timeout_s" in x)),
+               timeout=10)
+    assert "still exiting" not in d.log
+    assert d.stop() == 0
+
+
+def test_without_cap_sys_ptrace_the_child_is_still_recognised_by_its_socket_owner(write, fake, daemons,
+                                                                                   no_fakes_left):
+    # Under the unit, root has no CAP_SYS_PTRACE and cannot read the child's /proc/PID/fd.
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv")
+    path, base, _ = fault_config(write, fake, "healthy")
+    d = daemons(path, env=subprocess_env())
+    d.proc.terminate()
+    d.proc.wait(10)
+    proc = subprocess.Popen(["setpriv", "--bounding-set=-sys_ptrace", "--", *gpuwarden_cmd(), "run", "-c",
+                             str(path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=subprocess_env())
+    try:
+        lines = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not any("vLLM healthy after" in x for x in lines):
+            lines.append(proc.stdout.readline())
+        assert any("vLLM healthy after" in x for x in lines), "".join(lines)
+        assert not any("not trusted" in x for x in lines)
+    finally:
+        proc.terminate()
+        proc.wait(15)

@@ -48,13 +48,30 @@ def test_read_only_headless_card_fires_clock_low_for_each_busy_gpu():
                       (1.0, 1, "memory_clock_low", "firing"), (1.0, 1, "sm_clock_low", "firing")]
 
 
-def test_locked_card_raises_no_clock_alert_only_the_power_cap():
+def test_locked_card_raises_no_clock_alert_only_the_design_power_notice():
     monitor, clock = monitor_for("rtx-pro-4000-headless")
     events = play(monitor, clock, 45)
-    # Load steps up at t=20 on GPU 0 and back at t=40; for_s 1, clear_for_s 2.
-    assert events == [(21.0, 0, "power_capped", "firing"), (42.0, 0, "power_capped", "resolved")]
-    capped = [a for a in monitor.snapshot.alerts if a.alert == "power_capped" and a.gpu == 0][0]
-    assert capped.short == "-37%"  # 1935 of locked 3090 MHz
+    # Load steps up at t=20 on GPU 0 and back at t=40; for_s 1, clear_for_s 2. 145 W is this card's maximum
+    # limit (160 W is rejected), so the cap is its design power: a notice, not a power_capped warning.
+    assert events == [(21.0, 0, "at_design_power", "firing"), (42.0, 0, "at_design_power", "resolved")]
+    capped = [a for a in monitor.snapshot.alerts if a.alert == "at_design_power" and a.gpu == 0][0]
+    assert capped.short == "-37%" and capped.severity == "info"  # 1935 of locked 3090 MHz
+
+
+def test_a_limit_below_the_maximum_warns_with_the_watts_that_could_be_added(caplog):
+    monitor, clock = monitor_for("rtx-pro-4000-headless", FAST + "tuning:\n  power_limit_w: 120\n")
+    with caplog.at_level(logging.INFO, logger="gpuwarden"):
+        events = play(monitor, clock, 25)
+    assert (1.0, 0, "power_capped", "firing") in events  # at 120 W, 60 % load already caps
+    assert not [e for e in events if e[2] == "at_design_power"]
+    line = [r.getMessage() for r in caplog.records if "GPU0" in r.getMessage() and "power_capped firing" in
+            r.getMessage()][0]
+    assert line.endswith("fix: raise tuning.power_limit_w by up to 25 W, to 145 W (the card's maximum), "
+                         "or accept the clock loss")
+    monitor, clock = monitor_for("rtx-pro-4000-headless", FAST.replace("alerts:\n", "alerts:\n  warn_at_design_power: "
+                                                                      "true\n"))
+    events = play(monitor, clock, 25)
+    assert (21.0, 0, "power_capped", "firing") in events and not [e for e in events if e[2] == "at_design_power"]
 
 
 def test_lock_lost_is_detected_reapplied_and_resolved():
@@ -156,14 +173,16 @@ def test_journal_lines_carry_gpu_uuid_value_threshold_reasons_and_fix(caplog):
     with caplog.at_level(logging.INFO, logger="gpuwarden"):
         play(monitor, clock, 45)
     uuid = monitor.backend.gpus()[0].uuid
-    firing = [r for r in caplog.records if "power_capped firing" in r.getMessage()]
-    resolved = [r for r in caplog.records if "power_capped resolved" in r.getMessage()]
+    firing = [r for r in caplog.records if "at_design_power firing" in r.getMessage()]
+    resolved = [r for r in caplog.records if "at_design_power resolved" in r.getMessage()]
     assert len(firing) == 1 and len(resolved) == 1, "exactly one line per transition"
-    assert firing[0].levelno == logging.WARNING and resolved[0].levelno == 25  # NOTICE
+    assert firing[0].levelno == 25 and resolved[0].levelno == 25  # NOTICE: not a warning
     assert firing[0].getMessage() == (
-        f"GPU0 {uuid} power_capped firing: SM clock 1935 MHz, -37% of locked 3090 MHz; drawing 145 W "
-        "at power limit 145 W (SwPowerCap); reasons: SwPowerCap; fix: the card is at its power limit; "
-        "raise tuning.power_limit_w within the constraints, or accept the clock loss")
+        f"GPU0 {uuid} at_design_power firing: SM clock 1935 MHz, -37% of locked 3090 MHz; drawing 145 W "
+        "at its maximum power limit 145 W (SwPowerCap); reasons: SwPowerCap; fix: nothing to change: this is "
+        "the card's design power, and no higher limit is allowed")
+    assert resolved[0].getMessage().startswith(f"GPU0 {uuid} at_design_power resolved after 21 s (worst: SM clock "
+                                               "1935 MHz, -37% of locked 3090 MHz")
 
 
 def test_critical_rules_log_at_crit(caplog):
@@ -182,4 +201,19 @@ def test_status_line(scenario):
     n = len(monitor.backend.gpus())
     assert line.startswith(f"{n} GPU" + ("s" if n > 1 else "") + " · locked ")
     if scenario == "rtx-pro-4000-headless":
-        assert line == "2 GPUs · locked 3090 MHz · GPU0 power_capped (-37%)"
+        assert line == "2 GPUs · locked 3090 MHz · GPU0 at_design_power (-37%)"
+
+
+def test_the_resolved_line_quotes_the_worst_reading_and_the_fix_follows_the_reasons():
+    from gpuwarden.alerts import AlertSettings, AlertState, Check, RULES_BY_NAME
+
+    settings = AlertSettings(for_s=0, clear_for_s=0)
+    state = AlertState(RULES_BY_NAME["sm_clock_low"], 0, "GPU-0")
+    for t, mhz in enumerate((900, 400, 1000)):
+        state.step(Check(True, f"SM clock {mhz} MHz", value=float(mhz)), float(t), settings)
+    state.step(Check(False), 3.0, settings)
+    assert state.worst.observed == "SM clock 400 MHz"  # not the last one, 1000 MHz
+    monitor, clock = monitor_for("rtx-pro-4000-headless", FAST.replace("alerts:\n", "alerts:\n  sm_clock_min_mhz: 2000\n"))
+    play(monitor, clock, 25)
+    check = [s.check for (name, gpu), s in monitor.states.items() if name == "sm_clock_low" and gpu == 0][0]
+    assert check.fix.startswith("the clock is held down by SwPowerCap, which a lock cannot override")

@@ -295,8 +295,11 @@ class FakeOps:
     def port_free(self, host, port):
         return self.port_is_free
 
-    def listeners(self, port, among):
-        return [p for p in among if p not in self.squatters]
+    def owns_port(self, port, group, uid):
+        return bool([p for p in group if p not in self.squatters])
+
+    def alive(self, pids):
+        return [p for p in pids if any(p in group for group in self.groups.values())]
 
     def who_listens(self, port):
         return "pid 4444 (user mallory, nc)"

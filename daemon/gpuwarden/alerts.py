@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from .gpu.base import ClockEventReason as R
 from .gpu.base import GpuSample
 
-WARNING, CRITICAL = "warning", "critical"
+INFO, WARNING, CRITICAL = "info", "warning", "critical"
 THERMAL_OR_POWER = (R.SwPowerCap | R.SwThermalSlowdown | R.HwThermalSlowdown | R.HwSlowdown
                     | R.HwPowerBrakeSlowdown | R.SyncBoost)
 LOCK_TOLERANCE_MHZ = 30
@@ -47,6 +47,7 @@ class AlertSettings:
     sm_clock_min: Threshold = Threshold(fraction=0.5)
     memory_clock_min: Threshold = Threshold(fraction=0.5)
     reapply_min_interval_s: float = 30.0
+    warn_at_design_power: bool = False  # True: SwPowerCap at the card's maximum limit is power_capped too
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,8 @@ class Check:
     observed: str = ""  # e.g. "SM clock 180 MHz"
     threshold: str = ""  # e.g. "< 1545 MHz (50% of locked 3090 MHz)"
     short: str = ""  # for the STATUS line, e.g. "-16%"
+    fix: str = ""  # when set, the fix for what this reading shows (else the rule's)
+    value: float | None = None  # how bad (lower is worse): the resolved line quotes the worst reading
 
 
 @dataclass(frozen=True)
@@ -90,8 +93,12 @@ def _clock_low(kind: str, clock: int | None, maximum: int | None, lock: tuple[in
     if not ctx.busy or clock is None or limit is None:
         return INACTIVE
     basis = "" if threshold.mhz is not None else f" ({threshold} of {'locked' if lock else 'max'} {reference} MHz)"
+    held = _reasons(s) & THERMAL_OR_POWER
+    # Locking cannot raise a clock that power or heat holds down: then the fix is about those.
+    fix = (f"the clock is held down by {', '.join(held.names())}, which a lock cannot override: see the "
+           "power and thermal alerts for this GPU") if held else ""
     return Check(clock < limit, f"{kind} clock {clock} MHz while busy (util {_pct(s.utilization_pct)})",
-                 f"< {limit:.0f} MHz{basis}", f"{clock} MHz")
+                 f"< {limit:.0f} MHz{basis}", f"{clock} MHz", fix, float(clock))
 
 
 def _pct(value: float | None) -> str:
@@ -125,13 +132,47 @@ def _loss(s: GpuSample, ctx: GpuContext) -> tuple[str, str]:
     return f"SM clock {s.sm_clock_mhz} MHz, {loss:+.0f}% of {basis} {reference} MHz", f"{loss:+.0f}%"
 
 
-def power_capped(s: GpuSample, ctx: GpuContext) -> Check:
+def _headroom_w(s: GpuSample) -> float | None:
+    """Watts the limit could still be raised by (None: not reported)."""
+    if s.power_limit_w is None or s.power_limit_max_w is None:
+        return None
+    return max(0.0, s.power_limit_max_w - s.power_limit_w)
+
+
+def _power_check(s: GpuSample, ctx: GpuContext, at_max: bool) -> Check:
+    """SwPowerCap while busy, at the maximum limit (at_max) or below it."""
     if not ctx.busy or R.SwPowerCap not in _reasons(s):
+        return INACTIVE
+    headroom = _headroom_w(s)
+    is_max = headroom is not None and headroom < 0.5
+    warn_anyway = ctx.settings.warn_at_design_power
+    if not ((is_max and not warn_anyway) if at_max else (not is_max or warn_anyway)):
         return INACTIVE
     observed, short = _loss(s, ctx)
     draw = f"{s.power_w:.0f} W" if s.power_w is not None else "? W"
     limit = f"{s.power_limit_w:.0f} W" if s.power_limit_w is not None else "the limit"
-    return Check(True, f"{observed}; drawing {draw}", f"at power limit {limit} (SwPowerCap)", short)
+    loss = _loss_value(s, ctx)
+    if is_max:
+        return Check(True, f"{observed}; drawing {draw}", f"at its maximum power limit {limit} (SwPowerCap)", short,
+                     "nothing to change: this is the card's design power, and no higher limit is allowed", loss)
+    fix = (f"raise tuning.power_limit_w by up to {headroom:g} W, to {s.power_limit_max_w:g} W (the card's maximum), "
+           "or accept the clock loss") if headroom is not None else ""
+    return Check(True, f"{observed}; drawing {draw}", f"at power limit {limit} (SwPowerCap)", short, fix, loss)
+
+
+def power_capped(s: GpuSample, ctx: GpuContext) -> Check:
+    return _power_check(s, ctx, at_max=False)
+
+
+def at_design_power(s: GpuSample, ctx: GpuContext) -> Check:
+    return _power_check(s, ctx, at_max=True)
+
+
+def _loss_value(s: GpuSample, ctx: GpuContext) -> float | None:
+    reference = ctx.sm_lock[1] if ctx.sm_lock else s.max_sm_clock_mhz
+    if not reference or s.sm_clock_mhz is None:
+        return None
+    return (s.sm_clock_mhz - reference) / reference * 100
 
 
 def _reason_rule(reason: R) -> Callable[[GpuSample, GpuContext], Check]:
@@ -160,7 +201,8 @@ RULES: tuple[Rule, ...] = (
     Rule("clock_lock_lost", WARNING, "a driver reload or GPU reset dropped the lock; gpuwarden re-applies it",
          clock_lock_lost),
     Rule("power_capped", WARNING, "the card is at its power limit; raise tuning.power_limit_w within the "
-         "constraints, or accept the clock loss", power_capped),
+         "constraints (`gpuwarden plan` shows them), or accept the clock loss", power_capped),
+    Rule("at_design_power", INFO, "nothing to change: this is the card's design power", at_design_power),
     Rule("thermal_slowdown", WARNING, "improve cooling or airflow", _reason_rule(R.SwThermalSlowdown)),
     Rule("hw_thermal_slowdown", CRITICAL, "the GPU is overheating: check fans and airflow now",
          _reason_rule(R.HwThermalSlowdown)),
@@ -210,6 +252,7 @@ class AlertState:
     fired_at: float = 0.0
     last_logged: float = 0.0
     check: Check = INACTIVE
+    worst: Check = INACTIVE  # the worst reading of this episode, for the resolved line
 
     @property
     def firing(self) -> bool:
@@ -221,7 +264,10 @@ class AlertState:
         if restart_timers and self.phase in (PENDING, CLEARING):
             self.since = now
         if check.active:
-            self.check = check  # the last active observation, which the resolve line quotes
+            self.check = check  # the last active observation
+            if self.phase == INACTIVE_PHASE or (check.value is not None and (
+                    self.worst.value is None or check.value < self.worst.value)):
+                self.worst = check  # a new episode starts from this reading
         if self.phase == INACTIVE_PHASE:
             if not check.active:
                 return None

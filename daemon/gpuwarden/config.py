@@ -160,6 +160,7 @@ class Config:
                 "sm_clock_min_mhz": _threshold_value(a.sm_clock_min),
                 "memory_clock_min_mhz": _threshold_value(a.memory_clock_min),
                 "reapply_min_interval_s": a.reapply_min_interval_s,
+                "warn_at_design_power": a.warn_at_design_power,
             },
             "metrics": {"listen": "none" if listen is None else self.metrics.url.split("//", 1)[1],
                         "web_config": "none" if self.metrics.web is None else self.metrics.web.file},
@@ -332,7 +333,7 @@ def _string_list(r: Reader, path: Path_, default: tuple[str, ...]) -> list[str]:
 def _alerts_section(r: Reader) -> AlertSettings:
     base = ("alerts",)
     r.mapping(base, ("for_s", "clear_for_s", "repeat_s", "busy_utilization_pct", "sm_clock_min_mhz",
-                     "memory_clock_min_mhz", "reapply_min_interval_s"))
+                     "memory_clock_min_mhz", "reapply_min_interval_s", "warn_at_design_power"))
     d = AlertSettings()
     return AlertSettings(
         for_s=float(r.number(base + ("for_s",), d.for_s, 0, 86400, unit=" s")),
@@ -344,6 +345,7 @@ def _alerts_section(r: Reader) -> AlertSettings:
         memory_clock_min=_threshold(r, base + ("memory_clock_min_mhz",), d.memory_clock_min),
         reapply_min_interval_s=float(r.number(base + ("reapply_min_interval_s",), d.reapply_min_interval_s,
                                               1, 86400, unit=" s")),
+        warn_at_design_power=r.boolean(base + ("warn_at_design_power",), d.warn_at_design_power),
     )
 
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .alerts import CRITICAL, FIRING, REAPPLY_ON, RULES, SERVING_RULES, AlertState, GpuContext
+from .alerts import CRITICAL, FIRING, REAPPLY_ON, RULES, SERVING_RULES, WARNING, AlertState, GpuContext
 from .config import Config
 from .gpu.base import GpuBackend, GpuSample
 from .systemd import NOTICE
@@ -232,18 +232,20 @@ class Monitor:
         who = f"GPU{state.gpu} {state.uuid} {rule.name}" if state.gpu is not None else rule.name
         if event == "resolved":
             self.transitions[(rule.name, state.gpu, "resolved")] += 1
-            log.log(NOTICE, "%s resolved after %.0f s (was: %s)", who, now - state.fired_at, check.observed)
+            log.log(NOTICE, "%s resolved after %.0f s (worst: %s)", who, now - state.fired_at,
+                    state.worst.observed or check.observed)
             return
         if event == "firing":
             self.transitions[(rule.name, state.gpu, "firing")] += 1
-        level = logging.CRITICAL if rule.severity == CRITICAL else logging.WARNING
+        level = {CRITICAL: logging.CRITICAL, WARNING: logging.WARNING}.get(rule.severity, NOTICE)
         what = "firing" if event == "firing" else f"still firing after {now - state.fired_at:.0f} s"
+        fix = check.fix or rule.hint
         if sample is None:  # host-wide: no clock-event reasons to show
-            log.log(level, "%s %s: %s; fix: %s", who, what, check.observed, rule.hint)
+            log.log(level, "%s %s: %s; fix: %s", who, what, check.observed, fix)
             return
         reasons = ",".join(sample.clock_event_reasons.names()) if sample.clock_event_reasons else "none"
         log.log(level, "%s %s: %s %s; reasons: %s; fix: %s", who, what, check.observed, check.threshold,
-                reasons, rule.hint)
+                reasons, fix)
 
     def _maybe_reapply(self, sample: GpuSample, now: float) -> None:
         if not self.config.tuning.apply or not sample.up:

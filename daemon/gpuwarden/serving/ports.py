@@ -18,8 +18,9 @@ from pathlib import Path
 LISTEN = "0A"
 
 
-def listening_inodes(port: int, proc: str = "/proc") -> set[int]:
-    inodes = set()
+def listening_sockets(port: int, proc: str = "/proc") -> dict[int, int]:
+    """inode -> owner uid of the sockets listening on port."""
+    sockets = {}
     for table in ("tcp", "tcp6"):
         try:
             lines = Path(proc, "net", table).read_text().splitlines()[1:]
@@ -28,24 +29,39 @@ def listening_inodes(port: int, proc: str = "/proc") -> set[int]:
         for line in lines:
             fields = line.split()
             if len(fields) > 9 and fields[3] == LISTEN and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                inodes.add(int(fields[9]))
-    return inodes
+                sockets[int(fields[9])] = int(fields[7])
+    return sockets
+
+
+def listening_inodes(port: int, proc: str = "/proc") -> set[int]:
+    return set(listening_sockets(port, proc))
+
+
+class Unseen(Exception):
+    """/proc/PID/fd of these processes cannot be read (another uid, and no CAP_SYS_PTRACE, as under the unit)."""
 
 
 def holders(inodes: set[int], pids: Iterable[int] | None = None, proc: str = "/proc") -> list[int]:
-    """The processes (of pids, or all we may look at) with one of these sockets open."""
+    """The processes (of pids, or all we may look at) with one of these sockets open. Raises Unseen when
+    pids were given and none of their fd tables could be read."""
     if not inodes:
         return []
     wanted = {f"socket:[{inode}]" for inode in inodes}
-    candidates = pids if pids is not None else (int(p.name) for p in Path(proc).iterdir() if p.name.isdigit())
-    found = []
+    candidates = list(pids) if pids is not None else [int(p.name) for p in Path(proc).iterdir() if p.name.isdigit()]
+    found, denied = [], 0
     for pid in candidates:
-        with contextlib.suppress(OSError):  # gone, or not ours to look at
+        try:
             for fd in os.scandir(f"{proc}/{pid}/fd"):
-                with contextlib.suppress(OSError):
+                with contextlib.suppress(FileNotFoundError):  # closed while we looked
                     if os.readlink(fd.path) in wanted:
                         found.append(pid)
                         break
+        except PermissionError:  # the listing, or (without CAP_SYS_PTRACE) each link, is refused
+            denied += 1
+        except OSError:
+            continue  # gone
+    if pids is not None and candidates and denied == len(candidates):
+        raise Unseen(candidates)
     return found
 
 
@@ -70,14 +86,21 @@ def describe(pid: int, proc: str = "/proc") -> str:
         comm = Path(proc, str(pid), "comm").read_text().strip()
     except OSError:
         return f"pid {pid}"
-    try:
-        user = pwd.getpwuid(uid).pw_name
-    except KeyError:
-        user = f"uid {uid}"
-    return f"pid {pid} (user {user}, {comm})"
+    return f"pid {pid} ({_user(uid)}, {comm})"
 
 
 def who_listens(port: int, proc: str = "/proc") -> str:
     """A readable account of the listeners on port, for an error line."""
-    pids = holders(listening_inodes(port, proc), proc=proc)
-    return ", ".join(describe(pid, proc) for pid in pids) or "a process we cannot see"
+    sockets = listening_sockets(port, proc)
+    pids = holders(set(sockets), proc=proc)
+    if pids:
+        return ", ".join(describe(pid, proc) for pid in pids)
+    owners = sorted(set(sockets.values()))
+    return ", ".join(f"a process of {_user(uid)}" for uid in owners) or "a process we cannot see"
+
+
+def _user(uid: int) -> str:
+    try:
+        return f"user {pwd.getpwuid(uid).pw_name}"
+    except KeyError:
+        return f"uid {uid}"

@@ -43,7 +43,7 @@ class ProcessOps:
     """The real OS. Tests pass a fake with the same methods."""
 
     def __init__(self) -> None:
-        self._spawned: set[int] = set()  # our own children (not escaped processes)
+        self._spawned: dict[int, subprocess.Popen] = {}  # our own children (not escaped processes)
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
@@ -53,7 +53,7 @@ class ProcessOps:
         no_new_privs). Raises OSError, ValueError or SubprocessError when it cannot."""
         process = popen(identity, argv, env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                         stderr=subprocess.STDOUT, start_new_session=True)
-        self._spawned.add(process.pid)
+        self._spawned[process.pid] = process
         threading.Thread(target=forward_lines, args=(process.stdout, on_line), daemon=True,
                          name=f"child-output-{process.pid}").start()
         return Child(process.pid, process.pid, process)
@@ -63,7 +63,7 @@ class ProcessOps:
             return None
         code = child.process.poll()
         if code is not None:
-            self._spawned.discard(child.pid)
+            self._spawned.pop(child.pid, None)
         return code
 
     def killpg(self, pgid: int, sig: int) -> None:
@@ -84,12 +84,21 @@ class ProcessOps:
         return [pid for pid, (ppid, _) in _processes().items() if ppid == me and pid not in self._spawned]
 
     def reap(self, pids: Iterable[int]) -> None:
-        """Collect the exit status of processes re-parented to us, so they do not stay zombies."""
+        """Collect the exit status of killed processes, so they do not stay zombies: our own children through
+        their Popen (which must see the status), re-parented ones directly."""
         for pid in pids:
-            if pid in self._spawned:
-                continue  # Popen reaps its own
+            process = self._spawned.get(pid)
+            if process is not None:
+                if process.poll() is not None:
+                    self._spawned.pop(pid, None)
+                continue
             with contextlib.suppress(ChildProcessError, OSError):
                 os.waitpid(pid, os.WNOHANG)
+
+    def alive(self, pids: Iterable[int]) -> list[int]:
+        """Those of pids that still run (zombies do not count)."""
+        live = _processes()
+        return [pid for pid in pids if pid in live]
 
     def uid_of(self, pid: int) -> int | None:
         try:
@@ -111,9 +120,17 @@ class ProcessOps:
     def port_free(self, host: str, port: int) -> bool:
         return ports.port_free(host, port)
 
-    def listeners(self, port: int, among: Iterable[int]) -> list[int]:
-        """Which of these processes hold the socket listening on port."""
-        return ports.holders(ports.listening_inodes(port), among)
+    def owns_port(self, port: int, group: Iterable[int], uid: int) -> bool:
+        """True if the socket listening on port belongs to these processes. Under the unit, root lacks
+        CAP_SYS_PTRACE and cannot read another uid's /proc/PID/fd: then the socket's owner uid (in
+        /proc/net/tcp) must be the child's, and no other listener may exist on the port."""
+        sockets = ports.listening_sockets(port)
+        if not sockets:
+            return False
+        try:
+            return bool(ports.holders(set(sockets), group))
+        except ports.Unseen:
+            return set(sockets.values()) == {uid}
 
     def who_listens(self, port: int) -> str:
         return ports.who_listens(port)

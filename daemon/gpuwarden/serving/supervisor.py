@@ -153,7 +153,7 @@ class Supervisor:
         self._kill_escaped()
         if self._dying:
             self.ops.reap(self._dying)
-            survivors = [pid for pid in self._dying if self.ops.uid_of(pid) is not None]
+            survivors = self.ops.alive(self._dying)
             for pid in survivors:
                 self.ops.kill(pid, signal.SIGKILL)
             self._dying = set(survivors)
@@ -208,7 +208,7 @@ class Supervisor:
         if outcome.value.status != 200:
             return False, f"/health answered {outcome.value.status}"
         group = self.ops.group_pids(self.child.pgid)
-        if not self.ops.listeners(self.serve.port, group):
+        if not self.ops.owns_port(self.serve.port, group, self.identity.uid):
             return False, (f"port {self.serve.port} is answered by {self.ops.who_listens(self.serve.port)}, "
                            "not by vLLM's process group")
         return True, ""
