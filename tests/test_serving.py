@@ -420,7 +420,7 @@ def test_crash_loop_goes_fatal_with_the_last_error_lines_and_sighup_resets(caplo
         clock.advance(10)
     assert sup.state == FATAL
     fatal = [r for r in caplog.records if "vLLM FATAL" in r.getMessage()]
-    assert len(fatal) == 1 and fatal[0].levelname == "CRITICAL"
+    assert len(fatal) == 1 and fatal[0].levelname == "ERROR"  # the detail; the vllm_fatal alert is the crit line
     assert "4 failures within 100 s" in fatal[0].getMessage()
     assert "does not appear to have a file named config.json" in fatal[0].getMessage()
     assert "Traceback line without a level" in fatal[0].getMessage()  # continuation keeps the ERROR level
@@ -591,3 +591,21 @@ def test_profiles_show_redacts_secret_looking_values(write, cli, as_json):
     assert status == 0
     assert "sk-live-123" not in out and "sk-arg-456" not in out and "<redacted>" in out
     assert "VLLM_LOGGING_LEVEL" in out and "INFO" in out
+
+
+def test_a_user_without_a_writable_home_gets_one_under_the_state_directory(tmp_path):
+    from gpuwarden.serving.homes import child_home
+
+    me = pwd.getpwuid(os.geteuid())
+    state = {"STATE_DIRECTORY": str(tmp_path / "state")}
+    missing = Identity(me.pw_name, me.pw_uid, me.pw_gid, str(tmp_path / "no-such-home"), (), False)
+    env, why = child_home(missing, create=True, environ=state)
+    home = tmp_path / "state" / "home" / me.pw_name
+    assert why == f"{me.pw_name}: its home {tmp_path / 'no-such-home'} does not exist; vLLM's home and caches are {home}"
+    assert env == {"HOME": str(home), "XDG_CACHE_HOME": f"{home}/.cache", "VLLM_CACHE_ROOT": f"{home}/.cache/vllm",
+                   "HF_HOME": f"{home}/.cache/huggingface", "TRITON_CACHE_DIR": f"{home}/.cache/triton",
+                   "TORCHINDUCTOR_CACHE_DIR": f"{home}/.cache/torchinductor"}
+    assert (home / ".cache" / "huggingface").is_dir() and (home.stat().st_mode & 0o777) == 0o700
+    (tmp_path / "own").mkdir()
+    works = Identity(me.pw_name, me.pw_uid, me.pw_gid, str(tmp_path / "own"), (), False)
+    assert child_home(works, create=True, environ=state) == ({}, None)  # a home that works is left alone

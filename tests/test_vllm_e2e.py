@@ -7,9 +7,11 @@ it these tests skip, except under CI=true, where a missing vLLM is a failure.
 import json
 import os
 import pwd
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -129,6 +131,32 @@ def test_serves_survives_sigkill_without_orphans_and_stops_clean(write, daemons,
     assert group_alive(second_pid) == [], "SIGTERM of the daemon leaves no vLLM process"
     assert "Traceback (most recent call last)" not in "\n".join(row for row in d.lines if "vllm: " not in row)
     sock.close()
+
+
+def test_a_system_user_without_a_home_serves(write, daemons, vllm_python, tiny_model, tmp_path):
+    # `useradd -r -M`: no home. vLLM used to crash-loop on a PermissionError; it gets one under the state dir.
+    if os.geteuid() != 0:
+        pytest.skip("creating a system user needs root")
+    name = "gw-nohome-test"
+    subprocess.run(["userdel", "-f", name], capture_output=True)
+    subprocess.run(["useradd", "-r", "-M", "-s", "/usr/sbin/nologin", name], check=True)
+    state = Path(tempfile.mkdtemp(prefix="gpuwarden-state-"))
+    state.chmod(0o755)  # as /var/lib/gpuwarden: the user reaches its home below it
+    try:
+        assert not Path(pwd.getpwnam(name).pw_dir).exists()
+        port = free_port()
+        path = serving_config(write, vllm_python, tiny_model, name, port)
+        d = daemons(path, env=dict(subprocess_env(), STATE_DIRECTORY=str(state)))
+        d.wait_for(f"vLLM's user {name}: its home {pwd.getpwnam(name).pw_dir} does not exist")
+        d.wait_for("vLLM healthy after", timeout=400)
+        assert complete(port, tiny_model)["choices"][0]["text"]
+        home = state / "home" / name
+        assert home.stat().st_uid == pwd.getpwnam(name).pw_uid and (home / ".cache" / "vllm").is_dir()
+        assert "PermissionError" not in d.log
+        assert d.stop() == 0
+    finally:
+        subprocess.run(["userdel", "-f", name], capture_output=True)
+        shutil.rmtree(state, ignore_errors=True)
 
 
 def test_bad_model_path_crash_loops_to_fatal_with_vllms_error(write, daemons, vllm_python, child_user):

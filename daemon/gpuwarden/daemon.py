@@ -106,7 +106,9 @@ class Daemon:
     def _prepare_serving(self, config: Config, deep: bool) -> Supervisor:
         """Everything a start needs, checked, without starting: profile, GPUs, lint, spawnability (and with
         deep, vLLM's own parser). Raises ConfigErrors when something would block the start."""
-        prepared: PreparedServe = prepare_serve(config, self.backend, deep=deep)
+        prepared: PreparedServe = prepare_serve(config, self.backend, deep=deep, create_home=True)
+        if prepared.home_note:
+            log.info("vLLM's user %s", prepared.home_note)
         for finding in prepared.findings:
             log.warning("vLLM lint %s", finding)
         problems = prepared.blocking(config)

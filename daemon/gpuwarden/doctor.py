@@ -125,6 +125,8 @@ def _serving(config: Config, backend: GpuBackend, deep: bool) -> list[Finding]:
         first = exc.errors[0] if isinstance(exc, ConfigErrors) else exc
         return [Finding(ERROR, "vLLM profile", str(first))]
     findings = [Finding(OK, "vLLM profile", f"{prepared.command.profile.name} for {config.serve.model}")]
+    if prepared.home_note:
+        findings.append(Finding(INFO, "vLLM home", prepared.home_note))
     for lint in prepared.findings:
         findings.append(Finding(ERROR if lint.severity == "error" else WARNING, f"vLLM lint {lint.rule}",
                                 f"{lint.message} [source: {lint.source}]"))

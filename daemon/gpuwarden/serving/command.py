@@ -58,13 +58,16 @@ def child_env(base_env: Mapping[str, str], program: str) -> dict[str, str]:
 
 
 def build_command(serve: ServeConfig, profile: Profile, gpus: Sequence[GpuSample],
-                  base_env: Mapping[str, str] = os.environ, secrets: Mapping[str, str] | None = None) -> ServeCommand:
-    """argv and env for the child. env: the allow-list of base_env, then the profile's, serve.env, and the
-    secrets (from a root-only file or a credential), in that order; HOME, USER and LOGNAME come at spawn."""
+                  base_env: Mapping[str, str] = os.environ, secrets: Mapping[str, str] | None = None,
+                  home: Mapping[str, str] | None = None) -> ServeCommand:
+    """argv and env for the child. env: the allow-list of base_env, a home made for the child when its own
+    cannot be written (serving/homes.py), then the profile's, serve.env, and the secrets (from a root-only
+    file or a credential), in that order; HOME, USER and LOGNAME otherwise come at spawn."""
     # Later flags win in argparse, so the user's args override the profile's.
     argv = (*serve.command, "--model", serve.model, *profile.args, *serve.args,
             "--host", serve.host, "--port", str(serve.port))
     env = child_env(base_env, serve.command[0])
+    env.update(home or {})
     env.update(dict(profile.env))
     env.update(dict(serve.env))
     env.update(secrets or {})

@@ -12,6 +12,7 @@ from ..gpu.base import GpuBackend
 from ..yamlfile import ConfigError, ConfigErrors
 from .command import ServeCommand, build_command, chosen_gpus, profile_error
 from .flagcheck import FlagCheck, check_flags
+from .homes import HomeError, child_home
 from .identity import Identity, IdentityError, resolve
 from .lint import ERROR, Finding, lint
 from .profiles import load_profiles, select_profile
@@ -24,6 +25,7 @@ class PreparedServe:
     identity: Identity
     findings: tuple[Finding, ...]
     flags: FlagCheck | None  # None when the deep check was not run
+    home_note: str | None = None  # why vLLM gets a home under the state directory, when it does
 
     def blocking(self, config: Config) -> list[ConfigError]:
         """What stops the start: lint errors (unless allowed) and vLLM's parser rejecting the flags."""
@@ -76,11 +78,15 @@ def child_secrets(config: Config, environ: Mapping[str, str] = os.environ) -> di
     return out
 
 
-def prepare_serve(config: Config, backend: GpuBackend, deep: bool) -> PreparedServe:
+def prepare_serve(config: Config, backend: GpuBackend, deep: bool, create_home: bool = False) -> PreparedServe:
     """Raises ConfigError(s) for an unknown profile, GPU, profile file, serve.user or secrets file; never
-    starts anything."""
+    starts anything. create_home: make the home the child gets when its own cannot be written (the daemon)."""
     identity = child_identity(config)
     secrets = child_secrets(config)
+    try:
+        home, home_note = child_home(identity, create=create_home)
+    except HomeError as exc:
+        raise config.error(("serve", "user"), str(exc)) from None
     samples = [gpu.sample() for gpu in backend.gpus()]
     gpus = chosen_gpus(config, samples)
     profiles = load_profiles(config.serve.profiles_dir)
@@ -90,12 +96,12 @@ def prepare_serve(config: Config, backend: GpuBackend, deep: bool) -> PreparedSe
             raise profile_error(config, config.serve.profile, list(profiles))
         raise ConfigErrors([config.error(("serve", "profile"), "no profile matches these GPUs",
                                          "name one, or add one to profiles.d")])
-    command = build_command(config.serve, profile, gpus, secrets=secrets)
+    command = build_command(config.serve, profile, gpus, secrets=secrets, home=home)
     ccs = [g.compute_capability or "" for g in gpus]
     prepared = PreparedServe(command, identity, tuple(lint(command.argv, command.env, profile, ccs,
-                                                           config.serve.model)), None)
+                                                           config.serve.model)), None, home_note)
     if not deep or prepared.blocking(config):
         return prepared  # lint already blocks: no need to wait for vLLM's import
     flags = check_flags(config.serve, command.flags, identity, command.env)
     findings = lint(command.argv, command.env, profile, ccs, config.serve.model, flags.vllm_version)
-    return PreparedServe(command, identity, tuple(findings), flags)
+    return PreparedServe(command, identity, tuple(findings), flags, home_note)

@@ -272,8 +272,9 @@ class Supervisor:
     def _fatal(self, reason: str) -> None:
         self.problem = reason
         last = " | ".join(self.error_lines) or "none captured"
+        # The detail, at err: the alert vllm_fatal is the one crit line, with the fix.
         self._transition(FATAL, f"vLLM FATAL, not restarting until SIGHUP: {reason}; its last error lines: "
-                                f"{last}", logging.CRITICAL)
+                                f"{last}", logging.ERROR)
 
     def _kill_group(self) -> int:
         """SIGKILL the child's group without waiting; the next start checks that it is gone.
