@@ -495,7 +495,7 @@ def test_spawn_failures_back_off_then_go_fatal(caplog):
         clock.advance(10)
         sup.tick(clock.now)
     assert sup.state == FATAL and "3 failures within 100 s" in sup.problem
-    attempts = [r for r in caplog.records if r.levelname == "ERROR" and "could not be started" in r.getMessage()]
+    attempts = [r for r in caplog.records if r.levelname == "ERROR" and r.getMessage().startswith("vLLM could not")]
     assert len(attempts) == 3, "one line per attempt, and no more after FATAL"
 
 
