@@ -160,3 +160,20 @@ def test_down_gpu_gets_no_actions_and_a_note():
     plan = make_plan(backend, cfg)
     assert [len(g.actions) for g in plan.gpus] == [2, 0]
     assert any("GPU 1" in n and "down" in n for n in plan.notes)
+
+
+def test_originals_survive_a_restart_of_the_daemon_in_the_same_boot(tmp_path):
+    from gpuwarden.originals import OriginalsStore
+
+    cfg, backend = setup("rtx-pro-4000-headless", "tuning:\n  power_limit_w: 120\n")
+    store = OriginalsStore(tmp_path / "originals.json", boot="boot-1")
+    Tuner(backend, store).apply(make_plan(backend, cfg))  # then the daemon crashes; the cards keep the tuning
+    assert backend.gpus()[0].power_limit_w == 120
+    restarted = Tuner(backend, OriginalsStore(tmp_path / "originals.json", boot="boot-1"))
+    restarted.apply(make_plan(backend, cfg))  # a restart re-applies: the tuned values must not become "original"
+    assert all(o.ok for o in restarted.restore())
+    gpu = backend.gpus()[0]
+    assert gpu.power_limit_w == 145 and gpu.gpu_lock is None and gpu.persistence is False  # what the card had
+    # Another boot: the file is stale (a reboot reset the cards), so nothing is restored from it.
+    Tuner(backend, store).apply(make_plan(backend, cfg))
+    assert Tuner(backend, OriginalsStore(tmp_path / "originals.json", boot="boot-2")).restore() == []

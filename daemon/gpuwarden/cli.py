@@ -15,6 +15,7 @@ from .config import EX_CONFIG, Config
 from .gpu import errors, open_backend
 from .gpu.sim.scenario import builtin_scenarios, resolve_scenario, unknown_scenario
 from .serving.secrets import redact_argv, redact_env
+from .originals import originals_store
 from .tuning import Outcome, Plan, Tuner, make_plan
 from .systemd import print_error
 from .yamlfile import ConfigError, ConfigErrors
@@ -292,7 +293,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
     backend = open_backend(config)
     try:
         plan = make_plan(backend, config)
-        tuner = Tuner(backend)
+        tuner = Tuner(backend, originals_store(config))
         applied = tuner.apply(plan)
         verified = tuner.verify(plan) if all(o.ok for o in applied) else []
     finally:

@@ -28,6 +28,7 @@ from .config import Config
 from .exporter import Exposition, MetricsServer
 from .gpu.base import GpuBackend
 from .monitor import Monitor, describe_sample
+from .originals import originals_store
 from .serving.prepare import PreparedServe, prepare_serve
 from .serving.processes import ProcessOps
 from .serving.supervisor import FATAL, RUNNING, Supervisor
@@ -59,7 +60,7 @@ class Daemon:
         self.notifier = notifier or Notifier()
         self.ops = ops or ProcessOps()  # one for every child: it knows which processes we started
         self.clock = clock
-        self.tuner = Tuner(backend)
+        self.tuner = Tuner(backend, originals_store(config))
         self.monitor = Monitor(config, backend, self.tuner)
         self.exposition = Exposition(lambda: self.monitor.snapshot, clock)
         self.plan: Plan | None = None

@@ -16,6 +16,7 @@ from .config import Config, GpuTuning
 from .gpu import errors
 from .gpu.base import ClockEventReason as R
 from .gpu.base import Gpu, GpuBackend, GpuCapabilities, GpuSample
+from .originals import OriginalsStore
 from .yamlfile import ConfigError, ConfigErrors
 
 # Reasons that legitimately hold a clock below its lock.
@@ -207,15 +208,33 @@ class OriginalState:
 
 
 class Tuner:
-    def __init__(self, backend: GpuBackend):
+    def __init__(self, backend: GpuBackend, store: OriginalsStore | None = None):
+        """store: where this boot's originals survive a restart of the daemon (None: memory only)."""
         self.backend = backend
+        self.store = store
         self.original: dict[int, OriginalState] = {}
+        saved = store.load() if store is not None else {}
+        for gpu in backend.gpus():
+            if gpu.uuid in saved:
+                s = saved[gpu.uuid]
+                self.original[gpu.index] = OriginalState(s.get("persistence_mode"), s.get("power_limit_w"),
+                                                         set(s.get("locked", [])), set(s.get("recorded", [])))
+
+    def _save(self) -> None:
+        if self.store is None:
+            return
+        by_uuid = {g.index: g.uuid for g in self.backend.gpus()}
+        self.store.save({by_uuid[i]: {"persistence_mode": s.persistence_mode, "power_limit_w": s.power_limit_w,
+                                      "locked": sorted(s.locked), "recorded": sorted(s.recorded)}
+                         for i, s in self.original.items() if i in by_uuid})
 
     def _gpu(self, index: int) -> Gpu:
         return next(g for g in self.backend.gpus() if g.index == index)
 
     def apply(self, plan: Plan) -> list[Outcome]:
         outcomes = []
+        before = {i: (s.persistence_mode, s.power_limit_w, set(s.locked), set(s.recorded))
+                  for i, s in self.original.items()}
         for action in plan.actions:
             self._record_original(action)  # unchanged ones too: a later re-apply must not mistake drift for it
             if not action.change:
@@ -228,6 +247,9 @@ class Tuner:
             if action.setting in ("gpu_clocks", "memory_clocks"):
                 self.original[action.gpu].locked.add(action.setting)
             outcomes.append(Outcome(action, True))
+        after = {i: (s.persistence_mode, s.power_limit_w, s.locked, s.recorded) for i, s in self.original.items()}
+        if after != before:
+            self._save()  # before anything else can happen to this daemon
         return outcomes
 
     def _record_original(self, action: Action) -> None:
@@ -270,6 +292,8 @@ class Tuner:
                     state.power_limit_w = None
                 if setting == "persistence_mode":
                     state.persistence_mode = None
+        if outcomes:
+            self._save()
         return outcomes
 
 

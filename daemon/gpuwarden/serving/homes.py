@@ -14,9 +14,9 @@ import os
 import stat
 from pathlib import Path
 
+from ..statedir import state_dir
 from .identity import Identity
 
-DEFAULT_STATE_DIR = Path("/var/lib/gpuwarden")
 # The cache variables, relative to the home they get.
 CACHES = {
     "XDG_CACHE_HOME": ".cache",
@@ -29,11 +29,6 @@ CACHES = {
 
 class HomeError(Exception):
     """No writable home can be given; the message names the user and the path."""
-
-
-def state_dir(environ=os.environ) -> Path:
-    """systemd's StateDirectory= when the unit sets one, else /var/lib/gpuwarden."""
-    return Path(environ.get("STATE_DIRECTORY", "").split(":")[0] or DEFAULT_STATE_DIR)
 
 
 def home_problem(identity: Identity) -> str | None:
