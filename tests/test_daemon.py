@@ -362,3 +362,13 @@ def test_status_says_so_when_something_else_answers(write, cli):
     assert status == 3 and out == ""
     assert err.strip() == (f"gpuwarden: something other than gpuwarden answers on "
                            f"http://127.0.0.1:{server.server_address[1]} (HTTP 200)")
+
+
+def test_a_flapping_hardware_slowdown_alerts_through_the_daemon(write, daemons):
+    path, base = write_config(write, "counters_interval_s: 1\ntuning:\n  apply: false\n")
+    path.write_text(path.read_text().replace("alerts:\n  for_s: 1\n", "alerts:\n  for_s: 2\n"))
+    d = daemons(path, "--sim", "hw-slowdown-flapping")
+    line = d.wait_for("hw_slowdown firing", timeout=30)
+    assert "held the clocks down" in line and "% of the last" in line
+    assert value(scrape(base), "gpuwarden_alert_active", alert="hw_slowdown", gpu="0") == 1
+    assert d.stop() == 0

@@ -217,3 +217,21 @@ def test_the_resolved_line_quotes_the_worst_reading_and_the_fix_follows_the_reas
     play(monitor, clock, 25)
     check = [s.check for (name, gpu), s in monitor.states.items() if name == "sm_clock_low" and gpu == 0][0]
     assert check.fix.startswith("the clock is held down by SwPowerCap, which a lock cannot override")
+
+
+@pytest.mark.parametrize("on,off", [(1, 1), (2, 1), (0.5, 0.5)])
+def test_a_flapping_hardware_slowdown_fires_on_its_duty_cycle(write, on, off):
+    # No streak of HwSlowdown lasts for_s 2, yet the card is slowed a third to two thirds of the time.
+    text = resolve_scenario("hw-slowdown-flapping").read_text().split("  - {at_s: 5,")[0]
+    t, rows = 5.0, []
+    while t < 65:
+        rows.append(f"  - {{at_s: {t:g}, event: hw_slowdown, until_s: {t + on:g}}}\n")
+        t += on + off
+    path = write("flap.yaml", text + "".join(rows))
+    monitor, clock = monitor_for(path, "poll_interval_s: 1\ncounters_interval_s: 1\nalerts:\n  for_s: 2\n"
+                                       "tuning:\n  apply: false\n")
+    events = play(monitor, clock, 40, step=1.0)
+    fired = [t for t, _, alert, kind in events if alert == "hw_slowdown" and kind == "firing"]
+    assert fired and fired[0] <= 20, events
+    state = monitor.states[("hw_slowdown", 0)]
+    assert "held the clocks down" in state.check.observed and "(violation counter board_limit)" in state.check.observed

@@ -8,8 +8,8 @@ reminder are logged; pending and a clearing that came back are silent.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 from .gpu.base import ClockEventReason as R
 from .gpu.base import GpuSample
@@ -59,6 +59,30 @@ class GpuContext:
     memory_lock: tuple[int, int] | None
     persistence_wanted: bool
     settings: AlertSettings
+    # Fraction of the recent window each NVML violation counter ran (monitor.DutyCycles): how much of the
+    # time a reason held the clocks down, however it flapped between two polls.
+    duty: Mapping[str, float] = field(default_factory=dict)
+    duty_window_s: float = 0.0
+    seen: R = R.NONE  # every reason seen in a sample during that window
+
+
+HW_DUTY_MIN = 0.10  # a critical hardware reason that slows the card this much of the time fires
+# NVML's board-limit violation counter measures the hardware slowdown and the power brake (its thermal
+# counter also counts software thermal capping, so HW thermal slowdown keeps to its streak).
+DUTY_COUNTER = {R.HwSlowdown: "board_limit", R.HwPowerBrakeSlowdown: "board_limit"}
+
+
+def _duty_for(reason: R, ctx: GpuContext) -> float | None:
+    """The duty cycle of reason's counter, when the counter's growth can be put down to this reason: the
+    power brake when it was seen in the window; the slowdown when it was seen, or the brake was not."""
+    counter = DUTY_COUNTER.get(reason)
+    if counter is None or counter not in ctx.duty:
+        return None
+    if reason == R.HwPowerBrakeSlowdown and R.HwPowerBrakeSlowdown not in ctx.seen:
+        return None
+    if reason == R.HwSlowdown and R.HwSlowdown not in ctx.seen and R.HwPowerBrakeSlowdown in ctx.seen:
+        return None
+    return ctx.duty[counter]
 
 
 @dataclass(frozen=True)
@@ -177,11 +201,21 @@ def _loss_value(s: GpuSample, ctx: GpuContext) -> float | None:
 
 def _reason_rule(reason: R) -> Callable[[GpuSample, GpuContext], Check]:
     def check(s: GpuSample, ctx: GpuContext) -> Check:
-        if reason not in _reasons(s):
+        duty = _duty_for(reason, ctx)
+        # A hardware reason that toggles faster than for_s never holds for a whole streak; its violation
+        # counter still says how much of the time it slowed the card.
+        flapping = duty is not None and duty >= HW_DUTY_MIN
+        if reason not in _reasons(s) and not flapping:
             return INACTIVE
         observed, short = _loss(s, ctx)
         temp = f", {s.temperature_c:.0f} C" if s.temperature_c is not None else ""
-        return Check(True, observed + temp, f"{reason.name} active", short)
+        if flapping:
+            observed = (f"{reason.name} held the clocks down {duty * 100:.0f}% of the last "
+                        f"{ctx.duty_window_s:.0f} s (violation counter {DUTY_COUNTER[reason]})"
+                        + (f"; {observed}" if observed and reason in _reasons(s) else ""))
+            short = f"{duty * 100:.0f}% of the time"
+        return Check(True, observed + temp, f"{reason.name} active, or >= {HW_DUTY_MIN * 100:.0f}% of the time",
+                     short, value=-duty if duty is not None else None)
     return check
 
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from .alerts import CRITICAL, FIRING, REAPPLY_ON, RULES, SERVING_RULES, WARNING, AlertState, GpuContext
 from .config import Config
-from .gpu.base import GpuBackend, GpuSample
+from .gpu.base import ClockEventReason, GpuBackend, GpuSample
 from .systemd import NOTICE
 from .tuning import Plan, Tuner, make_plan
 from .yamlfile import ConfigErrors
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gpuwarden")
 STALL_POLLS = 3  # a gap of this many poll intervals between two readings is a stall, not a poll
+DUTY_WINDOW_S = 10.0  # at least; three counter reads when counters_interval_s is longer
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,40 @@ class Snapshot:
         }
 
 
+class DutyCycles:
+    """Per GPU, the fraction of a recent window each NVML violation counter grew by: the share of the time a
+    reason held the clocks down. Counters are read every counters_interval_s, so the window spans several."""
+
+    def __init__(self) -> None:
+        self._seen: dict[int, deque[tuple[float, dict[str, float]]]] = {}
+        self._reasons: dict[int, deque[tuple[float, ClockEventReason]]] = {}
+
+    def reasons_seen(self, sample: GpuSample, now: float, window_s: float) -> ClockEventReason:
+        """Every reason present in this GPU's samples during the window."""
+        history = self._reasons.setdefault(sample.index, deque())
+        history.append((now, sample.clock_event_reasons or ClockEventReason.NONE))
+        while history and now - history[0][0] > window_s:
+            history.popleft()
+        seen = ClockEventReason.NONE
+        for _, reasons in history:
+            seen |= reasons
+        return seen
+
+    def update(self, sample: GpuSample, now: float, window_s: float) -> dict[str, float]:
+        history = self._seen.setdefault(sample.index, deque())
+        counters = {k: v for k, v in sample.violation_seconds.items() if v is not None}
+        if not counters:
+            return {}
+        if not history or history[-1][1] != counters:
+            history.append((now, counters))
+        while len(history) > 2 and now - history[1][0] >= window_s:
+            history.popleft()
+        (t0, first), (t1, last) = history[0], history[-1]
+        if t1 - t0 < window_s / 2:
+            return {}  # too little history to say
+        return {k: max(0.0, min(1.0, (last[k] - first[k]) / (t1 - t0))) for k in last if k in first}
+
+
 @dataclass(frozen=True)
 class LagWindow:
     """How late the last polls started against their schedule: the loop's health in three numbers."""
@@ -163,6 +198,7 @@ class Monitor:
         self.running_requests: int | None = None  # fed by the vLLM supervisor; counts as busy
         self.snapshot: Snapshot | None = None
         self._lags: deque[float] = deque(maxlen=LAG_WINDOW)
+        self.duty = DutyCycles()
         self._last_tick: float | None = None
 
     def use_plan(self, plan: Plan, applied: bool) -> None:
@@ -178,7 +214,7 @@ class Monitor:
     def report_running_requests(self, count: int | None) -> None:
         self.running_requests = count
 
-    def _context(self, sample: GpuSample) -> GpuContext:
+    def _context(self, sample: GpuSample, now: float) -> GpuContext:
         settings = self.config.alerts
         sm_lock, mem_lock = self.locks.get(sample.index, (None, None))
         busy = (sample.utilization_pct or 0) >= settings.busy_utilization_pct or bool(self.running_requests)
@@ -187,7 +223,9 @@ class Monitor:
         # --no-persistence-mode, and that is their choice), so off is not drift either.
         wanted = (self.config.tuning.apply and not self.persistenced
                   and self.config.tuning.for_gpu(sample.index, sample.uuid).persistence_mode)
-        return GpuContext(busy, sm_lock, mem_lock, wanted, settings)
+        window = max(DUTY_WINDOW_S, 3 * self.config.counters_interval_s)
+        return GpuContext(busy, sm_lock, mem_lock, wanted, settings, self.duty.update(sample, now, window), window,
+                          self.duty.reasons_seen(sample, now, window))
 
     def tick(self, now: float, loop_lag_s: float = 0.0, serving: ServingView | None = None,
              vllm: VllmStats | None = None, published_at: float | None = None) -> Snapshot:
@@ -204,7 +242,7 @@ class Monitor:
             self._last_sample_log = now
             log.info("%s", " | ".join(describe_sample(s) for s in samples))
         for sample in samples:
-            ctx = self._context(sample)
+            ctx = self._context(sample, now)
             for rule in RULES:
                 state = self.states[(rule.name, sample.index)]
                 event = state.step(rule.check(sample, ctx), now, self.config.alerts, restart_timers=stalled)
