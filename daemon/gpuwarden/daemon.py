@@ -33,7 +33,7 @@ from .serving.prepare import PreparedServe, prepare_serve
 from .serving.processes import ProcessOps
 from .serving.supervisor import FATAL, RUNNING, Supervisor
 from .serving.vllm_metrics import VllmMetricsReader
-from .systemd import Notifier
+from .systemd import Notifier, flush_logs
 from .tuning import Plan, Tuner, make_plan
 from .yamlfile import ConfigError, ConfigErrors
 
@@ -156,6 +156,7 @@ class Daemon:
         # READY once everything is usable: tuned, and vLLM healthy when serving. A vLLM that went FATAL
         # also ends the start-up, so that `systemctl start` returns and the STATUS line says why.
         if not self.ready_sent and (self.supervisor is None or self.supervisor.state in (RUNNING, FATAL)):
+            flush_logs(0.5)  # once: the journal then shows "vLLM healthy" before systemd's "Started"
             self.notifier.ready(status)
             self.ready_sent = True
         self.notifier.status(status)

@@ -86,8 +86,20 @@ class QueuedLog(logging.Handler):
         except queue.Full:
             self.dropped += 1
 
+    def drain(self, timeout_s: float) -> bool:
+        """Wait, at most timeout_s, until what is queued now has been written; False if the sink is slow."""
+        written = threading.Event()
+        try:
+            self.queue.put(written, timeout=timeout_s)
+        except queue.Full:
+            return False
+        return written.wait(timeout_s)
+
     def _write(self) -> None:
         while (record := self.queue.get()) is not None:
+            if isinstance(record, threading.Event):  # a flush marker: everything before it is written
+                record.set()
+                continue
             if self.dropped > self._reported and self.queue.empty():
                 lost, self._reported = self.dropped - self._reported, self.dropped
                 self._out(logging.LogRecord("gpuwarden", logging.WARNING, __file__, 0,
@@ -110,6 +122,14 @@ class QueuedLog(logging.Handler):
             pass
         self._thread.join(timeout_s)
         super().close()
+
+
+def flush_logs(timeout_s: float = 0.5) -> None:
+    """Let the queued log lines reach stderr first (bounded): before READY=1, so that the journal shows
+    what led to it before systemd's "Started"."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, QueuedLog):
+            handler.drain(timeout_s)
 
 
 def setup_logging(level: int = logging.INFO, journal: bool | None = None) -> QueuedLog:
