@@ -372,3 +372,17 @@ def test_a_flapping_hardware_slowdown_alerts_through_the_daemon(write, daemons):
     assert "held the clocks down" in line and "% of the last" in line
     assert value(scrape(base), "gpuwarden_alert_active", alert="hw_slowdown", gpu="0") == 1
     assert d.stop() == 0
+
+
+def test_a_gpu_unreadable_at_start_is_locked_once_it_answers(write, daemons):
+    path, base = write_config(write)
+    d = daemons(path, "--sim", "gpu-lost-at-start")
+    d.wait_for("is down, nothing planned for it")  # the plan's note
+    line = d.wait_for("is back: planned and applied its tuning", timeout=15)
+    assert line.split(" is back")[0].split()[-2] == "GPU1"
+    assert "gpu_clocks: 180 MHz now -> lock 3090-3090 MHz: ok" in line
+    time.sleep(1)
+    families = scrape(base)
+    assert value(families, "gpuwarden_gpu_sm_clock_hertz", gpu="1") == 3090e6
+    assert value(families, "gpuwarden_gpu_sm_clock_lock_hertz", gpu="1") == 3090e6
+    assert d.stop() == 0

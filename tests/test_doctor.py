@@ -15,7 +15,8 @@ from gpuwarden.tuning import Tuner, make_plan
 # Untuned, as every scenario boots: the headless SM120 cards stay at 180 MHz while busy (an error);
 # the DGX Spark boosts, so only its persistence mode is off (a warning).
 EXPECTED_EXIT = {"rtx-pro-4000-headless": 2, "rtx-pro-6000-tp4": 2, "dgx-spark": 1, "lock-lost": 2,
-                 "gpu-lost": 2, "thermal": 2, "persistenced-no-persistence": 2, "hw-slowdown-flapping": 1}
+                 "gpu-lost": 2, "thermal": 2, "persistenced-no-persistence": 2, "hw-slowdown-flapping": 1,
+                 "gpu-lost-at-start": 2}
 
 
 @pytest.mark.parametrize("scenario", builtin_scenarios())

@@ -15,8 +15,8 @@ def setup(scenario, tuning="", clock=None):
     return cfg, open_backend(cfg, clock or ManualClock())
 
 
-@pytest.mark.parametrize("scenario", builtin_scenarios())
-def test_plan_apply_verify_restore(scenario):
+@pytest.mark.parametrize("scenario", [s for s in builtin_scenarios() if s != "gpu-lost-at-start"])
+def test_plan_apply_verify_restore(scenario):  # gpu-lost-at-start: its GPU 1 has no plan at t=0 (test_monitor)
     cfg, backend = setup(scenario)
     before = {g.index: g.sample() for g in backend.gpus()}
     plan = make_plan(backend, cfg)

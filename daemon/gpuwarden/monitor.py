@@ -195,6 +195,8 @@ class Monitor:
         self._last_sample_log = float("-inf")
         self.locks: dict[int, tuple] = {}
         self.persistenced = False
+        self._unplanned: set[int] = set()
+        self._was_up: dict[int, bool] = {}
         self.running_requests: int | None = None  # fed by the vLLM supervisor; counts as busy
         self.snapshot: Snapshot | None = None
         self._lags: deque[float] = deque(maxlen=LAG_WINDOW)
@@ -206,6 +208,11 @@ class Monitor:
         persistence mode is left to nvidia-persistenced."""
         self.persistenced = plan.persistenced
         self.locks = {}
+        self._track_locks(plan, applied)
+        # A GPU that could not be read is planned, tuned and watched as soon as it answers.
+        self._unplanned = {g.index for g in plan.gpus if g.down}
+
+    def _track_locks(self, plan: Plan, applied: bool) -> None:
         for action in plan.actions if applied else ():
             if action.setting in ("gpu_clocks", "memory_clocks"):
                 sm, mem = self.locks.get(action.gpu, (None, None))
@@ -242,6 +249,7 @@ class Monitor:
             self._last_sample_log = now
             log.info("%s", " | ".join(describe_sample(s) for s in samples))
         for sample in samples:
+            self._plan_if_back(sample)
             ctx = self._context(sample, now)
             for rule in RULES:
                 state = self.states[(rule.name, sample.index)]
@@ -284,6 +292,28 @@ class Monitor:
         reasons = ",".join(sample.clock_event_reasons.names()) if sample.clock_event_reasons else "none"
         log.log(level, "%s %s: %s %s; reasons: %s; fix: %s", who, what, check.observed, check.threshold,
                 reasons, fix)
+
+    def _plan_if_back(self, sample: GpuSample) -> None:
+        """A GPU that answers again after being lost (or was unreadable when the plan was made) gets its
+        wanted tuning planned, applied and its locks tracked, like any other; a driver reload while it was
+        away dropped whatever it had."""
+        was_up, self._was_up[sample.index] = self._was_up.get(sample.index, True), sample.up
+        if not sample.up or (was_up and sample.index not in self._unplanned):
+            return
+        self._unplanned.discard(sample.index)
+        try:
+            plan = make_plan(self.backend, self.config)
+        except ConfigErrors as exc:
+            log.error("GPU%d is back, but its tuning does not fit it: %s", sample.index, exc.errors[0])
+            return
+        mine = Plan(tuple(g for g in plan.gpus if g.index == sample.index), persistenced=plan.persistenced)
+        self.locks.pop(sample.index, None)
+        self._track_locks(mine, self.config.tuning.apply)
+        if not self.config.tuning.apply:
+            return
+        outcomes = self.tuner.apply(mine)
+        done = "; ".join(o.describe() for o in outcomes) or "nothing to change"
+        log.log(NOTICE, "GPU%d %s is back: planned and applied its tuning: %s", sample.index, sample.uuid, done)
 
     def _maybe_reapply(self, sample: GpuSample, now: float) -> None:
         if not self.config.tuning.apply or not sample.up:

@@ -67,6 +67,7 @@ class GpuPlan:
     uuid: str
     name: str
     actions: tuple[Action, ...]
+    down: bool = False  # unreadable when planned: nothing could be planned for it yet
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,7 @@ def make_plan(backend: GpuBackend, config: Config) -> Plan:
         sample = gpu.sample()
         if not sample.up:
             notes.append(f"GPU {gpu.index} ({gpu.uuid}) is down, nothing planned for it: {sample.error}")
-            plans.append(GpuPlan(gpu.index, gpu.uuid, gpu.name, ()))
+            plans.append(GpuPlan(gpu.index, gpu.uuid, gpu.name, (), down=True))
             continue
         want = config.tuning.for_gpu(gpu.index, gpu.uuid)
         actions = _gpu_actions(config, gpu, want, sample, gpu.capabilities(), persistenced, per_gpu)
