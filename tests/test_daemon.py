@@ -386,3 +386,20 @@ def test_a_gpu_unreadable_at_start_is_locked_once_it_answers(write, daemons):
     assert value(families, "gpuwarden_gpu_sm_clock_hertz", gpu="1") == 3090e6
     assert value(families, "gpuwarden_gpu_sm_clock_lock_hertz", gpu="1") == 3090e6
     assert d.stop() == 0
+
+
+def test_status_finds_the_daemon_after_a_reload_changed_metrics_listen(write, daemons, tmp_path):
+    runtime = tmp_path / "run"
+    runtime.mkdir()
+    env = dict(subprocess_env(), RUNTIME_DIRECTORY=str(runtime))
+    path, base = write_config(write)
+    d = daemons(path, "--sim", "lock-lost", env=env)
+    d.wait_for("serving /metrics")
+    path.write_text(path.read_text().replace(base.rsplit(":", 1)[1], str(free_port())))  # a new port...
+    d.proc.send_signal(signal.SIGHUP)
+    d.wait_for("only change on restart")  # ...which a reload cannot apply
+    proc = subprocess.run(gpuwarden_cmd() + ["status", "-c", str(path)], capture_output=True, text=True, env=env,
+                          timeout=30)
+    assert proc.returncode == 0 and proc.stdout.startswith("gpuwarden ")
+    assert f"note: the daemon serves {base}, not metrics.listen" in proc.stderr
+    assert d.stop() == 0 and not (runtime / "metrics-url").exists()

@@ -59,6 +59,7 @@ def test_doctor_reports_throttling_and_a_low_power_limit():
     gpu.set_power_limit_w(100)
     findings = {f.check: f for f in diagnose(cfg, backend, deep=False)}
     assert findings["GPU0 clocks"].severity == "warning" and "SwPowerCap" in findings["GPU0 clocks"].message
+    assert findings["GPU0 clocks"].fix == "tuning.power_limit_w: 145 adds 45 W"
     assert findings["GPU0 power limit"].severity == "warning"
     assert "100 W (allowed 70-145 W): below the card's maximum" in findings["GPU0 power limit"].message
 
@@ -79,3 +80,17 @@ def test_doctor_text_is_one_line_per_finding(cli):
     lines = out.strip().splitlines()
     assert status == 1 and len(lines) == 5
     assert all(line.split()[0] in ("OK", "INFO", "WARNING", "ERROR") for line in lines)
+
+
+def test_doctor_calls_a_cap_at_the_maximum_limit_the_design_power():
+    # As on the lent H200 under a bf16 matmul: 693 of 700 W, SwPowerCap, the limit is the card's maximum.
+    clock = ManualClock()
+    cfg = config.parse_text("gpu:\n  backend: sim\n  scenario: rtx-pro-4000-headless\n")
+    backend = open_backend(cfg, clock)
+    backend.gpus()[0].set_gpu_locked_clocks(3090, 3090)
+    clock.advance(21)  # GPU 0 at full load from t=20: capped at its 145 W maximum
+    findings = {f.check: f for f in diagnose(cfg, backend, deep=False)}
+    clocks = findings["GPU0 clocks"]
+    assert clocks.severity == "ok" and clocks.message.startswith("at its design power (SwPowerCap at its maximum "
+                                                                 "limit, 145 W)")
+    assert findings["GPU0 power limit"].severity == "ok"

@@ -348,7 +348,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from .status import StatusError, fetch_status, render_status
+    from .status import StatusError, fetch_status, render_status, running_elsewhere
 
     config = load_config(args)
     if config.metrics.url is None:
@@ -357,6 +357,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     auth = (args.user, os.environ.get("GPUWARDEN_PASSWORD", "")) if args.user else None
     try:
         state = fetch_status(config.metrics, auth)
+        moved = running_elsewhere(config.metrics) if state is None else None
+        if moved is not None:
+            state = fetch_status(moved, auth)
+            if state is not None:
+                print_error(f"gpuwarden: note: the daemon serves {moved.url}, not metrics.listen "
+                            f"{config.metrics.url}: the listen address changes on restart")
     except StatusError as exc:
         print_error(f"gpuwarden: {exc}")
         return EX_NOT_RUNNING

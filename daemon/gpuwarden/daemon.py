@@ -14,6 +14,7 @@ published on schedule, so systemd restarts a daemon whose polls stopped.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -31,6 +32,7 @@ from .monitor import Monitor, describe_sample
 from .originals import originals_store
 from .serving.prepare import PreparedServe, prepare_serve
 from .serving.processes import ProcessOps
+from .statedir import listen_file
 from .serving.supervisor import FATAL, RUNNING, Supervisor
 from .serving.vllm_metrics import VllmMetricsReader
 from .systemd import Notifier, flush_logs
@@ -98,6 +100,9 @@ class Daemon:
         if self.server is not None:
             self.server.start()
             log.info("serving /metrics and /status on %s", self.config.metrics.url)
+            if os.environ.get("RUNTIME_DIRECTORY"):  # systemd's RuntimeDirectory=: the unit makes one
+                with contextlib.suppress(OSError):
+                    listen_file().write_text(self.config.metrics.url + "\n")
         if serving is not None:
             self.supervisor = serving
             self.vllm_reader = self._reader(self.config)
@@ -248,6 +253,9 @@ class Daemon:
         if self.server is not None:
             self.server.stop()
             self.server = None
+            if os.environ.get("RUNTIME_DIRECTORY"):
+                with contextlib.suppress(OSError):
+                    listen_file().unlink()
         self.exposition.close()
 
     def status(self) -> dict:

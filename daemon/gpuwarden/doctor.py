@@ -93,9 +93,18 @@ def _clocks(s: GpuSample) -> Finding:
                        "lock the clocks: `sudo gpuwarden apply` with tuning.gpu_clocks: max")
     if busy and reasons & (R.HwThermalSlowdown | R.HwSlowdown | R.HwPowerBrakeSlowdown):
         return Finding(ERROR, check, f"hardware slowdown: {now}", "check cooling and the power supply now")
-    if busy and reasons & (R.SwPowerCap | R.SwThermalSlowdown):
-        return Finding(WARNING, check, f"throttled: {now}", "raise the power limit within its constraints, or "
-                       "improve cooling")
+    at_max = s.power_limit_w is not None and s.power_limit_max_w is not None and \
+        s.power_limit_w >= s.power_limit_max_w - 0.5
+    if busy and reasons & R.SwPowerCap and not reasons & R.SwThermalSlowdown and at_max:
+        return Finding(OK, check, f"at its design power (SwPowerCap at its maximum limit, "
+                       f"{s.power_limit_w:g} W): {now}")
+    if busy and reasons & R.SwPowerCap and not reasons & R.SwThermalSlowdown:
+        return Finding(WARNING, check, f"power-capped below the card's maximum limit: {now}",
+                       f"tuning.power_limit_w: {s.power_limit_max_w:g} adds {s.power_limit_max_w - s.power_limit_w:g} W"
+                       if s.power_limit_max_w is not None and s.power_limit_w is not None else
+                       "raise the power limit within its constraints (`gpuwarden plan`)")
+    if busy and reasons & R.SwThermalSlowdown:
+        return Finding(WARNING, check, f"thermally throttled: {now}", "improve cooling or airflow")
     if not busy and sm < top / 2 and (s.performance_state or 0) >= 8 and (s.compute_capability or "").startswith("12."):
         return Finding(WARNING, check, f"idle and unlocked: {now}; headless SM12x cards stay at these clocks under "
                        "load", "lock the clocks: `sudo gpuwarden apply` with tuning.gpu_clocks: max")

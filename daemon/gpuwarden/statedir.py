@@ -9,5 +9,14 @@ from pathlib import Path
 DEFAULT = Path("/var/lib/gpuwarden")
 
 
+RUNTIME_DEFAULT = Path("/run/gpuwarden")
+
+
 def state_dir(environ: Mapping[str, str] = os.environ) -> Path:
     return Path(environ.get("STATE_DIRECTORY", "").split(":")[0] or DEFAULT)
+
+
+def listen_file(environ: Mapping[str, str] = os.environ) -> Path:
+    """Where the running daemon says which metrics URL it serves (systemd's RuntimeDirectory=): a reload
+    cannot move the port, so `gpuwarden status` may need it when metrics.listen was changed since."""
+    return Path(environ.get("RUNTIME_DIRECTORY", "").split(":")[0] or RUNTIME_DEFAULT) / "metrics-url"

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import ssl
 import time
+from urllib.parse import urlsplit
 
 from . import httpget
 from .config import MetricsConfig
+from .statedir import listen_file
 from .webconfig import basic_auth_header
 
 
@@ -40,6 +43,18 @@ def fetch_status(metrics: MetricsConfig, auth: tuple[str, str] | None = None, ti
     if reply.status != 200 or not isinstance(state, dict) or "daemon" not in state:
         raise StatusError(f"something other than gpuwarden answers on {metrics.url} (HTTP {reply.status})")
     return state
+
+
+def running_elsewhere(metrics: MetricsConfig) -> MetricsConfig | None:
+    """The address the running daemon recorded (statedir.listen_file), when it differs from the config's."""
+    try:
+        url = listen_file().read_text().strip()
+    except OSError:
+        return None
+    parts = urlsplit(url)
+    if url == metrics.url or not parts.hostname or not parts.port:
+        return None
+    return dataclasses.replace(metrics, listen=(parts.hostname, parts.port))
 
 
 def _mhz(current, lock, maximum) -> str:
