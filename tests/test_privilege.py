@@ -9,11 +9,8 @@ import json
 import os
 import pwd
 import shutil
-import signal
 import subprocess
-import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 
