@@ -110,7 +110,8 @@ serve:
             killed = time.monotonic()
             os.kill(pid, signal.SIGKILL)
             t_detect, _ = log.wait("vLLM exited with signal SIGKILL", mark)
-            orphans += len(group_alive(pid))  # the supervisor has already SIGKILLed and waited for the group
+            log.wait("processes of the previous vLLM are gone", mark, timeout=30)  # confirmed, not waited for
+            orphans += len(group_alive(pid))
             t_restart, _ = log.wait("vLLM starting (pid", mark)
             t_healthy, _ = log.wait("vLLM healthy after", mark)
             detect.append(t_detect - killed)

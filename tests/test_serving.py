@@ -354,7 +354,8 @@ def test_start_healthy_running():
     assert sup.state == RUNNING and sup.time_to_healthy_s == 45
 
 
-def test_sigkilled_api_server_is_cleaned_up_and_restarted_with_backoff():
+def test_sigkilled_api_server_is_cleaned_up_and_restarted_with_backoff(caplog):
+    caplog.set_level("INFO")
     sup, ops, clock = supervisor()
     ops.health_ok = True
     sup.start(clock.now)
@@ -368,6 +369,7 @@ def test_sigkilled_api_server_is_cleaned_up_and_restarted_with_backoff():
     clock.advance(0.9)
     sup.tick(clock.now)
     assert len(ops.children) == 1  # 1 s backoff not over yet
+    assert "all 2 processes of the previous vLLM are gone" in caplog.text  # confirmed on a later tick
     clock.advance(0.2)
     sup.tick(clock.now)
     assert sup.state == STARTING and len(ops.children) == 2

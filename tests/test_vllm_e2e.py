@@ -115,6 +115,7 @@ def test_serves_survives_sigkill_without_orphans_and_stops_clean(write, daemons,
     mark = len(d.lines)
     os.kill(first_pid, signal.SIGKILL)
     d.wait_for("vLLM exited with signal SIGKILL", timeout=10, after=mark)
+    d.wait_for("processes of the previous vLLM are gone", timeout=10, after=mark)  # SIGKILL is not instant
     assert group_alive(first_pid) == [], "no process of the old group survives"
     restarted = d.wait_for("vLLM starting (pid", after=mark, timeout=30)
     second_pid = int(restarted.split("(pid ")[1].split(",")[0])

@@ -183,6 +183,8 @@ class Supervisor:
         return None
 
     def tick(self, now: float) -> None:
+        if self._dying and self.state != STOPPING:
+            self._confirm_gone()
         if self.state == BACKOFF and now >= self._retry_at:
             self.start(now)
         elif self.state == STOPPING:
@@ -286,6 +288,14 @@ class Supervisor:
         self._dying.update(alive)
         self.child = None
         return len(alive)
+
+    def _confirm_gone(self) -> None:
+        """SIGKILL takes the kernel a moment for processes with gigabytes mapped: say when they are gone
+        (checked each tick, never waited for)."""
+        self.ops.reap(self._dying)
+        if not self.ops.alive(self._dying):
+            log.info("all %d processes of the previous vLLM are gone", len(self._dying))
+            self._dying.clear()
 
     def _kill_escaped(self) -> None:
         """Kill processes that left a previous child's group (they were re-parented to us) and say so."""
