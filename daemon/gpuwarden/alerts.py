@@ -147,13 +147,14 @@ def clock_lock_lost(s: GpuSample, ctx: GpuContext) -> Check:
                  f"< locked min {ctx.sm_lock[0]} MHz with no power or thermal reason", f"{s.sm_clock_mhz} MHz")
 
 
-def _loss(s: GpuSample, ctx: GpuContext) -> tuple[str, str]:
+def _loss(s: GpuSample, ctx: GpuContext) -> tuple[str, str, float | None]:
+    """(observed text, short text, percent) of the SM clock against the lock, else the max clock."""
     reference = ctx.sm_lock[1] if ctx.sm_lock else s.max_sm_clock_mhz
     if not reference or s.sm_clock_mhz is None:
-        return "", ""
+        return "", "", None
     loss = (s.sm_clock_mhz - reference) / reference * 100
     basis = "locked" if ctx.sm_lock else "max"
-    return f"SM clock {s.sm_clock_mhz} MHz, {loss:+.0f}% of {basis} {reference} MHz", f"{loss:+.0f}%"
+    return f"SM clock {s.sm_clock_mhz} MHz, {loss:+.0f}% of {basis} {reference} MHz", f"{loss:+.0f}%", loss
 
 
 def _headroom_w(s: GpuSample) -> float | None:
@@ -172,10 +173,9 @@ def _power_check(s: GpuSample, ctx: GpuContext, at_max: bool) -> Check:
     warn_anyway = ctx.settings.warn_at_design_power
     if not ((is_max and not warn_anyway) if at_max else (not is_max or warn_anyway)):
         return INACTIVE
-    observed, short = _loss(s, ctx)
+    observed, short, loss = _loss(s, ctx)
     draw = f"{s.power_w:.0f} W" if s.power_w is not None else "? W"
     limit = f"{s.power_limit_w:.0f} W" if s.power_limit_w is not None else "the limit"
-    loss = _loss_value(s, ctx)
     if is_max:
         return Check(True, f"{observed}; drawing {draw}", f"at its maximum power limit {limit} (SwPowerCap)", short,
                      "nothing to change: this is the card's design power, and no higher limit is allowed", loss)
@@ -192,12 +192,6 @@ def at_design_power(s: GpuSample, ctx: GpuContext) -> Check:
     return _power_check(s, ctx, at_max=True)
 
 
-def _loss_value(s: GpuSample, ctx: GpuContext) -> float | None:
-    reference = ctx.sm_lock[1] if ctx.sm_lock else s.max_sm_clock_mhz
-    if not reference or s.sm_clock_mhz is None:
-        return None
-    return (s.sm_clock_mhz - reference) / reference * 100
-
 
 def _reason_rule(reason: R) -> Callable[[GpuSample, GpuContext], Check]:
     def check(s: GpuSample, ctx: GpuContext) -> Check:
@@ -207,7 +201,7 @@ def _reason_rule(reason: R) -> Callable[[GpuSample, GpuContext], Check]:
         flapping = duty is not None and duty >= HW_DUTY_MIN
         if reason not in _reasons(s) and not flapping:
             return INACTIVE
-        observed, short = _loss(s, ctx)
+        observed, short, _ = _loss(s, ctx)
         temp = f", {s.temperature_c:.0f} C" if s.temperature_c is not None else ""
         if flapping:
             observed = (f"{reason.name} held the clocks down {duty * 100:.0f}% of the last "

@@ -33,10 +33,6 @@ def listening_sockets(port: int, proc: str = "/proc") -> dict[int, int]:
     return sockets
 
 
-def listening_inodes(port: int, proc: str = "/proc") -> set[int]:
-    return set(listening_sockets(port, proc))
-
-
 class Unseen(Exception):
     """/proc/PID/fd of these processes cannot be read (another uid, and no CAP_SYS_PTRACE, as under the unit)."""
 

@@ -151,14 +151,12 @@ class Supervisor:
         """None if the GPUs and the port are free for a new child; else why not (after killing our own
         leftovers: the previous group, processes that escaped it, our user's processes on the GPUs)."""
         self._kill_escaped()
-        if self._dying:
-            self.ops.reap(self._dying)
-            survivors = self.ops.alive(self._dying)
+        self._confirm_gone()
+        if self._dying:  # still exiting: SIGKILL again, and wait for them
+            survivors = sorted(self.ops.alive(self._dying))
             for pid in survivors:
                 self.ops.kill(pid, signal.SIGKILL)
-            self._dying = set(survivors)
-            if survivors:
-                return f"processes {sorted(survivors)} of the previous vLLM are still exiting"
+            return f"processes {survivors} of the previous vLLM are still exiting"
         uid = self.identity.uid
         for gpu in self.gpus:
             for pid, _ in gpu.compute_processes():
@@ -183,7 +181,7 @@ class Supervisor:
         return None
 
     def tick(self, now: float) -> None:
-        if self._dying and self.state != STOPPING:
+        if self.state != STOPPING:
             self._confirm_gone()
         if self.state == BACKOFF and now >= self._retry_at:
             self.start(now)
@@ -292,6 +290,8 @@ class Supervisor:
     def _confirm_gone(self) -> None:
         """SIGKILL takes the kernel a moment for processes with gigabytes mapped: say when they are gone
         (checked each tick, never waited for)."""
+        if not self._dying:
+            return
         self.ops.reap(self._dying)
         if not self.ops.alive(self._dying):
             log.info("all %d processes of the previous vLLM are gone", len(self._dying))
