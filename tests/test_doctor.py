@@ -7,7 +7,7 @@ import pytest
 from conftest import DEFAULT_CONFIG
 from gpuwarden import config
 from gpuwarden.doctor import diagnose, exit_status
-from gpuwarden.gpu import open_backend
+from gpuwarden.backends import open_configured
 from gpuwarden.gpu.sim.backend import ManualClock
 from gpuwarden.gpu.sim.scenario import builtin_scenarios
 from gpuwarden.tuning import Tuner, make_plan
@@ -43,7 +43,7 @@ def test_doctor_on_every_scenario(cli, scenario):
 
 def test_doctor_is_happy_once_tuned():
     cfg = config.parse_text("gpu:\n  backend: sim\n  scenario: rtx-pro-4000-headless\n")
-    backend = open_backend(cfg, ManualClock())
+    backend = open_configured(cfg, ManualClock())
     Tuner(backend).apply(make_plan(backend, cfg))
     findings = diagnose(cfg, backend, deep=False)
     assert exit_status(findings) == 0, [str(f) for f in findings]
@@ -53,7 +53,7 @@ def test_doctor_is_happy_once_tuned():
 def test_doctor_reports_throttling_and_a_low_power_limit():
     clock = ManualClock()
     cfg = config.parse_text("gpu:\n  backend: sim\n  scenario: rtx-pro-4000-headless\n")
-    backend = open_backend(cfg, clock)
+    backend = open_configured(cfg, clock)
     gpu = backend.gpus()[0]
     gpu.set_gpu_locked_clocks(3090, 3090)
     gpu.set_power_limit_w(100)
@@ -86,7 +86,7 @@ def test_doctor_calls_a_cap_at_the_maximum_limit_the_design_power():
     # As on the lent H200 under a bf16 matmul: 693 of 700 W, SwPowerCap, the limit is the card's maximum.
     clock = ManualClock()
     cfg = config.parse_text("gpu:\n  backend: sim\n  scenario: rtx-pro-4000-headless\n")
-    backend = open_backend(cfg, clock)
+    backend = open_configured(cfg, clock)
     backend.gpus()[0].set_gpu_locked_clocks(3090, 3090)
     clock.advance(21)  # GPU 0 at full load from t=20: capped at its 145 W maximum
     findings = {f.check: f for f in diagnose(cfg, backend, deep=False)}

@@ -6,7 +6,7 @@ import pytest
 
 from gpuwarden import config
 from gpuwarden.alerts import AlertSettings, AlertState, Check, RULES_BY_NAME
-from gpuwarden.gpu import open_backend
+from gpuwarden.backends import open_configured
 from gpuwarden.gpu.sim.backend import ManualClock
 from gpuwarden.gpu.sim.scenario import resolve_scenario
 from gpuwarden.monitor import Monitor
@@ -18,7 +18,7 @@ FAST = "poll_interval_s: 0.5\nalerts:\n  for_s: 1\n  clear_for_s: 2\n"
 def monitor_for(scenario, extra=FAST, clock=None):
     cfg = config.parse_text(f"gpu:\n  backend: sim\n  scenario: {scenario}\nmetrics:\n  listen: none\n{extra}")
     clock = clock or ManualClock()
-    backend = open_backend(cfg, clock)
+    backend = open_configured(cfg, clock)
     tuner = Tuner(backend)
     plan = make_plan(backend, cfg)
     if cfg.tuning.apply:

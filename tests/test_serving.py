@@ -7,7 +7,7 @@ import signal
 import pytest
 
 from gpuwarden import config
-from gpuwarden.gpu import open_backend
+from gpuwarden.backends import open_configured
 from gpuwarden.gpu.base import GpuSample
 from gpuwarden.gpu.sim.backend import ManualClock
 from gpuwarden.gpu.sim.scenario import builtin_scenarios
@@ -62,7 +62,7 @@ def test_auto_selection(gpus, expected):
 @pytest.mark.parametrize("scenario", builtin_scenarios())
 def test_every_scenario_gets_a_profile(scenario):
     cfg = config.parse_text(f"gpu:\n  backend: sim\n  scenario: {scenario}\n")
-    samples = [g.sample() for g in open_backend(cfg, ManualClock()).gpus()]
+    samples = [g.sample() for g in open_configured(cfg, ManualClock()).gpus()]
     assert select_profile(PROFILES, "auto", [s for s in samples if s.up]) is not None
 
 

@@ -3,7 +3,8 @@
 import pytest
 
 from gpuwarden import config
-from gpuwarden.gpu import errors, open_backend
+from gpuwarden.backends import open_configured
+from gpuwarden.gpu import errors
 from gpuwarden.gpu.sim.backend import ManualClock
 from gpuwarden.gpu.sim.scenario import builtin_scenarios, resolve_scenario
 from gpuwarden.tuning import Tuner, make_plan
@@ -12,7 +13,7 @@ from gpuwarden.yamlfile import ConfigErrors
 
 def setup(scenario, tuning="", clock=None):
     cfg = config.parse_text(f"gpu:\n  backend: sim\n  scenario: {scenario}\n{tuning}", name="test.yaml")
-    return cfg, open_backend(cfg, clock or ManualClock())
+    return cfg, open_configured(cfg, clock or ManualClock())
 
 
 @pytest.mark.parametrize("scenario", [s for s in builtin_scenarios() if s != "gpu-lost-at-start"])
@@ -112,7 +113,7 @@ def test_nvidia_persistenced_is_noted_and_persistence_left_alone(write):
     text = resolve_scenario("lock-lost").read_text().replace("as_root: true",
                                                              "as_root: true\nnvidia_persistenced: true")
     cfg = config.parse_text(f"gpu:\n  backend: sim\n  scenario: {write('p.yaml', text)}\n")
-    backend = open_backend(cfg, ManualClock())
+    backend = open_configured(cfg, ManualClock())
     plan = make_plan(backend, cfg)
     assert any("nvidia-persistenced is running" in n for n in plan.notes)
     (persistence,) = [a for a in plan.actions if a.setting == "persistence_mode"]
@@ -124,7 +125,7 @@ def test_nvidia_persistenced_is_noted_and_persistence_left_alone(write):
 def test_no_permission_is_reported_not_raised(write):
     text = resolve_scenario("lock-lost").read_text().replace("as_root: true", "as_root: false")
     cfg = config.parse_text(f"gpu:\n  backend: sim\n  scenario: {write('u.yaml', text)}\n")
-    backend = open_backend(cfg, ManualClock())
+    backend = open_configured(cfg, ManualClock())
     outcomes = Tuner(backend).apply(make_plan(backend, cfg))
     assert outcomes and all(not o.ok and o.error is errors.NoPermission for o in outcomes)
     assert "needs root or CAP_SYS_ADMIN" in outcomes[0].message

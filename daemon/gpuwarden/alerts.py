@@ -11,43 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from . import throttle
+from .config import AlertSettings
 from .gpu.base import ClockEventReason as R
 from .gpu.base import GpuSample
+from .throttle import Threshold, headroom_w, reasons
 
 INFO, WARNING, CRITICAL = "info", "warning", "critical"
-THERMAL_OR_POWER = (R.SwPowerCap | R.SwThermalSlowdown | R.HwThermalSlowdown | R.HwSlowdown
-                    | R.HwPowerBrakeSlowdown | R.SyncBoost)
-LOCK_TOLERANCE_MHZ = 30
-
-
-@dataclass(frozen=True)
-class Threshold:
-    """A clock threshold: absolute MHz, or a fraction of the locked (else max) clock."""
-
-    mhz: float | None = None
-    fraction: float | None = None
-
-    def resolve(self, reference_mhz: float | None) -> float | None:
-        if self.mhz is not None:
-            return self.mhz
-        if self.fraction is None or reference_mhz is None:
-            return None
-        return self.fraction * reference_mhz
-
-    def __str__(self) -> str:
-        return f"{self.mhz:g} MHz" if self.mhz is not None else f"{self.fraction * 100:g}%"
-
-
-@dataclass(frozen=True)
-class AlertSettings:
-    for_s: float = 2.0
-    clear_for_s: float = 10.0
-    repeat_s: float = 600.0
-    busy_utilization_pct: float = 20.0
-    sm_clock_min: Threshold = Threshold(fraction=0.5)
-    memory_clock_min: Threshold = Threshold(fraction=0.5)
-    reapply_min_interval_s: float = 30.0
-    warn_at_design_power: bool = False  # True: SwPowerCap at the card's maximum limit is power_capped too
 
 
 @dataclass(frozen=True)
@@ -106,23 +76,17 @@ class Rule:
 INACTIVE = Check(False)
 
 
-def _reasons(s: GpuSample) -> R:
-    return s.clock_event_reasons or R.NONE
-
-
 def _clock_low(kind: str, clock: int | None, maximum: int | None, lock: tuple[int, int] | None,
                threshold: Threshold, ctx: GpuContext, s: GpuSample) -> Check:
-    reference = lock[1] if lock else maximum
-    limit = threshold.resolve(reference)
-    if not ctx.busy or clock is None or limit is None:
+    verdict = throttle.judge(clock, maximum, lock, threshold, s)
+    if not ctx.busy or verdict is None:
         return INACTIVE
-    basis = "" if threshold.mhz is not None else f" ({threshold} of {'locked' if lock else 'max'} {reference} MHz)"
-    held = _reasons(s) & THERMAL_OR_POWER
+    basis = "" if threshold.mhz is not None else f" ({threshold} of {verdict.basis} {verdict.reference} MHz)"
     # Locking cannot raise a clock that power or heat holds down: then the fix is about those.
-    fix = (f"the clock is held down by {', '.join(held.names())}, which a lock cannot override: see the "
-           "power and thermal alerts for this GPU") if held else ""
-    return Check(clock < limit, f"{kind} clock {clock} MHz while busy (util {_pct(s.utilization_pct)})",
-                 f"< {limit:.0f} MHz{basis}", f"{clock} MHz", fix, float(clock))
+    fix = (f"the clock is held down by {', '.join(verdict.held.names())}, which a lock cannot override: see "
+           "the power and thermal alerts for this GPU") if verdict.held else ""
+    return Check(verdict.low, f"{kind} clock {clock} MHz while busy (util {_pct(s.utilization_pct)})",
+                 f"< {verdict.limit:.0f} MHz{basis}", f"{clock} MHz", fix, float(clock))
 
 
 def _pct(value: float | None) -> str:
@@ -141,9 +105,8 @@ def memory_clock_low(s: GpuSample, ctx: GpuContext) -> Check:
 def clock_lock_lost(s: GpuSample, ctx: GpuContext) -> Check:
     if ctx.sm_lock is None or s.sm_clock_mhz is None:
         return INACTIVE
-    low = ctx.sm_lock[0] - LOCK_TOLERANCE_MHZ
-    explained = bool(_reasons(s) & THERMAL_OR_POWER)
-    return Check(s.sm_clock_mhz < low and not explained, f"SM clock {s.sm_clock_mhz} MHz",
+    explained = bool(throttle.held_down_by(s))
+    return Check(throttle.below_lock(s.sm_clock_mhz, ctx.sm_lock) and not explained, f"SM clock {s.sm_clock_mhz} MHz",
                  f"< locked min {ctx.sm_lock[0]} MHz with no power or thermal reason", f"{s.sm_clock_mhz} MHz")
 
 
@@ -157,19 +120,12 @@ def _loss(s: GpuSample, ctx: GpuContext) -> tuple[str, str, float | None]:
     return f"SM clock {s.sm_clock_mhz} MHz, {loss:+.0f}% of {basis} {reference} MHz", f"{loss:+.0f}%", loss
 
 
-def _headroom_w(s: GpuSample) -> float | None:
-    """Watts the limit could still be raised by (None: not reported)."""
-    if s.power_limit_w is None or s.power_limit_max_w is None:
-        return None
-    return max(0.0, s.power_limit_max_w - s.power_limit_w)
-
-
 def _power_check(s: GpuSample, ctx: GpuContext, at_max: bool) -> Check:
     """SwPowerCap while busy, at the maximum limit (at_max) or below it."""
-    if not ctx.busy or R.SwPowerCap not in _reasons(s):
+    if not ctx.busy or R.SwPowerCap not in reasons(s):
         return INACTIVE
-    headroom = _headroom_w(s)
-    is_max = headroom is not None and headroom < 0.5
+    headroom = headroom_w(s)
+    is_max = throttle.at_max_power_limit(s)
     warn_anyway = ctx.settings.warn_at_design_power
     if not ((is_max and not warn_anyway) if at_max else (not is_max or warn_anyway)):
         return INACTIVE
@@ -199,14 +155,14 @@ def _reason_rule(reason: R) -> Callable[[GpuSample, GpuContext], Check]:
         # A hardware reason that toggles faster than for_s never holds for a whole streak; its violation
         # counter still says how much of the time it slowed the card.
         flapping = duty is not None and duty >= HW_DUTY_MIN
-        if reason not in _reasons(s) and not flapping:
+        if reason not in reasons(s) and not flapping:
             return INACTIVE
         observed, short, _ = _loss(s, ctx)
         temp = f", {s.temperature_c:.0f} C" if s.temperature_c is not None else ""
         if flapping:
             observed = (f"{reason.name} held the clocks down {duty * 100:.0f}% of the last "
                         f"{ctx.duty_window_s:.0f} s (violation counter {DUTY_COUNTER[reason]})"
-                        + (f"; {observed}" if observed and reason in _reasons(s) else ""))
+                        + (f"; {observed}" if observed and reason in reasons(s) else ""))
             short = f"{duty * 100:.0f}% of the time"
         return Check(True, observed + temp, f"{reason.name} active, or >= {HW_DUTY_MIN * 100:.0f}% of the time",
                      short, value=-duty if duty is not None else None)

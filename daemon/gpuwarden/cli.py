@@ -12,13 +12,14 @@ from pathlib import Path
 
 from . import __version__, config as configmod
 from .config import EX_CONFIG, Config
-from .gpu import errors, open_backend
+from .backends import open_configured
+from .gpu import errors
 from .gpu.sim.scenario import builtin_scenarios, resolve_scenario, unknown_scenario
 from .serving.secrets import redact_argv, redact_env
 from .originals import originals_store
 from .tuning import Outcome, Plan, Tuner, make_plan
 from .systemd import print_error
-from .yamlfile import ConfigError, ConfigErrors
+from .yamlfile import ConfigError, ConfigErrors, InvalidConfig
 
 EX_OK, EX_FAIL, EX_UNAVAILABLE, EX_NOPERM = 0, 1, 69, 77  # sysexits.h where one fits
 EX_NOT_RUNNING = 3  # as `systemctl status` says of an inactive unit
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)
-    except (ConfigError, ConfigErrors) as exc:
+    except InvalidConfig as exc:
         return _config_failure(exc, getattr(args, "json", False))
     except errors.GpuError as exc:
         print_error(f"gpuwarden: {exc}")
@@ -112,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         return EX_FAIL  # e.g. `gpuwarden plan | head`
 
 
-def _config_failure(exc: ConfigError | ConfigErrors, as_json: bool) -> int:
-    problems = exc.errors if isinstance(exc, ConfigErrors) else [exc]
+def _config_failure(exc: InvalidConfig, as_json: bool) -> int:
+    problems = exc.errors
     if as_json:
         print(json.dumps({"ok": False, "errors": [p.as_dict() for p in problems]}, indent=2))
     else:
@@ -128,7 +129,7 @@ def load_config(args: argparse.Namespace) -> Config:
         path = resolve_scenario(args.sim, Path.cwd())
         if path is None:
             raise ConfigError("(command line)", 0, "--sim", *unknown_scenario(args.sim))
-        gpu = dataclasses.replace(config.gpu, backend="sim", scenario=args.sim, scenario_path=path)
+        gpu = dataclasses.replace(config.gpu, backend="sim", scenario=args.sim, base_dir=Path.cwd())
         config = dataclasses.replace(config, gpu=gpu)
     if getattr(args, "read_only", False):
         config = dataclasses.replace(config, tuning=dataclasses.replace(config.tuning, apply=False))
@@ -141,7 +142,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     config = load_config(args)
     serving = None
     try:
-        backend = open_backend(config)
+        backend = open_configured(config)
     except errors.Unavailable as exc:
         skipped = str(exc)
         gpus = 0
@@ -219,7 +220,7 @@ def cmd_profiles(args: argparse.Namespace) -> int:
 
 def _gpus_for_profiles(config: Config) -> list:
     try:
-        backend = open_backend(config)
+        backend = open_configured(config)
     except errors.Unavailable:
         return []
     try:
@@ -257,7 +258,7 @@ def render_profile(profile, command, findings) -> str:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     config = load_config(args)
-    backend = open_backend(config)
+    backend = open_configured(config)
     try:
         plan = make_plan(backend, config)
     finally:
@@ -290,7 +291,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
         where = config.error(("tuning", "apply"), "")  # only for its file and line
         print_error(f"gpuwarden: nothing applied: tuning.apply is false ({where.file}:{where.line})")
         return EX_FAIL
-    backend = open_backend(config)
+    backend = open_configured(config)
     try:
         plan = make_plan(backend, config)
         tuner = Tuner(backend, originals_store(config))
@@ -317,7 +318,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     config = load_config(args)
     logs = setup_logging()
-    backend = open_backend(config)
+    backend = open_configured(config)
     try:
         run(Daemon(config, backend, reload=lambda: load_config(args)), duration_s=args.duration)
     except StartupError as exc:
@@ -334,7 +335,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from .doctor import diagnose, exit_status
 
     config = load_config(args)
-    backend = open_backend(config)
+    backend = open_configured(config)
     try:
         findings = diagnose(config, backend, deep=not args.no_deep)
     finally:

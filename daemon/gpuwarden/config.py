@@ -15,9 +15,8 @@ from pathlib import Path
 from typing import Any, Union
 
 from . import webconfig, yamlfile
-from .alerts import AlertSettings, Threshold
-from .gpu.sim.scenario import resolve_scenario, unknown_scenario
 from .schema import MISSING, NONE_WORDS, Reader, type_name
+from .throttle import Threshold
 from .webconfig import WebConfig
 from .yamlfile import ConfigError, Document, Path_
 
@@ -71,8 +70,20 @@ class TuningConfig:
 @dataclass(frozen=True)
 class GpuBackendConfig:
     backend: str = "nvml"
-    scenario: str = "rtx-pro-4000-headless"
-    scenario_path: Path | None = None  # resolved file for backend "sim"
+    scenario: str = "rtx-pro-4000-headless"  # for backend "sim": a built-in name or a file
+    base_dir: Path | None = None  # where a relative scenario file is looked up: the config's directory
+
+
+@dataclass(frozen=True)
+class AlertSettings:
+    for_s: float = 2.0
+    clear_for_s: float = 10.0
+    repeat_s: float = 600.0
+    busy_utilization_pct: float = 20.0
+    sm_clock_min: Threshold = Threshold(fraction=0.5)
+    memory_clock_min: Threshold = Threshold(fraction=0.5)
+    reapply_min_interval_s: float = 30.0
+    warn_at_design_power: bool = False  # True: SwPowerCap at the card's maximum limit is power_capped too
 
 
 DEFAULT_LISTEN = ("127.0.0.1", 9847)  # dcgm-exporter uses 9400, nvidia_gpu_exporter 9835
@@ -241,10 +252,11 @@ def _validate(doc: Document, files: tuple[str, ...]) -> Config:
     r = Reader(doc)
     r.mapping((), ("gpu", "poll_interval_s", "counters_interval_s", "log_interval_s", "tuning", "alerts",
                    "metrics", "serve"))
+    d = Config()
     gpu = _gpu_section(r, Path(doc.file).parent)
-    poll = r.number(("poll_interval_s",), 1.0, 0.05, 3600, unit=" s")
-    counters = r.number(("counters_interval_s",), 10.0, 1, 86400, unit=" s")
-    log_interval = r.number(("log_interval_s",), 60.0, 0, 86400, unit=" s")
+    poll = r.number(("poll_interval_s",), d.poll_interval_s, 0.05, 3600, unit=" s")
+    counters = r.number(("counters_interval_s",), d.counters_interval_s, 1, 86400, unit=" s")
+    log_interval = r.number(("log_interval_s",), d.log_interval_s, 0, 86400, unit=" s")
     tuning = _tuning_section(r)
     alerts = _alerts_section(r)
     metrics = MetricsConfig(_listen(r, ("metrics", "listen")), _web_config(r, Path(doc.file).parent))
@@ -375,9 +387,7 @@ def _web_config(r: Reader, base_dir: Path) -> WebConfig | None:
         return None
     try:
         return webconfig.load(base_dir / value)
-    except ConfigError as exc:
-        r.errors.append(exc)
-    except yamlfile.ConfigErrors as exc:
+    except yamlfile.InvalidConfig as exc:
         r.errors.extend(exc.errors)
     return None
 
@@ -401,25 +411,25 @@ def _listen(r: Reader, path: Path_) -> tuple[str, int] | None:
 
 
 def _gpu_section(r: Reader, base_dir: Path) -> GpuBackendConfig:
+    """The scenario name is checked where the backend is opened (backends.py): the simulator's files are
+    the gpu package's business, not the config's."""
+    d = GpuBackendConfig()
     r.mapping(("gpu",), ("backend", "scenario"))
-    backend = r.string(("gpu", "backend"), "nvml", ("nvml", "sim"))
-    scenario = r.string(("gpu", "scenario"), "rtx-pro-4000-headless")
-    scenario_path = None
-    if backend == "sim" and isinstance(scenario, str):
-        scenario_path = resolve_scenario(scenario, base_dir)
-        if scenario_path is None:
-            r.fail(("gpu", "scenario"), *unknown_scenario(scenario))
-    return GpuBackendConfig(backend, scenario, scenario_path)
+    backend = r.string(("gpu", "backend"), d.backend, ("nvml", "sim"))
+    scenario = r.string(("gpu", "scenario"), d.scenario)
+    return GpuBackendConfig(backend, scenario, base_dir)
 
 
 def _tuning_section(r: Reader) -> TuningConfig:
     base = ("tuning",)
+    d = TuningConfig()
     r.mapping(base, ("apply", "restore_on_stop", "gpus") + PER_GPU_KEYS)
     default = GpuTuning(
-        persistence_mode=r.boolean(base + ("persistence_mode",), True),
-        gpu_clocks=_clock_target(r, base + ("gpu_clocks",), "max"),
-        memory_clocks=_clock_target(r, base + ("memory_clocks",), None),
-        power_limit_w=r.optional_number(base + ("power_limit_w",), None, 1, MAX_WATTS, unit=" W"),
+        persistence_mode=r.boolean(base + ("persistence_mode",), d.default.persistence_mode),
+        gpu_clocks=_clock_target(r, base + ("gpu_clocks",), d.default.gpu_clocks),
+        memory_clocks=_clock_target(r, base + ("memory_clocks",), d.default.memory_clocks),
+        power_limit_w=r.optional_number(base + ("power_limit_w",), d.default.power_limit_w, 1, MAX_WATTS,
+                                        unit=" W"),
     )
     overrides = []
     for key, value in r.mapping(base + ("gpus",), None).items():
@@ -445,8 +455,8 @@ def _tuning_section(r: Reader) -> TuningConfig:
                 settings.append((setting, _clock_target(r, sub, None)))
         overrides.append((key, tuple(settings)))
     return TuningConfig(
-        apply=r.boolean(base + ("apply",), True),
-        restore_on_stop=r.boolean(base + ("restore_on_stop",), False),
+        apply=r.boolean(base + ("apply",), d.apply),
+        restore_on_stop=r.boolean(base + ("restore_on_stop",), d.restore_on_stop),
         default=default,
         overrides=tuple(overrides),
     )

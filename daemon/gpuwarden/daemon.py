@@ -37,7 +37,7 @@ from .serving.supervisor import FATAL, RUNNING, Supervisor
 from .serving.vllm_metrics import VllmMetricsReader
 from .systemd import Notifier, flush_logs
 from .tuning import Plan, Tuner, make_plan
-from .yamlfile import ConfigError, ConfigErrors
+from .yamlfile import ConfigErrors, InvalidConfig
 
 log = logging.getLogger("gpuwarden")
 
@@ -306,8 +306,8 @@ class Daemon:
             serve_changed = new.serve != self.config.serve
             # lint only: vLLM's parser takes too long to run inside the watchdog's window
             serving = self._prepare_serving(new, deep=False) if serve_changed and new.serve.enabled else None
-        except (ConfigError, ConfigErrors) as exc:
-            problems = exc.errors if isinstance(exc, ConfigErrors) else [exc]
+        except InvalidConfig as exc:
+            problems = exc.errors
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
             log.error("reload failed, still running the previous config: %s%s", problems[0], more)
             return

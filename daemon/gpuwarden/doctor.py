@@ -8,15 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import Config
+from . import throttle
+from .config import AlertSettings, Config
 from .gpu.base import ClockEventReason as R
 from .gpu.base import GpuBackend, GpuSample
-from .yamlfile import ConfigError, ConfigErrors
+from .yamlfile import InvalidConfig
 
 OK, INFO, WARNING, ERROR = "ok", "info", "warning", "error"
 EXIT = {OK: 0, INFO: 0, WARNING: 1, ERROR: 2}
 MIN_SM120_DRIVER = 580  # CUDA graphs work on SM120 from driver 580 on (the RTX PRO 4000 report)
-BUSY_PCT = 20
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ def diagnose(config: Config, backend: GpuBackend, deep: bool = True) -> list[Fin
                                     "check `dmesg` for Xid errors; reset the GPU or reboot"))
             continue
         findings.append(_persistence(s, persistenced))
-        findings.append(_clocks(s))
+        findings.append(_clocks(s, config.alerts))
         findings.append(_power(s))
     findings.extend(_serving(config, backend, deep))
     return findings
@@ -77,24 +77,26 @@ def _persistence(s: GpuSample, persistenced: bool) -> Finding:
                    "unloads between CUDA programs", "`sudo gpuwarden apply` (or run the gpuwarden service)")
 
 
-def _clocks(s: GpuSample) -> Finding:
+def _clocks(s: GpuSample, alerts: AlertSettings) -> Finding:
+    """The same question the alert rules ask (throttle.py), with the configured busy level and threshold;
+    doctor knows no lock, so the threshold is taken against the maximum clock."""
     check = f"GPU{s.index} clocks"
-    reasons = s.clock_event_reasons or R.NONE
+    reasons = throttle.reasons(s)
     names = ",".join(reasons.names()) or "none"
     sm, top = s.sm_clock_mhz, s.max_sm_clock_mhz
-    if sm is None or top is None:
+    verdict = throttle.judge(sm, top, None, alerts.sm_clock_min, s)
+    if verdict is None:
         return Finding(INFO, check, "clocks are not reported by this GPU")
-    busy = (s.utilization_pct or 0) >= BUSY_PCT
+    busy = throttle.is_busy(s, alerts.busy_utilization_pct)
     now = f"SM {sm}/{top} MHz, memory {s.memory_clock_mhz} MHz, util {s.utilization_pct}%, P{s.performance_state}, " \
           f"reasons {names}"
-    if busy and sm < top / 2 and not reasons & (R.SwPowerCap | R.SwThermalSlowdown | R.HwThermalSlowdown
-                                                | R.HwSlowdown | R.HwPowerBrakeSlowdown):
-        return Finding(ERROR, check, f"busy but stuck low with no throttle reason: {now}",
+    if busy and verdict.low and not verdict.held:
+        return Finding(ERROR, check, f"busy but stuck low with no throttle reason (below {verdict.limit:.0f} MHz, "
+                       f"alerts.sm_clock_min_mhz {alerts.sm_clock_min}): {now}",
                        "lock the clocks: `sudo gpuwarden apply` with tuning.gpu_clocks: max")
-    if busy and reasons & (R.HwThermalSlowdown | R.HwSlowdown | R.HwPowerBrakeSlowdown):
+    if busy and reasons & throttle.HARDWARE:
         return Finding(ERROR, check, f"hardware slowdown: {now}", "check cooling and the power supply now")
-    at_max = s.power_limit_w is not None and s.power_limit_max_w is not None and \
-        s.power_limit_w >= s.power_limit_max_w - 0.5
+    at_max = throttle.at_max_power_limit(s)
     if busy and reasons & R.SwPowerCap and not reasons & R.SwThermalSlowdown and at_max:
         return Finding(OK, check, f"at its design power (SwPowerCap at its maximum limit, "
                        f"{s.power_limit_w:g} W): {now}")
@@ -105,7 +107,7 @@ def _clocks(s: GpuSample) -> Finding:
                        "raise the power limit within its constraints (`gpuwarden plan`)")
     if busy and reasons & R.SwThermalSlowdown:
         return Finding(WARNING, check, f"thermally throttled: {now}", "improve cooling or airflow")
-    if not busy and sm < top / 2 and (s.performance_state or 0) >= 8 and (s.compute_capability or "").startswith("12."):
+    if not busy and verdict.low and (s.performance_state or 0) >= 8 and (s.compute_capability or "").startswith("12."):
         return Finding(WARNING, check, f"idle and unlocked: {now}; headless SM12x cards stay at these clocks under "
                        "load", "lock the clocks: `sudo gpuwarden apply` with tuning.gpu_clocks: max")
     return Finding(OK, check, now)
@@ -130,9 +132,8 @@ def _serving(config: Config, backend: GpuBackend, deep: bool) -> list[Finding]:
 
     try:
         prepared = prepare_serve(config, backend, deep=deep)
-    except (ConfigError, ConfigErrors) as exc:
-        first = exc.errors[0] if isinstance(exc, ConfigErrors) else exc
-        return [Finding(ERROR, "vLLM profile", str(first))]
+    except InvalidConfig as exc:
+        return [Finding(ERROR, "vLLM profile", str(exc.errors[0]))]
     findings = [Finding(OK, "vLLM profile", f"{prepared.command.profile.name} for {config.serve.model}")]
     if prepared.home_note:
         findings.append(Finding(INFO, "vLLM home", prepared.home_note))

@@ -19,6 +19,7 @@ from .alerts import CRITICAL, FIRING, REAPPLY_ON, RULES, SERVING_RULES, WARNING,
 from .config import Config
 from .gpu.base import ClockEventReason, GpuBackend, GpuSample
 from .systemd import NOTICE
+from .throttle import is_busy
 from .tuning import Plan, Tuner, make_plan
 from .yamlfile import ConfigErrors
 
@@ -224,7 +225,7 @@ class Monitor:
     def _context(self, sample: GpuSample, now: float) -> GpuContext:
         settings = self.config.alerts
         sm_lock, mem_lock = self.locks.get(sample.index, (None, None))
-        busy = (sample.utilization_pct or 0) >= settings.busy_utilization_pct or bool(self.running_requests)
+        busy = is_busy(sample, settings.busy_utilization_pct, self.running_requests)
         # Read-only mode sets nothing, so "configured on" is only a wish there, not drift. While
         # nvidia-persistenced runs, the plan leaves persistence mode to it (some distributions run it with
         # --no-persistence-mode, and that is their choice), so off is not drift either.

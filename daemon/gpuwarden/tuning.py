@@ -14,15 +14,11 @@ from collections.abc import Iterable
 
 from .config import Config, GpuTuning
 from .gpu import errors
-from .gpu.base import ClockEventReason as R
 from .gpu.base import Gpu, GpuBackend, GpuCapabilities, GpuSample
 from .originals import OriginalsStore
+from .throttle import held_down_by, within_lock
 from .yamlfile import ConfigError, ConfigErrors
 
-# Reasons that legitimately hold a clock below its lock.
-EXPLAINED_BELOW_LOCK = (R.SwPowerCap | R.HwSlowdown | R.SwThermalSlowdown | R.HwThermalSlowdown
-                        | R.HwPowerBrakeSlowdown | R.SyncBoost)
-CLOCK_TOLERANCE_MHZ = 30  # real cards report clocks a step or so off the lock
 POWER_TOLERANCE_W = 1.0
 
 
@@ -327,10 +323,9 @@ def _verify(action: Action, sample: GpuSample) -> Outcome:
     clock = sample.sm_clock_mhz if setting == "gpu_clocks" else sample.memory_clock_mhz
     if clock is None:
         return Outcome(action, False, "clock is unreadable")
-    low, high = target
-    if low - CLOCK_TOLERANCE_MHZ <= clock <= high + CLOCK_TOLERANCE_MHZ:
+    if within_lock(clock, target):
         return Outcome(action, True, f"reads {clock} MHz")
-    held = (sample.clock_event_reasons or R.NONE) & EXPLAINED_BELOW_LOCK
-    if clock < low and held:
+    held = held_down_by(sample)
+    if clock < target[0] and held:
         return Outcome(action, True, f"reads {clock} MHz, held below the lock by {', '.join(held.names())}")
     return Outcome(action, False, f"reads {clock} MHz, outside the lock")

@@ -29,12 +29,22 @@ MAX_DIGITS = 30
 Path_ = tuple[str, ...]
 
 
-class ConfigError(Exception):
+class InvalidConfig(Exception):
+    """A config, profile or other file a user wrote is wrong: one problem or several, always as `errors`."""
+
+    errors: list[ConfigError]
+
+
+class ConfigError(InvalidConfig):
     """One problem in a file a user wrote, rendered as one line."""
 
     def __init__(self, file: str, line: int, key: str, message: str, allowed: str | None = None):
         self.file, self.line, self.key, self.message, self.allowed = file, line, key, message, allowed
         super().__init__(str(self))
+
+    @property
+    def errors(self) -> list[ConfigError]:
+        return [self]
 
     def __str__(self) -> str:
         text = f"{self.file}:{self.line}: {self.key}: {self.message}"
@@ -45,7 +55,7 @@ class ConfigError(Exception):
                 "message": self.message, "allowed": self.allowed}
 
 
-class ConfigErrors(Exception):
+class ConfigErrors(InvalidConfig):
     """All the problems found in one pass, so a user fixes them in one go."""
 
     def __init__(self, errors: list[ConfigError]):

@@ -13,7 +13,7 @@ from pathlib import Path
 from .. import yamlfile
 from ..gpu.base import GpuSample
 from ..schema import MISSING, Reader, type_name
-from ..yamlfile import ConfigError, ConfigErrors
+from ..yamlfile import ConfigError, ConfigErrors, InvalidConfig
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "profiles"
 GIB = 1024 ** 3
@@ -137,10 +137,7 @@ def load_profiles(user_dir: Path | None) -> dict[str, Profile]:
     for file in files:
         try:
             profile = load_profile(file)
-        except ConfigError as exc:
-            problems.append(exc)
-            continue
-        except ConfigErrors as exc:
+        except InvalidConfig as exc:
             problems.extend(exc.errors)
             continue
         profiles[profile.name] = profile
