@@ -17,6 +17,7 @@ from .gpu import errors
 from .gpu.sim.scenario import builtin_scenarios, resolve_scenario, unknown_scenario
 from .serving.secrets import redact_argv, redact_env
 from .originals import originals_store
+from . import tunables
 from .tuning import Outcome, Plan, Tuner, make_plan
 from .systemd import print_error
 from .yamlfile import ConfigError, ConfigErrors, InvalidConfig
@@ -272,7 +273,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def render_plan(plan: Plan, config: Config) -> str:
     lines = [f"note: {note}" for note in plan.notes]
-    if any(a.setting.endswith("_clocks") for a in plan.actions):
+    if any(tunables.BY_KEY[a.setting].lock_of for a in plan.actions):
         lines.append("note: NVML cannot read a clock lock back, so locks are set on every apply "
                      "and verified by reading the clock")
     for gpu in plan.gpus:

@@ -10,11 +10,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
-from . import webconfig, yamlfile
+from . import tunables, webconfig, yamlfile
 from .schema import MISSING, NONE_WORDS, Reader, type_name
 from .throttle import Threshold
 from .webconfig import WebConfig
@@ -23,30 +23,32 @@ from .yamlfile import ConfigError, Document, Path_
 DEFAULT_PATH = Path("/etc/gpuwarden/gpuwarden.yaml")
 EX_CONFIG = 78  # sysexits.h; the unit's RestartPreventExitStatus
 
-# A clock setting: "max", an inclusive (min, max) MHz range, or None (leave alone).
-ClockTarget = Union[str, tuple[int, int], None]
-MAX_MHZ = 100_000
-MAX_WATTS = 5_000
-
-PER_GPU_KEYS = ("persistence_mode", "gpu_clocks", "memory_clocks", "power_limit_w")
 UUID_RE = re.compile(r"^(GPU|MIG)-[0-9A-Za-z-]+$")
 
 
 @dataclass(frozen=True)
 class GpuTuning:
-    """What to set on one GPU."""
+    """What to set on one GPU: a wanted value for every setting of tunables.TUNABLES, by key
+    (tuning.gpu_clocks reads as an attribute)."""
 
-    persistence_mode: bool = True
-    gpu_clocks: ClockTarget = "max"
-    memory_clocks: ClockTarget = None
-    power_limit_w: float | None = None
+    wanted: tuple[tuple[str, Any], ...] = field(
+        default_factory=lambda: tuple((t.key, t.default) for t in tunables.TUNABLES))
+
+    def __getattr__(self, key: str) -> Any:
+        for name, value in object.__getattribute__(self, "wanted"):
+            if name == key:
+                return value
+        raise AttributeError(key)
+
+    def updated(self, changes: dict[str, Any]) -> GpuTuning:
+        return GpuTuning(tuple((key, changes.get(key, value)) for key, value in self.wanted))
 
 
 @dataclass(frozen=True)
 class TuningConfig:
     apply: bool = True
     restore_on_stop: bool = False
-    default: GpuTuning = GpuTuning()
+    default: GpuTuning = field(default_factory=GpuTuning)
     # Per-GPU partial overrides, keyed by index ("0") or UUID, as (key, ((setting, value), ...)).
     overrides: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
 
@@ -55,7 +57,7 @@ class TuningConfig:
         tuning = self.default
         for key in (str(index), uuid):  # a UUID is more specific, so it wins
             if key in by_key:
-                tuning = replace(tuning, **dict(by_key[key]))
+                tuning = tuning.updated(dict(by_key[key]))
         return tuning
 
     def override_source(self, index: int, uuid: str, setting: str) -> Path_:
@@ -142,7 +144,7 @@ class Config:
     poll_interval_s: float = 1.0
     counters_interval_s: float = 10.0
     log_interval_s: float = 60.0
-    tuning: TuningConfig = TuningConfig()
+    tuning: TuningConfig = field(default_factory=TuningConfig)
     alerts: AlertSettings = AlertSettings()
     metrics: MetricsConfig = MetricsConfig()
     serve: ServeConfig = ServeConfig()
@@ -151,12 +153,8 @@ class Config:
 
     def as_dict(self) -> dict:
         """The effective settings, in the config file's own shape (parses back to an equal Config)."""
-        def clocks(value: ClockTarget) -> Any:
-            return list(value) if isinstance(value, tuple) else ("none" if value is None else value)
-
         def per_gpu(settings: dict) -> dict:
-            return {k: clocks(v) if k.endswith("_clocks") else ("none" if v is None else v)
-                    for k, v in settings.items()}
+            return {k: tunables.BY_KEY[k].config_value(v) for k, v in settings.items()}
 
         t, a = self.tuning, self.alerts
         listen = self.metrics.listen
@@ -178,7 +176,7 @@ class Config:
             "serve": _serve_dict(self.serve),
             "tuning": {
                 "apply": t.apply, "restore_on_stop": t.restore_on_stop,
-                **per_gpu(dataclasses.asdict(t.default)),
+                **per_gpu(dict(t.default.wanted)),
                 "gpus": {key: per_gpu(dict(settings)) for key, settings in t.overrides},
             },
         }
@@ -363,7 +361,7 @@ def _alerts_section(r: Reader) -> AlertSettings:
 
 def _threshold(r: Reader, path: Path_, default: Threshold) -> Threshold:
     value = r.get(path)
-    allowed = f"MHz (1-{MAX_MHZ}), or a percentage of the locked (else max) clock such as \"50%\""
+    allowed = f"MHz (1-{tunables.MAX_MHZ}), or a percentage of the locked (else max) clock such as \"50%\""
     if value is MISSING:
         return default
     if isinstance(value, str) and value.endswith("%"):
@@ -375,7 +373,7 @@ def _threshold(r: Reader, path: Path_, default: Threshold) -> Threshold:
             return Threshold(fraction=pct / 100)
         r.fail(path, f"'{value}' is not a percentage between 0 and 100", allowed)
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1 <= value <= MAX_MHZ:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1 <= value <= tunables.MAX_MHZ:
         r.fail(path, f"expected MHz or a percentage, got {type_name(value)} {value!r}", allowed)
         return default
     return Threshold(mhz=float(value))
@@ -423,14 +421,8 @@ def _gpu_section(r: Reader, base_dir: Path) -> GpuBackendConfig:
 def _tuning_section(r: Reader) -> TuningConfig:
     base = ("tuning",)
     d = TuningConfig()
-    r.mapping(base, ("apply", "restore_on_stop", "gpus") + PER_GPU_KEYS)
-    default = GpuTuning(
-        persistence_mode=r.boolean(base + ("persistence_mode",), d.default.persistence_mode),
-        gpu_clocks=_clock_target(r, base + ("gpu_clocks",), d.default.gpu_clocks),
-        memory_clocks=_clock_target(r, base + ("memory_clocks",), d.default.memory_clocks),
-        power_limit_w=r.optional_number(base + ("power_limit_w",), d.default.power_limit_w, 1, MAX_WATTS,
-                                        unit=" W"),
-    )
+    r.mapping(base, ("apply", "restore_on_stop", "gpus") + tunables.keys())
+    default = GpuTuning(tuple((t.key, t.parse(r, base + (t.key,), t.default)) for t in tunables.TUNABLES))
     overrides = []
     for key, value in r.mapping(base + ("gpus",), None).items():
         path = base + ("gpus", key)
@@ -439,53 +431,14 @@ def _tuning_section(r: Reader) -> TuningConfig:
             continue
         if not isinstance(value, dict):
             r.fail(path, f"expected a mapping of per-GPU settings, got {type_name(value)}",
-                   "keys: " + ", ".join(PER_GPU_KEYS))
+                   "keys: " + ", ".join(tunables.keys()))
             continue
-        r.mapping(path, PER_GPU_KEYS)
-        settings = []
-        for setting in PER_GPU_KEYS:
-            if setting not in value:
-                continue
-            sub = path + (setting,)
-            if setting == "persistence_mode":
-                settings.append((setting, r.boolean(sub, True)))
-            elif setting == "power_limit_w":
-                settings.append((setting, r.optional_number(sub, None, 1, MAX_WATTS, unit=" W")))
-            else:
-                settings.append((setting, _clock_target(r, sub, None)))
-        overrides.append((key, tuple(settings)))
+        r.mapping(path, tunables.keys())
+        overrides.append((key, tuple((t.key, t.parse(r, path + (t.key,), t.default))
+                                     for t in tunables.TUNABLES if t.key in value)))
     return TuningConfig(
         apply=r.boolean(base + ("apply",), d.apply),
         restore_on_stop=r.boolean(base + ("restore_on_stop",), d.restore_on_stop),
         default=default,
         overrides=tuple(overrides),
     )
-
-
-def _clock_target(r: Reader, path: Path_, default: ClockTarget) -> ClockTarget:
-    allowed = f"max, none, or [MIN_MHZ, MAX_MHZ] with 1 <= MIN <= MAX <= {MAX_MHZ}"
-    value = r.get(path)
-    if value is MISSING:
-        return default
-    if value is None or (isinstance(value, str) and value.lower() in NONE_WORDS):
-        return None
-    if isinstance(value, str):
-        if value.lower() == "max":
-            return "max"
-        r.fail(path, f"'{value}' is not a clock setting", allowed)
-        return default
-    if not isinstance(value, list) or len(value) != 2:
-        shape = f"a list of {len(value)}" if isinstance(value, list) else type_name(value)
-        r.fail(path, f"expected a [MIN, MAX] pair, got {shape}", allowed)
-        return default
-    low, high = value
-    if any(isinstance(v, bool) or not isinstance(v, int) for v in value):
-        r.fail(path, f"clock values must be whole MHz, got {value!r}", allowed)
-        return default
-    if low < 1 or high > MAX_MHZ:
-        r.fail(path, f"[{low}, {high}] MHz is out of range", allowed)
-        return default
-    if low > high:
-        r.fail(path, f"min {low} MHz is above max {high} MHz", allowed)
-        return default
-    return (low, high)

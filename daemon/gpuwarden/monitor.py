@@ -20,6 +20,7 @@ from .config import Config
 from .gpu.base import ClockEventReason, GpuBackend, GpuSample
 from .systemd import NOTICE
 from .throttle import is_busy
+from . import tunables
 from .tuning import Plan, Tuner, make_plan
 from .yamlfile import ConfigErrors
 
@@ -215,9 +216,10 @@ class Monitor:
 
     def _track_locks(self, plan: Plan, applied: bool) -> None:
         for action in plan.actions if applied else ():
-            if action.setting in ("gpu_clocks", "memory_clocks"):
+            lock_of = tunables.BY_KEY[action.setting].lock_of
+            if lock_of:
                 sm, mem = self.locks.get(action.gpu, (None, None))
-                self.locks[action.gpu] = (action.target, mem) if action.setting == "gpu_clocks" else (sm, action.target)
+                self.locks[action.gpu] = (action.target, mem) if lock_of == "sm" else (sm, action.target)
 
     def report_running_requests(self, count: int | None) -> None:
         self.running_requests = count

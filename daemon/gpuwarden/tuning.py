@@ -1,22 +1,22 @@
 """GPU tuning in four steps: plan (data only), apply, verify, restore.
 
-Following Red Hat tuned: each setting has apply / verify / unapply, and the
-original value is recorded before the first change so it can be put back.
-NVML cannot read a clock lock back, so clock verification reads the clock
-itself and accepts a lower one only when a power or thermal reason explains it.
+Following Red Hat tuned: each setting (tunables.TUNABLES) has apply / verify /
+unapply, and the original value is recorded before the first change so it can
+be put back. This module runs the steps over the table for every GPU; what a
+setting means lives in its Tunable.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
-from collections.abc import Iterable
 
 from .config import Config, GpuTuning
 from .gpu import errors
 from .gpu.base import Gpu, GpuBackend, GpuCapabilities, GpuSample
 from .originals import OriginalsStore
-from .throttle import held_down_by, within_lock
+from . import tunables
+from .tunables import Step, Unfit
 from .yamlfile import ConfigError, ConfigErrors
 
 POWER_TOLERANCE_W = 1.0
@@ -26,7 +26,7 @@ POWER_TOLERANCE_W = 1.0
 class Action:
     gpu: int
     uuid: str
-    setting: str  # persistence_mode | gpu_clocks | memory_clocks | power_limit_w
+    setting: str  # a key of tunables.BY_KEY
     current: Any  # what the GPU reads now (bool, MHz or W; None if unreadable)
     target: Any  # True, (min, max) MHz, or W
     change: bool  # False: nothing to do
@@ -46,15 +46,7 @@ class Action:
 
 
 def _show(setting: str, value: Any, current: bool) -> str:
-    if value is None:
-        return "unreadable"
-    if setting == "persistence_mode":
-        return "on" if value else "off"
-    if setting == "power_limit_w":
-        return f"{value:g} W"
-    if isinstance(value, tuple):
-        return f"lock {value[0]}-{value[1]} MHz"
-    return f"{value} MHz" + (" now" if current else "")
+    return tunables.BY_KEY[setting].show(value, current)
 
 
 @dataclass(frozen=True)
@@ -125,59 +117,18 @@ def _check_override_keys(config: Config, gpus: list[Gpu], problems: list[ConfigE
 
 def _gpu_actions(config: Config, gpu: Gpu, want: GpuTuning, sample: GpuSample, caps: GpuCapabilities,
                  persistenced: bool, per_gpu: dict[tuple, list[Gpu]]) -> list[Action]:
-    def fail(setting: str, message: str, allowed: str | None = None) -> None:
-        path = config.tuning.override_source(gpu.index, gpu.uuid, setting)
-        per_gpu.setdefault((path, message, allowed), []).append(gpu)
-
     actions = []
-    if want.persistence_mode:
-        current = sample.persistence_mode
-        if persistenced:
-            actions.append(Action(gpu.index, gpu.uuid, "persistence_mode", current, True, False,
-                                  "left to nvidia-persistenced"))
-        elif current is None:
-            actions.append(Action(gpu.index, gpu.uuid, "persistence_mode", None, True, False,
-                                  "not supported on this GPU"))
-        else:
-            actions.append(Action(gpu.index, gpu.uuid, "persistence_mode", current, True, not current))
-
-    graphics = caps.graphics_clocks_mhz or tuple(c for c in (sample.max_graphics_clock_mhz,) if c)
-    target = _clock_range(want.gpu_clocks, graphics, "gpu_clocks", fail)
-    if target:
-        actions.append(Action(gpu.index, gpu.uuid, "gpu_clocks", sample.sm_clock_mhz, target, True))
-    memory = caps.memory_clocks_mhz or tuple(c for c in (sample.max_memory_clock_mhz,) if c)
-    target = _clock_range(want.memory_clocks, memory, "memory_clocks", fail)
-    if target:
-        actions.append(Action(gpu.index, gpu.uuid, "memory_clocks", sample.memory_clock_mhz, target, True))
-
-    if want.power_limit_w is not None:
-        low, high = caps.power_limit_min_w, caps.power_limit_max_w
-        if low is None or high is None:
-            fail("power_limit_w", "setting a power limit is not supported on this GPU", "none")
-        elif not low <= want.power_limit_w <= high:
-            fail("power_limit_w", f"{want.power_limit_w:g} W is outside this GPU's power constraints",
-                 f"allowed {low:g}-{high:g} W")
-        else:
-            current = sample.power_limit_w
-            change = current is None or abs(current - want.power_limit_w) >= POWER_TOLERANCE_W / 2
-            actions.append(Action(gpu.index, gpu.uuid, "power_limit_w", current, want.power_limit_w, change))
+    for tunable in tunables.TUNABLES:
+        try:
+            step = tunable.plan(getattr(want, tunable.key), sample, caps, persistenced)
+        except Unfit as unfit:
+            path = config.tuning.override_source(gpu.index, gpu.uuid, tunable.key)
+            per_gpu.setdefault((path, unfit.message, unfit.allowed), []).append(gpu)
+            continue
+        if step is not None:
+            actions.append(Action(gpu.index, gpu.uuid, tunable.key, step.current, step.target, step.change,
+                                  step.note))
     return actions
-
-
-def _clock_range(setting: Any, supported: Iterable[int], name: str, fail) -> tuple[int, int] | None:
-    if setting is None:
-        return None
-    supported = sorted(supported)
-    if not supported:
-        fail(name, "this GPU lists no supported clocks, so they cannot be locked", "none")
-        return None
-    low, high = supported[0], supported[-1]
-    if setting == "max":
-        return (high, high)
-    if setting[0] < low or setting[1] > high:
-        fail(name, f"[{setting[0]}, {setting[1]}] MHz is not supported", f"allowed {low}-{high} MHz")
-        return None
-    return tuple(setting)
 
 
 # -- apply / verify / restore ------------------------------------------------------
@@ -198,10 +149,12 @@ class Outcome:
 class OriginalState:
     """One GPU's settings before gpuwarden first changed them."""
 
-    persistence_mode: bool | None = None
-    power_limit_w: float | None = None
+    values: dict[str, Any] = field(default_factory=dict)  # setting -> original, for records_original ones
     locked: set[str] = field(default_factory=set)  # settings whose locks gpuwarden set
-    recorded: set[str] = field(default_factory=set)  # settings whose original is above
+    recorded: set[str] = field(default_factory=set)  # settings whose original has been recorded
+
+    def frozen(self) -> tuple:
+        return dict(self.values), set(self.locked), set(self.recorded)
 
 
 class Tuner:
@@ -214,15 +167,15 @@ class Tuner:
         for gpu in backend.gpus():
             if gpu.uuid in saved:
                 s = saved[gpu.uuid]
-                self.original[gpu.index] = OriginalState(s.get("persistence_mode"), s.get("power_limit_w"),
-                                                         set(s.get("locked", [])), set(s.get("recorded", [])))
+                self.original[gpu.index] = OriginalState(
+                    {t.key: s.get(t.key) for t in tunables.TUNABLES if t.records_original},
+                    set(s.get("locked", [])), set(s.get("recorded", [])))
 
     def _save(self) -> None:
         if self.store is None:
             return
         by_uuid = {g.index: g.uuid for g in self.backend.gpus()}
-        self.store.save({by_uuid[i]: {"persistence_mode": s.persistence_mode, "power_limit_w": s.power_limit_w,
-                                      "locked": sorted(s.locked), "recorded": sorted(s.recorded)}
+        self.store.save({by_uuid[i]: {**s.values, "locked": sorted(s.locked), "recorded": sorted(s.recorded)}
                          for i, s in self.original.items() if i in by_uuid})
 
     def _gpu(self, index: int) -> Gpu:
@@ -230,22 +183,21 @@ class Tuner:
 
     def apply(self, plan: Plan) -> list[Outcome]:
         outcomes = []
-        before = {i: (s.persistence_mode, s.power_limit_w, set(s.locked), set(s.recorded))
-                  for i, s in self.original.items()}
+        before = {i: s.frozen() for i, s in self.original.items()}
         for action in plan.actions:
             self._record_original(action)  # unchanged ones too: a later re-apply must not mistake drift for it
             if not action.change:
                 continue
+            tunable = tunables.BY_KEY[action.setting]
             try:
-                _set(self._gpu(action.gpu), action.setting, action.target)
+                tunable.set(self._gpu(action.gpu), action.target)
             except errors.GpuError as exc:
                 outcomes.append(Outcome(action, False, str(exc), type(exc)))
                 continue
-            if action.setting in ("gpu_clocks", "memory_clocks"):
+            if tunable.lock_of:
                 self.original[action.gpu].locked.add(action.setting)
             outcomes.append(Outcome(action, True))
-        after = {i: (s.persistence_mode, s.power_limit_w, s.locked, s.recorded) for i, s in self.original.items()}
-        if after != before:
+        if {i: s.frozen() for i, s in self.original.items()} != before:
             self._save()  # before anything else can happen to this daemon
         return outcomes
 
@@ -254,10 +206,8 @@ class Tuner:
         if action.setting in state.recorded:
             return
         state.recorded.add(action.setting)
-        if action.setting == "persistence_mode":
-            state.persistence_mode = action.current
-        if action.setting == "power_limit_w":
-            state.power_limit_w = action.current
+        if tunables.BY_KEY[action.setting].records_original:
+            state.values[action.setting] = action.current
 
     def verify(self, plan: Plan) -> list[Outcome]:
         """Read every planned setting back."""
@@ -265,67 +215,32 @@ class Tuner:
         return [_verify(action, samples[action.gpu]) for action in plan.actions if action.target is not None]
 
     def restore(self, only: set[tuple[int, str]] | None = None) -> list[Outcome]:
-        """Put back what apply changed (or only these (gpu, setting) pairs); forget what was restored."""
+        """Put back what apply changed (or only these (gpu, setting) pairs); forget what was restored.
+        Settings go back in reverse table order: the power limit, the locks, then persistence mode."""
         outcomes = []
         for index, state in sorted(self.original.items()):
             gpu = self._gpu(index)
-            undo: list[tuple[str, Any]] = [(s, None) for s in sorted(state.locked)]
-            if state.power_limit_w is not None:
-                undo.append(("power_limit_w", state.power_limit_w))
-            if state.persistence_mode is False:
-                undo.append(("persistence_mode", False))
-            for setting, value in undo:
-                if only is not None and (index, setting) not in only:
+            for tunable in reversed(tunables.TUNABLES):
+                todo, value = tunable.undo(state.values.get(tunable.key), tunable.key in state.locked)
+                if not todo or (only is not None and (index, tunable.key) not in only):
                     continue
-                action = Action(index, gpu.uuid, setting, None, value, True, "restore")
+                action = Action(index, gpu.uuid, tunable.key, None, value, True, "restore")
                 try:
-                    _set(gpu, setting, value)
+                    tunable.set(gpu, value)
                     outcomes.append(Outcome(action, True))
                 except errors.GpuError as exc:
                     outcomes.append(Outcome(action, False, str(exc), type(exc)))
-                state.locked.discard(setting)
-                state.recorded.discard(setting)
-                if setting == "power_limit_w":
-                    state.power_limit_w = None
-                if setting == "persistence_mode":
-                    state.persistence_mode = None
+                state.locked.discard(tunable.key)
+                state.recorded.discard(tunable.key)
+                state.values.pop(tunable.key, None)
         if outcomes:
             self._save()
         return outcomes
 
 
-def _set(gpu: Gpu, setting: str, value: Any) -> None:
-    """One setter; a None value for a clock means reset its lock."""
-    if setting == "persistence_mode":
-        gpu.set_persistence_mode(bool(value))
-    elif setting == "gpu_clocks":
-        gpu.set_gpu_locked_clocks(*value) if value else gpu.reset_gpu_locked_clocks()
-    elif setting == "memory_clocks":
-        gpu.set_memory_locked_clocks(*value) if value else gpu.reset_memory_locked_clocks()
-    elif setting == "power_limit_w":
-        gpu.set_power_limit_w(value)
-    else:
-        raise ValueError(f"unknown tuning setting {setting!r}")
-
-
 def _verify(action: Action, sample: GpuSample) -> Outcome:
     if not sample.up:
         return Outcome(action, False, f"GPU is down: {sample.error}", errors.GpuLost)
-    setting, target = action.setting, action.target
-    if setting == "persistence_mode":
-        if action.note and not action.change:  # left to nvidia-persistenced or unsupported
-            return Outcome(action, True, action.note)
-        ok = sample.persistence_mode is True
-        return Outcome(action, ok, "" if ok else f"reads {_show(setting, sample.persistence_mode, True)}")
-    if setting == "power_limit_w":
-        ok = sample.power_limit_w is not None and abs(sample.power_limit_w - target) < POWER_TOLERANCE_W
-        return Outcome(action, ok, "" if ok else f"reads {_show(setting, sample.power_limit_w, True)}")
-    clock = sample.sm_clock_mhz if setting == "gpu_clocks" else sample.memory_clock_mhz
-    if clock is None:
-        return Outcome(action, False, "clock is unreadable")
-    if within_lock(clock, target):
-        return Outcome(action, True, f"reads {clock} MHz")
-    held = held_down_by(sample)
-    if clock < target[0] and held:
-        return Outcome(action, True, f"reads {clock} MHz, held below the lock by {', '.join(held.names())}")
-    return Outcome(action, False, f"reads {clock} MHz, outside the lock")
+    step = Step(action.current, action.target, action.change, action.note)
+    ok, message = tunables.BY_KEY[action.setting].verify(step, sample)
+    return Outcome(action, ok, message)

@@ -1,0 +1,107 @@
+"""The settings table: a new setting is one Tunable, and config, plan, apply, verify, restore, the originals
+file and `plan`'s output all take it without another change (here a workload profile, as Blackwell has)."""
+
+import json
+
+import pytest
+
+from gpuwarden import config, tunables
+from gpuwarden.backends import open_configured
+from gpuwarden.gpu.sim.backend import ManualClock
+from gpuwarden.originals import OriginalsStore
+from gpuwarden.tunables import Step, Tunable, Unfit
+from gpuwarden.tuning import Tuner, make_plan
+from gpuwarden.yamlfile import ConfigErrors
+
+PROFILES = ("default", "compute", "low_latency")
+
+
+class WorkloadProfile(Tunable):
+    """A stand-in for NVML's workload power profiles: the card's value lives in `profiles`."""
+
+    key, default, records_original = "workload_profile", None, True
+
+    def __init__(self):
+        self.profiles: dict[str, str] = {}  # uuid -> profile in force
+        self.calls: list[tuple[str, str]] = []
+
+    def parse(self, r, path, default):
+        return r.string(path, default if default is not None else "none", PROFILES + ("none",))
+
+    def plan(self, wanted, sample, caps, persistenced):
+        if wanted in (None, "none"):
+            return None
+        if sample.compute_capability != "12.0":
+            raise Unfit("workload profiles need a Blackwell GPU", "none")
+        current = self.profiles.get(sample.uuid, "default")
+        return Step(current, wanted, current != wanted)
+
+    def set(self, gpu, value):
+        self.calls.append((gpu.uuid, value))
+        self.profiles[gpu.uuid] = value
+
+    def verify(self, step, sample):
+        now = self.profiles.get(sample.uuid, "default")
+        return now == step.target, f"reads {now}"
+
+    def undo(self, original, locked):
+        return original is not None, original
+
+    def show(self, value, current):
+        return "unreadable" if value is None else str(value)
+
+
+@pytest.fixture
+def profile(monkeypatch):
+    fake = WorkloadProfile()
+    monkeypatch.setattr(tunables, "TUNABLES", tunables.TUNABLES + (fake,))
+    monkeypatch.setitem(tunables.BY_KEY, fake.key, fake)
+    return fake
+
+
+def test_a_new_setting_goes_through_config_plan_apply_verify_and_restore(profile, tmp_path):
+    text = ("gpu:\n  backend: sim\n  scenario: rtx-pro-6000-tp4\ntuning:\n  workload_profile: compute\n"
+            "  gpus:\n    \"1\": {workload_profile: low_latency}\n")
+    cfg = config.parse_text(text, "t.yaml")
+    assert cfg.tuning.default.workload_profile == "compute"
+    assert cfg.tuning.for_gpu(1, "GPU-x").workload_profile == "low_latency"
+    assert config.parse_text(config_text(cfg)).tuning == cfg.tuning  # as_dict writes it back
+    backend = open_configured(cfg, ManualClock())
+    plan = make_plan(backend, cfg)
+    wanted = {a.gpu: a for a in plan.actions if a.setting == "workload_profile"}
+    assert wanted[0].target == "compute" and wanted[1].target == "low_latency"
+    assert "GPU 0 workload_profile: default -> compute" in [a.describe() for a in plan.actions]
+
+    store = OriginalsStore(tmp_path / "originals.json", boot="b")
+    tuner = Tuner(backend, store)
+    assert all(o.ok for o in tuner.apply(plan) + tuner.verify(plan))
+    uuids = [g.uuid for g in backend.gpus()]
+    assert profile.profiles[uuids[0]] == "compute" and profile.profiles[uuids[1]] == "low_latency"
+    saved = json.loads((tmp_path / "originals.json").read_text())
+    assert saved["gpus"][uuids[0]]["workload_profile"] == "default"  # recorded before the first change
+
+    # A restarted daemon restores it from the originals file, like the built-in settings.
+    restored = Tuner(backend, store).restore()
+    assert ("workload_profile" in {o.action.setting for o in restored}) and all(o.ok for o in restored)
+    assert profile.profiles[uuids[0]] == "default"
+
+
+def test_a_card_that_cannot_take_the_new_setting_is_a_config_error_at_its_line(profile):
+    text = "gpu:\n  backend: sim\n  scenario: dgx-spark\ntuning:\n  workload_profile: compute\n"
+    cfg = config.parse_text(text, "t.yaml")
+    with pytest.raises(ConfigErrors) as caught:
+        make_plan(open_configured(cfg, ManualClock()), cfg)
+    assert "t.yaml:5: tuning.workload_profile: GPU 0" in str(caught.value)
+    assert "workload profiles need a Blackwell GPU" in str(caught.value)
+
+
+def test_the_new_key_is_validated_like_the_others(profile):
+    with pytest.raises(ConfigErrors) as caught:
+        config.parse_text("tuning:\n  workload_profile: turbo\n", "t.yaml")
+    assert "t.yaml:2: tuning.workload_profile" in str(caught.value)
+
+
+def config_text(cfg) -> str:
+    import yaml
+
+    return yaml.safe_dump(cfg.as_dict())
