@@ -11,14 +11,16 @@ from gpuwarden.backends import open_configured
 from gpuwarden.gpu.base import GpuSample
 from gpuwarden.gpu.sim.backend import ManualClock
 from gpuwarden.gpu.sim.scenario import builtin_scenarios
-from gpuwarden.serving.command import build_command, chosen_gpus, flag_value
+from gpuwarden.serving.command import build_command, chosen_gpus
+from gpuwarden.serving.flags import flag_value
 from gpuwarden.serving.lint import lint
 from gpuwarden.serving.profiles import load_profiles, select_profile
 from gpuwarden.serving.identity import Identity
 from gpuwarden.serving.processes import Child
 from gpuwarden.serving.supervisor import (BACKOFF, FATAL, RUNNING, STARTING, STOPPED, STOPPING,
-                                          Supervisor)
-from gpuwarden.serving.vllm_metrics import VllmMetricsReader, parse
+                                          Program, Supervisor)
+from gpuwarden.serving.engines.vllm import ENGINE as VLLM
+from gpuwarden.serving.metrics import MetricsReader, parse
 from gpuwarden.yamlfile import ConfigErrors
 
 PROFILES = load_profiles(None)
@@ -222,8 +224,8 @@ def test_metrics_rates_and_the_kv_cache_rename(monkeypatch):
     texts = iter([SCRAPE.format(gen=100, prompt=10, kv="kv_cache_usage_perc"),
                   SCRAPE.format(gen=334, prompt=48, kv="gpu_cache_usage_perc")])
     clock = ManualClock(10)
-    reader = VllmMetricsReader("http://x/metrics", clock, Inline(clock))
-    monkeypatch.setattr("gpuwarden.serving.vllm_metrics.fetch", lambda url: parse(next(texts)))
+    reader = MetricsReader("http://x/metrics", VLLM.metric_names, clock, Inline(clock))
+    monkeypatch.setattr("gpuwarden.serving.metrics.fetch", lambda url: parse(next(texts)))
     first = reader.read(10.0)
     assert first.generation_tokens_per_s is None and first.kv_cache_usage_ratio == 0.25
     clock.advance(1)
@@ -234,7 +236,7 @@ def test_metrics_rates_and_the_kv_cache_rename(monkeypatch):
 
 def test_unreachable_metrics_is_none():
     clock = ManualClock(0)
-    assert VllmMetricsReader("http://127.0.0.1:9/metrics", clock, Inline(clock)).read(0) is None
+    assert MetricsReader("http://127.0.0.1:9/metrics", VLLM.metric_names, clock, Inline(clock)).read(0) is None
     assert parse('a_total{x="1"} 2\na_total{x="2"} 3\n')["a_total"] == 5
 
 
@@ -336,7 +338,7 @@ def supervisor(text="", gpu=None, crash_loop_failures=4):
     ops = FakeOps(clock)
     cmd = build_command(cfg.serve, GENERIC, [sample()], {"PATH": "/bin"})
     me = pwd.getpwuid(os.geteuid())
-    sup = Supervisor(cfg.serve, cmd, Identity(me.pw_name, me.pw_uid, me.pw_gid, me.pw_dir, (), False),
+    sup = Program(cfg.serve, cmd, Identity(me.pw_name, me.pw_uid, me.pw_gid, me.pw_dir, (), False),
                      [gpu or FakeGpu()], ops=ops, clock=clock)
     return sup, ops, clock
 

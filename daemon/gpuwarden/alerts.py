@@ -201,13 +201,14 @@ RULES: tuple[Rule, ...] = (
 
 
 # Host-wide serving alerts: evaluated on the supervisor's view, debounced, logged and counted like the rest.
+# The names keep "vllm" (they are public: alert rules and dashboards use them); they fire for any engine.
 def vllm_fatal(view, _ctx=None) -> Check:
-    return Check(view is not None and view.state == "FATAL", f"vLLM FATAL: {view.problem}" if view else "",
-                 "vLLM must be running", "FATAL")
+    return Check(view is not None and view.state == "FATAL", f"{view.title} FATAL: {view.problem}" if view else "",
+                 f"{view.title if view else 'the engine'} must be running", "FATAL")
 
 
 def vllm_start_blocked(view, _ctx=None) -> Check:
-    return Check(view is not None and view.blocked, f"vLLM start waits: {view.problem}" if view else "",
+    return Check(view is not None and view.blocked, f"{view.title} start waits: {view.problem}" if view else "",
                  "the GPUs and the port must be free", "waiting")
 
 

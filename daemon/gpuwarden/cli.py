@@ -176,41 +176,51 @@ def _serve_check(config: Config, backend, deep: bool, as_json: bool) -> dict:
             print(f"lint {finding}", file=sys.stderr if finding.severity == "error" else sys.stdout)
     if problems:
         raise ConfigErrors(problems)
-    version = prepared.flags.vllm_version if prepared.flags else None
+    version = prepared.flags.version if prepared.flags else None
+    engine = prepared.command.engine
     if not as_json:
         argv = shlex.join(redact_argv(prepared.command.argv))
-        print(f"vLLM {version} accepts: {argv}" if deep else f"vLLM command checked (--deep also runs vLLM's "
-              f"parser): {argv}")
-    return {"profile": prepared.command.profile.name, "argv": redact_argv(prepared.command.argv),
-            "vllm_version": version, "lint": [f.as_dict() for f in prepared.findings]}
+        if prepared.flags is not None:
+            print(f"{engine.title} {version} accepts: {argv}")
+        else:
+            also = "(--deep also runs its parser)" if engine.flag_probe else f"({engine.title} has no parser to run)"
+            print(f"{engine.title} command checked {also}: {argv}")
+    out = {"engine": engine.name, "profile": prepared.command.profile.name, "argv": redact_argv(prepared.command.argv),
+           "engine_version": version, "lint": [f.as_dict() for f in prepared.findings]}
+    if engine.name == "vllm":
+        out["vllm_version"] = version  # the older key, kept this release
+    return out
 
 
 def cmd_profiles(args: argparse.Namespace) -> int:
-    from .serving.command import build_command, chosen_gpus, profile_error
-    from .serving.lint import lint
-    from .serving.profiles import load_profiles, select_profile
+    from .serving.command import chosen_gpus
+    from .serving.prepare import compose
+    from .serving.profiles import load_profiles
 
     config = load_config(args)
     profiles = load_profiles(config.serve.profiles_dir)
     if args.action == "list":
         if args.json:
             print(json.dumps([p.as_dict() for p in profiles.values()], indent=2))
-        for p in ([] if args.json else sorted(profiles.values(), key=lambda p: p.name)):
+        for p in ([] if args.json else sorted(profiles.values(), key=lambda p: (p.engine, p.name))):
             ccs = ",".join(p.compute_capabilities) or "any"
             count = f"{p.gpu_count[0]}" if p.gpu_count[0] == p.gpu_count[1] else f"{p.gpu_count[0]}-{p.gpu_count[1]}"
-            print(f"{p.name:30s} cc {ccs:9s} {count:>5s} GPU(s)  {p.description}")
+            print(f"{p.name:34s} {p.engine:7s} cc {ccs:9s} {count:>5s} GPU(s)  {p.description}")
         return EX_OK
     gpus = _gpus_for_profiles(config)
     wanted = args.name or config.serve.profile
-    profile = select_profile(profiles, wanted, chosen_gpus(config, gpus) if gpus else [])
-    if profile is None:
-        raise profile_error(config, wanted, list(profiles))
+    if args.name and args.name in profiles:  # showing a named profile: for its own engine
+        serve = dataclasses.replace(config.serve, engine=profiles[args.name].engine)
+        config = dataclasses.replace(config, serve=serve)
     if not gpus:  # no GPUs readable here: show the command for the profile's own minimum
-        gpus = [_placeholder_gpu(i, profile) for i in range(profile.gpu_count[0])]
-    command = build_command(config.serve, profile, chosen_gpus(config, gpus) if config.serve.gpus else gpus,
-                            base_env={})  # only what gpuwarden adds, not this shell's environment
-    findings = lint(command.argv, command.env, profile, [g.compute_capability or "" for g in command.gpus],
-                    config.serve.model)
+        named = profiles.get(wanted)
+        gpus = [_placeholder_gpu(i, named) for i in range(named.gpu_count[0] if named else 1)]
+    elif config.serve.gpus:
+        gpus = chosen_gpus(config, gpus)
+    # Only what gpuwarden adds to the environment, not this shell's.
+    composed = compose(config, gpus, wanted, base_env={})
+    command, findings = composed.command, list(composed.findings)
+    profile = command.profile
     if args.json:
         print(json.dumps({**profile.as_dict(), "final_argv": redact_argv(command.argv),
                           "final_env": redact_env(command.env), "lint": [f.as_dict() for f in findings]}, indent=2))
@@ -233,7 +243,7 @@ def _gpus_for_profiles(config: Config) -> list:
 def _placeholder_gpu(index: int, profile):
     from .gpu.base import GpuSample
 
-    cc = profile.compute_capabilities[0] if profile.compute_capabilities else None
+    cc = profile.compute_capabilities[0] if profile and profile.compute_capabilities else None
     return GpuSample(index, f"GPU-{index}", "(no GPU readable here)", "", cc)
 
 
@@ -244,7 +254,7 @@ def render_profile(profile, command, findings) -> str:
                  f">= {profile.min_memory_gib:g} GiB each")
     good = ", ".join(profile.known_good) or "none listed"
     bad = "; ".join(f"{b.version} ({b.reason})" for b in profile.known_bad) or "none listed"
-    lines.append(f"  vLLM known good: {good}; known bad: {bad}")
+    lines.append(f"  engine {profile.engine}; {command.engine.title} known good: {good}; known bad: {bad}")
     if profile.tuning_hints:
         lines.append("  tuning hints: " + ", ".join(f"{k}: {v}" for k, v in profile.tuning_hints))
     lines.append("command (env from the profile, serve.env and the GPU selection):")

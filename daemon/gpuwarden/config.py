@@ -107,13 +107,14 @@ class MetricsConfig:
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """The vLLM child: what to run, as whom, and how to supervise it."""
+    """The serving child (vLLM by default): what to run, as whom, and how to supervise it."""
 
     enabled: bool = False
+    engine: str = "vllm"  # a module of serving/engines/
     profile: str = "auto"
     model: str = ""
-    command: tuple[str, ...] = ("vllm", "serve")
-    python: str | None = None  # vLLM's interpreter for the flag check; None: derived from command
+    command: tuple[str, ...] = ()  # the argv prefix; empty: the engine's own (vllm serve)
+    python: str | None = None  # the engine's interpreter for the flag check; None: derived from command
     host: str = "127.0.0.1"
     port: int = 8000
     user: str = "gpuwarden"
@@ -239,6 +240,8 @@ def _serve_dict(s: ServeConfig) -> dict:
                env_file="none" if s.env_file is None else str(s.env_file))
     if not s.model:
         del out["model"]  # unset is not an empty string
+    if not s.command:
+        del out["command"]  # the engine's own
     return out
 
 
@@ -275,12 +278,12 @@ def _serve_section(r: Reader, base_dir: Path) -> ServeConfig:
     if enabled and not model:
         r.fail(base + ("enabled",), "serving is enabled but serve.model is not set", "a model path or name")
     command = tuple(_string_list(r, base + ("command",), d.command))
-    if not command:
-        r.fail(base + ("command",), "the command is empty", "an argv prefix such as [vllm, serve]")
+    if not command and r.get(base + ("command",)) is not MISSING:
+        r.fail(base + ("command",), "the command is empty", "an argv prefix such as [vllm, serve], or leave it out")
     python = r.string(base + ("python",), "auto")
     user = r.string(base + ("user",), d.user)
     if user == "root":
-        r.fail(base + ("user",), "vLLM never runs as root", "an unprivileged user such as gpuwarden")
+        r.fail(base + ("user",), "the serving engine never runs as root", "an unprivileged user such as gpuwarden")
     gpus = r.get(base + ("gpus",))
     if gpus is MISSING or gpus == "all":
         gpus = None
@@ -309,7 +312,8 @@ def _serve_section(r: Reader, base_dir: Path) -> ServeConfig:
     env_file = None if str(env_file).lower() in NONE_WORDS else base_dir / env_file
     number = r.number
     return ServeConfig(
-        enabled=enabled, profile=r.string(base + ("profile",), d.profile), model=model, command=command,
+        enabled=enabled, engine=r.string(base + ("engine",), d.engine), profile=r.string(base + ("profile",), d.profile),
+        model=model, command=command,
         python=None if python == "auto" else python,
         host=r.string(base + ("host",), d.host),
         port=r.number(base + ("port",), d.port, 1, 65535, integer=True),

@@ -33,8 +33,8 @@ from .originals import originals_store
 from .serving.prepare import PreparedServe, prepare_serve
 from .serving.processes import ProcessOps
 from .statedir import listen_file
-from .serving.supervisor import FATAL, RUNNING, Supervisor
-from .serving.vllm_metrics import VllmMetricsReader
+from .serving.metrics import MetricsReader
+from .serving.supervisor import FATAL, RUNNING, Program, Supervisor
 from .systemd import Notifier, flush_logs
 from .tuning import Plan, Tuner, make_plan
 from .yamlfile import ConfigErrors, InvalidConfig
@@ -69,7 +69,7 @@ class Daemon:
         self.server: MetricsServer | None = None
         self.supervisor: Supervisor | None = None
         self.pending: Supervisor | None = None  # the next child, started once the old one has stopped
-        self.vllm_reader: VllmMetricsReader | None = None
+        self.stats_reader: MetricsReader | None = None  # the engine's /metrics
         self.ready_sent = False
         self.stopping = False
         self.tuned = False
@@ -80,9 +80,9 @@ class Daemon:
 
     # -- life cycle -------------------------------------------------------------
     def start(self, now: float) -> None:
-        """Check the plan and the vLLM command and take the port first (what can fail), then tune, start vLLM,
-        take the first sample, and tell systemd we are ready. Raises ConfigErrors for values a card or vLLM
-        rejects, StartupError if the metrics port is taken; neither leaves a GPU setting changed."""
+        """Check the plan and the serving command and take the port first (what can fail), then tune, start the
+        engine, take the first sample, and tell systemd we are ready. Raises ConfigErrors for values a card or
+        the engine rejects, StartupError if the metrics port is taken; neither leaves a GPU setting changed."""
         self.plan = make_plan(self.backend, self.config)
         serving = self._prepare_serving(self.config, deep=True) if self.config.serve.enabled else None
         if self.config.metrics.listen is not None:
@@ -105,30 +105,32 @@ class Daemon:
                     listen_file().write_text(self.config.metrics.url + "\n")
         if serving is not None:
             self.supervisor = serving
-            self.vllm_reader = self._reader(self.config)
+            self.stats_reader = self._reader(self.config)
             self.supervisor.start(now)
         self.tick(now)
 
     def _prepare_serving(self, config: Config, deep: bool) -> Supervisor:
-        """Everything a start needs, checked, without starting: profile, GPUs, lint, spawnability (and with
-        deep, vLLM's own parser). Raises ConfigErrors when something would block the start."""
+        """Everything a start needs, checked, without starting: engine, profile, GPUs, lint, spawnability (and
+        with deep, the engine's own parser). Raises ConfigErrors when something would block the start."""
         prepared: PreparedServe = prepare_serve(config, self.backend, deep=deep, create_home=True)
+        title = prepared.command.engine.title
         if prepared.home_note:
-            log.info("vLLM's user %s", prepared.home_note)
+            log.info("%s's user %s", title, prepared.home_note)
         for finding in prepared.findings:
-            log.warning("vLLM lint %s", finding)
+            log.warning("%s lint %s", title, finding)
         problems = prepared.blocking(config)
         if problems:
             raise ConfigErrors(problems)
         if prepared.flags is not None:
-            log.info("vLLM %s accepts the flags (checked with %s)", prepared.flags.vllm_version,
-                     prepared.flags.python)
+            log.info("%s %s accepts the flags (checked with %s)", title, prepared.flags.version, prepared.flags.python)
         chosen = {g.index for g in prepared.command.gpus}
-        return Supervisor(config.serve, prepared.command, prepared.identity,
-                          [g for g in self.backend.gpus() if g.index in chosen], ops=self.ops, clock=self.clock)
+        engine = Program(config.serve, prepared.command, prepared.identity,
+                         [g for g in self.backend.gpus() if g.index in chosen], ops=self.ops, clock=self.clock)
+        return Supervisor([engine])
 
-    def _reader(self, config: Config) -> VllmMetricsReader:
-        return VllmMetricsReader(config.serve.url + "/metrics", self.clock)
+    def _reader(self, config: Config) -> MetricsReader:
+        engine = self.supervisor.main.engine
+        return MetricsReader(config.serve.url + engine.metrics_path, engine.metric_names, self.clock)
 
     def _tune(self, plan: Plan) -> None:
         self.monitor.use_plan(plan, applied=self.config.tuning.apply)
@@ -147,7 +149,7 @@ class Daemon:
         """One poll: advance serving (its faults stay there), then sample and publish the GPUs."""
         serving, stats = self._serving_tick(now)
         try:
-            snapshot = self.monitor.tick(now, lag, serving=serving, vllm=stats, published_at=self.clock())
+            snapshot = self.monitor.tick(now, lag, serving=serving, stats=stats, published_at=self.clock())
         except Exception as exc:  # one bad poll must not end the daemon; the next one may work
             self._error_once(f"poll failed: {type(exc).__name__}: {exc}")
             return
@@ -158,37 +160,38 @@ class Daemon:
         if self.server is not None:
             self.exposition.published()
         status = snapshot.status_line()
-        # READY once everything is usable: tuned, and vLLM healthy when serving. A vLLM that went FATAL
+        # READY once everything is usable: tuned, and the engine healthy when serving. An engine that went FATAL
         # also ends the start-up, so that `systemctl start` returns and the STATUS line says why.
-        if not self.ready_sent and (self.supervisor is None or self.supervisor.state in (RUNNING, FATAL)):
+        if not self.ready_sent and (self.supervisor is None or self.supervisor.main.state in (RUNNING, FATAL)):
             flush_logs(0.5)  # once: the journal then shows "vLLM healthy" before systemd's "Started"
             self.notifier.ready(status)
             self.ready_sent = True
         self.notifier.status(status)
 
     def _serving_tick(self, now: float):
-        """Advance the vLLM child and read its metrics. Never raises: a serving fault is logged and
+        """Advance the children and read the engine's metrics. Never raises: a serving fault is logged and
         the GPUs are still polled."""
         try:
             self._swap_in_pending(now)
             if self.supervisor is None:
                 self.monitor.report_running_requests(None)
                 return None, None
-            was_running = self.supervisor.state == RUNNING
+            engine = self.supervisor.main
+            was_running = engine.state == RUNNING
             self.supervisor.tick(now)
             stats = None
-            if self.supervisor.state == RUNNING:
+            if engine.state == RUNNING:
                 if not was_running:
-                    self.vllm_reader.reset()  # a new child: its counters restart at zero
-                stats = self.vllm_reader.read(now)
+                    self.stats_reader.reset()  # a new child: its counters restart at zero
+                stats = self.stats_reader.read(now)
             # Running requests make a GPU busy even between kernels.
             running = stats.requests_running if stats else None
             self.monitor.report_running_requests(int(running) if running else None)
-            return self.supervisor.view(), stats
+            return self.supervisor.views(), stats
         except Exception as exc:
             self._error_once(f"serving: {type(exc).__name__}: {exc} (GPU monitoring goes on)")
             try:
-                return (self.supervisor.view() if self.supervisor else None), None
+                return (self.supervisor.views() if self.supervisor else None), None
             except Exception:
                 return None, None
 
@@ -198,10 +201,10 @@ class Daemon:
             return
         if self.pending is not None:
             self.supervisor, self.pending = self.pending, None
-            self.vllm_reader = self._reader(self.config)
+            self.stats_reader = self._reader(self.config)
             self.supervisor.start(now)
         elif self.supervisor is not None and not self.config.serve.enabled:
-            self.supervisor = self.vllm_reader = None
+            self.supervisor = self.stats_reader = None
 
     def _error_once(self, message: str) -> None:
         """Log an error, but the same one at most every ERROR_REPEAT_S."""
@@ -275,7 +278,7 @@ class Daemon:
     def handle_term(self) -> None:
         now = self.clock()
         if self.stopping:
-            log.warning("SIGTERM again while stopping: not waiting for vLLM's drain")
+            log.warning("SIGTERM again while stopping: not waiting for the children's drain")
             if self.supervisor is not None:
                 self.supervisor.kill_now(now)
             return
@@ -304,7 +307,7 @@ class Daemon:
             new = dataclasses.replace(new, **{key: getattr(self.config, key) for key in changed})
             plan = make_plan(self.backend, new)
             serve_changed = new.serve != self.config.serve
-            # lint only: vLLM's parser takes too long to run inside the watchdog's window
+            # lint only: the engine's parser takes too long to run inside the watchdog's window
             serving = self._prepare_serving(new, deep=False) if serve_changed and new.serve.enabled else None
         except InvalidConfig as exc:
             problems = exc.errors

@@ -140,10 +140,11 @@ def _serving(config: Config, backend: GpuBackend, deep: bool) -> list[Finding]:
     for lint in prepared.findings:
         findings.append(Finding(ERROR if lint.severity == "error" else WARNING, f"vLLM lint {lint.rule}",
                                 f"{lint.message} [source: {lint.source}]"))
+    title = prepared.command.engine.title
     if prepared.flags is not None:
         if prepared.flags.ok:
-            findings.append(Finding(OK, "vLLM flags", f"vLLM {prepared.flags.vllm_version} accepts the command"))
+            findings.append(Finding(OK, "vLLM flags", f"{title} {prepared.flags.version} accepts the command"))
         else:
-            findings.append(Finding(ERROR, "vLLM flags", f"vLLM rejects the command: {prepared.flags.error}",
+            findings.append(Finding(ERROR, "vLLM flags", f"{title} rejects the command: {prepared.flags.error}",
                                     "fix serve.args or the profile; `gpuwarden profiles show` prints it"))
     return findings

@@ -43,7 +43,7 @@ class SnapshotCollector:
         yield from _gpu_metrics(snap)
         yield from _alert_metrics(snap)
         if snap.serving is not None:
-            yield from _vllm_metrics(snap)
+            yield from _serving_metrics(snap)
         yield GaugeMetricFamily("gpuwarden_sample_duration_seconds",
                                 "Time the last poll took to sample every GPU", value=snap.sample_duration_s)
         yield GaugeMetricFamily("gpuwarden_loop_lag_seconds",
@@ -152,10 +152,50 @@ def _alert_metrics(snap: Snapshot) -> Iterator[Metric]:
     yield reapplies
 
 
-def _vllm_metrics(snap: Snapshot) -> Iterator[Metric]:
+def _serving_metrics(snap: Snapshot) -> Iterator[Metric]:
+    """Generic serving metrics with an engine label, for every engine, and the same numbers under the
+    gpuwarden_vllm_* names (no label) while the engine is vLLM: those dashboards keep working this release."""
     from .serving.supervisor import STATES
 
-    s = snap.serving
+    s, stats = snap.serving, snap.stats
+    legacy = s.engine == "vllm"
+    info = _gauge("gpuwarden_serving_info", "The serving engine, model and profile (value is always 1)",
+                  ("engine", "model", "profile"))
+    info.add_metric([s.engine, s.model, s.profile], 1)
+    yield info
+    state = _gauge("gpuwarden_serving_state", "1 for each supervised child's current state", ("child", "state"))
+    for child in snap.children:
+        for name in STATES:
+            state.add_metric([child.engine, name], int(name == child.state))
+    yield state
+    restarts = CounterMetricFamily("gpuwarden_serving_restarts", "Times a supervised child was restarted",
+                                   labels=["child"])
+    transitions = CounterMetricFamily("gpuwarden_serving_transitions", "State changes of a supervised child",
+                                      labels=["child", "from", "to"])
+    for child in snap.children:
+        restarts.add_metric([child.engine], child.restarts)
+        for old, new, count in child.transitions:
+            transitions.add_metric([child.engine, old, new], count)
+    yield restarts
+    yield transitions
+    values = (
+        ("generation_tokens_per_second", "Generated tokens per second, between two polls",
+         stats and stats.generation_tokens_per_s),
+        ("prompt_tokens_per_second", "Prompt tokens per second, between two polls",
+         stats and stats.prompt_tokens_per_s),
+        ("requests_running", "Requests the engine is running", stats and stats.requests_running),
+        ("requests_waiting", "Requests waiting in the engine's queue", stats and stats.requests_waiting),
+        ("kv_cache_usage_ratio", "Fraction of the KV cache in use", stats and stats.kv_cache_usage_ratio))
+    extras = [("last_exit_code", "Exit status of the last child (negative: signal)", s.last_exit_code),
+              ("time_to_healthy_seconds", "Seconds from the last start to /health answering 200",
+               s.time_to_healthy_s)]
+    for name, doc, value in (*values, *extras):
+        if value is not None:
+            family = _gauge(f"gpuwarden_serving_{name}", doc, ("engine",))
+            family.add_metric([s.engine], value)
+            yield family
+    if not legacy:
+        return
     info = _gauge("gpuwarden_vllm_info", "The served model and profile (value is always 1)", ("model", "profile"))
     info.add_metric([s.model, s.profile], 1)
     yield info
@@ -164,24 +204,9 @@ def _vllm_metrics(snap: Snapshot) -> Iterator[Metric]:
         state.add_metric([name], int(name == s.state))
     yield state
     yield CounterMetricFamily("gpuwarden_vllm_restarts", "Times the vLLM child was restarted", value=s.restarts)
-    if s.last_exit_code is not None:
-        yield GaugeMetricFamily("gpuwarden_vllm_last_exit_code", "Exit status of the last child (negative: signal)",
-                                value=s.last_exit_code)
-    if s.time_to_healthy_s is not None:
-        yield GaugeMetricFamily("gpuwarden_vllm_time_to_healthy_seconds",
-                                "Seconds from the last start to /health answering 200", value=s.time_to_healthy_s)
-    stats = snap.vllm
-    for name, doc, value in (
-            ("gpuwarden_vllm_generation_tokens_per_second", "Generated tokens per second, between two polls",
-             stats and stats.generation_tokens_per_s),
-            ("gpuwarden_vllm_prompt_tokens_per_second", "Prompt tokens per second, between two polls",
-             stats and stats.prompt_tokens_per_s),
-            ("gpuwarden_vllm_requests_running", "Requests vLLM is running", stats and stats.requests_running),
-            ("gpuwarden_vllm_requests_waiting", "Requests waiting in vLLM's queue", stats and stats.requests_waiting),
-            ("gpuwarden_vllm_kv_cache_usage_ratio", "Fraction of the KV cache in use",
-             stats and stats.kv_cache_usage_ratio)):
+    for name, doc, value in (*extras, *values):
         if value is not None:
-            yield GaugeMetricFamily(name, doc, value=value)
+            yield GaugeMetricFamily(f"gpuwarden_vllm_{name}", doc, value=value)
 
 
 def make_registry(snapshot: Callable[[], Snapshot | None]) -> CollectorRegistry:

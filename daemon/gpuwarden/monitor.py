@@ -25,8 +25,8 @@ from .tuning import Plan, Tuner, make_plan
 from .yamlfile import ConfigErrors
 
 if TYPE_CHECKING:
+    from .serving.metrics import ServingStats
     from .serving.supervisor import ServingView
-    from .serving.vllm_metrics import VllmStats
 
 log = logging.getLogger("gpuwarden")
 STALL_POLLS = 3  # a gap of this many poll intervals between two readings is a stall, not a poll
@@ -69,11 +69,16 @@ class Snapshot:
     sample_duration_s: float = 0.0
     loop_lag_s: float = 0.0
     read_only: bool = False
-    serving: ServingView | None = None  # set by the daemon when serve.enabled
-    vllm: VllmStats | None = None
+    children: tuple[ServingView, ...] = ()  # the supervised children, the serving engine first
+    stats: ServingStats | None = None  # the engine's own counters
     sequence: int = 0  # polls published so far
     published_at: float = 0.0  # monotonic seconds when this snapshot was published
     loop_lag: LagWindow | None = None
+
+    @property
+    def serving(self) -> ServingView | None:
+        """The serving engine's view (None when serving is off)."""
+        return self.children[0] if self.children else None
 
     def firing(self) -> list[AlertView]:
         return [a for a in self.alerts if a.firing]
@@ -103,8 +108,8 @@ class Snapshot:
         s = self.serving
         model = s.model.rstrip("/").rsplit("/", 1)[-1]
         if s.state != "RUNNING":
-            return f"vLLM {s.state} ({model}, {s.profile})" + (f": {s.problem}" if s.problem else "")
-        rate = self.vllm.generation_tokens_per_s if self.vllm else None
+            return f"{s.title} {s.state} ({model}, {s.profile})" + (f": {s.problem}" if s.problem else "")
+        rate = self.stats.generation_tokens_per_s if self.stats else None
         return f"{model} ({s.profile}) " + (f"{rate:.0f} tok/s" if rate is not None else "serving")
 
     def as_dict(self) -> dict:
@@ -121,7 +126,9 @@ class Snapshot:
             "sequence": self.sequence,
             "loop_lag": self.loop_lag.as_dict() if self.loop_lag else None,
             "serving": dataclasses.asdict(self.serving) if self.serving else None,
-            "vllm": dataclasses.asdict(self.vllm) if self.vllm else None,
+            "children": [dataclasses.asdict(c) for c in self.children],
+            "serving_stats": dataclasses.asdict(self.stats) if self.stats else None,
+            "vllm": dataclasses.asdict(self.stats) if self.stats else None,  # the older name of serving_stats
         }
 
 
@@ -199,7 +206,7 @@ class Monitor:
         self.persistenced = False
         self._unplanned: set[int] = set()
         self._was_up: dict[int, bool] = {}
-        self.running_requests: int | None = None  # fed by the vLLM supervisor; counts as busy
+        self.running_requests: int | None = None  # fed from the engine's metrics; counts as busy
         self.snapshot: Snapshot | None = None
         self._lags: deque[float] = deque(maxlen=LAG_WINDOW)
         self.duty = DutyCycles()
@@ -237,8 +244,8 @@ class Monitor:
         return GpuContext(busy, sm_lock, mem_lock, wanted, settings, self.duty.update(sample, now, window), window,
                           self.duty.reasons_seen(sample, now, window))
 
-    def tick(self, now: float, loop_lag_s: float = 0.0, serving: ServingView | None = None,
-             vllm: VllmStats | None = None, published_at: float | None = None) -> Snapshot:
+    def tick(self, now: float, loop_lag_s: float = 0.0, serving: tuple[ServingView, ...] | None = None,
+             stats: ServingStats | None = None, published_at: float | None = None) -> Snapshot:
         """Sample, evaluate, and publish one complete snapshot (the exporter thread reads it any time)."""
         # After a stall (SIGSTOP, a frozen host) one reading cannot show that a condition held for for_s:
         # pending and clearing timers start again from this reading.
@@ -260,18 +267,19 @@ class Monitor:
                 if event:
                     self._log_event(event, state, sample, now)
             self._maybe_reapply(sample, now)
+        engine = serving[0] if serving else None  # the serving rules are about the engine
         for state in self.serving_states.values():
-            event = state.step(state.rule.check(serving), now, self.config.alerts, restart_timers=stalled)
+            event = state.step(state.rule.check(engine), now, self.config.alerts, restart_timers=stalled)
             if event:
                 self._log_event(event, state, None, now)
-        host_alerts = [_view(state) for state in self.serving_states.values()] if serving is not None else []
+        host_alerts = [_view(state) for state in self.serving_states.values()] if serving else []
         self.snapshot = Snapshot(
             taken_at=self.wall(), monotonic=now,
             gpus=tuple(GpuView(s, *self.locks.get(s.index, (None, None))) for s in samples),
             alerts=tuple([_view(state) for state in self.states.values()] + host_alerts),
             transitions=dict(self.transitions), reapplies=dict(self.reapplies),
             sample_duration_s=duration, loop_lag_s=loop_lag_s, read_only=not self.config.tuning.apply,
-            serving=serving, vllm=vllm, sequence=(self.snapshot.sequence + 1) if self.snapshot else 1,
+            children=tuple(serving or ()), stats=stats, sequence=(self.snapshot.sequence + 1) if self.snapshot else 1,
             published_at=time.monotonic() if published_at is None else published_at,
             loop_lag=LagWindow.of(list(self._lags)))
         return self.snapshot

@@ -1,4 +1,4 @@
-"""The vLLM child's final argv and environment, built from config and profile."""
+"""The serving child's final argv and environment, built from config, engine and profile."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from ..config import Config, ServeConfig
 from ..gpu.base import GpuSample
 from ..yamlfile import ConfigError
+from .engines import Engine, engine_for
 from .profiles import Profile
 
 # What the child inherits from our environment: the locale and the CUDA/NCCL/NVIDIA settings, nothing else
@@ -17,7 +18,6 @@ from .profiles import Profile
 INHERITED_ENV = ("LANG", "LANGUAGE", "TZ")
 INHERITED_PREFIXES = ("LC_", "CUDA_", "NCCL_", "NVIDIA_")
 CHILD_PATH = "/usr/local/bin:/usr/bin:/bin"  # after the directory of the child's own executable
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's own default
 
 
 @dataclass(frozen=True)
@@ -26,11 +26,28 @@ class ServeCommand:
     env: dict[str, str]
     profile: Profile
     gpus: tuple[GpuSample, ...]
+    engine: Engine
+    prefix: int  # how many leading words of argv are the command (serve.command or the engine's)
 
     @property
     def flags(self) -> list[str]:
-        """The arguments after the command prefix: what vLLM's serve parser reads."""
-        return list(self.argv[self.argv.index("--model"):])
+        """The arguments after the command prefix: what the engine's own parser reads."""
+        return list(self.argv[self.prefix:])
+
+    @property
+    def memory_fraction(self) -> float:
+        return self.engine.memory_fraction(self.argv)
+
+
+def engine_of(config: Config) -> Engine:
+    """serve.engine's Engine; ConfigError at serve.engine when this install has none by that name."""
+    from .engines import names
+
+    engine = engine_for(config.serve.engine)
+    if engine is None:
+        raise config.error(("serve", "engine"), f"no serving engine named '{config.serve.engine}'",
+                           "one of: " + ", ".join(names()))
+    return engine
 
 
 def chosen_gpus(config: Config, samples: Sequence[GpuSample]) -> list[GpuSample]:
@@ -59,50 +76,21 @@ def child_env(base_env: Mapping[str, str], program: str) -> dict[str, str]:
 
 def build_command(serve: ServeConfig, profile: Profile, gpus: Sequence[GpuSample],
                   base_env: Mapping[str, str] = os.environ, secrets: Mapping[str, str] | None = None,
-                  home: Mapping[str, str] | None = None) -> ServeCommand:
+                  home: Mapping[str, str] | None = None, engine: Engine | None = None) -> ServeCommand:
     """argv and env for the child. env: the allow-list of base_env, a home made for the child when its own
     cannot be written (serving/homes.py), then the profile's, serve.env, and the secrets (from a root-only
     file or a credential), in that order; HOME, USER and LOGNAME otherwise come at spawn."""
-    # Later flags win in argparse, so the user's args override the profile's.
-    argv = (*serve.command, "--model", serve.model, *profile.args, *serve.args,
-            "--host", serve.host, "--port", str(serve.port))
-    env = child_env(base_env, serve.command[0])
+    engine = engine or engine_for(serve.engine)
+    command = engine.command(serve)
+    argv = engine.argv(serve, profile)
+    env = child_env(base_env, command[0])
     env.update(home or {})
     env.update(dict(profile.env))
     env.update(dict(serve.env))
     env.update(secrets or {})
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # so CUDA's indices are ours
     env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g.index) for g in gpus)
-    return ServeCommand(argv, env, profile, tuple(gpus))
-
-
-def flag_value(argv: Sequence[str], *names: str) -> str | None:
-    """The last value given for any of names (`--x v` or `--x=v`), or None."""
-    found = None
-    for i, arg in enumerate(argv):
-        for name in names:
-            if arg == name and i + 1 < len(argv):
-                found = argv[i + 1]
-            elif arg.startswith(name + "="):
-                found = arg.split("=", 1)[1]
-    return found
-
-
-def has_flag(argv: Sequence[str], *names: str) -> bool:
-    return any(arg in names or any(arg.startswith(n + "=") for n in names) for arg in argv)
-
-
-def gpu_memory_utilization(argv: Sequence[str]) -> float:
-    value = flag_value(argv, "--gpu-memory-utilization")
-    try:
-        return float(value) if value is not None else DEFAULT_GPU_MEMORY_UTILIZATION
-    except ValueError:
-        return DEFAULT_GPU_MEMORY_UTILIZATION
-
-
-def tensor_parallel_size(argv: Sequence[str]) -> int:
-    value = flag_value(argv, "--tensor-parallel-size", "-tp")
-    return int(value) if value is not None and value.isdigit() else 1
+    return ServeCommand(argv, env, profile, tuple(gpus), engine, len(command))
 
 
 def profile_error(config: Config, wanted: str, known: Sequence[str]) -> ConfigError:

@@ -1,8 +1,8 @@
-"""`check --deep`: run vLLM's own serve-args parser, inside vLLM's interpreter, on our final flags.
+"""`check --deep`: run the engine's own argument parser, inside its interpreter, on our final flags.
 
-vLLM moved the parser between releases, so the probe tries both places. It runs
-as a subprocess because vLLM is not (and should not be) importable from
-gpuwarden's own interpreter.
+The probe is the engine's (Engine.flag_probe). It runs as a subprocess because
+the engine is not (and should not be) importable from gpuwarden's own
+interpreter, and as serve.user, because it imports code from the engine's install.
 """
 
 from __future__ import annotations
@@ -11,51 +11,30 @@ import json
 import re
 import shutil
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import ServeConfig
+from .command import ServeCommand
 from .identity import Identity, popen
 
 MARK = "GPUWARDEN-FLAGCHECK "
-PROBE = r"""
-import json, sys
-out = {"ok": True, "error": None, "vllm_version": None}
-try:
-    import vllm
-    out["vllm_version"] = getattr(vllm, "__version__", None)
-    try:
-        from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
-    except ImportError:
-        from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
-    try:
-        from vllm.utils.argparse_utils import FlexibleArgumentParser
-    except ImportError:
-        from vllm.utils import FlexibleArgumentParser
-    parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
-    validate_parsed_serve_args(parser.parse_args(json.loads(sys.argv[1])))
-except SystemExit:
-    out["ok"] = False  # argparse printed its one-line reason on stderr
-except Exception as exc:
-    out["ok"], out["error"] = False, f"{type(exc).__name__}: {exc}"
-print("GPUWARDEN-FLAGCHECK " + json.dumps(out), flush=True)
-"""
 
 
 @dataclass(frozen=True)
 class FlagCheck:
     ok: bool
     error: str | None
-    vllm_version: str | None
+    version: str | None  # the engine's, as it reports it
     python: str
 
 
-def vllm_python(serve: ServeConfig) -> str | None:
-    """vLLM's interpreter: serve.python, the command itself if it is Python, or the script's #! line."""
+def engine_python(serve: ServeConfig, command: Sequence[str]) -> str | None:
+    """The engine's interpreter: serve.python, the command itself if it is Python, or the script's #! line."""
     if serve.python:
         return serve.python
-    first = shutil.which(serve.command[0]) or serve.command[0]
+    first = shutil.which(command[0]) or command[0]
     if re.match(r"python[0-9.]*$", Path(first).name):
         return first
     try:
@@ -71,33 +50,35 @@ def vllm_python(serve: ServeConfig) -> str | None:
     return None
 
 
-def check_flags(serve: ServeConfig, flags: list[str], identity: Identity, env: Mapping[str, str],
-                timeout_s: float = 600) -> FlagCheck:
-    """Run vLLM's parser on flags, started exactly as the child is (identity.popen: serve.user, no
-    capabilities, no_new_privs, the child's environment): it imports code from vLLM's install."""
-    python = vllm_python(serve)
+def check_flags(serve: ServeConfig, command: ServeCommand, identity: Identity, timeout_s: float = 600) -> FlagCheck:
+    """Run the engine's parser on the command's flags, started exactly as the child is (identity.popen:
+    serve.user, no capabilities, no_new_privs, the child's environment)."""
+    engine, prefix = command.engine, command.argv[:command.prefix]
+    title, env = engine.title, command.env
+    python = engine_python(serve, prefix)
     if python is None:
-        return FlagCheck(False, f"cannot find vLLM's Python from serve.command {list(serve.command)} "
+        return FlagCheck(False, f"cannot find {title}'s Python from the command {list(prefix)} "
                                 "(set serve.python)", None, "")
     try:
-        proc = popen(identity, [python, "-c", PROBE, json.dumps(flags)], env, stdout=subprocess.PIPE,
+        proc = popen(identity, [python, "-c", engine.flag_probe, json.dumps(command.flags)], env,
+                     stdout=subprocess.PIPE,
                      stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, errors="replace")
     except FileNotFoundError:
-        return FlagCheck(False, f"vLLM's Python {python} does not exist (set serve.python)", None, python)
+        return FlagCheck(False, f"{title}'s Python {python} does not exist (set serve.python)", None, python)
     except (OSError, ValueError, subprocess.SubprocessError) as exc:
-        return FlagCheck(False, f"vLLM's flag check could not start {python}: {exc}", None, python)
+        return FlagCheck(False, f"{title}'s flag check could not start {python}: {exc}", None, python)
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.communicate()
-        return FlagCheck(False, f"vLLM's flag check did not finish within {timeout_s:g} s", None, python)
+        return FlagCheck(False, f"{title}'s flag check did not finish within {timeout_s:g} s", None, python)
     result = next((json.loads(line[len(MARK):]) for line in out.splitlines() if line.startswith(MARK)), None)
     if result is None:
         last = (err.strip().splitlines() or ["no output"])[-1]
-        return FlagCheck(False, f"vLLM's flag check failed to run: {last}", None, python)
+        return FlagCheck(False, f"{title}'s flag check failed to run: {last}", None, python)
     error = result["error"]
     if not result["ok"] and error is None:
         error = next((line.split("error: ", 1)[1] for line in reversed(err.splitlines())
-                      if "error: " in line), "vLLM's parser rejected the arguments")
-    return FlagCheck(bool(result["ok"]), error, result["vllm_version"], python)
+                      if "error: " in line), f"{title}'s parser rejected the arguments")
+    return FlagCheck(bool(result["ok"]), error, result.get("version"), python)

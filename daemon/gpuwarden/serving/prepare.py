@@ -1,46 +1,56 @@
-"""From config and GPUs to a checked vLLM command: profile, argv/env, lint, and vLLM's own parser."""
+"""From config and GPUs to a checked serving command: engine, profile, argv/env, lint, and the engine's own
+parser. `run`, `check`, `doctor` and `profiles show` all come through compose()."""
 
 from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..config import Config
-from ..gpu.base import GpuBackend
+from ..gpu.base import GpuBackend, GpuSample
 from ..yamlfile import ConfigError, ConfigErrors
-from .command import ServeCommand, build_command, chosen_gpus, profile_error
+from .command import ServeCommand, build_command, chosen_gpus, engine_of, profile_error
 from .flagcheck import FlagCheck, check_flags
 from .homes import HomeError, child_home
 from .identity import Identity, IdentityError, resolve
-from .lint import ERROR, Finding, lint
-from .profiles import load_profiles, select_profile
+from .lint import ERROR, LintFinding, lint, version_findings
+from .profiles import Profile, load_profiles, select_profile
 from .secrets import SecretFileError, credentials_file, read_env_file
+
+
+@dataclass(frozen=True)
+class Composed:
+    """The command a config gives on some GPUs, and its lint: what `profiles show` prints."""
+
+    command: ServeCommand
+    findings: tuple[LintFinding, ...]
 
 
 @dataclass(frozen=True)
 class PreparedServe:
     command: ServeCommand
     identity: Identity
-    findings: tuple[Finding, ...]
+    findings: tuple[LintFinding, ...]
     flags: FlagCheck | None  # None when the deep check was not run
-    home_note: str | None = None  # why vLLM gets a home under the state directory, when it does
+    home_note: str | None = None  # why the child gets a home under the state directory, when it does
 
     def blocking(self, config: Config) -> list[ConfigError]:
-        """What stops the start: lint errors (unless allowed) and vLLM's parser rejecting the flags."""
+        """What stops the start: lint errors (unless allowed) and the engine's parser rejecting the flags."""
         where = ("serve", "args") if config.serve.args else ("serve", "profile")
+        title = self.command.engine.title
         problems = []
         if not config.serve.allow_lint_errors:
             problems += [config.error(where, f"lint {f.rule}: {f.message}",
                                       "fix it, or set serve.allow_lint_errors: true")
                          for f in self.findings if f.severity == ERROR]
         if self.flags is not None and not self.flags.ok:
-            problems.append(config.error(where, f"vLLM rejects the flags: {self.flags.error}"))
+            problems.append(config.error(where, f"{title} rejects the flags: {self.flags.error}"))
         missing = executable_problem(self.command.argv[0], self.command.env.get("PATH", os.defpath))
         if missing:
             problems.append(config.error(("serve", "command"), missing,
-                                         "an absolute path to vLLM's executable or Python"))
+                                         f"an absolute path to {title}'s executable or Python"))
         return problems
 
 
@@ -57,7 +67,7 @@ def executable_problem(program: str, path: str) -> str | None:
 
 
 def child_identity(config: Config) -> Identity:
-    """serve.user, resolved and checked; ConfigError when it must not run vLLM."""
+    """serve.user, resolved and checked; ConfigError when it must not run the engine."""
     try:
         return resolve(config.serve.user)
     except IdentityError as exc:
@@ -78,30 +88,51 @@ def child_secrets(config: Config, environ: Mapping[str, str] = os.environ) -> di
     return out
 
 
+def pick_profile(config: Config, profiles: dict[str, Profile], wanted: str, gpus: Sequence[GpuSample]) -> Profile:
+    """The profile wanted names, or "auto"'s pick for the engine and GPUs; ConfigError(s) when there is none."""
+    engine = config.serve.engine
+    profile = select_profile(profiles, wanted, list(gpus), engine)
+    if profile is None:
+        if wanted != "auto":
+            raise profile_error(config, wanted, list(profiles))
+        raise ConfigErrors([config.error(("serve", "profile"), f"no {engine} profile matches these GPUs",
+                                         "name one, or add one to profiles.d")])
+    if profile.engine != engine:
+        raise config.error(("serve", "profile"), f"profile {profile.name} is for engine {profile.engine}, and "
+                           f"serve.engine is {engine}", f"a profile for {engine}, or serve.engine: {profile.engine}")
+    return profile
+
+
+def compose(config: Config, gpus: Sequence[GpuSample], profile_name: str | None = None,
+            base_env: Mapping[str, str] = os.environ, secrets: Mapping[str, str] | None = None,
+            home: Mapping[str, str] | None = None) -> Composed:
+    """Engine, profile, argv/env and lint for these GPUs; raises ConfigError(s). Starts nothing."""
+    engine = engine_of(config)
+    profile = pick_profile(config, load_profiles(config.serve.profiles_dir), profile_name or config.serve.profile,
+                           gpus)
+    command = build_command(config.serve, profile, gpus, base_env, secrets, home, engine)
+    ccs = [g.compute_capability or "" for g in command.gpus]
+    return Composed(command, tuple(lint(command.argv, command.env, profile, ccs, config.serve.model,
+                                        engine=engine)))
+
+
 def prepare_serve(config: Config, backend: GpuBackend, deep: bool, create_home: bool = False) -> PreparedServe:
-    """Raises ConfigError(s) for an unknown profile, GPU, profile file, serve.user or secrets file; never
-    starts anything. create_home: make the home the child gets when its own cannot be written (the daemon)."""
+    """compose() for this host's GPUs as serve.user, with its secrets and home; with deep, the engine's own
+    parser too. Raises ConfigError(s) for an unknown engine, profile, GPU, profile file, serve.user or secrets
+    file; never starts anything. create_home: make the home the child gets when its own cannot be written."""
     identity = child_identity(config)
     secrets = child_secrets(config)
     try:
         home, home_note = child_home(identity, create=create_home)
     except HomeError as exc:
         raise config.error(("serve", "user"), str(exc)) from None
-    samples = [gpu.sample() for gpu in backend.gpus()]
-    gpus = chosen_gpus(config, samples)
-    profiles = load_profiles(config.serve.profiles_dir)
-    profile = select_profile(profiles, config.serve.profile, gpus)
-    if profile is None:
-        if config.serve.profile != "auto":
-            raise profile_error(config, config.serve.profile, list(profiles))
-        raise ConfigErrors([config.error(("serve", "profile"), "no profile matches these GPUs",
-                                         "name one, or add one to profiles.d")])
-    command = build_command(config.serve, profile, gpus, secrets=secrets, home=home)
-    ccs = [g.compute_capability or "" for g in gpus]
-    prepared = PreparedServe(command, identity, tuple(lint(command.argv, command.env, profile, ccs,
-                                                           config.serve.model)), None, home_note)
-    if not deep or prepared.blocking(config):
-        return prepared  # lint already blocks: no need to wait for vLLM's import
-    flags = check_flags(config.serve, command.flags, identity, command.env)
-    findings = lint(command.argv, command.env, profile, ccs, config.serve.model, flags.vllm_version)
-    return PreparedServe(command, identity, tuple(findings), flags, home_note)
+    gpus = chosen_gpus(config, [gpu.sample() for gpu in backend.gpus()])
+    composed = compose(config, gpus, secrets=secrets, home=home)
+    command = composed.command
+    prepared = PreparedServe(command, identity, composed.findings, None, home_note)
+    if not deep or command.engine.flag_probe is None or prepared.blocking(config):
+        return prepared  # lint already blocks: no need to wait for the engine's import
+    flags = check_flags(config.serve, command, identity)
+    # The lint ran once above; the installed version adds only the profile's known-bad check.
+    known_bad = version_findings(command.profile, flags.version, command.engine.title)
+    return PreparedServe(command, identity, composed.findings + tuple(known_bad), flags, home_note)

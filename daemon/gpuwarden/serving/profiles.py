@@ -1,7 +1,9 @@
-"""vLLM serving profiles: data (YAML), matched to the GPUs by compute capability, count and memory.
+"""Serving profiles: data (YAML), for one engine, matched to the GPUs by compute capability, count and memory.
 
 Built-in profiles live in serving/profiles/*.yaml; files in profiles.d/ beside
-the config override them by name.
+the config override them by name. A profile names its engine (default vllm);
+`versions:` lists that engine's known-good and known-bad releases (`vllm:` is
+the older name of the same key, still read).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class Profile:
     name: str
     description: str
     file: str
+    engine: str  # serve.engine this profile is for
     compute_capabilities: tuple[str, ...]  # empty: any
     gpu_count: tuple[int, int]
     min_memory_gib: float
@@ -58,10 +61,10 @@ class Profile:
         return next((bad for bad in self.known_bad if fnmatch.fnmatchcase(version, bad.version)), None)
 
     def as_dict(self) -> dict:
-        return {"name": self.name, "description": self.description, "file": self.file,
+        return {"name": self.name, "description": self.description, "file": self.file, "engine": self.engine,
                 "match": {"compute_capabilities": list(self.compute_capabilities),
                           "gpu_count": list(self.gpu_count), "min_memory_gib": self.min_memory_gib},
-                "vllm": {"known_good": list(self.known_good),
+                "versions": {"known_good": list(self.known_good),
                          "known_bad": [{"version": b.version, "reason": b.reason} for b in self.known_bad]},
                 "args": list(self.args), "env": dict(self.env), "tuning_hints": dict(self.tuning_hints),
                 "notes": [{"text": t, "source": s} for t, s in self.notes]}
@@ -72,10 +75,13 @@ def load_profile(file: Path) -> Profile:
     if not isinstance(doc.value, dict):
         raise ConfigError(doc.file, 1, "(top level)", f"expected a profile mapping, got {type_name(doc.value)}")
     r = Reader(doc)
-    r.mapping((), ("name", "description", "match", "vllm", "args", "env", "tuning_hints", "notes"),
-              required=("name",))
+    r.mapping((), ("name", "description", "engine", "match", "versions", "vllm", "args", "env", "tuning_hints",
+                   "notes"), required=("name",))
     r.mapping(("match",), ("compute_capabilities", "gpu_count", "min_memory_gib"))
-    r.mapping(("vllm",), ("known_good", "known_bad"))
+    versions = "vllm" if r.get(("vllm",)) is not MISSING else "versions"
+    if versions == "vllm" and r.get(("versions",)) is not MISSING:
+        r.fail(("vllm",), "both vllm: and versions: are set", "versions: only (vllm: is its older name)")
+    r.mapping((versions,), ("known_good", "known_bad"))
     count = r.get(("match", "gpu_count"))
     if count is MISSING:
         count = [1, 64]
@@ -84,8 +90,8 @@ def load_profile(file: Path) -> Profile:
         r.fail(("match", "gpu_count"), f"expected [MIN, MAX] GPU counts, got {count!r}")
         count = [1, 64]
     known_bad = []
-    for i, _ in enumerate(r.sequence(("vllm", "known_bad"))):
-        path = ("vllm", "known_bad", str(i))
+    for i, _ in enumerate(r.sequence((versions, "known_bad"))):
+        path = (versions, "known_bad", str(i))
         r.mapping(path, ("version", "reason"), required=("version", "reason"))
         known_bad.append(KnownBad(str(r.string(path + ("version",), "")), r.string(path + ("reason",), "")))
     notes = []
@@ -97,10 +103,11 @@ def load_profile(file: Path) -> Profile:
         name=r.string(("name",), file.stem),
         description=r.string(("description",), ""),
         file=str(file),
+        engine=r.string(("engine",), "vllm"),
         compute_capabilities=tuple(_strings(r, ("match", "compute_capabilities"))),
         gpu_count=(count[0], count[1]),
         min_memory_gib=float(r.number(("match", "min_memory_gib"), 0, 0, 100_000, unit=" GiB")),
-        known_good=tuple(_strings(r, ("vllm", "known_good"))),
+        known_good=tuple(_strings(r, (versions, "known_good"))),
         known_bad=tuple(known_bad),
         args=tuple(_strings(r, ("args",))),
         env=tuple(_string_map(r, ("env",)).items()),
@@ -146,9 +153,10 @@ def load_profiles(user_dir: Path | None) -> dict[str, Profile]:
     return profiles
 
 
-def select_profile(profiles: dict[str, Profile], wanted: str, gpus: list[GpuSample]) -> Profile | None:
-    """The named profile, or for "auto" the most specific one matching the GPUs (None if none does)."""
+def select_profile(profiles: dict[str, Profile], wanted: str, gpus: list[GpuSample],
+                   engine: str = "vllm") -> Profile | None:
+    """The named profile, or for "auto" the most specific one of engine's matching the GPUs (None if none)."""
     if wanted != "auto":
         return profiles.get(wanted)
-    matching = [p for p in profiles.values() if p.matches(gpus)]
-    return max(matching, key=lambda p: (p.specificity(), p.name != "generic"), default=None)
+    matching = [p for p in profiles.values() if p.engine == engine and p.matches(gpus)]
+    return max(matching, key=lambda p: (p.specificity(), "generic" not in p.name), default=None)

@@ -1,12 +1,15 @@
-"""Run vLLM as a well-behaved child: explicit states, health checks, backoff, no orphans.
+"""Run the serving engine (and any other child) as well-behaved children: explicit states, health checks,
+backoff, no orphans.
 
-Modelled on supervisor's process.py: states STOPPED, STARTING, RUNNING,
-BACKOFF, STOPPING, EXITED and FATAL, "died while starting" told apart from
-"died later", and every OS call behind one seam (processes.ProcessOps) that
-tests replace. Every state change goes through _transition(), which checks it
-against ALLOWED_FROM, logs it and counts it. Nothing here blocks the loop:
-STOPPING is a timed state that tick() advances (SIGTERM, stop_timeout_s, then
-SIGKILL), and /health is read on a worker thread with a total deadline.
+Modelled on supervisor's process.py: each Program is one child with its own
+state machine (STOPPED, STARTING, RUNNING, BACKOFF, STOPPING, EXITED and FATAL),
+"died while starting" told apart from "died later", and every OS call behind
+one seam (processes.ProcessOps) that tests replace. Every state change goes
+through _transition(), which checks it against ALLOWED_FROM, logs it and counts
+it (the count is published in the view and exported). Nothing here blocks the
+loop: STOPPING is a timed state that tick() advances (SIGTERM, stop_timeout_s,
+then SIGKILL), and /health is read on a worker thread with a total deadline.
+The Supervisor runs one or more Programs side by side.
 
 The child runs in its own session, so its process group holds the API server
 and every engine/worker process it forks; that group is what gets SIGTERM,
@@ -22,12 +25,12 @@ import re
 import signal
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..config import ServeConfig
 from ..gpu.base import Gpu
-from .command import ServeCommand, gpu_memory_utilization
+from .command import ServeCommand
 from .identity import Identity
 from .processes import Child, ProcessOps
 from .secrets import redact_argv
@@ -47,7 +50,6 @@ ALLOWED_FROM = {
     STOPPED: (STOPPED, STOPPING, BACKOFF, EXITED, FATAL),
     FATAL: (STOPPED, BACKOFF, EXITED),
 }
-VLLM_LEVEL = re.compile(r"^(?:\(\w+ pid=\d+\)\s*)?(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")
 PREFLIGHT_RETRY_S = 5.0
 KILL_WAIT_S = 5.0  # after SIGKILL, how long a stop waits for the kernel before giving up on survivors
 
@@ -58,7 +60,7 @@ class TransitionError(RuntimeError):
 
 @dataclass(frozen=True)
 class ServingView:
-    """The supervisor as the snapshot, the metrics and `gpuwarden status` see it."""
+    """One supervised child as the snapshot, the metrics and `gpuwarden status` see it."""
 
     state: str
     model: str
@@ -69,13 +71,21 @@ class ServingView:
     time_to_healthy_s: float | None
     problem: str | None  # why it is not serving, when it is not
     blocked: bool = False  # waiting for the GPUs or the port to be free before a start
+    engine: str = "vllm"  # the engine's name: the metrics' engine label
+    title: str = "vLLM"  # the engine's name in messages
+    transitions: tuple[tuple[str, str, int], ...] = ()  # (from, to, count) since the daemon started
 
 
-class Supervisor:
+class Program:
+    """One supervised child: the serving engine's command, run as identity on gpus."""
+
     def __init__(self, serve: ServeConfig, command: ServeCommand, identity: Identity, gpus: list[Gpu],
                  ops: ProcessOps | None = None, clock: Callable[[], float] = time.monotonic):
         self.serve = serve
         self.command = command
+        self.engine = command.engine
+        self.name = command.engine.name
+        self.title = command.engine.title
         self.identity = identity
         self.gpus = gpus
         self.ops = ops or ProcessOps()
@@ -89,7 +99,7 @@ class Supervisor:
         self.blocked = False
         self.transitions: Counter = Counter()  # (from, to) -> count
         self.error_lines: deque[str] = deque(maxlen=10)
-        self._probe = self.ops.background("vllm-health")
+        self._probe = self.ops.background(f"{self.name}-health")
         self._failures: deque[float] = deque()
         self._consecutive = 0
         self._started_at = 0.0
@@ -108,7 +118,7 @@ class Supervisor:
     def _transition(self, new: str, message: str | None = None, level: int = logging.INFO) -> None:
         old = self.state
         if old not in ALLOWED_FROM[new]:
-            raise TransitionError(f"vLLM supervisor: {old} -> {new} is not allowed")
+            raise TransitionError(f"{self.title} supervisor: {old} -> {new} is not allowed")
         self.state = new
         self.transitions[(old, new)] += 1
         if message:
@@ -116,11 +126,11 @@ class Supervisor:
 
     # -- the child's output ---------------------------------------------------------
     def on_line(self, line: str) -> None:
-        match = VLLM_LEVEL.match(line)
-        if match:
-            self._last_level = getattr(logging, match.group(1))
+        level = self.engine.log_level(line)
+        if level is not None:
+            self._last_level = level
         # Lines without a level (traceback bodies) keep the level of the line they follow.
-        log.log(self._last_level, "vllm: %s", line)
+        log.log(self._last_level, "%s: %s", self.name, line)
         if self._last_level >= logging.WARNING or re.search(r"Error|Exception", line):
             self.error_lines.append(line[:1000])
 
@@ -131,7 +141,7 @@ class Supervisor:
         blocked = self._preflight()
         if blocked:
             if blocked != self.problem:  # the alert vllm_start_blocked warns, with reminders; this is the detail
-                log.info("vLLM start waits: %s", blocked)
+                log.info("%s start waits: %s", self.title, blocked)
             self.blocked, self.problem, self._retry_at = True, blocked, now + PREFLIGHT_RETRY_S
             self._transition(BACKOFF)
             return
@@ -140,11 +150,11 @@ class Supervisor:
         try:
             self.child = self.ops.spawn(self.command.argv, self.command.env, self.identity, self.on_line)
         except (OSError, ValueError, TypeError) as exc:  # missing binary, unreadable venv, NUL byte, ...
-            self._failed(now, f"vLLM could not be started: {_describe_error(exc)}")
+            self._failed(now, f"{self.title} could not be started: {_describe_error(exc)}")
             return
         self._started_at, self.problem = now, None
         self._probe.discard()
-        self._transition(STARTING, f"vLLM starting (pid {self.child.pid}, profile {self.command.profile.name}, "
+        self._transition(STARTING, f"{self.title} starting (pid {self.child.pid}, profile {self.command.profile.name}, "
                                    f"user {self.identity.name}): " + " ".join(redact_argv(self.command.argv)))
 
     def _preflight(self) -> str | None:
@@ -156,18 +166,18 @@ class Supervisor:
             survivors = sorted(self.ops.alive(self._dying))
             for pid in survivors:
                 self.ops.kill(pid, signal.SIGKILL)
-            return f"processes {survivors} of the previous vLLM are still exiting"
+            return f"processes {survivors} of the previous {self.title} are still exiting"
         uid = self.identity.uid
         for gpu in self.gpus:
             for pid, _ in gpu.compute_processes():
                 if self.ops.uid_of(pid) == uid:
-                    log.warning("GPU%d: killing leftover vLLM process %d of user %s", gpu.index, pid,
+                    log.warning("GPU%d: killing leftover %s process %d of user %s", gpu.index, self.title, pid,
                                 self.identity.name)
                     self.ops.kill(pid, signal.SIGKILL)
         if not self.ops.port_free(self.serve.host, self.serve.port):
             return (f"port {self.serve.port} on {self.serve.host} is in use by "
-                    f"{self.ops.who_listens(self.serve.port)}; vLLM needs it")
-        want = gpu_memory_utilization(self.command.argv)
+                    f"{self.ops.who_listens(self.serve.port)}; {self.title} needs it")
+        want = self.command.memory_fraction
         for gpu in self.gpus:
             s = gpu.sample()
             others = [pid for pid, _ in gpu.compute_processes() if self.ops.uid_of(pid) != uid]
@@ -177,7 +187,7 @@ class Supervisor:
                 free = s.memory_total_bytes - s.memory_used_bytes - (s.memory_reserved_bytes or 0)
                 if free < want * s.memory_total_bytes:
                     return (f"GPU{gpu.index} has {free / 2**30:.1f} GiB free, less than "
-                            f"--gpu-memory-utilization {want:g} of {s.memory_total_bytes / 2**30:.1f} GiB")
+                            f"{self.engine.memory_flag} {want:g} of {s.memory_total_bytes / 2**30:.1f} GiB")
         return None
 
     def tick(self, now: float) -> None:
@@ -191,7 +201,7 @@ class Supervisor:
             code = self.ops.poll(self.child)
             if code is not None:
                 died = "died while starting" if self.state == STARTING else "exited"
-                self._failed(now, f"vLLM {died} with {_describe_exit(code)}", code)
+                self._failed(now, f"{self.title} {died} with {_describe_exit(code)}", code)
             elif self.state == STARTING:
                 self._starting(now)
             else:
@@ -199,7 +209,7 @@ class Supervisor:
 
     def _health(self) -> tuple[bool | None, str]:
         """(True healthy / False not / None no answer yet, why): the latest /health answer about this child."""
-        self._probe.start(self.ops.health, self.serve.url + "/health")
+        self._probe.start(self.ops.health, self.serve.url + self.engine.health_path)
         outcome = self._probe.take()
         if outcome is None or outcome.started_at < self._started_at:
             return None, ""
@@ -210,7 +220,7 @@ class Supervisor:
         group = self.ops.group_pids(self.child.pgid)
         if not self.ops.owns_port(self.serve.port, group, self.identity.uid):
             return False, (f"port {self.serve.port} is answered by {self.ops.who_listens(self.serve.port)}, "
-                           "not by vLLM's process group")
+                           f"not by {self.title}'s process group")
         return True, ""
 
     def _starting(self, now: float) -> None:
@@ -219,11 +229,12 @@ class Supervisor:
             self._running_since = now
             self.time_to_healthy_s = now - self._started_at
             self._next_probe, self._probe_failures = now + self.serve.liveness_interval_s, 0
-            self._transition(RUNNING, f"vLLM healthy after {self.time_to_healthy_s:.1f} s on {self.serve.url}")
-        elif healthy is False and "not by vLLM's process group" in why:
-            self._failed(now, f"vLLM not trusted: {why}")
+            self._transition(RUNNING, f"{self.title} healthy after {self.time_to_healthy_s:.1f} s on "
+                                      f"{self.serve.url}")
+        elif healthy is False and f"not by {self.title}'s process group" in why:
+            self._failed(now, f"{self.title} not trusted: {why}")
         elif now - self._started_at > self.serve.startup_timeout_s:
-            self._failed(now, f"vLLM not healthy within startup_timeout_s {self.serve.startup_timeout_s:g} s")
+            self._failed(now, f"{self.title} not healthy within startup_timeout_s {self.serve.startup_timeout_s:g} s")
 
     def _running(self, now: float) -> None:
         if self._consecutive and now - self._running_since >= self.serve.stable_after_s:
@@ -238,10 +249,10 @@ class Supervisor:
             self._probe_failures = 0
             return
         self._probe_failures += 1
-        log.warning("vLLM liveness probe failed (%d of %d): %s", self._probe_failures,
+        log.warning("%s liveness probe failed (%d of %d): %s", self.title, self._probe_failures,
                     self.serve.liveness_failures, why)
         if self._probe_failures >= self.serve.liveness_failures:
-            self._failed(now, f"vLLM failed {self._probe_failures} liveness probes in a row")
+            self._failed(now, f"{self.title} failed {self._probe_failures} liveness probes in a row")
 
     def _failed(self, now: float, reason: str, code: int | None = None) -> None:
         """The child is gone or must go: kill its group, then BACKOFF or FATAL, whatever a step raises."""
@@ -266,14 +277,14 @@ class Supervisor:
                 delay = min(self.serve.backoff_max_s, 2.0 ** (self._consecutive - 1))
                 self.restarts += 1
                 self._retry_at, self.problem = now + delay, reason
-                self._transition(BACKOFF, f"vLLM restarts in {delay:g} s (restart {self.restarts})",
+                self._transition(BACKOFF, f"{self.title} restarts in {delay:g} s (restart {self.restarts})",
                                  logging.WARNING)
 
     def _fatal(self, reason: str) -> None:
         self.problem = reason
         last = " | ".join(self.error_lines) or "none captured"
         # The detail, at err: the alert vllm_fatal is the one crit line, with the fix.
-        self._transition(FATAL, f"vLLM FATAL, not restarting until SIGHUP: {reason}; its last error lines: "
+        self._transition(FATAL, f"{self.title} FATAL, not restarting until SIGHUP: {reason}; its last error lines: "
                                 f"{last}", logging.ERROR)
 
     def _kill_group(self) -> int:
@@ -294,7 +305,7 @@ class Supervisor:
             return
         self.ops.reap(self._dying)
         if not self.ops.alive(self._dying):
-            log.info("all %d processes of the previous vLLM are gone", len(self._dying))
+            log.info("all %d processes of the previous %s are gone", len(self._dying), self.title)
             self._dying.clear()
 
     def _kill_escaped(self) -> None:
@@ -306,7 +317,8 @@ class Supervisor:
         for pid in escaped:
             self.ops.kill(pid, signal.SIGKILL)
         self._dying.update(escaped)
-        log.warning("killed %d process(es) that had left vLLM's process group: %s", len(escaped), described)
+        log.warning("killed %d process(es) that had left %s's process group: %s", len(escaped), self.title,
+                    described)
 
     # -- stopping: a timed state ------------------------------------------------------
     def stop(self, now: float) -> None:
@@ -320,13 +332,13 @@ class Supervisor:
         self._stop_count = len(self.ops.group_pids(self.child.pgid))
         self.ops.killpg(self.child.pgid, signal.SIGTERM)
         self._stop_began, self._kill_at, self._killed = now, now + self.serve.stop_timeout_s, False
-        self._transition(STOPPING, f"vLLM stopping: SIGTERM to its {self._stop_count} processes, SIGKILL after "
+        self._transition(STOPPING, f"{self.title} stopping: SIGTERM to its {self._stop_count} processes, SIGKILL after "
                                    f"{self.serve.stop_timeout_s:g} s")
 
     def kill_now(self, now: float) -> None:
         """A second stop request: do not wait for the drain."""
         if self.state == STOPPING and not self._killed:
-            log.warning("vLLM stop: asked again, SIGKILL now")
+            log.warning("%s stop: asked again, SIGKILL now", self.title)
             self._kill_at = now
             self._stopping(now)
 
@@ -340,17 +352,18 @@ class Supervisor:
         if alive and now < self._kill_at:
             return
         if alive and not self._killed:
-            log.warning("vLLM did not stop within %g s: SIGKILL to %d processes", now - self._stop_began, len(alive))
+            log.warning("%s did not stop within %g s: SIGKILL to %d processes", self.title, now - self._stop_began,
+                        len(alive))
             self.ops.killpg(self.child.pgid, signal.SIGKILL)
             self._killed, self._kill_at = True, now + KILL_WAIT_S
             return
         if alive:
-            log.error("processes %s of vLLM's group survived SIGKILL for %g s", alive, KILL_WAIT_S)
+            log.error("processes %s of %s's group survived SIGKILL for %g s", alive, self.title, KILL_WAIT_S)
             self._dying.update(alive)
         self.ops.poll(self.child)
         self.child = None
         self._kill_escaped()
-        self._transition(STOPPED, f"vLLM stopped after {now - self._stop_began:.1f} s ({self._stop_count} "
+        self._transition(STOPPED, f"{self.title} stopped after {now - self._stop_began:.1f} s ({self._stop_count} "
                                   "processes in its group at the stop)")
 
     def reset(self, now: float) -> None:
@@ -364,7 +377,55 @@ class Supervisor:
     def view(self) -> ServingView:
         return ServingView(self.state, self.serve.model, self.command.profile.name,
                            self.child.pid if self.child else None, self.restarts, self.last_exit_code,
-                           self.time_to_healthy_s, self.problem, self.blocked)
+                           self.time_to_healthy_s, self.problem, self.blocked, self.name, self.title,
+                           tuple((old, new, n) for (old, new), n in sorted(self.transitions.items())))
+
+
+class Supervisor:
+    """One or more Programs side by side, each with its own state machine. A fault in one program's tick
+    is raised only after the others have ticked; stopping stops them all."""
+
+    def __init__(self, programs: Sequence[Program]):
+        if not programs:
+            raise ValueError("a supervisor needs at least one program")
+        self.programs = {p.name: p for p in programs}
+
+    @property
+    def main(self) -> Program:
+        """The first program: the serving engine, whose state gates READY."""
+        return next(iter(self.programs.values()))
+
+    def _each(self, step: Callable[[Program], None]) -> None:
+        failure = None
+        for program in self.programs.values():
+            try:
+                step(program)
+            except Exception as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise failure
+
+    def start(self, now: float) -> None:
+        self._each(lambda p: p.start(now))
+
+    def tick(self, now: float) -> None:
+        self._each(lambda p: p.tick(now))
+
+    def stop(self, now: float) -> None:
+        self._each(lambda p: p.stop(now))
+
+    def kill_now(self, now: float) -> None:
+        self._each(lambda p: p.kill_now(now))
+
+    def reset(self, now: float) -> None:
+        self._each(lambda p: p.reset(now))
+
+    @property
+    def stopped(self) -> bool:
+        return all(p.stopped for p in self.programs.values())
+
+    def views(self) -> tuple[ServingView, ...]:
+        return tuple(p.view() for p in self.programs.values())
 
 
 def _describe_exit(code: int) -> str:

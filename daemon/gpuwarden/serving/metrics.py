@@ -1,8 +1,10 @@
-"""Read the child's /metrics and derive what operators ask first: tok/s, queue, KV cache.
+"""Read the engine's /metrics and derive what operators ask first: tok/s, queue, KV cache.
 
-vLLM renamed gauges across versions (vllm:gpu_cache_usage_perc became
-vllm:kv_cache_usage_perc); both are read. Rates come from two scrapes'
-counters, so the first scrape after a (re)start reports no rate yet.
+The engine says which of its metric names mean what (Engine.metric_names); engines
+rename gauges across versions (vllm:gpu_cache_usage_perc became
+vllm:kv_cache_usage_perc), so several names may be given and the first present
+wins. Rates come from two scrapes' counters, so the first scrape after a
+(re)start reports no rate yet.
 
 The read runs on a worker thread with a total deadline and a size cap, so a
 /metrics that trickles, sends a gigabyte or never accepts costs the loop
@@ -20,18 +22,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from .. import httpget
 from ..background import Background
+from .engines import MetricNames
 
-GENERATION = "vllm:generation_tokens_total"
-PROMPT = "vllm:prompt_tokens_total"
-RUNNING = "vllm:num_requests_running"
-WAITING = "vllm:num_requests_waiting"
-KV_CACHE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # new name first
 DEADLINE_S = 2.0
 MAX_BYTES = 8 * 1024 * 1024  # a real vLLM /metrics is 50-200 KB
 
 
 @dataclass(frozen=True)
-class VllmStats:
+class ServingStats:
     generation_tokens_per_s: float | None = None
     prompt_tokens_per_s: float | None = None
     requests_running: float | None = None
@@ -57,19 +55,20 @@ def fetch(url: str) -> dict[str, float]:
     return parse(reply.body.decode("utf-8", "replace"))
 
 
-class VllmMetricsReader:
-    def __init__(self, url: str, clock: Callable[[], float], background: Background | None = None):
+class MetricsReader:
+    def __init__(self, url: str, names: MetricNames, clock: Callable[[], float], background: Background | None = None):
         self.url = url
-        self.job = background or Background("vllm-metrics", clock)
+        self.names = names
+        self.job = background or Background("serving-metrics", clock)
         self._last: tuple[float, dict[str, float]] | None = None
-        self._latest: VllmStats | None = None
+        self._latest: ServingStats | None = None
 
     def reset(self) -> None:
         """A new child: its counters start from zero, so forget the old ones."""
         self._last, self._latest = None, None
         self.job.discard()
 
-    def read(self, now: float) -> VllmStats | None:
+    def read(self, now: float) -> ServingStats | None:
         """The latest stats (None while none or after a failed read); starts the next read in the background."""
         self.job.start(fetch, self.url)
         outcome = self.job.take()
@@ -80,12 +79,13 @@ class VllmMetricsReader:
             return None
         values, at = outcome.value, outcome.finished_at
         previous, self._last = self._last, (at, values)
-        kv = next((values[name] for name in KV_CACHE if name in values), None)
-        self._latest = VllmStats(
-            generation_tokens_per_s=_rate(previous, at, values, GENERATION),
-            prompt_tokens_per_s=_rate(previous, at, values, PROMPT),
-            requests_running=values.get(RUNNING),
-            requests_waiting=values.get(WAITING),
+        names = self.names
+        kv = next((values[name] for name in names.kv_cache_usage if name in values), None)
+        self._latest = ServingStats(
+            generation_tokens_per_s=_rate(previous, at, values, names.generation_tokens),
+            prompt_tokens_per_s=_rate(previous, at, values, names.prompt_tokens),
+            requests_running=values.get(names.requests_running),
+            requests_waiting=values.get(names.requests_waiting),
             kv_cache_usage_ratio=kv,
         )
         return self._latest

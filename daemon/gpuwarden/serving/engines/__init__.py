@@ -1,0 +1,98 @@
+"""Serving engines: what gpuwarden must know about the program it serves with.
+
+An engine is one module here that defines ENGINE, an Engine: its default
+command, how its argv is built from the serve config and the profile, where its
+flags start, its memory fraction and tensor-parallel size, how to read the level
+of its log lines, its lint and (optionally) its own flag parser run in its
+interpreter, and its health and metrics endpoints with the names of the metrics
+that map to the generic serving stats. serve.engine names the module
+(default vllm); nothing outside serving/engines/ knows which engine runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ...config import ServeConfig
+from ..flags import flag_value
+from ..lint import LintFinding
+from ..profiles import Profile
+
+NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class MetricNames:
+    """The engine's Prometheus names for what gpuwarden reads: counters of tokens, gauges of requests and the
+    KV cache (several names: engines rename them across versions; the first present wins)."""
+
+    generation_tokens: str
+    prompt_tokens: str
+    requests_running: str
+    requests_waiting: str
+    kv_cache_usage: tuple[str, ...]
+
+
+class Engine:
+    name: str  # serve.engine, and the `engine` label
+    title: str  # in messages: "vLLM"
+    default_command: tuple[str, ...]
+    model_flag: str
+    memory_flag: str  # the fraction of each GPU's memory it takes
+    default_memory_fraction: float
+    tp_flags: tuple[str, ...]
+    health_path = "/health"
+    metrics_path = "/metrics"
+    metric_names: MetricNames
+    api_key_env: str | None = None  # the variable it reads its API key from, instead of --api-key
+    required_args: tuple[str, ...] = ()  # always passed, e.g. what makes it serve /metrics
+    # Python run in the engine's interpreter with the flags as JSON in argv[1]; prints FLAGCHECK_MARK and
+    # {"ok", "error", "version"} as JSON. None: the engine has no parser gpuwarden can run.
+    flag_probe: str | None = None
+
+    def command(self, serve: ServeConfig) -> tuple[str, ...]:
+        return serve.command or self.default_command
+
+    def argv(self, serve: ServeConfig, profile: Profile) -> tuple[str, ...]:
+        # Later flags win in argparse, so the user's args override the profile's.
+        return (*self.command(serve), self.model_flag, serve.model, *self.required_args, *profile.args,
+                *serve.args, "--host", serve.host, "--port", str(serve.port))
+
+    def flags(self, serve: ServeConfig, argv: Sequence[str]) -> list[str]:
+        """The arguments after the command prefix: what the engine's own parser reads."""
+        return list(argv[len(self.command(serve)):])
+
+    def memory_fraction(self, argv: Sequence[str]) -> float:
+        value = flag_value(argv, self.memory_flag)
+        try:
+            return float(value) if value is not None else self.default_memory_fraction
+        except ValueError:
+            return self.default_memory_fraction
+
+    def tensor_parallel_size(self, argv: Sequence[str]) -> int:
+        value = flag_value(argv, *self.tp_flags)
+        return int(value) if value is not None and value.isdigit() else 1
+
+    def log_level(self, line: str) -> int | None:
+        """The level a line of its output was logged at; None: a continuation (it keeps the previous one)."""
+        return None
+
+    def lint(self, argv: Sequence[str], env: Mapping[str, str], profile: Profile, compute_capabilities: Sequence[str],
+             model: str) -> list[LintFinding]:
+        return []
+
+
+def names() -> list[str]:
+    """The engines this install knows: the modules of this package."""
+    return sorted(m.name for m in pkgutil.iter_modules(__path__) if NAME_RE.match(m.name))
+
+
+def engine_for(name: str) -> Engine | None:
+    if not NAME_RE.match(name) or name not in names():
+        return None
+    return importlib.import_module(f"{__name__}.{name}").ENGINE
+
