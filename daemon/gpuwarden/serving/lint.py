@@ -59,6 +59,10 @@ def lint(argv: Sequence[str], env: Mapping[str, str], profile: Profile, compute_
         found.append(LintFinding(ERROR, "api-key-on-command-line", "--api-key on the command line shows in ps; put "
                                  f"{engine.api_key_env}=... in /etc/gpuwarden/credentials/vllm.env (root-only) "
                                  "instead", PS_SOURCE))
+    elif has_flag(argv, "--api-key"):  # the engine reads its key from nowhere else: say what it costs
+        found.append(LintFinding(WARNING, "api-key-on-command-line", f"--api-key on the command line shows in ps, "
+                                 f"and {engine.title} reads it from no environment variable; keep serve.host on "
+                                 "localhost so that the key is not all that guards it", PS_SOURCE))
     return found
 
 
