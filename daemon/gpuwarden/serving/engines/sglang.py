@@ -1,0 +1,97 @@
+"""SGLang: `python3 -m sglang.launch_server`, its /health and sglang: metrics, its log format, its
+ServerArgs parser and its lint.
+
+Sources: SGLang's production metrics page (docs/references/production_metrics.md:
+sglang:generation_tokens_total, sglang:num_running_reqs, sglang:num_queue_reqs,
+sglang:token_usage, served only with --enable-metrics), its configure_logger
+(`[%(asctime)s{prefix}] %(message)s`, no level) and uvicorn format (`[time]
+INFO: ...`), and ServerArgs.add_cli_args, which is run for the flag check.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping, Sequence
+
+from ..flags import flag_value
+from ..lint import WARNING, LintFinding, sm12x
+from ..profiles import Profile
+from . import Engine, MetricNames
+
+REPORT_DSV4 = ("Hugging Face discussion #28 'Running models with vLLM on the RTX Pro 6000 - SM120': "
+               "DeepSeek-V4-Flash-FP8 with SGLang (lmsysorg/sglang:deepseek-v4-blackwell) on 8x RTX PRO 6000")
+LONG_CONTEXT = 65536  # decode fell to 3-5 tok/s from 64K of context with the SM120 sparse-decode patch
+STAMP = re.compile(r"^\[\d{2,4}-\d{2}[^\]]*\]\s*")  # "[2026-05-01 12:00:00 TP0] " or "[05-01 12:00:00] "
+LEVEL = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b:?")
+FAILURE = re.compile(r"Traceback \(most recent call last\)|\b\w*(Error|Exception):")
+
+# ServerArgs.add_cli_args is SGLang's own parser; the version comes from the package metadata, since
+# `import sglang` pulls in far more of its dependencies than the parser needs.
+PROBE = r"""
+import json, sys
+out = {"ok": True, "error": None, "version": None}
+try:
+    import argparse
+    from importlib.metadata import version
+    out["version"] = version("sglang")
+    from sglang.srt.server_args import ServerArgs
+    parser = argparse.ArgumentParser(prog="sglang.launch_server")
+    ServerArgs.add_cli_args(parser)
+    parser.parse_args(json.loads(sys.argv[1]))
+except SystemExit:
+    out["ok"] = False  # argparse printed its one-line reason on stderr
+except Exception as exc:
+    out["ok"], out["error"] = False, f"{type(exc).__name__}: {exc}"
+print("GPUWARDEN-FLAGCHECK " + json.dumps(out), flush=True)
+"""
+
+
+class Sglang(Engine):
+    name, title = "sglang", "SGLang"
+    default_command = ("python3", "-m", "sglang.launch_server")
+    model_flag = "--model-path"
+    # SGLang sizes its static memory from the GPU when the flag is absent; 0.85 is the report's value and
+    # is what the start-up check assumes then.
+    memory_flag, default_memory_fraction = "--mem-fraction-static", 0.85
+    tp_flags = ("--tensor-parallel-size", "--tp-size", "--tp")
+    required_args = ("--enable-metrics",)  # else /metrics is not served
+    metric_names = MetricNames("sglang:generation_tokens_total", "sglang:prompt_tokens_total",
+                               "sglang:num_running_reqs", "sglang:num_queue_reqs", ("sglang:token_usage",))
+    flag_probe = PROBE
+
+    def log_level(self, line: str) -> int | None:
+        stamp = STAMP.match(line)
+        if stamp is None:
+            return logging.ERROR if FAILURE.search(line) else None  # a traceback's body keeps its level
+        rest = line[stamp.end():]
+        level = LEVEL.match(rest)
+        if level:  # uvicorn's lines carry one
+            return getattr(logging, level.group(1))
+        if FAILURE.search(rest):
+            return logging.ERROR
+        return logging.WARNING if re.search(r"\bwarning\b", rest, re.I) else logging.INFO
+
+    def lint(self, argv: Sequence[str], env: Mapping[str, str], profile: Profile, compute_capabilities: Sequence[str],
+             model: str) -> list[LintFinding]:
+        found: list[LintFinding] = []
+        if not (sm12x(compute_capabilities) and re.search(r"deepseek[-_]?v4", model, re.I)):
+            return found
+        if "PYTHONPATH" not in env:
+            found.append(LintFinding(WARNING, "sglang-dsv4-sm120-flashmla", "SGLang's built-in FlashMLA supports "
+                                     "SM90/SM100 only: DeepSeek-V4 on SM120 needs the SM120 sparse-decode patch "
+                                     "(deepseek-v4-flash-sm120) on PYTHONPATH, e.g. serve.env: {PYTHONPATH: /dsv4}",
+                                     REPORT_DSV4))
+        for flag in ("--fp8-gemm-backend", "--moe-runner-backend"):
+            if flag_value(argv, flag) != "triton":
+                found.append(LintFinding(WARNING, "sglang-dsv4-sm120-triton", f"the working SM120 setup ran "
+                                         f"{flag} triton (no tuned SM120 kernel configs yet); add it", REPORT_DSV4))
+        context = flag_value(argv, "--context-length")
+        if context is not None and context.isdigit() and int(context) > LONG_CONTEXT:
+            found.append(LintFinding(WARNING, "sglang-dsv4-sm120-long-context", f"--context-length {context}: "
+                                     "decode fell to 3-5 tok/s beyond 64K of context with the SM120 sparse-decode "
+                                     "patch; expect it on long requests", REPORT_DSV4))
+        return found
+
+
+ENGINE = Sglang()
