@@ -19,7 +19,7 @@ from gpuwarden.serving.command import build_command
 from gpuwarden.serving.engines import Engine, engine_for, names
 from gpuwarden.serving.flags import flag_value
 from gpuwarden.serving.identity import Identity
-from gpuwarden.serving.lint import lint
+from gpuwarden.serving.engines import lint
 from gpuwarden.serving.metrics import MetricsReader, parse
 from gpuwarden.serving.prepare import compose
 from gpuwarden.serving.profiles import load_profiles, select_profile

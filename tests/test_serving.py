@@ -13,7 +13,7 @@ from gpuwarden.gpu.sim.backend import ManualClock
 from gpuwarden.gpu.sim.scenario import builtin_scenarios
 from gpuwarden.serving.command import build_command, chosen_gpus
 from gpuwarden.serving.flags import flag_value
-from gpuwarden.serving.lint import lint
+from gpuwarden.serving.engines import lint
 from gpuwarden.serving.profiles import load_profiles, select_profile
 from gpuwarden.serving.identity import Identity
 from gpuwarden.serving.processes import Child

@@ -15,7 +15,8 @@ from .command import ServeCommand, build_command, chosen_gpus, engine_of, profil
 from .flagcheck import FlagCheck, check_flags
 from .homes import HomeError, child_home
 from .identity import Identity, IdentityError, resolve
-from .lint import ERROR, LintFinding, lint, version_findings
+from .engines import lint, version_findings
+from .lint import ERROR, LintFinding
 from .profiles import Profile, load_profiles, select_profile
 from .secrets import SecretFileError, credentials_file, read_env_file
 

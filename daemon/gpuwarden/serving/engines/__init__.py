@@ -18,11 +18,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ...config import ServeConfig
-from ..flags import flag_value
-from ..lint import LintFinding
+from ..flags import flag_value, has_flag
+from ..lint import ERROR, WARNING, LintFinding
 from ..profiles import Profile
 
 NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")
+PS_SOURCE = "ps(1) shows every process's full command line to every local user"
 
 
 @dataclass(frozen=True)
@@ -96,3 +97,29 @@ def engine_for(name: str) -> Engine | None:
         return None
     return importlib.import_module(f"{__name__}.{name}").ENGINE
 
+
+def lint(argv: Sequence[str], env: Mapping[str, str], profile: Profile, compute_capabilities: Sequence[str],
+         model: str, version: str | None = None, engine: Engine | None = None) -> list[LintFinding]:
+    """The engine's rules, then the shared ones; with the engine's version, its known-bad check too."""
+    if engine is None:
+        engine = engine_for(profile.engine)
+    found = engine.lint(argv, env, profile, compute_capabilities, model)
+    found += version_findings(profile, version, engine.title)
+    if has_flag(argv, "--api-key") and engine.api_key_env:
+        found.append(LintFinding(ERROR, "api-key-on-command-line", "--api-key on the command line shows in ps; put "
+                                 f"{engine.api_key_env}=... in /etc/gpuwarden/credentials/vllm.env (root-only) "
+                                 "instead", PS_SOURCE))
+    elif has_flag(argv, "--api-key"):  # the engine reads its key from nowhere else: say what it costs
+        found.append(LintFinding(WARNING, "api-key-on-command-line", f"--api-key on the command line shows in ps, "
+                                 f"and {engine.title} reads it from no environment variable; keep serve.host on "
+                                 "localhost so that the key is not all that guards it", PS_SOURCE))
+    return found
+
+
+def version_findings(profile: Profile, version: str | None, title: str) -> list[LintFinding]:
+    """The profile's known-bad list against the installed version (known once the flag check ran)."""
+    bad = profile.bad_version(version)
+    if bad is None:
+        return []
+    return [LintFinding(ERROR, f"{profile.engine}-known-bad", f"{title} {version} is on profile {profile.name}'s "
+                        f"known-bad list: {bad.reason}", profile.notes[0][1] if profile.notes else profile.file)]
