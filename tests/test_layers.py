@@ -1,0 +1,87 @@
+"""The package's layers: every import points down. A new arrow that points up fails here, naming the file,
+the line and the two layers, before it turns into a cycle or drags the config into the GPU code."""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "daemon" / "gpuwarden"
+
+# Lowest first. A module may import from a lower layer and from its own package; nothing else.
+LAYERS = [
+    {"yamlfile", "statedir", "background", "httpget", "systemd"},  # no gpuwarden imports of their own
+    {"schema", "originals"},
+    {"gpu", "webconfig"},  # the GPU backends know nothing of the config
+    {"throttle"},  # is this clock low, and why
+    {"tunables"},  # the tuning settings table
+    {"config"},
+    {"alerts", "tuning", "serving", "backends", "status"},
+    {"monitor", "doctor"},
+    {"exporter"},
+    {"daemon"},
+    {"cli"},
+    {"__main__"},
+]
+RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
+
+
+def unit_of(module: str) -> str:
+    """gpuwarden.serving.engines.vllm -> serving; gpuwarden.config -> config."""
+    return module.split(".")[1]
+
+
+def imports(path: Path) -> list[tuple[int, str]]:
+    module = ".".join(("gpuwarden", *path.relative_to(PACKAGE).with_suffix("").parts))
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    return imports_in(path.read_text(), package)
+
+
+def imports_in(source: str, package: str) -> list[tuple[int, str]]:
+    """(line, absolute module) of every gpuwarden import in source, a module of package, also those inside
+    functions and TYPE_CHECKING blocks."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if a.name.startswith("gpuwarden.")]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if not target.startswith("gpuwarden"):
+                continue
+            if target == "gpuwarden":  # from . import config, tunables
+                found += [(node.lineno, f"gpuwarden.{a.name}") for a in node.names]
+            else:
+                found.append((node.lineno, target))
+    return found
+
+
+def test_every_module_has_a_layer():
+    units = {p.relative_to(PACKAGE).parts[0].removesuffix(".py") for p in PACKAGE.rglob("*.py")} - {"__init__"}
+    assert units == set(RANK), f"give these a layer: {units - set(RANK)}; gone: {set(RANK) - units}"
+
+
+def test_imports_point_down():
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path == PACKAGE / "__init__.py":
+            continue
+        here = path.relative_to(PACKAGE).parts[0].removesuffix(".py")
+        for line, target in imports(path):
+            there = unit_of(target)
+            if there not in RANK or there == here:
+                continue  # the package's face (its version string), or the same package
+            if RANK[there] >= RANK[here]:
+                wrong.append(f"{path.relative_to(PACKAGE)}:{line}: {here} (layer {RANK[here]}) imports {target} "
+                             f"(layer {RANK[there]})")
+    assert not wrong, "imports that point up or sideways:\n" + "\n".join(wrong)
+
+
+def test_the_check_sees_an_upward_import():
+    """The test itself: the config imported from GPU code, relatively or not, lands on a higher layer."""
+    for source in ("from ..config import Config\n", "import gpuwarden.config\n",
+                   "def f():\n    from .. import config\n"):
+        [(_, target)] = imports_in(source, "gpuwarden.gpu")
+        assert unit_of(target) == "config" and RANK["config"] > RANK["gpu"], source
+    assert imports_in("from .base import Gpu\n", "gpuwarden.gpu") == [(1, "gpuwarden.gpu.base")]
