@@ -242,7 +242,7 @@ def test_sglang_metrics_carry_the_engine_label_and_no_vllm_names():
     moves = {(s.labels["from"], s.labels["to"]): s.value for s in families["gpuwarden_serving_transitions"].samples
              if s.name.endswith("_total")}
     assert moves == {("STOPPED", "STARTING"): 1, ("STARTING", "RUNNING"): 1}
-    assert "x (sglang-generic) 42 tok/s" in snap.status_line()
+    assert "x (sglang-generic) 42 tok/s" in snap.summary_line()
 
 
 @pytest.mark.integration

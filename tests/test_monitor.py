@@ -197,7 +197,7 @@ def test_critical_rules_log_at_crit(caplog):
 def test_status_line(scenario):
     monitor, clock = monitor_for(scenario)
     play(monitor, clock, 25)
-    line = monitor.snapshot.status_line()
+    line = monitor.snapshot.summary_line()
     n = len(monitor.backend.gpus())
     assert line.startswith(f"{n} GPU" + ("s" if n > 1 else "") + " · locked ")
     if scenario == "rtx-pro-4000-headless":

@@ -87,7 +87,7 @@ class Daemon:
         serving = self._prepare_serving(self.config, deep=True) if self.config.serve.enabled else None
         if self.config.metrics.listen is not None:
             try:
-                self.server = MetricsServer(self.config.metrics.listen, self.exposition, self.status,
+                self.server = MetricsServer(self.config.metrics.listen, self.exposition, self.status_document,
                                             self.config.metrics.web)
             except OSError as exc:
                 host, port = self.config.metrics.listen
@@ -159,7 +159,7 @@ class Daemon:
             self._stale_logged = False
         if self.server is not None:
             self.exposition.published()
-        status = snapshot.status_line()
+        status = snapshot.summary_line()
         # READY once everything is usable: tuned, and the engine healthy when serving. An engine that went FATAL
         # also ends the start-up, so that `systemctl start` returns and the STATUS line says why.
         if not self.ready_sent and (self.supervisor is None or self.supervisor.main.state in (RUNNING, FATAL)):
@@ -261,7 +261,7 @@ class Daemon:
                     listen_file().unlink()
         self.exposition.close()
 
-    def status(self) -> dict:
+    def status_document(self) -> dict:
         """What `gpuwarden status` shows: the daemon, plus the latest snapshot (finite numbers only)."""
         snapshot = self.monitor.snapshot
         age = None if snapshot is None else max(0.0, self.clock() - snapshot.published_at)

@@ -20,7 +20,7 @@ MIN_SM120_DRIVER = 580  # CUDA graphs work on SM120 from driver 580 on (the RTX 
 
 
 @dataclass(frozen=True)
-class Finding:
+class Diagnosis:
     severity: str
     check: str
     message: str
@@ -33,17 +33,17 @@ class Finding:
         return {"severity": self.severity, "check": self.check, "message": self.message, "fix": self.fix}
 
 
-def exit_status(findings: list[Finding]) -> int:
+def exit_status(findings: list[Diagnosis]) -> int:
     return max((EXIT[f.severity] for f in findings), default=0)
 
 
-def diagnose(config: Config, backend: GpuBackend, deep: bool = True) -> list[Finding]:
+def diagnose(config: Config, backend: GpuBackend, deep: bool = True) -> list[Diagnosis]:
     findings = [_driver(backend)]
     persistenced = backend.persistenced_running()
     for gpu in backend.gpus():
         s = gpu.sample()
         if not s.up:
-            findings.append(Finding(ERROR, f"GPU{s.index} present", f"{s.uuid} is lost: {s.error}",
+            findings.append(Diagnosis(ERROR, f"GPU{s.index} present", f"{s.uuid} is lost: {s.error}",
                                     "check `dmesg` for Xid errors; reset the GPU or reboot"))
             continue
         findings.append(_persistence(s, persistenced))
@@ -53,31 +53,31 @@ def diagnose(config: Config, backend: GpuBackend, deep: bool = True) -> list[Fin
     return findings
 
 
-def _driver(backend: GpuBackend) -> Finding:
+def _driver(backend: GpuBackend) -> Diagnosis:
     version = backend.driver_version()
     if version is None:
-        return Finding(WARNING, "driver", "NVML did not report a driver version")
+        return Diagnosis(WARNING, "driver", "NVML did not report a driver version")
     sm12x = [g.index for g in backend.gpus() if (g.sample().compute_capability or "").startswith("12.")]
     major = int(version.split(".")[0]) if version.split(".")[0].isdigit() else 0
     if sm12x and major < MIN_SM120_DRIVER:
-        return Finding(WARNING, "driver", f"driver {version} on SM12x GPUs {sm12x}",
+        return Diagnosis(WARNING, "driver", f"driver {version} on SM12x GPUs {sm12x}",
                        f"install driver {MIN_SM120_DRIVER} or newer (CUDA graphs on SM120)")
-    return Finding(OK, "driver", f"driver {version}")
+    return Diagnosis(OK, "driver", f"driver {version}")
 
 
-def _persistence(s: GpuSample, persistenced: bool) -> Finding:
+def _persistence(s: GpuSample, persistenced: bool) -> Diagnosis:
     check = f"GPU{s.index} persistence"
     if s.persistence_mode is None:
-        return Finding(INFO, check, "persistence mode is not reported by this GPU")
+        return Diagnosis(INFO, check, "persistence mode is not reported by this GPU")
     if s.persistence_mode:
-        return Finding(OK, check, "persistence mode on" + (" (nvidia-persistenced runs)" if persistenced else ""))
+        return Diagnosis(OK, check, "persistence mode on" + (" (nvidia-persistenced runs)" if persistenced else ""))
     if persistenced:  # it keeps the driver loaded either way; some distributions run it with --no-persistence-mode
-        return Finding(INFO, check, "persistence mode off; nvidia-persistenced runs and keeps the driver loaded")
-    return Finding(WARNING, check, "persistence mode off and nvidia-persistenced is not running: the driver "
+        return Diagnosis(INFO, check, "persistence mode off; nvidia-persistenced runs and keeps the driver loaded")
+    return Diagnosis(WARNING, check, "persistence mode off and nvidia-persistenced is not running: the driver "
                    "unloads between CUDA programs", "`sudo gpuwarden apply` (or run the gpuwarden service)")
 
 
-def _clocks(s: GpuSample, alerts: AlertSettings) -> Finding:
+def _clocks(s: GpuSample, alerts: AlertSettings) -> Diagnosis:
     """The same question the alert rules ask (throttle.py), with the configured busy level and threshold;
     doctor knows no lock, so the threshold is taken against the maximum clock."""
     check = f"GPU{s.index} clocks"
@@ -86,65 +86,65 @@ def _clocks(s: GpuSample, alerts: AlertSettings) -> Finding:
     sm, top = s.sm_clock_mhz, s.max_sm_clock_mhz
     verdict = throttle.judge(sm, top, None, alerts.sm_clock_min, s)
     if verdict is None:
-        return Finding(INFO, check, "clocks are not reported by this GPU")
+        return Diagnosis(INFO, check, "clocks are not reported by this GPU")
     busy = throttle.is_busy(s, alerts.busy_utilization_pct)
     now = f"SM {sm}/{top} MHz, memory {s.memory_clock_mhz} MHz, util {s.utilization_pct}%, P{s.performance_state}, " \
           f"reasons {names}"
     if busy and verdict.low and not verdict.held:
-        return Finding(ERROR, check, f"busy but stuck low with no throttle reason (below {verdict.limit:.0f} MHz, "
+        return Diagnosis(ERROR, check, f"busy but stuck low with no throttle reason (below {verdict.limit:.0f} MHz, "
                        f"alerts.sm_clock_min_mhz {alerts.sm_clock_min}): {now}",
                        "lock the clocks: `sudo gpuwarden apply` with tuning.gpu_clocks: max")
     if busy and reasons & throttle.HARDWARE:
-        return Finding(ERROR, check, f"hardware slowdown: {now}", "check cooling and the power supply now")
+        return Diagnosis(ERROR, check, f"hardware slowdown: {now}", "check cooling and the power supply now")
     at_max = throttle.at_max_power_limit(s)
     if busy and reasons & R.SwPowerCap and not reasons & R.SwThermalSlowdown and at_max:
-        return Finding(OK, check, f"at its design power (SwPowerCap at its maximum limit, "
+        return Diagnosis(OK, check, f"at its design power (SwPowerCap at its maximum limit, "
                        f"{s.power_limit_w:g} W): {now}")
     if busy and reasons & R.SwPowerCap and not reasons & R.SwThermalSlowdown:
-        return Finding(WARNING, check, f"power-capped below the card's maximum limit: {now}",
+        return Diagnosis(WARNING, check, f"power-capped below the card's maximum limit: {now}",
                        f"tuning.power_limit_w: {s.power_limit_max_w:g} adds {s.power_limit_max_w - s.power_limit_w:g} W"
                        if s.power_limit_max_w is not None and s.power_limit_w is not None else
                        "raise the power limit within its constraints (`gpuwarden plan`)")
     if busy and reasons & R.SwThermalSlowdown:
-        return Finding(WARNING, check, f"thermally throttled: {now}", "improve cooling or airflow")
+        return Diagnosis(WARNING, check, f"thermally throttled: {now}", "improve cooling or airflow")
     if not busy and verdict.low and (s.performance_state or 0) >= 8 and (s.compute_capability or "").startswith("12."):
-        return Finding(WARNING, check, f"idle and unlocked: {now}; headless SM12x cards stay at these clocks under "
+        return Diagnosis(WARNING, check, f"idle and unlocked: {now}; headless SM12x cards stay at these clocks under "
                        "load", "lock the clocks: `sudo gpuwarden apply` with tuning.gpu_clocks: max")
-    return Finding(OK, check, now)
+    return Diagnosis(OK, check, now)
 
 
-def _power(s: GpuSample) -> Finding:
+def _power(s: GpuSample) -> Diagnosis:
     check = f"GPU{s.index} power limit"
     low, high, limit = s.power_limit_min_w, s.power_limit_max_w, s.power_limit_w
     if limit is None or low is None or high is None:
-        return Finding(INFO, check, "the power limit is not reported by this GPU")
+        return Diagnosis(INFO, check, "the power limit is not reported by this GPU")
     text = f"{limit:g} W (allowed {low:g}-{high:g} W)"
     if limit < high - 0.5:
-        return Finding(WARNING, check, f"{text}: below the card's maximum",
+        return Diagnosis(WARNING, check, f"{text}: below the card's maximum",
                        f"tuning.power_limit_w: {high:g} if the GPU hits SwPowerCap")
-    return Finding(OK, check, text)
+    return Diagnosis(OK, check, text)
 
 
-def _serving(config: Config, backend: GpuBackend, deep: bool) -> list[Finding]:
+def _serving(config: Config, backend: GpuBackend, deep: bool) -> list[Diagnosis]:
     if not config.serve.enabled:
-        return [Finding(INFO, "vLLM", "serving is off (serve.enabled: false): vLLM checks skipped")]
+        return [Diagnosis(INFO, "vLLM", "serving is off (serve.enabled: false): vLLM checks skipped")]
     from .serving.prepare import prepare_serve
 
     try:
         prepared = prepare_serve(config, backend, deep=deep)
     except InvalidConfig as exc:
-        return [Finding(ERROR, "vLLM profile", str(exc.errors[0]))]
-    findings = [Finding(OK, "vLLM profile", f"{prepared.command.profile.name} for {config.serve.model}")]
+        return [Diagnosis(ERROR, "vLLM profile", str(exc.errors[0]))]
+    findings = [Diagnosis(OK, "vLLM profile", f"{prepared.command.profile.name} for {config.serve.model}")]
     if prepared.home_note:
-        findings.append(Finding(INFO, "vLLM home", prepared.home_note))
+        findings.append(Diagnosis(INFO, "vLLM home", prepared.home_note))
     for lint in prepared.findings:
-        findings.append(Finding(ERROR if lint.severity == "error" else WARNING, f"vLLM lint {lint.rule}",
+        findings.append(Diagnosis(ERROR if lint.severity == "error" else WARNING, f"vLLM lint {lint.rule}",
                                 f"{lint.message} [source: {lint.source}]"))
     title = prepared.command.engine.title
     if prepared.flags is not None:
         if prepared.flags.ok:
-            findings.append(Finding(OK, "vLLM flags", f"{title} {prepared.flags.version} accepts the command"))
+            findings.append(Diagnosis(OK, "vLLM flags", f"{title} {prepared.flags.version} accepts the command"))
         else:
-            findings.append(Finding(ERROR, "vLLM flags", f"{title} rejects the command: {prepared.flags.error}",
+            findings.append(Diagnosis(ERROR, "vLLM flags", f"{title} rejects the command: {prepared.flags.error}",
                                     "fix serve.args or the profile; `gpuwarden profiles show` prints it"))
     return findings

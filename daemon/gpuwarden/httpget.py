@@ -23,7 +23,7 @@ class HttpError(Exception):
 
 @dataclass(frozen=True)
 class Reply:
-    status: int
+    code: int  # the HTTP status code
     body: bytes
     local_port: int  # our end of the connection, to find the peer in /proc/net/tcp
 

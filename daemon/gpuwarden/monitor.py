@@ -83,8 +83,8 @@ class Snapshot:
     def firing(self) -> list[AlertView]:
         return [a for a in self.alerts if a.firing]
 
-    def status_line(self) -> str:
-        """One line for systemd's STATUS=, e.g. `2 GPUs · locked 3090 MHz · GPU0 power_capped (-16%)`."""
+    def summary_line(self) -> str:
+        """One line for systemd's STATUS= and /status's "status", e.g. `2 GPUs · locked 3090 MHz · GPU0 power_capped (-16%)`."""
         n = len(self.gpus)
         parts = [f"{n} GPU" + ("s" if n != 1 else "")]
         locks = sorted({v.sm_lock[1] for v in self.gpus if v.sm_lock})
@@ -116,7 +116,7 @@ class Snapshot:
         return {
             "taken_at": self.taken_at,
             "read_only": self.read_only,
-            "status": self.status_line(),
+            "status": self.summary_line(),
             "gpus": [{**v.sample.as_dict(), "sm_lock_mhz": list(v.sm_lock) if v.sm_lock else None,
                       "memory_lock_mhz": list(v.memory_lock) if v.memory_lock else None} for v in self.gpus],
             "alerts_firing": [a.as_dict() for a in self.firing()],

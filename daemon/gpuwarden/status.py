@@ -33,15 +33,15 @@ def fetch_status(metrics: MetricsConfig, auth: tuple[str, str] | None = None, ti
         if "refused" in str(exc).lower():
             return None
         raise StatusError(f"{metrics.url}: {exc}") from None
-    if reply.status == 401:
+    if reply.code == 401:
         raise StatusError(f"{metrics.url} wants basic auth (metrics.web_config): give --user NAME, with the "
                           "password in $GPUWARDEN_PASSWORD")
     try:
         state = json.loads(reply.body)
     except (ValueError, UnicodeDecodeError):
         state = None
-    if reply.status != 200 or not isinstance(state, dict) or "daemon" not in state:
-        raise StatusError(f"something other than gpuwarden answers on {metrics.url} (HTTP {reply.status})")
+    if reply.code != 200 or not isinstance(state, dict) or "daemon" not in state:
+        raise StatusError(f"something other than gpuwarden answers on {metrics.url} (HTTP {reply.code})")
     return state
 
 

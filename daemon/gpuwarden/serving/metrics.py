@@ -50,8 +50,8 @@ def parse(text: str) -> dict[str, float]:
 def fetch(url: str) -> dict[str, float]:
     """One bounded read of /metrics, parsed (on the worker thread). Raises httpget.HttpError or ValueError."""
     reply = httpget.get(url, DEADLINE_S, MAX_BYTES)
-    if reply.status != 200:
-        raise httpget.HttpError(f"{url} answered {reply.status}")
+    if reply.code != 200:
+        raise httpget.HttpError(f"{url} answered {reply.code}")
     return parse(reply.body.decode("utf-8", "replace"))
 
 

@@ -215,8 +215,8 @@ class Program:
             return None, ""
         if outcome.error is not None:
             return False, str(outcome.error)
-        if outcome.value.status != 200:
-            return False, f"/health answered {outcome.value.status}"
+        if outcome.value.code != 200:
+            return False, f"/health answered {outcome.value.code}"
         group = self.ops.group_pids(self.child.pgid)
         if not self.ops.owns_port(self.serve.port, group, self.identity.uid):
             return False, (f"port {self.serve.port} is answered by {self.ops.who_listens(self.serve.port)}, "
