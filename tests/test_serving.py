@@ -605,7 +605,7 @@ def test_a_user_without_a_writable_home_gets_one_under_the_state_directory(tmp_p
     missing = Identity(me.pw_name, me.pw_uid, me.pw_gid, str(tmp_path / "no-such-home"), (), False)
     env, why = child_home(missing, create=True, environ=state)
     home = tmp_path / "state" / "home" / me.pw_name
-    assert why == f"{me.pw_name}: its home {tmp_path / 'no-such-home'} does not exist; vLLM's home and caches are {home}"
+    assert why == f"{me.pw_name}: its home {tmp_path / 'no-such-home'} does not exist; the engine's home and caches are {home}"
     assert env == {"HOME": str(home), "XDG_CACHE_HOME": f"{home}/.cache", "VLLM_CACHE_ROOT": f"{home}/.cache/vllm",
                    "HF_HOME": f"{home}/.cache/huggingface", "TRITON_CACHE_DIR": f"{home}/.cache/triton",
                    "TORCHINDUCTOR_CACHE_DIR": f"{home}/.cache/torchinductor"}

@@ -213,9 +213,9 @@ def vllm_start_blocked(view, _ctx=None) -> Check:
 
 
 SERVING_RULES: tuple[Rule, ...] = (
-    Rule("vllm_fatal", CRITICAL, "fix the cause in vLLM's error lines above, then `systemctl reload gpuwarden` "
+    Rule("vllm_fatal", CRITICAL, "fix the cause in the engine's error lines above, then `systemctl reload gpuwarden` "
          "to try again", vllm_fatal),
-    Rule("vllm_start_blocked", WARNING, "stop the process named here or free the memory or port; vLLM starts "
+    Rule("vllm_start_blocked", WARNING, "stop the process named here or free the memory or port; the engine starts "
          "as soon as they are free", vllm_start_blocked),
 )
 RULES_BY_NAME = {rule.name: rule for rule in RULES + SERVING_RULES}

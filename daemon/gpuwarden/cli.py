@@ -48,8 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check", parents=[common], help="validate the config and, where GPUs are reachable, "
                        "the tuning values against the cards; exit 0 or 78")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--deep", action="store_true", help="also lint the vLLM command and run vLLM's own serve-args "
-                   "parser on it, in vLLM's interpreter (takes as long as importing vLLM)")
+    p.add_argument("--deep", action="store_true", help="also lint the serving command and run the engine's own "
+                   "argument parser on it (vLLM's serve args, SGLang's ServerArgs), in the engine's interpreter "
+                   "(takes as long as importing it)")
     p = sub.add_parser("plan", parents=[common], help="print what tuning would change on each GPU; touches nothing")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     sub.add_parser("apply", parents=[common], help="apply the tuning once, verify it, and exit (for boot-time "
@@ -59,15 +60,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--read-only", action="store_true", help="never touch the GPUs (same as tuning.apply: false)")
     p.add_argument("--duration", type=float, metavar="SECONDS", help="stop by itself after SECONDS")
     p.add_argument("-v", "--verbose", action="store_true", help="log every sample, not one per log_interval_s")
-    p = sub.add_parser("profiles", parents=[common], help="the vLLM serving profiles: `profiles list`, "
+    p = sub.add_parser("profiles", parents=[common], help="the serving profiles of every engine: `profiles list`, "
                        "`profiles show NAME` (the final command, env and lint)")
     p.add_argument("action", choices=("list", "show"))
     p.add_argument("name", nargs="?", help="the profile to show (default: serve.profile, auto-selected)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p = sub.add_parser("doctor", parents=[common], help="one-shot, read-only preflight: persistence, clocks and "
-                       "throttle reasons, power limit, driver, and the vLLM setup; exit 0 ok, 1 warnings, 2 errors")
+                       "throttle reasons, power limit, driver, and the serving setup; exit 0 ok, 1 warnings, 2 errors")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--no-deep", action="store_true", help="skip running vLLM's own flag parser (slow: imports vLLM)")
+    p.add_argument("--no-deep", action="store_true", help="skip running the engine's own flag parser (slow: imports the engine)")
     p = sub.add_parser("status", parents=[common], help="show the running daemon's view: clocks, power, "
                        "reasons and firing alerts per GPU (exit 3 if no daemon answers)")
     p.add_argument("--json", action="store_true", help="the daemon's raw /status JSON")
@@ -165,8 +166,9 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def _serve_check(config: Config, backend, deep: bool, as_json: bool) -> dict:
-    """Everything `run` checks before starting vLLM: profile, GPUs, serve.user, secrets, lint, the executable,
-    and with deep, vLLM's own parser (in vLLM's interpreter, as serve.user). ConfigErrors if a start is blocked."""
+    """Everything `run` checks before starting the engine: profile, GPUs, serve.user, secrets, lint, the
+    executable, and with deep, its own parser (in its interpreter, as serve.user). ConfigErrors if a start is
+    blocked."""
     from .serving.prepare import prepare_serve
 
     prepared = prepare_serve(config, backend, deep=deep)

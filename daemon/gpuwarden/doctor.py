@@ -126,25 +126,28 @@ def _power(s: GpuSample) -> Diagnosis:
 
 
 def _serving(config: Config, backend: GpuBackend, deep: bool) -> list[Diagnosis]:
-    if not config.serve.enabled:
-        return [Diagnosis(INFO, "vLLM", "serving is off (serve.enabled: false): vLLM checks skipped")]
+    """The serving checks, named after the engine: "vLLM profile", "SGLang flags"."""
+    from .serving.engines import engine_for
     from .serving.prepare import prepare_serve
 
+    engine = engine_for(config.serve.engine)
+    title = engine.title if engine is not None else config.serve.engine
+    if not config.serve.enabled:
+        return [Diagnosis(INFO, title, f"serving is off (serve.enabled: false): {title} checks skipped")]
     try:
         prepared = prepare_serve(config, backend, deep=deep)
     except InvalidConfig as exc:
-        return [Diagnosis(ERROR, "vLLM profile", str(exc.errors[0]))]
-    findings = [Diagnosis(OK, "vLLM profile", f"{prepared.command.profile.name} for {config.serve.model}")]
+        return [Diagnosis(ERROR, f"{title} profile", str(exc.errors[0]))]
+    found = [Diagnosis(OK, f"{title} profile", f"{prepared.command.profile.name} for {config.serve.model}")]
     if prepared.home_note:
-        findings.append(Diagnosis(INFO, "vLLM home", prepared.home_note))
+        found.append(Diagnosis(INFO, f"{title} home", prepared.home_note))
     for lint in prepared.findings:
-        findings.append(Diagnosis(ERROR if lint.severity == "error" else WARNING, f"vLLM lint {lint.rule}",
-                                f"{lint.message} [source: {lint.source}]"))
-    title = prepared.command.engine.title
+        found.append(Diagnosis(ERROR if lint.severity == "error" else WARNING, f"{title} lint {lint.rule}",
+                               f"{lint.message} [source: {lint.source}]"))
     if prepared.flags is not None:
         if prepared.flags.ok:
-            findings.append(Diagnosis(OK, "vLLM flags", f"{title} {prepared.flags.version} accepts the command"))
+            found.append(Diagnosis(OK, f"{title} flags", f"{title} {prepared.flags.version} accepts the command"))
         else:
-            findings.append(Diagnosis(ERROR, "vLLM flags", f"{title} rejects the command: {prepared.flags.error}",
-                                    "fix serve.args or the profile; `gpuwarden profiles show` prints it"))
-    return findings
+            found.append(Diagnosis(ERROR, f"{title} flags", f"{title} rejects the command: {prepared.flags.error}",
+                                   "fix serve.args or the profile; `gpuwarden profiles show` prints it"))
+    return found

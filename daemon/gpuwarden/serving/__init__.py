@@ -1,1 +1,2 @@
-"""Running vLLM under gpuwarden: profiles, lint, the command, the supervisor and its metrics."""
+"""Running the serving engine (vLLM, SGLang) under gpuwarden: engines, profiles, lint, the command, the
+supervisor and the engine's metrics."""

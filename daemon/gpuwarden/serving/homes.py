@@ -74,4 +74,4 @@ def child_home(identity: Identity, create: bool, environ=os.environ) -> tuple[di
         except OSError as exc:
             raise HomeError(f"serve.user {identity.name}: {why}, and {home} cannot be made for it "
                             f"({exc.strerror}): give it a writable home") from None
-    return env, f"{identity.name}: {why}; vLLM's home and caches are {home}"
+    return env, f"{identity.name}: {why}; the engine's home and caches are {home}"

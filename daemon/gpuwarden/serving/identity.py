@@ -59,13 +59,13 @@ def resolve(user: str) -> Identity:
     except KeyError:
         raise IdentityError(f"user {user} does not exist (create it, or set serve.user)") from None
     if entry.pw_uid == 0:
-        raise IdentityError(f"user {user} has uid 0: it is root by another name (vLLM never runs as root)")
+        raise IdentityError(f"user {user} has uid 0: it is root by another name (the engine never runs as root)")
     member_of = {g.gr_gid: g.gr_name for g in grp.getgrall() if user in g.gr_mem}
     member_of[entry.pw_gid] = _group_name(entry.pw_gid)
     granting = sorted(name for gid, name in member_of.items() if gid == 0 or name in ROOT_GROUPS)
     if granting:
         raise IdentityError(f"user {user} is in group {', '.join(granting)}, which grants root "
-                            "(vLLM never runs as root): use an account outside it")
+                            "(the engine never runs as root): use an account outside it")
     groups = tuple(g.gr_gid for g in grp.getgrall() if g.gr_name in DEVICE_GROUPS)
     return Identity(user, entry.pw_uid, entry.pw_gid, entry.pw_dir, groups, switch=True)
 
