@@ -34,8 +34,9 @@ def sample(index=0, cc="12.0", mem_gib=24, uuid=None):
 # -- profiles -------------------------------------------------------------------
 
 def test_builtin_profiles_carry_the_reported_flags():
-    assert {name for name, p in PROFILES.items() if p.engine == "vllm"} == {"sm120-small-dense", "sm120-glm47-nvfp4-tp4", "sm120-deepseek-v4-flash-tp8",
-                             "sm121-gpt-oss-120b", "generic"}
+    assert {name for name, p in PROFILES.items() if p.engine == "vllm"} == {
+        "sm120-small-dense", "sm120-glm47-nvfp4-tp4", "sm120-deepseek-v4-flash-tp8",
+        "sm121-gpt-oss-120b", "generic"}
     small = PROFILES["sm120-small-dense"]
     assert flag_value(small.args, "--attention-backend") == "TRITON_ATTN"
     assert flag_value(small.args, "--gpu-memory-utilization") == "0.85"
@@ -605,7 +606,8 @@ def test_a_user_without_a_writable_home_gets_one_under_the_state_directory(tmp_p
     missing = Identity(me.pw_name, me.pw_uid, me.pw_gid, str(tmp_path / "no-such-home"), (), False)
     env, why = child_home(missing, create=True, environ=state)
     home = tmp_path / "state" / "home" / me.pw_name
-    assert why == f"{me.pw_name}: its home {tmp_path / 'no-such-home'} does not exist; the engine's home and caches are {home}"
+    assert why == (f"{me.pw_name}: its home {tmp_path / 'no-such-home'} does not exist; "
+                   f"the engine's home and caches are {home}")
     assert env == {"HOME": str(home), "XDG_CACHE_HOME": f"{home}/.cache", "VLLM_CACHE_ROOT": f"{home}/.cache/vllm",
                    "HF_HOME": f"{home}/.cache/huggingface", "TRITON_CACHE_DIR": f"{home}/.cache/triton",
                    "TORCHINDUCTOR_CACHE_DIR": f"{home}/.cache/torchinductor"}

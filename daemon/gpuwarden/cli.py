@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", parents=[common], help="one-shot, read-only preflight: persistence, clocks and "
                        "throttle reasons, power limit, driver, and the serving setup; exit 0 ok, 1 warnings, 2 errors")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--no-deep", action="store_true", help="skip running the engine's own flag parser (slow: imports the engine)")
+    p.add_argument("--no-deep", action="store_true",
+                   help="skip running the engine's own flag parser (slow: imports the engine)")
     p = sub.add_parser("status", parents=[common], help="show the running daemon's view: clocks, power, "
                        "reasons and firing alerts per GPU (exit 3 if no daemon answers)")
     p.add_argument("--json", action="store_true", help="the daemon's raw /status JSON")

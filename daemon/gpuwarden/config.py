@@ -312,8 +312,8 @@ def _serve_section(r: Reader, base_dir: Path) -> ServeConfig:
     env_file = None if str(env_file).lower() in NONE_WORDS else base_dir / env_file
     number = r.number
     return ServeConfig(
-        enabled=enabled, engine=r.string(base + ("engine",), d.engine), profile=r.string(base + ("profile",), d.profile),
-        model=model, command=command,
+        enabled=enabled, engine=r.string(base + ("engine",), d.engine),
+        profile=r.string(base + ("profile",), d.profile), model=model, command=command,
         python=None if python == "auto" else python,
         host=r.string(base + ("host",), d.host),
         port=r.number(base + ("port",), d.port, 1, 65535, integer=True),

@@ -84,7 +84,8 @@ class Snapshot:
         return [a for a in self.alerts if a.firing]
 
     def summary_line(self) -> str:
-        """One line for systemd's STATUS= and /status's "status", e.g. `2 GPUs · locked 3090 MHz · GPU0 power_capped (-16%)`."""
+        """One line for systemd's STATUS= and /status's "status", e.g.
+        `2 GPUs · locked 3090 MHz · GPU0 power_capped (-16%)`."""
         n = len(self.gpus)
         parts = [f"{n} GPU" + ("s" if n != 1 else "")]
         locks = sorted({v.sm_lock[1] for v in self.gpus if v.sm_lock})
