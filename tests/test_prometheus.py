@@ -79,9 +79,9 @@ def test_dashboard_is_templated_by_datasource_instance_and_gpu():
     for metric in ("gpuwarden_gpu_sm_clock_hertz", "gpuwarden_gpu_sm_clock_lock_hertz", "gpuwarden_gpu_power_watts",
                    "gpuwarden_gpu_power_limit_watts", "gpuwarden_gpu_clock_event_active",
                    "gpuwarden_gpu_temperature_celsius", "gpuwarden_alert_active",
-                   "gpuwarden_vllm_generation_tokens_per_second", "gpuwarden_vllm_requests_running",
-                   "gpuwarden_vllm_requests_waiting", "gpuwarden_vllm_kv_cache_usage_ratio",
-                   "gpuwarden_vllm_restarts_total", "gpuwarden_vllm_state", "gpuwarden_sample_duration_seconds",
+                   "gpuwarden_serving_generation_tokens_per_second", "gpuwarden_serving_requests_running",
+                   "gpuwarden_serving_requests_waiting", "gpuwarden_serving_kv_cache_usage_ratio",
+                   "gpuwarden_serving_restarts_total", "gpuwarden_serving_state", "gpuwarden_sample_duration_seconds",
                    "gpuwarden_loop_lag_seconds"):
         assert metric in exprs, metric
 
