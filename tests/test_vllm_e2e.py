@@ -176,7 +176,7 @@ def test_bad_model_path_crash_loops_to_fatal_with_vllms_error(write, daemons, vl
     assert 'gpuwarden_alert_active{alert="vllm_fatal",gpu="all",severity="critical"} 1.0' in text
     assert 'gpuwarden_vllm_state{state="FATAL"} 1.0' in text
     assert 'gpuwarden_serving_state{child="vllm",state="FATAL"} 1.0' in text  # the name to use from now on
-    assert 'gpuwarden_serving_transitions_total{child="vllm",from="BACKOFF",to="FATAL"} 1.0' in text
+    assert 'gpuwarden_serving_transitions_total{child="vllm",from="EXITED",to="FATAL"} 1.0' in text
     assert d.stop() == 0
 
 
