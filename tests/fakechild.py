@@ -1,10 +1,12 @@
 """A misbehaving stand-in for vLLM, run as a real process by the fault tests and the soak benchmark.
 
-    python fakechild.py --mode MODE[,MODE...] [vLLM's flags ... --host H --port P]
+    python fakechild.py --mode MODE[,MODE...] [the engine's flags ... --host H --port P]
 
 It takes what gpuwarden appends (--model ..., --host, --port) and ignores the rest.
 Modes:
   healthy      /health 200 and a small vLLM /metrics whose counters grow (the default)
+  sglang       speaks as SGLang: needs --model-path and --enable-metrics (else exits 2, as its parser
+               would), logs in its format, and serves its sglang: metric names
   trickle      /metrics answers one byte a second
   huge         /metrics sends a 1 GB body
   noaccept     binds and listens, never accepts (vLLM while it loads a model)
@@ -35,6 +37,15 @@ vllm:kv_cache_usage_perc{{engine="0",model_name="m"}} 0.1
 """
 
 
+SGLANG_METRICS = """# TYPE sglang:generation_tokens_total counter
+sglang:generation_tokens_total{{model_name="m"}} {gen}
+sglang:prompt_tokens_total{{model_name="m"}} {prompt}
+sglang:num_running_reqs{{model_name="m"}} {running}
+sglang:num_queue_reqs{{model_name="m"}} {waiting}
+sglang:token_usage{{model_name="m"}} 0.2
+"""
+
+
 def answer(conn: socket.socket, modes: set[str], started: float) -> None:
     with conn:
         conn.settimeout(30)
@@ -60,7 +71,8 @@ def answer(conn: socket.socket, modes: set[str], started: float) -> None:
             return
         gen = int((time.monotonic() - started) * 100)
         running, waiting = ("NaN", "+Inf") if "nan" in modes else ("2", "0")
-        body = METRICS.format(gen=gen, prompt=gen // 2, running=running, waiting=waiting).encode()
+        text = SGLANG_METRICS if "sglang" in modes else METRICS
+        body = text.format(gen=gen, prompt=gen // 2, running=running, waiting=waiting).encode()
         head = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body)
         if "trickle" in modes:
             for byte in head + body:
@@ -104,8 +116,16 @@ def main() -> None:
     parser.add_argument("--mode", default="healthy")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--model-path")
+    parser.add_argument("--enable-metrics", action="store_true")
     args, _ = parser.parse_known_args()
     modes = set(args.mode.split(","))
+    if "sglang" in modes:
+        if not (args.model_path and args.enable_metrics):
+            print("launch_server: error: the following arguments are required: --model-path, --enable-metrics",
+                  file=sys.stderr, flush=True)
+            sys.exit(2)
+        print(time.strftime("[%Y-%m-%d %H:%M:%S TP0] ") + f"Load weight begin. model {args.model_path}", flush=True)
     if "ignore-term" in modes:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     print(f"INFO fakechild pid {os.getpid()} modes {sorted(modes)} on {args.host}:{args.port}", flush=True)

@@ -16,15 +16,16 @@ from gpuwarden.exporter import make_registry
 from gpuwarden.gpu.base import GpuSample
 from gpuwarden.gpu.sim.backend import ManualClock
 from gpuwarden.serving.command import build_command
-from gpuwarden.serving.engines import Engine, engine_for, names
+from gpuwarden.serving.engines import Engine, engine_for, lint, names
 from gpuwarden.serving.flags import flag_value
 from gpuwarden.serving.identity import Identity
-from gpuwarden.serving.engines import lint
 from gpuwarden.serving.metrics import MetricsReader, parse
 from gpuwarden.serving.prepare import compose
 from gpuwarden.serving.profiles import load_profiles, select_profile
 from gpuwarden.serving.supervisor import RUNNING, STARTING, Program, Supervisor
-from gpuwarden.yamlfile import ConfigError, ConfigErrors
+from gpuwarden.yamlfile import ConfigError
+from test_faults import fake, no_fakes_left  # noqa: F401 (the fixtures the real-process test uses)
+from test_faults import fault_config, metrics, serving_state, status, wait_until
 from test_serving import FakeGpu, FakeOps, Inline
 
 PROFILES = load_profiles(None)
@@ -259,3 +260,37 @@ def test_sglang_flag_check_runs_sglangs_own_parser(vllm_python, child_user, writ
     assert "SGLang 0.5.23 accepts:" in out and "--model-path /m/Qwen3-8B" in out
     status, _, err = cli("check", "--deep", "-c", conf('["--cuda-graph-max-bs", "32"]'))
     assert status == 78 and "SGLang rejects the flags: ambiguous option: --cuda-graph-max-bs" in err
+
+
+@pytest.mark.integration
+def test_the_daemon_serves_with_sglang_as_a_real_child_and_exports_its_counters(write, daemons, fake, no_fakes_left):
+    """The whole path with a real process speaking as SGLang (tests/fakechild.py --mode sglang, which exits 2
+    without --model-path and --enable-metrics, as SGLang's parser would): the daemon builds SGLang's argv,
+    finds it healthy, reads its sglang: counters into gpuwarden_serving_*{engine="sglang"}, and stops it."""
+    path, base, _ = fault_config(write, fake, "sglang")
+    path.write_text(path.read_text().replace("  profile: generic\n", "  engine: sglang\n  profile: sglang-generic\n"))
+    d = daemons(path)
+    wait_until(lambda: serving_state(base) == "RUNNING", timeout=30)
+    text = wait_until(lambda: (lambda t: t if 'gpuwarden_serving_generation_tokens_per_second{engine="sglang"}'
+                                          in t else None)(metrics(base)), timeout=15)
+    assert 'gpuwarden_serving_requests_running{engine="sglang"} 2.0' in text
+    assert 'gpuwarden_serving_kv_cache_usage_ratio{engine="sglang"} 0.2' in text
+    assert 'gpuwarden_serving_state{child="sglang",state="RUNNING"} 1.0' in text
+    assert "gpuwarden_vllm_" not in text  # the legacy names are vLLM's only
+    state = status(base)
+    assert state["serving"]["engine"] == "sglang" and state["serving_stats"]["requests_running"] == 2
+    assert "SGLang healthy after" in d.log and "--model-path /fake/model --enable-metrics" in d.log
+    assert "sglang: [" in d.log  # its own lines, logged under its name
+    assert d.stop() == 0
+    assert "SGLang stopped after" in d.log
+
+
+def test_profiles_show_builds_a_named_profile_for_its_own_engine(cli, write):
+    conf = write("c.yaml", "gpu: {backend: sim, scenario: rtx-pro-4000-headless}\nserve:\n  model: /m/DeepSeek-V4-Flash\n")
+    status, out, _ = cli("profiles", "show", "sm120-deepseek-v4-flash-sglang-tp8", "-c", conf)
+    assert status == 0
+    assert "python3 -m sglang.launch_server --model-path /m/DeepSeek-V4-Flash --enable-metrics" in out
+    assert "engine sglang; SGLang known good" in out and "sglang-dsv4-sm120-flashmla" in out
+    status, out, _ = cli("profiles", "list", "-c", conf)
+    rows = {line.split()[0]: line.split()[1] for line in out.splitlines()}
+    assert rows["sglang-generic"] == "sglang" and rows["generic"] == "vllm"
