@@ -10,14 +10,14 @@ import shlex
 import sys
 from pathlib import Path
 
-from . import __version__, config as configmod
-from .config import EX_CONFIG, Config
+from . import __version__, tunables
+from . import config as configmod
 from .backends import open_configured
+from .config import EX_CONFIG, Config
 from .gpu import errors
 from .gpu.sim.scenario import builtin_scenarios, resolve_scenario, unknown_scenario
-from .serving.secrets import redact_argv, redact_env
 from .originals import originals_store
-from . import tunables
+from .serving.secrets import redact_argv, redact_env
 from .tuning import Outcome, Plan, Tuner, make_plan
 from .systemd import print_error
 from .yamlfile import ConfigError, ConfigErrors, InvalidConfig

@@ -15,12 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from . import tunables
 from .alerts import CRITICAL, FIRING, REAPPLY_ON, RULES, SERVING_RULES, WARNING, AlertState, GpuContext
 from .config import Config
 from .gpu.base import ClockEventReason, GpuBackend, GpuSample
 from .systemd import NOTICE
 from .throttle import is_busy
-from . import tunables
 from .tuning import Plan, Tuner, make_plan
 from .yamlfile import ConfigErrors
 

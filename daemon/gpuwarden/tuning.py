@@ -11,15 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import tunables
 from .config import Config, GpuTuning
 from .gpu import errors
 from .gpu.base import Gpu, GpuBackend, GpuCapabilities, GpuSample
 from .originals import OriginalsStore
-from . import tunables
 from .tunables import Step, Unfit
 from .yamlfile import ConfigError, ConfigErrors
-
-POWER_TOLERANCE_W = 1.0
 
 
 @dataclass(frozen=True)
