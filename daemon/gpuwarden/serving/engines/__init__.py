@@ -6,7 +6,9 @@ flags start, its memory fraction and tensor-parallel size, how to read the level
 of its log lines, its lint and (optionally) its own flag parser run in its
 interpreter, and its health and metrics endpoints with the names of the metrics
 that map to the generic serving stats. serve.engine names the module
-(default vllm); nothing outside serving/engines/ knows which engine runs.
+(default vllm); nothing outside serving/engines/ depends on which engine runs,
+except the vLLM-named metrics and JSON keys kept for this release
+(gpuwarden_vllm_*, check --json's vllm_version), which only vLLM emits.
 """
 
 from __future__ import annotations
