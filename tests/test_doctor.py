@@ -78,8 +78,19 @@ def test_doctor_lints_the_vllm_command(write, cli, child_user):
 def test_doctor_text_is_one_line_per_finding(cli):
     status, out, _ = cli("doctor", "-c", DEFAULT_CONFIG, "--sim", "dgx-spark")
     lines = out.strip().splitlines()
-    assert status == 1 and len(lines) == 5
+    assert status == 1 and len(lines) == 6
     assert all(line.split()[0] in ("OK", "INFO", "WARNING", "ERROR") for line in lines)
+    # What the configured tuning sets, from the plan (which walks the settings table).
+    assert "INFO    GPU0 tuning: set by `gpuwarden apply` or the service: persistence_mode: off -> on; " \
+           "gpu_clocks: 3003 MHz now -> lock 3003-3003 MHz" in lines
+
+
+def test_doctor_names_the_config_line_a_card_cannot_take(cli, write):
+    conf = write("g.yaml", "tuning:\n  power_limit_w: 900\n")
+    status, out, _ = cli("doctor", "--no-deep", "-c", conf, "--sim", "rtx-pro-4000-headless")
+    assert status == 2
+    assert f"ERROR   tuning: {conf}:2: tuning.power_limit_w: GPUs 0, 1 (NVIDIA RTX PRO 4000 Blackwell): 900 W is " \
+           "outside this GPU's power constraints (allowed 70-145 W)" in out
 
 
 def test_doctor_calls_a_cap_at_the_maximum_limit_the_design_power():

@@ -49,8 +49,25 @@ def diagnose(config: Config, backend: GpuBackend, deep: bool = True) -> list[Dia
         findings.append(_persistence(s, persistenced))
         findings.append(_clocks(s, config.alerts))
         findings.append(_power(s))
+    findings.extend(_tuning(config, backend))
     findings.extend(_serving(config, backend, deep))
     return findings
+
+
+def _tuning(config: Config, backend: GpuBackend) -> list[Diagnosis]:
+    """What the configured tuning sets on each GPU, setting by setting (the plan walks the settings table),
+    or why a card cannot take it. Read-only: planning touches nothing."""
+    from .tuning import make_plan
+
+    try:
+        plan = make_plan(backend, config)
+    except InvalidConfig as exc:
+        return [Diagnosis(ERROR, "tuning", str(problem), "change the value to one the card accepts")
+                for problem in exc.errors]
+    who = "`gpuwarden apply` or the service" if config.tuning.apply else "nothing (tuning.apply is false)"
+    return [Diagnosis(INFO, f"GPU{gpu.index} tuning", f"set by {who}: " + "; ".join(
+        a.describe().removeprefix(f"GPU {gpu.index} ") for a in gpu.actions))
+        for gpu in plan.gpus if gpu.actions]
 
 
 def _driver(backend: GpuBackend) -> Diagnosis:

@@ -19,7 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from . import __version__
+from . import __version__, tunables
 from .gpu.base import VIOLATION_POLICIES, ClockEventReason
 from .monitor import Snapshot
 from .webconfig import REALM, WebConfig
@@ -65,13 +65,9 @@ def _gpu_metrics(snap: Snapshot) -> Iterator[Metric]:
         ("gpuwarden_gpu_sm_clock_hertz", "Current SM clock", lambda v: _hz(v.sample.sm_clock_mhz)),
         ("gpuwarden_gpu_sm_clock_max_hertz", "Highest SM clock the GPU supports",
          lambda v: _hz(v.sample.max_sm_clock_mhz)),
-        ("gpuwarden_gpu_sm_clock_lock_hertz", "SM clock gpuwarden locks to (upper bound)",
-         lambda v: _hz(v.sm_lock[1]) if v.sm_lock else None),
         ("gpuwarden_gpu_memory_clock_hertz", "Current memory clock", lambda v: _hz(v.sample.memory_clock_mhz)),
         ("gpuwarden_gpu_memory_clock_max_hertz", "Highest memory clock the GPU supports",
          lambda v: _hz(v.sample.max_memory_clock_mhz)),
-        ("gpuwarden_gpu_memory_clock_lock_hertz", "Memory clock gpuwarden locks to (upper bound)",
-         lambda v: _hz(v.memory_lock[1]) if v.memory_lock else None),
         ("gpuwarden_gpu_memory_bandwidth_bytes_per_second",
          "Peak memory bandwidth at the current memory clock (2 x clock x bus width / 8)",
          lambda v: v.sample.memory_bandwidth_bytes_per_s),
@@ -91,6 +87,10 @@ def _gpu_metrics(snap: Snapshot) -> Iterator[Metric]:
         ("gpuwarden_gpu_performance_state", "Performance state, 0 (P0, fastest) to 15",
          lambda v: v.sample.performance_state),
     ]
+    for lock in (t for t in tunables.TUNABLES if t.lock_of):  # a gauge for each clock lock the table sets
+        gauges.append((f"gpuwarden_gpu_{lock.lock_of}_clock_lock_hertz", f"{lock.title} gpuwarden locks to "
+                       "(upper bound)", lambda v, of=lock.lock_of: _hz(getattr(v, f"{of}_lock")[1])
+                       if getattr(v, f"{of}_lock") else None))
     families = [(_gauge(name, doc), value) for name, doc, value in gauges]
     energy = CounterMetricFamily("gpuwarden_gpu_energy_joules", "Energy used since the driver loaded",
                                  labels=["gpu"])

@@ -48,7 +48,8 @@ class Unfit(Exception):
 class Tunable:
     key: str  # the config key under tuning: and tuning.gpus.ID:, and Action.setting
     default: Any  # the wanted value when the config says nothing
-    lock_of: str | None = None  # "sm" or "memory": a lock the clock alerts measure against
+    lock_of: str | None = None  # "sm" or "memory": a lock the clock alerts measure against (and exported)
+    title: str = ""  # for a lock: the clock's name in the metric's help
     records_original: bool = False  # the value before the first change is recorded and put back
 
     def parse(self, r: Reader, path: Path_, default: Any) -> Any:
@@ -113,8 +114,8 @@ class ClockLock(Tunable):
     """A locked clock range: GPU (SM) clocks or memory clocks. NVML cannot read a lock back, so it is
     verified by reading the clock, which a power or thermal reason may hold below the lock."""
 
-    def __init__(self, key: str, lock_of: str, default: ClockTarget):
-        self.key, self.lock_of, self.default = key, lock_of, default
+    def __init__(self, key: str, lock_of: str, title: str, default: ClockTarget):
+        self.key, self.lock_of, self.title, self.default = key, lock_of, title, default
 
     def parse(self, r, path, default):
         return clock_target(r, path, default)
@@ -193,8 +194,8 @@ class PowerLimit(Tunable):
         return "unreadable" if value is None else f"{value:g} W"
 
 
-TUNABLES: tuple[Tunable, ...] = (PersistenceMode(), ClockLock("gpu_clocks", "sm", "max"),
-                                 ClockLock("memory_clocks", "memory", None), PowerLimit())
+TUNABLES: tuple[Tunable, ...] = (PersistenceMode(), ClockLock("gpu_clocks", "sm", "SM clock", "max"),
+                                 ClockLock("memory_clocks", "memory", "Memory clock", None), PowerLimit())
 BY_KEY = {t.key: t for t in TUNABLES}
 
 
