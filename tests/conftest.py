@@ -169,13 +169,26 @@ def vllm_python():
     return python
 
 
-@pytest.fixture(scope="session")
-def tiny_model(vllm_python):
+def _make_tiny_model(vllm_python, *extra: str) -> Path:
     folder = Path(tempfile.mkdtemp(prefix="gpuwarden-tiny-model-"))
-    subprocess.run([str(vllm_python), str(ROOT / "tests" / "vllm" / "make_tiny_model.py"), str(folder)],
+    subprocess.run([str(vllm_python), str(ROOT / "tests" / "vllm" / "make_tiny_model.py"), str(folder), *extra],
                    check=True, capture_output=True, timeout=300)
     for path in [folder, *folder.iterdir()]:  # the child user must read it
         path.chmod(0o755 if path.is_dir() else 0o644)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model(vllm_python):
+    folder = _make_tiny_model(vllm_python)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def long_tiny_model(vllm_python):
+    """The tiny model with a 16,384-token context: eight generations of it outlast a frozen-engine test."""
+    folder = _make_tiny_model(vllm_python, "16384")
     yield folder
     shutil.rmtree(folder, ignore_errors=True)
 

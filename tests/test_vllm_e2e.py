@@ -198,3 +198,103 @@ def test_check_deep_catches_an_invalid_kv_cache_dtype(write, vllm_python, child_
     good = serving_config(write, vllm_python, "/m", child_user, free_port())
     status_code, out, _ = cli("check", "--deep", "-c", good)
     assert status_code == 0 and "vLLM 0.32.0 accepts:" in out
+
+
+def engine_core(pgid):
+    """The EngineCore process of a vLLM process group (it names itself VLLM::EngineCore)."""
+    for pid in group_alive(pgid):
+        try:
+            if "EngineCore" in Path(f"/proc/{pid}/comm").read_text():
+                return pid
+        except OSError:
+            continue
+    return None
+
+
+def firing(base, name):
+    return [a for a in status(base).get("alerts_firing", []) if a["alert"] == name]
+
+
+def health_code(port):
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as reply:
+            return reply.status
+    except OSError as exc:
+        return repr(exc)
+
+
+def generate_in_background(port, model, max_tokens, count):
+    """count completions on threads; their answers (or errors) land in the returned list."""
+    import threading
+
+    results = []
+
+    def one():
+        body = json.dumps({"model": str(model), "prompt": "the gpu runs", "max_tokens": max_tokens,
+                           "ignore_eos": True}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                         {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=120) as reply:
+                results.append(reply.status)
+        except OSError as exc:
+            results.append(repr(exc))
+
+    for _ in range(count):
+        threading.Thread(target=one, daemon=True).start()
+    return results
+
+
+def test_a_frozen_engine_is_caught_while_health_says_200_restarted_and_the_idle_probe_catches_it_too(
+        write, daemons, vllm_python, long_tiny_model, child_user):
+    stall_after, poll = 5.0, 0.5
+    port = free_port()
+    path = serving_config(write, vllm_python, long_tiny_model, child_user, port,
+                          extra_args=["--max-model-len", "16384"],
+                          extra=f"  stall_after_s: {stall_after:g}\n  probe_after_s: 3\n  probe_timeout_s: 5\n")
+    base = "http://" + path.read_text().split("listen: ")[1].split()[0]
+    d = daemons(path)
+    started = d.wait_for("vLLM starting (pid", timeout=60)
+    first = int(started.split("(pid ")[1].split(",")[0])
+    d.wait_for("vLLM healthy after", timeout=400)
+
+    # Eight generations that run for seconds; once vLLM counts them running, freeze its engine.
+    generate_in_background(port, long_tiny_model, 16000, 8)
+    deadline = time.monotonic() + 60
+    while ((status(base).get("serving_stats") or {}).get("requests_running") or 0) < 1:
+        assert time.monotonic() < deadline, "the generations never ran"
+        time.sleep(0.1)
+    core = engine_core(first)
+    assert core, f"no EngineCore in vLLM's group: {group_alive(first)}"
+    mark = len(d.lines)
+    os.kill(core, signal.SIGSTOP)
+    frozen_at = time.monotonic()
+    assert health_code(port) == 200, "vLLM's /health says 200 while its engine is frozen"
+    while not firing(base, "vllm_stalled"):
+        assert time.monotonic() - frozen_at < stall_after + 15, "vllm_stalled did not fire"
+        time.sleep(0.1)
+    fired_after = time.monotonic() - frozen_at
+    print(f"vllm_stalled fired {fired_after:.1f} s after SIGSTOP (stall_after_s {stall_after:g}, poll {poll:g})")
+    assert fired_after <= stall_after + 2 * poll + 1.0
+    alert = firing(base, "vllm_stalled")[0]
+    assert alert["severity"] == "critical" and "running" in alert["observed"] and "GPU0 util" in alert["observed"]
+    d.wait_for("vLLM stalled, restarting it", after=mark, timeout=10)
+    d.wait_for("processes of the previous vLLM are gone", after=mark, timeout=20)
+    assert group_alive(first) == [], "no process of the frozen group survives"
+    restarted = d.wait_for("vLLM starting (pid", after=mark, timeout=30)
+    second = int(restarted.split("(pid ")[1].split(",")[0])
+    d.wait_for("vLLM healthy after", after=mark, timeout=400)
+    assert 'gpuwarden_serving_stalls_total{child="vllm"} 1.0' in urllib.request.urlopen(
+        base + "/metrics", timeout=5).read().decode()
+
+    # Idle: nothing runs, so vLLM's gauges say 0; freeze the engine, send one request, and the probe finds it.
+    time.sleep(1)
+    core = engine_core(second)
+    mark = len(d.lines)
+    os.kill(core, signal.SIGSTOP)
+    generate_in_background(port, long_tiny_model, 5, 1)
+    d.wait_for("the stall probe (a one-token completion", after=mark, timeout=3 + 5 + 10)
+    d.wait_for("vLLM stalled, restarting it", after=mark, timeout=5)
+    d.wait_for("vLLM healthy after", after=mark, timeout=400)
+    assert group_alive(second) == []
+    assert d.stop() == 0

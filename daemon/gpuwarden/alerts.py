@@ -71,6 +71,7 @@ class Rule:
     severity: str
     hint: str
     check: Callable[[GpuSample, GpuContext], Check]
+    for_s: float | None = None  # None: alerts.for_s; a rule whose condition is already a duration fires at once
 
 
 INACTIVE = Check(False)
@@ -207,12 +208,41 @@ def vllm_fatal(view, _ctx=None) -> Check:
                  f"{view.title if view else 'the engine'} must be running", "FATAL")
 
 
+def vllm_stalled(view, samples=()) -> Check:
+    """The engine makes no progress (serving/stall.py), with what its GPUs did in those seconds."""
+    if view is None or not view.stalled:
+        return INACTIVE
+    mine = [s for s in samples if s.up and (not view.gpus or s.index in view.gpus)]
+    picture = "; ".join(_gpu_picture(s) for s in mine)
+    return Check(True, f"{view.title} stalled: {view.stalled}" + (f"; {picture}" if picture else ""),
+                 "tokens must be counted while requests run", "stalled")
+
+
+SPINNING_UTIL_PCT, SPINNING_POWER_FRACTION, IDLE_UTIL_PCT = 90, 0.3, 10
+
+
+def _gpu_picture(s: GpuSample) -> str:
+    """e.g. "GPU0 util 98% at 21 W of 300 W: a kernel is spinning"."""
+    util, power, limit = s.utilization_pct, s.power_w, s.power_limit_w
+    text = f"GPU{s.index} util {_pct(util)}" + (f" at {power:.0f} W" if power is not None else "") + \
+        (f" of {limit:.0f} W" if limit is not None else "")
+    if util is not None and power is not None and limit and util >= SPINNING_UTIL_PCT \
+            and power < SPINNING_POWER_FRACTION * limit:
+        return text + ": a kernel is spinning (busy at low power)"
+    if util is not None and util < IDLE_UTIL_PCT:
+        return text + ": the GPU is idle, so the engine waits on something else (the host, a lock, NCCL)"
+    return text
+
+
 def vllm_start_blocked(view, _ctx=None) -> Check:
     return Check(view is not None and view.blocked, f"{view.title} start waits: {view.problem}" if view else "",
                  "the GPUs and the port must be free", "waiting")
 
 
 SERVING_RULES: tuple[Rule, ...] = (
+    Rule("vllm_stalled", CRITICAL, "serve.restart_on_stall restarts it (group kill, backoff); if it recurs, look "
+         "for the engine's last lines, its known-bad versions (`gpuwarden doctor`) and Xid errors in `dmesg`",
+         vllm_stalled, for_s=0.0),
     Rule("vllm_fatal", CRITICAL, "fix the cause in the engine's error lines above, then `systemctl reload gpuwarden` "
          "to try again", vllm_fatal),
     Rule("vllm_start_blocked", WARNING, "stop the process named here or free the memory or port; the engine starts "
@@ -261,7 +291,7 @@ class AlertState:
             if not check.active:
                 self.phase = INACTIVE_PHASE
                 return None
-            if now - self.since >= settings.for_s:
+            if now - self.since >= (settings.for_s if self.rule.for_s is None else self.rule.for_s):
                 self.phase, self.fired_at, self.last_logged = FIRING, now, now
                 return "firing"
             return None

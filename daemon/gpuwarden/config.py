@@ -131,6 +131,11 @@ class ServeConfig:
     stable_after_s: float = 300.0
     crash_loop_failures: int = 5
     crash_loop_window_s: float = 600.0
+    # A stall: requests running or waiting and no token counted for this long (see serving/stall.py for why 300).
+    stall_after_s: float = 300.0
+    probe_after_s: float = 60.0  # idle this long: a one-token completion checks the engine (0: never)
+    probe_timeout_s: float = 30.0
+    restart_on_stall: bool = True
     profiles_dir: Path | None = None  # profiles.d beside the config file
 
     @property
@@ -330,6 +335,10 @@ def _serve_section(r: Reader, base_dir: Path) -> ServeConfig:
         crash_loop_failures=number(base + ("crash_loop_failures",), d.crash_loop_failures, 1, 1000, integer=True),
         crash_loop_window_s=float(number(base + ("crash_loop_window_s",), d.crash_loop_window_s, 1, 86400,
                                          unit=" s")),
+        stall_after_s=float(number(base + ("stall_after_s",), d.stall_after_s, 1, 86400, unit=" s")),
+        probe_after_s=float(number(base + ("probe_after_s",), d.probe_after_s, 0, 86400, unit=" s")),
+        probe_timeout_s=float(number(base + ("probe_timeout_s",), d.probe_timeout_s, 1, 3600, unit=" s")),
+        restart_on_stall=r.boolean(base + ("restart_on_stall",), d.restart_on_stall),
         profiles_dir=base_dir / "profiles.d",
     )
 

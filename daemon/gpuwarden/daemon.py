@@ -34,6 +34,7 @@ from .serving.prepare import PreparedServe, prepare_serve
 from .serving.processes import ProcessOps
 from .statedir import listen_file
 from .serving.metrics import MetricsReader
+from .serving.stall import Progress, StallWatch
 from .serving.supervisor import FATAL, RUNNING, Program, Supervisor
 from .systemd import Notifier, flush_logs
 from .tuning import Plan, Tuner, make_plan
@@ -70,6 +71,7 @@ class Daemon:
         self.supervisor: Supervisor | None = None
         self.pending: Supervisor | None = None  # the next child, started once the old one has stopped
         self.stats_reader: MetricsReader | None = None  # the engine's /metrics
+        self.stall_watch: StallWatch | None = None  # is the engine making progress
         self.ready_sent = False
         self.stopping = False
         self.tuned = False
@@ -105,7 +107,7 @@ class Daemon:
                     listen_file().write_text(self.config.metrics.url + "\n")
         if serving is not None:
             self.supervisor = serving
-            self.stats_reader = self._reader(self.config)
+            self.stats_reader, self.stall_watch = self._reader(self.config), self._stall_watch(self.config)
             self.supervisor.start(now)
         self.tick(now)
 
@@ -131,6 +133,13 @@ class Daemon:
     def _reader(self, config: Config) -> MetricsReader:
         engine = self.supervisor.main.engine
         return MetricsReader(config.serve.url + engine.metrics_path, engine.metric_names, self.clock)
+
+    def _stall_watch(self, config: Config) -> StallWatch:
+        main = self.supervisor.main
+        serve = config.serve
+        return StallWatch(serve.stall_after_s, serve.probe_after_s, serve.probe_timeout_s,
+                          serve.url + main.engine.completions_path, main.engine.served_model(serve, main.command.argv),
+                          self.clock)
 
     def _tune(self, plan: Plan) -> None:
         self.monitor.use_plan(plan, applied=self.config.tuning.apply)
@@ -183,7 +192,11 @@ class Daemon:
             if engine.state == RUNNING:
                 if not was_running:
                     self.stats_reader.reset()  # a new child: its counters restart at zero
+                    self.stall_watch.reset(now)
                 stats = self.stats_reader.read(now)
+                progress = Progress(stats.tokens_total, stats.requests_running, stats.requests_waiting) \
+                    if stats else None
+                engine.note_stall(now, self.stall_watch.update(now, progress), self.config.serve.restart_on_stall)
             # Running requests make a GPU busy even between kernels.
             running = stats.requests_running if stats else None
             self.monitor.report_running_requests(int(running) if running else None)
@@ -201,10 +214,10 @@ class Daemon:
             return
         if self.pending is not None:
             self.supervisor, self.pending = self.pending, None
-            self.stats_reader = self._reader(self.config)
+            self.stats_reader, self.stall_watch = self._reader(self.config), self._stall_watch(self.config)
             self.supervisor.start(now)
         elif self.supervisor is not None and not self.config.serve.enabled:
-            self.supervisor = self.stats_reader = None
+            self.supervisor = self.stats_reader = self.stall_watch = None
 
     def _error_once(self, message: str) -> None:
         """Log an error, but the same one at most every ERROR_REPEAT_S."""

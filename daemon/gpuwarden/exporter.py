@@ -170,13 +170,17 @@ def _serving_metrics(snap: Snapshot) -> Iterator[Metric]:
     yield state
     restarts = CounterMetricFamily("gpuwarden_serving_restarts", "Times a supervised child was restarted",
                                    labels=["child"])
+    stalls = CounterMetricFamily("gpuwarden_serving_stalls", "Times the engine made no progress (vllm_stalled)",
+                                 labels=["child"])
     transitions = CounterMetricFamily("gpuwarden_serving_transitions", "State changes of a supervised child",
                                       labels=["child", "from", "to"])
     for child in snap.children:
         restarts.add_metric([child.engine], child.restarts)
+        stalls.add_metric([child.engine], child.stalls)
         for old, new, count in child.transitions:
             transitions.add_metric([child.engine, old, new], count)
     yield restarts
+    yield stalls
     yield transitions
     values = (
         ("generation_tokens_per_second", "Generated tokens per second, between two polls",

@@ -1,9 +1,10 @@
-"""A bounded HTTP GET: a total deadline and a size cap, whatever the other side does.
+"""A bounded HTTP request: a total deadline and a size cap, whatever the other side does.
 
 urllib's timeout applies to each socket read, and read() has no limit, so a
 server that trickles one byte a second, or sends a gigabyte, holds the caller
-for as long as it likes. Everything we read from another process (vLLM's
-/health and /metrics, the daemon's /status) goes through here instead.
+for as long as it likes. Everything we read from another process (the engine's
+/health and /metrics, the stall probe's one-token completion, the daemon's
+/status) goes through here instead.
 """
 
 from __future__ import annotations
@@ -32,6 +33,16 @@ def get(url: str, deadline_s: float, max_bytes: int, headers: dict[str, str] | N
         context: ssl.SSLContext | None = None) -> Reply:
     """GET url, done within deadline_s seconds in total and at most max_bytes of body; else HttpError.
     https:// needs the context to verify the server with."""
+    return request("GET", url, deadline_s, max_bytes, headers, context)
+
+
+def post_json(url: str, body: bytes, deadline_s: float, max_bytes: int) -> Reply:
+    """POST a JSON body to a plain-http url, with get()'s total deadline and size cap."""
+    return request("POST", url, deadline_s, max_bytes, {"Content-Type": "application/json"}, None, body)
+
+
+def request(method: str, url: str, deadline_s: float, max_bytes: int, headers: dict[str, str] | None = None,
+            context: ssl.SSLContext | None = None, body: bytes = b"") -> Reply:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname or (parts.scheme == "https") != bool(context):
         raise HttpError(f"cannot read {url!r} (http://, or https:// with a TLS context)")
@@ -51,10 +62,12 @@ def get(url: str, deadline_s: float, max_bytes: int, headers: dict[str, str] | N
             local_port = sock.getsockname()[1]
             name = f"[{host}]" if ":" in host else host
             extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-            request = f"GET {path} HTTP/1.1\r\nHost: {name}:{port}\r\nConnection: close\r\n" \
-                      f"Accept-Encoding: identity\r\n{extra}\r\n"
+            if body:
+                extra += f"Content-Length: {len(body)}\r\n"
+            head = f"{method} {path} HTTP/1.1\r\nHost: {name}:{port}\r\nConnection: close\r\n" \
+                   f"Accept-Encoding: identity\r\n{extra}\r\n"
             sock.settimeout(remaining())
-            sock.sendall(request.encode("ascii"))
+            sock.sendall(head.encode("ascii") + body)
             data = bytearray()
             limit = MAX_HEADER_BYTES + max_bytes
             head_end, length = -1, None  # the head is parsed once, not on every chunk

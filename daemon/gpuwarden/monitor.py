@@ -270,7 +270,7 @@ class Monitor:
             self._maybe_reapply(sample, now)
         engine = serving[0] if serving else None  # the serving rules are about the engine
         for state in self.serving_states.values():
-            event = state.step(state.rule.check(engine), now, self.config.alerts, restart_timers=stalled)
+            event = state.step(state.rule.check(engine, samples), now, self.config.alerts, restart_timers=stalled)
             if event:
                 self._log_event(event, state, None, now)
         host_alerts = [_view(state) for state in self.serving_states.values()] if serving else []

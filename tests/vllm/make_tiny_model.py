@@ -1,6 +1,9 @@
 """Make a tiny random Llama with a real tokenizer, for serving tests with the CPU build of vLLM.
 
-    VENV/bin/python tests/vllm/make_tiny_model.py OUT_DIR
+    VENV/bin/python tests/vllm/make_tiny_model.py OUT_DIR [MAX_POSITIONS]
+
+MAX_POSITIONS (default 512) is its context: the stall test needs generations
+long enough (16,384) to still run when it freezes the engine.
 
 Run with vLLM's interpreter (it has torch, transformers and tokenizers). hidden
 256 with 4 heads gives head_dim 64: the CPU attention backend rejects 16.
@@ -15,7 +18,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 TEXT = ["the gpu runs at the locked clock", "vllm serves the tiny model", "hello world, this is a test"] * 50
 
 
-def main(out: Path) -> None:
+def main(out: Path, positions: int = 512) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -25,11 +28,11 @@ def main(out: Path) -> None:
     fast.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
     fast.save_pretrained(out)
     config = LlamaConfig(vocab_size=fast.vocab_size, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=positions,
                          bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id, tie_word_embeddings=False)
     LlamaForCausalLM(config).save_pretrained(out)
     print(out)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 512)

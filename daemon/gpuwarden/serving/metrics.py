@@ -35,6 +35,7 @@ class ServingStats:
     requests_running: float | None = None
     requests_waiting: float | None = None
     kv_cache_usage_ratio: float | None = None  # 0-1
+    tokens_total: float | None = None  # generated + prompt tokens counted so far: the engine's progress
 
 
 def parse(text: str) -> dict[str, float]:
@@ -87,6 +88,7 @@ class MetricsReader:
             requests_running=values.get(names.requests_running),
             requests_waiting=values.get(names.requests_waiting),
             kv_cache_usage_ratio=kv,
+            tokens_total=_sum(values, (names.generation_tokens, names.prompt_tokens)),
         )
         return self._latest
 
@@ -97,3 +99,8 @@ def _rate(previous: tuple[float, dict[str, float]] | None, now: float, values: d
         return None
     delta = values[name] - previous[1][name]
     return max(delta, 0.0) / (now - previous[0])  # a counter reset reads as 0, not negative
+
+
+def _sum(values: dict[str, float], names: tuple[str, ...]) -> float | None:
+    present = [values[name] for name in names if name in values]
+    return sum(present) if present else None

@@ -74,6 +74,9 @@ class ServingView:
     engine: str = "vllm"  # the engine's name: the metrics' engine label
     title: str = "vLLM"  # the engine's name in messages
     transitions: tuple[tuple[str, str, int], ...] = ()  # (from, to, count) since the daemon started
+    stalled: str | None = None  # why it counts as stalled, until it runs healthy again
+    stalls: int = 0
+    gpus: tuple[int, ...] = ()  # the GPUs it runs on
 
 
 class Program:
@@ -97,6 +100,8 @@ class Program:
         self.time_to_healthy_s: float | None = None
         self.problem: str | None = None
         self.blocked = False
+        self.stalled: str | None = None
+        self.stalls = 0
         self.transitions: Counter = Counter()  # (from, to) -> count
         self.error_lines: deque[str] = deque(maxlen=10)
         self._probe = self.ops.background(f"{self.name}-health")
@@ -229,6 +234,7 @@ class Program:
             self._running_since = now
             self.time_to_healthy_s = now - self._started_at
             self._next_probe, self._probe_failures = now + self.serve.liveness_interval_s, 0
+            self.stalled = None  # a stall ends with a healthy new child
             self._transition(RUNNING, f"{self.title} healthy after {self.time_to_healthy_s:.1f} s on "
                                       f"{self.serve.url}")
         elif healthy is False and f"not by {self.title}'s process group" in why:
@@ -253,6 +259,20 @@ class Program:
                     self.serve.liveness_failures, why)
         if self._probe_failures >= self.serve.liveness_failures:
             self._failed(now, f"{self.title} failed {self._probe_failures} liveness probes in a row")
+
+    def note_stall(self, now: float, reason: str | None, restart: bool) -> None:
+        """The engine's progress as serving/stall.py judges it: a new stall is counted and, with restart, ends
+        the child as a crash does (group kill, backoff). It stays stalled until a child runs healthy again."""
+        if reason is None:
+            if self.state == RUNNING:
+                self.stalled = None  # the counters moved again
+            return
+        if self.stalled is None:
+            self.stalls += 1
+            log.error("%s stalled: %s", self.title, reason)
+        self.stalled = reason
+        if restart and self.state == RUNNING:
+            self._failed(now, f"{self.title} stalled, restarting it: {reason}")
 
     def _failed(self, now: float, reason: str, code: int | None = None) -> None:
         """The child is gone or must go: kill its group, then BACKOFF or FATAL, whatever a step raises."""
@@ -378,7 +398,8 @@ class Program:
         return ServingView(self.state, self.serve.model, self.command.profile.name,
                            self.child.pid if self.child else None, self.restarts, self.last_exit_code,
                            self.time_to_healthy_s, self.problem, self.blocked, self.name, self.title,
-                           tuple((old, new, n) for (old, new), n in sorted(self.transitions.items())))
+                           tuple((old, new, n) for (old, new), n in sorted(self.transitions.items())),
+                           self.stalled, self.stalls, tuple(g.index for g in self.gpus))
 
 
 class Supervisor:

@@ -50,6 +50,8 @@ class Engine:
     tp_flags: tuple[str, ...]
     health_path = "/health"
     metrics_path = "/metrics"
+    completions_path = "/v1/completions"  # OpenAI's, for the stall probe's one-token completion
+    served_name_flag = "--served-model-name"  # the model name requests must use, when not the model path
     metric_names: MetricNames
     api_key_env: str | None = None  # the variable it reads its API key from, instead of --api-key
     required_args: tuple[str, ...] = ()  # always passed, e.g. what makes it serve /metrics
@@ -68,6 +70,9 @@ class Engine:
     def flags(self, serve: ServeConfig, argv: Sequence[str]) -> list[str]:
         """The arguments after the command prefix: what the engine's own parser reads."""
         return list(argv[len(self.command(serve)):])
+
+    def served_model(self, serve: ServeConfig, argv: Sequence[str]) -> str:
+        return flag_value(argv, self.served_name_flag) or serve.model
 
     def memory_fraction(self, argv: Sequence[str]) -> float:
         value = flag_value(argv, self.memory_flag)
