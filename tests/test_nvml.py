@@ -47,17 +47,37 @@ def test_sample_converts_every_field_to_base_units():
     assert s.memory_bandwidth_bytes_per_s == pytest.approx(2 * 2619e6 * 5120 / 8)
 
 
-def test_not_supported_field_is_none_and_not_asked_again():
+def test_not_supported_field_is_none_and_not_asked_again(monkeypatch):
     backend, fake, _ = backend_with(device("GPU-aaa", "00000000:18:00.0"))
     fake.fail[("nvmlDeviceGetMemoryInfo", None)] = NOT_SUPPORTED  # both versions, as on a GB10
     fake.fail[("nvmlDeviceGetMemoryInfo_v2", None)] = NOT_SUPPORTED
     fake.fail[("nvmlDeviceGetPowerManagementLimitConstraints", None)] = NOT_SUPPORTED
+    monkeypatch.setattr("gpuwarden.gpu.nvml.system_memory", lambda: None)  # nor a /proc/meminfo to fall back on
     gpu = backend.gpus()[0]
     first, second = gpu.sample(), gpu.sample()
     assert first.memory_total_bytes is None and first.power_limit_min_w is None
     assert first.sm_clock_mhz == 1980 and first.power_w == pytest.approx(312.5)  # the rest still reads
     assert second.memory_used_bytes is None
     assert fake.calls["nvmlDeviceGetMemoryInfo"] == 1 and fake.calls["nvmlDeviceGetMemoryInfo_v2"] == 1
+
+
+def test_a_gpu_without_memory_of_its_own_reports_the_systems(monkeypatch, tmp_path):
+    """DGX Spark: NVML answers NOT_SUPPORTED for GB10's memory, which is the system's (unified)."""
+    from gpuwarden.gpu.sysmem import system_memory
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       127401000 kB\nMemFree:         1000000 kB\nMemAvailable:   100000000 kB\n")
+    assert system_memory(meminfo) == ((127401000 - 100000000) * 1024, 127401000 * 1024)
+    assert system_memory(tmp_path / "missing") is None
+    monkeypatch.setattr("gpuwarden.gpu.nvml.system_memory", lambda: system_memory(meminfo))
+    backend, fake, _ = backend_with(device("GPU-aaa", "00000000:18:00.0"))
+    fake.fail[("nvmlDeviceGetMemoryInfo", None)] = NOT_SUPPORTED
+    fake.fail[("nvmlDeviceGetMemoryInfo_v2", None)] = NOT_SUPPORTED
+    s = backend.gpus()[0].sample()
+    assert s.memory_unified and s.memory_total_bytes == 127401000 * 1024
+    assert s.memory_used_bytes == (127401000 - 100000000) * 1024 and s.memory_reserved_bytes is None
+    discrete = backend_with(device("GPU-bbb", "00000000:19:00.0"))[0].gpus()[0].sample()
+    assert not discrete.memory_unified and discrete.memory_total_bytes != 127401000 * 1024
 
 
 def test_transient_error_is_none_this_time_and_retried():

@@ -132,7 +132,8 @@ def test_dgx_spark_reports_unsupported_fields_as_none():
     gpu = backend.gpus()[0]
     s = gpu.sample()
     assert s.compute_capability == "12.1" and s.name == "NVIDIA GB10"
-    assert s.memory_total_bytes is None and s.memory_used_bytes is None
+    # NVML has no memory for GB10: the system's (unified) memory stands in, as the NVML backend reports it.
+    assert s.memory_unified and s.memory_total_bytes == 124416 * 2**20 and s.memory_used_bytes is not None
     assert s.power_limit_w is None and s.power_w is not None
     assert s.memory_bandwidth_bytes_per_s == pytest.approx(273e9, rel=0.01)
     with pytest.raises(errors.NotSupported):

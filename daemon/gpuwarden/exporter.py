@@ -82,6 +82,8 @@ def _gpu_metrics(snap: Snapshot) -> Iterator[Metric]:
         ("gpuwarden_gpu_memory_total_bytes", "Device memory in total", lambda v: v.sample.memory_total_bytes),
         ("gpuwarden_gpu_memory_reserved_bytes", "Device memory the driver reserves (not in used)",
          lambda v: v.sample.memory_reserved_bytes),
+        ("gpuwarden_gpu_memory_unified", "1 if the memory figures are the system's, which the GPU shares "
+         "(DGX Spark: NVML reports none of its own)", lambda v: int(v.sample.memory_unified)),
         ("gpuwarden_gpu_persistence_mode", "1 if persistence mode is on",
          lambda v: None if v.sample.persistence_mode is None else int(v.sample.persistence_mode)),
         ("gpuwarden_gpu_performance_state", "Performance state, 0 (P0, fastest) to 15",

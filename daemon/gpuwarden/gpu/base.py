@@ -64,6 +64,7 @@ class GpuSample:
     memory_used_bytes: int | None = None
     memory_total_bytes: int | None = None
     memory_reserved_bytes: int | None = None  # the driver's own reservation, not in memory_used_bytes
+    memory_unified: bool = False  # the memory figures are the system's, which the GPU shares (DGX Spark)
     persistence_mode: bool | None = None
     performance_state: int | None = None  # 0 (P0, fastest) .. 15
     clock_event_reasons: ClockEventReason | None = None

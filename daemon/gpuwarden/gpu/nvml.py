@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from . import errors
 from .base import VIOLATION_POLICIES, ClockEventReason, Gpu, GpuBackend, GpuCapabilities, GpuSample
+from .sysmem import system_memory
 
 CLOCK_GRAPHICS, CLOCK_SM, CLOCK_MEM = 0, 1, 2
 TEMPERATURE_GPU = 0
@@ -139,6 +140,7 @@ class NvmlGpu(Gpu):
         self.uuid, self.name, self.pci_bus_id = f"GPU-unknown-{index}", "unknown", "unknown"
         self.compute_capability = None
         self.memory_bus_width_bits, self.max_clocks = None, dict.fromkeys((CLOCK_SM, CLOCK_MEM, CLOCK_GRAPHICS))
+        self.memory_unified = False  # NVML has no memory for it: the system's is reported (gpu/sysmem.py)
         try:
             self._read_identity()
             self._read_static()
@@ -252,6 +254,7 @@ class NvmlGpu(Gpu):
             memory_used_bytes=used,
             memory_total_bytes=total,
             memory_reserved_bytes=reserved,
+            memory_unified=self.memory_unified,
             persistence_mode=bool(persistence) if persistence is not None else None,
             performance_state=r("nvmlDeviceGetPerformanceState"),
             clock_event_reasons=self._reasons(),
@@ -268,7 +271,14 @@ class NvmlGpu(Gpu):
         if memory is not None:
             return memory.used, memory.total, memory.reserved
         memory = self._read("nvmlDeviceGetMemoryInfo")
-        return (memory.used, memory.total, None) if memory is not None else (None, None, None)
+        if memory is not None:
+            return memory.used, memory.total, None
+        if ("nvmlDeviceGetMemoryInfo", ()) in self._unsupported:  # no memory of its own: unified (GB10)
+            shared = system_memory()
+            if shared is not None:
+                self.memory_unified = True
+                return shared[0], shared[1], None
+        return None, None, None
 
     def _reasons(self) -> ClockEventReason | None:
         # Drivers before 535 only have the older "throttle reasons" name for this call.

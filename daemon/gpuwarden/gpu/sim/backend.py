@@ -208,8 +208,11 @@ class SimGpu(Gpu):
             temperature_c=round(temp),
             utilization_pct=self.utilization,
             memory_utilization_pct=self.utilization * mem / m.memory_clocks_mhz[-1],
-            memory_used_bytes=int(total * self.memory_used_pct / 100) if "memory_info" not in ns else None,
-            memory_total_bytes=total if "memory_info" not in ns else None,
+            # Without NVML memory figures the backend reports the system's, which the GPU shares (DGX Spark):
+            # the simulated system has memory_total_mib.
+            memory_used_bytes=int(total * self.memory_used_pct / 100),
+            memory_total_bytes=total,
+            memory_unified="memory_info" in ns,
             persistence_mode=self.persistence if "persistence_mode" not in ns else None,
             performance_state=0 if sm > m.idle_sm_clock_mhz else 8,
             clock_event_reasons=reasons if "clock_event_reasons" not in ns else None,
