@@ -29,7 +29,9 @@ def device(uuid, bus, **over):
                temp=41, util=(97, 60), mem=(40 * 2**30, 80 * 2**30), reserved=616 * 2**20, persistence=0, pstate=0,
                reasons=0x4, violations={0: 5_000_000_000, 1: 0, 2: 0, 3: 0, 4: 0, 5: 0},
                energy_mj=123_456_789, bus_width=5120, mem_clocks=[2619, 1593],
-               graphics_clocks=[1980, 1965, 210], gpu_lock=None, mem_lock=None)
+               graphics_clocks=[1980, 1965, 210], gpu_lock=None, mem_lock=None,
+               pcie=(5, 5, 16, 16), replays=0, ecc_uncorrected=0, remapped=(0, 0, 0, 0), retired=None,
+               retire_pending=None)  # health: remapped rows on Ampere and later, retired pages before
     dev.update(over)
     return dev
 
@@ -121,6 +123,26 @@ class FakeNvml:
         return self._dev("nvmlDeviceGetSupportedMemoryClocks", h)["mem_clocks"]
     def nvmlDeviceGetSupportedGraphicsClocks(self, h, mem):
         return self._dev("nvmlDeviceGetSupportedGraphicsClocks", h)["graphics_clocks"]
+
+    def _opt(self, name, h, key):
+        """A health field, or NOT_SUPPORTED where the record has None (as the GPU would answer)."""
+        value = self._dev(name, h)[key]
+        if value is None:
+            raise NVMLError(NOT_SUPPORTED)
+        return value
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, h): return self._opt("nvmlDeviceGetCurrPcieLinkGeneration", h, "pcie")[0]
+    def nvmlDeviceGetMaxPcieLinkGeneration(self, h): return self._opt("nvmlDeviceGetMaxPcieLinkGeneration", h, "pcie")[1]
+    def nvmlDeviceGetCurrPcieLinkWidth(self, h): return self._opt("nvmlDeviceGetCurrPcieLinkWidth", h, "pcie")[2]
+    def nvmlDeviceGetMaxPcieLinkWidth(self, h): return self._opt("nvmlDeviceGetMaxPcieLinkWidth", h, "pcie")[3]
+    def nvmlDeviceGetPcieReplayCounter(self, h): return self._opt("nvmlDeviceGetPcieReplayCounter", h, "replays")
+    def nvmlDeviceGetTotalEccErrors(self, h, error_type, counter_type):
+        assert (error_type, counter_type) == (1, 0), "uncorrected, volatile"
+        return self._opt("nvmlDeviceGetTotalEccErrors", h, "ecc_uncorrected")
+    def nvmlDeviceGetRemappedRows(self, h): return tuple(self._opt("nvmlDeviceGetRemappedRows", h, "remapped"))
+    def nvmlDeviceGetRetiredPages(self, h, cause):
+        return list(self._opt("nvmlDeviceGetRetiredPages", h, "retired")[cause])
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, h):
+        return self._opt("nvmlDeviceGetRetiredPagesPendingStatus", h, "retire_pending")
 
     def nvmlDeviceGetComputeRunningProcesses(self, h):
         return [SimpleNamespace(pid=pid, usedGpuMemory=used)

@@ -16,7 +16,7 @@ from gpuwarden.tuning import Tuner, make_plan
 # the DGX Spark boosts, so only its persistence mode is off (a warning).
 EXPECTED_EXIT = {"rtx-pro-4000-headless": 2, "rtx-pro-6000-tp4": 2, "dgx-spark": 1, "lock-lost": 2,
                  "gpu-lost": 2, "thermal": 2, "persistenced-no-persistence": 2, "hw-slowdown-flapping": 1,
-                 "gpu-lost-at-start": 2}
+                 "gpu-lost-at-start": 2, "link-and-memory": 1}
 
 
 @pytest.mark.parametrize("scenario", builtin_scenarios())
@@ -33,7 +33,7 @@ def test_doctor_on_every_scenario(cli, scenario):
     assert checks["vLLM"]["severity"] == "info"  # serving is off in the default config
     if scenario == "dgx-spark":
         assert checks["GPU0 power limit"]["severity"] == "info" and checks["GPU0 clocks"]["severity"] == "ok"
-    elif scenario == "hw-slowdown-flapping":  # it boosts, and at t=0 nothing flaps yet
+    elif scenario in ("hw-slowdown-flapping", "link-and-memory"):  # they boost, and at t=0 nothing has happened
         assert checks["GPU0 clocks"]["severity"] == "ok"
     else:
         assert checks["GPU0 clocks"]["severity"] == "error"
@@ -105,3 +105,40 @@ def test_doctor_calls_a_cap_at_the_maximum_limit_the_design_power():
     assert clocks.severity == "ok" and clocks.message.startswith("at its design power (SwPowerCap at its maximum "
                                                                  "limit, 145 W)")
     assert findings["GPU0 power limit"].severity == "ok"
+
+
+def test_iommu_state(tmp_path):
+    from gpuwarden.doctor import iommu_state
+
+    iommu, cmdline = tmp_path / "iommu", tmp_path / "cmdline"
+    iommu.mkdir()
+    cmdline.write_text("BOOT_IMAGE=/vmlinuz ro quiet\n")
+    assert iommu_state(iommu, cmdline) == "off"
+    (iommu / "dmar0").mkdir()
+    assert iommu_state(iommu, cmdline) == "translating"
+    cmdline.write_text("BOOT_IMAGE=/vmlinuz ro iommu=pt\n")
+    assert iommu_state(iommu, cmdline) == "passthrough"
+    assert iommu_state(tmp_path / "none", cmdline) == "off"
+
+
+def test_doctor_reports_the_link_the_memory_and_the_peer_path_for_tensor_parallelism(monkeypatch):
+    monkeypatch.setattr("gpuwarden.doctor.iommu_state", lambda: "translating")
+    cfg = config.parse_text("gpu:\n  backend: sim\n  scenario: rtx-pro-6000-tp4\nserve:\n  enabled: true\n"
+                            "  model: /m/GLM-4.7-NVFP4\n  user: nobody\n")
+    findings = {f.check: f for f in diagnose(cfg, open_configured(cfg, ManualClock()), deep=False)}
+    assert findings["GPU0 PCIe"].severity == "ok" and findings["GPU0 PCIe"].message.startswith("Gen5 x16 of Gen5 x16")
+    assert findings["GPU0 memory"].severity == "ok"
+    peer = findings["PCIe peer path"]  # the GLM profile runs tensor parallelism 4
+    assert peer.severity == "warning" and "tensor parallelism 4" in peer.message and "iommu=pt" in peer.fix
+
+
+def test_doctor_on_a_degraded_link_and_pending_remap():
+    clock = ManualClock()
+    cfg = config.parse_text("gpu:\n  backend: sim\n  scenario: link-and-memory\n")
+    backend = open_configured(cfg, clock)
+    clock.advance(26)
+    findings = {f.check: f for f in diagnose(cfg, backend, deep=False)}
+    assert findings["GPU0 memory"].severity == "error" and "1 uncorrected ECC" in findings["GPU0 memory"].message
+    clock.advance(15)  # 41 s: idle at Gen1, which is power saving
+    findings = {f.check: f for f in diagnose(cfg, backend, deep=False)}
+    assert findings["GPU0 PCIe"].severity == "info" and "Gen1 x16 of Gen5 x16" in findings["GPU0 PCIe"].message

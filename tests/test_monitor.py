@@ -235,3 +235,17 @@ def test_a_flapping_hardware_slowdown_fires_on_its_duty_cycle(write, on, off):
     assert fired and fired[0] <= 20, events
     state = monitor.states[("hw_slowdown", 0)]
     assert "held the clocks down" in state.check.observed and "(violation counter board_limit)" in state.check.observed
+
+
+def test_link_and_memory_health_alerts_follow_the_scenario():
+    monitor, clock = monitor_for("link-and-memory", FAST + "tuning:\n  apply: false\n")
+    events = [(t, alert, what) for t, _, alert, what in play(monitor, clock, 55)
+              if alert in ("pcie_link_degraded", "row_remap_pending", "ecc_uncorrected", "row_remap_failure")]
+    assert events == [(6.0, "pcie_link_degraded", "firing"),  # Gen2 under load, held for for_s
+                      (17.0, "pcie_link_degraded", "resolved"),  # back at 15, clear for clear_for_s
+                      (21.0, "row_remap_pending", "firing"),
+                      (26.0, "ecc_uncorrected", "firing")]  # the idle Gen1 at 40-50 s is power saving: silent
+    gpu = monitor.snapshot.gpus[0].sample
+    assert gpu.health.remap_pending and gpu.health.ecc_uncorrected == 1
+    alert = next(a for a in monitor.snapshot.alerts if a.alert == "ecc_uncorrected")
+    assert alert.severity == "critical" and "1 uncorrected ECC error(s)" in alert.observed

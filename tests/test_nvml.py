@@ -214,3 +214,31 @@ def test_memory_reserved_by_the_driver_is_apart_from_used():
     old.fail[("nvmlDeviceGetMemoryInfo_v2", None)] = FUNCTION_NOT_FOUND  # a driver without the v2 call
     s = NvmlBackend(old).gpus()[0].sample()
     assert (s.memory_used_bytes, s.memory_reserved_bytes) == (616 * 2**20, None)
+
+
+def test_link_and_memory_health_are_read_every_counters_interval():
+    clock = ManualClock(0)
+    nvml = FakeNvml([device("GPU-a", "00000000:01:00.0", pcie=(2, 5, 16, 16), replays=1415, ecc_uncorrected=2,
+                            remapped=(3, 1, 1, 0))])
+    gpu = NvmlBackend(nvml, clock=clock, counters_interval_s=10).gpus()[0]
+    h = gpu.sample().health
+    assert h.link() == "Gen2 x16 of Gen5 x16" and h.link_degraded and h.pcie_replays == 1415
+    assert (h.ecc_uncorrected, h.remapped_rows_correctable, h.remapped_rows_uncorrectable) == (2, 3, 1)
+    assert h.remap_pending is True and h.remap_failure is False and h.retired_pages is None
+    calls = nvml.calls["nvmlDeviceGetRemappedRows"]
+    clock.advance(1)
+    gpu.sample()
+    assert nvml.calls["nvmlDeviceGetRemappedRows"] == calls  # not every poll
+    clock.advance(10)
+    gpu.sample()
+    assert nvml.calls["nvmlDeviceGetRemappedRows"] == calls + 1
+
+
+def test_older_gpus_report_retired_pages_and_unsupported_health_is_none():
+    older = FakeNvml([device("GPU-a", "00000000:01:00.0", remapped=None, retired=([1, 2], [3]), retire_pending=1)])
+    h = NvmlBackend(older).gpus()[0].sample().health
+    assert h.retired_pages == 3 and h.retire_pending is True and h.remap_pending is None
+    bare = FakeNvml([device("GPU-a", "00000000:01:00.0", pcie=None, replays=None, ecc_uncorrected=None,
+                            remapped=None)])
+    h = NvmlBackend(bare).gpus()[0].sample().health
+    assert h.link() is None and not h.link_degraded and h.ecc_uncorrected is None and h.retired_pages is None

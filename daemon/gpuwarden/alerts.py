@@ -170,6 +170,33 @@ def _reason_rule(reason: R) -> Callable[[GpuSample, GpuContext], Check]:
     return check
 
 
+def pcie_link_degraded(s: GpuSample, ctx: GpuContext) -> Check:
+    """Idle links train down on purpose (power saving): only a busy GPU's link counts."""
+    h = s.health
+    if not ctx.busy or not h.link_degraded:
+        return INACTIVE
+    replays = f", {h.pcie_replays} replays" if h.pcie_replays is not None else ""
+    return Check(True, f"PCIe link {h.link()} while busy (util {_pct(s.utilization_pct)}){replays}",
+                 "the link's full generation and width", f"Gen{h.pcie_generation} x{h.pcie_width}")
+
+
+def ecc_uncorrected(s: GpuSample, ctx: GpuContext) -> Check:
+    count = s.health.ecc_uncorrected
+    return Check(bool(count), f"{count} uncorrected ECC error(s) since the driver loaded", "0", f"{count} ECC")
+
+
+def row_remap_pending(s: GpuSample, ctx: GpuContext) -> Check:
+    h = s.health
+    pending = bool(h.remap_pending) or bool(h.retire_pending)
+    what = "a remapped memory row" if h.remap_pending else "a retired memory page"
+    return Check(pending, f"{what} waits for a GPU reset", "none pending", "reset pending")
+
+
+def row_remap_failure(s: GpuSample, ctx: GpuContext) -> Check:
+    return Check(bool(s.health.remap_failure), "a memory row could not be remapped", "no remap failure",
+                 "remap failed")
+
+
 def persistence_off(s: GpuSample, ctx: GpuContext) -> Check:
     return Check(ctx.persistence_wanted and s.persistence_mode is False, "persistence mode off",
                  "configured on", "off")
@@ -198,6 +225,15 @@ RULES: tuple[Rule, ...] = (
     Rule("persistence_off", WARNING, "a driver reload turned it off; gpuwarden re-applies it "
          "(nvidia-persistenced also keeps it on)", persistence_off),
     Rule("gpu_lost", CRITICAL, "check `dmesg` for Xid errors; the GPU may need a reset or a reboot", gpu_lost),
+    Rule("pcie_link_degraded", WARNING, "reseat the card, check the riser and cable, and the slot's PCIe setting "
+         "in the BIOS; a link below its generation or width slows loading and tensor parallelism",
+         pcie_link_degraded),
+    Rule("ecc_uncorrected", CRITICAL, "drain the GPU and reset it (or reboot); if it recurs, the card needs "
+         "replacing", ecc_uncorrected),
+    Rule("row_remap_pending", WARNING, "drain the GPU and reset it (or reboot): the remap takes effect then",
+         row_remap_pending),
+    Rule("row_remap_failure", CRITICAL, "the card needs replacing: a memory row could not be remapped",
+         row_remap_failure),
 )
 
 

@@ -7,6 +7,7 @@ finding is one line with a severity and, where something is wrong, the fix.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from . import throttle
 from .config import AlertSettings, Config
@@ -49,9 +50,77 @@ def diagnose(config: Config, backend: GpuBackend, deep: bool = True) -> list[Dia
         findings.append(_persistence(s, persistenced))
         findings.append(_clocks(s, config.alerts))
         findings.append(_power(s))
+        findings.extend(_health(s, config.alerts))
+    findings.extend(_peer_path(config, backend))
     findings.extend(_tuning(config, backend))
     findings.extend(_serving(config, backend, deep))
     return findings
+
+
+def _health(s: GpuSample, alerts: AlertSettings) -> list[Diagnosis]:
+    """The PCIe link and the memory, where the GPU reports them (nothing where it does not)."""
+    h, out = s.health, []
+    if h.link() is not None:
+        replays = f", {h.pcie_replays} replays" if h.pcie_replays is not None else ""
+        text = f"{h.link()}{replays}"
+        if not h.link_degraded:
+            out.append(Diagnosis(OK, f"GPU{s.index} PCIe", text))
+        elif throttle.is_busy(s, alerts.busy_utilization_pct):
+            out.append(Diagnosis(WARNING, f"GPU{s.index} PCIe", f"{text}: below its generation or width under load",
+                                 "reseat the card, check the riser and the slot's PCIe setting in the BIOS"))
+        else:
+            out.append(Diagnosis(INFO, f"GPU{s.index} PCIe", f"{text}: idle links train down to save power"))
+    check = f"GPU{s.index} memory"
+    if h.remap_failure or h.ecc_uncorrected:
+        what = "a row could not be remapped" if h.remap_failure else f"{h.ecc_uncorrected} uncorrected ECC error(s)"
+        out.append(Diagnosis(ERROR, check, what, "replace the card" if h.remap_failure else
+                             "drain the GPU and reset it (or reboot); if it recurs, replace the card"))
+    elif h.remap_pending or h.retire_pending:
+        out.append(Diagnosis(WARNING, check, "a remapped row or retired page waits for a GPU reset",
+                             "drain the GPU and reset it (or reboot)"))
+    elif h.ecc_uncorrected is not None or h.remap_pending is not None or h.retired_pages is not None:
+        rows = h.remapped_rows_correctable, h.remapped_rows_uncorrectable
+        remapped = f", {sum(rows)} rows remapped" if None not in rows else ""
+        out.append(Diagnosis(OK, check, f"no uncorrected ECC errors{remapped}"))
+    return out
+
+
+def _peer_path(config: Config, backend: GpuBackend) -> list[Diagnosis]:
+    """With tensor parallelism over PCIe, an IOMMU that translates DMA sends NCCL's peer-to-peer traffic
+    through the root complex, which has hung NCCL on RTX PRO 6000 servers (ACS on the switches does the same;
+    reading it needs lspci as root, so it is named in the fix, not checked)."""
+    if not config.serve.enabled:
+        return []
+    from .serving.prepare import compose
+
+    try:
+        command = compose(config, [g.sample() for g in backend.gpus()]).command
+    except InvalidConfig:
+        return []  # _serving says why
+    tp = command.engine.tensor_parallel_size(command.argv)
+    if tp < 2:
+        return []
+    iommu = iommu_state()
+    if iommu == "translating":
+        return [Diagnosis(WARNING, "PCIe peer path", f"tensor parallelism {tp} while the IOMMU translates DMA: "
+                          "NCCL's peer-to-peer traffic goes through the root complex, and has hung on PCIe RTX "
+                          "PRO 6000 servers", "boot with iommu=pt (or the IOMMU off) and ACS off on the PCIe "
+                          "switches, or set NCCL_P2P_DISABLE=1 in serve.env")]
+    return [Diagnosis(OK, "PCIe peer path", f"tensor parallelism {tp}, IOMMU {iommu}")]
+
+
+def iommu_state(iommu_dir: Path = Path("/sys/class/iommu"), cmdline: Path = Path("/proc/cmdline")) -> str:
+    """off (no IOMMU), passthrough (iommu=pt), or translating."""
+    try:
+        if not any(iommu_dir.iterdir()):
+            return "off"
+    except OSError:
+        return "off"
+    try:
+        words = cmdline.read_text().split()
+    except OSError:
+        words = []
+    return "passthrough" if {"iommu=pt", "iommu.passthrough=1"} & set(words) else "translating"
 
 
 def _tuning(config: Config, backend: GpuBackend) -> list[Diagnosis]:

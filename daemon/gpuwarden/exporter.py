@@ -88,6 +88,25 @@ def _gpu_metrics(snap: Snapshot) -> Iterator[Metric]:
          lambda v: None if v.sample.persistence_mode is None else int(v.sample.persistence_mode)),
         ("gpuwarden_gpu_performance_state", "Performance state, 0 (P0, fastest) to 15",
          lambda v: v.sample.performance_state),
+        ("gpuwarden_gpu_pcie_link_generation", "Current PCIe link generation",
+         lambda v: v.sample.health.pcie_generation),
+        ("gpuwarden_gpu_pcie_link_generation_max", "Highest PCIe generation the GPU and its slot support",
+         lambda v: v.sample.health.pcie_generation_max),
+        ("gpuwarden_gpu_pcie_link_width", "Current PCIe link width (lanes)", lambda v: v.sample.health.pcie_width),
+        ("gpuwarden_gpu_pcie_link_width_max", "Widest PCIe link the GPU and its slot support",
+         lambda v: v.sample.health.pcie_width_max),
+        ("gpuwarden_gpu_ecc_uncorrected_errors", "Uncorrected ECC errors since the driver loaded (volatile)",
+         lambda v: v.sample.health.ecc_uncorrected),
+        ("gpuwarden_gpu_remapped_rows_correctable", "Memory rows remapped for correctable errors",
+         lambda v: v.sample.health.remapped_rows_correctable),
+        ("gpuwarden_gpu_remapped_rows_uncorrectable", "Memory rows remapped for uncorrectable errors",
+         lambda v: v.sample.health.remapped_rows_uncorrectable),
+        ("gpuwarden_gpu_row_remap_pending", "1 while a remapped row waits for a GPU reset",
+         lambda v: _flag(v.sample.health.remap_pending)),
+        ("gpuwarden_gpu_row_remap_failure", "1 once a row could not be remapped (replace the card)",
+         lambda v: _flag(v.sample.health.remap_failure)),
+        ("gpuwarden_gpu_retired_pages", "Memory pages retired (GPUs before Ampere)",
+         lambda v: v.sample.health.retired_pages),
     ]
     for lock in (t for t in tunables.TUNABLES if t.lock_of):  # a gauge for each clock lock the table sets
         gauges.append((f"gpuwarden_gpu_{lock.lock_of}_clock_lock_hertz", f"{lock.title} gpuwarden locks to "
@@ -96,6 +115,7 @@ def _gpu_metrics(snap: Snapshot) -> Iterator[Metric]:
     families = [(_gauge(name, doc), value) for name, doc, value in gauges]
     energy = CounterMetricFamily("gpuwarden_gpu_energy_joules", "Energy used since the driver loaded",
                                  labels=["gpu"])
+    replays = CounterMetricFamily("gpuwarden_gpu_pcie_replays", "PCIe link-level retransmissions", labels=["gpu"])
     active = _gauge("gpuwarden_gpu_clock_event_active", "1 while a clock-event (throttle) reason is active",
                     ("gpu", "reason"))
     seconds = CounterMetricFamily("gpuwarden_gpu_clock_event_seconds",
@@ -113,6 +133,8 @@ def _gpu_metrics(snap: Snapshot) -> Iterator[Metric]:
                 family.add_metric([gpu], v)
         if s.energy_joules is not None:
             energy.add_metric([gpu], s.energy_joules)
+        if s.health.pcie_replays is not None:
+            replays.add_metric([gpu], s.health.pcie_replays)
         if s.clock_event_reasons is not None:
             for name in REASON_NAMES:
                 active.add_metric([gpu, name], int(ClockEventReason[name] in s.clock_event_reasons))
@@ -125,12 +147,17 @@ def _gpu_metrics(snap: Snapshot) -> Iterator[Metric]:
     for family, _ in families:
         yield family
     yield energy
+    yield replays
     yield active
     yield seconds
 
 
 def _gpu_label(gpu: int | None) -> str:
     return "all" if gpu is None else str(gpu)
+
+
+def _flag(value: bool | None) -> int | None:
+    return None if value is None else int(value)
 
 
 def _hz(mhz: float | None) -> float | None:

@@ -36,6 +36,41 @@ VIOLATION_POLICIES = {
     "reliability": 5,
 }
 
+@dataclass(frozen=True)
+class GpuHealth:
+    """The PCIe link and the memory's health. None: this GPU does not report it (then nothing is said)."""
+
+    pcie_generation: int | None = None
+    pcie_generation_max: int | None = None  # what both the GPU and the slot support
+    pcie_width: int | None = None
+    pcie_width_max: int | None = None
+    pcie_replays: int | None = None  # cumulative link-level retransmissions
+    ecc_uncorrected: int | None = None  # volatile: since the driver loaded
+    remapped_rows_correctable: int | None = None
+    remapped_rows_uncorrectable: int | None = None
+    remap_pending: bool | None = None  # a remap waits for a GPU reset
+    remap_failure: bool | None = None  # a row could not be remapped: the card needs replacing
+    retired_pages: int | None = None  # older GPUs (before Ampere) retire pages instead of remapping rows
+    retire_pending: bool | None = None
+
+    @property
+    def link_degraded(self) -> bool:
+        """The link trained below what the GPU and the slot support."""
+        gen, gen_max, width, width_max = (self.pcie_generation, self.pcie_generation_max, self.pcie_width,
+                                          self.pcie_width_max)
+        return (gen is not None and gen_max is not None and gen < gen_max) or \
+            (width is not None and width_max is not None and width < width_max)
+
+    def link(self) -> str | None:
+        """e.g. "Gen2 x16 of Gen5 x16"."""
+        if self.pcie_generation is None or self.pcie_width is None:
+            return None
+        text = f"Gen{self.pcie_generation} x{self.pcie_width}"
+        if self.pcie_generation_max is not None and self.pcie_width_max is not None:
+            text += f" of Gen{self.pcie_generation_max} x{self.pcie_width_max}"
+        return text
+
+
 @dataclass(frozen=True, slots=True)
 class GpuSample:
     """One reading of one GPU. A field the card does not support is None."""
@@ -71,6 +106,7 @@ class GpuSample:
     violation_seconds: Mapping[str, float | None] = field(default_factory=dict)  # keys: VIOLATION_POLICIES
     energy_joules: float | None = None
     memory_bus_width_bits: int | None = None
+    health: GpuHealth = field(default_factory=GpuHealth)  # the link and memory, read at counters_interval_s
     error: str | None = None  # why the GPU is down, when up is False
 
     @property
@@ -86,6 +122,7 @@ class GpuSample:
         reasons = self.clock_event_reasons
         out["clock_event_reasons"] = None if reasons is None else reasons.names()
         out["memory_bandwidth_bytes_per_s"] = self.memory_bandwidth_bytes_per_s
+        out["health"] = {name: getattr(self.health, name) for name in self.health.__dataclass_fields__}
         return out
 
 

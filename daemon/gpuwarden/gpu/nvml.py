@@ -16,10 +16,12 @@ from typing import Any
 from collections.abc import Callable
 
 from . import errors
-from .base import VIOLATION_POLICIES, ClockEventReason, Gpu, GpuBackend, GpuCapabilities, GpuSample
+from .base import VIOLATION_POLICIES, ClockEventReason, Gpu, GpuBackend, GpuCapabilities, GpuHealth, GpuSample
 from .sysmem import system_memory
 
 CLOCK_GRAPHICS, CLOCK_SM, CLOCK_MEM = 0, 1, 2
+ECC_UNCORRECTED, ECC_VOLATILE = 1, 0  # NVML_MEMORY_ERROR_TYPE_UNCORRECTED, NVML_VOLATILE_ECC
+PAGE_RETIRED_SBE, PAGE_RETIRED_DBE = 0, 1  # NVML_PAGE_RETIREMENT_CAUSE_*
 TEMPERATURE_GPU = 0
 FUNCTION_NOT_FOUND = 13
 REINIT_INTERVAL_S = 5.0  # how often to retry NVML while a GPU is lost
@@ -137,6 +139,7 @@ class NvmlGpu(Gpu):
         self._counters_at = float("-inf")
         self._energy: float | None = None
         self._violations: dict[str, float | None] = {}
+        self._health = GpuHealth()
         self.uuid, self.name, self.pci_bus_id = f"GPU-unknown-{index}", "unknown", "unknown"
         self.compute_capability = None
         self.memory_bus_width_bits, self.max_clocks = None, dict.fromkeys((CLOCK_SM, CLOCK_MEM, CLOCK_GRAPHICS))
@@ -261,6 +264,7 @@ class NvmlGpu(Gpu):
             violation_seconds=dict(self._violations),
             energy_joules=self._energy,
             memory_bus_width_bits=self.memory_bus_width_bits,
+            health=self._health,
         )
 
     def _memory(self) -> tuple[int | None, int | None, int | None]:
@@ -288,11 +292,37 @@ class NvmlGpu(Gpu):
         return ClockEventReason(value) if value is not None else None
 
     def _read_counters(self) -> None:
-        """The slow cumulative counters (energy ~4 ms, violations ~0.8 ms each)."""
+        """The slow cumulative counters (energy ~4 ms, violations ~0.8 ms each), and the link and memory
+        health, which change seldom: read every counters_interval_s, not every poll."""
         self._energy = _scaled(self._read("nvmlDeviceGetTotalEnergyConsumption"), 1e-3)
         for name, policy in VIOLATION_POLICIES.items():
             status = self._read("nvmlDeviceGetViolationStatus", policy)
             self._violations[name] = status.violationTime * 1e-9 if status is not None else None
+        self._health = self._read_health()
+
+    def _read_health(self) -> GpuHealth:
+        r = self._read
+        rows = r("nvmlDeviceGetRemappedRows")  # (correctable, uncorrectable, pending, failure): Ampere and later
+        retired = pending = None
+        if rows is None:  # older GPUs retire pages instead
+            pages = [r("nvmlDeviceGetRetiredPages", cause) for cause in (PAGE_RETIRED_SBE, PAGE_RETIRED_DBE)]
+            if any(p is not None for p in pages):
+                retired = sum(len(p) for p in pages if p is not None)
+            pending = r("nvmlDeviceGetRetiredPagesPendingStatus")
+        return GpuHealth(
+            pcie_generation=r("nvmlDeviceGetCurrPcieLinkGeneration"),
+            pcie_generation_max=r("nvmlDeviceGetMaxPcieLinkGeneration"),
+            pcie_width=r("nvmlDeviceGetCurrPcieLinkWidth"),
+            pcie_width_max=r("nvmlDeviceGetMaxPcieLinkWidth"),
+            pcie_replays=r("nvmlDeviceGetPcieReplayCounter"),
+            ecc_uncorrected=r("nvmlDeviceGetTotalEccErrors", ECC_UNCORRECTED, ECC_VOLATILE),
+            remapped_rows_correctable=rows[0] if rows else None,
+            remapped_rows_uncorrectable=rows[1] if rows else None,
+            remap_pending=bool(rows[2]) if rows else None,
+            remap_failure=bool(rows[3]) if rows else None,
+            retired_pages=retired,
+            retire_pending=bool(pending) if pending is not None else None,
+        )
 
     def compute_processes(self) -> list[tuple[int, int | None]]:
         try:

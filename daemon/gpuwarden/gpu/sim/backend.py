@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 from .. import errors
 from ..base import ClockEventReason as R
-from ..base import VIOLATION_POLICIES, Gpu, GpuBackend, GpuCapabilities, GpuSample
-from .scenario import Event, GpuModel, Scenario
+from ..base import VIOLATION_POLICIES, Gpu, GpuBackend, GpuCapabilities, GpuHealth, GpuSample
+from .scenario import PCIE_MAX, Event, GpuModel, Scenario
 
 MIB = 1024 * 1024
 # Default SM clock under each slowdown, as a fraction of the max clock.
@@ -99,6 +99,9 @@ class SimGpu(Gpu):
         self.energy_j = 0.0
         self.violations = {name: 0.0 for name in VIOLATION_POLICIES}
         self.processes: list[tuple[int, int | None]] = []  # compute processes a test puts on the card
+        self.ecc_uncorrected = 0
+        self.remap_failure = False
+        self.pcie_replays = 0.0
         self._reset_driver_state()
 
     def _reset_driver_state(self) -> None:
@@ -123,14 +126,34 @@ class SimGpu(Gpu):
             self._reset_driver_state()
         elif event.kind == "gpu_lost":
             self.lost = True
+        elif event.kind == "ecc_uncorrected":
+            self.ecc_uncorrected += int(event.params.get("count", 1))
+        elif event.kind == "row_remap_failure":
+            self.remap_failure = True
         else:
             self.conditions[event.kind] = dict(event.params)
+
+    def _health(self) -> GpuHealth:
+        ns = self.model.not_supported
+        link = self.conditions.get("pcie_link", {})
+        gen_max, width_max = PCIE_MAX
+        pcie = {} if "pcie" in ns else dict(
+            pcie_generation=int(link.get("generation", gen_max)), pcie_generation_max=gen_max,
+            pcie_width=int(link.get("width", width_max)), pcie_width_max=width_max,
+            pcie_replays=int(self.pcie_replays))
+        memory = {} if "memory_errors" in ns else dict(
+            ecc_uncorrected=self.ecc_uncorrected, remapped_rows_correctable=0,
+            remapped_rows_uncorrectable=int(self.ecc_uncorrected > 0),
+            remap_pending="row_remap_pending" in self.conditions, remap_failure=self.remap_failure)
+        return GpuHealth(**pcie, **memory)
 
     def integrate(self, dt: float) -> None:
         if self.lost:
             return
         _, _, power, _, reasons = self._operating_point()
         self.energy_j += power * dt
+        if "pcie_link" in self.conditions and self.utilization:
+            self.pcie_replays += 10 * dt  # a link that trains down under load retries
         for reason, counter in VIOLATION_OF.items():
             if reason in reasons:
                 self.violations[counter] += dt
@@ -213,6 +236,7 @@ class SimGpu(Gpu):
             memory_used_bytes=int(total * self.memory_used_pct / 100),
             memory_total_bytes=total,
             memory_unified="memory_info" in ns,
+            health=self._health(),
             persistence_mode=self.persistence if "persistence_mode" not in ns else None,
             performance_state=0 if sm > m.idle_sm_clock_mhz else 8,
             clock_event_reasons=reasons if "clock_event_reasons" not in ns else None,

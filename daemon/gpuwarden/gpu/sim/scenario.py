@@ -17,7 +17,7 @@ from ...schema import MISSING, Reader, type_name
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "scenarios"
 
 NOT_SUPPORTED_CHOICES = ("memory_info", "power_limit", "memory_locked_clocks", "persistence_mode",
-                         "energy", "violation_counters", "clock_event_reasons")
+                         "energy", "violation_counters", "clock_event_reasons", "pcie", "memory_errors")
 
 # Event kind -> {parameter: (required, low, high)}; numbers only, except `hardware`.
 EVENT_PARAMS: dict[str, dict[str, tuple[bool, float, float]]] = {
@@ -30,10 +30,15 @@ EVENT_PARAMS: dict[str, dict[str, tuple[bool, float, float]]] = {
     "power_brake": {"sm_clock_mhz": (False, 1, 100_000)},
     "driver_reload": {},
     "gpu_lost": {},
+    "pcie_link": {"generation": (True, 1, 6), "width": (False, 1, 32)},
+    "ecc_uncorrected": {"count": (False, 1, 1_000_000)},
+    "row_remap_pending": {},
+    "row_remap_failure": {},
 }
 # Events that describe a condition with a start and (optionally) an end.
 CONDITIONS = ("clock_collapse", "power_cap", "thermal_slowdown", "hw_thermal_slowdown",
-              "hw_slowdown", "power_brake", "gpu_lost")
+              "hw_slowdown", "power_brake", "gpu_lost", "pcie_link", "row_remap_pending")
+PCIE_MAX = (5, 16)  # every simulated card sits in a Gen5 x16 slot
 
 
 @dataclass(frozen=True)
