@@ -4,6 +4,7 @@ Errors are injected per call name (and optionally per device) with NVML's own
 return codes, so the tests exercise the backend's real error handling.
 """
 
+import time
 from collections import Counter
 from types import SimpleNamespace
 
@@ -45,6 +46,7 @@ class FakeNvml:
         self.fail = {}  # (call name, device index or None) -> NVML return code
         self.calls = Counter()
         self.inits = 0
+        self.events = []  # (device index, NVML event type, event data), handed out by nvmlEventSetWait_v2
 
     # -- helpers ----------------------------------------------------------------
     def _check(self, name, index=None):
@@ -143,6 +145,26 @@ class FakeNvml:
         return list(self._opt("nvmlDeviceGetRetiredPages", h, "retired")[cause])
     def nvmlDeviceGetRetiredPagesPendingStatus(self, h):
         return self._opt("nvmlDeviceGetRetiredPagesPendingStatus", h, "retire_pending")
+
+    # -- events: a test queues (device index, event type, data) in .events -------------------------------
+    def nvmlEventSetCreate(self):
+        self._check("nvmlEventSetCreate")
+        self.event_set = SimpleNamespace(registered={}, freed=False)
+        return self.event_set
+    def nvmlDeviceGetSupportedEventTypes(self, h):
+        return self._dev("nvmlDeviceGetSupportedEventTypes", h).get("event_types", 0x8 | 0x2 | 0x4000 | 0x8000)
+    def nvmlDeviceRegisterEvents(self, h, mask, event_set):
+        self._check("nvmlDeviceRegisterEvents", h.index)
+        event_set.registered[h.index] = mask
+    def nvmlEventSetWait_v2(self, event_set, timeout_ms):
+        self._check("nvmlEventSetWait_v2")
+        if not self.events:
+            time.sleep(min(timeout_ms, 20) / 1000)
+            raise NVMLError(10)  # NVML_ERROR_TIMEOUT
+        index, event_type, data = self.events.pop(0)
+        return SimpleNamespace(device=SimpleNamespace(index=index), eventType=event_type, eventData=data)
+    def nvmlEventSetFree(self, event_set):
+        event_set.freed = True
 
     def nvmlDeviceGetComputeRunningProcesses(self, h):
         return [SimpleNamespace(pid=pid, usedGpuMemory=used)

@@ -11,10 +11,10 @@ LAYERS = [
     {"yamlfile", "statedir", "background", "httpget", "systemd"},  # no gpuwarden imports of their own
     {"schema", "originals"},
     {"gpu", "webconfig"},  # the GPU backends know nothing of the config
-    {"throttle"},  # is this clock low, and why
+    {"throttle", "xids"},  # is this clock low, and why; what an Xid means
     {"tunables"},  # the tuning settings table
     {"config"},
-    {"alerts", "tuning", "serving", "backends", "status"},
+    {"alerts", "tuning", "serving", "backends", "status", "gpuevents"},
     {"monitor", "doctor"},
     {"exporter"},
     {"daemon"},

@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from . import throttle
+from .xids import lookup
 from .config import AlertSettings
 from .gpu.base import ClockEventReason as R
 from .gpu.base import GpuSample
@@ -34,6 +35,8 @@ class GpuContext:
     duty: Mapping[str, float] = field(default_factory=dict)
     duty_window_s: float = 0.0
     seen: R = R.NONE  # every reason seen in a sample during that window
+    xids: tuple[tuple[int, int], ...] = ()  # (xid, count) of this GPU's recent Xids (gpuevents.RECENT_S)
+    reset_needed: str | None = None  # an event asked for a GPU reset or a reboot, and none happened yet
 
 
 HW_DUTY_MIN = 0.10  # a critical hardware reason that slows the card this much of the time fires
@@ -197,6 +200,17 @@ def row_remap_failure(s: GpuSample, ctx: GpuContext) -> Check:
                  "remap failed")
 
 
+def gpu_xid(s: GpuSample, ctx: GpuContext) -> Check:
+    if not ctx.xids:
+        return INACTIVE
+    seen = ", ".join(f"Xid {x} ({lookup(x).meaning}) x{n}" for x, n in ctx.xids)
+    return Check(True, f"{seen} in the last 5 minutes", "no Xid", f"Xid {ctx.xids[0][0]}")
+
+
+def gpu_needs_reset(s: GpuSample, ctx: GpuContext) -> Check:
+    return Check(ctx.reset_needed is not None, ctx.reset_needed or "", "no reset or reboot pending", "needs reset")
+
+
 def persistence_off(s: GpuSample, ctx: GpuContext) -> Check:
     return Check(ctx.persistence_wanted and s.persistence_mode is False, "persistence mode off",
                  "configured on", "off")
@@ -225,6 +239,10 @@ RULES: tuple[Rule, ...] = (
     Rule("persistence_off", WARNING, "a driver reload turned it off; gpuwarden re-applies it "
          "(nvidia-persistenced also keeps it on)", persistence_off),
     Rule("gpu_lost", CRITICAL, "check `dmesg` for Xid errors; the GPU may need a reset or a reboot", gpu_lost),
+    Rule("gpu_xid", WARNING, "the journal line names the Xid, its meaning and the processes on the GPU; an "
+         "application fault (13, 31, 43) restarts only what died", gpu_xid, for_s=0.0),
+    Rule("gpu_needs_reset", CRITICAL, "drain the GPU, then reset it (nvidia-smi -r) or reboot as the line says; "
+         "then `systemctl reload gpuwarden` starts the engine again", gpu_needs_reset, for_s=0.0),
     Rule("pcie_link_degraded", WARNING, "reseat the card, check the riser and cable, and the slot's PCIe setting "
          "in the BIOS; a link below its generation or width slows loading and tensor parallelism",
          pcie_link_degraded),

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from . import __version__
 from .config import Config
 from .exporter import Exposition, MetricsServer
+from .gpuevents import EventWatcher
 from .gpu.base import GpuBackend
 from .monitor import Monitor, describe_sample
 from .originals import originals_store
@@ -43,6 +44,7 @@ from .yamlfile import ConfigErrors, InvalidConfig
 log = logging.getLogger("gpuwarden")
 
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+EVENTS_WAKE = 0  # the byte the GPU event thread writes to the wake-up pipe: no signal has number 0
 # Settings a reload cannot change in a running daemon.
 RESTART_ONLY = ("gpu", "metrics", "counters_interval_s")
 ERROR_REPEAT_S = 60.0  # the same serving or poll error is logged at most this often
@@ -72,6 +74,8 @@ class Daemon:
         self.pending: Supervisor | None = None  # the next child, started once the old one has stopped
         self.stats_reader: MetricsReader | None = None  # the engine's /metrics
         self.stall_watch: StallWatch | None = None  # is the engine making progress
+        self.watcher: EventWatcher | None = None  # Xid and fatal events, on their own thread
+        self.wake: Callable[[], None] | None = None  # run() sets it: wakes the loop as a signal does
         self.ready_sent = False
         self.stopping = False
         self.tuned = False
@@ -99,6 +103,7 @@ class Daemon:
             log.info("%s", note)
         log.info("before tuning: %s", " | ".join(describe_sample(g.sample()) for g in self.backend.gpus()))
         self._tune(self.plan)
+        self._watch_events()
         if self.server is not None:
             self.server.start()
             log.info("serving /metrics and /status on %s", self.config.metrics.url)
@@ -110,6 +115,38 @@ class Daemon:
             self.stats_reader, self.stall_watch = self._reader(self.config), self._stall_watch(self.config)
             self.supervisor.start(now)
         self.tick(now)
+
+    def _watch_events(self) -> None:
+        """Start the thread that waits for Xid and fatal events (where the backend reports them)."""
+        try:
+            source = self.backend.events()
+        except Exception as exc:  # the events are extra: polling goes on without them
+            log.warning("GPU events unavailable: %s: %s", type(exc).__name__, exc)
+            return
+        if source is None:
+            log.info("GPU events: this backend reports none; Xids show only in the kernel log")
+            return
+        kinds = "; ".join(f"GPU{gpu} {','.join(names)}" for gpu, names in sorted(source.registered.items()))
+        log.info("GPU events: waiting for %s", kinds or "none (no GPU reports events)")
+        self.watcher = EventWatcher(source, self.wake)
+        self.watcher.start()
+
+    def handle_gpu_events(self) -> None:
+        """Events the watcher queued: log and count them now; a GPU that needs a reset or a reboot stops
+        the serving engine on it (no restart loop on a broken GPU)."""
+        if self.watcher is None:
+            return
+        if self.watcher.failure is not None:
+            self._error_once(f"GPU events stopped: {self.watcher.failure}")
+        now = self.clock()
+        holds = self.monitor.record_events(self.watcher.take(), now)
+        if not holds or self.supervisor is None:
+            return
+        engine = self.supervisor.main
+        mine = {g.index for g in engine.gpus}
+        for gpu, why in holds:
+            if gpu in mine or gpu < 0:
+                engine.hold(now, f"GPU{gpu} {why}" if gpu >= 0 else why)
 
     def _prepare_serving(self, config: Config, deep: bool) -> Supervisor:
         """Everything a start needs, checked, without starting: engine, profile, GPUs, lint, spawnability (and
@@ -156,6 +193,10 @@ class Daemon:
 
     def tick(self, now: float, lag: float = 0.0) -> None:
         """One poll: advance serving (its faults stay there), then sample and publish the GPUs."""
+        try:
+            self.handle_gpu_events()  # any the wake-up missed
+        except Exception as exc:
+            self._error_once(f"GPU events: {type(exc).__name__}: {exc}")
         serving, stats = self._serving_tick(now)
         try:
             snapshot = self.monitor.tick(now, lag, serving=serving, stats=stats, published_at=self.clock())
@@ -259,7 +300,12 @@ class Daemon:
         return self.stopping and (self.supervisor is None or self.supervisor.stopped)
 
     def finish(self) -> None:
-        """The last step of every exit, also after an error: restore the tuning if asked, close the port."""
+        """The last step of every exit, also after an error: stop the event thread, restore the tuning if
+        asked, close the port."""
+        if self.watcher is not None:
+            if not self.watcher.stop():
+                log.warning("the GPU event thread did not end within 2 s")
+            self.watcher = None
         if self.tuned and self.config.tuning.apply and self.config.tuning.restore_on_stop:
             try:
                 for outcome in self.tuner.restore():
@@ -286,6 +332,9 @@ class Daemon:
 
     # -- signal dispatch (by name, as in gunicorn) -----------------------------------
     def dispatch(self, signum: int) -> None:
+        if signum == EVENTS_WAKE:
+            self.handle_gpu_events()
+            return
         getattr(self, "handle_" + signal.Signals(signum).name[3:].lower())()
 
     def handle_term(self) -> None:
@@ -387,9 +436,18 @@ class SignalWaker:
         if not ready:
             return []
         try:
-            return list(os.read(self.read_fd, 64))
+            data = os.read(self.read_fd, 64)
         except BlockingIOError:
             return []
+        # Signals in order; any number of GPU-event wake-ups (a storm) as one.
+        return [b for b in data if b != EVENTS_WAKE] + ([EVENTS_WAKE] if EVENTS_WAKE in data else [])
+
+    def wake(self) -> None:
+        """From another thread: wake the loop for GPU events."""
+        try:
+            os.write(self.write_fd, bytes([EVENTS_WAKE]))
+        except (BlockingIOError, OSError):
+            pass  # the pipe is full: the loop is awake already
 
     def close(self) -> None:
         for sig, old in self._old.items():
@@ -402,6 +460,7 @@ class SignalWaker:
 def run(daemon: Daemon, duration_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
     """The main loop: poll on a fixed period, feed the watchdog while polls are fresh, until stopped."""
     waker = SignalWaker()
+    daemon.wake = waker.wake
     try:
         start = clock()
         daemon.start(start)

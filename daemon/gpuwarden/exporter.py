@@ -174,6 +174,17 @@ def _alert_metrics(snap: Snapshot) -> Iterator[Metric]:
     for (alert, gpu, to), count in sorted(snap.transitions.items(), key=lambda item: str(item[0])):
         transitions.add_metric([alert, _gpu_label(gpu), to], count)
     yield transitions
+    xid = CounterMetricFamily("gpuwarden_gpu_xid_errors", "Xid errors reported by NVML's event set",
+                              labels=["gpu", "xid"])
+    other = CounterMetricFamily("gpuwarden_gpu_events", "Other fatal GPU events (double-bit ECC, GPU unavailable, "
+                                "recovery action, DRAM retirement)", labels=["gpu", "kind"])
+    for (gpu, number, kind), count in sorted(snap.event_counts.items()):
+        if kind == "xid":
+            xid.add_metric([str(gpu) if gpu >= 0 else "unknown", str(number)], count)
+        else:
+            other.add_metric([str(gpu) if gpu >= 0 else "unknown", kind], count)
+    yield xid
+    yield other
     reapplies = CounterMetricFamily("gpuwarden_tuning_reapplies", "Times the tuning was re-applied after drift",
                                     labels=["gpu"])
     for view in snap.gpus:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from . import tunables
 from .alerts import CRITICAL, FIRING, REAPPLY_ON, RULES, SERVING_RULES, WARNING, AlertState, GpuContext
 from .config import Config
+from .gpuevents import EventBook, processes_on
 from .gpu.base import ClockEventReason, GpuBackend, GpuSample
 from .systemd import NOTICE
 from .throttle import is_busy
@@ -66,6 +67,7 @@ class Snapshot:
     alerts: tuple[AlertView, ...]  # every rule on every GPU, firing or not
     transitions: dict[tuple[str, int, str], int] = field(default_factory=dict)  # (alert, gpu, to) -> count
     reapplies: dict[int, int] = field(default_factory=dict)  # gpu -> count
+    event_counts: dict[tuple[int, int, str], int] = field(default_factory=dict)  # (gpu, xid or -1, kind) -> count
     sample_duration_s: float = 0.0
     loop_lag_s: float = 0.0
     read_only: bool = False
@@ -211,6 +213,7 @@ class Monitor:
         self.snapshot: Snapshot | None = None
         self._lags: deque[float] = deque(maxlen=LAG_WINDOW)
         self.duty = DutyCycles()
+        self.events = EventBook(config.alerts.repeat_s)
         self._last_tick: float | None = None
 
     def use_plan(self, plan: Plan, applied: bool) -> None:
@@ -243,7 +246,25 @@ class Monitor:
                   and self.config.tuning.for_gpu(sample.index, sample.uuid).persistence_mode)
         window = max(DUTY_WINDOW_S, 3 * self.config.counters_interval_s)
         return GpuContext(busy, sm_lock, mem_lock, wanted, settings, self.duty.update(sample, now, window), window,
-                          self.duty.reasons_seen(sample, now, window))
+                          self.duty.reasons_seen(sample, now, window),
+                          tuple(self.events.recent_xids(sample.index, now)),
+                          self.events.needs_reset.get(sample.index))
+
+    def record_events(self, events: list, now: float) -> list[tuple[int, str]]:
+        """Log and count GPU events (gpuevents.EventBook); return (gpu, why) for those that ask for a reset
+        or a reboot (gpu -1: a GPU that could not be named)."""
+        gpus = {g.index: g for g in self.backend.gpus()}
+
+        def processes(index: int) -> str:
+            gpu = gpus.get(index)
+            return processes_on([pid for pid, _ in gpu.compute_processes()]) if gpu is not None else "unknown"
+
+        holds = []
+        for event in events:
+            why = self.events.record(event, now, processes)
+            if why is not None:
+                holds.append((event.gpu, why))
+        return holds
 
     def tick(self, now: float, loop_lag_s: float = 0.0, serving: tuple[ServingView, ...] | None = None,
              stats: ServingStats | None = None, published_at: float | None = None) -> Snapshot:
@@ -278,7 +299,7 @@ class Monitor:
             taken_at=self.wall(), monotonic=now,
             gpus=tuple(GpuView(s, *self.locks.get(s.index, (None, None))) for s in samples),
             alerts=tuple([_view(state) for state in self.states.values()] + host_alerts),
-            transitions=dict(self.transitions), reapplies=dict(self.reapplies),
+            transitions=dict(self.transitions), reapplies=dict(self.reapplies), event_counts=dict(self.events.counts),
             sample_duration_s=duration, loop_lag_s=loop_lag_s, read_only=not self.config.tuning.apply,
             children=tuple(serving or ()), stats=stats, sequence=(self.snapshot.sequence + 1) if self.snapshot else 1,
             published_at=time.monotonic() if published_at is None else published_at,
@@ -313,6 +334,7 @@ class Monitor:
         if not sample.up or (was_up and sample.index not in self._unplanned):
             return
         self._unplanned.discard(sample.index)
+        self.events.cleared(sample.index)  # back after being lost: reset or reloaded
         try:
             plan = make_plan(self.backend, self.config)
         except ConfigErrors as exc:

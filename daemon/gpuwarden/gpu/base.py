@@ -6,6 +6,7 @@ import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from collections.abc import Mapping
+from typing import Any
 
 
 class ClockEventReason(enum.IntFlag):
@@ -185,6 +186,11 @@ class GpuBackend(ABC):
 
     @abstractmethod
     def persistenced_running(self) -> bool: ...
+
+    def events(self) -> Any:
+        """A source of GPU events (gpu/events.py: wait(timeout_s) -> [GpuEvent], close(), registered), or None
+        when this backend has none."""
+        return None
 
     def close(self) -> None:
         """Release the backend; safe to call twice."""

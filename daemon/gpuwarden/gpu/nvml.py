@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from . import errors
 from .base import VIOLATION_POLICIES, ClockEventReason, Gpu, GpuBackend, GpuCapabilities, GpuHealth, GpuSample
+from .events import NvmlEvents
 from .sysmem import system_memory
 
 CLOCK_GRAPHICS, CLOCK_SM, CLOCK_MEM = 0, 1, 2
@@ -77,6 +78,16 @@ class NvmlBackend(GpuBackend):
 
     def gpus(self) -> list[Gpu]:
         return list(self._gpus)
+
+    def events(self) -> NvmlEvents | None:
+        """Xid and fatal events for every GPU that reports them; None when NVML has no event sets here."""
+        if not hasattr(self.nvml, "nvmlEventSetCreate"):
+            return None
+        try:
+            return NvmlEvents(self.nvml, {g.index: g.handle for g in self._gpus if g.up},
+                              {g.uuid: g.index for g in self._gpus})
+        except self.nvml.NVMLError:
+            return None
 
     def driver_version(self) -> str | None:
         try:

@@ -274,6 +274,17 @@ class Program:
         if restart and self.state == RUNNING:
             self._failed(now, f"{self.title} stalled, restarting it: {reason}")
 
+    def hold(self, now: float, reason: str) -> None:
+        """A GPU it runs on needs a reset or a reboot: end the child and stay down (FATAL, with the reason on
+        the STATUS line) rather than loop-restart it on a broken GPU; SIGHUP tries again."""
+        if self.state in (FATAL, STOPPING):
+            return
+        if self.child is not None:
+            self._transition(EXITED)
+            left = self._kill_group()
+            log.error("%s stopped: %s; killed %d processes of its group", self.title, reason, left)
+        self._fatal(reason)
+
     def _failed(self, now: float, reason: str, code: int | None = None) -> None:
         """The child is gone or must go: kill its group, then BACKOFF or FATAL, whatever a step raises."""
         self.last_exit_code = code

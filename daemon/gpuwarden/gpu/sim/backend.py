@@ -15,6 +15,7 @@ from collections.abc import Callable
 from .. import errors
 from ..base import ClockEventReason as R
 from ..base import VIOLATION_POLICIES, Gpu, GpuBackend, GpuCapabilities, GpuHealth, GpuSample
+from ..events import GpuEvent
 from .scenario import PCIE_MAX, Event, GpuModel, Scenario
 
 MIB = 1024 * 1024
@@ -59,6 +60,9 @@ class SimBackend(GpuBackend):
 
     def gpus(self) -> list[Gpu]:
         return list(self._gpus)
+
+    def events(self) -> SimEvents:
+        return SimEvents(self)
 
     def driver_version(self) -> str | None:
         return self.scenario.driver_version
@@ -130,6 +134,8 @@ class SimGpu(Gpu):
             self.ecc_uncorrected += int(event.params.get("count", 1))
         elif event.kind == "row_remap_failure":
             self.remap_failure = True
+        elif event.kind in ("xid", "recovery_action"):
+            pass  # SimEvents hands these to the event thread, as NVML's event set does
         else:
             self.conditions[event.kind] = dict(event.params)
 
@@ -307,3 +313,42 @@ class SimGpu(Gpu):
         self._setter(what, "power_limit")
         self._check_range(what, watts, watts, self.model.min_power_limit_w, self.model.max_power_limit_w)
         self.power_limit_w = watts
+
+
+class SimEvents:
+    """The timeline's xid and recovery_action events, handed out as NVML's event set would: when due."""
+
+    def __init__(self, backend: SimBackend):
+        self.clock = backend.clock
+        self.registered = {g.index: ["xid", "recovery_action"] for g in backend.gpus()}
+        indices = [g.index for g in backend.gpus()]
+        self._due: list[tuple[float, GpuEvent]] = []
+        for event in backend.scenario.events:
+            if event.kind not in ("xid", "recovery_action") or event.ends:
+                continue
+            for index in event.gpus if event.gpus is not None else indices:
+                if event.kind == "xid":
+                    count = int(event.params.get("count", 1))
+                    self._due += [(event.at_s, GpuEvent(index, "xid", int(event.params["xid"])))] * count
+                else:
+                    self._due.append((event.at_s, GpuEvent(index, "recovery_action", int(event.params["action"]))))
+        self._due.sort(key=lambda pair: pair[0])
+        self._closed = False
+
+    def wait(self, timeout_s: float) -> list[GpuEvent]:
+        deadline = time.monotonic() + timeout_s
+        while not self._closed:
+            now = self.clock()
+            if self._due and self._due[0][0] <= now:
+                ready = [event for at, event in self._due if at <= now]
+                self._due = self._due[len(ready):]
+                return ready
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return []
+            time.sleep(min(left, 0.05))
+        return []
+
+    def close(self) -> None:
+        self._closed = True
+

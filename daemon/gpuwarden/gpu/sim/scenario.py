@@ -34,6 +34,8 @@ EVENT_PARAMS: dict[str, dict[str, tuple[bool, float, float]]] = {
     "ecc_uncorrected": {"count": (False, 1, 1_000_000)},
     "row_remap_pending": {},
     "row_remap_failure": {},
+    "xid": {"xid": (True, 1, 1_000), "count": (False, 1, 100_000)},  # as NVML's event set reports them
+    "recovery_action": {"action": (True, 0, 4)},
 }
 # Events that describe a condition with a start and (optionally) an end.
 CONDITIONS = ("clock_collapse", "power_cap", "thermal_slowdown", "hw_thermal_slowdown",
