@@ -1,19 +1,21 @@
 """Xid and fatal GPU events: the NVML event set, the waiting thread, the journal line, the metric, the alert
 and what happens to the engine on that GPU. Through the fake NVML; a real-process run of the sim at the end."""
 
-import logging
 import threading
 import time
+import urllib.request
 
 import pytest
 
 from conftest import free_port
 from fake_nvml import FakeNvml, device
 from gpuwarden import config
+from gpuwarden.backends import open_configured
 from gpuwarden.exporter import make_registry
-from gpuwarden.gpu.events import DOUBLE_BIT_ECC, GPU_UNAVAILABLE, RECOVERY_ACTION, XID, GpuEvent, NvmlEvents
+from gpuwarden.gpu.events import XID, GpuEvent
 from gpuwarden.gpu.nvml import NvmlBackend
 from gpuwarden.gpu.sim.backend import ManualClock
+from gpuwarden.gpu.sim.scenario import resolve_scenario
 from gpuwarden.gpuevents import EventBook, EventWatcher
 from gpuwarden.monitor import Monitor
 from gpuwarden.serving.supervisor import FATAL, RUNNING
@@ -55,8 +57,6 @@ def test_the_thread_only_waits_hands_events_over_with_a_wake_up_and_ends_cleanly
 def sim_monitor(extra=""):
     cfg = config.parse_text("gpu:\n  backend: sim\n  scenario: rtx-pro-6000-tp4\nmetrics:\n  listen: none\n"
                             "tuning:\n  apply: false\nalerts:\n  repeat_s: 600\n" + extra)
-    from gpuwarden.backends import open_configured
-
     clock = ManualClock()
     backend = open_configured(cfg, clock)
     return Monitor(cfg, backend, Tuner(backend)), clock
@@ -129,9 +129,7 @@ def test_app_xids_name_the_processes_on_that_gpu(caplog):
 @pytest.mark.integration
 def test_an_xid_is_logged_when_it_happens_not_at_the_next_poll(write, daemons):
     """A real daemon on the simulator, polling every 5 s: the Xid at 2 s is in the journal about then."""
-    scenario = write("xid.yaml", open(
-        __import__("gpuwarden.gpu.sim.scenario", fromlist=["x"]).resolve_scenario("lock-lost")).read()
-        .split("timeline:")[0] + "timeline:\n  - {at_s: 0, event: load, utilization_pct: 60}\n"
+    scenario = write("xid.yaml", resolve_scenario("lock-lost").read_text().split("timeline:")[0] + "timeline:\n  - {at_s: 0, event: load, utilization_pct: 60}\n"
         "  - {at_s: 2, event: xid, xid: 79}\n  - {at_s: 3, event: xid, xid: 13, count: 500}\n")
     metrics = free_port()
     path = write("gpuwarden.yaml", f"poll_interval_s: 5\nmetrics:\n  listen: 127.0.0.1:{metrics}\n"
@@ -143,8 +141,6 @@ def test_an_xid_is_logged_when_it_happens_not_at_the_next_poll(write, daemons):
     line_after = time.monotonic() - started
     d.wait_for("GPU0 Xid 13 (Graphics Engine Exception)", timeout=10)
     assert line_after < 4.0, f"the Xid waited {line_after:.1f} s: for the next poll, not for the event"
-    import urllib.request
-
     deadline = time.monotonic() + 12
     while time.monotonic() < deadline:
         text = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5).read().decode()
