@@ -178,6 +178,13 @@ def _alert_metrics(snap: Snapshot) -> Iterator[Metric]:
                               labels=["gpu", "xid"])
     other = CounterMetricFamily("gpuwarden_gpu_events", "Other fatal GPU events (double-bit ECC, GPU unavailable, "
                                 "recovery action, DRAM retirement)", labels=["gpu", "kind"])
+    totals = CounterMetricFamily("gpuwarden_gpu_xids", "All Xid errors of this GPU (0 until one comes: a series "
+                                 "to alert and graph on)", labels=["gpu"])
+    for view in snap.gpus:
+        index = view.sample.index
+        totals.add_metric([str(index)], sum(n for (gpu, _, kind), n in snap.event_counts.items()
+                                            if gpu == index and kind == "xid"))
+    yield totals
     for (gpu, number, kind), count in sorted(snap.event_counts.items()):
         if kind == "xid":
             xid.add_metric([str(gpu) if gpu >= 0 else "unknown", str(number)], count)
