@@ -146,6 +146,27 @@ class FakeNvml:
     def nvmlDeviceGetRetiredPagesPendingStatus(self, h):
         return self._opt("nvmlDeviceGetRetiredPagesPendingStatus", h, "retire_pending")
 
+    def nvmlDeviceGetFieldValues(self, h, field_ids):
+        """As NVML: one status per field; valueType 1 (unsigned int) or 3 (unsigned long long)."""
+        dev = self._dev("nvmlDeviceGetFieldValues", h)
+        remapped = dev["remapped"]
+        known = {185: dev["power_mw"], 190: dev["limit_mw"], 83: dev["energy_mj"],
+                 **{74 + p: ns for p, ns in dev["violations"].items()},
+                 187: dev["constraints"][0], 188: dev["constraints"][1], 189: dev["default_mw"],
+                 94: dev["replays"], 4: dev["ecc_uncorrected"],
+                 **({142 + i: v for i, v in enumerate(remapped)} if remapped is not None else {})}
+        known = {k: v for k, v in known.items() if k not in dev.get("unsupported_fields", ())}
+        out = []
+        for field in field_ids:
+            self.calls[f"field {field}"] += 1
+            value = known.get(field)
+            if value is None:
+                out.append(SimpleNamespace(fieldId=field, nvmlReturn=NOT_SUPPORTED, valueType=0, value=None))
+            else:
+                out.append(SimpleNamespace(fieldId=field, nvmlReturn=0, valueType=3,
+                                           value=SimpleNamespace(ullVal=value)))
+        return out
+
     # -- events: a test queues (device index, event type, data) in .events -------------------------------
     def nvmlEventSetCreate(self):
         self._check("nvmlEventSetCreate")

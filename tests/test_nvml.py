@@ -48,7 +48,8 @@ def test_sample_converts_every_field_to_base_units():
 
 
 def test_not_supported_field_is_none_and_not_asked_again(monkeypatch):
-    backend, fake, _ = backend_with(device("GPU-aaa", "00000000:18:00.0"))
+    # The power constraints are unsupported both as fields of the batched call and as their own call.
+    backend, fake, _ = backend_with(device("GPU-aaa", "00000000:18:00.0", unsupported_fields=(187, 188)))
     fake.fail[("nvmlDeviceGetMemoryInfo", None)] = NOT_SUPPORTED  # both versions, as on a GB10
     fake.fail[("nvmlDeviceGetMemoryInfo_v2", None)] = NOT_SUPPORTED
     fake.fail[("nvmlDeviceGetPowerManagementLimitConstraints", None)] = NOT_SUPPORTED
@@ -119,14 +120,22 @@ def test_gpu_lost_marks_it_down_then_reinit_brings_it_back():
     assert backend.gpus()[0].sample().up
 
 
-def test_slow_counters_are_read_every_counters_interval_only():
+@pytest.mark.parametrize("batched", [True, False])
+def test_slow_counters_are_read_every_counters_interval_only(batched):
     backend, fake, clock = backend_with(device("GPU-aaa", "00000000:18:00.0"), counters_interval_s=5)
+    backend.batched = batched
     gpu = backend.gpus()[0]
     for _ in range(10):
         gpu.sample()
         clock.advance(1)
-    assert fake.calls["nvmlDeviceGetTotalEnergyConsumption"] == 2
-    assert fake.calls["nvmlDeviceGetViolationStatus"] == 2 * 6
+    if batched:  # one nvmlDeviceGetFieldValues per poll (power), one more per counters read
+        assert fake.calls["nvmlDeviceGetFieldValues"] == 10 + 2 and fake.calls["field 83"] == 2
+        assert fake.calls["field 74"] == 2 and fake.calls["nvmlDeviceGetViolationStatus"] == 0
+        assert fake.calls["nvmlDeviceGetPowerUsage"] == 0 and fake.calls["field 185"] == 10
+    else:
+        assert fake.calls["nvmlDeviceGetTotalEnergyConsumption"] == 2
+        assert fake.calls["nvmlDeviceGetViolationStatus"] == 2 * 6
+        assert fake.calls["nvmlDeviceGetPowerUsage"] == 10
     assert fake.calls["nvmlDeviceGetClockInfo"] == 10 * 3
     assert fake.calls["nvmlDeviceGetMaxClockInfo"] == 3  # static, ~1.4 ms each on an H200: read once
     fake.devices[0]["energy_mj"] += 5000
@@ -135,7 +144,8 @@ def test_slow_counters_are_read_every_counters_interval_only():
 
 
 def test_unsupported_violation_policy_is_none():
-    backend, fake, _ = backend_with(device("GPU-aaa", "00000000:18:00.0"))
+    # Unsupported as fields of the batched call (PERF_POLICY_*) and as their own call.
+    backend, fake, _ = backend_with(device("GPU-aaa", "00000000:18:00.0", unsupported_fields=range(74, 80)))
     fake.fail[("nvmlDeviceGetViolationStatus", None)] = NOT_SUPPORTED
     assert set(backend.gpus()[0].sample().violation_seconds.values()) == {None}
 
@@ -225,13 +235,13 @@ def test_link_and_memory_health_are_read_every_counters_interval():
     assert h.link() == "Gen2 x16 of Gen5 x16" and h.link_degraded and h.pcie_replays == 1415
     assert (h.ecc_uncorrected, h.remapped_rows_correctable, h.remapped_rows_uncorrectable) == (2, 3, 1)
     assert h.remap_pending is True and h.remap_failure is False and h.retired_pages is None
-    calls = nvml.calls["nvmlDeviceGetRemappedRows"]
+    calls = nvml.calls["field 142"]  # REMAPPED_COR, in the batched read with the counters
     clock.advance(1)
     gpu.sample()
-    assert nvml.calls["nvmlDeviceGetRemappedRows"] == calls  # not every poll
+    assert nvml.calls["field 142"] == calls  # not every poll
     clock.advance(10)
     gpu.sample()
-    assert nvml.calls["nvmlDeviceGetRemappedRows"] == calls + 1
+    assert nvml.calls["field 142"] == calls + 1
 
 
 def test_older_gpus_report_retired_pages_and_unsupported_health_is_none():
@@ -242,3 +252,19 @@ def test_older_gpus_report_retired_pages_and_unsupported_health_is_none():
                             remapped=None)])
     h = NvmlBackend(bare).gpus()[0].sample().health
     assert h.link() is None and not h.link_degraded and h.ecc_uncorrected is None and h.retired_pages is None
+
+
+def test_batched_and_single_reads_agree_and_an_unsupported_field_falls_back():
+    one, _, _ = backend_with(device("GPU-aaa", "00000000:18:00.0", remapped=(3, 1, 1, 0)))
+    other, fake, _ = backend_with(device("GPU-aaa", "00000000:18:00.0", remapped=(3, 1, 1, 0)))
+    other.batched = False
+    a, b = one.gpus()[0].sample(), other.gpus()[0].sample()
+    assert (a.power_w, a.power_limit_w, a.power_limit_min_w, a.power_limit_max_w, a.power_limit_default_w,
+            a.energy_joules, a.violation_seconds, a.health) == \
+           (b.power_w, b.power_limit_w, b.power_limit_min_w, b.power_limit_max_w, b.power_limit_default_w,
+            b.energy_joules, b.violation_seconds, b.health)
+    partial, fake, _ = backend_with(device("GPU-aaa", "00000000:18:00.0", unsupported_fields=(185, 83)))
+    s = partial.gpus()[0].sample()
+    assert s.power_w == pytest.approx(312.5) and s.energy_joules == pytest.approx(123_456.789)
+    assert fake.calls["nvmlDeviceGetPowerUsage"] == 1 and fake.calls["nvmlDeviceGetTotalEnergyConsumption"] == 1
+

@@ -23,6 +23,18 @@ from .sysmem import system_memory
 CLOCK_GRAPHICS, CLOCK_SM, CLOCK_MEM = 0, 1, 2
 ECC_UNCORRECTED, ECC_VOLATILE = 1, 0  # NVML_MEMORY_ERROR_TYPE_UNCORRECTED, NVML_VOLATILE_ECC
 PAGE_RETIRED_SBE, PAGE_RETIRED_DBE = 0, 1  # NVML_PAGE_RETIREMENT_CAUSE_*
+# nvmlDeviceGetFieldValues reads many of these in one call; a field the GPU does not support comes back
+# with its own error and is read the old way. Field ids from nvml.h (NVML_FI_DEV_*).
+POLL_FIELDS = {"power_mw": 185, "limit_mw": 190}  # POWER_AVERAGE (as nvmlDeviceGetPowerUsage), POWER_CURRENT_LIMIT
+COUNTER_FIELDS = {
+    "energy_mj": 83,  # TOTAL_ENERGY_CONSUMPTION
+    **{f"violation_ns:{name}": 74 + policy for name, policy in VIOLATION_POLICIES.items()},  # PERF_POLICY_*
+    "min_limit_mw": 187, "max_limit_mw": 188, "default_limit_mw": 189,  # POWER_MIN/MAX/DEFAULT_LIMIT
+    "pcie_replays": 94,  # PCIE_REPLAY_COUNTER
+    "ecc_uncorrected": 4,  # ECC_DBE_VOL_TOTAL
+    "remapped_cor": 142, "remapped_unc": 143, "remap_pending": 144, "remap_failure": 145,  # REMAPPED_*
+}
+VALUE_FIELDS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")  # by nvmlValueType_t
 TEMPERATURE_GPU = 0
 FUNCTION_NOT_FOUND = 13
 REINIT_INTERVAL_S = 5.0  # how often to retry NVML while a GPU is lost
@@ -46,8 +58,9 @@ def persistenced_pids(proc_root: str = "/proc") -> list[int]:
 
 class NvmlBackend(GpuBackend):
     def __init__(self, nvml: Any = None, clock: Callable[[], float] = time.monotonic,
-                 counters_interval_s: float = 10.0, proc_root: str = "/proc"):
+                 counters_interval_s: float = 10.0, proc_root: str = "/proc", batched: bool = True):
         self.nvml = nvml if nvml is not None else _import_pynvml()
+        self.batched = batched  # read fields with nvmlDeviceGetFieldValues where the driver has it
         self.clock = clock
         self.counters_interval_s = counters_interval_s
         self.proc_root = proc_root
@@ -151,6 +164,7 @@ class NvmlGpu(Gpu):
         self._energy: float | None = None
         self._violations: dict[str, float | None] = {}
         self._health = GpuHealth()
+        self._limits: tuple = (None, None)  # (power constraints, default limit), with the counters
         self.uuid, self.name, self.pci_bus_id = f"GPU-unknown-{index}", "unknown", "unknown"
         self.compute_capability = None
         self.memory_bus_width_bits, self.max_clocks = None, dict.fromkeys((CLOCK_SM, CLOCK_MEM, CLOCK_GRAPHICS))
@@ -238,16 +252,16 @@ class NvmlGpu(Gpu):
 
     def _sample(self, now: float) -> GpuSample:
         r = self._read
-        power_mw = r("nvmlDeviceGetPowerUsage")
-        limit_mw = r("nvmlDeviceGetEnforcedPowerLimit")
-        constraints = r("nvmlDeviceGetPowerManagementLimitConstraints")
-        default_mw = r("nvmlDeviceGetPowerManagementDefaultLimit")
-        util = r("nvmlDeviceGetUtilizationRates")
-        used, total, reserved = self._memory()
-        persistence = r("nvmlDeviceGetPersistenceMode")
         if now - self._counters_at >= self.backend.counters_interval_s:
             self._read_counters()
             self._counters_at = now
+        fields = self._fields(POLL_FIELDS)
+        power_mw = fields["power_mw"] if "power_mw" in fields else r("nvmlDeviceGetPowerUsage")
+        limit_mw = fields["limit_mw"] if "limit_mw" in fields else r("nvmlDeviceGetEnforcedPowerLimit")
+        constraints, default_mw = self._limits
+        util = r("nvmlDeviceGetUtilizationRates")
+        used, total, reserved = self._memory()
+        persistence = r("nvmlDeviceGetPersistenceMode")
         return GpuSample(
             self.index, self.uuid, self.name, self.pci_bus_id, self.compute_capability,
             up=True, timestamp=now,
@@ -302,18 +316,47 @@ class NvmlGpu(Gpu):
             value = self._read("nvmlDeviceGetCurrentClocksThrottleReasons")
         return ClockEventReason(value) if value is not None else None
 
-    def _read_counters(self) -> None:
-        """The slow cumulative counters (energy ~4 ms, violations ~0.8 ms each), and the link and memory
-        health, which change seldom: read every counters_interval_s, not every poll."""
-        self._energy = _scaled(self._read("nvmlDeviceGetTotalEnergyConsumption"), 1e-3)
-        for name, policy in VIOLATION_POLICIES.items():
-            status = self._read("nvmlDeviceGetViolationStatus", policy)
-            self._violations[name] = status.violationTime * 1e-9 if status is not None else None
-        self._health = self._read_health()
+    def _fields(self, wanted: dict[str, int]) -> dict[str, float]:
+        """wanted's fields in one nvmlDeviceGetFieldValues call, by name; a field that this GPU or driver
+        does not support is left out (the caller reads it the old way), and so is everything when the call
+        itself is missing or batching is off (NvmlBackend.batched)."""
+        if not self.backend.batched:
+            return {}
+        values = self._read("nvmlDeviceGetFieldValues", tuple(wanted.values()))
+        if values is None:
+            return {}
+        out = {}
+        for name, value in zip(wanted, values, strict=False):
+            if value.nvmlReturn == 0 and 0 <= value.valueType < len(VALUE_FIELDS):
+                out[name] = getattr(value.value, VALUE_FIELDS[value.valueType])
+        return out
 
-    def _read_health(self) -> GpuHealth:
+    def _read_counters(self) -> None:
+        """The slow cumulative counters (energy ~4 ms, violations ~0.8 ms each as single calls), the power
+        limits, and the link and memory health, which change seldom: every counters_interval_s, not every
+        poll, and as many as the driver allows in one batched call."""
+        fields = self._fields(COUNTER_FIELDS)
+        energy = fields["energy_mj"] if "energy_mj" in fields else self._read("nvmlDeviceGetTotalEnergyConsumption")
+        self._energy = _scaled(energy, 1e-3)
+        for name, policy in VIOLATION_POLICIES.items():
+            ns = fields.get(f"violation_ns:{name}")
+            if ns is None:
+                status = self._read("nvmlDeviceGetViolationStatus", policy)
+                ns = status.violationTime if status is not None else None
+            self._violations[name] = ns * 1e-9 if ns is not None else None
+        low, high = fields.get("min_limit_mw"), fields.get("max_limit_mw")
+        constraints = (low, high) if low is not None and high is not None else \
+            self._read("nvmlDeviceGetPowerManagementLimitConstraints")
+        default_mw = fields["default_limit_mw"] if "default_limit_mw" in fields else \
+            self._read("nvmlDeviceGetPowerManagementDefaultLimit")
+        self._limits = (constraints, default_mw)
+        self._health = self._read_health(fields)
+
+    def _read_health(self, fields: dict[str, float]) -> GpuHealth:
         r = self._read
-        rows = r("nvmlDeviceGetRemappedRows")  # (correctable, uncorrectable, pending, failure): Ampere and later
+        batched = ("remapped_cor", "remapped_unc", "remap_pending", "remap_failure")
+        rows = tuple(int(fields[k]) for k in batched) if all(k in fields for k in batched) else \
+            r("nvmlDeviceGetRemappedRows")  # (correctable, uncorrectable, pending, failure): Ampere and later
         retired = pending = None
         if rows is None:  # older GPUs retire pages instead
             pages = [r("nvmlDeviceGetRetiredPages", cause) for cause in (PAGE_RETIRED_SBE, PAGE_RETIRED_DBE)]
@@ -325,8 +368,10 @@ class NvmlGpu(Gpu):
             pcie_generation_max=r("nvmlDeviceGetMaxPcieLinkGeneration"),
             pcie_width=r("nvmlDeviceGetCurrPcieLinkWidth"),
             pcie_width_max=r("nvmlDeviceGetMaxPcieLinkWidth"),
-            pcie_replays=r("nvmlDeviceGetPcieReplayCounter"),
-            ecc_uncorrected=r("nvmlDeviceGetTotalEccErrors", ECC_UNCORRECTED, ECC_VOLATILE),
+            pcie_replays=int(fields["pcie_replays"]) if "pcie_replays" in fields else
+            r("nvmlDeviceGetPcieReplayCounter"),
+            ecc_uncorrected=int(fields["ecc_uncorrected"]) if "ecc_uncorrected" in fields else
+            r("nvmlDeviceGetTotalEccErrors", ECC_UNCORRECTED, ECC_VOLATILE),
             remapped_rows_correctable=rows[0] if rows else None,
             remapped_rows_uncorrectable=rows[1] if rows else None,
             remap_pending=bool(rows[2]) if rows else None,
