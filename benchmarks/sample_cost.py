@@ -1,11 +1,14 @@
-"""Sample cost per GPU: gpuwarden's NVML backend against one `nvidia-smi --query-gpu` run with the same fields.
+"""Sample cost per GPU as the daemon pays it: samples spaced at the poll interval, the batched reads
+(nvmlDeviceGetFieldValues) against the single calls they replace, side by side in one run, and one
+`nvidia-smi --query-gpu` run with the same fields.
 
-    python3 benchmarks/sample_cost.py [--repeats 200] [--smi-runs 30]
+    python3 benchmarks/sample_cost.py [--interval 1.0] [--polls 120] [--smi-runs 20]
 
-Read-only: NVML is wrapped so that setters cannot be reached (tests/hardware).
-nvidia_gpu_exporter runs such an nvidia-smi on every scrape; gpuwarden reads
-NVML in-process on every poll, and the slow counters every counters_interval_s.
-Needs a GPU host with nvidia-smi.
+Back-to-back samples (the old version of this benchmark) measured 34 µs on a lent H200 while the running
+daemon's own gpuwarden_sample_duration_seconds said 245 µs: NVML answers faster when asked again at once.
+So each backend here samples once per --interval, alternating, as the daemon does, with the slow counters
+every 10 s (counters_interval_s). Read-only: NVML is wrapped so that setters cannot be reached
+(tests/hardware). Needs a GPU host with nvidia-smi.
 """
 
 import argparse
@@ -29,48 +32,74 @@ SMI_FIELDS = ("index,uuid,name,pci.bus_id,compute_cap,clocks.sm,clocks.mem,clock
               "clocks_event_reasons.active")
 
 
-def timed(fn, repeats):
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), sorted(times)[int(0.9 * len(times))]
+def quantile(values, q):
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=200)
-    parser.add_argument("--smi-runs", type=int, default=30)
+    parser.add_argument("--interval", type=float, default=1.0, help="seconds between polls (the daemon's default)")
+    parser.add_argument("--polls", type=int, default=120, help="polls per backend")
+    parser.add_argument("--smi-runs", type=int, default=20)
+    parser.add_argument("--back-to-back", type=int, default=200, help="samples without spacing, for comparison")
     args = parser.parse_args()
     try:
-        backend = NvmlBackend(ReadOnlyNvml(), counters_interval_s=1e9)  # counters: first sample only
+        backends = {"single calls (before)": NvmlBackend(ReadOnlyNvml(), batched=False),
+                    "batched fields (after)": NvmlBackend(ReadOnlyNvml(), batched=True)}
     except GpuError as exc:
         raise SystemExit(f"sample_cost: needs an NVIDIA GPU host: {exc}") from None
-    gpus = backend.gpus()
-    n = len(gpus)
-    for gpu in gpus:
-        gpu.sample()  # warm up; reads the slow counters once
-    poll = timed(lambda: [g.sample() for g in gpus], args.repeats)
-    backend.counters_interval_s = 0  # now every sample also reads energy and the six violation counters
-
-    def with_counters():
-        for g in gpus:
-            g.sample()
-    counters = timed(with_counters, max(10, args.repeats // 10))
+    n = len(next(iter(backends.values())).gpus())
+    times: dict[str, list[float]] = {name: [] for name in backends}
+    counters: dict[str, list[float]] = {name: [] for name in backends}
+    for backend in backends.values():
+        for gpu in backend.gpus():
+            gpu.sample()  # warm up: static fields and the first counters read
+    next_poll = time.monotonic()
+    for i in range(args.polls):
+        for name, backend in backends.items():
+            next_poll += args.interval / len(backends)
+            time.sleep(max(0.0, next_poll - time.monotonic()))
+            counter_poll = any(backend.clock() - g._counters_at >= backend.counters_interval_s
+                               for g in backend.gpus())
+            start = time.perf_counter()
+            for gpu in backend.gpus():
+                gpu.sample()
+            (counters if counter_poll else times)[name].append((time.perf_counter() - start) / n)
+    burst = {}
+    for name, backend in backends.items():
+        gpus = backend.gpus()
+        samples = []
+        for _ in range(args.back_to_back):
+            start = time.perf_counter()
+            for gpu in gpus:
+                gpu.sample()
+            samples.append((time.perf_counter() - start) / n)
+        burst[name] = statistics.median(samples)
     cmd = ["nvidia-smi", f"--query-gpu={SMI_FIELDS}", "--format=csv,noheader,nounits"]
     subprocess.run(cmd, check=True, capture_output=True)
-    smi = timed(lambda: subprocess.run(cmd, check=True, capture_output=True), args.smi_runs)
-    backend.close()
-    print(f"| what ({n} GPU{'s' if n > 1 else ''}) | median per GPU | p90 per GPU |")
-    print("| --- | ---: | ---: |")
-    print(f"| gpuwarden poll sample (NVML, in-process) | {poll[0] / n * 1e6:.0f} µs | {poll[1] / n * 1e6:.0f} µs |")
-    print(f"| gpuwarden sample + energy + 6 violation counters | {counters[0] / n * 1e3:.2f} ms | "
-          f"{counters[1] / n * 1e3:.2f} ms |")
-    print(f"| nvidia-smi --query-gpu (same fields, one process) | {smi[0] / n * 1e3:.1f} ms | "
-          f"{smi[1] / n * 1e3:.1f} ms |")
-    print(f"\nnvidia-smi / gpuwarden poll sample, medians: {smi[0] / poll[0]:.0f}x")
-    print(f"nvidia-smi / gpuwarden sample with counters, medians: {smi[0] / counters[0]:.1f}x")
+    smi = []
+    for _ in range(args.smi_runs):
+        start = time.perf_counter()
+        subprocess.run(cmd, check=True, capture_output=True)
+        smi.append((time.perf_counter() - start) / n)
+    for backend in backends.values():
+        backend.close()
+    print(f"{n} GPU(s), polls every {args.interval:g} s, {args.polls} per backend, alternating\n")
+    print("| what | median per GPU | p90 per GPU | back to back (median) |")
+    print("| --- | ---: | ---: | ---: |")
+    for name in backends:
+        print(f"| poll sample, {name} | {statistics.median(times[name]) * 1e6:.0f} µs | "
+              f"{quantile(times[name], 0.9) * 1e6:.0f} µs | {burst[name] * 1e6:.0f} µs |")
+    for name in backends:
+        if counters[name]:
+            print(f"| poll with the counters (every 10 s), {name} | {statistics.median(counters[name]) * 1e3:.2f} ms | "
+                  f"{quantile(counters[name], 0.9) * 1e3:.2f} ms | |")
+    print(f"| nvidia-smi --query-gpu (same fields, one process) | {statistics.median(smi) * 1e3:.1f} ms | "
+          f"{quantile(smi, 0.9) * 1e3:.1f} ms | |")
+    before, after = (statistics.median(times[name]) for name in backends)
+    print(f"\nbatched / single, poll medians: {after / before:.2f}")
+    print(f"nvidia-smi / batched poll sample, medians: {statistics.median(smi) / after:.0f}x")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ from gpuwarden.gpu.nvml import NvmlBackend
 from gpuwarden.systemd import setup_logging
 from gpuwarden.tuning import make_plan
 
-READ_PREFIXES = ("nvmlDeviceGet", "nvmlSystemGet")
+READ_PREFIXES = ("nvmlDeviceGet", "nvmlSystemGet",
+                 "nvmlEventSet", "nvmlDeviceRegisterEvents")  # waiting for events changes nothing on the card
 
 
 class ReadOnlyNvml:
@@ -31,8 +32,9 @@ class ReadOnlyNvml:
     nvmlShutdown = staticmethod(pynvml.nvmlShutdown)
 
     def __getattr__(self, name):
-        if name.startswith(READ_PREFIXES):
-            return getattr(pynvml, name)
+        value = getattr(pynvml, name)  # AttributeError for what pynvml lacks, as for the real module
+        if not callable(value) or name.startswith(READ_PREFIXES):  # constants, and the reads
+            return value
         raise PermissionError(f"read-only probe: NVML call {name} is not allowed here")
 
 
