@@ -128,14 +128,14 @@ def test_slow_counters_are_read_every_counters_interval_only(batched):
     for _ in range(10):
         gpu.sample()
         clock.advance(1)
-    if batched:  # one nvmlDeviceGetFieldValues per poll (power), one more per counters read
-        assert fake.calls["nvmlDeviceGetFieldValues"] == 10 + 2 and fake.calls["field 83"] == 2
+    if batched:  # one nvmlDeviceGetFieldValues per counters read
+        assert fake.calls["nvmlDeviceGetFieldValues"] == 2 and fake.calls["field 83"] == 2
         assert fake.calls["field 74"] == 2 and fake.calls["nvmlDeviceGetViolationStatus"] == 0
-        assert fake.calls["nvmlDeviceGetPowerUsage"] == 0 and fake.calls["field 185"] == 10
     else:
         assert fake.calls["nvmlDeviceGetTotalEnergyConsumption"] == 2
         assert fake.calls["nvmlDeviceGetViolationStatus"] == 2 * 6
-        assert fake.calls["nvmlDeviceGetPowerUsage"] == 10
+    assert fake.calls["nvmlDeviceGetPowerUsage"] == 10
+    assert fake.calls["nvmlDeviceGetPowerManagementLimitConstraints"] == (0 if batched else 2)  # not every poll
     assert fake.calls["nvmlDeviceGetClockInfo"] == 10 * 3
     assert fake.calls["nvmlDeviceGetMaxClockInfo"] == 3  # static, ~1.4 ms each on an H200: read once
     fake.devices[0]["energy_mj"] += 5000
@@ -263,8 +263,9 @@ def test_batched_and_single_reads_agree_and_an_unsupported_field_falls_back():
             a.energy_joules, a.violation_seconds, a.health) == \
            (b.power_w, b.power_limit_w, b.power_limit_min_w, b.power_limit_max_w, b.power_limit_default_w,
             b.energy_joules, b.violation_seconds, b.health)
-    partial, fake, _ = backend_with(device("GPU-aaa", "00000000:18:00.0", unsupported_fields=(185, 83)))
+    partial, fake, _ = backend_with(device("GPU-aaa", "00000000:18:00.0", unsupported_fields=(83, 94)))
     s = partial.gpus()[0].sample()
-    assert s.power_w == pytest.approx(312.5) and s.energy_joules == pytest.approx(123_456.789)
-    assert fake.calls["nvmlDeviceGetPowerUsage"] == 1 and fake.calls["nvmlDeviceGetTotalEnergyConsumption"] == 1
+    assert s.energy_joules == pytest.approx(123_456.789) and s.health.pcie_replays == 0
+    assert fake.calls["nvmlDeviceGetTotalEnergyConsumption"] == 1 and fake.calls["nvmlDeviceGetPcieReplayCounter"] == 1
+    assert fake.calls["nvmlDeviceGetViolationStatus"] == 0  # the fields it did have came from the batch
 

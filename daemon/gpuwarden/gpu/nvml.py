@@ -23,9 +23,10 @@ from .sysmem import system_memory
 CLOCK_GRAPHICS, CLOCK_SM, CLOCK_MEM = 0, 1, 2
 ECC_UNCORRECTED, ECC_VOLATILE = 1, 0  # NVML_MEMORY_ERROR_TYPE_UNCORRECTED, NVML_VOLATILE_ECC
 PAGE_RETIRED_SBE, PAGE_RETIRED_DBE = 0, 1  # NVML_PAGE_RETIREMENT_CAUSE_*
-# nvmlDeviceGetFieldValues reads many of these in one call; a field the GPU does not support comes back
-# with its own error and is read the old way. Field ids from nvml.h (NVML_FI_DEV_*).
-POLL_FIELDS = {"power_mw": 185, "limit_mw": 190}  # POWER_AVERAGE (as nvmlDeviceGetPowerUsage), POWER_CURRENT_LIMIT
+# nvmlDeviceGetFieldValues reads the counters in one call; a field the GPU does not support comes back with
+# its own error and is read the old way. Field ids from nvml.h (NVML_FI_DEV_*). On a lent H100 this took a
+# poll with the counters from 11.4 to 6.4 ms; the per-poll fields gained nothing from it (275 against
+# 318 µs, benchmarks/RESULTS.md), so those stay single calls.
 COUNTER_FIELDS = {
     "energy_mj": 83,  # TOTAL_ENERGY_CONSUMPTION
     **{f"violation_ns:{name}": 74 + policy for name, policy in VIOLATION_POLICIES.items()},  # PERF_POLICY_*
@@ -255,10 +256,9 @@ class NvmlGpu(Gpu):
         if now - self._counters_at >= self.backend.counters_interval_s:
             self._read_counters()
             self._counters_at = now
-        fields = self._fields(POLL_FIELDS)
-        power_mw = fields["power_mw"] if "power_mw" in fields else r("nvmlDeviceGetPowerUsage")
-        limit_mw = fields["limit_mw"] if "limit_mw" in fields else r("nvmlDeviceGetEnforcedPowerLimit")
-        constraints, default_mw = self._limits
+        power_mw = r("nvmlDeviceGetPowerUsage")
+        limit_mw = r("nvmlDeviceGetEnforcedPowerLimit")
+        constraints, default_mw = self._limits  # they change only when a limit's range does: with the counters
         util = r("nvmlDeviceGetUtilizationRates")
         used, total, reserved = self._memory()
         persistence = r("nvmlDeviceGetPersistenceMode")
