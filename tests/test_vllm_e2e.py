@@ -201,23 +201,33 @@ def test_check_deep_catches_an_invalid_kv_cache_dtype(write, vllm_python, child_
 
 
 def engine_core(pgid):
-    """The EngineCore process of a vLLM process group (it names itself VLLM::EngineCore)."""
+    """The EngineCore process of a vLLM process group: it names itself VLLM::EngineCore (setproctitle), which
+    comm cuts to 15 characters."""
     for pid in group_alive(pgid):
         try:
-            if "EngineCore" in Path(f"/proc/{pid}/comm").read_text():
+            if Path(f"/proc/{pid}/comm").read_text().startswith("VLLM::EngineCor"):
                 return pid
         except OSError:
             continue
     return None
 
 
+def status_or_none(base):
+    """/status, or {} when the daemon is slow to answer: two cores running eight generations are busy."""
+    try:
+        with urllib.request.urlopen(base + "/status", timeout=15) as reply:
+            return json.load(reply)
+    except OSError:
+        return {}
+
+
 def firing(base, name):
-    return [a for a in status(base).get("alerts_firing", []) if a["alert"] == name]
+    return [a for a in status_or_none(base).get("alerts_firing", []) if a["alert"] == name]
 
 
 def health_code(port):
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as reply:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=15) as reply:
             return reply.status
     except OSError as exc:
         return repr(exc)
@@ -247,7 +257,7 @@ def generate_in_background(port, model, max_tokens, count):
 
 def test_a_frozen_engine_is_caught_while_health_says_200_restarted_and_the_idle_probe_catches_it_too(
         write, daemons, vllm_python, long_tiny_model, child_user):
-    stall_after, poll = 5.0, 0.5
+    stall_after, poll = 8.0, 0.5
     port = free_port()
     path = serving_config(write, vllm_python, long_tiny_model, child_user, port,
                           extra_args=["--max-model-len", "16384"],
@@ -258,12 +268,21 @@ def test_a_frozen_engine_is_caught_while_health_says_200_restarted_and_the_idle_
     first = int(started.split("(pid ")[1].split(",")[0])
     d.wait_for("vLLM healthy after", timeout=400)
 
-    # Eight generations that run for seconds; once vLLM counts them running, freeze its engine.
+    # A batch of eight first: torch compiles the CPU graph for a new batch shape, seconds in which vLLM counts
+    # eight running requests and no token (a real stall by the counters, and no part of this test).
+    warm = generate_in_background(port, long_tiny_model, 20, 8)
+    deadline = time.monotonic() + 120
+    while len(warm) < 8:
+        assert time.monotonic() < deadline, f"the warm-up batch never finished: {warm}"
+        time.sleep(0.2)
+    # Eight generations that run for seconds; once vLLM counts tokens for them, freeze its engine.
     generate_in_background(port, long_tiny_model, 16000, 8)
     deadline = time.monotonic() + 60
-    while ((status(base).get("serving_stats") or {}).get("requests_running") or 0) < 1:
+    while not ((stats := status_or_none(base).get("serving_stats") or {}).get("requests_running") or 0) >= 1 \
+            or not stats.get("generation_tokens_per_s"):
         assert time.monotonic() < deadline, "the generations never ran"
         time.sleep(0.1)
+    assert not firing(base, "vllm_stalled") and "vLLM stalled" not in d.log, "a stall before the freeze"
     core = engine_core(first)
     assert core, f"no EngineCore in vLLM's group: {group_alive(first)}"
     mark = len(d.lines)
@@ -275,7 +294,7 @@ def test_a_frozen_engine_is_caught_while_health_says_200_restarted_and_the_idle_
         time.sleep(0.1)
     fired_after = time.monotonic() - frozen_at
     print(f"vllm_stalled fired {fired_after:.1f} s after SIGSTOP (stall_after_s {stall_after:g}, poll {poll:g})")
-    assert fired_after <= stall_after + 2 * poll + 1.0
+    assert stall_after - 2 * poll <= fired_after <= stall_after + 2 * poll + 1.0
     alert = firing(base, "vllm_stalled")[0]
     assert alert["severity"] == "critical" and "running" in alert["observed"] and "GPU0 util" in alert["observed"]
     d.wait_for("vLLM stalled, restarting it", after=mark, timeout=10)
@@ -285,7 +304,7 @@ def test_a_frozen_engine_is_caught_while_health_says_200_restarted_and_the_idle_
     second = int(restarted.split("(pid ")[1].split(",")[0])
     d.wait_for("vLLM healthy after", after=mark, timeout=400)
     assert 'gpuwarden_serving_stalls_total{child="vllm"} 1.0' in urllib.request.urlopen(
-        base + "/metrics", timeout=5).read().decode()
+        base + "/metrics", timeout=15).read().decode()
 
     # Idle: nothing runs, so vLLM's gauges say 0; freeze the engine, send one request, and the probe finds it.
     time.sleep(1)
