@@ -15,7 +15,9 @@ vllm:generation_tokens_total stopped moving, on the real CPU vLLM 0.32). So:
 Why the default stall_after_s is 300 s: a lone request's chunked prefill moves
 no counter until its first token (vLLM 0.32 records iteration stats only for
 steps with outputs: v1/engine/async_llm.py), and the longest prefill reported
-in the seeds is 393,216 tokens at about 2,000 tok/s, about 200 s.
+in the seeds is 393,216 tokens at about 2,000 tok/s, about 200 s. The CPU vLLM
+also counted eight requests running and no token for over 5 s while torch
+compiled the graph for a batch shape it had not seen.
 """
 
 from __future__ import annotations
