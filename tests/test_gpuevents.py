@@ -18,7 +18,7 @@ from gpuwarden.gpu.sim.backend import ManualClock
 from gpuwarden.gpu.sim.scenario import resolve_scenario
 from gpuwarden.gpuevents import EventBook, EventWatcher
 from gpuwarden.monitor import Monitor
-from gpuwarden.serving.supervisor import FATAL, RUNNING
+from gpuwarden.serving.supervisor import FATAL, RUNNING, Supervisor
 from gpuwarden.tuning import Tuner
 from test_serving import supervisor
 
@@ -154,3 +154,26 @@ def test_an_xid_is_logged_when_it_happens_not_at_the_next_poll(write, daemons):
     assert "gpu_xid firing: Xid 13 (Graphics Engine Exception) x500" in d.log
     assert d.stop() == 0
     assert "the GPU event thread did not end" not in d.log
+
+
+def test_a_gpu_waiting_for_a_reset_holds_an_engine_started_later_until_a_reload_says_it_is_done():
+    from gpuwarden.daemon import Daemon
+
+    class Watcher:
+        failure = None
+
+        def take(self):
+            return []
+
+    sup, ops, clock = supervisor()
+    cfg = config.parse_text("gpu:\n  backend: sim\n  scenario: rtx-pro-4000-headless\nmetrics:\n  listen: none\n"
+                            "tuning:\n  apply: false\n")
+    daemon = Daemon(cfg, open_configured(cfg, ManualClock()), reload=lambda: cfg, clock=clock)
+    daemon.watcher, daemon.supervisor = Watcher(), Supervisor([sup])
+    daemon.monitor.events.needs_reset[0] = "Xid 79 (GPU has fallen off the bus): reboot the node"
+    ops.health_ok = True
+    sup.start(clock.now)  # started after the event, on that GPU
+    daemon.handle_gpu_events()
+    assert sup.state == FATAL and "Xid 79" in sup.view().problem
+    daemon.handle_hup()  # the operator rebooted or reset it: SIGHUP leaves FATAL and starts again
+    assert not daemon.monitor.events.needs_reset and sup.state != FATAL

@@ -140,11 +140,12 @@ class Daemon:
             self._error_once(f"GPU events stopped: {self.watcher.failure}")
         now = self.clock()
         holds = self.monitor.record_events(self.watcher.take(), now)
-        if not holds or self.supervisor is None:
+        if self.supervisor is None or self.stopping:
             return
         engine = self.supervisor.main
         mine = {g.index for g in engine.gpus}
-        for gpu, why in holds:
+        # New events, and any GPU still waiting for a reset (an engine started since must not run there).
+        for gpu, why in holds + list(self.monitor.events.needs_reset.items()):
             if gpu in mine or gpu < 0:
                 engine.hold(now, f"GPU{gpu} {why}" if gpu >= 0 else why)
 
@@ -381,6 +382,9 @@ class Daemon:
             return
         if changed:
             log.warning("reload: %s only change on restart; keeping the running values", ", ".join(changed))
+        if self.monitor.events.needs_reset:  # the operator reset the GPUs (or says they need none)
+            log.info("reload: no GPU counts as waiting for a reset any more")
+            self.monitor.events.needs_reset.clear()
         old, self.config = self.config, new
         self.monitor.config = new
         if new.tuning != old.tuning:

@@ -277,8 +277,8 @@ class Program:
     def hold(self, now: float, reason: str) -> None:
         """A GPU it runs on needs a reset or a reboot: end the child and stay down (FATAL, with the reason on
         the STATUS line) rather than loop-restart it on a broken GPU; SIGHUP tries again."""
-        if self.state in (FATAL, STOPPING):
-            return
+        if self.state in (FATAL, STOPPING, STOPPED):
+            return  # already down, or stopping; a start later is held on the next check
         if self.child is not None:
             self._transition(EXITED)
             left = self._kill_group()
