@@ -49,7 +49,7 @@ def test_supervisor_benchmark_smoke(vllm_python):
     assert "every vLLM process gone after" in proc.stdout
 
 
-@pytest.mark.parametrize("script", ["sample_cost.py", "roofline.py"])
+@pytest.mark.parametrize("script", ["sample_cost.py", "roofline.py", "nvml_cold_calls.py"])
 def test_gpu_benchmarks_say_plainly_that_they_need_a_gpu(script):
     # They measure a real card (RESULTS.md has the numbers from the lent H200); here there is none.
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script)], capture_output=True, text=True,
