@@ -17,9 +17,10 @@ from pathlib import Path
 
 from ..config import ServeConfig
 from .command import ServeCommand
+from .engines import FLAGCHECK_MARK
 from .identity import Identity, popen
 
-MARK = "GPUWARDEN-FLAGCHECK "
+MARK = FLAGCHECK_MARK
 
 
 @dataclass(frozen=True)

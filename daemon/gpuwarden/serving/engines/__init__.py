@@ -13,6 +13,7 @@ except the vLLM-named metrics and JSON keys kept for this release
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pkgutil
 import re
@@ -25,6 +26,7 @@ from ..lint import ERROR, WARNING, LintFinding
 from ..profiles import Profile
 
 NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")
+FLAGCHECK_MARK = "GPUWARDEN-FLAGCHECK "  # the line of the probe's output that carries its answer
 PS_SOURCE = "ps(1) shows every process's full command line to every local user"
 
 
@@ -67,10 +69,6 @@ class Engine:
         return (*self.command(serve), self.model_flag, serve.model, *self.required_args, *profile.args,
                 *serve.args, "--host", serve.host, "--port", str(serve.port))
 
-    def flags(self, serve: ServeConfig, argv: Sequence[str]) -> list[str]:
-        """The arguments after the command prefix: what the engine's own parser reads."""
-        return list(argv[len(self.command(serve)):])
-
     def served_model(self, serve: ServeConfig, argv: Sequence[str]) -> str:
         return flag_value(argv, self.served_name_flag) or serve.model
 
@@ -94,9 +92,20 @@ class Engine:
         return []
 
 
+@functools.cache
 def names() -> list[str]:
-    """The engines this install knows: the modules of this package."""
+    """The engines this install knows: the modules of this package (they do not change while it runs)."""
     return sorted(m.name for m in pkgutil.iter_modules(__path__) if NAME_RE.match(m.name))
+
+
+def flag_probe(body: str) -> str:
+    """The Python an engine's flag check runs: body parses json.loads(sys.argv[1]) with the engine's own parser
+    and may set out["version"]; this wraps it so that the answer is always one FLAGCHECK_MARK line of JSON."""
+    indented = "".join(f"    {line}\n" for line in body.strip().splitlines())
+    return (f"import json, sys\nout = {{'ok': True, 'error': None, 'version': None}}\ntry:\n{indented}"
+            "except SystemExit:\n    out['ok'] = False  # argparse printed its one-line reason on stderr\n"
+            "except Exception as exc:\n    out['ok'], out['error'] = False, f'{type(exc).__name__}: {exc}'\n"
+            f"print({FLAGCHECK_MARK!r} + json.dumps(out), flush=True)\n")
 
 
 def engine_for(name: str) -> Engine | None:

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from ..flags import flag_value
 from ..lint import WARNING, LintFinding, sm12x
 from ..profiles import Profile
-from . import Engine, MetricNames
+from . import Engine, MetricNames, flag_probe
 
 REPORT_DSV4 = ("Hugging Face discussion #28 'Running models with vLLM on the RTX Pro 6000 - SM120': "
                "DeepSeek-V4-Flash-FP8 with SGLang (lmsysorg/sglang:deepseek-v4-blackwell) on 8x RTX PRO 6000")
@@ -28,23 +28,15 @@ FAILURE = re.compile(r"Traceback \(most recent call last\)|\b\w*(Error|Exception
 
 # ServerArgs.add_cli_args is SGLang's own parser; the version comes from the package metadata, since
 # `import sglang` pulls in far more of its dependencies than the parser needs.
-PROBE = r"""
-import json, sys
-out = {"ok": True, "error": None, "version": None}
-try:
-    import argparse
-    from importlib.metadata import version
-    out["version"] = version("sglang")
-    from sglang.srt.server_args import ServerArgs
-    parser = argparse.ArgumentParser(prog="sglang.launch_server")
-    ServerArgs.add_cli_args(parser)
-    parser.parse_args(json.loads(sys.argv[1]))
-except SystemExit:
-    out["ok"] = False  # argparse printed its one-line reason on stderr
-except Exception as exc:
-    out["ok"], out["error"] = False, f"{type(exc).__name__}: {exc}"
-print("GPUWARDEN-FLAGCHECK " + json.dumps(out), flush=True)
-"""
+PROBE = flag_probe("""
+import argparse
+from importlib.metadata import version
+out["version"] = version("sglang")
+from sglang.srt.server_args import ServerArgs
+parser = argparse.ArgumentParser(prog="sglang.launch_server")
+ServerArgs.add_cli_args(parser)
+parser.parse_args(json.loads(sys.argv[1]))
+""")
 
 
 class Sglang(Engine):

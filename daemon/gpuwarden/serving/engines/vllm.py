@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from ..flags import flag_value, has_flag
 from ..lint import ERROR, WARNING, LintFinding, model_billions, sm12x
 from ..profiles import Profile
-from . import Engine, MetricNames
+from . import Engine, MetricNames, flag_probe
 
 FORUM_4000 = "vLLM forum: a day optimizing vLLM on 2x RTX PRO 4000 Blackwell (SM120)"
 REPORT_GLM = "vLLM SM120 NVFP4 working-state report, 4x RTX PRO 6000, GLM-4.7-NVFP4 (2026-02-20)"
@@ -19,28 +19,20 @@ SMALL_MODEL_B = 8.0  # billions of parameters at or below which ngram speculatio
 LEVEL = re.compile(r"^(?:\(\w+ pid=\d+\)\s*)?(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")
 
 # vLLM moved its serve parser between releases, so the probe tries both places.
-PROBE = r"""
-import json, sys
-out = {"ok": True, "error": None, "version": None}
+PROBE = flag_probe("""
+import vllm
+out["version"] = getattr(vllm, "__version__", None)
 try:
-    import vllm
-    out["version"] = getattr(vllm, "__version__", None)
-    try:
-        from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
-    except ImportError:
-        from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
-    try:
-        from vllm.utils.argparse_utils import FlexibleArgumentParser
-    except ImportError:
-        from vllm.utils import FlexibleArgumentParser
-    parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
-    validate_parsed_serve_args(parser.parse_args(json.loads(sys.argv[1])))
-except SystemExit:
-    out["ok"] = False  # argparse printed its one-line reason on stderr
-except Exception as exc:
-    out["ok"], out["error"] = False, f"{type(exc).__name__}: {exc}"
-print("GPUWARDEN-FLAGCHECK " + json.dumps(out), flush=True)
-"""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+except ImportError:
+    from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
+try:
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+except ImportError:
+    from vllm.utils import FlexibleArgumentParser
+parser = make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
+validate_parsed_serve_args(parser.parse_args(json.loads(sys.argv[1])))
+""")
 
 
 class Vllm(Engine):
