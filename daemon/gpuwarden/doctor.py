@@ -8,12 +8,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import throttle
 from .config import AlertSettings, Config
 from .gpu.base import ClockEventReason as R
 from .gpu.base import GpuBackend, GpuSample
 from .yamlfile import InvalidConfig
+
+if TYPE_CHECKING:
+    from .serving.command import ServeCommand
 
 OK, INFO, WARNING, ERROR = "ok", "info", "warning", "error"
 EXIT = {OK: 0, INFO: 0, WARNING: 1, ERROR: 2}
@@ -51,9 +55,10 @@ def diagnose(config: Config, backend: GpuBackend, deep: bool = True) -> list[Dia
         findings.append(_clocks(s, config.alerts))
         findings.append(_power(s))
         findings.extend(_health(s, config.alerts))
-    findings.extend(_peer_path(config, backend))
+    serving, command = _serving(config, backend, deep)
+    findings.extend(_peer_path(command))
     findings.extend(_tuning(config, backend))
-    findings.extend(_serving(config, backend, deep))
+    findings.extend(serving)
     return findings
 
 
@@ -85,18 +90,13 @@ def _health(s: GpuSample, alerts: AlertSettings) -> list[Diagnosis]:
     return out
 
 
-def _peer_path(config: Config, backend: GpuBackend) -> list[Diagnosis]:
+def _peer_path(command: ServeCommand | None) -> list[Diagnosis]:
     """With tensor parallelism over PCIe, an IOMMU that translates DMA sends NCCL's peer-to-peer traffic
     through the root complex, which has hung NCCL on RTX PRO 6000 servers (ACS on the switches does the same;
-    reading it needs lspci as root, so it is named in the fix, not checked)."""
-    if not config.serve.enabled:
+    reading it needs lspci as root, so it is named in the fix, not checked). command: the serving command
+    _serving prepared (None: serving is off or could not be prepared, and _serving says why)."""
+    if command is None:
         return []
-    from .serving.prepare import compose
-
-    try:
-        command = compose(config, [g.sample() for g in backend.gpus()]).command
-    except InvalidConfig:
-        return []  # _serving says why
     tp = command.engine.tensor_parallel_size(command.argv)
     if tp < 2:
         return []
@@ -211,19 +211,20 @@ def _power(s: GpuSample) -> Diagnosis:
     return Diagnosis(OK, check, text)
 
 
-def _serving(config: Config, backend: GpuBackend, deep: bool) -> list[Diagnosis]:
-    """The serving checks, named after the engine: "vLLM profile", "SGLang flags"."""
+def _serving(config: Config, backend: GpuBackend, deep: bool) -> tuple[list[Diagnosis], ServeCommand | None]:
+    """The serving checks, named after the engine ("vLLM profile", "SGLang flags"), and the command they
+    prepared (None when serving is off or cannot be prepared)."""
     from .serving.engines import engine_for
     from .serving.prepare import prepare_serve
 
     engine = engine_for(config.serve.engine)
     title = engine.title if engine is not None else config.serve.engine
     if not config.serve.enabled:
-        return [Diagnosis(INFO, title, f"serving is off (serve.enabled: false): {title} checks skipped")]
+        return [Diagnosis(INFO, title, f"serving is off (serve.enabled: false): {title} checks skipped")], None
     try:
         prepared = prepare_serve(config, backend, deep=deep)
     except InvalidConfig as exc:
-        return [Diagnosis(ERROR, f"{title} profile", str(exc.errors[0]))]
+        return [Diagnosis(ERROR, f"{title} profile", str(exc.errors[0]))], None
     found = [Diagnosis(OK, f"{title} profile", f"{prepared.command.profile.name} for {config.serve.model}")]
     if prepared.home_note:
         found.append(Diagnosis(INFO, f"{title} home", prepared.home_note))
@@ -236,4 +237,4 @@ def _serving(config: Config, backend: GpuBackend, deep: bool) -> list[Diagnosis]
         else:
             found.append(Diagnosis(ERROR, f"{title} flags", f"{title} rejects the command: {prepared.flags.error}",
                                    "fix serve.args or the profile; `gpuwarden profiles show` prints it"))
-    return found
+    return found, prepared.command
