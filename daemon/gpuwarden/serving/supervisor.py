@@ -279,23 +279,15 @@ class Program:
         the STATUS line) rather than loop-restart it on a broken GPU; SIGHUP tries again."""
         if self.state in (FATAL, STOPPING, STOPPED):
             return  # already down, or stopping; a start later is held on the next check
-        if self.child is not None:
-            self._transition(EXITED)
-            left = self._kill_group()
-            log.error("%s stopped: %s; killed %d processes of its group", self.title, reason, left)
+        if self.child is not None:  # in BACKOFF there is none: the FATAL line says it all
+            self._end_child(f"{self.title} stopped: {reason}")
         self._fatal(reason)
 
     def _failed(self, now: float, reason: str, code: int | None = None) -> None:
         """The child is gone or must go: kill its group, then BACKOFF or FATAL, whatever a step raises."""
         self.last_exit_code = code
         try:
-            if self.child is not None:
-                self._transition(EXITED)
-                left = self._kill_group()
-                log.error("%s; %s", reason, f"killed {left} leftover processes of its group" if left
-                          else "no process left")
-            else:
-                log.error("%s", reason)
+            self._end_child(reason)
         finally:
             self._failures.append(now)
             while self._failures and now - self._failures[0] > self.serve.crash_loop_window_s:
@@ -310,6 +302,15 @@ class Program:
                 self._retry_at, self.problem = now + delay, reason
                 self._transition(BACKOFF, f"{self.title} restarts in {delay:g} s (restart {self.restarts})",
                                  logging.WARNING)
+
+    def _end_child(self, reason: str) -> None:
+        """Log why, and if a child is there: EXITED, and its group killed."""
+        if self.child is None:
+            log.error("%s", reason)
+            return
+        self._transition(EXITED)
+        left = self._kill_group()
+        log.error("%s; %s", reason, f"killed {left} leftover processes of its group" if left else "no process left")
 
     def _fatal(self, reason: str) -> None:
         self.problem = reason
