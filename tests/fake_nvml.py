@@ -150,7 +150,7 @@ class FakeNvml:
         """As NVML: one status per field; valueType 1 (unsigned int) or 3 (unsigned long long)."""
         dev = self._dev("nvmlDeviceGetFieldValues", h)
         remapped = dev["remapped"]
-        known = {185: dev["power_mw"], 190: dev["limit_mw"], 83: dev["energy_mj"],
+        known = {83: dev["energy_mj"],
                  **{74 + p: ns for p, ns in dev["violations"].items()},
                  187: dev["constraints"][0], 188: dev["constraints"][1], 189: dev["default_mw"],
                  94: dev["replays"], 4: dev["ecc_uncorrected"],

@@ -18,9 +18,9 @@ from gpuwarden.gpu.sim.backend import ManualClock
 from gpuwarden.gpu.sim.scenario import resolve_scenario
 from gpuwarden.gpuevents import EventBook, EventWatcher
 from gpuwarden.monitor import Monitor
-from gpuwarden.serving.supervisor import FATAL, RUNNING, Supervisor
+from gpuwarden.serving.supervisor import FATAL, Supervisor
 from gpuwarden.tuning import Tuner
-from test_serving import supervisor
+from test_serving import running_supervisor, supervisor
 
 
 def two_gpus():
@@ -104,11 +104,7 @@ def test_an_xid_storm_is_one_line_per_kind_per_repeat_s(caplog):
 
 
 def test_a_gpu_that_needs_a_reset_stops_the_engine_instead_of_restarting_it():
-    sup, ops, clock = supervisor()
-    ops.health_ok = True
-    sup.start(clock.now)
-    sup.tick(clock.now)
-    assert sup.state == RUNNING
+    sup, ops, clock = running_supervisor()
     pid = sup.child.pid
     sup.hold(clock.now, "GPU0 Xid 79 (GPU has fallen off the bus): reboot the node")
     assert sup.state == FATAL and (pid, 9) in ops.signals

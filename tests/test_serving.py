@@ -18,7 +18,7 @@ from gpuwarden.serving.profiles import load_profiles, select_profile
 from gpuwarden.serving.identity import Identity
 from gpuwarden.serving.processes import Child
 from gpuwarden.serving.supervisor import (BACKOFF, FATAL, RUNNING, STARTING, STOPPED, STOPPING,
-                                          Program, Supervisor)
+                                          Program)
 from gpuwarden.serving.engines.vllm import ENGINE as VLLM
 from gpuwarden.serving.metrics import MetricsReader, parse
 from gpuwarden.yamlfile import ConfigErrors
@@ -341,6 +341,16 @@ def supervisor(text="", gpu=None, crash_loop_failures=4):
     me = pwd.getpwuid(os.geteuid())
     sup = Program(cfg.serve, cmd, Identity(me.pw_name, me.pw_uid, me.pw_gid, me.pw_dir, (), False),
                      [gpu or FakeGpu()], ops=ops, clock=clock)
+    return sup, ops, clock
+
+
+def running_supervisor():
+    """supervisor(), started and healthy: RUNNING."""
+    sup, ops, clock = supervisor()
+    ops.health_ok = True
+    sup.start(clock.now)
+    sup.tick(clock.now)
+    assert sup.state == RUNNING
     return sup, ops, clock
 
 

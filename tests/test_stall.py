@@ -10,7 +10,7 @@ from gpuwarden.gpu.base import GpuSample
 from gpuwarden.gpu.sim.backend import ManualClock
 from gpuwarden.serving.stall import Progress, StallWatch
 from gpuwarden.serving.supervisor import BACKOFF, RUNNING
-from test_serving import Inline, supervisor
+from test_serving import Inline, running_supervisor, supervisor
 
 
 def watch(clock, stall_after_s=10, probe_after_s=5, background=None, url="http://127.0.0.1:9/v1/completions"):
@@ -95,11 +95,7 @@ def test_idle_probe_answers_keep_it_alive_and_a_hung_probe_is_a_stall(completion
 
 
 def test_a_stall_restarts_the_engine_as_a_crash_does_and_a_healthy_child_clears_it():
-    sup, ops, clock = supervisor()
-    ops.health_ok = True
-    sup.start(clock.now)
-    sup.tick(clock.now)
-    assert sup.state == RUNNING
+    sup, ops, clock = running_supervisor()
     pid = sup.child.pid
     sup.note_stall(clock.now, "no token for 300 s", restart=True)
     assert sup.state == BACKOFF and sup.stalls == 1 and (pid, 9) in ops.signals
@@ -111,10 +107,7 @@ def test_a_stall_restarts_the_engine_as_a_crash_does_and_a_healthy_child_clears_
 
 
 def test_without_restart_the_stall_is_reported_until_progress_returns():
-    sup, ops, clock = supervisor()
-    ops.health_ok = True
-    sup.start(clock.now)
-    sup.tick(clock.now)
+    sup, ops, clock = running_supervisor()
     sup.note_stall(clock.now, "no token", restart=False)
     sup.note_stall(clock.now, "no token", restart=False)
     assert sup.state == RUNNING and sup.stalls == 1 and sup.view().stalled == "no token"

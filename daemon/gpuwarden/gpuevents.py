@@ -131,6 +131,8 @@ class EventBook:
 
     def recent_xids(self, gpu: int, now: float) -> list[tuple[int, int]]:
         """(xid, count) of this GPU's Xids in the last RECENT_S, most frequent first."""
+        if not self.recent.get(gpu):  # every poll asks, for every GPU; almost always none
+            return []
         kept = [(at, x) for at, x in self.recent.get(gpu, []) if now - at <= RECENT_S]
         self.recent[gpu] = kept
         return Counter(x for _, x in kept).most_common()

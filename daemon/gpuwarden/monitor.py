@@ -253,6 +253,8 @@ class Monitor:
     def record_events(self, events: list, now: float) -> list[tuple[int, str]]:
         """Log and count GPU events (gpuevents.EventBook); return (gpu, why) for those that ask for a reset
         or a reboot (gpu -1: a GPU that could not be named)."""
+        if not events:  # the usual poll: nothing to look up
+            return []
         gpus = {g.index: g for g in self.backend.gpus()}
 
         def processes(index: int) -> str:
