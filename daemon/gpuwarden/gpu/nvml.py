@@ -331,13 +331,16 @@ class NvmlGpu(Gpu):
                 out[name] = getattr(value.value, VALUE_FIELDS[value.valueType])
         return out
 
+    def _field_or_read(self, fields: dict[str, float], name: str, fn_name: str, *args: Any) -> Any:
+        """The batched value when the batch had it, else the single NVML call."""
+        return fields[name] if name in fields else self._read(fn_name, *args)
+
     def _read_counters(self) -> None:
         """The slow cumulative counters (energy ~4 ms, violations ~0.8 ms each as single calls), the power
         limits, and the link and memory health, which change seldom: every counters_interval_s, not every
         poll, and as many as the driver allows in one batched call."""
         fields = self._fields(COUNTER_FIELDS)
-        energy = fields["energy_mj"] if "energy_mj" in fields else self._read("nvmlDeviceGetTotalEnergyConsumption")
-        self._energy = _scaled(energy, 1e-3)
+        self._energy = _scaled(self._field_or_read(fields, "energy_mj", "nvmlDeviceGetTotalEnergyConsumption"), 1e-3)
         for name, policy in VIOLATION_POLICIES.items():
             ns = fields.get(f"violation_ns:{name}")
             if ns is None:
@@ -347,9 +350,8 @@ class NvmlGpu(Gpu):
         low, high = fields.get("min_limit_mw"), fields.get("max_limit_mw")
         constraints = (low, high) if low is not None and high is not None else \
             self._read("nvmlDeviceGetPowerManagementLimitConstraints")
-        default_mw = fields["default_limit_mw"] if "default_limit_mw" in fields else \
-            self._read("nvmlDeviceGetPowerManagementDefaultLimit")
-        self._limits = (constraints, default_mw)
+        self._limits = (constraints, self._field_or_read(fields, "default_limit_mw",
+                                                         "nvmlDeviceGetPowerManagementDefaultLimit"))
         self._health = self._read_health(fields)
 
     def _read_health(self, fields: dict[str, float]) -> GpuHealth:
@@ -368,10 +370,9 @@ class NvmlGpu(Gpu):
             pcie_generation_max=r("nvmlDeviceGetMaxPcieLinkGeneration"),
             pcie_width=r("nvmlDeviceGetCurrPcieLinkWidth"),
             pcie_width_max=r("nvmlDeviceGetMaxPcieLinkWidth"),
-            pcie_replays=int(fields["pcie_replays"]) if "pcie_replays" in fields else
-            r("nvmlDeviceGetPcieReplayCounter"),
-            ecc_uncorrected=int(fields["ecc_uncorrected"]) if "ecc_uncorrected" in fields else
-            r("nvmlDeviceGetTotalEccErrors", ECC_UNCORRECTED, ECC_VOLATILE),
+            pcie_replays=self._field_or_read(fields, "pcie_replays", "nvmlDeviceGetPcieReplayCounter"),
+            ecc_uncorrected=self._field_or_read(fields, "ecc_uncorrected", "nvmlDeviceGetTotalEccErrors",
+                                                ECC_UNCORRECTED, ECC_VOLATILE),
             remapped_rows_correctable=rows[0] if rows else None,
             remapped_rows_uncorrectable=rows[1] if rows else None,
             remap_pending=bool(rows[2]) if rows else None,
