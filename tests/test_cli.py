@@ -113,7 +113,7 @@ def test_console_script_is_installed():
 @pytest.mark.parametrize("serve,says", [
     ("  profile: genric\n", "serve.profile: no profile named 'genric'"),
     ("  gpus: [7]\n", "serve.gpus.0: no GPU '7' on this host"),
-    ("  args: [--attention-backend, flashinfer]\n", "lint attention-backend-case"),
+    ("  args: [--api-key, secret]\n", "lint api-key-on-command-line"),
     ("  command: [/nonexistent/vllm, serve]\n", "serve.command: /nonexistent/vllm does not exist"),
 ])
 def test_check_finds_what_run_would_refuse(write, cli, child_user, serve, says):

@@ -67,11 +67,13 @@ def test_doctor_reports_throttling_and_a_low_power_limit():
 def test_doctor_lints_the_vllm_command(write, cli, child_user):
     path = write("g.yaml", "gpu:\n  backend: sim\n  scenario: dgx-spark\nserve:\n  enabled: true\n"
                  f"  user: {child_user}\n"
-                 "  model: /m/Qwen3-4B\n  args: [--attention-backend, triton, --enforce-eager]\n")
+                 "  model: /m/Qwen3-4B\n  args: [--api-key, k, --enforce-eager]\n")
     status, out, _ = cli("doctor", "--no-deep", "-c", path)
     assert status == 2
-    assert "ERROR   vLLM lint attention-backend-case: attention backend 'triton' must be upper case" in out
+    assert "ERROR   vLLM lint api-key-on-command-line: --api-key on the command line shows in ps [source: ps(1)" \
+           " shows every process's full command line to every local user] -> fix: put VLLM_API_KEY=... in" in out
     assert "WARNING vLLM lint enforce-eager" in out
+    assert "WARNING vLLM lint gb10-memory-utilization" in out  # a DGX Spark without --kv-cache-memory-bytes
     assert "OK      vLLM profile: sm121-gpt-oss-120b for /m/Qwen3-4B" in out
 
 
@@ -108,7 +110,7 @@ def test_doctor_calls_a_cap_at_the_maximum_limit_the_design_power():
 
 
 def test_iommu_state(tmp_path):
-    from gpuwarden.doctor import iommu_state
+    from gpuwarden.gpu.iommu import iommu_state
 
     iommu, cmdline = tmp_path / "iommu", tmp_path / "cmdline"
     iommu.mkdir()
@@ -123,13 +125,15 @@ def test_iommu_state(tmp_path):
 
 def test_doctor_reports_the_link_the_memory_and_the_peer_path_for_tensor_parallelism(monkeypatch):
     monkeypatch.setattr("gpuwarden.doctor.iommu_state", lambda: "translating")
+    monkeypatch.setattr("gpuwarden.serving.lint.iommu_state", lambda: "translating")
     cfg = config.parse_text("gpu:\n  backend: sim\n  scenario: rtx-pro-6000-tp4\nserve:\n  enabled: true\n"
                             "  model: /m/GLM-4.7-NVFP4\n  user: nobody\n")
     findings = {f.check: f for f in diagnose(cfg, open_configured(cfg, ManualClock()), deep=False)}
     assert findings["GPU0 PCIe"].severity == "ok" and findings["GPU0 PCIe"].message.startswith("Gen5 x16 of Gen5 x16")
     assert findings["GPU0 memory"].severity == "ok"
-    peer = findings["PCIe peer path"]  # the GLM profile runs tensor parallelism 4
+    peer = findings["vLLM lint tp-pcie-iommu"]  # the GLM profile runs tensor parallelism 4
     assert peer.severity == "warning" and "tensor parallelism 4" in peer.message and "iommu=pt" in peer.fix
+    assert "vllm-project/vllm#33041" in peer.message and "PCIe peer path" not in findings
 
 
 def test_doctor_on_a_degraded_link_and_pending_remap():

@@ -223,7 +223,7 @@ def test_sglang_lint_from_the_deepseek_v4_report():
         "sglang-dsv4-sm120-long-context": "warning"}
     assert rules([], cc="9.0") == {} and rules([], model="/m/Qwen3-8B") == {}  # SM120 DeepSeek-V4 only
     # SGLang reads its key from nowhere but --api-key: a warning, not the error that has a fix for vLLM.
-    assert rules(good + ["--api-key", "k"], {"PYTHONPATH": "/dsv4"}) == {"api-key-on-command-line": "warning"}
+    assert rules(good + ["--api-key", "k"], {"PYTHONPATH": "/dsv4"}) == {"api-key-on-command-line-sglang": "warning"}
     assert all(f.source for f in lint([], {}, PROFILES["sglang-generic"], ["12.0"], "/m/DeepSeek-V4"))
 
 

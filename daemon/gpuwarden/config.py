@@ -137,6 +137,7 @@ class ServeConfig:
     probe_timeout_s: float = 30.0
     restart_on_stall: bool = True
     profiles_dir: Path | None = None  # profiles.d beside the config file
+    rules_dir: Path | None = None  # rules.d beside the config file: lint rules added or overridden by id
 
     @property
     def url(self) -> str:
@@ -238,8 +239,11 @@ def _mapping_or_error(doc: Document) -> Document:
     return doc
 
 
+BESIDE_CONFIG = ("profiles_dir", "rules_dir")  # directories found beside the config file, not keys in it
+
+
 def _serve_dict(s: ServeConfig) -> dict:
-    out = {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name != "profiles_dir"}
+    out = {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name not in BESIDE_CONFIG}
     out.update(command=list(s.command), args=list(s.args), env=dict(s.env),
                gpus="all" if s.gpus is None else list(s.gpus), python=s.python or "auto",
                env_file="none" if s.env_file is None else str(s.env_file))
@@ -277,7 +281,7 @@ def _validate(doc: Document, files: tuple[str, ...]) -> Config:
 def _serve_section(r: Reader, base_dir: Path) -> ServeConfig:
     base = ("serve",)
     d = ServeConfig()
-    r.mapping(base, [f.name for f in dataclasses.fields(ServeConfig) if f.name != "profiles_dir"])
+    r.mapping(base, [f.name for f in dataclasses.fields(ServeConfig) if f.name not in BESIDE_CONFIG])
     enabled = r.boolean(base + ("enabled",), d.enabled)
     model = r.string(base + ("model",), d.model)
     if enabled and not model:
@@ -340,6 +344,7 @@ def _serve_section(r: Reader, base_dir: Path) -> ServeConfig:
         probe_timeout_s=float(number(base + ("probe_timeout_s",), d.probe_timeout_s, 1, 3600, unit=" s")),
         restart_on_stall=r.boolean(base + ("restart_on_stall",), d.restart_on_stall),
         profiles_dir=base_dir / "profiles.d",
+        rules_dir=base_dir / "rules.d",
     )
 
 

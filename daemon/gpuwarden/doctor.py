@@ -14,6 +14,7 @@ from . import throttle
 from .config import AlertSettings, Config
 from .gpu.base import ClockEventReason as R
 from .gpu.base import GpuBackend, GpuSample
+from .gpu.iommu import iommu_state
 from .yamlfile import InvalidConfig
 
 if TYPE_CHECKING:
@@ -91,36 +92,16 @@ def _health(s: GpuSample, alerts: AlertSettings) -> list[Diagnosis]:
 
 
 def _peer_path(command: ServeCommand | None) -> list[Diagnosis]:
-    """With tensor parallelism over PCIe, an IOMMU that translates DMA sends NCCL's peer-to-peer traffic
-    through the root complex, which has hung NCCL on RTX PRO 6000 servers (ACS on the switches does the same;
-    reading it needs lspci as root, so it is named in the fix, not checked). command: the serving command
-    _serving prepared (None: serving is off or could not be prepared, and _serving says why)."""
+    """With tensor parallelism, the IOMMU's state. When it translates DMA, the lint rule tp-pcie-iommu says
+    so with its source (NCCL hangs on PCIe RTX PRO 6000 servers); here only the state that is fine shows.
+    command: the serving command _serving prepared (None: serving is off or could not be prepared)."""
     if command is None:
         return []
     tp = command.engine.tensor_parallel_size(command.argv)
-    if tp < 2:
-        return []
     iommu = iommu_state()
-    if iommu == "translating":
-        return [Diagnosis(WARNING, "PCIe peer path", f"tensor parallelism {tp} while the IOMMU translates DMA: "
-                          "NCCL's peer-to-peer traffic goes through the root complex, and has hung on PCIe RTX "
-                          "PRO 6000 servers", "boot with iommu=pt (or the IOMMU off) and ACS off on the PCIe "
-                          "switches, or set NCCL_P2P_DISABLE=1 in serve.env")]
+    if tp < 2 or iommu == "translating":
+        return []
     return [Diagnosis(OK, "PCIe peer path", f"tensor parallelism {tp}, IOMMU {iommu}")]
-
-
-def iommu_state(iommu_dir: Path = Path("/sys/class/iommu"), cmdline: Path = Path("/proc/cmdline")) -> str:
-    """off (no IOMMU), passthrough (iommu=pt), or translating."""
-    try:
-        if not any(iommu_dir.iterdir()):
-            return "off"
-    except OSError:
-        return "off"
-    try:
-        words = cmdline.read_text().split()
-    except OSError:
-        words = []
-    return "passthrough" if {"iommu=pt", "iommu.passthrough=1"} & set(words) else "translating"
 
 
 def _tuning(config: Config, backend: GpuBackend) -> list[Diagnosis]:
@@ -230,7 +211,7 @@ def _serving(config: Config, backend: GpuBackend, deep: bool) -> tuple[list[Diag
         found.append(Diagnosis(INFO, f"{title} home", prepared.home_note))
     for lint in prepared.findings:
         found.append(Diagnosis(ERROR if lint.severity == "error" else WARNING, f"{title} lint {lint.rule}",
-                               f"{lint.message} [source: {lint.source}]"))
+                               f"{lint.message} [source: {lint.source}]", lint.fix))
     if prepared.flags is not None:
         if prepared.flags.ok:
             found.append(Diagnosis(OK, f"{title} flags", f"{title} {prepared.flags.version} accepts the command"))

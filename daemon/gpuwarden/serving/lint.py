@@ -1,8 +1,9 @@
-"""What a lint finding is, and the helpers the engines' rules share.
+"""What a lint finding is, and the checks every engine shares.
 
-Each engine keeps its own rules (Engine.lint, from what SM120/SM121 users
-reported); engines.lint() runs them with the rules every engine shares. Errors
-block the start unless serve.allow_lint_errors is true; warnings are logged.
+The rules themselves are data (serving/rules/builtin.yaml, serving/rules.py). A rule that cannot be said
+as data names a check: a function of the LintContext that returns the values its message needs, or None
+when it does not fire. Engines register their own (Engine.checks); the ones here apply to any engine.
+Errors block the start unless serve.allow_lint_errors is true; warnings are logged.
 """
 
 from __future__ import annotations
@@ -10,6 +11,12 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from ..gpu.iommu import iommu_state
 
 ERROR, WARNING = "error", "warning"
 
@@ -20,12 +27,23 @@ class LintFinding:
     rule: str
     message: str
     source: str
+    fix: str = ""
 
     def __str__(self) -> str:
-        return f"{self.severity}: {self.rule}: {self.message} [source: {self.source}]"
+        fix = f"; fix: {self.fix}" if self.fix else ""
+        return f"{self.severity}: {self.rule}: {self.message}{fix} [source: {self.source}]"
 
     def as_dict(self) -> dict:
-        return {"severity": self.severity, "rule": self.rule, "message": self.message, "source": self.source}
+        return {"severity": self.severity, "rule": self.rule, "message": self.message, "fix": self.fix,
+                "source": self.source}
+
+
+def version_in(spec: SpecifierSet, version: str) -> bool:
+    """Whether version is in spec, pre-releases and local builds (0.32.0+cpu) included; False if unparsable."""
+    try:
+        return spec.contains(Version(version), prereleases=True)
+    except InvalidVersion:
+        return False
 
 
 def sm12x(compute_capabilities: Sequence[str]) -> bool:
@@ -35,3 +53,33 @@ def sm12x(compute_capabilities: Sequence[str]) -> bool:
 def model_billions(model: str) -> float | None:
     match = re.search(r"(\d+(?:\.\d+)?)[bB](?![a-zA-Z])", model.rsplit("/", 1)[-1])
     return float(match.group(1)) if match else None
+
+
+# -- checks for any engine (ctx: rules.LintContext) --------------------------------------------------------
+
+def known_bad(ctx: Any) -> dict | None:
+    """The profile's known-bad list against the installed engine."""
+    version = ctx.installed.version(ctx.engine.name) if ctx.installed.known else None
+    bad = ctx.profile.bad_version(version)
+    if bad is None:
+        return None
+    notes = ctx.profile.notes
+    return {"title": ctx.engine.title, "version": version, "profile": ctx.profile.name, "reason": bad.reason,
+            "good": ", ".join(ctx.profile.known_good) or "none listed",
+            "source": notes[0][1] if notes else ctx.profile.file}
+
+
+def profile_untested(ctx: Any) -> dict | None:
+    """The installed engine outside the range the profile states it was tested on."""
+    tested = ctx.profile.tested
+    version = ctx.installed.version(ctx.engine.name) if ctx.installed.known else None
+    if tested is None or version is None or version_in(tested, version):
+        return None
+    return {"profile": ctx.profile.name, "title": ctx.engine.title, "tested": str(tested), "version": version}
+
+
+def iommu_translating(ctx: Any) -> dict | None:
+    return {"tp": ctx.tp_size} if iommu_state() == "translating" else None
+
+
+CHECKS = {"known_bad": known_bad, "profile_untested": profile_untested, "iommu_translating": iommu_translating}

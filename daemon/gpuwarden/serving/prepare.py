@@ -15,8 +15,12 @@ from .command import ServeCommand, build_command, chosen_gpus, engine_of, profil
 from .flagcheck import FlagCheck, check_flags
 from .homes import HomeError, child_home
 from .identity import Identity, IdentityError, resolve
-from .engines import lint, version_findings
+from ..statedir import state_dir
+from .engines import evaluate_lint, rules_for
+from .flagcheck import engine_python
+from .installed import Installed, installed
 from .lint import ERROR, LintFinding
+from .rules import LintContext, Outcome
 from .profiles import Profile, load_profiles, select_profile
 from .secrets import SecretFileError, credentials_file, read_env_file
 
@@ -27,6 +31,8 @@ class Composed:
 
     command: ServeCommand
     findings: tuple[LintFinding, ...]
+    outcomes: tuple[Outcome, ...] = ()  # every rule: applied, skipped (and why) or clear
+    installed: Installed | None = None
 
 
 @dataclass(frozen=True)
@@ -36,6 +42,7 @@ class PreparedServe:
     findings: tuple[LintFinding, ...]
     flags: FlagCheck | None  # None when the deep check was not run
     home_note: str | None = None  # why the child gets a home under the state directory, when it does
+    installed: Installed | None = None
 
     def blocking(self, config: Config) -> list[ConfigError]:
         """What stops the start: lint errors (unless allowed) and the engine's parser rejecting the flags."""
@@ -106,15 +113,31 @@ def pick_profile(config: Config, profiles: dict[str, Profile], wanted: str, gpus
 
 def compose(config: Config, gpus: Sequence[GpuSample], profile_name: str | None = None,
             base_env: Mapping[str, str] = os.environ, secrets: Mapping[str, str] | None = None,
-            home: Mapping[str, str] | None = None) -> Composed:
-    """Engine, profile, argv/env and lint for these GPUs; raises ConfigError(s). Starts nothing."""
+            home: Mapping[str, str] | None = None, found: Installed | None = None) -> Composed:
+    """Engine, profile, argv/env and lint for these GPUs; raises ConfigError(s). Starts nothing but the
+    installed-versions probe (serving/installed.py), unless found already has its answer."""
     engine = engine_of(config)
     profile = pick_profile(config, load_profiles(config.serve.profiles_dir), profile_name or config.serve.profile,
                            gpus)
+    rules = rules_for(config.serve.rules_dir)
     command = build_command(config.serve, profile, gpus, base_env, secrets, home, engine)
-    ccs = [g.compute_capability or "" for g in command.gpus]
-    return Composed(command, tuple(lint(command.argv, command.env, profile, ccs, config.serve.model,
-                                        engine=engine)))
+    if found is None:
+        found = installed_for(config, command)
+    ctx = LintContext(command.argv, command.env, profile, tuple(g.compute_capability or "" for g in command.gpus),
+                      config.serve.model, engine, found, command.prefix)
+    outcomes = tuple(evaluate_lint(ctx, rules))
+    return Composed(command, tuple(o.finding for o in outcomes if o.finding is not None), outcomes, found)
+
+
+def installed_for(config: Config, command: ServeCommand) -> Installed:
+    """What the engine's interpreter has installed, asked as serve.user (cached while it is unchanged)."""
+    python = engine_python(config.serve, command.argv[:command.prefix])
+    try:
+        identity = child_identity(config)
+    except ConfigError as exc:
+        return Installed(python or "", False, error=exc.message)
+    env = {k: v for k, v in command.env.items() if k in ("PATH", "PYTHONPATH", "HOME", "LANG")}
+    return installed(python, identity, env, state_dir())
 
 
 def prepare_serve(config: Config, backend: GpuBackend, deep: bool, create_home: bool = False) -> PreparedServe:
@@ -130,10 +153,8 @@ def prepare_serve(config: Config, backend: GpuBackend, deep: bool, create_home: 
     gpus = chosen_gpus(config, [gpu.sample() for gpu in backend.gpus()])
     composed = compose(config, gpus, secrets=secrets, home=home)
     command = composed.command
-    prepared = PreparedServe(command, identity, composed.findings, None, home_note)
+    prepared = PreparedServe(command, identity, composed.findings, None, home_note, composed.installed)
     if not deep or command.engine.flag_probe is None or prepared.blocking(config):
         return prepared  # lint already blocks: no need to wait for the engine's import
     flags = check_flags(config.serve, command, identity)
-    # The lint ran once above; the installed version adds only the profile's known-bad check.
-    known_bad = version_findings(command.profile, flags.version, command.engine.title)
-    return PreparedServe(command, identity, composed.findings + tuple(known_bad), flags, home_note)
+    return PreparedServe(command, identity, composed.findings, flags, home_note, composed.installed)

@@ -12,6 +12,8 @@ import fnmatch
 from dataclasses import dataclass
 from pathlib import Path
 
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
 from .. import yamlfile
 from ..gpu.base import GpuSample
 from ..schema import MISSING, Reader, type_name
@@ -42,6 +44,7 @@ class Profile:
     env: tuple[tuple[str, str], ...]
     tuning_hints: tuple[tuple[str, str], ...]
     notes: tuple[tuple[str, str], ...]  # (text, source)
+    tested: SpecifierSet | None = None  # the engine releases it was tested on (lint rule profile-untested)
 
     def matches(self, gpus: list[GpuSample]) -> bool:
         low, high = self.gpu_count
@@ -64,7 +67,8 @@ class Profile:
         return {"name": self.name, "description": self.description, "file": self.file, "engine": self.engine,
                 "match": {"compute_capabilities": list(self.compute_capabilities),
                           "gpu_count": list(self.gpu_count), "min_memory_gib": self.min_memory_gib},
-                "versions": {"known_good": list(self.known_good),
+                "versions": {"tested": str(self.tested) if self.tested is not None else None,
+                             "known_good": list(self.known_good),
                          "known_bad": [{"version": b.version, "reason": b.reason} for b in self.known_bad]},
                 "args": list(self.args), "env": dict(self.env), "tuning_hints": dict(self.tuning_hints),
                 "notes": [{"text": t, "source": s} for t, s in self.notes]}
@@ -81,7 +85,14 @@ def load_profile(file: Path) -> Profile:
     versions = "vllm" if r.get(("vllm",)) is not MISSING else "versions"
     if versions == "vllm" and r.get(("versions",)) is not MISSING:
         r.fail(("vllm",), "both vllm: and versions: are set", "versions: only (vllm: is its older name)")
-    r.mapping((versions,), ("known_good", "known_bad"))
+    r.mapping((versions,), ("tested", "known_good", "known_bad"))
+    tested = None
+    if r.get((versions, "tested")) is not MISSING:
+        try:
+            tested = SpecifierSet(str(r.get((versions, "tested"))))
+        except InvalidSpecifier:
+            r.fail((versions, "tested"), f"{r.get((versions, 'tested'))!r} is not a PEP 440 version specifier",
+                   'e.g. ">=0.15.1,<=0.17.1"')
     count = r.get(("match", "gpu_count"))
     if count is MISSING:
         count = [1, 64]
@@ -113,6 +124,7 @@ def load_profile(file: Path) -> Profile:
         env=tuple(_string_map(r, ("env",)).items()),
         tuning_hints=tuple(_string_map(r, ("tuning_hints",)).items()),
         notes=tuple(notes),
+        tested=tested,
     )
     r.raise_if_errors()
     return profile

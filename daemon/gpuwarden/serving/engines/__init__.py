@@ -3,7 +3,7 @@
 An engine is one module here that defines ENGINE, an Engine: its default
 command, how its argv is built from the serve config and the profile, where its
 flags start, its memory fraction and tensor-parallel size, how to read the level
-of its log lines, its lint and (optionally) its own flag parser run in its
+of its log lines, the checks its lint rules name (serving/rules/builtin.yaml), and (optionally) its own flag parser run in its
 interpreter, and its health and metrics endpoints with the names of the metrics
 that map to the generic serving stats. serve.engine names the module
 (default vllm); nothing outside serving/engines/ depends on which engine runs,
@@ -19,15 +19,18 @@ import pkgutil
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from ...config import ServeConfig
-from ..flags import flag_value, has_flag
-from ..lint import ERROR, WARNING, LintFinding
+from ..flags import flag_value
+from ..installed import UNKNOWN, Installed
+from ..lint import CHECKS as SHARED_CHECKS
+from ..lint import LintFinding
 from ..profiles import Profile
+from ..rules import LintContext, Outcome, Rules, evaluate, load_rules
 
 NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 FLAGCHECK_MARK = "GPUWARDEN-FLAGCHECK "  # the line of the probe's output that carries its answer
-PS_SOURCE = "ps(1) shows every process's full command line to every local user"
 
 
 @dataclass(frozen=True)
@@ -55,11 +58,11 @@ class Engine:
     completions_path = "/v1/completions"  # OpenAI's, for the stall probe's one-token completion
     served_name_flag = "--served-model-name"  # the model name requests must use, when not the model path
     metric_names: MetricNames
-    api_key_env: str | None = None  # the variable it reads its API key from, instead of --api-key
     required_args: tuple[str, ...] = ()  # always passed, e.g. what makes it serve /metrics
     # Python run in the engine's interpreter with the flags as JSON in argv[1]; prints FLAGCHECK_MARK and
     # {"ok", "error", "version"} as JSON. None: the engine has no parser gpuwarden can run.
     flag_probe: str | None = None
+    checks: Mapping = {}  # name -> check(LintContext): the rules' check: entries for this engine (serving/rules.py)
 
     def command(self, serve: ServeConfig) -> tuple[str, ...]:
         return serve.command or self.default_command
@@ -87,9 +90,6 @@ class Engine:
         """The level a line of its output was logged at; None: a continuation (it keeps the previous one)."""
         return None
 
-    def lint(self, argv: Sequence[str], env: Mapping[str, str], profile: Profile, compute_capabilities: Sequence[str],
-             model: str) -> list[LintFinding]:
-        return []
 
 
 @functools.cache
@@ -114,28 +114,31 @@ def engine_for(name: str) -> Engine | None:
     return importlib.import_module(f"{__name__}.{name}").ENGINE
 
 
+def check_names() -> dict[str, set[str]]:
+    """engine -> the checks it registers, and "any" -> the shared ones: what a rule's check: may name."""
+    return {"any": set(SHARED_CHECKS), **{name: set(engine_for(name).checks) for name in names()}}
+
+
+@functools.cache
+def builtin_rules() -> Rules:
+    return load_rules(None, check_names())
+
+
+def rules_for(user_dir: Path | None) -> Rules:
+    """The built-in rules and rules.d's; raises ConfigErrors (FILE:LINE) for a broken rules.d file."""
+    return load_rules(user_dir, check_names())
+
+
+def evaluate_lint(ctx: LintContext, rules: Rules | None = None) -> list[Outcome]:
+    """Every rule for ctx's engine, each applied, skipped with its reason, or clear."""
+    rules = rules or builtin_rules()
+    return evaluate(rules.for_engine(ctx.engine.name), ctx, {**SHARED_CHECKS, **ctx.engine.checks})
+
+
 def lint(argv: Sequence[str], env: Mapping[str, str], profile: Profile, compute_capabilities: Sequence[str],
-         model: str, version: str | None = None, engine: Engine | None = None) -> list[LintFinding]:
-    """The engine's rules, then the shared ones; with the engine's version, its known-bad check too."""
-    if engine is None:
-        engine = engine_for(profile.engine)
-    found = engine.lint(argv, env, profile, compute_capabilities, model)
-    found += version_findings(profile, version, engine.title)
-    if has_flag(argv, "--api-key") and engine.api_key_env:
-        found.append(LintFinding(ERROR, "api-key-on-command-line", "--api-key on the command line shows in ps; put "
-                                 f"{engine.api_key_env}=... in /etc/gpuwarden/credentials/vllm.env (root-only) "
-                                 "instead", PS_SOURCE))
-    elif has_flag(argv, "--api-key"):  # the engine reads its key from nowhere else: say what it costs
-        found.append(LintFinding(WARNING, "api-key-on-command-line", f"--api-key on the command line shows in ps, "
-                                 f"and {engine.title} reads it from no environment variable; keep serve.host on "
-                                 "localhost so that the key is not all that guards it", PS_SOURCE))
-    return found
-
-
-def version_findings(profile: Profile, version: str | None, title: str) -> list[LintFinding]:
-    """The profile's known-bad list against the installed version (known once the flag check ran)."""
-    bad = profile.bad_version(version)
-    if bad is None:
-        return []
-    return [LintFinding(ERROR, f"{profile.engine}-known-bad", f"{title} {version} is on profile {profile.name}'s "
-                        f"known-bad list: {bad.reason}", profile.notes[0][1] if profile.notes else profile.file)]
+         model: str, installed: Installed = UNKNOWN, engine: Engine | None = None, rules: Rules | None = None,
+         prefix: int = 0) -> list[LintFinding]:
+    """The findings of the rules that applied."""
+    ctx = LintContext(tuple(argv), env, profile, tuple(compute_capabilities), model,
+                      engine or engine_for(profile.engine), installed, prefix)
+    return [o.finding for o in evaluate_lint(ctx, rules) if o.finding is not None]

@@ -12,15 +12,11 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ..flags import flag_value
-from ..lint import WARNING, LintFinding, sm12x
-from ..profiles import Profile
 from . import Engine, MetricNames, flag_probe
 
-REPORT_DSV4 = ("Hugging Face discussion #28 'Running models with vLLM on the RTX Pro 6000 - SM120': "
-               "DeepSeek-V4-Flash-FP8 with SGLang (lmsysorg/sglang:deepseek-v4-blackwell) on 8x RTX PRO 6000")
 LONG_CONTEXT = 65536  # decode fell to 3-5 tok/s from 64K of context with the SM120 sparse-decode patch
 STAMP = re.compile(r"^\[\d{2,4}-\d{2}[^\]]*\]\s*")  # "[2026-05-01 12:00:00 TP0] " or "[05-01 12:00:00] "
 LEVEL = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b:?")
@@ -39,6 +35,20 @@ parser.parse_args(json.loads(sys.argv[1]))
 """)
 
 
+# -- checks for the rules that are not plain data (serving/rules/builtin.yaml names them) ----------------------
+
+def sglang_triton_backends(ctx: Any) -> dict | None:
+    missing = [f for f in ("--fp8-gemm-backend", "--moe-runner-backend") if flag_value(ctx.argv, f) != "triton"]
+    return {"flags": " triton and ".join(missing)} if missing else None
+
+
+def sglang_long_context(ctx: Any) -> dict | None:
+    context = flag_value(ctx.argv, "--context-length")
+    if context is not None and context.isdigit() and int(context) > LONG_CONTEXT:
+        return {"context": context}
+    return None
+
+
 class Sglang(Engine):
     name, title = "sglang", "SGLang"
     default_command = ("python3", "-m", "sglang.launch_server")
@@ -51,6 +61,7 @@ class Sglang(Engine):
     metric_names = MetricNames("sglang:generation_tokens_total", "sglang:prompt_tokens_total",
                                "sglang:num_running_reqs", "sglang:num_queue_reqs", ("sglang:token_usage",))
     flag_probe = PROBE
+    checks = {"sglang_triton_backends": sglang_triton_backends, "sglang_long_context": sglang_long_context}
 
     def log_level(self, line: str) -> int | None:
         stamp = STAMP.match(line)
@@ -63,27 +74,6 @@ class Sglang(Engine):
         if FAILURE.search(rest):
             return logging.ERROR
         return logging.WARNING if re.search(r"\bwarning\b", rest, re.I) else logging.INFO
-
-    def lint(self, argv: Sequence[str], env: Mapping[str, str], profile: Profile, compute_capabilities: Sequence[str],
-             model: str) -> list[LintFinding]:
-        found: list[LintFinding] = []
-        if not (sm12x(compute_capabilities) and re.search(r"deepseek[-_]?v4", model, re.I)):
-            return found
-        if "PYTHONPATH" not in env:
-            found.append(LintFinding(WARNING, "sglang-dsv4-sm120-flashmla", "SGLang's built-in FlashMLA supports "
-                                     "SM90/SM100 only: DeepSeek-V4 on SM120 needs the SM120 sparse-decode patch "
-                                     "(deepseek-v4-flash-sm120) on PYTHONPATH, e.g. serve.env: {PYTHONPATH: /dsv4}",
-                                     REPORT_DSV4))
-        for flag in ("--fp8-gemm-backend", "--moe-runner-backend"):
-            if flag_value(argv, flag) != "triton":
-                found.append(LintFinding(WARNING, "sglang-dsv4-sm120-triton", f"the working SM120 setup ran "
-                                         f"{flag} triton (no tuned SM120 kernel configs yet); add it", REPORT_DSV4))
-        context = flag_value(argv, "--context-length")
-        if context is not None and context.isdigit() and int(context) > LONG_CONTEXT:
-            found.append(LintFinding(WARNING, "sglang-dsv4-sm120-long-context", f"--context-length {context}: "
-                                     "decode fell to 3-5 tok/s beyond 64K of context with the SM120 sparse-decode "
-                                     "patch; expect it on long requests", REPORT_DSV4))
-        return found
 
 
 ENGINE = Sglang()

