@@ -290,7 +290,7 @@ def test_profiles_show_builds_a_named_profile_for_its_own_engine(cli, write):
     status, out, _ = cli("profiles", "show", "sm120-deepseek-v4-flash-sglang-tp8", "-c", conf)
     assert status == 0
     assert "python3 -m sglang.launch_server --model-path /m/DeepSeek-V4-Flash --enable-metrics" in out
-    assert "engine sglang; SGLang known good" in out and "sglang-dsv4-sm120-flashmla" in out
+    assert "engine sglang; SGLang tested range not stated; known good" in out and "sglang-dsv4-sm120-flashmla" in out
     status, out, _ = cli("profiles", "list", "-c", conf)
     rows = {line.split()[0]: line.split()[1] for line in out.splitlines()}
     assert rows["sglang-generic"] == "sglang" and rows["generic"] == "vllm"

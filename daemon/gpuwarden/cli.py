@@ -226,9 +226,12 @@ def cmd_profiles(args: argparse.Namespace) -> int:
     profile = command.profile
     if args.json:
         print(json.dumps({**profile.as_dict(), "final_argv": redact_argv(command.argv),
-                          "final_env": redact_env(command.env), "lint": [f.as_dict() for f in findings]}, indent=2))
+                          "final_env": redact_env(command.env), "lint": [f.as_dict() for f in findings],
+                          "installed": composed.installed.as_dict() if composed.installed else None,
+                          "rules": [{"id": o.rule.id, "status": o.status, "reason": o.reason}
+                                    for o in composed.outcomes]}, indent=2))
         return EX_OK
-    print(render_profile(profile, command, findings))
+    print(render_profile(profile, composed))
     return EX_OK
 
 
@@ -250,14 +253,19 @@ def _placeholder_gpu(index: int, profile):
     return GpuSample(index, f"GPU-{index}", "(no GPU readable here)", "", cc)
 
 
-def render_profile(profile, command, findings) -> str:
+def render_profile(profile, composed) -> str:
+    command, findings = composed.command, composed.findings
+    title = command.engine.title
     lines = [f"profile {profile.name}: {profile.description}", f"  from {profile.file}"]
     ccs = ", ".join(profile.compute_capabilities) or "any"
     lines.append(f"  match: compute capability {ccs}; {profile.gpu_count[0]}-{profile.gpu_count[1]} GPUs; "
                  f">= {profile.min_memory_gib:g} GiB each")
     good = ", ".join(profile.known_good) or "none listed"
     bad = "; ".join(f"{b.version} ({b.reason})" for b in profile.known_bad) or "none listed"
-    lines.append(f"  engine {profile.engine}; {command.engine.title} known good: {good}; known bad: {bad}")
+    tested = f"tested on {profile.tested}; " if profile.tested is not None else "tested range not stated; "
+    lines.append(f"  engine {profile.engine}; {title} {tested}known good: {good}; known bad: {bad}")
+    if composed.installed is not None:
+        lines.append(f"  installed: {composed.installed.describe()}")
     if profile.tuning_hints:
         lines.append("  tuning hints: " + ", ".join(f"{k}: {v}" for k, v in profile.tuning_hints))
     lines.append("command (env from the profile, serve.env and the GPU selection):")
@@ -265,6 +273,10 @@ def render_profile(profile, command, findings) -> str:
     lines.append(f"  {env} {shlex.join(redact_argv(command.argv))}")
     lines.append("lint:" if findings else "lint: no findings")
     lines.extend(f"  {f}" for f in findings)
+    if composed.outcomes:
+        clear = [o for o in composed.outcomes if o.status == "clear"]
+        lines.append(f"rules ({len(composed.outcomes)}; {len(clear)} matched nothing):")
+        lines.extend(f"  {o.line()}" for o in composed.outcomes if o.status != "clear")
     for text, source in profile.notes:
         lines.append(f"note: {text} [source: {source}]")
     return "\n".join(lines)

@@ -91,6 +91,46 @@ def _health(s: GpuSample, alerts: AlertSettings) -> list[Diagnosis]:
     return out
 
 
+def _installed(config: Config, installed, engine) -> list[Diagnosis]:
+    """What the engine's interpreter has, and whether the lint rules are older than the engine."""
+    from packaging.version import InvalidVersion, Version
+
+    from .serving.engines import rules_for
+
+    if not installed.known:
+        return [Diagnosis(WARNING, f"{engine.title} installed", installed.describe(),
+                          "rules keyed to versions then only warn; set serve.python to the engine's interpreter")]
+    found = [Diagnosis(INFO, f"{engine.title} installed", installed.describe())]
+    version = installed.version(engine.name)
+    written = rules_for(config.serve.rules_dir).written_against.get(engine.name)
+    try:
+        newer = version is not None and written is not None and Version(version).release > Version(written).release
+    except InvalidVersion:
+        newer = False
+    if newer:
+        found.append(Diagnosis(WARNING, f"{engine.title} lint rules", f"written against {engine.title} {written} at the "
+                               f"newest; the installed {version} is newer, so their advice may be stale",
+                               "update gpuwarden, and add what you learn to /etc/gpuwarden/rules.d"))
+    return found
+
+
+def _metric_names(config: Config, engine) -> list[Diagnosis]:
+    """The metric names gpuwarden reads, against the running engine's /metrics (nothing when it is not up)."""
+    from .httpget import HttpError
+    from .serving.metrics import fetch
+
+    try:
+        served = fetch(config.serve.url + engine.metrics_path)
+    except (HttpError, OSError, ValueError):  # not running, or not reachable from here: nothing to compare
+        return []
+    missing = engine.metric_names.missing(served)
+    if missing:
+        return [Diagnosis(WARNING, f"{engine.title} metrics", f"this {engine.title} no longer serves "
+                          f"{'; '.join(missing)}: gpuwarden's serving metrics and stall alert go blind",
+                          "update gpuwarden (engines/ names the metrics it reads)")]
+    return [Diagnosis(OK, f"{engine.title} metrics", f"serves every metric gpuwarden reads ({len(served)} series)")]
+
+
 def _peer_path(command: ServeCommand | None) -> list[Diagnosis]:
     """With tensor parallelism, the IOMMU's state. When it translates DMA, the lint rule tp-pcie-iommu says
     so with its source (NCCL hangs on PCIe RTX PRO 6000 servers); here only the state that is fine shows.
@@ -207,6 +247,9 @@ def _serving(config: Config, backend: GpuBackend, deep: bool) -> tuple[list[Diag
     except InvalidConfig as exc:
         return [Diagnosis(ERROR, f"{title} profile", str(exc.errors[0]))], None
     found = [Diagnosis(OK, f"{title} profile", f"{prepared.command.profile.name} for {config.serve.model}")]
+    if prepared.installed is not None:
+        found += _installed(config, prepared.installed, prepared.command.engine)
+    found += _metric_names(config, prepared.command.engine)
     if prepared.home_note:
         found.append(Diagnosis(INFO, f"{title} home", prepared.home_note))
     for lint in prepared.findings:

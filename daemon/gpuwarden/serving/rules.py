@@ -170,7 +170,10 @@ def _read_file(file: Path) -> tuple[list, dict[str, str]]:
                     r.fail(path + (key,), f"expected a non-empty string, got {type_name(value)}")
                 entry[key] = str(value).strip()
         if "severity" in raw:
-            entry["severity"] = r.string(path + ("severity",), ERROR, SEVERITIES)
+            if r.get(path + ("severity",)) is False:  # YAML reads a bare `off` as false
+                entry["severity"] = OFF
+            else:
+                entry["severity"] = r.string(path + ("severity",), ERROR, SEVERITIES)
         if "when" in raw:
             entry["when"] = _when(r, path + ("when",))
         if "match" in raw:

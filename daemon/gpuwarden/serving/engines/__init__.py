@@ -44,6 +44,13 @@ class MetricNames:
     requests_waiting: str
     kv_cache_usage: tuple[str, ...]
 
+    def missing(self, served: Mapping[str, float]) -> list[str]:
+        """The names gpuwarden reads that a /metrics scrape lacks: a stale name fails as silently as an empty
+        query, and vLLM drops hidden names two minor releases on."""
+        wanted = [(self.generation_tokens,), (self.prompt_tokens,), (self.requests_running,),
+                  (self.requests_waiting,), self.kv_cache_usage]
+        return [" or ".join(names) for names in wanted if not any(name in served for name in names)]
+
 
 class Engine:
     name: str  # serve.engine, and the `engine` label

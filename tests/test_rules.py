@@ -1,0 +1,184 @@
+"""Lint rules as data: every built-in rule's examples (from its source), the corpus of real launch commands,
+rules.d overrides and FILE:LINE errors, unknown versions, and the installed-versions probe."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gpuwarden.serving.engines import builtin_rules, engine_for, evaluate_lint, rules_for
+from gpuwarden.serving.installed import Installed, installed
+from gpuwarden.serving.identity import Identity
+from gpuwarden.serving.profiles import load_profiles
+from gpuwarden.serving.rules import LintContext
+from gpuwarden.yamlfile import ConfigErrors
+
+HERE = Path(__file__).resolve().parent
+PROFILES = load_profiles(None)
+DEFAULT_VERSIONS = {"vllm": "0.32.0", "flashinfer": "0.6.18", "torch": "2.13.0", "sglang": "0.5.23"}
+TESTED_ELSEWHERE = {"known-bad", "profile-untested", "tp-pcie-iommu"}  # host or profile state: below
+
+
+def context(engine="vllm", args=(), command=None, env=None, model="/m/Qwen3-4B", cc="12.0", gpus=1,
+            versions=None, env_names=None, profile=None):
+    eng = engine_for(engine)
+    prefix = tuple(command or eng.default_command)
+    if versions == "unknown":
+        have = Installed("/py", False, error="not asked")
+    else:
+        have = Installed("/py", True, {**DEFAULT_VERSIONS, **(versions or {})},
+                         env_names=frozenset(env_names) if env_names is not None else None)
+    profile = PROFILES[profile or ("sglang-generic" if engine == "sglang" else "generic")]
+    argv = (*prefix, eng.model_flag, model, *eng.required_args, *args)
+    return LintContext(argv, dict(env or {}), profile, (cc,) * gpus, model, eng, have, len(prefix))
+
+
+def outcome_of(rule, ctx):
+    return next(o for o in evaluate_lint(ctx) if o.rule.id == rule.id)
+
+
+RULES = builtin_rules().rules
+EXAMPLES = [(rule, example) for rule in RULES for example in rule.examples]
+
+
+@pytest.mark.parametrize("rule,example", EXAMPLES, ids=[f"{r.id}-{i}" for r, ex in
+                                                          [(r, None) for r in RULES] for i in range(len(r.examples))])
+def test_every_rules_examples_from_its_source(rule, example):
+    example = dict(example)
+    fires = example.pop("fires")
+    example.setdefault("engine", rule.engine if rule.engine != "any" else "vllm")
+    outcome = outcome_of(rule, context(**example))
+    assert (outcome.finding.severity if outcome.finding else "none") == fires, outcome.line()
+    if outcome.finding:
+        assert outcome.finding.source and outcome.finding.fix and "{" not in outcome.finding.message
+
+
+def test_every_rule_has_a_firing_and_a_quiet_case_and_crosses_its_version_bounds():
+    for rule in RULES:
+        if rule.id in TESTED_ELSEWHERE:
+            continue
+        fires = [ex for ex in rule.examples if ex["fires"] != "none"]
+        quiet = [ex for ex in rule.examples if ex["fires"] == "none"]
+        assert fires and (quiet or rule.id == "api-key-on-command-line-sglang"), rule.id
+        assert rule.source and rule.fix and rule.message, rule.id
+        bounded = [m for m in ("vllm", "flashinfer", "torch", "sglang") if m in rule.when]
+        for module in bounded:  # a quiet case that differs from a firing one only across the boundary
+            firing_versions = {ex.get("versions", {}).get(module) for ex in fires}
+            assert any(ex.get("versions", {}).get(module) not in firing_versions for ex in quiet), \
+                f"{rule.id}: no quiet example across its {module} bound"
+
+
+def test_skipped_rules_say_why_in_the_operators_words():
+    rule = next(r for r in RULES if r.id == "flashinfer-sm120")
+    ctx = context(args=["--attention-backend", "FLASHINFER"], versions={"vllm": "0.15.1", "flashinfer": "0.6.16"})
+    assert outcome_of(rule, ctx).line() == "flashinfer-sm120: skipped, FlashInfer 0.6.16 is outside <0.6.16"
+    ignored = next(r for r in RULES if r.id == "dsv4-sparse-mla-cudagraph")
+    line = outcome_of(ignored, context(model="/m/DeepSeek-V4-Flash", env_names=["VLLM_USE_DEEP_GEMM"])).line()
+    assert line == "dsv4-sparse-mla-cudagraph: skipped, vLLM 0.32.0 does not read VLLM_TRITON_MLA_SPARSE_ALLOW_CUDAGRAPH"
+    gb10 = next(r for r in RULES if r.id == "gb10-memory-utilization")
+    assert outcome_of(gb10, context(cc="9.0")).line() == \
+        "gb10-memory-utilization: skipped, compute capability 9.0 is outside ==12.1"
+
+
+def test_unknown_versions_never_block_but_still_warn():
+    rule = next(r for r in RULES if r.id == "deep-gemm-fp8-unknown-recipe")
+    outcome = outcome_of(rule, context(model="/m/Qwen3.6-27B-FP8", versions="unknown"))
+    assert outcome.finding.severity == "warning" and "(if it applies: vLLM version unknown)" in outcome.finding.message
+    # The engine itself missing from the interpreter found: unknown too, not "not installed".
+    missing = outcome_of(rule, context(model="/m/Qwen3.6-27B-FP8", versions={"vllm": None}))
+    assert missing.finding.severity == "warning" and "not in /py" in missing.finding.message
+
+
+CORPUS = yaml.safe_load((HERE / "lint_corpus.yaml").read_text())
+
+
+@pytest.mark.parametrize("case", CORPUS, ids=[c["name"] for c in CORPUS])
+def test_corpus_of_real_launch_commands(case, monkeypatch):
+    monkeypatch.setattr("gpuwarden.serving.lint.iommu_state", lambda: case.get("iommu", "off"))
+    ctx = context(args=case.get("args", ()), env=case.get("env"), model=case["model"], cc=case["cc"],
+                  gpus=case.get("gpus", 1), versions=case["versions"], env_names=case.get("env_names"),
+                  profile=case.get("profile"))
+    found = {o.finding.rule: o.finding.severity for o in evaluate_lint(ctx) if o.finding}
+    assert found == case["expect"], case["source"]
+
+
+def test_corpus_covers_the_seeds_and_at_least_five_vllm_issues():
+    sources = [c["source"] for c in CORPUS]
+    assert {s.split(" ")[0] for s in sources if s.startswith("seeds/")} >= {"seeds/000", "seeds/001", "seeds/002",
+                                                                           "seeds/003"}
+    assert len({s.split(" ")[0] for s in sources if s.startswith("vllm-project/vllm#")}) >= 5
+
+
+def test_tp_over_a_translating_iommu(monkeypatch):
+    rule = next(r for r in RULES if r.id == "tp-pcie-iommu")
+    ctx = context(args=["--tensor-parallel-size", "2"], gpus=2)
+    monkeypatch.setattr("gpuwarden.serving.lint.iommu_state", lambda: "passthrough")
+    assert outcome_of(rule, ctx).status == "clear"
+    monkeypatch.setattr("gpuwarden.serving.lint.iommu_state", lambda: "translating")
+    assert "tensor parallelism 2" in outcome_of(rule, ctx).finding.message
+    assert outcome_of(rule, context(gpus=2)).status == "clear"  # no tensor parallelism
+
+
+def test_profile_untested_says_the_range():
+    rule = next(r for r in RULES if r.id == "profile-untested")
+    ctx = context(profile="sm120-glm47-nvfp4-tp4", versions={"vllm": "0.32.0"}, gpus=4)
+    assert outcome_of(rule, ctx).finding.message.startswith(
+        "profile sm120-glm47-nvfp4-tp4 was tested on vLLM ==0.15.1; the installed 0.32.0 is outside it")
+    assert outcome_of(rule, context(profile="sm120-glm47-nvfp4-tp4", versions={"vllm": "0.15.1"})).status == "clear"
+
+
+# -- rules.d -------------------------------------------------------------------------------------------------
+
+def test_rules_d_adds_and_overrides_by_id(tmp_path):
+    (tmp_path / "10-site.yaml").write_text(
+        "rules:\n"
+        "  - id: enforce-eager\n    severity: off\n"
+        "  - id: no-big-context\n    severity: error\n    when: {vllm: '>=0.30'}\n"
+        "    match: {flag_values: {--max-model-len: '[0-9]{6,}'}}\n"
+        "    message: contexts past 99999 tokens OOM on our cards\n    fix: keep --max-model-len under 100000\n"
+        "    source: our incident 2026-11-02\n")
+    rules = rules_for(tmp_path)
+    ctx = context(args=["--enforce-eager", "--max-model-len", "131072"])
+    lines = {o.rule.id: o for o in evaluate_lint(ctx, rules)}
+    assert lines["enforce-eager"].status == "skipped" and "turned off" in lines["enforce-eager"].reason
+    assert lines["no-big-context"].finding.severity == "error"
+    assert lines["no-big-context"].rule.where == f"{tmp_path / '10-site.yaml'}:4"
+
+
+@pytest.mark.parametrize("text,says", [
+    ("rules:\n  - id: x\n    severity: error\n", "rules.0.id: a new rule needs message, fix, source"),
+    ("rules:\n  - id: enforce-eager\n    when: {vllm: '>=zero'}\n", "rules.0.when.vllm: '>=zero' is not a PEP 440"),
+    ("rules:\n  - id: enforce-eager\n    severity: fatal\n", "rules.0.severity"),
+    ("rules:\n  - id: enforce-eager\n    match: {model: '(unclosed'}\n", "rules.0.match.model: '(unclosed' is not a regular"),
+    ("rules:\n  - id: enforce-eager\n    check: no_such_check\n", "check 'no_such_check' is not a check of engine vllm"),
+    ("rules:\n  - id: enforce-eager\n    colour: red\n", "rules.0.colour"),
+    ("rules:\n  - id: enforce-eager\n    match: {tp_size: [4]}\n", "rules.0.match.tp_size: expected [MIN, MAX]"),
+])
+def test_a_broken_rules_d_file_is_a_file_line_error(tmp_path, text, says):
+    (tmp_path / "bad.yaml").write_text(text)
+    with pytest.raises(ConfigErrors) as caught:
+        rules_for(tmp_path)
+    assert any(str(e).startswith(f"{tmp_path / 'bad.yaml'}:") and says in str(e) for e in caught.value.errors), \
+        [str(e) for e in caught.value.errors]
+
+
+# -- what is installed ---------------------------------------------------------------------------------------
+
+def test_installed_is_asked_once_and_again_when_its_packages_change(tmp_path, monkeypatch):
+    me = Identity("me", os.geteuid(), os.getegid(), str(tmp_path), (), switch=False)  # this test's own user
+    site = tmp_path / "site"
+    site.mkdir()
+    env = {"PATH": os.defpath, "PYTHONPATH": str(site)}
+    first = installed(sys.executable, me, env, tmp_path / "state")
+    assert first.known and first.versions["vllm"] is None and str(site) in first.dirs
+    import gpuwarden.serving.installed as mod
+
+    monkeypatch.setattr(mod, "popen", lambda *a, **k: (_ for _ in ()).throw(OSError("asked again")))
+    assert installed(sys.executable, me, env, tmp_path / "state") is first  # unchanged: not asked
+    mod._memory.clear()
+    assert installed(sys.executable, me, env, tmp_path / "state").versions == first.versions  # from the file
+    (site / "newpkg").mkdir()  # what a pip install does to the directory
+    again = installed(sys.executable, me, env, tmp_path / "state")
+    assert not again.known and "asked again" in again.error
