@@ -146,3 +146,31 @@ def test_doctor_on_a_degraded_link_and_pending_remap():
     clock.advance(15)  # 41 s: idle at Gen1, which is power saving
     findings = {f.check: f for f in diagnose(cfg, backend, deep=False)}
     assert findings["GPU0 PCIe"].severity == "info" and "Gen1 x16 of Gen5 x16" in findings["GPU0 PCIe"].message
+
+
+def test_doctor_names_the_metrics_a_running_vllm_no_longer_serves(write, cli, child_user, monkeypatch):
+    served = {"vllm:generation_tokens_total": 5.0, "vllm:prompt_tokens_total": 9.0,
+              "vllm:num_requests_running": 0.0, "vllm:num_requests_waiting": 0.0}
+    monkeypatch.setattr("gpuwarden.serving.metrics.fetch", lambda url: served)
+    path = write("g.yaml", "gpu:\n  backend: sim\n  scenario: rtx-pro-4000-headless\nserve:\n  enabled: true\n"
+                 f"  user: {child_user}\n  model: /m/Qwen3-4B\n")
+    status, out, _ = cli("doctor", "--no-deep", "-c", path)
+    assert "WARNING vLLM metrics: this vLLM no longer serves vllm:kv_cache_usage_perc or " \
+           "vllm:gpu_cache_usage_perc: gpuwarden's serving metrics and stall alert go blind" in out
+    served["vllm:kv_cache_usage_perc"] = 0.1
+    status, out, _ = cli("doctor", "--no-deep", "-c", path)
+    assert "OK      vLLM metrics: serves every metric gpuwarden reads (5 series)" in out
+
+
+def test_doctor_says_when_the_lint_rules_are_older_than_the_installed_vllm(monkeypatch):
+    from gpuwarden.doctor import _installed
+    from gpuwarden.serving.engines.vllm import ENGINE
+    from gpuwarden.serving.installed import Installed
+
+    cfg = config.parse_text("serve:\n  model: /m/x\n", "c.yaml")
+    newer = Installed("/py", True, {"vllm": "0.34.1", "flashinfer": None, "torch": "2.14.0", "sglang": None})
+    lines = _installed(cfg, newer, ENGINE)
+    assert lines[1].severity == "warning" and lines[1].message.startswith(
+        "written against vLLM 0.32.0 at the newest; the installed 0.34.1 is newer")
+    same = Installed("/py", True, {"vllm": "0.32.0+cpu", "flashinfer": None, "torch": "2.13.0", "sglang": None})
+    assert len(_installed(cfg, same, ENGINE)) == 1  # a local build of the same release is not newer

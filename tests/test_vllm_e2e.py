@@ -106,6 +106,16 @@ def test_serves_survives_sigkill_without_orphans_and_stops_clean(write, daemons,
             time.sleep(0.2)
     assert any("READY=1" in n for n in notes)
     assert complete(port, tiny_model)["choices"][0]["text"]
+    # Every metric name gpuwarden reads, against this vLLM's own /metrics (issue 15: stale names fail silently).
+    from gpuwarden.serving.engines.vllm import ENGINE as VLLM
+    from gpuwarden.serving.metrics import fetch
+
+    served = fetch(f"http://127.0.0.1:{port}/metrics")
+    assert VLLM.metric_names.missing(served) == [], sorted(n for n in served if n.startswith("vllm:"))
+    doctor = subprocess.run([*gpuwarden_cmd(), "doctor", "--no-deep", "-c", str(path)], capture_output=True,
+                            text=True, env=subprocess_env(), timeout=120)
+    assert "OK      vLLM metrics: serves every metric gpuwarden reads" in doctor.stdout, doctor.stdout
+    assert "INFO    vLLM installed: vLLM 0.32.0, FlashInfer not installed, torch" in doctor.stdout
     vllm_lines = [line for line in d.lines if "vllm: " in line]
     assert vllm_lines, "vLLM's output goes to our log"
 

@@ -189,7 +189,8 @@ def _serve_check(config: Config, backend, deep: bool, as_json: bool) -> dict:
             also = "(--deep also runs its parser)" if engine.flag_probe else f"({engine.title} has no parser to run)"
             print(f"{engine.title} command checked {also}: {argv}")
     out = {"engine": engine.name, "profile": prepared.command.profile.name, "argv": redact_argv(prepared.command.argv),
-           "engine_version": version, "lint": [f.as_dict() for f in prepared.findings]}
+           "engine_version": version, "lint": [f.as_dict() for f in prepared.findings],
+           "installed": prepared.installed.as_dict() if prepared.installed else None}
     if engine.name == "vllm":
         out["vllm_version"] = version  # the older key, kept this release
     return out
