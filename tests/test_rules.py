@@ -155,6 +155,7 @@ def test_rules_d_adds_and_overrides_by_id(tmp_path):
     ("rules:\n  - id: enforce-eager\n    check: no_such_check\n", "check 'no_such_check' is not a check of engine vllm"),
     ("rules:\n  - id: enforce-eager\n    colour: red\n", "rules.0.colour"),
     ("rules:\n  - id: enforce-eager\n    match: {tp_size: [4]}\n", "rules.0.match.tp_size: expected [MIN, MAX]"),
+    ("rules:\n  - id: enforce-eager\n    engine: tgi\n", "engine 'tgi' is not installed (known: any, sglang, vllm)"),
 ])
 def test_a_broken_rules_d_file_is_a_file_line_error(tmp_path, text, says):
     (tmp_path / "bad.yaml").write_text(text)
@@ -244,3 +245,35 @@ def test_the_readme_lists_every_built_in_rule_with_its_source():
         row = next((line for line in readme.splitlines() if line.startswith(f"| `{rule.id}` |")), None)
         assert row is not None, f"README lacks a row for {rule.id}"
         assert rule.source.replace("|", "\\|") in row
+
+
+@pytest.mark.integration
+def test_the_daemon_refuses_to_start_serving_on_a_rules_d_error(write, daemons, child_user, tmp_path):
+    from conftest import free_port
+
+    conf = write("etc/gpuwarden.yaml", f"metrics:\n  listen: 127.0.0.1:{free_port()}\n"
+                 "gpu: {backend: sim, scenario: rtx-pro-4000-headless}\ntuning: {apply: false}\n"
+                 f"serve:\n  enabled: true\n  model: /m/Qwen3-4B\n  user: {child_user}\n"
+                 f"  command: [{sys.executable}, -m, vllm.entrypoints.openai.api_server]\n  args: [--enforce-eager]\n")
+    write("etc/rules.d/50-site.yaml", SITE_RULE)
+    d = daemons(conf, env={**os.environ, "STATE_DIRECTORY": str(tmp_path / "state")})
+    assert d.proc.wait(timeout=60) == 78
+    assert "lint site-no-eager: eager mode is banned on this fleet" in d.log
+
+
+def test_every_vllm_metric_name_gpuwarden_ships_is_one_the_live_check_covers():
+    """The exporter reads vLLM through MetricNames; the shipped rules and dashboard must not read vllm: names
+    the real-vLLM test (test_vllm_e2e) does not check."""
+    import re
+
+    from gpuwarden.serving.engines.vllm import ENGINE as VLLM
+
+    names = VLLM.metric_names
+    covered = {names.generation_tokens, names.prompt_tokens, names.requests_running, names.requests_waiting,
+               *names.kv_cache_usage}
+    root = HERE.parent
+    used = set()
+    for path in [*(root / "etc").rglob("*"), *(root / "daemon").rglob("*.py")]:
+        if path.is_file():
+            used |= set(re.findall(r"vllm:[a-z_]+", path.read_text(errors="replace")))
+    assert used and used <= covered, used - covered

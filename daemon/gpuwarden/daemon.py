@@ -156,6 +156,8 @@ class Daemon:
         title = prepared.command.engine.title
         if prepared.home_note:
             log.info("%s's user %s", title, prepared.home_note)
+        if prepared.installed is not None:
+            log.info("%s: %s", title, prepared.installed.describe())
         for finding in prepared.findings:
             log.warning("%s lint %s", title, finding)
         problems = prepared.blocking(config)

@@ -128,15 +128,19 @@ def load_rules(user_dir: Path | None, checks: Mapping[str, set[str]]) -> Rules:
             if known is None:
                 missing = [k for k in NEW_RULE_NEEDS if k not in entry]
                 if missing:
-                    problems.append(error(f"a new rule needs {', '.join(missing)} (no built-in rule has id "
-                                          f"{entry['id']!r} to override)"))
+                    problems.append(error(f"a new rule needs {', '.join(missing)} (no built-in or earlier rule "
+                                          f"has id {entry['id']!r} to override)"))
                     continue
                 known = {"engine": "vllm", "when": {}, "match": {}, "check": None, "examples": ()}
             merged[entry["id"]] = {**known, **entry}
             engine, check = merged[entry["id"]]["engine"], merged[entry["id"]]["check"]
-            if check is not None and check not in checks.get(engine, set()) | checks.get(ENGINES_ANY, set()):
+            if engine not in checks:
+                problems.append(error(f"engine {engine!r} is not installed (known: {', '.join(sorted(checks))})"))
+                continue
+            allowed = checks[engine] | checks.get(ENGINES_ANY, set())
+            if check is not None and check not in allowed:
                 problems.append(error(f"check {check!r} is not a check of engine {engine} (known: "
-                                      f"{', '.join(sorted(checks.get(engine, set()) | checks.get(ENGINES_ANY, set())))})"))
+                                      f"{', '.join(sorted(allowed))})"))
     if problems:
         raise ConfigErrors(problems)
     return Rules(tuple(Rule(**entry) for entry in merged.values()), written_against)
