@@ -150,7 +150,8 @@ def test_doctor_on_a_degraded_link_and_pending_remap():
 
 def test_doctor_names_the_metrics_a_running_vllm_no_longer_serves(write, cli, child_user, monkeypatch):
     served = {"vllm:generation_tokens_total": 5.0, "vllm:prompt_tokens_total": 9.0,
-              "vllm:num_requests_running": 0.0, "vllm:num_requests_waiting": 0.0}
+              "vllm:num_requests_running": 0.0, "vllm:num_requests_waiting": 0.0,
+              "vllm:prefix_cache_queries_total": 0.0, "vllm:prefix_cache_hits_total": 0.0}
     monkeypatch.setattr("gpuwarden.serving.metrics.fetch", lambda url: served)
     path = write("g.yaml", "gpu:\n  backend: sim\n  scenario: rtx-pro-4000-headless\nserve:\n  enabled: true\n"
                  f"  user: {child_user}\n  model: /m/Qwen3-4B\n")
@@ -159,7 +160,7 @@ def test_doctor_names_the_metrics_a_running_vllm_no_longer_serves(write, cli, ch
            "vllm:gpu_cache_usage_perc: gpuwarden's serving metrics and stall alert go blind" in out
     served["vllm:kv_cache_usage_perc"] = 0.1
     status, out, _ = cli("doctor", "--no-deep", "-c", path)
-    assert "OK      vLLM metrics: serves every metric gpuwarden reads (5 series)" in out
+    assert "OK      vLLM metrics: serves every metric gpuwarden reads (7 series)" in out
 
 
 def test_doctor_says_when_the_lint_rules_are_older_than_the_installed_vllm(monkeypatch):

@@ -270,7 +270,7 @@ def test_every_vllm_metric_name_gpuwarden_ships_is_one_the_live_check_covers():
 
     names = VLLM.metric_names
     covered = {names.generation_tokens, names.prompt_tokens, names.requests_running, names.requests_waiting,
-               *names.kv_cache_usage}
+               *names.kv_cache_usage, names.prefix_cache_queries, names.prefix_cache_hits}
     root = HERE.parent
     used = set()
     for path in [*(root / "etc").rglob("*"), *(root / "daemon").rglob("*.py")]:

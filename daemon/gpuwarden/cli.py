@@ -1,4 +1,4 @@
-"""Command line: check, plan, apply, run, status, profiles, doctor."""
+"""Command line: check, plan, apply, run, status, profiles, doctor, bench."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 from . import __version__, tunables
 from . import config as configmod
 from .backends import open_configured
+from .bench import command as bench_command
 from .config import EX_CONFIG, Config
 from .gpu import errors
 from .gpu.sim.scenario import builtin_scenarios, resolve_scenario, unknown_scenario
@@ -75,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="the daemon's raw /status JSON")
     p.add_argument("--user", metavar="NAME", help="basic auth user when metrics.web_config asks for one (the "
                    "password comes from $GPUWARDEN_PASSWORD)")
+    bench_command.add_parser(sub, common)
     return parser
 
 
@@ -401,7 +403,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     return EX_OK
 
 
-COMMANDS = {"check": cmd_check, "plan": cmd_plan, "apply": cmd_apply, "run": cmd_run, "status": cmd_status,
+def cmd_bench(args: argparse.Namespace) -> int:
+    return bench_command.cmd_bench(args, load_config(args))
+
+
+COMMANDS = {"bench": cmd_bench, "check": cmd_check, "plan": cmd_plan, "apply": cmd_apply, "run": cmd_run, "status": cmd_status,
             "profiles": cmd_profiles, "doctor": cmd_doctor}
 
 

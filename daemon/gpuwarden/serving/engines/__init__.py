@@ -43,12 +43,15 @@ class MetricNames:
     requests_running: str
     requests_waiting: str
     kv_cache_usage: tuple[str, ...]
+    prefix_cache_queries: str | None = None  # counters in tokens, where the engine has them (`gpuwarden bench`)
+    prefix_cache_hits: str | None = None
 
     def missing(self, served: Mapping[str, float]) -> list[str]:
         """The names gpuwarden reads that a /metrics scrape lacks: a stale name fails as silently as an empty
         query, and vLLM drops hidden names two minor releases on."""
         wanted = [(self.generation_tokens,), (self.prompt_tokens,), (self.requests_running,),
-                  (self.requests_waiting,), self.kv_cache_usage]
+                  (self.requests_waiting,), self.kv_cache_usage,
+                  *((name,) for name in (self.prefix_cache_queries, self.prefix_cache_hits) if name)]
         return [" or ".join(names) for names in wanted if not any(name in served for name in names)]
 
 

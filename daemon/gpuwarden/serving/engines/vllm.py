@@ -71,7 +71,8 @@ class Vllm(Engine):
     # vLLM renamed gpu_cache_usage_perc to kv_cache_usage_perc; both are read, the new name first.
     metric_names = MetricNames("vllm:generation_tokens_total", "vllm:prompt_tokens_total",
                                "vllm:num_requests_running", "vllm:num_requests_waiting",
-                               ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"))
+                               ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+                               "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
     flag_probe = PROBE
     checks = {"kv_cache_fp8_e5m2": kv_cache_fp8_e5m2, "ngram_small_model": ngram_small_model,
               "memory_above_tp4": memory_above_tp4, "ignored_vllm_env": ignored_vllm_env}

@@ -1,0 +1,205 @@
+"""`gpuwarden bench`: its arguments, and the run from the config to the report."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+from .. import __version__
+from ..config import Config
+from ..statedir import state_dir
+from .watch import Watch
+
+HELP = """\
+Runs a concurrency sweep against an OpenAI-compatible endpoint (by default the engine gpuwarden
+supervises, from the config) and prints, per step: system output tok/s, per-request decode tok/s,
+TTFT and inter-token latency, errors; beside them, from the same seconds, the SM and memory clocks,
+power against its limit and the clock-event reasons (from the running daemon's /status, else from NVML),
+the engine's running and waiting requests, KV-cache usage and prefix-cache hit rate; and the single-stream
+roofline (memory bandwidth / bytes per token) with the efficiency at C=1. A step that ran throttled or
+below the clock lock is flagged. Results are kept under the state directory for --compare.
+
+Exit status: 0 done, 1 a step had only errors, 3 nothing to compare, 69 the server cannot be reached,
+78 bad arguments or config, 130 interrupted (the partial result is still printed and saved)."""
+
+EX_STEP_FAILED, EX_UNREACHABLE, EX_USAGE, EX_INTERRUPTED = 1, 69, 78, 130
+
+
+def add_parser(sub, common) -> None:
+    p = sub.add_parser("bench", parents=[common], help="served throughput by concurrency, with the clocks, the "
+                       "power and the roofline beside it", description=HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", help="the server, e.g. http://host:8000 (default: serve.host and serve.port)")
+    p.add_argument("--model", help="the model name to request (default: the first /v1/models lists)")
+    p.add_argument("--concurrency", default="1,2,4,8", help="the steps, comma-separated (default: 1,2,4,8)")
+    p.add_argument("--requests", type=int, help="requests per step (default: 4 x C, at least 8)")
+    p.add_argument("--duration", type=float, metavar="SECONDS", help="run each step this long instead of a count")
+    p.add_argument("--warmup", type=int, default=2, help="requests before the first step (default: 2)")
+    p.add_argument("--input-len", type=int, default=512, help="prompt tokens per request (default: 512)")
+    p.add_argument("--output-len", type=int, default=128, help="output tokens per request (default: 128)")
+    p.add_argument("--api", choices=("completions", "chat"), default="completions",
+                   help="/v1/completions or /v1/chat/completions (default: completions)")
+    p.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at end-of-sequence")
+    p.add_argument("--model-path", type=Path, help="the model directory, for the roofline (default: serve.model "
+                   "when it is a directory)")
+    p.add_argument("--tp", type=int, help="tensor-parallel GPUs, for the roofline (default: from the serving "
+                   "command, else 1)")
+    p.add_argument("--label", help="a name for this run, for --compare (default: its time)")
+    p.add_argument("--compare", nargs=2, metavar=("A", "B"), help="show two saved runs side by side and exit")
+    p.add_argument("--json", action="store_true", help="the result as JSON")
+    p.add_argument("--markdown", action="store_true", help="the result as a Markdown table, to paste in an issue")
+
+
+def _concurrency(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 or v > 4096 for v in values):
+        raise ValueError(f"--concurrency {text!r}: expected positive integers up to 4096, e.g. 1,2,4,8")
+    return values
+
+
+def _raise_fd_limit(concurrency: int) -> None:
+    """Each stream is a socket: 1,024 of them need more than the usual soft limit of 1,024 descriptors."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = min(hard, max(soft, concurrency + 256)) if hard != resource.RLIM_INFINITY else max(soft, concurrency + 256)
+    if want > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
+
+def _gpu_reader(config: Config):
+    """(reader, where from, note): the daemon's /status when it answers, else NVML (or the configured
+    simulator), else nothing."""
+    from ..backends import open_configured
+    from ..gpu import errors
+    from ..status import StatusError, fetch_status
+
+    if config.metrics.url is not None:
+        try:
+            if fetch_status(config.metrics, timeout_s=2.0) is not None:
+                return (lambda: (fetch_status(config.metrics, timeout_s=2.0) or {}).get("gpus"),
+                        f"the daemon's /status at {config.metrics.url}", None)
+        except StatusError:
+            pass
+    try:
+        backend = open_configured(config)
+    except errors.GpuError as exc:
+        return None, "nowhere", f"no GPU view: no daemon answers and {exc}"
+    return (lambda: [g.sample().as_dict() for g in backend.gpus()],
+            "NVML" if config.gpu.backend == "nvml" else f"the {config.gpu.backend} backend", None)
+
+
+def _serving_facts(config: Config) -> tuple[Path | None, int, str | None, object]:
+    """(model dir, TP size, KV cache dtype, metric names) from the serving config, where it says."""
+    from ..serving.engines import engine_for
+    from ..serving.flags import flag_value
+
+    engine = engine_for(config.serve.engine)
+    model = Path(config.serve.model) if config.serve.model and Path(config.serve.model).is_dir() else None
+    args = list(config.serve.args)
+    tp = engine.tensor_parallel_size(args) if engine else 1
+    return model, tp, flag_value(args, "--kv-cache-dtype"), engine.metric_names if engine else None
+
+
+def cmd_bench(args: argparse.Namespace, config: Config) -> int:
+    from .report import load, render_compare, render_markdown, render_table, roofline, save
+    from .sweep import BenchError, Settings, Sweep, run
+    from .workload import Workload
+
+    saved_dir = state_dir() / "bench"
+    if args.compare:
+        try:
+            a, b = (load(ref, saved_dir) for ref in args.compare)
+        except ValueError as exc:
+            print(f"gpuwarden bench: {exc}", file=sys.stderr)
+            return 3
+        print(render_compare(a, b, *args.compare))
+        return 0
+    try:
+        steps = _concurrency(args.concurrency)
+        if args.input_len < 1 or args.output_len < 1 or (args.requests is not None and args.requests < 1) \
+                or (args.duration is not None and args.duration <= 0) or args.warmup < 0:
+            raise ValueError("--input-len, --output-len, --requests and --duration must be positive")
+    except ValueError as exc:
+        print(f"gpuwarden bench: {exc}", file=sys.stderr)
+        return EX_USAGE
+    base = (args.url or config.serve.url).rstrip("/").removesuffix("/v1")
+    model_dir, tp, kv_dtype, names = _serving_facts(config)
+    if args.url and args.url.rstrip("/").removesuffix("/v1") != config.serve.url:
+        model_dir, tp = None, 1  # another server: its model and TP are not the config's
+    model_dir, tp = args.model_path or model_dir, args.tp or tp
+    read_gpus, gpu_source, gpu_note = _gpu_reader(config)
+    watch = Watch(read_gpus, gpu_source, base + "/metrics", names)
+    workload = Workload(args.model or "", args.api, args.input_len, args.output_len, not args.no_ignore_eos)
+    settings = Settings(base, workload, steps, None if args.duration else args.requests, args.duration,
+                        args.warmup)
+    sweep = Sweep(settings)
+    if gpu_note:
+        sweep.notes.append(gpu_note)
+    progress = Progress(sys.stderr)
+    _raise_fd_limit(max(steps))
+    started = time.time()
+    code = 0
+    try:
+        asyncio.run(run(sweep, watch, progress.update))
+    except BenchError as exc:
+        progress.clear()
+        print(f"gpuwarden bench: {exc}", file=sys.stderr)
+        if not sweep.steps:
+            return EX_UNREACHABLE if "cannot reach" in str(exc) else EX_USAGE
+        code = EX_STEP_FAILED
+    except KeyboardInterrupt:
+        sweep.interrupted = True
+    progress.clear()
+    result = {"version": __version__, "started_at": started, "url": base, "model": sweep.model, "api": args.api,
+              "input_len": args.input_len, "output_len": args.output_len,
+              "ignore_eos": sweep.settings.workload.ignore_eos, "gpu_source": gpu_source,
+              "interrupted": sweep.interrupted, "notes": sweep.notes, "steps": sweep.steps}
+    result["roofline"] = roofline(result, model_dir, tp, kv_dtype)
+    if sweep.steps:
+        try:
+            path = save(result, saved_dir, args.label)
+            result["saved_as"] = str(path)
+        except OSError as exc:
+            sweep.notes.append(f"not saved: {saved_dir}: {exc.strerror}")
+    if args.json:
+        print(json.dumps(result, indent=2))
+    elif args.markdown:
+        print(render_markdown(result))
+    else:
+        print(render_table(result))
+        if result.get("saved_as"):
+            print(f"saved: {result['saved_as']} (gpuwarden bench --compare A B)")
+    if sweep.interrupted:
+        print("gpuwarden bench: interrupted; the result above is partial", file=sys.stderr)
+        return EX_INTERRUPTED
+    if any(s["ok"] == 0 for s in sweep.steps):
+        return EX_STEP_FAILED
+    return code
+
+
+class Progress:
+    """One status line on a terminal (step, requests done, elapsed), nothing when stderr is not one."""
+
+    def __init__(self, out):
+        self.out, self.on = out, out.isatty()
+        self._last = 0.0
+
+    def update(self, concurrency: int, done: int, total: int | None, elapsed: float) -> None:
+        if not self.on or time.monotonic() - self._last < 0.2:
+            return
+        self._last = time.monotonic()
+        of = f"/{total}" if total else ""
+        self.out.write(f"\rC={concurrency}: {done}{of} requests, {elapsed:.1f} s  ")
+        self.out.flush()
+
+    def clear(self) -> None:
+        if self.on:
+            self.out.write("\r\033[K")
+            self.out.flush()

@@ -1,0 +1,178 @@
+"""The sweep: find the model, calibrate the prompt length, warm up, then one step per concurrency.
+
+A step keeps C requests in flight until it has sent its count (or its duration is up) and is timed from its
+first request to its last token, as vLLM's benchmark times a run. The Watch records the GPUs and the engine
+over the same seconds. Ctrl-C (or any cancellation) ends the step in flight: its requests are cancelled, the
+session and its sockets closed, and what finished is kept as a partial step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import aiohttp
+
+from .client import RequestResult, stream
+from .watch import Watch, step_flags
+from .workload import CALIBRATION_WORDS, Workload
+
+CONNECT_TIMEOUT_S = 10.0
+
+
+class BenchError(Exception):
+    """One line for the user: the server is down, the model unknown, or nothing could be sent."""
+
+
+@dataclass
+class Settings:
+    base_url: str  # http://host:port, without /v1
+    workload: Workload
+    concurrency: list[int]
+    requests: int | None  # per step; None: 4 x C (at least 8), or duration_s when that is given
+    duration_s: float | None
+    warmup: int = 2
+    request_timeout_s: float = 600.0
+
+
+@dataclass
+class Sweep:
+    """Filled in as it runs, so that an interrupted sweep still has everything that finished."""
+
+    settings: Settings
+    model: str | None = None
+    notes: list[str] = field(default_factory=list)
+    steps: list[dict] = field(default_factory=list)
+    interrupted: bool = False
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def summarize_step(concurrency: int, results: list[RequestResult], duration_s: float, interrupted: bool) -> dict:
+    ok = [r for r in results if r.ok]
+    errors = [r for r in results if not r.ok]
+    tokens = sum(r.output_tokens for r in ok)
+    speeds = [s for r in ok if (s := r.decode_tokens_per_s) is not None]
+    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+    itl = [gap for r in ok for gap in r.itl_s]
+    prompts = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
+    return {"concurrency": concurrency, "requests": len(results), "ok": len(ok), "errors": len(errors),
+            "first_error": errors[0].error if errors else None, "interrupted": interrupted,
+            "duration_s": duration_s, "output_tokens": tokens,
+            "input_tokens_mean": statistics.fmean(prompts) if prompts else None,
+            "system_tokens_per_s": tokens / duration_s if duration_s > 0 and ok else None,
+            "per_request_tokens_per_s_mean": statistics.fmean(speeds) if speeds else None,
+            "per_request_tokens_per_s_p50": percentile(speeds, 0.5),
+            "ttft_mean_s": statistics.fmean(ttft) if ttft else None,
+            "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
+            "itl_p50_s": percentile(itl, 0.5), "itl_p99_s": percentile(itl, 0.99),
+            "latency_mean_s": statistics.fmean([r.latency_s for r in ok]) if ok else None}
+
+
+async def _models(session: aiohttp.ClientSession, base: str) -> list[str]:
+    try:
+        async with session.get(f"{base}/v1/models") as reply:
+            if reply.status != 200:
+                raise BenchError(f"{base}/v1/models answered HTTP {reply.status}: is this an OpenAI-compatible server?")
+            body = await reply.json(content_type=None)
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        raise BenchError(f"cannot reach {base} ({type(exc).__name__}: {exc}); is the engine running? "
+                         "(`gpuwarden status` says)") from None
+    except ValueError:
+        raise BenchError(f"{base}/v1/models did not answer JSON: is this an OpenAI-compatible server?") from None
+    return [m.get("id") for m in body.get("data", []) if isinstance(m, dict) and m.get("id")]
+
+
+async def _calibrate(session: aiohttp.ClientSession, url: str, workload: Workload, notes: list[str]) -> Workload:
+    """How many tokens the server counts per prompt word; whether it takes ignore_eos."""
+    first = await stream(session, url, workload.payload(-1, max_tokens=1, words=CALIBRATION_WORDS))
+    if not first.ok and workload.ignore_eos and "ignore_eos" in (first.error or ""):
+        workload = replace(workload, ignore_eos=False)
+        notes.append("the server rejects ignore_eos: outputs may end before --output-len")
+        first = await stream(session, url, workload.payload(-1, max_tokens=1, words=CALIBRATION_WORDS))
+    if not first.ok:
+        raise BenchError(f"the first request failed: {first.error}")
+    if first.prompt_tokens:
+        return replace(workload, tokens_per_word=first.prompt_tokens / (CALIBRATION_WORDS + 1))
+    notes.append("the server reports no usage: prompts are sized at one token per word")
+    return workload
+
+
+async def _step(session: aiohttp.ClientSession, url: str, settings: Settings, workload: Workload, concurrency: int,
+                ids: itertools.count, progress: Callable[[int, int | None, float], None]) -> tuple[list, float, bool]:
+    results: list[RequestResult] = []
+    remaining = settings.requests or max(8, 4 * concurrency)
+    start = time.perf_counter()
+    deadline = start + settings.duration_s if settings.duration_s else None
+
+    async def worker() -> None:
+        nonlocal remaining
+        while True:
+            if deadline is not None:
+                if time.perf_counter() >= deadline:
+                    return
+            elif remaining <= 0:
+                return
+            else:
+                remaining -= 1
+            results.append(await stream(session, url, workload.payload(next(ids))))
+            progress(len(results), None if deadline else settings.requests or max(8, 4 * concurrency),
+                     time.perf_counter() - start)
+
+    tasks = [asyncio.create_task(worker()) for _ in range(concurrency)]
+    interrupted = False
+    try:
+        await asyncio.gather(*tasks)
+    except asyncio.CancelledError:
+        interrupted = True
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return results, time.perf_counter() - start, interrupted
+
+
+async def run(sweep: Sweep, watch: Watch, progress: Callable[[int, int, int | None, float], None]) -> Sweep:
+    settings = sweep.settings
+    connector = aiohttp.TCPConnector(limit=0)  # no pool cap: a thousand streams need a thousand connections
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=settings.request_timeout_s)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        base = settings.base_url.rstrip("/")
+        served = await _models(session, base)
+        wanted = settings.workload.model
+        if wanted and wanted not in served:
+            raise BenchError(f"model {wanted!r} is not served at {base}; it serves: {', '.join(served) or 'nothing'}")
+        if not served:
+            raise BenchError(f"{base}/v1/models lists no model")
+        sweep.model = wanted or served[0]
+        workload = replace(settings.workload, model=sweep.model)
+        url = base + workload.path
+        try:
+            workload = await _calibrate(session, url, workload, sweep.notes)
+            ids = itertools.count()
+            for _ in range(settings.warmup):
+                await stream(session, url, workload.payload(next(ids)))
+            for concurrency in settings.concurrency:
+                watch.begin()
+                results, duration, interrupted = await _step(
+                    session, url, settings, workload, concurrency, ids,
+                    lambda done, total, elapsed, c=concurrency: progress(c, done, total, elapsed))
+                gpus, engine = watch.end()
+                step = summarize_step(concurrency, results, duration, interrupted)
+                step.update(gpus=gpus, engine=engine, flags=step_flags(gpus, None))
+                sweep.steps.append(step)
+                if interrupted:
+                    sweep.interrupted = True
+                    break
+        except asyncio.CancelledError:  # between steps (calibration, warm-up)
+            sweep.interrupted = True
+        sweep.settings = replace(settings, workload=workload)
+    return sweep

@@ -1,0 +1,152 @@
+"""What the GPUs and the engine did during a step, from the same seconds as the requests.
+
+A thread polls, every interval: the GPUs (from the running daemon's /status, which also knows the clock
+locks, or from NVML directly when no daemon answers) and the engine's /metrics (running and waiting requests,
+KV-cache usage). The engine's counters are read at the step's start and end: tokens generated and prefix-cache
+hits over exactly that step.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..gpu.base import ClockEventReason
+from ..throttle import HELD_DOWN, LOCK_TOLERANCE_MHZ
+from ..serving.metrics import fetch
+
+HELD_DOWN_NAMES = set(ClockEventReason(HELD_DOWN).names())
+GpuReader = Callable[[], "list[dict] | None"]  # the GPUs as /status reports them (GpuSample.as_dict + locks)
+
+
+@dataclass
+class Polls:
+    gpus: dict[int, list[dict]] = field(default_factory=dict)
+    engine: list[dict[str, float]] = field(default_factory=list)
+    gpu_errors: int = 0
+
+
+class Watch:
+    def __init__(self, read_gpus: GpuReader | None, gpu_source: str, metrics_url: str | None, names,
+                 interval_s: float = 0.5):
+        self.read_gpus, self.gpu_source = read_gpus, gpu_source
+        self.metrics_url, self.names, self.interval_s = metrics_url, names, interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._polls = Polls()
+        self._start_counters: dict[str, float] | None = None
+
+    def _scrape(self) -> dict[str, float] | None:
+        if self.metrics_url is None:
+            return None
+        try:
+            return fetch(self.metrics_url)
+        except Exception:  # the engine is being restarted, or not ours to read: the step says "not reported"
+            return None
+
+    def _poll(self) -> None:
+        # Polls fall inside the step: the first one an interval after it began, none after it ended.
+        while not self._stop.wait(self.interval_s):
+            self._poll_once()
+
+    def _poll_once(self) -> None:
+        if self.read_gpus is not None:
+            try:
+                gpus = self.read_gpus()
+            except Exception:  # the daemon restarting, a GPU lost: counted, and the step says so
+                gpus = None
+            if gpus is None:
+                self._polls.gpu_errors += 1
+            for gpu in gpus or []:
+                self._polls.gpus.setdefault(gpu["index"], []).append(gpu)
+        scraped = self._scrape()
+        if scraped is not None:
+            self._polls.engine.append(scraped)
+
+    def begin(self) -> None:
+        self._polls = Polls()
+        self._start_counters = self._scrape()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._poll, name="bench-watch", daemon=True)
+        self._thread.start()
+
+    def end(self) -> tuple[list[dict], dict]:
+        """Stop polling; (per-GPU summary, engine summary) of the step."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if not self._polls.gpus and self.read_gpus is not None:  # a step shorter than one interval: one look
+            self._poll_once()
+        end = self._scrape()
+        return ([summarize_gpu(index, polls) for index, polls in sorted(self._polls.gpus.items())],
+                summarize_engine(self.names, self._start_counters, end, self._polls.engine))
+
+
+def _mean(values: list[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+def summarize_gpu(index: int, polls: list[dict]) -> dict:
+    sm = [p["sm_clock_mhz"] for p in polls if p.get("sm_clock_mhz") is not None]
+    mem = [p["memory_clock_mhz"] for p in polls if p.get("memory_clock_mhz") is not None]
+    power = [p["power_w"] for p in polls if p.get("power_w") is not None]
+    util = [p["utilization_pct"] for p in polls if p.get("utilization_pct") is not None]
+    bandwidth = [p["memory_bandwidth_bytes_per_s"] for p in polls if p.get("memory_bandwidth_bytes_per_s")]
+    reasons: list[str] = []
+    for p in polls:
+        for name in p.get("clock_event_reasons") or []:
+            if name not in reasons:
+                reasons.append(name)
+    lock = next((p["sm_lock_mhz"] for p in reversed(polls) if p.get("sm_lock_mhz")), None)
+    busy = [p for p in polls if (p.get("utilization_pct") or 0) >= 50]
+    below = [p for p in busy if lock and p.get("sm_clock_mhz") is not None
+             and p["sm_clock_mhz"] < lock[0] - LOCK_TOLERANCE_MHZ]
+    limits = [p["power_limit_w"] for p in polls if p.get("power_limit_w") is not None]
+    return {"index": index, "name": polls[-1].get("name"), "polls": len(polls),
+            "sm_mhz_min": min(sm) if sm else None, "sm_mhz_mean": _mean(sm),
+            "memory_mhz_min": min(mem) if mem else None, "memory_mhz_mean": _mean(mem),
+            "power_w_mean": _mean(power), "power_w_max": max(power) if power else None,
+            "power_limit_w": limits[-1] if limits else None, "utilization_pct_mean": _mean(util),
+            "bandwidth_bytes_per_s_mean": _mean(bandwidth),
+            "memory_bus_width_bits": polls[-1].get("memory_bus_width_bits"),
+            "reasons_seen": reasons, "held_down_by": [r for r in reasons if r in HELD_DOWN_NAMES],
+            "sm_lock_mhz": list(lock) if lock else None, "polls_below_lock": len(below), "busy_polls": len(busy)}
+
+
+def summarize_engine(names, start: dict | None, end: dict | None, polls: list[dict]) -> dict:
+    if names is None or (start is None and not polls):
+        return {"reported": False}
+
+    def delta(name: str | None) -> float | None:
+        if name is None or start is None or end is None or name not in start or name not in end:
+            return None
+        return end[name] - start[name]
+
+    def series(name: str) -> list[float]:
+        return [p[name] for p in polls if name in p]
+
+    kv = next((series(n) for n in names.kv_cache_usage if series(n)), [])
+    hits, queries = delta(names.prefix_cache_hits), delta(names.prefix_cache_queries)
+    running, waiting = series(names.requests_running), series(names.requests_waiting)
+    return {"reported": True, "generation_tokens": delta(names.generation_tokens),
+            "prompt_tokens": delta(names.prompt_tokens),
+            "running_mean": _mean(running), "running_max": max(running) if running else None,
+            "waiting_mean": _mean(waiting), "waiting_max": max(waiting) if waiting else None,
+            "kv_cache_usage_max": max(kv) if kv else None,
+            "prefix_cache_hit_rate": hits / queries if hits is not None and queries else None}
+
+
+def step_flags(gpus: list[dict], gpu_note: str | None) -> list[str]:
+    """What makes a step's numbers not the card's best: a clock held down, or below its lock while busy."""
+    flags = []
+    for g in gpus:
+        if g["held_down_by"]:
+            flags.append(f"GPU{g['index']} throttled: {', '.join(g['held_down_by'])}")
+        if g["polls_below_lock"]:
+            flags.append(f"GPU{g['index']} below its {g['sm_lock_mhz'][0]} MHz lock in {g['polls_below_lock']} of "
+                         f"{g['busy_polls']} busy polls (SM min {g['sm_mhz_min']} MHz)")
+    if gpu_note:
+        flags.append(gpu_note)
+    return flags

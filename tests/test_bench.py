@@ -1,0 +1,216 @@
+"""`gpuwarden bench`: the roofline arithmetic, and sweeps against a fake streaming server (tests/fake_openai.py):
+every field, bad input, Ctrl-C, --compare and 1,024 concurrent streams."""
+
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import free_port, gpuwarden_cmd, subprocess_env
+from gpuwarden.bench.roofline import ModelUnreadable, ceiling_tokens_per_s, kv_bytes_per_token, model_bytes
+
+HERE = Path(__file__).resolve().parent
+GB = 1e9
+
+
+# -- the roofline, on the reports' own numbers ----------------------------------------------------------------
+
+def test_the_reports_roofline_22_gb_per_gpu_at_1_28_tb_s_is_about_58_tok_s():
+    # 4 GPUs, 88 GB of weights (22 GB each), each GPU 1.28 TB/s: the report's "~58 tok/s max".
+    assert ceiling_tokens_per_s(4 * 1.28e12, 88 * GB, tp=4) == pytest.approx(58.2, abs=0.1)
+
+
+def test_the_roofline_of_an_rtx_pro_4000_and_an_h200():
+    # RTX PRO 4000 Blackwell: 672 GB/s; a Qwen3-4B-NVFP4 checkpoint of about 2.9 GB as stored.
+    assert ceiling_tokens_per_s(672 * GB, 2.9 * GB) == pytest.approx(231.7, abs=0.1)
+    # H200: 4.8 TB/s; a 16 GB bf16 8B model, then with 8k tokens of 128 KiB/token KV cache read each step.
+    assert ceiling_tokens_per_s(4.8e12, 16 * GB) == pytest.approx(300.0)
+    with_kv = ceiling_tokens_per_s(4.8e12, 16 * GB, kv_bytes_per_token=131072, context_tokens=8192)
+    assert with_kv == pytest.approx(4.8e12 / (16 * GB + 131072 * 8192))
+
+
+def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int], int]]) -> int:
+    """A real safetensors file: header {name: dtype, shape, data_offsets} and zero bytes for the data."""
+    header, offset = {}, 0
+    for name, (dtype, shape, nbytes) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    header["__metadata__"] = {"format": "pt"}
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * offset)
+    return offset
+
+
+def test_weights_as_stored_and_the_kv_size_from_config(tmp_path):
+    a = write_safetensors(tmp_path / "model-00001-of-00002.safetensors",
+                          {"w1": ("BF16", [64, 64], 64 * 64 * 2), "w1.scale": ("F8_E4M3", [64, 4], 256)})
+    b = write_safetensors(tmp_path / "model-00002-of-00002.safetensors", {"w2": ("U8", [64, 32], 2048)})
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 4, "num_attention_heads": 8,
+                                                      "num_key_value_heads": 2, "hidden_size": 512,
+                                                      "torch_dtype": "bfloat16"}))
+    size = model_bytes(tmp_path)
+    assert size.weights == a + b == 64 * 64 * 2 + 256 + 2048 and size.files == 2
+    assert size.kv_per_token == 2 * 4 * 2 * 64 * 2  # K and V, 4 layers, 2 KV heads, head 64, bf16
+    assert kv_bytes_per_token(tmp_path / "config.json", "fp8")[0] == 2 * 4 * 2 * 64 * 1
+
+
+def test_an_unreadable_model_is_said_not_guessed(tmp_path):
+    with pytest.raises(ModelUnreadable, match="holds no \\*.safetensors files"):
+        model_bytes(tmp_path)
+    (tmp_path / "x.safetensors").write_bytes(b"\xff" * 8)
+    with pytest.raises(ModelUnreadable, match="is not a safetensors header"):
+        model_bytes(tmp_path)
+    assert kv_bytes_per_token(tmp_path / "config.json", None)[0] is None
+
+
+# -- sweeps against the fake server ------------------------------------------------------------------------------
+
+class Server:
+    def __init__(self, *args):
+        self.port = free_port()
+        self.proc = subprocess.Popen([sys.executable, str(HERE / "fake_openai.py"), "--port", str(self.port), *args],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert self.proc.stdout.readline().strip() == "listening"
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def get(self, path):
+        with urllib.request.urlopen(self.url + path, timeout=5) as reply:
+            return reply.read().decode()
+
+    def counter(self, name):
+        return next(float(line.split()[-1]) for line in self.get("/metrics").splitlines() if line.startswith(name))
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def server(request):
+    servers = []
+
+    def start(*args):
+        servers.append(Server(*args))
+        return servers[-1]
+
+    yield start
+    for s in servers:
+        s.stop()
+
+
+@pytest.fixture
+def bench(write, tmp_path):
+    conf = write("b.yaml", "gpu: {backend: sim, scenario: rtx-pro-4000-headless}\nmetrics: {listen: none}\n")
+
+    def run(*args, timeout=120):
+        env = {**subprocess_env(), "STATE_DIRECTORY": str(tmp_path / "state")}
+        return subprocess.run([*gpuwarden_cmd(), "bench", "-c", str(conf), *args], capture_output=True, text=True,
+                              env=env, timeout=timeout)
+    return run
+
+
+pytestmark = pytest.mark.integration
+
+
+def test_a_two_step_sweep_reports_every_field_and_counts_what_the_server_counted(server, bench, tmp_path):
+    fake = server("--token-delay", "0.003")
+    model = tmp_path / "model"
+    model.mkdir()
+    weights = write_safetensors(model / "model.safetensors", {"w": ("BF16", [1024, 1024], 2 * 2**20)})
+    before = fake.counter("vllm:generation_tokens_total")
+    out = bench("--url", fake.url, "--concurrency", "1,4", "--requests", "8", "--input-len", "64",
+                "--output-len", "32", "--model-path", str(model), "--json", "--label", "before")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["model"] == "fake-model" and [s["concurrency"] for s in result["steps"]] == [1, 4]
+    counted = sum(s["output_tokens"] for s in result["steps"])
+    warm = fake.counter("vllm:generation_tokens_total") - before - counted
+    assert warm == 2 * 32 + 1  # the warm-up requests and the one-token calibration: all the rest is ours
+    for step in result["steps"]:
+        assert step["ok"] == step["requests"] == 8 and step["errors"] == 0
+        assert step["output_tokens"] == 8 * 32 == step["engine"]["generation_tokens"]  # vLLM's counter agrees
+        assert step["ttft_p50_s"] <= step["latency_mean_s"] and step["ttft_p50_s"] <= step["ttft_p99_s"]
+        assert 0 < step["itl_p50_s"] <= step["itl_p99_s"]
+        assert step["system_tokens_per_s"] == pytest.approx(step["output_tokens"] / step["duration_s"])
+        assert 55 <= step["input_tokens_mean"] <= 75  # calibrated to about 64 prompt tokens
+        assert step["per_request_tokens_per_s_mean"] > 0 and step["per_request_tokens_per_s_p50"] > 0
+        assert step["engine"]["prefix_cache_hit_rate"] == 0.0
+        gpu = step["gpus"][0]  # the config's simulated RTX PRO 4000s: no daemon, so the backend itself
+        assert gpu["sm_mhz_min"] <= gpu["sm_mhz_mean"] and gpu["power_limit_w"] == 145
+    assert result["steps"][1]["system_tokens_per_s"] > result["steps"][0]["system_tokens_per_s"]
+    assert result["gpu_source"] == "the sim backend"
+    roof = result["roofline"]
+    assert roof["known"] and roof["weight_bytes"] == weights and roof["efficiency"] > 0
+    assert roof["ceiling_tokens_per_s"] == pytest.approx(roof["bandwidth_bytes_per_s"] / weights, rel=0.01)
+    text = bench("--compare", "before", "before")
+    assert text.returncode == 0 and "1.00" in text.stdout
+
+
+def test_the_table_and_the_markdown(server, bench):
+    fake = server()
+    out = bench("--url", fake.url, "--concurrency", "2", "--requests", "4", "--output-len", "8")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("fake-model at http://127.0.0.1:") and "GPUs from the sim backend" in lines[0]
+    assert lines[1].split()[:3] == ["C", "ok/sent", "system"] and lines[2].split()[:2] == ["2", "4/4"]
+    assert "roofline: unknown (no completed step at concurrency 1)" in lines
+    md = bench("--url", fake.url, "--concurrency", "1", "--requests", "2", "--output-len", "4", "--markdown")
+    assert "| C | ok/sent | system tok/s |" in md.stdout and "\n| 1 | 2/2 |" in md.stdout
+
+
+def test_bad_input_gets_one_line_and_a_partial_result(server, bench):
+    down = bench("--url", f"http://127.0.0.1:{free_port()}", "--concurrency", "1")
+    assert down.returncode == 69 and down.stderr.strip().startswith("gpuwarden bench: cannot reach http://127.0.0.1:")
+    assert len(down.stderr.strip().splitlines()) == 1 and "Traceback" not in down.stderr
+    fake = server()
+    unknown = bench("--url", fake.url, "--model", "llama-9000")
+    assert unknown.returncode == 78
+    assert unknown.stderr.strip() == f"gpuwarden bench: model 'llama-9000' is not served at {fake.url}; it serves: fake-model"
+    assert bench("--concurrency", "0,x").returncode == 78
+    broken = server("--fail-all")
+    failed = bench("--url", broken.url, "--concurrency", "1")
+    assert failed.returncode == 78 and "the first request failed: HTTP 500: engine is asleep" in failed.stderr
+    picky = server("--reject-ignore-eos")
+    ok = bench("--url", picky.url, "--concurrency", "1", "--requests", "2", "--output-len", "4")
+    assert ok.returncode == 0 and "the server rejects ignore_eos" in ok.stdout
+
+
+def test_ctrl_c_mid_step_prints_the_partial_step_and_leaves_no_stream_open(server, tmp_path, write):
+    fake = server("--token-delay", "0.05")
+    conf = write("b.yaml", "gpu: {backend: sim, scenario: rtx-pro-4000-headless}\nmetrics: {listen: none}\n")
+    proc = subprocess.Popen([*gpuwarden_cmd(), "bench", "-c", str(conf), "--url", fake.url, "--concurrency", "4",
+                             "--requests", "400", "--output-len", "50", "--warmup", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**subprocess_env(), "STATE_DIRECTORY": str(tmp_path / "state")})
+    deadline = time.monotonic() + 30
+    while json.loads(fake.get("/debug/open"))["open"] < 4 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(3)  # a few requests finish
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert "4 (partial)" in out and "interrupted; the result above is partial" in err and "Traceback" not in err
+    deadline = time.monotonic() + 5
+    while json.loads(fake.get("/debug/open"))["open"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert json.loads(fake.get("/debug/open"))["open"] == 0, "a stream was left open"
+    saved = list((tmp_path / "state" / "bench").glob("*.json"))
+    assert len(saved) == 1 and json.loads(saved[0].read_text())["interrupted"] is True
+
+
+def test_it_holds_1024_concurrent_streams(server, bench):
+    fake = server("--token-delay", "0.25")
+    out = bench("--url", fake.url, "--concurrency", "1024", "--requests", "1024", "--input-len", "8",
+                "--output-len", "8", "--warmup", "0", "--json", timeout=300)
+    assert out.returncode == 0, out.stderr
+    step = json.loads(out.stdout)["steps"][0]
+    assert step["ok"] == 1024 and step["errors"] == 0 and step["output_tokens"] == 1024 * 8
+    assert json.loads(fake.get("/debug/open"))["peak"] == 1024  # all in flight at once
+    assert step["engine"]["running_max"] > 900
