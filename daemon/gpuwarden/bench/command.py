@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import resource
 import sys
 import time
@@ -136,7 +137,9 @@ def cmd_bench(args: argparse.Namespace, config: Config) -> int:
     model_dir, tp = args.model_path or model_dir, args.tp or tp
     read_gpus, gpu_source, gpu_note = _gpu_reader(config)
     watch = Watch(read_gpus, gpu_source, base + "/metrics", names)
-    workload = Workload(args.model or "", args.api, args.input_len, args.output_len, not args.no_ignore_eos)
+    # A new seed each run: the same prompts twice would be served from the first run's prefix cache.
+    workload = Workload(args.model or "", args.api, args.input_len, args.output_len, not args.no_ignore_eos,
+                        seed=random.SystemRandom().randrange(2**31))
     settings = Settings(base, workload, steps, None if args.duration else args.requests, args.duration,
                         args.warmup)
     sweep = Sweep(settings)

@@ -62,6 +62,10 @@ def summarize_step(concurrency: int, results: list[RequestResult], duration_s: f
     errors = [r for r in results if not r.ok]
     tokens = sum(r.output_tokens for r in ok)
     speeds = [s for r in ok if (s := r.decode_tokens_per_s) is not None]
+    # The mean over requests as one rate (tokens over decode seconds): a request whose chunks came in one burst
+    # has a near-zero decode time, and its own rate would swamp a plain mean of rates.
+    decoding = [r for r in ok if r.decode_tokens_per_s is not None]
+    decode_s = sum(r.latency_s - r.ttft_s for r in decoding)
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     itl = [gap for r in ok for gap in r.itl_s]
     prompts = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
@@ -70,7 +74,7 @@ def summarize_step(concurrency: int, results: list[RequestResult], duration_s: f
             "duration_s": duration_s, "output_tokens": tokens,
             "input_tokens_mean": statistics.fmean(prompts) if prompts else None,
             "system_tokens_per_s": tokens / duration_s if duration_s > 0 and ok else None,
-            "per_request_tokens_per_s_mean": statistics.fmean(speeds) if speeds else None,
+            "per_request_tokens_per_s_mean": sum(r.output_tokens - 1 for r in decoding) / decode_s if decode_s else None,
             "per_request_tokens_per_s_p50": percentile(speeds, 0.5),
             "ttft_mean_s": statistics.fmean(ttft) if ttft else None,
             "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
@@ -93,16 +97,18 @@ async def _models(session: aiohttp.ClientSession, base: str) -> list[str]:
 
 
 async def _calibrate(session: aiohttp.ClientSession, url: str, workload: Workload, notes: list[str]) -> Workload:
-    """How many tokens the server counts per prompt word; whether it takes ignore_eos."""
-    first = await stream(session, url, workload.payload(-1, max_tokens=1, words=CALIBRATION_WORDS))
+    """How many tokens the server counts per prompt word; whether it takes ignore_eos. The calibration prompt
+    is a quarter of --input-len in words, so that a short context still holds it."""
+    words = max(8, min(CALIBRATION_WORDS, workload.input_len // 4))
+    first = await stream(session, url, workload.payload(-1, max_tokens=1, words=words))
     if not first.ok and workload.ignore_eos and "ignore_eos" in (first.error or ""):
         workload = replace(workload, ignore_eos=False)
         notes.append("the server rejects ignore_eos: outputs may end before --output-len")
-        first = await stream(session, url, workload.payload(-1, max_tokens=1, words=CALIBRATION_WORDS))
+        first = await stream(session, url, workload.payload(-1, max_tokens=1, words=words))
     if not first.ok:
         raise BenchError(f"the first request failed: {first.error}")
     if first.prompt_tokens:
-        return replace(workload, tokens_per_word=first.prompt_tokens / (CALIBRATION_WORDS + 1))
+        return replace(workload, tokens_per_word=first.prompt_tokens / (words + 1))
     notes.append("the server reports no usage: prompts are sized at one token per word")
     return workload
 
