@@ -79,7 +79,8 @@ def our_bench(port: int, c: int, args, state: Path, input_len: int) -> dict:
     config.write_text("metrics: {listen: none}\n")  # no daemon: the GPU view is not what is compared here
     cmd = [sys.executable, "-m", "gpuwarden", "bench", "-c", str(config), "--url", f"http://127.0.0.1:{port}",
            "--concurrency", str(c), "--requests", str(args.prompts), "--input-len", str(input_len),
-           "--output-len", str(args.output_len), "--warmup", "2", "--json"]
+           "--output-len", str(args.output_len), "--warmup", "2", "--json",
+           "--engine-interval", str(args.engine_interval)]
     env = {**os.environ, "STATE_DIRECTORY": str(state), "PYTHONPATH": str(ROOT / "daemon")}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     if proc.returncode != 0:
@@ -110,10 +111,11 @@ def main() -> None:
                                                                         "/opt/gpuwarden-test/venv-vllm")))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
-    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=48, help="vLLM's random dataset length (the tiny "
                         "tokenizer re-encodes it about 3x longer)")
-    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--engine-interval", type=float, default=2.0, help="gpuwarden bench's gauge polling")
     args = parser.parse_args()
     python = args.venv / "bin" / "python"
     with tempfile.TemporaryDirectory() as tmp:

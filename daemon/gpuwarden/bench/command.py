@@ -50,6 +50,9 @@ def add_parser(sub, common) -> None:
                    "when it is a directory)")
     p.add_argument("--tp", type=int, help="tensor-parallel GPUs, for the roofline (default: from the serving "
                    "command, else 1)")
+    p.add_argument("--engine-interval", type=float, default=2.0, metavar="SECONDS",
+                   help="how often to read the engine's running/waiting/KV gauges during a step (default: 2; "
+                   "0: only its counters, at the step's start and end; rendering /metrics costs the server CPU)")
     p.add_argument("--label", help="a name for this run, for --compare (default: its time)")
     p.add_argument("--compare", nargs=2, metavar=("A", "B"), help="show two saved runs side by side and exit")
     p.add_argument("--json", action="store_true", help="the result as JSON")
@@ -125,7 +128,7 @@ def cmd_bench(args: argparse.Namespace, config: Config) -> int:
     try:
         steps = _concurrency(args.concurrency)
         if args.input_len < 1 or args.output_len < 1 or (args.requests is not None and args.requests < 1) \
-                or (args.duration is not None and args.duration <= 0) or args.warmup < 0:
+                or (args.duration is not None and args.duration <= 0) or args.warmup < 0 or args.engine_interval < 0:
             raise ValueError("--input-len, --output-len, --requests and --duration must be positive")
     except ValueError as exc:
         print(f"gpuwarden bench: {exc}", file=sys.stderr)
@@ -136,7 +139,7 @@ def cmd_bench(args: argparse.Namespace, config: Config) -> int:
         model_dir, tp = None, 1  # another server: its model and TP are not the config's
     model_dir, tp = args.model_path or model_dir, args.tp or tp
     read_gpus, gpu_source, gpu_note = _gpu_reader(config)
-    watch = Watch(read_gpus, gpu_source, base + "/metrics", names)
+    watch = Watch(read_gpus, gpu_source, base + "/metrics", names, engine_interval_s=args.engine_interval)
     # A new seed each run: the same prompts twice would be served from the first run's prefix cache.
     workload = Workload(args.model or "", args.api, args.input_len, args.output_len, not args.no_ignore_eos,
                         seed=random.SystemRandom().randrange(2**31))

@@ -1,9 +1,14 @@
 """What the GPUs and the engine did during a step, from the same seconds as the requests.
 
 A thread polls, every interval: the GPUs (from the running daemon's /status, which also knows the clock
-locks, or from NVML directly when no daemon answers) and the engine's /metrics (running and waiting requests,
-KV-cache usage). The engine's counters are read at the step's start and end: tokens generated and prefix-cache
-hits over exactly that step.
+locks, or from NVML directly when no daemon answers); every engine_interval_s (default 2 s), the engine's
+/metrics (running and waiting requests, KV-cache usage). The engine's counters are read at the step's start and end: tokens
+generated and prefix-cache hits over exactly that step.
+
+The engine is asked less often because asking costs it: rendering vLLM's /metrics (54 KB) takes its API
+server's CPU, and on the 2-core CPU test machine scraping it every 0.5 s raised the measured TTFT several
+fold (benchmarks/RESULTS.md, section 9). Once every 2 s still shows the queue over any step worth timing;
+--engine-interval 0 reads only the counters, at the step's start and end.
 """
 
 from __future__ import annotations
@@ -30,13 +35,16 @@ class Polls:
 
 class Watch:
     def __init__(self, read_gpus: GpuReader | None, gpu_source: str, metrics_url: str | None, names,
-                 interval_s: float = 0.5):
+                 interval_s: float = 0.5, engine_interval_s: float = 2.0):
         self.read_gpus, self.gpu_source = read_gpus, gpu_source
         self.metrics_url, self.names, self.interval_s = metrics_url, names, interval_s
+        # GPU polls per engine scrape (0: never during the step)
+        self.engine_every = max(1, round(engine_interval_s / interval_s)) if engine_interval_s > 0 else 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._polls = Polls()
         self._start_counters: dict[str, float] | None = None
+        self._count = 0
 
     def _scrape(self) -> dict[str, float] | None:
         if self.metrics_url is None:
@@ -61,12 +69,14 @@ class Watch:
                 self._polls.gpu_errors += 1
             for gpu in gpus or []:
                 self._polls.gpus.setdefault(gpu["index"], []).append(gpu)
-        scraped = self._scrape()
-        if scraped is not None:
-            self._polls.engine.append(scraped)
+        self._count += 1
+        if self.engine_every and self._count % self.engine_every == 0:
+            scraped = self._scrape()
+            if scraped is not None:
+                self._polls.engine.append(scraped)
 
     def begin(self) -> None:
-        self._polls = Polls()
+        self._polls, self._count = Polls(), self.engine_every // 2  # the first scrape half an interval in
         self._start_counters = self._scrape()
         self._stop.clear()
         self._thread = threading.Thread(target=self._poll, name="bench-watch", daemon=True)
