@@ -176,7 +176,7 @@ def test_bad_input_gets_one_line_and_a_partial_result(server, bench):
     assert bench("--concurrency", "0,x").returncode == 78
     broken = server("--fail-all")
     failed = bench("--url", broken.url, "--concurrency", "1")
-    assert failed.returncode == 78 and "the first request failed: HTTP 500: engine is asleep" in failed.stderr
+    assert failed.returncode == 1 and "the first request failed: HTTP 500: engine is asleep" in failed.stderr
     picky = server("--reject-ignore-eos")
     ok = bench("--url", picky.url, "--concurrency", "1", "--requests", "2", "--output-len", "4")
     assert ok.returncode == 0 and "the server rejects ignore_eos" in ok.stdout

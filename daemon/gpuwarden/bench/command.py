@@ -25,10 +25,11 @@ the engine's running and waiting requests, KV-cache usage and prefix-cache hit r
 roofline (memory bandwidth / bytes per token) with the efficiency at C=1. A step that ran throttled or
 below the clock lock is flagged. Results are kept under the state directory for --compare.
 
-Exit status: 0 done, 1 a step had only errors, 3 nothing to compare, 69 the server cannot be reached,
-78 bad arguments or config, 130 interrupted (the partial result is still printed and saved)."""
+Exit status: 0 done, 1 a step (or the first request) had only errors, 3 nothing to compare, 69 the server
+cannot be reached, 78 bad arguments, config or model, 130 interrupted (the partial result is still printed and
+saved)."""
 
-EX_STEP_FAILED, EX_UNREACHABLE, EX_USAGE, EX_INTERRUPTED = 1, 69, 78, 130
+EX_STEP_FAILED, EX_USAGE, EX_INTERRUPTED = 1, 78, 130
 
 
 def add_parser(sub, common) -> None:
@@ -158,7 +159,7 @@ def cmd_bench(args: argparse.Namespace, config: Config) -> int:
         progress.clear()
         print(f"gpuwarden bench: {exc}", file=sys.stderr)
         if not sweep.steps:
-            return EX_UNREACHABLE if "cannot reach" in str(exc) else EX_USAGE
+            return exc.exit_code
         code = EX_STEP_FAILED
     except KeyboardInterrupt:
         sweep.interrupted = True

@@ -25,7 +25,12 @@ CONNECT_TIMEOUT_S = 10.0
 
 
 class BenchError(Exception):
-    """One line for the user: the server is down, the model unknown, or nothing could be sent."""
+    """One line for the user, and the exit status: the server is down or not OpenAI-compatible (69), the model
+    unknown (78), or the first request failed (1)."""
+
+    def __init__(self, message: str, exit_code: int = 69):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 @dataclass
@@ -106,7 +111,7 @@ async def _calibrate(session: aiohttp.ClientSession, url: str, workload: Workloa
         notes.append("the server rejects ignore_eos: outputs may end before --output-len")
         first = await stream(session, url, workload.payload(-1, max_tokens=1, words=words))
     if not first.ok:
-        raise BenchError(f"the first request failed: {first.error}")
+        raise BenchError(f"the first request failed: {first.error}", exit_code=1)
     if first.prompt_tokens:
         return replace(workload, tokens_per_word=first.prompt_tokens / (words + 1))
     notes.append("the server reports no usage: prompts are sized at one token per word")
@@ -155,7 +160,8 @@ async def run(sweep: Sweep, watch: Watch, progress: Callable[[int, int, int | No
         served = await _models(session, base)
         wanted = settings.workload.model
         if wanted and wanted not in served:
-            raise BenchError(f"model {wanted!r} is not served at {base}; it serves: {', '.join(served) or 'nothing'}")
+            raise BenchError(f"model {wanted!r} is not served at {base}; it serves: {', '.join(served) or 'nothing'}",
+                             exit_code=78)
         if not served:
             raise BenchError(f"{base}/v1/models lists no model")
         sweep.model = wanted or served[0]
