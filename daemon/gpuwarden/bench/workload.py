@@ -38,8 +38,9 @@ class Workload:
         return f"{n}: " + " ".join(rng.choice(WORDS) for _ in range(count))
 
     def payload(self, n: int, max_tokens: int | None = None, words: int | None = None) -> dict:
+        # No temperature: the server's default sampling, as vLLM's own benchmark leaves it since 0.32.
         body: dict = {"model": self.model, "stream": True, "stream_options": {"include_usage": True},
-                      "max_tokens": max_tokens or self.output_len, "temperature": 0.0}
+                      "max_tokens": max_tokens or self.output_len}
         if self.ignore_eos:
             body["ignore_eos"] = True
         if self.api == "chat":
