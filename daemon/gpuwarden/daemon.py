@@ -149,10 +149,10 @@ class Daemon:
             if gpu in mine or gpu < 0:
                 engine.hold(now, f"GPU{gpu} {why}" if gpu >= 0 else why)
 
-    def _prepare_serving(self, config: Config, deep: bool) -> Supervisor:
+    def _prepare_serving(self, config: Config, deep: bool, on_loop: bool = False) -> Supervisor:
         """Everything a start needs, checked, without starting: engine, profile, GPUs, lint, spawnability (and
         with deep, the engine's own parser). Raises ConfigErrors when something would block the start."""
-        prepared: PreparedServe = prepare_serve(config, self.backend, deep=deep, create_home=True)
+        prepared: PreparedServe = prepare_serve(config, self.backend, deep=deep, create_home=True, on_loop=on_loop)
         title = prepared.command.engine.title
         if prepared.home_note:
             log.info("%s's user %s", title, prepared.home_note)
@@ -372,8 +372,9 @@ class Daemon:
             new = dataclasses.replace(new, **{key: getattr(self.config, key) for key in changed})
             plan = make_plan(self.backend, new)
             serve_changed = new.serve != self.config.serve
-            # lint only: the engine's parser takes too long to run inside the watchdog's window
-            serving = self._prepare_serving(new, deep=False) if serve_changed and new.serve.enabled else None
+            # lint only, with the installed versions from the cache: nothing here waits on the engine's interpreter
+            serving = (self._prepare_serving(new, deep=False, on_loop=True) if serve_changed and new.serve.enabled
+                       else None)
         except InvalidConfig as exc:
             problems = exc.errors
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""

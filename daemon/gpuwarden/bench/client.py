@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+MAX_EVENT_BYTES = 1024 * 1024  # an SSE event longer than this is not a token stream
 HAS_CHOICE = re.compile(rb'"choices"\s*:\s*\[\s*\{')  # a non-empty choices list: a chunk with a token
 
 
@@ -65,6 +66,9 @@ async def stream(session: aiohttp.ClientSession, url: str, payload: dict) -> Req
             async for data in response.content.iter_any():
                 pending += data
                 *lines, pending = pending.split(b"\n")
+                if len(pending) > MAX_EVENT_BYTES:
+                    result.error = f"an event of over {MAX_EVENT_BYTES // 1024} KiB without a line end"
+                    return result
                 now = time.perf_counter()  # every chunk of one read arrived together, as vLLM's benchmark counts
                 for raw in lines:
                     line = raw.strip()

@@ -18,7 +18,7 @@ from pathlib import Path
 from ..config import ServeConfig
 from .command import ServeCommand
 from .engines import FLAGCHECK_MARK
-from .identity import Identity, popen
+from .identity import Identity, run_bounded
 
 MARK = FLAGCHECK_MARK
 
@@ -61,19 +61,14 @@ def check_flags(serve: ServeConfig, command: ServeCommand, identity: Identity, t
         return FlagCheck(False, f"cannot find {title}'s Python from the command {list(prefix)} "
                                 "(set serve.python)", None, "")
     try:
-        proc = popen(identity, [python, "-c", engine.flag_probe, json.dumps(command.flags)], env,
-                     stdout=subprocess.PIPE,
-                     stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, errors="replace")
+        done = run_bounded(identity, [python, "-c", engine.flag_probe, json.dumps(command.flags)], env, timeout_s)
     except FileNotFoundError:
         return FlagCheck(False, f"{title}'s Python {python} does not exist (set serve.python)", None, python)
     except (OSError, ValueError, subprocess.SubprocessError) as exc:
         return FlagCheck(False, f"{title}'s flag check could not start {python}: {exc}", None, python)
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
+    if done.returncode is None:
         return FlagCheck(False, f"{title}'s flag check did not finish within {timeout_s:g} s", None, python)
+    out, err = done.stdout, done.stderr
     result = next((json.loads(line[len(MARK):]) for line in out.splitlines() if line.startswith(MARK)), None)
     if result is None:
         last = (err.strip().splitlines() or ["no output"])[-1]

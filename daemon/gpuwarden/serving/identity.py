@@ -17,12 +17,14 @@ import grp
 import os
 import pwd
 import subprocess
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 DEVICE_GROUPS = ("video", "render")  # /dev/nvidia* and /dev/dri access; the only extra groups the child gets
 ROOT_GROUPS = ("root", "sudo", "wheel", "admin")  # gid 0, and the groups sudo gives root to on Debian/RHEL/Ubuntu
 PR_SET_NO_NEW_PRIVS = 38
+MAX_OUTPUT_BYTES = 1024 * 1024  # what run_bounded reads of each stream: the probes print one line
 
 
 class IdentityError(Exception):
@@ -92,3 +94,29 @@ def popen(identity: Identity, argv: Sequence[str], env: Mapping[str, str], **kwa
     env may override HOME, USER and LOGNAME. Raises OSError, ValueError or SubprocessError."""
     return subprocess.Popen(list(argv), env={**identity.env(), **env}, cwd="/", close_fds=True,
                             preexec_fn=_no_new_privs, **identity.popen_kwargs(), **kwargs)
+
+
+@dataclass(frozen=True)
+class Finished:
+    returncode: int | None  # None: it ran past its deadline and was killed
+    stdout: str  # the first MAX_OUTPUT_BYTES
+    stderr: str  # the last MAX_OUTPUT_BYTES (where a traceback's last line is)
+
+
+def run_bounded(identity: Identity, argv: Sequence[str], env: Mapping[str, str], timeout_s: float) -> Finished:
+    """popen, waited for at most timeout_s (then killed), with at most MAX_OUTPUT_BYTES of each stream read:
+    the output goes to temporary files, so a child that prints without end neither blocks on a full pipe nor
+    fills our memory. Raises what popen raises."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = popen(identity, argv, env, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            code = None
+        out.seek(0)
+        stdout = out.read(MAX_OUTPUT_BYTES)
+        err.seek(max(0, err.seek(0, os.SEEK_END) - MAX_OUTPUT_BYTES))
+        stderr = err.read()
+    return Finished(code, stdout.decode("utf-8", "replace"), stderr.decode("utf-8", "replace"))

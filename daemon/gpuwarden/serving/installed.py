@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .identity import Identity, popen
+from .identity import Identity, run_bounded
 
 PACKAGES = {"vllm": "vLLM", "flashinfer": "FlashInfer", "torch": "torch", "sglang": "SGLang"}
 MARK = "GPUWARDEN-INSTALLED "
@@ -149,30 +149,27 @@ def _to_cache(state_dir: Path | None, found: Installed) -> None:
         pass
 
 
-def installed(python: str | None, identity: Identity | None, env: Mapping[str, str],
-              state_dir: Path | None = None, timeout_s: float = TIMEOUT_S) -> Installed:
-    """What python has installed, from the cache while its environment is unchanged, else asked once."""
+def installed(python: str | None, identity: Identity, env: Mapping[str, str], state_dir: Path | None = None,
+              timeout_s: float = TIMEOUT_S, ask: bool = True) -> Installed:
+    """What python has installed, from the cache while its environment is unchanged, else asked once. ask
+    False (a reload, on the daemon's main loop): the cache or nothing, never a process to wait for."""
     if python is None:
         return Installed("", False, error="the engine's Python is not known (set serve.python)")
-    if identity is None:
-        return Installed(python, False, error="serve.user cannot run it")
     cached = _from_cache(state_dir, python)
     if cached is not None:
         return cached
+    if not ask:
+        return Installed(python, False, error=f"{python} changed since it was last read; it is read again when "
+                                              "the daemon restarts, not on a reload")
     try:
-        proc = popen(identity, [python, "-c", PROBE], env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                     stdin=subprocess.DEVNULL, text=True, errors="replace")
+        done = run_bounded(identity, [python, "-c", PROBE], env, timeout_s)
     except (OSError, ValueError, subprocess.SubprocessError) as exc:
         return Installed(python, False, error=f"cannot run {python}: {exc}")
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
+    if done.returncode is None:
         return Installed(python, False, error=f"{python} did not answer within {timeout_s:g} s")
-    line = next((line[len(MARK):] for line in out.splitlines() if line.startswith(MARK)), None)
+    line = next((line[len(MARK):] for line in done.stdout.splitlines() if line.startswith(MARK)), None)
     if line is None:
-        last = (err.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
         return Installed(python, False, error=f"{python} failed to answer: {last}")
     raw = json.loads(line)
     dirs = tuple(raw["dirs"])

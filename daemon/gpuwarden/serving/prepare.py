@@ -113,37 +113,41 @@ def pick_profile(config: Config, profiles: dict[str, Profile], wanted: str, gpus
 
 def compose(config: Config, gpus: Sequence[GpuSample], profile_name: str | None = None,
             base_env: Mapping[str, str] = os.environ, secrets: Mapping[str, str] | None = None,
-            home: Mapping[str, str] | None = None, found: Installed | None = None) -> Composed:
+            home: Mapping[str, str] | None = None, found: Installed | None = None, ask: bool = True) -> Composed:
     """Engine, profile, argv/env and lint for these GPUs; raises ConfigError(s). Starts nothing but the
-    installed-versions probe (serving/installed.py), unless found already has its answer."""
+    installed-versions probe (serving/installed.py), unless found already has its answer or ask is False."""
     engine = engine_of(config)
     profile = pick_profile(config, load_profiles(config.serve.profiles_dir), profile_name or config.serve.profile,
                            gpus)
     rules = rules_for(config.serve.rules_dir)
     command = build_command(config.serve, profile, gpus, base_env, secrets, home, engine)
     if found is None:
-        found = installed_for(config, command)
+        found = installed_for(config, command, ask)
     ctx = LintContext(command.argv, command.env, profile, tuple(g.compute_capability or "" for g in command.gpus),
                       config.serve.model, engine, found, command.prefix)
     outcomes = tuple(evaluate_lint(ctx, rules))
     return Composed(command, tuple(o.finding for o in outcomes if o.finding is not None), outcomes, found)
 
 
-def installed_for(config: Config, command: ServeCommand) -> Installed:
-    """What the engine's interpreter has installed, asked as serve.user (cached while it is unchanged)."""
+def installed_for(config: Config, command: ServeCommand, ask: bool = True) -> Installed:
+    """What the engine's interpreter has installed, asked as serve.user (cached while it is unchanged; with ask
+    False, only the cache)."""
     python = engine_python(config.serve, command.argv[:command.prefix])
     try:
         identity = child_identity(config)
     except ConfigError as exc:
         return Installed(python or "", False, error=exc.message)
     env = {k: v for k, v in command.env.items() if k in ("PATH", "PYTHONPATH", "HOME", "LANG")}
-    return installed(python, identity, env, state_dir())
+    return installed(python, identity, env, state_dir(), ask=ask)
 
 
-def prepare_serve(config: Config, backend: GpuBackend, deep: bool, create_home: bool = False) -> PreparedServe:
+def prepare_serve(config: Config, backend: GpuBackend, deep: bool, create_home: bool = False,
+                  on_loop: bool = False) -> PreparedServe:
     """compose() for this host's GPUs as serve.user, with its secrets and home; with deep, the engine's own
     parser too. Raises ConfigError(s) for an unknown engine, profile, GPU, profile file, serve.user or secrets
-    file; never starts anything. create_home: make the home the child gets when its own cannot be written."""
+    file; starts nothing but the installed-versions probe. create_home: make the home the child gets when its
+    own cannot be written. on_loop: called from the daemon's main loop (a reload), which must not wait on the
+    engine's interpreter, so the installed versions come from the cache only."""
     identity = child_identity(config)
     secrets = child_secrets(config)
     try:
@@ -151,7 +155,7 @@ def prepare_serve(config: Config, backend: GpuBackend, deep: bool, create_home: 
     except HomeError as exc:
         raise config.error(("serve", "user"), str(exc)) from None
     gpus = chosen_gpus(config, [gpu.sample() for gpu in backend.gpus()])
-    composed = compose(config, gpus, secrets=secrets, home=home)
+    composed = compose(config, gpus, secrets=secrets, home=home, ask=not on_loop)
     command = composed.command
     prepared = PreparedServe(command, identity, composed.findings, None, home_note, composed.installed)
     if not deep or command.engine.flag_probe is None or prepared.blocking(config):
