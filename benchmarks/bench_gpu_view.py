@@ -74,7 +74,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu_view: needs a CUDA GPU")
     backend = NvmlBackend(ReadOnlyNvml())
-    watch = Watch(lambda: [g.sample().as_dict() for g in backend.gpus()], "NVML", None, None, interval_s=0.5)
+    watch = Watch(lambda: [g.sample().as_dict() for g in backend.gpus()], None, None, interval_s=0.5)
     matrices = max(1, int(args.gib * 2**30 // (ROWS * COLS * 2)))
     weights = [torch.randn(ROWS, COLS, device="cuda", dtype=torch.bfloat16) for _ in range(matrices)]
     x = torch.randn(COLS, 1, device="cuda", dtype=torch.bfloat16)

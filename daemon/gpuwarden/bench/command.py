@@ -136,11 +136,11 @@ def cmd_bench(args: argparse.Namespace, config: Config) -> int:
         return EX_USAGE
     base = (args.url or config.serve.url).rstrip("/").removesuffix("/v1")
     model_dir, tp, kv_dtype, names = _serving_facts(config)
-    if args.url and args.url.rstrip("/").removesuffix("/v1") != config.serve.url:
+    if base != config.serve.url:
         model_dir, tp = None, 1  # another server: its model and TP are not the config's
     model_dir, tp = args.model_path or model_dir, args.tp or tp
     read_gpus, gpu_source, gpu_note = _gpu_reader(config)
-    watch = Watch(read_gpus, gpu_source, base + "/metrics", names, engine_interval_s=args.engine_interval)
+    watch = Watch(read_gpus, base + "/metrics", names, engine_interval_s=args.engine_interval)
     # A new seed each run: the same prompts twice would be served from the first run's prefix cache.
     workload = Workload(args.model or "", args.api, args.input_len, args.output_len, not args.no_ignore_eos,
                         seed=random.SystemRandom().randrange(2**31))

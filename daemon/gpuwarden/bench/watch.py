@@ -19,8 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..gpu.base import ClockEventReason
-from ..throttle import HELD_DOWN, LOCK_TOLERANCE_MHZ
+from ..httpget import HttpError
 from ..serving.metrics import fetch
+from ..status import StatusError
+from ..throttle import HELD_DOWN, LOCK_TOLERANCE_MHZ
 
 HELD_DOWN_NAMES = set(ClockEventReason(HELD_DOWN).names())
 GpuReader = Callable[[], "list[dict] | None"]  # the GPUs as /status reports them (GpuSample.as_dict + locks)
@@ -30,13 +32,12 @@ GpuReader = Callable[[], "list[dict] | None"]  # the GPUs as /status reports the
 class Polls:
     gpus: dict[int, list[dict]] = field(default_factory=dict)
     engine: list[dict[str, float]] = field(default_factory=list)
-    gpu_errors: int = 0
 
 
 class Watch:
-    def __init__(self, read_gpus: GpuReader | None, gpu_source: str, metrics_url: str | None, names,
+    def __init__(self, read_gpus: GpuReader | None, metrics_url: str | None, names,
                  interval_s: float = 0.5, engine_interval_s: float = 2.0):
-        self.read_gpus, self.gpu_source = read_gpus, gpu_source
+        self.read_gpus = read_gpus
         self.metrics_url, self.names, self.interval_s = metrics_url, names, interval_s
         # GPU polls per engine scrape (0: never during the step)
         self.engine_every = max(1, round(engine_interval_s / interval_s)) if engine_interval_s > 0 else 0
@@ -51,7 +52,7 @@ class Watch:
             return None
         try:
             return fetch(self.metrics_url)
-        except Exception:  # the engine is being restarted, or not ours to read: the step says "not reported"
+        except (HttpError, OSError, ValueError):  # restarting, or not ours to read: the step says "not reported"
             return None
 
     def _poll(self) -> None:
@@ -63,10 +64,8 @@ class Watch:
         if self.read_gpus is not None:
             try:
                 gpus = self.read_gpus()
-            except Exception:  # the daemon restarting, a GPU lost: counted, and the step says so
+            except (StatusError, HttpError, OSError, ValueError):  # the daemon restarting: a poll fewer
                 gpus = None
-            if gpus is None:
-                self._polls.gpu_errors += 1
             for gpu in gpus or []:
                 self._polls.gpus.setdefault(gpu["index"], []).append(gpu)
         self._count += 1
