@@ -2,7 +2,6 @@
 every field, bad input, Ctrl-C, --compare and 1,024 concurrent streams."""
 
 import json
-import os
 import signal
 import struct
 import subprocess

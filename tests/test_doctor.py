@@ -165,13 +165,14 @@ def test_doctor_names_the_metrics_a_running_vllm_no_longer_serves(write, cli, ch
 
 def test_doctor_says_when_the_lint_rules_are_older_than_the_installed_vllm(monkeypatch):
     from gpuwarden.doctor import _installed
+    from gpuwarden.serving.engines import rules_for
     from gpuwarden.serving.engines.vllm import ENGINE
     from gpuwarden.serving.installed import Installed
 
-    cfg = config.parse_text("serve:\n  model: /m/x\n", "c.yaml")
+    written = rules_for(None).written_against
     newer = Installed("/py", True, {"vllm": "0.34.1", "flashinfer": None, "torch": "2.14.0", "sglang": None})
-    lines = _installed(cfg, newer, ENGINE)
+    lines = _installed(newer, ENGINE, written)
     assert lines[1].severity == "warning" and lines[1].message.startswith(
         "written against vLLM 0.32.0 at the newest; the installed 0.34.1 is newer")
     same = Installed("/py", True, {"vllm": "0.32.0+cpu", "flashinfer": None, "torch": "2.13.0", "sglang": None})
-    assert len(_installed(cfg, same, ENGINE)) == 1  # a local build of the same release is not newer
+    assert len(_installed(same, ENGINE, written)) == 1  # a local build of the same release is not newer

@@ -407,7 +407,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench_command.cmd_bench(args, load_config(args))
 
 
-COMMANDS = {"bench": cmd_bench, "check": cmd_check, "plan": cmd_plan, "apply": cmd_apply, "run": cmd_run, "status": cmd_status,
+COMMANDS = {"bench": cmd_bench, "check": cmd_check, "plan": cmd_plan, "apply": cmd_apply, "run": cmd_run,
+            "status": cmd_status,
             "profiles": cmd_profiles, "doctor": cmd_doctor}
 
 

@@ -7,7 +7,6 @@ finding is one line with a severity and, where something is wrong, the fix.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import throttle
@@ -91,25 +90,24 @@ def _health(s: GpuSample, alerts: AlertSettings) -> list[Diagnosis]:
     return out
 
 
-def _installed(config: Config, installed, engine) -> list[Diagnosis]:
+def _installed(installed, engine, written_against: dict[str, str]) -> list[Diagnosis]:
     """What the engine's interpreter has, and whether the lint rules are older than the engine."""
     from packaging.version import InvalidVersion, Version
-
-    from .serving.engines import rules_for
 
     if not installed.known:
         return [Diagnosis(WARNING, f"{engine.title} installed", installed.describe(),
                           "rules keyed to versions then only warn; set serve.python to the engine's interpreter")]
     found = [Diagnosis(INFO, f"{engine.title} installed", installed.describe())]
     version = installed.version(engine.name)
-    written = rules_for(config.serve.rules_dir).written_against.get(engine.name)
+    written = written_against.get(engine.name)
     try:
         newer = version is not None and written is not None and Version(version).release > Version(written).release
     except InvalidVersion:
         newer = False
     if newer:
-        found.append(Diagnosis(WARNING, f"{engine.title} lint rules", f"written against {engine.title} {written} at the "
-                               f"newest; the installed {version} is newer, so their advice may be stale",
+        found.append(Diagnosis(WARNING, f"{engine.title} lint rules",
+                               f"written against {engine.title} {written} at the newest; the installed {version} "
+                               "is newer, so their advice may be stale",
                                "update gpuwarden, and add what you learn to /etc/gpuwarden/rules.d"))
     return found
 
@@ -248,7 +246,7 @@ def _serving(config: Config, backend: GpuBackend, deep: bool) -> tuple[list[Diag
         return [Diagnosis(ERROR, f"{title} profile", str(exc.errors[0]))], None
     found = [Diagnosis(OK, f"{title} profile", f"{prepared.command.profile.name} for {config.serve.model}")]
     if prepared.installed is not None:
-        found += _installed(config, prepared.installed, prepared.command.engine)
+        found += _installed(prepared.installed, prepared.command.engine, prepared.rules.written_against)
     found += _metric_names(config, prepared.command.engine)
     if prepared.home_note:
         found.append(Diagnosis(INFO, f"{title} home", prepared.home_note))

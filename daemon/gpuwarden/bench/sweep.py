@@ -79,7 +79,8 @@ def summarize_step(concurrency: int, results: list[RequestResult], duration_s: f
             "duration_s": duration_s, "output_tokens": tokens,
             "input_tokens_mean": statistics.fmean(prompts) if prompts else None,
             "system_tokens_per_s": tokens / duration_s if duration_s > 0 and ok else None,
-            "per_request_tokens_per_s_mean": sum(r.output_tokens - 1 for r in decoding) / decode_s if decode_s else None,
+            "per_request_tokens_per_s_mean": (sum(r.output_tokens - 1 for r in decoding) / decode_s
+                                              if decode_s else None),
             "per_request_tokens_per_s_p50": percentile(speeds, 0.5),
             "ttft_mean_s": statistics.fmean(ttft) if ttft else None,
             "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),

@@ -1,9 +1,9 @@
 """What the GPUs and the engine did during a step, from the same seconds as the requests.
 
 A thread polls, every interval: the GPUs (from the running daemon's /status, which also knows the clock
-locks, or from NVML directly when no daemon answers); every engine_interval_s (default 2 s), the engine's
-/metrics (running and waiting requests, KV-cache usage). The engine's counters are read at the step's start and end: tokens
-generated and prefix-cache hits over exactly that step.
+locks, or from NVML directly when no daemon answers); every engine_interval_s (default 2 s), the
+engine's /metrics (running and waiting requests, KV-cache usage). The engine's counters are read at the
+step's start and end: tokens generated and prefix-cache hits over exactly that step.
 
 The engine is asked less often because asking costs it: rendering vLLM's /metrics (54 KB) takes its API
 server's CPU, and on the 2-core CPU test machine scraping it every 0.5 s raised the measured TTFT several

@@ -9,14 +9,14 @@ Errors block the start unless serve.allow_lint_errors is true; warnings are logg
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from packaging.specifiers import SpecifierSet
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from ..gpu.iommu import iommu_state
+from ..schema import Reader
 
 ERROR, WARNING = "error", "warning"
 
@@ -46,8 +46,14 @@ def version_in(spec: SpecifierSet, version: str) -> bool:
         return False
 
 
-def sm12x(compute_capabilities: Sequence[str]) -> bool:
-    return any(cc.startswith("12.") for cc in compute_capabilities)
+def read_specifier(r: Reader, path: tuple[str, ...]) -> SpecifierSet | None:
+    """A PEP 440 specifier from a rules or profile file; None, with a FILE:LINE error collected, if it is not one."""
+    value = r.get(path)
+    try:
+        return SpecifierSet(str(value))
+    except InvalidSpecifier:
+        r.fail(path, f"{value!r} is not a PEP 440 version specifier", 'e.g. ">=0.21,<0.23" or "==0.24.*"')
+        return None
 
 
 def model_billions(model: str) -> float | None:

@@ -20,7 +20,7 @@ from .engines import evaluate_lint, rules_for
 from .flagcheck import engine_python
 from .installed import Installed, installed
 from .lint import ERROR, LintFinding
-from .rules import LintContext, Outcome
+from .rules import LintContext, Outcome, Rules
 from .profiles import Profile, load_profiles, select_profile
 from .secrets import SecretFileError, credentials_file, read_env_file
 
@@ -33,6 +33,7 @@ class Composed:
     findings: tuple[LintFinding, ...]
     outcomes: tuple[Outcome, ...] = ()  # every rule: applied, skipped (and why) or clear
     installed: Installed | None = None
+    rules: Rules | None = None
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class PreparedServe:
     flags: FlagCheck | None  # None when the deep check was not run
     home_note: str | None = None  # why the child gets a home under the state directory, when it does
     installed: Installed | None = None
+    rules: Rules | None = None  # what the lint ran (doctor says when they are older than the engine)
 
     def blocking(self, config: Config) -> list[ConfigError]:
         """What stops the start: lint errors (unless allowed) and the engine's parser rejecting the flags."""
@@ -123,10 +125,8 @@ def compose(config: Config, gpus: Sequence[GpuSample], profile_name: str | None 
     command = build_command(config.serve, profile, gpus, base_env, secrets, home, engine)
     if found is None:
         found = installed_for(config, command, ask)
-    ctx = LintContext(command.argv, command.env, profile, tuple(g.compute_capability or "" for g in command.gpus),
-                      config.serve.model, engine, found, command.prefix)
-    outcomes = tuple(evaluate_lint(ctx, rules))
-    return Composed(command, tuple(o.finding for o in outcomes if o.finding is not None), outcomes, found)
+    outcomes = tuple(evaluate_lint(LintContext.of(command, config.serve.model, found), rules))
+    return Composed(command, tuple(o.finding for o in outcomes if o.finding is not None), outcomes, found, rules)
 
 
 def installed_for(config: Config, command: ServeCommand, ask: bool = True) -> Installed:
@@ -157,8 +157,9 @@ def prepare_serve(config: Config, backend: GpuBackend, deep: bool, create_home: 
     gpus = chosen_gpus(config, [gpu.sample() for gpu in backend.gpus()])
     composed = compose(config, gpus, secrets=secrets, home=home, ask=not on_loop)
     command = composed.command
-    prepared = PreparedServe(command, identity, composed.findings, None, home_note, composed.installed)
+    prepared = PreparedServe(command, identity, composed.findings, None, home_note, composed.installed,
+                             composed.rules)
     if not deep or command.engine.flag_probe is None or prepared.blocking(config):
         return prepared  # lint already blocks: no need to wait for the engine's import
     flags = check_flags(config.serve, command, identity)
-    return PreparedServe(command, identity, composed.findings, flags, home_note, composed.installed)
+    return PreparedServe(command, identity, composed.findings, flags, home_note, composed.installed, composed.rules)

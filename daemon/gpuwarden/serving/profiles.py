@@ -12,12 +12,13 @@ import fnmatch
 from dataclasses import dataclass
 from pathlib import Path
 
-from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.specifiers import SpecifierSet
 
 from .. import yamlfile
 from ..gpu.base import GpuSample
 from ..schema import MISSING, Reader, type_name
 from ..yamlfile import ConfigError, ConfigErrors, InvalidConfig
+from .lint import read_specifier
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "profiles"
 GIB = 1024 ** 3
@@ -86,13 +87,7 @@ def load_profile(file: Path) -> Profile:
     if versions == "vllm" and r.get(("versions",)) is not MISSING:
         r.fail(("vllm",), "both vllm: and versions: are set", "versions: only (vllm: is its older name)")
     r.mapping((versions,), ("tested", "known_good", "known_bad"))
-    tested = None
-    if r.get((versions, "tested")) is not MISSING:
-        try:
-            tested = SpecifierSet(str(r.get((versions, "tested"))))
-        except InvalidSpecifier:
-            r.fail((versions, "tested"), f"{r.get((versions, 'tested'))!r} is not a PEP 440 version specifier",
-                   'e.g. ">=0.15.1,<=0.17.1"')
+    tested = read_specifier(r, (versions, "tested")) if r.get((versions, "tested")) is not MISSING else None
     count = r.get(("match", "gpu_count"))
     if count is MISSING:
         count = [1, 64]

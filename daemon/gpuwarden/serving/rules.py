@@ -13,19 +13,19 @@ as a warning that says so.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from packaging.specifiers import InvalidSpecifier, SpecifierSet
-
 from .. import yamlfile
 from ..schema import Reader, type_name
 from ..yamlfile import ConfigError, ConfigErrors, InvalidConfig
+from .flags import flag_value, has_flag
 from .installed import PACKAGES, Installed
-from .lint import ERROR, WARNING, LintFinding, version_in
+from .lint import ERROR, WARNING, LintFinding, read_specifier, version_in
 from .profiles import Profile
 
 BUILTIN = Path(__file__).resolve().parent / "rules" / "builtin.yaml"
@@ -51,6 +51,19 @@ class LintContext:
     engine: Any  # engines.Engine (not imported: engines import this module)
     installed: Installed
     prefix: int = 0  # argv[:prefix] is the command itself, before the engine's flags
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        """The engine's arguments, after the command (as ServeCommand.flags)."""
+        return self.argv[self.prefix:]
+
+    @classmethod
+    def of(cls, command, model: str, installed: Installed) -> LintContext:
+        """The context of a serving.command.ServeCommand (duck-typed: that module imports the engines,
+        which import this one)."""
+        return cls(command.argv, command.env, command.profile,
+                   tuple(g.compute_capability or "" for g in command.gpus), model, command.engine, installed,
+                   command.prefix)
 
     @property
     def tp_size(self) -> int:
@@ -117,7 +130,7 @@ def load_rules(user_dir: Path | None, checks: Mapping[str, set[str]]) -> Rules:
     problems: list[ConfigError] = []
     for file in files:
         try:
-            entries, against = _read_file(file)
+            entries, against = _builtin() if file == BUILTIN else _read_file(file)
         except InvalidConfig as exc:
             problems.extend(exc.errors)
             continue
@@ -144,6 +157,12 @@ def load_rules(user_dir: Path | None, checks: Mapping[str, set[str]]) -> Rules:
     if problems:
         raise ConfigErrors(problems)
     return Rules(tuple(Rule(**entry) for entry in merged.values()), written_against)
+
+
+@functools.cache
+def _builtin() -> tuple[list, dict[str, str]]:
+    """The shipped file, read once per process (entries are copied, never changed, when merged)."""
+    return _read_file(BUILTIN)
 
 
 def _read_file(file: Path) -> tuple[list, dict[str, str]]:
@@ -189,22 +208,13 @@ def _read_file(file: Path) -> tuple[list, dict[str, str]]:
     return entries, against
 
 
-def _specifier(r: Reader, path: tuple[str, ...]) -> SpecifierSet | None:
-    value = r.get(path)
-    try:
-        return SpecifierSet(str(value))
-    except InvalidSpecifier:
-        r.fail(path, f"{value!r} is not a PEP 440 version specifier", 'e.g. ">=0.21,<0.23" or "==0.24.*"')
-        return None
-
-
 def _when(r: Reader, path: tuple[str, ...]) -> dict:
     out = {}
     for key in r.mapping(path, WHEN_KEYS):
         if key == "reads_env":
             out[key] = r.string(path + (key,), "")
         else:
-            spec = _specifier(r, path + (key,))
+            spec = read_specifier(r, path + (key,))
             if spec is not None:
                 out[key] = spec
     return out
@@ -314,9 +324,7 @@ def _when_fails(when: Mapping[str, Any], ctx: LintContext) -> tuple[str | None, 
 
 
 def _matches(match: Mapping[str, Any], ctx: LintContext) -> bool:
-    from .flags import flag_value, has_flag
-
-    flags = ctx.argv[ctx.prefix:]
+    flags = ctx.flags
     if not all(has_flag(flags, f) for f in match.get("flags_present", ())):
         return False
     if any(has_flag(flags, f) for f in match.get("flags_absent", ())):

@@ -3,9 +3,10 @@
 An engine is one module here that defines ENGINE, an Engine: its default
 command, how its argv is built from the serve config and the profile, where its
 flags start, its memory fraction and tensor-parallel size, how to read the level
-of its log lines, the checks its lint rules name (serving/rules/builtin.yaml), and (optionally) its own flag parser run in its
-interpreter, and its health and metrics endpoints with the names of the metrics
-that map to the generic serving stats. serve.engine names the module
+of its log lines, the checks its lint rules name (serving/rules/builtin.yaml),
+and (optionally) its own flag parser run in its interpreter, and its health and
+metrics endpoints with the names of the metrics that map to the generic serving
+stats. serve.engine names the module
 (default vllm); nothing outside serving/engines/ depends on which engine runs,
 except the vLLM-named metrics and JSON keys kept for this release
 (gpuwarden_vllm_*, check --json's vllm_version), which only vLLM emits.
@@ -129,13 +130,13 @@ def check_names() -> dict[str, set[str]]:
     return {"any": set(SHARED_CHECKS), **{name: set(engine_for(name).checks) for name in names()}}
 
 
-@functools.cache
 def builtin_rules() -> Rules:
-    return load_rules(None, check_names())
+    return rules_for(None)
 
 
 def rules_for(user_dir: Path | None) -> Rules:
-    """The built-in rules and rules.d's; raises ConfigErrors (FILE:LINE) for a broken rules.d file."""
+    """The built-in rules (parsed once per process) and rules.d's; raises ConfigErrors (FILE:LINE) for a broken
+    rules.d file."""
     return load_rules(user_dir, check_names())
 
 
