@@ -43,7 +43,7 @@ def free_port() -> int:
 def start_vllm(python: Path, model: Path, port: int, log) -> subprocess.Popen:
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
            "--host", "127.0.0.1", "--gpu-memory-utilization", "0.3", "--max-model-len", "512"]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, process_group=0)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if proc.poll() is not None:
