@@ -185,6 +185,7 @@ def test_shipped_default_config_explains_every_key():
     text = DEFAULT_CONFIG.read_text()
     cfg = config.load(DEFAULT_CONFIG).as_dict()
     keys = list(cfg) + [k for section in ("gpu", "tuning", "alerts", "metrics", "serve") for k in cfg[section]]
+    keys += list(cfg["serve"]["proxy"])
     for key in keys:
         line = next(i for i, row in enumerate(text.splitlines()) if row.strip().startswith(f"{key}:"))
         assert text.splitlines()[line - 1].strip().startswith("#"), f"{key} has no comment above it"

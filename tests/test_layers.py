@@ -15,7 +15,7 @@ LAYERS = [
     {"tunables"},  # the tuning settings table
     {"config"},
     {"alerts", "tuning", "serving", "backends", "status", "gpuevents"},
-    {"monitor", "doctor", "bench"},
+    {"monitor", "doctor", "bench", "proxy"},
     {"exporter"},
     {"daemon"},
     {"cli"},

@@ -179,4 +179,11 @@ def test_serving_ready_only_when_vllm_is_healthy_and_stop_leaves_nothing(install
     healthy = next(i for i, line in enumerate(lines) if "vLLM healthy after" in line)
     started = next(i for i, line in enumerate(lines) if "Started gpuwarden.service" in line)
     assert healthy < started
+    # The proxy beside it: supervised as the same user, the key passed through, back after a SIGKILL while the
+    # engine and the daemon go on.
+    assert got["proxy_health"] == "200" and got["proxy_user"] == "gpuwarden", journal[-4000:]
+    assert got["proxy_completion"] == "1" and got["proxy_completion_without_key"] == "401"
+    assert got["proxy_state"] == "1"
+    assert got["proxy_back"] == "200" and got["proxy_restart_logged"] == "1", journal[-4000:]
+    assert got["state_after_proxy_kill"] == "active" and got["health_after_proxy_kill"] == "200"
     assert got["stop_result"] == "success" and got["leftover"] == "0"

@@ -14,6 +14,7 @@ from . import __version__, tunables
 from . import config as configmod
 from .backends import open_configured
 from .bench import command as bench_command
+from .proxy import command as proxy_command
 from .config import EX_CONFIG, Config
 from .gpu import errors
 from .gpu.sim.scenario import builtin_scenarios, resolve_scenario, unknown_scenario
@@ -77,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--user", metavar="NAME", help="basic auth user when metrics.web_config asks for one (the "
                    "password comes from $GPUWARDEN_PASSWORD)")
     bench_command.add_parser(sub, common)
+    proxy_command.add_parser(sub, common)
     return parser
 
 
@@ -407,7 +409,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench_command.cmd_bench(args, load_config(args))
 
 
-COMMANDS = {"bench": cmd_bench, "check": cmd_check, "plan": cmd_plan, "apply": cmd_apply, "run": cmd_run,
+def cmd_proxy(args: argparse.Namespace) -> int:
+    return proxy_command.cmd_proxy(args, load_config)
+
+
+COMMANDS = {"bench": cmd_bench, "proxy": cmd_proxy, "check": cmd_check, "plan": cmd_plan, "apply": cmd_apply, "run": cmd_run,
             "status": cmd_status,
             "profiles": cmd_profiles, "doctor": cmd_doctor}
 

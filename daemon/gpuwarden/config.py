@@ -106,6 +106,27 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True)
+class ProxyConfig:
+    """serve.proxy: the prefix-cache normalizing proxy (gpuwarden/proxy/), a child beside the engine."""
+
+    enabled: bool = False
+    listen: tuple[str, int] = ("127.0.0.1", 8001)
+    billing_header: bool = True
+    cache_control: bool = True
+    sort_tools: bool = True
+    date_line: bool = False
+    remove_patterns: tuple[str, ...] = ()  # regexes removed from system text
+    dump_dir: Path | None = None  # per-session request dumps, for `gpuwarden proxy diff`; None: off
+    dump_keep: int = 200
+    max_body_bytes: int = 32 << 20
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.listen[0]}]" if ":" in self.listen[0] else self.listen[0]
+        return f"http://{host}:{self.listen[1]}"
+
+
+@dataclass(frozen=True)
 class ServeConfig:
     """The serving child (vLLM by default): what to run, as whom, and how to supervise it."""
 
@@ -138,6 +159,7 @@ class ServeConfig:
     restart_on_stall: bool = True
     profiles_dir: Path | None = None  # profiles.d beside the config file
     rules_dir: Path | None = None  # rules.d beside the config file: lint rules added or overridden by id
+    proxy: ProxyConfig = ProxyConfig()
 
     @property
     def url(self) -> str:
@@ -246,11 +268,18 @@ def _serve_dict(s: ServeConfig) -> dict:
     out = {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if f.name not in BESIDE_CONFIG}
     out.update(command=list(s.command), args=list(s.args), env=dict(s.env),
                gpus="all" if s.gpus is None else list(s.gpus), python=s.python or "auto",
-               env_file="none" if s.env_file is None else str(s.env_file))
+               env_file="none" if s.env_file is None else str(s.env_file), proxy=_proxy_dict(s.proxy))
     if not s.model:
         del out["model"]  # unset is not an empty string
     if not s.command:
         del out["command"]  # the engine's own
+    return out
+
+
+def _proxy_dict(p: ProxyConfig) -> dict:
+    out = {f.name: getattr(p, f.name) for f in dataclasses.fields(p)}
+    out.update(listen=f"{p.listen[0]}:{p.listen[1]}", remove_patterns=list(p.remove_patterns),
+               dump_dir="none" if p.dump_dir is None else str(p.dump_dir))
     return out
 
 
@@ -345,6 +374,39 @@ def _serve_section(r: Reader, base_dir: Path) -> ServeConfig:
         restart_on_stall=r.boolean(base + ("restart_on_stall",), d.restart_on_stall),
         profiles_dir=base_dir / "profiles.d",
         rules_dir=base_dir / "rules.d",
+        proxy=_proxy_section(r, base_dir, port=r.get(base + ("port",))),
+    )
+
+
+def _proxy_section(r: Reader, base_dir: Path, port: Any) -> ProxyConfig:
+    base = ("serve", "proxy")
+    d = ProxyConfig()
+    r.mapping(base, [f.name for f in dataclasses.fields(ProxyConfig)])
+    listen = _listen(r, base + ("listen",), d.listen, "HOST:PORT such as 127.0.0.1:8001; 0.0.0.0:8001 opens it to "
+                     "the network")
+    if listen is None:
+        r.fail(base + ("listen",), "the proxy needs an address to listen on", "HOST:PORT such as 127.0.0.1:8001")
+        listen = d.listen
+    if listen[1] == (port if isinstance(port, int) else ServeConfig.port):
+        r.fail(base + ("listen",), f"port {listen[1]} is the engine's own serve.port", "another port, e.g. 8001")
+    patterns = tuple(_string_list(r, base + ("remove_patterns",), ()))
+    for i, pattern in enumerate(patterns):
+        try:
+            re.compile(pattern, re.MULTILINE)
+        except re.error as exc:
+            r.fail(base + ("remove_patterns", str(i)), f"not a regular expression: {exc}",
+                   r"a Python regex, e.g. '^Timestamp: [^\n]*\n'")
+    dump_dir = r.string(base + ("dump_dir",), "none")
+    flag = r.boolean
+    return ProxyConfig(
+        enabled=flag(base + ("enabled",), d.enabled), listen=listen,
+        billing_header=flag(base + ("billing_header",), d.billing_header),
+        cache_control=flag(base + ("cache_control",), d.cache_control),
+        sort_tools=flag(base + ("sort_tools",), d.sort_tools), date_line=flag(base + ("date_line",), d.date_line),
+        remove_patterns=patterns,
+        dump_dir=None if str(dump_dir).lower() in NONE_WORDS else base_dir / dump_dir,
+        dump_keep=r.number(base + ("dump_keep",), d.dump_keep, 2, 100_000, integer=True),
+        max_body_bytes=r.number(base + ("max_body_bytes",), d.max_body_bytes, 1 << 10, 1 << 30, integer=True),
     )
 
 
@@ -408,21 +470,22 @@ def _web_config(r: Reader, base_dir: Path) -> WebConfig | None:
     return None
 
 
-def _listen(r: Reader, path: Path_) -> tuple[str, int] | None:
+def _listen(r: Reader, path: Path_, default: tuple[str, int] = DEFAULT_LISTEN,
+            allowed: str = "HOST:PORT such as 127.0.0.1:9847 or [::1]:9847, or none to serve no metrics",
+            ) -> tuple[str, int] | None:
     value = r.get(path)
-    allowed = "HOST:PORT such as 127.0.0.1:9847 or [::1]:9847, or none to serve no metrics"
     if value is MISSING:
-        return DEFAULT_LISTEN
+        return default
     if value is None or (isinstance(value, str) and value.lower() in NONE_WORDS):
         return None
     if not isinstance(value, str) or ":" not in value:
         r.fail(path, f"expected HOST:PORT, got {type_name(value)} {value!r}", allowed)
-        return DEFAULT_LISTEN
+        return default
     host, _, port = value.rpartition(":")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     if not port.isdigit() or not 1 <= int(port) <= 65535 or not host:
         r.fail(path, f"'{value}' is not a valid HOST:PORT", allowed)
-        return DEFAULT_LISTEN
+        return default
     return host, int(port)
 
 

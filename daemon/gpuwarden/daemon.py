@@ -31,6 +31,7 @@ from .gpuevents import EventWatcher
 from .gpu.base import GpuBackend
 from .monitor import Monitor, describe_sample
 from .originals import originals_store
+from .proxy.child import proxy_program
 from .serving.prepare import PreparedServe, prepare_serve
 from .serving.processes import ProcessOps
 from .statedir import listen_file
@@ -168,7 +169,9 @@ class Daemon:
         chosen = {g.index for g in prepared.command.gpus}
         engine = Program(config.serve, prepared.command, prepared.identity,
                          [g for g in self.backend.gpus() if g.index in chosen], ops=self.ops, clock=self.clock)
-        return Supervisor([engine])
+        if not config.serve.proxy.enabled:
+            return Supervisor([engine])
+        return Supervisor([engine, proxy_program(config, engine, prepared.identity, ops=self.ops, clock=self.clock)])
 
     def _reader(self, config: Config) -> MetricsReader:
         engine = self.supervisor.main.engine

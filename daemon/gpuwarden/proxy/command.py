@@ -1,0 +1,140 @@
+"""`gpuwarden proxy`: run the normalizing proxy (standalone, or as the daemon's child), and `proxy diff`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+from pathlib import Path
+
+from ..config import ProxyConfig
+from ..serving.engines import engine_for
+from . import diff
+from .dump import Dumper
+from .normalize import RULES, Rules
+
+HELP = """\
+Runs the prefix-cache normalizing proxy in front of the serving engine: /v1/messages (Anthropic) and
+/v1/chat/completions (OpenAI) requests have their cache busters removed (rules below), everything else
+passes through untouched, and responses stream back chunk by chunk. /health and /metrics are the proxy's
+own; the engine's prefix-cache counters are re-exported beside them.
+
+Settings come from serve.proxy in the config; the options here override them. With serve.proxy.enabled,
+`gpuwarden run` starts and supervises this itself.
+
+Rules: billing_header (Claude Code's per-request nonce block), cache_control (moving cache markers),
+sort_tools (tools in a stable order), date_line ("Today's date is ..."; off by default), and
+--remove-pattern REGEX for anything else in system text.
+
+`gpuwarden proxy diff A B` shows where two dumped turns (--dump-dir) first differ: the cache buster."""
+
+log = logging.getLogger("gpuwarden.proxy")
+
+
+def add_parser(sub, common) -> None:
+    p = sub.add_parser("proxy", parents=[common], help="the prefix-cache normalizing proxy; `proxy diff A B` "
+                       "finds a cache buster", description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--upstream", help="the engine, e.g. http://127.0.0.1:8000 (default: serve.host:serve.port)")
+    p.add_argument("--listen", help="HOST:PORT to serve on (default: serve.proxy.listen, 127.0.0.1:8001)")
+    p.add_argument("--engine", help="the engine's name, for its metric names (default: serve.engine)")
+    p.add_argument("--rules", help="the rules to apply, comma-separated, or none (default: serve.proxy's)")
+    p.add_argument("--remove-pattern", action="append", metavar="REGEX", help="also remove this from system "
+                   "text (repeatable; adds to serve.proxy.remove_patterns)")
+    p.add_argument("--dump-dir", type=Path, help="dump each request, as received and as sent, per session")
+    p.add_argument("--dump-keep", type=int, help="at most this many dump files (default: 200)")
+    p.add_argument("--max-body-bytes", type=int, help="refuse bigger request bodies with 413 (default: 32 MiB)")
+    p.add_argument("action", nargs="?", choices=("run", "diff"), default="run", help="run (default) or diff")
+    p.add_argument("dumps", nargs="*", type=Path, help="diff: two dump files, or one session folder (its last two "
+                   "turns)")
+
+
+def cmd_proxy(args: argparse.Namespace, load_config) -> int:
+    if args.action == "diff":
+        return _diff(args.dumps)
+    if args.dumps:
+        return _usage("proxy: dump files are for `gpuwarden proxy diff`")
+    config = None if str(args.config).lower() == "none" else load_config(args)
+    settings = config.serve.proxy if config else ProxyConfig()
+    try:
+        rules = _rules(args.rules, settings, args.remove_pattern or [])
+        listen = _listen(args.listen) if args.listen else settings.listen
+    except ValueError as exc:
+        return _usage(f"proxy: {exc}")
+    upstream = args.upstream or (config.serve.url if config else "http://127.0.0.1:8000")
+    engine = engine_for(args.engine or (config.serve.engine if config else "vllm"))
+    if engine is None:
+        return _usage(f"proxy: no serving engine named '{args.engine}'")
+    dump_dir = args.dump_dir or settings.dump_dir
+    keep = args.dump_keep or settings.dump_keep
+    max_body = args.max_body_bytes or settings.max_body_bytes
+    if keep < 2 or max_body < 1024:
+        return _usage("proxy: --dump-keep must be at least 2 and --max-body-bytes at least 1024")
+    return serve(upstream, listen, rules, engine, Dumper(dump_dir, keep) if dump_dir else None, max_body)
+
+
+def serve(upstream, listen, rules, engine, dumper, max_body) -> int:
+    from aiohttp import web
+
+    from .server import Proxy, ProxyMetrics
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stderr)
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    names = engine.metric_names
+    proxy = Proxy(upstream, rules, ProxyMetrics((names.prefix_cache_queries, names.prefix_cache_hits)), dumper,
+                  max_body, metrics_path=engine.metrics_path)
+    enabled = [name for name in RULES if getattr(rules, name)]
+    log.info("proxy on http://%s:%d for %s; rules: %s%s", *listen, upstream, ", ".join(enabled) or "none",
+             f"; dumps in {dumper.directory}" if dumper else "")
+    try:
+        web.run_app(proxy.app(), host=listen[0], port=listen[1], print=None, shutdown_timeout=2,  # a stop cuts open streams soon
+                    access_log=None)
+    except OSError as exc:
+        print(f"gpuwarden proxy: cannot listen on {listen[0]}:{listen[1]}: {exc.strerror or exc}", file=sys.stderr)
+        return 71
+    return 0
+
+
+def _rules(names: str | None, settings: ProxyConfig, extra: list[str]) -> Rules:
+    flags = {n: getattr(settings, n) for n in ("billing_header", "cache_control", "sort_tools", "date_line")}
+    if names is not None:
+        chosen = set() if names.strip().lower() == "none" else {n.strip() for n in names.split(",") if n.strip()}
+        unknown = chosen - set(flags)
+        if unknown:
+            raise ValueError(f"unknown rule(s) {', '.join(sorted(unknown))} in --rules; known: {', '.join(flags)}")
+        flags = {n: n in chosen for n in flags}
+    patterns = []
+    for pattern in (*settings.remove_patterns, *extra):
+        try:
+            patterns.append(re.compile(pattern, re.MULTILINE))
+        except re.error as exc:
+            raise ValueError(f"--remove-pattern {pattern!r} is not a regular expression: {exc}") from None
+    return Rules(**flags, remove_patterns=tuple(patterns))
+
+
+def _listen(value: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"--listen {value!r} is not HOST:PORT")
+    return host, int(port)
+
+
+def _diff(paths: list[Path]) -> int:
+    if len(paths) == 1 and paths[0].is_dir():
+        paths = diff.turns(paths[0])[-2:]
+        if len(paths) < 2:
+            return _usage("proxy diff: the session folder has fewer than two turns")
+    if len(paths) != 2:
+        return _usage("proxy diff: give two dump files, or one session folder")
+    try:
+        print(diff.report(*paths))
+    except (ValueError, OSError) as exc:
+        print(f"gpuwarden proxy diff: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _usage(message: str) -> int:
+    print(f"gpuwarden {message}", file=sys.stderr)
+    return 78

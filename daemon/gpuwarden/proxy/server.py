@@ -1,0 +1,236 @@
+"""The proxy itself: aiohttp in front of the engine. /v1/messages and /v1/chat/completions are normalized
+(normalize.py); every other path goes through untouched; /health and /metrics are the proxy's own.
+
+Why aiohttp: the same maintained asyncio library `gpuwarden bench` uses, with a server and a client in one
+package that Debian 12 ships (python3-aiohttp 3.8), streaming both ways without buffering. Bodies pass as
+bytes: a request no rule changes goes upstream byte for byte, and responses are never parsed, so SSE events,
+tool-call deltas, errors and status codes reach the client as the engine sent them, chunk by chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ..serving.metrics import parse
+from .dump import Dumper, session_of
+from .normalize import Rules, apply
+
+log = logging.getLogger("gpuwarden.proxy")
+
+NORMALIZED = {"/v1/messages": "anthropic", "/v1/chat/completions": "openai"}
+HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+              "transfer-encoding", "upgrade", "host", "content-length"}
+SCRAPE_EVERY_S, SCRAPE_DEADLINE_S, SCRAPE_MAX_BYTES = 15.0, 5.0, 8 << 20
+
+
+class ProxyMetrics:
+    def __init__(self, prefix_names: tuple[str | None, str | None]):
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("gpuwarden_proxy_requests", "Requests answered, by API and status code",
+                                ["api", "code"], registry=r)
+        self.streams = Counter("gpuwarden_proxy_streams", "Responses streamed as server-sent events", ["api"],
+                               registry=r)
+        self.chunks = Counter("gpuwarden_proxy_stream_chunks", "Response chunks passed on", registry=r)
+        self.bytes_in = Counter("gpuwarden_proxy_request_bytes", "Request body bytes sent upstream", registry=r)
+        self.bytes_out = Counter("gpuwarden_proxy_response_bytes", "Response body bytes passed to clients",
+                                 registry=r)
+        self.upstream = Histogram("gpuwarden_proxy_upstream_seconds", "Request received to upstream response "
+                                  "headers", ["api"], registry=r,
+                                  buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 300))
+        self.normalized = Counter("gpuwarden_proxy_normalizations", "Changes made by each normalization rule",
+                                  ["rule"], registry=r)
+        self.failures = Counter("gpuwarden_proxy_failures", "Requests the proxy refused or could not finish",
+                                ["reason"], registry=r)
+        self.prefix_names = prefix_names
+        self.engine: dict[str, float] | None = None  # the upstream's latest /metrics, parsed
+        self.engine_up = 0
+        r.register(self)
+
+    def collect(self):
+        up = GaugeMetricFamily("gpuwarden_proxy_upstream_up", "Whether the upstream's /metrics was read at the "
+                               "last scrape")
+        up.add_metric([], self.engine_up)
+        yield up
+        queries, hits = self.prefix_names
+        if self.engine is None or not queries or not hits:
+            return
+        for name, what, help_ in ((queries, "queries", "Prompt tokens looked up in the engine's prefix cache"),
+                                  (hits, "hits", "Prompt tokens the engine's prefix cache served")):
+            family = CounterMetricFamily(f"gpuwarden_proxy_engine_prefix_cache_{what}_tokens",
+                                         f"{help_} ({name}, as last read from the engine)")
+            if name in self.engine:
+                family.add_metric([], self.engine[name])
+                yield family
+
+    def describe(self):
+        return []
+
+
+class Proxy:
+    def __init__(self, upstream: str, rules: Rules, metrics: ProxyMetrics, dumper: Dumper | None = None,
+                 max_body_bytes: int = 32 << 20, read_timeout_s: float = 600.0, metrics_path: str = "/metrics"):
+        self.upstream = upstream.rstrip("/")
+        self.rules, self.metrics, self.dumper = rules, metrics, dumper
+        self.max_body_bytes, self.read_timeout_s, self.metrics_path = max_body_bytes, read_timeout_s, metrics_path
+        self.session: aiohttp.ClientSession | None = None
+        self._scraper: asyncio.Task | None = None
+        self._scraped = False
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.max_body_bytes)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.own_metrics)
+        app.router.add_route("*", "/{tail:.*}", self.forward)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, app) -> None:
+        timeout = aiohttp.ClientTimeout(total=None, connect=10, sock_read=self.read_timeout_s)
+        # No automatic headers and no decompression: what the client and the engine send passes as it is.
+        self.session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False,
+                                             connector=aiohttp.TCPConnector(limit=0),
+                                             skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"))
+        self._scraper = asyncio.get_running_loop().create_task(self._scrape_forever())
+
+    async def _stop(self, app) -> None:
+        if self._scraper is not None:
+            self._scraper.cancel()
+            await asyncio.gather(self._scraper, return_exceptions=True)
+        if self.session is not None:
+            await self.session.close()
+
+    async def health(self, request: web.Request) -> web.Response:
+        """The proxy's own liveness, for the supervisor: 200 while it answers, whether or not the engine does
+        (a restart of the proxy would not bring the engine back); the engine's state is in the body."""
+        upstream = "up" if self.metrics.engine_up else "down" if self._scraped else "not read yet"
+        return web.json_response({"status": "ok", "upstream": upstream})
+
+    async def own_metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics.registry),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    # -- the engine's prefix-cache counters, beside ours ---------------------------------------------------
+    async def _scrape_forever(self) -> None:
+        while True:
+            await self._scrape_once()
+            await asyncio.sleep(SCRAPE_EVERY_S)
+
+    async def _scrape_once(self) -> None:
+        self._scraped = True
+        try:
+            async with self.session.get(self.upstream + self.metrics_path,
+                                        timeout=aiohttp.ClientTimeout(total=SCRAPE_DEADLINE_S)) as reply:
+                body = await reply.content.read(SCRAPE_MAX_BYTES + 1)
+                if reply.status != 200 or len(body) > SCRAPE_MAX_BYTES:
+                    raise ValueError(f"answered {reply.status} with {len(body)} bytes")
+            text = body.decode("utf-8", "replace")
+            # Parsing 50 KB takes milliseconds: off the loop, so no stream waits for it.
+            self.metrics.engine = await asyncio.get_running_loop().run_in_executor(None, parse, text)
+            self.metrics.engine_up = 1
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError) as exc:
+            if self.metrics.engine_up or self.metrics.engine is None:
+                log.warning("proxy: the engine's %s cannot be read: %s", self.metrics_path, exc or type(exc).__name__)
+            self.metrics.engine_up, self.metrics.engine = 0, None
+
+    # -- the proxy ---------------------------------------------------------------------------------------
+    async def forward(self, request: web.Request) -> web.StreamResponse:
+        began = time.monotonic()
+        api = NORMALIZED.get(request.path) if request.method == "POST" else None
+        label = api or "other"
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return self._refuse(request, label, 413, "too_large",
+                                f"request body over {self.max_body_bytes} bytes (the proxy's max_body_bytes)")
+        if api is not None:
+            body, refused = self._normalize(request, api, body)
+            if refused is not None:
+                return refused
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        self.metrics.bytes_in.inc(len(body))
+        try:
+            async with self.session.request(request.method, self.upstream + request.path_qs, data=body or None,
+                                            headers=headers, allow_redirects=False) as up:
+                self.metrics.upstream.labels(label).observe(time.monotonic() - began)
+                return await self._relay(request, up, label)
+        except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
+            return self._refuse(request, label, 502, "upstream_down", f"upstream {self.upstream} unreachable: {exc}")
+        except asyncio.TimeoutError:
+            return self._refuse(request, label, 504, "upstream_timeout",
+                                f"upstream {self.upstream} sent nothing for {self.read_timeout_s:g} s")
+        except aiohttp.ClientError as exc:
+            return self._refuse(request, label, 502, "upstream_error", f"upstream {self.upstream}: {exc}")
+
+    def _normalize(self, request: web.Request, api: str, body: bytes) -> tuple[bytes, web.Response | None]:
+        try:
+            parsed = json.loads(body)
+        except (ValueError, RecursionError) as exc:  # RecursionError: nesting deeper than Python's limit
+            return body, self._refuse(request, api, 400, "bad_json", f"body is not JSON: {str(exc)[:200]}")
+        if not isinstance(parsed, dict):
+            return body, self._refuse(request, api, 400, "bad_json", "body is JSON but not an object")
+        received = json.loads(body) if self.dumper is not None else None
+        applied = apply(parsed, api, self.rules)
+        for rule, n in applied.items():
+            self.metrics.normalized.labels(rule).inc(n)
+        if applied:
+            body = json.dumps(parsed, ensure_ascii=False, separators=(",", ":")).encode()
+        if self.dumper is not None:
+            self.dumper.write(session_of(parsed, api, request.remote), request.path, received, parsed, dict(applied))
+        return body, None
+
+    async def _relay(self, request: web.Request, up: aiohttp.ClientResponse, label: str) -> web.StreamResponse:
+        response = web.StreamResponse(status=up.status, reason=up.reason)
+        for key, value in up.headers.items():
+            if key.lower() not in HOP_BY_HOP:
+                response.headers.add(key, value)
+        if up.content_length is not None:
+            response.content_length = up.content_length
+        streaming = up.headers.get("Content-Type", "").startswith("text/event-stream")
+        self.metrics.requests.labels(label, str(up.status)).inc()
+        if streaming:
+            self.metrics.streams.labels(label).inc()
+        sent = 0
+        try:
+            await response.prepare(request)
+            async for chunk in up.content.iter_any():
+                await response.write(chunk)
+                sent += len(chunk)
+                self.metrics.chunks.inc()
+            await response.write_eof()
+        except (ConnectionResetError, asyncio.CancelledError) as exc:
+            # The client went away: leaving the `async with` closes the upstream connection, so the engine
+            # sees the disconnect and stops generating.
+            self.metrics.failures.labels("client_gone").inc()
+            log.info("proxy: client %s left %s %s after %d bytes", request.remote, request.method, request.path, sent)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, asyncio.TimeoutError) as exc:
+            self.metrics.failures.labels("upstream_broke").inc()
+            log.warning("proxy: upstream broke off %s %s after %d bytes: %s", request.method, request.path, sent,
+                        exc or type(exc).__name__)
+            if request.transport is not None:
+                request.transport.close()  # the client must see a cut stream, not a finished one
+        finally:
+            self.metrics.bytes_out.inc(sent)
+        return response
+
+    def _refuse(self, request: web.Request, label: str, status: int, reason: str, message: str) -> web.Response:
+        self.metrics.failures.labels(reason).inc()
+        self.metrics.requests.labels(label, str(status)).inc()
+        log.warning("proxy: %s %s from %s: %d %s", request.method, request.path, request.remote, status, message)
+        if label == "anthropic":  # each API's own error shape, so the client shows the message
+            body = {"type": "error", "error": {"type": "api_error" if status >= 500 else "invalid_request_error",
+                                               "message": message}}
+        else:
+            body = {"error": {"message": message, "type": "proxy_error", "code": status}}
+        return web.json_response(body, status=status)

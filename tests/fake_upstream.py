@@ -1,0 +1,84 @@
+"""A fake engine behind the proxy, as a real process: it records what reached it and streams back.
+
+    python3 tests/fake_upstream.py --port P [--chunk-delay S]
+
+POST any path: the raw body and headers are kept for GET /debug/last. A JSON body with "stream": true gets
+SSE events (a text delta, a tool-call delta, then [DONE]) --chunk-delay apart, or with "endless": true events
+until the client leaves. POST /fail answers 500 with a JSON error. GET /v1/models lists one model; GET /metrics
+has vLLM's prefix-cache counters; GET /debug/open counts streams open now.
+"""
+
+import argparse
+import asyncio
+import base64
+import json
+
+from aiohttp import web
+
+state = {"last": None, "open": 0, "requests": 0}
+EVENTS = [
+    {"choices": [{"index": 0, "delta": {"content": "Hel"}}]},
+    {"choices": [{"index": 0, "delta": {"content": "lo"}}]},
+    {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                                                        "function": {"name": "Read", "arguments": "{\"pa"}}]}}]},
+    {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "th\": \"/x\"}"}}]}}]},
+]
+
+
+def make_app(args) -> web.Application:
+    async def record(request):
+        body = await request.read()
+        state["requests"] += 1
+        state["last"] = {"path": request.path_qs, "method": request.method, "body": base64.b64encode(body).decode(),
+                         "headers": [[k, v] for k, v in request.headers.items()]}
+        if request.path == "/fail":
+            return web.json_response({"error": {"message": "engine is asleep"}}, status=500)
+        try:
+            parsed = json.loads(body) if body else {}
+        except ValueError:
+            parsed = {}
+        if not isinstance(parsed, dict) or not parsed.get("stream"):
+            return web.json_response({"id": "x", "echo_bytes": len(body)}, headers={"X-Engine": "fake"})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        state["open"] += 1
+        try:
+            n = 0
+            while parsed.get("endless") or n < len(EVENTS):
+                event = EVENTS[n % len(EVENTS)]
+                await response.write(f"data: {json.dumps(event)}\n\n".encode())
+                n += 1
+                await asyncio.sleep(args.chunk_delay)
+            await response.write(b"data: [DONE]\n\n")
+        finally:
+            state["open"] -= 1
+        return response
+
+    async def last(request):
+        return web.json_response(state["last"])
+
+    async def open_streams(request):
+        return web.json_response({"open": state["open"], "requests": state["requests"]})
+
+    async def models(request):
+        return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+
+    async def metrics(request):
+        return web.Response(text="# TYPE vllm:prefix_cache_queries_total counter\nvllm:prefix_cache_queries_total 100\n"
+                                 "# TYPE vllm:prefix_cache_hits_total counter\nvllm:prefix_cache_hits_total 40\n")
+
+    app = web.Application(client_max_size=1 << 30)
+    app.router.add_get("/debug/last", last)
+    app.router.add_get("/debug/open", open_streams)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_route("*", "/{tail:.*}", record)
+    return app
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--chunk-delay", type=float, default=0.05)
+    args = parser.parse_args()
+    web.run_app(make_app(args), host="127.0.0.1", port=args.port, print=None, access_log=None)

@@ -1,0 +1,314 @@
+"""The prefix-cache proxy: its rules on real request shapes, and the proxy as a real process between a client
+and a fake engine (tests/fake_upstream.py), also a real process."""
+
+import base64
+import copy
+import http.client
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from conftest import free_port, gpuwarden_cmd, subprocess_env
+from gpuwarden.config import parse_text
+from gpuwarden.proxy import diff
+from gpuwarden.proxy.normalize import Rules, apply
+
+HERE = Path(__file__).parent
+ALL = Rules(date_line=True)
+
+TOOLS = [{"name": n, "description": f"the {n} tool", "input_schema": {"type": "object", "properties": {}}}
+         for n in ("Read", "Bash", "Edit", "mcp__git__log")]
+
+
+def claude_code_request(turn: int, tools=TOOLS) -> dict:
+    """The shape Claude Code sends to /v1/messages: the billing block first, cache_control on the last system
+    block and on the newest message, the environment with today's date."""
+    messages = []
+    for i in range(turn):
+        messages += [{"role": "user", "content": [{"type": "text", "text": f"step {i}"}]},
+                     {"role": "assistant", "content": [{"type": "text", "text": f"done {i}"},
+                                                       {"type": "tool_use", "id": f"t{i}", "name": "Read",
+                                                        "input": {"path": "/x", "cache_control": "keep"}}]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"t{i}",
+                                                   "content": [{"type": "text", "text": "file"}]}]}]
+    messages.append({"role": "user", "content": [{"type": "text", "text": "next", "cache_control": {"type": "ephemeral"}}]})
+    return {"model": "tiny", "max_tokens": 64, "stream": True, "metadata": {"user_id": "user_abc_session_42"},
+            "system": [{"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.0.14; cch={90000 + turn};"},
+                       {"type": "text", "text": "You are Claude Code.\nToday's date is 2026-11-26.\nBe brief.",
+                        "cache_control": {"type": "ephemeral"}}],
+            "tools": [dict(t, cache_control={"type": "ephemeral"}) if i == len(tools) - 1 else dict(t)
+                      for i, t in enumerate(tools)],
+            "messages": messages}
+
+
+# -- the rules -----------------------------------------------------------------------------------------------
+
+def test_claude_code_shape_loses_exactly_its_cache_busters():
+    body = claude_code_request(3, TOOLS[::-1])
+    applied = apply(body, "anthropic", ALL)
+    assert applied == Counter(billing_header=1, cache_control=3, sort_tools=1, date_line=1)
+    assert [b["text"] for b in body["system"]] == ["You are Claude Code.\nBe brief."]
+    assert [t["name"] for t in body["tools"]] == ["Bash", "Edit", "Read", "mcp__git__log"]
+    assert "cache_control" not in json.dumps(body).replace('"cache_control": "keep"', "")
+    assert body["messages"][1]["content"][1]["input"] == {"path": "/x", "cache_control": "keep"}  # tool input: data
+    assert len(body["messages"]) == 10
+
+
+def test_two_turns_normalize_to_a_shared_prefix():
+    a, b = claude_code_request(2), claude_code_request(3, TOOLS[1:] + TOOLS[:1])
+    for body in (a, b):
+        apply(body, "anthropic", ALL)
+    assert a["system"] == b["system"] and a["tools"] == b["tools"] and a["messages"][:6] == b["messages"][:6]
+
+
+def test_each_rule_can_be_switched_off():
+    body = claude_code_request(1, TOOLS[::-1])
+    untouched = copy.deepcopy(body)
+    assert apply(body, "anthropic", Rules(False, False, False, False)) == Counter()
+    assert body == untouched
+    only_sort = apply(body, "anthropic", Rules(billing_header=False, cache_control=False))
+    assert only_sort == Counter(sort_tools=1)
+
+
+def test_openai_shape_user_pattern_and_tools_by_function_name():
+    import re
+
+    body = {"model": "tiny", "messages": [
+        {"role": "system", "content": "[2026-11-26T13:05:09.123Z] session start\nYou are a coding agent."},
+        {"role": "user", "content": "hi"}],
+        "tools": [{"type": "function", "function": {"name": n, "parameters": {}}} for n in ("write", "read")]}
+    rules = Rules(remove_patterns=(re.compile(r"^\[\d{4}-\d\d-\d\dT[\d:.]+Z\] [^\n]*\n", re.MULTILINE),))
+    assert apply(body, "openai", rules) == Counter(remove_patterns=1, sort_tools=1)
+    assert body["messages"][0]["content"] == "You are a coding agent."
+    assert body["messages"][1]["content"] == "hi"  # user text is never touched
+    assert [t["function"]["name"] for t in body["tools"]] == ["read", "write"]
+
+
+def test_a_request_without_busters_is_not_changed():
+    body = {"model": "m", "system": "plain", "tools": [{"name": "a"}, {"name": "b"}],
+            "messages": [{"role": "user", "content": "Today's date is 2026-11-26."}]}
+    before = copy.deepcopy(body)
+    assert apply(body, "anthropic", ALL) == Counter() and body == before
+
+
+def test_diff_names_the_shuffled_tools_and_the_nonce():
+    a, b = claude_code_request(1), claude_code_request(2, TOOLS[::-1])
+    text = diff.first_difference(a, b)
+    assert text.startswith("first difference in tools[0]"), text
+    a["tools"], b["tools"] = [], []
+    text = diff.first_difference(a, b)
+    same = len("x-anthropic-billing-header: cc_version=2.0.14; cch=9000")
+    assert text.startswith(f"first difference in system[0], at character {same} "), text
+    assert "cch=90001" in text and "cch=90002" in text
+    apply(a, "anthropic", ALL), apply(b, "anthropic", ALL)
+    assert "first difference in messages[" in diff.first_difference(a, b)
+
+
+def test_config_section_is_validated_with_file_and_line(tmp_path):
+    from gpuwarden.yamlfile import InvalidConfig
+
+    with pytest.raises(InvalidConfig) as caught:
+        parse_text("serve:\n  proxy:\n    listen: 127.0.0.1:8000\n    remove_patterns: ['(']\n    sort: yes\n",
+                   str(tmp_path / "g.yaml"))
+    text = "\n".join(str(e) for e in caught.value.errors)
+    assert "g.yaml:3: serve.proxy.listen: port 8000 is the engine's own serve.port" in text
+    assert "g.yaml:4: serve.proxy.remove_patterns.0: not a regular expression" in text
+    assert "g.yaml:5: serve.proxy.sort: unknown key" in text
+    ok = parse_text("serve:\n  proxy: {enabled: true, listen: '0.0.0.0:9001', dump_dir: d}\n", str(tmp_path / "g.yaml"))
+    assert ok.serve.proxy.listen == ("0.0.0.0", 9001) and ok.serve.proxy.dump_dir == tmp_path / "d"
+    assert parse_text("serve: {}", "x.yaml").serve.proxy.enabled is False
+
+
+# -- the proxy as a process ----------------------------------------------------------------------------------
+
+class Process:
+    def __init__(self, argv, port, health="/health"):
+        self.port = port
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env=subprocess_env())
+        threading.Thread(target=lambda: [self.lines.append(line.rstrip()) for line in self.proc.stdout],
+                         daemon=True).start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}{health}", timeout=2):
+                    return
+            except OSError:
+                assert self.proc.poll() is None, "\n".join(self.lines)
+                time.sleep(0.05)
+        raise AssertionError("not up:\n" + "\n".join(self.lines))
+
+    def get_json(self, path):
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as reply:
+            return json.loads(reply.read())
+
+    def stop(self):
+        self.proc.terminate()
+        assert self.proc.wait(timeout=10) == 0 or self.proc.returncode < 0
+
+
+@pytest.fixture
+def rig(tmp_path):
+    started = []
+
+    def start(*proxy_args, chunk_delay=0.05):
+        up_port, proxy_port = free_port(), free_port()
+        upstream = Process([sys.executable, str(HERE / "fake_upstream.py"), "--port", str(up_port),
+                            "--chunk-delay", str(chunk_delay)], up_port, "/v1/models")
+        started.append(upstream)
+        proxy = Process([*gpuwarden_cmd(), "proxy", "-c", "none", "--upstream", f"http://127.0.0.1:{up_port}",
+                         "--listen", f"127.0.0.1:{proxy_port}", *proxy_args], proxy_port)
+        started.append(proxy)
+        return upstream, proxy
+
+    yield start
+    for p in reversed(started):
+        p.stop()
+
+
+def send(port, method, path, body=b"", headers=None):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request(method, path, body=body, headers=headers or {})
+    reply = conn.getresponse()
+    data = reply.read()
+    conn.close()
+    return reply, data
+
+
+def last_upstream(upstream):
+    last = upstream.get_json("/debug/last")
+    return base64.b64decode(last["body"]), dict(last["headers"])
+
+
+def test_a_request_without_busters_reaches_the_engine_byte_for_byte(rig):
+    upstream, proxy = rig()
+    raw = b'{ "model":"tiny",\n  "messages": [{"role":"user","content":"caf\\u00e9 \xe2\x82\xac"}], "max_tokens" : 5}'
+    headers = {"Authorization": "Bearer sk-1", "anthropic-version": "2023-06-01", "X-Custom": "a b",
+               "Content-Type": "application/json"}
+    for path in ("/v1/messages", "/v1/chat/completions", "/v1/completions?x=1"):
+        send(upstream.port, "POST", path, raw, headers)
+        direct = last_upstream(upstream)[1]
+        reply, data = send(proxy.port, "POST", path, raw, headers)
+        assert reply.status == 200 and json.loads(data)["echo_bytes"] == len(raw)
+        assert reply.getheader("X-Engine") == "fake"
+        body, got = last_upstream(upstream)
+        assert body == raw
+        assert {k: v for k, v in got.items() if k != "Host"} == {k: v for k, v in direct.items() if k != "Host"}
+        assert upstream.get_json("/debug/last")["path"] == path
+
+
+def test_the_rules_change_what_reaches_the_engine_and_are_counted(rig):
+    upstream, proxy = rig("--rules", "billing_header,cache_control,sort_tools,date_line")
+    body = claude_code_request(2, TOOLS[::-1])
+    body["stream"] = False
+    reply, _ = send(proxy.port, "POST", "/v1/messages", json.dumps(body).encode())
+    assert reply.status == 200
+    sent = json.loads(last_upstream(upstream)[0])
+    expected = copy.deepcopy(body)
+    apply(expected, "anthropic", ALL)
+    assert sent == expected
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{proxy.port}/metrics", timeout=5).read().decode()
+    for rule, n in (("billing_header", 1), ("cache_control", 3), ("sort_tools", 1), ("date_line", 1)):
+        assert f'gpuwarden_proxy_normalizations_total{{rule="{rule}"}} {n}.0' in metrics
+    assert 'gpuwarden_proxy_requests_total{api="anthropic",code="200"} 1.0' in metrics
+    assert "gpuwarden_proxy_engine_prefix_cache_hits_tokens_total 40.0" in metrics
+    assert "gpuwarden_proxy_upstream_up 1.0" in metrics
+
+
+def test_streams_pass_chunk_by_chunk_with_tool_call_deltas(rig):
+    upstream, proxy = rig(chunk_delay=0.3)
+    direct = send(upstream.port, "POST", "/v1/chat/completions", b'{"stream": true}')[1]
+    conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=10)
+    began = time.monotonic()
+    conn.request("POST", "/v1/chat/completions", body=b'{"stream": true}')
+    reply = conn.getresponse()
+    assert reply.status == 200 and reply.getheader("Content-Type").startswith("text/event-stream")
+    first = reply.readline()
+    first_at = time.monotonic() - began
+    rest = reply.read()
+    total = time.monotonic() - began
+    assert first.startswith(b"data: ") and first_at < 0.25 < total  # the first event before the last is made
+    assert first + rest == direct  # tool-call deltas and [DONE] as the engine sent them
+    assert b'"tool_calls"' in rest
+
+
+def test_bad_bodies_get_their_status_and_one_log_line(rig):
+    upstream, proxy = rig("--max-body-bytes", "100000")
+    before = upstream.get_json("/debug/open")["requests"]
+    reply, data = send(proxy.port, "POST", "/v1/messages", b"{not json")
+    assert reply.status == 400 and json.loads(data)["type"] == "error"
+    assert "not JSON" in json.loads(data)["error"]["message"]
+    reply, data = send(proxy.port, "POST", "/v1/chat/completions", b"[" * 100000 + b"]" * 100000)
+    assert reply.status in (400, 413)
+    reply, data = send(proxy.port, "POST", "/v1/chat/completions", b"[1]")
+    assert reply.status == 400 and "not an object" in json.loads(data)["error"]["message"]
+    reply, _ = send(proxy.port, "POST", "/v1/chat/completions", b"{" + b" " * 200000 + b"}")
+    assert reply.status == 413
+    assert upstream.get_json("/debug/open")["requests"] == before  # none of them reached the engine
+    time.sleep(0.2)
+    warnings = [line for line in proxy.lines if line.startswith("WARNING")]
+    assert len(warnings) == 4 and all("Traceback" not in line for line in proxy.lines), proxy.lines
+    reply, data = send(proxy.port, "POST", "/fail", b"{}")
+    assert reply.status == 500 and json.loads(data) == {"error": {"message": "engine is asleep"}}
+    reply, data = send(proxy.port, "GET", "/v1/models")
+    assert reply.status == 200 and json.loads(data)["data"][0]["id"] == "tiny"
+
+
+def test_upstream_down_is_502_and_health_still_answers(rig):
+    upstream, proxy = rig()
+    upstream.stop()
+    reply, data = send(proxy.port, "POST", "/v1/messages", b'{"model": "tiny"}')
+    assert reply.status == 502 and "unreachable" in json.loads(data)["error"]["message"]
+    reply, data = send(proxy.port, "GET", "/health")
+    assert reply.status == 200
+
+
+def test_a_client_that_leaves_mid_stream_ends_the_upstream_stream(rig):
+    upstream, proxy = rig(chunk_delay=0.02)
+    sock = socket.create_connection(("127.0.0.1", proxy.port))
+    body = b'{"stream": true, "endless": true}'
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    seen = b""
+    while b"data: " not in seen:
+        seen += sock.recv(4096)
+    assert upstream.get_json("/debug/open")["open"] == 1
+    sock.close()
+    deadline = time.monotonic() + 5
+    while upstream.get_json("/debug/open")["open"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert upstream.get_json("/debug/open")["open"] == 0
+    assert any("left POST /v1/chat/completions" in line for line in proxy.lines), proxy.lines
+    assert send(proxy.port, "GET", "/health")[0].status == 200
+
+
+def test_dumps_are_private_bounded_and_diffable(rig, tmp_path):
+    dumps = tmp_path / "dumps"
+    upstream, proxy = rig("--dump-dir", str(dumps), "--dump-keep", "3", "--rules", "none")
+    for turn in range(5):
+        body = claude_code_request(turn, TOOLS if turn % 2 else TOOLS[::-1])
+        body["stream"] = False
+        assert send(proxy.port, "POST", "/v1/messages", json.dumps(body).encode())[0].status == 200
+    session = dumps / "user_abc_session_42"
+    files = sorted(session.glob("*.json"))
+    assert len(files) == 3
+    assert stat.S_IMODE(dumps.stat().st_mode) == 0o700 and stat.S_IMODE(session.stat().st_mode) == 0o700
+    assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files)
+    out = subprocess.run([*gpuwarden_cmd(), "proxy", "diff", str(session)], capture_output=True, text=True,
+                         env=subprocess_env())
+    assert out.returncode == 0, out.stderr
+    assert "as received: first difference in tools[0]" in out.stdout
+    assert "as sent upstream (after the proxy's rules): first difference in tools[0]" in out.stdout
+    bad = subprocess.run([*gpuwarden_cmd(), "proxy", "diff", str(files[0]), str(tmp_path)], capture_output=True,
+                         text=True, env=subprocess_env())
+    assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and "not a dump file" in bad.stderr
