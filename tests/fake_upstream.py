@@ -3,7 +3,8 @@
     python3 tests/fake_upstream.py --port P [--chunk-delay S]
 
 POST any path: the raw body and headers are kept for GET /debug/last. A JSON body with "stream": true gets
-SSE events (a text delta, a tool-call delta, then [DONE]) --chunk-delay apart, or with "endless": true events
+SSE events (a text delta, a tool-call delta, then [DONE]; "chunks": N for N of them) --chunk-delay apart, or with
+"endless": true events
 until the client leaves. POST /fail answers 500 with a JSON error. GET /v1/models lists one model; GET /metrics
 has vLLM's prefix-cache counters; GET /debug/open counts streams open now.
 """
@@ -44,7 +45,7 @@ def make_app(args) -> web.Application:
         state["open"] += 1
         try:
             n = 0
-            while parsed.get("endless") or n < len(EVENTS):
+            while parsed.get("endless") or n < parsed.get("chunks", len(EVENTS)):
                 event = EVENTS[n % len(EVENTS)]
                 await response.write(f"data: {json.dumps(event)}\n\n".encode())
                 n += 1

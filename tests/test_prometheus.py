@@ -17,7 +17,7 @@ import urllib.request
 import pytest
 import yaml
 
-from conftest import CPU_TINY_PROFILE, ROOT, free_port
+from conftest import CPU_TINY_PROFILE, ROOT, free_port, gpuwarden_cmd
 from gpuwarden.gpu.sim.scenario import resolve_scenario
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
@@ -82,7 +82,8 @@ def test_dashboard_is_templated_by_datasource_instance_and_gpu():
                    "gpuwarden_serving_generation_tokens_per_second", "gpuwarden_serving_requests_running",
                    "gpuwarden_serving_requests_waiting", "gpuwarden_serving_kv_cache_usage_ratio",
                    "gpuwarden_serving_restarts_total", "gpuwarden_serving_state", "gpuwarden_sample_duration_seconds",
-                   "gpuwarden_loop_lag_seconds"):
+                   "gpuwarden_loop_lag_seconds", "gpuwarden_proxy_engine_prefix_cache_hits_tokens_total",
+                   "gpuwarden_proxy_requests_total"):
         assert metric in exprs, metric
 
 
@@ -93,6 +94,29 @@ def query(base, expr):
             return json.load(reply)
     except urllib.error.HTTPError as exc:
         return json.load(exc)
+
+
+def through_proxy(port, model):
+    """One chat request the proxy normalizes (its date line), and one body it refuses."""
+    body = {"model": str(model), "max_tokens": 2, "messages": [
+        {"role": "system", "content": "Today's date is 2026-11-26.\nBe brief."}, {"role": "user", "content": "the gpu"}]}
+    for data, status in ((json.dumps(body).encode(), 200), (b"{not json", 400)):
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data,
+                                         {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as reply:
+                assert reply.status == status
+        except urllib.error.HTTPError as exc:
+            assert exc.code == status, exc.read()
+
+
+def wait_for_series(base, expr, timeout=30):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if query(base, expr).get("data", {}).get("result"):
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"no series {expr} within {timeout} s")
 
 
 def alerts(base):
@@ -108,7 +132,7 @@ def test_real_prometheus_fires_the_clock_alert_and_every_query_has_data(write, d
     write("profiles.d/cpu-tiny.yaml", CPU_TINY_PROFILE.read_text())
     # Host A watches read-only (its clocks stay at 180 MHz: the alert); host B tunes, locks memory too,
     # and serves, so every series the rules and the dashboard read exists.
-    port_a, port_b, prom_port = free_port(), free_port(), free_port()
+    port_a, port_b, prom_port, engine_port, proxy_port = free_port(), free_port(), free_port(), free_port(), free_port()
     common = f"poll_interval_s: 0.5\nalerts:\n  for_s: 1\ngpu:\n  backend: sim\n  scenario: {scenario}\n"
     config_a = write("a.yaml", common + f"tuning:\n  apply: false\nmetrics:\n  listen: 127.0.0.1:{port_a}\n")
     config_b = write("gpuwarden.yaml", common + f"""tuning:
@@ -120,7 +144,7 @@ serve:
   profile: cpu-tiny
   model: {tiny_model}
   command: [{vllm_python}, -m, vllm.entrypoints.openai.api_server]
-  port: {free_port()}
+  port: {engine_port}
   user: {child_user}
   startup_timeout_s: 400
   stop_timeout_s: 20
@@ -129,9 +153,14 @@ serve:
     prom_config = write("prometheus.yml", yaml.safe_dump({
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "rule_files": [str(RULES)],
-        "scrape_configs": [{"job_name": "gpuwarden", "static_configs": [{"targets": targets}]}],
+        "scrape_configs": [{"job_name": "gpuwarden", "static_configs": [{"targets": targets}]},
+                           {"job_name": "gpuwarden-proxy", "static_configs": [{"targets": [f"127.0.0.1:{proxy_port}"]}]}],
     }))
     d = daemons(config_b)
+    # The proxy in front of host B's vLLM, scraped as the README says, for the dashboard's prefix-cache row.
+    proxy = subprocess.Popen([*gpuwarden_cmd(), "proxy", "-c", "none", "--upstream", f"http://127.0.0.1:{engine_port}",
+                              "--listen", f"127.0.0.1:{proxy_port}", "--rules", "date_line"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     host_a = daemons(config_a)
     started = time.monotonic()
     prom_log = open(tmp_path / "prometheus.log", "w")  # noqa: SIM115 (closed in the finally below)
@@ -157,6 +186,8 @@ serve:
         assert not [a for a in firing if a["labels"]["instance"] == targets[1]], "the tuned host is fine"
 
         d.wait_for("vLLM healthy after", timeout=400)
+        through_proxy(proxy_port, tiny_model)
+        wait_for_series(base, 'gpuwarden_proxy_engine_prefix_cache_queries_tokens_total{job="gpuwarden-proxy"}')
         time.sleep(3)  # two reads of vLLM's metrics make a rate; a few rule evaluations
         rules = yaml.safe_load(RULES.read_text())
         rule_exprs = [r["expr"] for g in rules["groups"] for r in g["rules"]]
@@ -171,6 +202,8 @@ serve:
     finally:
         prom.terminate()
         prom.wait(30)
+        proxy.terminate()
+        proxy.wait(30)
         prom_log.close()
         d.stop()
         host_a.stop()

@@ -6,6 +6,7 @@ import copy
 import http.client
 import json
 import os
+import signal
 import socket
 import stat
 import subprocess
@@ -312,3 +313,55 @@ def test_dumps_are_private_bounded_and_diffable(rig, tmp_path):
     bad = subprocess.run([*gpuwarden_cmd(), "proxy", "diff", str(files[0]), str(tmp_path)], capture_output=True,
                          text=True, env=subprocess_env())
     assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and "not a dump file" in bad.stderr
+
+
+# -- the proxy as the daemon's second child ------------------------------------------------------------------
+
+def test_the_proxy_child_command_carries_every_setting(tmp_path):
+    from gpuwarden.proxy.child import proxy_argv
+
+    cfg = parse_text("serve:\n  port: 8123\n  proxy:\n    listen: '[::1]:9001'\n    date_line: true\n"
+                     "    sort_tools: false\n    remove_patterns: ['^ts=\\d+ ']\n    dump_dir: dumps\n    dump_keep: 9\n",
+                     str(tmp_path / "g.yaml"))
+    argv = proxy_argv(cfg)
+    assert argv[1:4] == ("-m", "gpuwarden", "proxy") and argv[argv.index("-c") + 1] == "none"
+    value = {argv[i]: argv[i + 1] for i in range(4, len(argv) - 1) if argv[i].startswith("--")}
+    assert value["--upstream"] == "http://127.0.0.1:8123" and value["--listen"] == "[::1]:9001"
+    assert value["--rules"] == "billing_header,cache_control,date_line"
+    assert value["--remove-pattern"] == r"^ts=\d+ " and value["--dump-dir"] == str(tmp_path / "dumps")
+    assert value["--dump-keep"] == "9"
+
+
+def test_a_proxy_only_change_restarts_the_proxy_and_leaves_the_engine(tmp_path):
+    from test_serving import running_supervisor
+
+    from gpuwarden.proxy.child import PROXY, proxy_program
+    from gpuwarden.serving.supervisor import RUNNING, STARTING, STOPPING, Supervisor
+
+    engine, ops, clock = running_supervisor()
+    cfg = parse_text("serve:\n  model: /m\n  proxy: {enabled: true}\n", str(tmp_path / "g.yaml"))
+    proxy = proxy_program(cfg, engine, engine.identity, ops=ops, clock=clock)
+    both = Supervisor([engine, proxy])
+    proxy.start(clock.now)
+    both.tick(clock.now)
+    assert proxy.state == RUNNING and proxy.gpus == [] and proxy.view().engine == PROXY
+    argv, env, _ = ops.children[-1]
+    assert "proxy" in argv and env["PYTHONPATH"] and "VLLM_API_KEY" not in env
+    engine_group, old_group = engine.child.pgid, proxy.child.pgid
+    changed = parse_text("serve:\n  model: /m\n  proxy: {enabled: true, listen: '127.0.0.1:9002'}\n",
+                         str(tmp_path / "g.yaml"))
+    new = proxy_program(changed, engine, engine.identity, ops=ops, clock=clock)
+    both.replace(PROXY, new, clock.now)
+    assert proxy.state == STOPPING and (old_group, signal.SIGTERM) in ops.signals
+    assert both.programs[PROXY] is proxy  # the new one waits for the old one to stop
+    ops.groups[old_group] = []
+    clock.advance(1)
+    both.tick(clock.now)
+    assert both.programs[PROXY] is new and new.state in (STARTING, RUNNING)
+    assert "127.0.0.1:9002" in ops.children[-1][0]
+    assert engine.state == RUNNING and not [s for s in ops.signals if s[0] == engine_group]
+    assert list(both.programs) == [engine.name, PROXY]  # the engine is still the main program
+    both.replace(PROXY, None, clock.now)  # proxy turned off
+    ops.groups[new.child.pgid] = []
+    both.tick(clock.now)
+    assert list(both.programs) == [engine.name]

@@ -31,7 +31,7 @@ from .gpuevents import EventWatcher
 from .gpu.base import GpuBackend
 from .monitor import Monitor, describe_sample
 from .originals import originals_store
-from .proxy.child import proxy_program
+from .proxy.child import PROXY, proxy_program
 from .serving.prepare import PreparedServe, prepare_serve
 from .serving.processes import ProcessOps
 from .statedir import listen_file
@@ -375,9 +375,12 @@ class Daemon:
             new = dataclasses.replace(new, **{key: getattr(self.config, key) for key in changed})
             plan = make_plan(self.backend, new)
             serve_changed = new.serve != self.config.serve
+            # Only serve.proxy changed: the proxy restarts, the engine keeps serving.
+            proxy_only = (serve_changed and self.supervisor is not None and self.pending is None
+                          and dataclasses.replace(new.serve, proxy=self.config.serve.proxy) == self.config.serve)
             # lint only, with the installed versions from the cache: nothing here waits on the engine's interpreter
-            serving = (self._prepare_serving(new, deep=False, on_loop=True) if serve_changed and new.serve.enabled
-                       else None)
+            serving = (self._prepare_serving(new, deep=False, on_loop=True)
+                       if serve_changed and not proxy_only and new.serve.enabled else None)
         except InvalidConfig as exc:
             problems = exc.errors
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
@@ -398,7 +401,12 @@ class Daemon:
             self.plan = plan
             self._tune(plan)
         now = self.clock()
-        if serve_changed:
+        if proxy_only:
+            main = self.supervisor.main
+            log.info("reload: serve.proxy changed; restarting the proxy only")
+            self.supervisor.replace(PROXY, proxy_program(new, main, main.identity, ops=self.ops, clock=self.clock)
+                                    if new.serve.proxy.enabled else None, now)
+        elif serve_changed:
             if self.supervisor is not None:
                 self.supervisor.stop(now)  # the new child starts once this one has stopped
             self.pending = serving

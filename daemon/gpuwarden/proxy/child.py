@@ -23,11 +23,12 @@ from ..serving.supervisor import Program
 
 log = logging.getLogger(__name__)
 LEVEL = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL) ")
+PROXY = "proxy"  # its name among the supervisor's programs, and its `child` label
 PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent.parent)  # where `import gpuwarden` finds us
 
 
 class ProxyChild(Engine):
-    name = "proxy"
+    name = PROXY
     title = "the proxy"
     default_command = (sys.executable, "-m", "gpuwarden", "proxy")
     model_flag = memory_flag = ""

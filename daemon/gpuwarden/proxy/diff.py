@@ -68,12 +68,12 @@ def _common_prefix(a: str, b: str) -> int:
 def _snippet(text: str, at: int) -> str:
     start = max(0, at - CONTEXT // 3)
     piece = text[start:at + CONTEXT]
-    return ("…" if start else "") + json.dumps(piece, ensure_ascii=False)[1:-1] + \
-        ("…" if at + CONTEXT < len(text) else "")
+    shown = piece.replace("\\", "\\\\").replace("\n", "\\n").replace("\t", "\\t")  # one line, readable
+    return ("…" if start else "") + shown + ("…" if at + CONTEXT < len(text) else "")
 
 
 def turns(path: Path) -> list[Path]:
-    """A dump file is itself; a session folder is its files, oldest first."""
+    """A dump file is itself; a session folder is its files, oldest first (their names are UTC times)."""
     if path.is_dir():
         return sorted(path.glob("*.json"))
     return [path]

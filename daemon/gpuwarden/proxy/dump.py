@@ -28,7 +28,6 @@ def session_of(body: dict, api: str, peer: str | None) -> str:
 class Dumper:
     def __init__(self, directory: Path, keep: int):
         self.directory, self.keep = directory, keep
-        self._count = 0
         self._files: list[Path] | None = None  # oldest first, read once from the disk
 
     def write(self, session: str, path: str, received: dict, sent: dict, applied: dict) -> Path | None:
@@ -37,8 +36,8 @@ class Dumper:
             folder = self.directory / session
             for d in (self.directory, folder):
                 d.mkdir(mode=0o700, exist_ok=True)
-            self._count += 1
-            name = folder / f"{time.strftime('%Y%m%dT%H%M%S')}-{time.monotonic_ns() % 10**9:09d}.json"
+            ns = time.time_ns()  # one reading for both parts, so names sort in time order
+            name = folder / f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime(ns // 10**9))}.{ns % 10**9:09d}Z.json"
             fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             with os.fdopen(fd, "w") as out:
                 json.dump({"path": path, "session": session, "applied": applied, "received": received,

@@ -28,7 +28,9 @@ log = logging.getLogger("gpuwarden.proxy")
 NORMALIZED = {"/v1/messages": "anthropic", "/v1/chat/completions": "openai"}
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
               "transfer-encoding", "upgrade", "host", "content-length"}
-SCRAPE_EVERY_S, SCRAPE_DEADLINE_S, SCRAPE_MAX_BYTES = 15.0, 5.0, 8 << 20
+# The engine's /metrics every 15 s, every 2 s while it cannot be read (starting, restarting): its counters
+# appear soon after it does.
+SCRAPE_EVERY_S, SCRAPE_RETRY_S, SCRAPE_DEADLINE_S, SCRAPE_MAX_BYTES = 15.0, 2.0, 5.0, 8 << 20
 
 
 class ProxyMetrics:
@@ -123,7 +125,7 @@ class Proxy:
     async def _scrape_forever(self) -> None:
         while True:
             await self._scrape_once()
-            await asyncio.sleep(SCRAPE_EVERY_S)
+            await asyncio.sleep(SCRAPE_EVERY_S if self.metrics.engine_up else SCRAPE_RETRY_S)
 
     async def _scrape_once(self) -> None:
         self._scraped = True
@@ -136,9 +138,11 @@ class Proxy:
             text = body.decode("utf-8", "replace")
             # Parsing 50 KB takes milliseconds: off the loop, so no stream waits for it.
             self.metrics.engine = await asyncio.get_running_loop().run_in_executor(None, parse, text)
+            if not self.metrics.engine_up:
+                log.info("proxy: reading the engine's prefix-cache counters from %s", self.upstream + self.metrics_path)
             self.metrics.engine_up = 1
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError) as exc:
-            if self.metrics.engine_up or self.metrics.engine is None:
+            if self.metrics.engine_up:  # once per outage, not once per retry
                 log.warning("proxy: the engine's %s cannot be read: %s", self.metrics_path, exc or type(exc).__name__)
             self.metrics.engine_up, self.metrics.engine = 0, None
 

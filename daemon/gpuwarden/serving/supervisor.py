@@ -422,6 +422,29 @@ class Supervisor:
         if not programs:
             raise ValueError("a supervisor needs at least one program")
         self.programs = {p.name: p for p in programs}
+        self._incoming: dict[str, Program | None] = {}  # a side program's replacement, once the old one stopped
+
+    def replace(self, name: str, program: Program | None, now: float) -> None:
+        """Swap one side program (the proxy) and leave the others running: the old one is stopped, and the new
+        one (None: none) starts on the tick after it has."""
+        if name == self.main.name:
+            raise ValueError("the main program is replaced with the whole supervisor")
+        old = self.programs.get(name)
+        if old is not None:
+            old.stop(now)
+        self._incoming[name] = program
+        self._swap(now)
+
+    def _swap(self, now: float) -> None:
+        for name, program in list(self._incoming.items()):
+            old = self.programs.get(name)
+            if old is not None and not old.stopped:
+                continue
+            del self._incoming[name]
+            self.programs.pop(name, None)
+            if program is not None:
+                self.programs[name] = program
+                program.start(now)
 
     @property
     def main(self) -> Program:
@@ -443,8 +466,11 @@ class Supervisor:
 
     def tick(self, now: float) -> None:
         self._each(lambda p: p.tick(now))
+        if self._incoming:
+            self._swap(now)
 
     def stop(self, now: float) -> None:
+        self._incoming.clear()  # stopping everything: a pending replacement never starts
         self._each(lambda p: p.stop(now))
 
     def kill_now(self, now: float) -> None:
