@@ -192,6 +192,7 @@ def last_upstream(upstream):
     return base64.b64decode(last["body"]), dict(last["headers"])
 
 
+@pytest.mark.integration
 def test_a_request_without_busters_reaches_the_engine_byte_for_byte(rig):
     upstream, proxy = rig()
     raw = b'{ "model":"tiny",\n  "messages": [{"role":"user","content":"caf\\u00e9 \xe2\x82\xac"}], "max_tokens" : 5}'
@@ -209,6 +210,7 @@ def test_a_request_without_busters_reaches_the_engine_byte_for_byte(rig):
         assert upstream.get_json("/debug/last")["path"] == path
 
 
+@pytest.mark.integration
 def test_the_rules_change_what_reaches_the_engine_and_are_counted(rig):
     upstream, proxy = rig("--rules", "billing_header,cache_control,sort_tools,date_line")
     body = claude_code_request(2, TOOLS[::-1])
@@ -227,6 +229,7 @@ def test_the_rules_change_what_reaches_the_engine_and_are_counted(rig):
     assert "gpuwarden_proxy_upstream_up 1.0" in metrics
 
 
+@pytest.mark.integration
 def test_streams_pass_chunk_by_chunk_with_tool_call_deltas(rig):
     upstream, proxy = rig(chunk_delay=0.3)
     direct = send(upstream.port, "POST", "/v1/chat/completions", b'{"stream": true}')[1]
@@ -244,6 +247,7 @@ def test_streams_pass_chunk_by_chunk_with_tool_call_deltas(rig):
     assert b'"tool_calls"' in rest
 
 
+@pytest.mark.integration
 def test_bad_bodies_get_their_status_and_one_log_line(rig):
     upstream, proxy = rig("--max-body-bytes", "100000")
     before = upstream.get_json("/debug/open")["requests"]
@@ -266,6 +270,7 @@ def test_bad_bodies_get_their_status_and_one_log_line(rig):
     assert reply.status == 200 and json.loads(data)["data"][0]["id"] == "tiny"
 
 
+@pytest.mark.integration
 def test_upstream_down_is_502_and_health_still_answers(rig):
     upstream, proxy = rig()
     upstream.stop()
@@ -275,6 +280,7 @@ def test_upstream_down_is_502_and_health_still_answers(rig):
     assert reply.status == 200
 
 
+@pytest.mark.integration
 def test_a_client_that_leaves_mid_stream_ends_the_upstream_stream(rig):
     upstream, proxy = rig(chunk_delay=0.02)
     sock = socket.create_connection(("127.0.0.1", proxy.port))
@@ -293,6 +299,7 @@ def test_a_client_that_leaves_mid_stream_ends_the_upstream_stream(rig):
     assert send(proxy.port, "GET", "/health")[0].status == 200
 
 
+@pytest.mark.integration
 def test_dumps_are_private_bounded_and_diffable(rig, tmp_path):
     dumps = tmp_path / "dumps"
     upstream, proxy = rig("--dump-dir", str(dumps), "--dump-keep", "3", "--rules", "none")
@@ -365,3 +372,35 @@ def test_a_proxy_only_change_restarts_the_proxy_and_leaves_the_engine(tmp_path):
     ops.groups[new.child.pgid] = []
     both.tick(clock.now)
     assert list(both.programs) == [engine.name]
+
+
+@pytest.mark.integration
+def test_big_bodies_and_odd_text_are_normalized_intact(rig, tmp_path):
+    upstream, proxy = rig("--dump-dir", str(tmp_path / "d"))
+    body = claude_code_request(1, TOOLS[::-1])
+    body["stream"] = False
+    body["messages"][0]["content"][0]["text"] = "é€😀 \ud800 " + "x" * (600 << 10)  # a lone surrogate, 600 KB
+    raw = json.dumps(body).encode()
+    reply, _ = send(proxy.port, "POST", "/v1/messages", raw)
+    assert reply.status == 200
+    sent = json.loads(last_upstream(upstream)[0])
+    expected = json.loads(raw)
+    apply(expected, "anthropic", Rules())
+    assert sent == expected and sent["messages"][0]["content"][0]["text"].startswith("é€😀 \ud800 x")
+    assert len(list((tmp_path / "d").glob("*/*.json"))) == 1
+
+
+@pytest.mark.integration
+def test_an_upstream_that_dies_mid_stream_cuts_the_clients_stream(rig):
+    upstream, proxy = rig(chunk_delay=0.02)
+    conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=10)
+    conn.request("POST", "/v1/chat/completions", body=b'{"stream": true, "endless": true}')
+    reply = conn.getresponse()
+    assert reply.readline().startswith(b"data: ")
+    upstream.proc.kill()
+    with pytest.raises(http.client.IncompleteRead):  # cut, not a stream that looks finished
+        reply.read()
+    time.sleep(0.2)
+    assert any(line.startswith("WARNING proxy: upstream broke off POST /v1/chat/completions") for line in proxy.lines)
+    assert not any("Traceback" in line for line in proxy.lines), proxy.lines
+    assert send(proxy.port, "GET", "/health")[0].status == 200

@@ -413,9 +413,8 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     return proxy_command.cmd_proxy(args, load_config)
 
 
-COMMANDS = {"bench": cmd_bench, "proxy": cmd_proxy, "check": cmd_check, "plan": cmd_plan, "apply": cmd_apply, "run": cmd_run,
-            "status": cmd_status,
-            "profiles": cmd_profiles, "doctor": cmd_doctor}
+COMMANDS = {"bench": cmd_bench, "proxy": cmd_proxy, "check": cmd_check, "plan": cmd_plan, "apply": cmd_apply,
+            "run": cmd_run, "status": cmd_status, "profiles": cmd_profiles, "doctor": cmd_doctor}
 
 
 if __name__ == "__main__":

@@ -121,9 +121,10 @@ class ProxyConfig:
     max_body_bytes: int = 32 << 20
 
     @property
-    def url(self) -> str:
+    def address(self) -> str:
+        """HOST:PORT, an IPv6 host in brackets."""
         host = f"[{self.listen[0]}]" if ":" in self.listen[0] else self.listen[0]
-        return f"http://{host}:{self.listen[1]}"
+        return f"{host}:{self.listen[1]}"
 
 
 @dataclass(frozen=True)
@@ -278,7 +279,7 @@ def _serve_dict(s: ServeConfig) -> dict:
 
 def _proxy_dict(p: ProxyConfig) -> dict:
     out = {f.name: getattr(p, f.name) for f in dataclasses.fields(p)}
-    out.update(listen=f"{p.listen[0]}:{p.listen[1]}", remove_patterns=list(p.remove_patterns),
+    out.update(listen=p.address, remove_patterns=list(p.remove_patterns),
                dump_dir="none" if p.dump_dir is None else str(p.dump_dir))
     return out
 

@@ -43,18 +43,13 @@ class ProxyChild(Engine):
 def proxy_argv(config: Config) -> tuple[str, ...]:
     p, serve = config.serve.proxy, config.serve
     rules = [name for name in ("billing_header", "cache_control", "sort_tools", "date_line") if getattr(p, name)]
-    argv = [*ProxyChild.default_command, "-c", "none", "--upstream", serve.url, "--listen", _address(p.listen),
+    argv = [*ProxyChild.default_command, "-c", "none", "--upstream", serve.url, "--listen", p.address,
             "--engine", serve.engine, "--rules", ",".join(rules) or "none", "--max-body-bytes", str(p.max_body_bytes)]
     for pattern in p.remove_patterns:
         argv += ["--remove-pattern", pattern]
     if p.dump_dir is not None:
         argv += ["--dump-dir", str(p.dump_dir), "--dump-keep", str(p.dump_keep)]
     return tuple(argv)
-
-
-def _address(listen: tuple[str, int]) -> str:
-    host = f"[{listen[0]}]" if ":" in listen[0] else listen[0]
-    return f"{host}:{listen[1]}"
 
 
 def proxy_program(config: Config, engine: Program, identity: Identity, **program_kwargs) -> Program:
@@ -64,7 +59,8 @@ def proxy_program(config: Config, engine: Program, identity: Identity, **program
         prepare_dump_dir(p.dump_dir, identity)
     env = child_env(os.environ, sys.executable)
     env["PYTHONPATH"] = PACKAGE_PARENT
-    command = ServeCommand(proxy_argv(config), env, engine.command.profile, (), ProxyChild(), len(ProxyChild.default_command))
+    command = ServeCommand(proxy_argv(config), env, engine.command.profile, (), ProxyChild(),
+                           len(ProxyChild.default_command))
     serve = dataclasses.replace(config.serve, host=p.listen[0], port=p.listen[1],
                                 startup_timeout_s=min(60.0, config.serve.startup_timeout_s))
     return Program(serve, command, identity, [], **program_kwargs)
@@ -79,5 +75,3 @@ def prepare_dump_dir(path: Path, identity: Identity) -> None:
         os.chmod(path, 0o700)
     except OSError as exc:
         log.error("proxy dump directory %s cannot be prepared: %s; the proxy will say so on each dump", path, exc)
-
-

@@ -20,8 +20,9 @@ Runs the prefix-cache normalizing proxy in front of the serving engine: /v1/mess
 passes through untouched, and responses stream back chunk by chunk. /health and /metrics are the proxy's
 own; the engine's prefix-cache counters are re-exported beside them.
 
-Settings come from serve.proxy in the config; the options here override them. With serve.proxy.enabled,
-`gpuwarden run` starts and supervises this itself.
+Settings come from serve.proxy in the config; the options here override them (-c none: no config, the
+defaults: 127.0.0.1:8001 in front of http://127.0.0.1:8000). With serve.proxy.enabled, `gpuwarden run`
+starts and supervises this itself, as serve.user.
 
 Rules: billing_header (Claude Code's per-request nonce block), cache_control (moving cache markers),
 sort_tools (tools in a stable order), date_line ("Today's date is ..."; off by default), and
@@ -62,12 +63,14 @@ def cmd_proxy(args: argparse.Namespace, load_config) -> int:
     except ValueError as exc:
         return _usage(f"proxy: {exc}")
     upstream = args.upstream or (config.serve.url if config else "http://127.0.0.1:8000")
+    if not re.match(r"^https?://[^/\s]+/?$", upstream):
+        return _usage(f"proxy: --upstream {upstream!r} is not a base URL such as http://127.0.0.1:8000")
     engine = engine_for(args.engine or (config.serve.engine if config else "vllm"))
     if engine is None:
         return _usage(f"proxy: no serving engine named '{args.engine}'")
     dump_dir = args.dump_dir or settings.dump_dir
-    keep = args.dump_keep or settings.dump_keep
-    max_body = args.max_body_bytes or settings.max_body_bytes
+    keep = settings.dump_keep if args.dump_keep is None else args.dump_keep
+    max_body = settings.max_body_bytes if args.max_body_bytes is None else args.max_body_bytes
     if keep < 2 or max_body < 1024:
         return _usage("proxy: --dump-keep must be at least 2 and --max-body-bytes at least 1024")
     return serve(upstream, listen, rules, engine, Dumper(dump_dir, keep) if dump_dir else None, max_body)
@@ -87,8 +90,8 @@ def serve(upstream, listen, rules, engine, dumper, max_body) -> int:
     log.info("proxy on http://%s:%d for %s; rules: %s%s", *listen, upstream, ", ".join(enabled) or "none",
              f"; dumps in {dumper.directory}" if dumper else "")
     try:
-        web.run_app(proxy.app(), host=listen[0], port=listen[1], print=None, shutdown_timeout=2,  # a stop cuts open streams soon
-                    access_log=None)
+        # shutdown_timeout: a stop cuts streams still open after 2 s
+        web.run_app(proxy.app(), host=listen[0], port=listen[1], print=None, shutdown_timeout=2, access_log=None)
     except OSError as exc:
         print(f"gpuwarden proxy: cannot listen on {listen[0]}:{listen[1]}: {exc.strerror or exc}", file=sys.stderr)
         return 71

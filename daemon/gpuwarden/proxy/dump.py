@@ -39,9 +39,9 @@ class Dumper:
             ns = time.time_ns()  # one reading for both parts, so names sort in time order
             name = folder / f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime(ns // 10**9))}.{ns % 10**9:09d}Z.json"
             fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-            with os.fdopen(fd, "w") as out:
+            with os.fdopen(fd, "w", encoding="ascii") as out:  # escaped: any text, whatever the locale
                 json.dump({"path": path, "session": session, "applied": applied, "received": received,
-                           "sent": sent}, out, ensure_ascii=False)
+                           "sent": sent}, out)
             self._prune(name)
             return name
         except (OSError, TypeError, ValueError) as exc:

@@ -10,6 +10,7 @@ tool-call deltas, errors and status codes reach the client as the engine sent th
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -31,6 +32,7 @@ HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authoriza
 # The engine's /metrics every 15 s, every 2 s while it cannot be read (starting, restarting): its counters
 # appear soon after it does.
 SCRAPE_EVERY_S, SCRAPE_RETRY_S, SCRAPE_DEADLINE_S, SCRAPE_MAX_BYTES = 15.0, 2.0, 5.0, 8 << 20
+OFF_LOOP_BYTES = 256 << 10
 
 
 class ProxyMetrics:
@@ -101,7 +103,8 @@ class Proxy:
         # No automatic headers and no decompression: what the client and the engine send passes as it is.
         self.session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False,
                                              connector=aiohttp.TCPConnector(limit=0),
-                                             skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"))
+                                             skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding",
+                                                                "Content-Type"))
         self._scraper = asyncio.get_running_loop().create_task(self._scrape_forever())
 
     async def _stop(self, app) -> None:
@@ -132,10 +135,15 @@ class Proxy:
         try:
             async with self.session.get(self.upstream + self.metrics_path,
                                         timeout=aiohttp.ClientTimeout(total=SCRAPE_DEADLINE_S)) as reply:
-                body = await reply.content.read(SCRAPE_MAX_BYTES + 1)
-                if reply.status != 200 or len(body) > SCRAPE_MAX_BYTES:
-                    raise ValueError(f"answered {reply.status} with {len(body)} bytes")
-            text = body.decode("utf-8", "replace")
+                if reply.status != 200:
+                    raise ValueError(f"answered {reply.status}")
+                chunks, size = [], 0
+                async for chunk in reply.content.iter_chunked(1 << 16):
+                    size += len(chunk)
+                    if size > SCRAPE_MAX_BYTES:
+                        raise ValueError(f"sent more than {SCRAPE_MAX_BYTES} bytes")
+                    chunks.append(chunk)
+            text = b"".join(chunks).decode("utf-8", "replace")
             # Parsing 50 KB takes milliseconds: off the loop, so no stream waits for it.
             self.metrics.engine = await asyncio.get_running_loop().run_in_executor(None, parse, text)
             if not self.metrics.engine_up:
@@ -157,9 +165,15 @@ class Proxy:
             return self._refuse(request, label, 413, "too_large",
                                 f"request body over {self.max_body_bytes} bytes (the proxy's max_body_bytes)")
         if api is not None:
-            body, refused = self._normalize(request, api, body)
-            if refused is not None:
-                return refused
+            prepare = functools.partial(self._normalize, api, body, request.remote, request.path)
+            # A big body (a long session is megabytes of JSON) or a dump to disk: off the loop, so the streams
+            # in flight do not wait for it.
+            if len(body) > OFF_LOOP_BYTES or self.dumper is not None:
+                body, problem = await asyncio.get_running_loop().run_in_executor(None, prepare)
+            else:
+                body, problem = prepare()
+            if problem is not None:
+                return self._refuse(request, api, 400, "bad_json", problem)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         self.metrics.bytes_in.inc(len(body))
         try:
@@ -175,21 +189,25 @@ class Proxy:
         except aiohttp.ClientError as exc:
             return self._refuse(request, label, 502, "upstream_error", f"upstream {self.upstream}: {exc}")
 
-    def _normalize(self, request: web.Request, api: str, body: bytes) -> tuple[bytes, web.Response | None]:
+    def _normalize(self, api: str, body: bytes, peer: str | None, path: str) -> tuple[bytes, str | None]:
+        """(the body to send, None) or (body, why it is refused): the rules applied, counted, and dumped."""
         try:
             parsed = json.loads(body)
         except (ValueError, RecursionError) as exc:  # RecursionError: nesting deeper than Python's limit
-            return body, self._refuse(request, api, 400, "bad_json", f"body is not JSON: {str(exc)[:200]}")
+            return body, f"body is not JSON: {str(exc)[:200]}"
         if not isinstance(parsed, dict):
-            return body, self._refuse(request, api, 400, "bad_json", "body is JSON but not an object")
+            return body, "body is JSON but not an object"
         received = json.loads(body) if self.dumper is not None else None
         applied = apply(parsed, api, self.rules)
         for rule, n in applied.items():
             self.metrics.normalized.labels(rule).inc(n)
         if applied:
-            body = json.dumps(parsed, ensure_ascii=False, separators=(",", ":")).encode()
+            try:
+                body = json.dumps(parsed, ensure_ascii=False, separators=(",", ":")).encode()
+            except UnicodeEncodeError:  # a lone surrogate from a \ud800 escape: keep it escaped
+                body = json.dumps(parsed, separators=(",", ":")).encode()
         if self.dumper is not None:
-            self.dumper.write(session_of(parsed, api, request.remote), request.path, received, parsed, dict(applied))
+            self.dumper.write(session_of(parsed, api, peer), path, received, parsed, dict(applied))
         return body, None
 
     async def _relay(self, request: web.Request, up: aiohttp.ClientResponse, label: str) -> web.StreamResponse:
@@ -218,7 +236,7 @@ class Proxy:
             log.info("proxy: client %s left %s %s after %d bytes", request.remote, request.method, request.path, sent)
             if isinstance(exc, asyncio.CancelledError):
                 raise
-        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, asyncio.TimeoutError) as exc:
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:  # caught here: the response has begun
             self.metrics.failures.labels("upstream_broke").inc()
             log.warning("proxy: upstream broke off %s %s after %d bytes: %s", request.method, request.path, sent,
                         exc or type(exc).__name__)
