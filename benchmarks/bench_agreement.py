@@ -7,7 +7,8 @@ Starts the CPU build of vLLM (tests/vllm/install) serving the tiny test model, t
 concurrency, runs `vllm.benchmarks.serve` (random dataset, --ignore-eos, completions API) and `gpuwarden
 bench` (--requests = the prompt count) one after the other, alternating which goes first. The random dataset
 decodes random token ids and the tiny model's tokenizer re-encodes them longer, so a first, discarded vLLM run
-measures the prompt length it really sends, and gpuwarden bench is given that length: the same shapes.
+measures the prompt length it really sends, and gpuwarden bench is given that length (which it builds exactly with
+vLLM's /tokenize): the same shapes. vLLM runs in this script's session (see RESULTS.md, section 9, for why).
 Prints output tok/s and mean TTFT from both, with the ratio, and the medians over rounds.
 """
 

@@ -1,6 +1,6 @@
 """A fake OpenAI-compatible streaming server with vLLM's counters, for `gpuwarden bench` tests.
 
-    python3 tests/fake_openai.py --port P [--model M] [--token-delay S] [--reject-ignore-eos] [--fail-all]
+    python3 tests/fake_openai.py --port P [--model M] [--token-delay S] [--reject-ignore-eos] [--fail-all] [--tokenize]
 
 Prompt tokens are the prompt's words (+1); each output token is one SSE chunk after --token-delay seconds,
 then a usage chunk and [DONE]. /metrics counts tokens as vLLM names them; /debug/open says how many streams
@@ -65,6 +65,11 @@ def make_app(args) -> web.Application:
                  f'vllm:prefix_cache_hits_total{{model_name="{args.model}"}} {state["hits"]}']
         return web.Response(text="\n".join(lines) + "\n")
 
+    async def tokenize(request):  # vLLM's /tokenize: one token per word, + 1 for BOS with special tokens
+        body = await request.json()
+        return web.json_response({"count": len(body["prompt"].split()) + (1 if body.get("add_special_tokens", True)
+                                                                           else 0)})
+
     async def debug_open(request):
         return web.json_response({"open": state["open"], "peak": state["peak"]})
 
@@ -72,6 +77,8 @@ def make_app(args) -> web.Application:
     app.add_routes([web.get("/v1/models", models), web.post("/v1/completions", complete),
                     web.post("/v1/chat/completions", complete), web.get("/metrics", metrics),
                     web.get("/debug/open", debug_open)])
+    if args.tokenize:
+        app.router.add_post("/tokenize", tokenize)
     return app
 
 
@@ -82,6 +89,7 @@ def main() -> None:
     parser.add_argument("--token-delay", type=float, default=0.002)
     parser.add_argument("--reject-ignore-eos", action="store_true")
     parser.add_argument("--fail-all", action="store_true")
+    parser.add_argument("--tokenize", action="store_true", help="serve /tokenize, as vLLM does")
     args = parser.parse_args()
     web.run_app(make_app(args), host="127.0.0.1", port=args.port, print=lambda *a: print("listening", flush=True),
                 backlog=2048)

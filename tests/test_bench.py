@@ -138,7 +138,7 @@ def test_a_two_step_sweep_reports_every_field_and_counts_what_the_server_counted
         assert step["ttft_p50_s"] <= step["latency_mean_s"] and step["ttft_p50_s"] <= step["ttft_p99_s"]
         assert 0 < step["itl_p50_s"] <= step["itl_p99_s"]
         assert step["system_tokens_per_s"] == pytest.approx(step["output_tokens"] / step["duration_s"])
-        assert 55 <= step["input_tokens_mean"] <= 75  # calibrated to about 64 prompt tokens
+        assert 55 <= step["input_tokens_mean"] <= 75  # no /tokenize here: calibrated to about 64 prompt tokens
         assert step["per_request_tokens_per_s_mean"] > 0 and step["per_request_tokens_per_s_p50"] > 0
         assert step["engine"]["prefix_cache_hit_rate"] == 0.0
         gpu = step["gpus"][0]  # the config's simulated RTX PRO 4000s: no daemon, so the backend itself
@@ -215,6 +215,20 @@ def test_it_holds_1024_concurrent_streams(server, bench):
     assert step["engine"]["running_max"] > 900
 
 
+def test_prompts_are_exactly_input_len_where_the_server_tokenizes(server, bench):
+    fake = server("--tokenize", "--token-delay", "0")
+    out = bench("--url", fake.url, "--concurrency", "1,2", "--requests", "8", "--input-len", "64",
+                "--output-len", "4", "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert [s["input_tokens_mean"] for s in result["steps"]] == [64, 64]
+    assert not [n for n in result.get("notes", []) if "estimated" in n]
+    plain = server("--token-delay", "0")  # no /tokenize: estimated, and said so
+    result = json.loads(bench("--url", plain.url, "--concurrency", "1", "--requests", "8", "--input-len", "64",
+                              "--output-len", "4", "--json").stdout)
+    assert any("estimated" in n for n in result["notes"]), result["notes"]
+
+
 # -- against the real CPU vLLM ----------------------------------------------------------------------------------
 
 @pytest.mark.vllm
@@ -239,7 +253,7 @@ def test_against_the_real_cpu_vllm_under_the_daemon(write, daemons, vllm_python,
         assert step["engine"]["prompt_tokens"] == pytest.approx(8 * step["input_tokens_mean"])
         assert step["ttft_mean_s"] <= step["latency_mean_s"] and step["ttft_p50_s"] <= step["ttft_p99_s"]
         assert step["itl_p50_s"] <= step["itl_p99_s"] and step["system_tokens_per_s"] > 0
-        assert 100 <= step["input_tokens_mean"] <= 160  # calibrated to about 128
+        assert step["input_tokens_mean"] == 128  # sized with vLLM's /tokenize
         gpu = step["gpus"][0]  # the sim DGX Spark, as the daemon reports it
         assert gpu["name"] == "NVIDIA GB10" and gpu["polls"] >= 1 and gpu["sm_mhz_mean"] > 0
     roof = result["roofline"]
@@ -248,8 +262,9 @@ def test_against_the_real_cpu_vllm_under_the_daemon(write, daemons, vllm_python,
     assert 0 < roof["weight_bytes"] < weights and roof["kv_bytes_per_token"] > 0  # tensors, not the header
 
     # Agreement with vLLM's own serving benchmark on the same server, shapes and concurrency, interleaved.
-    # Output tok/s at C = 1 agrees; C = 4 and TTFT do not reliably on this 2-core CPU vLLM (RESULTS.md,
-    # section 9: the server sometimes withholds a whole stream to its end, for either client).
+    # Output tok/s at C = 1 agrees. C = 4 is left to benchmarks/bench_agreement.py: here vLLM runs in the
+    # daemon's session, a CPU autogroup of its own on this 2-core box, where it withholds streams from any
+    # client (RESULTS.md, section 9); mean TTFT sits 1-4 ms above vLLM's (not found why).
     sys.path.insert(0, str(HERE.parent / "benchmarks"))
     from bench_agreement import our_bench, vllm_bench
 
@@ -261,6 +276,6 @@ def test_against_the_real_cpu_vllm_under_the_daemon(write, daemons, vllm_python,
         theirs = vllm_bench(vllm_python, tiny_model, port, 1, shape, tmp_path)
         ours = our_bench(port, 1, shape, tmp_path / "agree", sent)
         ratios.append(ours["tok_s"] / theirs["tok_s"])
-        assert abs(ours["input_tokens"] - theirs["input_tokens"]) <= 0.2 * theirs["input_tokens"]  # same shapes
+        assert abs(ours["input_tokens"] - theirs["input_tokens"]) <= 1  # the same shapes, to the token
     assert 0.9 <= sorted(ratios)[1] <= 1.1, ratios
     assert d.stop() == 0

@@ -19,7 +19,7 @@ import aiohttp
 
 from .client import RequestResult, stream
 from .watch import Watch, step_flags
-from .workload import CALIBRATION_WORDS, Workload
+from .workload import CALIBRATION_WORDS, MARK_WORDS, WORDS, Workload
 
 CONNECT_TIMEOUT_S = 10.0
 
@@ -104,7 +104,8 @@ async def _models(session: aiohttp.ClientSession, base: str) -> list[str]:
 
 async def _calibrate(session: aiohttp.ClientSession, url: str, workload: Workload, notes: list[str]) -> Workload:
     """How many tokens the server counts per prompt word; whether it takes ignore_eos. The calibration prompt
-    is a quarter of --input-len in words, so that a short context still holds it."""
+    is a quarter of --input-len in words, so that a short context still holds it. Then, where the server
+    tokenizes for us, each word's exact size (workload.py)."""
     words = max(8, min(CALIBRATION_WORDS, workload.input_len // 4))
     first = await stream(session, url, workload.payload(-1, max_tokens=1, words=words))
     if not first.ok and workload.ignore_eos and "ignore_eos" in (first.error or ""):
@@ -114,9 +115,41 @@ async def _calibrate(session: aiohttp.ClientSession, url: str, workload: Workloa
     if not first.ok:
         raise BenchError(f"the first request failed: {first.error}", exit_code=1)
     if first.prompt_tokens:
-        return replace(workload, tokens_per_word=first.prompt_tokens / (words + 1))
+        workload = replace(workload, tokens_per_word=first.prompt_tokens / (words + MARK_WORDS))
+        exact = await _word_sizes(session, url.rsplit("/v1/", 1)[0], workload, first.prompt_tokens, words)
+        if exact is not None:
+            return exact
+        notes.append("prompt lengths are estimated (the server has no /tokenize that matches its counts)")
+        return workload
     notes.append("the server reports no usage: prompts are sized at one token per word")
     return workload
+
+
+async def _word_sizes(session: aiohttp.ClientSession, base: str, workload: Workload, counted: int,
+                      words: int) -> Workload | None:
+    """The workload with each word's size in tokens from the server's /tokenize, if the sizes add up to what it
+    counted for the calibration prompt; else None."""
+
+    async def size(text: str) -> int:
+        async with session.post(base + "/tokenize", json={"model": workload.model, "prompt": text,
+                                                          "add_special_tokens": False}) as reply:
+            if reply.status != 200:
+                raise ValueError(f"HTTP {reply.status}")
+            count = (await reply.json(content_type=None)).get("count")
+            if not isinstance(count, int) or count < 0:
+                raise ValueError("no count")
+            return count
+
+    try:
+        sizes = tuple([await size(" " + word) for word in WORDS])
+        calibration = workload.prompt(-1, words)
+        special = counted - await size(calibration)
+        by_word = dict(zip(WORDS, sizes))
+        if min(sizes) < 1 or special < 0 or counted - special != sum(by_word[w] for w in calibration.split()):
+            return None  # the tokenizer merges across spaces: sizes do not add up
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError):
+        return None
+    return replace(workload, word_tokens=sizes, special_tokens=special)
 
 
 async def _step(session: aiohttp.ClientSession, url: str, settings: Settings, workload: Workload, concurrency: int,
