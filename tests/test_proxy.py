@@ -156,7 +156,13 @@ class Process:
 
     def stop(self):
         self.proc.terminate()
-        assert self.proc.wait(timeout=10) == 0 or self.proc.returncode < 0
+        try:
+            code = self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()  # never left behind, even when it did not stop in time
+            self.proc.wait(timeout=10)
+            raise AssertionError(f"{self.proc.args[:4]} ignored SIGTERM for 10 s") from None
+        assert code == 0 or code < 0, code
 
 
 @pytest.fixture
@@ -174,8 +180,13 @@ def rig(tmp_path):
         return upstream, proxy
 
     yield start
-    for p in reversed(started):
-        p.stop()
+    failures = []
+    for p in reversed(started):  # every one stopped, whatever the others do
+        try:
+            p.stop()
+        except AssertionError as exc:
+            failures.append(str(exc))
+    assert not failures, failures
 
 
 def send(port, method, path, body=b"", headers=None):
