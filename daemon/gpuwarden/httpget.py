@@ -98,6 +98,18 @@ def request(method: str, url: str, deadline_s: float, max_bytes: int, headers: d
     return Reply(status, body, local_port)
 
 
+async def read_capped(content, max_bytes: int, what: str) -> bytes:
+    """An aiohttp response body (response.content) read to its end, at most max_bytes; else HttpError. The
+    deadline is the caller's ClientTimeout: this is the size cap that aiohttp's read() and json() lack."""
+    chunks, size = [], 0
+    async for chunk in content.iter_chunked(1 << 16):
+        size += len(chunk)
+        if size > max_bytes:
+            raise HttpError(f"{what} sent more than {max_bytes} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def _split(data: bytes) -> tuple[bytes, bytes] | None:
     head, sep, rest = data.partition(b"\r\n\r\n")
     return (head, rest) if sep else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -17,11 +18,14 @@ from dataclasses import dataclass, field, replace
 
 import aiohttp
 
+from ..httpget import HttpError, read_capped
 from .client import RequestResult, stream
 from .watch import Watch, step_flags
 from .workload import CALIBRATION_WORDS, MARK_WORDS, WORDS, Workload
 
 CONNECT_TIMEOUT_S = 10.0
+# /v1/models and /tokenize: small answers, each whole within a total deadline and a size cap
+SMALL_READ, MAX_SMALL_BYTES = aiohttp.ClientTimeout(total=30), 4 << 20
 
 
 class BenchError(Exception):
@@ -90,11 +94,11 @@ def summarize_step(concurrency: int, results: list[RequestResult], duration_s: f
 
 async def _models(session: aiohttp.ClientSession, base: str) -> list[str]:
     try:
-        async with session.get(f"{base}/v1/models") as reply:
+        async with session.get(f"{base}/v1/models", timeout=SMALL_READ) as reply:
             if reply.status != 200:
                 raise BenchError(f"{base}/v1/models answered HTTP {reply.status}: is this an OpenAI-compatible server?")
-            body = await reply.json(content_type=None)
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            body = json.loads(await read_capped(reply.content, MAX_SMALL_BYTES, "/v1/models"))
+    except (aiohttp.ClientError, asyncio.TimeoutError, HttpError, OSError) as exc:
         raise BenchError(f"cannot reach {base} ({type(exc).__name__}: {exc}); is the engine running? "
                          "(`gpuwarden status` says)") from None
     except ValueError:
@@ -132,10 +136,10 @@ async def _word_sizes(session: aiohttp.ClientSession, base: str, workload: Workl
 
     async def size(text: str) -> int:
         async with session.post(base + "/tokenize", json={"model": workload.model, "prompt": text,
-                                                          "add_special_tokens": False}) as reply:
+                                                          "add_special_tokens": False}, timeout=SMALL_READ) as reply:
             if reply.status != 200:
                 raise ValueError(f"HTTP {reply.status}")
-            count = (await reply.json(content_type=None)).get("count")
+            count = json.loads(await read_capped(reply.content, MAX_SMALL_BYTES, "/tokenize")).get("count")
             if not isinstance(count, int) or count < 0:
                 raise ValueError("no count")
             return count
@@ -147,8 +151,8 @@ async def _word_sizes(session: aiohttp.ClientSession, base: str, workload: Workl
         by_word = dict(zip(WORDS, sizes))
         if min(sizes) < 1 or special < 0 or counted - special != sum(by_word[w] for w in calibration.split()):
             return None  # the tokenizer merges across spaces: sizes do not add up
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError):
-        return None
+    except (aiohttp.ClientError, asyncio.TimeoutError, HttpError, ValueError, AttributeError, OSError):
+        return None  # AttributeError: an answer that is not a JSON object
     return replace(workload, word_tokens=sizes, special_tokens=special)
 
 

@@ -20,6 +20,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ..httpget import HttpError, read_capped
 from ..serving.metrics import parse
 from .dump import Dumper, session_of
 from .normalize import Rules, apply
@@ -137,19 +138,14 @@ class Proxy:
                                         timeout=aiohttp.ClientTimeout(total=SCRAPE_DEADLINE_S)) as reply:
                 if reply.status != 200:
                     raise ValueError(f"answered {reply.status}")
-                chunks, size = [], 0
-                async for chunk in reply.content.iter_chunked(1 << 16):
-                    size += len(chunk)
-                    if size > SCRAPE_MAX_BYTES:
-                        raise ValueError(f"sent more than {SCRAPE_MAX_BYTES} bytes")
-                    chunks.append(chunk)
-            text = b"".join(chunks).decode("utf-8", "replace")
+                body = await read_capped(reply.content, SCRAPE_MAX_BYTES, self.metrics_path)
+            text = body.decode("utf-8", "replace")
             # Parsing 50 KB takes milliseconds: off the loop, so no stream waits for it.
             self.metrics.engine = await asyncio.get_running_loop().run_in_executor(None, parse, text)
             if not self.metrics.engine_up:
                 log.info("proxy: reading the engine's prefix-cache counters from %s", self.upstream + self.metrics_path)
             self.metrics.engine_up = 1
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError) as exc:
+        except (aiohttp.ClientError, asyncio.TimeoutError, HttpError, ValueError, OSError) as exc:
             if self.metrics.engine_up:  # once per outage, not once per retry
                 log.warning("proxy: the engine's %s cannot be read: %s", self.metrics_path, exc or type(exc).__name__)
             self.metrics.engine_up, self.metrics.engine = 0, None
