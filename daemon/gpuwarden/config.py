@@ -482,11 +482,19 @@ def _listen(r: Reader, path: Path_, default: tuple[str, int] = DEFAULT_LISTEN,
     if not isinstance(value, str) or ":" not in value:
         r.fail(path, f"expected HOST:PORT, got {type_name(value)} {value!r}", allowed)
         return default
+    address = parse_address(value)
+    if address is None:
+        r.fail(path, f"'{value}' is not a valid HOST:PORT", allowed)
+        return default
+    return address
+
+
+def parse_address(value: str) -> tuple[str, int] | None:
+    """HOST:PORT (an IPv6 host in brackets) as (host, port); None if it is not one."""
     host, _, port = value.rpartition(":")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     if not port.isdigit() or not 1 <= int(port) <= 65535 or not host:
-        r.fail(path, f"'{value}' is not a valid HOST:PORT", allowed)
-        return default
+        return None
     return host, int(port)
 
 

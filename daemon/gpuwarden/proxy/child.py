@@ -20,6 +20,7 @@ from ..serving.command import ServeCommand, child_env
 from ..serving.engines import Engine
 from ..serving.identity import Identity
 from ..serving.supervisor import Program
+from .normalize import SWITCHES
 
 log = logging.getLogger(__name__)
 LEVEL = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL) ")
@@ -42,7 +43,7 @@ class ProxyChild(Engine):
 
 def proxy_argv(config: Config) -> tuple[str, ...]:
     p, serve = config.serve.proxy, config.serve
-    rules = [name for name in ("billing_header", "cache_control", "sort_tools", "date_line") if getattr(p, name)]
+    rules = [name for name in SWITCHES if getattr(p, name)]
     argv = [*ProxyChild.default_command, "-c", "none", "--upstream", serve.url, "--listen", p.address,
             "--engine", serve.engine, "--rules", ",".join(rules) or "none", "--max-body-bytes", str(p.max_body_bytes)]
     for pattern in p.remove_patterns:

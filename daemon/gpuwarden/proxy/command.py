@@ -8,11 +8,11 @@ import re
 import sys
 from pathlib import Path
 
-from ..config import ProxyConfig
+from ..config import ProxyConfig, parse_address
 from ..serving.engines import engine_for
 from . import diff
 from .dump import Dumper
-from .normalize import RULES, Rules
+from .normalize import RULES, SWITCHES, Rules
 
 HELP = """\
 Runs the prefix-cache normalizing proxy in front of the serving engine: /v1/messages (Anthropic) and
@@ -99,7 +99,7 @@ def serve(upstream, listen, rules, engine, dumper, max_body) -> int:
 
 
 def _rules(names: str | None, settings: ProxyConfig, extra: list[str]) -> Rules:
-    flags = {n: getattr(settings, n) for n in ("billing_header", "cache_control", "sort_tools", "date_line")}
+    flags = {n: getattr(settings, n) for n in SWITCHES}
     if names is not None:
         chosen = set() if names.strip().lower() == "none" else {n.strip() for n in names.split(",") if n.strip()}
         unknown = chosen - set(flags)
@@ -116,11 +116,10 @@ def _rules(names: str | None, settings: ProxyConfig, extra: list[str]) -> Rules:
 
 
 def _listen(value: str) -> tuple[str, int]:
-    host, _, port = value.rpartition(":")
-    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+    address = parse_address(value)
+    if address is None:
         raise ValueError(f"--listen {value!r} is not HOST:PORT")
-    return host, int(port)
+    return address
 
 
 def _diff(paths: list[Path]) -> int:

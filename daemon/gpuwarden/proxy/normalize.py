@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 BILLING_PREFIX = "x-anthropic-billing-header:"
 BILLING_LINE = re.compile(r"^x-anthropic-billing-header:[^\n]*\n?", re.MULTILINE)
 DATE_LINE = re.compile(r"^[ \t]*Today's date is \d{4}-\d{2}-\d{2}\.?[ \t]*\n?", re.MULTILINE)
-RULES = ("billing_header", "cache_control", "sort_tools", "date_line", "remove_patterns")
+SWITCHES = ("billing_header", "cache_control", "sort_tools", "date_line")  # the rules that are on or off
+RULES = (*SWITCHES, "remove_patterns")
 
 
 @dataclass(frozen=True)

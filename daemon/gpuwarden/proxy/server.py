@@ -57,13 +57,13 @@ class ProxyMetrics:
                                 ["reason"], registry=r)
         self.prefix_names = prefix_names
         self.engine: dict[str, float] | None = None  # the upstream's latest /metrics, parsed
-        self.engine_up = 0
+        self.engine_up: int | None = None  # 1 read at the last scrape, 0 not, None no scrape yet
         r.register(self)
 
     def collect(self):
         up = GaugeMetricFamily("gpuwarden_proxy_upstream_up", "Whether the upstream's /metrics was read at the "
                                "last scrape")
-        up.add_metric([], self.engine_up)
+        up.add_metric([], self.engine_up or 0)
         yield up
         queries, hits = self.prefix_names
         if self.engine is None or not queries or not hits:
@@ -88,7 +88,6 @@ class Proxy:
         self.max_body_bytes, self.read_timeout_s, self.metrics_path = max_body_bytes, read_timeout_s, metrics_path
         self.session: aiohttp.ClientSession | None = None
         self._scraper: asyncio.Task | None = None
-        self._scraped = False
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.max_body_bytes)
@@ -118,7 +117,7 @@ class Proxy:
     async def health(self, request: web.Request) -> web.Response:
         """The proxy's own liveness, for the supervisor: 200 while it answers, whether or not the engine does
         (a restart of the proxy would not bring the engine back); the engine's state is in the body."""
-        upstream = "up" if self.metrics.engine_up else "down" if self._scraped else "not read yet"
+        upstream = {1: "up", 0: "down", None: "not read yet"}[self.metrics.engine_up]
         return web.json_response({"status": "ok", "upstream": upstream})
 
     async def own_metrics(self, request: web.Request) -> web.Response:
@@ -132,7 +131,6 @@ class Proxy:
             await asyncio.sleep(SCRAPE_EVERY_S if self.metrics.engine_up else SCRAPE_RETRY_S)
 
     async def _scrape_once(self) -> None:
-        self._scraped = True
         try:
             async with self.session.get(self.upstream + self.metrics_path,
                                         timeout=aiohttp.ClientTimeout(total=SCRAPE_DEADLINE_S)) as reply:
