@@ -1,15 +1,25 @@
 """`gpuwarden bench` against vLLM's own serving benchmark, on the same CPU vLLM, shapes and concurrency.
 
     python3 benchmarks/bench_agreement.py [--venv /opt/gpuwarden-test/venv-vllm] [--rounds 3]
-        [--concurrency 1,4] [--prompts 16] [--input-len 128] [--output-len 64]
+        [--concurrency 1,4] [--prompts 32] [--input-len 48] [--output-len 128] [--prefix-caching]
 
 Starts the CPU build of vLLM (tests/vllm/install) serving the tiny test model, then, per round and per
 concurrency, runs `vllm.benchmarks.serve` (random dataset, --ignore-eos, completions API) and `gpuwarden
-bench` (--requests = the prompt count) one after the other, alternating which goes first. The random dataset
+bench` (--requests = the prompt count) one after the other, each going first in turn. The random dataset
 decodes random token ids and the tiny model's tokenizer re-encodes them longer, so a first, discarded vLLM run
 measures the prompt length it really sends, and gpuwarden bench is given that length (which it builds exactly with
 vLLM's /tokenize): the same shapes. vLLM runs in this script's session (see RESULTS.md, section 9, for why).
-Prints output tok/s and mean TTFT from both, with the ratio, and the medians over rounds.
+
+vLLM serves without prefix caching unless --prefix-caching: its random dataset builds each prompt from
+consecutive token ids after a random offset, and the tiny model has 310 tokens, so most of its prompts begin
+where an earlier one did and 58-71 % of their tokens came from the cache (gpuwarden bench's prompts differ in
+their first words: none). Each run's hit rate, from vLLM's counters, is printed beside it.
+
+vLLM's benchmark runs twice per round: as it is, and with its aiohttp session's trust_env=True turned off (the
+only change). With trust_env, aiohttp 3.14 looks up the proxy variables and ~/.netrc in a worker thread for
+every request (aiohttp/client.py: run_in_executor(_get_netrc_auth), to_thread(get_env_proxy_for_url)), after
+the benchmark started the request's clock; on this 2-core box that adds 0.6-0.8 ms to each TTFT.
+Prints output tok/s and mean TTFT from all three, the ratios, and the medians over rounds.
 """
 
 import argparse
@@ -25,8 +35,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_SERVE = """
-import argparse, sys
+import argparse, os, sys
+import aiohttp
 from vllm.benchmarks.serve import add_cli_args, main
+if os.environ.get("AGREEMENT_TRUST_ENV") == "0":  # its one session, as it is but for trust_env (see the docstring)
+    session_init = aiohttp.ClientSession.__init__
+    def without_env(self, *args, **kwargs):
+        session_init(self, *args, **{**kwargs, "trust_env": False})
+    aiohttp.ClientSession.__init__ = without_env
 parser = argparse.ArgumentParser()
 add_cli_args(parser)
 main(parser.parse_args(sys.argv[1:]))
@@ -41,9 +57,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_vllm(python: Path, model: Path, port: int, log) -> subprocess.Popen:
+def start_vllm(python: Path, model: Path, port: int, log, prefix_caching: bool) -> subprocess.Popen:
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
-           "--host", "127.0.0.1", "--gpu-memory-utilization", "0.3", "--max-model-len", "512"]
+           "--host", "127.0.0.1", "--gpu-memory-utilization", "0.3", "--max-model-len", "512",
+           "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, process_group=0)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -57,15 +74,35 @@ def start_vllm(python: Path, model: Path, port: int, log) -> subprocess.Popen:
     raise SystemExit("vLLM did not become healthy in 600 s")
 
 
-def vllm_bench(python: Path, model: Path, port: int, c: int, args, out_dir: Path) -> dict:
+def prefix_cache_counters(port: int) -> tuple[float, float]:
+    """vLLM's (hits, queries) prefix-cache token counters."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read(16 << 20).decode()
+
+    def total(name: str) -> float:
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+    return total("vllm:prefix_cache_hits_total"), total("vllm:prefix_cache_queries_total")
+
+
+def with_hit_rate(port: int, run) -> dict:
+    """run()'s figures, and the share of prompt tokens vLLM served from its prefix cache during it."""
+    hits, queries = prefix_cache_counters(port)
+    got = run()
+    hits_after, queries_after = prefix_cache_counters(port)
+    return {**got, "hit_rate": (hits_after - hits) / (queries_after - queries) if queries_after > queries else 0.0}
+
+
+def vllm_bench(python: Path, model: Path, port: int, c: int, args, out_dir: Path, trust_env: bool = True) -> dict:
     name = f"vllm-c{c}-{time.monotonic_ns()}.json"
     cmd = [str(python), "-c", VLLM_SERVE, "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}",
            "--endpoint", "/v1/completions", "--model", str(model), "--dataset-name", "random",
            "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
            "--num-prompts", str(args.prompts), "--max-concurrency", str(c), "--ignore-eos", "--num-warmups", "2",
            "--save-result", "--result-dir", str(out_dir), "--result-filename", name, "--disable-tqdm",
-           "--seed", str(time.monotonic_ns() % 2**31)]  # new prompts each run: none served from the prefix cache
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+           "--seed", str(time.monotonic_ns() % 2**31)]  # new prompts each run (which still share starts: see above)
+    env = {**os.environ, "AGREEMENT_TRUST_ENV": "1" if trust_env else "0"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"vllm.benchmarks.serve failed:\n{proc.stderr[-3000:]}")
     result = json.loads((out_dir / name).read_text())
@@ -95,13 +132,14 @@ def compare(python: Path, model: Path, port: int, args) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         sent = vllm_bench(python, model, port, 1, args, Path(tmp))["input_tokens"]
+        runs = {"vllm": lambda c: vllm_bench(python, model, port, c, args, Path(tmp)),
+                "vllm_noenv": lambda c: vllm_bench(python, model, port, c, args, Path(tmp), trust_env=False),
+                "ours": lambda c: our_bench(port, c, args, Path(tmp) / "state", round(sent))}
         for r in range(args.rounds):
-            for c in args.concurrency:
-                order = ("vllm", "ours") if (r + c) % 2 == 0 else ("ours", "vllm")
-                got = {}
-                for who in order:
-                    got[who] = (vllm_bench(python, model, port, c, args, Path(tmp)) if who == "vllm"
-                                else our_bench(port, c, args, Path(tmp) / "state", round(sent)))
+            for i, c in enumerate(args.concurrency):
+                shift = (r + i) % len(runs)  # each tool goes first, second and third in turn
+                order = list(runs)[shift:] + list(runs)[:shift]
+                got = {who: with_hit_rate(port, lambda: runs[who](c)) for who in order}
                 rows.append({"round": r, "concurrency": c, **{f"{w}_{k}": v for w in got for k, v in got[w].items()}})
     return rows
 
@@ -117,6 +155,8 @@ def main() -> None:
                         "tokenizer re-encodes it about 3x longer)")
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--engine-interval", type=float, default=2.0, help="gpuwarden bench's gauge polling")
+    parser.add_argument("--prefix-caching", action="store_true", help="serve with vLLM's prefix cache on (its "
+                        "random prompts then hit it; see the docstring)")
     args = parser.parse_args()
     python = args.venv / "bin" / "python"
     with tempfile.TemporaryDirectory() as tmp:
@@ -125,25 +165,33 @@ def main() -> None:
                        capture_output=True, timeout=300)
         port = free_port()
         with open(Path(tmp) / "vllm.log", "w") as log:
-            server = start_vllm(python, model, port, log)
+            server = start_vllm(python, model, port, log, args.prefix_caching)
             try:
                 rows = compare(python, model, port, args)
             finally:
                 os.killpg(server.pid, 15)
                 server.wait(timeout=60)
-    print("| round | C | vllm bench tok/s | gpuwarden bench tok/s | ratio | vllm mean TTFT ms | gpuwarden mean TTFT ms "
-          "| ratio | vllm input tokens | gpuwarden input tokens |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| round | C | vllm tok/s | gpuwarden tok/s | ratio | vllm TTFT ms | vllm TTFT ms, trust_env off "
+          "| gpuwarden TTFT ms | ratio | ratio to trust_env off | input tokens vllm / gpuwarden "
+          "| prefix-cache hits vllm / gpuwarden |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         print(f"| {row['round']} | {row['concurrency']} | {row['vllm_tok_s']:.1f} | {row['ours_tok_s']:.1f} | "
-              f"{row['ours_tok_s'] / row['vllm_tok_s']:.3f} | {row['vllm_ttft_ms']:.1f} | {row['ours_ttft_ms']:.1f} | "
-              f"{row['ours_ttft_ms'] / row['vllm_ttft_ms']:.3f} | {row['vllm_input_tokens']:.1f} | "
-              f"{row['ours_input_tokens']:.1f} |")
+              f"{row['ours_tok_s'] / row['vllm_tok_s']:.3f} | {row['vllm_ttft_ms']:.2f} | "
+              f"{row['vllm_noenv_ttft_ms']:.2f} | {row['ours_ttft_ms']:.2f} | "
+              f"{row['ours_ttft_ms'] / row['vllm_ttft_ms']:.3f} | {row['ours_ttft_ms'] / row['vllm_noenv_ttft_ms']:.3f} | "
+              f"{row['vllm_input_tokens']:.1f} / {row['ours_input_tokens']:.1f} | "
+              f"{row['vllm_hit_rate']:.0%} / {row['ours_hit_rate']:.0%} |")
     for c in args.concurrency:
         mine = [r for r in rows if r["concurrency"] == c]
-        tok = statistics.median(r["ours_tok_s"] / r["vllm_tok_s"] for r in mine)
-        ttft = statistics.median(r["ours_ttft_ms"] / r["vllm_ttft_ms"] for r in mine)
-        print(f"C={c}: median ratios (gpuwarden / vllm): output tok/s {tok:.3f}, mean TTFT {ttft:.3f}")
+
+        def median(mine_key: str, theirs_key: str) -> float:
+            return statistics.median(r[mine_key] / r[theirs_key] for r in mine)
+
+        print(f"C={c}: median ratios (gpuwarden / vllm): output tok/s {median('ours_tok_s', 'vllm_tok_s'):.3f} "
+              f"({median('ours_tok_s', 'vllm_noenv_tok_s'):.3f} to trust_env off), mean TTFT "
+              f"{median('ours_ttft_ms', 'vllm_ttft_ms'):.3f} ({median('ours_ttft_ms', 'vllm_noenv_ttft_ms'):.3f} "
+              "to trust_env off)")
     print(json.dumps(rows), file=sys.stderr)
 
 

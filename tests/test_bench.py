@@ -2,7 +2,9 @@
 every field, bad input, Ctrl-C, --compare and 1,024 concurrent streams."""
 
 import json
+import os
 import signal
+import statistics
 import struct
 import subprocess
 import sys
@@ -260,22 +262,39 @@ def test_against_the_real_cpu_vllm_under_the_daemon(write, daemons, vllm_python,
     assert roof["known"] and roof["bandwidth_bytes_per_s"] == pytest.approx(2 * 4266e6 * 256 / 8, rel=0.01)
     weights = sum(f.stat().st_size for f in tiny_model.glob("*.safetensors"))
     assert 0 < roof["weight_bytes"] < weights and roof["kv_bytes_per_token"] > 0  # tensors, not the header
-
-    # Agreement with vLLM's own serving benchmark on the same server, shapes and concurrency, interleaved.
-    # Output tok/s at C = 1 agrees. C = 4 is left to benchmarks/bench_agreement.py: here vLLM runs in the
-    # daemon's session, a CPU autogroup of its own on this 2-core box, where it withholds streams from any
-    # client (RESULTS.md, section 9); mean TTFT sits 1-4 ms above vLLM's (not found why).
-    sys.path.insert(0, str(HERE.parent / "benchmarks"))
-    from bench_agreement import our_bench, vllm_bench
-
-    port = int(path.read_text().split("port: ")[1].split()[0])
-    shape = type("Shape", (), {"prompts": 16, "input_len": 48, "output_len": 128, "engine_interval": 2.0})
-    sent = round(vllm_bench(vllm_python, tiny_model, port, 1, shape, tmp_path)["input_tokens"])
-    ratios = []
-    for _ in range(3):
-        theirs = vllm_bench(vllm_python, tiny_model, port, 1, shape, tmp_path)
-        ours = our_bench(port, 1, shape, tmp_path / "agree", sent)
-        ratios.append(ours["tok_s"] / theirs["tok_s"])
-        assert abs(ours["input_tokens"] - theirs["input_tokens"]) <= 1  # the same shapes, to the token
-    assert 0.9 <= sorted(ratios)[1] <= 1.1, ratios
     assert d.stop() == 0
+
+
+@pytest.mark.vllm
+def test_agrees_with_vllms_own_serving_benchmark(vllm_python, tiny_model, tmp_path):
+    """Output tok/s and mean TTFT at C = 1 against vllm.benchmarks.serve's, medians of five rounds (each tool
+    first in turn), on the same server and prompt shapes, as benchmarks/bench_agreement.py runs them: vLLM in this
+    session (in one of its own, a CPU autogroup on this 2-core box, TTFTs scatter more), without prefix caching
+    (vLLM's random prompts would hit it), and vLLM's benchmark with its aiohttp session's trust_env off (with it
+    on, every request first makes two trips through a worker thread inside its TTFT, 0.6-0.8 ms here).
+    The 10 % agreement at C = 1 and C = 4 is the script's, over more rounds (RESULTS.md section 9): single
+    rounds of 8 ms TTFTs on this box scatter by 20 % and more, so TTFT is held to 20 % here, tok/s to 10 %. That still
+    fails a client that times the first token late or costs the server CPU per token."""
+    sys.path.insert(0, str(HERE.parent / "benchmarks"))
+    from bench_agreement import our_bench, start_vllm, vllm_bench
+
+    port = free_port()
+    with open(tmp_path / "vllm.log", "w") as log:
+        server = start_vllm(vllm_python, tiny_model, port, log, prefix_caching=False)
+        try:
+            shape = type("Shape", (), {"prompts": 32, "input_len": 48, "output_len": 128, "engine_interval": 2.0})
+            sent = round(vllm_bench(vllm_python, tiny_model, port, 1, shape, tmp_path)["input_tokens"])
+            runs = {"theirs": lambda: vllm_bench(vllm_python, tiny_model, port, 1, shape, tmp_path, trust_env=False),
+                    "ours": lambda: our_bench(port, 1, shape, tmp_path / "agree", sent)}
+            ratios = []
+            for i in range(5):
+                got = {who: runs[who]() for who in (("theirs", "ours") if i % 2 == 0 else ("ours", "theirs"))}
+                theirs, ours = got["theirs"], got["ours"]
+                ratios.append((ours["tok_s"] / theirs["tok_s"], ours["ttft_ms"] / theirs["ttft_ms"]))
+                assert abs(ours["input_tokens"] - theirs["input_tokens"]) <= 1  # the same shapes, to the token
+        finally:
+            os.killpg(server.pid, signal.SIGTERM)
+            server.wait(timeout=60)
+    print("agreement with vllm.benchmarks.serve, (tok/s, mean TTFT) ratios per round:", ratios)
+    tok_s, ttft = (statistics.median(r[i] for r in ratios) for i in (0, 1))
+    assert 0.9 <= tok_s <= 1.1 and 0.8 <= ttft <= 1.25, ratios

@@ -4,7 +4,10 @@ chunk, latency at the last such chunk, output tokens from the final usage chunk.
 
 aiohttp is the client: Debian 12 packages it (python3-aiohttp 3.8), so the .deb can depend on it; it streams a
 response line by line, and with the connection limit lifted it holds a thousand concurrent streams in one
-thread (vLLM's own benchmark uses it for the same reason).
+thread (vLLM's own benchmark uses it for the same reason). The session leaves trust_env off: the benchmark
+measures the server, not a proxy from http_proxy, and with it on aiohttp looks up the proxy variables and
+~/.netrc in a worker thread for every request, inside the TTFT (0.6-0.8 ms on the 2-core test box,
+benchmarks/RESULTS.md section 9).
 """
 
 from __future__ import annotations
