@@ -12,7 +12,7 @@ vLLM's /tokenize): the same shapes. vLLM runs in this script's session (see RESU
 
 vLLM serves without prefix caching unless --prefix-caching: its random dataset builds each prompt from
 consecutive token ids after a random offset, and the tiny model has 310 tokens, so most of its prompts begin
-where an earlier one did and 58-71 % of their tokens came from the cache (gpuwarden bench's prompts differ in
+where an earlier one did and 58-79 % of their tokens came from the cache (gpuwarden bench's prompts differ in
 their first words: none). Each run's hit rate, from vLLM's counters, is printed beside it.
 
 vLLM's benchmark runs twice per round: as it is, and with its aiohttp session's trust_env=True turned off (the
