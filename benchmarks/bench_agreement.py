@@ -33,7 +33,13 @@ import time
 import urllib.request
 from pathlib import Path
 
+from _common import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "daemon"))
+from gpuwarden.serving.metrics import fetch  # noqa: E402  (the daemon's bounded read of /metrics)
+
+TOOLS = ("vllm", "vllm_noenv", "ours")  # vLLM's benchmark as it ships, the same with trust_env off, gpuwarden bench
 VLLM_SERVE = """
 import argparse, os, sys
 import aiohttp
@@ -47,14 +53,6 @@ parser = argparse.ArgumentParser()
 add_cli_args(parser)
 main(parser.parse_args(sys.argv[1:]))
 """
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_vllm(python: Path, model: Path, port: int, log, prefix_caching: bool) -> subprocess.Popen:
@@ -76,13 +74,8 @@ def start_vllm(python: Path, model: Path, port: int, log, prefix_caching: bool) 
 
 def prefix_cache_counters(port: int) -> tuple[float, float]:
     """vLLM's (hits, queries) prefix-cache token counters."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
-        text = reply.read(16 << 20).decode()
-
-    def total(name: str) -> float:
-        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{"))
-
-    return total("vllm:prefix_cache_hits_total"), total("vllm:prefix_cache_queries_total")
+    counters = fetch(f"http://127.0.0.1:{port}/metrics")
+    return counters.get("vllm:prefix_cache_hits_total", 0.0), counters.get("vllm:prefix_cache_queries_total", 0.0)
 
 
 def with_hit_rate(port: int, run) -> dict:
@@ -128,13 +121,16 @@ def our_bench(port: int, c: int, args, state: Path, input_len: int) -> dict:
             "input_tokens": step["input_tokens_mean"]}
 
 
-def compare(python: Path, model: Path, port: int, args) -> list[dict]:
+def compare(python: Path, model: Path, port: int, args, tools=TOOLS) -> list[dict]:
+    """Per round and concurrency, each of tools run once (each going first in turn), with vLLM's prefix-cache
+    hit rate over each run: one row of {tool}_{figure} per (round, C)."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         sent = vllm_bench(python, model, port, 1, args, Path(tmp))["input_tokens"]
-        runs = {"vllm": lambda c: vllm_bench(python, model, port, c, args, Path(tmp)),
-                "vllm_noenv": lambda c: vllm_bench(python, model, port, c, args, Path(tmp), trust_env=False),
-                "ours": lambda c: our_bench(port, c, args, Path(tmp) / "state", round(sent))}
+        every = {"vllm": lambda c: vllm_bench(python, model, port, c, args, Path(tmp)),
+                 "vllm_noenv": lambda c: vllm_bench(python, model, port, c, args, Path(tmp), trust_env=False),
+                 "ours": lambda c: our_bench(port, c, args, Path(tmp) / "state", round(sent))}
+        runs = {who: every[who] for who in tools}
         for r in range(args.rounds):
             for i, c in enumerate(args.concurrency):
                 shift = (r + i) % len(runs)  # each tool goes first, second and third in turn
@@ -142,6 +138,10 @@ def compare(python: Path, model: Path, port: int, args) -> list[dict]:
                 got = {who: with_hit_rate(port, lambda: runs[who](c)) for who in order}
                 rows.append({"round": r, "concurrency": c, **{f"{w}_{k}": v for w in got for k, v in got[w].items()}})
     return rows
+
+
+def median_ratio(rows: list[dict], mine: str, theirs: str) -> float:
+    return statistics.median(r[mine] / r[theirs] for r in rows)
 
 
 def main() -> None:
@@ -179,19 +179,17 @@ def main() -> None:
         print(f"| {row['round']} | {row['concurrency']} | {row['vllm_tok_s']:.1f} | {row['ours_tok_s']:.1f} | "
               f"{row['ours_tok_s'] / row['vllm_tok_s']:.3f} | {row['vllm_ttft_ms']:.2f} | "
               f"{row['vllm_noenv_ttft_ms']:.2f} | {row['ours_ttft_ms']:.2f} | "
-              f"{row['ours_ttft_ms'] / row['vllm_ttft_ms']:.3f} | {row['ours_ttft_ms'] / row['vllm_noenv_ttft_ms']:.3f} | "
+              f"{row['ours_ttft_ms'] / row['vllm_ttft_ms']:.3f} | "
+              f"{row['ours_ttft_ms'] / row['vllm_noenv_ttft_ms']:.3f} | "
               f"{row['vllm_input_tokens']:.1f} / {row['ours_input_tokens']:.1f} | "
               f"{row['vllm_hit_rate']:.0%} / {row['ours_hit_rate']:.0%} |")
     for c in args.concurrency:
-        mine = [r for r in rows if r["concurrency"] == c]
-
-        def median(mine_key: str, theirs_key: str) -> float:
-            return statistics.median(r[mine_key] / r[theirs_key] for r in mine)
-
-        print(f"C={c}: median ratios (gpuwarden / vllm): output tok/s {median('ours_tok_s', 'vllm_tok_s'):.3f} "
-              f"({median('ours_tok_s', 'vllm_noenv_tok_s'):.3f} to trust_env off), mean TTFT "
-              f"{median('ours_ttft_ms', 'vllm_ttft_ms'):.3f} ({median('ours_ttft_ms', 'vllm_noenv_ttft_ms'):.3f} "
-              "to trust_env off)")
+        at_c = [r for r in rows if r["concurrency"] == c]
+        tok_s = median_ratio(at_c, "ours_tok_s", "vllm_tok_s"), median_ratio(at_c, "ours_tok_s", "vllm_noenv_tok_s")
+        ttft = (median_ratio(at_c, "ours_ttft_ms", "vllm_ttft_ms"),
+                median_ratio(at_c, "ours_ttft_ms", "vllm_noenv_ttft_ms"))
+        print(f"C={c}: median ratios (gpuwarden / vllm): output tok/s {tok_s[0]:.3f} ({tok_s[1]:.3f} to trust_env "
+              f"off), mean TTFT {ttft[0]:.3f} ({ttft[1]:.3f} to trust_env off)")
     print(json.dumps(rows), file=sys.stderr)
 
 

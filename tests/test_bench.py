@@ -273,28 +273,25 @@ def test_agrees_with_vllms_own_serving_benchmark(vllm_python, tiny_model, tmp_pa
     (vLLM's random prompts would hit it), and vLLM's benchmark with its aiohttp session's trust_env off (with it
     on, every request first makes two trips through a worker thread inside its TTFT, 0.6-0.8 ms here).
     The 10 % agreement at C = 1 and C = 4 is the script's, over more rounds (RESULTS.md section 9): single
-    rounds of 8 ms TTFTs on this box scatter by 20 % and more, so TTFT is held to 20 % here, tok/s to 10 %. That still
-    fails a client that times the first token late or costs the server CPU per token."""
+    rounds of 8 ms TTFTs on this box scatter by 20 % and more, so TTFT is held to 20 % here, tok/s to 10 %.
+    That still fails a client that times the first token late or costs the server CPU per token."""
     sys.path.insert(0, str(HERE.parent / "benchmarks"))
-    from bench_agreement import our_bench, start_vllm, vllm_bench
+    from bench_agreement import compare, start_vllm
 
     port = free_port()
     with open(tmp_path / "vllm.log", "w") as log:
         server = start_vllm(vllm_python, tiny_model, port, log, prefix_caching=False)
         try:
-            shape = type("Shape", (), {"prompts": 32, "input_len": 48, "output_len": 128, "engine_interval": 2.0})
-            sent = round(vllm_bench(vllm_python, tiny_model, port, 1, shape, tmp_path)["input_tokens"])
-            runs = {"theirs": lambda: vllm_bench(vllm_python, tiny_model, port, 1, shape, tmp_path, trust_env=False),
-                    "ours": lambda: our_bench(port, 1, shape, tmp_path / "agree", sent)}
-            ratios = []
-            for i in range(5):
-                got = {who: runs[who]() for who in (("theirs", "ours") if i % 2 == 0 else ("ours", "theirs"))}
-                theirs, ours = got["theirs"], got["ours"]
-                ratios.append((ours["tok_s"] / theirs["tok_s"], ours["ttft_ms"] / theirs["ttft_ms"]))
-                assert abs(ours["input_tokens"] - theirs["input_tokens"]) <= 1  # the same shapes, to the token
+            shape = type("Shape", (), {"rounds": 5, "concurrency": [1], "prompts": 32, "input_len": 48,
+                                       "output_len": 128, "engine_interval": 2.0})
+            rows = compare(vllm_python, tiny_model, port, shape, tools=("vllm_noenv", "ours"))
         finally:
             os.killpg(server.pid, signal.SIGTERM)
             server.wait(timeout=60)
+    for row in rows:
+        assert abs(row["ours_input_tokens"] - row["vllm_noenv_input_tokens"]) <= 1  # the same shapes, to the token
+    ratios = [(row["ours_tok_s"] / row["vllm_noenv_tok_s"], row["ours_ttft_ms"] / row["vllm_noenv_ttft_ms"])
+              for row in rows]
     print("agreement with vllm.benchmarks.serve, (tok/s, mean TTFT) ratios per round:", ratios)
     tok_s, ttft = (statistics.median(r[i] for r in ratios) for i in (0, 1))
     assert 0.9 <= tok_s <= 1.1 and 0.8 <= ttft <= 1.25, ratios
