@@ -147,13 +147,13 @@ async def _word_sizes(session: aiohttp.ClientSession, base: str, workload: Workl
     try:
         sizes = tuple([await size(" " + word) for word in WORDS])
         calibration = workload.prompt(-1, words)
-        special = counted - await size(calibration)
+        whole = await size(calibration)
         by_word = dict(zip(WORDS, sizes))
-        if min(sizes) < 1 or special < 0 or counted - special != sum(by_word[w] for w in calibration.split()):
+        if min(sizes) < 1 or whole > counted or whole != sum(by_word[w] for w in calibration.split()):
             return None  # the tokenizer merges across spaces: sizes do not add up
     except (aiohttp.ClientError, asyncio.TimeoutError, HttpError, ValueError, AttributeError, OSError):
         return None  # AttributeError: an answer that is not a JSON object
-    return replace(workload, word_tokens=sizes, special_tokens=special)
+    return replace(workload, word_tokens=sizes, special_tokens=counted - whole)  # counted - whole: BOS and such
 
 
 async def _step(session: aiohttp.ClientSession, url: str, settings: Settings, workload: Workload, concurrency: int,
