@@ -9,6 +9,7 @@ import socket
 import subprocess
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -256,6 +257,61 @@ def test_sighup_with_a_bad_config_keeps_running(write, daemons):
     line = d.wait_for("(yaml): invalid YAML", after=len(d.lines) - 1)
     assert f"reload failed, still running the previous config: {path}:" in line
     assert value(scrape(base), "gpuwarden_gpu_up", gpu="0") == 1  # still serving
+    assert d.stop() == 0 and "Traceback" not in d.log
+
+
+def catches(pid, sig) -> bool:
+    """Whether the process has a handler for sig (/proc's SigCgt mask)."""
+    try:
+        fields = dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    except (OSError, ValueError):
+        return False
+    return bool(int(fields.get("SigCgt", "0"), 16) >> (sig - 1) & 1)
+
+
+def test_a_sighup_during_start_up_is_a_reload_not_death(write, daemons):
+    """Before the loop exists (imports, config, NVML: seconds on a busy host), SIGHUP used to end the daemon
+    with 129 and no log line. Now it is held from the entry point on and carried out as a reload once the loop
+    runs. The signal is sent as soon as the interpreter is up (it handles SIGINT) and the entry point holds
+    SIGHUP, or 0.1 s after that at most: well inside the imports that came first before."""
+    path, base = write_config(write)
+    d = daemons(path, "--sim", "rtx-pro-4000-headless")
+    deadline = time.monotonic() + 30
+    while not catches(d.proc.pid, signal.SIGINT):
+        assert time.monotonic() < deadline and d.proc.poll() is None
+        time.sleep(0.002)
+    up = time.monotonic()
+    while not catches(d.proc.pid, signal.SIGHUP) and time.monotonic() - up < 0.1:
+        time.sleep(0.002)
+    d.proc.send_signal(signal.SIGHUP)
+    d.wait_for("serving /metrics")
+    d.wait_for("config reloaded")
+    assert d.proc.poll() is None
+    assert d.stop() == 0 and "Traceback" not in d.log
+
+
+def test_a_storm_of_sighups_costs_at_most_one_reload_per_poll(write, daemons):
+    """100 SIGHUPs with the config flipping between two tunings: reloads are coalesced to at most one per poll,
+    the polls stay on schedule, and the watchdog never goes hungry."""
+    path, base = write_config(write)
+    d = daemons(path, "--sim", "rtx-pro-4000-headless")
+    d.wait_for("serving /metrics")
+    texts = [path.read_text(), path.read_text() + "tuning:\n  gpu_clocks: [2400, 2400]\n"]
+    began = time.monotonic()
+    for i in range(100):
+        path.write_text(texts[i % 2])
+        d.proc.send_signal(signal.SIGHUP)
+        time.sleep(0.01)
+    path.write_text(texts[1])
+    d.proc.send_signal(signal.SIGHUP)
+    elapsed = time.monotonic() - began
+    d.wait_for("lock 2400-2400 MHz: verified", after=0)
+    time.sleep(1.2)  # the last reload lands at the next poll
+    reloads = d.log.count("config reloaded")
+    polls = elapsed / 0.5 + 4  # polls every 0.5 s while the storm lasted, and the ones after it
+    assert 1 <= reloads <= polls, (reloads, elapsed)
+    assert "no poll published" not in d.log
+    assert value(scrape(base), "gpuwarden_gpu_sm_clock_lock_hertz", gpu="1") == 2400e6  # the last one won
     assert d.stop() == 0 and "Traceback" not in d.log
 
 

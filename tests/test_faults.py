@@ -99,25 +99,30 @@ def serving_state(base):
         return None
 
 
-def fakes_alive(config_path):
-    """Processes started from the fake child with this test's config dir on their command line, any session."""
-    token = b"fakechild.py"
+def fakes_alive(script):
+    """Live processes running this session's own copy of the fake child (script: its path, unique to this
+    test session), in any process group or session: an escaped grandchild runs it too, and another user's
+    or another run's fake children do not."""
+    token = str(script).encode()
     alive = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
-            if token in cmdline.read_bytes() and b"pytest" not in cmdline.read_bytes() and Path(cmdline.parent, "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                alive.append(int(cmdline.parent.name))
-        except OSError:
+            argv = cmdline.read_bytes().split(b"\0")
+            state = Path(cmdline.parent, "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
             continue
+        if token in argv and state != "Z":
+            alive.append(int(cmdline.parent.name))
     return alive
 
 
 @pytest.fixture
-def no_fakes_left():
-    """After the test, no fake child (or its escaped grandchild) may be alive; kill any by PID and fail."""
-    before = set(fakes_alive(None))
+def no_fakes_left(fake):
+    """After the test, no process running our fake child (or its escaped grandchild) may be alive; kill any by
+    PID and fail. Only processes started from this session's copy of the script count."""
+    before = set(fakes_alive(fake["script"]))
     yield
-    left = [pid for pid in fakes_alive(None) if pid not in before]
+    left = [pid for pid in fakes_alive(fake["script"]) if pid not in before]
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert not left, f"processes left behind: {left}"
@@ -251,13 +256,29 @@ def test_a_second_sigterm_does_not_wait_for_the_drain(write, fake, daemons, no_f
     assert "SIGTERM again while stopping" in d.log
 
 
+def test_the_leftover_check_sees_only_this_sessions_fake_children(fake, tmp_path):
+    """Another user's (or another run's) process with fakechild.py in its command line is neither reported as
+    left behind nor killed: only processes running this session's own copy of the script count."""
+    other = tmp_path / "fakechild.py"
+    other.write_text("import time\ntime.sleep(60)\n")
+    stranger = subprocess.Popen([sys.executable, str(other)])
+    ours = subprocess.Popen([sys.executable, str(fake["script"]), "--mode", "noaccept", "--port", str(free_port())])
+    try:
+        assert wait_until(lambda: ours.pid in fakes_alive(fake["script"]), timeout=10)
+        assert stranger.pid not in fakes_alive(fake["script"])
+    finally:
+        for proc in (stranger, ours):
+            proc.kill()
+            proc.wait()
+
+
 @pytest.mark.parametrize("mode", ["setsid", "doublefork"])
 def test_processes_that_leave_the_group_are_found_and_killed(write, fake, daemons, no_fakes_left, mode):
     path, _, _ = fault_config(write, fake, mode)
     d = daemons(path)
     d.wait_for("vLLM healthy after", timeout=30)
     time.sleep(0.5)
-    assert len(fakes_alive(path)) == 2, "the child and its escaped grandchild"
+    assert len(fakes_alive(fake["script"])) == 2, "the child and its escaped grandchild"
     assert d.stop() == 0
     assert "that had left vLLM's process group: pid" in d.log
     # no_fakes_left asserts that nothing is left

@@ -186,6 +186,39 @@ def test_secrets_in_a_file_others_can_read_are_refused(write, planted):
     assert SECRET not in proc.stderr
 
 
+@pytest.mark.parametrize("kind", ["directory", "symlink"])
+def test_an_env_file_that_is_a_directory_or_a_link_is_one_line_in_words(write, planted, kind):
+    """A directory gave an IsADirectoryError traceback, exit 1 and a leaked fd; a link "Too many levels of
+    symbolic links". Each is now one FILE:LINE line that says what is wrong, with exit 78."""
+    path, _ = config(write, planted)
+    secrets = path.parent / "vllm.env"
+    if kind == "directory":
+        secrets.unlink()
+        secrets.mkdir(mode=0o700)
+        says = "is a directory, not a regular file"
+    else:
+        real = secrets.rename(path.parent / "real.env")
+        secrets.symlink_to(real)
+        says = "is a symbolic link: name the file itself"
+    proc = subprocess.run(gpuwarden_cmd() + ["check", "-c", str(path)], capture_output=True, text=True,
+                          env=subprocess_env(), timeout=60)
+    assert proc.returncode == 78, proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"{secrets}:1: (secrets): {says}") and line.endswith(f"(named by {path}: serve.env_file)")
+
+
+def test_reading_a_directory_as_an_env_file_leaks_no_descriptor(tmp_path):
+    from gpuwarden.serving.secrets import SecretFileError, read_env_file
+
+    folder = tmp_path / "d"
+    folder.mkdir(mode=0o700)
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(20):
+        with pytest.raises(SecretFileError, match="is a directory"):
+            read_env_file(folder, owner=os.geteuid())
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
 @pytest.mark.parametrize("kind", ["uid-0 alias", "member of sudo"])
 def test_serve_user_that_is_root_by_another_name_is_refused(write, planted, kind):
     name = "gw-toor-test" if kind == "uid-0 alias" else "gw-sudoer-test"

@@ -60,6 +60,8 @@ def stream(url: str, path: str, body: dict) -> tuple[str, int]:
 @pytest.mark.parametrize("path", ["/v1/messages", "/v1/chat/completions"])
 def test_streams_carry_the_same_tokens_as_direct(rig, path):
     body = {"model": "tiny", "max_tokens": 48, "temperature": 0, "messages": [{"role": "user", "content": "the gpu"}]}
-    direct, through = stream(rig.engine, path, body), stream(rig.proxy, path, body)
-    assert direct[0] and direct == through
-    assert direct[1] >= 10  # token by token, not one buffered event
+    (direct, direct_events), (through, through_events) = stream(rig.engine, path, body), stream(rig.proxy, path, body)
+    assert direct and direct == through
+    # What the proxy controls: it passes events on as they come, never one buffered event. How many events the
+    # engine makes of 48 tokens is its own affair (a starved CPU vLLM sent 3 and 6 where an idle one sends 48).
+    assert through_events >= 2 or direct_events < 2, (direct_events, through_events)

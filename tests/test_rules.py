@@ -147,6 +147,34 @@ def test_rules_d_adds_and_overrides_by_id(tmp_path):
     assert lines["no-big-context"].rule.where == f"{tmp_path / '10-site.yaml'}:4"
 
 
+@pytest.mark.parametrize("template", ["{", "a } b", "{0}", "{x!z}", "{model:>99999999999}",
+                                      "{model.__class__.__mro__}", "{model[0]}", "{}"])
+@pytest.mark.parametrize("key", ["message", "fix"])
+def test_a_rule_template_is_checked_when_loaded_and_rendered_without_format(tmp_path, key, template):
+    """str.format on rules.d text gave a traceback (exit 1, which systemd restart-loops), a MemoryError, or
+    expanded attributes; now such a template is a FILE:LINE error when the rule is loaded."""
+    (tmp_path / "bad.yaml").write_text(f"rules:\n  - id: enforce-eager\n    {key}: '{template}'\n")
+    with pytest.raises(ConfigErrors) as caught:
+        rules_for(tmp_path)
+    assert [str(e) for e in caught.value.errors] == [
+        str(e) for e in caught.value.errors if str(e).startswith(f"{tmp_path / 'bad.yaml'}:3: rules.0.{key}: a lone")]
+    assert len(caught.value.errors) == 1
+
+
+def test_a_template_renders_names_and_braces_only():
+    from gpuwarden.serving.rules import render
+
+    assert render("{model} {{x}} {unknown}", {"model": "M", "x": "no"}) == "M {x} {unknown}"
+    assert render("{model}", {"model": "{other}"}) == "{other}"  # a value is never expanded again
+
+
+def test_a_bad_template_in_rules_d_stops_check_with_78_and_no_traceback(write, cli, child_user):
+    conf = serving_conf(write, child_user)
+    bad = write("etc/rules.d/50-site.yaml", "rules:\n  - id: enforce-eager\n    message: 'x {model:>99999999999}'\n")
+    status, out, err = cli("check", "-c", conf)
+    assert status == 78 and f"{bad}:3: rules.0.message: a lone '{{'" in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("text,says", [
     ("rules:\n  - id: x\n    severity: error\n", "rules.0.id: a new rule needs message, fix, source"),
     ("rules:\n  - id: enforce-eager\n    when: {vllm: '>=zero'}\n", "rules.0.when.vllm: '>=zero' is not a PEP 440"),

@@ -117,6 +117,24 @@ def test_redaction_of_secret_looking_values():
     assert redact_argv(["vllm", "--api-key", "k", "--hf-token=t", "--port", "1"]) == [
         "vllm", "--api-key", "<redacted>", "--hf-token=<redacted>", "--port", "1"]
 
+    # Every spelling the engines' parsers take: underscores, =, unique prefixes, several keys after one flag.
+    for argv, shown in ((["--api_key", "k"], ["--api_key", "<redacted>"]),
+                        (["--api_key=k"], ["--api_key=<redacted>"]),
+                        (["--api-ke", "k", "--port", "1"], ["--api-ke", "<redacted>", "--port", "1"]),
+                        (["--hf_token", "t"], ["--hf_token", "<redacted>"]),
+                        (["--api-key", "k1", "k2", "--port", "1"], ["--api-key", "<redacted>", "<redacted>",
+                                                                    "--port", "1"]),
+                        (["--ssl-keyfile", "/k.pem"], ["--ssl-keyfile", "/k.pem"]),
+                        (["--api-server-count", "2"], ["--api-server-count", "2"])):
+        assert redact_argv(argv) == shown, argv
+
+
+@pytest.mark.parametrize("spelling", [["--api_key", "k"], ["--api_key=k"], ["--api-ke", "k"], ["--api-key=k"]])
+def test_the_api_key_lint_sees_every_spelling(spelling):
+    profile = load_profiles(None)["generic"]
+    findings = lint(["vllm", "serve", *spelling], {}, profile, ["12.0"], "/m/x", prefix=2, engine=VLLM)
+    assert "api-key-on-command-line" in [f.rule for f in findings]
+
 
 def test_env_file_format_and_permissions(write):
     from gpuwarden.serving.secrets import SecretFileError, read_env_file

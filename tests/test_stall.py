@@ -13,8 +13,9 @@ from gpuwarden.serving.supervisor import BACKOFF, RUNNING
 from test_serving import Inline, running_supervisor, supervisor
 
 
-def watch(clock, stall_after_s=10, probe_after_s=5, background=None, url="http://127.0.0.1:9/v1/completions"):
-    return StallWatch(stall_after_s, probe_after_s, 2, url, "m", clock, background or Inline(clock))
+def watch(clock, stall_after_s=10, probe_after_s=5, background=None, url="http://127.0.0.1:9/v1/completions",
+          key=None):
+    return StallWatch(stall_after_s, probe_after_s, 2, url, "m", clock, background or Inline(clock), key=key)
 
 
 def test_counters_that_stop_while_requests_run_are_a_stall_and_moving_again_ends_it():
@@ -46,9 +47,19 @@ def test_waiting_requests_alone_count_as_work():
 class Completions(BaseHTTPRequestHandler):
     hang = threading.Event()
     bodies: list = []
+    key: str | None = None  # as vLLM with VLLM_API_KEY: /v1/* wants "Authorization: Bearer KEY", else 401
+    authorizations: list = []
 
     def do_POST(self):  # noqa: N802
         Completions.bodies.append(self.rfile.read(int(self.headers["Content-Length"])))
+        Completions.authorizations.append(self.headers.get("Authorization"))
+        if Completions.key is not None and self.headers.get("Authorization") != f"Bearer {Completions.key}":
+            body = b'{"error": "Unauthorized"}'
+            self.send_response(401)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
         if Completions.hang.is_set():  # a frozen engine: the answer does not come in time
             threading.Event().wait(5)
             return
@@ -67,7 +78,9 @@ def completions():
     server = ThreadingHTTPServer(("127.0.0.1", 0), Completions)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     Completions.bodies.clear()
+    Completions.authorizations.clear()
     Completions.hang.clear()
+    Completions.key = None
     yield f"http://127.0.0.1:{server.server_address[1]}/v1/completions"
     server.shutdown()
 
@@ -92,6 +105,41 @@ def test_idle_probe_answers_keep_it_alive_and_a_hung_probe_is_a_stall(completion
     assert reason and "the stall probe (a one-token completion, serve.probe_timeout_s 2) failed" in reason
     assert at(12) == reason and w.probes == 2  # stalled until the counters move: no more probes
     assert at(13, Progress(11, 0, 0)) is None
+
+
+def test_the_probe_authenticates_with_the_engines_key_as_a_client_does(completions):
+    Completions.key = "s3cret"
+    clock = ManualClock(0)
+    w = watch(clock, url=completions, key="s3cret")
+    for t in range(0, 60):
+        clock.advance(t - clock.now)
+        assert w.update(t, Progress(10, 0, 0)) is None
+    assert w.probes >= 5 and set(Completions.authorizations) == {"Bearer s3cret"}
+
+
+def test_a_probe_refused_for_its_credentials_proves_the_engine_alive(completions, caplog):
+    """401 without the key (a server with VLLM_API_KEY that the daemon was not given): never a stall, and said
+    once."""
+    Completions.key = "s3cret"
+    clock = ManualClock(0)
+    w = watch(clock, url=completions)  # no key
+    for t in range(0, 60):
+        clock.advance(t - clock.now)
+        assert w.update(t, Progress(10, 0, 0)) is None
+    assert w.probes >= 5
+    said = [r for r in caplog.records if "cannot authenticate" in r.getMessage()]
+    assert len(said) == 1 and "s3cret" not in said[0].getMessage()
+
+
+def test_the_key_comes_from_the_command_in_the_engines_own_spellings():
+    from gpuwarden.serving.engines import engine_for
+
+    vllm, sglang = engine_for("vllm"), engine_for("sglang")
+    assert vllm.api_key(["vllm", "serve", "--port", "1"], {"VLLM_API_KEY": "env"}) == "env"
+    for argv in (["--api-key", "flag", "other"], ["--api_key", "flag"], ["--api-key=flag"], ["--api-ke", "flag"]):
+        assert vllm.api_key(argv, {"VLLM_API_KEY": "env"}) == "flag", argv  # the flag wins, as in vLLM
+    assert vllm.api_key([], {}) is None and vllm.api_key([], {"VLLM_API_KEY": ""}) is None
+    assert sglang.api_key(["--api-key", "k"], {}) == "k" and sglang.api_key([], {"VLLM_API_KEY": "env"}) is None
 
 
 def test_a_stall_restarts_the_engine_as_a_crash_does_and_a_healthy_child_clears_it():

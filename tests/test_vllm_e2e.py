@@ -327,3 +327,38 @@ def test_a_frozen_engine_is_caught_while_health_says_200_restarted_and_the_idle_
     d.wait_for("vLLM healthy after", after=mark, timeout=400)
     assert group_alive(second) == []
     assert d.stop() == 0
+
+
+def test_an_idle_server_that_requires_a_key_is_probed_with_it_and_never_restarted(write, daemons, vllm_python,
+                                                                                   tiny_model, child_user):
+    """Issue 24: the idle probe posted without credentials, vLLM answered 401 (VLLM_API_KEY set), and the daemon
+    restarted a healthy engine every few probes until FATAL. The key comes from serve.env_file, as the README
+    says to give it; several idle minutes with a probe every 5 s: no stall, no restart, and keyed work still
+    works while a request without the key is refused."""
+    key = "gw-test-key-3141"
+    secrets = write("vllm.env", f"VLLM_API_KEY={key}\n")
+    secrets.chmod(0o600)
+    port = free_port()
+    path = serving_config(write, vllm_python, tiny_model, child_user, port,
+                          extra=f"  env_file: {secrets}\n  probe_after_s: 5\n  probe_timeout_s: 30\n")
+    base = "http://" + path.read_text().split("listen: ")[1].split()[0]
+    d = daemons(path)
+    d.wait_for("vLLM healthy after", timeout=400)
+    began = time.monotonic()
+    while time.monotonic() - began < 180:  # idle: only the daemon's probes reach the engine
+        assert d.proc.poll() is None
+        time.sleep(5)
+    serving = status(base)["serving"]
+    assert serving["state"] == "RUNNING" and serving["restarts"] == 0 and serving.get("stalls", 0) == 0, serving
+    assert "stalled" not in d.log and "cannot authenticate" not in d.log and key not in d.log
+    metrics = urllib.request.urlopen(base + "/metrics", timeout=15).read().decode()
+    assert 'gpuwarden_serving_stalls_total{child="vllm"} 0.0' in metrics
+    body = json.dumps({"model": str(tiny_model), "prompt": "the gpu runs", "max_tokens": 5}).encode()
+    keyed = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                   {"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+    with urllib.request.urlopen(keyed, timeout=60) as reply:
+        assert json.load(reply)["choices"][0]["text"]
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        complete(port, tiny_model)
+    assert refused.value.code == 401
+    assert d.stop() == 0

@@ -10,7 +10,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from . import __version__, tunables
+from . import __version__, earlysignals, tunables
 from . import config as configmod
 from .backends import open_configured
 from .bench import command as bench_command
@@ -106,6 +106,8 @@ def open_standard_fds() -> None:
 def main(argv: list[str] | None = None) -> int:
     open_standard_fds()
     args = build_parser().parse_args(argv)
+    if args.command != "run":  # only the daemon's loop takes the signals held since start (earlysignals.py)
+        earlysignals.release()
     try:
         return COMMANDS[args.command](args)
     except InvalidConfig as exc:

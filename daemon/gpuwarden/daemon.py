@@ -24,7 +24,7 @@ import signal
 import time
 from collections.abc import Callable
 
-from . import __version__
+from . import __version__, earlysignals
 from .config import Config
 from .exporter import Exposition, MetricsServer
 from .gpuevents import EventWatcher
@@ -44,7 +44,7 @@ from .yamlfile import ConfigErrors, InvalidConfig
 
 log = logging.getLogger("gpuwarden")
 
-HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+HANDLED_SIGNALS = earlysignals.SIGNALS
 EVENTS_WAKE = 0  # the byte the GPU event thread writes to the wake-up pipe: no signal has number 0
 # Settings a reload cannot change in a running daemon.
 RESTART_ONLY = ("gpu", "metrics", "counters_interval_s")
@@ -78,6 +78,7 @@ class Daemon:
         self.watcher: EventWatcher | None = None  # Xid and fatal events, on their own thread
         self.wake: Callable[[], None] | None = None  # run() sets it: wakes the loop as a signal does
         self.ready_sent = False
+        self.reload_asked = False  # a SIGHUP came: the next tick reloads
         self.stopping = False
         self.tuned = False
         self.started_at = time.time()
@@ -182,7 +183,7 @@ class Daemon:
         serve = config.serve
         return StallWatch(serve.stall_after_s, serve.probe_after_s, serve.probe_timeout_s,
                           serve.url + main.engine.completions_path, main.engine.served_model(serve, main.command.argv),
-                          self.clock)
+                          self.clock, key=main.engine.api_key(main.command.argv, main.command.env))
 
     def _tune(self, plan: Plan) -> None:
         self.monitor.use_plan(plan, applied=self.config.tuning.apply)
@@ -198,7 +199,14 @@ class Daemon:
             (log.info if outcome.ok else log.warning)("tuning %s", outcome.describe("verified"))
 
     def tick(self, now: float, lag: float = 0.0) -> None:
-        """One poll: advance serving (its faults stay there), then sample and publish the GPUs."""
+        """One poll: a reload if one was asked for, advance serving (its faults stay there), then sample and
+        publish the GPUs."""
+        if self.reload_asked:
+            self.reload_asked = False
+            try:
+                self.reload()
+            except Exception as exc:  # reload() keeps what runs on a bad config; this is a bug's last net
+                self._error_once(f"reload: {type(exc).__name__}: {exc}")
         try:
             self.handle_gpu_events()  # any the wake-up missed
         except Exception as exc:
@@ -362,6 +370,11 @@ class Daemon:
         self.begin_stop(now)
 
     def handle_hup(self) -> None:
+        """A reload is asked for; the next poll carries it out, so that any number of SIGHUPs in a row cost at
+        most one reload per poll and the loop keeps its schedule (and the watchdog its food)."""
+        self.reload_asked = True
+
+    def reload(self) -> None:
         """Reload: load, validate and prepare everything first; on any error keep running what runs."""
         if self.reload_config is None:
             log.warning("SIGHUP received, but this daemon has no config file to reload")
@@ -443,7 +456,10 @@ class SignalWaker:
         os.set_blocking(self.read_fd, False)
         os.set_blocking(self.write_fd, False)
         self._old_fd = signal.set_wakeup_fd(self.write_fd)
-        self._old = {s: signal.signal(s, lambda *_: None) for s in HANDLED_SIGNALS}
+        self._old = {s: earlysignals.original(s, signal.signal(s, lambda *_: None)) for s in HANDLED_SIGNALS}
+        # Those that came before this loop existed (earlysignals.py), first and in order.
+        for signum in earlysignals.take():
+            os.write(self.write_fd, bytes([signum]))
 
     def wait(self, timeout: float) -> list[int]:
         """Signals that arrived, waiting at most timeout seconds for one."""

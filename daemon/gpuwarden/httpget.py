@@ -36,9 +36,11 @@ def get(url: str, deadline_s: float, max_bytes: int, headers: dict[str, str] | N
     return request("GET", url, deadline_s, max_bytes, headers, context)
 
 
-def post_json(url: str, body: bytes, deadline_s: float, max_bytes: int) -> Reply:
+def post_json(url: str, body: bytes, deadline_s: float, max_bytes: int,
+              headers: dict[str, str] | None = None) -> Reply:
     """POST a JSON body to a plain-http url, with get()'s total deadline and size cap."""
-    return request("POST", url, deadline_s, max_bytes, {"Content-Type": "application/json"}, None, body)
+    return request("POST", url, deadline_s, max_bytes, {"Content-Type": "application/json", **(headers or {})},
+                   None, body)
 
 
 def request(method: str, url: str, deadline_s: float, max_bytes: int, headers: dict[str, str] | None = None,

@@ -1,21 +1,44 @@
-"""Reading flags out of an argv as argparse would: `--x v` or `--x=v`, the last one winning."""
+"""Reading flags out of an argv as the engines' parsers do: `--x v` or `--x=v`, the last one winning, and
+`--x_y` the same flag as `--x-y` (vLLM's FlexibleArgumentParser turns underscores into dashes; a spelling an
+engine does not take never gets past its own parser, so reading it as the dashed flag costs nothing).
+
+argparse also takes any unique prefix of a long flag (`--api-ke KEY`). Which prefixes are unique depends on
+every flag the parser has, which only the engine's own parser knows, so prefixes are read only where taking
+too much is safe: for secrets (serving/secrets.py), a word that could be a prefix is treated as one.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 
-def flag_value(argv: Sequence[str], *names: str) -> str | None:
-    """The last value given for any of names, or None."""
+def canonical(arg: str) -> str:
+    """A long flag with dashes for underscores in its name (the value after = untouched); other words as they are."""
+    if not arg.startswith("--"):
+        return arg
+    name, eq, value = arg.partition("=")
+    return "--" + name[2:].replace("_", "-") + eq + value
+
+
+def names_flag(arg: str, name: str, prefix: bool = False) -> bool:
+    """Whether the word arg (without any =value) names the flag name; with prefix, also as argparse's
+    abbreviation of it (at least one letter after the dashes)."""
+    word = canonical(arg).partition("=")[0]
+    return word == name or (prefix and len(word) > 2 and word.startswith("--") and name.startswith(word))
+
+
+def flag_value(argv: Sequence[str], *names: str, prefix: bool = False) -> str | None:
+    """The last value given for any of names (the first word of it, for a flag that takes several), or None."""
     found = None
     for i, arg in enumerate(argv):
-        for name in names:
-            if arg == name and i + 1 < len(argv):
-                found = argv[i + 1]
-            elif arg.startswith(name + "="):
-                found = arg.split("=", 1)[1]
+        if not any(names_flag(arg, name, prefix) for name in names):
+            continue
+        if "=" in arg:
+            found = arg.split("=", 1)[1]
+        elif i + 1 < len(argv):
+            found = argv[i + 1]
     return found
 
 
-def has_flag(argv: Sequence[str], *names: str) -> bool:
-    return any(arg in names or any(arg.startswith(n + "=") for n in names) for arg in argv)
+def has_flag(argv: Sequence[str], *names: str, prefix: bool = False) -> bool:
+    return any(names_flag(arg, name, prefix) for arg in argv for name in names)

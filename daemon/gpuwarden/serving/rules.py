@@ -27,6 +27,7 @@ from .flags import flag_value, has_flag
 from .installed import PACKAGES, Installed
 from .lint import ERROR, WARNING, LintFinding, read_specifier, version_in
 from .profiles import Profile
+from .secrets import SECRET_FLAGS
 
 BUILTIN = Path(__file__).resolve().parent / "rules" / "builtin.yaml"
 OFF = "off"
@@ -191,6 +192,8 @@ def _read_file(file: Path) -> tuple[list, dict[str, str]]:
                 value = r.get(path + (key,))
                 if not isinstance(value, str) or not value.strip():
                     r.fail(path + (key,), f"expected a non-empty string, got {type_name(value)}")
+                elif key in ("message", "fix") and template_problem(value):
+                    r.fail(path + (key,), template_problem(value))
                 entry[key] = str(value).strip()
         if "severity" in raw:
             if r.get(path + ("severity",)) is False:  # YAML reads a bare `off` as false
@@ -275,16 +278,36 @@ def _evaluate(rule: Rule, ctx: LintContext, checks: Mapping[str, Check]) -> Outc
     if unknown:
         note = f"{' and '.join(unknown)} unknown"
         severity = WARNING  # a guess never blocks a start
-    message = rule.message.format_map(_Values(values)) if values else rule.message
-    fix = rule.fix.format_map(_Values(values)) if values else rule.fix
+    message, fix = render(rule.message, values or {}), render(rule.fix, values or {})
     if note:
         message += f" (if it applies: {note})"
     return Outcome(rule, "applied", note, LintFinding(severity, rule.id, message, rule.source, fix))
 
 
-class _Values(dict):
-    def __missing__(self, key: str) -> str:
-        return "{" + key + "}"
+# A rule's message and fix name a check's values as {name}; {{ and }} are braces. Nothing else: rules.d is
+# written by people, and str.format would follow {x.__class__}, expand {x:>99999999} into memory, and
+# raise on a lone brace at lint time, in the daemon.
+TEMPLATE_PART = re.compile(r"\{\{|\}\}|\{([A-Za-z_][A-Za-z0-9_]*)\}|[{}]")
+
+
+def template_problem(text: str) -> str | None:
+    """Why text is not a template the lint can render, or None."""
+    for part in TEMPLATE_PART.finditer(text):
+        if part.group(0) in ("{", "}"):
+            near = text[max(0, part.start() - 10):part.start() + 11]
+            return (f"a lone '{part.group(0)}' at character {part.start() + 1} (near {near!r}): write {{name}} for "
+                    f"a check's value (no format spec, conversion, index or attribute), or {{{{ }}}} for a brace")
+    return None
+
+
+def render(text: str, values: Mapping[str, Any]) -> str:
+    """text with each {name} replaced by its value (left as it is when the check gave none)."""
+    def one(part: re.Match) -> str:
+        name = part.group(1)
+        if name is None:
+            return part.group(0)[0]  # {{ or }}
+        return str(values[name]) if name in values else part.group(0)
+    return TEMPLATE_PART.sub(one, text)
 
 
 def _when_fails(when: Mapping[str, Any], ctx: LintContext) -> tuple[str | None, list[str]]:
@@ -325,7 +348,8 @@ def _when_fails(when: Mapping[str, Any], ctx: LintContext) -> tuple[str | None, 
 
 def _matches(match: Mapping[str, Any], ctx: LintContext) -> bool:
     flags = ctx.flags
-    if not all(has_flag(flags, f) for f in match.get("flags_present", ())):
+    # A secret flag is present in any spelling its parser takes, prefixes included (serving/flags.py).
+    if not all(has_flag(flags, f, prefix=f in SECRET_FLAGS) for f in match.get("flags_present", ())):
         return False
     if any(has_flag(flags, f) for f in match.get("flags_absent", ())):
         return False

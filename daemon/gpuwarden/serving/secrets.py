@@ -10,17 +10,21 @@ replaced by "<redacted>".
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import stat
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from .flags import names_flag
+
 CREDENTIAL = "vllm.env"
 MAX_BYTES = 64 * 1024
 REDACTED = "<redacted>"
 SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL|AUTH", re.I)
 SECRET_FLAGS = ("--api-key", "--hf-token", "--ssl-keyfile-password")
+NOT_SECRET = ("--ssl-keyfile",)  # a flag of its own (a path), also a prefix of --ssl-keyfile-password
 NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -40,18 +44,27 @@ def redact_env(env: Mapping[str, str]) -> dict[str, str]:
     return {k: (REDACTED if is_secret(k) and v else v) for k, v in env.items()}
 
 
+def is_secret_flag(arg: str) -> bool:
+    """Whether the word arg names a secret flag in any spelling the engines' parsers take: --api_key,
+    --api-key=X, or a prefix argparse would complete (--api-ke); serving/flags.py says why prefixes count here."""
+    return (arg.startswith("--") and not any(names_flag(arg, flag) for flag in NOT_SECRET)
+            and any(names_flag(arg, flag, prefix=True) for flag in SECRET_FLAGS))
+
+
 def redact_argv(argv: Sequence[str]) -> list[str]:
+    """argv with every value of a secret flag replaced: `--api-key=X`, and each word after `--api-key` up to the
+    next flag (vLLM's --api-key takes several keys)."""
     out, hide = [], False
     for arg in argv:
-        flag, eq, _ = arg.partition("=")
-        if hide:
+        if hide and not arg.startswith("-"):
             out.append(REDACTED)
+            continue
+        hide = is_secret_flag(arg)
+        if hide and "=" in arg:
+            out.append(f"{arg.partition('=')[0]}={REDACTED}")
             hide = False
-        elif eq and flag in SECRET_FLAGS:
-            out.append(f"{flag}={REDACTED}")
         else:
             out.append(arg)
-            hide = arg in SECRET_FLAGS
     return out
 
 
@@ -62,17 +75,25 @@ def read_env_file(path: Path, owner: int | None = None) -> dict[str, str]:
     except FileNotFoundError:
         raise SecretFileError(1, "file not found") from None
     except OSError as exc:
+        if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a link
+            raise SecretFileError(1, "is a symbolic link: name the file itself (a link may point at any file "
+                                     "the daemon can read)") from None
         raise SecretFileError(1, f"cannot open: {exc.strerror}") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise SecretFileError(1, "not a regular file")
+    try:
+        st = os.fstat(fd)
+        kind = _kind(st.st_mode)
+        if kind != "regular file":
+            raise SecretFileError(1, f"is a {kind}, not a regular file")
         wanted = 0 if owner is None else owner
         if st.st_uid != wanted:
             raise SecretFileError(1, f"owned by uid {st.st_uid}, not {wanted}: anyone who owns it can read the key")
         if st.st_mode & 0o077:
             raise SecretFileError(1, f"mode {stat.S_IMODE(st.st_mode):04o} lets others read it: chmod 600 {path}")
-        data = f.read(MAX_BYTES + 1)
+        data = os.read(fd, MAX_BYTES + 1)
+    except OSError as exc:
+        raise SecretFileError(1, f"cannot read: {exc.strerror}") from None
+    finally:
+        os.close(fd)
     if len(data) > MAX_BYTES:
         raise SecretFileError(1, f"larger than {MAX_BYTES} bytes")
     try:
@@ -96,6 +117,14 @@ def read_env_file(path: Path, owner: int | None = None) -> dict[str, str]:
             raise SecretFileError(number, f"{name}: contains a NUL byte")
         env[name] = value
     return env
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISREG, "regular file"), (stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"),
+                       (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device")):
+        if test(mode):
+            return name
+    return "special file"
 
 
 def credentials_file(environ: Mapping[str, str] = os.environ) -> Path | None:

@@ -23,11 +23,14 @@ compiled the graph for a batch shape it had not seen.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from .. import httpget
 from ..background import Background
+
+log = logging.getLogger("gpuwarden")
 
 PROBE_MAX_BYTES = 256 * 1024
 
@@ -45,21 +48,32 @@ class Progress:
         return bool(self.running) or bool(self.waiting)
 
 
-def probe(url: str, model: str, timeout_s: float) -> None:
-    """A one-token completion; raises httpget.HttpError unless it comes back 200 in time."""
+class NotAuthorized(httpget.HttpError):
+    """The engine refused the probe's credentials: it answered, so it is alive."""
+
+
+def probe(url: str, model: str, timeout_s: float, key: str | None = None) -> None:
+    """A one-token completion, authenticated as clients are when the engine asks for a key; raises
+    NotAuthorized on 401/403 and httpget.HttpError unless it comes back 200 in time."""
     body = json.dumps({"model": model, "prompt": "ok", "max_tokens": 1, "temperature": 0}).encode()
-    reply = httpget.post_json(url, body, timeout_s, PROBE_MAX_BYTES)
+    headers = {"Authorization": f"Bearer {key}"} if key else None
+    reply = httpget.post_json(url, body, timeout_s, PROBE_MAX_BYTES, headers)
+    if reply.code in (401, 403):
+        raise NotAuthorized(f"{url} answered {reply.code}")
     if reply.code != 200:
         raise httpget.HttpError(f"{url} answered {reply.code}")
 
 
 class StallWatch:
     def __init__(self, stall_after_s: float, probe_after_s: float, probe_timeout_s: float, probe_url: str,
-                 model: str, clock: Callable[[], float], background: Background | None = None):
+                 model: str, clock: Callable[[], float], background: Background | None = None,
+                 key: str | None = None):
         self.stall_after_s = stall_after_s
         self.probe_after_s = probe_after_s  # 0: no probe
         self.probe_timeout_s = probe_timeout_s
         self.probe_url, self.model = probe_url, model
+        self.key = key  # the engine's API key, when it asks for one (never logged)
+        self.unauthorized_said = False
         self.job = background or Background("stall-probe", clock)
         self.probes = 0  # sent so far
         self._tokens: float | None = None
@@ -99,12 +113,16 @@ class StallWatch:
         """Idle: after probe_after_s without progress, one completion must come back within probe_timeout_s."""
         outcome = self.job.take()
         if outcome is not None and outcome.started_at >= self._moved_at:  # else the counters moved since
-            if outcome.error is None:
+            if isinstance(outcome.error, NotAuthorized) and not self.unauthorized_said:
+                self.unauthorized_said = True
+                log.warning("the stall probe cannot authenticate (%s): the engine answers, so it counts as alive; "
+                            "give the engine's key through serve.env_file or the vllm.env credential", outcome.error)
+            if outcome.error is None or isinstance(outcome.error, NotAuthorized):
                 self._moved_at = outcome.finished_at  # it answered: alive, and idle
                 return None
             return (f"nothing generated for {now - self._moved_at:.0f} s, and the stall probe (a one-token "
                     f"completion, serve.probe_timeout_s {self.probe_timeout_s:g}) failed: {outcome.error}")
         if self.probe_after_s > 0 and not self.job.busy and now - self._moved_at >= self.probe_after_s:
             self.probes += 1
-            self.job.start(probe, self.probe_url, self.model, self.probe_timeout_s)
+            self.job.start(probe, self.probe_url, self.model, self.probe_timeout_s, self.key)
         return None

@@ -68,6 +68,8 @@ class Engine:
     metrics_path = "/metrics"
     completions_path = "/v1/completions"  # OpenAI's, for the stall probe's one-token completion
     served_name_flag = "--served-model-name"  # the model name requests must use, when not the model path
+    api_key_flag = "--api-key"  # the key clients must present (read as its parser does: serving/flags.py)
+    api_key_env: str | None = None  # the variable that gives it where the flag does not
     metric_names: MetricNames
     required_args: tuple[str, ...] = ()  # always passed, e.g. what makes it serve /metrics
     # Python run in the engine's interpreter with the flags as JSON in argv[1]; prints FLAGCHECK_MARK and
@@ -85,6 +87,14 @@ class Engine:
 
     def served_model(self, serve: ServeConfig, argv: Sequence[str]) -> str:
         return flag_value(argv, self.served_name_flag) or serve.model
+
+    def api_key(self, argv: Sequence[str], env: Mapping[str, str]) -> str | None:
+        """The key a client must present to this command's server (the first, where several are given), or None
+        when it asks for none. Our own probes authenticate with it, as users do."""
+        key = flag_value(argv, self.api_key_flag, prefix=True)
+        if key is None and self.api_key_env:
+            key = env.get(self.api_key_env)
+        return key or None
 
     def memory_fraction(self, argv: Sequence[str]) -> float:
         value = flag_value(argv, self.memory_flag)

@@ -1,0 +1,48 @@
+"""Signals that arrive before the daemon's loop can take them.
+
+Python starts with SIGHUP and SIGTERM at their default action (end the process) and SIGINT raising
+KeyboardInterrupt. The daemon's own handlers come once its loop exists, after imports, the config and
+NVML: seconds on a busy host. A `systemctl reload` or a logrotate in that window used to kill it with
+status 129 and no log line. So the entry points call hold() first: until the loop takes over, the three
+signals are only written down. take() hands them to the loop, which then deals with them in order;
+release() gives a command that is not the daemon its default signals back, and delivers what was held.
+"""
+
+from __future__ import annotations
+
+import signal
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+_held: list[int] = []
+_previous: dict[int, object] = {}
+
+
+def _note(signum: int, _frame) -> None:
+    _held.append(signum)
+
+
+def hold() -> None:
+    """From now on the three signals are only written down (first thing in the process)."""
+    for sig in SIGNALS:
+        _previous.setdefault(sig, signal.signal(sig, _note))
+
+
+def take() -> list[int]:
+    """The signals written down so far, in order (the daemon's loop installs its own handlers first)."""
+    taken = list(_held)
+    del _held[:]
+    return taken
+
+
+def original(sig: int, current):
+    """What a handler being replaced stands for: the handler from before hold(), where current is hold()'s."""
+    return _previous.get(sig, current) if current is _note else current
+
+
+def release() -> None:
+    """Not the daemon: the default handlers again, and any signal that arrived meanwhile delivered now."""
+    for sig, old in _previous.items():
+        signal.signal(sig, old)
+    _previous.clear()
+    for signum in take():
+        signal.raise_signal(signum)
