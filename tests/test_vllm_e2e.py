@@ -350,7 +350,7 @@ def test_an_idle_server_that_requires_a_key_is_probed_with_it_and_never_restarte
         time.sleep(5)
     serving = status(base)["serving"]
     assert serving["state"] == "RUNNING" and serving["restarts"] == 0 and serving.get("stalls", 0) == 0, serving
-    assert "stalled" not in d.log and "cannot authenticate" not in d.log and key not in d.log
+    assert "vLLM stalled" not in d.log and "cannot authenticate" not in d.log and key not in d.log
     metrics = urllib.request.urlopen(base + "/metrics", timeout=15).read().decode()
     assert 'gpuwarden_serving_stalls_total{child="vllm"} 0.0' in metrics
     body = json.dumps({"model": str(tiny_model), "prompt": "the gpu runs", "max_tokens": 5}).encode()
