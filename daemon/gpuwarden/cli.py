@@ -132,8 +132,9 @@ def _config_failure(exc: InvalidConfig, as_json: bool) -> int:
     return EX_CONFIG
 
 
-def load_config(args: argparse.Namespace) -> Config:
-    config = configmod.load(args.config)
+def load_config(args: argparse.Namespace, config: Config | None = None) -> Config:
+    """The config file (or config, the defaults instead of a file), with the command line's overrides."""
+    config = configmod.load(args.config) if config is None else config
     if args.sim:
         path = resolve_scenario(args.sim, Path.cwd())
         if path is None:
@@ -408,6 +409,11 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    # With --url (or --compare), bench needs no config file: the default one is read only where it exists, and
+    # -c none reads none (the defaults). argparse converts only what was typed: an unnamed -c is DEFAULT_PATH.
+    absent = args.config is configmod.DEFAULT_PATH and not os.path.exists(args.config)
+    if str(args.config).lower() == "none" or ((args.url or args.compare) and absent):
+        return bench_command.cmd_bench(args, load_config(args, Config()))
     return bench_command.cmd_bench(args, load_config(args))
 
 
