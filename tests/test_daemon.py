@@ -155,7 +155,7 @@ def test_journal_priority_prefixes_when_stderr_is_the_journal(write, tmp_path):
 def test_plain_log_lines_without_journal(write):
     path, _ = write_config(write, "tuning:\n  apply: false\n")
     proc = subprocess.run(gpuwarden_cmd() + ["run", "-c", str(path), "--sim", "rtx-pro-4000-headless",
-                                             "--duration", "1.6"], capture_output=True, text=True,
+                                             "--duration", "6"], capture_output=True, text=True,
                           env=dict(subprocess_env(), JOURNAL_STREAM="1:2"), timeout=60)
     lines = proc.stderr.splitlines()
     assert lines and not any(line.startswith("<") for line in lines)

@@ -157,12 +157,14 @@ class Notify:
 
 
 def assert_on_schedule(base, seconds, since_sequence=None):
-    """Polls kept their schedule: loop lag p99 < 100 ms over the daemon's recent polls, none missed."""
+    """Polls kept their schedule: loop lag p99 < 500 ms over the daemon's recent polls, none missed. A read that
+    blocked the loop would wait out its deadline (2 s for /metrics, 5 s for /health); a busy machine (other
+    work beside the tests) delays a poll by a quarter of a second now and then, which is not what this checks."""
     first = wait_until(lambda: (lambda st: st if "sequence" in st else None)(status(base)), timeout=10)
     time.sleep(seconds)
     last = status(base)
     lag = last["loop_lag"]
-    assert lag["p99_seconds"] < 0.1, lag
+    assert lag["p99_seconds"] < 0.5, lag
     expected = seconds / POLL
     done = last["sequence"] - first["sequence"]
     assert done >= 0.8 * expected, f"{done} polls in {seconds} s, expected about {expected:.0f}"
