@@ -21,6 +21,7 @@ from gpuwarden.serving.flags import flag_value
 from gpuwarden.serving.identity import Identity
 from gpuwarden.serving.metrics import MetricsReader, parse
 from gpuwarden.serving.prepare import compose
+from gpuwarden.serving.spec import engine_spec
 from gpuwarden.serving.profiles import load_profiles, select_profile
 from gpuwarden.serving.supervisor import RUNNING, STARTING, Program, Supervisor
 from gpuwarden.yamlfile import ConfigError
@@ -142,8 +143,8 @@ def test_a_program_of_each_engine_starts_probes_its_health_and_logs_its_lines(na
     profile = select_profile(PROFILES, "auto", [sample()], name)
     cmd = build_command(cfg.serve, profile, [sample()], {"PATH": "/bin"})
     me = pwd.getpwuid(os.geteuid())
-    program = Program(cfg.serve, cmd, Identity(me.pw_name, me.pw_uid, me.pw_gid, me.pw_dir, (), False),
-                      [FakeGpu()], ops=ops, clock=clock)
+    program = Program(engine_spec(cfg.serve, cmd, Identity(me.pw_name, me.pw_uid, me.pw_gid, me.pw_dir, (), False),
+                                  [FakeGpu()]), ops=ops, clock=clock)
     supervisor = Supervisor([program])
     supervisor.start(clock.now)
     assert program.state == STARTING and ops.children[0][0] == cmd.argv

@@ -19,7 +19,7 @@ from gpuwarden.gpu.sim.scenario import resolve_scenario
 from gpuwarden.gpuevents import EventBook, EventWatcher
 from gpuwarden.monitor import Monitor
 from gpuwarden.serving.supervisor import FATAL, Supervisor
-from gpuwarden.tuning import Tuner
+from gpuwarden.tuning import Tuner, TuningLife
 from test_serving import running_supervisor, supervisor
 
 
@@ -59,7 +59,7 @@ def sim_monitor(extra=""):
                             "tuning:\n  apply: false\nalerts:\n  repeat_s: 600\n" + extra)
     clock = ManualClock()
     backend = open_configured(cfg, clock)
-    return Monitor(cfg, backend, Tuner(backend)), clock
+    return Monitor(cfg, backend, TuningLife(backend, cfg, Tuner(backend))), clock
 
 
 @pytest.mark.parametrize("event,level,text,reset", [
@@ -165,7 +165,7 @@ def test_a_gpu_waiting_for_a_reset_holds_an_engine_started_later_until_a_reload_
     cfg = config.parse_text("gpu:\n  backend: sim\n  scenario: rtx-pro-4000-headless\nmetrics:\n  listen: none\n"
                             "tuning:\n  apply: false\n")
     daemon = Daemon(cfg, open_configured(cfg, ManualClock()), reload=lambda: cfg, clock=clock)
-    daemon.watcher, daemon.supervisor = Watcher(), Supervisor([sup])
+    daemon.watcher, daemon.serving.children = Watcher(), Supervisor([sup])
     daemon.monitor.events.needs_reset[0] = "Xid 79 (GPU has fallen off the bus): reboot the node"
     ops.health_ok = True
     sup.start(clock.now)  # started after the event, on that GPU

@@ -10,7 +10,7 @@ from gpuwarden.backends import open_configured
 from gpuwarden.gpu.sim.backend import ManualClock
 from gpuwarden.gpu.sim.scenario import resolve_scenario
 from gpuwarden.monitor import Monitor
-from gpuwarden.tuning import Tuner, make_plan
+from gpuwarden.tuning import Tuner, TuningLife
 
 FAST = "poll_interval_s: 0.5\nalerts:\n  for_s: 1\n  clear_for_s: 2\n"
 
@@ -19,12 +19,9 @@ def monitor_for(scenario, extra=FAST, clock=None):
     cfg = config.parse_text(f"gpu:\n  backend: sim\n  scenario: {scenario}\nmetrics:\n  listen: none\n{extra}")
     clock = clock or ManualClock()
     backend = open_configured(cfg, clock)
-    tuner = Tuner(backend)
-    plan = make_plan(backend, cfg)
-    if cfg.tuning.apply:
-        tuner.apply(plan)
-    monitor = Monitor(cfg, backend, tuner)
-    monitor.use_plan(plan, cfg.tuning.apply)
+    tuning = TuningLife(backend, cfg, Tuner(backend))
+    tuning.start(tuning.check(cfg))
+    monitor = Monitor(cfg, backend, tuning)
     return monitor, clock
 
 
@@ -87,7 +84,7 @@ def test_lock_lost_is_detected_reapplied_and_resolved():
         (33.5, 0, "clock_lock_lost", "resolved"), (33.5, 0, "memory_clock_low", "resolved"),
         (33.5, 0, "persistence_off", "resolved"), (33.5, 0, "sm_clock_low", "resolved"),
     ]
-    assert monitor.reapplies[0] == 2
+    assert monitor.tuning.reapplies[0] == 2
     gpu = monitor.backend.gpus()[0]
     assert gpu.gpu_lock == (3090, 3090) and gpu.persistence
 
@@ -99,7 +96,7 @@ def test_reapply_is_rate_limited(write):
         f"  - {{at_s: {t}, event: driver_reload}}\n" for t in range(5, 25))
     monitor, clock = monitor_for(write("flaky.yaml", text), FAST + "  reapply_min_interval_s: 5\n")
     play(monitor, clock, 25)
-    assert monitor.reapplies[0] == 4  # t=6, 11, 16, 21: at most one per 5 s
+    assert monitor.tuning.reapplies[0] == 4  # t=6, 11, 16, 21: at most one per 5 s
 
 
 def test_gpu_lost_then_back_resolves_and_relocks():
@@ -110,7 +107,7 @@ def test_gpu_lost_then_back_resolves_and_relocks():
     assert not any(e[1] == 0 for e in events), "GPU 0 was never affected"
     # Back without its lock at t=20: planned and locked again as it answers, before any alert could fire.
     assert not [e for e in events if e[2] in ("clock_lock_lost", "sm_clock_low")]
-    assert monitor.backend.gpus()[1].gpu_lock == (3090, 3090) and monitor.locks[1][0] == (3090, 3090)
+    assert monitor.backend.gpus()[1].gpu_lock == (3090, 3090) and monitor.tuning.locks[1][0] == (3090, 3090)
 
 
 def test_thermal_scenario_severities():

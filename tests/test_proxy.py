@@ -353,12 +353,12 @@ def test_the_proxy_child_command_carries_every_setting(tmp_path):
 def test_a_proxy_only_change_restarts_the_proxy_and_leaves_the_engine(tmp_path):
     from test_serving import running_supervisor
 
-    from gpuwarden.proxy.child import PROXY, proxy_program
-    from gpuwarden.serving.supervisor import RUNNING, STARTING, STOPPING, Supervisor
+    from gpuwarden.proxy.child import PROXY, proxy_spec
+    from gpuwarden.serving.supervisor import RUNNING, STARTING, STOPPING, Program, Supervisor
 
     engine, ops, clock = running_supervisor()
     cfg = parse_text("serve:\n  model: /m\n  proxy: {enabled: true}\n", str(tmp_path / "g.yaml"))
-    proxy = proxy_program(cfg, engine, engine.identity, ops=ops, clock=clock)
+    proxy = Program(proxy_spec(cfg, engine.identity), ops=ops, clock=clock)
     both = Supervisor([engine, proxy])
     proxy.start(clock.now)
     both.tick(clock.now)
@@ -368,7 +368,7 @@ def test_a_proxy_only_change_restarts_the_proxy_and_leaves_the_engine(tmp_path):
     engine_group, old_group = engine.child.pgid, proxy.child.pgid
     changed = parse_text("serve:\n  model: /m\n  proxy: {enabled: true, listen: '127.0.0.1:9002'}\n",
                          str(tmp_path / "g.yaml"))
-    new = proxy_program(changed, engine, engine.identity, ops=ops, clock=clock)
+    new = Program(proxy_spec(changed, engine.identity), ops=ops, clock=clock)
     both.replace(PROXY, new, clock.now)
     assert proxy.state == STOPPING and (old_group, signal.SIGTERM) in ops.signals
     assert both.programs[PROXY] is proxy  # the new one waits for the old one to stop

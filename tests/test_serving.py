@@ -21,6 +21,7 @@ from gpuwarden.serving.supervisor import (BACKOFF, FATAL, RUNNING, STARTING, STO
                                           Program)
 from gpuwarden.serving.engines.vllm import ENGINE as VLLM
 from gpuwarden.serving.metrics import MetricsReader, parse
+from gpuwarden.serving.spec import engine_spec
 from gpuwarden.yamlfile import ConfigErrors
 
 PROFILES = load_profiles(None)
@@ -332,8 +333,8 @@ def supervisor(text="", gpu=None, crash_loop_failures=4):
     ops = FakeOps(clock)
     cmd = build_command(cfg.serve, GENERIC, [sample()], {"PATH": "/bin"})
     me = pwd.getpwuid(os.geteuid())
-    sup = Program(cfg.serve, cmd, Identity(me.pw_name, me.pw_uid, me.pw_gid, me.pw_dir, (), False),
-                     [gpu or FakeGpu()], ops=ops, clock=clock)
+    sup = Program(engine_spec(cfg.serve, cmd, Identity(me.pw_name, me.pw_uid, me.pw_gid, me.pw_dir, (), False),
+                              [gpu or FakeGpu()]), ops=ops, clock=clock)
     return sup, ops, clock
 
 
@@ -388,7 +389,7 @@ def test_backoff_doubles_caps_and_resets_after_a_stable_run():
         sup.start(clock.now)
         ops.exit[sup.child.pid] = 1
         sup.tick(clock.now)
-        delays.append(sup._retry_at - clock.now)
+        delays.append(sup.phase.retry_at - clock.now)
         clock.advance(delays[-1])
     assert delays == [1, 2, 4, 4, 4]
     ops.health_ok = True
@@ -399,7 +400,7 @@ def test_backoff_doubles_caps_and_resets_after_a_stable_run():
     sup.tick(clock.now)  # stable for stable_after_s
     ops.exit[sup.child.pid] = 1
     sup.tick(clock.now)
-    assert sup._retry_at - clock.now == 1
+    assert sup.phase.retry_at - clock.now == 1
 
 
 def test_died_while_starting_differs_from_exited_later(caplog):

@@ -31,16 +31,13 @@ from .gpuevents import EventWatcher
 from .gpu.base import GpuBackend
 from .monitor import Monitor, describe_sample
 from .originals import originals_store
-from .proxy.child import PROXY, proxy_program
-from .serving.prepare import PreparedServe, prepare_serve
+from .proxy.child import proxy_spec
 from .serving.processes import ProcessOps
+from .serving.runtime import ServingRuntime
 from .statedir import listen_file
-from .serving.metrics import MetricsReader
-from .serving.stall import Progress, StallWatch
-from .serving.supervisor import FATAL, RUNNING, Program, Supervisor
 from .systemd import Notifier, flush_logs
-from .tuning import Plan, Tuner, make_plan
-from .yamlfile import ConfigErrors, InvalidConfig
+from .tuning import Tuner, TuningLife
+from .yamlfile import InvalidConfig
 
 log = logging.getLogger("gpuwarden")
 
@@ -64,23 +61,18 @@ class Daemon:
         self.backend = backend
         self.reload_config = reload
         self.notifier = notifier or Notifier()
-        self.ops = ops or ProcessOps()  # one for every child: it knows which processes we started
         self.clock = clock
-        self.tuner = Tuner(backend, originals_store(config))
-        self.monitor = Monitor(config, backend, self.tuner)
+        self.tuning = TuningLife(backend, config, Tuner(backend, originals_store(config)))
+        self.monitor = Monitor(config, backend, self.tuning)
         self.exposition = Exposition(lambda: self.monitor.snapshot, clock)
-        self.plan: Plan | None = None
         self.server: MetricsServer | None = None
-        self.supervisor: Supervisor | None = None
-        self.pending: Supervisor | None = None  # the next child, started once the old one has stopped
-        self.stats_reader: MetricsReader | None = None  # the engine's /metrics
-        self.stall_watch: StallWatch | None = None  # is the engine making progress
+        # The children and what watches them; the proxy is a side child the runtime asks for by config.
+        self.serving = ServingRuntime(backend, sides=(proxy_spec,), ops=ops, clock=clock)
         self.watcher: EventWatcher | None = None  # Xid and fatal events, on their own thread
         self.wake: Callable[[], None] | None = None  # run() sets it: wakes the loop as a signal does
         self.ready_sent = False
         self.reload_asked = False  # a SIGHUP came: the next tick reloads
         self.stopping = False
-        self.tuned = False
         self.started_at = time.time()
         self.published_at: float | None = None
         self._stale_logged = False
@@ -91,8 +83,8 @@ class Daemon:
         """Check the plan and the serving command and take the port first (what can fail), then tune, start the
         engine, take the first sample, and tell systemd we are ready. Raises ConfigErrors for values a card or
         the engine rejects, StartupError if the metrics port is taken; neither leaves a GPU setting changed."""
-        self.plan = make_plan(self.backend, self.config)
-        serving = self._prepare_serving(self.config, deep=True) if self.config.serve.enabled else None
+        plan = self.tuning.check(self.config)
+        launch = self.serving.prepare(self.config, deep=True) if self.config.serve.enabled else None
         if self.config.metrics.listen is not None:
             try:
                 self.server = MetricsServer(self.config.metrics.listen, self.exposition, self.status_document,
@@ -101,10 +93,10 @@ class Daemon:
                 host, port = self.config.metrics.listen
                 raise StartupError(f"cannot serve metrics on {host}:{port}: {exc.strerror} "
                                    "(change metrics.listen, or set it to none)") from None
-        for note in self.plan.notes:
+        for note in plan.notes:
             log.info("%s", note)
         log.info("before tuning: %s", " | ".join(describe_sample(g.sample()) for g in self.backend.gpus()))
-        self._tune(self.plan)
+        self.tuning.start(plan)
         self._watch_events()
         if self.server is not None:
             self.server.start()
@@ -112,10 +104,8 @@ class Daemon:
             if os.environ.get("RUNTIME_DIRECTORY"):  # systemd's RuntimeDirectory=: the unit makes one
                 with contextlib.suppress(OSError):
                     listen_file().write_text(self.config.metrics.url + "\n")
-        if serving is not None:
-            self.supervisor = serving
-            self.stats_reader, self.stall_watch = self._reader(self.config), self._stall_watch(self.config)
-            self.supervisor.start(now)
+        if launch is not None:
+            self.serving.start(launch, now)
         self.tick(now)
 
     def _watch_events(self) -> None:
@@ -142,61 +132,9 @@ class Daemon:
             self._error_once(f"GPU events stopped: {self.watcher.failure}")
         now = self.clock()
         holds = self.monitor.record_events(self.watcher.take(), now)
-        if self.supervisor is None or self.stopping:
-            return
-        engine = self.supervisor.main
-        mine = {g.index for g in engine.gpus}
-        # New events, and any GPU still waiting for a reset (an engine started since must not run there).
-        for gpu, why in holds + list(self.monitor.events.needs_reset.items()):
-            if gpu in mine or gpu < 0:
-                engine.hold(now, f"GPU{gpu} {why}" if gpu >= 0 else why)
-
-    def _prepare_serving(self, config: Config, deep: bool, on_loop: bool = False) -> Supervisor:
-        """Everything a start needs, checked, without starting: engine, profile, GPUs, lint, spawnability (and
-        with deep, the engine's own parser). Raises ConfigErrors when something would block the start."""
-        prepared: PreparedServe = prepare_serve(config, self.backend, deep=deep, create_home=True, on_loop=on_loop)
-        title = prepared.command.engine.title
-        if prepared.home_note:
-            log.info("%s's user %s", title, prepared.home_note)
-        if prepared.installed is not None:
-            log.info("%s: %s", title, prepared.installed.describe())
-        for finding in prepared.findings:
-            log.warning("%s lint %s", title, finding)
-        problems = prepared.blocking(config)
-        if problems:
-            raise ConfigErrors(problems)
-        if prepared.flags is not None:
-            log.info("%s %s accepts the flags (checked with %s)", title, prepared.flags.version, prepared.flags.python)
-        chosen = {g.index for g in prepared.command.gpus}
-        engine = Program(config.serve, prepared.command, prepared.identity,
-                         [g for g in self.backend.gpus() if g.index in chosen], ops=self.ops, clock=self.clock)
-        if not config.serve.proxy.enabled:
-            return Supervisor([engine])
-        return Supervisor([engine, proxy_program(config, engine, prepared.identity, ops=self.ops, clock=self.clock)])
-
-    def _reader(self, config: Config) -> MetricsReader:
-        engine = self.supervisor.main.engine
-        return MetricsReader(config.serve.url + engine.metrics_path, engine.metric_names, self.clock)
-
-    def _stall_watch(self, config: Config) -> StallWatch:
-        main = self.supervisor.main
-        serve = config.serve
-        return StallWatch(serve.stall_after_s, serve.probe_after_s, serve.probe_timeout_s,
-                          serve.url + main.engine.completions_path, main.engine.served_model(serve, main.command.argv),
-                          self.clock, key=main.engine.api_key(main.command.argv, main.command.env))
-
-    def _tune(self, plan: Plan) -> None:
-        self.monitor.use_plan(plan, applied=self.config.tuning.apply)
-        if not self.config.tuning.apply:
-            for action in plan.actions:
-                log.info("read-only (tuning.apply is false), would do: %s", action.describe())
-            return
-        self.tuned = True
-        for outcome in self.tuner.apply(plan):
-            if not outcome.ok:
-                log.error("tuning %s", outcome.describe())
-        for outcome in self.tuner.verify(plan):
-            (log.info if outcome.ok else log.warning)("tuning %s", outcome.describe("verified"))
+        if not self.stopping:
+            # New events, and any GPU still waiting for a reset (an engine started since must not run there).
+            self.serving.hold(now, holds + list(self.monitor.events.needs_reset.items()))
 
     def tick(self, now: float, lag: float = 0.0) -> None:
         """One poll: a reload if one was asked for, advance serving (its faults stay there), then sample and
@@ -226,7 +164,7 @@ class Daemon:
         status = snapshot.summary_line()
         # READY once everything is usable: tuned, and the engine healthy when serving. An engine that went FATAL
         # also ends the start-up, so that `systemctl start` returns and the STATUS line says why.
-        if not self.ready_sent and (self.supervisor is None or self.supervisor.main.state in (RUNNING, FATAL)):
+        if not self.ready_sent and self.serving.ready:
             flush_logs(0.5)  # once: the journal then shows "vLLM healthy" before systemd's "Started"
             self.notifier.ready(status)
             self.ready_sent = True
@@ -236,43 +174,17 @@ class Daemon:
         """Advance the children and read the engine's metrics. Never raises: a serving fault is logged and
         the GPUs are still polled."""
         try:
-            self._swap_in_pending(now)
-            if self.supervisor is None:
-                self.monitor.report_running_requests(None)
-                return None, None
-            engine = self.supervisor.main
-            was_running = engine.state == RUNNING
-            self.supervisor.tick(now)
-            stats = None
-            if engine.state == RUNNING:
-                if not was_running:
-                    self.stats_reader.reset()  # a new child: its counters restart at zero
-                    self.stall_watch.reset(now)
-                stats = self.stats_reader.read(now)
-                progress = Progress(stats.tokens_total, stats.requests_running, stats.requests_waiting) \
-                    if stats else None
-                engine.note_stall(now, self.stall_watch.update(now, progress), self.config.serve.restart_on_stall)
-            # Running requests make a GPU busy even between kernels.
-            running = stats.requests_running if stats else None
-            self.monitor.report_running_requests(int(running) if running else None)
-            return self.supervisor.views(), stats
+            views, stats = self.serving.tick(now)
         except Exception as exc:
             self._error_once(f"serving: {type(exc).__name__}: {exc} (GPU monitoring goes on)")
             try:
-                return (self.supervisor.views() if self.supervisor else None), None
+                views, stats = self.serving.views(), None
             except Exception:
-                return None, None
-
-    def _swap_in_pending(self, now: float) -> None:
-        """After a reload, the new child starts once the old one is fully stopped."""
-        if self.supervisor is not None and not self.supervisor.stopped:
-            return
-        if self.pending is not None:
-            self.supervisor, self.pending = self.pending, None
-            self.stats_reader, self.stall_watch = self._reader(self.config), self._stall_watch(self.config)
-            self.supervisor.start(now)
-        elif self.supervisor is not None and not self.config.serve.enabled:
-            self.supervisor = self.stats_reader = self.stall_watch = None
+                views, stats = None, None
+        # Running requests make a GPU busy even between kernels.
+        running = stats.requests_running if stats else None
+        self.monitor.report_running_requests(int(running) if running else None)
+        return views, stats
 
     def _error_once(self, message: str) -> None:
         """Log an error, but the same one at most every ERROR_REPEAT_S."""
@@ -302,16 +214,15 @@ class Daemon:
         if self.stopping:
             return
         self.stopping = True
-        self.pending = None
         self.notifier.stopping()
-        if self.supervisor is not None:
+        if not self.serving.stopped:
             # systemd's TimeoutStopSec covers the default drain; a longer one asks for more time.
             self.notifier.extend_timeout(self.config.serve.stop_timeout_s + STOP_MARGIN_S)
-            self.supervisor.stop(now)
+        self.serving.stop(now)
 
     @property
     def stop_done(self) -> bool:
-        return self.stopping and (self.supervisor is None or self.supervisor.stopped)
+        return self.stopping and self.serving.stopped
 
     def finish(self) -> None:
         """The last step of every exit, also after an error: stop the event thread, restore the tuning if
@@ -320,12 +231,7 @@ class Daemon:
             if not self.watcher.stop():
                 log.warning("the GPU event thread did not end within 2 s")
             self.watcher = None
-        if self.tuned and self.config.tuning.apply and self.config.tuning.restore_on_stop:
-            try:
-                for outcome in self.tuner.restore():
-                    (log.info if outcome.ok else log.error)("restore %s", outcome.describe())
-            except Exception as exc:
-                log.error("restore failed: %s: %s", type(exc).__name__, exc)
+        self.tuning.restore()
         if self.server is not None:
             self.server.stop()
             self.server = None
@@ -355,16 +261,15 @@ class Daemon:
         now = self.clock()
         if self.stopping:
             log.warning("SIGTERM again while stopping: not waiting for the children's drain")
-            if self.supervisor is not None:
-                self.supervisor.kill_now(now)
+            self.serving.kill_now(now)
             return
         log.info("SIGTERM received, stopping")
         self.begin_stop(now)
 
     def handle_int(self) -> None:
         now = self.clock()
-        if self.stopping and self.supervisor is not None:
-            self.supervisor.kill_now(now)
+        if self.stopping and not self.serving.stopped:
+            self.serving.kill_now(now)
             return
         log.info("SIGINT received, stopping")
         self.begin_stop(now)
@@ -386,14 +291,9 @@ class Daemon:
             new = self.reload_config()
             changed = [key for key in RESTART_ONLY if getattr(new, key) != getattr(self.config, key)]
             new = dataclasses.replace(new, **{key: getattr(self.config, key) for key in changed})
-            plan = make_plan(self.backend, new)
-            serve_changed = new.serve != self.config.serve
-            # Only serve.proxy changed: the proxy restarts, the engine keeps serving.
-            proxy_only = (serve_changed and self.supervisor is not None and self.pending is None
-                          and dataclasses.replace(new.serve, proxy=self.config.serve.proxy) == self.config.serve)
+            plan = self.tuning.check(new)
             # lint only, with the installed versions from the cache: nothing here waits on the engine's interpreter
-            serving = (self._prepare_serving(new, deep=False, on_loop=True)
-                       if serve_changed and not proxy_only and new.serve.enabled else None)
+            serving_step = self.serving.plan_reload(new)
         except InvalidConfig as exc:
             problems = exc.errors
             more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
@@ -406,35 +306,16 @@ class Daemon:
             log.warning("reload: %s only change on restart; keeping the running values", ", ".join(changed))
         if self.monitor.events.needs_reset:  # the operator reset the GPUs (or says they need none)
             log.info("reload: no GPU counts as waiting for a reset any more")
-            self.monitor.events.needs_reset.clear()
-        old, self.config = self.config, new
-        self.monitor.config = new
-        if new.tuning != old.tuning:
-            self._release_dropped(old, plan)
-            self.plan = plan
-            self._tune(plan)
+            self.monitor.gpus_were_reset()
+        self.config = new
+        self.monitor.reconfigure(new)
+        self.tuning.reload(new, plan)
         now = self.clock()
-        if proxy_only:
-            main = self.supervisor.main
-            log.info("reload: serve.proxy changed; restarting the proxy only")
-            self.supervisor.replace(PROXY, proxy_program(new, main, main.identity, ops=self.ops, clock=self.clock)
-                                    if new.serve.proxy.enabled else None, now)
-        elif serve_changed:
-            if self.supervisor is not None:
-                self.supervisor.stop(now)  # the new child starts once this one has stopped
-            self.pending = serving
-        elif self.supervisor is not None:
-            self.supervisor.reset(now)
+        if serving_step is not None:
+            serving_step(now)
+        else:
+            self.serving.reset(now)
         log.info("config reloaded from %s", ", ".join(new.files))
-
-    def _release_dropped(self, old: Config, plan: Plan) -> None:
-        """Undo settings the old tuning made that the new one no longer wants."""
-        if not old.tuning.apply:
-            return
-        kept = {(a.gpu, a.setting) for a in plan.actions} if self.config.tuning.apply else set()
-        dropped = {(a.gpu, a.setting) for a in (self.plan.actions if self.plan else ())} - kept
-        for outcome in self.tuner.restore(only=dropped):
-            (log.info if outcome.ok else log.error)("reload: no longer wanted, %s", outcome.describe())
 
 
 def _finite(value):

@@ -1,4 +1,5 @@
-"""Sample every GPU, evaluate the alert rules, keep the latest snapshot.
+"""Sample every GPU, evaluate the alert rules, keep the latest snapshot. It tunes nothing: it reads the
+locks from the tuning's life cycle (tuning.TuningLife) and tells it what the readings show.
 
 The snapshot is the one source for the log, the metrics, the STATUS line and
 `gpuwarden status`; it is immutable and replaced whole on each tick, so the
@@ -15,15 +16,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from . import tunables
 from .alerts import CRITICAL, FIRING, REAPPLY_ON, RULES, SERVING_RULES, WARNING, AlertState, GpuContext
 from .config import Config
 from .gpuevents import EventBook, processes_on
 from .gpu.base import ClockEventReason, GpuBackend, GpuSample
 from .systemd import NOTICE
 from .throttle import is_busy
-from .tuning import Plan, Tuner, make_plan
-from .yamlfile import ConfigErrors
+from .tuning import TuningLife
 
 if TYPE_CHECKING:
     from .serving.metrics import ServingStats
@@ -192,23 +191,17 @@ LAG_WINDOW = 300  # polls
 
 
 class Monitor:
-    def __init__(self, config: Config, backend: GpuBackend, tuner: Tuner,
+    def __init__(self, config: Config, backend: GpuBackend, tuning: TuningLife,
                  wall: Callable[[], float] = time.time):
         self.config = config
         self.backend = backend
-        self.tuner = tuner
+        self.tuning = tuning  # it tunes; the monitor reads its locks and tells it what it sees
         self.wall = wall
         self.states = {(rule.name, gpu.index): AlertState(rule, gpu.index, gpu.uuid)
                        for gpu in backend.gpus() for rule in RULES}
         self.serving_states = {rule.name: AlertState(rule, None, "") for rule in SERVING_RULES}
         self.transitions: Counter = Counter()
-        self.reapplies: Counter = Counter()
-        self._last_reapply: dict[int, float] = {}
         self._last_sample_log = float("-inf")
-        self.locks: dict[int, tuple] = {}
-        self.persistenced = False
-        self._unplanned: set[int] = set()
-        self._was_up: dict[int, bool] = {}
         self.running_requests: int | None = None  # fed from the engine's metrics; counts as busy
         self.snapshot: Snapshot | None = None
         self._lags: deque[float] = deque(maxlen=LAG_WINDOW)
@@ -216,33 +209,25 @@ class Monitor:
         self.events = EventBook(config.alerts.repeat_s)
         self._last_tick: float | None = None
 
-    def use_plan(self, plan: Plan, applied: bool) -> None:
-        """Remember the locks the plan sets, which the clock rules measure against, and whether
-        persistence mode is left to nvidia-persistenced."""
-        self.persistenced = plan.persistenced
-        self.locks = {}
-        self._track_locks(plan, applied)
-        # A GPU that could not be read is planned, tuned and watched as soon as it answers.
-        self._unplanned = {g.index for g in plan.gpus if g.down}
+    def reconfigure(self, config: Config) -> None:
+        """A reloaded config: its alert settings from the next poll on."""
+        self.config = config
 
-    def _track_locks(self, plan: Plan, applied: bool) -> None:
-        for action in plan.actions if applied else ():
-            lock_of = tunables.BY_KEY[action.setting].lock_of
-            if lock_of:
-                sm, mem = self.locks.get(action.gpu, (None, None))
-                self.locks[action.gpu] = (action.target, mem) if lock_of == "sm" else (sm, action.target)
+    def gpus_were_reset(self) -> None:
+        """The operator says the GPUs were reset (a reload): none counts as waiting for a reset any more."""
+        self.events.needs_reset.clear()
 
     def report_running_requests(self, count: int | None) -> None:
         self.running_requests = count
 
     def _context(self, sample: GpuSample, now: float) -> GpuContext:
         settings = self.config.alerts
-        sm_lock, mem_lock = self.locks.get(sample.index, (None, None))
+        sm_lock, mem_lock = self.tuning.locks.get(sample.index, (None, None))
         busy = is_busy(sample, settings.busy_utilization_pct, self.running_requests)
         # Read-only mode sets nothing, so "configured on" is only a wish there, not drift. While
         # nvidia-persistenced runs, the plan leaves persistence mode to it (some distributions run it with
         # --no-persistence-mode, and that is their choice), so off is not drift either.
-        wanted = (self.config.tuning.apply and not self.persistenced
+        wanted = (self.config.tuning.apply and not self.tuning.persistenced
                   and self.config.tuning.for_gpu(sample.index, sample.uuid).persistence_mode)
         window = max(DUTY_WINDOW_S, 3 * self.config.counters_interval_s)
         return GpuContext(busy, sm_lock, mem_lock, wanted, settings, self.duty.update(sample, now, window), window,
@@ -283,14 +268,16 @@ class Monitor:
             self._last_sample_log = now
             log.info("%s", " | ".join(describe_sample(s) for s in samples))
         for sample in samples:
-            self._plan_if_back(sample)
+            if self.tuning.gpu_answered(sample):  # back after being lost: reset or reloaded
+                self.events.cleared(sample.index)
             ctx = self._context(sample, now)
             for rule in RULES:
                 state = self.states[(rule.name, sample.index)]
                 event = state.step(rule.check(sample, ctx), now, self.config.alerts, restart_timers=stalled)
                 if event:
                     self._log_event(event, state, sample, now)
-            self._maybe_reapply(sample, now)
+            self.tuning.drifted(sample, [name for name in REAPPLY_ON
+                                         if self.states[(name, sample.index)].phase == FIRING], now)
         engine = serving[0] if serving else None  # the serving rules are about the engine
         for state in self.serving_states.values():
             event = state.step(state.rule.check(engine, samples), now, self.config.alerts, restart_timers=stalled)
@@ -299,9 +286,9 @@ class Monitor:
         host_alerts = [_view(state) for state in self.serving_states.values()] if serving else []
         self.snapshot = Snapshot(
             taken_at=self.wall(), monotonic=now,
-            gpus=tuple(GpuView(s, *self.locks.get(s.index, (None, None))) for s in samples),
+            gpus=tuple(GpuView(s, *self.tuning.locks.get(s.index, (None, None))) for s in samples),
             alerts=tuple([_view(state) for state in self.states.values()] + host_alerts),
-            transitions=dict(self.transitions), reapplies=dict(self.reapplies), event_counts=dict(self.events.counts),
+            transitions=dict(self.transitions), reapplies=dict(self.tuning.reapplies), event_counts=dict(self.events.counts),
             sample_duration_s=duration, loop_lag_s=loop_lag_s, read_only=not self.config.tuning.apply,
             children=tuple(serving or ()), stats=stats, sequence=(self.snapshot.sequence + 1) if self.snapshot else 1,
             published_at=time.monotonic() if published_at is None else published_at,
@@ -327,48 +314,6 @@ class Monitor:
         reasons = ",".join(sample.clock_event_reasons.names()) if sample.clock_event_reasons else "none"
         log.log(level, "%s %s: %s %s; reasons: %s; fix: %s", who, what, check.observed, check.threshold,
                 reasons, fix)
-
-    def _plan_if_back(self, sample: GpuSample) -> None:
-        """A GPU that answers again after being lost (or was unreadable when the plan was made) gets its
-        wanted tuning planned, applied and its locks tracked, like any other; a driver reload while it was
-        away dropped whatever it had."""
-        was_up, self._was_up[sample.index] = self._was_up.get(sample.index, True), sample.up
-        if not sample.up or (was_up and sample.index not in self._unplanned):
-            return
-        self._unplanned.discard(sample.index)
-        self.events.cleared(sample.index)  # back after being lost: reset or reloaded
-        try:
-            plan = make_plan(self.backend, self.config)
-        except ConfigErrors as exc:
-            log.error("GPU%d is back, but its tuning does not fit it: %s", sample.index, exc.errors[0])
-            return
-        mine = Plan(tuple(g for g in plan.gpus if g.index == sample.index), persistenced=plan.persistenced)
-        self.locks.pop(sample.index, None)
-        self._track_locks(mine, self.config.tuning.apply)
-        if not self.config.tuning.apply:
-            return
-        outcomes = self.tuner.apply(mine)
-        done = "; ".join(o.describe() for o in outcomes) or "nothing to change"
-        log.log(NOTICE, "GPU%d %s is back: planned and applied its tuning: %s", sample.index, sample.uuid, done)
-
-    def _maybe_reapply(self, sample: GpuSample, now: float) -> None:
-        if not self.config.tuning.apply or not sample.up:
-            return
-        causes = [name for name in REAPPLY_ON if self.states[(name, sample.index)].phase == FIRING]
-        last = self._last_reapply.get(sample.index, float("-inf"))
-        if not causes or now - last < self.config.alerts.reapply_min_interval_s:
-            return
-        self._last_reapply[sample.index] = now
-        try:
-            plan = make_plan(self.backend, self.config)
-        except ConfigErrors as exc:
-            log.error("GPU%d re-apply skipped, the tuning no longer fits the card: %s", sample.index, exc.errors[0])
-            return
-        mine = Plan(tuple(g for g in plan.gpus if g.index == sample.index))
-        outcomes = self.tuner.apply(mine)
-        self.reapplies[sample.index] += 1
-        done = "; ".join(o.describe() for o in outcomes) or "nothing to change"
-        log.warning("GPU%d %s re-applied tuning after %s: %s", sample.index, sample.uuid, ", ".join(causes), done)
 
 
 def _view(state: AlertState) -> AlertView:

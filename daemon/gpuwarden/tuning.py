@@ -1,4 +1,5 @@
-"""GPU tuning in four steps: plan (data only), apply, verify, restore.
+"""GPU tuning in four steps: plan (data only), apply, verify, restore; and its life on a running daemon
+(TuningLife: re-apply on drift, back again after a reset, release on reload, restore at stop).
 
 Following Red Hat tuned: each setting (tunables.TUNABLES) has apply / verify /
 unapply, and the original value is recorded before the first change so it can
@@ -8,6 +9,8 @@ setting means lives in its Tunable.
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,8 +19,11 @@ from .config import Config, GpuTuning
 from .gpu import errors
 from .gpu.base import Gpu, GpuBackend, GpuCapabilities, GpuSample
 from .originals import OriginalsStore
+from .systemd import NOTICE
 from .tunables import Step, Unfit
 from .yamlfile import ConfigError, ConfigErrors
+
+log = logging.getLogger("gpuwarden")
 
 
 @dataclass(frozen=True)
@@ -242,3 +248,122 @@ def _verify(action: Action, sample: GpuSample) -> Outcome:
     step = Step(action.current, action.target, action.change, action.note)
     ok, message = tunables.BY_KEY[action.setting].verify(step, sample)
     return Outcome(action, ok, message)
+
+
+class TuningLife:
+    """The tuning's whole life on a running daemon, in one place: plan and apply at start (and verify), the
+    locks the clock alerts measure against, planning a GPU that answers again (a reset or a driver reload
+    dropped what it had), re-applying on drift (rate-limited), releasing what a reload no longer wants, and
+    restoring at stop. The monitor reads `locks` and `persistenced` and reports what it sees (gpu_answered,
+    drifted); the daemon hands it the config (start, reload) and the stop."""
+
+    def __init__(self, backend: GpuBackend, config: Config, tuner: Tuner):
+        self.backend = backend
+        self.config = config
+        self.tuner = tuner
+        self.plan: Plan | None = None
+        self.tuned = False  # something was applied: restore_on_stop has something to put back
+        self.locks: dict[int, tuple] = {}  # gpu -> (sm lock, memory lock) the clock alerts measure against
+        self.persistenced = False  # persistence mode left to nvidia-persistenced
+        self.reapplies: Counter = Counter()  # gpu -> re-applies after drift
+        self._last_reapply: dict[int, float] = {}
+        self._unplanned: set[int] = set()  # unreadable when planned: planned as soon as they answer
+        self._was_up: dict[int, bool] = {}
+
+    def check(self, config: Config) -> Plan:
+        """The plan config gives on these GPUs; ConfigErrors for a value a card cannot take. Changes nothing."""
+        return make_plan(self.backend, config)
+
+    def start(self, plan: Plan) -> None:
+        """Apply the plan (or say what read-only would do), verify it, and track its locks."""
+        self._use(plan, self.config)
+        if not self.config.tuning.apply:
+            for action in plan.actions:
+                log.info("read-only (tuning.apply is false), would do: %s", action.describe())
+            return
+        self.tuned = True
+        for outcome in self.tuner.apply(plan):
+            if not outcome.ok:
+                log.error("tuning %s", outcome.describe())
+        for outcome in self.tuner.verify(plan):
+            (log.info if outcome.ok else log.warning)("tuning %s", outcome.describe("verified"))
+
+    def reload(self, config: Config, plan: Plan) -> None:
+        """A reloaded config (its plan checked already): undo what it no longer wants, apply what it does."""
+        old, self.config = self.config, config
+        if config.tuning == old.tuning:
+            return
+        if old.tuning.apply:
+            kept = {(a.gpu, a.setting) for a in plan.actions} if config.tuning.apply else set()
+            dropped = {(a.gpu, a.setting) for a in (self.plan.actions if self.plan else ())} - kept
+            for outcome in self.tuner.restore(only=dropped):
+                (log.info if outcome.ok else log.error)("reload: no longer wanted, %s", outcome.describe())
+        self.start(plan)
+
+    def restore(self) -> None:
+        """At stop, with restore_on_stop: the originals back."""
+        if not (self.tuned and self.config.tuning.apply and self.config.tuning.restore_on_stop):
+            return
+        try:
+            for outcome in self.tuner.restore():
+                (log.info if outcome.ok else log.error)("restore %s", outcome.describe())
+        except Exception as exc:
+            log.error("restore failed: %s: %s", type(exc).__name__, exc)
+
+    def _use(self, plan: Plan, config: Config) -> None:
+        self.plan = plan
+        self.persistenced = plan.persistenced
+        self.locks = {}
+        self._track_locks(plan, config.tuning.apply)
+        # A GPU that could not be read is planned, tuned and watched as soon as it answers.
+        self._unplanned = {g.index for g in plan.gpus if g.down}
+
+    def _track_locks(self, plan: Plan, applied: bool) -> None:
+        for action in plan.actions if applied else ():
+            lock_of = tunables.BY_KEY[action.setting].lock_of
+            if lock_of:
+                sm, mem = self.locks.get(action.gpu, (None, None))
+                self.locks[action.gpu] = (action.target, mem) if lock_of == "sm" else (sm, action.target)
+
+    def gpu_answered(self, sample: GpuSample) -> bool:
+        """A poll's reading of one GPU. One that answers again after being lost (or was unreadable when the
+        plan was made) gets its wanted tuning planned, applied and its locks tracked, like any other; a driver
+        reload while it was away dropped whatever it had. True when it came back."""
+        was_up, self._was_up[sample.index] = self._was_up.get(sample.index, True), sample.up
+        if not sample.up or (was_up and sample.index not in self._unplanned):
+            return False
+        self._unplanned.discard(sample.index)
+        try:
+            plan = make_plan(self.backend, self.config)
+        except ConfigErrors as exc:
+            log.error("GPU%d is back, but its tuning does not fit it: %s", sample.index, exc.errors[0])
+            return True
+        mine = Plan(tuple(g for g in plan.gpus if g.index == sample.index), persistenced=plan.persistenced)
+        self.locks.pop(sample.index, None)
+        self._track_locks(mine, self.config.tuning.apply)
+        if not self.config.tuning.apply:
+            return True
+        outcomes = self.tuner.apply(mine)
+        done = "; ".join(o.describe() for o in outcomes) or "nothing to change"
+        log.log(NOTICE, "GPU%d %s is back: planned and applied its tuning: %s", sample.index, sample.uuid, done)
+        return True
+
+    def drifted(self, sample: GpuSample, causes: list[str], now: float) -> None:
+        """Alerts that mean a setting was lost fire on this GPU: re-apply its tuning, at most once per
+        alerts.reapply_min_interval_s."""
+        if not causes or not self.config.tuning.apply or not sample.up:
+            return
+        last = self._last_reapply.get(sample.index, float("-inf"))
+        if now - last < self.config.alerts.reapply_min_interval_s:
+            return
+        self._last_reapply[sample.index] = now
+        try:
+            plan = make_plan(self.backend, self.config)
+        except ConfigErrors as exc:
+            log.error("GPU%d re-apply skipped, the tuning no longer fits the card: %s", sample.index, exc.errors[0])
+            return
+        mine = Plan(tuple(g for g in plan.gpus if g.index == sample.index))
+        outcomes = self.tuner.apply(mine)
+        self.reapplies[sample.index] += 1
+        done = "; ".join(o.describe() for o in outcomes) or "nothing to change"
+        log.warning("GPU%d %s re-applied tuning after %s: %s", sample.index, sample.uuid, ", ".join(causes), done)

@@ -8,7 +8,6 @@ daemon's loop either. It listens on its own port and reaches the engine on serve
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import re
@@ -16,35 +15,28 @@ import sys
 from pathlib import Path
 
 from ..config import Config
-from ..serving.command import ServeCommand, child_env
-from ..serving.engines import Engine
+from ..serving.command import child_env
 from ..serving.identity import Identity
-from ..serving.supervisor import Program
+from ..serving.spec import ChildSpec, Timing
 from .normalize import SWITCHES
 
 log = logging.getLogger(__name__)
 LEVEL = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL) ")
 PROXY = "proxy"  # its name among the supervisor's programs, and its `child` label
 PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent.parent)  # where `import gpuwarden` finds us
+COMMAND = (sys.executable, "-m", "gpuwarden", "proxy")
 
 
-class ProxyChild(Engine):
-    name = PROXY
-    title = "the proxy"
-    default_command = (sys.executable, "-m", "gpuwarden", "proxy")
-    model_flag = memory_flag = ""
-    default_memory_fraction = 0.0  # no GPU memory: the start never waits for it
-    tp_flags = ()
-
-    def log_level(self, line: str) -> int | None:
-        match = LEVEL.match(line)
-        return getattr(logging, match.group(1)) if match else None
+def log_level(line: str) -> int | None:
+    """The level of a line of the proxy's output (its own log format); None: a continuation."""
+    match = LEVEL.match(line)
+    return getattr(logging, match.group(1)) if match else None
 
 
 def proxy_argv(config: Config) -> tuple[str, ...]:
     p, serve = config.serve.proxy, config.serve
     rules = [name for name in SWITCHES if getattr(p, name)]
-    argv = [*ProxyChild.default_command, "-c", "none", "--upstream", serve.url, "--listen", p.address,
+    argv = [*COMMAND, "-c", "none", "--upstream", serve.url, "--listen", p.address,
             "--engine", serve.engine, "--rules", ",".join(rules) or "none", "--max-body-bytes", str(p.max_body_bytes)]
     for pattern in p.remove_patterns:
         argv += ["--remove-pattern", pattern]
@@ -53,18 +45,19 @@ def proxy_argv(config: Config) -> tuple[str, ...]:
     return tuple(argv)
 
 
-def proxy_program(config: Config, engine: Program, identity: Identity, **program_kwargs) -> Program:
-    """A Program beside the engine's, on no GPU, health-checked on its own /health."""
+def proxy_spec(config: Config, identity: Identity) -> ChildSpec | None:
+    """The proxy's child when serve.proxy is on: beside the engine, on no GPU, health-checked on its own
+    /health, as the engine's user; None when it is off."""
     p = config.serve.proxy
+    if not p.enabled:
+        return None
     if p.dump_dir is not None:
         prepare_dump_dir(p.dump_dir, identity)
     env = child_env(os.environ, sys.executable)
     env["PYTHONPATH"] = PACKAGE_PARENT
-    command = ServeCommand(proxy_argv(config), env, engine.command.profile, (), ProxyChild(),
-                           len(ProxyChild.default_command))
-    serve = dataclasses.replace(config.serve, host=p.listen[0], port=p.listen[1],
-                                startup_timeout_s=min(60.0, config.serve.startup_timeout_s))
-    return Program(serve, command, identity, [], **program_kwargs)
+    timing = Timing.of(config.serve, startup_timeout_s=min(60.0, config.serve.startup_timeout_s))
+    return ChildSpec(PROXY, "the proxy", proxy_argv(config), env, identity, p.listen[0], p.listen[1], "/health",
+                     timing, log_level)
 
 
 def prepare_dump_dir(path: Path, identity: Identity) -> None:

@@ -20,6 +20,7 @@ with it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import signal
@@ -28,12 +29,9 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..config import ServeConfig
-from ..gpu.base import Gpu
-from .command import ServeCommand
-from .identity import Identity
 from .processes import Child, ProcessOps
 from .secrets import redact_argv
+from .spec import ChildSpec
 
 log = logging.getLogger("gpuwarden")
 
@@ -79,59 +77,85 @@ class ServingView:
     gpus: tuple[int, ...] = ()  # the GPUs it runs on
 
 
-class Program:
-    """One supervised child: the serving engine's command, run as identity on gpus."""
+@dataclass(frozen=True)
+class Phase:
+    """The state and everything that lives and dies with it. Only _transition() makes a new Phase; within a
+    state, _within() changes the fields that state owns (a probe failure counted, the next probe's time)."""
 
-    def __init__(self, serve: ServeConfig, command: ServeCommand, identity: Identity, gpus: list[Gpu],
-                 ops: ProcessOps | None = None, clock: Callable[[], float] = time.monotonic):
-        self.serve = serve
-        self.command = command
-        self.engine = command.engine
-        self.name = command.engine.name
-        self.title = command.engine.title
-        self.identity = identity
-        self.gpus = gpus
+    state: str
+    since: float = 0.0
+    child: Child | None = None  # STARTING, RUNNING, STOPPING: the running process group
+    started: float = 0.0  # STARTING, RUNNING: when it was spawned (a /health answer from before is stale)
+    problem: str | None = None  # BACKOFF, FATAL: why it is not serving
+    blocked: bool = False  # BACKOFF: waiting for the GPUs or the port, not after a failure
+    retry_at: float = 0.0  # BACKOFF: when the next start is tried
+    next_probe: float = 0.0  # RUNNING: when /health is asked next
+    probe_failures: int = 0  # RUNNING: liveness probes failed in a row
+    kill_at: float = 0.0  # STOPPING: SIGKILL then (or, once killed, give up on survivors then)
+    killed: bool = False  # STOPPING: SIGKILL sent
+    stop_count: int = 0  # STOPPING: processes in the group when the stop began
+
+
+class Program:
+    """One supervised child: runs a ChildSpec (serving/spec.py), whatever kind of child it describes."""
+
+    def __init__(self, spec: ChildSpec, ops: ProcessOps | None = None, clock: Callable[[], float] = time.monotonic):
+        self.spec = spec
+        self.name, self.title = spec.name, spec.title
+        self.identity = spec.identity
+        self.gpus = list(spec.gpus)
         self.ops = ops or ProcessOps()
         self.clock = clock
-        self.state = STOPPED
-        self.child: Child | None = None
+        self.phase = Phase(STOPPED)
         self.restarts = 0
         self.last_exit_code: int | None = None
         self.time_to_healthy_s: float | None = None
-        self.problem: str | None = None
-        self.blocked = False
         self.stalled: str | None = None
         self.stalls = 0
         self.transitions: Counter = Counter()  # (from, to) -> count
         self.error_lines: deque[str] = deque(maxlen=10)
         self._probe = self.ops.background(f"{self.name}-health")
-        self._failures: deque[float] = deque()
-        self._consecutive = 0
-        self._started_at = 0.0
-        self._running_since = 0.0
-        self._retry_at = 0.0
-        self._next_probe = 0.0
-        self._probe_failures = 0
+        self._failures: deque[float] = deque()  # when each recent failure happened (the crash-loop window)
+        self._consecutive = 0  # failures since the last stable run (the backoff's exponent)
         self._last_level = logging.INFO
         self._dying: set[int] = set()  # pids of killed groups that may not have exited yet
-        self._kill_at = 0.0
-        self._killed = False
-        self._stop_began = 0.0
-        self._stop_count = 0
+
+    # -- the state, read through the phase ----------------------------------------------
+    @property
+    def state(self) -> str:
+        return self.phase.state
+
+    @property
+    def child(self) -> Child | None:
+        return self.phase.child
+
+    @property
+    def problem(self) -> str | None:
+        return self.phase.problem
+
+    @property
+    def blocked(self) -> bool:
+        return self.phase.blocked
 
     # -- the one way to change state ---------------------------------------------------
-    def _transition(self, new: str, message: str | None = None, level: int = logging.INFO) -> None:
+    def _transition(self, new: str, message: str | None = None, level: int = logging.INFO, **fields) -> None:
+        """Enter state new with the fields it owns (every other field of the old phase ends with it)."""
         old = self.state
         if old not in ALLOWED_FROM[new]:
             raise TransitionError(f"{self.title} supervisor: {old} -> {new} is not allowed")
-        self.state = new
+        fields.setdefault("since", self.clock())
+        self.phase = Phase(new, **fields)
         self.transitions[(old, new)] += 1
         if message:
             log.log(level, "%s", message)
 
+    def _within(self, **fields) -> None:
+        """Change fields the current state owns, staying in it."""
+        self.phase = dataclasses.replace(self.phase, **fields)
+
     # -- the child's output ---------------------------------------------------------
     def on_line(self, line: str) -> None:
-        level = self.engine.log_level(line)
+        level = self.spec.log_level(line)
         if level is not None:
             self._last_level = level
         # Lines without a level (traceback bodies) keep the level of the line they follow.
@@ -147,20 +171,19 @@ class Program:
         if blocked:
             if blocked != self.problem:  # the alert vllm_start_blocked warns, with reminders; this is the detail
                 log.info("%s start waits: %s", self.title, blocked)
-            self.blocked, self.problem, self._retry_at = True, blocked, now + PREFLIGHT_RETRY_S
-            self._transition(BACKOFF)
+            self._transition(BACKOFF, since=now, problem=blocked, blocked=True, retry_at=now + PREFLIGHT_RETRY_S)
             return
-        self.blocked = False
         self.error_lines.clear()
+        spec = self.spec
         try:
-            self.child = self.ops.spawn(self.command.argv, self.command.env, self.identity, self.on_line)
+            child = self.ops.spawn(spec.argv, dict(spec.env), self.identity, self.on_line)
         except (OSError, ValueError, TypeError) as exc:  # missing binary, unreadable venv, NUL byte, ...
             self._failed(now, f"{self.title} could not be started: {_describe_error(exc)}")
             return
-        self._started_at, self.problem = now, None
         self._probe.discard()
-        self._transition(STARTING, f"{self.title} starting (pid {self.child.pid}, profile {self.command.profile.name}, "
-                                   f"user {self.identity.name}): " + " ".join(redact_argv(self.command.argv)))
+        profile = f", profile {spec.profile}" if spec.profile else ""
+        self._transition(STARTING, f"{self.title} starting (pid {child.pid}{profile}, user {self.identity.name}): "
+                                   + " ".join(redact_argv(spec.argv)), since=now, child=child, started=now)
 
     def _preflight(self) -> str | None:
         """None if the GPUs and the port are free for a new child; else why not (after killing our own
@@ -179,10 +202,11 @@ class Program:
                     log.warning("GPU%d: killing leftover %s process %d of user %s", gpu.index, self.title, pid,
                                 self.identity.name)
                     self.ops.kill(pid, signal.SIGKILL)
-        if not self.ops.port_free(self.serve.host, self.serve.port):
-            return (f"port {self.serve.port} on {self.serve.host} is in use by "
-                    f"{self.ops.who_listens(self.serve.port)}; {self.title} needs it")
-        want = self.command.memory_fraction
+        spec = self.spec
+        if not self.ops.port_free(spec.host, spec.port):
+            return (f"port {spec.port} on {spec.host} is in use by "
+                    f"{self.ops.who_listens(spec.port)}; {self.title} needs it")
+        want = spec.memory_fraction
         for gpu in self.gpus:
             s = gpu.sample()
             others = [pid for pid, _ in gpu.compute_processes() if self.ops.uid_of(pid) != uid]
@@ -192,13 +216,13 @@ class Program:
                 free = s.memory_total_bytes - s.memory_used_bytes - (s.memory_reserved_bytes or 0)
                 if free < want * s.memory_total_bytes:
                     return (f"GPU{gpu.index} has {free / 2**30:.1f} GiB free, less than "
-                            f"{self.engine.memory_flag} {want:g} of {s.memory_total_bytes / 2**30:.1f} GiB")
+                            f"{spec.memory_flag} {want:g} of {s.memory_total_bytes / 2**30:.1f} GiB")
         return None
 
     def tick(self, now: float) -> None:
         if self.state != STOPPING:
             self._confirm_gone()
-        if self.state == BACKOFF and now >= self._retry_at:
+        if self.state == BACKOFF and now >= self.phase.retry_at:
             self.start(now)
         elif self.state == STOPPING:
             self._stopping(now)
@@ -214,51 +238,53 @@ class Program:
 
     def _health(self) -> tuple[bool | None, str]:
         """(True healthy / False not / None no answer yet, why): the latest /health answer about this child."""
-        self._probe.start(self.ops.health, self.serve.url + self.engine.health_path)
+        spec = self.spec
+        self._probe.start(self.ops.health, spec.url + spec.health_path)
         outcome = self._probe.take()
-        if outcome is None or outcome.started_at < self._started_at:
+        if outcome is None or outcome.started_at < self.phase.started:
             return None, ""
         if outcome.error is not None:
             return False, str(outcome.error)
         if outcome.value.code != 200:
             return False, f"/health answered {outcome.value.code}"
         group = self.ops.group_pids(self.child.pgid)
-        if not self.ops.owns_port(self.serve.port, group, self.identity.uid):
-            return False, (f"port {self.serve.port} is answered by {self.ops.who_listens(self.serve.port)}, "
+        if not self.ops.owns_port(spec.port, group, self.identity.uid):
+            return False, (f"port {spec.port} is answered by {self.ops.who_listens(spec.port)}, "
                            f"not by {self.title}'s process group")
         return True, ""
 
     def _starting(self, now: float) -> None:
         healthy, why = self._health()
+        timing = self.spec.timing
+        started = self.phase.started
         if healthy:
-            self._running_since = now
-            self.time_to_healthy_s = now - self._started_at
-            self._next_probe, self._probe_failures = now + self.serve.liveness_interval_s, 0
+            self.time_to_healthy_s = now - started
             self.stalled = None  # a stall ends with a healthy new child
             self._transition(RUNNING, f"{self.title} healthy after {self.time_to_healthy_s:.1f} s on "
-                                      f"{self.serve.url}")
+                                      f"{self.spec.url}", since=now, child=self.child, started=started,
+                             next_probe=now + timing.liveness_interval_s)
         elif healthy is False and f"not by {self.title}'s process group" in why:
             self._failed(now, f"{self.title} not trusted: {why}")
-        elif now - self._started_at > self.serve.startup_timeout_s:
-            self._failed(now, f"{self.title} not healthy within startup_timeout_s {self.serve.startup_timeout_s:g} s")
+        elif now - started > timing.startup_timeout_s:
+            self._failed(now, f"{self.title} not healthy within startup_timeout_s {timing.startup_timeout_s:g} s")
 
     def _running(self, now: float) -> None:
-        if self._consecutive and now - self._running_since >= self.serve.stable_after_s:
+        timing = self.spec.timing
+        if self._consecutive and now - self.phase.since >= timing.stable_after_s:
             self._consecutive = 0  # a stable run resets the backoff
-        if now < self._next_probe:
+        if now < self.phase.next_probe:
             return
         healthy, why = self._health()
         if healthy is None:
             return  # still waiting for this probe's answer
-        self._next_probe = now + self.serve.liveness_interval_s
         if healthy:
-            self._probe_failures = 0
+            self._within(next_probe=now + timing.liveness_interval_s, probe_failures=0)
             return
-        self._probe_failures += 1
-        log.warning("%s liveness probe failed (%d of %d): %s", self.title, self._probe_failures,
-                    self.serve.liveness_failures, why)
-        if self._probe_failures >= self.serve.liveness_failures:
-            self._failed(now, f"{self.title} failed {self._probe_failures} liveness probes in a row")
+        failures = self.phase.probe_failures + 1
+        self._within(next_probe=now + timing.liveness_interval_s, probe_failures=failures)
+        log.warning("%s liveness probe failed (%d of %d): %s", self.title, failures, timing.liveness_failures, why)
+        if failures >= timing.liveness_failures:
+            self._failed(now, f"{self.title} failed {failures} liveness probes in a row")
 
     def note_stall(self, now: float, reason: str | None, restart: bool) -> None:
         """The engine's progress as serving/stall.py judges it: a new stall is counted and, with restart, ends
@@ -286,48 +312,46 @@ class Program:
     def _failed(self, now: float, reason: str, code: int | None = None) -> None:
         """The child is gone or must go: kill its group, then BACKOFF or FATAL, whatever a step raises."""
         self.last_exit_code = code
+        timing = self.spec.timing
         try:
             self._end_child(reason)
         finally:
             self._failures.append(now)
-            while self._failures and now - self._failures[0] > self.serve.crash_loop_window_s:
+            while self._failures and now - self._failures[0] > timing.crash_loop_window_s:
                 self._failures.popleft()
-            if len(self._failures) >= self.serve.crash_loop_failures:
-                self._fatal(f"{len(self._failures)} failures within {self.serve.crash_loop_window_s:g} s; "
+            if len(self._failures) >= timing.crash_loop_failures:
+                self._fatal(f"{len(self._failures)} failures within {timing.crash_loop_window_s:g} s; "
                             f"last: {reason}")
             else:
                 self._consecutive += 1
-                delay = min(self.serve.backoff_max_s, 2.0 ** (self._consecutive - 1))
+                delay = min(timing.backoff_max_s, 2.0 ** (self._consecutive - 1))
                 self.restarts += 1
-                self._retry_at, self.problem = now + delay, reason
                 self._transition(BACKOFF, f"{self.title} restarts in {delay:g} s (restart {self.restarts})",
-                                 logging.WARNING)
+                                 logging.WARNING, since=now, problem=reason, retry_at=now + delay)
 
     def _end_child(self, reason: str) -> None:
         """Log why, and if a child is there: EXITED, and its group killed."""
         if self.child is None:
             log.error("%s", reason)
             return
-        self._transition(EXITED)
-        left = self._kill_group()
+        child = self.child
+        self._transition(EXITED)  # first: a kill that raises must still end in BACKOFF, never stay RUNNING
+        left = self._kill_group(child)
         log.error("%s; %s", reason, f"killed {left} leftover processes of its group" if left else "no process left")
 
     def _fatal(self, reason: str) -> None:
-        self.problem = reason
         last = " | ".join(self.error_lines) or "none captured"
         # The detail, at err: the alert vllm_fatal is the one crit line, with the fix.
         self._transition(FATAL, f"{self.title} FATAL, not restarting until SIGHUP: {reason}; its last error lines: "
-                                f"{last}", logging.ERROR)
+                                f"{last}", logging.ERROR, problem=reason)
 
-    def _kill_group(self) -> int:
+    def _kill_group(self, child: Child) -> int:
         """SIGKILL the child's group without waiting; the next start checks that it is gone.
         Returns how many processes were alive."""
-        pgid = self.child.pgid
-        alive = self.ops.group_pids(pgid)
-        self.ops.killpg(pgid, signal.SIGKILL)
-        self.ops.poll(self.child)  # reap the leader if it is already gone
+        alive = self.ops.group_pids(child.pgid)
+        self.ops.killpg(child.pgid, signal.SIGKILL)
+        self.ops.poll(child)  # reap the leader if it is already gone
         self._dying.update(alive)
-        self.child = None
         return len(alive)
 
     def _confirm_gone(self) -> None:
@@ -357,21 +381,21 @@ class Program:
         """Begin a stop: SIGTERM to the group now, SIGKILL once stop_timeout_s has passed (in tick)."""
         if self.state == STOPPING:
             return
-        if self.child is None:
-            self.blocked = False
+        child = self.child
+        if child is None:
             self._transition(STOPPED)
             return
-        self._stop_count = len(self.ops.group_pids(self.child.pgid))
-        self.ops.killpg(self.child.pgid, signal.SIGTERM)
-        self._stop_began, self._kill_at, self._killed = now, now + self.serve.stop_timeout_s, False
-        self._transition(STOPPING, f"{self.title} stopping: SIGTERM to its {self._stop_count} processes, SIGKILL after "
-                                   f"{self.serve.stop_timeout_s:g} s")
+        count = len(self.ops.group_pids(child.pgid))
+        self.ops.killpg(child.pgid, signal.SIGTERM)
+        timeout = self.spec.timing.stop_timeout_s
+        self._transition(STOPPING, f"{self.title} stopping: SIGTERM to its {count} processes, SIGKILL after "
+                                   f"{timeout:g} s", since=now, child=child, kill_at=now + timeout, stop_count=count)
 
     def kill_now(self, now: float) -> None:
         """A second stop request: do not wait for the drain."""
-        if self.state == STOPPING and not self._killed:
+        if self.state == STOPPING and not self.phase.killed:
             log.warning("%s stop: asked again, SIGKILL now", self.title)
-            self._kill_at = now
+            self._within(kill_at=now)
             self._stopping(now)
 
     @property
@@ -379,23 +403,23 @@ class Program:
         return self.state == STOPPED
 
     def _stopping(self, now: float) -> None:
-        self.ops.poll(self.child)  # reap the leader
-        alive = self.ops.group_pids(self.child.pgid)
-        if alive and now < self._kill_at:
+        phase = self.phase
+        self.ops.poll(phase.child)  # reap the leader
+        alive = self.ops.group_pids(phase.child.pgid)
+        if alive and now < phase.kill_at:
             return
-        if alive and not self._killed:
-            log.warning("%s did not stop within %g s: SIGKILL to %d processes", self.title, now - self._stop_began,
+        if alive and not phase.killed:
+            log.warning("%s did not stop within %g s: SIGKILL to %d processes", self.title, now - phase.since,
                         len(alive))
-            self.ops.killpg(self.child.pgid, signal.SIGKILL)
-            self._killed, self._kill_at = True, now + KILL_WAIT_S
+            self.ops.killpg(phase.child.pgid, signal.SIGKILL)
+            self._within(killed=True, kill_at=now + KILL_WAIT_S)
             return
         if alive:
             log.error("processes %s of %s's group survived SIGKILL for %g s", alive, self.title, KILL_WAIT_S)
             self._dying.update(alive)
-        self.ops.poll(self.child)
-        self.child = None
+        self.ops.poll(phase.child)
         self._kill_escaped()
-        self._transition(STOPPED, f"{self.title} stopped after {now - self._stop_began:.1f} s ({self._stop_count} "
+        self._transition(STOPPED, f"{self.title} stopped after {now - phase.since:.1f} s ({phase.stop_count} "
                                   "processes in its group at the stop)")
 
     def reset(self, now: float) -> None:
@@ -407,9 +431,10 @@ class Program:
             self.start(now)
 
     def view(self) -> ServingView:
-        return ServingView(self.state, self.serve.model, self.command.profile.name,
-                           self.child.pid if self.child else None, self.restarts, self.last_exit_code,
-                           self.time_to_healthy_s, self.problem, self.blocked, self.name, self.title,
+        spec = self.spec
+        return ServingView(self.state, spec.model, spec.profile, self.child.pid if self.child else None,
+                           self.restarts, self.last_exit_code, self.time_to_healthy_s, self.problem, self.blocked,
+                           self.name, self.title,
                            tuple((old, new, n) for (old, new), n in sorted(self.transitions.items())),
                            self.stalled, self.stalls, tuple(g.index for g in self.gpus))
 

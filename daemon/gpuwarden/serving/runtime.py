@@ -1,0 +1,201 @@
+"""Serving on a running daemon: the children, the replacement waiting for them to stop, the engine's metrics
+reader and its stall watch, behind tick, reload, hold and stop. The daemon holds one ServingRuntime and
+knows nothing of its parts.
+
+A start or a reload is prepared first (prepare_launch: engine, profile, lint, identity, secrets, the specs
+of every child), so that a bad config is refused before anything stops; carrying it out never fails that
+way. Side children (the proxy) come from functions the daemon hands in (`sides`), each turning a config and
+the engine's user into a ChildSpec or None: serving/ sits below the proxy's package and does not import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ..config import Config
+from ..gpu.base import GpuBackend
+from ..yamlfile import ConfigErrors
+from .command import ServeCommand
+from .identity import Identity
+from .metrics import MetricsReader, ServingStats
+from .prepare import prepare_serve
+from .processes import ProcessOps
+from .spec import ChildSpec, engine_spec
+from .stall import Progress, StallWatch
+from .supervisor import FATAL, RUNNING, Program, ServingView, Supervisor
+
+log = logging.getLogger("gpuwarden")
+
+Side = Callable[[Config, Identity], "ChildSpec | None"]  # a side child's spec for a config (None: not wanted)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Everything a start needs, checked: the children's specs and what watching the engine needs."""
+
+    config: Config
+    command: ServeCommand  # the engine's composed command: its metrics path, model name and key
+    engine: ChildSpec
+    sides: tuple[ChildSpec, ...] = ()
+
+
+def prepare_launch(config: Config, backend: GpuBackend, sides: Sequence[Side], deep: bool,
+                   on_loop: bool = False) -> Launch:
+    """Engine, profile, GPUs, lint, spawnability (and with deep, the engine's own parser), logged as a start
+    logs them. Raises ConfigErrors when something would block the start. on_loop: from the daemon's loop (a
+    reload), which must not wait on the engine's interpreter."""
+    prepared = prepare_serve(config, backend, deep=deep, create_home=True, on_loop=on_loop)
+    title = prepared.command.engine.title
+    if prepared.home_note:
+        log.info("%s's user %s", title, prepared.home_note)
+    if prepared.installed is not None:
+        log.info("%s: %s", title, prepared.installed.describe())
+    for finding in prepared.findings:
+        log.warning("%s lint %s", title, finding)
+    problems = prepared.blocking(config)
+    if problems:
+        raise ConfigErrors(problems)
+    if prepared.flags is not None:
+        log.info("%s %s accepts the flags (checked with %s)", title, prepared.flags.version, prepared.flags.python)
+    chosen = {g.index for g in prepared.command.gpus}
+    gpus = [g for g in backend.gpus() if g.index in chosen]
+    engine = engine_spec(config.serve, prepared.command, prepared.identity, gpus)
+    return Launch(config, prepared.command, engine, _sides(config, prepared.identity, sides))
+
+
+def _sides(config: Config, identity: Identity, sides: Sequence[Side]) -> tuple[ChildSpec, ...]:
+    return tuple(spec for make in sides if (spec := make(config, identity)) is not None)
+
+
+class ServingRuntime:
+    def __init__(self, backend: GpuBackend, sides: Sequence[Side] = (), ops: ProcessOps | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.backend = backend
+        self.sides = tuple(sides)
+        self.ops = ops or ProcessOps()  # one for every child: it knows which processes we started
+        self.clock = clock
+        self.launch: Launch | None = None  # what runs now
+        self.children: Supervisor | None = None
+        self.pending: Launch | None = None  # the next launch, started once the running children have stopped
+        self.reader: MetricsReader | None = None  # the engine's /metrics
+        self.stall_watch: StallWatch | None = None  # is the engine making progress
+
+    def prepare(self, config: Config, deep: bool, on_loop: bool = False) -> Launch:
+        return prepare_launch(config, self.backend, self.sides, deep, on_loop)
+
+    # -- what the daemon asks ---------------------------------------------------------------
+    @property
+    def engine(self) -> Program | None:
+        return self.children.main if self.children is not None else None
+
+    @property
+    def ready(self) -> bool:
+        """Start-up is over for serving: the engine is healthy, or FATAL (so `systemctl start` returns)."""
+        return self.engine is None or self.engine.state in (RUNNING, FATAL)
+
+    @property
+    def stopped(self) -> bool:
+        return self.children is None or self.children.stopped
+
+    def start(self, launch: Launch, now: float) -> None:
+        self.launch = launch
+        self.children = Supervisor([Program(launch.engine, self.ops, self.clock),
+                                    *(Program(spec, self.ops, self.clock) for spec in launch.sides)])
+        engine, serve = launch.command.engine, launch.config.serve
+        self.reader = MetricsReader(serve.url + engine.metrics_path, engine.metric_names, self.clock)
+        self.stall_watch = StallWatch(serve.stall_after_s, serve.probe_after_s, serve.probe_timeout_s,
+                                      serve.url + engine.completions_path,
+                                      engine.served_model(serve, launch.command.argv), self.clock,
+                                      key=engine.api_key(launch.command.argv, launch.command.env))
+        self.children.start(now)
+
+    def tick(self, now: float) -> tuple[tuple[ServingView, ...] | None, ServingStats | None]:
+        """Advance the children, read the engine's metrics and judge its progress: (views, stats)."""
+        self._swap_in_pending(now)
+        if self.children is None:
+            return None, None
+        engine = self.children.main
+        was_running = engine.state == RUNNING
+        self.children.tick(now)
+        stats = None
+        if engine.state == RUNNING:
+            if not was_running:
+                self.reader.reset()  # a new child: its counters restart at zero
+                self.stall_watch.reset(now)
+            stats = self.reader.read(now)
+            progress = Progress(stats.tokens_total, stats.requests_running, stats.requests_waiting) \
+                if stats else None
+            engine.note_stall(now, self.stall_watch.update(now, progress), self.launch.config.serve.restart_on_stall)
+        return self.children.views(), stats
+
+    def views(self) -> tuple[ServingView, ...] | None:
+        return self.children.views() if self.children is not None else None
+
+    def _swap_in_pending(self, now: float) -> None:
+        """After a reload, the new children start once the old ones are fully stopped."""
+        if not self.stopped:
+            return
+        if self.pending is not None:
+            launch, self.pending = self.pending, None
+            self.start(launch, now)
+        elif self.children is not None:
+            self.launch = self.children = self.reader = self.stall_watch = None
+
+    # -- reload ------------------------------------------------------------------------------
+    def plan_reload(self, config: Config) -> Callable[[float], None] | None:
+        """Check what a reloaded config asks of serving, and return the step that carries it out (None: no
+        change). Raises ConfigErrors (nothing is stopped then). Only serve.proxy changed: the proxy restarts
+        and the engine keeps serving."""
+        old = self.launch.config.serve if self.launch is not None else None
+        new = config.serve
+        if old is not None and new == old:
+            return None
+        if old is None and not new.enabled and self.pending is None:
+            return None
+        if old is not None and self.pending is None and dataclasses.replace(new, proxy=old.proxy) == old:
+            sides = _sides(config, self.engine.identity, self.sides)
+            return lambda now: self._replace_sides(config, sides, now)
+        launch = self.prepare(config, deep=False, on_loop=True) if new.enabled else None
+        return lambda now: self._replace_all(launch, now)
+
+    def _replace_sides(self, config: Config, sides: tuple[ChildSpec, ...], now: float) -> None:
+        log.info("reload: serve.proxy changed; restarting the proxy only")
+        wanted = {spec.name: spec for spec in sides}
+        for name in {*wanted, *(p for p in self.children.programs if p != self.engine.name)}:
+            spec = wanted.get(name)
+            self.children.replace(name, Program(spec, self.ops, self.clock) if spec else None, now)
+        self.launch = dataclasses.replace(self.launch, config=config, sides=sides)
+
+    def _replace_all(self, launch: Launch | None, now: float) -> None:
+        if self.children is not None:
+            self.children.stop(now)  # the new children start once these have stopped
+        self.pending = launch
+
+    # -- the rest of the life cycle ----------------------------------------------------------
+    def hold(self, now: float, holds: Sequence[tuple[int, str]]) -> None:
+        """GPUs that need a reset or a reboot: the engine on them ends and stays down (gpu -1: unnamed)."""
+        engine = self.engine
+        if engine is None:
+            return
+        mine = {g.index for g in engine.gpus}
+        for gpu, why in holds:
+            if gpu in mine or gpu < 0:
+                engine.hold(now, f"GPU{gpu} {why}" if gpu >= 0 else why)
+
+    def reset(self, now: float) -> None:
+        """A reload that changed nothing of serving: a FATAL child tries again."""
+        if self.children is not None:
+            self.children.reset(now)
+
+    def stop(self, now: float) -> None:
+        self.pending = None
+        if self.children is not None:
+            self.children.stop(now)
+
+    def kill_now(self, now: float) -> None:
+        if self.children is not None:
+            self.children.kill_now(now)
