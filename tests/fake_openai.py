@@ -1,10 +1,18 @@
 """A fake OpenAI-compatible streaming server with vLLM's counters, for `gpuwarden bench` tests.
 
     python3 tests/fake_openai.py --port P [--model M] [--token-delay S] [--reject-ignore-eos] [--fail-all] [--tokenize]
+                                 [--endless] [--error-bytes N] [--usage-event TEXT] [--models-body TEXT]
+                                 [--good-first N]
 
 Prompt tokens are the prompt's words (+1); each output token is one SSE chunk after --token-delay seconds,
 then a usage chunk and [DONE]. /metrics counts tokens as vLLM names them; /debug/open says how many streams
-are open now (a client that leaves sockets behind shows there).
+are open now (a client that leaves sockets behind shows there) and how many bytes of error bodies went out.
+
+Misbehaving modes, for bench's limits: --endless streams tokens and never ends (for an hour, ignoring
+max_tokens); --error-bytes N answers 500 with an N-byte body, written a MiB at a time as the client takes it; a
+large --token-delay is a server that sends a token every so many seconds; --usage-event TEXT sends TEXT as the
+data of the usage event, --models-body TEXT as the answer to /v1/models. --good-first N serves the first N
+completion requests (bench's calibration) as a well-behaved server would, quickly and whole.
 """
 
 import argparse
@@ -13,11 +21,29 @@ import json
 
 from aiohttp import web
 
-state = {"generated": 0, "prompt": 0, "running": 0, "queries": 0, "hits": 0, "open": 0, "peak": 0}
+state = {"generated": 0, "prompt": 0, "running": 0, "queries": 0, "hits": 0, "open": 0, "peak": 0, "completions": 0,
+         "error_bytes_sent": 0}
+ENDLESS_S = 3600.0  # "never" for any test, and still a bounded loop
+GOOD_TOKEN_DELAY = 0.002
+
+
+async def pause(request, seconds: float) -> None:
+    """Sleep, or raise ConnectionResetError as soon as the client hangs up: newer aiohttp leaves the handler of a
+    client that has gone running, and a token every 600 s would hold its stream (and our shutdown) that long."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + seconds
+    while True:
+        if request.transport is None or request.transport.is_closing():
+            raise ConnectionResetError("the client hung up")
+        if loop.time() >= end:
+            return
+        await asyncio.sleep(min(0.05, end - loop.time()))
 
 
 def make_app(args) -> web.Application:
     async def models(request):
+        if args.models_body:
+            return web.Response(text=args.models_body, content_type="application/json")
         return web.json_response({"object": "list", "data": [{"id": args.model, "object": "model"}]})
 
     async def complete(request):
@@ -30,6 +56,10 @@ def make_app(args) -> web.Application:
                                      status=400)
         if args.fail_all:
             return web.json_response({"error": {"message": "engine is asleep"}}, status=500)
+        state["completions"] += 1
+        good = state["completions"] <= args.good_first
+        if args.error_bytes and not good:
+            return await huge_error(request)
         chat = request.path.endswith("chat/completions")
         text = body["messages"][-1]["content"] if chat else body["prompt"]
         prompt_tokens = len(text.split()) + 1
@@ -40,19 +70,45 @@ def make_app(args) -> web.Application:
         state["running"] += 1
         state["open"] += 1
         state["peak"] = max(state["peak"], state["open"])
+        delay = GOOD_TOKEN_DELAY if good else args.token_delay
+        tokens = 10**9 if args.endless and not good else body["max_tokens"]
+        end = asyncio.get_running_loop().time() + ENDLESS_S  # endless: until the client hangs up, or an hour
         try:
-            for i in range(body["max_tokens"]):
-                await asyncio.sleep(args.token_delay)
+            for _ in range(tokens):
+                if asyncio.get_running_loop().time() > end:
+                    break
+                await pause(request, delay)
                 state["generated"] += 1
                 delta = {"delta": {"content": "tok "}} if chat else {"text": "tok "}
                 chunk = {"id": "x", "choices": [{"index": 0, **delta, "finish_reason": None}]}
                 await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
             usage = {"prompt_tokens": prompt_tokens, "completion_tokens": body["max_tokens"]}
-            await response.write(f"data: {json.dumps({'id': 'x', 'choices': [], 'usage': usage})}\n\n".encode())
+            event = json.dumps({'id': 'x', 'choices': [], 'usage': usage})
+            await response.write(f"data: {args.usage_event if args.usage_event and not good else event}\n\n".encode())
             await response.write(b"data: [DONE]\n\n")
+        except ConnectionError:  # the client hung up (aiohttp's ClientConnectionResetError is one too)
+            pass
         finally:
             state["running"] -= 1
             state["open"] -= 1
+        return response
+
+    async def huge_error(request):
+        prefix, suffix = b'{"error": {"message": "', b'"}}'
+        response = web.StreamResponse(status=500, headers={"Content-Type": "application/json"})
+        await response.prepare(request)
+        left = args.error_bytes - len(prefix) - len(suffix)
+        block = b"x" * (1 << 20)
+        try:
+            await response.write(prefix)
+            while left > 0:  # a write waits (drains) while the client is not reading: what is counted went out
+                piece = block[:left]
+                await response.write(piece)
+                state["error_bytes_sent"] += len(piece)
+                left -= len(piece)
+            await response.write(suffix)
+        except ConnectionError:  # the client hung up (aiohttp's ClientConnectionResetError is one too)
+            pass
         return response
 
     async def metrics(request):
@@ -71,7 +127,8 @@ def make_app(args) -> web.Application:
                                                                            else 0)})
 
     async def debug_open(request):
-        return web.json_response({"open": state["open"], "peak": state["peak"]})
+        return web.json_response({"open": state["open"], "peak": state["peak"],
+                                  "error_bytes_sent": state["error_bytes_sent"]})
 
     app = web.Application()
     app.add_routes([web.get("/v1/models", models), web.post("/v1/completions", complete),
@@ -90,6 +147,12 @@ def main() -> None:
     parser.add_argument("--reject-ignore-eos", action="store_true")
     parser.add_argument("--fail-all", action="store_true")
     parser.add_argument("--tokenize", action="store_true", help="serve /tokenize, as vLLM does")
+    parser.add_argument("--endless", action="store_true", help="streams that never end (an hour of tokens)")
+    parser.add_argument("--error-bytes", type=int, default=0, help="answer completions with a 500 of this many bytes")
+    parser.add_argument("--usage-event", help="send this as the usage event's data")
+    parser.add_argument("--models-body", help="answer /v1/models with this")
+    parser.add_argument("--good-first", type=int, default=0, metavar="N",
+                        help="serve the first N completion requests well, whatever the modes above")
     args = parser.parse_args()
     web.run_app(make_app(args), host="127.0.0.1", port=args.port, print=lambda *a: print("listening", flush=True),
                 backlog=2048)

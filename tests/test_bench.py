@@ -135,7 +135,7 @@ def test_a_two_step_sweep_reports_every_field_and_counts_what_the_server_counted
     warm = fake.counter("vllm:generation_tokens_total") - before - counted
     assert warm == 2 * 32 + 1  # the warm-up requests and the one-token calibration: all the rest is ours
     for step in result["steps"]:
-        assert step["ok"] == step["requests"] == 8 and step["errors"] == 0
+        assert step["ok"] == step["requests"] == 8 and step["errors"] == step["cut"] == 0
         assert step["output_tokens"] == 8 * 32 == step["engine"]["generation_tokens"]  # vLLM's counter agrees
         assert step["ttft_p50_s"] <= step["latency_mean_s"] and step["ttft_p50_s"] <= step["ttft_p99_s"]
         assert 0 < step["itl_p50_s"] <= step["itl_p99_s"]
@@ -160,10 +160,10 @@ def test_the_table_and_the_markdown(server, bench):
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].startswith("fake-model at http://127.0.0.1:") and "GPUs from the sim backend" in lines[0]
-    assert lines[1].split()[:3] == ["C", "ok/sent", "system"] and lines[2].split()[:2] == ["2", "4/4"]
+    assert lines[1].split()[:4] == ["C", "ok/sent", "cut", "system"] and lines[2].split()[:3] == ["2", "4/4", "0"]
     assert "roofline: unknown (no completed step at concurrency 1)" in lines
     md = bench("--url", fake.url, "--concurrency", "1", "--requests", "2", "--output-len", "4", "--markdown")
-    assert "| C | ok/sent | system tok/s |" in md.stdout and "\n| 1 | 2/2 |" in md.stdout
+    assert "| C | ok/sent | cut | system tok/s |" in md.stdout and "\n| 1 | 2/2 | 0 |" in md.stdout
 
 
 def test_bad_input_gets_one_line_and_a_partial_result(server, bench):

@@ -25,11 +25,18 @@ the engine's running and waiting requests, KV-cache usage and prefix-cache hit r
 roofline (memory bandwidth / bytes per token) with the efficiency at C=1. A step that ran throttled or
 below the clock lock is flagged. Results are kept under the state directory for --compare.
 
+No server can hold bench: every request ends within --request-timeout (600 s); with --duration, a step
+sends no new request after its duration and ends at most --grace later (default: as long as the duration,
+at most 30 s). A request still streaming at either deadline is cut: counted apart (the "cut" column), not
+as an error of the server, and not in the step's tokens. With --url (or --compare), bench needs no config
+file: the default one is read where it exists, a named one (-c) must exist, and -c none reads none.
+
 Exit status: 0 done, 1 a step (or the first request) had only errors, 3 nothing to compare, 69 the server
 cannot be reached, 78 bad arguments, config or model, 130 interrupted (the partial result is still printed and
 saved)."""
 
 EX_STEP_FAILED, EX_USAGE, EX_INTERRUPTED = 1, 78, 130
+DEFAULT_GRACE_MAX_S = 30.0
 
 
 def add_parser(sub, common) -> None:
@@ -41,6 +48,11 @@ def add_parser(sub, common) -> None:
     p.add_argument("--concurrency", default="1,2,4,8", help="the steps, comma-separated (default: 1,2,4,8)")
     p.add_argument("--requests", type=int, help="requests per step (default: 4 x C, at least 8)")
     p.add_argument("--duration", type=float, metavar="SECONDS", help="run each step this long instead of a count")
+    p.add_argument("--grace", type=float, metavar="SECONDS", help="with --duration: how long the requests still "
+                   "streaming at its end may take before they are cut (default: as long as --duration, at most 30)")
+    p.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="the most one request may take, from sending it to its last token; it is cut then "
+                   "(default: 600)")
     p.add_argument("--warmup", type=int, default=2, help="requests before the first step (default: 2)")
     p.add_argument("--input-len", type=int, default=512, help="prompt tokens per request (default: 512)")
     p.add_argument("--output-len", type=int, default=128, help="output tokens per request (default: 128)")
@@ -129,8 +141,12 @@ def cmd_bench(args: argparse.Namespace, config: Config) -> int:
     try:
         steps = _concurrency(args.concurrency)
         if args.input_len < 1 or args.output_len < 1 or (args.requests is not None and args.requests < 1) \
-                or (args.duration is not None and args.duration <= 0) or args.warmup < 0 or args.engine_interval < 0:
-            raise ValueError("--input-len, --output-len, --requests and --duration must be positive")
+                or (args.duration is not None and args.duration <= 0) or args.warmup < 0 or args.engine_interval < 0 \
+                or not args.request_timeout > 0 or (args.grace is not None and not args.grace >= 0):
+            raise ValueError("--input-len, --output-len, --requests, --duration and --request-timeout must be "
+                             "positive, --warmup, --engine-interval and --grace not negative")
+        if args.grace is not None and args.duration is None:
+            raise ValueError("--grace is for steps of a --duration")
     except ValueError as exc:
         print(f"gpuwarden bench: {exc}", file=sys.stderr)
         return EX_USAGE
@@ -144,8 +160,9 @@ def cmd_bench(args: argparse.Namespace, config: Config) -> int:
     # A new seed each run: the same prompts twice would be served from the first run's prefix cache.
     workload = Workload(args.model or "", args.api, args.input_len, args.output_len, not args.no_ignore_eos,
                         seed=random.SystemRandom().randrange(2**31))
+    grace = args.grace if args.grace is not None else min(args.duration or 0, DEFAULT_GRACE_MAX_S)
     settings = Settings(base, workload, steps, None if args.duration else args.requests, args.duration,
-                        args.warmup)
+                        args.warmup, args.request_timeout, grace)
     sweep = Sweep(settings)
     if gpu_note:
         sweep.notes.append(gpu_note)

@@ -54,8 +54,8 @@ def roofline_line(r: dict) -> str:
             f"({r['weight_bytes'] / 1e9:.3f} GB of weights{kv}) = {r['ceiling_tokens_per_s']:.1f} tok/s{eff}")
 
 
-COLUMNS = ("C", "ok/sent", "system tok/s", "per-req tok/s mean", "p50", "TTFT p50 ms", "p99", "ITL p50 ms", "p99",
-           "SM MHz min/mean", "mem MHz", "W/GPU / limit", "running", "waiting", "KV max", "prefix hit")
+COLUMNS = ("C", "ok/sent", "cut", "system tok/s", "per-req tok/s mean", "p50", "TTFT p50 ms", "p99", "ITL p50 ms",
+           "p99", "SM MHz min/mean", "mem MHz", "W/GPU / limit", "running", "waiting", "KV max", "prefix hit")
 
 
 def _values(gpus: list[dict], key: str) -> list[float]:
@@ -74,7 +74,7 @@ def _row(step: dict) -> list[str]:
     kv = engine.get("kv_cache_usage_max")
     hit = engine.get("prefix_cache_hit_rate")
     c = f"{step['concurrency']}" + (" (partial)" if step["interrupted"] else "")
-    return [c, f"{step['ok']}/{step['requests']}", _f(step["system_tokens_per_s"]),
+    return [c, f"{step['ok']}/{step['requests']}", str(step["cut"]), _f(step["system_tokens_per_s"]),
             _f(step["per_request_tokens_per_s_mean"]), _f(step["per_request_tokens_per_s_p50"]),
             _ms(step["ttft_p50_s"]), _ms(step["ttft_p99_s"]), _ms(step["itl_p50_s"]), _ms(step["itl_p99_s"]),
             sm, mem, power, _f(engine.get("running_mean")), _f(engine.get("waiting_mean")),
@@ -89,6 +89,9 @@ def _notes(result: dict) -> list[str]:
         if step["errors"]:
             lines.append(f"C={step['concurrency']}: {step['errors']} of {step['requests']} requests failed; "
                          f"first: {step['first_error']}")
+        if step["cut"]:
+            lines.append(f"C={step['concurrency']}: {step['cut']} of {step['requests']} requests cut by bench (not "
+                         f"errors of the server; their tokens left out): {step['first_cut']}")
     lines += result.get("notes", [])
     return lines
 

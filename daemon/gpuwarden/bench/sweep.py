@@ -4,6 +4,10 @@ A step keeps C requests in flight until it has sent its count (or its duration i
 first request to its last token, as vLLM's benchmark times a run. The Watch records the GPUs and the engine
 over the same seconds. Ctrl-C (or any cancellation) ends the step in flight: its requests are cancelled, the
 session and its sockets closed, and what finished is kept as a partial step.
+
+No server holds a step, or bench, open: every request ends within --request-timeout, and with --duration a
+step ends at most --grace after its duration, the requests still streaming then cut (counted apart from the
+server's errors).
 """
 
 from __future__ import annotations
@@ -45,7 +49,15 @@ class Settings:
     requests: int | None  # per step; None: 4 x C (at least 8), or duration_s when that is given
     duration_s: float | None
     warmup: int = 2
-    request_timeout_s: float = 600.0
+    request_timeout_s: float = 600.0  # any one request, start to end of stream
+    grace_s: float = 30.0  # with duration_s: how long the requests in flight at its end may still take
+
+    def limit(self, now: float = 0.0, step_end: float | None = None) -> tuple[float, str]:
+        """(seconds, what cuts it) for a request that starts at now: its own deadline, or the step's end."""
+        if step_end is not None and step_end + self.grace_s - now < self.request_timeout_s:
+            return (step_end + self.grace_s - now,
+                    f"still streaming {self.grace_s:g} s after the step's {self.duration_s:g} s (--grace)")
+        return self.request_timeout_s, f"no end of stream within {self.request_timeout_s:g} s (--request-timeout)"
 
 
 @dataclass
@@ -68,7 +80,8 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def summarize_step(concurrency: int, results: list[RequestResult], duration_s: float, interrupted: bool) -> dict:
     ok = [r for r in results if r.ok]
-    errors = [r for r in results if not r.ok]
+    cut = [r for r in results if r.cut]
+    errors = [r for r in results if not r.ok and not r.cut]
     tokens = sum(r.output_tokens for r in ok)
     speeds = [s for r in ok if (s := r.decode_tokens_per_s) is not None]
     # The mean over requests as one rate (tokens over decode seconds): a request whose chunks came in one burst
@@ -79,7 +92,8 @@ def summarize_step(concurrency: int, results: list[RequestResult], duration_s: f
     itl = [gap for r in ok for gap in r.itl_s]
     prompts = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
     return {"concurrency": concurrency, "requests": len(results), "ok": len(ok), "errors": len(errors),
-            "first_error": errors[0].error if errors else None, "interrupted": interrupted,
+            "first_error": errors[0].error if errors else None, "cut": len(cut),
+            "first_cut": cut[0].error if cut else None, "interrupted": interrupted,
             "duration_s": duration_s, "output_tokens": tokens,
             "input_tokens_mean": statistics.fmean(prompts) if prompts else None,
             "system_tokens_per_s": tokens / duration_s if duration_s > 0 and ok else None,
@@ -101,21 +115,25 @@ async def _models(session: aiohttp.ClientSession, base: str) -> list[str]:
     except (aiohttp.ClientError, asyncio.TimeoutError, HttpError, OSError) as exc:
         raise BenchError(f"cannot reach {base} ({type(exc).__name__}: {exc}); is the engine running? "
                          "(`gpuwarden status` says)") from None
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: JSON nested too deep
         raise BenchError(f"{base}/v1/models did not answer JSON: is this an OpenAI-compatible server?") from None
-    return [m.get("id") for m in body.get("data", []) if isinstance(m, dict) and m.get("id")]
+    data = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(data, list):
+        raise BenchError(f"{base}/v1/models did not answer a list of models: is this an OpenAI-compatible server?")
+    return [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str) and m["id"]]
 
 
-async def _calibrate(session: aiohttp.ClientSession, url: str, workload: Workload, notes: list[str]) -> Workload:
+async def _calibrate(session: aiohttp.ClientSession, url: str, workload: Workload, settings: Settings,
+                     notes: list[str]) -> Workload:
     """How many tokens the server counts per prompt word; whether it takes ignore_eos. The calibration prompt
     is a quarter of --input-len in words, so that a short context still holds it. Then, where the server
     tokenizes for us, each word's exact size (workload.py)."""
     words = max(8, min(CALIBRATION_WORDS, workload.input_len // 4))
-    first = await stream(session, url, workload.payload(-1, max_tokens=1, words=words))
+    first = await stream(session, url, workload.payload(-1, max_tokens=1, words=words), *settings.limit())
     if not first.ok and workload.ignore_eos and "ignore_eos" in (first.error or ""):
         workload = replace(workload, ignore_eos=False)
         notes.append("the server rejects ignore_eos: outputs may end before --output-len")
-        first = await stream(session, url, workload.payload(-1, max_tokens=1, words=words))
+        first = await stream(session, url, workload.payload(-1, max_tokens=1, words=words), *settings.limit())
     if not first.ok:
         raise BenchError(f"the first request failed: {first.error}", exit_code=1)
     if first.prompt_tokens:
@@ -166,14 +184,15 @@ async def _step(session: aiohttp.ClientSession, url: str, settings: Settings, wo
     async def worker() -> None:
         nonlocal remaining
         while True:
+            now = time.perf_counter()
             if deadline is not None:
-                if time.perf_counter() >= deadline:
+                if now >= deadline:
                     return
             elif remaining <= 0:
                 return
             else:
                 remaining -= 1
-            results.append(await stream(session, url, workload.payload(next(ids))))
+            results.append(await stream(session, url, workload.payload(next(ids)), *settings.limit(now, deadline)))
             progress(len(results), None if deadline else settings.requests or max(8, 4 * concurrency),
                      time.perf_counter() - start)
 
@@ -192,7 +211,8 @@ async def _step(session: aiohttp.ClientSession, url: str, settings: Settings, wo
 async def run(sweep: Sweep, watch: Watch, progress: Callable[[int, int, int | None, float], None]) -> Sweep:
     settings = sweep.settings
     connector = aiohttp.TCPConnector(limit=0)  # no pool cap: a thousand streams need a thousand connections
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=settings.request_timeout_s)
+    # Each request's total deadline is stream()'s (Settings.limit); the session times only the connect.
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         base = settings.base_url.rstrip("/")
         served = await _models(session, base)
@@ -206,10 +226,10 @@ async def run(sweep: Sweep, watch: Watch, progress: Callable[[int, int, int | No
         workload = replace(settings.workload, model=sweep.model)
         url = base + workload.path
         try:
-            workload = await _calibrate(session, url, workload, sweep.notes)
+            workload = await _calibrate(session, url, workload, settings, sweep.notes)
             ids = itertools.count()
             for _ in range(settings.warmup):
-                await stream(session, url, workload.payload(next(ids)))
+                await stream(session, url, workload.payload(next(ids)), *settings.limit())
             for concurrency in settings.concurrency:
                 watch.begin()
                 results, duration, interrupted = await _step(
