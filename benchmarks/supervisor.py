@@ -24,7 +24,7 @@ from pathlib import Path
 
 from _common import free_port, percentile
 
-from gpuwarden.serving.supervisor import ProcessOps
+from gpuwarden.serving.run.processes import ProcessOps
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV = Path(os.environ.get("GPUWARDEN_VLLM_VENV", "/opt/gpuwarden-test/venv-vllm"))

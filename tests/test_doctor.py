@@ -125,7 +125,7 @@ def test_iommu_state(tmp_path):
 
 def test_doctor_reports_the_link_the_memory_and_the_peer_path_for_tensor_parallelism(monkeypatch):
     monkeypatch.setattr("gpuwarden.doctor.iommu_state", lambda: "translating")
-    monkeypatch.setattr("gpuwarden.serving.lint.iommu_state", lambda: "translating")
+    monkeypatch.setattr("gpuwarden.serving.compose.lint.iommu_state", lambda: "translating")
     cfg = config.parse_text("gpu:\n  backend: sim\n  scenario: rtx-pro-6000-tp4\nserve:\n  enabled: true\n"
                             "  model: /m/GLM-4.7-NVFP4\n  user: nobody\n")
     findings = {f.check: f for f in diagnose(cfg, open_configured(cfg, ManualClock()), deep=False)}
@@ -152,7 +152,7 @@ def test_doctor_names_the_metrics_a_running_vllm_no_longer_serves(write, cli, ch
     served = {"vllm:generation_tokens_total": 5.0, "vllm:prompt_tokens_total": 9.0,
               "vllm:num_requests_running": 0.0, "vllm:num_requests_waiting": 0.0,
               "vllm:prefix_cache_queries_total": 0.0, "vllm:prefix_cache_hits_total": 0.0}
-    monkeypatch.setattr("gpuwarden.serving.metrics.fetch", lambda url: served)
+    monkeypatch.setattr("gpuwarden.serving.watch.metrics.fetch", lambda url: served)
     path = write("g.yaml", "gpu:\n  backend: sim\n  scenario: rtx-pro-4000-headless\nserve:\n  enabled: true\n"
                  f"  user: {child_user}\n  model: /m/Qwen3-4B\n")
     status, out, _ = cli("doctor", "--no-deep", "-c", path)
@@ -165,9 +165,9 @@ def test_doctor_names_the_metrics_a_running_vllm_no_longer_serves(write, cli, ch
 
 def test_doctor_says_when_the_lint_rules_are_older_than_the_installed_vllm(monkeypatch):
     from gpuwarden.doctor import _installed
-    from gpuwarden.serving.engines import rules_for
-    from gpuwarden.serving.engines.vllm import ENGINE
-    from gpuwarden.serving.installed import Installed
+    from gpuwarden.serving.compose.engines import rules_for
+    from gpuwarden.serving.compose.engines.vllm import ENGINE
+    from gpuwarden.serving.compose.installed import Installed
 
     written = rules_for(None).written_against
     newer = Installed("/py", True, {"vllm": "0.34.1", "flashinfer": None, "torch": "2.14.0", "sglang": None})

@@ -1,4 +1,4 @@
-"""The engine seam's contract, for every engine in serving/engines/, and SGLang's own parts.
+"""The engine seam's contract, for every engine in serving/compose/engines/, and SGLang's own parts.
 
 No real SGLang serves in these tests (it cannot on these CPUs): its argv, health and metrics paths, metric
 names, log parser and lint are tested here against the seam; its real argument parser runs in
@@ -15,15 +15,15 @@ from gpuwarden import config
 from gpuwarden.exporter import make_registry
 from gpuwarden.gpu.base import GpuSample
 from gpuwarden.gpu.sim.backend import ManualClock
-from gpuwarden.serving.command import build_command
-from gpuwarden.serving.engines import Engine, engine_for, lint, names
-from gpuwarden.serving.flags import flag_value
-from gpuwarden.serving.identity import Identity
-from gpuwarden.serving.metrics import MetricsReader, parse
-from gpuwarden.serving.prepare import compose
-from gpuwarden.serving.spec import engine_spec
-from gpuwarden.serving.profiles import load_profiles, select_profile
-from gpuwarden.serving.supervisor import RUNNING, STARTING, Program, Supervisor
+from gpuwarden.serving.compose.command import build_command
+from gpuwarden.serving.compose.engines import Engine, engine_for, lint, names
+from gpuwarden.serving.compose.flags import flag_value
+from gpuwarden.serving.compose.identity import Identity
+from gpuwarden.serving.watch.metrics import MetricsReader, parse
+from gpuwarden.serving.compose.prepare import compose
+from gpuwarden.serving.run.spec import engine_spec
+from gpuwarden.serving.compose.profiles import load_profiles, select_profile
+from gpuwarden.serving.run.supervisor import RUNNING, STARTING, Program, Supervisor
 from gpuwarden.yamlfile import ConfigError
 from test_faults import fake, no_fakes_left  # noqa: F401 (the fixtures the real-process test uses)
 from test_faults import fault_config, metrics, serving_state, status, wait_until
@@ -113,7 +113,7 @@ def test_log_levels(name):
 def test_metric_names_map_to_the_generic_stats(name, monkeypatch):
     engine = engine_for(name)
     texts = iter([scrape(engine, 100, 3), scrape(engine, 400, 5)])
-    monkeypatch.setattr("gpuwarden.serving.metrics.fetch", lambda url: parse(next(texts)))
+    monkeypatch.setattr("gpuwarden.serving.watch.metrics.fetch", lambda url: parse(next(texts)))
     clock = ManualClock(0)
     reader = MetricsReader("http://x" + engine.metrics_path, engine.metric_names, clock, Inline(clock))
     reader.read(0)
@@ -230,8 +230,8 @@ def test_sglang_lint_from_the_deepseek_v4_report():
 
 def test_sglang_metrics_carry_the_engine_label_and_no_vllm_names():
     from gpuwarden.monitor import GpuView, Snapshot
-    from gpuwarden.serving.metrics import ServingStats
-    from gpuwarden.serving.supervisor import ServingView
+    from gpuwarden.serving.watch.metrics import ServingStats
+    from gpuwarden.serving.run.supervisor import ServingView
 
     view = ServingView("RUNNING", "/m/x", "sglang-generic", 1, 0, None, 3.0, None, False, "sglang", "SGLang",
                        (("STOPPED", "STARTING", 1), ("STARTING", "RUNNING", 1)))

@@ -14,7 +14,9 @@ LAYERS = [
     {"throttle", "xids"},  # is this clock low, and why; what an Xid means
     {"tunables"},  # the tuning settings table
     {"config"},
-    {"alerts", "tuning", "serving", "backends", "status", "gpuevents"},
+    {"alerts", "tuning", "serving.compose", "backends", "status", "eventwatch"},  # compose: command, lint, user
+    {"serving.watch"},  # the engine's metrics and its progress
+    {"serving.run"},  # the children: specs, supervisor, processes, the serving runtime
     {"monitor", "doctor", "bench", "proxy"},
     {"exporter"},
     {"daemon"},
@@ -24,9 +26,21 @@ LAYERS = [
 RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
 
 
+SERVING_ROOMS = ("compose", "watch", "run")  # serving/ by job, each a unit of its own
+
+
 def unit_of(module: str) -> str:
-    """gpuwarden.serving.engines.vllm -> serving; gpuwarden.config -> config."""
-    return module.split(".")[1]
+    """gpuwarden.serving.compose.engines.vllm -> serving.compose; gpuwarden.config -> config."""
+    parts = module.split(".")
+    if parts[1] == "serving" and len(parts) > 2 and parts[2] in SERVING_ROOMS:
+        return f"serving.{parts[2]}"
+    return parts[1]
+
+
+def unit_of_path(path: Path) -> str:
+    """daemon/gpuwarden/serving/run/supervisor.py -> serving.run; daemon/gpuwarden/__init__.py -> __init__."""
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return unit_of(".".join(("gpuwarden", *parts))) if len(parts) > 1 else parts[0]
 
 
 def imports(path: Path) -> list[tuple[int, str]]:
@@ -58,7 +72,7 @@ def imports_in(source: str, package: str) -> list[tuple[int, str]]:
 
 
 def test_every_module_has_a_layer():
-    units = {p.relative_to(PACKAGE).parts[0].removesuffix(".py") for p in PACKAGE.rglob("*.py")} - {"__init__"}
+    units = {unit_of_path(p) for p in PACKAGE.rglob("*.py")} - {"__init__", "serving"}  # packages' faces
     assert units == set(RANK), f"give these a layer: {units - set(RANK)}; gone: {set(RANK) - units}"
 
 
@@ -67,7 +81,7 @@ def test_imports_point_down():
     for path in sorted(PACKAGE.rglob("*.py")):
         if path == PACKAGE / "__init__.py":
             continue
-        here = path.relative_to(PACKAGE).parts[0].removesuffix(".py")
+        here = unit_of_path(path)
         for line, target in imports(path):
             there = unit_of(target)
             if there not in RANK or there == here:

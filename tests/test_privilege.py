@@ -208,7 +208,7 @@ def test_an_env_file_that_is_a_directory_or_a_link_is_one_line_in_words(write, p
 
 
 def test_reading_a_directory_as_an_env_file_leaks_no_descriptor(tmp_path):
-    from gpuwarden.serving.secrets import SecretFileError, read_env_file
+    from gpuwarden.serving.compose.secrets import SecretFileError, read_env_file
 
     folder = tmp_path / "d"
     folder.mkdir(mode=0o700)

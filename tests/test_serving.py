@@ -11,17 +11,17 @@ from gpuwarden.backends import open_configured
 from gpuwarden.gpu.base import GpuSample
 from gpuwarden.gpu.sim.backend import ManualClock
 from gpuwarden.gpu.sim.scenario import builtin_scenarios
-from gpuwarden.serving.command import build_command, chosen_gpus
-from gpuwarden.serving.flags import flag_value
-from gpuwarden.serving.engines import lint
-from gpuwarden.serving.profiles import load_profiles, select_profile
-from gpuwarden.serving.identity import Identity
-from gpuwarden.serving.processes import Child
-from gpuwarden.serving.supervisor import (BACKOFF, FATAL, RUNNING, STARTING, STOPPED, STOPPING,
+from gpuwarden.serving.compose.command import build_command, chosen_gpus
+from gpuwarden.serving.compose.flags import flag_value
+from gpuwarden.serving.compose.engines import lint
+from gpuwarden.serving.compose.profiles import load_profiles, select_profile
+from gpuwarden.serving.compose.identity import Identity
+from gpuwarden.serving.run.processes import Child
+from gpuwarden.serving.run.supervisor import (BACKOFF, FATAL, RUNNING, STARTING, STOPPED, STOPPING,
                                           Program)
-from gpuwarden.serving.engines.vllm import ENGINE as VLLM
-from gpuwarden.serving.metrics import MetricsReader, parse
-from gpuwarden.serving.spec import engine_spec
+from gpuwarden.serving.compose.engines.vllm import ENGINE as VLLM
+from gpuwarden.serving.watch.metrics import MetricsReader, parse
+from gpuwarden.serving.run.spec import engine_spec
 from gpuwarden.yamlfile import ConfigErrors
 
 PROFILES = load_profiles(None)
@@ -111,7 +111,7 @@ def test_final_argv_and_env():
 
 
 def test_redaction_of_secret_looking_values():
-    from gpuwarden.serving.secrets import redact_argv, redact_env
+    from gpuwarden.serving.compose.secrets import redact_argv, redact_env
 
     assert redact_env({"VLLM_API_KEY": "k", "HF_TOKEN": "t", "VLLM_LOGGING_LEVEL": "INFO", "EMPTY_KEY": ""}) == {
         "VLLM_API_KEY": "<redacted>", "HF_TOKEN": "<redacted>", "VLLM_LOGGING_LEVEL": "INFO", "EMPTY_KEY": ""}
@@ -138,7 +138,7 @@ def test_the_api_key_lint_sees_every_spelling(spelling):
 
 
 def test_env_file_format_and_permissions(write):
-    from gpuwarden.serving.secrets import SecretFileError, read_env_file
+    from gpuwarden.serving.compose.secrets import SecretFileError, read_env_file
 
     path = write("s.env", "# comment\nexport VLLM_API_KEY='k 1'\n\nHF_TOKEN=t\n")
     path.chmod(0o600)
@@ -168,7 +168,7 @@ GENERIC = PROFILES["generic"]
 # -- lint (every rule's own cases are its examples in the rules file: tests/test_rules.py) ---------------
 
 def test_known_bad_vllm_version_is_an_error():
-    from gpuwarden.serving.installed import Installed
+    from gpuwarden.serving.compose.installed import Installed
 
     small = PROFILES["sm120-small-dense"]
 
@@ -220,7 +220,7 @@ def test_metrics_rates_and_the_kv_cache_rename(monkeypatch):
                   SCRAPE.format(gen=334, prompt=48, kv="gpu_cache_usage_perc")])
     clock = ManualClock(10)
     reader = MetricsReader("http://x/metrics", VLLM.metric_names, clock, Inline(clock))
-    monkeypatch.setattr("gpuwarden.serving.metrics.fetch", lambda url: parse(next(texts)))
+    monkeypatch.setattr("gpuwarden.serving.watch.metrics.fetch", lambda url: parse(next(texts)))
     first = reader.read(10.0)
     assert first.generation_tokens_per_s is None and first.kv_cache_usage_ratio == 0.25
     clock.advance(1)
@@ -525,7 +525,7 @@ def test_a_step_that_raises_still_ends_in_backoff():
 
 
 def test_transitions_go_through_the_table_and_are_counted():
-    from gpuwarden.serving.supervisor import TransitionError
+    from gpuwarden.serving.run.supervisor import TransitionError
 
     sup, ops, clock = supervisor()
     with pytest.raises(TransitionError):
@@ -603,7 +603,7 @@ def test_profiles_show_redacts_secret_looking_values(write, cli, as_json):
 
 
 def test_a_user_without_a_writable_home_gets_one_under_the_state_directory(tmp_path):
-    from gpuwarden.serving.homes import child_home
+    from gpuwarden.serving.compose.homes import child_home
 
     me = pwd.getpwuid(os.geteuid())
     state = {"STATE_DIRECTORY": str(tmp_path / "state")}

@@ -1,4 +1,4 @@
-"""Stall detection (serving/stall.py): counters that stop while work waits, and the idle probe."""
+"""Stall detection (serving/watch/stall.py): counters that stop while work waits, and the idle probe."""
 
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -8,8 +8,8 @@ import pytest
 from gpuwarden.alerts import RULES_BY_NAME
 from gpuwarden.gpu.base import GpuSample
 from gpuwarden.gpu.sim.backend import ManualClock
-from gpuwarden.serving.stall import Progress, StallWatch
-from gpuwarden.serving.supervisor import BACKOFF, RUNNING
+from gpuwarden.serving.watch.stall import Progress, StallWatch
+from gpuwarden.serving.run.supervisor import BACKOFF, RUNNING
 from test_serving import Inline, running_supervisor, supervisor
 
 
@@ -132,7 +132,7 @@ def test_a_probe_refused_for_its_credentials_proves_the_engine_alive(completions
 
 
 def test_the_key_comes_from_the_command_in_the_engines_own_spellings():
-    from gpuwarden.serving.engines import engine_for
+    from gpuwarden.serving.compose.engines import engine_for
 
     vllm, sglang = engine_for("vllm"), engine_for("sglang")
     assert vllm.api_key(["vllm", "serve", "--port", "1"], {"VLLM_API_KEY": "env"}) == "env"

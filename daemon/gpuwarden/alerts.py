@@ -35,7 +35,7 @@ class GpuContext:
     duty: Mapping[str, float] = field(default_factory=dict)
     duty_window_s: float = 0.0
     seen: R = R.NONE  # every reason seen in a sample during that window
-    xids: tuple[tuple[int, int], ...] = ()  # (xid, count) of this GPU's recent Xids (gpuevents.RECENT_S)
+    xids: tuple[tuple[int, int], ...] = ()  # (xid, count) of this GPU's recent Xids (eventwatch.RECENT_S)
     reset_needed: str | None = None  # an event asked for a GPU reset or a reboot, and none happened yet
 
 
@@ -263,7 +263,7 @@ def vllm_fatal(view, _ctx=None) -> Check:
 
 
 def vllm_stalled(view, samples=()) -> Check:
-    """The engine makes no progress (serving/stall.py), with what its GPUs did in those seconds."""
+    """The engine makes no progress (serving/watch/stall.py), with what its GPUs did in those seconds."""
     if view is None or not view.stalled:
         return INACTIVE
     mine = [s for s in samples if s.up and (not view.gpus or s.index in view.gpus)]

@@ -19,7 +19,7 @@ from .config import EX_CONFIG, Config
 from .gpu import errors
 from .gpu.sim.scenario import builtin_scenarios, resolve_scenario, unknown_scenario
 from .originals import originals_store
-from .serving.secrets import redact_argv, redact_env
+from .serving.compose.secrets import redact_argv, redact_env
 from .tuning import Outcome, Plan, Tuner, make_plan
 from .systemd import print_error
 from .yamlfile import ConfigError, ConfigErrors, InvalidConfig
@@ -177,7 +177,7 @@ def _serve_check(config: Config, backend, deep: bool, as_json: bool) -> dict:
     """Everything `run` checks before starting the engine: profile, GPUs, serve.user, secrets, lint, the
     executable, and with deep, its own parser (in its interpreter, as serve.user). ConfigErrors if a start is
     blocked."""
-    from .serving.prepare import prepare_serve
+    from .serving.compose.prepare import prepare_serve
 
     prepared = prepare_serve(config, backend, deep=deep)
     problems = prepared.blocking(config)
@@ -204,9 +204,9 @@ def _serve_check(config: Config, backend, deep: bool, as_json: bool) -> dict:
 
 
 def cmd_profiles(args: argparse.Namespace) -> int:
-    from .serving.command import chosen_gpus
-    from .serving.prepare import compose
-    from .serving.profiles import load_profiles
+    from .serving.compose.command import chosen_gpus
+    from .serving.compose.prepare import compose
+    from .serving.compose.profiles import load_profiles
 
     config = load_config(args)
     profiles = load_profiles(config.serve.profiles_dir)

@@ -132,7 +132,7 @@ class ServeConfig:
     """The serving child (vLLM by default): what to run, as whom, and how to supervise it."""
 
     enabled: bool = False
-    engine: str = "vllm"  # a module of serving/engines/
+    engine: str = "vllm"  # a module of serving/compose/engines/
     profile: str = "auto"
     model: str = ""
     command: tuple[str, ...] = ()  # the argv prefix; empty: the engine's own (vllm serve)
@@ -143,7 +143,7 @@ class ServeConfig:
     gpus: tuple[str, ...] | None = None  # indices or UUIDs; None: all
     args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
-    env_file: Path | None = None  # KEY=VALUE secrets for the child, in a root-only file (serving/secrets.py)
+    env_file: Path | None = None  # KEY=VALUE secrets for the child, in a root-only file (serving/compose/secrets.py)
     allow_lint_errors: bool = False
     startup_timeout_s: float = 1800.0
     stop_timeout_s: float = 30.0
@@ -153,7 +153,7 @@ class ServeConfig:
     stable_after_s: float = 300.0
     crash_loop_failures: int = 5
     crash_loop_window_s: float = 600.0
-    # A stall: requests running or waiting and no token counted for this long (see serving/stall.py for why 300).
+    # A stall: requests running or waiting and no token counted for this long (see serving/watch/stall.py for why 300).
     stall_after_s: float = 300.0
     probe_after_s: float = 60.0  # idle this long: a one-token completion checks the engine (0: never)
     probe_timeout_s: float = 30.0

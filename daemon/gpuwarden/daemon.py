@@ -27,13 +27,13 @@ from collections.abc import Callable
 from . import __version__, earlysignals
 from .config import Config
 from .exporter import Exposition, MetricsServer
-from .gpuevents import EventWatcher
+from .eventwatch import EventWatcher
 from .gpu.base import GpuBackend
 from .monitor import Monitor, describe_sample
 from .originals import originals_store
 from .proxy.child import proxy_spec
-from .serving.processes import ProcessOps
-from .serving.runtime import ServingRuntime
+from .serving.run.processes import ProcessOps
+from .serving.run.runtime import ServingRuntime
 from .statedir import listen_file
 from .systemd import Notifier, flush_logs
 from .tuning import Tuner, TuningLife

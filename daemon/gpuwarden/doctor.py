@@ -17,7 +17,7 @@ from .gpu.iommu import iommu_state
 from .yamlfile import InvalidConfig
 
 if TYPE_CHECKING:
-    from .serving.command import ServeCommand
+    from .serving.compose.command import ServeCommand
 
 OK, INFO, WARNING, ERROR = "ok", "info", "warning", "error"
 EXIT = {OK: 0, INFO: 0, WARNING: 1, ERROR: 2}
@@ -115,7 +115,7 @@ def _installed(installed, engine, written_against: dict[str, str]) -> list[Diagn
 def _metric_names(config: Config, engine) -> list[Diagnosis]:
     """The metric names gpuwarden reads, against the running engine's /metrics (nothing when it is not up)."""
     from .httpget import HttpError
-    from .serving.metrics import fetch
+    from .serving.watch.metrics import fetch
 
     try:
         served = fetch(config.serve.url + engine.metrics_path)
@@ -233,8 +233,8 @@ def _power(s: GpuSample) -> Diagnosis:
 def _serving(config: Config, backend: GpuBackend, deep: bool) -> tuple[list[Diagnosis], ServeCommand | None]:
     """The serving checks, named after the engine ("vLLM profile", "SGLang flags"), and the command they
     prepared (None when serving is off or cannot be prepared)."""
-    from .serving.engines import engine_for
-    from .serving.prepare import prepare_serve
+    from .serving.compose.engines import engine_for
+    from .serving.compose.prepare import prepare_serve
 
     engine = engine_for(config.serve.engine)
     title = engine.title if engine is not None else config.serve.engine

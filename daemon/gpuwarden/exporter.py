@@ -202,7 +202,7 @@ def _alert_metrics(snap: Snapshot) -> Iterator[Metric]:
 def _serving_metrics(snap: Snapshot) -> Iterator[Metric]:
     """Generic serving metrics with an engine label, for every engine, and the same numbers under the
     gpuwarden_vllm_* names (no label) while the engine is vLLM: those dashboards keep working this release."""
-    from .serving.supervisor import STATES
+    from .serving.run.supervisor import STATES
 
     s, stats = snap.serving, snap.stats
     legacy = s.engine == "vllm"

@@ -18,15 +18,15 @@ from typing import TYPE_CHECKING
 
 from .alerts import CRITICAL, FIRING, REAPPLY_ON, RULES, SERVING_RULES, WARNING, AlertState, GpuContext
 from .config import Config
-from .gpuevents import EventBook, processes_on
+from .eventwatch import EventBook, processes_on
 from .gpu.base import ClockEventReason, GpuBackend, GpuSample
 from .systemd import NOTICE
 from .throttle import is_busy
 from .tuning import TuningLife
 
 if TYPE_CHECKING:
-    from .serving.metrics import ServingStats
-    from .serving.supervisor import ServingView
+    from .serving.watch.metrics import ServingStats
+    from .serving.run.supervisor import ServingView
 
 log = logging.getLogger("gpuwarden")
 STALL_POLLS = 3  # a gap of this many poll intervals between two readings is a stall, not a poll
@@ -236,7 +236,7 @@ class Monitor:
                           self.events.needs_reset.get(sample.index))
 
     def record_events(self, events: list, now: float) -> list[tuple[int, str]]:
-        """Log and count GPU events (gpuevents.EventBook); return (gpu, why) for those that ask for a reset
+        """Log and count GPU events (eventwatch.EventBook); return (gpu, why) for those that ask for a reset
         or a reboot (gpu -1: a GPU that could not be named)."""
         if not events:  # the usual poll: nothing to look up
             return []

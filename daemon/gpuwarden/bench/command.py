@@ -114,8 +114,8 @@ def _gpu_reader(config: Config):
 
 def _serving_facts(config: Config) -> tuple[Path | None, int, str | None, object]:
     """(model dir, TP size, KV cache dtype, metric names) from the serving config, where it says."""
-    from ..serving.engines import engine_for
-    from ..serving.flags import flag_value
+    from ..serving.compose.engines import engine_for
+    from ..serving.compose.flags import flag_value
 
     engine = engine_for(config.serve.engine)
     model = Path(config.serve.model) if config.serve.model and Path(config.serve.model).is_dir() else None

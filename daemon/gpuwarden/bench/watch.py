@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from ..gpu.base import ClockEventReason
 from ..httpget import HttpError
-from ..serving.metrics import fetch
+from ..serving.watch.metrics import fetch
 from ..status import StatusError
 from ..throttle import HELD_DOWN, LOCK_TOLERANCE_MHZ
 

@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 
 from ..config import Config
-from ..serving.command import child_env
-from ..serving.identity import Identity
-from ..serving.spec import ChildSpec, Timing
+from ..serving.compose.command import child_env
+from ..serving.compose.identity import Identity
+from ..serving.run.spec import ChildSpec, Timing
 from .normalize import SWITCHES
 
 log = logging.getLogger(__name__)

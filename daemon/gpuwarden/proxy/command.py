@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from ..config import ProxyConfig, parse_address
-from ..serving.engines import engine_for
+from ..serving.compose.engines import engine_for
 from . import diff
 from .dump import Dumper
 from .normalize import RULES, SWITCHES, Rules

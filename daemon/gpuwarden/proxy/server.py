@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..httpget import HttpError, read_capped
-from ..serving.metrics import parse
+from ..serving.watch.metrics import parse
 from .dump import Dumper, session_of
 from .normalize import Rules, apply
 

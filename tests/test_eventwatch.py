@@ -16,9 +16,9 @@ from gpuwarden.gpu.events import XID, GpuEvent
 from gpuwarden.gpu.nvml import NvmlBackend
 from gpuwarden.gpu.sim.backend import ManualClock
 from gpuwarden.gpu.sim.scenario import resolve_scenario
-from gpuwarden.gpuevents import EventBook, EventWatcher
+from gpuwarden.eventwatch import EventBook, EventWatcher
 from gpuwarden.monitor import Monitor
-from gpuwarden.serving.supervisor import FATAL, Supervisor
+from gpuwarden.serving.run.supervisor import FATAL, Supervisor
 from gpuwarden.tuning import Tuner, TuningLife
 from test_serving import running_supervisor, supervisor
 

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from .. import httpget
-from ..background import Background
-from .engines import MetricNames
+from ... import httpget
+from ...background import Background
+from ..compose.engines import MetricNames
 
 DEADLINE_S = 2.0
 MAX_BYTES = 8 * 1024 * 1024  # a real vLLM /metrics is 50-200 KB

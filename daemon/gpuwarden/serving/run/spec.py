@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ..config import ServeConfig
-from ..gpu.base import Gpu
-from .command import ServeCommand
-from .identity import Identity
+from ...config import ServeConfig
+from ...gpu.base import Gpu
+from ..compose.command import ServeCommand
+from ..compose.identity import Identity
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ validate_parsed_serve_args(parser.parse_args(json.loads(sys.argv[1])))
 """)
 
 
-# -- checks for the rules that are not plain data (serving/rules/builtin.yaml names them) ----------------------
+# -- checks for the rules that are not plain data (serving/compose/rules/builtin.yaml names them) ----------------------
 
 def kv_cache_fp8_e5m2(ctx: Any) -> dict | None:
     seqs = flag_value(ctx.argv, "--max-num-seqs")

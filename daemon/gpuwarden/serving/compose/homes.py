@@ -14,7 +14,7 @@ import os
 import stat
 from pathlib import Path
 
-from ..statedir import state_dir
+from ...statedir import state_dir
 from .identity import Identity
 
 # The cache variables, relative to the home they get.

@@ -7,9 +7,9 @@ import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ..config import Config, ServeConfig
-from ..gpu.base import GpuSample
-from ..yamlfile import ConfigError
+from ...config import Config, ServeConfig
+from ...gpu.base import GpuSample
+from ...yamlfile import ConfigError
 from .engines import Engine, engine_for
 from .profiles import Profile
 
@@ -78,7 +78,7 @@ def build_command(serve: ServeConfig, profile: Profile, gpus: Sequence[GpuSample
                   base_env: Mapping[str, str] = os.environ, secrets: Mapping[str, str] | None = None,
                   home: Mapping[str, str] | None = None, engine: Engine | None = None) -> ServeCommand:
     """argv and env for the child. env: the allow-list of base_env, a home made for the child when its own
-    cannot be written (serving/homes.py), then the profile's, serve.env, and the secrets (from a root-only
+    cannot be written (serving/compose/homes.py), then the profile's, serve.env, and the secrets (from a root-only
     file or a credential), in that order; HOME, USER and LOGNAME otherwise come at spawn."""
     engine = engine or engine_for(serve.engine)
     command = engine.command(serve)

@@ -1,6 +1,6 @@
 """What a lint finding is, and the checks every engine shares.
 
-The rules themselves are data (serving/rules/builtin.yaml, serving/rules.py). A rule that cannot be said
+The rules themselves are data (serving/compose/rules/builtin.yaml, serving/compose/rules.py). A rule that cannot be said
 as data names a check: a function of the LintContext that returns the values its message needs, or None
 when it does not fire. Engines register their own (Engine.checks); the ones here apply to any engine.
 Errors block the start unless serve.allow_lint_errors is true; warnings are logged.
@@ -15,8 +15,8 @@ from typing import Any
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from ..gpu.iommu import iommu_state
-from ..schema import Reader
+from ...gpu.iommu import iommu_state
+from ...schema import Reader
 
 ERROR, WARNING = "error", "warning"
 

@@ -19,10 +19,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import httpget
-from ..background import Background
+from ... import httpget
+from ...background import Background
 from . import ports
-from .identity import Identity, popen
+from ..compose.identity import Identity, popen
 
 log = logging.getLogger("gpuwarden")
 

@@ -4,7 +4,7 @@ engine does not take never gets past its own parser, so reading it as the dashed
 
 argparse also takes any unique prefix of a long flag (`--api-ke KEY`). Which prefixes are unique depends on
 every flag the parser has, which only the engine's own parser knows, so prefixes are read only where taking
-too much is safe: for secrets (serving/secrets.py), a word that could be a prefix is treated as one.
+too much is safe: for secrets (serving/compose/secrets.py), a word that could be a prefix is treated as one.
 """
 
 from __future__ import annotations

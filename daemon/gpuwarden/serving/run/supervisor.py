@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from .processes import Child, ProcessOps
-from .secrets import redact_argv
+from ..compose.secrets import redact_argv
 from .spec import ChildSpec
 
 log = logging.getLogger("gpuwarden")
@@ -97,7 +97,7 @@ class Phase:
 
 
 class Program:
-    """One supervised child: runs a ChildSpec (serving/spec.py), whatever kind of child it describes."""
+    """One supervised child: runs a ChildSpec (serving/run/spec.py), whatever kind of child it describes."""
 
     def __init__(self, spec: ChildSpec, ops: ProcessOps | None = None, clock: Callable[[], float] = time.monotonic):
         self.spec = spec
@@ -287,7 +287,7 @@ class Program:
             self._failed(now, f"{self.title} failed {failures} liveness probes in a row")
 
     def note_stall(self, now: float, reason: str | None, restart: bool) -> None:
-        """The engine's progress as serving/stall.py judges it: a new stall is counted and, with restart, ends
+        """The engine's progress as serving/watch/stall.py judges it: a new stall is counted and, with restart, ends
         the child as a crash does (group kill, backoff). It stays stalled until a child runs healthy again."""
         if reason is None:
             if self.state == RUNNING:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import ServeConfig
+from ...config import ServeConfig
 from .command import ServeCommand
 from .engines import FLAGCHECK_MARK
 from .identity import Identity, run_bounded

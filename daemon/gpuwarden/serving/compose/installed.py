@@ -1,5 +1,5 @@
 """What the engine's interpreter has installed: vLLM, FlashInfer and torch versions, torch's CUDA, and the
-VLLM_* variables this vLLM reads. The lint rules are keyed to these (serving/rules.py).
+VLLM_* variables this vLLM reads. The lint rules are keyed to these (serving/compose/rules.py).
 
 One subprocess in the engine's interpreter answers, as serve.user (its site-packages may run code at
 start-up through .pth files, so never as root). It imports none of the packages: versions come from

@@ -16,16 +16,16 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..config import Config
-from ..gpu.base import GpuBackend
-from ..yamlfile import ConfigErrors
-from .command import ServeCommand
-from .identity import Identity
-from .metrics import MetricsReader, ServingStats
-from .prepare import prepare_serve
+from ...config import Config
+from ...gpu.base import GpuBackend
+from ...yamlfile import ConfigErrors
+from ..compose.command import ServeCommand
+from ..compose.identity import Identity
+from ..watch.metrics import MetricsReader, ServingStats
+from ..compose.prepare import prepare_serve
 from .processes import ProcessOps
 from .spec import ChildSpec, engine_spec
-from .stall import Progress, StallWatch
+from ..watch.stall import Progress, StallWatch
 from .supervisor import FATAL, RUNNING, Program, ServingView, Supervisor
 
 log = logging.getLogger("gpuwarden")

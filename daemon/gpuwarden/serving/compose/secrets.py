@@ -46,7 +46,7 @@ def redact_env(env: Mapping[str, str]) -> dict[str, str]:
 
 def is_secret_flag(arg: str) -> bool:
     """Whether the word arg names a secret flag in any spelling the engines' parsers take: --api_key,
-    --api-key=X, or a prefix argparse would complete (--api-ke); serving/flags.py says why prefixes count here."""
+    --api-key=X, or a prefix argparse would complete (--api-ke); serving/compose/flags.py says why prefixes count here."""
     return (arg.startswith("--") and not any(names_flag(arg, flag) for flag in NOT_SECRET)
             and any(names_flag(arg, flag, prefix=True) for flag in SECRET_FLAGS))
 

@@ -1,6 +1,6 @@
 """Serving profiles: data (YAML), for one engine, matched to the GPUs by compute capability, count and memory.
 
-Built-in profiles live in serving/profiles/*.yaml; files in profiles.d/ beside
+Built-in profiles live in serving/compose/profiles/*.yaml; files in profiles.d/ beside
 the config override them by name. A profile names its engine (default vllm);
 `versions:` lists that engine's known-good and known-bad releases (`vllm:` is
 the older name of the same key, still read).
@@ -14,10 +14,10 @@ from pathlib import Path
 
 from packaging.specifiers import SpecifierSet
 
-from .. import yamlfile
-from ..gpu.base import GpuSample
-from ..schema import MISSING, Reader, type_name
-from ..yamlfile import ConfigError, ConfigErrors, InvalidConfig
+from ... import yamlfile
+from ...gpu.base import GpuSample
+from ...schema import MISSING, Reader, type_name
+from ...yamlfile import ConfigError, ConfigErrors, InvalidConfig
 from .lint import read_specifier
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "profiles"

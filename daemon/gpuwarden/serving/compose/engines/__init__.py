@@ -3,11 +3,11 @@
 An engine is one module here that defines ENGINE, an Engine: its default
 command, how its argv is built from the serve config and the profile, where its
 flags start, its memory fraction and tensor-parallel size, how to read the level
-of its log lines, the checks its lint rules name (serving/rules/builtin.yaml),
+of its log lines, the checks its lint rules name (serving/compose/rules/builtin.yaml),
 and (optionally) its own flag parser run in its interpreter, and its health and
 metrics endpoints with the names of the metrics that map to the generic serving
 stats. serve.engine names the module
-(default vllm); nothing outside serving/engines/ depends on which engine runs,
+(default vllm); nothing outside serving/compose/engines/ depends on which engine runs,
 except the vLLM-named metrics and JSON keys kept for this release
 (gpuwarden_vllm_*, check --json's vllm_version), which only vLLM emits.
 """
@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...config import ServeConfig
+from ....config import ServeConfig
 from ..flags import flag_value
 from ..installed import UNKNOWN, Installed
 from ..lint import CHECKS as SHARED_CHECKS
@@ -68,14 +68,14 @@ class Engine:
     metrics_path = "/metrics"
     completions_path = "/v1/completions"  # OpenAI's, for the stall probe's one-token completion
     served_name_flag = "--served-model-name"  # the model name requests must use, when not the model path
-    api_key_flag = "--api-key"  # the key clients must present (read as its parser does: serving/flags.py)
+    api_key_flag = "--api-key"  # the key clients must present (read as its parser does: serving/compose/flags.py)
     api_key_env: str | None = None  # the variable that gives it where the flag does not
     metric_names: MetricNames
     required_args: tuple[str, ...] = ()  # always passed, e.g. what makes it serve /metrics
     # Python run in the engine's interpreter with the flags as JSON in argv[1]; prints FLAGCHECK_MARK and
     # {"ok", "error", "version"} as JSON. None: the engine has no parser gpuwarden can run.
     flag_probe: str | None = None
-    checks: Mapping = {}  # name -> check(LintContext): the rules' check: entries for this engine (serving/rules.py)
+    checks: Mapping = {}  # name -> check(LintContext): the rules' check: entries for this engine (serving/compose/rules.py)
 
     def command(self, serve: ServeConfig) -> tuple[str, ...]:
         return serve.command or self.default_command

@@ -35,7 +35,7 @@ parser.parse_args(json.loads(sys.argv[1]))
 """)
 
 
-# -- checks for the rules that are not plain data (serving/rules/builtin.yaml names them) ----------------------
+# -- checks for the rules that are not plain data (serving/compose/rules/builtin.yaml names them) ----------------------
 
 def sglang_triton_backends(ctx: Any) -> dict | None:
     missing = [f for f in ("--fp8-gemm-backend", "--moe-runner-backend") if flag_value(ctx.argv, f) != "triton"]

@@ -1,11 +1,11 @@
-"""Lint rules as data: serving/rules/builtin.yaml, then /etc/gpuwarden/rules.d/*.yaml adding rules or
+"""Lint rules as data: serving/compose/rules/builtin.yaml, then /etc/gpuwarden/rules.d/*.yaml adding rules or
 overriding them by id (a key given replaces the built-in's; `severity: off` turns one off).
 
 A rule says when it can apply (compute capability and the installed vLLM, FlashInfer, torch or SGLang,
 as PEP 440 specifiers; a VLLM_* variable the installed vLLM still reads) and what it matches in the
 command (flags present or absent, flag values, variables set or not, the command, the model name, the
 tensor-parallel size, the GPU count). Rules that cannot be said as data name a `check:` instead, a
-function the engine module (or serving/lint.py) registers; they keep every other field. Each evaluation
+function the engine module (or serving/compose/lint.py) registers; they keep every other field. Each evaluation
 says, per rule, whether it applied, was skipped and why, or matched nothing: `profiles show` prints it.
 An installed version that is unknown (the probe could not run) never blocks: such a rule still applies,
 as a warning that says so.
@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import yamlfile
-from ..schema import Reader, type_name
-from ..yamlfile import ConfigError, ConfigErrors, InvalidConfig
+from ... import yamlfile
+from ...schema import Reader, type_name
+from ...yamlfile import ConfigError, ConfigErrors, InvalidConfig
 from .flags import flag_value, has_flag
 from .installed import PACKAGES, Installed
 from .lint import ERROR, WARNING, LintFinding, read_specifier, version_in
@@ -348,7 +348,7 @@ def _when_fails(when: Mapping[str, Any], ctx: LintContext) -> tuple[str | None, 
 
 def _matches(match: Mapping[str, Any], ctx: LintContext) -> bool:
     flags = ctx.flags
-    # A secret flag is present in any spelling its parser takes, prefixes included (serving/flags.py).
+    # A secret flag is present in any spelling its parser takes, prefixes included (serving/compose/flags.py).
     if not all(has_flag(flags, f, prefix=f in SECRET_FLAGS) for f in match.get("flags_present", ())):
         return False
     if any(has_flag(flags, f) for f in match.get("flags_absent", ())):

@@ -8,14 +8,14 @@ import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ..config import Config
-from ..gpu.base import GpuBackend, GpuSample
-from ..yamlfile import ConfigError, ConfigErrors
+from ...config import Config
+from ...gpu.base import GpuBackend, GpuSample
+from ...yamlfile import ConfigError, ConfigErrors
 from .command import ServeCommand, build_command, chosen_gpus, engine_of, profile_error
 from .flagcheck import FlagCheck, check_flags
 from .homes import HomeError, child_home
 from .identity import Identity, IdentityError, resolve
-from ..statedir import state_dir
+from ...statedir import state_dir
 from .engines import evaluate_lint, rules_for
 from .flagcheck import engine_python
 from .installed import Installed, installed
@@ -117,7 +117,7 @@ def compose(config: Config, gpus: Sequence[GpuSample], profile_name: str | None 
             base_env: Mapping[str, str] = os.environ, secrets: Mapping[str, str] | None = None,
             home: Mapping[str, str] | None = None, found: Installed | None = None, ask: bool = True) -> Composed:
     """Engine, profile, argv/env and lint for these GPUs; raises ConfigError(s). Starts nothing but the
-    installed-versions probe (serving/installed.py), unless found already has its answer or ask is False."""
+    installed-versions probe (serving/compose/installed.py), unless found already has its answer or ask is False."""
     engine = engine_of(config)
     profile = pick_profile(config, load_profiles(config.serve.profiles_dir), profile_name or config.serve.profile,
                            gpus)
