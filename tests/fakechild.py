@@ -16,6 +16,7 @@ Modes:
   setsid       forks a grandchild that calls setsid() and sleeps: it leaves the process group
   doublefork   forks a child that forks a grandchild and exits at once
   crash        exits with status 3 after 1 s
+  chatty       prints "INFO fakechild tick N" every 0.3 s (is its output still read after a handover?)
 """
 
 from __future__ import annotations
@@ -140,7 +141,17 @@ def main() -> None:
         time.sleep(1)
         print("ERROR fakechild: crashing on purpose", flush=True)
         sys.exit(3)
+    if "chatty" in modes:
+        threading.Thread(target=tick, daemon=True).start()
     serve(args.host, args.port, modes)
+
+
+def tick() -> None:
+    n = 0
+    while True:
+        n += 1
+        print(f"INFO fakechild tick {n}", flush=True)
+        time.sleep(0.3)
 
 
 if __name__ == "__main__":

@@ -1,3 +1,3 @@
 """gpuwarden: keeps NVIDIA inference GPUs tuned, watched and serving."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

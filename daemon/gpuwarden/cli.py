@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     sub.add_parser("apply", parents=[common], help="apply the tuning once, verify it, and exit (for boot-time "
                    "tuning without the daemon)")
+    sub.add_parser("cleanup", parents=[common], help="for the unit's ExecStopPost: after a stop, end the "
+                   "serving children the daemon left (after a crash they are kept for the restarted daemon to adopt)")
     p = sub.add_parser("run", parents=[common], help="the daemon: apply the tuning, then monitor every "
                        "poll_interval_s and serve metrics until SIGTERM/SIGINT (SIGHUP reloads the config)")
     p.add_argument("--read-only", action="store_true", help="never touch the GPUs (same as tuning.apply: false)")
@@ -347,14 +349,16 @@ def apply_status(outcomes: list[Outcome]) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .daemon import Daemon, StartupError, run
+    from .daemon import Daemon, StartupError, reexec, run
     from .systemd import setup_logging
 
     config = load_config(args)
     logs = setup_logging()
     backend = open_configured(config)
+    daemon = None
     try:
-        run(Daemon(config, backend, reload=lambda: load_config(args)), duration_s=args.duration)
+        daemon = Daemon(config, backend, reload=lambda: load_config(args))
+        run(daemon, duration_s=args.duration)
     except StartupError as exc:
         logs.close()
         print_error(f"gpuwarden: {exc}")
@@ -362,6 +366,31 @@ def cmd_run(args: argparse.Namespace) -> int:
     finally:
         backend.close()
         logs.close()
+    if daemon is not None and daemon.handing_over:
+        reexec()  # does not return
+    return EX_OK
+
+
+def cmd_cleanup(args: argparse.Namespace) -> int:
+    """ExecStopPost: systemd says how the daemon ended ($SERVICE_RESULT). A crash (a signal, a core dump, the
+    watchdog, an exit status systemd restarts on) leaves the children for the restarted daemon to adopt,
+    unless it was stopping them; any other end (a stop, a stop that timed out) ends what is left."""
+    from .serving.run import handover
+    from .statedir import state_dir
+
+    folder = state_dir()
+    record = handover.load(folder)
+    result = os.environ.get("SERVICE_RESULT", "success")
+    crashed = result in ("signal", "core-dump", "watchdog") or (
+        result == "exit-code" and os.environ.get("EXIT_STATUS") not in ("0", str(EX_CONFIG)))
+    if record is None or not record.children:
+        return EX_OK
+    if crashed and not record.stopping:
+        print(f"gpuwarden: the daemon ended with {result}: keeping {len(record.children)} child(ren) for the "
+              "restarted daemon to adopt")
+        return EX_OK
+    handover.end_leftovers(record, f"the daemon stopped ({result})")
+    handover.clear(folder)
     return EX_OK
 
 
@@ -421,7 +450,7 @@ def cmd_proxy(args: argparse.Namespace) -> int:
     return proxy_command.cmd_proxy(args, load_config)
 
 
-COMMANDS = {"bench": cmd_bench, "proxy": cmd_proxy, "check": cmd_check, "plan": cmd_plan, "apply": cmd_apply,
+COMMANDS = {"cleanup": cmd_cleanup, "bench": cmd_bench, "proxy": cmd_proxy, "check": cmd_check, "plan": cmd_plan, "apply": cmd_apply,
             "run": cmd_run, "status": cmd_status, "profiles": cmd_profiles, "doctor": cmd_doctor}
 
 

@@ -21,6 +21,7 @@ import math
 import os
 import select
 import signal
+import sys
 import time
 from collections.abc import Callable
 
@@ -33,8 +34,9 @@ from .monitor import Monitor, describe_sample
 from .originals import originals_store
 from .proxy.child import proxy_spec
 from .serving.run.processes import ProcessOps
+from .serving.run import handover
 from .serving.run.runtime import ServingRuntime
-from .statedir import listen_file
+from .statedir import listen_file, state_dir
 from .systemd import Notifier, flush_logs
 from .tuning import Tuner, TuningLife
 from .yamlfile import InvalidConfig
@@ -47,6 +49,14 @@ EVENTS_WAKE = 0  # the byte the GPU event thread writes to the wake-up pipe: no 
 RESTART_ONLY = ("gpu", "metrics", "counters_interval_s")
 ERROR_REPEAT_S = 60.0  # the same serving or poll error is logged at most this often
 STOP_MARGIN_S = 30.0  # beyond the child's drain, for SIGKILL and restoring the tuning
+HANDOVER_ENV = "GPUWARDEN_HANDOVER"  # set across a re-exec: the children's pipes were inherited
+
+
+def reexec() -> None:
+    """Become the installed gpuwarden, same pid and same command line (a handover: handle_usr2)."""
+    os.environ[HANDOVER_ENV] = "1"
+    flush_logs(2.0)
+    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 
 
 class StartupError(Exception):
@@ -66,12 +76,17 @@ class Daemon:
         self.monitor = Monitor(config, backend, self.tuning)
         self.exposition = Exposition(lambda: self.monitor.snapshot, clock)
         self.server: MetricsServer | None = None
-        # The children and what watches them; the proxy is a side child the runtime asks for by config.
-        self.serving = ServingRuntime(backend, sides=(proxy_spec,), ops=ops, clock=clock)
+        # The children and what watches them; the proxy is a side child the runtime asks for by config. Under
+        # the unit (StateDirectory=) the running children are recorded, so that the daemon after this one
+        # takes them over (serving/run/handover.py); a daemon run by hand adopts nothing.
+        records = state_dir() if os.environ.get("STATE_DIRECTORY") else None
+        self.serving = ServingRuntime(backend, sides=(proxy_spec,), ops=ops, clock=clock, state_dir=records,
+                                      keep_fd=self.notifier.keep_fd)
         self.watcher: EventWatcher | None = None  # Xid and fatal events, on their own thread
         self.wake: Callable[[], None] | None = None  # run() sets it: wakes the loop as a signal does
         self.ready_sent = False
         self.reload_asked = False  # a SIGHUP came: the next tick reloads
+        self.handing_over = False  # a SIGUSR2 came: the loop ends and the installed code takes over (re-exec)
         self.stopping = False
         self.started_at = time.time()
         self.published_at: float | None = None
@@ -105,8 +120,26 @@ class Daemon:
                 with contextlib.suppress(OSError):
                     listen_file().write_text(self.config.metrics.url + "\n")
         if launch is not None:
-            self.serving.start(launch, now)
+            self._start_serving(launch, now)
+        elif self.serving.state_dir is not None:
+            handover.end_leftovers(handover.load(self.serving.state_dir), "serving is off now")
+            handover.clear(self.serving.state_dir)
         self.tick(now)
+
+    def _start_serving(self, launch, now: float) -> None:
+        """Start the children, or take over those an earlier daemon left running: after a re-exec (an
+        upgrade) their output pipes were inherited; after a crash systemd's fd store kept them."""
+        record = handover.load(self.serving.state_dir)
+        reexec = os.environ.pop(HANDOVER_ENV, None) is not None
+        if reexec and record is not None:  # this process's own fds, kept open across execv
+            fds = {f"child-{c.name}": c.fd for c in record.children if c.fd is not None}
+        else:
+            fds = handover.stored_fds()
+        if record is not None and record.stopping and not reexec:
+            handover.end_leftovers(record, "the daemon before this one was stopping")
+            record = None
+        self.serving.start(launch, now, record, fds, "an upgrade (re-exec, same daemon pid)" if reexec
+                           else "a restart of the daemon")
 
     def _watch_events(self) -> None:
         """Start the thread that waits for Xid and fatal events (where the backend reports them)."""
@@ -226,12 +259,13 @@ class Daemon:
 
     def finish(self) -> None:
         """The last step of every exit, also after an error: stop the event thread, restore the tuning if
-        asked, close the port."""
+        asked (not on a handover: the new image keeps it), close the port."""
         if self.watcher is not None:
             if not self.watcher.stop():
                 log.warning("the GPU event thread did not end within 2 s")
             self.watcher = None
-        self.tuning.restore()
+        if not self.handing_over:
+            self.tuning.restore()
         if self.server is not None:
             self.server.stop()
             self.server = None
@@ -265,6 +299,19 @@ class Daemon:
             return
         log.info("SIGTERM received, stopping")
         self.begin_stop(now)
+
+    def handle_usr2(self) -> None:
+        """Hand over to the installed code (an upgrade): the loop ends, and cli re-executes this same process,
+        whose children stay its children; the new image adopts them (serving/run/handover.py)."""
+        if self.stopping:
+            log.warning("SIGUSR2 received while stopping: no handover")
+            return
+        record = self.serving.handover_record()
+        running = ", ".join(f"{c.name} pid {c.pid}" for c in record.children) or "no child"
+        log.info("SIGUSR2: handing over to the installed gpuwarden (same pid %d; %s kept running)", os.getpid(),
+                 running)
+        self.notifier.reloading()
+        self.handing_over = True
 
     def handle_int(self) -> None:
         now = self.clock()
@@ -381,7 +428,7 @@ def run(daemon: Daemon, duration_s: float | None = None, clock: Callable[[], flo
         daemon.start(start)
         poll = daemon.config.poll_interval_s
         next_tick = start + poll
-        while not daemon.stop_done:
+        while not daemon.stop_done and not daemon.handing_over:
             now = clock()
             daemon.feed_watchdog(now)
             if duration_s is not None and now - start >= duration_s and not daemon.stopping:

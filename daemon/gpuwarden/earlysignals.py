@@ -1,18 +1,19 @@
 """Signals that arrive before the daemon's loop can take them.
 
-Python starts with SIGHUP and SIGTERM at their default action (end the process) and SIGINT raising
+Python starts with SIGHUP, SIGTERM and SIGUSR2 at their default action (end the process) and SIGINT raising
 KeyboardInterrupt. The daemon's own handlers come once its loop exists, after imports, the config and
 NVML: seconds on a busy host. A `systemctl reload` or a logrotate in that window used to kill it with
 status 129 and no log line. So the entry points call hold() first: until the loop takes over, the three
 signals are only written down. take() hands them to the loop, which then deals with them in order;
 release() gives a command that is not the daemon its default signals back, and delivers what was held.
+SIGUSR2 asks the daemon to hand over to the installed code (serving/run/handover.py).
 """
 
 from __future__ import annotations
 
 import signal
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2)  # SIGUSR2: hand over (an upgrade)
 _held: list[int] = []
 _previous: dict[int, object] = {}
 

@@ -229,6 +229,13 @@ def _serving_metrics(snap: Snapshot) -> Iterator[Metric]:
     yield restarts
     yield stalls
     yield transitions
+    started = _gauge("gpuwarden_serving_start_time_seconds", "When the running child's process started (seconds "
+                     "since the epoch; time() minus it is its uptime: an upgrade of gpuwarden does not reset it)",
+                     ("child",))
+    for child in snap.children:
+        if child.started_at is not None:
+            started.add_metric([child.engine], child.started_at)
+    yield started
     values = (
         ("generation_tokens_per_second", "Generated tokens per second, between two polls",
          stats and stats.generation_tokens_per_s),

@@ -112,7 +112,11 @@ class Snapshot:
         if s.state != "RUNNING":
             return f"{s.title} {s.state} ({model}, {s.profile})" + (f": {s.problem}" if s.problem else "")
         rate = self.stats.generation_tokens_per_s if self.stats else None
-        return f"{model} ({s.profile}) " + (f"{rate:.0f} tok/s" if rate is not None else "serving")
+        since = ""
+        if s.started_at is not None:  # a clock time, not an age: the line changes when the engine does
+            fmt = "%H:%M" if time.time() - s.started_at < 86400 else "%b %d %H:%M"
+            since = f", up since {time.strftime(fmt, time.localtime(s.started_at))}"
+        return f"{model} ({s.profile}) " + (f"{rate:.0f} tok/s" if rate is not None else "serving") + since
 
     def as_dict(self) -> dict:
         return {

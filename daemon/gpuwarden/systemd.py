@@ -15,6 +15,7 @@ import queue
 import socket
 import sys
 import threading
+import time
 from collections.abc import Mapping
 
 NOTICE = 25  # syslog's "notice", between INFO and WARNING
@@ -189,6 +190,24 @@ class Notifier:
 
     def stopping(self) -> None:
         self._send("STOPPING=1")
+
+    def reloading(self) -> None:
+        """A handover (re-exec) begins; the new image's READY=1 ends it."""
+        self._send(f"RELOADING=1\nMONOTONIC_USEC={time.clock_gettime_ns(time.CLOCK_MONOTONIC) // 1000}")
+
+    def keep_fd(self, name: str, fd: int | None) -> None:
+        """Put fd in systemd's file descriptor store under name (FileDescriptorStoreMax= in the unit), or with
+        None take the named one out: a restarted daemon gets it back as LISTEN_FDS."""
+        if self._sock is None:
+            return
+        message = f"FDSTORE=1\nFDNAME={name}" if fd is not None else f"FDSTOREREMOVE=1\nFDNAME={name}"
+        try:
+            if fd is None:
+                self._sock.sendto(message.encode(), socket.MSG_DONTWAIT, self._address)
+            else:
+                socket.send_fds(self._sock, [message.encode()], [fd], socket.MSG_DONTWAIT, self._address)
+        except OSError:
+            self.dropped += 1
 
     def extend_timeout(self, seconds: float) -> None:
         """Ask systemd for seconds more before its start/stop timeout (a long vLLM drain)."""

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ... import httpget
 from ...background import Background
-from . import ports
+from . import handover, ports
 from ..compose.identity import Identity, popen
 
 log = logging.getLogger("gpuwarden")
@@ -32,11 +32,16 @@ HEALTH_MAX_BYTES = 64 * 1024
 PR_SET_CHILD_SUBREAPER = 36
 
 
+UNSEEN_EXIT = 256  # the exit status of an adopted child that is not ours to wait for (systemd reaped it)
+
+
 @dataclass
 class Child:
     pid: int
     pgid: int
-    process: subprocess.Popen | None = None
+    process: subprocess.Popen | None = None  # None: adopted from an earlier daemon (serving/run/handover.py)
+    start_ticks: int | None = None  # /proc's starttime: what proves a PID is still this child
+    output_fd: int | None = None  # the read end of its output pipe, kept across a handover
 
 
 class ProcessOps:
@@ -44,6 +49,7 @@ class ProcessOps:
 
     def __init__(self) -> None:
         self._spawned: dict[int, subprocess.Popen] = {}  # our own children (not escaped processes)
+        self._adopted: set[int] = set()  # children taken over from an earlier daemon: not escaped either
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
@@ -56,15 +62,53 @@ class ProcessOps:
         self._spawned[process.pid] = process
         threading.Thread(target=forward_lines, args=(process.stdout, on_line), daemon=True,
                          name=f"child-output-{process.pid}").start()
-        return Child(process.pid, process.pid, process)
+        return Child(process.pid, process.pid, process, handover.start_ticks(process.pid), process.stdout.fileno())
+
+    def adopt(self, entry: handover.Recorded, fd: int | None, on_line: Callable[[str], None]) -> Child | None:
+        """Take back a child an earlier daemon started, if it is provably that child (else None, said once);
+        its output is read again from fd (the pipe's read end that was kept), where there is one."""
+        why = handover.proven(entry)
+        if why is not None:
+            log.warning("not adopting the recorded %s: %s", entry.name, why)
+            return None
+        self._adopted.add(entry.pid)
+        try:
+            stream = os.fdopen(fd, "rb", buffering=0) if fd is not None else None
+        except OSError as exc:
+            log.warning("%s (pid %d): its output pipe was not kept (%s): its output is lost until it restarts",
+                        entry.name, entry.pid, exc.strerror)
+            stream, fd = None, None
+        if stream is not None:
+            os.set_inheritable(fd, False)
+            threading.Thread(target=forward_lines, args=(stream, on_line), daemon=True,
+                             name=f"child-output-{entry.pid}").start()
+        return Child(entry.pid, entry.pid, None, entry.start_ticks, fd)
 
     def poll(self, child: Child) -> int | None:
         if child.process is None:
-            return None
+            return self._poll_adopted(child)
         code = child.process.poll()
         if code is not None:
             self._spawned.pop(child.pid, None)
         return code
+
+    def _poll_adopted(self, child: Child) -> int | None:
+        """An adopted child is still ours to wait for after a re-exec (same PID), not after a crash (systemd
+        became its parent): then it is gone when its PID no longer has its start time."""
+        if child.start_ticks is None:
+            return None  # a test's stand-in
+        try:
+            pid, status = os.waitpid(child.pid, os.WNOHANG)
+        except ChildProcessError:
+            pid, status = 0, 0
+            if handover.start_ticks(child.pid) == child.start_ticks:
+                return None
+            self._adopted.discard(child.pid)
+            return UNSEEN_EXIT
+        if pid == 0:
+            return None
+        self._adopted.discard(child.pid)
+        return os.waitstatus_to_exitcode(status)
 
     def killpg(self, pgid: int, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):  # already gone
@@ -81,7 +125,8 @@ class ProcessOps:
     def escaped(self) -> list[int]:
         """Processes re-parented to us that we did not start ourselves: they left a child's group."""
         me = os.getpid()
-        return [pid for pid, (ppid, _) in _processes().items() if ppid == me and pid not in self._spawned]
+        return [pid for pid, (ppid, _) in _processes().items()
+                if ppid == me and pid not in self._spawned and pid not in self._adopted]
 
     def reap(self, pids: Iterable[int]) -> None:
         """Collect the exit status of killed processes, so they do not stay zombies: our own children through

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from ...config import Config
 from ...gpu.base import GpuBackend
@@ -23,6 +25,7 @@ from ..compose.command import ServeCommand
 from ..compose.identity import Identity
 from ..watch.metrics import MetricsReader, ServingStats
 from ..compose.prepare import prepare_serve
+from . import handover
 from .processes import ProcessOps
 from .spec import ChildSpec, engine_spec
 from ..watch.stall import Progress, StallWatch
@@ -73,11 +76,16 @@ def _sides(config: Config, identity: Identity, sides: Sequence[Side]) -> tuple[C
 
 class ServingRuntime:
     def __init__(self, backend: GpuBackend, sides: Sequence[Side] = (), ops: ProcessOps | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, state_dir: Path | None = None,
+                 keep_fd: Callable[[str, int | None], None] | None = None):
         self.backend = backend
         self.sides = tuple(sides)
         self.ops = ops or ProcessOps()  # one for every child: it knows which processes we started
         self.clock = clock
+        self.state_dir = state_dir  # where the record of running children lives (None: no adoption)
+        self.keep_fd = keep_fd  # hands a child's output pipe to systemd's fd store (None: drop it)
+        self._recorded: handover.Record | None = None  # what the record on disk says now
+        self._stopping = False  # stop() came: whatever outlives this daemon is a leftover, not to adopt
         self.launch: Launch | None = None  # what runs now
         self.children: Supervisor | None = None
         self.pending: Launch | None = None  # the next launch, started once the running children have stopped
@@ -101,17 +109,73 @@ class ServingRuntime:
     def stopped(self) -> bool:
         return self.children is None or self.children.stopped
 
-    def start(self, launch: Launch, now: float) -> None:
+    def start(self, launch: Launch, now: float, adoptable: handover.Record | None = None,
+              fds: Mapping[str, int] | None = None, how: str = "") -> None:
+        """Start the launch's children; with adoptable (the record an earlier daemon left), a recorded child
+        that is provably ours is taken over instead: kept as it is when the config asks for the same command,
+        else stopped and replaced as a reload would (the new one starts once it has stopped)."""
         self.launch = launch
-        self.children = Supervisor([Program(launch.engine, self.ops, self.clock),
-                                    *(Program(spec, self.ops, self.clock) for spec in launch.sides)])
+        programs = [Program(launch.engine, self.ops, self.clock),
+                    *(Program(spec, self.ops, self.clock) for spec in launch.sides)]
+        self.children = Supervisor(programs)
+        self._make_watchers(launch)
+        recorded = {c.name: c for c in adoptable.children} if adoptable is not None else {}
+        changed = False
+        for program in programs:
+            entry = recorded.get(program.name)
+            if entry is None:
+                continue
+            child = self.ops.adopt(entry, (fds or {}).get(f"child-{program.name}"), program.on_line)
+            if child is None:
+                continue
+            program.adopt(child, now, handover.started_wall(entry.start_ticks), how)
+            if (entry.argv_sha256, entry.uid) != (handover.argv_digest(program.spec.argv), program.identity.uid):
+                log.info("%s's command or user changed since it was started: replacing it, as a reload would",
+                         program.title)
+                changed = True
+        self.children.start(now)  # the programs not adopted
+        if changed:
+            self._replace_all(launch, now)
+        self._record(now)
+
+    def _make_watchers(self, launch: Launch) -> None:
         engine, serve = launch.command.engine, launch.config.serve
         self.reader = MetricsReader(serve.url + engine.metrics_path, engine.metric_names, self.clock)
         self.stall_watch = StallWatch(serve.stall_after_s, serve.probe_after_s, serve.probe_timeout_s,
                                       serve.url + engine.completions_path,
                                       engine.served_model(serve, launch.command.argv), self.clock,
                                       key=engine.api_key(launch.command.argv, launch.command.env))
-        self.children.start(now)
+
+    # -- the record of running children (serving/run/handover.py) ---------------------------------
+    def _record(self, now: float) -> None:
+        """Rewrite the record when the running children changed, and keep their output pipes in systemd's
+        fd store, so that a daemon started after this one (re-exec or crash) can take them over."""
+        running = []
+        for program in (self.children.programs.values() if self.children is not None else ()):
+            child = program.child
+            if child is not None and child.start_ticks is not None:
+                running.append(handover.Recorded(program.name, child.pid, child.start_ticks, program.identity.uid,
+                                                 handover.argv_digest(program.spec.argv), child.output_fd))
+        record = handover.Record(tuple(running), self._stopping)
+        if record == self._recorded:
+            return
+        old = {c.name: c for c in (self._recorded.children if self._recorded else ())}
+        if self.keep_fd is not None:
+            for entry in running:
+                if old.get(entry.name) != entry and entry.fd is not None:
+                    self.keep_fd(f"child-{entry.name}", entry.fd)
+            for name in set(old) - {c.name for c in running}:
+                self.keep_fd(f"child-{name}", None)
+        handover.save(self.state_dir, record)
+        self._recorded = record
+
+    def handover_record(self) -> handover.Record:
+        """What a re-executed daemon needs: the running children, their pipes inheritable."""
+        self._record(self.clock())
+        for entry in self._recorded.children:
+            if entry.fd is not None:
+                os.set_inheritable(entry.fd, True)
+        return self._recorded
 
     def tick(self, now: float) -> tuple[tuple[ServingView, ...] | None, ServingStats | None]:
         """Advance the children, read the engine's metrics and judge its progress: (views, stats)."""
@@ -120,7 +184,10 @@ class ServingRuntime:
             return None, None
         engine = self.children.main
         was_running = engine.state == RUNNING
-        self.children.tick(now)
+        try:
+            self.children.tick(now)
+        finally:
+            self._record(now)
         stats = None
         if engine.state == RUNNING:
             if not was_running:
@@ -195,6 +262,8 @@ class ServingRuntime:
         self.pending = None
         if self.children is not None:
             self.children.stop(now)
+            self._stopping = True
+            self._record(now)
 
     def kill_now(self, now: float) -> None:
         if self.children is not None:

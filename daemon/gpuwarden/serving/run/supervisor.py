@@ -29,7 +29,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .processes import Child, ProcessOps
+from .processes import UNSEEN_EXIT, Child, ProcessOps
 from ..compose.secrets import redact_argv
 from .spec import ChildSpec
 
@@ -75,6 +75,7 @@ class ServingView:
     stalled: str | None = None  # why it counts as stalled, until it runs healthy again
     stalls: int = 0
     gpus: tuple[int, ...] = ()  # the GPUs it runs on
+    started_at: float | None = None  # when its process started (seconds since the epoch), adopted ones too
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,7 @@ class Phase:
     state: str
     since: float = 0.0
     child: Child | None = None  # STARTING, RUNNING, STOPPING: the running process group
+    started_wall: float | None = None  # STARTING, RUNNING, STOPPING: when its process started (epoch seconds)
     started: float = 0.0  # STARTING, RUNNING: when it was spawned (a /health answer from before is stale)
     problem: str | None = None  # BACKOFF, FATAL: why it is not serving
     blocked: bool = False  # BACKOFF: waiting for the GPUs or the port, not after a failure
@@ -183,7 +185,19 @@ class Program:
         self._probe.discard()
         profile = f", profile {spec.profile}" if spec.profile else ""
         self._transition(STARTING, f"{self.title} starting (pid {child.pid}{profile}, user {self.identity.name}): "
-                                   + " ".join(redact_argv(spec.argv)), since=now, child=child, started=now)
+                                   + " ".join(redact_argv(spec.argv)), since=now, child=child, started=now,
+                         started_wall=time.time())
+
+    def adopt(self, child: Child, now: float, started_wall: float, how: str) -> None:
+        """Take over a running child an earlier daemon started (serving/run/handover.py proved it ours):
+        RUNNING at once, its liveness probe due now, so its health, metrics and stalls are watched from this
+        poll on. One line says so, with its PID and uptime."""
+        up = max(0.0, time.time() - started_wall)
+        # Through STARTING, as every child: it was started, only not by this daemon.
+        self._transition(STARTING, since=now, child=child, started=now, started_wall=started_wall)
+        self._transition(RUNNING, f"{self.title} adopted after {how}: pid {child.pid}, up {_duration(up)}, "
+                                  "still serving", since=now, child=child, started=now, started_wall=started_wall,
+                         next_probe=now)
 
     def _preflight(self) -> str | None:
         """None if the GPUs and the port are free for a new child; else why not (after killing our own
@@ -262,7 +276,7 @@ class Program:
             self.stalled = None  # a stall ends with a healthy new child
             self._transition(RUNNING, f"{self.title} healthy after {self.time_to_healthy_s:.1f} s on "
                                       f"{self.spec.url}", since=now, child=self.child, started=started,
-                             next_probe=now + timing.liveness_interval_s)
+                             started_wall=self.phase.started_wall, next_probe=now + timing.liveness_interval_s)
         elif healthy is False and f"not by {self.title}'s process group" in why:
             self._failed(now, f"{self.title} not trusted: {why}")
         elif now - started > timing.startup_timeout_s:
@@ -389,7 +403,8 @@ class Program:
         self.ops.killpg(child.pgid, signal.SIGTERM)
         timeout = self.spec.timing.stop_timeout_s
         self._transition(STOPPING, f"{self.title} stopping: SIGTERM to its {count} processes, SIGKILL after "
-                                   f"{timeout:g} s", since=now, child=child, kill_at=now + timeout, stop_count=count)
+                                   f"{timeout:g} s", since=now, child=child, kill_at=now + timeout, stop_count=count,
+                         started_wall=self.phase.started_wall)
 
     def kill_now(self, now: float) -> None:
         """A second stop request: do not wait for the drain."""
@@ -436,7 +451,7 @@ class Program:
                            self.restarts, self.last_exit_code, self.time_to_healthy_s, self.problem, self.blocked,
                            self.name, self.title,
                            tuple((old, new, n) for (old, new), n in sorted(self.transitions.items())),
-                           self.stalled, self.stalls, tuple(g.index for g in self.gpus))
+                           self.stalled, self.stalls, tuple(g.index for g in self.gpus), self.phase.started_wall)
 
 
 class Supervisor:
@@ -512,7 +527,17 @@ class Supervisor:
         return tuple(p.view() for p in self.programs.values())
 
 
+def _duration(seconds: float) -> str:
+    """3 s, 12 min, 5.2 h, 3.1 days."""
+    for unit, size in (("days", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= 2 * size:
+            return f"{seconds / size:.1f} {unit}" if unit in ("days", "h") else f"{seconds / size:.0f} {unit}"
+    return f"{seconds:.0f} s"
+
+
 def _describe_exit(code: int) -> str:
+    if code == UNSEEN_EXIT:
+        return "an exit status nobody could see (it was adopted, and systemd reaped it)"
     if code < 0:
         try:
             return f"signal {signal.Signals(-code).name}"

@@ -1,0 +1,171 @@
+"""Children that outlive the daemon's process image: an upgrade (the daemon re-executes itself, same PID) or a
+daemon crash (systemd starts a new one). Either way the new daemon finds the record of its running children
+and takes them back instead of killing a healthy engine that took minutes to load.
+
+The record (children.json in the state directory) is rewritten whenever a child starts or ends. A process
+is adopted only when it is provably the one recorded: the same PID *and* the same start time (/proc's
+starttime, in clock ticks since boot: a recycled PID has another), the same user, and the same command
+line; and only when the new config asks for that same command. Anything else that matches is a leftover,
+which the usual start path kills.
+
+A child's output pipe must outlive the old image too, or the engine's next log line meets a closed pipe:
+on re-exec its read end is inherited (its fd number is in the record); after a crash, systemd's file
+descriptor store kept it (FDSTORE=1, FDNAME=child-NAME) and hands it back as LISTEN_FDS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import signal
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+log = logging.getLogger("gpuwarden")
+
+RECORD = "children.json"
+MAX_RECORD_BYTES = 64 * 1024
+SD_LISTEN_FDS_START = 3
+
+
+@dataclass(frozen=True)
+class Recorded:
+    name: str  # the program's name ("vllm", "proxy")
+    pid: int  # the group leader; pgid == pid (each child starts its own session)
+    start_ticks: int  # /proc/PID/stat field 22
+    uid: int
+    argv_sha256: str  # of the NUL-joined argv, as /proc/PID/cmdline shows it
+    fd: int | None = None  # the output pipe's read end in the process that wrote the record (re-exec only)
+
+
+@dataclass(frozen=True)
+class Record:
+    children: tuple[Recorded, ...]
+    stopping: bool = False  # the daemon was stopping: anything left after it is a leftover, not to adopt
+
+
+def argv_digest(argv: Sequence[str]) -> str:
+    return hashlib.sha256("\0".join(argv).encode("utf-8", "surrogateescape")).hexdigest()
+
+
+def start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot, or None when it is gone (or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] == b"Z" else int(fields[19])
+
+
+def started_wall(ticks: int) -> float:
+    """A start time in clock ticks since boot as seconds since the epoch."""
+    with open("/proc/stat", "rb") as f:
+        btime = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
+    return btime + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def cmdline_digest(pid: int) -> str | None:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    return hashlib.sha256(raw.rstrip(b"\0")).hexdigest()
+
+
+def proven(entry: Recorded) -> str | None:
+    """None when the running process is provably the recorded child; else why not (in words)."""
+    ticks = start_ticks(entry.pid)
+    if ticks is None:
+        return f"pid {entry.pid} is gone"
+    if ticks != entry.start_ticks:
+        return f"pid {entry.pid} started at another time (a recycled PID)"
+    try:
+        uid = Path(f"/proc/{entry.pid}").stat().st_uid
+    except OSError:
+        return f"pid {entry.pid} is gone"
+    if uid != entry.uid:
+        return f"pid {entry.pid} runs as uid {uid}, not {entry.uid}"
+    if cmdline_digest(entry.pid) != entry.argv_sha256:
+        return f"pid {entry.pid} runs another command line"
+    return None
+
+
+def end_leftovers(record: Record | None, why: str) -> int:
+    """SIGKILL the process groups of recorded children that are provably ours but must not be adopted (the
+    daemon before was stopping them, or serving is off now); the record goes. Returns how many groups."""
+    if record is None:
+        return 0
+    ended = 0
+    for entry in record.children:
+        if proven(entry) is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(entry.pid, signal.SIGKILL)
+                ended += 1
+                log.warning("killed the leftover %s (pid %d and its group): %s", entry.name, entry.pid, why)
+    return ended
+
+
+def save(state_dir: Path | None, record: Record) -> None:
+    """Write the record atomically (best effort: without a state directory nothing can be adopted)."""
+    if state_dir is None:
+        return
+    path = state_dir / RECORD
+    data = json.dumps({"children": [asdict(c) for c in record.children], "stopping": record.stopping})
+    with contextlib.suppress(OSError):
+        state_dir.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(data)
+        os.replace(tmp, path)
+
+
+def load(state_dir: Path | None) -> Record | None:
+    """The record, or None when there is none or it cannot be read (said once; nothing is adopted then)."""
+    if state_dir is None:
+        return None
+    path = state_dir / RECORD
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        log.warning("children's record %s cannot be read (%s): adopting nothing", path, exc.strerror)
+        return None
+    with os.fdopen(fd, "rb") as f:
+        raw = f.read(MAX_RECORD_BYTES + 1)
+    try:
+        if len(raw) > MAX_RECORD_BYTES:
+            raise ValueError(f"larger than {MAX_RECORD_BYTES} bytes")
+        doc = json.loads(raw)
+        children = tuple(Recorded(str(c["name"]), int(c["pid"]), int(c["start_ticks"]), int(c["uid"]),
+                                  str(c["argv_sha256"]), None if c.get("fd") is None else int(c["fd"]))
+                         for c in doc["children"])
+        return Record(children, bool(doc.get("stopping", False)))
+    except (ValueError, KeyError, TypeError) as exc:
+        log.warning("children's record %s is not one gpuwarden wrote (%s): adopting nothing", path, exc)
+        return None
+
+
+def clear(state_dir: Path | None) -> None:
+    if state_dir is not None:
+        with contextlib.suppress(OSError):
+            (state_dir / RECORD).unlink()
+
+
+def stored_fds(environ: Mapping[str, str] = os.environ) -> dict[str, int]:
+    """The file descriptors systemd handed back from its store (LISTEN_FDS, LISTEN_FDNAMES), by name, when
+    they are meant for this process; the variables are removed so that no child inherits them."""
+    pid, count, names = environ.get("LISTEN_PID"), environ.get("LISTEN_FDS", ""), environ.get("LISTEN_FDNAMES", "")
+    if pid != str(os.getpid()) or not count.isdigit():
+        return {}
+    if environ is os.environ:
+        for key in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
+            os.environ.pop(key, None)
+    fds = range(SD_LISTEN_FDS_START, SD_LISTEN_FDS_START + int(count))
+    return {name: fd for name, fd in zip(names.split(":"), fds) if name}

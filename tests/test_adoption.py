@@ -1,0 +1,178 @@
+"""A daemon that ends (a crash, SIGKILL) or hands over to new code (an upgrade: SIGUSR2, re-exec, same PID)
+leaves its engine serving, and the daemon after it takes the engine back: same PID, its output read again,
+watched again. Only a process provably its own is adopted (start time, user and command line); one whose
+command the config no longer asks for is replaced as a reload would. Real processes throughout: the daemon
+and the fake engine (tests/fakechild.py)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from conftest import subprocess_env
+from gpuwarden.serving.run import handover
+from test_faults import fake, fault_config, no_fakes_left, status, wait_until  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.integration
+
+
+def engine_of(base):
+    """(state, pid) of the engine as the daemon reports it."""
+    try:
+        serving = status(base).get("serving") or {}
+    except OSError:
+        return None, None
+    return serving.get("state"), (serving.get("pid") if "pid" in serving else None)
+
+
+def running_pid(base, timeout=30):
+    return wait_until(lambda: (lambda s, p: p if s == "RUNNING" and p else None)(*engine_of(base)), timeout)
+
+
+def env_with_state(tmp_path):
+    folder = tmp_path / "state"
+    folder.mkdir(exist_ok=True)
+    return dict(subprocess_env(), STATE_DIRECTORY=str(folder)), folder
+
+
+def test_a_restarted_daemon_adopts_the_engine_it_left_and_watches_it_again(write, fake, daemons, tmp_path,
+                                                                            no_fakes_left):
+    path, base, port = fault_config(write, fake, "healthy,chatty")
+    env, folder = env_with_state(tmp_path)
+    first = daemons(path, env=env)
+    pid = running_pid(base)
+    record = handover.load(folder)
+    assert [c.name for c in record.children] == ["vllm"] and record.children[0].pid == pid
+    first.proc.kill()  # SIGKILL: no stop, no cleanup; the engine goes on serving
+    first.proc.wait(10)
+    assert handover.start_ticks(pid) is not None, "the engine outlived its daemon"
+    second = daemons(path, env=env)
+    line = second.wait_for("adopted after a restart of the daemon", timeout=30)
+    assert f"pid {pid}, up " in line and "still serving" in line
+    assert running_pid(base) == pid, "the same engine, not a new one"
+    assert "vLLM starting (pid" not in second.log
+    # Watched again: killed, it is noticed and restarted as any engine is.
+    mark = len(second.lines)
+    os.kill(pid, signal.SIGKILL)
+    second.wait_for("vLLM exited with an exit status nobody could see", after=mark, timeout=20)
+    second.wait_for("vLLM starting (pid", after=mark, timeout=30)
+    assert running_pid(base) != pid
+    assert second.stop() == 0
+    assert handover.load(folder).children == ()  # a stop leaves nothing to adopt
+
+
+def test_a_handover_re_executes_in_place_and_keeps_the_engine_and_its_output(write, fake, daemons, tmp_path,
+                                                                            no_fakes_left):
+    path, base, port = fault_config(write, fake, "healthy,chatty")
+    env, folder = env_with_state(tmp_path)
+    d = daemons(path, env=env)
+    pid = running_pid(base)
+    daemon_pid = d.proc.pid
+    mark = len(d.lines)
+    d.proc.send_signal(signal.SIGUSR2)
+    d.wait_for("SIGUSR2: handing over to the installed gpuwarden", after=mark, timeout=10)
+    line = d.wait_for("adopted after an upgrade (re-exec, same daemon pid)", after=mark, timeout=30)
+    assert f"pid {pid}, up " in line
+    assert d.proc.poll() is None and d.proc.pid == daemon_pid
+    assert status(base)["daemon"]["pid"] == daemon_pid
+    assert running_pid(base) == pid
+    after = len(d.lines)
+    d.wait_for("vllm: INFO fakechild tick", after=after, timeout=10)  # the same pipe, read by the new image
+    assert "vLLM starting (pid" not in "\n".join(d.lines[mark:])
+    # The re-executed daemon still stops its engine: nothing is left.
+    assert d.stop() == 0
+    assert handover.start_ticks(pid) is None
+
+
+def test_an_engine_whose_command_changed_meanwhile_is_replaced_as_a_reload_would(write, fake, daemons, tmp_path,
+                                                                               no_fakes_left):
+    path, base, port = fault_config(write, fake, "healthy")
+    env, folder = env_with_state(tmp_path)
+    first = daemons(path, env=env)
+    pid = running_pid(base)
+    first.proc.kill()
+    first.proc.wait(10)
+    path.write_text(path.read_text().replace('--mode, "healthy"', '--mode, "healthy,chatty"'))
+    second = daemons(path, env=env)
+    second.wait_for("vLLM's command or user changed since it was started: replacing it", timeout=30)
+    second.wait_for("vLLM starting (pid", timeout=30)
+    new = running_pid(base)
+    assert new != pid and handover.start_ticks(pid) is None
+    assert second.stop() == 0
+
+
+def test_only_a_provably_own_process_is_adopted(tmp_path):
+    """Same PID but another start time, another user, or another command line: never adopted."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        argv = [sys.executable, "-c", "import time; time.sleep(60)"]
+        wait_until(lambda: handover.cmdline_digest(proc.pid) == handover.argv_digest(argv), timeout=10)  # exec'd
+        ticks = handover.start_ticks(proc.pid)
+        good = handover.Recorded("vllm", proc.pid, ticks, os.geteuid(), handover.argv_digest(argv))
+        assert handover.proven(good) is None
+        assert "another time" in handover.proven(handover.Recorded("vllm", proc.pid, ticks + 1, os.geteuid(),
+                                                                   good.argv_sha256))
+        assert "runs as uid" in handover.proven(handover.Recorded("vllm", proc.pid, ticks, os.geteuid() + 1,
+                                                                  good.argv_sha256))
+        assert "another command line" in handover.proven(handover.Recorded(
+            "vllm", proc.pid, ticks, os.geteuid(), handover.argv_digest(argv + ["--port", "1"])))
+    finally:
+        proc.kill()
+        proc.wait()
+    assert "gone" in handover.proven(good)
+
+
+def test_a_look_alike_recorded_engine_is_not_adopted_and_not_killed(write, fake, daemons, tmp_path,
+                                                                    no_fakes_left):
+    """A record that points at a process with the engine's command line but another start time (a recycled
+    PID, or a forged record): the daemon says so, adopts nothing, and leaves that process alone."""
+    path, base, port = fault_config(write, fake, "healthy")
+    env, folder = env_with_state(tmp_path)
+    look_alike = subprocess.Popen([fake["python"], str(fake["script"]), "--mode", "noaccept", "--port", "1"],
+                                  stdout=subprocess.DEVNULL)
+    try:
+        argv = [fake["python"], str(fake["script"]), "--mode", "noaccept", "--port", "1"]
+        wait_until(lambda: handover.cmdline_digest(look_alike.pid) == handover.argv_digest(argv), timeout=10)
+        ticks = handover.start_ticks(look_alike.pid)
+        handover.save(folder, handover.Record((handover.Recorded("vllm", look_alike.pid, ticks - 1, os.geteuid(),
+                                                                 handover.argv_digest(argv)),)))
+        d = daemons(path, env=env)
+        d.wait_for("not adopting the recorded vllm: pid", timeout=30)
+        assert running_pid(base) != look_alike.pid
+        assert look_alike.poll() is None, "a process it cannot prove its own is left alone"
+        assert d.stop() == 0
+    finally:
+        look_alike.kill()
+        look_alike.wait()
+
+
+def test_cleanup_keeps_children_after_a_crash_and_ends_them_after_a_stop(tmp_path):
+    """The unit's ExecStopPost: after a crash (SERVICE_RESULT=signal) the recorded child is kept for the
+    restarted daemon; after a stop that timed out it is ended."""
+    env, folder = env_with_state(tmp_path)
+    argv = [sys.executable, "-c", "import time; time.sleep(60)"]
+    child = subprocess.Popen(argv, start_new_session=True)
+    try:
+        wait_until(lambda: handover.cmdline_digest(child.pid) == handover.argv_digest(argv), timeout=10)
+        ticks = handover.start_ticks(child.pid)
+        handover.save(folder, handover.Record((handover.Recorded("vllm", child.pid, ticks, os.geteuid(),
+                                                                 handover.argv_digest(argv)),)))
+        cmd = [sys.executable, "-m", "gpuwarden", "cleanup"]
+        kept = subprocess.run(cmd, env=dict(env, SERVICE_RESULT="signal"), capture_output=True, text=True,
+                              timeout=60)
+        assert kept.returncode == 0 and "keeping 1 child(ren)" in kept.stdout
+        assert child.poll() is None
+        ended = subprocess.run(cmd, env=dict(env, SERVICE_RESULT="timeout"), capture_output=True, text=True,
+                               timeout=60)
+        assert ended.returncode == 0
+        assert child.wait(10) == -signal.SIGKILL
+        assert handover.load(folder) is None
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
