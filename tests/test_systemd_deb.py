@@ -4,6 +4,7 @@ Needs root, debootstrap and systemd-nspawn; tests/systemd/make-rootfs caches the
 rootfs. Under CI=true a missing part is a failure, elsewhere a skip.
 """
 
+import json
 import os
 import re
 import shutil
@@ -28,6 +29,9 @@ def require(condition, why):
         pytest.skip(why)
 
 
+NEWER = "0.2.1-1"  # the version the upgrade test installs over the tree's own
+
+
 @pytest.fixture(scope="module")
 def deb():
     require(os.geteuid() == 0, "building and installing the .deb needs root")
@@ -35,6 +39,17 @@ def deb():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (path,) = (ROOT / "dist").glob("gpuwarden_*_all.deb")
     return path, proc.stdout
+
+
+@pytest.fixture(scope="module")
+def newer_deb(deb):
+    """The same tree as a newer version: what an upgrade installs."""
+    out = ROOT / "dist" / "newer"
+    proc = subprocess.run([str(ROOT / "packaging" / "build-deb")], capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, GPUWARDEN_DEB_VERSION=NEWER, GPUWARDEN_DEB_OUT=str(out)))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (path,) = out.glob(f"gpuwarden_{NEWER}_all.deb")
+    return path
 
 
 def nspawn(root, *args, timeout=600, boot=False, binds=()):
@@ -142,16 +157,17 @@ def test_boots_tunes_alerts_stops_fails_cleanly_and_survives_a_stall(installed_r
     assert got["verify_lines"] == "0", f"systemd-analyze verify printed:\n{verify}"
     assert got["security"].startswith("Overall exposure level for gpuwarden.service")
     assert float(got["security"].split(": ")[1].split()[0]) <= 4.3, got["security"]
-    assert got["upgrade_restarted"] == "yes"
+    assert got["upgrade_handed_over"] == "yes", (folder / "journal.txt").read_text()[-3000:]
     assert got["removed_inactive"] in ("inactive", "unknown") and got["removed_config_kept"] == "yes"
     assert (got["purged_config"], got["purged_state"], got["purged_unit"]) == ("gone", "gone", "gone")
     assert time.monotonic() - started < 300
 
 
 def test_serving_ready_only_when_vllm_is_healthy_and_stop_leaves_nothing(installed_root, tmp_path, vllm_python,
-                                                                        tiny_model):
+                                                                        tiny_model, newer_deb):
     root = tmp_path / "root"
     subprocess.run(["cp", "-a", "--reflink=auto", str(installed_root), str(root)], check=True)
+    shutil.copy(newer_deb, root / "var" / "cache" / "gpuwarden-new.deb")
     add_checks(root, HERE / "e2e-vllm-checks")
     conf = root / "etc" / "gpuwarden" / "conf.d"
     (conf / "10-e2e.yaml").unlink()
@@ -163,7 +179,7 @@ def test_serving_ready_only_when_vllm_is_healthy_and_stop_leaves_nothing(install
     folder = tmp_path / "results"
     folder.mkdir()
     venv = vllm_python.parent.parent
-    proc = nspawn(root, boot=True, timeout=600,
+    proc = nspawn(root, boot=True, timeout=1200,
                   binds=[f"{folder}:/results", f"{venv}:{venv}", f"{tiny_model}:/srv/tiny-model"])
     got = results(folder)
     journal = (folder / "journal.txt").read_text() if (folder / "journal.txt").exists() else proc.stdout[-3000:]
@@ -186,4 +202,18 @@ def test_serving_ready_only_when_vllm_is_healthy_and_stop_leaves_nothing(install
     assert got["proxy_state"] == "1"
     assert got["proxy_back"] == "200" and got["proxy_restart_logged"] == "1", journal[-4000:]
     assert got["state_after_proxy_kill"] == "active" and got["health_after_proxy_kill"] == "200"
+    # An upgrade under a steady stream (direct and through the proxy): the same engine, proxy and daemon
+    # processes, the new version, no failed request; then the new daemon restarts a killed engine.
+    assert got["upgrade_version"] == NEWER.split("-")[0], journal[-4000:]
+    assert (got["upgrade_engine_same"], got["upgrade_proxy_same"], got["upgrade_daemon_same"]) == \
+        ("yes", "yes", "yes"), journal[-4000:]
+    stream = json.loads(got["upgrade_stream"])
+    assert stream["ok"] >= 10 and stream["failed"] == 0, stream
+    assert got["upgrade_adopted_logged"] == "2", journal[-4000:]  # the engine and the proxy, one line each
+    assert got["engine_restarted_after_upgrade"] == "yes", journal[-4000:]
+    # SIGKILL of the daemon alone: systemd restarts it, it adopts the engine; no request fails.
+    assert got["crash_new_daemon"] == "yes" and got["crash_same_engine"] == "yes", journal[-4000:]
+    stream = json.loads(got["crash_stream"])
+    assert stream["ok"] >= 10 and stream["failed"] == 0, stream
+    assert got["crash_adopted_logged"] == "1" and got["crash_metrics"] == "yes", journal[-4000:]
     assert got["stop_result"] == "success" and got["leftover"] == "0"

@@ -99,7 +99,10 @@ class Daemon:
         engine, take the first sample, and tell systemd we are ready. Raises ConfigErrors for values a card or
         the engine rejects, StartupError if the metrics port is taken; neither leaves a GPU setting changed."""
         plan = self.tuning.check(self.config)
-        launch = self.serving.prepare(self.config, deep=True) if self.config.serve.enabled else None
+        # After a handover the engine runs already, its flags checked when it started: only lint here, so the
+        # new image feeds the watchdog again within seconds, not after the engine's import.
+        handing_over = HANDOVER_ENV in os.environ
+        launch = self.serving.prepare(self.config, deep=not handing_over) if self.config.serve.enabled else None
         if self.config.metrics.listen is not None:
             try:
                 self.server = MetricsServer(self.config.metrics.listen, self.exposition, self.status_document,
