@@ -1,26 +1,37 @@
 """TLS and basic auth on /metrics and /status, from a node_exporter-style web config file, on a real daemon."""
 
 import json
+import socket
 import ssl
 import subprocess
+import sys
+import time
 import urllib.error
 import urllib.request
 
 import bcrypt
 import pytest
 
-from conftest import free_port, gpuwarden_cmd, subprocess_env
+from conftest import ROOT, free_port, gpuwarden_cmd, subprocess_env
 from gpuwarden.webconfig import basic_auth_header
+from test_metrics_server import scrape, trickle
 
 pytestmark = pytest.mark.integration
+GOOD = ("prometheus", "s3cret")
 
 
 @pytest.fixture
 def secured(write, tmp_path):
+    return secure(write, tmp_path, rounds=4)
+
+
+def secure(write, tmp_path, rounds):
+    """A daemon's config with TLS and basic auth (prometheus:s3cret, bcrypt of that cost); its https base URL
+    and a client context that trusts its certificate."""
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
                     "/CN=localhost", "-keyout", str(tmp_path / "server.key"), "-out", str(tmp_path / "server.crt")],
                    check=True, capture_output=True, timeout=60)
-    hashed = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(rounds=4)).decode()
+    hashed = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(rounds=rounds)).decode()
     write("web.yml", f"tls_server_config:\n  cert_file: server.crt\n  key_file: server.key\n"
                      f"basic_auth_users:\n  prometheus: '{hashed}'\n")
     port = free_port()
@@ -74,3 +85,47 @@ def test_a_bad_web_config_is_a_located_error(write, cli):
         f"{web}:3: tls_server_config.key_file: {path.parent / 'missing.key'} is not a readable file",
         f"{web}:5: basic_auth_users.prometheus: expected a bcrypt hash ($2b$...) "
         "(make one with: htpasswd -nBC 12 \"\" | tr -d ':\\n')"]
+
+
+def test_crowds_that_trickle_or_guess_passwords_leave_prometheus_its_scrapes(write, tmp_path, daemons):
+    path, base, context = secure(write, tmp_path, rounds=10)  # about 70 ms a check here: guesses queue up
+    port = int(base.rsplit(":", 1)[1])
+    d = daemons(path, "--sim", "rtx-pro-4000-headless")
+    d.wait_for("serving /metrics and /status on https://")
+    assert scrape(port, context, GOOD) == 200  # Prometheus, scraping before the crowds come
+    trickling = []
+    try:  # 64 clients finish the TLS handshake, then send their requests a byte every 0.2 s
+        for _ in range(64):
+            s = context.wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=10))
+            s.sendall(b"GET /metrics HTTP/1.1\r\nX-Trickle: ")
+            trickling.append(s)
+        codes = []
+        for _ in range(6):
+            trickle(trickling)
+            codes.append(scrape(port, context, GOOD))
+            time.sleep(0.2)
+    finally:
+        for s in trickling:
+            s.close()
+    assert codes == [200] * 6, f"scrapes answered {codes} (0: refused) among 64 tricklers"
+
+    # 64 scrapers guessing a new password each, back to back, from a process of their own
+    crowd = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "metrics_attack.py"), "crowd", "guess",
+                              "--port", str(port), "--cafile", str(tmp_path / "server.crt"), "--clients", "64",
+                              "--seconds", "4"], stdout=subprocess.PIPE, text=True, env=subprocess_env())
+    try:
+        time.sleep(0.5)
+        codes = []
+        for _ in range(5):  # from another address, as Prometheus on a host of its own
+            codes.append(scrape(port, context, GOOD, source="127.0.0.2"))
+            time.sleep(0.2)
+        out, _ = crowd.communicate(timeout=60)
+    finally:
+        if crowd.poll() is None:
+            crowd.kill()
+            crowd.wait(5)
+    assert codes == [200] * 5, f"scrapes answered {codes} (0: refused) among 64 wrong-password scrapers"
+    replies = json.loads(out)["replies"]
+    assert int(replies.get("503", 0)) > 0, f"64 guesses at once all waited for bcrypt: {replies}"
+    assert d.stop() == 0 and "Traceback" not in d.log
+    assert "metrics endpoint: client faults: " in d.log

@@ -7,14 +7,19 @@ scrape only reads the snapshot; it never calls NVML.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import socket
 import ssl
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from http import HTTPStatus
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -324,128 +329,269 @@ class Exposition:
         self._wake.set()
 
 
-MAX_CONNECTIONS = 64  # concurrent HTTP connections; more are closed at once (fds stay well under 1024)
-REQUEST_TIMEOUT_S = 1.0  # to send the request after connecting: an idle crowd frees its slots fast
-CONNECTION_TIMEOUT_S = 5.0  # per read or write while answering
+MAX_CONNECTIONS = 64  # open at once (fds stay well under 1024); past it, one waiting on its client goes
+REQUEST_DEADLINE_S = 10.0  # from accept to the end of the request head, TLS handshake included (Prometheus: 10 s)
+RESPONSE_DEADLINE_S = 10.0  # to hand over the whole reply and close
+MAX_REQUEST_HEAD = 16 * 1024  # request line and headers, read at once; a scrape sends about 200 bytes
+AUTH_WAITING = 4  # password checks running (one at a time: at most a core) or queued; past it, 503
 LISTEN_BACKLOG = 128
+ACCEPT_BATCH = 16  # connections taken per wake-up: a burst holds at most this many fds over the cap at once
+FAULT_LOG_INTERVAL_S = 60.0
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    request_queue_size = LISTEN_BACKLOG
+class FaultLog:
+    """Client faults as one log line a minute at most, with a count for each kind; never a traceback.
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.active = 0
-        self.refused = 0
-        self.client_errors = 0
-        self._lock = threading.Lock()
-        self._last_error_log = float("-inf")
-        self._unlogged = 0
+    The first fault after a quiet minute is told at once; those after it wait for the minute to end."""
 
-    def process_request(self, request, client_address) -> None:
-        with self._lock:
-            full = self.active >= MAX_CONNECTIONS
-            if not full:
-                self.active += 1
-        if full:  # refuse at once: an idle crowd must not eat every fd or thread
-            self.refused += 1
-            self.shutdown_request(request)
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self.counts: Counter[str] = Counter()
+        self.last_peer = ""
+        self.next_line = float("-inf")
+
+    def note(self, kind: str, peer: str) -> None:
+        self.counts[kind] += 1
+        self.last_peer = peer
+        self.tick()
+
+    def tick(self) -> None:
+        now = self.clock()
+        if not self.counts or now < self.next_line:
             return
-        try:
-            super().process_request(request, client_address)
-        except Exception:
-            with self._lock:
-                self.active -= 1
-            raise
+        kinds = ", ".join(f"{count} {kind}" for kind, count in self.counts.most_common())
+        log.info("metrics endpoint: client faults: %s (the last from %s)", kinds, self.last_peer)
+        self.counts.clear()
+        self.next_line = now + FAULT_LOG_INTERVAL_S
 
-    def process_request_thread(self, request, client_address) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            with self._lock:
-                self.active -= 1
 
-    def handle_error(self, request, client_address) -> None:
-        """One line, at most once a minute, for clients that hang up or time out; never a traceback."""
-        import sys
-
-        exc = sys.exc_info()[1]
-        with self._lock:
-            self.client_errors += 1
-            self._unlogged += 1
-            now = time.monotonic()
-            if now - self._last_error_log < 60:
-                return
-            count, self._unlogged, self._last_error_log = self._unlogged, 0, now
-        log.info("metrics endpoint: %d client error(s) in the last minute, last from %s: %s: %s", count,
-                 client_address[0], type(exc).__name__, exc)
+@dataclass
+class _Connection:
+    peer: str
+    # "request": its client is to send the request; "answer": the server's turn; "reply": its client is to
+    # take the reply and hang up. All but "answer" wait on the client, and may go to make room.
+    phase: str = "request"
 
 
 class MetricsServer:
-    """`/metrics` for Prometheus and `/status` for `gpuwarden status`, on a background thread."""
+    """`/metrics` for Prometheus and `/status` for `gpuwarden status`, from an event loop on its own thread.
+
+    A slow client costs a coroutine, not a thread, and has REQUEST_DEADLINE_S for the TLS handshake and the
+    whole request head together, however it spaces its bytes. When MAX_CONNECTIONS are open, a new one
+    pushes out the oldest connection that waits on its client, from the address that holds the most, so a
+    crowd cannot hold every slot; only when the server is busy with all of them is the new one refused
+    (the short line of password checks keeps that from happening). Password checks (bcrypt) run one at a
+    time on a worker thread, at most AUTH_WAITING in line, past which a request gets 503 at once; a scraper
+    whose password passed once is remembered and skips the line.
+    """
 
     def __init__(self, listen: tuple[str, int], exposition: Exposition, status: Callable[[], dict],
                  web: WebConfig | None = None):
         host, port = listen
-        server_class = type("Server", (_Server,), {"address_family": socket.AF_INET6 if ":" in host
-                                                   else socket.AF_INET})
+        self.tls = web.ssl_context() if web is not None and web.tls else None
+        # Bound here: a port in use is an OSError at start-up, before anything is tuned.
+        self.listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                             backlog=LISTEN_BACKLOG)
+        self.listener.setblocking(False)
         self.exposition = exposition
-        self.httpd = server_class((host, port), _handler(exposition, status, web))
-        if web is not None and web.tls:
-            # The handshake happens in each connection's thread (Handler.setup), never in the accept loop.
-            self.httpd.socket = web.ssl_context().wrap_socket(self.httpd.socket, server_side=True,
-                                                              do_handshake_on_connect=False)
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="metrics", daemon=True)
+        self.status = status
+        self.web = web
+        self.faults = FaultLog()
+        self.connections: dict[asyncio.Task, _Connection] = {}  # oldest first
+        self.checking = 0  # password checks running or waiting
+        self.checks = ThreadPoolExecutor(1, thread_name_prefix="metrics-auth")
+        self.loop = asyncio.new_event_loop()
+        self._main: asyncio.Task | None = None
+        self._thread = threading.Thread(target=self._run, name="metrics", daemon=True)
 
     def start(self) -> None:
+        self._main = self.loop.create_task(self._serve())  # the loop runs it once the thread starts
         self._thread.start()
 
     def stop(self) -> None:
-        if self._thread.is_alive():  # shutdown() waits for serve_forever, which may never have started
-            self.httpd.shutdown()
-        self.httpd.server_close()
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self._main.cancel)
+            self._thread.join(5)
+        else:
+            self.listener.close()
+            self.loop.close()
+        self.checks.shutdown(wait=False, cancel_futures=True)
         self.exposition.close()
 
+    def _run(self) -> None:
+        try:
+            self.loop.run_until_complete(self._main)
+        finally:
+            self.loop.close()
 
-def _handler(exposition: Exposition, status: Callable[[], dict],
-             web: WebConfig | None) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        timeout = REQUEST_TIMEOUT_S  # socket timeout until the request has arrived
+    async def _serve(self) -> None:
+        self.loop.set_exception_handler(self._loop_error)
+        self.loop.add_reader(self.listener.fileno(), self._accept)
+        try:
+            while True:  # until stop() cancels
+                await asyncio.sleep(1.0)
+                self.faults.tick()
+        except asyncio.CancelledError:
+            pass
+        finally:
+            self.loop.remove_reader(self.listener.fileno())
+            others = asyncio.all_tasks() - {asyncio.current_task()}  # the connections, dropped ones too
+            for task in others:
+                task.cancel()
+            await asyncio.gather(*others, return_exceptions=True)
+            self.listener.close()
 
-        def setup(self) -> None:
-            super().setup()
-            if isinstance(self.connection, ssl.SSLSocket):
-                self.connection.do_handshake()  # within REQUEST_TIMEOUT_S; a failure is a client error
-
-        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-            self.connection.settimeout(CONNECTION_TIMEOUT_S)
-            if web is not None and not web.authorized(self.headers.get("Authorization")):
-                self.send_response(401)
-                self.send_header("WWW-Authenticate", f'Basic realm="{REALM}"')
-                self.send_header("Content-Length", "0")
-                self.end_headers()
+    def _accept(self) -> None:
+        """Take the connections in the listen queue, a batch on each turn of the loop (one a turn let the
+        queue fill: then new connections, a good scraper's among them, sit out TCP's retransmission timers)."""
+        for _ in range(ACCEPT_BATCH):
+            try:
+                sock, address = self.listener.accept()
+            except BlockingIOError:
                 return
-            path = self.path.split("?", 1)[0]
-            if path == "/metrics":
-                self._reply(200, CONTENT_TYPE_LATEST, exposition.body())
-            elif path == "/status":
-                self._reply(200, "application/json", json.dumps(status(), allow_nan=False).encode())
-            elif path == "/":
-                self._reply(200, "text/plain; charset=utf-8",
-                            b"gpuwarden: /metrics for Prometheus, /status for `gpuwarden status`\n")
+            except OSError as exc:  # out of fds: stop taking connections for a moment instead of spinning
+                self.faults.note(f"not accepted ({exc.strerror})", "-")
+                self.loop.remove_reader(self.listener.fileno())
+                self.loop.call_later(0.1, self.loop.add_reader, self.listener.fileno(), self._accept)
+                return
+            sock.setblocking(False)
+            self._admit(sock, address[0])
+
+    def _admit(self, sock: socket.socket, peer: str) -> None:
+        if len(self.connections) >= MAX_CONNECTIONS and not self._drop_one_waiting():
+            self.faults.note("refused: every connection busy", peer)
+            sock.close()
+            return
+        connection = _Connection(peer)
+        self.connections[self.loop.create_task(self._connection(sock, connection))] = connection
+
+    def _drop_one_waiting(self) -> bool:
+        """Drop a connection that waits on its client: from the address that holds the most, one that has its
+        reply if there is one, else the oldest. A crowd from one place makes room for everyone else, whether
+        it trickles requests or lets replies sit, and a request under way is the last thing it loses."""
+        held = Counter(connection.peer for connection in self.connections.values())
+        waiting = [(task, c) for task, c in self.connections.items() if c.phase != "answer"]
+        if not waiting:
+            return False
+        task, connection = max(waiting, key=lambda item: (held[item[1].peer], item[1].phase == "reply"))
+        del self.connections[task]
+        task.cancel()
+        self.faults.note("dropped to make room", connection.peer)
+        return True
+
+    async def _connection(self, sock: socket.socket, connection: _Connection) -> None:
+        transport = None
+        head_read = False
+        try:
+            reader = asyncio.StreamReader(limit=MAX_REQUEST_HEAD)
+            protocol = asyncio.StreamReaderProtocol(reader)
+            # asyncio sets this only where the socket's proto is IPPROTO_TCP, and create_server's is 0: without
+            # it, Nagle holds a TLS reply's last record for the client's delayed ACK (40 ms a scrape).
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                async with asyncio.timeout(REQUEST_DEADLINE_S):
+                    transport, _ = await self.loop.connect_accepted_socket(lambda: protocol, sock, ssl=self.tls)
+                    head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.LimitOverrunError:
+                head = None
+            head_read, connection.phase = True, "answer"
+            reply = await self._answer(head, connection.peer)
+            connection.phase = "reply"
+            async with asyncio.timeout(RESPONSE_DEADLINE_S):
+                writer = asyncio.StreamWriter(transport, protocol, reader, self.loop)
+                writer.write(reply)
+                await writer.drain()
+                writer.close()
+                with contextlib.suppress(OSError):  # the reply is out: a client may hang up as it likes (TLS: reset)
+                    await writer.wait_closed()
+        except Exception as exc:  # the ways a client fails: counted by kind, never a traceback each
+            self.faults.note(_fault(exc, head_read), connection.peer)
+        finally:
+            self.connections.pop(asyncio.current_task(), None)
+            if transport is None:
+                sock.close()
             else:
-                self._reply(404, "text/plain; charset=utf-8", b"not found\n")
+                transport.abort()  # nothing left to send by now, or too late to send it
 
-        def _reply(self, code: int, content_type: str, body: bytes) -> None:
-            self.send_response(code)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    async def _answer(self, head: bytes | None, peer: str) -> bytes:
+        if head is None:
+            self.faults.note(f"request head over {MAX_REQUEST_HEAD // 1024} KiB", peer)
+            return _reply(431, b"request header fields too large\n")
+        try:
+            method, target, headers = _parse_head(head)
+        except ValueError:
+            self.faults.note("not an HTTP/1 request", peer)
+            return _reply(400, b"bad request\n")
+        if method != "GET":
+            return _reply(405, b"only GET\n", extra=("Allow: GET",))
+        refusal = await self._refusal(headers.get("authorization"), peer)
+        if refusal is not None:
+            return refusal
+        path = target.split("?", 1)[0]
+        if path == "/metrics":
+            return _reply(200, self.exposition.body(), CONTENT_TYPE_LATEST)
+        if path == "/status":
+            return _reply(200, json.dumps(self.status(), allow_nan=False).encode(), "application/json")
+        if path == "/":
+            return _reply(200, b"gpuwarden: /metrics for Prometheus, /status for `gpuwarden status`\n")
+        return _reply(404, b"not found\n")
 
-        def log_message(self, format: str, *args) -> None:  # noqa: A002 (http.server's signature)
-            log.debug("http %s", format % args)
+    async def _refusal(self, header: str | None, peer: str) -> bytes | None:
+        """None when basic auth lets the request through, else the reply: 401, or 503 while the line of
+        password checks is full (a crowd of wrong passwords then costs one core at most, and a remembered
+        scraper still gets in)."""
+        if self.web is None:
+            return None
+        verdict = self.web.remembered(header)
+        if verdict is None:
+            if self.checking >= AUTH_WAITING:
+                self.faults.note("refused: password checks queued", peer)
+                return _reply(503, b"too many password checks at once\n", extra=("Retry-After: 1",))
+            self.checking += 1
+            try:
+                verdict = await self.loop.run_in_executor(self.checks, self.web.authorized, header)
+            finally:
+                self.checking -= 1
+        if verdict:
+            return None
+        self.faults.note("unauthorized", peer)
+        return _reply(401, b"unauthorized\n", extra=(f'WWW-Authenticate: Basic realm="{REALM}"',))
 
-    return Handler
+    def _loop_error(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        """What asyncio would log with a traceback (a transport's fatal error, mostly): counted instead."""
+        exc = context.get("exception")
+        self.faults.note(f"{context.get('message', 'error')}: {type(exc).__name__}"[:120], "-")
+
+
+def _fault(exc: Exception, head_read: bool) -> str:
+    if isinstance(exc, TimeoutError):
+        return (f"reply not taken within {RESPONSE_DEADLINE_S:g} s" if head_read
+                else f"no whole request within {REQUEST_DEADLINE_S:g} s")
+    if isinstance(exc, ssl.SSLError):
+        return "TLS error"
+    if isinstance(exc, (OSError, EOFError)):  # reset, or closed before the request ended
+        return "hung up"
+    return f"server error: {type(exc).__name__}: {exc}"[:120]
+
+
+def _parse_head(head: bytes) -> tuple[str, str, dict[str, str]]:
+    """Method, target and headers (lower-case names, the first of each) of a request head; ValueError unless
+    it is HTTP/1."""
+    request, *lines = head.decode("latin-1").split("\r\n")
+    method, target, version = request.split(" ")
+    if not version.startswith("HTTP/1."):
+        raise ValueError(version)
+    headers: dict[str, str] = {}
+    for line in filter(None, lines):
+        name, colon, value = line.partition(":")
+        if not colon:
+            raise ValueError(line)
+        headers.setdefault(name.strip().lower(), value.strip())
+    return method, target, headers
+
+
+def _reply(code: int, body: bytes, content_type: str = "text/plain; charset=utf-8", extra: tuple[str, ...] = ()
+           ) -> bytes:
+    head = [f"HTTP/1.1 {code} {HTTPStatus(code).phrase}", f"Content-Type: {content_type}",
+            f"Content-Length: {len(body)}", "Connection: close", *extra]
+    return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body

@@ -13,7 +13,9 @@
 
 Passwords are checked with bcrypt (Debian: python3-bcrypt); a check that
 passed is remembered, as the toolkit does, so a scrape does not pay bcrypt's
-cost every time.
+cost every time. The server decides how many checks run at once
+(exporter.MetricsServer): `remembered` answers without bcrypt, `authorized`
+is the whole check, for a worker thread.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from .schema import Reader, type_name
 from .yamlfile import ConfigError
 
 REALM = "gpuwarden"
+PASSED_REMEMBERED = 64  # credentials that passed a check, kept so a scrape skips bcrypt
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,7 @@ class WebConfig:
     cert_file: Path | None = None
     key_file: Path | None = None
     users: tuple[tuple[str, str], ...] = ()  # (name, bcrypt hash)
-    _passed: set = field(default_factory=set, compare=False, repr=False)
+    _passed: dict = field(default_factory=dict, compare=False, repr=False)  # digests, oldest first
     _lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
 
     @property
@@ -52,31 +55,63 @@ class WebConfig:
         context.load_cert_chain(self.cert_file, self.key_file)
         return context
 
-    def authorized(self, header: str | None) -> bool:
-        """True when basic auth is off, or the Authorization header names a user with the right password."""
+    def remembered(self, header: str | None) -> bool | None:
+        """Without bcrypt: True when basic auth is off or these credentials passed a check lately, False when
+        the header holds no basic credentials, None when only authorized() can tell."""
         if not self.users:
             return True
-        scheme, _, encoded = (header or "").partition(" ")
-        if scheme.lower() != "basic":
+        decoded = _decode(header)
+        if decoded is None:
             return False
+        return True if self._remembers(hashlib.sha256(decoded).digest()) else None
+
+    def authorized(self, header: str | None) -> bool:
+        """True when basic auth is off, or the Authorization header names a user with the right password.
+        Unless remembered, this is one bcrypt check (0.1-0.3 s at cost 12): run it off the event loop."""
+        if not self.users:
+            return True
+        decoded = _decode(header)
+        if decoded is None:
+            return False
+        key = hashlib.sha256(decoded).digest()
+        if self._remembers(key):
+            return True
         try:
-            name, _, password = base64.b64decode(encoded, validate=True).decode("utf-8").partition(":")
-        except (ValueError, UnicodeDecodeError):
+            name, _, password = decoded.decode("utf-8").partition(":")
+        except UnicodeDecodeError:
             return False
         hashed = dict(self.users).get(name)
-        if hashed is None:
-            return False
-        key = hashlib.sha256(f"{name}\0{password}\0{hashed}".encode()).digest()
-        with self._lock:
-            if any(hmac.compare_digest(key, seen) for seen in self._passed):
-                return True
         import bcrypt  # only when basic auth is configured (load() checked that it imports)
 
-        if not bcrypt.checkpw(password.encode(), hashed.encode()):
+        # An unknown user is checked against a real user's hash and refused whatever the answer, so that it
+        # costs what a wrong password costs: the time taken does not tell which names exist.
+        try:
+            ok = bcrypt.checkpw(password.encode(), (hashed or self.users[0][1]).encode())
+        except ValueError:  # a NUL in the password (bcrypt 3.2), or over 72 bytes (bcrypt 5)
+            return False
+        if not ok or hashed is None:
             return False
         with self._lock:
-            self._passed.add(key)
+            # Only right passwords get here, yet bcrypt reads 72 bytes of one, so suffixes make more: a bound.
+            if len(self._passed) >= PASSED_REMEMBERED:
+                del self._passed[next(iter(self._passed))]
+            self._passed[key] = None
         return True
+
+    def _remembers(self, key: bytes) -> bool:
+        with self._lock:
+            return any(hmac.compare_digest(key, seen) for seen in self._passed)
+
+
+def _decode(header: str | None) -> bytes | None:
+    """The "user:password" bytes of a basic Authorization header, or None."""
+    scheme, _, encoded = (header or "").partition(" ")
+    if scheme.lower() != "basic":
+        return None
+    try:
+        return base64.b64decode(encoded, validate=True)
+    except ValueError:
+        return None
 
 
 def load(path: Path) -> WebConfig:
