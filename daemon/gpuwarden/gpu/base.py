@@ -107,6 +107,10 @@ class GpuSample:
     violation_seconds: Mapping[str, float | None] = field(default_factory=dict)  # keys: VIOLATION_POLICIES
     energy_joules: float | None = None
     memory_bus_width_bits: int | None = None
+    # The host's driver and the newest CUDA it runs ("13.0"), read once per backend: the serving lint compares
+    # them with the CUDA the engine was built for. None: not known (the simulator gives the driver only).
+    driver_version: str | None = None
+    cuda_driver_version: str | None = None
     health: GpuHealth = field(default_factory=GpuHealth)  # the link and memory, read at counters_interval_s
     error: str | None = None  # why the GPU is down, when up is False
 

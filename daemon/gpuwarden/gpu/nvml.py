@@ -68,6 +68,7 @@ class NvmlBackend(GpuBackend):
         self._open = False
         self._last_reinit = float("-inf")
         self._init()
+        self.driver = (self.driver_version(), self.cuda_driver_version())  # read once: the same for every GPU
         handles = []
         for i in range(self._call(self.nvml.nvmlDeviceGetCount)):
             handle = self._call(self.nvml.nvmlDeviceGetHandleByIndex, i)
@@ -109,6 +110,14 @@ class NvmlBackend(GpuBackend):
         except self.nvml.NVMLError:
             return None
 
+    def cuda_driver_version(self) -> str | None:
+        """The newest CUDA this driver runs, "13.0" (NVML answers 13000)."""
+        try:
+            version = self.nvml.nvmlSystemGetCudaDriverVersion_v2()
+        except (AttributeError, self.nvml.NVMLError):  # an old nvidia-ml-py, or a driver without the call
+            return None
+        return f"{version // 1000}.{version % 1000 // 10}" if isinstance(version, int) and version > 0 else None
+
     def persistenced_running(self) -> bool:
         return bool(persistenced_pids(self.proc_root))
 
@@ -126,6 +135,7 @@ class NvmlBackend(GpuBackend):
             self._open = True
         except self.nvml.NVMLError:
             return False
+        self.driver = (self.driver_version(), self.cuda_driver_version())  # a reload may bring another driver
         for gpu in self._gpus:
             gpu.refind()
         return True
@@ -289,6 +299,8 @@ class NvmlGpu(Gpu):
             violation_seconds=dict(self._violations),
             energy_joules=self._energy,
             memory_bus_width_bits=self.memory_bus_width_bits,
+            driver_version=self.backend.driver[0],
+            cuda_driver_version=self.backend.driver[1],
             health=self._health,
         )
 

@@ -242,6 +242,7 @@ class SimGpu(Gpu):
             memory_used_bytes=int(total * self.memory_used_pct / 100),
             memory_total_bytes=total,
             memory_unified="memory_info" in ns,
+            driver_version=self.backend.scenario.driver_version,
             health=self._health(),
             persistence_mode=self.persistence if "persistence_mode" not in ns else None,
             performance_state=0 if sm > m.idle_sm_clock_mhz else 8,
