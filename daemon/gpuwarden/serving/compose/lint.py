@@ -17,6 +17,7 @@ from packaging.version import InvalidVersion, Version
 
 from ...gpu.iommu import iommu_state
 from ...schema import Reader
+from . import facts as F
 
 ERROR, WARNING = "error", "warning"
 
@@ -28,14 +29,19 @@ class LintFinding:
     message: str
     source: str
     fix: str = ""
+    link: str = ""  # where the source can be read
+    facts: tuple[str, ...] = ()  # what it matched on, in words: "driver 580.95.05 supports CUDA 13.0"
+    traps: tuple[str, ...] = ()  # the community registry's trap ids (model-serving-minefield)
 
     def __str__(self) -> str:
         fix = f"; fix: {self.fix}" if self.fix else ""
-        return f"{self.severity}: {self.rule}: {self.message}{fix} [source: {self.source}]"
+        link = f" {self.link}" if self.link else ""
+        facts = f" (matched: {'; '.join(self.facts)})" if self.facts else ""
+        return f"{self.severity}: {self.rule}: {self.message}{fix} [source: {self.source}{link}]{facts}"
 
     def as_dict(self) -> dict:
         return {"severity": self.severity, "rule": self.rule, "message": self.message, "fix": self.fix,
-                "source": self.source}
+                "source": self.source, "link": self.link, "facts": list(self.facts), "traps": list(self.traps)}
 
 
 def version_in(spec: SpecifierSet, version: str) -> bool:
@@ -59,6 +65,15 @@ def read_specifier(r: Reader, path: tuple[str, ...]) -> SpecifierSet | None:
 def model_billions(model: str) -> float | None:
     match = re.search(r"(\d+(?:\.\d+)?)[bB](?![a-zA-Z])", model.rsplit("/", 1)[-1])
     return float(match.group(1)) if match else None
+
+
+def model_size(ctx: Any) -> tuple[float | None, str]:
+    """(billions of parameters, from where): the safetensors headers of a local model, else the name's "27B"."""
+    mf = ctx.model_facts
+    if mf.known and mf.params_b is not None:
+        return mf.params_b, f"{mf.params_b:.1f}B parameters ({mf.params_note})"
+    size = model_billions(ctx.model)
+    return size, (f"{size:g}B by its name" if size is not None else "size unknown")
 
 
 # -- checks for any engine (ctx: rules.LintContext) --------------------------------------------------------
@@ -85,7 +100,64 @@ def profile_untested(ctx: Any) -> dict | None:
 
 
 def iommu_translating(ctx: Any) -> dict | None:
-    return {"tp": ctx.tp_size} if iommu_state() == "translating" else None
+    return {"tp": ctx.tp_size, "facts": ["the IOMMU translates DMA"]} if iommu_state() == "translating" else None
 
 
-CHECKS = {"known_bad": known_bad, "profile_untested": profile_untested, "iommu_translating": iommu_translating}
+def cuda_beyond_driver(ctx: Any) -> dict | None:
+    """The CUDA torch was built for, or a toolkit in the engine's environment, newer than the driver runs.
+    ctx.fact raises facts.Unknown (the rule is skipped) where the driver or the installed versions are unknown."""
+    driver_cuda, driver_text = ctx.fact("host.driver_cuda")
+    newest = F.cuda_tuple(driver_cuda)
+    worst = None
+    for name in ("engine.torch_cuda", "engine.cuda_toolkit"):
+        value, text = ctx.fact(name)
+        built = F.cuda_tuple(value)
+        if built and newest and built > newest and (worst is None or built > worst[0]):
+            worst = (built, value, text)
+    if worst is None:
+        return None
+    built, value, text = worst
+    return {"built": f"{built[0]}.{built[1]}", "driver_cuda": driver_cuda, "driver": ctx.driver,
+            "what": text, "facts": [driver_text, text]}
+
+
+def cuda_major_beyond_driver(ctx: Any) -> dict | None:
+    """As cuda_beyond_driver, for a newer major version: CUDA's minor-version compatibility does not cover it."""
+    found = cuda_beyond_driver(ctx)
+    if found is None or found["built"].split(".")[0] == found["driver_cuda"].split(".")[0]:
+        return None
+    return found
+
+
+def cuda_minor_beyond_driver(ctx: Any) -> dict | None:
+    found = cuda_beyond_driver(ctx)
+    if found is None or found["built"].split(".")[0] != found["driver_cuda"].split(".")[0]:
+        return None
+    return found
+
+
+def sliding_window_resolves_full(ctx: Any) -> dict | None:
+    """A Qwen2/Qwen3-style config that declares a sliding window its own gates then turn off: use_sliding_window
+    absent (it defaults to false), or max_window_layers at or past the last layer (minefield trap 143)."""
+    ctx.fact("model.sliding_window")  # facts.Unknown without a readable config.json: skipped, said why
+    mf = ctx.model_facts
+    window, kind = mf.sliding_window, mf.model_type or ""
+    if not window or not kind.startswith(("qwen2", "qwen3")) or mf.use_sliding_window is False:
+        return None  # an explicit false is a decision, not a slip (Qwen2.5 ships it so)
+    if mf.layer_types is not None:
+        if any("sliding" in t for t in mf.layer_types):
+            return None
+        why = "layer_types lists no sliding_attention layer"
+    elif mf.use_sliding_window is None:
+        why = "use_sliding_window is not set, and it defaults to false"
+    else:
+        first = mf.max_window_layers if mf.max_window_layers is not None else 28  # transformers' default
+        if mf.num_hidden_layers is None or first < mf.num_hidden_layers:
+            return None
+        why = f"max_window_layers {first} is at or past the last of {mf.num_hidden_layers} layers"
+    return {"window": window, "why": why, "facts": [f"config.json {kind} sliding_window {window}", why]}
+
+
+CHECKS = {"known_bad": known_bad, "profile_untested": profile_untested, "iommu_translating": iommu_translating,
+          "cuda_major_beyond_driver": cuda_major_beyond_driver, "cuda_minor_beyond_driver": cuda_minor_beyond_driver,
+          "sliding_window_resolves_full": sliding_window_resolves_full}

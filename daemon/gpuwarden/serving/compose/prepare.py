@@ -20,6 +20,7 @@ from .engines import evaluate_lint, rules_for
 from .flagcheck import engine_python
 from .installed import Installed, installed
 from .lint import ERROR, LintFinding
+from .model import model_facts
 from .rules import LintContext, Outcome, Rules
 from .profiles import Profile, load_profiles, select_profile
 from .secrets import SecretFileError, credentials_file, read_env_file
@@ -117,7 +118,9 @@ def compose(config: Config, gpus: Sequence[GpuSample], profile_name: str | None 
             base_env: Mapping[str, str] = os.environ, secrets: Mapping[str, str] | None = None,
             home: Mapping[str, str] | None = None, found: Installed | None = None, ask: bool = True) -> Composed:
     """Engine, profile, argv/env and lint for these GPUs; raises ConfigError(s). Starts nothing but the
-    installed-versions probe (serving/compose/installed.py), unless found already has its answer or ask is False."""
+    installed-versions probe (serving/compose/installed.py), unless found already has its answer or ask is False;
+    reads the model directory's config.json and safetensors headers (bounded), only from the cache when ask is
+    False."""
     engine = engine_of(config)
     profile = pick_profile(config, load_profiles(config.serve.profiles_dir), profile_name or config.serve.profile,
                            gpus)
@@ -125,7 +128,8 @@ def compose(config: Config, gpus: Sequence[GpuSample], profile_name: str | None 
     command = build_command(config.serve, profile, gpus, base_env, secrets, home, engine)
     if found is None:
         found = installed_for(config, command, ask)
-    outcomes = tuple(evaluate_lint(LintContext.of(command, config.serve.model, found), rules))
+    model = model_facts(config.serve.model, read=ask)
+    outcomes = tuple(evaluate_lint(LintContext.of(command, config.serve.model, found, model), rules))
     return Composed(command, tuple(o.finding for o in outcomes if o.finding is not None), outcomes, found, rules)
 
 
@@ -137,7 +141,7 @@ def installed_for(config: Config, command: ServeCommand, ask: bool = True) -> In
         identity = child_identity(config)
     except ConfigError as exc:
         return Installed(python or "", False, error=exc.message)
-    env = {k: v for k, v in command.env.items() if k in ("PATH", "PYTHONPATH", "HOME", "LANG")}
+    env = {k: v for k, v in command.env.items() if k in ("PATH", "PYTHONPATH", "HOME", "LANG", "CUDA_HOME")}
     return installed(python, identity, env, state_dir(), ask=ask)
 
 

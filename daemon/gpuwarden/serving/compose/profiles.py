@@ -9,6 +9,7 @@ the older name of the same key, still read).
 from __future__ import annotations
 
 import fnmatch
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,6 +142,12 @@ def _string_map(r: Reader, path: tuple[str, ...]) -> dict[str, str]:
     return {k: str(v) for k, v in mapping.items()}
 
 
+@functools.cache
+def _builtin(file: Path) -> Profile:
+    """A shipped profile, parsed once per process (a Profile is frozen; `profiles show` and compose() each ask)."""
+    return load_profile(file)
+
+
 def load_profiles(user_dir: Path | None) -> dict[str, Profile]:
     """Built-in profiles, then user profiles overriding them by name. Raises ConfigErrors."""
     files = sorted(BUILTIN_DIR.glob("*.yaml"))
@@ -150,7 +157,7 @@ def load_profiles(user_dir: Path | None) -> dict[str, Profile]:
     problems: list[ConfigError] = []
     for file in files:
         try:
-            profile = load_profile(file)
+            profile = _builtin(file) if file.parent == BUILTIN_DIR else load_profile(file)
         except InvalidConfig as exc:
             problems.extend(exc.errors)
             continue

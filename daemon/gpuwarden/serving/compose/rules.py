@@ -4,11 +4,13 @@ overriding them by id (a key given replaces the built-in's; `severity: off` turn
 A rule says when it can apply (compute capability and the installed vLLM, FlashInfer, torch or SGLang,
 as PEP 440 specifiers; a VLLM_* variable the installed vLLM still reads) and what it matches in the
 command (flags present or absent, flag values, variables set or not, the command, the model name, the
-tensor-parallel size, the GPU count). Rules that cannot be said as data name a `check:` instead, a
-function the engine module (or serving/compose/lint.py) registers; they keep every other field. Each evaluation
-says, per rule, whether it applied, was skipped and why, or matched nothing: `profiles show` prints it.
-An installed version that is unknown (the probe could not run) never blocks: such a rule still applies,
-as a warning that says so.
+tensor-parallel size, the GPU count) and in the facts of serving/compose/facts.py (`values`: a JSON flag's
+fields, numbers compared, the model's config.json, the host's driver and nodes). Rules that cannot be said
+as data name a `check:` instead, a function the engine module (or serving/compose/lint.py) registers; they
+keep every other field. Each evaluation says, per rule, whether it applied (and the facts it matched on),
+was skipped and why, or matched nothing: `profiles show` prints it. An installed version that is unknown
+(the probe could not run) never blocks: such a rule still applies, as a warning that says so. A fact that
+cannot be read (a remote model's config.json, a driver with no GPU readable) skips the rule, saying why.
 """
 
 from __future__ import annotations
@@ -23,20 +25,25 @@ from typing import Any
 from ... import yamlfile
 from ...schema import Reader, type_name
 from ...yamlfile import ConfigError, ConfigErrors, InvalidConfig
+from . import facts as F
 from .flags import flag_value, has_flag
 from .installed import PACKAGES, Installed
 from .lint import ERROR, WARNING, LintFinding, read_specifier, version_in
+from .model import ModelFacts, not_read
 from .profiles import Profile
-from .secrets import SECRET_FLAGS
+from .secrets import SECRET_FLAGS, is_secret, is_secret_flag
 
 BUILTIN = Path(__file__).resolve().parent / "rules" / "builtin.yaml"
 OFF = "off"
 SEVERITIES = (ERROR, WARNING, OFF)
 ENGINES_ANY = "any"
-RULE_KEYS = ("id", "severity", "engine", "message", "fix", "source", "when", "match", "check", "examples")
+RULE_KEYS = ("id", "severity", "engine", "message", "fix", "source", "link", "traps", "when", "match", "check",
+             "examples")
 WHEN_KEYS = ("compute_capability", *PACKAGES, "reads_env")
 MATCH_KEYS = ("flags_present", "flags_absent", "flag_values", "flag_not", "env_set", "env_not", "command",
-              "model", "tp_size", "gpu_count")
+              "model", "tp_size", "gpu_count", "values", "values_not", "defaults")
+MODEL_FACTS = tuple(f for f in ModelFacts.__dataclass_fields__ if f not in ("path", "known", "why", "stamp"))
+UNREAD = not_read("", "not read")
 NEW_RULE_NEEDS = ("severity", "message", "fix", "source")
 
 
@@ -52,6 +59,10 @@ class LintContext:
     engine: Any  # engines.Engine (not imported: engines import this module)
     installed: Installed
     prefix: int = 0  # argv[:prefix] is the command itself, before the engine's flags
+    driver: str | None = None  # the host's driver, and the CUDA NVML says it runs (facts.driver_cuda)
+    nvml_cuda: str | None = None
+    unified: bool = False  # the GPUs share the system's memory (DGX Spark)
+    model_facts: ModelFacts = UNREAD  # the local model directory's config.json and headers
 
     @property
     def flags(self) -> tuple[str, ...]:
@@ -59,12 +70,15 @@ class LintContext:
         return self.argv[self.prefix:]
 
     @classmethod
-    def of(cls, command, model: str, installed: Installed) -> LintContext:
+    def of(cls, command, model: str, installed: Installed, model_facts: ModelFacts = UNREAD) -> LintContext:
         """The context of a serving.command.ServeCommand (duck-typed: that module imports the engines,
         which import this one)."""
+        gpus = command.gpus
         return cls(command.argv, command.env, command.profile,
-                   tuple(g.compute_capability or "" for g in command.gpus), model, command.engine, installed,
-                   command.prefix)
+                   tuple(g.compute_capability or "" for g in gpus), model, command.engine, installed,
+                   command.prefix, next((g.driver_version for g in gpus if g.driver_version), None),
+                   next((g.cuda_driver_version for g in gpus if g.cuda_driver_version), None),
+                   any(g.memory_unified for g in gpus), model_facts)
 
     @property
     def tp_size(self) -> int:
@@ -73,6 +87,50 @@ class LintContext:
     @property
     def gpu_count(self) -> int:
         return len(self.compute_capabilities)
+
+    def fact(self, name: str) -> tuple[Any, str]:
+        """(value, how it reads in a finding) of a fact of serving/compose/facts.py; facts.Unknown says why not."""
+        kind, _, key = name.partition(".")
+        if name.startswith("-"):
+            value = F.flag_fact(self.flags, name)
+            return value, _flag_text(name, None if value is None else F.show(value))
+        if kind == "model":
+            mf = self.model_facts
+            if not mf.known:
+                raise F.Unknown(f"the model's config.json: {mf.why}")
+            value = getattr(mf, key)
+            if key == "params_b" and value is not None:
+                return value, f"{value:.1f}B parameters ({mf.params_note})"
+            if key == "params_b":
+                raise F.Unknown(f"the parameter count: {mf.params_note}")
+            return value, f"config.json {key} {F.show(value) if value is not None else 'not set'}"
+        if kind == "host":
+            return self._host(key)
+        if not self.installed.known:
+            raise F.Unknown(f"the engine's {key}: {self.installed.error}")
+        if key == "torch_cuda":
+            value = F.cuda_of_torch(self.installed.version("torch"), self.installed.torch_cuda)
+            return value, f"torch {self.installed.version('torch')} is built for CUDA {value or 'none'}"
+        toolkit = self.installed.toolkit
+        return (toolkit[0] if toolkit else None), (f"CUDA toolkit {toolkit[0]} ({toolkit[1]})" if toolkit
+                                                   else "no CUDA toolkit in the engine's environment")
+
+    def _host(self, key: str) -> tuple[Any, str]:
+        if key == "gpus":
+            return self.gpu_count, f"{self.gpu_count} GPU(s) here"
+        if key == "unified":
+            return self.unified, "memory shared with the system" if self.unified else "discrete GPU memory"
+        if key == "nodes":
+            count, why = F.nodes(self.flags, self.tp_size, self.gpu_count)
+            return count, f"{count} node(s): {why}"
+        if self.driver is None:
+            raise F.Unknown("the driver version (no GPU readable here)")
+        if key == "driver":
+            return self.driver, f"driver {self.driver}"
+        cuda, how = F.driver_cuda(self.driver, self.nvml_cuda)
+        if cuda is None:
+            raise F.Unknown(f"the CUDA version driver {self.driver} runs: {how}")
+        return cuda, f"driver {self.driver} supports CUDA {cuda}"
 
 
 Check = Callable[[LintContext], "Mapping[str, Any] | None"]  # values for the message, or None: no finding
@@ -91,11 +149,13 @@ class Rule:
     match: Mapping[str, Any] = field(default_factory=dict)
     check: str | None = None
     examples: tuple = ()  # test cases from the source: tests/test_rules.py runs each one
+    link: str = ""  # where the source can be read
+    traps: tuple[str, ...] = ()  # the community registry's trap ids it names (model-serving-minefield)
 
     def as_dict(self) -> dict:
         return {"id": self.id, "severity": self.severity, "engine": self.engine, "message": self.message,
-                "fix": self.fix, "source": self.source, "where": self.where, "check": self.check,
-                "when": {k: str(v) for k, v in self.when.items()}}
+                "fix": self.fix, "source": self.source, "link": self.link, "traps": list(self.traps),
+                "where": self.where, "check": self.check, "when": {k: str(v) for k, v in self.when.items()}}
 
 
 @dataclass(frozen=True)
@@ -145,7 +205,8 @@ def load_rules(user_dir: Path | None, checks: Mapping[str, set[str]]) -> Rules:
                     problems.append(error(f"a new rule needs {', '.join(missing)} (no built-in or earlier rule "
                                           f"has id {entry['id']!r} to override)"))
                     continue
-                known = {"engine": "vllm", "when": {}, "match": {}, "check": None, "examples": ()}
+                known = {"engine": "vllm", "when": {}, "match": {}, "check": None, "examples": (), "link": "",
+                         "traps": ()}
             merged[entry["id"]] = {**known, **entry}
             engine, check = merged[entry["id"]]["engine"], merged[entry["id"]]["check"]
             if engine not in checks:
@@ -187,7 +248,7 @@ def _read_file(file: Path) -> tuple[list, dict[str, str]]:
         seen.add(rule_id)
         file_name, line = doc.locate(path)
         entry: dict[str, Any] = {"id": rule_id, "where": f"{file_name}:{line}"}
-        for key in ("message", "fix", "source", "engine", "check"):
+        for key in ("message", "fix", "source", "engine", "check", "link"):
             if key in raw:
                 value = r.get(path + (key,))
                 if not isinstance(value, str) or not value.strip():
@@ -200,6 +261,11 @@ def _read_file(file: Path) -> tuple[list, dict[str, str]]:
                 entry["severity"] = OFF
             else:
                 entry["severity"] = r.string(path + ("severity",), ERROR, SEVERITIES)
+        if "traps" in raw:
+            items = r.sequence(path + ("traps",))
+            if not all(isinstance(x, (str, int)) and re.fullmatch(r"[0-9]{1,4}", str(x)) for x in items):
+                r.fail(path + ("traps",), "expected a list of the registry's trap ids, e.g. ['08', '122']")
+            entry["traps"] = tuple(str(x).zfill(2) for x in items)
         if "when" in raw:
             entry["when"] = _when(r, path + ("when",))
         if "match" in raw:
@@ -245,6 +311,11 @@ def _match(r: Reader, path: tuple[str, ...]) -> dict:
             out[key] = tuple((name, _pattern(r, where + (name,))) for name in r.mapping(where, None))
         elif key in ("command", "model"):
             out[key] = _pattern(r, where)
+        elif key in ("values", "values_not"):
+            out[key] = tuple((name, _condition(r, where + (name,), name)) for name in r.mapping(where, None))
+        elif key == "defaults":
+            out[key] = {name: r.get(where + (name,)) for name in r.mapping(where, None)
+                        if _fact_name(r, where + (name,), name)}
         else:  # tp_size, gpu_count: [MIN, MAX]
             value = r.get(where)
             if not (isinstance(value, list) and len(value) == 2 and all(isinstance(v, int) for v in value)
@@ -253,6 +324,34 @@ def _match(r: Reader, path: tuple[str, ...]) -> dict:
                 continue
             out[key] = (value[0], value[1])
     return out
+
+
+def _fact_name(r: Reader, path: tuple[str, ...], name: str) -> bool:
+    """Whether name is a fact serving/compose/facts.py knows; a FILE:LINE error when not."""
+    kind, _, key = name.partition(".")
+    if name.startswith("-") and re.fullmatch(r"--?[A-Za-z0-9][A-Za-z0-9_-]*(\.[A-Za-z0-9_]+)*", name):
+        return True
+    if (kind, key) in [("model", k) for k in MODEL_FACTS] + [("host", k) for k in F.HOST_FACTS] + \
+            [("engine", k) for k in F.ENGINE_FACTS]:
+        return True
+    r.fail(path, f"{name!r} is not a fact", "a flag (--max-num-seqs, --speculative-config.method), "
+           f"model.{{{','.join(MODEL_FACTS)}}}, host.{{{','.join(F.HOST_FACTS)}}} or "
+           f"engine.{{{','.join(F.ENGINE_FACTS)}}}")
+    return False
+
+
+def _condition(r: Reader, path: tuple[str, ...], name: str) -> F.Condition | None:
+    if not _fact_name(r, path, name):
+        return None
+    value = r.get(path)
+    if isinstance(value, (list, dict)):
+        r.fail(path, f"expected a regular expression, a comparison, true/false or null, got {type_name(value)}")
+        return None
+    try:
+        return F.condition(value)
+    except ValueError as exc:
+        r.fail(path, str(exc))
+        return None
 
 
 # -- evaluating --------------------------------------------------------------------------------------------
@@ -264,24 +363,27 @@ def evaluate(rules: Sequence[Rule], ctx: LintContext, checks: Mapping[str, Check
 def _evaluate(rule: Rule, ctx: LintContext, checks: Mapping[str, Check]) -> Outcome:
     if rule.severity == OFF:
         return Outcome(rule, "skipped", f"turned off ({rule.where})")
-    skip, unknown = _when_fails(rule.when, ctx)
+    skip, unknown, seen = _when_fails(rule.when, ctx)
     if skip:
         return Outcome(rule, "skipped", skip)
-    values: Mapping[str, Any] | None = {}
-    if not _matches(rule.match, ctx):
+    try:
+        matched = _matches(rule.match, ctx)
+        values: Mapping[str, Any] | None = checks[rule.check](ctx) if matched is not None and rule.check else {}
+    except F.Unknown as exc:
+        return Outcome(rule, "skipped", f"needs {exc}")
+    if matched is None or values is None:
         return Outcome(rule, "clear", "")
-    if rule.check is not None:
-        values = checks[rule.check](ctx)
-        if values is None:
-            return Outcome(rule, "clear", "")
     severity, note = rule.severity, ""
     if unknown:
         note = f"{' and '.join(unknown)} unknown"
         severity = WARNING  # a guess never blocks a start
-    message, fix = render(rule.message, values or {}), render(rule.fix, values or {})
+    values = dict(values)
+    matched_on = tuple(dict.fromkeys([*seen, *matched, *values.pop("facts", ())]))  # in order, once each
+    message, fix = render(rule.message, values), render(rule.fix, values)
     if note:
         message += f" (if it applies: {note})"
-    return Outcome(rule, "applied", note, LintFinding(severity, rule.id, message, rule.source, fix))
+    return Outcome(rule, "applied", note, LintFinding(severity, rule.id, message, rule.source, fix, rule.link,
+                                                      matched_on, rule.traps))
 
 
 # A rule's message and fix name a check's values as {name}; {{ and }} are braces. Nothing else: rules.d is
@@ -310,16 +412,19 @@ def render(text: str, values: Mapping[str, Any]) -> str:
     return TEMPLATE_PART.sub(one, text)
 
 
-def _when_fails(when: Mapping[str, Any], ctx: LintContext) -> tuple[str | None, list[str]]:
-    """(why the rule cannot apply here, or None; what it depends on that is unknown)."""
+def _when_fails(when: Mapping[str, Any], ctx: LintContext) -> tuple[str | None, list[str], list[str]]:
+    """(why the rule cannot apply here, or None; what it depends on that is unknown; the facts it holds on)."""
     unknown: list[str] = []
+    seen: list[str] = []
     spec = when.get("compute_capability")
     if spec is not None:
         ccs = [cc for cc in ctx.compute_capabilities if cc]
         if not ccs:
             unknown.append("compute capability")
         elif not any(version_in(spec, cc) for cc in ccs):
-            return f"compute capability {', '.join(sorted(set(ccs)))} is outside {spec}", []
+            return f"compute capability {', '.join(sorted(set(ccs)))} is outside {spec}", [], []
+        else:
+            seen.append(f"compute capability {', '.join(sorted(set(ccs)))}")
     for module, title in PACKAGES.items():
         spec = when.get(module)
         if spec is None:
@@ -334,48 +439,87 @@ def _when_fails(when: Mapping[str, Any], ctx: LintContext) -> tuple[str | None, 
             unknown.append(f"{title} version (not in {ctx.installed.python})")
             continue
         if version is None:
-            return f"{title} is not installed", []
+            return f"{title} is not installed", [], []
         if not version_in(spec, version):
-            return f"{title} {version} is outside {spec}", []
+            return f"{title} {version} is outside {spec}", [], []
+        seen.append(f"{title} {version}")
     name = when.get("reads_env")
     if name:
         if ctx.installed.env_names is None:
             unknown.append(f"whether vLLM reads {name}")
         elif name not in ctx.installed.env_names:
-            return f"vLLM {ctx.installed.version('vllm')} does not read {name}", []
-    return None, unknown
+            return f"vLLM {ctx.installed.version('vllm')} does not read {name}", [], []
+        else:
+            seen.append(f"vLLM reads {name}")
+    return None, unknown, seen
 
 
-def _matches(match: Mapping[str, Any], ctx: LintContext) -> bool:
-    flags = ctx.flags
+def _env_text(name: str, env: Mapping[str, str]) -> str:
+    if name not in env:
+        return f"{name} not set"
+    return f"{name} set" if is_secret(name) else f"{name}={env[name]}"
+
+
+def _flag_text(flag: str, value: str | None) -> str:
+    if value is None:
+        return f"{flag} not given"
+    return f"{flag} set" if is_secret_flag(flag) else f"{flag} {value}"
+
+
+def _matches(match: Mapping[str, Any], ctx: LintContext) -> list[str] | None:
+    """The facts the match holds on, in words; None when it does not hold. facts.Unknown: a fact it needs
+    cannot be read here."""
+    flags, seen = ctx.flags, []
     # A secret flag is present in any spelling its parser takes, prefixes included (serving/compose/flags.py).
     if not all(has_flag(flags, f, prefix=f in SECRET_FLAGS) for f in match.get("flags_present", ())):
-        return False
+        return None
+    seen += match.get("flags_present", ())
     if any(has_flag(flags, f) for f in match.get("flags_absent", ())):
-        return False
+        return None
+    seen += [f"no {f}" for f in match.get("flags_absent", ())]
     for flag, pattern in match.get("flag_values", ()):
         value = flag_value(flags, flag)
         if value is None or not pattern.fullmatch(value):
-            return False
+            return None
+        seen.append(_flag_text(flag, value))
     for flag, pattern in match.get("flag_not", ()):
         value = flag_value(flags, flag)
         if value is not None and pattern.fullmatch(value):
-            return False
+            return None
+        seen.append(_flag_text(flag, value))
     for name, pattern in match.get("env_set", ()):
         if name not in ctx.env or not pattern.fullmatch(ctx.env[name]):
-            return False
+            return None
+        seen.append(_env_text(name, ctx.env))
     for name, pattern in match.get("env_not", ()):
         if name in ctx.env and pattern.fullmatch(ctx.env[name]):
-            return False
+            return None
+        seen.append(_env_text(name, ctx.env))
     command = match.get("command")
     if command is not None and not command.search(" ".join(ctx.argv[:ctx.prefix])):
-        return False
+        return None
+    if command is not None:
+        seen.append(f"command {' '.join(ctx.argv[:ctx.prefix])}")
     model = match.get("model")
     if model is not None and not model.search(ctx.model):
-        return False
-    for key, value in (("tp_size", ctx.tp_size), ("gpu_count", ctx.gpu_count)):
+        return None
+    if model is not None:
+        seen.append(f"model {ctx.model}")
+    for key, value, words in (("tp_size", ctx.tp_size, "tensor parallel"), ("gpu_count", ctx.gpu_count, "GPUs")):
         bounds = match.get(key)
         if bounds is not None and not bounds[0] <= value <= bounds[1]:
-            return False
-    return True
+            return None
+        if bounds is not None:
+            seen.append(f"{words} {value}")
+    defaults = match.get("defaults", {})
+    for key, wanted in (("values", True), ("values_not", False)):
+        for name, cond in match.get(key, ()):
+            value, text = ctx.fact(name)
+            if value is None and name in defaults:
+                value = defaults[name]
+                text = f"{name} {F.show(value)} ({ctx.engine.title}'s default)"
+            if cond.holds(value) is not wanted:
+                return None
+            seen.append(text)
+    return seen
 

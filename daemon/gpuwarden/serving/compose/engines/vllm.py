@@ -6,11 +6,26 @@ import logging
 import re
 from typing import Any
 
-from ..flags import flag_value
-from ..lint import model_billions
+from ..facts import as_bool, as_number, show
+from ..flags import flag_value, has_flag
+from ..lint import model_size
 from . import Engine, MetricNames, flag_probe
 
 SMALL_MODEL_B = 8.0  # billions of parameters at or below which ngram speculation costs more than it gains
+SPEC_METHOD = "--speculative-config.method"
+SPEC_TOKENS = "--speculative-config.num_speculative_tokens"
+MTP = re.compile(r"(?i).*mtp.*")  # mtp, deepseek_mtp, qwen3_next_mtp, ...: the model's own draft layers
+# Model families by name, for a model whose config.json cannot be read here (a remote id).
+HYBRID_NAME = re.compile(r"(?i)qwen3(?:[._][5-8](?!\d)|[._-]?next)|nemotron[-_ ]?(h|3)\b|jamba|"
+                         r"granite[-_]?4[-_.\w]*?[-_]h\b|falcon[-_]?h1|mamba|bamba|zamba")
+QWEN_GDN_NAME = re.compile(r"(?i)qwen3(?:[._][5-8](?!\d)|[._-]?next)")  # gated delta net hybrids: Qwen3-Next, 3.5 on
+NEMOTRON3_NAME = re.compile(r"(?i)nemotron[-_ ]?3[-_ ]?(nano|super)")  # their reasoning parser ships in the repo
+NEMOTRON3_SUPER_NAME = re.compile(r"(?i)nemotron[-_ ]?3[-_ ]?super")  # one MTP layer, three draft tokens
+QWEN_TOOL_PARSERS = ("qwen3_coder", "qwen3_xml")  # the two parser families Qwen3.5 and later ship templates for
+# Trained versus advertised context where the config cannot be read: DeepSeek-V4-Flash's rope scaling extends
+# 64K of training to a 1M window (minefield trap 61 re-derives it from its public config.json).
+TRAINED_CONTEXT_BY_NAME = ((re.compile(r"(?i)deepseek[-_]?v4"), 65536, 1048576),)
+CAPTURE_LADDER_END = 256  # vLLM captures 1, 2, 4, then every 8 to 256, then every 16
 # "INFO 05-01 ...", or "(EngineCore_DP0 pid=12) INFO ..." from its worker processes.
 LEVEL = re.compile(r"^(?:\(\w+ pid=\d+\)\s*)?(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")
 
@@ -39,15 +54,186 @@ def kv_cache_fp8_e5m2(ctx: Any) -> dict | None:
     return {} if flag_value(ctx.argv, "--kv-cache-dtype") == "fp8_e5m2" and low_batch else None
 
 
+def _spec(ctx: Any) -> tuple[str, str]:
+    """(the speculative method, in words) or ("", "") without speculative decoding."""
+    method, text = ctx.fact(SPEC_METHOD)
+    return (str(method), text) if method else ("", "")
+
+
 def ngram_small_model(ctx: Any) -> dict | None:
-    size = model_billions(ctx.model)
-    small = size is None or size <= SMALL_MODEL_B
-    return {"model": ctx.model} if "ngram" in (flag_value(ctx.argv, "--speculative-config") or "") and small else None
+    method, text = _spec(ctx)
+    size, how = model_size(ctx)
+    if "ngram" not in method.lower() or size is None or size > SMALL_MODEL_B:
+        return None
+    return {"model": ctx.model, "facts": [text, how]}
 
 
 def memory_above_tp4(ctx: Any) -> dict | None:
     fraction = ctx.engine.memory_fraction(ctx.argv)
     return {"fraction": f"{fraction:g}"} if fraction > 0.85 else None
+
+
+def capture_clamp(ctx: Any) -> dict | None:
+    """The largest CUDA-graph capture below --max-num-seqs x (speculative tokens + 1): the full decode batch
+    runs eager (minefield trap 130). vLLM clamps a maximum to its own ladder of sizes."""
+    seqs = as_number(flag_value(ctx.flags, "--max-num-seqs"))
+    if seqs is None:
+        return None  # the default depends on the release and the GPU: not guessed
+    tokens = as_number(ctx.fact(SPEC_TOKENS)[0]) or 0
+    sizes = ctx.fact("--compilation-config.cudagraph_capture_sizes")[0] or flag_value(ctx.flags, "--cuda-graph-sizes")
+    limit = as_number(flag_value(ctx.flags, "--max-cudagraph-capture-size")) or \
+        as_number(ctx.fact("--compilation-config.max_cudagraph_capture_size")[0])
+    if isinstance(sizes, list) and sizes and all(as_number(x) for x in sizes):
+        captured, how = int(max(as_number(x) for x in sizes)), f"cudagraph_capture_sizes {show(sizes)}"
+    elif limit:
+        ladder = [1, 2, 4, *range(8, CAPTURE_LADDER_END, 8), *range(CAPTURE_LADDER_END, int(limit) + 1, 16)]
+        captured = max(x for x in ladder if x <= limit)
+        how = f"--max-cudagraph-capture-size {int(limit)} captures up to {captured}"
+    else:
+        return None
+    wanted = int(seqs * (tokens + 1))
+    if captured >= wanted:
+        return None
+    return {"captured": captured, "wanted": wanted,
+            "facts": [how, f"--max-num-seqs {int(seqs)} x ({int(tokens)} speculative tokens + 1) = {wanted}"]}
+
+
+def fuse_gemm_comms(ctx: Any, forced: bool) -> dict | None:
+    """fuse_gemm_comms asked for and either forced on across hosts (it needs one host's symmetric memory) or,
+    not forced, quietly declined by vLLM's sequence-parallel heuristic (minefield trap 117)."""
+    asked, text = ctx.fact("--compilation-config.pass_config.fuse_gemm_comms")
+    if not as_bool(asked):
+        return None
+    force = ctx.fact("--compilation-config.pass_config.sp_min_token_num")[0] or \
+        ctx.fact("--compilation-config.sp_min_token_num")[0]
+    nodes, nodes_text = ctx.fact("host.nodes")
+    if forced:
+        return {"facts": [text, "sp_min_token_num set", nodes_text]} if force is not None and nodes > 1 else None
+    if force is not None and nodes > 1:
+        return None  # the error rule says it
+    why = []
+    if nodes > 1:
+        why.append(f"the group spans {nodes} hosts, and symmetric memory cannot")
+    ccs = sorted({cc for cc in ctx.compute_capabilities if cc and cc not in ("9.0", "10.0")})
+    if ccs:
+        why.append(f"compute capability {', '.join(ccs)} is not in vLLM's sequence-parallel table (9.0, 10.0)")
+    hidden = ctx.model_facts.hidden_size if ctx.model_facts.known else None
+    if hidden is not None and hidden < 8192:
+        why.append(f"hidden_size {hidden} is under the 8192 floor")
+    if not why:
+        return None
+    return {"why": "; ".join(why), "facts": [text, nodes_text] + [f"compute capability {cc}" for cc in ccs]}
+
+
+def fuse_gemm_comms_declined(ctx: Any) -> dict | None:
+    return fuse_gemm_comms(ctx, forced=False)
+
+
+def fuse_gemm_comms_across_hosts(ctx: Any) -> dict | None:
+    return fuse_gemm_comms(ctx, forced=True)
+
+
+def _by_config_or_name(ctx: Any, from_config, name: re.Pattern) -> tuple[bool, str]:
+    """(whether the model is of a kind, and how that is known): its config.json where it is local, else its name."""
+    mf = ctx.model_facts
+    if mf.known:
+        return from_config(mf)
+    return bool(name.search(ctx.model)), f"{ctx.model} by its name (config.json not read: {mf.why})"
+
+
+def hybrid_prefix_cache(ctx: Any) -> dict | None:
+    if not has_flag(ctx.flags, "--enable-prefix-caching"):
+        return None
+    hybrid, how = _by_config_or_name(ctx, lambda mf: (bool(mf.hybrid), f"config.json {mf.model_type}: recurrent "
+                                                                        "layers beside attention"), HYBRID_NAME)
+    return {"facts": ["--enable-prefix-caching", how]} if hybrid else None
+
+
+def hybrid_fp4_ignore_list(ctx: Any) -> dict | None:
+    """A 4-bit quant of a gated-delta-net hybrid whose ignore list does not name the fused linear-attention
+    projections (in_proj_qkvz, in_proj_ba): they get quantized, and the output is garbage (minefield trap 27)."""
+    mf = ctx.model_facts
+    if mf.known:
+        gdn = mf.hybrid and (mf.model_type or "").startswith(("qwen3_next", "qwen3_5"))
+        fp4 = mf.quant_bits == 4 or "fp4" in (mf.quant_method or "")
+        named = any(re.search(r"in_proj_qkvz|in_proj_ba", entry) for entry in mf.quant_ignore)
+        if not (gdn and fp4) or named:
+            return None
+        return {"facts": [f"config.json {mf.model_type}, {mf.quant_method} {mf.quant_bits or ''}-bit",
+                          f"its ignore list ({len(mf.quant_ignore)} entries) names no in_proj_qkvz or in_proj_ba"]}
+    if QWEN_GDN_NAME.search(ctx.model) and re.search(r"(?i)fp4", ctx.model):
+        return {"facts": [f"{ctx.model} by its name (config.json not read: {mf.why})"]}
+    return None
+
+
+def beyond_trained_context(ctx: Any) -> dict | None:
+    """--max-model-len (or the advertised window it defaults to) past the length the model was trained at,
+    under a rope-scaling factor (minefield trap 61)."""
+    asked = as_number(flag_value(ctx.flags, "--max-model-len"))
+    mf = ctx.model_facts
+    if mf.known:
+        trained, advertised = mf.original_max_position_embeddings, mf.max_position_embeddings
+        if not trained or not (mf.rope_factor or 1) > 1:
+            return None
+        how = f"config.json rope scaling {mf.rope_factor:g} x {trained} trained"
+    else:
+        known = next(((t, a) for name, t, a in TRAINED_CONTEXT_BY_NAME if name.search(ctx.model)), None)
+        if known is None:
+            return None
+        (trained, advertised), how = known, f"{ctx.model} by its name: trained {known[0]}, advertised {known[1]}"
+    length = int(asked) if asked else advertised
+    if not length or length <= trained:
+        return None
+    given = f"--max-model-len {length}" if asked else f"no --max-model-len: the advertised {length}"
+    return {"length": length, "trained": trained, "facts": [given, how]}
+
+
+def checkpoint_reasoning_parser(ctx: Any) -> dict | None:
+    if has_flag(ctx.flags, "--reasoning-parser-plugin"):
+        return None
+    mf = ctx.model_facts
+    if mf.known and mf.reasoning_parsers:
+        shipped = ", ".join(mf.reasoning_parsers)
+        return {"file": shipped, "facts": [f"the checkpoint ships {shipped}", "no --reasoning-parser-plugin"]}
+    if not mf.known and NEMOTRON3_NAME.search(ctx.model):
+        return {"file": "its *reasoning_parser.py", "facts": [f"{ctx.model} by its name",
+                                                              "no --reasoning-parser-plugin"]}
+    return None
+
+
+def mtp_one_draft(ctx: Any) -> dict | None:
+    """num_speculative_tokens 1 read off num_nextn_predict_layers 1 (minefield trap 71)."""
+    method, text = _spec(ctx)
+    tokens = as_number(ctx.fact(SPEC_TOKENS)[0])
+    if not MTP.fullmatch(method) or tokens != 1:
+        return None
+    one, how = _by_config_or_name(ctx, lambda mf: (mf.nextn_layers == 1, f"config.json num_nextn_predict_layers "
+                                                                         f"{mf.nextn_layers}"), NEMOTRON3_SUPER_NAME)
+    return {"facts": [text, "num_speculative_tokens 1", how]} if one else None
+
+
+def mtp_excluded_from_quant(ctx: Any) -> dict | None:
+    """MTP drafting while the quantization left the MTP layers out (minefield trap 109)."""
+    method, text = _spec(ctx)
+    if not MTP.fullmatch(method):
+        return None
+    mf = ctx.model_facts
+    if mf.known:
+        left = [entry for entry in mf.quant_ignore if re.search(r"(?i)mtp", entry)]
+        return {"facts": [text, f"the quantization ignores {', '.join(left[:3])}"]} if left else None
+    if re.search(r"(?i)deepseek[-_]?v4", ctx.model) and re.search(r"(?i)nvfp4", ctx.model):
+        return {"facts": [text, f"{ctx.model} by its name (config.json not read: {mf.why})"]}
+    return None
+
+
+def tool_parser_family(ctx: Any) -> dict | None:
+    """Qwen3.5 and later ship templates for the qwen3_coder and qwen3_xml tool parsers (minefield trap 19)."""
+    if not QWEN_GDN_NAME.search(ctx.model) or "next" in ctx.model.lower():
+        return None
+    parser = flag_value(ctx.flags, "--tool-call-parser")
+    if parser is None or parser in QWEN_TOOL_PARSERS:
+        return None  # no tools served (vLLM itself refuses --enable-auto-tool-choice without a parser)
+    return {"parser": parser, "facts": [f"model {ctx.model}", f"--tool-call-parser {parser}"]}
 
 
 def ignored_vllm_env(ctx: Any) -> dict | None:
@@ -76,7 +262,12 @@ class Vllm(Engine):
     api_key_env = "VLLM_API_KEY"  # the flag wins (vllm/entrypoints/serve/middleware/register.py, 0.32)
     flag_probe = PROBE
     checks = {"kv_cache_fp8_e5m2": kv_cache_fp8_e5m2, "ngram_small_model": ngram_small_model,
-              "memory_above_tp4": memory_above_tp4, "ignored_vllm_env": ignored_vllm_env}
+              "memory_above_tp4": memory_above_tp4, "ignored_vllm_env": ignored_vllm_env,
+              "capture_clamp": capture_clamp, "fuse_gemm_comms_declined": fuse_gemm_comms_declined,
+              "fuse_gemm_comms_across_hosts": fuse_gemm_comms_across_hosts, "hybrid_prefix_cache": hybrid_prefix_cache,
+              "hybrid_fp4_ignore_list": hybrid_fp4_ignore_list, "beyond_trained_context": beyond_trained_context,
+              "checkpoint_reasoning_parser": checkpoint_reasoning_parser, "mtp_one_draft": mtp_one_draft,
+              "mtp_excluded_from_quant": mtp_excluded_from_quant, "tool_parser_family": tool_parser_family}
 
     def log_level(self, line: str) -> int | None:
         match = LEVEL.match(line)

@@ -1,0 +1,217 @@
+"""What a lint rule can know beyond the argv's words, and how a rule compares it.
+
+A fact has a name:
+- a flag, `--max-num-seqs`, or a field of a JSON-valued flag, `--speculative-config.method` or
+  `--compilation-config.pass_config.fuse_gemm_comms` (vLLM also takes the dotted spelling on its command line,
+  `--speculative-config.method=mtp`, which wins over the JSON as it does in vLLM);
+- `model.NAME`: a field of serving/compose/model.ModelFacts, read from a local model's config.json;
+- `host.NAME`: gpus (on this host), unified (memory the GPU shares with the system), nodes (the parallel group
+  spans several hosts: --nnodes, --data-parallel-size beyond --data-parallel-size-local, a tensor x pipeline
+  group larger than this host's GPUs), driver, driver_cuda (the newest CUDA the driver runs);
+- `engine.NAME`: torch_cuda (the CUDA torch was built for), cuda_toolkit (a toolkit in the engine's
+  environment).
+A condition on a fact is a regular expression (matched whole), a comparison (">4", ">=0.85,<1"), a boolean, or
+null (absent). A fact that cannot be known (a remote model's config, a host without a readable driver) makes
+the rule skip, with the reason: serving/compose/rules.py.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .flags import canonical, flag_value
+
+MAX_FLAG_JSON = 64 * 1024  # a JSON-valued flag is a few hundred bytes; anything larger is not looked into
+MAX_FLAG_DEPTH = 16
+COMPARISON = re.compile(r"\s*(<=|>=|==|!=|<|>)\s*(-?\d+(?:\.\d+)?)\s*")
+HOST_FACTS = ("gpus", "unified", "nodes", "driver", "driver_cuda")
+ENGINE_FACTS = ("torch_cuda", "cuda_toolkit")
+# The newest CUDA each driver branch runs (NVIDIA's CUDA toolkit release notes, table 3): used where NVML's
+# nvmlSystemGetCudaDriverVersion_v2 is not at hand (the simulator, an old nvidia-ml-py).
+DRIVER_CUDA = ((590, "13.1"), (580, "13.0"), (575, "12.9"), (570, "12.8"), (565, "12.7"),
+               (560, "12.6"), (555, "12.5"), (550, "12.4"), (545, "12.3"), (535, "12.2"), (530, "12.1"),
+               (525, "12.0"), (520, "11.8"))
+
+
+class Unknown(Exception):
+    """A fact this launch cannot know, and why."""
+
+
+@dataclass(frozen=True)
+class Condition:
+    """One compiled condition: kind "regex", "compare", "bool" or "absent"."""
+
+    kind: str
+    pattern: re.Pattern | None = None
+    bounds: tuple[tuple[str, float], ...] = ()
+    flag: bool | None = None
+
+    def holds(self, value: Any) -> bool:
+        if self.kind == "absent":
+            return value is None
+        if value is None:
+            return False
+        if self.kind == "bool":
+            return as_bool(value) is self.flag
+        if self.kind == "compare":
+            number = as_number(value)
+            return number is not None and all(_compare(number, op, limit) for op, limit in self.bounds)
+        return bool(self.pattern.fullmatch(show(value)))
+
+
+def condition(value: Any) -> Condition:
+    """A condition from a rules file's value; ValueError says what is wrong with it."""
+    if value is None:
+        return Condition("absent")
+    if isinstance(value, bool):
+        return Condition("bool", flag=value)
+    if isinstance(value, (int, float)):
+        return Condition("compare", bounds=(("==", float(value)),))
+    text = str(value)
+    parts = text.split(",")
+    matched = [COMPARISON.fullmatch(p) for p in parts]
+    if all(matched):
+        return Condition("compare", bounds=tuple((m.group(1), float(m.group(2))) for m in matched))
+    try:
+        return Condition("regex", pattern=re.compile(text))
+    except re.error as exc:
+        raise ValueError(f"{text!r} is neither a comparison (e.g. '>4', '>=2,<8') nor a regular expression: {exc}")
+
+
+def _compare(number: float, op: str, limit: float) -> bool:
+    return {"<": number < limit, "<=": number <= limit, ">": number > limit, ">=": number >= limit,
+            "==": number == limit, "!=": number != limit}[op]
+
+
+def as_number(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float)):
+        return float(value)
+    try:
+        return float(str(value).strip())
+    except ValueError:
+        return None
+
+
+def as_bool(value: Any) -> bool | None:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    return {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(text)
+
+
+def show(value: Any) -> str:
+    """A fact's value as text: JSON for a list or mapping, true/false for a boolean, else as it is."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    if isinstance(value, (list, dict, tuple)):
+        return json.dumps(value, separators=(",", ":"))
+    return str(value)
+
+
+# -- flags ---------------------------------------------------------------------------------------------------
+
+def split_name(name: str) -> tuple[str, tuple[str, ...]]:
+    """"--speculative-config.method" -> ("--speculative-config", ("method",))."""
+    flag, *path = name.split(".")
+    return flag, tuple(path)
+
+
+def json_flag(flags: Sequence[str], flag: str) -> dict | None:
+    """The JSON object a flag was given, or None (absent, too large, too deep or not an object)."""
+    raw = flag_value(flags, flag)
+    if raw is None or len(raw) > MAX_FLAG_JSON or not raw.lstrip().startswith("{"):
+        return None
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) and _shallow(value) else None
+
+
+def _shallow(value: Any, depth: int = 0) -> bool:
+    if depth > MAX_FLAG_DEPTH:
+        return False
+    children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return all(_shallow(child, depth + 1) for child in children)
+
+
+def flag_fact(flags: Sequence[str], name: str) -> Any:
+    """A flag's value, or a JSON field of it; None when not given."""
+    flag, path = split_name(name)
+    if not path:
+        return flag_value(flags, flag)
+    dotted = _dotted(flags, name)
+    if dotted is not None:
+        return dotted
+    value: Any = json_flag(flags, flag)
+    for key in path:
+        if not isinstance(value, dict):
+            return None
+        value = value.get(key)
+    return value
+
+
+def _dotted(flags: Sequence[str], name: str) -> str | None:
+    """vLLM's --config.field=value spelling (underscores and dashes alike, as its parser takes them)."""
+    want = canonical(name)
+    found = None
+    for i, arg in enumerate(flags):
+        word, eq, value = canonical(arg).partition("=")
+        if word == want:
+            found = value if eq else (flags[i + 1] if i + 1 < len(flags) else None)
+    return found
+
+
+# -- the host ------------------------------------------------------------------------------------------------
+
+def driver_cuda(driver: str | None, nvml_cuda: str | None) -> tuple[str | None, str]:
+    """(the newest CUDA this driver runs, where that comes from)."""
+    if nvml_cuda:
+        return nvml_cuda, "NVML"
+    match = re.match(r"(\d+)\.", driver or "")
+    if not match:
+        return None, "no driver version"
+    branch = int(match.group(1))
+    if branch > DRIVER_CUDA[0][0] + 4:  # a newer branch may run a newer CUDA: not guessed
+        return None, f"driver {driver} is newer than gpuwarden's table of driver branches"
+    for first, cuda in DRIVER_CUDA:
+        if branch >= first:
+            return cuda, f"driver branch {first}"
+    return None, f"driver {driver} is older than CUDA 11.8"
+
+
+def cuda_of_torch(torch_version: str | None, torch_cuda: str | None) -> str | None:
+    """torch's CUDA: torch/version.py's cuda, else the +cuNNN of its version ("2.11.0+cu130" -> "13.0")."""
+    if torch_cuda:
+        return torch_cuda
+    match = re.search(r"\+cu(\d+)(\d)$", torch_version or "")
+    return f"{int(match.group(1))}.{match.group(2)}" if match else None
+
+
+def cuda_tuple(version: str | None) -> tuple[int, int] | None:
+    match = re.match(r"(\d+)\.(\d+)", version or "")
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def nodes(flags: Sequence[str], tp: int, gpu_count: int) -> tuple[int, str]:
+    """(how many hosts the engine's parallel group spans, as the flags say, and why)."""
+    count = as_number(flag_value(flags, "--nnodes"))
+    if count and count > 1:
+        return int(count), f"--nnodes {int(count)}"
+    dp, local = as_number(flag_value(flags, "--data-parallel-size", "-dp")), \
+        as_number(flag_value(flags, "--data-parallel-size-local", "-dpl"))
+    if dp and local and dp > local:
+        return int(-(-dp // local)), f"--data-parallel-size {int(dp)} over --data-parallel-size-local {int(local)}"
+    pp = as_number(flag_value(flags, "--pipeline-parallel-size", "-pp")) or 1
+    ranks = tp * int(pp)
+    if gpu_count and ranks > gpu_count:
+        return -(-ranks // gpu_count), f"tensor x pipeline parallel {ranks} over {gpu_count} GPU(s) here"
+    return 1, "one host"
