@@ -5,7 +5,8 @@
 POST any path: the raw body and headers are kept for GET /debug/last. A JSON body with "stream": true gets
 SSE events (a text delta, a tool-call delta, then [DONE]; "chunks": N for N of them) --chunk-delay apart, or with
 "endless": true events
-until the client leaves. POST /fail answers 500 with a JSON error. GET /v1/models lists one model; GET /metrics
+until the client leaves. POST /fail answers 500 with a JSON error. A request with an X-Reply-Hop header gets a reply
+whose Connection header names a hop-by-hop header of its own (X-Up-Hop). GET /v1/models lists one model; GET /metrics
 has vLLM's prefix-cache counters; GET /debug/open counts streams open now.
 """
 
@@ -13,6 +14,7 @@ import argparse
 import asyncio
 import base64
 import json
+import signal
 
 from aiohttp import web
 
@@ -39,7 +41,10 @@ def make_app(args) -> web.Application:
         except ValueError:
             parsed = {}
         if not isinstance(parsed, dict) or not parsed.get("stream"):
-            return web.json_response({"id": "x", "echo_bytes": len(body)}, headers={"X-Engine": "fake"})
+            headers = {"X-Engine": "fake"}
+            if "X-Reply-Hop" in request.headers:
+                headers.update({"Connection": "X-Up-Hop", "X-Up-Hop": "for the next hop only"})
+            return web.json_response({"id": "x", "echo_bytes": len(body)}, headers=headers)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         state["open"] += 1
@@ -82,4 +87,16 @@ if __name__ == "__main__":
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--chunk-delay", type=float, default=0.05)
     args = parser.parse_args()
-    web.run_app(make_app(args), host="127.0.0.1", port=args.port, print=None, access_log=None)
+
+    async def serve():
+        # auto_decompress off: a compressed body is recorded as it arrived, so a test sees what the proxy sent
+        runner = web.AppRunner(make_app(args), access_log=None, auto_decompress=False)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", args.port).start()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await runner.cleanup()
+
+    asyncio.run(serve())

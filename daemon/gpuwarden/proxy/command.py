@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import re
 import sys
@@ -12,7 +13,11 @@ from ..config import ProxyConfig, parse_address
 from ..serving.compose.engines import engine_for
 from . import diff
 from .dump import Dumper
+from .faults import FaultLog
 from .normalize import RULES, SWITCHES, Rules
+
+DUMP_MAX_BYTES = 1 << 30
+CLIENT_TIMEOUT_S = 15.0  # above the 4-5 s keep-alive clients keep themselves (Node's undici, httpx)
 
 HELP = """\
 Runs the prefix-cache normalizing proxy in front of the serving engine: /v1/messages (Anthropic) and
@@ -27,6 +32,11 @@ starts and supervises this itself, as serve.user.
 Rules: billing_header (Claude Code's per-request nonce block), cache_control (moving cache markers),
 sort_tools (tools in a stable order), date_line ("Today's date is ..."; off by default), and
 --remove-pattern REGEX for anything else in system text.
+
+Limits: at most half the descriptors RLIMIT_NOFILE leaves (after a reserve) as client connections; a
+connection that waits, or sends its headers, longer than --client-timeout, or its body slower than 16 KiB/s after
+that, is closed; bodies over --max-body-bytes get 413; bodies and their parses hold at most 12 x --max-body-bytes
+of memory at once (503 with Retry-After past it); each kind of client fault is logged once a minute, with a count.
 
 `gpuwarden proxy diff A B` shows where two dumped turns (--dump-dir) first differ: the cache buster."""
 
@@ -44,7 +54,12 @@ def add_parser(sub, common) -> None:
                    "text (repeatable; adds to serve.proxy.remove_patterns)")
     p.add_argument("--dump-dir", type=Path, help="dump each request, as received and as sent, per session")
     p.add_argument("--dump-keep", type=int, help="at most this many dump files (default: 200)")
+    p.add_argument("--dump-max-bytes", type=int, default=DUMP_MAX_BYTES, help="at most this many bytes of dump "
+                   "files; the oldest go first (default: 1 GiB)")
     p.add_argument("--max-body-bytes", type=int, help="refuse bigger request bodies with 413 (default: 32 MiB)")
+    p.add_argument("--client-timeout", type=float, default=CLIENT_TIMEOUT_S, help="seconds a connection may wait "
+                   "for its next request, and a request's headers may take; a body gets as long plus 1 s per 16 "
+                   "KiB (default: 15)")
     p.add_argument("action", nargs="?", choices=("run", "diff"), default="run", help="run (default) or diff")
     p.add_argument("dumps", nargs="*", type=Path, help="diff: two dump files, or one session folder (its last two "
                    "turns)")
@@ -71,27 +86,31 @@ def cmd_proxy(args: argparse.Namespace, load_config) -> int:
     dump_dir = args.dump_dir or settings.dump_dir
     keep = settings.dump_keep if args.dump_keep is None else args.dump_keep
     max_body = settings.max_body_bytes if args.max_body_bytes is None else args.max_body_bytes
-    if keep < 2 or max_body < 1024:
-        return _usage("proxy: --dump-keep must be at least 2 and --max-body-bytes at least 1024")
-    return serve(upstream, listen, rules, engine, Dumper(dump_dir, keep) if dump_dir else None, max_body)
+    if keep < 2 or max_body < 1024 or args.dump_max_bytes < 1 << 20 or not 0.1 <= args.client_timeout <= 3600:
+        return _usage("proxy: --dump-keep must be at least 2, --max-body-bytes at least 1024, --dump-max-bytes at "
+                      "least 1048576, and --client-timeout 0.1 to 3600 s")
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stderr)
+    faults = FaultLog()
+    dumper = Dumper(dump_dir, keep, args.dump_max_bytes, faults.note) if dump_dir else None
+    return serve(upstream, listen, rules, engine, dumper, max_body, args.client_timeout, faults)
 
 
-def serve(upstream, listen, rules, engine, dumper, max_body) -> int:
-    from aiohttp import web
-
+def serve(upstream, listen, rules, engine, dumper, max_body, client_timeout_s, faults) -> int:
+    from .listener import Connections, connection_cap, run
     from .server import Proxy, ProxyMetrics
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stderr)
-    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    faults.quiet()
     names = engine.metric_names
-    proxy = Proxy(upstream, rules, ProxyMetrics((names.prefix_cache_queries, names.prefix_cache_hits)), dumper,
-                  max_body, metrics_path=engine.metrics_path)
+    metrics = ProxyMetrics((names.prefix_cache_queries, names.prefix_cache_hits))
+    conns = Connections(connection_cap(), client_timeout_s, faults,
+                        lambda reason: metrics.failures.labels(reason).inc())
+    proxy = Proxy(upstream, rules, metrics, dumper, max_body, metrics_path=engine.metrics_path, faults=faults,
+                  conns=conns)
     enabled = [name for name in RULES if getattr(rules, name)]
-    log.info("proxy on http://%s:%d for %s; rules: %s%s", *listen, upstream, ", ".join(enabled) or "none",
-             f"; dumps in {dumper.directory}" if dumper else "")
+    log.info("proxy on http://%s:%d for %s; rules: %s%s; at most %d connections", *listen, upstream,
+             ", ".join(enabled) or "none", f"; dumps in {dumper.directory}" if dumper else "", conns.cap)
     try:
-        # shutdown_timeout: a stop cuts streams still open after 2 s
-        web.run_app(proxy.app(), host=listen[0], port=listen[1], print=None, shutdown_timeout=2, access_log=None)
+        asyncio.run(run(proxy.app(), listen[0], listen[1], conns))  # a stop cuts streams still open after 2 s
     except OSError as exc:
         print(f"gpuwarden proxy: cannot listen on {listen[0]}:{listen[1]}: {exc.strerror or exc}", file=sys.stderr)
         return 71

@@ -4,7 +4,12 @@
 Why aiohttp: the same maintained asyncio library `gpuwarden bench` uses, with a server and a client in one
 package that Debian 12 ships (python3-aiohttp 3.8), streaming both ways without buffering. Bodies pass as
 bytes: a request no rule changes goes upstream byte for byte, and responses are never parsed, so SSE events,
-tool-call deltas, errors and status codes reach the client as the engine sent them, chunk by chunk.
+tool-call deltas, errors and status codes reach the client as the engine sent them, chunk by chunk. A compressed
+body to a normalized path goes upstream decompressed, without its Content-Encoding, whether or not a rule changed
+it (so the engine sees the same kind of body either way); to any other path it goes as it came.
+
+The limits on what clients send: listener.py (connections and their deadlines), body.py (body size, the memory
+of bodies and parses at once), faults.py (one line a minute for each kind of fault).
 """
 
 from __future__ import annotations
@@ -17,19 +22,27 @@ import time
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..httpget import HttpError, read_capped
 from ..serving.watch.metrics import parse
+from .body import Budget, Held, Refusal, decode, loads, parse_cost, read
 from .dump import Dumper, session_of
+from .faults import FaultLog
+from .listener import Connections
 from .normalize import Rules, apply
 
 log = logging.getLogger("gpuwarden.proxy")
 
 NORMALIZED = {"/v1/messages": "anthropic", "/v1/chat/completions": "openai"}
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-              "transfer-encoding", "upgrade", "host", "content-length"}
+              "transfer-encoding", "upgrade", "proxy-connection", "host", "content-length"}
+# The memory of bodies and their parses at once, in maximum-size bodies: one of BMP text (CJK: 1 + 7 x its size,
+# 9 x dumped; body.parse_cost) or two of ASCII (1 + 4 x) fit; the worst case stays under 512 MiB at 32 MiB.
+BUDGET_BODIES = 12
 # The engine's /metrics every 15 s, every 2 s while it cannot be read (starting, restarting): its counters
 # appear soon after it does.
 SCRAPE_EVERY_S, SCRAPE_RETRY_S, SCRAPE_DEADLINE_S, SCRAPE_MAX_BYTES = 15.0, 2.0, 5.0, 8 << 20
@@ -58,6 +71,7 @@ class ProxyMetrics:
         self.prefix_names = prefix_names
         self.engine: dict[str, float] | None = None  # the upstream's latest /metrics, parsed
         self.engine_up: int | None = None  # 1 read at the last scrape, 0 not, None no scrape yet
+        self.now: dict[str, tuple[str, object]] = {}  # name -> (help, a function of no arguments): gauges
         r.register(self)
 
     def collect(self):
@@ -65,6 +79,8 @@ class ProxyMetrics:
                                "last scrape")
         up.add_metric([], self.engine_up or 0)
         yield up
+        for name, (help_, read_now) in self.now.items():
+            yield GaugeMetricFamily(name, help_, value=read_now())
         queries, hits = self.prefix_names
         if self.engine is None or not queries or not hits:
             return
@@ -80,17 +96,35 @@ class ProxyMetrics:
         return []
 
 
+def forwarded(headers) -> CIMultiDict:
+    """The end-to-end headers: without the hop-by-hop ones, nor those the Connection header names as such."""
+    named = {token.strip().lower() for value in headers.getall("Connection", ()) for token in value.split(",")}
+    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in HOP_BY_HOP and k.lower() not in named)
+
+
 class Proxy:
     def __init__(self, upstream: str, rules: Rules, metrics: ProxyMetrics, dumper: Dumper | None = None,
-                 max_body_bytes: int = 32 << 20, read_timeout_s: float = 600.0, metrics_path: str = "/metrics"):
+                 max_body_bytes: int = 32 << 20, read_timeout_s: float = 600.0, metrics_path: str = "/metrics",
+                 faults: FaultLog | None = None, conns: Connections | None = None):
         self.upstream = upstream.rstrip("/")
         self.rules, self.metrics, self.dumper = rules, metrics, dumper
         self.max_body_bytes, self.read_timeout_s, self.metrics_path = max_body_bytes, read_timeout_s, metrics_path
+        self.faults, self.conns = faults or FaultLog(), conns
+        self.budget = Budget(BUDGET_BODIES * max_body_bytes)
+        metrics.now["gpuwarden_proxy_body_bytes"] = ("Bytes of request bodies and their parses held now, of "
+                                                     "the budget", lambda: self.budget.used)
+        metrics.now["gpuwarden_proxy_body_budget_bytes"] = ("At most this many bytes of request bodies and their "
+                                                            "parses at once", lambda: self.budget.limit)
+        if conns is not None:
+            metrics.now["gpuwarden_proxy_connections"] = ("Client connections open now", lambda: len(conns.open))
+            metrics.now["gpuwarden_proxy_connections_max"] = ("At most this many client connections at once",
+                                                              lambda: conns.cap)
         self.session: aiohttp.ClientSession | None = None
         self._scraper: asyncio.Task | None = None
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.max_body_bytes)
+        app = web.Application(client_max_size=self.max_body_bytes,
+                              middlewares=[self.conns.middleware] if self.conns else [])
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.own_metrics)
         app.router.add_route("*", "/{tail:.*}", self.forward)
@@ -100,9 +134,11 @@ class Proxy:
 
     async def _start(self, app) -> None:
         timeout = aiohttp.ClientTimeout(total=None, connect=10, sock_read=self.read_timeout_s)
-        # No automatic headers and no decompression: what the client and the engine send passes as it is.
+        # No automatic headers and no decompression: what the client and the engine send passes as it is. At
+        # most one upstream connection per client connection (and the scrape's): the fd limit counts both.
+        limit = self.conns.cap + 4 if self.conns else 0
         self.session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False,
-                                             connector=aiohttp.TCPConnector(limit=0),
+                                             connector=aiohttp.TCPConnector(limit=limit),
                                              skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding",
                                                                 "Content-Type"))
         self._scraper = asyncio.get_running_loop().create_task(self._scrape_forever())
@@ -153,62 +189,87 @@ class Proxy:
         began = time.monotonic()
         api = NORMALIZED.get(request.path) if request.method == "POST" else None
         label = api or "other"
+        held = self.budget.hold()
         try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            return self._refuse(request, label, 413, "too_large",
-                                f"request body over {self.max_body_bytes} bytes (the proxy's max_body_bytes)")
-        if api is not None:
-            prepare = functools.partial(self._normalize, api, body, request.remote, request.path)
-            # A big body (a long session is megabytes of JSON) or a dump to disk: off the loop, so the streams
-            # in flight do not wait for it.
-            if len(body) > OFF_LOOP_BYTES or self.dumper is not None:
-                body, problem = await asyncio.get_running_loop().run_in_executor(None, prepare)
-            else:
-                body, problem = prepare()
-            if problem is not None:
-                return self._refuse(request, api, 400, "bad_json", problem)
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
-        self.metrics.bytes_in.inc(len(body))
-        try:
-            async with self.session.request(request.method, self.upstream + request.path_qs, data=body or None,
-                                            headers=headers, allow_redirects=False) as up:
-                self.metrics.upstream.labels(label).observe(time.monotonic() - began)
-                return await self._relay(request, up, label)
-        except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
-            return self._refuse(request, label, 502, "upstream_down", f"upstream {self.upstream} unreachable: {exc}")
-        except asyncio.TimeoutError:
-            return self._refuse(request, label, 504, "upstream_timeout",
-                                f"upstream {self.upstream} sent nothing for {self.read_timeout_s:g} s")
-        except aiohttp.ClientError as exc:
-            return self._refuse(request, label, 502, "upstream_error", f"upstream {self.upstream}: {exc}")
+            try:
+                body = await self._read(request, held)
+                headers = forwarded(request.headers)
+                if api is not None:
+                    coding = ",".join(headers.popall("Content-Encoding", ()))
+                    prepare = functools.partial(self._normalize, api, body, coding, held, request.remote,
+                                                request.path)
+                    # A big body (a long session is megabytes of JSON) or a dump to disk: off the loop, so the
+                    # streams in flight do not wait for it.
+                    if len(body) > OFF_LOOP_BYTES or self.dumper is not None:
+                        body = await asyncio.get_running_loop().run_in_executor(None, prepare)
+                    else:
+                        body = prepare()
+            except Refusal as exc:
+                return self._refuse(request, label, exc.status, exc.reason, str(exc))
+            except (ConnectionError, HttpProcessingError) as exc:  # the client left, or broke, mid-body
+                self.metrics.failures.labels("client_gone").inc()
+                self.faults.note("bodies cut short by the client", f"{request.method} {request.path} from "
+                                 f"{request.remote}: the body stopped: {exc}", logging.INFO)
+                return web.Response(status=400)  # for a client still there; aiohttp closes the connection
+            self.metrics.bytes_in.inc(len(body))
+            try:
+                async with self.session.request(request.method, self.upstream + request.path_qs, data=body or None,
+                                                headers=headers, allow_redirects=False) as up:
+                    held.release()  # the body is sent: its bytes and its parse are gone
+                    body = None
+                    self.metrics.upstream.labels(label).observe(time.monotonic() - began)
+                    return await self._relay(request, up, label)
+            except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
+                return self._refuse(request, label, 502, "upstream_down",
+                                    f"upstream {self.upstream} unreachable: {exc}")
+            except asyncio.TimeoutError:
+                return self._refuse(request, label, 504, "upstream_timeout",
+                                    f"upstream {self.upstream} sent nothing for {self.read_timeout_s:g} s")
+            except aiohttp.ClientError as exc:
+                return self._refuse(request, label, 502, "upstream_error", f"upstream {self.upstream}: {exc}")
+        finally:
+            held.release()
 
-    def _normalize(self, api: str, body: bytes, peer: str | None, path: str) -> tuple[bytes, str | None]:
-        """(the body to send, None) or (body, why it is refused): the rules applied, counted, and dumped."""
+    async def _read(self, request: web.Request, held: Held) -> bytearray:
+        """The whole body, within --max-body-bytes and the budget; then the request is whole (listener.py)."""
+        if request.content_length is not None and request.content_length > self.max_body_bytes:
+            raise Refusal(413, "too_large", f"request body over {self.max_body_bytes} bytes (the proxy's "
+                          "--max-body-bytes)")  # refused before a byte of it is read
+        body = await read(request, self.max_body_bytes, held)
+        if self.conns is not None:
+            self.conns.serving(request)
+        return body
+
+    def _normalize(self, api: str, body: bytearray, coding: str, held: Held, peer: str | None,
+                   path: str) -> bytes | bytearray:
+        """The body to send upstream: decoded, parsed, the rules applied, counted and dumped; or Refusal."""
+        plain = decode(body, coding, self.max_body_bytes, held)
+        held.take(parse_cost(plain, self.dumper is not None), "parsing this body")
         try:
-            parsed = json.loads(body)
+            parsed = loads(plain)
         except (ValueError, RecursionError) as exc:  # RecursionError: nesting deeper than Python's limit
-            return body, f"body is not JSON: {str(exc)[:200]}"
+            raise Refusal(400, "bad_json", f"body is not JSON: {str(exc)[:200]}") from None
         if not isinstance(parsed, dict):
-            return body, "body is JSON but not an object"
-        received = json.loads(body) if self.dumper is not None else None
+            raise Refusal(400, "bad_json", "body is JSON but not an object")
+        turn = self.dumper.open(session_of(parsed, api, peer), path) if self.dumper is not None else None
+        if turn is not None:
+            turn.part("received", parsed)  # before the rules change it in place
         applied = apply(parsed, api, self.rules)
         for rule, n in applied.items():
             self.metrics.normalized.labels(rule).inc(n)
         if applied:
             try:
-                body = json.dumps(parsed, ensure_ascii=False, separators=(",", ":")).encode()
+                plain = json.dumps(parsed, ensure_ascii=False, separators=(",", ":")).encode()
             except UnicodeEncodeError:  # a lone surrogate from a \ud800 escape: keep it escaped
-                body = json.dumps(parsed, separators=(",", ":")).encode()
-        if self.dumper is not None:
-            self.dumper.write(session_of(parsed, api, peer), path, received, parsed, dict(applied))
-        return body, None
+                plain = json.dumps(parsed, separators=(",", ":")).encode()
+        if turn is not None:
+            turn.part("sent", parsed)
+            turn.close(dict(applied))
+        return plain
 
     async def _relay(self, request: web.Request, up: aiohttp.ClientResponse, label: str) -> web.StreamResponse:
         response = web.StreamResponse(status=up.status, reason=up.reason)
-        for key, value in up.headers.items():
-            if key.lower() not in HOP_BY_HOP:
-                response.headers.add(key, value)
+        response.headers.extend(forwarded(up.headers))
         if up.content_length is not None:
             response.content_length = up.content_length
         streaming = up.headers.get("Content-Type", "").startswith("text/event-stream")
@@ -227,13 +288,14 @@ class Proxy:
             # The client went away: leaving the `async with` closes the upstream connection, so the engine
             # sees the disconnect and stops generating.
             self.metrics.failures.labels("client_gone").inc()
-            log.info("proxy: client %s left %s %s after %d bytes", request.remote, request.method, request.path, sent)
+            self.faults.note("clients gone mid-response", f"client {request.remote} left {request.method} "
+                             f"{request.path} after {sent} bytes", logging.INFO)
             if isinstance(exc, asyncio.CancelledError):
                 raise
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:  # caught here: the response has begun
             self.metrics.failures.labels("upstream_broke").inc()
-            log.warning("proxy: upstream broke off %s %s after %d bytes: %s", request.method, request.path, sent,
-                        exc or type(exc).__name__)
+            self.faults.note("responses cut by the engine", f"upstream broke off {request.method} {request.path} "
+                             f"after {sent} bytes: {exc or type(exc).__name__}")
             if request.transport is not None:
                 request.transport.close()  # the client must see a cut stream, not a finished one
         finally:
@@ -243,10 +305,14 @@ class Proxy:
     def _refuse(self, request: web.Request, label: str, status: int, reason: str, message: str) -> web.Response:
         self.metrics.failures.labels(reason).inc()
         self.metrics.requests.labels(label, str(status)).inc()
-        log.warning("proxy: %s %s from %s: %d %s", request.method, request.path, request.remote, status, message)
+        self.faults.note(f"{reason} refusals ({status})", f"{request.method} {request.path} from {request.remote}: "
+                         f"{status} {message}")
         if label == "anthropic":  # each API's own error shape, so the client shows the message
             body = {"type": "error", "error": {"type": "api_error" if status >= 500 else "invalid_request_error",
                                                "message": message}}
         else:
             body = {"error": {"message": message, "type": "proxy_error", "code": status}}
-        return web.json_response(body, status=status)
+        response = web.json_response(body, status=status, headers={"Retry-After": "1"} if status == 503 else None)
+        if not request.content.is_eof():
+            response.force_close()  # the rest of the body is not read: the connection cannot carry another request
+        return response

@@ -1,0 +1,151 @@
+"""Request bodies in the proxy's memory: read within a size cap, decoded, parsed, all within one budget.
+
+The budget is what every body being read or parsed may cost at once, in bytes; a request whose bytes or parse
+do not fit now is answered 503 with Retry-After, and one that would not fit even in an empty budget is refused
+(413). What a request took is given back when its body has gone upstream.
+
+A parse costs far more than its body: CPython's json makes a 64-byte dict of each `{}`, so 31 MB of
+`[{},{},...]` took 846 MB. `parse_cost` bounds it from the body's own bytes before a byte is parsed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import threading
+import zlib
+
+from aiohttp import web
+
+# What parsing costs, at most, per byte of body and per JSON token (CPython 3.11, measured with tracemalloc on
+# 4 MB bodies of each shape; tests/test_proxy_limits.py checks the bound). Text: the decoded document, its string
+# values and the re-encoded text, each 1, 2 or 4 bytes a character (the widest character in it decides), plus the
+# re-encoded bytes: 1 + 3 * width. A container: a dict or list object, 56-64 bytes plus a slot (`[[[[]]]],` measured 38
+# bytes a byte). A comma or a quote: an element's slot, a number or a string object (`"ab",` measured 14).
+PER_CONTAINER, PER_ELEMENT = 80, 48
+DUMP_PER_BYTE = 2  # a dump part's text and its UTF-8 bytes, for the largest string, while the request is held
+FOUR_BYTE_LEADS = (b"\xf0", b"\xf1", b"\xf2", b"\xf3", b"\xf4")  # UTF-8 of a character past U+FFFF
+WIDE_ESCAPE = re.compile(rb"\\u[dD][89abAB]")  # an escaped surrogate pair: the same, in ASCII text
+
+
+class Refusal(Exception):
+    """A request the proxy answers itself: status, a metrics reason and a one-line message."""
+
+    def __init__(self, status: int, reason: str, message: str):
+        super().__init__(message)
+        self.status, self.reason = status, reason
+
+
+class Budget:
+    """Bytes of request bodies and their parses that may be in memory at once (thread-safe: parses run on the
+    executor)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.used = limit, 0
+        self._lock = threading.Lock()
+
+    def hold(self) -> Held:
+        return Held(self)
+
+    def _take(self, n: int) -> bool:
+        with self._lock:
+            if self.used + n > self.limit:
+                return False
+            self.used += n
+            return True
+
+    def _give(self, n: int) -> None:
+        with self._lock:
+            self.used -= n
+
+
+class Held:
+    """One request's share of the budget."""
+
+    def __init__(self, budget: Budget):
+        self.budget, self.bytes = budget, 0
+
+    def take(self, n: int, what: str) -> None:
+        if self.bytes + n > self.budget.limit:  # this request alone would never fit
+            raise Refusal(413, "too_costly", f"{what} would take {(self.bytes + n) >> 20} MiB of memory; the proxy "
+                          f"holds at most {self.budget.limit >> 20} MiB of request bodies and their parses at once")
+        if not self.budget._take(n):
+            raise Refusal(503, "busy", f"the proxy is holding {self.budget.limit >> 20} MiB of request bodies now; "
+                          f"{what} does not fit: retry")
+        self.bytes += n
+
+    def give(self, n: int) -> None:
+        n = min(n, self.bytes)
+        self.bytes -= n
+        self.budget._give(n)
+
+    def release(self) -> None:
+        self.give(self.bytes)
+
+
+async def read(request: web.BaseRequest, limit: int, held: Held) -> bytearray:
+    """The whole body, each piece taken from the budget as it arrives; Refusal past limit or the budget."""
+    body = bytearray()
+    while True:
+        if request.transport is None:  # gone before we read (newer aiohttp then raises a bare RuntimeError)
+            raise ConnectionResetError("the client left")
+        chunk = await request.content.readany()
+        if not chunk:
+            return body
+        if len(body) + len(chunk) > limit:
+            raise Refusal(413, "too_large", f"request body over {limit} bytes (the proxy's --max-body-bytes)")
+        held.take(len(chunk), "this body")
+        body += chunk
+
+
+def decode(body: bytes, coding: str, limit: int, held: Held) -> bytes:
+    """The body with its Content-Encoding undone (gzip or deflate, at most limit bytes out)."""
+    coding = coding.strip().lower()
+    if coding in ("", "identity"):
+        return body
+    if coding not in ("gzip", "x-gzip", "deflate"):
+        raise Refusal(415, "bad_encoding", f"Content-Encoding {coding!r}: the proxy reads gzip, deflate or none")
+    held.take(limit, "the decompressed body")  # the most it may be, taken before it is made
+    try:
+        inflate = zlib.decompressobj(wbits=47)  # a zlib or gzip header, found from the data
+        plain = inflate.decompress(body, limit + 1)  # never more than limit + 1 bytes, whatever the ratio
+    except zlib.error as exc:
+        raise Refusal(400, "bad_encoding", f"the body is not valid {coding}: {exc}") from None
+    if len(plain) > limit:
+        raise Refusal(413, "too_large", f"request body over {limit} bytes once decompressed (--max-body-bytes)")
+    if not inflate.eof:
+        raise Refusal(400, "bad_encoding", f"the {coding} body is cut short")
+    held.give(limit - len(plain))
+    return plain
+
+
+def parse_cost(body: bytes, dumped: bool = False) -> int:
+    """At most what parsing this JSON body, applying the rules, re-encoding it and dumping it take, in bytes."""
+    if body.isascii() and b"\\u" not in body:
+        width = 1
+    elif any(lead in body for lead in FOUR_BYTE_LEADS) or WIDE_ESCAPE.search(body):
+        width = 4
+    else:
+        width = 2
+    tokens = body.count(b",") + body.count(b'"')
+    containers = body.count(b"{") + body.count(b"[")
+    text = 1 + 3 * width + (DUMP_PER_BYTE if dumped else 0)
+    return len(body) * text + PER_CONTAINER * containers + PER_ELEMENT * tokens
+
+
+def loads(body: bytes):
+    """json.loads, but numbers that are not finite are refused: Python reads 1e999999 as inf and would write it
+    back as Infinity, which the engine's JSON parser rejects."""
+    return json.loads(body, parse_float=_finite, parse_constant=_no_constant)
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is out of range")
+    return value
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")

@@ -1,0 +1,255 @@
+"""The proxy's listening socket and its connections: how many may be open, how long each phase of a request may
+take, and the stop on SIGTERM.
+
+aiohttp alone keeps a connection for as long as its client likes: any number of them, no deadline on a
+request's headers or body, minutes of keep-alive. Under the unit's 1024-fd limit, 1,100 half-sent bodies left no
+descriptor for /health, the engine or accept(). Here:
+- at most `cap` client connections are open, half of what RLIMIT_NOFILE leaves after a reserve, since each may
+  hold an upstream connection too (the client session is capped at the same number);
+- a connection waits, sends its headers and sends its body within deadlines (`timeout_s`, and for the body
+  `timeout_s` plus one second per MIN_BODY_RATE bytes received), else it is closed;
+- at the cap, a new connection closes the open one that has waited longest without a request being served (a
+  keep-alive, headers or a body still coming): a crowd that holds connections open only pushes out its own,
+  while a request that arrives whole is served. When every open connection is being served, the new one gets a
+  fixed 503 and is closed, without reading.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import resource
+import signal
+import time
+
+from aiohttp import web
+
+from .faults import FaultLog
+
+BACKLOG = 64  # also how many connections asyncio accepts in one pass of the loop
+# Descriptors kept for everything that is not a client or upstream connection: stdio, the listener, epoll, dump
+# files, logging (64), and sockets in flight: accepted but not yet handed to us (two passes' worth), and closed
+# at the cap but not yet released (the close lands on the next pass).
+RESERVE_FDS = 64 + 3 * BACKLOG
+MAX_CONNECTIONS = 4096  # each costs memory too: the cap does not grow with a huge fd limit
+MIN_BODY_RATE = 16 << 10  # bytes a second a body must average, after its first timeout_s
+# A request's headers, all together: aiohttp alone allows 128 lines of 8 KiB (32,768 in 3.8), and 380 connections
+# sending 100 such lines held 500 MB. Clients send a few KiB.
+MAX_HEAD_BYTES = 64 << 10
+WAITING, HEADERS, BODY, SERVING = "waiting", "headers", "body", "serving"
+REFUSED = b"the proxy has too many open connections, all being served: retry\n"
+REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nRetry-After: 1\r\nConnection: close\r\n"
+           b"Content-Length: %d\r\n\r\n%s" % (len(REFUSED), REFUSED))
+
+
+def connection_cap(nofile: int | None = None) -> int:
+    """Client connections the fd limit allows: each may hold one upstream connection beside it."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0] if nofile is None else nofile
+    if soft == resource.RLIM_INFINITY:
+        soft = 2 * MAX_CONNECTIONS + RESERVE_FDS
+    return max(8, min(MAX_CONNECTIONS, (soft - RESERVE_FDS) // 2))
+
+
+class Connection(asyncio.Protocol):
+    """One client connection: aiohttp's handler behind it, and the phase its current request is in. Passes every
+    transport event on to the handler; it only watches."""
+
+    def __init__(self, conns: Connections, handler: asyncio.Protocol):
+        self.conns, self.handler = conns, handler
+        self.transport: asyncio.Transport | None = None
+        self.phase, self.since, self.received, self.served = WAITING, conns.clock(), 0, 0
+        self.closing = False
+        self.tail = b""  # the last bytes of the headers so far, to find their end across reads
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.handler.connection_made(transport)
+        if self.closing:  # closed at the cap before asyncio handed it over
+            transport.abort()
+
+    def data_received(self, data: bytes) -> None:
+        if self.phase in (WAITING, HEADERS) and not self._headers(data):
+            return
+        if self.phase == BODY:
+            self.received += len(data)
+        self.handler.data_received(data)
+
+    def _headers(self, data: bytes) -> bool:
+        """Count the bytes of a request's headers until their end; False (and closed) past MAX_HEAD_BYTES."""
+        if self.phase == WAITING:
+            self.conns.enter(self, HEADERS)
+        seen = self.tail + data
+        if b"\r\n\r\n" in seen:  # the body's clock starts (and again when the handler runs)
+            self.conns.enter(self, BODY)
+            self.tail = b""
+            return True
+        self.received += len(data)
+        self.tail = seen[-3:]
+        if self.received <= MAX_HEAD_BYTES:
+            return True
+        self.conns.fault(self, "big_headers", f"its request's headers passed {MAX_HEAD_BYTES >> 10} KiB")
+        return False
+
+    def eof_received(self):
+        return self.handler.eof_received()
+
+    def connection_lost(self, exc) -> None:
+        self.conns.closed(self)
+        self.handler.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.handler.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.handler.resume_writing()
+
+    def deadline(self, timeout_s: float) -> float | None:
+        if self.phase == BODY:
+            return self.since + timeout_s + self.received / MIN_BODY_RATE
+        return None if self.phase == SERVING else self.since + timeout_s
+
+
+class Refused(asyncio.Protocol):
+    """A connection past the cap: a fixed 503, closed at once, nothing read."""
+
+    def connection_made(self, transport) -> None:
+        transport.write(REFUSAL)
+        transport.close()
+
+
+class Connections:
+    def __init__(self, cap: int, timeout_s: float, faults: FaultLog, count=None, clock=time.monotonic):
+        self.cap, self.timeout_s, self.faults, self.clock = cap, timeout_s, faults, clock
+        self.count = count or (lambda reason: None)  # a connection closed by us, in the proxy's failure metrics
+        self.open: dict[asyncio.Protocol, Connection] = {}  # by aiohttp handler, for request.protocol
+        # Connections not being served, the longest waiting first: the ones the cap and the deadlines close.
+        self.idle: collections.OrderedDict[Connection, None] = collections.OrderedDict()
+        self._ticker: asyncio.TimerHandle | None = None
+
+    # -- accepting ---------------------------------------------------------------------------------------
+    def protocol(self, server: web.Server) -> asyncio.Protocol:
+        """The listener's protocol factory: a watched aiohttp handler, or a refusal past the cap."""
+        if len(self.open) >= self.cap:
+            if not self.idle:
+                self.faults.note("connections refused at the cap", f"{self.cap} connections open, all being served: "
+                                 "a new one refused with 503 (the cap is half the fd limit left after a reserve)")
+                self.count("too_many_connections")
+                return Refused()
+            oldest = next(iter(self.idle))
+            self.faults.note("connections closed at the cap", f"{self.cap} connections open: closed the one that "
+                             f"waited longest ({oldest.phase}, {self.clock() - oldest.since:.1f} s)", logging.INFO)
+            self.count("evicted")
+            self._close(oldest)
+        # Counted from here, not from connection_made: asyncio calls that a loop pass later, and a burst of
+        # accepts in between must see every connection made so far.
+        conn = Connection(self, server())
+        self.open[conn.handler] = conn
+        self.idle[conn] = None
+        return conn
+
+    def closed(self, conn: Connection) -> None:
+        self.open.pop(conn.handler, None)
+        self.idle.pop(conn, None)
+
+    def _close(self, conn: Connection) -> None:
+        # Out of the books now, not when the loop gets to connection_lost: a burst of accepts in one loop pass
+        # must not count (or pick) the same connection twice. abort(): nothing waits for a client that does not
+        # read.
+        self.closed(conn)
+        conn.closing = True
+        if conn.transport is not None:
+            conn.transport.abort()
+
+    # -- the phases of a request -------------------------------------------------------------------------
+    def enter(self, conn: Connection, phase: str) -> None:
+        conn.phase, conn.since, conn.received, conn.tail = phase, self.clock(), 0, b""
+        self.idle.pop(conn, None)
+        if phase != SERVING and conn.handler in self.open:
+            self.idle[conn] = None  # at the end: the order stays "longest waiting first"
+
+    def of(self, request: web.BaseRequest) -> Connection | None:
+        return self.open.get(request.protocol)
+
+    def serving(self, request: web.BaseRequest) -> None:
+        """The request is whole (headers and body): no deadline of ours from here on, and never closed at the
+        cap; the engine's own timeout applies."""
+        conn = self.of(request)
+        if conn is not None:
+            self.enter(conn, SERVING)
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler):
+        conn = self.of(request)
+        if conn is None:
+            return await handler(request)
+        self.enter(conn, BODY)  # aiohttp calls the handler once the headers are in
+        try:
+            return await handler(request)
+        finally:
+            conn.served += 1
+            self.enter(conn, WAITING)
+
+    # -- the deadlines, every second -----------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._ticker = loop.call_later(1.0, self._tick, loop)
+
+    def stop(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+
+    def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.sweep()
+        self.faults.flush()
+        self._ticker = loop.call_later(1.0, self._tick, loop)
+
+    def sweep(self) -> None:
+        now, t = self.clock(), self.timeout_s
+        for conn in list(self.idle):
+            deadline = conn.deadline(t)
+            if deadline is None or now < deadline:
+                continue
+            if conn.phase == WAITING and conn.served:
+                self._close(conn)  # a keep-alive that idled out: no fault
+            elif conn.phase == HEADERS:
+                self.fault(conn, "slow_headers", f"its request's headers took over {t:g} s")
+            elif conn.phase == BODY:
+                self.fault(conn, "slow_body", f"its body came slower than {MIN_BODY_RATE >> 10} KiB/s after {t:g} s "
+                                              f"({conn.received} bytes in {now - conn.since:.0f} s)")
+            else:
+                self.fault(conn, "idle", f"it sent nothing in {t:g} s")
+
+    def fault(self, conn: Connection, reason: str, what: str) -> None:
+        """Close a connection for what its client did: counted, and said once a minute."""
+        peer = conn.transport.get_extra_info("peername") if conn.transport else None
+        self._close(conn)
+        self.count(reason)
+        self.faults.note(f"connections closed ({reason})", f"closed a connection from {peer}: {what}", logging.INFO)
+
+
+async def run(app: web.Application, host: str, port: int, conns: Connections, shutdown_s: float = 2.0) -> None:
+    """Serve app on host:port until SIGTERM or SIGINT; then streams still open after shutdown_s are cut.
+    OSError when the address cannot be bound."""
+    # auto_decompress off: a compressed body reaches the proxy as sent (server.py decides, with a size cap).
+    # aiohttp's own keep-alive timer only backs ours up (ours closes first, and counts why).
+    runner = web.AppRunner(app, access_log=None, keepalive_timeout=conns.timeout_s + 5, auto_decompress=False)
+    await runner.setup()
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    server = runner.server
+    try:
+        listener = await loop.create_server(lambda: conns.protocol(server), host, port, backlog=BACKLOG)
+    except OSError:
+        await runner.cleanup()
+        raise
+    conns.start(loop)
+    try:
+        await stop.wait()
+    finally:
+        listener.close()
+        conns.stop()
+        await runner.shutdown()
+        await server.shutdown(shutdown_s)
+        await runner.cleanup()

@@ -1,0 +1,369 @@
+"""The proxy's limits on what clients send (issue 24): connections, deadlines, memory, dumps, header and body
+fidelity. The proxy and the fake engine run as real processes (the rig of test_proxy.py); the clients here are
+raw sockets that misbehave on purpose."""
+
+import gzip
+import http.client
+import json
+import logging
+import socket
+import time
+import urllib.request
+import zlib
+
+import pytest
+
+from test_proxy import TOOLS, claude_code_request, last_upstream, rig, send  # noqa: F401 (rig: a fixture)
+from gpuwarden.proxy.body import Budget, Refusal, loads, parse_cost
+from gpuwarden.proxy.dump import session_of
+from gpuwarden.proxy.faults import FaultLog
+from gpuwarden.proxy.listener import connection_cap
+
+
+def metric(proxy, name) -> float | None:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{proxy.port}/metrics", timeout=10).read().decode()
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def open_socket(port, data=b"", timeout=2.0):
+    """A client connection that sent `data` and then stops; None when the connect did not go through."""
+    try:
+        sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    except OSError:
+        return None
+    if data:
+        sock.sendall(data)
+    return sock
+
+
+def closed_by_peer(sock, within_s) -> bool:
+    """Whether the other end closes this connection within within_s (whatever it answers first)."""
+    sock.settimeout(within_s)
+    deadline = time.monotonic() + within_s
+    try:
+        while time.monotonic() < deadline:
+            if not sock.recv(65536):
+                return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except socket.timeout:
+        return False
+    return False
+
+
+HALF_SENT = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"model\": "
+
+
+# -- 2. connections ------------------------------------------------------------------------------------------
+
+def test_the_connection_cap_leaves_room_in_the_fd_limit():
+    for nofile in (400, 1024, 4096, 8448):
+        cap = connection_cap(nofile)
+        assert 2 * cap + 256 <= nofile < 2 * cap + 258  # clients and their upstreams, and 256 for the rest
+    assert connection_cap(1024) == 384 and connection_cap(10**7) == 4096 and connection_cap(100) == 8
+
+
+def test_limits_out_of_range_are_one_line_each(cli):
+    for args in (("--client-timeout", "0"), ("--dump-max-bytes", "1000"), ("--max-body-bytes", "10")):
+        status, out, err = cli("proxy", "-c", "none", *args)
+        assert status == 78 and err.count("\n") == 1 and "--client-timeout 0.1 to 3600 s" in err, err
+
+
+@pytest.mark.integration
+def test_a_crowd_of_half_sent_bodies_past_the_fd_limit_leaves_the_proxy_serving(rig):
+    """More half-sent bodies than the proxy has descriptors: each new connection pushes out the oldest waiting
+    one, so requests that arrive whole are served, and the log holds a line or two, not a traceback each."""
+    upstream, proxy = rig(nofile=400)
+    cap = connection_cap(400)
+    crowd, failed = [], 0
+    began = time.monotonic()
+    while len(crowd) < 500 and failed < 5 and time.monotonic() - began < 60:
+        sock = open_socket(proxy.port, HALF_SENT, timeout=1.0)
+        failed = 0 if sock else failed + 1
+        crowd += [sock] if sock else []
+    try:
+        assert len(crowd) == 500, f"the proxy stopped accepting after {len(crowd)} connections"
+        for _ in range(20):
+            assert send(proxy.port, "GET", "/health")[0].status == 200
+            reply, data = send(proxy.port, "POST", "/v1/chat/completions", b'{"model": "tiny"}')
+            assert reply.status == 200 and json.loads(data)["echo_bytes"] == 17
+        assert metric(proxy, "gpuwarden_proxy_connections_max") == cap == 72
+        assert metric(proxy, "gpuwarden_proxy_connections") <= cap
+        assert metric(proxy, 'gpuwarden_proxy_failures_total{reason="evicted"}') >= 500 - cap
+    finally:
+        for sock in crowd:
+            sock.close()
+    assert send(proxy.port, "GET", "/health")[0].status == 200
+    text = "\n".join(proxy.lines)
+    assert "Traceback" not in text and "Too many open files" not in text, text[-3000:]
+    assert len(proxy.lines) <= 8, proxy.lines  # the start lines and one per kind of fault
+
+
+@pytest.mark.integration
+def test_past_the_cap_with_every_connection_served_a_new_one_gets_a_503(rig):
+    upstream, proxy = rig(nofile=100, chunk_delay=0.02)  # the smallest cap: 8
+    streams = []
+    for _ in range(8):
+        conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=10)
+        conn.request("POST", "/v1/chat/completions", body=b'{"stream": true, "endless": true}')
+        reply = conn.getresponse()
+        assert reply.readline().startswith(b"data: ")
+        streams.append((conn, reply))
+    reply, data = send(proxy.port, "GET", "/health")
+    assert reply.status == 503 and reply.getheader("Retry-After") == "1" and b"too many open connections" in data
+    for conn, _ in streams:
+        conn.close()
+    deadline = time.monotonic() + 10
+    while upstream.get_json("/debug/open")["open"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert send(proxy.port, "GET", "/health")[0].status == 200
+    assert metric(proxy, 'gpuwarden_proxy_failures_total{reason="too_many_connections"}') == 1
+
+
+@pytest.mark.integration
+def test_slow_headers_slow_bodies_and_idle_connections_are_closed_a_steady_body_is_not(rig):
+    upstream, proxy = rig("--client-timeout", "1")
+    silent = open_socket(proxy.port)
+    slow_headers = open_socket(proxy.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+    slow_body = open_socket(proxy.port, HALF_SENT)
+    kept_alive = open_socket(proxy.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert kept_alive.recv(65536).startswith(b"HTTP/1.1 200")
+    body = json.dumps({"model": "tiny", "pad": "x" * (100 << 10)}).encode()
+    steady = open_socket(proxy.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+                         % len(body))
+    for at in range(0, len(body), 20 << 10):  # 40 KiB/s, over 2.5 s: past the 1 s deadline, above 16 KiB/s
+        steady.sendall(body[at:at + (20 << 10)])
+        time.sleep(0.5)
+    steady.settimeout(30)
+    assert steady.recv(65536).startswith(b"HTTP/1.1 200 OK")
+    for sock in (silent, slow_headers, slow_body, kept_alive):  # 1 s, swept every second: long gone by now
+        assert closed_by_peer(sock, 10)
+        sock.close()
+    steady.close()
+    for kind in ("idle", "slow_headers", "slow_body"):
+        assert sum(f"connections closed ({kind})" in line for line in proxy.lines) <= 1
+        assert metric(proxy, f'gpuwarden_proxy_failures_total{{reason="{kind}"}}') == 1
+    assert any("its body came slower than 16 KiB/s" in line for line in proxy.lines), proxy.lines
+
+
+@pytest.mark.integration
+def test_headers_past_64_kib_close_the_connection(rig):
+    """aiohttp alone takes 128 header lines of 8 KiB each (32,768 lines in 3.8): 380 such connections held 500 MB."""
+    upstream, proxy = rig()
+    sock = open_socket(proxy.port, b"POST /v1/messages HTTP/1.1\r\nHost: x\r\n")
+    with pytest.raises(OSError):
+        for i in range(100):
+            sock.sendall(b"X-Pad-%d: %s\r\n" % (i, b"v" * 8000))
+            time.sleep(0.001)
+    sock.close()
+    assert metric(proxy, 'gpuwarden_proxy_failures_total{reason="big_headers"}') == 1
+    headers = {f"X-Pad-{i}": "v" * 4000 for i in range(12)}  # 48 KiB: a big head, but within the limit
+    assert send(proxy.port, "POST", "/v1/completions", b"{}", headers)[0].status == 200
+
+
+@pytest.mark.integration
+def test_a_flood_of_malformed_requests_is_one_line_a_minute(rig):
+    upstream, proxy = rig()
+    for _ in range(300):
+        sock = open_socket(proxy.port, b"NOT HTTP AT ALL\r\n\r\n")
+        sock.settimeout(10)
+        assert b" 400 Bad Request" in sock.recv(65536)
+        sock.close()
+    assert send(proxy.port, "GET", "/health")[0].status == 200
+    time.sleep(0.3)
+    assert "Traceback" not in "\n".join(proxy.lines), proxy.lines
+    assert len(proxy.lines) <= 3 and sum("aiohttp.server" in line for line in proxy.lines) <= 1, proxy.lines
+
+
+def test_faults_are_one_line_per_kind_per_minute_with_a_count(caplog):
+    now = [0.0]
+    faults = FaultLog(clock=lambda: now[0])
+    faults.quiet(("asyncio",))
+    try:
+        with caplog.at_level(logging.INFO):
+            for i in range(1000):
+                faults.note("bad_json refusals (400)", f"request {i}: body is not JSON")
+            faults.note("too_large refusals (413)", "over the cap")
+            faults.flush()  # the minute is not over: nothing yet
+            now[0] = 61
+            faults.flush()
+            faults.flush()  # said once
+            for _ in range(100):  # what asyncio logs on each failed accept at the fd limit
+                try:
+                    raise OSError(24, "Too many open files")
+                except OSError:
+                    logging.getLogger("asyncio").error("socket.accept() out of system resource", exc_info=True)
+            for _ in range(2):  # an exception from our own code: a bug, whose traceback is kept the first time
+                try:
+                    loads(b"{")
+                except ValueError:
+                    logging.getLogger("asyncio").error("Exception in callback", exc_info=True)
+    finally:
+        logging.getLogger("asyncio").removeFilter(faults._filter)
+    records = caplog.records
+    assert [r.name for r in records] == ["gpuwarden.proxy"] * 5  # asyncio's own records were taken
+    assert [r.getMessage() for r in records[:3]] == [
+        "proxy: request 0: body is not JSON", "proxy: over the cap",
+        "proxy: 999 more bad_json refusals (400) in the last 60 s; the last: request 999: body is not JSON"]
+    accept = records[3]
+    assert accept.getMessage() == ("proxy: asyncio: socket.accept() out of system resource: OSError: [Errno 24] "
+                                   "Too many open files")
+    assert accept.exc_info is None  # asyncio's and aiohttp's own exceptions: one line, no traceback
+    assert records[4].exc_info is not None and "JSONDecodeError" in records[4].getMessage()
+
+
+# -- 3. memory -----------------------------------------------------------------------------------------------
+
+def test_the_parse_cost_bounds_what_a_parse_takes():
+    import tracemalloc
+
+    for body in (b'{"a": [' + b"{}," * 100000 + b"{}]}", b'{"a": "' + "\U0001F600x".encode() * 100000 + b'"}',
+                 b'{"a": [' + b"[[[[]]]]," * 50000 + b"1]}", b'{"a": [' + b'"ab",' * 100000 + b'"c"]}'):
+        tracemalloc.start()
+        parsed = loads(body)
+        json.dumps(parsed, ensure_ascii=False).encode()
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert peak < parse_cost(body) < 60 * len(body)
+
+
+def test_the_budget_refuses_what_does_not_fit_and_gives_back_what_was_held():
+    budget = Budget(1000)
+    a, b = budget.hold(), budget.hold()
+    a.take(600, "a")
+    with pytest.raises(Refusal) as busy:
+        b.take(500, "b")
+    assert busy.value.status == 503 and budget.used == 600
+    b.take(300, "b")
+    with pytest.raises(Refusal) as never:
+        b.take(701, "b")  # with what it holds, more than the whole budget: never fits
+    assert never.value.status == 413 and budget.used == 900
+    b.release()
+    a.release()
+    b.take(1000, "b")
+    b.release()
+    assert budget.used == 0
+
+
+@pytest.mark.integration
+def test_a_body_that_would_parse_too_big_is_refused_before_it_is_parsed(rig):
+    """8 MB of `[{},{},...]` parses to over 200 MB in CPython: refused from its bytes alone."""
+    upstream, proxy = rig("--max-body-bytes", str(8 << 20))
+    body = b'{"a": [' + b"{}," * ((8 << 20) // 3 - 10) + b"{}]}"
+    reply, data = send(proxy.port, "POST", "/v1/chat/completions", body)
+    assert reply.status == 413 and "MiB of memory" in json.loads(data)["error"]["message"]
+    with open(f"/proc/{proxy.proc.pid}/status") as status:
+        peak_kib = int(next(line for line in status if line.startswith("VmHWM:")).split()[1])
+    assert peak_kib < 150 << 10, f"the proxy's peak RSS was {peak_kib >> 10} MiB"
+    assert upstream.get_json("/debug/open")["requests"] == 0
+
+
+@pytest.mark.integration
+def test_bodies_past_the_budget_get_503_with_retry_after_and_the_rest_are_served(rig):
+    upstream, proxy = rig("--max-body-bytes", str(1 << 20))  # a budget of 12 MiB
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (1 << 20)
+    holding = [open_socket(proxy.port, head + b"x" * ((1 << 20) - 1)) for _ in range(12)]
+    deadline = time.monotonic() + 30
+    while (metric(proxy, "gpuwarden_proxy_body_bytes") or 0) < 12 * ((1 << 20) - 1) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    reply, data = send(proxy.port, "POST", "/v1/chat/completions", json.dumps({"model": "tiny"}).encode())
+    assert reply.status == 503 and reply.getheader("Retry-After") == "1"
+    assert metric(proxy, "gpuwarden_proxy_body_bytes") == 12 * ((1 << 20) - 1)
+    assert "retry" in json.loads(data)["error"]["message"]
+    for sock in holding:  # the last byte: each is whole, sent on, and its share given back
+        sock.sendall(b"x")
+        sock.settimeout(30)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+        sock.close()
+    assert metric(proxy, "gpuwarden_proxy_body_bytes") == 0
+    assert send(proxy.port, "POST", "/v1/chat/completions", b'{"model": "tiny"}')[0].status == 200
+
+
+# -- 4. dumps ------------------------------------------------------------------------------------------------
+
+def test_session_ids_become_safe_folder_names():
+    names = {session_of({"metadata": {"user_id": uid}}, "anthropic", "127.0.0.1")
+             for uid in ("..", ".", "../../etc", "a/b", "a_b", "a" * 300, "é", "x\x00y")}
+    assert "a_b" in names and len(names) == 8
+    for name in names:
+        assert set(name) <= set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-") and len(name) <= 64
+    assert session_of({}, "openai", "::1").startswith("openai-_1-")
+
+
+@pytest.mark.integration
+def test_dumps_stay_within_their_bytes_across_a_restart_and_inside_the_directory(rig, tmp_path):
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    big = claude_code_request(1)
+    big["stream"] = False
+    big["messages"][0]["content"][0]["text"] = "中" * (500 << 10)  # 1.5 MiB, twice in each dump
+    for round_ in range(2):  # the second proxy finds the first one's dumps on disk
+        upstream, proxy = rig("--dump-dir", str(dumps), "--dump-max-bytes", str(4 << 20), "--rules", "none")
+        for _ in range(3):
+            assert send(proxy.port, "POST", "/v1/messages", json.dumps(big).encode())[0].status == 200
+        sizes = [f.stat().st_size for f in dumps.glob("*/*.json")]
+        assert len(sizes) == 1 and sum(sizes) <= 4 << 20 and sizes[0] > 2 << 20
+        proxy.stop()
+        upstream.stop()
+    upstream, proxy = rig("--dump-dir", str(dumps), "--dump-max-bytes", str(2 << 20))
+    assert not list(dumps.glob("*/*.json"))  # over the new bound: pruned at the start, before any request
+    body = claude_code_request(1)
+    body["stream"], body["metadata"]["user_id"] = False, ".."
+    assert send(proxy.port, "POST", "/v1/messages", json.dumps(body).encode())[0].status == 200
+    assert [p.parent.parent for p in dumps.glob("*/*.json")] == [dumps]
+    assert [p.name for p in tmp_path.iterdir()] == ["dumps"]
+    assert send(proxy.port, "POST", "/v1/messages", json.dumps(big).encode())[0].status == 200
+    assert len(list(dumps.glob("*/*.json"))) == 1  # the big one alone is over 2 MiB: not kept
+    assert any("not kept: over --dump-max-bytes" in line for line in proxy.lines), proxy.lines
+
+
+# -- 5. header and body fidelity -----------------------------------------------------------------------------
+
+@pytest.mark.integration
+def test_compressed_bodies_reach_the_engine_decoded_on_normalized_paths_and_untouched_elsewhere(rig):
+    upstream, proxy = rig("--max-body-bytes", str(1 << 20))
+    raw = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}'
+    for coding, packed in (("gzip", gzip.compress(raw)), ("deflate", zlib.compress(raw))):
+        reply, _ = send(proxy.port, "POST", "/v1/chat/completions", packed, {"Content-Encoding": coding})
+        body, headers = last_upstream(upstream)
+        assert reply.status == 200 and body == raw and "Content-Encoding" not in headers
+    rules = claude_code_request(1)
+    rules["stream"] = False
+    send(proxy.port, "POST", "/v1/messages", gzip.compress(json.dumps(rules).encode()), {"Content-Encoding": "gzip"})
+    body, headers = last_upstream(upstream)
+    assert json.loads(body)["system"][0]["text"].startswith("You are Claude Code") and "Content-Encoding" not in headers
+    packed = gzip.compress(raw)
+    send(proxy.port, "POST", "/v1/completions", packed, {"Content-Encoding": "gzip"})
+    body, headers = last_upstream(upstream)
+    assert body == packed and headers["Content-Encoding"] == "gzip"  # not ours to open: passed as it came
+    bomb = gzip.compress(b'{"a": "' + b"0" * (64 << 20) + b'"}')  # 64 KB that inflate to 64 MiB
+    reply, data = send(proxy.port, "POST", "/v1/chat/completions", bomb, {"Content-Encoding": "gzip"})
+    assert reply.status == 413 and "decompressed" in json.loads(data)["error"]["message"]
+    reply, _ = send(proxy.port, "POST", "/v1/messages", raw, {"Content-Encoding": "br"})
+    assert reply.status == 415
+
+
+@pytest.mark.integration
+def test_headers_the_connection_header_names_are_not_passed_on(rig):
+    upstream, proxy = rig()
+    reply, _ = send(proxy.port, "POST", "/v1/completions", b"{}",
+                    {"Connection": "keep-alive, X-Hop", "X-Hop": "for the proxy", "X-Keep": "for the engine",
+                     "Proxy-Connection": "keep-alive", "X-Reply-Hop": "1"})
+    headers = last_upstream(upstream)[1]
+    assert reply.status == 200 and headers["X-Keep"] == "for the engine"
+    assert "X-Hop" not in headers and "Proxy-Connection" not in headers
+    assert reply.getheader("X-Engine") == "fake" and reply.getheader("X-Up-Hop") is None
+
+
+@pytest.mark.integration
+def test_numbers_out_of_range_are_refused_not_sent_as_infinity(rig):
+    upstream, proxy = rig()
+    body = json.dumps(claude_code_request(1))[:-1] + ', "temperature": 1e999999}'
+    reply, data = send(proxy.port, "POST", "/v1/messages", body.encode())
+    assert reply.status == 400 and "1e999999 is out of range" in json.loads(data)["error"]["message"]
+    reply, data = send(proxy.port, "POST", "/v1/chat/completions", b'{"model": "tiny", "temperature": NaN}')
+    assert reply.status == 400 and "NaN is not a JSON number" in json.loads(data)["error"]["message"]
+    assert upstream.get_json("/debug/open")["requests"] == 0
