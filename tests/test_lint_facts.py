@@ -51,6 +51,15 @@ def test_a_json_flag_that_is_not_a_small_shallow_object_has_no_fields(raw):
     assert F.flag_fact(["--speculative-config", raw], "--speculative-config.method") is None
 
 
+def test_a_boolean_flag_is_what_its_last_spelling_says():
+    from gpuwarden.serving.compose.flags import switch
+
+    assert switch(["--enable-prefix-caching"], "--enable-prefix-caching") is True
+    assert switch(["--enable-prefix-caching", "--no-enable-prefix-caching"], "--enable-prefix-caching") is False
+    assert switch(["--no_enable_prefix_caching", "--enable-prefix-caching"], "--enable-prefix-caching") is True
+    assert switch([], "--enable-prefix-caching") is None
+
+
 @pytest.mark.parametrize("driver,nvml,cuda", [
     ("580.95.05", None, "13.0"), ("575.64.05", None, "12.9"), ("610.43.02", "13.3", "13.3"),
     ("610.43.02", None, None), ("470.1", None, None), (None, None, None)])

@@ -42,3 +42,15 @@ def flag_value(argv: Sequence[str], *names: str, prefix: bool = False) -> str | 
 
 def has_flag(argv: Sequence[str], *names: str, prefix: bool = False) -> bool:
     return any(names_flag(arg, name, prefix) for arg in argv for name in names)
+
+
+def switch(argv: Sequence[str], name: str) -> bool | None:
+    """A boolean flag's last word: True for --name, False for --no-name (argparse's BooleanOptionalAction),
+    None when neither is given."""
+    negative = "--no-" + name[2:]
+    found = None
+    for arg in argv:
+        word = canonical(arg).partition("=")[0]
+        if word in (name, negative):
+            found = word == name
+    return found

@@ -7,7 +7,7 @@ import re
 from typing import Any
 
 from ..facts import as_bool, as_number, show
-from ..flags import flag_value, has_flag
+from ..flags import flag_value, has_flag, switch
 from ..lint import model_size
 from . import Engine, MetricNames, flag_probe
 
@@ -142,7 +142,7 @@ def _by_config_or_name(ctx: Any, from_config, name: re.Pattern) -> tuple[bool, s
 
 
 def hybrid_prefix_cache(ctx: Any) -> dict | None:
-    if not has_flag(ctx.flags, "--enable-prefix-caching"):
+    if not switch(ctx.flags, "--enable-prefix-caching"):  # asked for (a profile's, unless serve.args say no)
         return None
     hybrid, how = _by_config_or_name(ctx, lambda mf: (bool(mf.hybrid), f"config.json {mf.model_type}: recurrent "
                                                                         "layers beside attention"), HYBRID_NAME)
