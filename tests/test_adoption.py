@@ -176,3 +176,21 @@ def test_cleanup_keeps_children_after_a_crash_and_ends_them_after_a_stop(tmp_pat
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "huge", "garbage", "symlink"])
+def test_a_record_that_is_not_ours_adopts_nothing_and_says_so_once(tmp_path, kind, caplog):
+    folder = tmp_path / "state"
+    folder.mkdir()
+    path = folder / handover.RECORD
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "huge":
+        path.write_text(json.dumps({"children": [], "pad": "x" * (handover.MAX_RECORD_BYTES + 1)}))
+    elif kind == "garbage":
+        path.write_text('{"children": [{"name": 1}]}')
+    else:
+        (tmp_path / "elsewhere.json").write_text('{"children": []}')
+        path.symlink_to(tmp_path / "elsewhere.json")
+    assert handover.load(folder) is None
+    assert len([r for r in caplog.records if "adopting nothing" in r.getMessage()]) == 1

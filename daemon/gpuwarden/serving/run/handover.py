@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import signal
+import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -138,8 +139,11 @@ def load(state_dir: Path | None) -> Record | None:
         log.warning("children's record %s cannot be read (%s): adopting nothing", path, exc.strerror)
         return None
     with os.fdopen(fd, "rb") as f:
-        raw = f.read(MAX_RECORD_BYTES + 1)
+        regular = stat.S_ISREG(os.fstat(f.fileno()).st_mode)
+        raw = f.read(MAX_RECORD_BYTES + 1) if regular else b""
     try:
+        if not regular:
+            raise ValueError("not a regular file")
         if len(raw) > MAX_RECORD_BYTES:
             raise ValueError(f"larger than {MAX_RECORD_BYTES} bytes")
         doc = json.loads(raw)
