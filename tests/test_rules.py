@@ -3,14 +3,17 @@ rules.d overrides and FILE:LINE errors, unknown versions, and the installed-vers
 
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import yaml
+from packaging.specifiers import SpecifierSet
 
 from gpuwarden.serving.compose.engines import builtin_rules, engine_for, evaluate_lint, rules_for
 from gpuwarden.serving.compose.installed import Installed, installed
 from gpuwarden.serving.compose.identity import Identity
+from gpuwarden.serving.compose.lint import version_in
 from gpuwarden.serving.compose.model import ModelFacts
 from gpuwarden.serving.compose.model import model_facts as read_model
 from gpuwarden.serving.compose.profiles import load_profiles
@@ -82,8 +85,6 @@ def test_every_rule_has_a_firing_and_a_quiet_case_and_crosses_its_version_bounds
 def stale(rule, against) -> list[str]:
     """Where rule's version range ends below the release the rules are written against, without saying where
     the fault was fixed: such a rule would stop warning on newer releases for no stated reason."""
-    from gpuwarden.serving.compose.lint import version_in
-
     text = " ".join((rule.source, rule.message, rule.fix))
     return [f"{rule.id}: {module} {spec} ends below {against[module]}" for module, spec in rule.when.items()
             if module in against and not version_in(spec, against[module]) and "fixed in" not in text]
@@ -92,10 +93,6 @@ def stale(rule, against) -> list[str]:
 def test_a_version_range_that_ends_below_the_covered_release_says_where_it_was_fixed():
     against = builtin_rules().written_against
     assert [problem for rule in RULES for problem in stale(rule, against)] == []
-    from dataclasses import replace
-
-    from packaging.specifiers import SpecifierSet
-
     rule = next(r for r in RULES if r.id == "deep-gemm-sm120")
     silent = replace(rule, message="DeepGEMM lacks SM120", source="#43477", fix="set VLLM_USE_DEEP_GEMM=0")
     assert stale(silent, against) == ["deep-gemm-sm120: vllm <0.24 ends below 0.32.0"]
