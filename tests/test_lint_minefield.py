@@ -9,6 +9,7 @@ import os
 import shutil
 import stat
 import struct
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -36,6 +37,8 @@ def fake_python():
                  (os.geteuid() != 0 or runnable_by_others(p))), None)
     if base is None:
         pytest.skip("no Python here that the engine's user may run")
+    tag = subprocess.run([base, "-c", "import sys; print(f'python{sys.version_info[0]}.{sys.version_info[1]}')"],
+                         capture_output=True, text=True, check=True).stdout.strip()  # its site-packages' name
     root = Path(tempfile.mkdtemp(prefix="gpuwarden-fake-env-"))
     root.chmod(0o755)
     made = {}
@@ -49,7 +52,6 @@ def fake_python():
             os.symlink(os.path.realpath(base), env / "bin" / "python")
             (env / "pyvenv.cfg").write_text(f"home = {Path(os.path.realpath(base)).parent}\n"
                                             "include-system-site-packages = false\n")
-            tag = f"python{sys.version_info.major}.{sys.version_info.minor}"
             site = env / "lib" / tag / "site-packages"
             site.mkdir(parents=True)
             for module, version in versions.items():
