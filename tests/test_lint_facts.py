@@ -114,6 +114,16 @@ def test_a_model_directory_gives_its_config_quantization_and_parameter_count(tmp
     assert M.model_facts(str(folder)).model_type == "llama"
 
 
+def test_a_reload_reads_no_model_directory_only_the_cache(tmp_path):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    on_loop = M.model_facts(str(folder), read=False)
+    assert not on_loop.known and "not on a reload" in on_loop.why
+    read = M.model_facts(str(folder))
+    assert read.known and M.model_facts(str(folder), read=False) is read
+
+
 def test_a_remote_id_or_a_missing_directory_has_no_facts_and_says_why(tmp_path):
     assert "not a local directory" in M.model_facts("Qwen/Qwen3-8B").why
     assert "No such file" in M.model_facts(str(tmp_path / "gone")).why
