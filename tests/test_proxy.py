@@ -351,7 +351,8 @@ def test_the_proxy_child_command_carries_every_setting(tmp_path):
     assert value["--upstream"] == "http://127.0.0.1:8123" and value["--listen"] == "[::1]:9001"
     assert value["--rules"] == "billing_header,cache_control,date_line"
     assert value["--remove-pattern"] == r"^ts=\d+ " and value["--dump-dir"] == str(tmp_path / "dumps")
-    assert value["--dump-keep"] == "9"
+    assert value["--dump-keep"] == "9" and value["--dump-max-bytes"] == str(1 << 30)
+    assert value["--client-timeout"] == "15"
 
 
 def test_a_proxy_only_change_restarts_the_proxy_and_leaves_the_engine(tmp_path):

@@ -118,7 +118,9 @@ class ProxyConfig:
     remove_patterns: tuple[str, ...] = ()  # regexes removed from system text
     dump_dir: Path | None = None  # per-session request dumps, for `gpuwarden proxy diff`; None: off
     dump_keep: int = 200
+    dump_max_bytes: int = 1 << 30  # the dump directory's bytes, beside the count
     max_body_bytes: int = 32 << 20
+    client_timeout_s: float = 15.0  # a request's head and body (plus 1 s per 16 KiB), and an idle connection
 
     @property
     def address(self) -> str:
@@ -407,7 +409,9 @@ def _proxy_section(r: Reader, base_dir: Path, port: Any) -> ProxyConfig:
         remove_patterns=patterns,
         dump_dir=None if str(dump_dir).lower() in NONE_WORDS else base_dir / dump_dir,
         dump_keep=r.number(base + ("dump_keep",), d.dump_keep, 2, 100_000, integer=True),
+        dump_max_bytes=r.number(base + ("dump_max_bytes",), d.dump_max_bytes, 1 << 20, 1 << 40, integer=True),
         max_body_bytes=r.number(base + ("max_body_bytes",), d.max_body_bytes, 1 << 10, 1 << 30, integer=True),
+        client_timeout_s=r.number(base + ("client_timeout_s",), d.client_timeout_s, 0.1, 3600),
     )
 
 

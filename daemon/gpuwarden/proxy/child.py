@@ -37,11 +37,13 @@ def proxy_argv(config: Config) -> tuple[str, ...]:
     p, serve = config.serve.proxy, config.serve
     rules = [name for name in SWITCHES if getattr(p, name)]
     argv = [*COMMAND, "-c", "none", "--upstream", serve.url, "--listen", p.address,
-            "--engine", serve.engine, "--rules", ",".join(rules) or "none", "--max-body-bytes", str(p.max_body_bytes)]
+            "--engine", serve.engine, "--rules", ",".join(rules) or "none", "--max-body-bytes", str(p.max_body_bytes),
+            "--client-timeout", f"{p.client_timeout_s:g}"]
     for pattern in p.remove_patterns:
         argv += ["--remove-pattern", pattern]
     if p.dump_dir is not None:
-        argv += ["--dump-dir", str(p.dump_dir), "--dump-keep", str(p.dump_keep)]
+        argv += ["--dump-dir", str(p.dump_dir), "--dump-keep", str(p.dump_keep), "--dump-max-bytes",
+                 str(p.dump_max_bytes)]
     return tuple(argv)
 
 
