@@ -19,7 +19,7 @@ import pytest
 from conftest import free_port
 from gpuwarden import exporter
 from gpuwarden.exporter import MAX_CONNECTIONS, Exposition, MetricsServer
-from gpuwarden.webconfig import WebConfig, basic_auth_header
+from gpuwarden.webconfig import PASSED_REMEMBERED, WebConfig, basic_auth_header
 
 PASSWORD = "s3cret"
 FAULTS = re.compile(r"metrics endpoint: client faults: (.*) \(the last from [^)]*\)$")
@@ -167,6 +167,17 @@ def test_an_unknown_user_takes_as_long_as_a_wrong_password(serve, slow_hash):
     unknown, wrong = (statistics.median(times[k]) for k in ("unknown user", "wrong password"))
     assert unknown >= 0.5 * wrong, f"an unknown user took {unknown * 1000:.1f} ms, a wrong password " \
                                    f"{wrong * 1000:.1f} ms: the time tells which names exist"
+
+
+def test_passwords_that_passed_are_remembered_up_to_a_bound():
+    right = "p" * 72  # bcrypt reads 72 bytes: any suffix passes too, so an authorized client could mint many
+    web = WebConfig("web.yml", users=(("prometheus", bcrypt.hashpw(right.encode(), bcrypt.gensalt(4)).decode()),))
+    headers = [basic_auth_header("prometheus", f"{right}{i}") for i in range(PASSED_REMEMBERED + 6)]
+    if not web.authorized(headers[0]):
+        pytest.skip(f"bcrypt {bcrypt.__version__} refuses passwords over 72 bytes: no suffix passes")
+    assert all(web.authorized(h) for h in headers[1:])
+    assert web.remembered(headers[-1]) is True and web.remembered(headers[0]) is None, \
+        f"more than {PASSED_REMEMBERED} passwords that passed were kept"
 
 
 def test_client_faults_are_one_line_a_minute_with_a_count_per_kind(serve, caplog, monkeypatch):
