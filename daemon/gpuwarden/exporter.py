@@ -463,7 +463,9 @@ class MetricsServer:
             sock.close()
             return
         connection = _Connection(peer)
-        self.connections[self.loop.create_task(self._connection(sock, connection))] = connection
+        task = self.loop.create_task(self._connection(sock, connection))
+        task.add_done_callback(lambda _: sock.close())  # also when it was dropped before it ever ran
+        self.connections[task] = connection
 
     def _drop_one_waiting(self) -> bool:
         """Drop a connection that waits on its client: from the address that holds the most, one that has its
@@ -508,9 +510,7 @@ class MetricsServer:
             self.faults.note(_fault(exc, head_read), connection.peer)
         finally:
             self.connections.pop(asyncio.current_task(), None)
-            if transport is None:
-                sock.close()
-            else:
+            if transport is not None:
                 transport.abort()  # nothing left to send by now, or too late to send it
 
     async def _answer(self, head: bytes | None, peer: str) -> bytes:
