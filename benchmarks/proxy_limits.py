@@ -36,25 +36,13 @@ import time
 import urllib.request
 from pathlib import Path
 
-from _common import free_port
+from _common import free_port, start
 
 ROOT = Path(__file__).resolve().parent.parent
 HALF_SENT = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"model\": "
 SMALL = json.dumps({"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}).encode()
 
 
-def start(argv, port, env, log=None, nofile=None):
-    limit = (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))) if nofile else None
-    proc = subprocess.Popen(argv, stdout=log or subprocess.DEVNULL, stderr=log or subprocess.DEVNULL, env=env,
-                            preexec_fn=limit)
-    for _ in range(300):
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=1).read()
-            return proc
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise SystemExit(f"{argv[:4]} did not start")
 
 
 def stop(proc):

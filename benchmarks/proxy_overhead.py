@@ -22,18 +22,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "vllm"))
+from _common import start  # noqa: E402  (benchmarks/ is the script's own directory)
 from proxy_rig import free_port  # noqa: E402
-
-
-def start(argv, port):
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(300):
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=1).read()
-            return proc
-        except OSError:
-            time.sleep(0.05)
-    raise SystemExit(f"{argv[:4]} did not start")
 
 
 def timed(conn, body: bytes, stream: bool) -> list[float]:

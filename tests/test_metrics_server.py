@@ -11,15 +11,19 @@ import socket
 import ssl
 import statistics
 import subprocess
+import sys
 import time
 
 import bcrypt
 import pytest
 
-from conftest import free_port
+from conftest import ROOT, free_port
 from gpuwarden import exporter
 from gpuwarden.exporter import MAX_CONNECTIONS, Exposition, MetricsServer
 from gpuwarden.webconfig import PASSED_REMEMBERED, WebConfig, basic_auth_header
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import metrics_attack  # noqa: E402  (the benchmark's scrape, one copy)
 
 PASSWORD = "s3cret"
 FAULTS = re.compile(r"metrics endpoint: client faults: (.*) \(the last from [^)]*\)$")
@@ -59,19 +63,8 @@ def client_context(cert) -> ssl.SSLContext:
 
 def scrape(port: int, context: ssl.SSLContext | None = None, auth: tuple[str, str] | None = None,
            source: str = "127.0.0.1") -> int:
-    """The status of a GET /metrics from the source address, or 0 when the connection was refused, reset or
-    timed out (10 s, as Prometheus)."""
-    conn = (http.client.HTTPSConnection("127.0.0.1", port, timeout=10, context=context, source_address=(source, 0))
-            if context else http.client.HTTPConnection("127.0.0.1", port, timeout=10, source_address=(source, 0)))
-    try:
-        conn.request("GET", "/metrics", headers={"Authorization": basic_auth_header(*auth)} if auth else {})
-        response = conn.getresponse()
-        response.read()
-        return response.status
-    except (OSError, http.client.HTTPException):
-        return 0
-    finally:
-        conn.close()
+    """The status of a GET /metrics (0: refused, reset or timed out after 10 s, as Prometheus): the benchmark's."""
+    return metrics_attack.get(port, context, auth, source)
 
 
 def trickle(sockets: list, byte: bytes = b"a") -> None:
