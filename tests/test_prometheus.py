@@ -28,19 +28,19 @@ RULE_TESTS = ROOT / "tests" / "prometheus" / "gpuwarden-rules.test.yml"
 VARIABLES = {"$instance": ".*", "$gpu": ".*", "$__rate_interval": "1m", "$__interval": "15s"}
 
 
-def tool(name):
+def tool(name, package="prometheus"):
     path = shutil.which(name)
     if path is None:
         if os.environ.get("CI") == "true":
-            pytest.fail(f"{name} is missing under CI=true: tests/run installs Debian's prometheus package")
-        pytest.skip(f"{name} not installed (tests/run installs Debian's prometheus package)")
+            pytest.fail(f"{name} is missing under CI=true: tests/run installs Debian's {package} package")
+        pytest.skip(f"{name} not installed (tests/run installs Debian's {package} package)")
     return path
 
 
 def test_promtool_checks_and_unit_tests_the_rules():
     promtool = tool("promtool")
     check = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60)
-    assert check.returncode == 0 and "SUCCESS: 25 rules found" in check.stdout, check.stdout + check.stderr
+    assert check.returncode == 0 and "SUCCESS: 28 rules found" in check.stdout, check.stdout + check.stderr
     test = subprocess.run([promtool, "test", "rules", str(RULE_TESTS)], capture_output=True, text=True, timeout=120)
     assert test.returncode == 0 and "SUCCESS" in test.stdout, test.stdout + test.stderr
 
