@@ -4,6 +4,7 @@ Errors are injected per call name (and optionally per device) with NVML's own
 return codes, so the tests exercise the backend's real error handling.
 """
 
+import ctypes
 import time
 from collections import Counter
 from types import SimpleNamespace
@@ -32,17 +33,35 @@ def device(uuid, bus, **over):
                energy_mj=123_456_789, bus_width=5120, mem_clocks=[2619, 1593],
                graphics_clocks=[1980, 1965, 210], gpu_lock=None, mem_lock=None,
                pcie=(5, 5, 16, 16), replays=0, ecc_uncorrected=0, remapped=(0, 0, 0, 0), retired=None,
-               retire_pending=None)  # health: remapped rows on Ampere and later, retired pages before
+               retire_pending=None,  # health: remapped rows on Ampere and later, retired pages before
+               nvlinks=None,  # a list of nvlink(...) records; None: no NVLink (NOT_SUPPORTED)
+               nvlink_fields=True,  # the per-link fields 161-165 answer (else only the per-link calls do)
+               fabric=None,  # (state, status) of nvmlDeviceGetGpuFabricInfoV; None: NOT_SUPPORTED
+               brand=14, module_id=1, default_app_clock=1755, c2c=None)  # an SXM H100: brand NVIDIA, module 1
     dev.update(over)
     return dev
+
+
+def nvlink(remote, state=1, speed=26562, replay=0, recovery=0, crc=0, remote_type=0):
+    """One NVLink link's record: the far end's PCI bus id and its device type (0 GPU, 2 NVSwitch)."""
+    return dict(remote=remote.encode(), remote_type=remote_type, state=state, speed=speed, replay=replay,
+                recovery=recovery, crc=crc)
+
+
+class FabricInfo(ctypes.Structure):
+    """The part of pynvml's c_nvmlGpuFabricInfoV_t the backend reads (filled through ctypes.byref)."""
+
+    _fields_ = [("version", ctypes.c_uint), ("status", ctypes.c_uint), ("state", ctypes.c_uint)]
 
 
 class FakeNvml:
     NVMLError = NVMLError
     nvmlMemory_v2 = 0x02000028  # pynvml's version word for nvmlDeviceGetMemoryInfo_v2
+    c_nvmlGpuFabricInfoV_t = FabricInfo
 
-    def __init__(self, devices):
+    def __init__(self, devices, ancestors=None):
         self.devices = devices
+        self.ancestors = ancestors or {}  # frozenset of two NVML indices -> topology level (default host bridge)
         self.fail = {}  # (call name, device index or None) -> NVML return code
         self.calls = Counter()
         self.inits = 0
@@ -146,8 +165,48 @@ class FakeNvml:
     def nvmlDeviceGetRetiredPagesPendingStatus(self, h):
         return self._opt("nvmlDeviceGetRetiredPagesPendingStatus", h, "retire_pending")
 
+    # -- NVLink, the fabric, the board and the topology ------------------------------------------------------
+    def _link(self, name, h, link):
+        links = self._dev(name, h)["nvlinks"]
+        if links is None:
+            raise NVMLError(NOT_SUPPORTED)
+        if not 0 <= link < len(links):
+            raise NVMLError(INVALID_ARGUMENT)
+        return links[link]
+    def nvmlDeviceGetNvLinkState(self, h, link):
+        return int(self._link("nvmlDeviceGetNvLinkState", h, link)["state"] == 1)
+    def nvmlDeviceGetNvLinkRemotePciInfo(self, h, link):
+        return SimpleNamespace(busId=self._link("nvmlDeviceGetNvLinkRemotePciInfo", h, link)["remote"])
+    def nvmlDeviceGetNvLinkRemoteDeviceType(self, h, link):
+        return self._link("nvmlDeviceGetNvLinkRemoteDeviceType", h, link)["remote_type"]
+    def nvmlDeviceGetNvLinkErrorCounter(self, h, link, counter):
+        return self._link("nvmlDeviceGetNvLinkErrorCounter", h, link)[("replay", "recovery", "crc")[counter]]
+    def nvmlDeviceGetGpuFabricInfoV(self, h, ref):
+        fabric = self._dev("nvmlDeviceGetGpuFabricInfoV", h)["fabric"]
+        if fabric is None:
+            raise NVMLError(NOT_SUPPORTED)
+        ref._obj.state, ref._obj.status = fabric
+        return 0
+    def nvmlErrorString(self, code): return {27: b"Not Ready"}.get(code, b"Unknown Error")
+    def nvmlDeviceGetBrand(self, h): return self._dev("nvmlDeviceGetBrand", h)["brand"]
+    def nvmlDeviceGetModuleId(self, h): return self._dev("nvmlDeviceGetModuleId", h)["module_id"]
+    def nvmlDeviceGetDefaultApplicationsClock(self, h, clock):
+        return self._opt("nvmlDeviceGetDefaultApplicationsClock", h, "default_app_clock")
+    def nvmlDeviceGetC2cModeInfoV(self, h):
+        return SimpleNamespace(isC2cEnabled=self._opt("nvmlDeviceGetC2cModeInfoV", h, "c2c"))
+    def nvmlDeviceGetTopologyCommonAncestor(self, h1, h2):
+        self._check("nvmlDeviceGetTopologyCommonAncestor")
+        return self.ancestors.get(frozenset((h1.index, h2.index)), 30)
+    def nvmlDeviceGetP2PStatus(self, h1, h2, index):
+        """NVLink peer-to-peer (index 2) is OK (0) between devices a link joins, else NOT_SUPPORTED (5)."""
+        self._check("nvmlDeviceGetP2PStatus")
+        links = self.devices[h1.index]["nvlinks"] or []
+        joined = any(link["remote"] == self.devices[h2.index]["busId"] for link in links)
+        return 0 if index == 2 and joined else 5
+
     def nvmlDeviceGetFieldValues(self, h, field_ids):
-        """As NVML: one status per field; valueType 1 (unsigned int) or 3 (unsigned long long)."""
+        """As NVML: one status per field; valueType 1 (unsigned int) or 3 (unsigned long long). A per-link
+        field comes as (field id, link)."""
         dev = self._dev("nvmlDeviceGetFieldValues", h)
         remapped = dev["remapped"]
         known = {83: dev["energy_mj"],
@@ -156,10 +215,17 @@ class FakeNvml:
                  94: dev["replays"], 4: dev["ecc_uncorrected"],
                  **({142 + i: v for i, v in enumerate(remapped)} if remapped is not None else {})}
         known = {k: v for k, v in known.items() if k not in dev.get("unsupported_fields", ())}
+        links = dev["nvlinks"] or []
+        per_link = {161: "replay", 162: "recovery", 163: "crc", 164: "speed", 165: "state"}
         out = []
         for field in field_ids:
             self.calls[f"field {field}"] += 1
-            value = known.get(field)
+            if isinstance(field, tuple):
+                fid, link = field
+                ok = dev["nvlink_fields"] and fid in per_link and link < len(links)
+                value = links[link][per_link[fid]] if ok else None
+            else:
+                value = known.get(field)
             if value is None:
                 out.append(SimpleNamespace(fieldId=field, nvmlReturn=NOT_SUPPORTED, valueType=0, value=None))
             else:
@@ -173,7 +239,7 @@ class FakeNvml:
         self.event_set = SimpleNamespace(registered={}, freed=False)
         return self.event_set
     def nvmlDeviceGetSupportedEventTypes(self, h):
-        return self._dev("nvmlDeviceGetSupportedEventTypes", h).get("event_types", 0x8 | 0x2 | 0x4000 | 0x8000)
+        return self._dev("nvmlDeviceGetSupportedEventTypes", h).get("event_types", 0x8 | 0x2 | 0x4000 | 0x8000 | 0x1000 | 0x2000)
     def nvmlDeviceRegisterEvents(self, h, mask, event_set):
         self._check("nvmlDeviceRegisterEvents", h.index)
         event_set.registered[h.index] = mask

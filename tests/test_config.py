@@ -150,7 +150,7 @@ def test_real_process_exits_78_without_traceback(write):
                               env=subprocess_env(), timeout=60)
         assert proc.returncode == 78, (command, proc.stderr)
         assert proc.stderr.strip() == f"{path}:2: tuning.gpu_clocks: min 3090 MHz is above max 2400 MHz " \
-                                      f"(max, none, or [MIN_MHZ, MAX_MHZ] with 1 <= MIN <= MAX <= 100000)"
+                                      f"(auto, max, none, or [MIN_MHZ, MAX_MHZ] with 1 <= MIN <= MAX <= 100000)"
 
 
 GOOD = [
@@ -177,7 +177,7 @@ def test_shipped_default_config_is_valid_and_safe(cli):
     assert status == 0 and "config OK" in out
     cfg = config.load(DEFAULT_CONFIG)
     assert cfg.gpu.backend == "nvml"
-    assert cfg.tuning.apply and cfg.tuning.default.gpu_clocks == "max"
+    assert cfg.tuning.apply and cfg.tuning.default.gpu_clocks == "auto"
     assert cfg.tuning.default.power_limit_w is None and not cfg.tuning.restore_on_stop
 
 

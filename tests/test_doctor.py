@@ -1,6 +1,7 @@
 """`gpuwarden doctor` on every sim scenario: findings, severities and exit status."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -9,14 +10,17 @@ from gpuwarden import config
 from gpuwarden.doctor import diagnose, exit_status
 from gpuwarden.backends import open_configured
 from gpuwarden.gpu.sim.backend import ManualClock
-from gpuwarden.gpu.sim.scenario import builtin_scenarios
+from gpuwarden.gpu.sim.scenario import builtin_scenarios, resolve_scenario
 from gpuwarden.tuning import Tuner, make_plan
 
 # Untuned, as every scenario boots: the headless SM120 cards stay at 180 MHz while busy (an error);
 # the DGX Spark boosts, so only its persistence mode is off (a warning).
 EXPECTED_EXIT = {"rtx-pro-4000-headless": 2, "rtx-pro-6000-tp4": 2, "dgx-spark": 1, "lock-lost": 2,
                  "gpu-lost": 2, "thermal": 2, "persistenced-no-persistence": 2, "hw-slowdown-flapping": 1,
-                 "gpu-lost-at-start": 2, "link-and-memory": 1}
+                 "gpu-lost-at-start": 2, "link-and-memory": 1, "h100-nvswitch": 1, "nvlink-down": 1,
+                 "nvlink-errors": 1, "fabric-not-ready": 2, "nvlink-iommu": 1}
+BOOSTING = ("hw-slowdown-flapping", "link-and-memory", "h100-nvswitch", "nvlink-down", "nvlink-errors",
+            "fabric-not-ready", "nvlink-iommu")
 
 
 @pytest.mark.parametrize("scenario", builtin_scenarios())
@@ -33,7 +37,7 @@ def test_doctor_on_every_scenario(cli, scenario):
     assert checks["vLLM"]["severity"] == "info"  # serving is off in the default config
     if scenario == "dgx-spark":
         assert checks["GPU0 power limit"]["severity"] == "info" and checks["GPU0 clocks"]["severity"] == "ok"
-    elif scenario in ("hw-slowdown-flapping", "link-and-memory"):  # they boost, and at t=0 nothing has happened
+    elif scenario in BOOSTING:  # they boost, and at t=0 nothing has happened
         assert checks["GPU0 clocks"]["severity"] == "ok"
     else:
         assert checks["GPU0 clocks"]["severity"] == "error"
@@ -83,8 +87,8 @@ def test_doctor_text_is_one_line_per_finding(cli):
     assert status == 1 and len(lines) == 6
     assert all(line.split()[0] in ("OK", "INFO", "WARNING", "ERROR") for line in lines)
     # What the configured tuning sets, from the plan (which walks the settings table).
-    assert "INFO    GPU0 tuning: set by `gpuwarden apply` or the service: persistence_mode: off -> on; " \
-           "gpu_clocks: 3003 MHz now -> lock 3003-3003 MHz" in lines
+    assert any(line.startswith("INFO    GPU0 tuning: set by `gpuwarden apply` or the service: persistence_mode: off "
+                               "-> on; gpu_clocks: 3003 MHz now -> lock 3003-3003 MHz (auto: SM12.1") for line in lines)
 
 
 def test_doctor_names_the_config_line_a_card_cannot_take(cli, write):
@@ -123,17 +127,43 @@ def test_iommu_state(tmp_path):
     assert iommu_state(tmp_path / "none", cmdline) == "off"
 
 
-def test_doctor_reports_the_link_the_memory_and_the_peer_path_for_tensor_parallelism(monkeypatch):
-    monkeypatch.setattr("gpuwarden.doctor.iommu_state", lambda: "translating")
-    monkeypatch.setattr("gpuwarden.serving.compose.lint.iommu_state", lambda: "translating")
-    cfg = config.parse_text("gpu:\n  backend: sim\n  scenario: rtx-pro-6000-tp4\nserve:\n  enabled: true\n"
+def test_doctor_reports_the_link_the_memory_and_the_peer_path_for_tensor_parallelism(write):
+    # PCIe cards (a host bridge between each pair, the simulator's default) on a host whose IOMMU translates.
+    scenario = write("pcie.yaml", resolve_scenario("rtx-pro-6000-tp4").read_text().replace(
+        "driver_version:", "iommu: translating\ndriver_version:"))
+    cfg = config.parse_text(f"gpu:\n  backend: sim\n  scenario: {scenario}\nserve:\n  enabled: true\n"
                             "  model: /m/GLM-4.7-NVFP4\n  user: nobody\n")
     findings = {f.check: f for f in diagnose(cfg, open_configured(cfg, ManualClock()), deep=False)}
     assert findings["GPU0 PCIe"].severity == "ok" and findings["GPU0 PCIe"].message.startswith("Gen5 x16 of Gen5 x16")
     assert findings["GPU0 memory"].severity == "ok"
     peer = findings["vLLM lint tp-pcie-iommu"]  # the GLM profile runs tensor parallelism 4
     assert peer.severity == "warning" and "tensor parallelism 4" in peer.message and "iommu=pt" in peer.fix
-    assert "vllm-project/vllm#33041" in peer.message and "PCIe peer path" not in findings
+    assert "vllm-project/vllm#33041" in peer.message
+    paths = findings["GPU peer paths"]
+    assert paths.severity == "info" and paths.message.startswith(
+        "tensor parallelism 4: a PCIe host bridge between all 6 pairs; IOMMU translating: peer traffic over PCIe")
+    assert "GPU0 NVLink" not in findings and "GPU0 fabric" not in findings  # PCIe cards: nothing to say
+
+
+def test_an_nvlink_host_with_a_translating_iommu_gets_no_advice_to_turn_p2p_off():
+    """NCCL_P2P_DISABLE=1 and --disable-custom-all-reduce would take NVLink away from the engine: the lint
+    fires only where peer traffic crosses the IOMMU over PCIe."""
+    cfg = config.parse_text("gpu:\n  backend: sim\n  scenario: nvlink-iommu\nserve:\n  enabled: true\n"
+                            "  model: /m/Qwen3-32B\n  user: nobody\n  args: [--tensor-parallel-size, '4']\n")
+    findings = {f.check: f for f in diagnose(cfg, open_configured(cfg, ManualClock()), deep=False)}
+    assert not [c for c in findings if "tp-pcie-iommu" in c]
+    paths = findings["GPU peer paths"]
+    assert (paths.severity, paths.message) == ("ok", "tensor parallelism 4: NVLink (6 links a pair) between all 6 "
+                                                     "pairs; IOMMU translating")
+    assert findings["GPU2 NVLink"].message == ("18 of 18 links up at 26562 MB/s to GPU0, GPU1, GPU3; errors since "
+                                               "the driver loaded: replay 0, recovery 0, crc 0")
+    # One pair over PCIe in the same group: the advice comes back, naming that pair.
+    from gpuwarden.serving.compose.lint import iommu_translating
+
+    ctx = SimpleNamespace(iommu="translating", tp_size=4, peer_paths=((0, 1, "nvlink"), (2, 3, "host_bridge")))
+    assert iommu_translating(ctx)["facts"] == ["the IOMMU translates DMA", "GPU2-GPU3 over a PCIe host bridge"]
+    assert iommu_translating(SimpleNamespace(iommu="translating", tp_size=2, peer_paths=((0, 1, "nvswitch"),))) \
+        is None
 
 
 def test_doctor_on_a_degraded_link_and_pending_remap():
@@ -176,3 +206,23 @@ def test_doctor_says_when_the_lint_rules_are_older_than_the_installed_vllm(monke
         "written against vLLM 0.32.0 at the newest; the installed 0.34.1 is newer")
     same = Installed("/py", True, {"vllm": "0.32.0+cpu", "flashinfer": None, "torch": "2.13.0", "sglang": None})
     assert len(_installed(same, ENGINE, written)) == 1  # a local build of the same release is not newer
+
+
+def test_doctor_counts_one_replay_and_names_the_persistenced_command(write, monkeypatch):
+    from fake_nvml import FakeNvml, device
+    from gpuwarden.gpu.nvml import NvmlBackend
+
+    monkeypatch.setattr("gpuwarden.gpu.nvml.persistenced_state", lambda proc_root: "stopped")
+    backend = NvmlBackend(FakeNvml([device("GPU-a", "00000000:18:00.0", replays=1),
+                                    device("GPU-b", "00000000:3b:00.0", replays=2, persistence=1)]))
+    cfg = config.parse_text("tuning:\n  apply: false\n")
+    findings = {f.check: f for f in diagnose(cfg, backend, deep=False)}
+    assert findings["GPU0 PCIe"].message == "Gen5 x16 of Gen5 x16, 1 replay"
+    assert findings["GPU1 PCIe"].message == "Gen5 x16 of Gen5 x16, 2 replays"
+    off, on = findings["GPU0 persistence"], findings["GPU1 persistence"]
+    assert off.severity == "warning" and "nvidia-persistenced is installed but not running" in off.message
+    assert off.fix == on.fix == "`systemctl enable --now nvidia-persistenced`"  # not `sudo gpuwarden apply`
+    assert on.severity == "info" and on.message.startswith("persistence mode on, through NVML's setter")
+    # The H100s say what they are: gpu_clocks: auto leaves them unlocked, and says why.
+    assert "gpu_clocks: 1980 MHz now, no change (left unlocked: a datacenter card (NVIDIA, SXM, default 1755 MHz)" \
+        in findings["GPU0 tuning"].message

@@ -33,7 +33,9 @@ def two_gpus():
 def test_the_event_set_registers_what_each_gpu_supports_and_names_events_by_our_index():
     backend, fake = two_gpus()
     source = backend.events()
-    assert source.registered == {0: ["xid"], 1: ["xid", "double_bit_ecc", "gpu_unavailable", "recovery_action"]}
+    assert source.registered == {0: ["xid"], 1: ["xid", "double_bit_ecc", "gpu_unavailable", "recovery_action",
+                                                 "nonfatal_poison", "fatal_poison"]}
+    assert fake.event_set.registered[0] == 0x8 | 0x2 | 0x4000 | 0x8000 | 0x1000 | 0x2000  # NVML's index 0: GPU-bbb
     assert source.wait(0.01) == []  # NVML's timeout
     fake.events.append((0, XID, 79))  # NVML's device 0 is GPU-bbb, our GPU 1 (PCI order)
     assert source.wait(0.01) == [GpuEvent(1, "xid", 79)]
@@ -71,6 +73,9 @@ def sim_monitor(extra=""):
     (GpuEvent(2, "gpu_unavailable", 0), "CRITICAL", "GPU2 GPU unavailable; recovery: reboot the node", True),
     (GpuEvent(2, "recovery_action", 3), "CRITICAL", "GPU2 the driver set a recovery action; recovery: drain the "
      "GPU, then reset it", True),
+    (GpuEvent(2, "nonfatal_poison", 0), "ERROR", "GPU2 poisoned memory contained (the process that read it was "
+     "stopped); recovery: restart the application", False),
+    (GpuEvent(2, "fatal_poison", 0), "CRITICAL", "GPU2 poisoned memory not contained; recovery: reset the GPU", True),
 ])
 def test_each_event_reaches_the_journal_the_metric_and_the_alert(event, level, text, reset, caplog):
     caplog.set_level("INFO")

@@ -246,3 +246,117 @@ def test_link_and_memory_health_alerts_follow_the_scenario():
     assert gpu.health.remap_pending and gpu.health.ecc_uncorrected == 1
     alert = next(a for a in monitor.snapshot.alerts if a.alert == "ecc_uncorrected")
     assert alert.severity == "critical" and "1 uncorrected ECC error(s)" in alert.observed
+
+
+def test_the_counters_are_read_on_every_nth_poll_for_all_gpus_at_once():
+    """counters_interval_s on the poll schedule: each GPU timing its own reads drifted with the polls' jitter
+    (10 or 11 polls apart, on different polls per GPU)."""
+    from fake_nvml import FakeNvml, device
+    from gpuwarden.gpu.nvml import NvmlBackend
+
+    cfg = config.parse_text("poll_interval_s: 1\ncounters_interval_s: 3\nmetrics:\n  listen: none\n"
+                            "tuning:\n  apply: false\n")
+    fake = FakeNvml([device("GPU-a", "00000000:18:00.0"), device("GPU-b", "00000000:3b:00.0")])
+    read_on: list[tuple[int, int]] = []
+    batch = fake.nvmlDeviceGetFieldValues
+    fake.nvmlDeviceGetFieldValues = lambda h, ids: read_on.append((monitor.polls, h.index)) or batch(h, ids)
+    clock = ManualClock(0)
+    backend = NvmlBackend(fake, clock=clock, counters_interval_s=cfg.counters_interval_s)
+    read_on.clear()  # the backend's own first read at start
+    monitor = Monitor(cfg, backend, TuningLife(backend, cfg, Tuner(backend)))
+    for poll in range(12):
+        monitor.tick(clock.now)
+        clock.advance(1.3 if poll % 2 else 0.8)  # jitter: a per-GPU timer would drift off the schedule
+    assert read_on == [(p, gpu) for p in (1, 4, 7, 10) for gpu in (0, 1)]  # polls counted from 1 once taken
+    assert monitor.counters_every() == 3
+
+
+def test_the_status_line_for_systemd_carries_the_state_not_the_readings():
+    monitor, clock = monitor_for("rtx-pro-4000-headless")
+    play(monitor, clock, 25)
+    assert monitor.snapshot.summary_line() == "2 GPUs · locked 3090 MHz · GPU0 at_design_power (-37%)"
+    assert monitor.snapshot.summary_line(numbers=False) == "2 GPUs · locked 3090 MHz · GPU0 at_design_power"
+
+
+def test_status_is_sent_when_the_state_changes_at_most_every_five_seconds(tmp_path):
+    import socket
+
+    from gpuwarden.systemd import STATUS_MIN_INTERVAL_S, Notifier
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(tmp_path / "notify"))
+    sock.setblocking(False)
+    notifier = Notifier({"NOTIFY_SOCKET": str(tmp_path / "notify")})
+    notifier.ready("ok", 0.0)
+    for t in range(1, 21):  # a state that flaps every poll for 20 s, then settles on "b"
+        notifier.status("a" if t % 2 else "b", float(t))
+    for t in range(21, 30):
+        notifier.status("b", float(t))
+    sent = []
+    while True:
+        try:
+            sent.append(sock.recv(4096).decode())
+        except BlockingIOError:
+            break
+    sock.close()
+    assert STATUS_MIN_INTERVAL_S == 5.0
+    assert sent == ["READY=1\nSTATUS=ok", "STATUS=a", "STATUS=b", "STATUS=a", "STATUS=b"]  # t = 0, 5, 10, 15, 20
+
+
+def nvlink_events(scenario, until, alerts=("nvlink_degraded", "nvlink_errors", "fabric_not_ready")):
+    monitor, clock = monitor_for(scenario, FAST + "counters_interval_s: 2\ntuning:\n  apply: false\n")
+    return [(t, gpu, alert, what) for t, gpu, alert, what in play(monitor, clock, until) if alert in alerts], monitor
+
+
+def test_an_nvlink_link_down_or_slow_is_nvlink_degraded():
+    events, monitor = nvlink_events("nvlink-down", 40)
+    assert events == [(11.0, 1, "nvlink_degraded", "firing"),  # down at 10 s, held for for_s
+                      (16.0, 2, "nvlink_degraded", "firing"),  # half speed from 15 s
+                      (32.0, 1, "nvlink_degraded", "resolved")]  # back at 30 s, clear for clear_for_s
+    alert = next(a for a in monitor.snapshot.alerts if a.alert == "nvlink_degraded" and a.gpu == 2)
+    assert alert.observed == "NVLink link 7 at 13281 of 26562 MB/s; 18 of 18 links up"
+
+
+def test_nvlink_replays_fire_and_crc_errors_below_100_a_second_do_not():
+    events, monitor = nvlink_events("nvlink-errors", 60)
+    # Replays from 10 s, seen by the first counters read after (every 4th poll at 0.5 s: 12 s), firing at once;
+    # the growth leaves the 10 s window at 30 s, then clear_for_s. GPU 0's 20 CRC errors a second never fire.
+    assert events == [(12.0, 2, "nvlink_errors", "firing"), (32.0, 2, "nvlink_errors", "resolved")]
+    check = next(s.check for (name, gpu), s in monitor.states.items() if name == "nvlink_errors" and gpu == 2)
+    assert check.observed.startswith("NVLink errors in the last 10 s: link 3 replay +")
+    assert monitor.snapshot.gpus[0].sample.health.nvlinks[4].crc >= 1000
+
+
+def test_a_fabric_that_is_not_ready_fires_after_a_minute_and_resolves_when_it_completes():
+    events, _ = nvlink_events("fabric-not-ready", 110)
+    assert events == [(60.0, gpu, "fabric_not_ready", "firing") for gpu in range(4)] + \
+        [(102.0, gpu, "fabric_not_ready", "resolved") for gpu in range(4)]
+
+
+def test_an_nvlink_host_idle_then_loaded_raises_no_warning():
+    monitor, clock = monitor_for("h100-nvswitch", FAST + "tuning:\n  apply: false\n")
+    assert [e for e in play(monitor, clock, 50) if e[3] == "firing"] == []
+    assert monitor.snapshot.summary_line() == "4 GPUs · read-only · ok"
+
+
+def test_nvlink_and_fabric_metrics_come_from_the_snapshot():
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from gpuwarden.exporter import make_registry
+
+    events, monitor = nvlink_events("nvlink-down", 16)
+    text = generate_latest(make_registry(lambda: monitor.snapshot)).decode()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples[("gpuwarden_gpu_nvlink_links", (("gpu", "1"),))] == 18
+    assert samples[("gpuwarden_gpu_nvlink_links_up", (("gpu", "1"),))] == 17
+    assert samples[("gpuwarden_gpu_nvlink_link_up", (("gpu", "1"), ("link", "5")))] == 0
+    assert samples[("gpuwarden_gpu_nvlink_link_speed_bytes_per_second", (("gpu", "2"), ("link", "7")))] == 13281e6
+    assert samples[("gpuwarden_gpu_nvlink_errors_total", (("gpu", "0"), ("kind", "replay")))] == 0
+    assert samples[("gpuwarden_gpu_fabric_ready", (("gpu", "3"),))] == 1
+    assert samples[("gpuwarden_alert_active", (("alert", "nvlink_degraded"), ("gpu", "1"), ("severity", "warning")))] \
+        == 1
+    pcie, clock = monitor_for("rtx-pro-4000-headless")
+    text = generate_latest(make_registry(lambda: pcie.tick(clock.now))).decode()
+    assert "gpuwarden_gpu_nvlink_links{" not in text and "gpuwarden_gpu_fabric_ready{" not in text

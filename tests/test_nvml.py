@@ -3,11 +3,11 @@
 import pytest
 
 from fake_nvml import (FUNCTION_NOT_FOUND, GPU_IS_LOST, INVALID_ARGUMENT, LIBRARY_NOT_FOUND, NO_PERMISSION,
-                       NOT_SUPPORTED, UNKNOWN, FakeNvml, device)
+                       NOT_SUPPORTED, UNKNOWN, FakeNvml, device, nvlink)
 from gpuwarden import config
 from gpuwarden.gpu import errors
 from gpuwarden.gpu.base import ClockEventReason as R
-from gpuwarden.gpu.nvml import REINIT_INTERVAL_S, NvmlBackend, persistenced_pids
+from gpuwarden.gpu.nvml import MAX_NVLINKS, REINIT_INTERVAL_S, NvmlBackend, persistenced_pids, persistenced_state
 from gpuwarden.gpu.sim.backend import ManualClock
 from gpuwarden.tuning import Tuner, make_plan
 
@@ -192,10 +192,11 @@ def test_tuning_end_to_end_through_the_nvml_backend():
     tuner = Tuner(backend)
     assert all(o.ok for o in tuner.apply(plan) + tuner.verify(plan))
     by_uuid = {d["uuid"].decode(): d for d in fake.devices}
-    assert by_uuid["GPU-aaa"]["gpu_lock"] == (1980, 1980) and by_uuid["GPU-bbb"]["gpu_lock"] == (1965, 1965)
+    # gpu_clocks: auto leaves the SXM H100 (brand NVIDIA, module 1) alone; the override locks.
+    assert by_uuid["GPU-aaa"]["gpu_lock"] is None and by_uuid["GPU-bbb"]["gpu_lock"] == (1965, 1965)
     assert by_uuid["GPU-aaa"]["limit_mw"] == 650_000 and by_uuid["GPU-aaa"]["persistence"] == 1
     tuner.restore()
-    assert by_uuid["GPU-aaa"]["gpu_lock"] is None and by_uuid["GPU-aaa"]["limit_mw"] == 700_000
+    assert by_uuid["GPU-bbb"]["gpu_lock"] is None and by_uuid["GPU-aaa"]["limit_mw"] == 700_000
     assert by_uuid["GPU-aaa"]["persistence"] == 0
 
 
@@ -204,6 +205,16 @@ def test_persistenced_is_found_by_its_truncated_comm(tmp_path):
         (tmp_path / str(pid)).mkdir()
         (tmp_path / str(pid) / "comm").write_text(comm + "\n")
     assert persistenced_pids(str(tmp_path)) == [345]
+
+
+def test_persistenced_is_running_installed_or_absent(tmp_path):
+    binary = tmp_path / "nvidia-persistenced"
+    assert persistenced_state(str(tmp_path), (str(binary),)) == "absent"
+    binary.touch()
+    assert persistenced_state(str(tmp_path), (str(binary),)) == "stopped"
+    (tmp_path / "77").mkdir()
+    (tmp_path / "77" / "comm").write_text("nvidia-persiste\n")
+    assert persistenced_state(str(tmp_path), (str(binary),)) == "running"
 
 
 def test_gpu_lost_at_start_comes_up_down_not_crashing():
@@ -269,3 +280,73 @@ def test_batched_and_single_reads_agree_and_an_unsupported_field_falls_back():
     assert fake.calls["nvmlDeviceGetTotalEnergyConsumption"] == 1 and fake.calls["nvmlDeviceGetPcieReplayCounter"] == 1
     assert fake.calls["nvmlDeviceGetViolationStatus"] == 0  # the fields it did have came from the batch
 
+
+
+def nvswitch_host(nvlink_fields=True, fabric=(3, 0)):
+    """Two H100s on NVSwitch: 4 links each to a switch, link 3 of GPU 0 down (its far end still known)."""
+    def links(bad=None, **errors):
+        return [nvlink("00000000:c0:00.0", remote_type=2, state=0 if i == bad else 1, **errors) for i in range(4)]
+    fake = FakeNvml([device("GPU-aaa", "00000000:18:00.0", nvlinks=links(bad=3, replay=2, crc=7),
+                            nvlink_fields=nvlink_fields, fabric=fabric),
+                     device("GPU-bbb", "00000000:9A:00.0", nvlinks=links(), nvlink_fields=nvlink_fields,
+                            fabric=fabric)])
+    return NvmlBackend(fake, clock=ManualClock(0)), fake
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_nvlink_links_their_state_far_end_and_errors_batched_or_per_link(batched):
+    """One nvmlDeviceGetFieldValues with (field, link) pairs where the driver answers them (161-165), else
+    nvmlDeviceGetNvLinkState and nvmlDeviceGetNvLinkErrorCounter per link: the same links either way."""
+    backend, fake = nvswitch_host(nvlink_fields=batched)
+    h = backend.gpus()[0].sample().health
+    assert [(n.link, n.state, n.peer) for n in h.nvlinks] == [(0, "up", "NVSwitch"), (1, "up", "NVSwitch"),
+                                                              (2, "up", "NVSwitch"), (3, "down", "NVSwitch")]
+    assert (h.nvlinks[0].replay, h.nvlinks[0].recovery, h.nvlinks[0].crc) == (2, 0, 7)
+    assert h.nvlink_errors() == {"replay": 8, "recovery": 0, "crc": 28}
+    assert h.nvlink_problems() == ["link 3 down (to NVSwitch)"]
+    assert h.nvlinks[0].speed_mbps == (26562 if batched else None)  # only the batch has the speed
+    assert fake.calls["nvmlDeviceGetNvLinkErrorCounter"] == (0 if batched else 4 * 3)
+    assert fake.calls["field (161, 0)"] == 1
+    backend.gpus()[0].sample(counters=True)
+    assert fake.calls["field (161, 0)"] == (2 if batched else 1)  # a field the batch refused is not asked again
+
+
+def test_the_fabric_is_read_through_the_versioned_call_and_the_board_once():
+    backend, _ = nvswitch_host()
+    s = backend.gpus()[0].sample()
+    assert (s.health.fabric, s.health.fabric_error, s.health.fabric_ready) == ("completed", None, True)
+    assert (s.board.brand, s.board.form_factor, s.board.default_graphics_clock_mhz) == ("NVIDIA", "sxm", 1755)
+    backend, _ = nvswitch_host(fabric=(2, 0))
+    assert backend.gpus()[0].sample().health.fabric_ready is False  # in progress
+    backend, _ = nvswitch_host(fabric=(3, 27))
+    assert backend.gpus()[0].sample().health.fabric_error == "Not Ready"
+    backend, _ = nvswitch_host(fabric=None)  # no fabric: nothing said
+    assert backend.gpus()[0].sample().health.fabric_ready is None
+
+
+def test_peer_paths_come_from_nvlink_nvswitch_c2c_or_the_pcie_topology():
+    backend, _ = nvswitch_host()
+    assert [g.sample().peer_paths for g in backend.gpus()] == [{1: "nvswitch"}, {0: "nvswitch"}]
+    # Direct links (GPU 0 <-> GPU 1), and a third GPU behind a PCIe switch from one, a host bridge from the
+    # other; NVML's index order differs from PCI order (indices 0, 1, 2 are buses 9a, 18, 3b).
+    a, b, c = "00000000:9A:00.0", "00000000:18:00.0", "00000000:3B:00.0"
+    fake = FakeNvml([device("GPU-a", a, nvlinks=[nvlink(b), nvlink(b)]), device("GPU-b", b, nvlinks=[nvlink(a)]),
+                     device("GPU-c", c)], ancestors={frozenset((0, 2)): 10, frozenset((1, 2)): 30})
+    gpus = NvmlBackend(fake).gpus()  # PCI order: GPU-b (18), GPU-c (3b), GPU-a (9a)
+    assert [g.uuid for g in gpus] == ["GPU-b", "GPU-c", "GPU-a"]
+    assert gpus[0].sample().peer_paths == {1: "host_bridge", 2: "nvlink"}
+    assert gpus[2].sample().peer_paths == {0: "nvlink", 1: "pcie_switch"}
+    assert [n.peer for n in gpus[2].sample().health.nvlinks] == ["GPU0", "GPU0"]
+    grace = FakeNvml([device("GPU-a", a, c2c=1), device("GPU-b", b, c2c=1)])
+    assert NvmlBackend(grace).gpus()[0].sample().peer_paths == {1: "c2c"}
+    unknown = FakeNvml([device("GPU-a", a), device("GPU-b", b)])
+    unknown.fail[("nvmlDeviceGetTopologyCommonAncestor", None)] = NOT_SUPPORTED
+    assert NvmlBackend(unknown).gpus()[0].sample().peer_paths == {}  # unknown, never guessed
+
+
+def test_a_gpu_without_nvlink_reports_no_links_and_is_not_asked_again():
+    backend, fake, _ = backend_with(device("GPU-aaa", "00000000:18:00.0"))
+    gpu = backend.gpus()[0]
+    assert gpu.sample().health.nvlinks == () and gpu.sample(counters=True).health.nvlinks == ()
+    assert fake.calls["nvmlDeviceGetNvLinkState"] == MAX_NVLINKS  # each link once, at start
+    assert not any(name.startswith("field (16") for name in fake.calls)

@@ -40,7 +40,7 @@ def tool(name, package="prometheus"):
 def test_promtool_checks_and_unit_tests_the_rules():
     promtool = tool("promtool")
     check = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60)
-    assert check.returncode == 0 and "SUCCESS: 28 rules found" in check.stdout, check.stdout + check.stderr
+    assert check.returncode == 0 and "SUCCESS: 31 rules found" in check.stdout, check.stdout + check.stderr
     test = subprocess.run([promtool, "test", "rules", str(RULE_TESTS)], capture_output=True, text=True, timeout=120)
     assert test.returncode == 0 and "SUCCESS" in test.stdout, test.stdout + test.stderr
 
@@ -83,7 +83,9 @@ def test_dashboard_is_templated_by_datasource_instance_and_gpu():
                    "gpuwarden_serving_requests_waiting", "gpuwarden_serving_kv_cache_usage_ratio",
                    "gpuwarden_serving_restarts_total", "gpuwarden_serving_state", "gpuwarden_sample_duration_seconds",
                    "gpuwarden_loop_lag_seconds", "gpuwarden_proxy_engine_prefix_cache_hits_tokens_total",
-                   "gpuwarden_proxy_requests_total"):
+                   "gpuwarden_proxy_requests_total", "gpuwarden_gpu_nvlink_links_up",
+                   "gpuwarden_gpu_nvlink_errors_total", "gpuwarden_gpu_nvlink_link_speed_bytes_per_second",
+                   "gpuwarden_gpu_fabric_ready"):
         assert metric in exprs, metric
 
 
@@ -131,8 +133,10 @@ def test_real_prometheus_fires_the_clock_alert_and_every_query_has_data(write, d
                      .replace("memory_used_pct: 85", "memory_used_pct: 10"))  # room for vLLM's preflight
     write("profiles.d/cpu-tiny.yaml", CPU_TINY_PROFILE.read_text())
     # Host A watches read-only (its clocks stay at 180 MHz: the alert); host B tunes, locks memory too,
-    # and serves, so every series the rules and the dashboard read exists.
+    # and serves; host C has NVLink and NVSwitch (four H100s): so every series the rules and the dashboard
+    # read exists.
     port_a, port_b, prom_port, engine_port, proxy_port = free_port(), free_port(), free_port(), free_port(), free_port()
+    port_c = free_port()
     common = f"poll_interval_s: 0.5\nalerts:\n  for_s: 1\ngpu:\n  backend: sim\n  scenario: {scenario}\n"
     config_a = write("a.yaml", common + f"tuning:\n  apply: false\nmetrics:\n  listen: 127.0.0.1:{port_a}\n")
     config_b = write("gpuwarden.yaml", common + f"""tuning:
@@ -149,7 +153,9 @@ serve:
   startup_timeout_s: 400
   stop_timeout_s: 20
 """)
-    targets = [f"127.0.0.1:{port_a}", f"127.0.0.1:{port_b}"]
+    config_c = write("c.yaml", f"poll_interval_s: 0.5\ngpu:\n  backend: sim\n  scenario: h100-nvswitch\n"
+                              f"tuning:\n  apply: false\nmetrics:\n  listen: 127.0.0.1:{port_c}\n")
+    targets = [f"127.0.0.1:{port_a}", f"127.0.0.1:{port_b}", f"127.0.0.1:{port_c}"]
     prom_config = write("prometheus.yml", yaml.safe_dump({
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "rule_files": [str(RULES)],
@@ -162,6 +168,7 @@ serve:
                               "--listen", f"127.0.0.1:{proxy_port}", "--rules", "date_line"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     host_a = daemons(config_a)
+    host_c = daemons(config_c)
     started = time.monotonic()
     prom_log = open(tmp_path / "prometheus.log", "w")  # noqa: SIM115 (closed in the finally below)
     prom = subprocess.Popen([prometheus, f"--config.file={prom_config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
@@ -207,3 +214,4 @@ serve:
         prom_log.close()
         d.stop()
         host_a.stop()
+        host_c.stop()

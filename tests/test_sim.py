@@ -203,6 +203,15 @@ BAD_SCENARIOS = [
     ("name: x\ngpus:\n  - name: G\n    compute_capability: \"12.0\"\n    memory_clocks_mhz: [405]\n"
      "    graphics_clocks_mhz: [180, 3090, 15]\ntimeline:\n  - {at_s: 5, event: driver_reload, until_s: 9}\n", 8,
      "timeline.0.until_s", "instantaneous"),
+    ("name: x\ngpus:\n  - name: G\n    compute_capability: \"9.0\"\n    memory_clocks_mhz: [2619]\n"
+     "    graphics_clocks_mhz: [345, 1980, 15]\n    nvlink: {links: 4}\ntimeline:\n"
+     "  - {at_s: 5, event: nvlink_fault, link: 4}\n", 9, "timeline.0.link", "no NVLink link 4"),
+    ("name: x\ntopology: nvswitch\ngpus:\n  - name: G\n    compute_capability: \"9.0\"\n"
+     "    memory_clocks_mhz: [2619]\n    graphics_clocks_mhz: [345, 1980, 15]\n", 2, "topology",
+     "needs nvlink: {links: N}"),
+    ("name: x\nnvidia_persistenced: maybe\ngpus:\n  - name: G\n    compute_capability: \"9.0\"\n"
+     "    memory_clocks_mhz: [2619]\n    graphics_clocks_mhz: [345, 1980, 15]\n", 2, "nvidia_persistenced",
+     "not a valid choice"),
 ]
 
 
@@ -214,6 +223,32 @@ def test_bad_scenarios_name_file_line_and_key(write, text, line, key, fragment):
     problems = info.value.errors if isinstance(info.value, ConfigErrors) else [info.value]
     assert any(str(p).startswith(f"{path}:{line}: {key}: ") and fragment in str(p) for p in problems), \
         [str(p) for p in problems]
+
+
+def test_the_nvlink_scenarios_play_each_fault():
+    backend, clock = sim("nvlink-down")
+    assert [n.state for n in backend.gpus()[1].sample().health.nvlinks] == ["up"] * 18
+    clock.advance(16)
+    links = backend.gpus()[1].sample().health.nvlinks
+    assert links[5].state == "down" and links[5].peer == "NVSwitch" and sum(n.state == "up" for n in links) == 17
+    assert backend.gpus()[2].sample().health.nvlinks[7].speed_mbps == 13281
+    clock.advance(15)
+    assert backend.gpus()[1].sample().health.nvlink_problems() == []
+    backend, clock = sim("nvlink-errors")
+    clock.advance(20)
+    errors = backend.gpus()[2].sample().health.nvlinks[3]
+    assert (errors.replay, errors.recovery, errors.crc) == (20, 0, 0)
+    assert backend.gpus()[0].sample().health.nvlink_errors() == {"replay": 0, "recovery": 0, "crc": 400}
+    backend, clock = sim("fabric-not-ready")
+    assert backend.gpus()[3].sample().health.fabric_ready is False
+    clock.advance(100)
+    assert backend.gpus()[3].sample().health.fabric == "completed"
+    direct, _ = sim("nvlink-iommu")
+    s = direct.gpus()[0].sample()
+    assert s.peer_paths == {1: "nvlink", 2: "nvlink", 3: "nvlink"} and s.iommu == "translating"
+    assert [n.peer for n in s.health.nvlinks[:4]] == ["GPU1", "GPU2", "GPU3", "GPU1"] and s.health.fabric is None
+    pcie, _ = sim("rtx-pro-6000-tp4")
+    assert pcie.gpus()[0].sample().peer_paths == {1: "host_bridge", 2: "host_bridge", 3: "host_bridge"}
 
 
 def test_manual_clock_needs_no_sleep():

@@ -10,7 +10,8 @@ from gpuwarden.backends import open_configured
 from gpuwarden.gpu.sim.backend import ManualClock
 from gpuwarden.originals import OriginalsStore
 from gpuwarden.tunables import Step, Tunable, Unfit
-from gpuwarden.tuning import Tuner, make_plan
+from gpuwarden.gpu.base import GpuBoard, GpuSample
+from gpuwarden.tuning import Tuner, TuningLife, make_plan
 from gpuwarden.yamlfile import ConfigErrors
 
 PROFILES = ("default", "compute", "low_latency")
@@ -105,3 +106,36 @@ def config_text(cfg) -> str:
     import yaml
 
     return yaml.safe_dump(cfg.as_dict())
+
+
+@pytest.mark.parametrize("card,locks,why", [
+    (dict(compute_capability="9.0", board=GpuBoard("NVIDIA", "sxm", 1755)), False,
+     "a datacenter card (NVIDIA, SXM, default 1755 MHz) boosts to 1980 MHz by itself; a lock buys nothing"),
+    (dict(compute_capability="8.0", board=GpuBoard("Tesla", "pcie")), False, "a datacenter card (Tesla, PCIe)"),
+    (dict(compute_capability="12.0", board=GpuBoard("NVIDIA RTX", "pcie")), True,
+     "SM12.0 (NVIDIA RTX, PCIe): headless SM12x cards idle low under load"),
+    (dict(compute_capability="8.9", board=GpuBoard("NVIDIA RTX", "pcie")), True, "a workstation card (NVIDIA RTX"),
+    (dict(compute_capability="8.9", board=GpuBoard()), True, "the card does not say its class"),
+    # Seen busy at an idle clock with nothing holding it down: locked, whatever it says it is.
+    (dict(compute_capability="9.0", board=GpuBoard("NVIDIA", "sxm"), utilization_pct=90, sm_clock_mhz=345), True,
+     "busy at 345 MHz with no throttle reason: it idles low under load"),
+])
+def test_gpu_clocks_auto_locks_what_needs_it_and_says_why(card, locks, why):
+    sample = GpuSample(0, "GPU-0", "card", "0000:01:00.0", **{"sm_clock_mhz": 1980, "max_graphics_clock_mhz": 1980,
+                                                                "utilization_pct": 0, **card})
+    lock, reason = tunables.clock_class(sample)
+    assert lock == locks and reason.startswith(why)
+
+
+def test_auto_leaves_a_datacenter_card_unlocked_and_a_reload_from_max_resets_its_lock():
+    cfg = config.parse_text("gpu:\n  backend: sim\n  scenario: h100-nvswitch\ntuning:\n  gpu_clocks: max\n")
+    backend = open_configured(cfg, ManualClock())
+    tuning = TuningLife(backend, cfg, Tuner(backend))
+    tuning.start(tuning.check(cfg))
+    assert backend.gpus()[0].gpu_lock == (1980, 1980) and tuning.locks[0][0] == (1980, 1980)
+    auto = config.parse_text("gpu:\n  backend: sim\n  scenario: h100-nvswitch\n")
+    tuning.reload(auto, tuning.check(auto))
+    assert backend.gpus()[0].gpu_lock is None and tuning.locks[0][0] is None  # nothing to measure against
+    (action,) = [a for a in tuning.plan.actions if a.gpu == 0 and a.setting == "gpu_clocks"]
+    assert not action.change and action.describe().startswith("GPU 0 gpu_clocks: 1980 MHz now, no change (left "
+                                                               "unlocked: a datacenter card (NVIDIA, SXM)")

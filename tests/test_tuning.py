@@ -16,6 +16,9 @@ def setup(scenario, tuning="", clock=None):
     return cfg, open_configured(cfg, clock or ManualClock())
 
 
+DATACENTER = {"h100-nvswitch", "nvlink-down", "nvlink-errors", "fabric-not-ready", "nvlink-iommu"}
+
+
 @pytest.mark.parametrize("scenario", [s for s in builtin_scenarios() if s != "gpu-lost-at-start"])
 def test_plan_apply_verify_restore(scenario):  # gpu-lost-at-start: its GPU 1 has no plan at t=0 (test_monitor)
     cfg, backend = setup(scenario)
@@ -24,11 +27,14 @@ def test_plan_apply_verify_restore(scenario):  # gpu-lost-at-start: its GPU 1 ha
     # The plan is data: making it changed nothing.
     assert {g.index: g.sample() for g in backend.gpus()} == before
     assert {a.setting for a in plan.actions} == {"persistence_mode", "gpu_clocks"}
-    top = {g.index: g.capabilities().graphics_clocks_mhz[0] for g in backend.gpus()}
+    # gpu_clocks: auto locks the max, except on the H100s, which boost by themselves.
+    top = {g.index: None if scenario in DATACENTER else (g.capabilities().graphics_clocks_mhz[0],) * 2
+           for g in backend.gpus()}
     for action in plan.actions:
         if action.setting == "gpu_clocks":
-            assert action.target == (top[action.gpu], top[action.gpu])
+            assert action.target == top[action.gpu] and action.change == (scenario not in DATACENTER)
             assert action.current == before[action.gpu].sm_clock_mhz
+            assert action.note.startswith("left unlocked: a datacenter card" if scenario in DATACENTER else "auto: ")
 
     tuner = Tuner(backend)
     applied = tuner.apply(plan)
@@ -37,7 +43,7 @@ def test_plan_apply_verify_restore(scenario):  # gpu-lost-at-start: its GPU 1 ha
     assert verified and all(o.ok for o in verified), [o.describe() for o in verified]
     left_to_persistenced = backend.persistenced_running()  # then persistence mode stays as the daemon keeps it
     for gpu in backend.gpus():
-        assert gpu.gpu_lock == (top[gpu.index], top[gpu.index]) and gpu.persistence != left_to_persistenced
+        assert gpu.gpu_lock == top[gpu.index] and gpu.persistence != left_to_persistenced
 
     restored = tuner.restore()
     assert restored and all(o.ok for o in restored)
@@ -120,6 +126,24 @@ def test_nvidia_persistenced_is_noted_and_persistence_left_alone(write):
     assert not persistence.change and persistence.note == "left to nvidia-persistenced"
     Tuner(backend).apply(plan)
     assert backend.gpus()[0].persistence is False
+
+
+@pytest.mark.parametrize("state,fix", [("absent", "install nvidia-persistenced (Debian: non-free"),
+                                       ("stopped", "`systemctl enable --now nvidia-persistenced`")])
+def test_without_nvidia_persistenced_the_plan_says_once_that_it_falls_back_to_nvml(write, state, fix):
+    text = resolve_scenario("lock-lost").read_text().replace("as_root: true",
+                                                             f"as_root: true\nnvidia_persistenced: {state}")
+    cfg = config.parse_text(f"gpu:\n  backend: sim\n  scenario: {write('p.yaml', text)}\n")
+    backend = open_configured(cfg, ManualClock())
+    plan = make_plan(backend, cfg)
+    (note,) = [n for n in plan.notes if "nvidia-persistenced" in n]
+    where = "not installed" if state == "absent" else "installed but not running"
+    assert note.startswith(f"nvidia-persistenced is {where}: gpuwarden falls back to NVML's persistence-mode "
+                           "setter on GPU 0") and fix in note
+    Tuner(backend).apply(plan)
+    assert backend.gpus()[0].persistence is True
+    # Once on, nothing falls back: nothing more to say.
+    assert not [n for n in make_plan(backend, cfg).notes if "nvidia-persistenced" in n]
 
 
 def test_no_permission_is_reported_not_raised(write):

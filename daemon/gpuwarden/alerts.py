@@ -37,6 +37,11 @@ class GpuContext:
     seen: R = R.NONE  # every reason seen in a sample during that window
     xids: tuple[tuple[int, int], ...] = ()  # (xid, count) of this GPU's recent Xids (eventwatch.RECENT_S)
     reset_needed: str | None = None  # an event asked for a GPU reset or a reboot, and none happened yet
+    # NVLink links seen up since the start (a link never up and with no far end is not cabled: not a fault),
+    # and each link's error counters' growth over the duty window: {(link, kind): errors}, with its seconds.
+    nvlinks_seen_up: frozenset[int] = frozenset()
+    nvlink_growth: Mapping[tuple[int, str], int] = field(default_factory=dict)
+    nvlink_growth_s: float = 0.0
 
 
 HW_DUTY_MIN = 0.10  # a critical hardware reason that slows the card this much of the time fires
@@ -178,9 +183,48 @@ def pcie_link_degraded(s: GpuSample, ctx: GpuContext) -> Check:
     h = s.health
     if not ctx.busy or not h.link_degraded:
         return INACTIVE
-    replays = f", {h.pcie_replays} replays" if h.pcie_replays is not None else ""
+    replays = "" if h.pcie_replays is None else f", {h.pcie_replays} replay" + ("" if h.pcie_replays == 1 else "s")
     return Check(True, f"PCIe link {h.link()} while busy (util {_pct(s.utilization_pct)}){replays}",
                  "the link's full generation and width", f"Gen{h.pcie_generation} x{h.pcie_width}")
+
+
+def nvlink_degraded(s: GpuSample, ctx: GpuContext) -> Check:
+    """A link that was up (or knows its far end) is down, or runs slower than the GPU's fastest link."""
+    h = s.health
+    problems = h.nvlink_problems(ctx.nvlinks_seen_up)
+    if not problems:
+        return INACTIVE
+    up = sum(n.state in ("up", "sleep") for n in h.nvlinks)
+    return Check(True, f"NVLink {'; '.join(problems)}; {up} of {len(h.nvlinks)} links up",
+                 "every link up at the GPU's full speed", f"{up}/{len(h.nvlinks)} links", value=float(up))
+
+
+NVLINK_CRC_PER_S = 100.0  # DCGM: "RM has informed us that CRC errors only matter at rates of 100+ per second"
+
+
+def nvlink_errors(s: GpuSample, ctx: GpuContext) -> Check:
+    """Replays or recoveries since the window began (any: DCGM's health check fails on one), or CRC errors
+    at 100/s or more."""
+    grew = ctx.nvlink_growth
+    seconds = max(ctx.nvlink_growth_s, 1e-9)
+    bad = {key: n for key, n in grew.items() if n and (key[1] != "crc" or n / seconds >= NVLINK_CRC_PER_S)}
+    if not bad:
+        return INACTIVE
+    text = ", ".join(f"link {link} {kind} +{n}" + (f" ({n / seconds:.0f}/s)" if kind == "crc" else "")
+                     for (link, kind), n in sorted(bad.items()))
+    total = sum(bad.values())
+    return Check(True, f"NVLink errors in the last {ctx.nvlink_growth_s:.0f} s: {text}",
+                 f"no replay or recovery; CRC below {NVLINK_CRC_PER_S:.0f}/s", f"+{total} errors",
+                 value=-float(total))
+
+
+def fabric_not_ready(s: GpuSample, ctx: GpuContext) -> Check:
+    h = s.health
+    if h.fabric_ready is not False:
+        return INACTIVE
+    what = f"completed with {h.fabric_error}" if h.fabric_error else h.fabric.replace("_", " ")
+    return Check(True, f"NVSwitch fabric registration {what}: no NVLink peers for tensor parallelism",
+                 "fabric completed, status success", "fabric " + (h.fabric_error or h.fabric))
 
 
 def ecc_uncorrected(s: GpuSample, ctx: GpuContext) -> Check:
@@ -236,8 +280,9 @@ RULES: tuple[Rule, ...] = (
          _reason_rule(R.HwSlowdown)),
     Rule("power_brake", CRITICAL, "the system asserted the power brake: check the PSU and its load",
          _reason_rule(R.HwPowerBrakeSlowdown)),
-    Rule("persistence_off", WARNING, "a driver reload turned it off; gpuwarden re-applies it "
-         "(nvidia-persistenced also keeps it on)", persistence_off),
+    Rule("persistence_off", WARNING, "a driver reload turned it off; gpuwarden re-applies it through NVML's "
+         "deprecated setter: `systemctl enable --now nvidia-persistenced` keeps it on the supported way",
+         persistence_off),
     Rule("gpu_lost", CRITICAL, "check `dmesg` for Xid errors; the GPU may need a reset or a reboot", gpu_lost),
     Rule("gpu_xid", WARNING, "the journal line names the Xid, its meaning and the processes on the GPU; an "
          "application fault (13, 31, 43) restarts only what died", gpu_xid, for_s=0.0),
@@ -246,6 +291,15 @@ RULES: tuple[Rule, ...] = (
     Rule("pcie_link_degraded", WARNING, "reseat the card, check the riser and cable, and the slot's PCIe setting "
          "in the BIOS; a link below its generation or width slows loading and tensor parallelism",
          pcie_link_degraded),
+    Rule("nvlink_degraded", WARNING, "look for Xid 74 in `dmesg` and at `nvidia-smi nvlink -s`; drain the GPU "
+         "and reset it (or reboot): a link that stays down after that needs the vendor (the board or its NVLink "
+         "connectors); meanwhile tensor parallelism runs on the links that are left", nvlink_degraded),
+    Rule("nvlink_errors", WARNING, "`nvidia-smi nvlink -e` shows the counters per link; replays and recoveries "
+         "mean the link retrains: drain and reset the GPU, and if they go on, have the board serviced",
+         nvlink_errors, for_s=0.0),
+    Rule("fabric_not_ready", CRITICAL, "start the fabric manager (`systemctl enable --now nvidia-fabricmanager`, "
+         "its version the driver's) and read its log; `nvidia-smi -q` shows the GPU's Fabric State and Status",
+         fabric_not_ready, for_s=60.0),
     Rule("ecc_uncorrected", CRITICAL, "drain the GPU and reset it (or reboot); if it recurs, the card needs "
          "replacing", ecc_uncorrected),
     Rule("row_remap_pending", WARNING, "drain the GPU and reset it (or reboot): the remap takes effect then",

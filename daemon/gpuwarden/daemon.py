@@ -197,14 +197,14 @@ class Daemon:
             self._stale_logged = False
         if self.server is not None:
             self.exposition.published()
-        status = snapshot.summary_line()
+        status = snapshot.summary_line(numbers=False)  # the state, not this poll's readings
         # READY once everything is usable: tuned, and the engine healthy when serving. An engine that went FATAL
         # also ends the start-up, so that `systemctl start` returns and the STATUS line says why.
         if not self.ready_sent and self.serving.ready:
             flush_logs(0.5)  # once: the journal then shows "vLLM healthy" before systemd's "Started"
-            self.notifier.ready(status)
+            self.notifier.ready(status, now)
             self.ready_sent = True
-        self.notifier.status(status)
+        self.notifier.status(status, now)
 
     def _serving_tick(self, now: float):
         """Advance the children and read the engine's metrics. Never raises: a serving fault is logged and

@@ -7,13 +7,16 @@ finding is one line with a severity and, where something is wrong, the fix.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import combinations
 from typing import TYPE_CHECKING
 
 from . import throttle
+from .alerts import RULES_BY_NAME
 from .config import AlertSettings, Config
 from .gpu.base import ClockEventReason as R
-from .gpu.base import GpuBackend, GpuSample
+from .gpu.base import OFF_PCIE, PEER_PATHS, GpuBackend, GpuSample
 from .gpu.iommu import iommu_state
+from .tunables import persistenced_fix
 from .yamlfile import InvalidConfig
 
 if TYPE_CHECKING:
@@ -44,19 +47,22 @@ def exit_status(findings: list[Diagnosis]) -> int:
 
 def diagnose(config: Config, backend: GpuBackend, deep: bool = True) -> list[Diagnosis]:
     findings = [_driver(backend)]
-    persistenced = backend.persistenced_running()
+    persistenced = backend.persistenced_state()
+    samples = []
     for gpu in backend.gpus():
         s = gpu.sample()
         if not s.up:
             findings.append(Diagnosis(ERROR, f"GPU{s.index} present", f"{s.uuid} is lost: {s.error}",
                                     "check `dmesg` for Xid errors; reset the GPU or reboot"))
             continue
+        samples.append(s)
         findings.append(_persistence(s, persistenced))
         findings.append(_clocks(s, config.alerts))
         findings.append(_power(s))
         findings.extend(_health(s, config.alerts))
+        findings.extend(_nvlink(s))
     serving, command = _serving(config, backend, deep)
-    findings.extend(_peer_path(command))
+    findings.extend(_peer_path(command, samples))
     findings.extend(_tuning(config, backend))
     findings.extend(serving)
     return findings
@@ -66,7 +72,7 @@ def _health(s: GpuSample, alerts: AlertSettings) -> list[Diagnosis]:
     """The PCIe link and the memory, where the GPU reports them (nothing where it does not)."""
     h, out = s.health, []
     if h.link() is not None:
-        replays = f", {h.pcie_replays} replays" if h.pcie_replays is not None else ""
+        replays = f", {plural(h.pcie_replays, 'replay')}" if h.pcie_replays is not None else ""
         text = f"{h.link()}{replays}"
         if not h.link_degraded:
             out.append(Diagnosis(OK, f"GPU{s.index} PCIe", text))
@@ -87,6 +93,40 @@ def _health(s: GpuSample, alerts: AlertSettings) -> list[Diagnosis]:
         rows = h.remapped_rows_correctable, h.remapped_rows_uncorrectable
         remapped = f", {sum(rows)} rows remapped" if None not in rows else ""
         out.append(Diagnosis(OK, check, f"no uncorrected ECC errors{remapped}"))
+    return out
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def _nvlink(s: GpuSample) -> list[Diagnosis]:
+    """Each GPU's NVLink links and its NVSwitch fabric, where it has them."""
+    h, out = s.health, []
+    if h.nvlinks:
+        up = [n for n in h.nvlinks if n.state in ("up", "sleep")]
+        speed = max((n.speed_mbps for n in up if n.speed_mbps), default=None)
+        peers = sorted({n.peer for n in up if n.peer}, key=lambda p: (len(p), p))
+        errors = ", ".join(f"{kind} {count}" for kind, count in h.nvlink_errors().items())
+        loose = [str(n.link) for n in h.nvlinks if n.state == "down" and not n.peer]
+        text = f"{len(up)} of {len(h.nvlinks)} links up" + (f" at {speed} MB/s" if speed else "") + \
+            (f" to {', '.join(peers)}" if peers else "") + (f"; errors since the driver loaded: {errors}"
+                                                            if errors else "") + \
+            (f"; link{'s' if len(loose) > 1 else ''} {', '.join(loose)} not connected" if loose else "")
+        problems = h.nvlink_problems()
+        if problems:
+            out.append(Diagnosis(WARNING, f"GPU{s.index} NVLink", f"{'; '.join(problems)}: {text}",
+                                 RULES_BY_NAME["nvlink_degraded"].hint))
+        else:
+            out.append(Diagnosis(OK, f"GPU{s.index} NVLink", text))
+    if h.fabric is not None:
+        if h.fabric_ready:
+            out.append(Diagnosis(OK, f"GPU{s.index} fabric", "NVSwitch fabric registration completed"))
+        else:
+            what = f"completed with {h.fabric_error}" if h.fabric_error else h.fabric.replace("_", " ")
+            out.append(Diagnosis(ERROR, f"GPU{s.index} fabric", f"NVSwitch fabric registration {what}: the GPU "
+                                 "has no NVLink peers, and tensor parallelism cannot use it",
+                                 RULES_BY_NAME["fabric_not_ready"].hint))
     return out
 
 
@@ -129,17 +169,37 @@ def _metric_names(config: Config, engine) -> list[Diagnosis]:
     return [Diagnosis(OK, f"{engine.title} metrics", f"serves every metric gpuwarden reads ({len(served)} series)")]
 
 
-def _peer_path(command: ServeCommand | None) -> list[Diagnosis]:
-    """With tensor parallelism, the IOMMU's state. When it translates DMA, the lint rule tp-pcie-iommu says
-    so with its source (NCCL hangs on PCIe RTX PRO 6000 servers); here only the state that is fine shows.
+def _peer_path(command: ServeCommand | None, samples: list[GpuSample]) -> list[Diagnosis]:
+    """How each pair of GPUs talks (NVML's topology: gpu/nvml.py), in the engine's group when serving is
+    prepared, else among all GPUs; with the IOMMU's state. Where the IOMMU translates and a pair talks over
+    PCIe, the lint rule tp-pcie-iommu warns with its source when serving; here the line says where.
     command: the serving command _serving prepared (None: serving is off or could not be prepared)."""
-    if command is None:
+    group = list(command.gpus) if command is not None else samples
+    if len(group) < 2:
         return []
-    tp = command.engine.tensor_parallel_size(command.argv)
-    iommu = iommu_state()
-    if tp < 2 or iommu == "translating":
-        return []
-    return [Diagnosis(OK, "PCIe peer path", f"tensor parallelism {tp}, IOMMU {iommu}")]
+    by_kind: dict[str, list[tuple[GpuSample, GpuSample]]] = {}
+    for a, b in combinations(group, 2):
+        by_kind.setdefault(a.peer_paths.get(b.index, "unknown"), []).append((a, b))
+    parts = []
+    for kind, pairs in by_kind.items():
+        name = PEER_PATHS.get(kind, "a path NVML did not say")
+        if kind == "nvlink":  # links between the two, as nvidia-smi topo -m's NV6
+            counts = sorted({sum(n.peer == f"GPU{b.index}" for n in a.health.nvlinks) for a, b in pairs})
+            name += f" ({'-'.join(str(c) for c in counts if c)} links a pair)" if any(counts) else ""
+        elif kind == "nvswitch":
+            name += f" ({max(len(a.health.nvlinks) for a, _ in pairs)} links a GPU)"
+        who = f"all {len(pairs)} pairs" if len(by_kind) == 1 else ", ".join(
+            f"GPU{a.index}-GPU{b.index}" for a, b in pairs[:6]) + (f" +{len(pairs) - 6}" if len(pairs) > 6 else "")
+        parts.append(f"{name} between {who}")
+    iommu = next((s.iommu for s in group if s.iommu), None) or iommu_state()
+    tp = command.engine.tensor_parallel_size(command.argv) if command is not None else None
+    text = (f"tensor parallelism {tp}: " if tp else "") + "; ".join(parts) + f"; IOMMU {iommu}"
+    crossing = [kind for kind in by_kind if kind not in OFF_PCIE]
+    if iommu == "translating" and crossing:
+        return [Diagnosis(INFO, "GPU peer paths", f"{text}: peer traffic over PCIe goes through it (lint rule "
+                          "tp-pcie-iommu, with tensor parallelism)", "boot with iommu=pt (or the IOMMU off) and "
+                          "ACS off in the BIOS")]
+    return [Diagnosis(OK, "GPU peer paths", text)]
 
 
 def _tuning(config: Config, backend: GpuBackend) -> list[Diagnosis]:
@@ -170,16 +230,22 @@ def _driver(backend: GpuBackend) -> Diagnosis:
     return Diagnosis(OK, "driver", f"driver {version}")
 
 
-def _persistence(s: GpuSample, persistenced: bool) -> Diagnosis:
+def _persistence(s: GpuSample, persistenced: str) -> Diagnosis:
     check = f"GPU{s.index} persistence"
     if s.persistence_mode is None:
         return Diagnosis(INFO, check, "persistence mode is not reported by this GPU")
-    if s.persistence_mode:
-        return Diagnosis(OK, check, "persistence mode on" + (" (nvidia-persistenced runs)" if persistenced else ""))
-    if persistenced:  # it keeps the driver loaded either way; some distributions run it with --no-persistence-mode
+    if persistenced == "running":
+        if s.persistence_mode:
+            return Diagnosis(OK, check, "persistence mode on (nvidia-persistenced runs)")
+        # it keeps the driver loaded either way; some distributions run it with --no-persistence-mode
         return Diagnosis(INFO, check, "persistence mode off; nvidia-persistenced runs and keeps the driver loaded")
-    return Diagnosis(WARNING, check, "persistence mode off and nvidia-persistenced is not running: the driver "
-                   "unloads between CUDA programs", "`sudo gpuwarden apply` (or run the gpuwarden service)")
+    where = "installed but not running" if persistenced == "stopped" else "not installed"
+    if s.persistence_mode:
+        return Diagnosis(INFO, check, f"persistence mode on, through NVML's setter, which the driver deprecates "
+                         f"(nvidia-persistenced is {where})", persistenced_fix(persistenced))
+    return Diagnosis(WARNING, check, f"persistence mode off and nvidia-persistenced is {where}: the driver "
+                     "unloads between CUDA programs (gpuwarden falls back to NVML's deprecated setter without it)",
+                     persistenced_fix(persistenced))
 
 
 def _clocks(s: GpuSample, alerts: AlertSettings) -> Diagnosis:

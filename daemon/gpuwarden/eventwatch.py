@@ -127,6 +127,11 @@ class EventBook:
             return "GPU unavailable", xids.REBOOT, logging.CRITICAL
         if event.kind == "dram_retirement_failure":
             return "DRAM retirement failed", xids.RESET_GPU, logging.CRITICAL
+        if event.kind == "nonfatal_poison":  # as Xid 94: contained, only the process that read it was stopped
+            return "poisoned memory contained (the process that read it was stopped)", xids.RESTART_APP, \
+                logging.ERROR
+        if event.kind == "fatal_poison":  # as Xid 95
+            return "poisoned memory not contained", xids.RESET_GPU, logging.CRITICAL
         return "DRAM page retired", xids.NONE, logging.WARNING
 
     def recent_xids(self, gpu: int, now: float) -> list[tuple[int, int]]:

@@ -112,6 +112,13 @@ def _gpu_metrics(snap: Snapshot) -> Iterator[Metric]:
          lambda v: _flag(v.sample.health.remap_failure)),
         ("gpuwarden_gpu_retired_pages", "Memory pages retired (GPUs before Ampere)",
          lambda v: v.sample.health.retired_pages),
+        ("gpuwarden_gpu_nvlink_links", "NVLink links the GPU has (where it has NVLink)",
+         lambda v: len(v.sample.health.nvlinks) or None),
+        ("gpuwarden_gpu_nvlink_links_up", "NVLink links up (or asleep, which wakes on traffic)",
+         lambda v: sum(n.state in ("up", "sleep") for n in v.sample.health.nvlinks)
+         if v.sample.health.nvlinks else None),
+        ("gpuwarden_gpu_fabric_ready", "1 when the GPU's NVSwitch fabric registration completed with success "
+         "(where the GPU has a fabric)", lambda v: _flag(v.sample.health.fabric_ready)),
     ]
     for lock in (t for t in tunables.TUNABLES if t.lock_of):  # a gauge for each clock lock the table sets
         gauges.append((f"gpuwarden_gpu_{lock.lock_of}_clock_lock_hertz", f"{lock.title} gpuwarden locks to "
@@ -121,6 +128,12 @@ def _gpu_metrics(snap: Snapshot) -> Iterator[Metric]:
     energy = CounterMetricFamily("gpuwarden_gpu_energy_joules", "Energy used since the driver loaded",
                                  labels=["gpu"])
     replays = CounterMetricFamily("gpuwarden_gpu_pcie_replays", "PCIe link-level retransmissions", labels=["gpu"])
+    link_up = _gauge("gpuwarden_gpu_nvlink_link_up", "1 while the NVLink link is up (or asleep)", ("gpu", "link"))
+    link_speed = _gauge("gpuwarden_gpu_nvlink_link_speed_bytes_per_second", "NVLink link speed per direction",
+                        ("gpu", "link"))
+    link_errors = CounterMetricFamily("gpuwarden_gpu_nvlink_errors", "NVLink data-link errors since the driver "
+                                      "loaded, summed over the GPU's links (replay, recovery, crc)",
+                                      labels=["gpu", "kind"])
     active = _gauge("gpuwarden_gpu_clock_event_active", "1 while a clock-event (throttle) reason is active",
                     ("gpu", "reason"))
     seconds = CounterMetricFamily("gpuwarden_gpu_clock_event_seconds",
@@ -140,6 +153,13 @@ def _gpu_metrics(snap: Snapshot) -> Iterator[Metric]:
             energy.add_metric([gpu], s.energy_joules)
         if s.health.pcie_replays is not None:
             replays.add_metric([gpu], s.health.pcie_replays)
+        for n in s.health.nvlinks:
+            if n.state != "unknown":
+                link_up.add_metric([gpu, str(n.link)], int(n.state in ("up", "sleep")))
+            if n.speed_mbps is not None:
+                link_speed.add_metric([gpu, str(n.link)], n.speed_mbps * 1e6)
+        for kind, count in s.health.nvlink_errors().items():
+            link_errors.add_metric([gpu, kind], count)
         if s.clock_event_reasons is not None:
             for name in REASON_NAMES:
                 active.add_metric([gpu, name], int(ClockEventReason[name] in s.clock_event_reasons))
@@ -153,6 +173,9 @@ def _gpu_metrics(snap: Snapshot) -> Iterator[Metric]:
         yield family
     yield energy
     yield replays
+    yield link_up
+    yield link_speed
+    yield link_errors
     yield active
     yield seconds
 
@@ -182,7 +205,7 @@ def _alert_metrics(snap: Snapshot) -> Iterator[Metric]:
     xid = CounterMetricFamily("gpuwarden_gpu_xid_errors", "Xid errors reported by NVML's event set",
                               labels=["gpu", "xid"])
     other = CounterMetricFamily("gpuwarden_gpu_events", "Other fatal GPU events (double-bit ECC, GPU unavailable, "
-                                "recovery action, DRAM retirement)", labels=["gpu", "kind"])
+                                "recovery action, DRAM retirement, poisoned memory)", labels=["gpu", "kind"])
     totals = CounterMetricFamily("gpuwarden_gpu_xids", "All Xid errors of this GPU (0 until one comes: a series "
                                  "to alert and graph on)", labels=["gpu"])
     for view in snap.gpus:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from .alerts import CRITICAL, FIRING, REAPPLY_ON, RULES, SERVING_RULES, WARNING, AlertState, GpuContext
 from .config import Config
 from .eventwatch import EventBook, processes_on
-from .gpu.base import ClockEventReason, GpuBackend, GpuSample
+from .gpu.base import NVLINK_ERRORS, ClockEventReason, GpuBackend, GpuSample
 from .systemd import NOTICE
 from .throttle import is_busy
 from .tuning import TuningLife
@@ -84,9 +84,10 @@ class Snapshot:
     def firing(self) -> list[AlertView]:
         return [a for a in self.alerts if a.firing]
 
-    def summary_line(self) -> str:
-        """One line for systemd's STATUS= and /status's "status", e.g.
-        `2 GPUs · locked 3090 MHz · GPU0 power_capped (-16%)`."""
+    def summary_line(self, numbers: bool = True) -> str:
+        """One line for /status's "status", e.g. `2 GPUs · locked 3090 MHz · GPU0 power_capped (-16%)`.
+        Without numbers, the state alone (`... · GPU0 power_capped`, tok/s left out), for systemd's STATUS=:
+        it changes when the state does, not with every poll's reading."""
         n = len(self.gpus)
         parts = [f"{n} GPU" + ("s" if n != 1 else "")]
         locks = sorted({v.sm_lock[1] for v in self.gpus if v.sm_lock})
@@ -97,21 +98,21 @@ class Snapshot:
         else:
             parts.append("clocks not locked")
         firing = sorted(self.firing(), key=lambda a: (a.severity != CRITICAL, a.gpu is not None, a.gpu or 0, a.alert))
-        shown = [(f"GPU{a.gpu} " if a.gpu is not None else "") + a.alert + (f" ({a.short})" if a.short else "")
-                 for a in firing[:3]]
+        shown = [(f"GPU{a.gpu} " if a.gpu is not None else "") + a.alert
+                 + (f" ({a.short})" if a.short and numbers else "") for a in firing[:3]]
         if len(firing) > 3:
             shown.append(f"+{len(firing) - 3} more")
         parts.append(", ".join(shown) if shown else "ok")
         if self.serving is not None:
-            parts.append(self._serving_part())
+            parts.append(self._serving_part(numbers))
         return " · ".join(parts)
 
-    def _serving_part(self) -> str:
+    def _serving_part(self, numbers: bool) -> str:
         s = self.serving
         model = s.model.rstrip("/").rsplit("/", 1)[-1]
         if s.state != "RUNNING":
             return f"{s.title} {s.state} ({model}, {s.profile})" + (f": {s.problem}" if s.problem else "")
-        rate = self.stats.generation_tokens_per_s if self.stats else None
+        rate = self.stats.generation_tokens_per_s if self.stats and numbers else None
         since = ""
         if s.started_at is not None:  # a clock time, not an age: the line changes when the engine does
             fmt = "%H:%M" if time.time() - s.started_at < 86400 else "%b %d %H:%M"
@@ -172,6 +173,36 @@ class DutyCycles:
         return {k: max(0.0, min(1.0, (last[k] - first[k]) / (t1 - t0))) for k in last if k in first}
 
 
+class LinkErrors:
+    """Per GPU, how much each NVLink link's error counters grew over a recent window, from the polls that read
+    the counters (so a rate is errors over the time between two real reads), and the links seen up."""
+
+    def __init__(self) -> None:
+        self._reads: dict[int, deque[tuple[float, dict[tuple[int, str], int]]]] = {}
+        self._growth: dict[int, tuple[dict[tuple[int, str], int], float]] = {}
+        self.seen_up: dict[int, frozenset[int]] = {}
+
+    def update(self, sample: GpuSample, now: float, window_s: float,
+               fresh: bool) -> tuple[dict[tuple[int, str], int], float]:
+        """({(link, kind): growth}, the seconds it spans); fresh: this poll read the counters. A counter that
+        went back (a driver reload) counts 0."""
+        links = sample.health.nvlinks
+        if not links:
+            return {}, 0.0
+        up = {n.link for n in links if n.state in ("up", "sleep")}
+        self.seen_up[sample.index] = self.seen_up.get(sample.index, frozenset()) | up
+        if fresh:
+            reads = self._reads.setdefault(sample.index, deque())
+            reads.append((now, {(n.link, kind): getattr(n, kind) for n in links for kind in NVLINK_ERRORS
+                                if getattr(n, kind) is not None}))
+            while len(reads) > 1 and now - reads[1][0] >= window_s:  # the base: the newest read a window old
+                reads.popleft()
+            (t0, first), (t1, last) = reads[0], reads[-1]
+            self._growth[sample.index] = ({key: max(0, n - first[key]) for key, n in last.items() if key in first},
+                                          t1 - t0)
+        return self._growth.get(sample.index, ({}, 0.0))
+
+
 @dataclass(frozen=True)
 class LagWindow:
     """How late the last polls started against their schedule: the loop's health in three numbers."""
@@ -210,8 +241,15 @@ class Monitor:
         self.snapshot: Snapshot | None = None
         self._lags: deque[float] = deque(maxlen=LAG_WINDOW)
         self.duty = DutyCycles()
+        self.link_errors = LinkErrors()
         self.events = EventBook(config.alerts.repeat_s)
         self._last_tick: float | None = None
+        self.polls = 0  # polls taken; the counters are read on every counters_every()-th, for all GPUs at once
+
+    def counters_every(self) -> int:
+        """Read the slow counters every this many polls: counters_interval_s on the poll schedule. (Each GPU
+        timing its own reads drifted with jitter: 10 or 11 polls apart, and on different polls per GPU.)"""
+        return max(1, round(self.config.counters_interval_s / self.config.poll_interval_s))
 
     def reconfigure(self, config: Config) -> None:
         """A reloaded config: its alert settings from the next poll on."""
@@ -224,7 +262,7 @@ class Monitor:
     def report_running_requests(self, count: int | None) -> None:
         self.running_requests = count
 
-    def _context(self, sample: GpuSample, now: float) -> GpuContext:
+    def _context(self, sample: GpuSample, now: float, fresh: bool) -> GpuContext:
         settings = self.config.alerts
         sm_lock, mem_lock = self.tuning.locks.get(sample.index, (None, None))
         busy = is_busy(sample, settings.busy_utilization_pct, self.running_requests)
@@ -234,10 +272,12 @@ class Monitor:
         wanted = (self.config.tuning.apply and not self.tuning.persistenced
                   and self.config.tuning.for_gpu(sample.index, sample.uuid).persistence_mode)
         window = max(DUTY_WINDOW_S, 3 * self.config.counters_interval_s)
+        growth, growth_s = self.link_errors.update(sample, now, window, fresh)
         return GpuContext(busy, sm_lock, mem_lock, wanted, settings, self.duty.update(sample, now, window), window,
                           self.duty.reasons_seen(sample, now, window),
                           tuple(self.events.recent_xids(sample.index, now)),
-                          self.events.needs_reset.get(sample.index))
+                          self.events.needs_reset.get(sample.index),
+                          self.link_errors.seen_up.get(sample.index, frozenset()), growth, growth_s)
 
     def record_events(self, events: list, now: float) -> list[tuple[int, str]]:
         """Log and count GPU events (eventwatch.EventBook); return (gpu, why) for those that ask for a reset
@@ -266,7 +306,9 @@ class Monitor:
         self._last_tick = now
         self._lags.append(loop_lag_s)
         started = time.perf_counter()
-        samples = [gpu.sample() for gpu in self.backend.gpus()]
+        counters = self.polls % self.counters_every() == 0
+        self.polls += 1
+        samples = [gpu.sample(counters) for gpu in self.backend.gpus()]
         duration = time.perf_counter() - started
         if now - self._last_sample_log >= self.config.log_interval_s:
             self._last_sample_log = now
@@ -274,7 +316,7 @@ class Monitor:
         for sample in samples:
             if self.tuning.gpu_answered(sample):  # back after being lost: reset or reloaded
                 self.events.cleared(sample.index)
-            ctx = self._context(sample, now)
+            ctx = self._context(sample, now, counters)
             for rule in RULES:
                 state = self.states[(rule.name, sample.index)]
                 event = state.step(rule.check(sample, ctx), now, self.config.alerts, restart_timers=stalled)

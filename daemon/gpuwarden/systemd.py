@@ -52,6 +52,8 @@ class JournalFormatter(logging.Formatter):
         return f"<{priority}>{super().format(record)}"
 
 
+# At most one STATUS= per this many seconds: a 1 s poll with a flapping alert sent 33 in 40 s.
+STATUS_MIN_INTERVAL_S = 5.0
 LOG_QUEUE_RECORDS = 10_000  # about a minute of the chattiest vLLM start-up
 
 
@@ -157,6 +159,7 @@ class Notifier:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) if self.enabled else None
         self.dropped = 0  # messages systemd's socket did not take at once
         self._status: str | None = None
+        self._status_at = float("-inf")  # monotonic seconds of the last STATUS= sent
         self.watchdog_interval_s: float | None = None
         usec, pid = env.get("WATCHDOG_USEC", ""), env.get("WATCHDOG_PID", "")
         if self.enabled and usec.isdigit() and int(usec) > 0 and (not pid or pid == str(os.getpid())):
@@ -171,13 +174,15 @@ class Notifier:
         except OSError:
             self.dropped += 1
 
-    def ready(self, status: str) -> None:
-        self._status = status
+    def ready(self, status: str, now: float) -> None:
+        self._status, self._status_at = status, now
         self._send(f"READY=1\nSTATUS={status}")
 
-    def status(self, status: str) -> None:
-        if status != self._status:  # send only changes
-            self._status = status
+    def status(self, status: str, now: float) -> None:
+        """Send a changed status, at most once per STATUS_MIN_INTERVAL_S: a state that flaps costs one
+        message per interval, and its last value is sent once the interval has passed (called every poll)."""
+        if status != self._status and now - self._status_at >= STATUS_MIN_INTERVAL_S:
+            self._status, self._status_at = status, now
             self._send(f"STATUS={status}")
 
     def watchdog(self, now: float) -> None:

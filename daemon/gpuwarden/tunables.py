@@ -23,8 +23,34 @@ MAX_MHZ = 100_000
 MAX_WATTS = 5_000
 POWER_TOLERANCE_W = 1.0
 
-# A clock setting: "max", an inclusive (min, max) MHz range, or None (leave alone).
+# A clock setting: "max", "auto" (max where the card needs it: clock_class), an inclusive (min, max) MHz range,
+# or None (leave alone).
 ClockTarget = Union[str, tuple[int, int], None]
+# NVML's brands (nvmlDeviceGetBrand): workstation and desktop cards, whose headless ones can sit at idle clocks
+# under load (the seeds' RTX PRO 4000: 180 MHz while serving), and datacenter ones, which boost by themselves.
+WORKSTATION_BRANDS = ("NVIDIA RTX", "Quadro RTX", "Quadro", "GeForce", "GeForce RTX", "Titan", "Titan RTX", "NVS")
+DATACENTER_BRANDS = ("Tesla", "NVIDIA")
+BUSY_PCT = 20.0  # as alerts.busy_utilization_pct's default: a card this busy at half its max clock idles low
+
+
+def clock_class(sample: GpuSample) -> tuple[bool, str]:
+    """Whether `gpu_clocks: auto` locks this card's GPU clock at its max, and why, from what the card reports:
+    busy yet at an idle clock with nothing holding it down (seen now), its compute capability, its brand and
+    form factor. A datacenter card (an H100 boosts to 1980 MHz by itself, and cannot hold it at 700 W
+    anyway) is left alone; so the plan does not pretend to fix what is not broken."""
+    b, top, sm = sample.board, sample.max_graphics_clock_mhz, sample.sm_clock_mhz
+    said = ", ".join(x for x in (b.brand, {"sxm": "SXM", "pcie": "PCIe"}.get(b.form_factor or ""),
+                                 f"default {b.default_graphics_clock_mhz} MHz" if b.default_graphics_clock_mhz
+                                 else "") if x)
+    if (sample.utilization_pct or 0) >= BUSY_PCT and sm and top and sm <= top / 2 and not held_down_by(sample):
+        return True, f"busy at {sm} MHz with no throttle reason: it idles low under load"
+    if (sample.compute_capability or "").startswith("12."):
+        return True, f"SM{sample.compute_capability} ({said or 'no brand'}): headless SM12x cards idle low under load"
+    if b.brand in WORKSTATION_BRANDS:
+        return True, f"a workstation card ({said}): headless ones can idle low under load"
+    if b.brand in DATACENTER_BRANDS or b.form_factor == "sxm":
+        return False, f"a datacenter card ({said}) boosts to {top} MHz by itself; a lock buys nothing"
+    return True, f"the card does not say its class ({said or 'no brand, no form factor'}): locked as a workstation card"
 
 
 @dataclass(frozen=True)
@@ -110,15 +136,25 @@ class PersistenceMode(Tunable):
         return "unreadable" if value is None else ("on" if value else "off")
 
 
+def persistenced_fix(state: str) -> str:
+    """The supported way to persistence mode from nvidia-persistenced's state ("stopped": installed, not
+    running; "absent"). NVML's setter is deprecated: on driver 580 it logs "NVRM: Persistence mode is
+    deprecated ... use nvidia-persistenced"."""
+    if state == "stopped":
+        return "`systemctl enable --now nvidia-persistenced`"
+    return ("install nvidia-persistenced (Debian: non-free; or NVIDIA's CUDA repository), then "
+            "`systemctl enable --now nvidia-persistenced`")
+
+
 class ClockLock(Tunable):
     """A locked clock range: GPU (SM) clocks or memory clocks. NVML cannot read a lock back, so it is
     verified by reading the clock, which a power or thermal reason may hold below the lock."""
 
-    def __init__(self, key: str, lock_of: str, title: str, default: ClockTarget):
-        self.key, self.lock_of, self.title, self.default = key, lock_of, title, default
+    def __init__(self, key: str, lock_of: str, title: str, default: ClockTarget, auto: bool = False):
+        self.key, self.lock_of, self.title, self.default, self.auto = key, lock_of, title, default, auto
 
     def parse(self, r, path, default):
-        return clock_target(r, path, default)
+        return clock_target(r, path, default, self.auto)
 
     def config_value(self, value):
         return list(value) if isinstance(value, tuple) else ("none" if value is None else value)
@@ -129,11 +165,17 @@ class ClockLock(Tunable):
     def plan(self, wanted, sample, caps, persistenced):
         if wanted is None:
             return None
+        note = ""
+        if wanted == "auto":
+            lock, why = clock_class(sample)
+            if not lock:
+                return Step(self._reading(sample), None, False, f"left unlocked: {why}")
+            wanted, note = "max", f"auto: {why}"
         if self.lock_of == "sm":
             supported = caps.graphics_clocks_mhz or tuple(c for c in (sample.max_graphics_clock_mhz,) if c)
         else:
             supported = caps.memory_clocks_mhz or tuple(c for c in (sample.max_memory_clock_mhz,) if c)
-        return Step(self._reading(sample), _clock_range(wanted, supported), True)
+        return Step(self._reading(sample), _clock_range(wanted, supported), True, note)
 
     def set(self, gpu, value):
         if self.lock_of == "sm":
@@ -194,7 +236,7 @@ class PowerLimit(Tunable):
         return "unreadable" if value is None else f"{value:g} W"
 
 
-TUNABLES: tuple[Tunable, ...] = (PersistenceMode(), ClockLock("gpu_clocks", "sm", "SM clock", "max"),
+TUNABLES: tuple[Tunable, ...] = (PersistenceMode(), ClockLock("gpu_clocks", "sm", "SM clock", "auto", auto=True),
                                  ClockLock("memory_clocks", "memory", "Memory clock", None), PowerLimit())
 BY_KEY = {t.key: t for t in TUNABLES}
 
@@ -203,16 +245,16 @@ def keys() -> tuple[str, ...]:
     return tuple(t.key for t in TUNABLES)
 
 
-def clock_target(r: Reader, path: Path_, default: ClockTarget) -> ClockTarget:
-    allowed = f"max, none, or [MIN_MHZ, MAX_MHZ] with 1 <= MIN <= MAX <= {MAX_MHZ}"
+def clock_target(r: Reader, path: Path_, default: ClockTarget, auto: bool = False) -> ClockTarget:
+    allowed = ("auto, " if auto else "") + f"max, none, or [MIN_MHZ, MAX_MHZ] with 1 <= MIN <= MAX <= {MAX_MHZ}"
     value = r.get(path)
     if value is MISSING:
         return default
     if value is None or (isinstance(value, str) and value.lower() in NONE_WORDS):
         return None
     if isinstance(value, str):
-        if value.lower() == "max":
-            return "max"
+        if value.lower() in (("max", "auto") if auto else ("max",)):
+            return value.lower()
         r.fail(path, f"'{value}' is not a clock setting", allowed)
         return default
     if not isinstance(value, list) or len(value) != 2:

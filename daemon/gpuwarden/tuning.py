@@ -20,7 +20,7 @@ from .gpu import errors
 from .gpu.base import Gpu, GpuBackend, GpuCapabilities, GpuSample
 from .originals import OriginalsStore
 from .systemd import NOTICE
-from .tunables import Step, Unfit
+from .tunables import Step, Unfit, persistenced_fix
 from .yamlfile import ConfigError, ConfigErrors
 
 log = logging.getLogger("gpuwarden")
@@ -87,7 +87,8 @@ def make_plan(backend: GpuBackend, config: Config) -> Plan:
     problems: list[ConfigError] = []
     per_gpu: dict[tuple, list[Gpu]] = {}  # the same problem on several GPUs is said once, naming them all
     _check_override_keys(config, gpus, problems)
-    persistenced = backend.persistenced_running()
+    state = backend.persistenced_state()
+    persistenced = state == "running"
     notes = ["nvidia-persistenced is running: it keeps the driver loaded, so gpuwarden leaves "
              "persistence mode to it"] if persistenced else []
     plans = []
@@ -100,6 +101,12 @@ def make_plan(backend: GpuBackend, config: Config) -> Plan:
         want = config.tuning.for_gpu(gpu.index, gpu.uuid)
         actions = _gpu_actions(config, gpu, want, sample, gpu.capabilities(), persistenced, per_gpu)
         plans.append(GpuPlan(gpu.index, gpu.uuid, gpu.name, tuple(actions)))
+    fallback = [a.gpu for g in plans for a in g.actions if a.setting == "persistence_mode" and a.change]
+    if fallback:  # said once: a daemon logs the plan's notes at start, not on a reload or a re-apply
+        where = "installed but not running" if state == "stopped" else "not installed"
+        notes.append(f"nvidia-persistenced is {where}: gpuwarden falls back to NVML's persistence-mode setter on "
+                     f"GPU {', '.join(map(str, fallback))}, which the driver deprecates (NVRM: Persistence mode is "
+                     f"deprecated); the supported way: {persistenced_fix(state)}")
     for (path, message, allowed), on in per_gpu.items():
         names = sorted({g.name for g in on})
         who = f"GPU {on[0].index} ({on[0].name}, {on[0].uuid})" if len(on) == 1 else \
@@ -294,7 +301,9 @@ class TuningLife:
         if config.tuning == old.tuning:
             return
         if old.tuning.apply:
-            kept = {(a.gpu, a.setting) for a in plan.actions} if config.tuning.apply else set()
+            # A setting the new plan leaves alone (gpu_clocks: auto on a datacenter card) is not kept either.
+            kept = {(a.gpu, a.setting) for a in plan.actions if a.target is not None} if config.tuning.apply \
+                else set()
             dropped = {(a.gpu, a.setting) for a in (self.plan.actions if self.plan else ())} - kept
             for outcome in self.tuner.restore(only=dropped):
                 (log.info if outcome.ok else log.error)("reload: no longer wanted, %s", outcome.describe())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -37,9 +38,44 @@ VIOLATION_POLICIES = {
     "reliability": 5,
 }
 
+# How two GPUs exchange peer traffic, from NVML's topology (gpu/nvml.py): over NVLink (direct, or through
+# NVSwitch), over the chip-to-chip link of a Grace superchip, or over PCIe through the nearest common ancestor
+# (nvmlGpuTopologyLevel_t: INTERNAL, SINGLE and MULTIPLE switches, HOSTBRIDGE, NODE, SYSTEM).
+PEER_PATHS = {"nvlink": "NVLink", "nvswitch": "NVLink through NVSwitch", "c2c": "C2C through the Grace CPUs",
+              "pcie_board": "PCIe on one board", "pcie_switch": "a PCIe switch", "host_bridge": "a PCIe host bridge",
+              "cpu": "PCIe through the CPU", "cpu_interconnect": "PCIe across CPU sockets"}
+OFF_PCIE = ("nvlink", "nvswitch", "c2c")  # peer paths that never cross PCIe, nor an IOMMU on it
+NVLINK_ERRORS = ("replay", "recovery", "crc")  # the data-link-layer counters `nvidia-smi nvlink -e` shows
+
+
+@dataclass(frozen=True)
+class NvLink:
+    """One NVLink link of a GPU, read with the counters. A counter the GPU does not report is None."""
+
+    link: int
+    # "up", "down", "sleep" (a low-power state it leaves on traffic), "off" (up, traffic disabled), "unknown"
+    # (unreadable this time: neither up nor down)
+    state: str
+    peer: str | None = None  # "GPU1", "NVSwitch", or the remote PCI bus id; None: unknown
+    speed_mbps: int | None = None  # MB/s per direction as NVML says (26562 on an H100)
+    replay: int | None = None  # cumulative since the driver loaded
+    recovery: int | None = None
+    crc: int | None = None  # flow-control-unit (flit) CRC errors
+
+
+@dataclass(frozen=True)
+class GpuBoard:
+    """What the card says it is, read once: the tuning's clock default follows it (tunables.clock_class)."""
+
+    brand: str | None = None  # NVML's brand: "NVIDIA RTX", "GeForce", "Tesla", "NVIDIA" (H100, B200), ...
+    form_factor: str | None = None  # "sxm" (a module on a baseboard), "pcie"; None: not reported
+    default_graphics_clock_mhz: int | None = None  # the default applications clock, where the card has one
+
+
 @dataclass(frozen=True)
 class GpuHealth:
-    """The PCIe link and the memory's health. None: this GPU does not report it (then nothing is said)."""
+    """The PCIe link, NVLink, the NVSwitch fabric and the memory's health. None (or no links): this GPU does
+    not report it (then nothing is said)."""
 
     pcie_generation: int | None = None
     pcie_generation_max: int | None = None  # what both the GPU and the slot support
@@ -53,6 +89,37 @@ class GpuHealth:
     remap_failure: bool | None = None  # a row could not be remapped: the card needs replacing
     retired_pages: int | None = None  # older GPUs (before Ampere) retire pages instead of remapping rows
     retire_pending: bool | None = None
+    nvlinks: tuple[NvLink, ...] = ()
+    # NVSwitch systems: the GPU's registration with the fabric manager (nvmlDeviceGetGpuFabricInfoV):
+    # "completed", "in_progress", "not_started"; None where the GPU has no fabric. A GPU whose fabric is not
+    # ready has no NVLink peers: tensor parallelism fails or falls back.
+    fabric: str | None = None
+    fabric_error: str | None = None  # a completed registration's failure, as nvmlErrorString says it
+
+    @property
+    def fabric_ready(self) -> bool | None:
+        if self.fabric is None:
+            return None
+        return self.fabric == "completed" and self.fabric_error is None
+
+    def nvlink_problems(self, seen_up: frozenset[int] = frozenset()) -> list[str]:
+        """Links down or slower than the GPU's fastest, e.g. ["link 3 down (to GPU1)", "link 5 at 13281 of
+        26562 MB/s"]. A link down counts where it knows its far end or was seen up (seen_up): one that never
+        was, with no far end, is not cabled (a bridge-less PCIe card). A sleeping link wakes on traffic."""
+        fastest = max((n.speed_mbps for n in self.nvlinks if n.state == "up" and n.speed_mbps), default=None)
+        out = []
+        for n in self.nvlinks:
+            if n.state in ("down", "off") and (n.peer or n.link in seen_up):
+                out.append(f"link {n.link} {'down' if n.state == 'down' else 'up with traffic disabled'}"
+                           + (f" (to {n.peer})" if n.peer else ""))
+            elif n.state == "up" and fastest and n.speed_mbps and n.speed_mbps < fastest:
+                out.append(f"link {n.link} at {n.speed_mbps} of {fastest} MB/s")
+        return out
+
+    def nvlink_errors(self) -> dict[str, int]:
+        """Each NVLink error counter summed over the links that report it."""
+        return {kind: sum(getattr(n, kind) for n in self.nvlinks if getattr(n, kind) is not None)
+                for kind in NVLINK_ERRORS if any(getattr(n, kind) is not None for n in self.nvlinks)}
 
     @property
     def link_degraded(self) -> bool:
@@ -111,7 +178,11 @@ class GpuSample:
     # them with the CUDA the engine was built for. None: not known (the simulator gives the driver only).
     driver_version: str | None = None
     cuda_driver_version: str | None = None
-    health: GpuHealth = field(default_factory=GpuHealth)  # the link and memory, read at counters_interval_s
+    health: GpuHealth = field(default_factory=GpuHealth)  # the links and memory, read with the counters
+    board: GpuBoard = field(default_factory=GpuBoard)
+    # How this GPU reaches each other GPU of the host (index -> a key of PEER_PATHS), read once per backend.
+    peer_paths: Mapping[int, str] = field(default_factory=dict)
+    iommu: str | None = None  # the host's IOMMU (gpu/iommu.py): off, passthrough, translating; read once
     error: str | None = None  # why the GPU is down, when up is False
 
     @property
@@ -127,7 +198,9 @@ class GpuSample:
         reasons = self.clock_event_reasons
         out["clock_event_reasons"] = None if reasons is None else reasons.names()
         out["memory_bandwidth_bytes_per_s"] = self.memory_bandwidth_bytes_per_s
-        out["health"] = {name: getattr(self.health, name) for name in self.health.__dataclass_fields__}
+        out["health"] = dataclasses.asdict(self.health)
+        out["board"] = dataclasses.asdict(self.board)
+        out["peer_paths"] = {str(k): v for k, v in self.peer_paths.items()}
         return out
 
 
@@ -151,7 +224,10 @@ class Gpu(ABC):
     pci_bus_id: str
 
     @abstractmethod
-    def sample(self) -> GpuSample: ...
+    def sample(self, counters: bool | None = None) -> GpuSample:
+        """counters: read the slow counters (energy, violations, the links' and memory's health) now (True),
+        keep the last reading (False), or None: when counters_interval_s has passed for this GPU. The first
+        sample always reads them. The monitor decides for all GPUs at once, on the poll schedule."""
 
     @abstractmethod
     def capabilities(self) -> GpuCapabilities: ...
@@ -189,7 +265,11 @@ class GpuBackend(ABC):
     def driver_version(self) -> str | None: ...
 
     @abstractmethod
-    def persistenced_running(self) -> bool: ...
+    def persistenced_state(self) -> str:
+        """nvidia-persistenced: "running", "stopped" (installed, not running) or "absent"."""
+
+    def persistenced_running(self) -> bool:
+        return self.persistenced_state() == "running"
 
     def events(self) -> Any:
         """A source of GPU events (gpu/events.py: wait(timeout_s) -> [GpuEvent], close(), registered), or None

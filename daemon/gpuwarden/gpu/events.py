@@ -1,5 +1,6 @@
 """GPU events as they happen: Xid errors, double-bit ECC, a GPU that became unavailable, the driver's recovery
-action, DRAM retirement. A source is waited on by one thread (events.EventWatcher); nothing here logs.
+action, DRAM retirement, poisoned memory (contained or not). A source is waited on by one thread
+(events.EventWatcher); nothing here logs.
 
 NVML: one event set, each GPU registered for the kinds it supports (nvmlDeviceGetSupportedEventTypes), then
 nvmlEventSetWait_v2 with a timeout, so the waiting thread can notice a stop.
@@ -16,11 +17,16 @@ XID = 0x8
 DOUBLE_BIT_ECC = 0x2
 DRAM_RETIREMENT = 0x400
 DRAM_RETIREMENT_FAILURE = 0x800
+# nvmlEventTypeNonFatalPoisonError, nvmlEventTypeFatalPoisonError (pynvml): an uncorrectable error in memory
+# that the GPU contained (the process that read it ends, the rest runs on), or could not contain.
+NONFATAL_POISON = 0x1000
+FATAL_POISON = 0x2000
 GPU_UNAVAILABLE = 0x4000
 RECOVERY_ACTION = 0x8000
 KINDS = {XID: "xid", DOUBLE_BIT_ECC: "double_bit_ecc", GPU_UNAVAILABLE: "gpu_unavailable",
          RECOVERY_ACTION: "recovery_action", DRAM_RETIREMENT: "dram_retirement",
-         DRAM_RETIREMENT_FAILURE: "dram_retirement_failure"}
+         DRAM_RETIREMENT_FAILURE: "dram_retirement_failure", NONFATAL_POISON: "nonfatal_poison",
+         FATAL_POISON: "fatal_poison"}
 WANTED = sum(KINDS)
 NVML_ERROR_TIMEOUT = 10
 # nvmlDeviceGpuRecoveryAction_t: what the driver says must happen next (Xid 154's "recovery action").

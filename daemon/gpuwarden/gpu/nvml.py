@@ -8,16 +8,20 @@ marks the GPU down until NVML can be re-initialised and finds it again.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
 import sys
 import time
+from itertools import combinations
 from pathlib import Path
 from typing import Any
 from collections.abc import Callable
 
 from . import errors
-from .base import VIOLATION_POLICIES, ClockEventReason, Gpu, GpuBackend, GpuCapabilities, GpuHealth, GpuSample
+from .base import (NVLINK_ERRORS, VIOLATION_POLICIES, ClockEventReason, Gpu, GpuBackend, GpuBoard, GpuCapabilities,
+                   GpuHealth, GpuSample, NvLink)
 from .events import NvmlEvents
+from .iommu import iommu_state
 from .sysmem import system_memory
 
 CLOCK_GRAPHICS, CLOCK_SM, CLOCK_MEM = 0, 1, 2
@@ -35,6 +39,24 @@ COUNTER_FIELDS = {
     "ecc_uncorrected": 4,  # ECC_DBE_VOL_TOTAL
     "remapped_cor": 142, "remapped_unc": 143, "remap_pending": 144, "remap_failure": 145,  # REMAPPED_*
 }
+# NVLink, per link: one field each, with the link as its scope (pynvml takes (field id, scope id) pairs):
+# NVML_FI_DEV_NVLINK_ERROR_DL_REPLAY 161, _DL_RECOVERY 162, _DL_CRC 163, NVML_FI_DEV_NVLINK_GET_SPEED 164 (MB/s),
+# NVML_FI_DEV_NVLINK_GET_STATE 165. The _COUNT_TOTAL fields (38, 45, 52, 59) answer NOT_SUPPORTED on an H100
+# with driver 580, where these answer. Where they do not, nvmlDeviceGetNvLinkState and
+# nvmlDeviceGetNvLinkErrorCounter (NVML_NVLINK_ERROR_DL_REPLAY 0, _RECOVERY 1, _CRC_FLIT 2) are asked per link.
+# On that H100 the three error fields cost ~0.75 ms per link each (16.5 ms for 18 links in one batch), state
+# and speed 0.02 ms: so they are read with the counters, every counters_interval_s (benchmarks/RESULTS.md 14).
+NVLINK_FIELDS = {"replay": 161, "recovery": 162, "crc": 163, "speed": 164, "state": 165}
+NVLINK_COUNTERS = {"replay": 0, "recovery": 1, "crc": 2}
+NVLINK_STATES = {0: "down", 1: "up", 2: "sleep", 3: "off"}  # NVML_NVLINK_STATE_INACTIVE, ACTIVE, SLEEP, ..._DISABLED
+NVLINK_SWITCH = 2  # NVML_NVLINK_DEVICE_TYPE_SWITCH (nvmlDeviceGetNvLinkRemoteDeviceType)
+MAX_NVLINKS = 36  # NVML_NVLINK_MAX_LINKS
+FABRIC_STATES = {1: "not_started", 2: "in_progress", 3: "completed"}  # NVML_GPU_FABRIC_STATE_*; 0: no fabric
+# nvmlDeviceGetTopologyCommonAncestor's level (nvmlGpuTopologyLevel_t) -> base.PEER_PATHS
+TOPOLOGY = {0: "pcie_board", 10: "pcie_switch", 20: "pcie_switch", 30: "host_bridge", 40: "cpu", 50: "cpu_interconnect"}
+P2P_NVLINK, P2P_OK = 2, 0  # NVML_P2P_CAPS_INDEX_NVLINK, NVML_P2P_STATUS_OK
+BRANDS = {1: "Quadro", 2: "Tesla", 3: "NVS", 5: "GeForce", 6: "Titan", 12: "Quadro RTX", 13: "NVIDIA RTX",
+          14: "NVIDIA", 15: "GeForce RTX", 16: "Titan RTX"}  # nvmlBrandType_t (NVML_BRAND_*)
 VALUE_FIELDS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")  # by nvmlValueType_t
 TEMPERATURE_GPU = 0
 FUNCTION_NOT_FOUND = 13
@@ -43,6 +65,32 @@ REINIT_INTERVAL_S = 5.0  # how often to retry NVML while a GPU is lost
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _bus(bus_id: str) -> str:
+    """A PCI bus id in one spelling: NVML gives "00000000:18:00.0" here and "0000:18:00.0" there."""
+    parts = bus_id.strip().lower().split(":")
+    if len(parts) == 3 and all(parts):
+        try:
+            return f"{int(parts[0], 16):04x}:{parts[1]}:{parts[2]}"
+        except ValueError:
+            pass
+    return bus_id.strip().lower()
+
+
+# Where nvidia-persistenced is found when it is installed but not running (Debian's non-free package, NVIDIA's
+# CUDA repository, the .run installer).
+PERSISTENCED_FILES = ("/usr/bin/nvidia-persistenced", "/usr/sbin/nvidia-persistenced",
+                      "/lib/systemd/system/nvidia-persistenced.service",
+                      "/usr/lib/systemd/system/nvidia-persistenced.service",
+                      "/etc/systemd/system/nvidia-persistenced.service")
+
+
+def persistenced_state(proc_root: str = "/proc", files: tuple[str, ...] = PERSISTENCED_FILES) -> str:
+    """nvidia-persistenced: "running", "stopped" (installed) or "absent"."""
+    if persistenced_pids(proc_root):
+        return "running"
+    return "stopped" if any(Path(f).exists() for f in files) else "absent"
 
 
 def persistenced_pids(proc_root: str = "/proc") -> list[int]:
@@ -69,6 +117,7 @@ class NvmlBackend(GpuBackend):
         self._last_reinit = float("-inf")
         self._init()
         self.driver = (self.driver_version(), self.cuda_driver_version())  # read once: the same for every GPU
+        self.iommu = iommu_state()
         handles = []
         for i in range(self._call(self.nvml.nvmlDeviceGetCount)):
             handle = self._call(self.nvml.nvmlDeviceGetHandleByIndex, i)
@@ -79,6 +128,23 @@ class NvmlBackend(GpuBackend):
             handles.append((bus, handle))
         handles.sort(key=lambda pair: pair[0])  # PCI order = CUDA_DEVICE_ORDER=PCI_BUS_ID
         self._gpus = [NvmlGpu(self, index, handle) for index, (_, handle) in enumerate(handles)]
+        self._read_topology()
+
+    def _read_topology(self) -> None:
+        """How each pair of GPUs talks, read once (and after a re-init): NVLink where a link joins them, directly
+        or both through NVSwitch (or NVML's NVLink peer-to-peer status says so); C2C where both are Grace
+        superchips' GPUs; else PCIe through their nearest common ancestor. A pair NVML cannot place is left out
+        (unknown), never guessed."""
+        names = {_bus(g.pci_bus_id): f"GPU{g.index}" for g in self._gpus}
+        for gpu in self._gpus:
+            gpu.peer_names, gpu.peer_paths = names, {}
+        for a, b in combinations([g for g in self._gpus if g.up], 2):
+            try:
+                kind = a.path_to(b)
+            except errors.GpuLost:
+                continue  # it reports itself down; its pairs are unknown until it is back
+            if kind is not None:
+                a.peer_paths[b.index] = b.peer_paths[a.index] = kind
 
     def _init(self) -> None:
         self._call(self.nvml.nvmlInit)
@@ -118,8 +184,8 @@ class NvmlBackend(GpuBackend):
             return None
         return f"{version // 1000}.{version % 1000 // 10}" if isinstance(version, int) and version > 0 else None
 
-    def persistenced_running(self) -> bool:
-        return bool(persistenced_pids(self.proc_root))
+    def persistenced_state(self) -> str:
+        return persistenced_state(self.proc_root)
 
     def reinit(self) -> bool:
         """Restart NVML and re-find every GPU by UUID; rate-limited."""
@@ -138,6 +204,7 @@ class NvmlBackend(GpuBackend):
         self.driver = (self.driver_version(), self.cuda_driver_version())  # a reload may bring another driver
         for gpu in self._gpus:
             gpu.refind()
+        self._read_topology()
         return True
 
     def close(self) -> None:
@@ -180,6 +247,13 @@ class NvmlGpu(Gpu):
         self.compute_capability = None
         self.memory_bus_width_bits, self.max_clocks = None, dict.fromkeys((CLOCK_SM, CLOCK_MEM, CLOCK_GRAPHICS))
         self.memory_unified = False  # NVML has no memory for it: the system's is reported (gpu/sysmem.py)
+        self.board = GpuBoard()
+        self.links: tuple[int, ...] = ()  # its NVLink links, found once
+        self.remote: dict[int, tuple[str, int | None]] = {}  # link -> (the far end's PCI bus, device type)
+        self.c2c = False  # a Grace superchip's GPU, joined to its CPU by C2C
+        self.peer_names: dict[str, str] = {}  # PCI bus -> "GPU1": the backend's GPUs, to name a link's far end
+        self.peer_paths: dict[int, str] = {}
+        self._dead_fields: set = set()  # batched fields that answered NOT_SUPPORTED: not asked for again
         try:
             self._read_identity()
             self._read_static()
@@ -199,11 +273,47 @@ class NvmlGpu(Gpu):
         self.memory_bus_width_bits = self._read("nvmlDeviceGetMemoryBusWidth")
         self.max_clocks = {clock: self._read("nvmlDeviceGetMaxClockInfo", clock)
                            for clock in (CLOCK_SM, CLOCK_MEM, CLOCK_GRAPHICS)}
+        brand, module = self._read("nvmlDeviceGetBrand"), self._read("nvmlDeviceGetModuleId")
+        self.board = GpuBoard(BRANDS.get(brand, f"brand {brand}") if brand is not None else None,
+                              # a module on a baseboard (SXM) has an id; a PCIe card answers 0
+                              None if module is None else "sxm" if module > 0 else "pcie",
+                              self._read("nvmlDeviceGetDefaultApplicationsClock", CLOCK_GRAPHICS))
+        c2c = self._read("nvmlDeviceGetC2cModeInfoV")
+        self.c2c = bool(getattr(c2c, "isC2cEnabled", 0))
+        # A GPU without NVLink answers NOT_SUPPORTED for every link; one with it answers a state for each of
+        # its links (0 for one that is down), and an error past the last.
+        self.links = tuple(link for link in range(MAX_NVLINKS) if self._read("nvmlDeviceGetNvLinkState", link)
+                           is not None)
+        self.remote = {}
+        for link in self.links:
+            self._find_remote(link)
+
+    def _find_remote(self, link: int) -> None:
+        """The far end of a link, as long as it is up enough to say."""
+        pci = self._read("nvmlDeviceGetNvLinkRemotePciInfo", link)
+        if pci is not None:
+            self.remote[link] = (_bus(_text(pci.busId)), self._read("nvmlDeviceGetNvLinkRemoteDeviceType", link))
+
+    def path_to(self, other: NvmlGpu) -> str | None:
+        """How this GPU reaches other (a key of base.PEER_PATHS), or None when NVML cannot say."""
+        theirs = _bus(other.pci_bus_id)
+        if any(bus == theirs for bus, _ in self.remote.values()):
+            return "nvlink"
+        switched = lambda g: any(kind == NVLINK_SWITCH for _, kind in g.remote.values())  # noqa: E731
+        if switched(self) and switched(other):
+            return "nvswitch"
+        if self._read("nvmlDeviceGetP2PStatus", other.handle, P2P_NVLINK) == P2P_OK:
+            return "nvlink"
+        if self.c2c and other.c2c:
+            return "c2c"
+        return TOPOLOGY.get(self._read("nvmlDeviceGetTopologyCommonAncestor", other.handle))
 
     # -- the seam ---------------------------------------------------------------
     def _read(self, fn_name: str, *args: Any) -> Any:
         """One NVML read: None if unsupported or failing; GpuLost propagates."""
-        key = (fn_name, args)
+        # A handle or a ctypes reference stands for its kind: a call NOT_SUPPORTED for one peer or one buffer
+        # is so for all of them.
+        key = (fn_name, tuple(a if isinstance(a, (int, str, tuple)) else type(a).__name__ for a in args))
         if key in self._unsupported:
             return None
         fn = getattr(self.nvml, fn_name, None)
@@ -236,12 +346,12 @@ class NvmlGpu(Gpu):
             raise cls(f"GPU {self.index} ({self.uuid}): {what} {hint} ({cls.nvml_name})") from None
 
     # -- reading ----------------------------------------------------------------
-    def sample(self) -> GpuSample:
+    def sample(self, counters: bool | None = None) -> GpuSample:
         now = self.backend.clock()
         if not self.up and not (self.backend.reinit() and self.up):
             return self._down(now)
         try:
-            return self._sample(now)
+            return self._sample(now, counters)
         except errors.GpuLost as exc:
             self.up, self.down_reason = False, str(exc)
             return self._down(now)
@@ -261,9 +371,10 @@ class NvmlGpu(Gpu):
             return
         self.up, self.down_reason = True, None
 
-    def _sample(self, now: float) -> GpuSample:
+    def _sample(self, now: float, counters: bool | None) -> GpuSample:
         r = self._read
-        if now - self._counters_at >= self.backend.counters_interval_s:
+        due = now - self._counters_at >= self.backend.counters_interval_s if counters is None else counters
+        if due or self._counters_at == float("-inf"):
             self._read_counters()
             self._counters_at = now
         power_mw = r("nvmlDeviceGetPowerUsage")
@@ -302,6 +413,9 @@ class NvmlGpu(Gpu):
             driver_version=self.backend.driver[0],
             cuda_driver_version=self.backend.driver[1],
             health=self._health,
+            board=self.board,
+            peer_paths=dict(self.peer_paths),
+            iommu=self.backend.iommu,
         )
 
     def _memory(self) -> tuple[int | None, int | None, int | None]:
@@ -328,19 +442,23 @@ class NvmlGpu(Gpu):
             value = self._read("nvmlDeviceGetCurrentClocksThrottleReasons")
         return ClockEventReason(value) if value is not None else None
 
-    def _fields(self, wanted: dict[str, int]) -> dict[str, float]:
-        """wanted's fields in one nvmlDeviceGetFieldValues call, by name; a field that this GPU or driver
-        does not support is left out (the caller reads it the old way), and so is everything when the call
-        itself is missing or batching is off (NvmlBackend.batched)."""
+    def _fields(self, wanted: dict[str, int | tuple[int, int]]) -> dict[str, float]:
+        """wanted's fields (an id, or (id, scope) for a per-link one) in one nvmlDeviceGetFieldValues call, by
+        name; a field that this GPU or driver does not support is left out (the caller reads it the old way,
+        and it is not asked for again), and so is everything when the call itself is missing or batching is
+        off (NvmlBackend.batched)."""
         if not self.backend.batched:
             return {}
+        wanted = {name: field for name, field in wanted.items() if field not in self._dead_fields}
         values = self._read("nvmlDeviceGetFieldValues", tuple(wanted.values()))
         if values is None:
             return {}
         out = {}
-        for name, value in zip(wanted, values, strict=False):
+        for (name, field), value in zip(wanted.items(), values, strict=False):
             if value.nvmlReturn == 0 and 0 <= value.valueType < len(VALUE_FIELDS):
                 out[name] = getattr(value.value, VALUE_FIELDS[value.valueType])
+            elif value.nvmlReturn == errors.NotSupported.nvml_code:
+                self._dead_fields.add(field)
         return out
 
     def _field_or_read(self, fields: dict[str, float], name: str, fn_name: str, *args: Any) -> Any:
@@ -351,7 +469,9 @@ class NvmlGpu(Gpu):
         """The slow cumulative counters (energy ~4 ms, violations ~0.8 ms each as single calls), the power
         limits, and the link and memory health, which change seldom: every counters_interval_s, not every
         poll, and as many as the driver allows in one batched call."""
-        fields = self._fields(COUNTER_FIELDS)
+        per_link = {f"nvlink:{link}:{kind}": (field, link)
+                    for link in self.links for kind, field in NVLINK_FIELDS.items()}
+        fields = self._fields({**COUNTER_FIELDS, **per_link})
         self._energy = _scaled(self._field_or_read(fields, "energy_mj", "nvmlDeviceGetTotalEnergyConsumption"), 1e-3)
         for name, policy in VIOLATION_POLICIES.items():
             ns = fields.get(f"violation_ns:{name}")
@@ -391,7 +511,47 @@ class NvmlGpu(Gpu):
             remap_failure=bool(rows[3]) if rows else None,
             retired_pages=retired,
             retire_pending=bool(pending) if pending is not None else None,
+            nvlinks=tuple(self._nvlink(link, fields) for link in self.links),
+            **self._fabric(),
         )
+
+    def _nvlink(self, link: int, fields: dict[str, float]) -> NvLink:
+        """One link's state and error counters: from the batch, else asked one by one."""
+        state = fields.get(f"nvlink:{link}:state")
+        if state is None:
+            active = self._read("nvmlDeviceGetNvLinkState", link)
+            state = None if active is None else int(bool(active))
+        # A link NVML did not answer for this time is not a link down: no alert on a failed read.
+        state_name = NVLINK_STATES.get(int(state), "unknown") if state is not None else "unknown"
+        if link not in self.remote and state_name == "up":
+            self._find_remote(link)  # it came up since: now it can say where it goes
+        bus, kind = self.remote.get(link, (None, None))
+        peer = self.peer_names.get(bus) or ("NVSwitch" if kind == NVLINK_SWITCH else bus)
+        counts = {}
+        for name in NVLINK_ERRORS:
+            value = fields.get(f"nvlink:{link}:{name}")
+            if value is None:
+                value = self._read("nvmlDeviceGetNvLinkErrorCounter", link, NVLINK_COUNTERS[name])
+            counts[name] = int(value) if value is not None else None
+        speed = fields.get(f"nvlink:{link}:speed")
+        return NvLink(link, state_name, peer, int(speed) if speed else None, **counts)
+
+    def _fabric(self) -> dict:
+        """The NVSwitch fabric's state through the versioned call (the old nvmlDeviceGetGpuFabricInfo answered
+        state 0 on an H100 whose nvidia-smi -q said Completed): {} where there is no fabric."""
+        struct = getattr(self.nvml, "c_nvmlGpuFabricInfoV_t", None)
+        if struct is None:
+            return {}
+        info = struct()
+        if self._read("nvmlDeviceGetGpuFabricInfoV", ctypes.byref(info)) is None:
+            return {}
+        state = FABRIC_STATES.get(int(info.state))
+        if state is None:
+            return {}
+        error = None
+        if state == "completed" and int(info.status) != 0:
+            error = _error_name(self.nvml, int(info.status))
+        return {"fabric": state, "fabric_error": error}
 
     def compute_processes(self) -> list[tuple[int, int | None]]:
         try:
@@ -433,6 +593,13 @@ class NvmlGpu(Gpu):
     def set_power_limit_w(self, watts: float) -> None:
         self._set(f"setting the power limit to {watts:g} W", "nvmlDeviceSetPowerManagementLimit",
                   int(round(watts * 1000)))
+
+
+def _error_name(nvml: Any, code: int) -> str:
+    try:
+        return _text(nvml.nvmlErrorString(code))
+    except (AttributeError, nvml.NVMLError):  # an old pynvml, or a code the library does not know
+        return f"NVML error {code}"
 
 
 def _scaled(value: float | None, factor: float) -> float | None:

@@ -14,7 +14,8 @@ from collections.abc import Callable
 
 from .. import errors
 from ..base import ClockEventReason as R
-from ..base import VIOLATION_POLICIES, Gpu, GpuBackend, GpuCapabilities, GpuHealth, GpuSample
+from ..base import (NVLINK_ERRORS, VIOLATION_POLICIES, Gpu, GpuBackend, GpuBoard, GpuCapabilities, GpuHealth,
+                    GpuSample, NvLink)
 from ..events import GpuEvent
 from .scenario import PCIE_MAX, Event, GpuModel, Scenario
 
@@ -67,7 +68,7 @@ class SimBackend(GpuBackend):
     def driver_version(self) -> str | None:
         return self.scenario.driver_version
 
-    def persistenced_running(self) -> bool:
+    def persistenced_state(self) -> str:
         return self.scenario.nvidia_persistenced
 
     def advance(self) -> None:
@@ -106,6 +107,7 @@ class SimGpu(Gpu):
         self.ecc_uncorrected = 0
         self.remap_failure = False
         self.pcie_replays = 0.0
+        self.nvlink_errors = {link: dict.fromkeys(NVLINK_ERRORS, 0.0) for link in range(model.nvlinks)}
         self._reset_driver_state()
 
     def _reset_driver_state(self) -> None:
@@ -117,8 +119,10 @@ class SimGpu(Gpu):
 
     # -- timeline ---------------------------------------------------------------
     def apply(self, event: Event) -> None:
+        # One condition of a kind per GPU, except on NVLink, where each link has its own.
+        key = f"{event.kind}:{int(event.params['link'])}" if "link" in event.params else event.kind
         if event.ends:
-            self.conditions.pop(event.kind, None)
+            self.conditions.pop(key, None)
             if event.kind == "gpu_lost":
                 self.lost = False
                 self._reset_driver_state()  # it comes back through a driver re-probe
@@ -137,7 +141,20 @@ class SimGpu(Gpu):
         elif event.kind in ("xid", "recovery_action"):
             pass  # SimEvents hands these to the event thread, as NVML's event set does
         else:
-            self.conditions[event.kind] = dict(event.params)
+            self.conditions[key] = dict(event.params)
+
+    def _nvlinks(self) -> tuple[NvLink, ...]:
+        """Links spread over the other GPUs in turn (all-to-all), or all to NVSwitch."""
+        m, scenario = self.model, self.backend.scenario
+        others = [f"GPU{i}" for i in range(len(scenario.gpus)) if i != self.index]
+        links = []
+        for link in range(m.nvlinks):
+            fault = self.conditions.get(f"nvlink_fault:{link}")
+            peer = "NVSwitch" if scenario.topology == "nvswitch" else others[link % len(others)] if others else None
+            speed = int(fault["speed_mbps"]) if fault and "speed_mbps" in fault else m.nvlink_speed_mbps
+            errors = {k: int(v) for k, v in self.nvlink_errors[link].items()}
+            links.append(NvLink(link, "down" if fault and "speed_mbps" not in fault else "up", peer, speed, **errors))
+        return tuple(links)
 
     def _health(self) -> GpuHealth:
         ns = self.model.not_supported
@@ -151,7 +168,10 @@ class SimGpu(Gpu):
             ecc_uncorrected=self.ecc_uncorrected, remapped_rows_correctable=0,
             remapped_rows_uncorrectable=int(self.ecc_uncorrected > 0),
             remap_pending="row_remap_pending" in self.conditions, remap_failure=self.remap_failure)
-        return GpuHealth(**pcie, **memory)
+        fabric = {}
+        if self.backend.scenario.topology == "nvswitch":
+            fabric = {"fabric": "in_progress" if "fabric_not_ready" in self.conditions else "completed"}
+        return GpuHealth(**pcie, **memory, nvlinks=self._nvlinks(), **fabric)
 
     def integrate(self, dt: float) -> None:
         if self.lost:
@@ -160,6 +180,10 @@ class SimGpu(Gpu):
         self.energy_j += power * dt
         if "pcie_link" in self.conditions and self.utilization:
             self.pcie_replays += 10 * dt  # a link that trains down under load retries
+        for link, counts in self.nvlink_errors.items():
+            rates = self.conditions.get(f"nvlink_errors:{link}", {})
+            for kind in NVLINK_ERRORS:
+                counts[kind] += rates.get(f"{kind}_per_s", 0) * dt
         for reason, counter in VIOLATION_OF.items():
             if reason in reasons:
                 self.violations[counter] += dt
@@ -213,8 +237,8 @@ class SimGpu(Gpu):
         return sm, mem, power, temp, reasons
 
     # -- Gpu interface ----------------------------------------------------------
-    def sample(self) -> GpuSample:
-        self.backend.advance()
+    def sample(self, counters: bool | None = None) -> GpuSample:
+        self.backend.advance()  # the simulated counters integrate continuously: there is nothing to schedule
         now = self.backend.clock()
         if self.lost:
             return GpuSample(self.index, self.uuid, self.name, self.pci_bus_id, self.model.compute_capability,
@@ -251,6 +275,10 @@ class SimGpu(Gpu):
             else dict.fromkeys(self.violations),
             energy_joules=self.energy_j if "energy" not in ns else None,
             memory_bus_width_bits=m.memory_bus_width_bits,
+            board=GpuBoard(m.brand, m.form_factor),
+            peer_paths={i: self.backend.scenario.topology for i in range(len(self.backend.scenario.gpus))
+                        if i != self.index},
+            iommu=self.backend.scenario.iommu,
         )
 
     def compute_processes(self) -> list[tuple[int, int | None]]:

@@ -13,11 +13,16 @@ from collections.abc import Mapping
 
 from ... import yamlfile
 from ...schema import MISSING, Reader, type_name
+from ..base import PEER_PATHS
 
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "scenarios"
 
 NOT_SUPPORTED_CHOICES = ("memory_info", "power_limit", "memory_locked_clocks", "persistence_mode",
                          "energy", "violation_counters", "clock_event_reasons", "pcie", "memory_errors")
+BRAND_CHOICES = ("NVIDIA RTX", "Quadro RTX", "Quadro", "GeForce", "GeForce RTX", "Titan", "Tesla", "NVIDIA")
+TOPOLOGY_CHOICES = tuple(PEER_PATHS)
+PERSISTENCED_CHOICES = ("running", "stopped", "absent")  # true and false mean running and absent
+IOMMU_CHOICES = ("off", "passthrough", "translating")
 
 # Event kind -> {parameter: (required, low, high)}; numbers only, except `hardware`.
 EVENT_PARAMS: dict[str, dict[str, tuple[bool, float, float]]] = {
@@ -36,10 +41,16 @@ EVENT_PARAMS: dict[str, dict[str, tuple[bool, float, float]]] = {
     "row_remap_failure": {},
     "xid": {"xid": (True, 1, 1_000), "count": (False, 1, 100_000)},  # as NVML's event set reports them
     "recovery_action": {"action": (True, 0, 4)},
+    # NVLink: a link goes down (or, with speed_mbps, retrains slower); error counters grow at these rates
+    "nvlink_fault": {"link": (True, 0, 35), "speed_mbps": (False, 1, 1_000_000)},
+    "nvlink_errors": {"link": (True, 0, 35), "replay_per_s": (False, 0, 1e6), "recovery_per_s": (False, 0, 1e6),
+                      "crc_per_s": (False, 0, 1e6)},
+    "fabric_not_ready": {},  # the NVSwitch fabric's registration is in progress (the fabric manager is down)
 }
 # Events that describe a condition with a start and (optionally) an end.
 CONDITIONS = ("clock_collapse", "power_cap", "thermal_slowdown", "hw_thermal_slowdown",
-              "hw_slowdown", "power_brake", "gpu_lost", "pcie_link", "row_remap_pending")
+              "hw_slowdown", "power_brake", "gpu_lost", "pcie_link", "row_remap_pending", "nvlink_fault",
+              "nvlink_errors", "fabric_not_ready")
 PCIE_MAX = (5, 16)  # every simulated card sits in a Gen5 x16 slot
 
 
@@ -64,6 +75,10 @@ class GpuModel:
     idle_temperature_c: float
     celsius_per_watt: float
     not_supported: frozenset[str] = frozenset()
+    brand: str | None = None
+    form_factor: str | None = None
+    nvlinks: int = 0  # NVLink links, each at nvlink_speed_mbps
+    nvlink_speed_mbps: int = 0
 
     @property
     def graphics_clocks_mhz(self) -> tuple[int, ...]:
@@ -87,10 +102,12 @@ class Scenario:
     description: str
     file: str
     as_root: bool
-    nvidia_persistenced: bool
+    nvidia_persistenced: str  # running, stopped (installed) or absent
     driver_version: str
     gpus: tuple[GpuModel, ...]
     events: tuple[Event, ...]  # sorted by time; condition ends included
+    topology: str = "host_bridge"  # how every pair of GPUs talks: a key of gpu.base.PEER_PATHS
+    iommu: str = "off"
 
 
 def builtin_scenarios() -> list[str]:
@@ -120,31 +137,41 @@ def load_scenario(path: str | Path) -> Scenario:
         raise yamlfile.ConfigError(doc.file, 1, "(top level)",
                                    f"expected a scenario mapping, got {type_name(doc.value)}")
     r = Reader(doc)
-    r.mapping((), ("name", "description", "as_root", "nvidia_persistenced", "driver_version",
+    r.mapping((), ("name", "description", "as_root", "nvidia_persistenced", "driver_version", "topology", "iommu",
                    "gpus", "timeline"), required=("name", "gpus"))
     models: list[GpuModel] = []
     for i, _ in enumerate(r.sequence(("gpus",))):
         models.extend(_gpu_models(r, ("gpus", str(i))))
     if not models and not r.errors:
         r.fail(("gpus",), "a scenario needs at least one GPU")
-    events = _timeline(r, len(models))
+    events = _timeline(r, models)
+    topology = r.string(("topology",), "host_bridge", TOPOLOGY_CHOICES)
+    if topology in ("nvlink", "nvswitch") and not all(m.nvlinks for m in models):
+        r.fail(("topology",), f"topology {topology} needs nvlink: {{links: N}} on every GPU")
+    persistenced = r.get(("nvidia_persistenced",))
+    if isinstance(persistenced, bool) or persistenced is MISSING:
+        persistenced = "running" if persistenced is True else "absent"
+    else:
+        persistenced = r.string(("nvidia_persistenced",), "absent", PERSISTENCED_CHOICES)
     r.raise_if_errors()
     return Scenario(
         name=r.string(("name",), Path(path).stem),
         description=r.string(("description",), ""),
         file=str(path),
         as_root=r.boolean(("as_root",), True),
-        nvidia_persistenced=r.boolean(("nvidia_persistenced",), False),
+        nvidia_persistenced=persistenced,
         driver_version=r.string(("driver_version",), "580.126.20"),
         gpus=tuple(models),
         events=tuple(sorted(events, key=lambda e: e.at_s)),
+        topology=topology,
+        iommu=r.string(("iommu",), "off", IOMMU_CHOICES),
     )
 
 
 def _gpu_models(r: Reader, path: tuple[str, ...]) -> list[GpuModel]:
     keys = ("name", "count", "compute_capability", "memory_total_mib", "memory_bus_width_bits",
             "memory_clocks_mhz", "graphics_clocks_mhz", "idle_clocks_mhz", "boost_under_load",
-            "power", "temperature", "not_supported")
+            "power", "temperature", "not_supported", "brand", "form_factor", "nvlink")
     r.mapping(path, keys, required=("name", "compute_capability", "memory_clocks_mhz", "graphics_clocks_mhz"))
     count = r.number(path + ("count",), 1, 1, 64, integer=True)
     cc = r.get(path + ("compute_capability",))
@@ -164,6 +191,8 @@ def _gpu_models(r: Reader, path: tuple[str, ...]) -> list[GpuModel]:
     p = path + ("power",)
     full_w = r.number(p + ("full_load_w",), 300.0, 1, 5000, unit=" W")
     default_limit = r.number(p + ("default_limit_w",), full_w, 1, 5000, unit=" W")
+    if r.get(path + ("nvlink",)) is not MISSING:
+        r.mapping(path + ("nvlink",), ("links", "speed_mbps"), required=("links",))
     unsupported = r.sequence(path + ("not_supported",))
     for j, item in enumerate(unsupported):
         if item not in NOT_SUPPORTED_CHOICES:
@@ -187,6 +216,10 @@ def _gpu_models(r: Reader, path: tuple[str, ...]) -> list[GpuModel]:
         idle_temperature_c=r.number(path + ("temperature", "idle_c"), 30.0, 0, 150),
         celsius_per_watt=r.number(path + ("temperature", "celsius_per_watt"), 0.2, 0, 10),
         not_supported=frozenset(i for i in unsupported if isinstance(i, str)),
+        brand=r.string(path + ("brand",), None, BRAND_CHOICES),
+        form_factor=r.string(path + ("form_factor",), None, ("sxm", "pcie")),
+        nvlinks=r.number(path + ("nvlink", "links"), 0, 1, 36, integer=True),
+        nvlink_speed_mbps=r.number(path + ("nvlink", "speed_mbps"), 26562, 1, 1_000_000, integer=True),
     )
     if not model.min_power_limit_w <= model.default_power_limit_w <= model.max_power_limit_w:
         r.fail(p, "limits must satisfy min_limit_w <= default_limit_w <= max_limit_w")
@@ -205,7 +238,8 @@ def _int_list(r: Reader, path: tuple[str, ...], min_len: int) -> list[int]:
     return value
 
 
-def _timeline(r: Reader, gpu_count: int) -> list[Event]:
+def _timeline(r: Reader, models: list[GpuModel]) -> list[Event]:
+    gpu_count = len(models)
     events = []
     for i, _ in enumerate(r.sequence(("timeline",))):
         path = ("timeline", str(i))
@@ -231,6 +265,10 @@ def _timeline(r: Reader, gpu_count: int) -> list[Event]:
                 params[name] = value
         if kind is None:
             continue
+        link = params.get("link")
+        if link is not None and any(link >= models[g].nvlinks for g in (gpus or range(gpu_count))):
+            r.fail(path + ("link",), f"no NVLink link {link:g} on the GPUs it names",
+                   "a link below each GPU's nvlink.links")
         events.append(Event(at, kind, gpus, params))
         if until is not None:
             events.append(Event(until, kind, gpus, params, ends=True))

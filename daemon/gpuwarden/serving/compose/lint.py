@@ -15,6 +15,7 @@ from typing import Any
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from ...gpu.base import OFF_PCIE, PEER_PATHS
 from ...gpu.iommu import iommu_state
 from ...schema import Reader
 from . import facts as F
@@ -100,7 +101,18 @@ def profile_untested(ctx: Any) -> dict | None:
 
 
 def iommu_translating(ctx: Any) -> dict | None:
-    return {"tp": ctx.tp_size, "facts": ["the IOMMU translates DMA"]} if iommu_state() == "translating" else None
+    """The IOMMU translates DMA and some pair of the engine's GPUs talks over PCIe (or a path NVML could not
+    say): NVLink, NVSwitch and C2C traffic never crosses the IOMMU, and the advice (P2P off, custom all-reduce
+    off) would take NVLink away from the engine."""
+    iommu = ctx.iommu if ctx.iommu is not None else iommu_state()
+    if iommu != "translating":
+        return None
+    crossing = [(a, b, kind) for a, b, kind in ctx.peer_paths if kind not in OFF_PCIE]
+    if ctx.peer_paths and not crossing:
+        return None
+    paths = [f"GPU{a}-GPU{b} over {PEER_PATHS.get(kind, 'a path NVML did not say')}" for a, b, kind in crossing]
+    more = [f"{len(paths) - 3} more pairs"] if len(paths) > 3 else []
+    return {"tp": ctx.tp_size, "facts": ["the IOMMU translates DMA", *paths[:3], *more]}
 
 
 def cuda_beyond_driver(ctx: Any) -> dict | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import re
+from itertools import combinations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,6 +64,8 @@ class LintContext:
     nvml_cuda: str | None = None
     unified: bool = False  # the GPUs share the system's memory (DGX Spark)
     model_facts: ModelFacts = UNREAD  # the local model directory's config.json and headers
+    iommu: str | None = None  # the host's IOMMU as the GPU backend read it (None: not known, read the host's)
+    peer_paths: tuple[tuple[int, int, str], ...] = ()  # (gpu, gpu, gpu.base.PEER_PATHS key or "unknown")
 
     @property
     def flags(self) -> tuple[str, ...]:
@@ -74,11 +77,13 @@ class LintContext:
         """The context of a serving.command.ServeCommand (duck-typed: that module imports the engines,
         which import this one)."""
         gpus = command.gpus
+        pairs = tuple((a.index, b.index, a.peer_paths.get(b.index, "unknown")) for a, b in combinations(gpus, 2))
         return cls(command.argv, command.env, command.profile,
                    tuple(g.compute_capability or "" for g in gpus), model, command.engine, installed,
                    command.prefix, next((g.driver_version for g in gpus if g.driver_version), None),
                    next((g.cuda_driver_version for g in gpus if g.cuda_driver_version), None),
-                   any(g.memory_unified for g in gpus), model_facts)
+                   any(g.memory_unified for g in gpus), model_facts,
+                   next((g.iommu for g in gpus if g.iommu), None), pairs)
 
     @property
     def tp_size(self) -> int:
