@@ -1,11 +1,13 @@
 """Read-only check of the NVML backend on a real NVIDIA GPU (run by hand on a GPU host).
 
     PYTHONPATH=daemon python3 tests/hardware/nvml_readonly.py [SECONDS]
+    PYTHONPATH=daemon python3 tests/hardware/nvml_readonly.py guard GPUWARDEN-ARGS...
 
 It prints the driver, each GPU's capabilities and every sample field as JSON
 lines, then runs the daemon with tuning.apply false for a few seconds. NVML is
 wrapped so that only reads pass: any setter or reset raises instead of
-reaching the card. Not collected by pytest (no GPU in CI).
+reaching the card. `guard` runs the gpuwarden command itself (doctor, plan,
+run) with that wrapper in place of pynvml. Not collected by pytest (no GPU in CI).
 """
 
 import json
@@ -20,7 +22,7 @@ from gpuwarden.gpu.nvml import NvmlBackend
 from gpuwarden.systemd import setup_logging
 from gpuwarden.tuning import make_plan
 
-READ_PREFIXES = ("nvmlDeviceGet", "nvmlSystemGet",
+READ_PREFIXES = ("nvmlDeviceGet", "nvmlSystemGet", "nvmlErrorString", "c_nvml",  # reads, and the structs they fill
                  "nvmlEventSet", "nvmlDeviceRegisterEvents")  # waiting for events changes nothing on the card
 
 
@@ -74,5 +76,18 @@ def main(seconds: float) -> int:
     return 0
 
 
+def guard(argv: list[str]) -> int:
+    """The gpuwarden command with the read-only wrapper as its pynvml."""
+    sys.modules["pynvml"] = ReadOnlyNvml()  # gpu/nvml.py imports pynvml by name: it gets this
+    from gpuwarden import earlysignals
+
+    earlysignals.hold()
+    from gpuwarden.cli import main as cli_main
+
+    return cli_main(argv)
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["guard"]:
+        sys.exit(guard(sys.argv[2:]))
     sys.exit(main(float(sys.argv[1]) if len(sys.argv) > 1 else 4))
