@@ -5,6 +5,7 @@ names, log parser and lint are tested here against the seam; its real argument p
 test_sglang_flag_check_runs_sglangs_own_parser when the vLLM venv also holds sglang (tests/vllm/install).
 """
 
+import dataclasses
 import logging
 import os
 import pwd
@@ -245,6 +246,13 @@ def test_sglang_metrics_carry_the_engine_label_and_no_vllm_names():
              if s.name.endswith("_total")}
     assert moves == {("STOPPED", "STARTING"): 1, ("STARTING", "RUNNING"): 1}
     assert "x (sglang-generic) 42 tok/s" in snap.summary_line()
+    # The installed version rides on the info series, for the fleet's ServingEngineVersionsDiffer.
+    assert families["gpuwarden_serving_info"].samples[0].labels == {"engine": "sglang", "model": "/m/x",
+                                                                    "profile": "sglang-generic", "version": ""}
+    versioned = dataclasses.replace(view, version="0.5.23")
+    snap = dataclasses.replace(snap, children=(versioned,))
+    info = {m.name: m for m in make_registry(lambda: snap).collect()}["gpuwarden_serving_info"].samples[0]
+    assert info.labels["version"] == "0.5.23"
 
 
 @pytest.mark.integration

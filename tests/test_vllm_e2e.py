@@ -353,6 +353,8 @@ def test_an_idle_server_that_requires_a_key_is_probed_with_it_and_never_restarte
     assert "vLLM stalled" not in d.log and "cannot authenticate" not in d.log and key not in d.log
     metrics = urllib.request.urlopen(base + "/metrics", timeout=15).read().decode()
     assert 'gpuwarden_serving_stalls_total{child="vllm"} 0.0' in metrics
+    assert 'version="0.32.0"' in next(line for line in metrics.splitlines()
+                                     if line.startswith("gpuwarden_serving_info{"))  # the installed vLLM's
     body = json.dumps({"model": str(tiny_model), "prompt": "the gpu runs", "max_tokens": 5}).encode()
     keyed = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
                                    {"Content-Type": "application/json", "Authorization": f"Bearer {key}"})

@@ -234,9 +234,9 @@ def _serving_metrics(snap: Snapshot) -> Iterator[Metric]:
 
     s, stats = snap.serving, snap.stats
     legacy = s.engine == "vllm"
-    info = _gauge("gpuwarden_serving_info", "The serving engine, model and profile (value is always 1)",
-                  ("engine", "model", "profile"))
-    info.add_metric([s.engine, s.model, s.profile], 1)
+    info = _gauge("gpuwarden_serving_info", "The serving engine, model, profile and the engine's installed "
+                  "version (empty where unknown; value is always 1)", ("engine", "model", "profile", "version"))
+    info.add_metric([s.engine, s.model, s.profile, s.version], 1)
     yield info
     state = _gauge("gpuwarden_serving_state", "1 for each supervised child's current state", ("child", "state"))
     for child in snap.children:

@@ -66,7 +66,8 @@ def prepare_launch(config: Config, backend: GpuBackend, sides: Sequence[Side], d
         log.info("%s %s accepts the flags (checked with %s)", title, prepared.flags.version, prepared.flags.python)
     chosen = {g.index for g in prepared.command.gpus}
     gpus = [g for g in backend.gpus() if g.index in chosen]
-    engine = engine_spec(config.serve, prepared.command, prepared.identity, gpus)
+    version = prepared.installed.version(prepared.command.engine.name) if prepared.installed else None
+    engine = engine_spec(config.serve, prepared.command, prepared.identity, gpus, version)
     return Launch(config, prepared.command, engine, _sides(config, prepared.identity, sides))
 
 

@@ -54,6 +54,7 @@ class ChildSpec:
     memory_fraction: float = 0.0
     model: str = ""  # what it serves, for the view (empty: no model, e.g. the proxy)
     profile: str = ""  # the profile it was composed from, for the view and its start line
+    version: str = ""  # the engine's installed version where it is known (a fleet compares it across hosts)
 
     @property
     def url(self) -> str:
@@ -61,9 +62,10 @@ class ChildSpec:
         return f"http://{host}:{self.port}"
 
 
-def engine_spec(serve: ServeConfig, command: ServeCommand, identity: Identity, gpus: Sequence[Gpu]) -> ChildSpec:
+def engine_spec(serve: ServeConfig, command: ServeCommand, identity: Identity, gpus: Sequence[Gpu],
+                version: str | None = None) -> ChildSpec:
     """The serving engine's child: the composed command, on its GPUs, with serve.*'s timing."""
     engine = command.engine
     return ChildSpec(engine.name, engine.title, command.argv, dict(command.env), identity, serve.host, serve.port,
                      engine.health_path, Timing.of(serve), engine.log_level, tuple(gpus), engine.memory_flag,
-                     command.memory_fraction, serve.model, command.profile.name)
+                     command.memory_fraction, serve.model, command.profile.name, version or "")

@@ -76,6 +76,7 @@ class ServingView:
     stalls: int = 0
     gpus: tuple[int, ...] = ()  # the GPUs it runs on
     started_at: float | None = None  # when its process started (seconds since the epoch), adopted ones too
+    version: str = ""  # the engine's installed version, where known
 
 
 @dataclass(frozen=True)
@@ -451,7 +452,8 @@ class Program:
                            self.restarts, self.last_exit_code, self.time_to_healthy_s, self.problem, self.blocked,
                            self.name, self.title,
                            tuple((old, new, n) for (old, new), n in sorted(self.transitions.items())),
-                           self.stalled, self.stalls, tuple(g.index for g in self.gpus), self.phase.started_wall)
+                           self.stalled, self.stalls, tuple(g.index for g in self.gpus), self.phase.started_wall,
+                           spec.version)
 
 
 class Supervisor:
