@@ -201,7 +201,7 @@ serve:
         for expr in rule_exprs + [substitute(e) for e in dashboard_exprs()]:
             result = query(base, expr)
             assert result["status"] == "success", (expr, result)
-            if "alert" not in expr and not re.search(r"(==|<|>) *[0-9.]+$|absent\(|\band\b", expr):
+            if "alert" not in expr and not re.search(r"(==|[<>]=?) *[0-9.]+$|absent\(|\band\b", expr):
                 assert result["data"]["result"], f"no data for {expr}"
         # Alert expressions are empty while all is well: each metric they read must still exist.
         for name in sorted(set(re.findall(r"\b(gpuwarden[_:][a-z0-9_:]+|up)\b", " ".join(rule_exprs)))):

@@ -139,9 +139,11 @@ def test_boots_tunes_alerts_stops_fails_cleanly_and_survives_a_stall(installed_r
     assert int(got["warnings_low_clock"]) == 2, got  # one firing line per busy GPU
     assert int(got["warnings_priority"]) >= 4 and int(got["warnings_chatty"]) == 0
     assert int(got["metrics_alert_firing"]) == 2
+    assert (got["after_persistenced"], got["wants_persistenced"]) == ("1", "0"), got
     assert got["status_tuned"].startswith("2 GPUs · locked 3090 MHz"), (folder / "journal.txt").read_text()[-4000:]
     assert int(got["resolved_low_clock"]) == 2 and int(got["metrics_alert_clear"]) == 2
     assert int(got["metrics_tuning"]) == 2
+    assert got["persistence_fallback"] == "1" and got["persistence_on"] == "2", got
     assert float(got["stop_seconds"]) < 10 and got["stop_result"] == "success" and got["stop_status"] == "0"
     assert got["broken_state"] == "failed" and got["broken_status"] == "78" and got["broken_restarts"] == "0"
     assert got["broken_logged"] == "1"
