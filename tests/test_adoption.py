@@ -76,6 +76,9 @@ def test_a_handover_re_executes_in_place_and_keeps_the_engine_and_its_output(wri
     mark = len(d.lines)
     d.proc.send_signal(signal.SIGUSR2)
     d.wait_for("SIGUSR2: handing over to the installed gpuwarden", after=mark, timeout=10)
+    for _ in range(100):  # a logrotate or `systemctl reload` meeting the re-exec: held, never the end of it
+        d.proc.send_signal(signal.SIGHUP)
+        time.sleep(0.005)
     line = d.wait_for("adopted after an upgrade (re-exec, same daemon pid)", after=mark, timeout=30)
     assert f"pid {pid}, up " in line
     assert d.proc.poll() is None and d.proc.pid == daemon_pid
@@ -84,6 +87,16 @@ def test_a_handover_re_executes_in_place_and_keeps_the_engine_and_its_output(wri
     after = len(d.lines)
     d.wait_for("vllm: INFO fakechild tick", after=after, timeout=10)  # the same pipe, read by the new image
     assert "vLLM starting (pid" not in "\n".join(d.lines[mark:])
+    # (A SIGHUP before the handover needs no reload of its own: the new image reads the config anew.)
+    # A handover with a config on disk that would not start is refused: the daemon and its engine keep running.
+    good = path.read_text()
+    path.write_text(good + "poll_interval_s: [broken\n")
+    mark = len(d.lines)
+    d.proc.send_signal(signal.SIGUSR2)
+    d.wait_for("SIGUSR2: no handover, the config on disk would not start", after=mark, timeout=10)
+    time.sleep(1)
+    assert d.proc.poll() is None and running_pid(base) == pid
+    path.write_text(good)
     # The re-executed daemon still stops its engine: nothing is left.
     assert d.stop() == 0
     assert handover.start_ticks(pid) is None
@@ -125,6 +138,7 @@ def test_only_a_provably_own_process_is_adopted(tmp_path):
         proc.kill()
         proc.wait()
     assert "gone" in handover.proven(good)
+    assert "not a child" in handover.proven(handover.Recorded("vllm", 1, 1, 0, good.argv_sha256))
 
 
 def test_a_look_alike_recorded_engine_is_not_adopted_and_not_killed(write, fake, daemons, tmp_path,

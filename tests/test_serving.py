@@ -126,6 +126,7 @@ def test_redaction_of_secret_looking_values():
                         (["--api-key", "k1", "k2", "--port", "1"], ["--api-key", "<redacted>", "<redacted>",
                                                                     "--port", "1"]),
                         (["--ssl-keyfile", "/k.pem"], ["--ssl-keyfile", "/k.pem"]),
+                        (["--api-key", "-424242", "--port", "1"], ["--api-key", "<redacted>", "--port", "1"]),
                         (["--api-server-count", "2"], ["--api-server-count", "2"])):
         assert redact_argv(argv) == shown, argv
 
@@ -135,6 +136,13 @@ def test_the_api_key_lint_sees_every_spelling(spelling):
     profile = load_profiles(None)["generic"]
     findings = lint(["vllm", "serve", *spelling], {}, profile, ["12.0"], "/m/x", prefix=2, engine=VLLM)
     assert "api-key-on-command-line" in [f.rule for f in findings]
+
+
+def test_a_password_in_a_url_is_redacted_whatever_the_variable():
+    from gpuwarden.serving.compose.secrets import redact_env
+
+    shown = redact_env({"HTTPS_PROXY": "http://user:PROXYSECRET@proxy:3128", "NO_PROXY": "http://host:80/x"})
+    assert shown == {"HTTPS_PROXY": "http://<redacted>@proxy:3128", "NO_PROXY": "http://host:80/x"}
 
 
 def test_env_file_format_and_permissions(write):

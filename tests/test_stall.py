@@ -117,6 +117,18 @@ def test_the_probe_authenticates_with_the_engines_key_as_a_client_does(completio
     assert w.probes >= 5 and set(Completions.authorizations) == {"Bearer s3cret"}
 
 
+@pytest.mark.parametrize("key", ["pässwort", "ключ-🔑"])
+def test_a_key_beyond_ascii_is_sent_not_counted_as_a_dead_engine(completions, key):
+    """An engine key with non-ASCII characters made every probe fail to encode: a stall, restarts, FATAL."""
+    Completions.key = key.encode("latin-1", "replace").decode("latin-1") if key == "pässwort" else "unmatchable"
+    clock = ManualClock(0)
+    w = watch(clock, url=completions, key=key)
+    for t in range(0, 30):
+        clock.advance(t - clock.now)
+        assert w.update(t, Progress(10, 0, 0)) is None
+    assert w.probes >= 2 and len(Completions.authorizations) == w.probes
+
+
 def test_a_probe_refused_for_its_credentials_proves_the_engine_alive(completions, caplog):
     """401 without the key (a server with VLLM_API_KEY that the daemon was not given): never a stall, and said
     once."""

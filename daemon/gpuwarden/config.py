@@ -396,7 +396,7 @@ def _proxy_section(r: Reader, base_dir: Path, port: Any) -> ProxyConfig:
     for i, pattern in enumerate(patterns):
         try:
             re.compile(pattern, re.MULTILINE)
-        except re.error as exc:
+        except (re.error, OverflowError, RecursionError) as exc:  # a{4294967295}, 1,000 nested groups
             r.fail(base + ("remove_patterns", str(i)), f"not a regular expression: {exc}",
                    r"a Python regex, e.g. '^Timestamp: [^\n]*\n'")
     dump_dir = r.string(base + ("dump_dir",), "none")

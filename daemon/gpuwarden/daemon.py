@@ -56,6 +56,7 @@ def reexec() -> None:
     """Become the installed gpuwarden, same pid and same command line (a handover: handle_usr2)."""
     os.environ[HANDOVER_ENV] = "1"
     flush_logs(2.0)
+    earlysignals.block_for_exec()  # (again: reexec() is also called on its own)
     os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 
 
@@ -309,11 +310,25 @@ class Daemon:
         if self.stopping:
             log.warning("SIGUSR2 received while stopping: no handover")
             return
+        if self.reload_config is not None:
+            try:  # the new image reads it at start: one that cannot start would take the engine down with it
+                self.tuning.check(self.reload_config())
+            except InvalidConfig as exc:
+                more = f" (and {len(exc.errors) - 1} more)" if len(exc.errors) > 1 else ""
+                log.error("SIGUSR2: no handover, the config on disk would not start: %s%s; this daemon keeps "
+                          "running", exc.errors[0], more)
+                return
+            except Exception as exc:
+                log.error("SIGUSR2: no handover, the config on disk cannot be read: %s: %s", type(exc).__name__, exc)
+                return
         record = self.serving.handover_record()
         running = ", ".join(f"{c.name} pid {c.pid}" for c in record.children) or "no child"
         log.info("SIGUSR2: handing over to the installed gpuwarden (same pid %d; %s kept running)", os.getpid(),
                  running)
         self.notifier.reloading()
+        # From here to the new image's earlysignals.hold(), signals wait (blocked; the mask survives execv):
+        # the old image restores its default handlers as it winds down, and SIGHUP's default ends a process.
+        earlysignals.block_for_exec()
         self.handing_over = True
 
     def handle_int(self) -> None:
@@ -414,8 +429,10 @@ class SignalWaker:
         except (BlockingIOError, OSError):
             pass  # the pipe is full: the loop is awake already
 
-    def close(self) -> None:
-        for sig, old in self._old.items():
+    def close(self, restore: bool = True) -> None:
+        """restore False (a handover): the handlers stay, doing nothing, until execv. The default they would get
+        back ends the process on SIGHUP, and the other threads still running would take such a signal."""
+        for sig, old in (self._old.items() if restore else ()):
             signal.signal(sig, old)
         signal.set_wakeup_fd(self._old_fd)
         os.close(self.read_fd)
@@ -455,4 +472,4 @@ def run(daemon: Daemon, duration_s: float | None = None, clock: Callable[[], flo
             poll = daemon.config.poll_interval_s
     finally:
         daemon.finish()
-        waker.close()
+        waker.close(restore=not daemon.handing_over)

@@ -23,9 +23,17 @@ def _note(signum: int, _frame) -> None:
 
 
 def hold() -> None:
-    """From now on the three signals are only written down (first thing in the process)."""
+    """From now on the signals are only written down (first thing in the process). A handover (re-exec)
+    blocked them across execv (block_for_exec): they were kept pending, and arrive now, written down."""
     for sig in SIGNALS:
         _previous.setdefault(sig, signal.signal(sig, _note))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
+
+
+def block_for_exec() -> None:
+    """Before execv: the new image starts with every handler at its default action (end the process) until its
+    hold(); blocked, the signals wait for it instead. The mask survives exec."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
 
 
 def take() -> list[int]:

@@ -69,7 +69,7 @@ def request(method: str, url: str, deadline_s: float, max_bytes: int, headers: d
             head = f"{method} {path} HTTP/1.1\r\nHost: {name}:{port}\r\nConnection: close\r\n" \
                    f"Accept-Encoding: identity\r\n{extra}\r\n"
             sock.settimeout(remaining())
-            sock.sendall(head.encode("ascii") + body)
+            sock.sendall(_encode_head(head) + body)
             data = bytearray()
             limit = MAX_HEADER_BYTES + max_bytes
             head_end, length = -1, None  # the head is parsed once, not on every chunk
@@ -110,6 +110,15 @@ async def read_capped(content, max_bytes: int, what: str) -> bytes:
             raise HttpError(f"{what} sent more than {max_bytes} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def _encode_head(head: str) -> bytes:
+    """HTTP header values are Latin-1 (how Starlette, vLLM's server, decodes them); a key beyond it goes as UTF-8
+    (the server then refuses it, which proves it alive): never an encoding error counted as a dead engine."""
+    try:
+        return head.encode("latin-1")
+    except UnicodeEncodeError:
+        return head.encode("utf-8")
 
 
 def _split(data: bytes) -> tuple[bytes, bytes] | None:

@@ -83,10 +83,11 @@ class WebConfig:
         hashed = dict(self.users).get(name)
         import bcrypt  # only when basic auth is configured (load() checked that it imports)
 
-        # An unknown user is checked against a real user's hash and refused whatever the answer, so that it
-        # costs what a wrong password costs: the time taken does not tell which names exist.
+        # An unknown user is checked against a real hash, the costliest configured, and refused whatever the
+        # answer: it costs at least what a wrong password of any user costs, so timing does not tell which
+        # names exist (were users' costs to differ, the cheaper users would still show).
         try:
-            ok = bcrypt.checkpw(password.encode(), (hashed or self.users[0][1]).encode())
+            ok = bcrypt.checkpw(password.encode(), (hashed or _costliest(self.users)).encode())
         except ValueError:  # a NUL in the password (bcrypt 3.2), or over 72 bytes (bcrypt 5)
             return False
         if not ok or hashed is None:
@@ -161,3 +162,11 @@ def load(path: Path) -> WebConfig:
 
 def basic_auth_header(user: str, password: str) -> str:
     return "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()
+
+
+def _costliest(users) -> str:
+    """The configured hash with the highest bcrypt cost ($2b$12$...: the number after the second $)."""
+    def cost(hashed: str) -> int:
+        parts = hashed.split("$")
+        return int(parts[2]) if len(parts) > 3 and parts[2].isdigit() else 0
+    return max((h for _, h in users), key=cost)

@@ -146,6 +146,8 @@ async def _exchange(session: aiohttp.ClientSession, url: str, payload: dict, res
                         return
     except asyncio.CancelledError:
         raise
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, TypeError, RecursionError, OSError) as exc:
-        # TypeError, RecursionError: an event's JSON of the wrong shape (a list as a count), or nested too deep
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, TypeError, RecursionError, OverflowError,
+            OSError) as exc:
+        # TypeError, RecursionError, OverflowError: an event's JSON of the wrong shape (a list as a count), nested
+        # too deep, or a count of 1e999
         result.error = f"{type(exc).__name__}: {exc}".strip().rstrip(":")

@@ -30,6 +30,7 @@ from .workload import CALIBRATION_WORDS, MARK_WORDS, WORDS, Workload
 CONNECT_TIMEOUT_S = 10.0
 # /v1/models and /tokenize: small answers, each whole within a total deadline and a size cap
 SMALL_READ, MAX_SMALL_BYTES = aiohttp.ClientTimeout(total=30), 4 << 20
+WORD_SIZES_DEADLINE_S = 60.0  # all the /tokenize calls together: each word's size, then the calibration
 
 
 class BenchError(Exception):
@@ -162,15 +163,19 @@ async def _word_sizes(session: aiohttp.ClientSession, base: str, workload: Workl
                 raise ValueError("no count")
             return count
 
+    async def all_sizes() -> tuple[tuple[int, ...], int]:
+        return tuple([await size(" " + word) for word in WORDS]), await size(workload.prompt(-1, words))
+
     try:
-        sizes = tuple([await size(" " + word) for word in WORDS])
+        # One deadline for all of them: 33 calls of SMALL_READ each could hold the sweep for a quarter of an hour.
+        sizes, whole = await asyncio.wait_for(all_sizes(), WORD_SIZES_DEADLINE_S)
         calibration = workload.prompt(-1, words)
-        whole = await size(calibration)
         by_word = dict(zip(WORDS, sizes))
         if min(sizes) < 1 or whole > counted or whole != sum(by_word[w] for w in calibration.split()):
             return None  # the tokenizer merges across spaces: sizes do not add up
-    except (aiohttp.ClientError, asyncio.TimeoutError, HttpError, ValueError, AttributeError, OSError):
-        return None  # AttributeError: an answer that is not a JSON object
+    except (aiohttp.ClientError, asyncio.TimeoutError, HttpError, ValueError, AttributeError, OSError,
+            RecursionError):
+        return None  # AttributeError: an answer that is not a JSON object; RecursionError: one nested too deep
     return replace(workload, word_tokens=sizes, special_tokens=counted - whole)  # counted - whole: BOS and such
 
 

@@ -129,7 +129,7 @@ def _rules(names: str | None, settings: ProxyConfig, extra: list[str]) -> Rules:
     for pattern in (*settings.remove_patterns, *extra):
         try:
             patterns.append(re.compile(pattern, re.MULTILINE))
-        except re.error as exc:
+        except (re.error, OverflowError, RecursionError) as exc:  # a{4294967295}, 1,000 nested groups
             raise ValueError(f"--remove-pattern {pattern!r} is not a regular expression: {exc}") from None
     return Rules(**flags, remove_patterns=tuple(patterns))
 

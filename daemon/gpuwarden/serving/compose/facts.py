@@ -78,7 +78,7 @@ def condition(value: Any) -> Condition:
         return Condition("compare", bounds=tuple((m.group(1), float(m.group(2))) for m in matched))
     try:
         return Condition("regex", pattern=re.compile(text))
-    except re.error as exc:
+    except (re.error, OverflowError, RecursionError) as exc:  # a{4294967295}, 1,000 nested groups
         raise ValueError(f"{text!r} is neither a comparison (e.g. '>4', '>=2,<8') nor a regular expression: {exc}")
 
 

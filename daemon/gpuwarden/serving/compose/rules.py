@@ -298,7 +298,7 @@ def _pattern(r: Reader, path: tuple[str, ...]) -> re.Pattern | None:
     value = r.get(path)
     try:
         return re.compile(str(value))
-    except re.error as exc:
+    except (re.error, OverflowError, RecursionError) as exc:  # a{4294967295}, 1,000 nested groups
         r.fail(path, f"{value!r} is not a regular expression: {exc}")
         return None
 

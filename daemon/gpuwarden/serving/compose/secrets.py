@@ -40,8 +40,11 @@ def is_secret(name: str) -> bool:
     return bool(SECRET_NAME.search(name))
 
 
+USERINFO = re.compile(r"(?<=://)[^/@\s]*:[^/@\s]*@")  # scheme://user:password@host, in any variable
+
+
 def redact_env(env: Mapping[str, str]) -> dict[str, str]:
-    return {k: (REDACTED if is_secret(k) and v else v) for k, v in env.items()}
+    return {k: (REDACTED if is_secret(k) and v else USERINFO.sub(REDACTED + "@", v)) for k, v in env.items()}
 
 
 def is_secret_flag(arg: str) -> bool:
@@ -55,8 +58,11 @@ def redact_argv(argv: Sequence[str]) -> list[str]:
     """argv with every value of a secret flag replaced: `--api-key=X`, and each word after `--api-key` up to the
     next flag (vLLM's --api-key takes several keys)."""
     out, hide = [], False
-    for arg in argv:
-        if hide and not arg.startswith("-"):
+    for i, arg in enumerate(argv):
+        # After a secret flag its value, whatever it looks like (argparse takes "-4242" as one), then any more
+        # words that are not flags (vLLM's --api-key takes several keys).
+        first = i > 0 and is_secret_flag(argv[i - 1]) and "=" not in argv[i - 1]
+        if hide and (first and not arg.startswith("--") or not arg.startswith("-")):
             out.append(REDACTED)
             continue
         hide = is_secret_flag(arg)
@@ -101,7 +107,7 @@ def read_env_file(path: Path, owner: int | None = None) -> dict[str, str]:
     except UnicodeDecodeError:
         raise SecretFileError(1, "not UTF-8 text") from None
     env: dict[str, str] = {}
-    for number, line in enumerate(text.splitlines(), 1):
+    for number, line in enumerate(text.split("\n"), 1):  # not splitlines(): U+2028 is no line end here
         line = line.strip()
         if not line or line.startswith("#"):
             continue

@@ -78,8 +78,19 @@ def cmdline_digest(pid: int) -> str | None:
     return hashlib.sha256(raw.rstrip(b"\0")).hexdigest()
 
 
+def cgroup_of(pid: int | str) -> bytes | None:
+    try:
+        return Path(f"/proc/{pid}/cgroup").read_bytes()
+    except OSError:
+        return None
+
+
 def proven(entry: Recorded) -> str | None:
-    """None when the running process is provably the recorded child; else why not (in words)."""
+    """None when the running process is provably the recorded child; else why not (in words). Its PID, start
+    time, user and command line anyone can read in /proc: it must also be in this daemon's own cgroup (the
+    unit's), which a process started elsewhere is not."""
+    if entry.pid <= 1:
+        return f"pid {entry.pid} is not a child"
     ticks = start_ticks(entry.pid)
     if ticks is None:
         return f"pid {entry.pid} is gone"
@@ -93,6 +104,8 @@ def proven(entry: Recorded) -> str | None:
         return f"pid {entry.pid} runs as uid {uid}, not {entry.uid}"
     if cmdline_digest(entry.pid) != entry.argv_sha256:
         return f"pid {entry.pid} runs another command line"
+    if cgroup_of(entry.pid) != cgroup_of("self"):
+        return f"pid {entry.pid} is in another cgroup than this daemon"
     return None
 
 
@@ -151,8 +164,9 @@ def load(state_dir: Path | None) -> Record | None:
                                   str(c["argv_sha256"]), None if c.get("fd") is None else int(c["fd"]))
                          for c in doc["children"])
         return Record(children, bool(doc.get("stopping", False)))
-    except (ValueError, KeyError, TypeError) as exc:
-        log.warning("children's record %s is not one gpuwarden wrote (%s): adopting nothing", path, exc)
+    except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as exc:
+        log.warning("children's record %s is not one gpuwarden wrote (%s): adopting nothing", path,
+                    type(exc).__name__ if isinstance(exc, RecursionError) else exc)
         return None
 
 

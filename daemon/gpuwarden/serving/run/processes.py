@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import logging
 import os
+import stat
 import subprocess
 import threading
 from collections.abc import Callable, Iterable
@@ -73,6 +75,8 @@ class ProcessOps:
             return None
         self._adopted.add(entry.pid)
         try:
+            if fd is not None and (fd <= 2 or not stat.S_ISFIFO(os.fstat(fd).st_mode)):
+                raise OSError(errno.EBADF, "not a pipe")  # only a child's output pipe, never another of our fds
             stream = os.fdopen(fd, "rb", buffering=0) if fd is not None else None
         except OSError as exc:
             log.warning("%s (pid %d): its output pipe was not kept (%s): its output is lost until it restarts",
