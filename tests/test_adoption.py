@@ -192,7 +192,7 @@ def test_cleanup_keeps_children_after_a_crash_and_ends_them_after_a_stop(tmp_pat
             child.wait()
 
 
-@pytest.mark.parametrize("kind", ["fifo", "huge", "garbage", "symlink"])
+@pytest.mark.parametrize("kind", ["fifo", "huge", "garbage", "symlink", "overflow", "deep"])
 def test_a_record_that_is_not_ours_adopts_nothing_and_says_so_once(tmp_path, kind, caplog):
     folder = tmp_path / "state"
     folder.mkdir()
@@ -203,6 +203,11 @@ def test_a_record_that_is_not_ours_adopts_nothing_and_says_so_once(tmp_path, kin
         path.write_text(json.dumps({"children": [], "pad": "x" * (handover.MAX_RECORD_BYTES + 1)}))
     elif kind == "garbage":
         path.write_text('{"children": [{"name": 1}]}')
+    elif kind == "overflow":
+        path.write_text('{"children": [{"name": "vllm", "pid": 1e400, "start_ticks": 1, "uid": 0, '
+                        '"argv_sha256": "x"}]}')
+    elif kind == "deep":
+        path.write_text('{"children": ' + "[" * 30000 + "]" * 30000 + "}")
     else:
         (tmp_path / "elsewhere.json").write_text('{"children": []}')
         path.symlink_to(tmp_path / "elsewhere.json")
