@@ -154,3 +154,42 @@ def test_with_url_no_config_file_is_needed(server, bench, tmp_path):
                      (("--request-timeout", "0"), "must be positive")):
         out = bench("--url", f"http://127.0.0.1:{free_port()}", *bad)
         assert out.returncode == 78 and why in one_line(out.stderr)
+
+
+def test_the_tokenize_calibration_has_one_deadline_for_all_its_calls(monkeypatch):
+    """33 /tokenize calls of 30 s each could hold a sweep for a quarter of an hour against a server that answers
+    each just in time; they share one deadline, and bench then estimates the prompt's size instead."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from gpuwarden.bench import sweep
+    from gpuwarden.bench.workload import Workload
+
+    calls = []
+
+    async def slow(request):
+        calls.append(time.monotonic())
+        await asyncio.sleep(0.4)
+        return web.json_response({"count": 1})
+
+    async def run():
+        app = web.Application()
+        app.router.add_post("/tokenize", slow)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            async with aiohttp.ClientSession() as session:
+                began = time.monotonic()
+                found = await sweep._word_sizes(session, f"http://127.0.0.1:{port}", Workload("m", "completions",
+                                                                                             64, 8), 64, 16)
+                return found, time.monotonic() - began
+        finally:
+            await runner.cleanup()
+
+    monkeypatch.setattr(sweep, "WORD_SIZES_DEADLINE_S", 1.0)
+    found, took = asyncio.run(run())
+    assert found is None and took < 3.0 and 2 <= len(calls) <= 4, (took, len(calls))
