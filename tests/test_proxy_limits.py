@@ -7,6 +7,7 @@ import http.client
 import json
 import logging
 import socket
+import sys
 import time
 import urllib.request
 import zlib
@@ -14,10 +15,11 @@ import zlib
 import pytest
 
 from test_proxy import TOOLS, claude_code_request, last_upstream, rig, send  # noqa: F401 (rig: a fixture)
-from gpuwarden.proxy.body import Budget, Refusal, loads, parse_cost
+from gpuwarden.proxy.body import Budget, Refusal, decode, loads, parse_cost
 from gpuwarden.proxy.dump import session_of
 from gpuwarden.proxy.faults import FaultLog
 from gpuwarden.proxy.listener import connection_cap
+from gpuwarden.proxy.normalize import Rules, apply
 
 
 def metric(proxy, name) -> float | None:
@@ -367,3 +369,206 @@ def test_numbers_out_of_range_are_refused_not_sent_as_infinity(rig):
     reply, data = send(proxy.port, "POST", "/v1/chat/completions", b'{"model": "tiny", "temperature": NaN}')
     assert reply.status == 400 and "NaN is not a JSON number" in json.loads(data)["error"]["message"]
     assert upstream.get_json("/debug/open")["requests"] == 0
+
+
+# -- 6. found by an attacker (the fixes' tests) --------------------------------------------------------------
+
+def rss_kib(proc) -> int:
+    with open(f"/proc/{proc.pid}/status") as status:
+        return int(next(line for line in status if line.startswith("VmRSS:")).split()[1])
+
+
+def pushed(sock, data, within_s) -> int:
+    """How much of data the peer takes within within_s, without blocking on it."""
+    sock.setblocking(False)
+    sent, deadline = 0, time.monotonic() + within_s
+    while sent < len(data) and time.monotonic() < deadline:
+        try:
+            sent += sock.send(data[sent:sent + (1 << 20)])
+        except BlockingIOError:
+            time.sleep(0.01)
+        except OSError:
+            break
+    sock.setblocking(True)
+    return sent
+
+
+def stream_request(chunks) -> bytes:
+    body = json.dumps({"model": "tiny", "stream": True, "chunks": chunks}).encode()
+    return b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+
+
+@pytest.mark.integration
+def test_requests_pipelined_behind_one_being_served_wait_past_one_head(rig):
+    """aiohttp parses and queues up to 32 pipelined requests of 1 MB heads behind one being served: 20 such
+    connections took the proxy from 44 MB to 1.24 GB. Past 64 KiB the proxy stops reading until it has answered;
+    a few small requests pipelined are all answered, in order."""
+    upstream, proxy = rig(chunk_delay=0.05)
+    line = b"X-Pad-%03d: " + b"a" * 8000 + b"\r\n"
+    big = b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"".join(line % i for i in range(120)) + b"\r\n"
+    before = rss_kib(proxy.proc)
+    socks = []
+    for _ in range(6):
+        sock = open_socket(proxy.port, stream_request(60))  # 3 s of stream: served all along
+        sock.settimeout(10)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+        pushed(sock, big * 31, 0.5)
+        socks.append(sock)
+    time.sleep(0.5)
+    grown = rss_kib(proxy.proc) - before
+    for sock in socks:
+        sock.close()
+    assert grown < 64 << 10, f"the proxy grew by {grown >> 10} MiB"
+    sock = open_socket(proxy.port, stream_request(3) + b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" * 3)
+    sock.settimeout(10)
+    got = b""
+    while got.count(b'"status": "ok"') < 3:
+        data = sock.recv(65536)
+        assert data, got
+        got += data
+    assert got.index(b"data: [DONE]") < got.index(b'"status": "ok"')
+    sock.close()
+
+
+@pytest.mark.integration
+def test_blank_lines_before_a_request_do_not_end_its_head(rig):
+    """aiohttp skips blank lines before a request line: "\\r\\n\\r\\n" first must not read as the head's end."""
+    upstream, proxy = rig()
+    sock = open_socket(proxy.port, b"\r\n\r\nPOST /v1/messages HTTP/1.1\r\nHost: x\r\n")
+    with pytest.raises(OSError):
+        for i in range(100):
+            sock.sendall(b"X-Pad-%d: %s\r\n" % (i, b"v" * 8000))
+            time.sleep(0.001)
+    sock.close()
+    assert metric(proxy, 'gpuwarden_proxy_failures_total{reason="big_headers"}') == 1
+    sock = open_socket(proxy.port, b"\r\n" * 40000)  # blank lines alone count against the head too
+    assert closed_by_peer(sock, 10)
+    sock.close()
+    sock = open_socket(proxy.port, b"\r\n\r\nGET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    sock.settimeout(10)
+    assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+    sock.close()
+
+
+SLOW_ENGINE = """
+import asyncio, sys
+from aiohttp import web
+async def answer(request):
+    await request.read()
+    if request.method == "POST":
+        await asyncio.sleep(60)  # the body is in; the answer takes its time
+    return web.json_response({"ok": 1})
+app = web.Application(client_max_size=1 << 30)
+app.router.add_route("*", "/{tail:.*}", answer)
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, shutdown_timeout=0.5)
+"""
+
+
+@pytest.mark.integration
+def test_a_body_gives_its_budget_back_once_the_engine_has_it():
+    """The budget was held until the engine's response headers: three bodies an engine took its time to answer
+    held the whole budget, and every new request got 503."""
+    from conftest import free_port, gpuwarden_cmd
+    from test_proxy import Process
+
+    up_port, proxy_port = free_port(), free_port()
+    started = [Process([sys.executable, "-c", SLOW_ENGINE, str(up_port)], up_port, "/health")]
+    socks = []
+    try:
+        started.append(Process([*gpuwarden_cmd(), "proxy", "-c", "none", "--upstream", f"http://127.0.0.1:{up_port}",
+                                "--listen", f"127.0.0.1:{proxy_port}", "--max-body-bytes", str(1 << 20)], proxy_port))
+        proxy = started[1]
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                           "pad": "x" * (900 << 10)}).encode()  # about 4.5 MiB with its parse: 3 fill 12 MiB
+        for _ in range(4):  # one after another: each waits at the engine, its bytes given back
+            socks.append(open_socket(proxy_port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body)))
+            deadline = time.monotonic() + 10
+            time.sleep(0.1)
+            while (metric(proxy, "gpuwarden_proxy_body_bytes") or 0) > 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert metric(proxy, "gpuwarden_proxy_body_bytes") == 0
+        for sock in socks:  # none was refused (three held the whole budget before): each waits at the engine
+            sock.settimeout(0.2)
+            with pytest.raises(socket.timeout):
+                sock.recv(65536)
+    finally:
+        for sock in socks:
+            sock.close()
+        for p in reversed(started):
+            p.stop()
+
+
+@pytest.mark.integration
+def test_a_client_that_does_not_read_its_response_is_closed_and_the_engine_stops(rig):
+    upstream, proxy = rig("--client-timeout", "1", chunk_delay=0)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", proxy.port))
+    body = b'{"stream": true, "endless": true}'
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and not metric(proxy, 'gpuwarden_proxy_failures_total{reason="stalled_reader"}'):
+        time.sleep(0.2)
+    assert metric(proxy, 'gpuwarden_proxy_failures_total{reason="stalled_reader"}') == 1
+    while upstream.get_json("/debug/open")["open"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert upstream.get_json("/debug/open")["open"] == 0
+    sock.close()
+    assert send(proxy.port, "GET", "/health")[0].status == 200
+    assert "Traceback" not in "\n".join(proxy.lines), proxy.lines
+
+
+def test_rules_pass_bodies_of_the_wrong_shape_through():
+    for body in ({"messages": 5}, {"messages": {"role": "system"}}, {"messages": "system"}, {"system": 5},
+                 {"messages": [5, {"role": "system", "content": 5}]}, {"tools": "x", "system": [5, {"text": 1}]}):
+        for api in ("openai", "anthropic"):
+            kept = json.loads(json.dumps(body))
+            assert not apply(kept, api, Rules(date_line=True)) and kept == body
+
+
+def test_a_rule_that_fails_sends_the_body_unchanged_and_its_dump_is_not_left_behind(tmp_path, monkeypatch):
+    from gpuwarden.proxy import server
+    from gpuwarden.proxy.dump import Dumper
+
+    def broken(body, api, rules):
+        raise TypeError("a shape no rule expected")
+
+    monkeypatch.setattr(server, "apply", broken)
+    dumper = Dumper(tmp_path / "d", keep=10, max_bytes=1 << 20)
+    proxy = server.Proxy("http://127.0.0.1:1", Rules(), server.ProxyMetrics((None, None)), dumper=dumper)
+    raw = b'{"model": "m", "messages": 5}'
+    held = proxy.budget.hold()
+    assert proxy._normalize("openai", bytearray(raw), "", held, "127.0.0.1", "/v1/chat/completions") == raw
+    assert not list((tmp_path / "d").glob("*/*")) and dumper._bytes == 0
+
+
+@pytest.mark.integration
+def test_a_body_of_the_wrong_shape_goes_through_and_its_dump_is_counted(rig, tmp_path):
+    upstream, proxy = rig("--dump-dir", str(tmp_path / "d"), "--dump-max-bytes", str(1 << 20))
+    raw = json.dumps({"model": "m", "messages": 5, "pad": "x" * (300 << 10)}).encode()
+    for _ in range(6):  # 600 KiB a dump: never more than one kept within 1 MiB
+        reply, _ = send(proxy.port, "POST", "/v1/chat/completions", raw)
+        assert reply.status == 200 and last_upstream(upstream)[0] == raw
+    assert sum(f.stat().st_size for f in (tmp_path / "d").glob("*/*.json")) <= 1 << 20
+    assert "Traceback" not in "\n".join(proxy.lines), proxy.lines
+
+
+def test_no_session_folder_reads_as_an_option():
+    for uid in ("-rf", "--help", "-", "-a/b", "-" * 64):
+        name = session_of({"metadata": {"user_id": uid}}, "anthropic", "127.0.0.1")
+        assert not name.startswith("-") and len(name) <= 64
+    assert session_of({"metadata": {"user_id": "a-b"}}, "anthropic", None) == "a-b"
+
+
+def test_every_gzip_member_is_decoded_and_deflate_with_trailing_bytes_is_refused():
+    budget = Budget(1 << 20)
+    held = budget.hold()
+    assert decode(gzip.compress(b'{"a": ') + gzip.compress(b'1}'), "gzip", 1 << 10, held) == b'{"a": 1}'
+    assert held.bytes == 8
+    with pytest.raises(Refusal) as refused:
+        decode(zlib.compress(b"{}") + zlib.compress(b"[]"), "deflate", 1 << 10, held)
+    assert refused.value.status == 400
+    with pytest.raises(Refusal) as refused:  # the members together past the limit
+        decode(gzip.compress(b"x" * 600) + gzip.compress(b"y" * 600), "gzip", 1 << 10, held)
+    assert refused.value.status == 413

@@ -107,16 +107,31 @@ def decode(body: bytes, coding: str, limit: int, held: Held) -> bytes:
     if coding not in ("gzip", "x-gzip", "deflate"):
         raise Refusal(415, "bad_encoding", f"Content-Encoding {coding!r}: the proxy reads gzip, deflate or none")
     held.take(limit, "the decompressed body")  # the most it may be, taken before it is made
-    try:
-        inflate = zlib.decompressobj(wbits=47)  # a zlib or gzip header, found from the data
-        plain = inflate.decompress(body, limit + 1)  # never more than limit + 1 bytes, whatever the ratio
-    except zlib.error as exc:
-        raise Refusal(400, "bad_encoding", f"the body is not valid {coding}: {exc}") from None
-    if len(plain) > limit:
-        raise Refusal(413, "too_large", f"request body over {limit} bytes once decompressed (--max-body-bytes)")
-    if not inflate.eof:
-        raise Refusal(400, "bad_encoding", f"the {coding} body is cut short")
-    held.give(limit - len(plain))
+    pieces, size, rest = [], 0, body
+    while True:  # gzip may be several members one after another (RFC 1952 2.2): each is decoded
+        try:
+            inflate = zlib.decompressobj(wbits=47)  # a zlib or gzip header, found from the data
+            piece = inflate.decompress(rest, limit + 1 - size)  # never past limit + 1 bytes, whatever the ratio
+        except zlib.error as exc:
+            raise Refusal(400, "bad_encoding", f"the body is not valid {coding}: {exc}") from None
+        size += len(piece)
+        pieces.append(piece)
+        if size > limit:
+            raise Refusal(413, "too_large", f"request body over {limit} bytes once decompressed (--max-body-bytes)")
+        if not inflate.eof:
+            raise Refusal(400, "bad_encoding", f"the {coding} body is cut short")
+        rest = inflate.unused_data
+        if not rest:
+            break
+        if coding == "deflate":
+            raise Refusal(400, "bad_encoding", f"the deflate body has {len(rest)} bytes after its end")
+    if len(pieces) == 1:
+        held.give(limit - size)
+        return pieces[0]
+    held.take(size, "joining the decompressed body")  # the pieces and their join, for a moment
+    plain = b"".join(pieces)
+    pieces = None
+    held.give(limit)
     return plain
 
 

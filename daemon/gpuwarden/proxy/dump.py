@@ -6,7 +6,7 @@ its size, which a 32 MB body made a 130 MB dump. The
 directory is bounded by count (`keep` files) and by size (`max_bytes`), the oldest files going first; both count
 what is on disk when the proxy starts, so restarts do not add up. A dump that alone would pass `max_bytes` is not
 kept. A session is the client's own id where it sends one (Anthropic metadata.user_id, as Claude Code does), else
-the client's address and the API; it becomes a folder name of [A-Za-z0-9_-] only, with a hash of the id where
+the client's address and the API; it becomes a folder name of [A-Za-z0-9_-] only, never starting with "-", with a hash of the id where
 anything had to change, so no id is a path (`..`, `/`) and no two ids share a folder.
 """
 
@@ -24,7 +24,7 @@ from collections import deque
 from pathlib import Path
 
 log = logging.getLogger("gpuwarden.proxy")
-SAFE_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]{0,63}")  # never a leading "-": no name reads as an option
 UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
 TURN_NAME = re.compile(r"\d{8}T\d{6}\.\d{9}Z\.json")
 
@@ -37,7 +37,8 @@ def session_of(body: dict, api: str, peer: str | None) -> str:
     if SAFE_NAME.fullmatch(raw):
         return raw
     digest = hashlib.sha256(raw.encode("utf-8", "surrogatepass")).hexdigest()[:16]
-    return f"{UNSAFE.sub('_', raw)[-40:]}-{digest}"
+    name = f"{UNSAFE.sub('_', raw)[-40:]}-{digest}"
+    return "_" + name if name.startswith("-") else name
 
 
 class Dumper:

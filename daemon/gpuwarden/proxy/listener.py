@@ -8,6 +8,10 @@ descriptor for /health, the engine or accept(). Here:
   hold an upstream connection too (the client session is capped at the same number);
 - a connection waits, sends its headers and sends its body within deadlines (`timeout_s`, and for the body
   `timeout_s` plus one second per MIN_BODY_RATE bytes received), else it is closed;
+- a request's head is at most MAX_HEAD_BYTES, blank lines before it included; what arrives while a request is
+  served (pipelined requests) is read up to MAX_HEAD_BYTES, then reading waits until the response is done;
+- a response the client does not read (the socket's buffer full, so a write cannot drain) for `timeout_s`
+  closes the connection, and with it the upstream request;
 - at the cap, a new connection closes the open one that has waited longest without a request being served (a
   keep-alive, headers or a body still coming): a crowd that holds connections open only pushes out its own,
   while a request that arrives whole is served. When every open connection is being served, the new one gets a
@@ -61,6 +65,8 @@ class Connection(asyncio.Protocol):
         self.phase, self.since, self.received, self.served = WAITING, conns.clock(), 0, 0
         self.closing = False
         self.tail = b""  # the last bytes of the headers so far, to find their end across reads
+        self.begun = False  # a byte of the head other than the blank lines before it (aiohttp skips those)
+        self.paused = False  # reading paused by us: a pipelined request past MAX_HEAD_BYTES while serving
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -71,20 +77,34 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.phase in (WAITING, HEADERS) and not self._headers(data):
             return
-        if self.phase == BODY:
+        if self.phase in (BODY, SERVING):
             self.received += len(data)
+        if self.phase == SERVING and self.received > MAX_HEAD_BYTES and not self.paused:
+            # What a client sends while its request is served is the next request (pipelined): aiohttp would
+            # parse and queue up to 32 of them, heads and all. Past one head's worth, the rest waits in the
+            # kernel until the response is done (reading goes on after it: the client can still be seen leave).
+            self.paused = True
+            self.transport.pause_reading()
         self.handler.data_received(data)
+
+    def resume(self) -> None:
+        if self.paused:
+            self.paused = False
+            if self.transport is not None and not self.closing:
+                self.transport.resume_reading()
 
     def _headers(self, data: bytes) -> bool:
         """Count the bytes of a request's headers until their end; False (and closed) past MAX_HEAD_BYTES."""
         if self.phase == WAITING:
             self.conns.enter(self, HEADERS)
+        self.received += len(data)  # the blank lines before a head count too
         seen = self.tail + data
-        if b"\r\n\r\n" in seen:  # the body's clock starts (and again when the handler runs)
+        if not self.begun:
+            seen = seen.lstrip(b"\r\n")  # as aiohttp does: blank lines before the request line are skipped
+            self.begun = bool(seen)
+        if self.begun and b"\r\n\r\n" in seen:  # the body's clock starts (and again when the handler runs)
             self.conns.enter(self, BODY)
-            self.tail = b""
             return True
-        self.received += len(data)
         self.tail = seen[-3:]
         if self.received <= MAX_HEAD_BYTES:
             return True
@@ -99,9 +119,11 @@ class Connection(asyncio.Protocol):
         self.handler.connection_lost(exc)
 
     def pause_writing(self) -> None:
+        self.conns.stalled[self] = self.conns.clock()  # the client is not reading what it is sent
         self.handler.pause_writing()
 
     def resume_writing(self) -> None:
+        self.conns.stalled.pop(self, None)
         self.handler.resume_writing()
 
     def deadline(self, timeout_s: float) -> float | None:
@@ -125,6 +147,9 @@ class Connections:
         self.open: dict[asyncio.Protocol, Connection] = {}  # by aiohttp handler, for request.protocol
         # Connections not being served, the longest waiting first: the ones the cap and the deadlines close.
         self.idle: collections.OrderedDict[Connection, None] = collections.OrderedDict()
+        # Connections whose writes wait for the client to read (the transport's buffer is full), and since when:
+        # closed when a write cannot drain within timeout_s, whatever the phase.
+        self.stalled: dict[Connection, float] = {}
         self._ticker: asyncio.TimerHandle | None = None
 
     # -- accepting ---------------------------------------------------------------------------------------
@@ -151,6 +176,7 @@ class Connections:
     def closed(self, conn: Connection) -> None:
         self.open.pop(conn.handler, None)
         self.idle.pop(conn, None)
+        self.stalled.pop(conn, None)
 
     def _close(self, conn: Connection) -> None:
         # Out of the books now, not when the loop gets to connection_lost: a burst of accepts in one loop pass
@@ -163,7 +189,9 @@ class Connections:
 
     # -- the phases of a request -------------------------------------------------------------------------
     def enter(self, conn: Connection, phase: str) -> None:
-        conn.phase, conn.since, conn.received, conn.tail = phase, self.clock(), 0, b""
+        conn.phase, conn.since, conn.received, conn.tail, conn.begun = phase, self.clock(), 0, b"", False
+        if phase != SERVING:
+            conn.resume()
         self.idle.pop(conn, None)
         if phase != SERVING and conn.handler in self.open:
             self.idle[conn] = None  # at the end: the order stays "longest waiting first"
@@ -205,6 +233,9 @@ class Connections:
 
     def sweep(self) -> None:
         now, t = self.clock(), self.timeout_s
+        for conn, since in list(self.stalled.items()):
+            if now - since >= t:
+                self.fault(conn, "stalled_reader", f"it read nothing of its response in {t:g} s")
         for conn in list(self.idle):
             deadline = conn.deadline(t)
             if deadline is None or now < deadline:

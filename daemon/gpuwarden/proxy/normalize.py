@@ -81,7 +81,10 @@ def _anthropic_system(body: dict, rules: Rules, applied: Counter) -> None:
 
 
 def _openai_system(body: dict, rules: Rules, applied: Counter) -> None:
-    for message in body.get("messages") or ():
+    messages = body.get("messages")
+    if not isinstance(messages, list):  # not the API's shape: the engine answers it, unchanged
+        return
+    for message in messages:
         if not isinstance(message, dict) or message.get("role") not in ("system", "developer"):
             continue
         content = message.get("content")

@@ -96,6 +96,16 @@ class ProxyMetrics:
         return []
 
 
+async def _sent(body: bytes | bytearray, held: Held):
+    """The body for the upstream request, one piece: aiohttp asks for the next only once this one is written
+    (handed to the socket, waiting for it to drain), and then the body's share of the budget is given back."""
+    try:
+        yield body
+        body = None
+    finally:
+        held.release()
+
+
 def forwarded(headers) -> CIMultiDict:
     """The end-to-end headers: without the hop-by-hop ones, nor those the Connection header names as such."""
     named = {token.strip().lower() for value in headers.getall("Connection", ()) for token in value.split(",")}
@@ -204,6 +214,8 @@ class Proxy:
                         body = await asyncio.get_running_loop().run_in_executor(None, prepare)
                     else:
                         body = prepare()
+                    del prepare  # the body as received goes with it
+                    held.give(max(0, held.bytes - len(body)))  # the parse is done: only the bytes to send stay held
             except Refusal as exc:
                 return self._refuse(request, label, exc.status, exc.reason, str(exc))
             except (ConnectionError, HttpProcessingError) as exc:  # the client left, or broke, mid-body
@@ -213,10 +225,14 @@ class Proxy:
                 return web.Response(status=400)  # for a client still there; aiohttp closes the connection
             self.metrics.bytes_in.inc(len(body))
             try:
-                async with self.session.request(request.method, self.upstream + request.path_qs, data=body or None,
+                if body:  # sent as a stream of one piece, so its share is given back once the engine has it
+                    headers["Content-Length"] = str(len(body))
+                    data, body = _sent(body, held), None
+                else:
+                    data = None
+                async with self.session.request(request.method, self.upstream + request.path_qs, data=data,
                                                 headers=headers, allow_redirects=False) as up:
-                    held.release()  # the body is sent: its bytes and its parse are gone
-                    body = None
+                    held.release()
                     self.metrics.upstream.labels(label).observe(time.monotonic() - began)
                     return await self._relay(request, up, label)
             except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
@@ -252,20 +268,31 @@ class Proxy:
         if not isinstance(parsed, dict):
             raise Refusal(400, "bad_json", "body is JSON but not an object")
         turn = self.dumper.open(session_of(parsed, api, peer), path) if self.dumper is not None else None
-        if turn is not None:
-            turn.part("received", parsed)  # before the rules change it in place
-        applied = apply(parsed, api, self.rules)
-        for rule, n in applied.items():
-            self.metrics.normalized.labels(rule).inc(n)
-        if applied:
+        applied: dict = {}
+        try:  # the dump is closed (kept within its budget, or removed) on every path
+            if turn is not None:
+                turn.part("received", parsed)  # before the rules change it in place
             try:
-                plain = json.dumps(parsed, ensure_ascii=False, separators=(",", ":")).encode()
-            except UnicodeEncodeError:  # a lone surrogate from a \ud800 escape: keep it escaped
-                plain = json.dumps(parsed, separators=(",", ":")).encode()
-        if turn is not None:
-            turn.part("sent", parsed)
-            turn.close(dict(applied))
-        return plain
+                applied = apply(parsed, api, self.rules)
+            except Exception as exc:  # a shape no rule expected: the body goes on as it came
+                self.faults.note("bodies the rules could not read", f"{path} from {peer}: a rule failed on the "
+                                 f"body ({type(exc).__name__}: {str(exc)[:200]}); sent unchanged")
+                if turn is not None:
+                    turn.failed = "a rule failed on the body"
+                return plain
+            for rule, n in applied.items():
+                self.metrics.normalized.labels(rule).inc(n)
+            if applied:
+                try:
+                    plain = json.dumps(parsed, ensure_ascii=False, separators=(",", ":")).encode()
+                except UnicodeEncodeError:  # a lone surrogate from a \ud800 escape: keep it escaped
+                    plain = json.dumps(parsed, separators=(",", ":")).encode()
+            if turn is not None:
+                turn.part("sent", parsed)
+            return plain
+        finally:
+            if turn is not None:
+                turn.close(dict(applied))
 
     async def _relay(self, request: web.Request, up: aiohttp.ClientResponse, label: str) -> web.StreamResponse:
         response = web.StreamResponse(status=up.status, reason=up.reason)
