@@ -151,7 +151,7 @@ def daemons():
                 d.proc.wait(30)
             except subprocess.TimeoutExpired:
                 d.proc.kill()
-                d.proc.wait(10)
+                d.proc.wait(120)  # a host swapping under a test's load delivers even SIGKILL late
 
 
 # -- the real CPU build of vLLM (tests/vllm/install) ---------------------------------------------

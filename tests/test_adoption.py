@@ -56,6 +56,9 @@ def test_a_restarted_daemon_adopts_the_engine_it_left_and_watches_it_again(write
     assert f"pid {pid}, up " in line and "still serving" in line
     assert running_pid(base) == pid, "the same engine, not a new one"
     assert "vLLM starting (pid" not in second.log
+    # Its flags were checked when it started: the second daemon does not wait on the engine's parser again
+    # before it watches the engine (on a busy host that took longer than systemd's restart loop allowed).
+    assert "accepts the flags" in first.log and "accepts the flags" not in second.log
     # Watched again: killed, it is noticed and restarted as any engine is.
     mark = len(second.lines)
     os.kill(pid, signal.SIGKILL)

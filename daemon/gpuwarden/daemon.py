@@ -100,10 +100,11 @@ class Daemon:
         engine, take the first sample, and tell systemd we are ready. Raises ConfigErrors for values a card or
         the engine rejects, StartupError if the metrics port is taken; neither leaves a GPU setting changed."""
         plan = self.tuning.check(self.config)
-        # After a handover the engine runs already, its flags checked when it started: only lint here, so the
-        # new image feeds the watchdog again within seconds, not after the engine's import.
-        handing_over = HANDOVER_ENV in os.environ
-        launch = self.serving.prepare(self.config, deep=not handing_over) if self.config.serve.enabled else None
+        # After a handover, or a crash of the daemon that left the engine serving, the engine runs already, its
+        # flags checked when it started: only lint here, so the daemon watches it again within seconds, not
+        # after the engine's import (a minute and more on a busy host, the engine unwatched all the while).
+        adopting = HANDOVER_ENV in os.environ or self._engine_survives()
+        launch = self.serving.prepare(self.config, deep=not adopting) if self.config.serve.enabled else None
         if self.config.metrics.listen is not None:
             try:
                 self.server = MetricsServer(self.config.metrics.listen, self.exposition, self.status_document,
@@ -129,6 +130,14 @@ class Daemon:
             handover.end_leftovers(handover.load(self.serving.state_dir), "serving is off now")
             handover.clear(self.serving.state_dir)
         self.tick(now)
+
+    def _engine_survives(self) -> bool:
+        """The record an earlier daemon left names an engine that still runs, provably ours (to be adopted)."""
+        record = handover.load(self.serving.state_dir)
+        if record is None or record.stopping:
+            return False
+        return any(handover.proven(child) is None for child in record.children
+                   if child.name == self.config.serve.engine)
 
     def _start_serving(self, launch, now: float) -> None:
         """Start the children, or take over those an earlier daemon left running: after a re-exec (an
