@@ -129,6 +129,29 @@ class ProxyConfig:
         return f"{host}:{self.listen[1]}"
 
 
+NODE_BACKENDS = ("mp", "ray")  # vLLM's own multi-node mode (--nnodes/--node-rank/--headless), or a Ray cluster
+
+
+@dataclass(frozen=True)
+class NodesConfig:
+    """serve.nodes: one engine across hosts. The same file on every node, but for rank (or hosts, where each
+    node finds its own rank among its addresses: serving/compose/nodes.py). gpuwarden adds no cluster protocol:
+    the engine's own rendezvous (or Ray's) joins the nodes, each node's daemon supervises its own part."""
+
+    count: int = 1
+    rank: int | None = None  # None: the index of this host's address in hosts
+    hosts: tuple[str, ...] = ()  # every node's address, in rank order (hosts[0] is the head)
+    head: str = ""  # the head's address (default hosts[0]); its rendezvous port is port
+    port: int = 29500  # the head's rendezvous: vLLM's --master-port, or Ray's GCS port
+    backend: str = "mp"
+    interface: str | None = None  # the NIC the collectives use: NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME
+
+    @property
+    def address(self) -> str:
+        """HEAD:PORT, an IPv6 head in brackets."""
+        return f"[{self.head}]:{self.port}" if ":" in self.head else f"{self.head}:{self.port}"
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     """The serving child (vLLM by default): what to run, as whom, and how to supervise it."""
@@ -163,6 +186,7 @@ class ServeConfig:
     profiles_dir: Path | None = None  # profiles.d beside the config file
     rules_dir: Path | None = None  # rules.d beside the config file: lint rules added or overridden by id
     proxy: ProxyConfig = ProxyConfig()
+    nodes: NodesConfig | None = None  # None: one host
 
     @property
     def url(self) -> str:
@@ -272,6 +296,14 @@ def _serve_dict(s: ServeConfig) -> dict:
     out.update(command=list(s.command), args=list(s.args), env=dict(s.env),
                gpus="all" if s.gpus is None else list(s.gpus), python=s.python or "auto",
                env_file="none" if s.env_file is None else str(s.env_file), proxy=_proxy_dict(s.proxy))
+    if s.nodes is None:
+        del out["nodes"]
+    else:
+        n = s.nodes
+        out["nodes"] = {"count": n.count, "hosts": list(n.hosts), "head": n.head, "port": n.port,
+                        "backend": n.backend, "interface": n.interface or "none"}
+        if n.rank is not None:
+            out["nodes"]["rank"] = n.rank
     if not s.model:
         del out["model"]  # unset is not an empty string
     if not s.command:
@@ -378,7 +410,36 @@ def _serve_section(r: Reader, base_dir: Path) -> ServeConfig:
         profiles_dir=base_dir / "profiles.d",
         rules_dir=base_dir / "rules.d",
         proxy=_proxy_section(r, base_dir, port=r.get(base + ("port",))),
+        nodes=_nodes_section(r),
     )
+
+
+def _nodes_section(r: Reader) -> NodesConfig | None:
+    base = ("serve", "nodes")
+    if r.get(base) is MISSING:
+        return None
+    d = NodesConfig()
+    r.mapping(base, [f.name for f in dataclasses.fields(NodesConfig)])
+    count = r.number(base + ("count",), 2, 1, 1024, integer=True)
+    hosts = tuple(_string_list(r, base + ("hosts",), ()))
+    if hosts and len(hosts) != count:
+        r.fail(base + ("hosts",), f"{len(hosts)} hosts for count {count}", "one address per node, head first")
+    rank = r.get(base + ("rank",))
+    if rank is MISSING:
+        rank = None
+        if not hosts:
+            r.fail(base + ("rank",), "this node's rank is not set, and no hosts list to find it in",
+                   f"rank: 0-{count - 1} (0 is the head), or hosts: [HEAD, ...]")
+    else:
+        rank = r.number(base + ("rank",), 0, 0, count - 1, integer=True)
+    head = r.string(base + ("head",), hosts[0] if hosts else "")
+    if not head:
+        r.fail(base + ("head",), "the head's address is not set", "head: ADDRESS, or hosts: [HEAD, ...]")
+    interface = r.string(base + ("interface",), "none")
+    return NodesConfig(count=count, rank=rank, hosts=hosts, head=head,
+                       port=r.number(base + ("port",), d.port, 1, 65535, integer=True),
+                       backend=r.string(base + ("backend",), d.backend, NODE_BACKENDS),
+                       interface=None if str(interface).lower() in NONE_WORDS else interface)
 
 
 def _proxy_section(r: Reader, base_dir: Path, port: Any) -> ProxyConfig:

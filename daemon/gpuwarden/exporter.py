@@ -19,6 +19,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 from http import HTTPStatus
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -227,6 +228,25 @@ def _alert_metrics(snap: Snapshot) -> Iterator[Metric]:
     yield reapplies
 
 
+def _node_metrics(s: Any) -> Iterator[Metric]:
+    """This node's part of a multi-node engine: who it is, and whether its part runs (a worker's needs the
+    head to answer too). The head label (its rendezvous HOST:PORT) names the engine across the nodes."""
+    rank = str(s.rank)
+    info = _gauge("gpuwarden_serving_node_info", "This node's part of a multi-node engine: role, rank, node count, "
+                  "backend's head address (value is always 1)", ("role", "rank", "nodes", "head"))
+    info.add_metric([s.role, rank, str(s.nodes), s.head], 1)
+    yield info
+    up = _gauge("gpuwarden_serving_node_up", "1 while this node's part of the multi-node engine runs (a worker's: "
+                "and the head's rendezvous answers)", ("rank", "head"))
+    up.add_metric([rank, s.head], int(s.state == "RUNNING" and s.head_up is not False))
+    yield up
+    if s.head_up is not None:
+        reach = _gauge("gpuwarden_serving_head_reachable", "1 if the head's rendezvous port accepted a connection "
+                       "when last asked (workers only)", ("head",))
+        reach.add_metric([s.head], int(s.head_up))
+        yield reach
+
+
 def _serving_metrics(snap: Snapshot) -> Iterator[Metric]:
     """Generic serving metrics with an engine label, for every engine, and the same numbers under the
     gpuwarden_vllm_* names (no label) while the engine is vLLM: those dashboards keep working this release."""
@@ -238,6 +258,8 @@ def _serving_metrics(snap: Snapshot) -> Iterator[Metric]:
                   "version (empty where unknown; value is always 1)", ("engine", "model", "profile", "version"))
     info.add_metric([s.engine, s.model, s.profile, s.version], 1)
     yield info
+    if s.role:
+        yield from _node_metrics(s)
     state = _gauge("gpuwarden_serving_state", "1 for each supervised child's current state", ("child", "state"))
     for child in snap.children:
         for name in STATES:

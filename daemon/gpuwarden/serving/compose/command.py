@@ -11,6 +11,7 @@ from ...config import Config, ServeConfig
 from ...gpu.base import GpuSample
 from ...yamlfile import ConfigError
 from .engines import Engine, engine_for
+from .nodes import Role
 from .profiles import Profile
 
 # What the child inherits from our environment: the locale and the CUDA/NCCL/NVIDIA settings, nothing else
@@ -28,6 +29,7 @@ class ServeCommand:
     gpus: tuple[GpuSample, ...]
     engine: Engine
     prefix: int  # how many leading words of argv are the command (serve.command or the engine's)
+    role: Role | None = None  # this node's part of a multi-node engine (None: one host)
 
     @property
     def flags(self) -> list[str]:
@@ -76,21 +78,24 @@ def child_env(base_env: Mapping[str, str], program: str) -> dict[str, str]:
 
 def build_command(serve: ServeConfig, profile: Profile, gpus: Sequence[GpuSample],
                   base_env: Mapping[str, str] = os.environ, secrets: Mapping[str, str] | None = None,
-                  home: Mapping[str, str] | None = None, engine: Engine | None = None) -> ServeCommand:
+                  home: Mapping[str, str] | None = None, engine: Engine | None = None,
+                  role: Role | None = None) -> ServeCommand:
     """argv and env for the child. env: the allow-list of base_env, a home made for the child when its own
-    cannot be written (serving/compose/homes.py), then the profile's, serve.env, and the secrets (from a root-only
+    cannot be written (serving/compose/homes.py), then the profile's, the node role's (the collectives'
+    interface: serve.nodes.interface), serve.env, and the secrets (from a root-only
     file or a credential), in that order; HOME, USER and LOGNAME otherwise come at spawn."""
     engine = engine or engine_for(serve.engine)
     command = engine.command(serve)
-    argv = engine.argv(serve, profile)
+    argv = engine.argv(serve, profile, role)
     env = child_env(base_env, command[0])
     env.update(home or {})
     env.update(dict(profile.env))
+    env.update(role.env() if role is not None else {})
     env.update(dict(serve.env))
     env.update(secrets or {})
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # so CUDA's indices are ours
     env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g.index) for g in gpus)
-    return ServeCommand(argv, env, profile, tuple(gpus), engine, len(command))
+    return ServeCommand(argv, env, profile, tuple(gpus), engine, len(command), role)
 
 
 def profile_error(config: Config, wanted: str, known: Sequence[str]) -> ConfigError:

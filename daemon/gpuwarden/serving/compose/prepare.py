@@ -21,6 +21,7 @@ from .flagcheck import engine_python
 from .installed import Installed, installed
 from .lint import ERROR, LintFinding
 from .model import model_facts
+from .nodes import role_of
 from .rules import LintContext, Outcome, Rules
 from .profiles import Profile, load_profiles, select_profile
 from .secrets import SecretFileError, credentials_file, read_env_file
@@ -125,7 +126,11 @@ def compose(config: Config, gpus: Sequence[GpuSample], profile_name: str | None 
     profile = pick_profile(config, load_profiles(config.serve.profiles_dir), profile_name or config.serve.profile,
                            gpus)
     rules = rules_for(config.serve.rules_dir)
-    command = build_command(config.serve, profile, gpus, base_env, secrets, home, engine)
+    role = role_of(config)
+    try:
+        command = build_command(config.serve, profile, gpus, base_env, secrets, home, engine, role)
+    except ValueError as exc:  # the engine has no multi-node mode
+        raise config.error(("serve", "nodes"), str(exc), "serve.engine: vllm, or no serve.nodes") from None
     if found is None:
         found = installed_for(config, command, ask)
     model = model_facts(config.serve.model, read=ask)

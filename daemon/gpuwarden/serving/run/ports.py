@@ -33,6 +33,38 @@ def listening_sockets(port: int, proc: str = "/proc") -> dict[int, int]:
     return sockets
 
 
+ESTABLISHED = "01"
+
+
+def _address(hexed: str) -> str:
+    """/proc/net/tcp's address (IPv4: one little-endian word; IPv6: four), as text; v4-mapped IPv6 as IPv4."""
+    raw = bytes.fromhex(hexed)
+    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    if len(raw) == 16 and raw[:12] == b"\0" * 10 + b"\xff\xff":
+        raw = raw[12:]
+    return socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, raw)
+
+
+def peers(port: int, uid: int, proc: str = "/proc", accepted: bool = True) -> list[str]:
+    """The remote addresses of uid's established connections accepted on local port (accepted), or made to
+    remote port (not accepted): a multi-node engine's rendezvous, to which each rank's process holds one
+    connection while the engine lives."""
+    found = []
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = Path(proc, "net", table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[3] == ESTABLISHED and int(fields[7]) == uid:
+                local, remote = fields[1].rsplit(":", 1), fields[2].rsplit(":", 1)
+                if int((local if accepted else remote)[1], 16) == port:
+                    with contextlib.suppress(ValueError, OSError):
+                        found.append(_address(remote[0]))
+    return found
+
+
 class Unseen(Exception):
     """/proc/PID/fd of these processes cannot be read (another uid, and no CAP_SYS_PTRACE, as under the unit)."""
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from ... import httpget
 from ...background import Background
 from . import handover, ports
+from ..compose import nodes
 from ..compose.identity import Identity, popen
 
 log = logging.getLogger("gpuwarden")
@@ -165,6 +166,13 @@ class ProcessOps:
 
     def health(self, url: str) -> httpget.Reply:
         return httpget.get(url, HEALTH_DEADLINE_S, HEALTH_MAX_BYTES)
+
+    def reachable(self, host: str, port: int) -> str | None:
+        """None if host:port accepts a TCP connection (2 s at most); else why not."""
+        return nodes.reachable(host, port)
+
+    def peers(self, port: int, uid: int, accepted: bool) -> list[str]:
+        return ports.peers(port, uid, accepted=accepted)
 
     def port_free(self, host: str, port: int) -> bool:
         return ports.port_free(host, port)

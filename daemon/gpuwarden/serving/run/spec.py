@@ -45,8 +45,8 @@ class ChildSpec:
     env: Mapping[str, str]
     identity: Identity
     host: str  # where it listens; the port must be free before a start, and its group must own it
-    port: int
-    health_path: str
+    port: int  # 0: it listens nowhere (a headless node of a multi-node engine)
+    health_path: str  # "": no HTTP health; its liveness is that peer answers
     timing: Timing
     log_level: Callable[[str], int | None]  # the level of a line of its output; None: a continuation
     gpus: tuple[Gpu, ...] = ()  # held while it runs: a start waits until they are free
@@ -55,6 +55,16 @@ class ChildSpec:
     model: str = ""  # what it serves, for the view (empty: no model, e.g. the proxy)
     profile: str = ""  # the profile it was composed from, for the view and its start line
     version: str = ""  # the engine's installed version where it is known (a fleet compares it across hosts)
+    # A node of a multi-node engine that serves no API: the head's rendezvous (host, port). A start waits until it
+    # accepts a connection ("waiting for rank 0", no failure counted), and while running, its answer is the
+    # liveness probe: a head that went away ends this part, which waits for the head again.
+    peer: tuple[str, int] | None = None
+    role: str = ""  # "head" or "worker" in a multi-node engine, "" on one host
+    rank: int | None = None
+    nodes: int = 1  # how many nodes the engine spans
+    head: str = ""  # the head's rendezvous HOST:PORT: what names the engine across the nodes' metrics
+    rendezvous: int = 0  # the rendezvous port whose connections (one per rank) are watched while it runs
+    hosts: tuple[str, ...] = ()  # every node's address by rank, where known: names a rank that was lost
 
     @property
     def url(self) -> str:
@@ -64,8 +74,17 @@ class ChildSpec:
 
 def engine_spec(serve: ServeConfig, command: ServeCommand, identity: Identity, gpus: Sequence[Gpu],
                 version: str | None = None) -> ChildSpec:
-    """The serving engine's child: the composed command, on its GPUs, with serve.*'s timing."""
-    engine = command.engine
-    return ChildSpec(engine.name, engine.title, command.argv, dict(command.env), identity, serve.host, serve.port,
-                     engine.health_path, Timing.of(serve), engine.log_level, tuple(gpus), engine.memory_flag,
-                     command.memory_fraction, serve.model, command.profile.name, version or "")
+    """The serving engine's child: the composed command, on its GPUs, with serve.*'s timing. On a node past
+    the head of a multi-node engine it serves no API: it listens nowhere, and its health is the head's."""
+    engine, role = command.engine, command.role
+    title, port, health, peer = engine.title, serve.port, engine.health_path, None
+    if role is not None:
+        title = f"{engine.title} rank {role.rank} of {role.nodes.count}"
+        if not role.head:
+            port, health, peer = 0, "", (role.nodes.head, role.nodes.port)
+    return ChildSpec(engine.name, title, command.argv, dict(command.env), identity, serve.host, port,
+                     health, Timing.of(serve), engine.log_level, tuple(gpus), engine.memory_flag,
+                     command.memory_fraction, serve.model, command.profile.name, version or "", peer,
+                     role.name if role else "", role.rank if role else None, role.nodes.count if role else 1,
+                     role.nodes.address if role else "", role.nodes.port if role and role.nodes.backend == "mp" else 0,
+                     role.nodes.hosts if role else ())

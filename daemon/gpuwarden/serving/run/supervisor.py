@@ -77,6 +77,11 @@ class ServingView:
     gpus: tuple[int, ...] = ()  # the GPUs it runs on
     started_at: float | None = None  # when its process started (seconds since the epoch), adopted ones too
     version: str = ""  # the engine's installed version, where known
+    role: str = ""  # "head" or "worker" of a multi-node engine; "" on one host
+    rank: int | None = None
+    nodes: int = 1
+    head: str = ""  # the head's rendezvous HOST:PORT
+    head_up: bool | None = None  # a worker: the head's rendezvous answered when last asked (None: not a worker)
 
 
 @dataclass(frozen=True)
@@ -118,6 +123,11 @@ class Program:
         self.transitions: Counter = Counter()  # (from, to) -> count
         self.error_lines: deque[str] = deque(maxlen=10)
         self._probe = self.ops.background(f"{self.name}-health")
+        self._peer_probe = self.ops.background(f"{self.name}-peer")
+        self._peer_why: str | None = "not asked yet"  # the head's rendezvous, as last asked (None: it answers)
+        self._links: Counter = Counter()  # a multi-node part's connections on the rendezvous, most seen this run
+        self._head_seen_down = True  # a worker whose own part failed waits until the head restarted its part
+        self._head_wait_until = 0.0  # ... for this long at most (the head may never have seen this rank join)
         self._failures: deque[float] = deque()  # when each recent failure happened (the crash-loop window)
         self._consecutive = 0  # failures since the last stable run (the backoff's exponent)
         self._last_level = logging.INFO
@@ -184,6 +194,7 @@ class Program:
             self._failed(now, f"{self.title} could not be started: {_describe_error(exc)}")
             return
         self._probe.discard()
+        self._links = Counter()  # a new part: its connections are counted afresh
         profile = f", profile {spec.profile}" if spec.profile else ""
         self._transition(STARTING, f"{self.title} starting (pid {child.pid}{profile}, user {self.identity.name}): "
                                    + " ".join(redact_argv(spec.argv)), since=now, child=child, started=now,
@@ -218,7 +229,16 @@ class Program:
                                 self.identity.name)
                     self.ops.kill(pid, signal.SIGKILL)
         spec = self.spec
-        if not self.ops.port_free(spec.host, spec.port):
+        if spec.peer is not None:
+            why = self._peer_answer()
+            if why is not None:
+                self._head_seen_down = True
+                return self._waiting(why)
+            if not self._head_seen_down and self.clock() < self._head_wait_until:
+                host, port = spec.peer
+                return (f"waiting for rank 0 to restart its part: the engine cannot carry on without this rank, and "
+                        f"the head's rendezvous {host}:{port} still answers")
+        if spec.port and not self.ops.port_free(spec.host, spec.port):
             return (f"port {spec.port} on {spec.host} is in use by "
                     f"{self.ops.who_listens(spec.port)}; {self.title} needs it")
         want = spec.memory_fraction
@@ -233,6 +253,19 @@ class Program:
                     return (f"GPU{gpu.index} has {free / 2**30:.1f} GiB free, less than "
                             f"{spec.memory_flag} {want:g} of {s.memory_total_bytes / 2**30:.1f} GiB")
         return None
+
+    def _peer_answer(self) -> str | None:
+        """The latest answer of the head's rendezvous port (None: it accepts), asked again off the loop; before
+        the first answer, 'not asked yet'."""
+        self._peer_probe.start(self.ops.reachable, *self.spec.peer)
+        outcome = self._peer_probe.take()
+        if outcome is not None:
+            self._peer_why = str(outcome.error) if outcome.error is not None else outcome.value
+        return self._peer_why
+
+    def _waiting(self, why: str) -> str:
+        host, port = self.spec.peer
+        return f"waiting for rank 0: the head's rendezvous {host}:{port} does not answer ({why})"
 
     def tick(self, now: float) -> None:
         if self.state != STOPPING:
@@ -252,8 +285,16 @@ class Program:
                 self._running(now)
 
     def _health(self) -> tuple[bool | None, str]:
-        """(True healthy / False not / None no answer yet, why): the latest /health answer about this child."""
+        """(True healthy / False not / None no answer yet, why): the latest /health answer about this child, or
+        for a node that serves no API, whether the head's rendezvous answers."""
         spec = self.spec
+        if spec.peer is not None and not spec.health_path:
+            self._probe.start(self.ops.reachable, *spec.peer)
+            outcome = self._probe.take()
+            if outcome is None or outcome.started_at < self.phase.started:
+                return None, ""
+            why = str(outcome.error) if outcome.error is not None else outcome.value
+            return (True, "") if why is None else (False, self._waiting(why))
         self._probe.start(self.ops.health, spec.url + spec.health_path)
         outcome = self._probe.take()
         if outcome is None or outcome.started_at < self.phase.started:
@@ -263,7 +304,7 @@ class Program:
         if outcome.value.code != 200:
             return False, f"/health answered {outcome.value.code}"
         group = self.ops.group_pids(self.child.pgid)
-        if not self.ops.owns_port(spec.port, group, self.identity.uid):
+        if spec.port and not self.ops.owns_port(spec.port, group, self.identity.uid):
             return False, (f"port {spec.port} is answered by {self.ops.who_listens(spec.port)}, "
                            f"not by {self.title}'s process group")
         return True, ""
@@ -275,8 +316,9 @@ class Program:
         if healthy:
             self.time_to_healthy_s = now - started
             self.stalled = None  # a stall ends with a healthy new child
+            where = self.spec.url if self.spec.port else "its node, the head answering"
             self._transition(RUNNING, f"{self.title} healthy after {self.time_to_healthy_s:.1f} s on "
-                                      f"{self.spec.url}", since=now, child=self.child, started=started,
+                                      f"{where}", since=now, child=self.child, started=started,
                              started_wall=self.phase.started_wall, next_probe=now + timing.liveness_interval_s)
         elif healthy is False and f"not by {self.title}'s process group" in why:
             self._failed(now, f"{self.title} not trusted: {why}")
@@ -289,6 +331,8 @@ class Program:
             self._consecutive = 0  # a stable run resets the backoff
         if now < self.phase.next_probe:
             return
+        if self.spec.rendezvous and self._lost_rank(now):
+            return
         healthy, why = self._health()
         if healthy is None:
             return  # still waiting for this probe's answer
@@ -298,8 +342,52 @@ class Program:
         failures = self.phase.probe_failures + 1
         self._within(next_probe=now + timing.liveness_interval_s, probe_failures=failures)
         log.warning("%s liveness probe failed (%d of %d): %s", self.title, failures, timing.liveness_failures, why)
-        if failures >= timing.liveness_failures:
+        if failures >= timing.liveness_failures and self.spec.peer is not None:
+            self._lost_head(now, why)
+        elif failures >= timing.liveness_failures:
             self._failed(now, f"{self.title} failed {failures} liveness probes in a row")
+
+    def _lost_rank(self, now: float) -> bool:
+        """A multi-node part that runs holds connections on the rendezvous: the head accepts one from each rank's
+        process, a worker holds its own to the head. When one closes, a rank is gone and the engine cannot carry
+        on: this part ends and starts anew (no failure of this node: no restart budget spent). True if so."""
+        spec = self.spec
+        held = Counter(self.ops.peers(spec.rendezvous, self.identity.uid, spec.peer is None))
+        if sum(held.values()) >= sum(self._links.values()):
+            self._links = held
+            return False
+        lost = self._links - held
+        self._links = Counter()
+        if spec.peer is not None:
+            self._lost_head(now, f"its connection to the head's rendezvous {spec.head} closed")
+            return True
+        names = self._ranks_at(lost)
+        reason = f"lost {names}: its connection to the rendezvous on port {spec.rendezvous} closed"
+        try:
+            self._end_child(f"{self.title} {reason}; restarting this part, so that the whole engine starts again")
+        finally:
+            self._transition(BACKOFF, f"{self.title} restarts in 1 s once {names} is gone", logging.WARNING,
+                             since=now, problem=reason, retry_at=now + 1.0)
+        return True
+
+    def _ranks_at(self, lost: Counter) -> str:
+        """'rank 1', 'rank 2 (10.0.0.3)', or 'a rank at 10.0.0.9' for each lost connection's address."""
+        if self.spec.nodes == 2:
+            return "rank 1"
+        hosts = self.spec.hosts
+        names = [f"rank {hosts.index(a)} ({a})" if a in hosts[1:] else f"a rank at {a}" for a in sorted(lost)]
+        return ", ".join(names) or "a rank"
+
+    def _lost_head(self, now: float, why: str) -> None:
+        """The head went away: this part cannot carry on without it (the engine's rendezvous starts anew), so
+        it ends and waits for the head again. Not a failure of this node: no restart budget is spent."""
+        self._peer_why = why
+        self._links = Counter()
+        try:
+            self._end_child(f"{self.title} lost rank 0 (the head), ending its part: {why}")
+        finally:
+            self._transition(BACKOFF, f"{self.title} starts again once the head answers", logging.WARNING,
+                             since=now, problem=why, blocked=True, retry_at=now + PREFLIGHT_RETRY_S)
 
     def note_stall(self, now: float, reason: str | None, restart: bool) -> None:
         """The engine's progress as serving/watch/stall.py judges it: a new stall is counted and, with restart, ends
@@ -328,6 +416,10 @@ class Program:
         """The child is gone or must go: kill its group, then BACKOFF or FATAL, whatever a step raises."""
         self.last_exit_code = code
         timing = self.spec.timing
+        if self.spec.peer is not None:  # the head's part must start anew too: wait for it (bounded)
+            self._head_seen_down = False
+            self._head_wait_until = now + 2 * timing.liveness_interval_s * timing.liveness_failures \
+                + 2 * PREFLIGHT_RETRY_S
         try:
             self._end_child(reason)
         finally:
@@ -453,7 +545,14 @@ class Program:
                            self.name, self.title,
                            tuple((old, new, n) for (old, new), n in sorted(self.transitions.items())),
                            self.stalled, self.stalls, tuple(g.index for g in self.gpus), self.phase.started_wall,
-                           spec.version)
+                           spec.version, spec.role, spec.rank, spec.nodes, spec.head, self._head_up())
+
+    def _head_up(self) -> bool | None:
+        if self.spec.peer is None:
+            return None
+        if self.state == RUNNING:
+            return self.phase.probe_failures == 0
+        return self._peer_why is None
 
 
 class Supervisor:

@@ -21,6 +21,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ....config import ServeConfig
 from ..flags import flag_value
@@ -80,10 +81,17 @@ class Engine:
     def command(self, serve: ServeConfig) -> tuple[str, ...]:
         return serve.command or self.default_command
 
-    def argv(self, serve: ServeConfig, profile: Profile) -> tuple[str, ...]:
-        # Later flags win in argparse, so the user's args override the profile's.
+    def argv(self, serve: ServeConfig, profile: Profile, role: Any = None) -> tuple[str, ...]:
+        # Later flags win in argparse, so the user's args override the profile's, and a node's role
+        # (serving/compose/nodes.Role) overrides both. A node that serves no API gets no --host/--port.
+        nodes = tuple(self.node_args(role)) if role is not None else ()
+        listen = () if role is not None and not role.head else ("--host", serve.host, "--port", str(serve.port))
         return (*self.command(serve), self.model_flag, serve.model, *self.required_args, *profile.args,
-                *serve.args, "--host", serve.host, "--port", str(serve.port))
+                *serve.args, *listen, *nodes)
+
+    def node_args(self, role: Any) -> Sequence[str]:
+        """The flags of this node's part of a multi-node engine; ValueError where the engine has no such mode."""
+        raise ValueError(f"{self.title} has no multi-node mode gpuwarden can run")
 
     def served_model(self, serve: ServeConfig, argv: Sequence[str]) -> str:
         return flag_value(argv, self.served_name_flag) or serve.model

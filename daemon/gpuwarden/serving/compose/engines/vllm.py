@@ -269,6 +269,18 @@ class Vllm(Engine):
               "checkpoint_reasoning_parser": checkpoint_reasoning_parser, "mtp_one_draft": mtp_one_draft,
               "mtp_excluded_from_quant": mtp_excluded_from_quant, "tool_parser_family": tool_parser_family}
 
+    def node_args(self, role: Any) -> list[str]:
+        """vLLM's own multi-node mode on its multiprocessing executor (vllm/engine/arg_utils.py:1143-1146:
+        --master-addr, --master-port, --nnodes, --node-rank; the nodes past the first run `vllm serve
+        --headless`, vllm/entrypoints/launchers/cli_args.py:435, started by vllm/entrypoints/cli/serve.py:150,
+        run_headless), or Ray's executor on the head alone (the other nodes run `ray start`, not vLLM)."""
+        nodes = role.nodes
+        if nodes.backend == "ray":
+            return ["--distributed-executor-backend", "ray"]
+        args = ["--distributed-executor-backend", "mp", "--nnodes", str(nodes.count), "--node-rank",
+                str(role.rank), "--master-addr", nodes.head, "--master-port", str(nodes.port)]
+        return args if role.head else [*args, "--headless"]
+
     def log_level(self, line: str) -> int | None:
         match = LEVEL.match(line)
         return getattr(logging, match.group(1)) if match else None

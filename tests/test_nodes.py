@@ -1,0 +1,234 @@
+"""A multi-node engine's roles (serve.nodes): the config, each node's rank, the engine's flags and environment
+per role, the interface and reachability checks, and the supervision of a part that serves no API."""
+
+import os
+import pwd
+import socket
+
+import pytest
+
+from gpuwarden import config
+from gpuwarden.gpu.sim.backend import ManualClock
+from gpuwarden.serving.compose.command import build_command
+from gpuwarden.serving.compose.engines.vllm import ENGINE as VLLM
+from gpuwarden.serving.compose.identity import Identity
+from gpuwarden.serving.compose.nodes import interface, reachable, role_of
+from gpuwarden.serving.compose.profiles import load_profiles
+from gpuwarden.serving.run.spec import engine_spec
+from gpuwarden.serving.run.supervisor import BACKOFF, RUNNING, STARTING, Program
+from gpuwarden.yamlfile import ConfigError, ConfigErrors
+from test_serving import FakeGpu, FakeOps, sample
+
+GENERIC = load_profiles(None)["generic"]
+NODES = "  nodes:\n    count: 2\n    head: 10.0.0.1\n    port: 29511\n    interface: eth1\n"
+
+
+def node_config(nodes=NODES, extra=""):
+    return config.parse_text("serve:\n  model: /m/Qwen3-4B\n  port: 8123\n" + extra + nodes, name="c.yaml")
+
+
+def errors(text):
+    with pytest.raises(ConfigErrors) as info:
+        config.parse_text(text, name="c.yaml")
+    return [str(e) for e in info.value.errors]
+
+
+def test_bad_nodes_sections_are_one_located_line_each():
+    base = "serve:\n  model: /m\n  nodes:\n"
+    assert errors(base + "    count: 2\n    head: h\n") == [
+        "c.yaml:3: serve.nodes.rank: this node's rank is not set, and no hosts list to find it in "
+        "(rank: 0-1 (0 is the head), or hosts: [HEAD, ...])"]
+    assert errors(base + "    count: 2\n    rank: 2\n    head: h\n")[0].startswith("c.yaml:5: serve.nodes.rank:")
+    assert errors(base + "    count: 3\n    hosts: [a, b]\n") == [
+        "c.yaml:5: serve.nodes.hosts: 2 hosts for count 3 (one address per node, head first)"]
+    assert errors(base + "    rank: 0\n") == [
+        "c.yaml:3: serve.nodes.head: the head's address is not set (head: ADDRESS, or hosts: [HEAD, ...])"]
+    assert errors(base + "    rank: 0\n    head: h\n    backend: slurm\n") == [
+        "c.yaml:6: serve.nodes.backend: 'slurm' is not a valid choice (allowed: mp, ray)"]
+    assert errors(base + "    rank: 0\n    head: h\n    colour: red\n")[0].startswith("c.yaml:6: serve.nodes.colour:")
+
+
+def test_the_config_round_trips_with_its_nodes():
+    cfg = node_config(NODES + "    rank: 1\n")
+    assert cfg.serve.nodes.address == "10.0.0.1:29511" and cfg.serve.nodes.backend == "mp"
+    assert cfg.as_dict()["serve"]["nodes"] == {"count": 2, "hosts": [], "head": "10.0.0.1", "port": 29511,
+                                               "backend": "mp", "interface": "eth1", "rank": 1}
+    assert "nodes" not in node_config("").as_dict()["serve"]
+
+
+def test_the_rank_comes_from_the_one_host_entry_that_is_ours():
+    hosts = "  nodes:\n    hosts: [10.0.0.1, 10.0.0.2, 10.0.0.3]\n    count: 3\n"
+    cfg = node_config(hosts)
+    assert role_of(cfg, local=lambda a: a == "10.0.0.2").rank == 1
+    assert cfg.serve.nodes.head == "10.0.0.1"
+    with pytest.raises(ConfigError) as info:
+        role_of(cfg, local=lambda a: False)
+    assert str(info.value) == ("c.yaml:5: serve.nodes.hosts: none of them is an address of this host "
+                               "(set serve.nodes.rank (0-2) on this node)")
+    with pytest.raises(ConfigError) as info:
+        role_of(cfg, local=lambda a: a != "10.0.0.1")
+    assert "entries 1, 2 all are an address of this host" in str(info.value)
+    assert role_of(node_config(hosts.replace("10.0.0.1", "127.0.0.1"))).rank == 0  # a real bind: ours
+
+
+def command(rank, backend="mp", extra=""):
+    cfg = node_config(NODES + f"    rank: {rank}\n    backend: {backend}\n", extra)
+    return build_command(cfg.serve, GENERIC, [sample()], {"PATH": "/bin"}, role=role_of(cfg)), cfg
+
+
+def test_each_role_gets_vllms_own_multinode_flags_and_the_collectives_interface():
+    head, _ = command(0, extra="  env: {GLOO_SOCKET_IFNAME: mine}\n")
+    worker, _ = command(1)
+    shared = ["--distributed-executor-backend", "mp", "--nnodes", "2", "--master-addr", "10.0.0.1",
+              "--master-port", "29511"]
+    for cmd, rank in ((head, "0"), (worker, "1")):
+        argv = list(cmd.argv)
+        assert all(flag in argv for flag in shared) and argv[argv.index("--node-rank") + 1] == rank
+        assert cmd.env["NCCL_SOCKET_IFNAME"] == "eth1"
+    assert head.env["GLOO_SOCKET_IFNAME"] == "mine"  # serve.env is the user's last word; doctor says so
+    assert "--headless" not in head.argv and "--port" in head.argv
+    assert worker.argv[-1] == "--headless" and "--port" not in worker.argv and "--host" not in worker.argv
+    ray_head, _ = command(0, "ray")
+    assert list(ray_head.argv[-2:]) == ["--distributed-executor-backend", "ray"] and "--nnodes" not in ray_head.argv
+
+
+def test_an_engine_without_a_multinode_mode_is_a_config_error():
+    from gpuwarden.serving.compose.engines.sglang import ENGINE as SGLANG
+
+    with pytest.raises(ValueError, match="SGLang has no multi-node mode"):
+        SGLANG.node_args(None)
+    assert VLLM.node_args  # vLLM has one
+
+
+def test_interfaces_and_reachability_read_the_real_host():
+    lo = interface("lo")
+    assert lo.exists and lo.up and lo.mtu and lo.mtu >= 1500
+    assert not interface("gw-no-such0").exists and not interface("../lo").exists
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        assert reachable("127.0.0.1", port) is None
+    assert reachable("127.0.0.1", port) == "Connection refused"
+
+
+class PeerOps(FakeOps):
+    """FakeOps whose head answers when told."""
+
+    def __init__(self, clock):
+        super().__init__(clock)
+        self.head_answers = False
+
+    def reachable(self, host, port):
+        return None if self.head_answers else "Connection refused"
+
+    def peers(self, port, uid, accepted):
+        return []
+
+
+def worker_program():
+    cmd, cfg = command(1, extra="  liveness_interval_s: 5\n  liveness_failures: 2\n  crash_loop_failures: 2\n")
+    me = pwd.getpwuid(os.geteuid())
+    spec = engine_spec(cfg.serve, cmd, Identity(me.pw_name, me.pw_uid, me.pw_gid, me.pw_dir, (), False), [FakeGpu()])
+    clock = ManualClock(100)
+    ops = PeerOps(clock)
+    return Program(spec, ops, clock), ops, clock
+
+
+def test_a_worker_waits_for_the_head_without_failing_and_a_lost_head_costs_no_restart(caplog):
+    caplog.set_level("INFO")
+    program, ops, clock = worker_program()
+    assert program.spec.port == 0 and program.spec.peer == ("10.0.0.1", 29511) and program.title == "vLLM rank 1 of 2"
+    for _ in range(20):  # the head is 100 s late: the worker waits, never FATAL, nothing spawned
+        program.start(clock.now) if program.state != BACKOFF else program.tick(clock.now)
+        clock.advance(5)
+    assert program.state == BACKOFF and program.blocked and not ops.children
+    assert program.problem.startswith("waiting for rank 0: the head's rendezvous 10.0.0.1:29511 does not answer")
+    assert program.view().head_up is False and program.view().role == "worker"
+    ops.head_answers = True
+    for _ in range(3):
+        clock.advance(5)
+        program.tick(clock.now)
+    assert program.state in (STARTING, RUNNING) and len(ops.children) == 1
+    program.tick(clock.now)
+    assert program.state == RUNNING and program.view().head_up is True
+    ops.head_answers = False  # the head's engine died: the rendezvous is gone
+    for _ in range(3):
+        clock.advance(5)
+        program.tick(clock.now)
+    assert program.state == BACKOFF and program.blocked and program.restarts == 0
+    assert "vLLM rank 1 of 2 lost rank 0 (the head), ending its part" in caplog.text
+    ops.head_answers = True
+    for _ in range(3):
+        clock.advance(5)
+        program.tick(clock.now)
+    assert len(ops.children) == 2  # back once the head is
+
+
+def test_a_worker_whose_own_engine_dies_is_restarted_and_counted():
+    program, ops, clock = worker_program()
+    ops.head_answers = True
+    program.start(clock.now)
+    clock.advance(5)
+    program.start(clock.now) if program.state == BACKOFF else None
+    program.tick(clock.now)
+    clock.advance(5)
+    program.tick(clock.now)
+    assert program.state in (STARTING, RUNNING) and ops.children
+    ops.exit[program.child.pid] = -9
+    program.tick(clock.now)
+    assert program.state == BACKOFF and not program.blocked and program.restarts == 1
+
+
+def head_program():
+    cmd, cfg = command(0, extra="  liveness_interval_s: 5\n  liveness_failures: 2\n")
+    me = pwd.getpwuid(os.geteuid())
+    spec = engine_spec(cfg.serve, cmd, Identity(me.pw_name, me.pw_uid, me.pw_gid, me.pw_dir, (), False), [FakeGpu()])
+    clock = ManualClock(100)
+    ops = PeerOps(clock)
+    ops.links = ["10.0.0.1"]
+    ops.peers = lambda port, uid, accepted: list(ops.links) if (port, accepted) == (29511, True) else []
+    ops.health_ok = True
+    return Program(spec, ops, clock), ops, clock
+
+
+def test_the_head_restarts_its_part_when_a_ranks_connection_to_the_rendezvous_closes(caplog):
+    program, ops, clock = head_program()
+    assert program.spec.rendezvous == 29511 and program.spec.peer is None
+    program.start(clock.now)
+    program.tick(clock.now)
+    assert program.state == RUNNING
+    ops.links = ["10.0.0.1", "10.0.0.2"]  # rank 1 joined (its connection shows up from the first probe on)
+    for _ in range(2):
+        clock.advance(5)
+        program.tick(clock.now)
+    assert program.state == RUNNING
+    ops.links = ["10.0.0.1"]  # rank 1's process is gone
+    clock.advance(5)
+    program.tick(clock.now)
+    assert program.state == BACKOFF and program.restarts == 0 and program.problem.startswith("lost rank 1")
+    assert "vLLM rank 0 of 2 lost rank 1: its connection to the rendezvous on port 29511 closed" in caplog.text
+    clock.advance(1)
+    program.tick(clock.now)
+    assert program.state == STARTING and len(ops.children) == 2
+
+
+def test_a_worker_whose_part_failed_waits_for_the_head_to_restart_its_part_but_not_forever():
+    program, ops, clock = worker_program()
+    ops.head_answers = True
+    for _ in range(3):
+        program.start(clock.now) if program.state != BACKOFF else program.tick(clock.now)
+        clock.advance(5)
+    assert program.state in (STARTING, RUNNING)
+    ops.exit[program.child.pid] = -9
+    program.tick(clock.now)
+    for _ in range(3):  # the head's rendezvous still answers: the old engine; wait for it to go
+        clock.advance(2)
+        program.tick(clock.now)
+    assert program.state == BACKOFF and "waiting for rank 0 to restart its part" in program.problem
+    assert len(ops.children) == 1
+    clock.advance(40)  # bounded: 2 x 5 s x 2 probes + 10 s
+    program.tick(clock.now)
+    clock.advance(5)
+    program.tick(clock.now)
+    assert len(ops.children) == 2
