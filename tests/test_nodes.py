@@ -71,8 +71,9 @@ def test_the_rank_comes_from_the_one_host_entry_that_is_ours():
     assert role_of(node_config(hosts.replace("10.0.0.1", "127.0.0.1"))).rank == 0  # a real bind: ours
 
 
-def command(rank, backend="mp", extra=""):
-    cfg = node_config(NODES + f"    rank: {rank}\n    backend: {backend}\n", extra)
+def command(rank, backend="mp", extra="", hosts=False):
+    listed = "    hosts: [10.0.0.1, 10.0.0.2]\n" if hosts else ""
+    cfg = node_config(NODES + listed + f"    rank: {rank}\n    backend: {backend}\n", extra)
     return build_command(cfg.serve, GENERIC, [sample()], {"PATH": "/bin"}, role=role_of(cfg)), cfg
 
 
@@ -181,7 +182,7 @@ def test_a_worker_whose_own_engine_dies_is_restarted_and_counted():
 
 
 def head_program():
-    cmd, cfg = command(0, extra="  liveness_interval_s: 5\n  liveness_failures: 2\n")
+    cmd, cfg = command(0, extra="  liveness_interval_s: 5\n  liveness_failures: 2\n", hosts=True)
     me = pwd.getpwuid(os.geteuid())
     spec = engine_spec(cfg.serve, cmd, Identity(me.pw_name, me.pw_uid, me.pw_gid, me.pw_dir, (), False), [FakeGpu()])
     clock = ManualClock(100)
@@ -232,3 +233,53 @@ def test_a_worker_whose_part_failed_waits_for_the_head_to_restart_its_part_but_n
     clock.advance(5)
     program.tick(clock.now)
     assert len(ops.children) == 2
+
+
+def test_a_stranger_that_connects_to_the_rendezvous_and_leaves_is_not_a_lost_rank():
+    program, ops, clock = head_program()
+    program.start(clock.now)
+    program.tick(clock.now)
+    ops.links = ["127.0.0.1", "10.0.0.2", "203.0.113.9"]  # its own rank 0, rank 1, and a stranger
+    clock.advance(5)
+    program.tick(clock.now)
+    ops.links = ["127.0.0.1", "10.0.0.2"]
+    clock.advance(5)
+    program.tick(clock.now)
+    assert program.state == RUNNING
+
+
+def test_preflight_names_the_interface_its_variables_and_the_heads_rendezvous():
+    from gpuwarden.serving.compose.nodes import preflight
+
+    lo = node_config(NODES.replace("eth1", "lo") + "    rank: 1\n")
+    role = role_of(lo)
+    env = {"NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "eth0"}
+    lines = preflight(role, env, reach=lambda host, port: "Connection refused")
+    assert lines[0] == ("info", "nodes", "this node is rank 1 of 2 (worker; head 10.0.0.1:29511, backend mp)", "")
+    assert ("ok", "nodes interface", f"lo is up, MTU {interface('lo').mtu}", "") in lines
+    assert ("warning", "nodes interface", "the engine gets GLOO_SOCKET_IFNAME=eth0, not serve.nodes.interface lo",
+            "remove GLOO_SOCKET_IFNAME from serve.env or the profile") in lines
+    assert not [line for line in lines if "NCCL_SOCKET_IFNAME=" in line[2]]
+    assert ("warning", "nodes head", "the head's rendezvous 10.0.0.1:29511 does not answer: Connection refused",
+            "start the head (this node waits for it); if it runs, open port 29511 between the nodes") in lines
+    missing = preflight(role_of(node_config(NODES.replace("eth1", "gw-none0") + "    rank: 0\n")), {})
+    error = [line for line in missing if line[0] == "error"]
+    assert error[0][2] == "no network interface gw-none0 on this host" and "lo" in error[0][3]
+    assert not [line for line in missing if line[1] == "nodes head"]  # the head asks nobody
+
+
+def test_check_refuses_an_interface_that_is_not_there(write, cli, tmp_path):
+    path = write("gpuwarden.yaml", f"""gpu:
+  backend: sim
+  scenario: dgx-spark
+serve:
+  enabled: true
+  model: /m/Qwen3-4B
+  user: {pwd.getpwuid(os.geteuid()).pw_name if os.geteuid() else "nobody"}
+  command: [/bin/true]
+{NODES.replace("eth1", "gw-none0")}    rank: 0
+""")
+    status, out, err = cli("check", "-c", path)
+    assert status == 78, (out, err)
+    assert f"{path}:" in err and "serve.nodes.interface: no network interface gw-none0 on this host" in err
+    assert "Traceback" not in err

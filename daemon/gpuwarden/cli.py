@@ -183,6 +183,9 @@ def _serve_check(config: Config, backend, deep: bool, as_json: bool) -> dict:
 
     prepared = prepare_serve(config, backend, deep=deep)
     problems = prepared.blocking(config)
+    nodes = _nodes_check(config, prepared.command, as_json)
+    problems += [config.error(("serve", "nodes", "interface"), message, fix)
+                 for severity, check, message, fix in nodes if severity == "error"]
     if not as_json:
         for finding in prepared.findings:
             print(f"lint {finding}", file=sys.stderr if finding.severity == "error" else sys.stdout)
@@ -202,7 +205,25 @@ def _serve_check(config: Config, backend, deep: bool, as_json: bool) -> dict:
            "installed": prepared.installed.as_dict() if prepared.installed else None}
     if engine.name == "vllm":
         out["vllm_version"] = version  # the older key, kept this release
+    if nodes:
+        out["nodes"] = [dict(zip(("severity", "check", "message", "fix"), line)) for line in nodes]
     return out
+
+
+def _nodes_check(config: Config, command, as_json: bool) -> list[tuple[str, str, str, str]]:
+    """A node of a multi-node engine: its role, interface and the head's rendezvous (serving/compose/nodes.py),
+    printed one line each; an interface that is missing or down is an error here (the collectives would fail on
+    it), not in `run`, which may start before the network is up and whose engine then waits for it."""
+    if command.role is None:
+        return []
+    from .serving.compose.nodes import preflight
+
+    lines = preflight(command.role, command.env)
+    if not as_json:
+        for severity, check, message, fix in lines:
+            if severity != "error":
+                print(f"{check}: {message}" + (f" -> fix: {fix}" if fix else ""))
+    return lines
 
 
 def cmd_profiles(args: argparse.Namespace) -> int:

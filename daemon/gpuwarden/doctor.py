@@ -319,6 +319,10 @@ def _serving(config: Config, backend: GpuBackend, deep: bool) -> tuple[list[Diag
     for lint in prepared.findings:
         found.append(Diagnosis(ERROR if lint.severity == "error" else WARNING, f"{title} lint {lint.rule}",
                                f"{lint.message} [source: {lint.source}]", lint.fix))
+    if prepared.command.role is not None:
+        from .serving.compose.nodes import preflight
+
+        found += [Diagnosis(*line) for line in preflight(prepared.command.role, prepared.command.env)]
     if prepared.flags is not None:
         if prepared.flags.ok:
             found.append(Diagnosis(OK, f"{title} flags", f"{title} {prepared.flags.version} accepts the command"))

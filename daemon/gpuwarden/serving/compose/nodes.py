@@ -122,3 +122,41 @@ def reachable(host: str, port: int, timeout: float = 2.0) -> str | None:
         return f"no answer within {timeout:g} s"
     except OSError as exc:
         return exc.strerror or str(exc)
+
+
+def preflight(role: Role, env: dict[str, str], reach=reachable) -> list[tuple[str, str, str, str]]:
+    """(severity, check, message, fix) for this node: the collectives' interface (there, up, its MTU), the
+    NCCL/Gloo variables the child gets naming it, and the head's rendezvous answering (from a worker). What
+    every node runs (engine version, model) is compared across nodes by the Prometheus rule
+    ServingNodesDiffer over gpuwarden_serving_info, not here: one node cannot see the others."""
+    n = role.nodes
+    found = [("info", "nodes", f"this node is {role.describe()}", "")]
+    if n.interface is None:
+        found.append(("warning", "nodes interface", "serve.nodes.interface is not set: NCCL and Gloo pick an "
+                      "interface themselves, and on a host with a management and a fabric NIC they may pick the "
+                      "management one", "set serve.nodes.interface to the NIC the nodes reach each other on"))
+    else:
+        nic = interface(n.interface)
+        if not nic.exists:
+            found.append(("error", "nodes interface", f"no network interface {n.interface} on this host",
+                          "serve.nodes.interface: one of " + ", ".join(sorted(p.name for p in SYS_NET.iterdir()))
+                          if SYS_NET.is_dir() else "an interface of this host"))
+        elif not nic.up:
+            found.append(("error", "nodes interface", f"{n.interface} is down (operstate {nic.state or '?'})",
+                          f"ip link set {n.interface} up, and check its cable or its switch port"))
+        else:
+            found.append(("ok", "nodes interface", f"{n.interface} is up, MTU {nic.mtu}", ""))
+        for name in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+            if env.get(name) != n.interface:
+                found.append(("warning", "nodes interface", f"the engine gets {name}={env.get(name, '(unset)')}, "
+                              f"not serve.nodes.interface {n.interface}", f"remove {name} from serve.env or the "
+                              "profile"))
+    if not role.head:
+        why = reach(n.head, n.port)
+        if why is None:
+            found.append(("ok", "nodes head", f"the head's rendezvous {n.address} answers", ""))
+        else:
+            found.append(("warning", "nodes head", f"the head's rendezvous {n.address} does not answer: {why}",
+                          "start the head (this node waits for it); if it runs, open port "
+                          f"{n.port} between the nodes"))
+    return found

@@ -190,7 +190,8 @@ class ServingRuntime:
         finally:
             self._record(now)
         stats = None
-        if engine.state == RUNNING:
+        # A headless part of a multi-node engine serves no API: the head reads the metrics and watches progress.
+        if engine.state == RUNNING and engine.spec.port:
             if not was_running:
                 self.reader.reset()  # a new child: its counters restart at zero
                 self.stall_watch.reset(now)

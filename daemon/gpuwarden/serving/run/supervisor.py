@@ -350,9 +350,12 @@ class Program:
     def _lost_rank(self, now: float) -> bool:
         """A multi-node part that runs holds connections on the rendezvous: the head accepts one from each rank's
         process, a worker holds its own to the head. When one closes, a rank is gone and the engine cannot carry
-        on: this part ends and starts anew (no failure of this node: no restart budget spent). True if so."""
+        on: this part ends and starts anew (no failure of this node: no restart budget spent). True if so.
+        Where serve.nodes.hosts names the nodes, only connections from them (or this host's loopback) count: a
+        stranger that connects to the head's rendezvous and leaves is not a rank."""
         spec = self.spec
-        held = Counter(self.ops.peers(spec.rendezvous, self.identity.uid, spec.peer is None))
+        held = Counter(a for a in self.ops.peers(spec.rendezvous, self.identity.uid, spec.peer is None)
+                       if not spec.hosts or a in spec.hosts or a.startswith("127.") or a == "::1")
         if sum(held.values()) >= sum(self._links.values()):
             self._links = held
             return False
