@@ -283,3 +283,35 @@ serve:
     assert status == 78, (out, err)
     assert f"{path}:" in err and "serve.nodes.interface: no network interface gw-none0 on this host" in err
     assert "Traceback" not in err
+
+
+def test_ray_nodes_are_children_started_from_the_engines_own_environment():
+    from gpuwarden.serving.run.spec import ray_spec
+
+    me = pwd.getpwuid(os.geteuid())
+    who = Identity(me.pw_name, me.pw_uid, me.pw_gid, me.pw_dir, (), False)
+    venv = "  command: [/opt/venv/bin/python, -m, vllm.entrypoints.openai.api_server]\n"
+    head_cmd, cfg = command(0, "ray", extra=venv, hosts=True)
+    head = ray_spec(cfg.serve, head_cmd, who)
+    assert head.argv == ("/opt/venv/bin/ray", "start", "--head", "--port", "29511", "--node-ip-address", "10.0.0.1",
+                         "--include-dashboard", "false", "--disable-usage-stats", "--block")
+    assert (head.title, head.port, head.peer, head.health_path) == ("Ray head", 29511, None, "")
+    worker_cmd, cfg = command(1, "ray", extra=venv, hosts=True)
+    worker = ray_spec(cfg.serve, worker_cmd, who)
+    assert worker.argv[1:5] == ("start", "--address", "10.0.0.1:29511", "--node-ip-address")
+    assert (worker.port, worker.peer, worker.rendezvous) == (0, ("10.0.0.1", 29511), 0)
+    assert worker.env["NCCL_SOCKET_IFNAME"] == "eth1" and worker.env["VLLM_HOST_IP"] == "10.0.0.2"
+    assert engine_spec(cfg.serve, head_cmd, who, []).rendezvous == 0  # Ray's GCS is not vLLM's rendezvous
+    clock = ManualClock(100)
+    ops = PeerOps(clock)
+    ops.head_answers = True
+    program = Program(worker, ops, clock)
+    for _ in range(2):
+        program.start(clock.now)
+    assert program.child is not None
+    ops.exit[program.child.pid] = -9
+    program.tick(clock.now)
+    for _ in range(2):  # the head still answers: a Ray node rejoins its GCS at once, it does not wait for it
+        clock.advance(3)
+        program.tick(clock.now)
+    assert len(ops.children) == 2

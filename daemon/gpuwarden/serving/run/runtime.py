@@ -27,7 +27,7 @@ from ..watch.metrics import MetricsReader, ServingStats
 from ..compose.prepare import prepare_serve
 from . import handover
 from .processes import ProcessOps
-from .spec import ChildSpec, engine_spec
+from .spec import ChildSpec, engine_spec, ray_spec
 from ..watch.stall import Progress, StallWatch
 from .supervisor import FATAL, RUNNING, Program, ServingView, Supervisor
 
@@ -68,7 +68,19 @@ def prepare_launch(config: Config, backend: GpuBackend, sides: Sequence[Side], d
     gpus = [g for g in backend.gpus() if g.index in chosen]
     version = prepared.installed.version(prepared.command.engine.name) if prepared.installed else None
     engine = engine_spec(config.serve, prepared.command, prepared.identity, gpus, version)
-    return Launch(config, prepared.command, engine, _sides(config, prepared.identity, sides))
+    ray = ()
+    role = prepared.command.role
+    if role is not None and role.nodes.backend == "ray":
+        # Ray: the head runs its Ray node beside the engine, which starts once the Ray head answers and finds
+        # the cluster at RAY_ADDRESS; another node runs only its Ray node (its main child: no vLLM there).
+        node = ray_spec(config.serve, prepared.command, prepared.identity)
+        if role.head:
+            ray = (node,)
+            engine = dataclasses.replace(engine, peer=(role.nodes.head, role.nodes.port),
+                                         env={**engine.env, "RAY_ADDRESS": role.nodes.address})
+        else:
+            engine = node
+    return Launch(config, prepared.command, engine, (*ray, *_sides(config, prepared.identity, sides)))
 
 
 def _sides(config: Config, identity: Identity, sides: Sequence[Side]) -> tuple[ChildSpec, ...]:

@@ -9,12 +9,15 @@ one more function that returns a ChildSpec.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from ...config import ServeConfig
 from ...gpu.base import Gpu
 from ..compose.command import ServeCommand
+from ..compose.flagcheck import engine_python
 from ..compose.identity import Identity
 
 
@@ -88,3 +91,31 @@ def engine_spec(serve: ServeConfig, command: ServeCommand, identity: Identity, g
                      role.name if role else "", role.rank if role else None, role.nodes.count if role else 1,
                      role.nodes.address if role else "", role.nodes.port if role and role.nodes.backend == "mp" else 0,
                      role.nodes.hosts if role else ())
+
+
+def ray_spec(serve: ServeConfig, command: ServeCommand, identity: Identity) -> ChildSpec:
+    """This node's Ray node as a child, `ray start --block` from the engine's own environment (the `ray`
+    beside its Python): the head's (its GCS on serve.nodes.port; health: that port accepts) or a worker's
+    joining it (it waits for the head's GCS, and its liveness is the head answering, as a headless vLLM
+    part's). Flags as in ray/scripts/scripts.py of ray 2.60 (--head, --port, --address, --node-ip-address,
+    --block, --disable-usage-stats, --include-dashboard)."""
+    role = command.role
+    nodes = role.nodes
+    python = engine_python(serve, command.argv[:command.prefix]) or "python3"
+    ray = str(Path(python).parent / "ray")
+    own = ("--node-ip-address", role.address) if role.address else ()
+    if role.head:
+        argv = (ray, "start", "--head", "--port", str(nodes.port), *own, "--include-dashboard", "false",
+                "--disable-usage-stats", "--block")
+        title, port, peer = "Ray head", nodes.port, None
+    else:
+        argv = (ray, "start", "--address", nodes.address, *own, "--disable-usage-stats", "--block")
+        title, port, peer = f"Ray rank {role.rank} of {nodes.count}", 0, (nodes.head, nodes.port)
+    return ChildSpec("ray", title, argv, dict(command.env), identity, nodes.head, port, "", Timing.of(serve),
+                     _ray_level, peer=peer, role=role.name, rank=role.rank, nodes=nodes.count, head=nodes.address,
+                     hosts=nodes.hosts)
+
+
+def _ray_level(line: str) -> int | None:
+    """Ray's CLI prints plain lines; its errors say so."""
+    return logging.ERROR if "Error" in line or "error:" in line else logging.INFO

@@ -265,6 +265,8 @@ class Program:
 
     def _waiting(self, why: str) -> str:
         host, port = self.spec.peer
+        if self.spec.role == "head":  # the engine on a Ray head waits for its own Ray node
+            return f"waiting for the Ray head {host}:{port} to answer ({why})"
         return f"waiting for rank 0: the head's rendezvous {host}:{port} does not answer ({why})"
 
     def tick(self, now: float) -> None:
@@ -288,13 +290,15 @@ class Program:
         """(True healthy / False not / None no answer yet, why): the latest /health answer about this child, or
         for a node that serves no API, whether the head's rendezvous answers."""
         spec = self.spec
-        if spec.peer is not None and not spec.health_path:
-            self._probe.start(self.ops.reachable, *spec.peer)
+        if not spec.health_path:  # no HTTP: the peer it needs (a headless part's head), or its own port, answers
+            self._probe.start(self.ops.reachable, *(spec.peer or (spec.host, spec.port)))
             outcome = self._probe.take()
             if outcome is None or outcome.started_at < self.phase.started:
                 return None, ""
             why = str(outcome.error) if outcome.error is not None else outcome.value
-            return (True, "") if why is None else (False, self._waiting(why))
+            if why is None:
+                return True, ""
+            return False, self._waiting(why) if spec.peer else f"port {spec.port} does not answer: {why}"
         self._probe.start(self.ops.health, spec.url + spec.health_path)
         outcome = self._probe.take()
         if outcome is None or outcome.started_at < self.phase.started:
@@ -342,7 +346,7 @@ class Program:
         failures = self.phase.probe_failures + 1
         self._within(next_probe=now + timing.liveness_interval_s, probe_failures=failures)
         log.warning("%s liveness probe failed (%d of %d): %s", self.title, failures, timing.liveness_failures, why)
-        if failures >= timing.liveness_failures and self.spec.peer is not None:
+        if failures >= timing.liveness_failures and self.spec.peer is not None and not self.spec.health_path:
             self._lost_head(now, why)
         elif failures >= timing.liveness_failures:
             self._failed(now, f"{self.title} failed {failures} liveness probes in a row")
@@ -419,7 +423,7 @@ class Program:
         """The child is gone or must go: kill its group, then BACKOFF or FATAL, whatever a step raises."""
         self.last_exit_code = code
         timing = self.spec.timing
-        if self.spec.peer is not None:  # the head's part must start anew too: wait for it (bounded)
+        if self.spec.peer is not None and self.spec.rendezvous:  # the head's part must start anew: wait (bounded)
             self._head_seen_down = False
             self._head_wait_until = now + 2 * timing.liveness_interval_s * timing.liveness_failures \
                 + 2 * PREFLIGHT_RETRY_S
@@ -551,7 +555,7 @@ class Program:
                            spec.version, spec.role, spec.rank, spec.nodes, spec.head, self._head_up())
 
     def _head_up(self) -> bool | None:
-        if self.spec.peer is None:
+        if self.spec.peer is None or self.spec.role != "worker":
             return None
         if self.state == RUNNING:
             return self.phase.probe_failures == 0
