@@ -315,3 +315,16 @@ def test_ray_nodes_are_children_started_from_the_engines_own_environment():
         clock.advance(3)
         program.tick(clock.now)
     assert len(ops.children) == 2
+
+
+def test_a_worker_waiting_for_its_head_is_not_a_blocked_start_alert():
+    from gpuwarden.alerts import vllm_start_blocked
+
+    program, ops, clock = worker_program()
+    program.start(clock.now)
+    waiting = program.view()
+    assert waiting.blocked and not vllm_start_blocked(waiting).active
+    import dataclasses
+
+    other = dataclasses.replace(waiting, problem="GPU0 runs other compute processes [4242]")
+    assert vllm_start_blocked(other).active  # a start blocked by something here still warns

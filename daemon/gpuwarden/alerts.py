@@ -343,7 +343,11 @@ def _gpu_picture(s: GpuSample) -> str:
 
 
 def vllm_start_blocked(view, _ctx=None) -> Check:
-    return Check(view is not None and view.blocked, f"{view.title} start waits: {view.problem}" if view else "",
+    # A node of a multi-node engine waiting for its head ("waiting for rank 0", "waiting for the Ray head") is
+    # not blocked by anything here that a person could free: ServingNodeDown names the node that is missing.
+    waiting = view is not None and (view.problem or "").startswith("waiting for ")
+    return Check(view is not None and view.blocked and not waiting,
+                 f"{view.title} start waits: {view.problem}" if view else "",
                  "the GPUs and the port must be free", "waiting")
 
 
