@@ -2,7 +2,7 @@
 
     python3 tests/fake_openai.py --port P [--model M] [--token-delay S] [--reject-ignore-eos] [--fail-all] [--tokenize]
                                  [--endless] [--error-bytes N] [--usage-event TEXT] [--models-body TEXT]
-                                 [--good-first N]
+                                 [--good-first N] [--sim-state DIR [--prefill-ms MS]]
 
 Prompt tokens are the prompt's words (+1); each output token is one SSE chunk after --token-delay seconds,
 then a usage chunk and [DONE]. /metrics counts tokens as vLLM names them; /debug/open says how many streams
@@ -13,11 +13,17 @@ max_tokens); --error-bytes N answers 500 with an N-byte body, written a MiB at a
 large --token-delay is a server that sends a token every so many seconds; --usage-event TEXT sends TEXT as the
 data of the usage event, --models-body TEXT as the answer to /v1/models. --good-first N serves the first N
 completion requests (bench's calibration) as a well-behaved server would, quickly and whole.
+
+--sim-state DIR serves at the speed of the simulated cards (gpuwarden.gpu.sim.power): each token's delay is
+--token-delay over the decode speed at the clock GPU 0 keeps under load, and a prompt first takes --prefill-ms per
+token over the prefill speed; the streams open are written back, so the simulated card is busy while it serves.
 """
 
 import argparse
 import asyncio
 import json
+import time
+from pathlib import Path
 
 from aiohttp import web
 
@@ -40,7 +46,34 @@ async def pause(request, seconds: float) -> None:
         await asyncio.sleep(min(0.05, end - loop.time()))
 
 
+class SimSpeed:
+    """The simulated card's speeds, read from the channel at most every 50 ms; streams open written back."""
+
+    def __init__(self, directory: Path | None):
+        self.directory, self._at, self._speeds = directory, 0.0, (1.0, 1.0)
+
+    def speeds(self) -> tuple[float, float]:
+        """(decode, prefill) relative speed; 1.0 without a channel."""
+        if self.directory is None:
+            return 1.0, 1.0
+        if time.monotonic() - self._at > 0.05:
+            from gpuwarden.gpu.sim import power
+            gpus = power.read_gpus(self.directory)
+            if gpus:
+                f, knee = gpus[0]["loaded_fraction"], gpus[0]["decode_knee_fraction"]
+                self._speeds = (max(0.01, power.speed("decode", f, knee)), max(0.01, power.speed("prefill", f, knee)))
+            self._at = time.monotonic()
+        return self._speeds
+
+    def opened(self) -> None:
+        if self.directory is not None:
+            from gpuwarden.gpu.sim import power
+            power.write_load(self.directory, state["open"])
+
+
 def make_app(args) -> web.Application:
+    sim = SimSpeed(args.sim_state)
+
     async def models(request):
         if args.models_body:
             return web.Response(text=args.models_body, content_type="application/json")
@@ -70,10 +103,14 @@ def make_app(args) -> web.Application:
         state["running"] += 1
         state["open"] += 1
         state["peak"] = max(state["peak"], state["open"])
-        delay = GOOD_TOKEN_DELAY if good else args.token_delay
+        sim.opened()
+        decode, prefill = sim.speeds()
+        delay = GOOD_TOKEN_DELAY if good else args.token_delay / decode
         tokens = 10**9 if args.endless and not good else body["max_tokens"]
         end = asyncio.get_running_loop().time() + ENDLESS_S  # endless: until the client hangs up, or an hour
         try:
+            if args.prefill_ms and not good:
+                await pause(request, prompt_tokens * args.prefill_ms / 1e3 / prefill)
             for _ in range(tokens):
                 if asyncio.get_running_loop().time() > end:
                     break
@@ -91,6 +128,7 @@ def make_app(args) -> web.Application:
         finally:
             state["running"] -= 1
             state["open"] -= 1
+            sim.opened()
         return response
 
     async def huge_error(request):
@@ -153,6 +191,9 @@ def main() -> None:
     parser.add_argument("--models-body", help="answer /v1/models with this")
     parser.add_argument("--good-first", type=int, default=0, metavar="N",
                         help="serve the first N completion requests well, whatever the modes above")
+    parser.add_argument("--sim-state", type=Path, metavar="DIR",
+                        help="serve at the simulated cards' speed (the simulator's GPUWARDEN_SIM_STATE)")
+    parser.add_argument("--prefill-ms", type=float, default=0.0, help="with --sim-state: ms per prompt token")
     args = parser.parse_args()
     web.run_app(make_app(args), host="127.0.0.1", port=args.port, print=lambda *a: print("listening", flush=True),
                 backlog=2048)

@@ -15,7 +15,7 @@ LAYERS = [
     {"tunables"},  # the tuning settings table
     {"config"},
     {"alerts", "tuning", "serving.compose", "backends", "status", "eventwatch"},  # compose: command, lint, user
-    {"serving.watch"},  # the engine's metrics and its progress
+    {"serving.watch", "control"},  # the engine's metrics and its progress; tune's control channel
     {"serving.run"},  # the children: specs, supervisor, processes, the serving runtime
     {"monitor", "doctor", "bench", "proxy"},
     {"exporter"},

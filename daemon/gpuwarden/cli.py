@@ -1,4 +1,4 @@
-"""Command line: check, plan, apply, run, status, profiles, doctor, bench."""
+"""Command line: check, plan, apply, run, status, profiles, doctor, bench, tune."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from . import __version__, earlysignals, tunables
 from . import config as configmod
 from .backends import open_configured
 from .bench import command as bench_command
+from .bench import tune as tune_command
 from .proxy import command as proxy_command
 from .config import EX_CONFIG, Config
 from .gpu import errors
@@ -80,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--user", metavar="NAME", help="basic auth user when metrics.web_config asks for one (the "
                    "password comes from $GPUWARDEN_PASSWORD)")
     bench_command.add_parser(sub, common)
+    tune_command.add_parser(sub, common)
     proxy_command.add_parser(sub, common)
     return parser
 
@@ -467,11 +469,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench_command.cmd_bench(args, load_config(args))
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    return tune_command.cmd_tune(args, load_config(args))
+
+
 def cmd_proxy(args: argparse.Namespace) -> int:
     return proxy_command.cmd_proxy(args, load_config)
 
 
-COMMANDS = {"cleanup": cmd_cleanup, "bench": cmd_bench, "proxy": cmd_proxy, "check": cmd_check, "plan": cmd_plan, "apply": cmd_apply,
+COMMANDS = {"cleanup": cmd_cleanup, "bench": cmd_bench, "tune": cmd_tune, "proxy": cmd_proxy, "check": cmd_check, "plan": cmd_plan, "apply": cmd_apply,
             "run": cmd_run, "status": cmd_status, "profiles": cmd_profiles, "doctor": cmd_doctor}
 
 

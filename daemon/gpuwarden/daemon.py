@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 from . import __version__, earlysignals
 from .config import Config
+from .control import ControlServer, Sweeps, socket_path
 from .exporter import Exposition, MetricsServer
 from .eventwatch import EventWatcher
 from .gpu.base import GpuBackend
@@ -73,7 +74,9 @@ class Daemon:
         self.reload_config = reload
         self.notifier = notifier or Notifier()
         self.clock = clock
-        self.tuning = TuningLife(backend, config, Tuner(backend, originals_store(config)))
+        self.tuning = TuningLife(backend, config, Tuner(backend, originals_store(config, backend)))
+        self.sweeps = Sweeps(self.tuning, clock)  # `gpuwarden tune`'s leases (control.py)
+        self.control: ControlServer | None = None
         self.monitor = Monitor(config, backend, self.tuning)
         self.exposition = Exposition(lambda: self.monitor.snapshot, clock)
         self.server: MetricsServer | None = None
@@ -99,6 +102,7 @@ class Daemon:
         """Check the plan and the serving command and take the port first (what can fail), then tune, start the
         engine, take the first sample, and tell systemd we are ready. Raises ConfigErrors for values a card or
         the engine rejects, StartupError if the metrics port is taken; neither leaves a GPU setting changed."""
+        self.sweeps.recover()  # a sweep cut by this daemon's predecessor's death: its setting back first
         plan = self.tuning.check(self.config)
         # After a handover, or a crash of the daemon that left the engine serving, the engine runs already, its
         # flags checked when it started: only lint here, so the daemon watches it again within seconds, not
@@ -117,6 +121,7 @@ class Daemon:
             log.info("%s", note)
         log.info("before tuning: %s", " | ".join(describe_sample(g.sample()) for g in self.backend.gpus()))
         self.tuning.start(plan)
+        self._open_control()
         self._watch_events()
         if self.server is not None:
             self.server.start()
@@ -154,6 +159,20 @@ class Daemon:
         self.serving.start(launch, now, record, fds, "an upgrade (re-exec, same daemon pid)" if reexec
                            else "a restart of the daemon")
 
+    def _open_control(self) -> None:
+        """The control socket for `gpuwarden tune`, where the runtime directory is ours; without it there is no
+        sweep, and everything else runs."""
+        if self.wake is None or not self.config.tuning.apply:
+            return
+        path = socket_path()
+        try:
+            self.control = ControlServer(path, self.wake)
+        except OSError as exc:
+            log.info("no control socket at %s (%s): `gpuwarden tune` cannot sweep this daemon", path,
+                     exc.strerror or exc)
+            return
+        self.control.start()
+
     def _watch_events(self) -> None:
         """Start the thread that waits for Xid and fatal events (where the backend reports them)."""
         try:
@@ -172,6 +191,8 @@ class Daemon:
     def handle_gpu_events(self) -> None:
         """Events the watcher queued: log and count them now; a GPU that needs a reset or a reboot stops
         the serving engine on it (no restart loop on a broken GPU)."""
+        if self.control is not None:
+            self.control.serve(self.sweeps)
         if self.watcher is None:
             return
         if self.watcher.failure is not None:
@@ -191,6 +212,10 @@ class Daemon:
                 self.reload()
             except Exception as exc:  # reload() keeps what runs on a bad config; this is a bug's last net
                 self._error_once(f"reload: {type(exc).__name__}: {exc}")
+        try:
+            self.sweeps.tick()  # a sweep whose lease ran out: its setting back
+        except Exception as exc:
+            self._error_once(f"sweep: {type(exc).__name__}: {exc}")
         try:
             self.handle_gpu_events()  # any the wake-up missed
         except Exception as exc:
@@ -277,6 +302,11 @@ class Daemon:
             if not self.watcher.stop():
                 log.warning("the GPU event thread did not end within 2 s")
             self.watcher = None
+        if self.control is not None:
+            self.control.stop()
+            self.control = None
+        if self.sweeps.lease is not None and not self.handing_over:
+            self.sweeps.end("the daemon stops")  # before the restore below, which may put back less
         if not self.handing_over:
             self.tuning.restore()
         if self.server is not None:

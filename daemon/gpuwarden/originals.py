@@ -29,9 +29,11 @@ def boot_id() -> str:
         return "unknown"
 
 
-def originals_store(config) -> OriginalsStore | None:
-    """The store for this config's GPUs: real ones only (a simulated card does not outlive the process)."""
-    return OriginalsStore(state_dir() / "originals.json") if config.gpu.backend == "nvml" else None
+def originals_store(config, backend=None) -> OriginalsStore | None:
+    """The store for this config's GPUs: real ones, and simulated ones whose settings outlive the process (a
+    simulator with a channel, gpu/sim/power.py); a plain simulated card starts afresh with its process."""
+    keeps = config.gpu.backend == "nvml" or getattr(backend, "persistent", False)
+    return OriginalsStore(state_dir() / "originals.json") if keeps else None
 
 
 class OriginalsStore:

@@ -276,6 +276,7 @@ class TuningLife:
         self._last_reapply: dict[int, float] = {}
         self._unplanned: set[int] = set()  # unreadable when planned: planned as soon as they answer
         self._was_up: dict[int, bool] = {}
+        self.held: set[int] = set()  # GPUs a sweep's lease holds (control.py): no re-apply on them meanwhile
 
     def check(self, config: Config) -> Plan:
         """The plan config gives on these GPUs; ConfigErrors for a value a card cannot take. Changes nothing."""
@@ -360,7 +361,7 @@ class TuningLife:
     def drifted(self, sample: GpuSample, causes: list[str], now: float) -> None:
         """Alerts that mean a setting was lost fire on this GPU: re-apply its tuning, at most once per
         alerts.reapply_min_interval_s."""
-        if not causes or not self.config.tuning.apply or not sample.up:
+        if not causes or not self.config.tuning.apply or not sample.up or sample.index in self.held:
             return
         last = self._last_reapply.get(sample.index, float("-inf"))
         if now - last < self.config.alerts.reapply_min_interval_s:

@@ -22,7 +22,9 @@ supervises, from the config) and prints, per step: system output tok/s, per-requ
 TTFT and inter-token latency, errors; beside them, from the same seconds, the SM and memory clocks,
 power against its limit and the clock-event reasons (from the running daemon's /status, else from NVML),
 the engine's running and waiting requests, KV-cache usage and prefix-cache hit rate; and the single-stream
-roofline (memory bandwidth / bytes per token) with the efficiency at C=1. A step that ran throttled or
+roofline (memory bandwidth / bytes per token) with the efficiency at C=1. Energy: the GPUs' idle draw is
+measured before the first step (--idle seconds, nothing sent); per step the GPUs' mean watts, joules per output
+token and tokens per joule, with and without the idle draw (the energy above idle is what serving cost). A step that ran throttled or
 below the clock lock is flagged. Results are kept under the state directory for --compare.
 
 No server can hold bench: every request ends within --request-timeout (600 s); with --duration, a step
@@ -66,8 +68,12 @@ def add_parser(sub, common) -> None:
     p.add_argument("--engine-interval", type=float, default=2.0, metavar="SECONDS",
                    help="how often to read the engine's running/waiting/KV gauges during a step (default: 2; "
                    "0: only its counters, at the step's start and end; rendering /metrics costs the server CPU)")
+    p.add_argument("--idle", type=float, default=2.0, metavar="SECONDS",
+                   help="measure the GPUs' idle draw this long before the first step (default: 2; 0: not measured)")
     p.add_argument("--label", help="a name for this run, for --compare (default: its time)")
     p.add_argument("--compare", nargs=2, metavar=("A", "B"), help="show two saved runs side by side and exit")
+    p.add_argument("--plot", type=Path, metavar="FILE", help="draw tok/s and TTFT against concurrency (needs "
+                   "matplotlib: Debian's python3-matplotlib)")
     p.add_argument("--json", action="store_true", help="the result as JSON")
     p.add_argument("--markdown", action="store_true", help="the result as a Markdown table, to paste in an issue")
 
@@ -142,12 +148,15 @@ def cmd_bench(args: argparse.Namespace, config: Config) -> int:
         steps = _concurrency(args.concurrency)
         if args.input_len < 1 or args.output_len < 1 or (args.requests is not None and args.requests < 1) \
                 or (args.duration is not None and args.duration <= 0) or args.warmup < 0 or args.engine_interval < 0 \
-                or not args.request_timeout > 0 or (args.grace is not None and not args.grace >= 0):
+                or not 0 <= args.idle <= 600 or not args.request_timeout > 0 or (args.grace is not None and not args.grace >= 0):
             raise ValueError("--input-len, --output-len, --requests, --duration and --request-timeout must be "
-                             "positive, --warmup, --engine-interval and --grace not negative")
+                             "positive, --warmup, --engine-interval and --grace not negative, --idle 0-600")
         if args.grace is not None and args.duration is None:
             raise ValueError("--grace is for steps of a --duration")
-    except ValueError as exc:
+        if args.plot is not None:
+            from .plot import require
+            require()
+    except (ValueError, ImportError) as exc:
         print(f"gpuwarden bench: {exc}", file=sys.stderr)
         return EX_USAGE
     base = (args.url or config.serve.url).rstrip("/").removesuffix("/v1")
@@ -162,7 +171,7 @@ def cmd_bench(args: argparse.Namespace, config: Config) -> int:
                         seed=random.SystemRandom().randrange(2**31))
     grace = args.grace if args.grace is not None else min(args.duration or 0, DEFAULT_GRACE_MAX_S)
     settings = Settings(base, workload, steps, None if args.duration else args.requests, args.duration,
-                        args.warmup, args.request_timeout, grace)
+                        args.warmup, args.request_timeout, grace, args.idle if read_gpus is not None else 0.0)
     sweep = Sweep(settings)
     if gpu_note:
         sweep.notes.append(gpu_note)
@@ -184,7 +193,7 @@ def cmd_bench(args: argparse.Namespace, config: Config) -> int:
     result = {"version": __version__, "started_at": started, "url": base, "model": sweep.model, "api": args.api,
               "input_len": args.input_len, "output_len": args.output_len,
               "ignore_eos": sweep.settings.workload.ignore_eos, "gpu_source": gpu_source,
-              "interrupted": sweep.interrupted, "notes": sweep.notes, "steps": sweep.steps}
+              "interrupted": sweep.interrupted, "notes": sweep.notes, "idle_w": sweep.idle_w, "steps": sweep.steps}
     result["roofline"] = roofline(result, model_dir, tp, kv_dtype)
     if sweep.steps:
         try:
@@ -200,6 +209,14 @@ def cmd_bench(args: argparse.Namespace, config: Config) -> int:
         print(render_table(result))
         if result.get("saved_as"):
             print(f"saved: {result['saved_as']} (gpuwarden bench --compare A B)")
+    if args.plot is not None and sweep.steps:
+        from .plot import plot_bench
+        try:
+            plot_bench(result, args.plot)
+            print(f"chart: {args.plot}", file=sys.stderr)
+        except OSError as exc:
+            print(f"gpuwarden bench: --plot {args.plot}: {exc.strerror or exc}", file=sys.stderr)
+            code = code or EX_STEP_FAILED
     if sweep.interrupted:
         print("gpuwarden bench: interrupted; the result above is partial", file=sys.stderr)
         return EX_INTERRUPTED

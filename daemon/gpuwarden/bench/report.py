@@ -55,7 +55,8 @@ def roofline_line(r: dict) -> str:
 
 
 COLUMNS = ("C", "ok/sent", "cut", "system tok/s", "per-req tok/s mean", "p50", "TTFT p50 ms", "p99", "ITL p50 ms",
-           "p99", "SM MHz min/mean", "mem MHz", "W/GPU / limit", "running", "waiting", "KV max", "prefix hit")
+           "p99", "SM MHz min/mean", "mem MHz", "W/GPU / limit", "GPUs W", "J/tok", "tok/J", "tok/J >idle",
+           "running", "waiting", "KV max", "prefix hit")
 
 
 def _values(gpus: list[dict], key: str) -> list[float]:
@@ -77,7 +78,9 @@ def _row(step: dict) -> list[str]:
     return [c, f"{step['ok']}/{step['requests']}", str(step["cut"]), _f(step["system_tokens_per_s"]),
             _f(step["per_request_tokens_per_s_mean"]), _f(step["per_request_tokens_per_s_p50"]),
             _ms(step["ttft_p50_s"]), _ms(step["ttft_p99_s"]), _ms(step["itl_p50_s"]), _ms(step["itl_p99_s"]),
-            sm, mem, power, _f(engine.get("running_mean")), _f(engine.get("waiting_mean")),
+            sm, mem, power, _f(step.get("gpu_watts_mean"), ".0f"), _f(step.get("joules_per_token"), ".3g"),
+            _f(step.get("tokens_per_joule"), ".3g"), _f(step.get("tokens_per_joule_above_idle"), ".3g"),
+            _f(engine.get("running_mean")), _f(engine.get("waiting_mean")),
             "-" if kv is None else f"{kv * 100:.0f}%", "-" if hit is None else f"{hit * 100:.0f}%"]
 
 
@@ -92,6 +95,9 @@ def _notes(result: dict) -> list[str]:
         if step["cut"]:
             lines.append(f"C={step['concurrency']}: {step['cut']} of {step['requests']} requests cut by bench (not "
                          f"errors of the server; their tokens left out): {step['first_cut']}")
+    if result.get("idle_w") is not None:
+        lines.append(f"idle draw before the first step: {result['idle_w']:.0f} W over all GPUs (tok/J >idle: the "
+                     "tokens over the energy above it)")
     lines += result.get("notes", [])
     return lines
 
@@ -145,7 +151,7 @@ def load(ref: str, directory: Path) -> dict:
 
 def render_compare(a: dict, b: dict, name_a: str, name_b: str) -> str:
     lines = [f"A = {name_a} ({a['model']}), B = {name_b} ({b['model']})",
-             "    C  A tok/s  B tok/s   B/A  A TTFT p50 ms  B TTFT p50 ms  A SM MHz  B SM MHz"]
+             "    C  A tok/s  B tok/s   B/A  A TTFT p50 ms  B TTFT p50 ms  A SM MHz  B SM MHz  A tok/J  B tok/J"]
     steps_b = {s["concurrency"]: s for s in b["steps"]}
     for sa in a["steps"]:
         sb = steps_b.get(sa["concurrency"])
@@ -155,7 +161,8 @@ def render_compare(a: dict, b: dict, name_a: str, name_b: str) -> str:
         ratio = f"{tb / ta:.2f}" if ta and tb else "-"
         sm = [_f((s.get("gpus") or [{}])[0].get("sm_mhz_mean"), ".0f") for s in (sa, sb)]
         lines.append(f"{sa['concurrency']:5d} {_f(ta):>8} {_f(tb):>8} {ratio:>5} {_ms(sa['ttft_p50_s']):>14} "
-                     f"{_ms(sb['ttft_p50_s']):>14} {sm[0]:>9} {sm[1]:>9}")
+                     f"{_ms(sb['ttft_p50_s']):>14} {sm[0]:>9} {sm[1]:>9} "
+                     f"{_f(sa.get('tokens_per_joule'), '.3g'):>8} {_f(sb.get('tokens_per_joule'), '.3g'):>8}")
     for name, r in ((name_a, a), (name_b, b)):
         lines.append(f"{name}: {roofline_line(r['roofline'])}")
     return "\n".join(lines)

@@ -24,6 +24,7 @@ import aiohttp
 
 from ..httpget import HttpError, read_capped
 from .client import RequestResult, stream
+from .energy import gpu_watts, step_energy
 from .watch import Watch, step_flags
 from .workload import CALIBRATION_WORDS, MARK_WORDS, WORDS, Workload
 
@@ -52,6 +53,7 @@ class Settings:
     warmup: int = 2
     request_timeout_s: float = 600.0  # any one request, start to end of stream
     grace_s: float = 30.0  # with duration_s: how long the requests in flight at its end may still take
+    idle_s: float = 0.0  # the GPUs' idle draw is measured this long before the first step (0: not measured)
 
     def limit(self, now: float = 0.0, step_end: float | None = None) -> tuple[float, str]:
         """(seconds, what cuts it) for a request that starts at now: its own deadline, or the step's end."""
@@ -70,6 +72,7 @@ class Sweep:
     notes: list[str] = field(default_factory=list)
     steps: list[dict] = field(default_factory=list)
     interrupted: bool = False
+    idle_w: float | None = None  # the GPUs' summed draw before the first step, no request in flight
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -213,7 +216,19 @@ async def _step(session: aiohttp.ClientSession, url: str, settings: Settings, wo
     return results, time.perf_counter() - start, interrupted
 
 
-async def run(sweep: Sweep, watch: Watch, progress: Callable[[int, int, int | None, float], None]) -> Sweep:
+async def _idle_draw(watch: Watch, seconds: float) -> float | None:
+    """The GPUs' summed mean power over seconds with nothing sent."""
+    watch.begin()
+    try:
+        await asyncio.sleep(seconds)
+    finally:
+        gpus, _ = watch.end()
+    return gpu_watts(gpus)
+
+
+async def run(sweep: Sweep, watch: Watch, progress: Callable[[int, int, int | None, float], None],
+              before_step: Callable[[int], None] | None = None) -> Sweep:
+    """before_step(i), when given, runs before step i is timed (tune sets the GPUs' setting there)."""
     settings = sweep.settings
     connector = aiohttp.TCPConnector(limit=0)  # no pool cap: a thousand streams need a thousand connections
     # Each request's total deadline is stream()'s (Settings.limit); the session times only the connect.
@@ -231,11 +246,15 @@ async def run(sweep: Sweep, watch: Watch, progress: Callable[[int, int, int | No
         workload = replace(settings.workload, model=sweep.model)
         url = base + workload.path
         try:
+            if settings.idle_s > 0:
+                sweep.idle_w = await _idle_draw(watch, settings.idle_s)
             workload = await _calibrate(session, url, workload, settings, sweep.notes)
             ids = itertools.count()
             for _ in range(settings.warmup):
                 await stream(session, url, workload.payload(next(ids)), *settings.limit())
-            for concurrency in settings.concurrency:
+            for index, concurrency in enumerate(settings.concurrency):
+                if before_step is not None:
+                    before_step(index)
                 watch.begin()
                 results, duration, interrupted = await _step(
                     session, url, settings, workload, concurrency, ids,
@@ -243,6 +262,7 @@ async def run(sweep: Sweep, watch: Watch, progress: Callable[[int, int, int | No
                 gpus, engine = watch.end()
                 step = summarize_step(concurrency, results, duration, interrupted)
                 step.update(gpus=gpus, engine=engine, flags=step_flags(gpus, None))
+                step.update(step_energy(step, sweep.idle_w))
                 sweep.steps.append(step)
                 if interrupted:
                     sweep.interrupted = True

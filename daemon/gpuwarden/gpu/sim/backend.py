@@ -17,6 +17,7 @@ from ..base import ClockEventReason as R
 from ..base import (NVLINK_ERRORS, VIOLATION_POLICIES, Gpu, GpuBackend, GpuBoard, GpuCapabilities, GpuHealth,
                     GpuSample, NvLink)
 from ..events import GpuEvent
+from . import power as channel_io
 from .scenario import PCIE_MAX, Event, GpuModel, Scenario
 
 MIB = 1024 * 1024
@@ -57,7 +58,36 @@ class SimBackend(GpuBackend):
         self._pending = list(scenario.events)
         self._time = self.clock()
         self._gpus = [SimGpu(self, i, model) for i, model in enumerate(scenario.gpus)]
+        # The served workload's channel (sim/power.py): the cards' settings outlive this process, as a real
+        # card's do while its driver stays loaded, so tuning's originals are kept on disk too (originals.py).
+        self.channel = channel_io.channel()
+        self.persistent = self.channel is not None
+        if self.channel is not None:
+            self._load_settings(self.channel)
         self.advance()
+        self.publish()
+
+    def _load_settings(self, directory) -> None:
+        for saved in channel_io.read_gpus(directory):
+            gpu = next((g for g in self._gpus if g.index == saved.get("index")), None)
+            if gpu is None:
+                continue
+            m = gpu.model
+            limit = saved.get("power_limit_w")
+            if isinstance(limit, (int, float)) and m.min_power_limit_w <= limit <= m.max_power_limit_w:
+                gpu.power_limit_w = float(limit)
+            lock = saved.get("gpu_lock")
+            if isinstance(lock, list) and len(lock) == 2 and all(isinstance(v, int) for v in lock):
+                gpu.gpu_lock = (lock[0], lock[1])
+
+    def publish(self) -> None:
+        """Tell the served workload each card's settings and the clock it keeps under load."""
+        if self.channel is None:
+            return
+        try:
+            channel_io.write_gpus(self.channel, [g.published() for g in self._gpus])
+        except OSError:
+            pass  # the workload keeps the last settings it saw; the daemon goes on
 
     def gpus(self) -> list[Gpu]:
         return list(self._gpus)
@@ -74,6 +104,11 @@ class SimBackend(GpuBackend):
     def advance(self) -> None:
         """Play the timeline up to now, integrating energy and violation time."""
         now = self.clock()
+        busy = channel_io.busy(self.channel) if self.channel is not None else None
+        if busy is not None:
+            self._integrate_to(now)  # the time before this look ran at the old load
+            for gpu in self._gpus:
+                gpu.utilization = 100.0 if busy else 0.0
         while self._pending and self._pending[0].at_s <= now:
             event = self._pending.pop(0)
             self._integrate_to(max(event.at_s, self._time))
@@ -236,6 +271,20 @@ class SimGpu(Gpu):
             temp = self.conditions.get(kind, {}).get("temperature_c", temp)
         return sm, mem, power, temp, reasons
 
+    def published(self) -> dict:
+        """What the served workload reads (sim/power.py): the settings, and the clock fraction under full load."""
+        m, utilization = self.model, self.utilization
+        self.utilization = 100.0
+        try:
+            sm = self._operating_point()[0]
+        finally:
+            self.utilization = utilization
+        return {"index": self.index, "power_limit_w": self.power_limit_w,
+                "gpu_lock": list(self.gpu_lock) if self.gpu_lock else None,
+                "loaded_fraction": sm / m.graphics_clock_max_mhz,
+                "decode_knee_fraction": channel_io.decode_knee_fraction(m.idle_power_w, m.full_load_power_w,
+                                                                        m.max_power_limit_w)}
+
     # -- Gpu interface ----------------------------------------------------------
     def sample(self, counters: bool | None = None) -> GpuSample:
         self.backend.advance()  # the simulated counters integrate continuously: there is nothing to schedule
@@ -322,10 +371,12 @@ class SimGpu(Gpu):
         self._check_range(f"locking GPU clocks to {min_mhz}-{max_mhz} MHz", min_mhz, max_mhz,
                           m.graphics_clocks_mhz[-1], m.graphics_clock_max_mhz)
         self.gpu_lock = (min_mhz, max_mhz)
+        self.backend.publish()
 
     def reset_gpu_locked_clocks(self) -> None:
         self._setter("resetting locked GPU clocks")
         self.gpu_lock = None
+        self.backend.publish()
 
     def set_memory_locked_clocks(self, min_mhz: int, max_mhz: int) -> None:
         what = f"locking memory clocks to {min_mhz}-{max_mhz} MHz"
@@ -342,6 +393,7 @@ class SimGpu(Gpu):
         self._setter(what, "power_limit")
         self._check_range(what, watts, watts, self.model.min_power_limit_w, self.model.max_power_limit_w)
         self.power_limit_w = watts
+        self.backend.publish()
 
 
 class SimEvents:

@@ -1,0 +1,305 @@
+"""`gpuwarden tune`: sweep the power limit (or a locked SM clock) under bench's workload, find the knee.
+
+Each step is one bench step (sweep.run: the same workload, client, watch and energy figures) at one setting,
+which the running daemon sets through its control channel (control.py) under a lease; the configured setting
+comes back however the sweep ends. The knee is the step with the most tokens per joule among those that keep
+--keep of the peak tok/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import sys
+import time
+from pathlib import Path
+
+from .. import __version__
+from ..config import Config
+from ..control import ControlError, SweepClient, socket_path
+from .command import _gpu_reader, _raise_fd_limit, _serving_facts
+from .watch import Watch
+
+HELP = """\
+Finds the power limit (or locked SM clock) that serves the most tokens per joule while keeping a share of the
+peak throughput, measured on your own engine and traffic shape: the knee depends on the model and the workload
+(memory-bound decode keeps its speed at a lower limit than compute-bound prefill).
+
+Runs bench's workload (the same --concurrency, --input-len, --output-len and --api) for --duration seconds at each
+setting, from the highest down, and prints per step: tok/s, TTFT and ITL p50/p99, the GPUs' watts and tokens per
+joule (with and without the idle draw measured before the first step). The knee is the setting with the best
+tok/J that keeps --keep (0.95) of the peak tok/s; tune prints the config lines that keep it, and with --apply
+writes them to conf.d/50-tune.yaml beside the config and reloads the daemon (it says so).
+
+The running daemon sets each step (it owns the GPUs, and would undo a change made behind its back), through its
+root-only control socket (/run/gpuwarden/control.sock), under a lease that tune renews: however the sweep ends
+(done, Ctrl-C, tune killed, the connection lost, or no word for --lease seconds) the daemon puts the configured
+setting back; a daemon killed mid-sweep puts it back when it starts again.
+
+A sweep is refused while other processes than the engine the daemon runs use the GPUs: their load would skew
+every step. --force sweeps anyway (e.g. a second engine you mean to measure with).
+
+Exit status: 0 done, 1 a step failed, 69 no daemon or server, 77 not root, 78 bad arguments, 130 interrupted
+(the setting is back; the steps done are printed)."""
+
+EX_FAILED, EX_UNAVAILABLE, EX_NOPERM, EX_USAGE, EX_INTERRUPTED = 1, 69, 77, 78, 130
+
+
+def add_parser(sub, common) -> None:
+    p = sub.add_parser("tune", parents=[common], help="sweep power limits or SM clocks under bench's workload and "
+                       "find the most tokens per joule", description=HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--clocks", action="store_true", help="sweep locked SM clocks instead of power limits")
+    p.add_argument("--steps", type=int, default=6, help="settings, evenly spaced from the card's max down to its "
+                   "min (default: 6)")
+    p.add_argument("--values", help="the settings instead, comma-separated (W, or MHz with --clocks)")
+    p.add_argument("--gpus", help="the GPUs, comma-separated indices (default: all)")
+    p.add_argument("--keep", type=float, default=0.95, help="the share of peak tok/s the knee keeps (default: 0.95)")
+    p.add_argument("--url", help="the server (default: serve.host and serve.port)")
+    p.add_argument("--model", help="the model name (default: the first /v1/models lists)")
+    p.add_argument("--concurrency", type=int, default=8, help="requests in flight in each step (default: 8)")
+    p.add_argument("--duration", type=float, default=30.0, metavar="SECONDS", help="each step's length (default: 30)")
+    p.add_argument("--input-len", type=int, default=512, help="prompt tokens per request (default: 512)")
+    p.add_argument("--output-len", type=int, default=128, help="output tokens per request (default: 128)")
+    p.add_argument("--api", choices=("completions", "chat"), default="completions")
+    p.add_argument("--warmup", type=int, default=2, help="requests before the first step (default: 2)")
+    p.add_argument("--idle", type=float, default=3.0, metavar="SECONDS",
+                   help="measure the idle draw this long first (default: 3)")
+    p.add_argument("--lease", type=float, default=15.0, metavar="SECONDS",
+                   help="the daemon puts the setting back after this long without word from tune (default: 15)")
+    p.add_argument("--force", action="store_true", help="sweep even while other processes use the GPUs")
+    p.add_argument("--plot", type=Path, metavar="FILE", help="draw tok/s and tok/J against the setting (matplotlib)")
+    p.add_argument("--apply", action="store_true", help="write the knee to conf.d/50-tune.yaml and reload the daemon")
+    p.add_argument("--json", action="store_true", help="the result as JSON")
+
+
+def _values(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(not 0 < v < 100_000 for v in values):
+        raise ValueError(f"--values {text!r}: expected positive numbers, e.g. 700,600,500")
+    return values
+
+
+def _gpus(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(v) for v in text.split(",") if v.strip()] or None
+    except ValueError:
+        raise ValueError(f"--gpus {text!r}: expected GPU indices, e.g. 0,1") from None
+
+
+def settings_to_try(limits: dict, clocks: bool, steps: int) -> list[float]:
+    """Evenly spaced from the highest value every GPU accepts down to the lowest: the power-limit constraints,
+    or the supported clocks (each step a clock the card lists)."""
+    if clocks:
+        common = sorted(set.intersection(*(set(v) for v in limits.values())), reverse=True)
+        if not common:
+            raise ControlError("the GPUs list no common supported clock")
+        picks = [common[round(i * (len(common) - 1) / max(1, steps - 1))] for i in range(steps)]
+        return list(dict.fromkeys(picks))
+    low = max(v[0] for v in limits.values())
+    high = min(v[1] for v in limits.values())
+    return [round(high - i * (high - low) / max(1, steps - 1)) for i in range(steps)]
+
+
+def find_knee(steps: list[dict], keep: float) -> dict | None:
+    """The step with the most tok/J among those keeping `keep` of the peak tok/s."""
+    rated = [s for s in steps if s.get("system_tokens_per_s") and s.get("tokens_per_joule")]
+    if not rated:
+        return None
+    peak = max(s["system_tokens_per_s"] for s in rated)
+    return max((s for s in rated if s["system_tokens_per_s"] >= keep * peak), key=lambda s: s["tokens_per_joule"])
+
+
+def config_lines(setting: str, value: float, gpus: list[int] | None) -> str:
+    shown = f"[{int(value)}, {int(value)}]" if setting == "gpu_clocks" else f"{value:g}"
+    if gpus is None:
+        return f"tuning:\n  {setting}: {shown}\n"
+    return "tuning:\n  gpus:\n" + "".join(f'    "{g}": {{{setting}: {shown}}}\n' for g in gpus)
+
+
+class Progress:
+    """Step i of n, the setting, and the time left, on a terminal only."""
+
+    def __init__(self, out, values: list[float], unit: str, step_s: float):
+        self.out, self.values, self.unit, self.step_s = out, values, unit, step_s
+        self.on, self.step, self.started = out.isatty(), 0, time.monotonic()
+
+    def begin(self, index: int) -> None:
+        self.step, self.started = index, time.monotonic()
+
+    def update(self, concurrency, done, total, elapsed) -> None:
+        if not self.on:
+            return
+        left = (len(self.values) - self.step) * self.step_s - (time.monotonic() - self.started)
+        self.out.write(f"\rstep {self.step + 1}/{len(self.values)}: {self.values[self.step]:g} {self.unit}, "
+                       f"{done} requests, about {max(0, left):.0f} s left  ")
+        self.out.flush()
+
+    def clear(self) -> None:
+        if self.on:
+            self.out.write("\r\033[K")
+            self.out.flush()
+
+
+def _f(value, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def render(result: dict) -> str:
+    unit = result["unit"]
+    head = ["setting", "tok/s", "TTFT p50 ms", "p99", "ITL p50 ms", "p99", "GPUs W", "tok/J", "tok/J >idle"]
+    rows = [head]
+    for s in result["steps"]:
+        ms = [_f(s.get(k) and s[k] * 1e3, ".0f") for k in ("ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s")]
+        rows.append([f"{s['setting']:g} {unit}", _f(s.get("system_tokens_per_s"), ".1f"), *ms,
+                     _f(s.get("gpu_watts_mean"), ".0f"), _f(s.get("tokens_per_joule"), ".4g"),
+                     _f(s.get("tokens_per_joule_above_idle"), ".4g")])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    out = [f"{result['model']} at {result['url']}: {result['setting']} sweep, C={result['concurrency']}, "
+           f"{result['input_len']} in / {result['output_len']} out, {result['duration_s']:g} s a step"]
+    out += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    if result.get("idle_w") is not None:
+        out.append(f"idle draw before the first step: {result['idle_w']:.0f} W")
+    knee = result.get("knee")
+    if knee:
+        out.append(f"knee: {knee['setting']:g} {unit}: {knee['tokens_per_joule']:.4g} tok/J, "
+                   f"{knee['share_of_peak'] * 100:.0f}% of the peak {knee['peak_tokens_per_s']:.1f} tok/s "
+                   f"(--keep {result['keep']:g}); in the config:")
+        out.append(result["config"].rstrip())
+    else:
+        out.append("knee: none (no step reported both tok/s and power)")
+    out += [f"! {n}" for n in result.get("notes", [])]
+    return "\n".join(out)
+
+
+def cmd_tune(args: argparse.Namespace, config: Config) -> int:
+    from .plot import PlotUnavailable, plot_tune
+    from .sweep import BenchError, Settings, Sweep, run
+    from .workload import Workload
+
+    try:
+        values = _values(args.values) if args.values else None
+        gpus = _gpus(args.gpus)
+        if not 0 < args.keep <= 1:
+            raise ValueError(f"--keep {args.keep:g}: expected a share of the peak, above 0 and at most 1")
+        if not 2 <= args.steps <= 64 or not 1 <= args.concurrency <= 4096 or args.duration <= 0 \
+                or args.input_len < 1 or args.output_len < 1 or args.warmup < 0 or not 0 <= args.idle <= 600:
+            raise ValueError("--steps 2-64, --concurrency 1-4096, --duration, --input-len and --output-len "
+                             "positive, --warmup not negative, --idle 0-600")
+        if not 1 <= args.lease <= 300:
+            raise ValueError(f"--lease {args.lease:g}: expected 1-300 seconds")
+        if args.plot is not None:
+            from .plot import require
+            require()
+    except (ValueError, PlotUnavailable) as exc:
+        print(f"gpuwarden tune: {exc}", file=sys.stderr)
+        return EX_USAGE
+    setting, unit = ("gpu_clocks", "MHz") if args.clocks else ("power_limit_w", "W")
+    base = (args.url or config.serve.url).rstrip("/").removesuffix("/v1")
+    read_gpus, gpu_source, note = _gpu_reader(config)
+    if read_gpus is None or not gpu_source.startswith("the daemon"):
+        print(f"gpuwarden tune: no daemon answers at {config.metrics.url}: tune needs the running daemon "
+              "(its /status for the power readings, its control socket for the settings)", file=sys.stderr)
+        return EX_UNAVAILABLE
+    try:
+        client = SweepClient(socket_path(), setting, gpus, args.lease, args.force)
+    except ControlError as exc:
+        print(f"gpuwarden tune: {exc}", file=sys.stderr)
+        return EX_NOPERM if "permission denied" in str(exc) else EX_UNAVAILABLE
+    restored: list[str] = []
+    code = 0
+    try:
+        if values is None:
+            values = settings_to_try(client.limits, args.clocks, args.steps)
+        _, _, _, names = _serving_facts(config)
+        watch = Watch(read_gpus, base + "/metrics", names, engine_interval_s=0)
+        workload = Workload(args.model or "", args.api, args.input_len, args.output_len, True,
+                            seed=random.SystemRandom().randrange(2**31))
+        settings = Settings(base, workload, [args.concurrency] * len(values), None, args.duration, args.warmup,
+                            grace_s=min(args.duration, 30.0), idle_s=args.idle)
+        sweep = Sweep(settings)
+        progress = Progress(sys.stderr, values, unit, args.duration + 1)
+
+        def before_step(index: int) -> None:
+            progress.begin(index)
+            client.set(values[index])
+
+        _raise_fd_limit(args.concurrency)
+        try:
+            asyncio.run(run(sweep, watch, progress.update, before_step))
+        except KeyboardInterrupt:
+            sweep.interrupted = True
+        except BenchError as exc:
+            progress.clear()
+            print(f"gpuwarden tune: {exc}", file=sys.stderr)
+            code = exc.exit_code
+        progress.clear()
+    except ControlError as exc:
+        print(f"gpuwarden tune: {exc}", file=sys.stderr)
+        return EX_FAILED
+    finally:
+        try:
+            restored = client.end()
+        except ControlError as exc:
+            print(f"gpuwarden tune: {exc}; the daemon puts the setting back when the lease runs out", file=sys.stderr)
+    steps = [dict(s, setting=values[i]) for i, s in enumerate(sweep.steps)]
+    result = {"version": __version__, "url": base, "model": sweep.model, "setting": setting, "unit": unit,
+              "concurrency": args.concurrency, "input_len": args.input_len, "output_len": args.output_len,
+              "duration_s": args.duration, "keep": args.keep, "idle_w": sweep.idle_w, "gpus": gpus,
+              "interrupted": sweep.interrupted, "notes": sweep.notes, "steps": steps, "restored": restored}
+    knee = find_knee(steps, args.keep)
+    if knee is not None:
+        peak = max(s["system_tokens_per_s"] for s in steps if s.get("system_tokens_per_s"))
+        result["knee"] = {"setting": knee["setting"], "tokens_per_joule": knee["tokens_per_joule"],
+                          "system_tokens_per_s": knee["system_tokens_per_s"], "peak_tokens_per_s": peak,
+                          "share_of_peak": knee["system_tokens_per_s"] / peak}
+        result["config"] = config_lines(setting, knee["setting"], gpus)
+    print(json.dumps(result, indent=2) if args.json else render(result))
+    if client.lost is None:
+        print("the daemon put the configured setting back: " + ("; ".join(restored) or "nothing had changed"),
+              file=sys.stderr)
+    if args.plot is not None and steps:
+        try:
+            plot_tune(result, args.plot)
+            print(f"chart: {args.plot}", file=sys.stderr)
+        except (PlotUnavailable, OSError) as exc:
+            print(f"gpuwarden tune: --plot {args.plot}: {exc}", file=sys.stderr)
+            code = code or EX_FAILED
+    if client.lost is not None:
+        print("gpuwarden tune: the sweep lost its lease mid-step; the steps above are partial", file=sys.stderr)
+        return EX_FAILED
+    if sweep.interrupted:
+        print("gpuwarden tune: interrupted; the steps above are partial", file=sys.stderr)
+        return EX_INTERRUPTED
+    if args.apply and knee is not None and code == 0:
+        code = _apply(result["config"], Path(args.config), config)
+    return code
+
+
+def _apply(lines: str, config_path: Path, config: Config) -> int:
+    """Write the knee as a drop-in beside the config and reload the daemon (SIGHUP to the pid /status names)."""
+    from ..status import StatusError, fetch_status
+
+    dropin = config_path.parent / "conf.d" / "50-tune.yaml"
+    try:
+        dropin.parent.mkdir(parents=True, exist_ok=True)
+        dropin.write_text("# written by `gpuwarden tune --apply`: the knee of its sweep\n" + lines)
+        pid = ((fetch_status(config.metrics, timeout_s=5.0) or {}).get("daemon") or {}).get("pid")
+        if not isinstance(pid, int):
+            raise StatusError("the daemon's /status names no pid")
+        os.kill(pid, signal.SIGHUP)
+    except (OSError, StatusError) as exc:
+        print(f"gpuwarden tune: --apply: {dropin}: {getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
+        return EX_FAILED
+    print(f"applied: wrote {dropin} and reloaded the daemon (pid {pid}); `gpuwarden status` shows the setting",
+          file=sys.stderr)
+    return 0

@@ -1,0 +1,81 @@
+"""How fast a simulated card serves at a given SM clock, and the small file channel that lets a served workload
+(the test's fake OpenAI server, the demo) see the simulated cards' settings and tell them when it is busy.
+
+The curve follows the published power sweeps (issue 29): memory-bound decode keeps its speed down to about two
+thirds of the card's TDP (the max power limit) and falls in proportion below; compute-bound prefill slows roughly
+with the clock all the way (speed = clock fraction ** PREFILL_EXPONENT). The clock fraction is what the card runs
+at under load: a locked clock, or the clock a binding power limit lets it keep (sim/backend.py's power model), so
+the same curve answers a power-limit sweep and a clock sweep.
+
+The channel is a directory (GPUWARDEN_SIM_STATE): the simulator writes `gpus.json` (each card's power limit,
+clock lock and loaded clock fraction) whenever a setter changes a card, and reads `load.json` ({"open": N}, the
+streams the server serves now) on each sample: a card is fully busy while N > 0. A real card keeps its power
+limit and clock locks while the driver stays loaded, so a simulator with a channel reads its settings back at
+start: a daemon killed mid-sweep finds the swept setting, as it would on real hardware.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+ENV = "GPUWARDEN_SIM_STATE"
+DECODE_KNEE_OF_TDP = 2 / 3  # decode keeps full speed down to this share of TDP (RTX PRO 6000: 400 of 600 W)
+PREFILL_EXPONENT = 0.85  # prefill: "roughly proportional" to the clock
+MAX_FILE_BYTES = 64 * 1024
+
+
+def decode_knee_fraction(idle_w: float, full_w: float, tdp_w: float) -> float:
+    """The loaded clock fraction at which the card draws DECODE_KNEE_OF_TDP of its TDP (draw = idle + (full -
+    idle) x fraction, the simulator's model)."""
+    return min(1.0, max(0.05, (DECODE_KNEE_OF_TDP * tdp_w - idle_w) / (full_w - idle_w)))
+
+
+def speed(kind: str, fraction: float, knee: float) -> float:
+    """Relative serving speed (1.0 = the card unrestricted) of "decode" or "prefill" at this clock fraction."""
+    fraction = min(1.0, max(0.0, fraction))
+    if kind == "decode":
+        return min(1.0, fraction / knee)
+    return fraction ** PREFILL_EXPONENT
+
+
+def channel() -> Path | None:
+    value = os.environ.get(ENV)
+    return Path(value) if value else None
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        with open(path, "rb") as f:
+            data = json.loads(f.read(MAX_FILE_BYTES))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _write(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)  # readers see a whole file, never half of one
+
+
+def write_gpus(directory: Path, gpus: list[dict]) -> None:
+    _write(directory / "gpus.json", {"gpus": gpus})
+
+
+def read_gpus(directory: Path) -> list[dict]:
+    data = _read(directory / "gpus.json") or {}
+    return [g for g in data.get("gpus", []) if isinstance(g, dict)]
+
+
+def write_load(directory: Path, open_streams: int) -> None:
+    _write(directory / "load.json", {"open": open_streams})
+
+
+def busy(directory: Path) -> bool | None:
+    """The server says it serves (True) or idles (False); None: it says nothing (the scenario's load holds)."""
+    data = _read(directory / "load.json")
+    if data is None or not isinstance(data.get("open"), int):
+        return None
+    return data["open"] > 0

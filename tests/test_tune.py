@@ -1,0 +1,381 @@
+"""`gpuwarden tune` on the simulator: the knee of a decode-heavy and a prefill-heavy workload, every way a sweep
+ends leaving the configured setting in place (real processes: the daemon, tune, the fake server sharing the
+simulated card through GPUWARDEN_SIM_STATE), and the control channel's limits."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import free_port, gpuwarden_cmd, subprocess_env
+from gpuwarden import config, control
+from gpuwarden.backends import open_configured
+from gpuwarden.bench.tune import find_knee, settings_to_try
+from gpuwarden.gpu.sim import power
+from gpuwarden.gpu.sim.backend import ManualClock
+from gpuwarden.tuning import Tuner, TuningLife
+
+HERE = Path(__file__).resolve().parent
+SCENARIO = """\
+name: h100-tune
+description: one H100 whose load is the served workload's (GPUWARDEN_SIM_STATE)
+as_root: true
+gpus:
+  - name: NVIDIA H100 80GB HBM3
+    brand: NVIDIA
+    form_factor: sxm
+    compute_capability: "9.0"
+    memory_total_mib: 81559
+    memory_bus_width_bits: 5120
+    memory_clocks_mhz: [2619]
+    graphics_clocks_mhz: [345, 1980, 15]
+    idle_clocks_mhz: {sm: 345, memory: 2619}
+    boost_under_load: true
+    power: {idle_w: 70, full_load_w: 690, default_limit_w: 700, min_limit_w: 200, max_limit_w: 700}
+timeline:
+  - {at_s: 0, event: load, utilization_pct: 0}
+"""
+TOKEN_DELAY_S, PREFILL_MS = 0.01, 0.25
+
+
+class Rig:
+    """A daemon on the simulated H100, the fake server serving at its speed, and tune against both."""
+
+    def __init__(self, tmp: Path, daemons, tuning: str = ""):
+        self.tmp, self.daemons = tmp, daemons
+        self.chan = tmp / "chan"
+        self.chan.mkdir(parents=True)
+        (tmp / "h100.yaml").write_text(SCENARIO)
+        self.metrics = free_port()
+        self.conf = tmp / "conf.yaml"
+        self.conf.write_text(f"gpu: {{backend: sim, scenario: h100.yaml}}\npoll_interval_s: 0.25\n"
+                             f"metrics: {{listen: '127.0.0.1:{self.metrics}'}}\n{tuning}")
+        self.env = {**subprocess_env(), power.ENV: str(self.chan), "STATE_DIRECTORY": str(tmp / "state"),
+                    "RUNTIME_DIRECTORY": str(tmp / "run")}
+        self.port = free_port()
+        self.server = subprocess.Popen([sys.executable, str(HERE / "fake_openai.py"), "--port", str(self.port),
+                                        "--sim-state", str(self.chan), "--token-delay", str(TOKEN_DELAY_S),
+                                        "--prefill-ms", str(PREFILL_MS)],
+                                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=self.env)
+        assert self.server.stdout.readline().strip() == "listening"
+        self.daemon = None
+
+    def start_daemon(self):
+        self.daemon = self.daemons(self.conf, env=self.env)
+        self.daemon.wait_for("serving /metrics")
+        return self.daemon
+
+    def limit(self) -> float:
+        return power.read_gpus(self.chan)[0]["power_limit_w"]
+
+    def tune_argv(self, *args):
+        return [*gpuwarden_cmd(), "tune", "-c", str(self.conf), "--url", f"http://127.0.0.1:{self.port}",
+                "--concurrency", "4", "--idle", "0.5", "--lease", "2", *args]
+
+    def tune(self, *args, timeout=120):
+        return subprocess.run(self.tune_argv(*args), capture_output=True, text=True, env=self.env, timeout=timeout)
+
+    def popen_tune(self, *args):
+        return subprocess.Popen(self.tune_argv(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=self.env)
+
+    def wait_limit(self, predicate, timeout=20.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = self.limit()
+            if predicate(value):
+                return value
+            time.sleep(0.05)
+        raise AssertionError(f"power limit {self.limit()} never matched; daemon log:\n{self.daemon.log}")
+
+    def close(self):
+        self.server.terminate()
+        self.server.wait(10)
+
+
+@pytest.fixture
+def rig(tmp_path, daemons):
+    rigs = []
+
+    def make(tuning=""):
+        rigs.append(Rig(tmp_path / f"r{len(rigs)}", daemons, tuning))
+        return rigs[-1]
+
+    yield make
+    for r in rigs:
+        r.close()
+
+
+pytestmark = pytest.mark.integration
+
+
+# -- the knee against the curve ------------------------------------------------------------------------------
+
+def expected_knee(values, input_len, output_len, keep):
+    """The knee the curve itself has at these settings: each step's speed from the simulated card's loaded clock
+    (sim/power.py), its draw from the simulator at full load, the request time as the fake server serves it."""
+    steps = []
+    for value in values:
+        backend = _sim_backend(value)
+        gpu = backend.gpus()[0]
+        published = gpu.published()
+        f, knee = published["loaded_fraction"], published["decode_knee_fraction"]
+        seconds = (input_len + 1) * PREFILL_MS / 1e3 / power.speed("prefill", f, knee) + \
+            output_len * TOKEN_DELAY_S / power.speed("decode", f, knee)
+        gpu.utilization = 100.0
+        watts = gpu.sample().power_w
+        steps.append({"setting": value, "system_tokens_per_s": output_len / seconds,
+                      "tokens_per_joule": output_len / seconds / watts})
+    return values.index(find_knee(steps, keep)["setting"])
+
+
+def _sim_backend(limit_w):
+    from gpuwarden.gpu.sim.backend import SimBackend
+    from gpuwarden.gpu.sim.scenario import load_scenario
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "h100.yaml"
+        path.write_text(SCENARIO)
+        backend = SimBackend(load_scenario(path), clock=ManualClock())
+    backend.gpus()[0].set_power_limit_w(limit_w)
+    return backend
+
+
+@pytest.mark.parametrize("shape", ["decode", "prefill"])
+def test_tune_finds_the_curves_knee_and_draws_the_chart(rig, tmp_path, shape):
+    r = rig()
+    r.start_daemon()
+    lengths = ("8", "32") if shape == "decode" else ("400", "2")
+    chart = tmp_path / f"{shape}.png"
+    plot = ["--plot", str(chart)] if _matplotlib() else []
+    out = r.tune("--steps", "6", "--duration", "1.5", "--input-len", lengths[0], "--output-len", lengths[1],
+                 "--json", *plot)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    values = [s["setting"] for s in result["steps"]]
+    assert values == settings_to_try({"0": [200, 700]}, False, 6) == [700, 600, 500, 400, 300, 200]
+    for step in result["steps"]:  # every figure present, and the watts follow the limit down
+        assert step["tokens_per_joule"] > 0 and step["gpu_watts_mean"] <= step["setting"] + 1
+        assert step["ttft_p99_s"] >= step["ttft_p50_s"] > 0 and step["itl_p99_s"] >= step["itl_p50_s"] > 0
+    assert 60 < result["idle_w"] < 80  # the card idles at 70 W before the first step
+    measured = values.index(result["knee"]["setting"])
+    true = expected_knee(values, int(lengths[0]), int(lengths[1]), 0.95)
+    assert abs(measured - true) <= 1, (shape, values[measured], values[true], [(s["setting"], round(s["system_tokens_per_s"], 1), round(s["tokens_per_joule"], 4)) for s in result["steps"]])
+    assert f"power_limit_w: {result['knee']['setting']:g}" in result["config"]
+    assert r.limit() == 700  # nothing configured: the card's own limit is back
+    assert "sweep of power_limit_w ended (the sweep ended, 6 steps set)" in r.daemon.wait_for("sweep of power_limit_w ended")
+    if plot:
+        assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and chart.stat().st_size > 10_000
+
+
+def _matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        if os.environ.get("CI") == "true":
+            pytest.fail("matplotlib is missing: tests/run installs it (the chart is tested on CI)")
+        return False
+    return True
+
+
+def test_a_plot_without_matplotlib_is_one_line(tmp_path):
+    shim = tmp_path / "shim" / "matplotlib"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text("raise ImportError('No module named matplotlib')\n")
+    env = {**subprocess_env(), "PYTHONPATH": f"{shim.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    conf = tmp_path / "c.yaml"
+    conf.write_text("gpu: {backend: sim, scenario: h100-nvswitch}\n")
+    for command in ("tune", "bench"):
+        out = subprocess.run([*gpuwarden_cmd(), command, "-c", str(conf),
+                              "--url", "http://127.0.0.1:9", "--plot", str(tmp_path / "c.png")],
+                             capture_output=True, text=True, env=env, timeout=60)
+        assert out.returncode == 78, out.stderr
+        assert out.stderr.strip().splitlines() == [
+            f"gpuwarden {command}: --plot needs matplotlib, which is not installed (Debian: apt install "
+            "python3-matplotlib; pip: pip install matplotlib)"]
+
+
+# -- every end of a sweep ------------------------------------------------------------------------------------
+
+def test_every_end_of_a_sweep_leaves_the_configured_limit(rig):
+    r = rig("tuning: {power_limit_w: 650}\n")
+    daemon = r.start_daemon()
+    r.wait_limit(lambda w: w == 650)
+    long_sweep = ("--values", "400,300", "--duration", "60", "--input-len", "8", "--output-len", "32")
+
+    # Ctrl-C: tune ends the lease itself and says so
+    tune = r.popen_tune(*long_sweep)
+    r.wait_limit(lambda w: w == 400)
+    mark = len(daemon.lines)
+    tune.send_signal(signal.SIGINT)
+    _, err = tune.communicate(timeout=60)
+    assert tune.returncode == 130, err
+    assert "the daemon put the configured setting back: GPU 0 power_limit_w" in err and r.limit() == 650
+    assert "(the sweep ended, 1 steps set)" in daemon.wait_for("sweep of power_limit_w ended", after=mark)
+
+    # SIGKILL: the connection closes, the daemon puts it back
+    tune = r.popen_tune(*long_sweep)
+    r.wait_limit(lambda w: w == 400)
+    mark = len(daemon.lines)
+    tune.kill()
+    tune.wait(10)
+    r.wait_limit(lambda w: w == 650, timeout=10)
+    assert "(its connection closed" in daemon.wait_for("sweep of power_limit_w ended", after=mark)
+
+    # stopped (a hung tune): no word for the lease's 2 s, the setting comes back
+    tune = r.popen_tune(*long_sweep)
+    r.wait_limit(lambda w: w == 400)
+    mark = len(daemon.lines)
+    tune.send_signal(signal.SIGSTOP)
+    try:
+        stopped = time.monotonic()
+        r.wait_limit(lambda w: w == 650, timeout=15)
+        assert time.monotonic() - stopped >= 1.5  # not before the lease ran out
+        assert "(no word from it for the lease's 2 s" in daemon.wait_for("sweep of power_limit_w ended", after=mark)
+    finally:
+        tune.kill()
+        tune.wait(10)
+
+    # the daemon killed mid-sweep: the card keeps the swept limit (as a real one does); the next daemon restores
+    tune = r.popen_tune(*long_sweep)
+    r.wait_limit(lambda w: w == 400)
+    daemon.proc.kill()
+    daemon.proc.wait(10)
+    _, err = tune.communicate(timeout=30)  # its lease gone, tune stops at once and says so
+    assert tune.returncode == 1 and "the sweep lost its lease mid-step" in err, err
+    assert r.limit() == 400
+    again = r.start_daemon()
+    assert "did not end" in again.wait_for("a sweep of power_limit_w on GPU 0")
+    r.wait_limit(lambda w: w == 650, timeout=10)
+    assert not (r.tmp / "state" / control.MARKER).exists()
+    assert again.stop() == 0 and r.limit() == 650  # restore_on_stop is off by default: the tuning stays
+
+
+# -- the control channel's limits (in-process: the same server and sweeps, a fake loop) ----------------------
+
+@pytest.fixture
+def channel(tmp_path, monkeypatch):
+    cfg = config.parse_text("gpu: {backend: sim, scenario: h100-nvswitch}\n", name="x.yaml")
+    backend = open_configured(cfg, ManualClock(20))
+    monkeypatch.setenv("STATE_DIRECTORY", str(tmp_path / "state"))
+    sweeps = control.Sweeps(TuningLife(backend, cfg, Tuner(backend)))
+    wake = threading.Event()
+    server = control.ControlServer(tmp_path / "run" / "control.sock", wake.set)
+    server.start()
+    stop = threading.Event()
+
+    def loop():  # the daemon's loop: answer when woken
+        while not stop.is_set():
+            if wake.wait(0.05):
+                wake.clear()
+                server.serve(sweeps)
+            sweeps.tick()
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    yield server, sweeps, backend
+    stop.set()
+    thread.join(2)
+    server.stop()
+
+
+def _connect(path):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(str(path))
+    return s, s.makefile("rb")
+
+
+def _ask(s, f, message):
+    s.sendall((message if isinstance(message, bytes) else json.dumps(message).encode()) + b"\n")
+    line = f.readline()
+    return json.loads(line) if line else None
+
+
+def test_the_socket_is_root_only_and_born_so(channel):
+    server, _, _ = channel
+    assert (server.path.stat().st_mode & 0o777) == 0o600
+    if os.geteuid() != 0:
+        pytest.skip("checking another uid's refusal needs root to become one")
+    # The file's mode stops another user at connect(); SO_PEERCRED stops one that got past it (say, handed an fd
+    # or a path made wider by hand): a second socket in a folder anyone may enter, widened, for this one check.
+    import tempfile
+
+    folder = Path(tempfile.mkdtemp(prefix="gpuwarden-peercred-"))
+    try:
+        folder.chmod(0o755)
+        wide = control.ControlServer(folder / "control.sock", lambda: None)
+        wide.start()
+        os.chmod(wide.path, 0o666)
+        code = ("import socket, os; os.setgid(65534); os.setuid(65534); s = socket.socket(socket.AF_UNIX); "
+                f"s.connect({str(wide.path)!r}); print(s.makefile().readline())")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+        wide.stop()
+        assert "the control channel is root's (run tune as root)" in out.stdout, out.stderr
+    finally:
+        import shutil
+        shutil.rmtree(folder)
+
+
+def test_the_channels_limits_each_end_a_connection(channel, monkeypatch):
+    server, sweeps, backend = channel
+    s, f = _connect(server.path)
+    assert "at most 4096 bytes" in _ask(s, f, b'{"op": "' + b"x" * 5000 + b'"}')["error"]
+    assert f.readline() == b""  # and closed
+    s, f = _connect(server.path)
+    assert _ask(s, f, b"[1, 2]")["error"] == "a message is one JSON object" and f.readline() == b""
+    # connections past CONNECTIONS_MAX are told so at once
+    held = [_connect(server.path) for _ in range(control.CONNECTIONS_MAX)]
+    s, f = _connect(server.path)
+    assert "4 connections are open already" in json.loads(f.readline())["error"]
+    for h, hf in held:
+        hf.close()
+        h.close()
+    deadline = time.monotonic() + 5
+    while server._open and time.monotonic() < deadline:  # their threads see the close
+        time.sleep(0.02)
+    # a second sweep while one runs; values outside the card's constraints; a set before a begin
+    s, f = _connect(server.path)
+    assert "send begin first" in _ask(s, f, {"op": "set", "value": 300})["error"]
+    begin = {"op": "begin", "setting": "power_limit_w", "gpus": [0], "lease_s": 5}
+    assert _ask(s, f, begin)["limits"] == {"0": [200, 700]}
+    t, g = _connect(server.path)
+    assert "runs already" in _ask(t, g, begin)["error"]
+    assert "outside what it accepts (200-700)" in _ask(s, f, {"op": "set", "value": 900})["error"]
+    assert _ask(s, f, {"op": "set", "value": 450})["ok"] and backend.gpus()[0].power_limit_w == 450
+    f.close()
+    s.close()  # the connection lost: the limit back at once
+    deadline = time.monotonic() + 5
+    while backend.gpus()[0].power_limit_w != 700 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert backend.gpus()[0].power_limit_w == 700 and sweeps.lease is None
+    # a connection that says nothing is closed after HELLO_S
+    monkeypatch.setattr(control, "HELLO_S", 0.3)
+    s, f = _connect(server.path)
+    assert f.readline() == b""
+
+
+def test_a_sweep_is_refused_while_others_use_the_gpus_unless_forced(channel):
+    server, sweeps, backend = channel
+    # a process that is not this (daemon) process's descendant: its shell exits, leaving it to init
+    stranger = int(subprocess.run(["sh", "-c", "sleep 30 >/dev/null 2>&1 & echo $!"], capture_output=True,
+                                  text=True, timeout=10).stdout)
+    try:
+        backend.gpus()[1].processes = [(stranger, 1 << 30), (os.getpid(), 1 << 30)]  # and the engine: ours
+        s, f = _connect(server.path)
+        begin = {"op": "begin", "setting": "gpu_clocks", "gpus": [1], "lease_s": 5}
+        answer = _ask(s, f, begin)
+        assert f"other processes than the engine use the GPUs ([{stranger}])" in answer["error"]
+        assert _ask(s, f, {**begin, "force": True})["ok"]
+        assert _ask(s, f, {"op": "set", "value": 1410})["ok"] and backend.gpus()[1].gpu_lock == (1410, 1410)
+        assert _ask(s, f, {"op": "end"})["ok"] and backend.gpus()[1].gpu_lock is None
+    finally:
+        os.kill(stranger, signal.SIGKILL)
