@@ -328,3 +328,18 @@ def test_a_worker_waiting_for_its_head_is_not_a_blocked_start_alert():
 
     other = dataclasses.replace(waiting, problem="GPU0 runs other compute processes [4242]")
     assert vllm_start_blocked(other).active  # a start blocked by something here still warns
+
+
+def test_a_starting_head_says_which_rank_it_waits_for(caplog):
+    caplog.set_level("INFO")
+    program, ops, clock = head_program()
+    ops.health_ok = False
+    program.start(clock.now)
+    program.tick(clock.now)
+    assert program.state == STARTING
+    assert program.view().problem == "waiting for rank 1 (10.0.0.2) to join the rendezvous on port 29511"
+    assert "vLLM rank 0 of 2 is waiting for rank 1 (10.0.0.2)" in caplog.text
+    ops.links = ["10.0.0.1", "10.0.0.2"]
+    clock.advance(1)
+    program.tick(clock.now)
+    assert program.state == STARTING and program.view().problem is None

@@ -94,7 +94,7 @@ class Phase:
     child: Child | None = None  # STARTING, RUNNING, STOPPING: the running process group
     started_wall: float | None = None  # STARTING, RUNNING, STOPPING: when its process started (epoch seconds)
     started: float = 0.0  # STARTING, RUNNING: when it was spawned (a /health answer from before is stale)
-    problem: str | None = None  # BACKOFF, FATAL: why it is not serving
+    problem: str | None = None  # BACKOFF, FATAL: why it is not serving; STARTING: the ranks a head waits for
     blocked: bool = False  # BACKOFF: waiting for the GPUs or the port, not after a failure
     retry_at: float = 0.0  # BACKOFF: when the next start is tried
     next_probe: float = 0.0  # RUNNING: when /health is asked next
@@ -328,6 +328,20 @@ class Program:
             self._failed(now, f"{self.title} not trusted: {why}")
         elif now - started > timing.startup_timeout_s:
             self._failed(now, f"{self.title} not healthy within startup_timeout_s {timing.startup_timeout_s:g} s")
+        elif self.spec.rendezvous and self.spec.peer is None and self.spec.hosts:
+            waiting = self._ranks_missing()
+            if waiting != self.problem:
+                if waiting:
+                    log.info("%s is %s", self.title, waiting)
+                self._within(problem=waiting)
+
+    def _ranks_missing(self) -> str | None:
+        """The head while it starts: the ranks whose node has no connection to its rendezvous yet (by the
+        addresses in serve.nodes.hosts), as 'waiting for rank 1 (10.0.0.2) to join ...'; None once all have."""
+        spec = self.spec
+        seen = set(self.ops.peers(spec.rendezvous, self.identity.uid, True))
+        missing = [f"rank {r} ({host})" for r, host in enumerate(spec.hosts) if r and host not in seen]
+        return f"waiting for {', '.join(missing)} to join the rendezvous on port {spec.rendezvous}" if missing else None
 
     def _running(self, now: float) -> None:
         timing = self.spec.timing
