@@ -85,7 +85,7 @@ def test_dashboard_is_templated_by_datasource_instance_and_gpu():
                    "gpuwarden_loop_lag_seconds", "gpuwarden_proxy_engine_prefix_cache_hits_tokens_total",
                    "gpuwarden_proxy_requests_total", "gpuwarden_gpu_nvlink_links_up",
                    "gpuwarden_gpu_nvlink_errors_total", "gpuwarden_gpu_nvlink_link_speed_bytes_per_second",
-                   "gpuwarden_gpu_fabric_ready"):
+                   "gpuwarden_gpu_fabric_ready", "gpuwarden_serving_tokens_per_joule"):
         assert metric in exprs, metric
 
 
@@ -139,7 +139,9 @@ def test_real_prometheus_fires_the_clock_alert_and_every_query_has_data(write, d
     port_c = free_port()
     common = f"poll_interval_s: 0.5\nalerts:\n  for_s: 1\ngpu:\n  backend: sim\n  scenario: {scenario}\n"
     config_a = write("a.yaml", common + f"tuning:\n  apply: false\nmetrics:\n  listen: 127.0.0.1:{port_a}\n")
-    config_b = write("gpuwarden.yaml", common + f"""tuning:
+    # counters_interval_s 2: the energy counters, and so the tokens per joule, within seconds of vLLM serving
+    config_b = write("gpuwarden.yaml", common + f"""counters_interval_s: 2
+tuning:
   memory_clocks: max
 metrics:
   listen: 127.0.0.1:{port_b}
@@ -195,6 +197,7 @@ serve:
         d.wait_for("vLLM healthy after", timeout=400)
         through_proxy(proxy_port, tiny_model)
         wait_for_series(base, 'gpuwarden_proxy_engine_prefix_cache_queries_tokens_total{job="gpuwarden-proxy"}')
+        wait_for_series(base, "gpuwarden_serving_tokens_per_joule")  # two reads of the energy counters, serving
         time.sleep(3)  # two reads of vLLM's metrics make a rate; a few rule evaluations
         rules = yaml.safe_load(RULES.read_text())
         rule_exprs = [r["expr"] for g in rules["groups"] for r in g["rules"]]

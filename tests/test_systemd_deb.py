@@ -84,7 +84,8 @@ def add_checks(root, script):
     # The fake child and its flag-check stand-in, for the broken-serving check.
     lib = root / "usr" / "local" / "lib" / "gpuwarden-e2e"
     lib.mkdir(parents=True, exist_ok=True)
-    for name, mode in (("fakechild.py", 0o644), ("fakechild-flagcheck", 0o755)):
+    # The fake OpenAI server, for the tune checks (it serves at the simulated card's speed).
+    for name, mode in (("fakechild.py", 0o644), ("fakechild-flagcheck", 0o755), ("fake_openai.py", 0o644)):
         shutil.copy(ROOT / "tests" / name, lib / name)
         (lib / name).chmod(mode)
     shutil.copy(script, root / "usr" / "local" / "bin" / "gpuwarden-e2e")
@@ -144,6 +145,15 @@ def test_boots_tunes_alerts_stops_fails_cleanly_and_survives_a_stall(installed_r
     assert int(got["resolved_low_clock"]) == 2 and int(got["metrics_alert_clear"]) == 2
     assert int(got["metrics_tuning"]) == 2
     assert got["persistence_fallback"] == "1" and got["persistence_on"] == "2", got
+    # tune: the sweep ran through the root-only socket; the configured 140 W back after it, after tune's SIGKILL,
+    # and after the daemon's SIGKILL mid-sweep (restored by the restarted daemon, from the marker and originals)
+    assert got["tune_exit"] == "0", (folder / "tune.err").read_text()[-2000:]
+    tuned = json.loads((folder / "tune.json").read_text())
+    assert [s["setting"] for s in tuned["steps"]] == [120, 100] and tuned["knee"]["setting"] in (120, 100), tuned
+    assert got["tune_limit_after"] == "140.0" and got["tune_killed_limit"] == "140.0", got
+    assert got["tune_socket"] == "600 root" and got["tune_nobody"] == "1", got
+    assert got["tune_swept"] == "90.0" and got["tune_daemon_killed_limit"] == "140.0", got
+    assert got["tune_restored_logged"] == "1", (folder / "journal.txt").read_text()[-3000:]
     assert float(got["stop_seconds"]) < 10 and got["stop_result"] == "success" and got["stop_status"] == "0"
     assert got["broken_state"] == "failed" and got["broken_status"] == "78" and got["broken_restarts"] == "0"
     assert got["broken_logged"] == "1"

@@ -379,3 +379,33 @@ def test_a_sweep_is_refused_while_others_use_the_gpus_unless_forced(channel):
         assert _ask(s, f, {"op": "end"})["ok"] and backend.gpus()[1].gpu_lock is None
     finally:
         os.kill(stranger, signal.SIGKILL)
+
+
+# -- energy in bench and the daemon --------------------------------------------------------------------------
+
+def test_a_steps_energy_with_and_without_the_idle_draw():
+    from gpuwarden.bench.energy import step_energy
+
+    step = {"output_tokens": 600, "duration_s": 2.0, "gpus": [{"power_w_mean": 250.0}, {"power_w_mean": 350.0}]}
+    e = step_energy(step, idle_w=100.0)
+    assert e["gpu_watts_mean"] == 600 and e["energy_j"] == 1200
+    assert e["joules_per_token"] == 2.0 and e["tokens_per_joule"] == 0.5
+    assert e["joules_per_token_above_idle"] == pytest.approx(1000 / 600) and e["tokens_per_joule_above_idle"] == 0.6
+    assert step_energy({**step, "gpus": [{"power_w_mean": None}]}, 100.0)["tokens_per_joule"] is None
+
+
+def test_the_daemons_tokens_per_joule_spans_a_minute_of_counter_reads():
+    from gpuwarden.monitor import EnergyWindow
+
+    window = EnergyWindow()
+    assert window.tokens_per_joule() is None
+    for second in range(0, 121, 10):  # 50 tok/s at 500 W for the first minute, then 100 tok/s at 400 W
+        fast = second > 60
+        tokens = 50 * min(second, 60) + 100 * max(0, second - 60)
+        joules = 500 * min(second, 60) + 400 * max(0, second - 60)
+        window.add(second, tokens, joules)
+        if second == 60:
+            assert window.tokens_per_joule() == pytest.approx(0.1)
+    assert fast and window.tokens_per_joule() == pytest.approx(0.25)  # the last minute only
+    window.add(130, 5, joules + 10)  # the engine restarted: its counter began again
+    assert window.tokens_per_joule() is None

@@ -297,7 +297,9 @@ def _serving_metrics(snap: Snapshot) -> Iterator[Metric]:
     extras = [("last_exit_code", "Exit status of the last child (negative: signal)", s.last_exit_code),
               ("time_to_healthy_seconds", "Seconds from the last start to /health answering 200",
                s.time_to_healthy_s)]
-    for name, doc, value in (*values, *extras):
+    efficiency = ("tokens_per_joule", "Generated tokens per joule of the engine's GPUs (NVML's energy counters), "
+                  "over the last minute", snap.tokens_per_joule)  # new: no gpuwarden_vllm_* twin
+    for name, doc, value in (*values, *extras, efficiency):
         if value is not None:
             family = _gauge(f"gpuwarden_serving_{name}", doc, ("engine",))
             family.add_metric([s.engine], value)

@@ -58,6 +58,30 @@ class AlertView:
                                               "threshold", "short")}
 
 
+class EnergyWindow:
+    """(time, generated tokens, joules) at each read of NVML's energy counter (nvmlDeviceGetTotalEnergyConsumption:
+    mJ since the driver loaded, Volta and newer), the oldest dropped past WINDOW_S: the rate over about a minute
+    is steady enough to read, and follows a change of the power limit within one."""
+
+    WINDOW_S = 60.0
+
+    def __init__(self) -> None:
+        self.points: list[tuple[float, float, float]] = []
+
+    def add(self, now: float, tokens: float, joules: float) -> None:
+        if self.points and (tokens < self.points[-1][1] or joules < self.points[-1][2]):
+            self.points = []  # the engine restarted (its counter began again) or the driver reloaded
+        self.points.append((now, tokens, joules))
+        while len(self.points) > 2 and now - self.points[1][0] >= self.WINDOW_S:
+            self.points.pop(0)
+
+    def tokens_per_joule(self) -> float | None:
+        if len(self.points) < 2:
+            return None
+        (_, t0, j0), (_, t1, j1) = self.points[0], self.points[-1]
+        return (t1 - t0) / (j1 - j0) if j1 > j0 else None
+
+
 @dataclass(frozen=True)
 class Snapshot:
     taken_at: float  # wall-clock seconds
@@ -75,6 +99,7 @@ class Snapshot:
     sequence: int = 0  # polls published so far
     published_at: float = 0.0  # monotonic seconds when this snapshot was published
     loop_lag: LagWindow | None = None
+    tokens_per_joule: float | None = None  # the engine's generated tokens over its GPUs' energy (EnergyWindow)
 
     @property
     def serving(self) -> ServingView | None:
@@ -117,7 +142,8 @@ class Snapshot:
         if s.started_at is not None:  # a clock time, not an age: the line changes when the engine does
             fmt = "%H:%M" if time.time() - s.started_at < 86400 else "%b %d %H:%M"
             since = f", up since {time.strftime(fmt, time.localtime(s.started_at))}"
-        return f"{model} ({s.profile}) " + (f"{rate:.0f} tok/s" if rate is not None else "serving") + since
+        per_joule = f", {self.tokens_per_joule:.3g} tok/J" if self.tokens_per_joule is not None and numbers else ""
+        return f"{model} ({s.profile}) " + (f"{rate:.0f} tok/s{per_joule}" if rate is not None else "serving") + since
 
     def as_dict(self) -> dict:
         return {
@@ -135,6 +161,7 @@ class Snapshot:
             "serving": dataclasses.asdict(self.serving) if self.serving else None,
             "children": [dataclasses.asdict(c) for c in self.children],
             "serving_stats": dataclasses.asdict(self.stats) if self.stats else None,
+            "tokens_per_joule": self.tokens_per_joule,
             "vllm": dataclasses.asdict(self.stats) if self.stats else None,  # the older name of serving_stats
         }
 
@@ -245,6 +272,7 @@ class Monitor:
         self.events = EventBook(config.alerts.repeat_s)
         self._last_tick: float | None = None
         self.polls = 0  # polls taken; the counters are read on every counters_every()-th, for all GPUs at once
+        self.energy = EnergyWindow()  # the serving engine's tokens per joule
 
     def counters_every(self) -> int:
         """Read the slow counters every this many polls: counters_interval_s on the poll schedule. (Each GPU
@@ -338,8 +366,22 @@ class Monitor:
             sample_duration_s=duration, loop_lag_s=loop_lag_s, read_only=not self.config.tuning.apply,
             children=tuple(serving or ()), stats=stats, sequence=(self.snapshot.sequence + 1) if self.snapshot else 1,
             published_at=time.monotonic() if published_at is None else published_at,
-            loop_lag=LagWindow.of(list(self._lags)))
+            loop_lag=LagWindow.of(list(self._lags)),
+            tokens_per_joule=self._efficiency(engine, stats, samples, counters, now))
         return self.snapshot
+
+    def _efficiency(self, engine, stats, samples, counters: bool, now: float) -> float | None:
+        """Tokens per joule over the last EnergyWindow.WINDOW_S, from the polls that read the energy counters (the
+        tokens counted at the same poll): the engine's GPUs, or all of them where its spec names none."""
+        if engine is None or stats is None or stats.generation_tokens_total is None:
+            self.energy = EnergyWindow()
+            return None
+        if counters:
+            gpus = set(engine.gpus) or {s.index for s in samples}
+            energy = [s.energy_joules for s in samples if s.index in gpus]
+            if energy and None not in energy:
+                self.energy.add(now, stats.generation_tokens_total, sum(energy))
+        return self.energy.tokens_per_joule()
 
     def _log_event(self, event: str, state: AlertState, sample: GpuSample | None, now: float) -> None:
         rule, check = state.rule, state.check

@@ -36,6 +36,7 @@ class ServingStats:
     requests_waiting: float | None = None
     kv_cache_usage_ratio: float | None = None  # 0-1
     tokens_total: float | None = None  # generated + prompt tokens counted so far: the engine's progress
+    generation_tokens_total: float | None = None  # generated tokens counted so far (the daemon's tokens per joule)
 
 
 def parse(text: str) -> dict[str, float]:
@@ -89,6 +90,7 @@ class MetricsReader:
             requests_waiting=values.get(names.requests_waiting),
             kv_cache_usage_ratio=kv,
             tokens_total=_sum(values, (names.generation_tokens, names.prompt_tokens)),
+            generation_tokens_total=values.get(names.generation_tokens),
         )
         return self._latest
 
