@@ -156,8 +156,9 @@ def test_tune_finds_the_curves_knee_and_draws_the_chart(rig, tmp_path, shape):
     lengths = ("8", "32") if shape == "decode" else ("400", "2")
     chart = tmp_path / f"{shape}.png"
     plot = ["--plot", str(chart)] if _matplotlib() else []
+    apply = ["--apply"] if shape == "decode" else []
     out = r.tune("--steps", "6", "--duration", "1.5", "--input-len", lengths[0], "--output-len", lengths[1],
-                 "--json", *plot)
+                 "--json", *plot, *apply)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     values = [s["setting"] for s in result["steps"]]
@@ -169,9 +170,19 @@ def test_tune_finds_the_curves_knee_and_draws_the_chart(rig, tmp_path, shape):
     measured = values.index(result["knee"]["setting"])
     true = expected_knee(values, int(lengths[0]), int(lengths[1]), 0.95)
     assert abs(measured - true) <= 1, (shape, values[measured], values[true], [(s["setting"], round(s["system_tokens_per_s"], 1), round(s["tokens_per_joule"], 4)) for s in result["steps"]])
-    assert f"power_limit_w: {result['knee']['setting']:g}" in result["config"]
-    assert r.limit() == 700  # nothing configured: the card's own limit is back
-    assert "sweep of power_limit_w ended (the sweep ended, 6 steps set)" in r.daemon.wait_for("sweep of power_limit_w ended")
+    knee = result["knee"]["setting"]
+    assert f"power_limit_w: {knee:g}" in result["config"]
+    assert "sweep of power_limit_w ended (the sweep ended, 6 steps set): GPU 0 power_limit_w: 700 W as before " \
+           "gpuwarden: ok" in r.daemon.wait_for("sweep of power_limit_w ended")  # nothing configured: the card's own
+    # the sweep's low limits trip no power or clock alert: they are the sweep's, not a fault
+    assert "power_capped firing" not in r.daemon.log and "sm_clock_low firing" not in r.daemon.log
+    if apply:  # the knee written as a drop-in beside the config, the daemon reloaded: it sets the knee
+        dropin = r.conf.parent / "conf.d" / "50-tune.yaml"
+        assert dropin.read_text().endswith(result["config"]) and "reloaded the daemon" in out.stderr
+        r.daemon.wait_for("config reloaded")
+        r.wait_limit(lambda w: w == knee)
+    else:
+        assert r.limit() == 700
     if plot:
         assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and chart.stat().st_size > 10_000
 

@@ -58,6 +58,11 @@ class AlertView:
                                               "threshold", "short")}
 
 
+# The rules a sweep's own settings trip (control.py): held as they are on the GPUs a sweep holds, and evaluated
+# again once the configured setting is back.
+SWEPT = ("sm_clock_low", "memory_clock_low", "clock_lock_lost", "power_capped", "at_design_power")
+
+
 class EnergyWindow:
     """(time, generated tokens, joules) at each read of NVML's energy counter (nvmlDeviceGetTotalEnergyConsumption:
     mJ since the driver loaded, Volta and newer), the oldest dropped past WINDOW_S: the rate over about a minute
@@ -346,6 +351,8 @@ class Monitor:
                 self.events.cleared(sample.index)
             ctx = self._context(sample, now, counters)
             for rule in RULES:
+                if rule.name in SWEPT and sample.index in self.tuning.held:
+                    continue  # a sweep (gpuwarden tune) set this clock or power limit: not a fault to act on
                 state = self.states[(rule.name, sample.index)]
                 event = state.step(rule.check(sample, ctx), now, self.config.alerts, restart_timers=stalled)
                 if event:
