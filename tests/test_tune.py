@@ -269,6 +269,20 @@ def test_every_end_of_a_sweep_leaves_the_configured_limit(rig):
     assert not (r.tmp / "state" / control.MARKER).exists()
     assert again.stop() == 0 and r.limit() == 650  # restore_on_stop is off by default: the tuning stays
 
+    # With no limit configured, only the recovery can put the card's own 700 W back (the plan sets nothing):
+    # from the originals this boot recorded before gpuwarden's first change, kept on disk.
+    r.conf.write_text(r.conf.read_text().replace("tuning: {power_limit_w: 650}\n", ""))
+    unconfigured = r.start_daemon()
+    tune = r.popen_tune(*long_sweep)
+    r.wait_limit(lambda w: w == 400)
+    unconfigured.proc.kill()
+    unconfigured.proc.wait(10)
+    tune.communicate(timeout=30)
+    assert r.limit() == 400
+    last = r.start_daemon()
+    assert "did not end" in last.wait_for("a sweep of power_limit_w on GPU 0")
+    r.wait_limit(lambda w: w == 700, timeout=10)
+
 
 # -- the control channel's limits (in-process: the same server and sweeps, a fake loop) ----------------------
 
