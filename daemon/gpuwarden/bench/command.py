@@ -78,11 +78,16 @@ def add_parser(sub, common) -> None:
     p.add_argument("--markdown", action="store_true", help="the result as a Markdown table, to paste in an issue")
 
 
-def _concurrency(text: str) -> list[int]:
+def comma_numbers(text: str, convert) -> list:
+    """"1,2, 4" as numbers (convert: int or float); [] when one is not a number."""
     try:
-        values = [int(v) for v in text.split(",") if v.strip()]
+        return [convert(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        values = []
+        return []
+
+
+def _concurrency(text: str) -> list[int]:
+    values = comma_numbers(text, int)
     if not values or any(v < 1 or v > 4096 for v in values):
         raise ValueError(f"--concurrency {text!r}: expected positive integers up to 4096, e.g. 1,2,4,8")
     return values

@@ -21,7 +21,7 @@ from pathlib import Path
 from .. import __version__
 from ..config import Config
 from ..control import ControlError, SweepClient, socket_path
-from .command import _gpu_reader, _raise_fd_limit, _serving_facts
+from .command import _gpu_reader, _raise_fd_limit, _serving_facts, comma_numbers
 from .watch import Watch
 
 HELP = """\
@@ -78,10 +78,7 @@ def add_parser(sub, common) -> None:
 
 
 def _values(text: str) -> list[float]:
-    try:
-        values = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
+    values = comma_numbers(text, float)
     if not values or any(not 0 < v < 100_000 for v in values):
         raise ValueError(f"--values {text!r}: expected positive numbers, e.g. 700,600,500")
     return values
@@ -251,6 +248,8 @@ def cmd_tune(args: argparse.Namespace, config: Config) -> int:
             restored = client.end()
         except ControlError as exc:
             print(f"gpuwarden tune: {exc}; the daemon puts the setting back when the lease runs out", file=sys.stderr)
+    if code and not sweep.steps:
+        return code  # the server failed before the first step: its one line said why; nothing was swept
     steps = [dict(s, setting=values[i]) for i, s in enumerate(sweep.steps)]
     result = {"version": __version__, "url": base, "model": sweep.model, "setting": setting, "unit": unit,
               "concurrency": args.concurrency, "input_len": args.input_len, "output_len": args.output_len,
