@@ -143,15 +143,19 @@ def daemons():
         started.append(d)
         return d
 
+    def _stop_all():
+        for d in started:  # a test that failed half-way: SIGTERM first, so the daemon stops its child too
+            if d.proc.poll() is None:
+                d.proc.terminate()
+                try:
+                    d.proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    d.proc.kill()
+                    d.proc.wait(120)  # a host swapping under a test's load delivers even SIGKILL late
+
+    _start.stop_all = _stop_all  # for a fixture that checks what the daemons left, after they are stopped
     yield _start
-    for d in started:  # a test that failed half-way: SIGTERM first, so the daemon stops its child too
-        if d.proc.poll() is None:
-            d.proc.terminate()
-            try:
-                d.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                d.proc.kill()
-                d.proc.wait(120)  # a host swapping under a test's load delivers even SIGKILL late
+    _stop_all()
 
 
 # -- the real CPU build of vLLM (tests/vllm/install) ---------------------------------------------

@@ -117,11 +117,13 @@ def fakes_alive(script):
 
 
 @pytest.fixture
-def no_fakes_left(fake):
+def no_fakes_left(fake, daemons):
     """After the test, no process running our fake child (or its escaped grandchild) may be alive; kill any by
-    PID and fail. Only processes started from this session's copy of the script count."""
+    PID and fail. Only processes started from this session's copy of the script count. The test's daemons are
+    stopped first: a test that failed half-way left its daemon running, and its child with it."""
     before = set(fakes_alive(fake["script"]))
     yield
+    daemons.stop_all()
     left = [pid for pid in fakes_alive(fake["script"]) if pid not in before]
     for pid in left:
         os.kill(pid, signal.SIGKILL)
@@ -157,14 +159,15 @@ class Notify:
 
 
 def assert_on_schedule(base, seconds, since_sequence=None):
-    """Polls kept their schedule: loop lag p99 < 500 ms over the daemon's recent polls, none missed. A read that
-    blocked the loop would wait out its deadline (2 s for /metrics, 5 s for /health); a busy machine (other
-    work beside the tests) delays a poll by a quarter of a second now and then, which is not what this checks."""
+    """Polls kept their schedule: the median poll on time, none as late as a blocked read, none missed. A read
+    that blocked the loop would wait out its deadline (2 s for /metrics, 5 s for /health) on every poll that
+    reads; a busy machine (CI runs other work beside the tests: load 13 on two cores) delays a poll by up to a
+    second now and then, which is not what this checks."""
     first = wait_until(lambda: (lambda st: st if "sequence" in st else None)(status(base)), timeout=10)
     time.sleep(seconds)
     last = status(base)
     lag = last["loop_lag"]
-    assert lag["p99_seconds"] < 0.5, lag
+    assert lag["p50_seconds"] < 0.25 and lag["max_seconds"] < 1.9, lag
     expected = seconds / POLL
     done = last["sequence"] - first["sequence"]
     assert done >= 0.8 * expected, f"{done} polls in {seconds} s, expected about {expected:.0f}"
