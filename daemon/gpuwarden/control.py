@@ -57,7 +57,11 @@ def socket_path(environ=os.environ) -> Path:
 
 
 class ControlError(Exception):
-    """One line for the user of `tune`."""
+    """One line for the user of `tune`: the daemon refused, or (ChannelLost) is gone."""
+
+
+class ChannelLost(ControlError):
+    """The connection failed or closed mid-sweep: the lease is gone with it."""
 
 
 # -- the main loop's side: leases and restores ---------------------------------------------------------------
@@ -428,9 +432,9 @@ class SweepClient:
                 self.sock.sendall(json.dumps(message).encode() + b"\n")
                 line = self.reader.readline(1 << 20)
             except OSError as exc:
-                raise ControlError(f"the daemon's control channel failed: {exc.strerror or exc}") from None
+                raise ChannelLost(f"the daemon's control channel failed: {exc.strerror or exc}") from None
         if not line:
-            raise ControlError("the daemon closed the control channel (did it stop?)")
+            raise ChannelLost("the daemon closed the control channel (did it stop?)")
         answer = json.loads(line)
         if not answer.get("ok"):
             raise ControlError(answer.get("error", "refused"))

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..config import Config
-from ..control import ControlError, SweepClient, socket_path
+from ..control import ChannelLost, ControlError, SweepClient, socket_path
 from .command import _gpu_reader, _raise_fd_limit, _serving_facts, comma_numbers
 from .watch import Watch
 
@@ -214,6 +214,7 @@ def cmd_tune(args: argparse.Namespace, config: Config) -> int:
         return EX_NOPERM if "permission denied" in str(exc) else EX_UNAVAILABLE
     restored: list[str] = []
     code = 0
+    sweep = None
     try:
         if values is None:
             values = settings_to_try(client.limits, args.clocks, args.steps)
@@ -240,14 +241,23 @@ def cmd_tune(args: argparse.Namespace, config: Config) -> int:
             print(f"gpuwarden tune: {exc}", file=sys.stderr)
             code = exc.exit_code
         progress.clear()
-    except ControlError as exc:
+    except ChannelLost as exc:  # the daemon gone while tune asked it something
+        if sweep is None:
+            print(f"gpuwarden tune: {exc}", file=sys.stderr)
+            return EX_FAILED
+        client.lost = client.lost or str(exc)
+    except ControlError as exc:  # a step the daemon refused: the steps before it stand
+        if sweep is not None:
+            progress.clear()
         print(f"gpuwarden tune: {exc}", file=sys.stderr)
-        return EX_FAILED
+        if sweep is None:
+            return EX_FAILED
+        code = EX_FAILED
     finally:
         try:
             restored = client.end()
         except ControlError as exc:
-            print(f"gpuwarden tune: {exc}; the daemon puts the setting back when the lease runs out", file=sys.stderr)
+            client.lost = client.lost or str(exc)
     if code and not sweep.steps:
         return code  # the server failed before the first step: its one line said why; nothing was swept
     steps = [dict(s, setting=values[i]) for i, s in enumerate(sweep.steps)]
@@ -274,7 +284,9 @@ def cmd_tune(args: argparse.Namespace, config: Config) -> int:
             print(f"gpuwarden tune: --plot {args.plot}: {exc}", file=sys.stderr)
             code = code or EX_FAILED
     if client.lost is not None:
-        print("gpuwarden tune: the sweep lost its lease mid-step; the steps above are partial", file=sys.stderr)
+        print(f"gpuwarden tune: {client.lost}: the sweep lost its lease mid-step (the daemon puts the configured "
+              "setting back: at once, at the lease's end, or at its next start); the steps above are partial",
+              file=sys.stderr)
         return EX_FAILED
     if sweep.interrupted:
         print("gpuwarden tune: interrupted; the steps above are partial", file=sys.stderr)
