@@ -434,3 +434,10 @@ def test_the_daemons_tokens_per_joule_spans_a_minute_of_counter_reads():
     assert fast and window.tokens_per_joule() == pytest.approx(0.25)  # the last minute only
     window.add(130, 5, joules + 10)  # the engine restarted: its counter began again
     assert window.tokens_per_joule() is None
+
+
+def test_a_second_daemon_never_takes_the_live_socket_over(channel):
+    server, _, _ = channel
+    with pytest.raises(OSError, match="another gpuwarden listens there"):
+        control.ControlServer(server.path, lambda: None)
+    assert server.path.is_socket() and control._answers(server.path)

@@ -20,6 +20,7 @@ MESSAGES_MAX lines a connection, CONNECTIONS_MAX connections at once, one lease 
 from __future__ import annotations
 
 import _thread
+import errno
 import json
 import logging
 import os
@@ -272,6 +273,8 @@ class ControlServer:
         self._stop = threading.Event()
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.is_socket():
+            if _answers(path):  # another daemon's (one run by hand beside the service): never take it over
+                raise OSError(errno.EADDRINUSE, "another gpuwarden listens there")
             path.unlink()  # a daemon before this one left it
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)  # born 0600: there is no moment at which another user could connect
@@ -385,6 +388,16 @@ class ControlServer:
                 log.error("control: %s: %s", type(exc).__name__, exc)
                 box["answer"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
             done.set()
+
+
+def _answers(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(path))
+            return True
+        except OSError:
+            return False
 
 
 def _peer(conn: socket.socket) -> tuple[int, int]:
