@@ -387,7 +387,8 @@ class Program:
         try:
             self._end_child(f"{self.title} {reason}; restarting this part, so that the whole engine starts again")
         finally:
-            self._transition(BACKOFF, f"{self.title} restarts in 1 s once {names} is gone", logging.WARNING,
+            self._transition(BACKOFF, f"{self.title} starts its part again in 1 s, for {names} to rejoin",
+                             logging.WARNING,
                              since=now, problem=reason, retry_at=now + 1.0)
         return True
 
