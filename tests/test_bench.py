@@ -112,8 +112,9 @@ def bench(write, tmp_path):
 
     def run(*args, timeout=120):
         env = {**subprocess_env(), "STATE_DIRECTORY": str(tmp_path / "state")}
-        return subprocess.run([*gpuwarden_cmd(), "bench", "-c", str(conf), *args], capture_output=True, text=True,
-                              env=env, timeout=timeout)
+        # the idle draw measured for half a second, not the default 2: the energy columns, at a quarter of the cost
+        return subprocess.run([*gpuwarden_cmd(), "bench", "-c", str(conf), "--idle", "0.5", *args],
+                              capture_output=True, text=True, env=env, timeout=timeout)
     return run
 
 
@@ -145,13 +146,19 @@ def test_a_two_step_sweep_reports_every_field_and_counts_what_the_server_counted
         assert step["engine"]["prefix_cache_hit_rate"] == 0.0
         gpu = step["gpus"][0]  # the config's simulated RTX PRO 4000s: no daemon, so the backend itself
         assert gpu["sm_mhz_min"] <= gpu["sm_mhz_mean"] and gpu["power_limit_w"] == 145
+        # energy: the GPUs' summed mean draw over the step's seconds, per output token
+        assert step["gpu_watts_mean"] == pytest.approx(sum(g["power_w_mean"] for g in step["gpus"]))
+        assert step["tokens_per_joule"] == pytest.approx(
+            step["output_tokens"] / (step["gpu_watts_mean"] * step["duration_s"]))
+        assert step["joules_per_token"] == pytest.approx(1 / step["tokens_per_joule"])
+    assert result["idle_w"] > 0  # measured before the first step
     assert result["steps"][1]["system_tokens_per_s"] > result["steps"][0]["system_tokens_per_s"]
     assert result["gpu_source"] == "the sim backend"
     roof = result["roofline"]
     assert roof["known"] and roof["weight_bytes"] == weights and roof["efficiency"] > 0
     assert roof["ceiling_tokens_per_s"] == pytest.approx(roof["bandwidth_bytes_per_s"] / weights, rel=0.01)
     text = bench("--compare", "before", "before")
-    assert text.returncode == 0 and "1.00" in text.stdout
+    assert text.returncode == 0 and "1.00" in text.stdout and "A tok/J  B tok/J" in text.stdout
 
 
 def test_the_table_and_the_markdown(server, bench):
@@ -162,6 +169,8 @@ def test_the_table_and_the_markdown(server, bench):
     assert lines[0].startswith("fake-model at http://127.0.0.1:") and "GPUs from the sim backend" in lines[0]
     assert lines[1].split()[:4] == ["C", "ok/sent", "cut", "system"] and lines[2].split()[:3] == ["2", "4/4", "0"]
     assert "roofline: unknown (no completed step at concurrency 1)" in lines
+    assert lines[1].split()[25:31] == ["GPUs", "W", "J/tok", "tok/J", "tok/J", ">idle"] and any(l.startswith("! idle draw before the first step: ")
+                                                                  for l in lines)
     md = bench("--url", fake.url, "--concurrency", "1", "--requests", "2", "--output-len", "4", "--markdown")
     assert "| C | ok/sent | cut | system tok/s |" in md.stdout and "\n| 1 | 2/2 | 0 |" in md.stdout
 
