@@ -79,6 +79,17 @@ def subprocess_env() -> dict:
     return dict(os.environ, PYTHONUNBUFFERED="1")
 
 
+def matplotlib_here() -> bool:
+    """matplotlib is optional for users (charts); on CI (CI=true) tests/run installs it, so its absence fails."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        if os.environ.get("CI") == "true":
+            pytest.fail("matplotlib is missing: tests/run installs it (the charts are tested on CI)")
+        return False
+    return True
+
+
 def free_port() -> int:
     import socket
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, gpuwarden_cmd, subprocess_env
+from conftest import free_port, gpuwarden_cmd, matplotlib_here, subprocess_env
 from gpuwarden.bench.roofline import ModelUnreadable, ceiling_tokens_per_s, kv_bytes_per_token, model_bytes
 
 HERE = Path(__file__).resolve().parent
@@ -161,10 +161,14 @@ def test_a_two_step_sweep_reports_every_field_and_counts_what_the_server_counted
     assert text.returncode == 0 and "1.00" in text.stdout and "A tok/J  B tok/J" in text.stdout
 
 
-def test_the_table_and_the_markdown(server, bench):
+def test_the_table_and_the_markdown(server, bench, tmp_path):
     fake = server()
-    out = bench("--url", fake.url, "--concurrency", "2", "--requests", "4", "--output-len", "8")
+    chart = tmp_path / "bench.png"
+    plot = ["--plot", str(chart)] if matplotlib_here() else []
+    out = bench("--url", fake.url, "--concurrency", "2,4", "--requests", "4", "--output-len", "8", *plot)
     assert out.returncode == 0, out.stderr
+    if plot:  # tok/s and TTFT against concurrency, drawn by matplotlib
+        assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"chart: {chart}" in out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].startswith("fake-model at http://127.0.0.1:") and "GPUs from the sim backend" in lines[0]
     assert lines[1].split()[:4] == ["C", "ok/sent", "cut", "system"] and lines[2].split()[:3] == ["2", "4/4", "0"]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, gpuwarden_cmd, subprocess_env
+from conftest import free_port, gpuwarden_cmd, matplotlib_here, subprocess_env
 from gpuwarden import config, control
 from gpuwarden.backends import open_configured
 from gpuwarden.bench.tune import find_knee, settings_to_try
@@ -155,7 +155,7 @@ def test_tune_finds_the_curves_knee_and_draws_the_chart(rig, tmp_path, shape):
     r.start_daemon()
     lengths = ("8", "32") if shape == "decode" else ("400", "2")
     chart = tmp_path / f"{shape}.png"
-    plot = ["--plot", str(chart)] if _matplotlib() else []
+    plot = ["--plot", str(chart)] if matplotlib_here() else []
     apply = ["--apply"] if shape == "decode" else []
     out = r.tune("--steps", "6", "--duration", "1.5", "--input-len", lengths[0], "--output-len", lengths[1],
                  "--json", *plot, *apply)
@@ -185,16 +185,6 @@ def test_tune_finds_the_curves_knee_and_draws_the_chart(rig, tmp_path, shape):
         assert r.limit() == 700
     if plot:
         assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and chart.stat().st_size > 10_000
-
-
-def _matplotlib() -> bool:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        if os.environ.get("CI") == "true":
-            pytest.fail("matplotlib is missing: tests/run installs it (the chart is tested on CI)")
-        return False
-    return True
 
 
 def test_a_plot_without_matplotlib_is_one_line(tmp_path):
