@@ -213,7 +213,8 @@ class Sweeps:
 
     def _put_back(self, setting: str, gpus: list[int]) -> list[str]:
         tuner, show = self.tuning.tuner, tunables.BY_KEY[setting].show
-        done = [f"GPU {o.action.gpu} {setting}: {show(o.action.target, False)} as before gpuwarden: "
+        done = [f"GPU {o.action.gpu} {setting}: "
+                f"{'unlocked' if o.action.target is None else show(o.action.target, False)} as before gpuwarden: "
                 f"{'ok' if o.ok else 'FAILED, ' + o.message}" for o in tuner.restore(only={(g, setting) for g in gpus})]
         try:
             plan = make_plan(self.tuning.backend, self.tuning.config)

@@ -43,7 +43,7 @@ setting back; a daemon killed mid-sweep puts it back when it starts again.
 A sweep is refused while other processes than the engine the daemon runs use the GPUs: their load would skew
 every step. --force sweeps anyway (e.g. a second engine you mean to measure with).
 
-Exit status: 0 done, 1 a step failed, 69 no daemon or server, 77 not root, 78 bad arguments, 130 interrupted
+Exit status: 0 done, 1 a step failed or refused (or the lease was lost), 69 no daemon or server, 77 not root, 78 bad arguments, 130 interrupted
 (the setting is back; the steps done are printed)."""
 
 EX_FAILED, EX_UNAVAILABLE, EX_NOPERM, EX_USAGE, EX_INTERRUPTED = 1, 69, 77, 78, 130
@@ -65,7 +65,8 @@ def add_parser(sub, common) -> None:
     p.add_argument("--duration", type=float, default=30.0, metavar="SECONDS", help="each step's length (default: 30)")
     p.add_argument("--input-len", type=int, default=512, help="prompt tokens per request (default: 512)")
     p.add_argument("--output-len", type=int, default=128, help="output tokens per request (default: 128)")
-    p.add_argument("--api", choices=("completions", "chat"), default="completions")
+    p.add_argument("--api", choices=("completions", "chat"), default="completions",
+                   help="/v1/completions or /v1/chat/completions (default: completions)")
     p.add_argument("--warmup", type=int, default=2, help="requests before the first step (default: 2)")
     p.add_argument("--idle", type=float, default=3.0, metavar="SECONDS",
                    help="measure the idle draw this long first (default: 3)")
