@@ -391,7 +391,9 @@ def test_a_sweep_is_refused_while_others_use_the_gpus_unless_forced(channel):
         assert f"other processes than the engine use the GPUs ([{stranger}])" in answer["error"]
         assert _ask(s, f, {**begin, "force": True})["ok"]
         assert _ask(s, f, {"op": "set", "value": 1410})["ok"] and backend.gpus()[1].gpu_lock == (1410, 1410)
-        assert _ask(s, f, {"op": "end"})["ok"] and backend.gpus()[1].gpu_lock is None
+        ended = _ask(s, f, {"op": "end"})
+        assert ended["restored"] == ["GPU 1 gpu_clocks: unlocked as before gpuwarden: ok"]
+        assert backend.gpus()[1].gpu_lock is None
     finally:
         os.kill(stranger, signal.SIGKILL)
 
