@@ -216,9 +216,10 @@ serve:
           f"p50 {percentile(times, 0.5) * 1e3:.2f} ms, p99 {percentile(times, 0.99) * 1e3:.2f} ms")
     print(f"SIGTERM: exit {code}; fake-child processes left: {len(left)}; tracebacks in the daemon's own log: {tracebacks}")
     shutil.rmtree(folder, ignore_errors=True)
-    # A read that blocked the loop would wait out its deadline (2 s, 5 s); a busy machine delays a poll by a
-    # tenth of a second or more now and then, which is not what this checks.
-    ok = code == 0 and not left and not tracebacks and max(lag_p99) < 0.5
+    # A read that blocked the loop would wait out its deadline (2 s, 5 s) on every poll that reads; a busy
+    # machine (CI runs other work beside it: load 13 on two cores) delays a poll by up to a second now and
+    # then, which is not what this checks.
+    ok = code == 0 and not left and not tracebacks and max(lag_p99) < 1.9
     sys.exit(0 if ok else 1)
 
 

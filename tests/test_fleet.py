@@ -437,6 +437,7 @@ def fleet_figures(base):
 
 
 @pytest.mark.integration
+@pytest.mark.fleet
 def test_a_fleet_of_twelve_daemons_pages_once_per_host_and_alert(tmp_path, daemons, engines, child_user):
     prometheus = tool("prometheus")
     alertmanager = tool("prometheus-alertmanager", "prometheus-alertmanager")
