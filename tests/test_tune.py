@@ -433,3 +433,190 @@ def test_a_second_daemon_never_takes_the_live_socket_over(channel):
     with pytest.raises(OSError, match="another gpuwarden listens there"):
         control.ControlServer(server.path, lambda: None)
     assert server.path.is_socket() and control._answers(server.path)
+
+
+# -- the channel under attack: each of these failed before its fix -------------------------------------------
+
+def _begin(s, f, **more):
+    return _ask(s, f, {"op": "begin", "setting": "power_limit_w", "gpus": [0], "lease_s": 5, **more})
+
+
+def test_one_wake_answers_only_what_was_queued_and_sets_are_rate_limited(channel, monkeypatch):
+    server, sweeps, backend = channel
+
+    class Asker:  # a client that asks again the moment it is answered, as a flood of connections does
+        answered = 0
+
+        def handle(self, message, peer, owner=None):
+            Asker.answered += 1
+            if Asker.answered < 1000:
+                server.requests.put((message, peer, owner, {}, threading.Event()))
+            return {"ok": True}
+
+    quiet = control.ControlServer(server.path.parent / "quiet.sock", lambda: None)  # no loop of its own
+    quiet.start()
+    try:
+        server = quiet
+        for _ in range(3):
+            quiet.requests.put(({"op": "renew"}, "x", None, {}, threading.Event()))
+        quiet.serve(Asker())
+        assert Asker.answered == 3  # the three queued on entry; the rest at the next wake, after a poll
+    finally:
+        quiet.stop()
+    # the lease's holder sets at most once every SET_MIN_S: a flood of sets costs the loop little
+    s, f = _connect(channel[0].path)
+    assert _begin(s, f)["ok"]
+    assert _ask(s, f, {"op": "set", "value": 450})["ok"]
+    assert "sets too fast" in _ask(s, f, {"op": "set", "value": 400})["error"]
+    assert backend.gpus()[0].power_limit_w == 450
+    time.sleep(control.SET_MIN_S)
+    assert _ask(s, f, {"op": "set", "value": 400})["ok"] and backend.gpus()[0].power_limit_w == 400
+    assert _ask(s, f, {"op": "end"})["ok"]
+
+
+def test_a_lease_is_its_connections_alone(channel):
+    server, sweeps, backend = channel
+    a, af = _connect(server.path)
+    assert _begin(a, af)["ok"]
+    b, bf = _connect(server.path)  # never began: it may neither set nor end A's sweep
+    assert "send begin first" in _ask(b, bf, {"op": "set", "value": 300})["error"]
+    assert "send begin first" in _ask(b, bf, {"op": "end"})["error"]
+    assert sweeps.lease is not None and backend.gpus()[0].power_limit_w == 700
+    # A's lease ends without A (its lease ran out); C begins; A's connection closing must not end C's sweep
+    sweeps.end("the lease ran out")
+    c, cf = _connect(server.path)
+    assert _begin(c, cf)["ok"] and _ask(c, cf, {"op": "set", "value": 450})["ok"]
+    af.close()
+    a.close()
+    time.sleep(0.5)  # A's thread sees the close and reports it
+    assert sweeps.lease is not None and backend.gpus()[0].power_limit_w == 450
+    assert _ask(c, cf, {"op": "end"})["ok"] and backend.gpus()[0].power_limit_w == 700
+
+
+def test_a_trickled_line_is_cut_at_its_deadline(channel, monkeypatch):
+    server, _, _ = channel
+    monkeypatch.setattr(control, "HELLO_S", 0.6)
+    s, f = _connect(server.path)
+    started = time.monotonic()
+    with pytest.raises(OSError):  # a byte every 0.2 s: each read is quick, the line never whole
+        while time.monotonic() - started < 5:
+            s.sendall(b" ")
+            time.sleep(0.2)
+    assert time.monotonic() - started < 3
+
+
+def test_no_marker_no_sweep(channel):
+    server, sweeps, backend = channel
+    sweeps.marker.with_suffix(".tmp").mkdir(parents=True)  # the marker cannot be written (as on a full disk)
+    s, f = _connect(server.path)
+    answer = _begin(s, f)
+    assert not answer["ok"] and "cannot save the sweep's marker" in answer["error"]
+    assert sweeps.lease is None and not sweeps.tuning.held
+
+
+@pytest.mark.parametrize("bad", ["int", "nested", "bool", "fifo", "zero", "huge"])
+def test_a_bad_marker_is_one_line_and_the_daemon_starts(tmp_path, bad, caplog):
+    from gpuwarden.originals import boot_id
+
+    cfg = config.parse_text("gpu: {backend: sim, scenario: h100-nvswitch}\n", name="x.yaml")
+    backend = open_configured(cfg, ManualClock(20))
+    marker = tmp_path / "sweep.json"
+    good = {"boot_id": boot_id(), "setting": "power_limit_w"}
+    if bad == "fifo":
+        os.mkfifo(marker)
+    elif bad == "zero":
+        marker.symlink_to("/dev/zero")
+    elif bad == "huge":
+        marker.write_text(json.dumps({**good, "gpus": ["GPU-x" * 10]}) + " " * 10_000_000)
+    else:
+        marker.write_text(json.dumps({**good, "gpus": {"int": 5, "nested": [[1]], "bool": [True]}[bad]}))
+    sweeps = control.Sweeps(TuningLife(backend, cfg, Tuner(backend)), marker=marker)
+    thread = threading.Thread(target=sweeps.recover, daemon=True)
+    thread.start()
+    thread.join(5)
+    assert not thread.is_alive()  # a FIFO never hangs the start
+    assert [r.getMessage() for r in caplog.records if "sweep marker" in r.getMessage()][0].startswith(
+        f"sweep marker {marker} ignored: ")
+    assert not marker.exists() and not marker.is_symlink()
+
+
+def test_a_reload_mid_sweep_leaves_the_step_and_its_end_sets_the_new_value(channel):
+    server, sweeps, backend = channel
+    s, f = _connect(server.path)
+    assert _begin(s, f)["ok"] and _ask(s, f, {"op": "set", "value": 300})["ok"]
+    new = config.parse_text("gpu: {backend: sim, scenario: h100-nvswitch}\ntuning: {power_limit_w: 600}\n",
+                            name="x.yaml")
+    sweeps.tuning.reload(new, sweeps.tuning.check(new))  # SIGHUP: the new config wants 600 W
+    assert backend.gpus()[0].power_limit_w == 300  # the step stands while it is measured
+    assert backend.gpus()[1].power_limit_w == 600  # GPUs the sweep does not hold take it at once
+    assert _ask(s, f, {"op": "end"})["ok"] and backend.gpus()[0].power_limit_w == 600
+
+
+def test_bools_are_not_gpus_nor_seconds(channel):
+    server, sweeps, _ = channel
+    s, f = _connect(server.path)
+    assert "gpus [True]" in _begin(s, f, gpus=[True])["error"]
+    assert "lease_s True" in _begin(s, f, lease_s=True)["error"]
+    assert sweeps.lease is None
+
+
+def test_the_sim_channel_never_waits_on_a_fifo(tmp_path):
+    os.mkfifo(tmp_path / "load.json")
+    box = []
+    thread = threading.Thread(target=lambda: box.append(power._read(tmp_path / "load.json")), daemon=True)
+    thread.start()
+    thread.join(5)
+    assert box == [None]
+
+
+def test_apply_says_which_file_overrides_the_knee(tmp_path):
+    from gpuwarden.bench.tune import _apply
+
+    conf = tmp_path / "gpuwarden.yaml"
+    conf.write_text("gpu: {backend: sim, scenario: h100-nvswitch}\n")
+    (tmp_path / "conf.d").mkdir()
+    site = tmp_path / "conf.d" / "90-site.yaml"
+    site.write_text("tuning: {power_limit_w: 650}\n")
+    hups = []
+    signal.signal(signal.SIGHUP, lambda *_: hups.append(1))
+    try:
+        assert _apply("tuning:\n  power_limit_w: 400\n", conf, os.getpid(), "power_limit_w", 400,
+                      {"0": "GPU-0"}) == 1
+        assert not (tmp_path / "conf.d" / "50-tune.yaml").exists() and not hups
+        site.write_text("tuning: {gpus: {'0': {power_limit_w: 650}}}\n")  # a per-GPU key wins too
+        assert _apply("tuning:\n  power_limit_w: 400\n", conf, os.getpid(), "power_limit_w", 400,
+                      {"0": "GPU-0"}) == 1
+        site.unlink()
+        assert _apply("tuning:\n  power_limit_w: 400\n", conf, os.getpid(), "power_limit_w", 400,
+                      {"0": "GPU-0"}) == 0
+        assert hups and (tmp_path / "conf.d" / "50-tune.yaml").exists()
+    finally:
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
+def test_apply_names_the_overriding_file(tmp_path, capsys):
+    from gpuwarden.bench.tune import _apply
+
+    conf = tmp_path / "gpuwarden.yaml"
+    conf.write_text("gpu: {backend: sim, scenario: h100-nvswitch}\n")
+    (tmp_path / "conf.d").mkdir()
+    (tmp_path / "conf.d" / "90-site.yaml").write_text("tuning: {power_limit_w: 650}\n")
+    assert _apply("tuning:\n  power_limit_w: 400\n", conf, os.getpid(), "power_limit_w", 400, {"0": "GPU-0"}) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"GPU 0 gets 650 from {tmp_path / 'conf.d' / '90-site.yaml'}" in err, err
+
+
+@pytest.mark.skipif(not matplotlib_here(), reason="needs matplotlib")
+def test_a_plot_name_is_checked_before_the_sweep(tmp_path):
+    from gpuwarden.bench.plot import chart_path
+
+    conf = tmp_path / "c.yaml"
+    conf.write_text("gpu: {backend: sim, scenario: h100-nvswitch}\n")
+    for command in ("tune", "bench"):  # no daemon nor server: the name is refused before anything is asked
+        out = subprocess.run([*gpuwarden_cmd(), command, "-c", str(conf), "--url", "http://127.0.0.1:9",
+                              "--plot", str(tmp_path / "out.foo")], capture_output=True, text=True,
+                             env=subprocess_env(), timeout=60)
+        assert out.returncode == 78 and out.stderr.count("\n") == 1, out.stderr
+        assert "matplotlib cannot write .foo files" in out.stderr
+    assert chart_path(tmp_path / "chart") == tmp_path / "chart.png"
+    assert chart_path(tmp_path / "c.SVG") == tmp_path / "c.SVG"

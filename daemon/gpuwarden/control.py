@@ -26,6 +26,7 @@ import logging
 import os
 import queue
 import socket
+import stat
 import struct
 import threading
 import time
@@ -49,7 +50,12 @@ CONNECTIONS_MAX = 4
 HELLO_S = 10.0  # a connection says begin within this
 LEASE_MIN_S, LEASE_MAX_S = 1.0, 300.0
 ANSWER_S = 60.0  # the most the main loop may take to answer one message (the setters and their read-back)
+SEND_S = 5.0  # an answer line not taken within this: the peer is not reading, the connection is closed
+SET_MIN_S = 0.5  # a lease's sets at most this often: a real sweep sets once a step, seconds apart; each set and
+# its read-back costs the main loop ~25 ms a GPU, so a flood of them would starve the polls (and the watchdog)
+SERVE_MAX = 8  # requests one wake of the main loop answers; the rest wait for the next wake
 MARKER = "sweep.json"
+MARKER_MAX = 4096  # a marker is a boot id, a setting and a few UUIDs
 
 
 def socket_path(environ=os.environ) -> Path:
@@ -74,7 +80,9 @@ class Lease:
     lease_s: float
     deadline: float
     peer: str
+    owner: object = None  # the connection that began it: only it may set, renew or end it, its loss ends it
     sets: int = 0
+    last_set: float = float("-inf")
     last: dict = field(default_factory=dict)
 
 
@@ -87,37 +95,52 @@ class Sweeps:
         self.lease: Lease | None = None
 
     def recover(self) -> None:
-        """At start: a sweep the last daemon did not end (it was killed) has its GPUs put back now."""
+        """At start: a sweep the last daemon did not end (it was killed) has its GPUs put back now. Whatever the
+        marker holds, the daemon starts: a bad one is one logged line."""
         try:
-            data = json.loads(self.marker.read_text())
-        except FileNotFoundError:
-            return
-        except (OSError, ValueError):
-            data = None
-        if isinstance(data, dict) and data.get("boot_id") == boot_id() and data.get("setting") in SETTINGS:
-            by_uuid = {g.uuid: g.index for g in self.tuning.backend.gpus()}
-            gpus = [by_uuid[u] for u in data.get("gpus", []) if u in by_uuid]
-            log.log(NOTICE, "a sweep of %s on GPU %s did not end (the daemon before this one was stopped mid-sweep): "
-                    "putting the setting back", data["setting"], ", ".join(map(str, gpus)))
-            self._put_back(data["setting"], gpus)
+            data = _read_marker(self.marker)
+            if data is None:
+                return
+            if data.get("boot_id") == boot_id():  # after a reboot the card is at its defaults again
+                by_uuid = {g.uuid: g.index for g in self.tuning.backend.gpus()}
+                gpus = [by_uuid[u] for u in data["gpus"] if u in by_uuid]
+                log.log(NOTICE, "a sweep of %s on GPU %s did not end (the daemon before this one was killed "
+                        "mid-sweep): putting the setting back", data["setting"], ", ".join(map(str, gpus)))
+                self._put_back(data["setting"], gpus)
+        except MarkerError as exc:
+            log.warning("sweep marker %s ignored: %s", self.marker, exc)
+        except Exception as exc:  # a bug or a GPU error here must not stop the daemon from starting
+            log.error("sweep marker %s: putting its setting back failed: %s: %s", self.marker,
+                      type(exc).__name__, exc)
         self._clear_marker()
 
-    def handle(self, message: dict, peer: str) -> dict:
+    def handle(self, message: dict, peer: str, owner: object = None) -> dict:
+        """One message from the connection `owner` (a token per connection)."""
         op = message.get("op")
         if op == "begin":
-            return self._begin(message, peer)
-        if self.lease is None:
+            return self._begin(message, peer, owner)
+        if self.lease is None or self.lease.owner is not owner:  # never another connection's lease
             return {"ok": False, "error": "no sweep is running on this connection: send begin first"}
         self.lease.deadline = self.clock() + self.lease.lease_s  # every message renews
         if op == "renew":
             return {"ok": True}
         if op == "set":
+            wait = self.lease.last_set + SET_MIN_S - self.clock()
+            if wait > 0:
+                return {"ok": False, "error": f"sets too fast: at most one every {SET_MIN_S:g} s (a sweep sets "
+                        "once a step)"}
             return self._set(message.get("value"))
         if op == "end":
             return {"ok": True, "restored": self.end("the sweep ended")}
         return {"ok": False, "error": f"unknown op {op!r} (begin, set, renew, end)"}
 
-    def _begin(self, message: dict, peer: str) -> dict:
+    def lost(self, owner: object, why: str) -> list[str]:
+        """The connection `owner` is gone: its lease (only its own) ends."""
+        if self.lease is None or self.lease.owner is not owner:
+            return []
+        return self.end(why)
+
+    def _begin(self, message: dict, peer: str, owner: object = None) -> dict:
         if self.lease is not None:
             return {"ok": False, "error": f"a sweep of {self.lease.setting} runs already ({self.lease.peer})"}
         if not self.tuning.config.tuning.apply:
@@ -125,24 +148,33 @@ class Sweeps:
         setting, lease_s, wanted = message.get("setting"), message.get("lease_s"), message.get("gpus")
         if setting not in SETTINGS:
             return {"ok": False, "error": f"setting {setting!r}: expected one of {', '.join(SETTINGS)}"}
-        if not isinstance(lease_s, (int, float)) or not LEASE_MIN_S <= lease_s <= LEASE_MAX_S:
+        if not isinstance(lease_s, (int, float)) or isinstance(lease_s, bool) or not LEASE_MIN_S <= lease_s <= LEASE_MAX_S:
             return {"ok": False, "error": f"lease_s {lease_s!r}: expected {LEASE_MIN_S:g}-{LEASE_MAX_S:g} seconds"}
         indices = [g.index for g in self.tuning.backend.gpus()]
         if wanted is None:
             wanted = indices
-        if not isinstance(wanted, list) or not wanted or any(g not in indices for g in wanted):
+        if not isinstance(wanted, list) or not wanted or \
+                any(type(g) is not int or g not in indices for g in wanted):  # True == 1: no bools
             return {"ok": False, "error": f"gpus {wanted!r}: expected a list of GPU indices ({indices})"}
         if not message.get("force"):
             others = self._other_processes(wanted)
             if others:
                 return {"ok": False, "error": f"other processes than the engine use the GPUs ({others}): their load "
                         "would skew every step (tune --force sweeps anyway)"}
-        self.lease = Lease(setting, list(wanted), float(lease_s), self.clock() + lease_s, peer)
+        wanted = sorted(set(wanted))
+        try:  # no marker, no sweep: a daemon killed mid-sweep would leave the swept setting on the GPUs for good
+            self._write_marker(setting, wanted)
+        except OSError as exc:
+            log.error("sweep refused: its marker cannot be saved to %s: %s", self.marker, exc.strerror or exc)
+            return {"ok": False, "error": f"the daemon cannot save the sweep's marker {self.marker} "
+                    f"({exc.strerror or exc}): a crash mid-sweep would leave the setting swept, so no sweep"}
+        self.lease = Lease(setting, wanted, float(lease_s), self.clock() + lease_s, peer, owner)
         self.tuning.held |= set(wanted)
-        self._write_marker()
+        self.tuning.held_setting = setting
         log.log(NOTICE, "sweep of %s on GPU %s begins (%s, lease %g s): the configured setting comes back at its "
                 "end", setting, ", ".join(map(str, wanted)), peer, lease_s)
-        return {"ok": True, "limits": self._limits(setting, wanted)}
+        uuids = {str(g.index): g.uuid for g in self.tuning.backend.gpus() if g.index in wanted}
+        return {"ok": True, "limits": self._limits(setting, wanted), "uuids": uuids}
 
     def _other_processes(self, gpus: list[int]) -> list[int]:
         """Compute processes on these GPUs that are not the daemon's descendants (its engine and workers)."""
@@ -185,6 +217,7 @@ class Sweeps:
                 return {"ok": False, "error": f"GPU {gpu.index}: {value:g} is outside what it accepts ({low:g}-{high:g})"}
             actions.append(Action(gpu.index, gpu.uuid, lease.setting, current, target, True, "sweep"))
         plan = Plan(tuple(GpuPlan(a.gpu, a.uuid, "", (a,)) for a in actions))
+        lease.last_set = self.clock()  # a set that reaches the GPUs counts for the rate; a refused value does not
         failed = [o.describe() for o in self.tuning.tuner.apply(plan) if not o.ok]
         checks = self.tuning.tuner.verify(plan)  # read back, as the tuning verifies every set
         failed += [o.describe("verified") for o in checks if not o.ok]
@@ -204,46 +237,95 @@ class Sweeps:
         lease, self.lease = self.lease, None
         if lease is None:
             return []
+        self.tuning.held -= set(lease.gpus)  # first: the config's value goes on these GPUs now
         done = self._put_back(lease.setting, lease.gpus)
-        self.tuning.held -= set(lease.gpus)
         self._clear_marker()
         log.log(NOTICE, "sweep of %s ended (%s, %d steps set): %s", lease.setting, why, lease.sets,
                 "; ".join(done) or "nothing to put back")
         return done
 
     def _put_back(self, setting: str, gpus: list[int]) -> list[str]:
+        """The configured value where the config sets one (straight from the step: never the original first,
+        which would put the card at a third value for a moment); the original elsewhere."""
         tuner, show = self.tuning.tuner, tunables.BY_KEY[setting].show
-        done = [f"GPU {o.action.gpu} {setting}: "
-                f"{'unlocked' if o.action.target is None else show(o.action.target, False)} as before gpuwarden: "
-                f"{'ok' if o.ok else 'FAILED, ' + o.message}" for o in tuner.restore(only={(g, setting) for g in gpus})]
         try:
             plan = make_plan(self.tuning.backend, self.tuning.config)
         except ConfigErrors as exc:
-            return done + [f"the configured tuning no longer fits: {exc.errors[0]}"]
+            plan, done = Plan(()), [f"the configured tuning no longer fits: {exc.errors[0]}"]
+        else:
+            done = []
+        configured = {a.gpu for a in plan.actions if a.setting == setting and a.target is not None} \
+            if self.tuning.config.tuning.apply else set()
+        done += [f"GPU {o.action.gpu} {setting}: "
+                 f"{'unlocked' if o.action.target is None else show(o.action.target, False)} as before gpuwarden: "
+                 f"{'ok' if o.ok else 'FAILED, ' + o.message}"
+                 for o in tuner.restore(only={(g, setting) for g in gpus if g not in configured})]
         mine = tuple(GpuPlan(g.index, g.uuid, g.name, tuple(a for a in g.actions if a.setting == setting))
-                     for g in plan.gpus if g.index in gpus)
-        if self.tuning.config.tuning.apply:
+                     for g in plan.gpus if g.index in gpus and g.index in configured)
+        if mine:
             mine_plan = Plan(mine)
             done += [o.describe() for o in tuner.apply(mine_plan) if o.action.change]
             done += [o.describe("verified") for o in tuner.verify(mine_plan)]
         return done
 
-    def _write_marker(self) -> None:
+    def _write_marker(self, setting: str, gpus: list[int]) -> None:
+        """The marker, on disk for good (file and folder fsynced) before the first set; OSError if not."""
         by_index = {g.index: g.uuid for g in self.tuning.backend.gpus()}
+        self.marker.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.marker.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         try:
-            self.marker.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.marker.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"boot_id": boot_id(), "setting": self.lease.setting,
-                                       "gpus": [by_index[i] for i in self.lease.gpus]}))
-            os.replace(tmp, self.marker)
-        except OSError as exc:  # the sweep goes on; only a crash of the daemon would leave the setting
-            log.warning("sweep marker not saved to %s: %s", self.marker, exc.strerror)
+            os.write(fd, json.dumps({"boot_id": boot_id(), "setting": setting,
+                                     "gpus": [by_index[i] for i in gpus]}).encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.marker)
+        folder = os.open(self.marker.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
 
     def _clear_marker(self) -> None:
         try:
             self.marker.unlink()
         except OSError:
             pass
+
+
+class MarkerError(Exception):
+    """The marker is not one this daemon wrote."""
+
+
+def _read_marker(path: Path) -> dict | None:
+    """The marker's content, checked; None when there is none. Opened without following a link or waiting on a
+    FIFO, a regular file only, at most MARKER_MAX bytes read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise MarkerError(exc.strerror or str(exc)) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise MarkerError("not a regular file")
+        raw = os.read(fd, MARKER_MAX + 1)
+    except OSError as exc:
+        raise MarkerError(exc.strerror or str(exc)) from None
+    finally:
+        os.close(fd)
+    if len(raw) > MARKER_MAX:
+        raise MarkerError(f"more than {MARKER_MAX} bytes")
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise MarkerError("not JSON") from None
+    if not (isinstance(data, dict) and data.get("setting") in SETTINGS and isinstance(data.get("boot_id"), str)
+            and isinstance(data.get("gpus"), list) and all(isinstance(u, str) for u in data["gpus"])):
+        raise MarkerError('expected {"boot_id": "...", "setting": "power_limit_w" | "gpu_clocks", "gpus": '
+                          '["GPU-uuid", ...]}')
+    return data
 
 
 def _descends_from(pid: int, root: int) -> bool:
@@ -315,7 +397,11 @@ class ControlServer:
             if full or uid not in (0, os.geteuid()):
                 why = (f"{CONNECTIONS_MAX} connections are open already" if full
                        else "the control channel is root's (run tune as root)")
-                _send(conn, {"ok": False, "error": why})
+                try:
+                    conn.settimeout(0.5)  # the accept thread never waits long on one peer
+                    conn.sendall(json.dumps({"ok": False, "error": why}).encode() + b"\n")
+                except OSError:
+                    pass
                 conn.close()
                 if not full:
                     with self._lock:
@@ -324,13 +410,16 @@ class ControlServer:
             threading.Thread(target=self._serve, args=(conn, f"pid {pid}, uid {uid}"), daemon=True).start()
 
     def _serve(self, conn: socket.socket, peer: str) -> None:
-        timeout, began, why = HELLO_S, False, "its connection closed"
+        # Each line must be whole by an absolute deadline (HELLO_S from connecting for the first, then the lease
+        # from the last answer): a peer trickling a byte at a time cannot hold a connection slot past it.
+        owner = object()  # this connection's token: the lease it begins is its own
+        lease_s, began, why = None, False, "its connection closed"
+        buffer = bytearray()
+        deadline = self.clock() + HELLO_S
         try:
-            reader = conn.makefile("rb")
             for _ in range(MESSAGES_MAX):
-                conn.settimeout(timeout)
-                line = reader.readline(LINE_MAX + 1)
-                if not line:
+                line = _read_line(conn, buffer, deadline, self.clock)
+                if line is None:
                     break  # closed: the sweep ended or died
                 if len(line) > LINE_MAX or not line.endswith(b"\n"):
                     _send(conn, {"ok": False, "error": f"a message is one line of at most {LINE_MAX} bytes"})
@@ -342,53 +431,82 @@ class ControlServer:
                 except (ValueError, RecursionError):
                     _send(conn, {"ok": False, "error": "a message is one JSON object"})
                     break
-                answer = self._ask(message, peer)
+                answer = self._ask(message, peer, owner)
                 if message.get("op") == "begin" and answer.get("ok"):
-                    began, timeout = True, float(message["lease_s"])
+                    began, lease_s = True, float(message["lease_s"])
                 _send(conn, answer)
                 if message.get("op") == "end" and answer.get("ok"):
-                    began = False
                     break
+                deadline = self.clock() + (lease_s if began else HELLO_S)
             else:
                 _send(conn, {"ok": False, "error": f"more than {MESSAGES_MAX} messages on one connection"})
         except TimeoutError:
-            why = f"no word from it for the lease's {timeout:g} s"  # a tune stopped or hung
-        except OSError:
-            pass  # went away
-        finally:
             if began:
-                self._ask({"op": "end", "lost": why}, peer)
+                why = f"no word from it for the lease's {lease_s:g} s"  # a tune stopped or hung
+        except OSError:
+            pass  # went away, or did not take its answer
+        finally:
             conn.close()
+            # Always: a begin the main loop answered after this thread stopped waiting left a lease it owns.
+            self._ask({"op": "end", "lost": why}, peer, owner)
             with self._lock:
                 self._open -= 1
 
-    def _ask(self, message: dict, peer: str) -> dict:
+    def _ask(self, message: dict, peer: str, owner: object = None) -> dict:
         done = threading.Event()
         box: dict = {}
-        self.requests.put((message, peer, box, done))
+        self.requests.put((message, peer, owner, box, done))
         self.wake()
         if not done.wait(ANSWER_S):
+            box["abandoned"] = True  # the main loop drops it unanswered (its connection is closing)
             return {"ok": False, "error": "the daemon did not answer in time"}
         return box["answer"]
 
     def serve(self, sweeps: Sweeps) -> None:
-        """On the main loop: answer what came in."""
-        while True:
+        """On the main loop: answer what was queued when it woke (at most SERVE_MAX), then back to the loop:
+        connections that ask again at once must not keep it here."""
+        for _ in range(min(self.requests.qsize(), SERVE_MAX)):
             try:
-                message, peer, box, done = self.requests.get_nowait()
+                message, peer, owner, box, done = self.requests.get_nowait()
             except queue.Empty:
                 return
             try:
                 if message.get("lost"):
-                    box["answer"] = {"ok": True, "restored": sweeps.end(message["lost"])}
+                    box["answer"] = {"ok": True, "restored": sweeps.lost(owner, message["lost"])}
+                elif box.get("abandoned"):
+                    continue  # its connection gave up on it: a late begin would leave a lease nobody holds
                 else:
-                    box["answer"] = sweeps.handle(message, peer)
+                    box["answer"] = sweeps.handle(message, peer, owner)
             except errors.GpuError as exc:
                 box["answer"] = {"ok": False, "error": str(exc)}
             except Exception as exc:  # a bug must not leave a client waiting, nor end the loop
                 log.error("control: %s: %s", type(exc).__name__, exc)
                 box["answer"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-            done.set()
+            finally:
+                done.set()
+        if not self.requests.empty():
+            self.wake()  # the rest at the next wake, after the loop's own work
+
+
+def _read_line(conn: socket.socket, buffer: bytearray, deadline: float, clock) -> bytes | None:
+    """The next line (with its newline) by `deadline`, else TimeoutError; None when the peer closed; a line
+    longer than LINE_MAX comes back as it stands (longer than LINE_MAX) for the caller to refuse."""
+    while True:
+        end = buffer.find(b"\n")
+        if end >= 0:
+            line = bytes(buffer[:end + 1])
+            del buffer[:end + 1]
+            return line
+        if len(buffer) > LINE_MAX:
+            return bytes(buffer)
+        left = deadline - clock()
+        if left <= 0:
+            raise TimeoutError
+        conn.settimeout(left)
+        chunk = conn.recv(65536)  # all a client sent at once: closing on unread bytes would reset the line we answer
+        if not chunk:
+            return bytes(buffer) or None  # a line cut short (no newline): the caller refuses it
+        buffer += chunk
 
 
 def _answers(path: Path) -> bool:
@@ -408,10 +526,10 @@ def _peer(conn: socket.socket) -> tuple[int, int]:
 
 
 def _send(conn: socket.socket, answer: dict) -> None:
-    try:
-        conn.sendall(json.dumps(answer).encode() + b"\n")
-    except OSError:
-        pass
+    """One answer line; OSError (TimeoutError) if the peer does not take it within SEND_S: the caller closes the
+    connection, since a line sent in part would garble the next."""
+    conn.settimeout(SEND_S)
+    conn.sendall(json.dumps(answer).encode() + b"\n")
 
 
 # -- the client: `gpuwarden tune` ----------------------------------------------------------------------------
@@ -432,11 +550,12 @@ class SweepClient:
         except OSError as exc:
             raise ControlError(f"cannot connect to {path}: {exc.strerror or exc}") from None
         self.reader = self.sock.makefile("rb")
+        self.daemon_pid = _peer(self.sock)[1]  # the kernel's word on who listens: the pid --apply reloads
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.lost: str | None = None  # why the lease was lost mid-sweep (the daemon stopped or died)
-        self.limits = self.ask({"op": "begin", "setting": setting, "gpus": gpus, "lease_s": lease_s,
-                                "force": force})["limits"]
+        began = self.ask({"op": "begin", "setting": setting, "gpus": gpus, "lease_s": lease_s, "force": force})
+        self.limits, self.uuids = began["limits"], began.get("uuids", {})
         self._renewer = threading.Thread(target=self._renew, args=(lease_s / 3,), daemon=True)
         self._renewer.start()
 

@@ -9,6 +9,7 @@ setting means lives in its Tunable.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
@@ -277,6 +278,7 @@ class TuningLife:
         self._unplanned: set[int] = set()  # unreadable when planned: planned as soon as they answer
         self._was_up: dict[int, bool] = {}
         self.held: set[int] = set()  # GPUs a sweep's lease holds (control.py): no re-apply on them meanwhile
+        self.held_setting: str | None = None  # the setting it sweeps there: a reload leaves it to the sweep's end
 
     def check(self, config: Config) -> Plan:
         """The plan config gives on these GPUs; ConfigErrors for a value a card cannot take. Changes nothing."""
@@ -290,6 +292,7 @@ class TuningLife:
                 log.info("read-only (tuning.apply is false), would do: %s", action.describe())
             return
         self.tuned = True
+        plan = self._unheld(plan)
         for outcome in self.tuner.apply(plan):
             if not outcome.ok:
                 log.error("tuning %s", outcome.describe())
@@ -306,9 +309,26 @@ class TuningLife:
             kept = {(a.gpu, a.setting) for a in plan.actions if a.target is not None} if config.tuning.apply \
                 else set()
             dropped = {(a.gpu, a.setting) for a in (self.plan.actions if self.plan else ())} - kept
+            dropped = {(g, k) for g, k in dropped if not self._is_held(g, k)}  # the sweep's end sets those
             for outcome in self.tuner.restore(only=dropped):
                 (log.info if outcome.ok else log.error)("reload: no longer wanted, %s", outcome.describe())
         self.start(plan)
+
+    def _is_held(self, gpu: int, setting: str) -> bool:
+        return gpu in self.held and setting == self.held_setting
+
+    def _unheld(self, plan: Plan) -> Plan:
+        """The plan less the setting a sweep holds on its GPUs: a reload mid-sweep must not set the configured
+        value over the step being measured; the sweep's end puts the (new) configured value there."""
+        held = [a for a in plan.actions if self._is_held(a.gpu, a.setting)]
+        for action in held:
+            log.log(NOTICE, "GPU%d %s is a sweep's (gpuwarden tune) until it ends: the reloaded value comes then",
+                    action.gpu, action.setting)
+        if not held:
+            return plan
+        return dataclasses.replace(plan, gpus=tuple(
+            dataclasses.replace(g, actions=tuple(a for a in g.actions if not self._is_held(a.gpu, a.setting)))
+            for g in plan.gpus))
 
     def restore(self) -> None:
         """At stop, with restore_on_stop: the originals back."""
@@ -353,7 +373,7 @@ class TuningLife:
         self._track_locks(mine, self.config.tuning.apply)
         if not self.config.tuning.apply:
             return True
-        outcomes = self.tuner.apply(mine)
+        outcomes = self.tuner.apply(self._unheld(mine))
         done = "; ".join(o.describe() for o in outcomes) or "nothing to change"
         log.log(NOTICE, "GPU%d %s is back: planned and applied its tuning: %s", sample.index, sample.uuid, done)
         return True

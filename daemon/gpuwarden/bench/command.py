@@ -159,8 +159,8 @@ def cmd_bench(args: argparse.Namespace, config: Config) -> int:
         if args.grace is not None and args.duration is None:
             raise ValueError("--grace is for steps of a --duration")
         if args.plot is not None:
-            from .plot import require
-            require()
+            from .plot import chart_path
+            args.plot = chart_path(args.plot)  # before the steps: a bad name is one line now, not after them
     except (ValueError, ImportError) as exc:
         print(f"gpuwarden bench: {exc}", file=sys.stderr)
         return EX_USAGE
@@ -219,8 +219,8 @@ def cmd_bench(args: argparse.Namespace, config: Config) -> int:
         try:
             plot_bench(result, args.plot)
             print(f"chart: {args.plot}", file=sys.stderr)
-        except OSError as exc:
-            print(f"gpuwarden bench: --plot {args.plot}: {exc.strerror or exc}", file=sys.stderr)
+        except (OSError, ValueError) as exc:
+            print(f"gpuwarden bench: --plot {args.plot}: {getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
             code = code or EX_STEP_FAILED
     if sweep.interrupted:
         print("gpuwarden bench: interrupted; the result above is partial", file=sys.stderr)

@@ -196,8 +196,8 @@ def cmd_tune(args: argparse.Namespace, config: Config) -> int:
         if not 1 <= args.lease <= 300:
             raise ValueError(f"--lease {args.lease:g}: expected 1-300 seconds")
         if args.plot is not None:
-            from .plot import require
-            require()
+            from .plot import chart_path
+            args.plot = chart_path(args.plot)  # before the sweep: a bad name is one line now, not after it
     except (ValueError, PlotUnavailable) as exc:
         print(f"gpuwarden tune: {exc}", file=sys.stderr)
         return EX_USAGE
@@ -281,8 +281,8 @@ def cmd_tune(args: argparse.Namespace, config: Config) -> int:
         try:
             plot_tune(result, args.plot)
             print(f"chart: {args.plot}", file=sys.stderr)
-        except (PlotUnavailable, OSError) as exc:
-            print(f"gpuwarden tune: --plot {args.plot}: {exc}", file=sys.stderr)
+        except (PlotUnavailable, OSError, ValueError) as exc:
+            print(f"gpuwarden tune: --plot {args.plot}: {getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
             code = code or EX_FAILED
     if client.lost is not None:
         print(f"gpuwarden tune: {client.lost}: the sweep lost its lease mid-step (the daemon puts the configured "
@@ -293,25 +293,66 @@ def cmd_tune(args: argparse.Namespace, config: Config) -> int:
         print("gpuwarden tune: interrupted; the steps above are partial", file=sys.stderr)
         return EX_INTERRUPTED
     if args.apply and knee is not None and code == 0:
-        code = _apply(result["config"], Path(args.config), config)
+        code = _apply(result["config"], Path(args.config), client.daemon_pid, setting, knee["setting"],
+                      client.uuids)
     return code
 
 
-def _apply(lines: str, config_path: Path, config: Config) -> int:
-    """Write the knee as a drop-in beside the config and reload the daemon (SIGHUP to the pid /status names)."""
-    from ..status import StatusError, fetch_status
+def _apply(lines: str, config_path: Path, pid: int, setting: str, value: float, uuids: dict) -> int:
+    """Write the knee as a drop-in beside the config and reload the daemon (SIGHUP to the pid the control socket's
+    SO_PEERCRED named). Before the reload, the merged config is loaded as the daemon will load it: where a later
+    drop-in or a per-GPU key overrides the knee, the drop-in is removed again and tune says which file wins."""
+    from .. import config as config_mod
+    from ..yamlfile import ConfigError, ConfigErrors
 
     dropin = config_path.parent / "conf.d" / "50-tune.yaml"
     try:
         dropin.parent.mkdir(parents=True, exist_ok=True)
         dropin.write_text("# written by `gpuwarden tune --apply`: the knee of its sweep\n" + lines)
-        pid = ((fetch_status(config.metrics, timeout_s=5.0) or {}).get("daemon") or {}).get("pid")
-        if not isinstance(pid, int):
-            raise StatusError("the daemon's /status names no pid")
+    except OSError as exc:
+        print(f"gpuwarden tune: --apply: {dropin}: {exc.strerror or exc}", file=sys.stderr)
+        return EX_FAILED
+    try:
+        merged = config_mod.load(config_path)
+        wanted = (int(value), int(value)) if setting == "gpu_clocks" else float(value)
+        overridden = []
+        for index, uuid in sorted(uuids.items(), key=lambda item: int(item[0])):
+            effective = getattr(merged.tuning.for_gpu(int(index), uuid), setting)
+            if (tuple(effective) if isinstance(effective, (list, tuple)) else effective) != wanted:
+                key = merged.tuning.override_source(int(index), uuid, setting)
+                overridden.append(f"GPU {index} gets {effective} from {_who_sets(config_path, key)} "
+                                  f"({'.'.join(key)})")
+    except (ConfigError, ConfigErrors, OSError) as exc:
+        overridden = [f"the merged config does not load: {exc}"]
+    if overridden:
+        dropin.unlink(missing_ok=True)
+        print(f"gpuwarden tune: --apply: not applied, and {dropin} removed again: the knee would not take effect: "
+              + "; ".join(overridden), file=sys.stderr)
+        return EX_FAILED
+    try:
         os.kill(pid, signal.SIGHUP)
-    except (OSError, StatusError) as exc:
-        print(f"gpuwarden tune: --apply: {dropin}: {getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
+    except OSError as exc:
+        print(f"gpuwarden tune: --apply: wrote {dropin}, but the reload (SIGHUP to pid {pid}) failed: "
+              f"{exc.strerror or exc}", file=sys.stderr)
         return EX_FAILED
     print(f"applied: wrote {dropin} and reloaded the daemon (pid {pid}); `gpuwarden status` shows the setting",
           file=sys.stderr)
     return 0
+
+
+def _who_sets(config_path: Path, key: tuple) -> str:
+    """The last of the config and its drop-ins (the order the loader merges them) that sets `key`."""
+    from .. import config as config_mod
+    from .. import yamlfile
+
+    found = "the config"
+    for file in [config_path, *config_mod.dropin_files(config_path)]:
+        try:
+            value = yamlfile.load(file, empty_ok=True).value
+        except Exception:  # it loaded as part of the merge; this is only to name it
+            continue
+        for part in key:
+            value = value.get(part) if isinstance(value, dict) else None
+        if value is not None:
+            found = str(file)
+    return found

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 
 ENV = "GPUWARDEN_SIM_STATE"
@@ -46,10 +47,15 @@ def channel() -> Path | None:
 
 
 def _read(path: Path) -> dict | None:
-    try:
-        with open(path, "rb") as f:
-            data = json.loads(f.read(MAX_FILE_BYTES))
-    except (OSError, ValueError):
+    try:  # never a FIFO's wait or a link's target: a regular file, opened without blocking
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            data = json.loads(os.read(fd, MAX_FILE_BYTES))
+        finally:
+            os.close(fd)
+    except (OSError, ValueError, RecursionError):
         return None
     return data if isinstance(data, dict) else None
 
