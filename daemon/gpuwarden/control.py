@@ -13,8 +13,9 @@ The wire: a unix stream socket in the runtime directory, mode 0600 (created unde
 and each peer's SO_PEERCRED uid checked (root, or the daemon's own user). One JSON object per line, one answer
 line each: {"op": "begin", "setting": "power_limit_w" | "gpu_clocks", "gpus": [0, 1] | null, "lease_s": 15,
 "force": false}, {"op": "set", "value": 450}, {"op": "renew"}, {"op": "end"}. Limits: LINE_MAX bytes a line,
-MESSAGES_MAX lines a connection, CONNECTIONS_MAX connections at once, one lease at a time, a line within the lease
-(or HELLO_S before a begin).
+MESSAGES_MAX lines a connection, CONNECTIONS_MAX connections at once, one lease at a time and only its own
+connection may use it, each whole line within the lease (or HELLO_S before a begin), a set at most every SET_MIN_S,
+and one wake of the main loop answers only what was queued when it woke (the loop's polls come first).
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ class Sweeps:
         self.marker = marker or state_dir() / MARKER
         self.lease: Lease | None = None
 
-    def recover(self) -> None:
+    def recover(self, handover: bool = False) -> None:
         """At start: a sweep the last daemon did not end (it was killed) has its GPUs put back now. Whatever the
         marker holds, the daemon starts: a bad one is one logged line."""
         try:
@@ -104,8 +105,10 @@ class Sweeps:
             if data.get("boot_id") == boot_id():  # after a reboot the card is at its defaults again
                 by_uuid = {g.uuid: g.index for g in self.tuning.backend.gpus()}
                 gpus = [by_uuid[u] for u in data["gpus"] if u in by_uuid]
-                log.log(NOTICE, "a sweep of %s on GPU %s did not end (the daemon before this one was killed "
-                        "mid-sweep): putting the setting back", data["setting"], ", ".join(map(str, gpus)))
+                log.log(NOTICE, "a sweep of %s on GPU %s did not end (%s): putting the setting back",
+                        data["setting"], ", ".join(map(str, gpus)),
+                        "the daemon handed over to the installed code mid-sweep; the sweep's lease ended with "
+                        "its connection" if handover else "the daemon before this one was killed mid-sweep")
                 self._put_back(data["setting"], gpus)
         except MarkerError as exc:
             log.warning("sweep marker %s ignored: %s", self.marker, exc)

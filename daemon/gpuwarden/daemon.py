@@ -102,7 +102,9 @@ class Daemon:
         """Check the plan and the serving command and take the port first (what can fail), then tune, start the
         engine, take the first sample, and tell systemd we are ready. Raises ConfigErrors for values a card or
         the engine rejects, StartupError if the metrics port is taken; neither leaves a GPU setting changed."""
-        self.sweeps.recover()  # a sweep cut by this daemon's predecessor's death: its setting back first
+        # a sweep cut by this daemon's predecessor's death (or its handover: a lease is its connection's, and
+        # the connection did not carry over): its setting back first
+        self.sweeps.recover(handover=HANDOVER_ENV in os.environ)
         plan = self.tuning.check(self.config)
         # After a handover, or a crash of the daemon that left the engine serving, the engine runs already, its
         # flags checked when it started: only lint here, so the daemon watches it again within seconds, not
