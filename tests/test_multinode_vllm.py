@@ -146,6 +146,8 @@ def test_two_nodes_serve_one_model_lose_each_rank_in_turn_and_come_back(write, d
         assert (f'gpuwarden_serving_node_info{{head="{rendezvous}",nodes="2",rank="1",role="worker"}} 1.0'
                 in worker_metrics)
         assert f'gpuwarden_serving_head_reachable{{head="{rendezvous}"}} 1.0' in worker_metrics
+        assert f'gpuwarden_serving_node_up{{head="{rendezvous}",rank="0"}} 1.0' in head_metrics
+        assert f'gpuwarden_serving_node_up{{head="{rendezvous}",rank="1"}} 1.0' in worker_metrics
 
         # SIGKILL the worker's engine: both notice, the head names rank 1, and the whole engine comes back.
         t1 = time.monotonic()

@@ -40,7 +40,9 @@ def tool(name, package="prometheus"):
 def test_promtool_checks_and_unit_tests_the_rules():
     promtool = tool("promtool")
     check = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60)
-    assert check.returncode == 0 and "SUCCESS: 31 rules found" in check.stdout, check.stdout + check.stderr
+    shipped = sum(len(group["rules"]) for group in yaml.safe_load(RULES.read_text())["groups"])
+    assert shipped >= 33  # at least what issue 30 left (ServingNodeDown, ServingNodesDiffer): none dropped by a parse
+    assert check.returncode == 0 and f"SUCCESS: {shipped} rules found" in check.stdout, check.stdout + check.stderr
     test = subprocess.run([promtool, "test", "rules", str(RULE_TESTS)], capture_output=True, text=True, timeout=120)
     assert test.returncode == 0 and "SUCCESS" in test.stdout, test.stdout + test.stderr
 
@@ -110,6 +112,9 @@ def through_proxy(port, model):
                 assert reply.status == status
         except urllib.error.HTTPError as exc:
             assert exc.code == status, exc.read()
+
+
+MULTI_NODE_ONLY = {"gpuwarden_serving_node_info", "gpuwarden_serving_node_up", "gpuwarden_serving_head_reachable"}
 
 
 def wait_for_series(base, expr, timeout=30):
@@ -206,9 +211,14 @@ serve:
             assert result["status"] == "success", (expr, result)
             if "alert" not in expr and not re.search(r"(==|[<>]=?) *[0-9.]+$|absent\(|\band\b", expr):
                 assert result["data"]["result"], f"no data for {expr}"
-        # Alert expressions are empty while all is well: each metric they read must still exist.
+        # Alert expressions are empty while all is well: each metric they read must still exist. A single-node
+        # engine exports no node series (the two-node vLLM test reads them; promtool tests the rules on them).
         for name in sorted(set(re.findall(r"\b(gpuwarden[_:][a-z0-9_:]+|up)\b", " ".join(rule_exprs)))):
-            assert query(base, f'{{__name__="{name}"}}')["data"]["result"], f"no series {name}"
+            found = query(base, f'{{__name__="{name}"}}')["data"]["result"]
+            if name in MULTI_NODE_ONLY:
+                assert not found, f"a single-node engine exports {name}"
+            else:
+                assert found, f"no series {name}"
     finally:
         prom.terminate()
         prom.wait(30)
