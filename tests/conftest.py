@@ -171,6 +171,9 @@ def daemons():
 
 # -- the real CPU build of vLLM (tests/vllm/install) ---------------------------------------------
 VENV = Path(os.environ.get("GPUWARDEN_VLLM_VENV", "/opt/gpuwarden-test/venv-vllm"))
+# One start of the CPU vLLM (import, weights, torch compile) takes a minute on an idle two-core host and
+# passed six minutes at load 9 (CI runs other work beside the tests): the deadline is for a wedged start.
+VLLM_START_S = 900
 CHILD_USER = "gpuwarden-test"
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, gpuwarden_cmd, matplotlib_here, subprocess_env
+from conftest import VLLM_START_S, free_port, gpuwarden_cmd, matplotlib_here, subprocess_env
 from gpuwarden.bench.roofline import ModelUnreadable, ceiling_tokens_per_s, kv_bytes_per_token, model_bytes
 
 HERE = Path(__file__).resolve().parent
@@ -254,7 +254,7 @@ def test_against_the_real_cpu_vllm_under_the_daemon(write, daemons, vllm_python,
 
     path = serving_config(write, vllm_python, tiny_model, child_user, free_port(), ["--max-model-len", "512"])
     d = daemons(path)
-    d.wait_for("vLLM healthy after", timeout=400)
+    d.wait_for("vLLM healthy after", timeout=VLLM_START_S)
     env = {**subprocess_env(), "STATE_DIRECTORY": str(tmp_path / "state")}
     out = subprocess.run([*gpuwarden_cmd(), "bench", "-c", str(path), "--concurrency", "1,4", "--requests", "8",
                           "--input-len", "128", "--output-len", "64", "--json"], capture_output=True, text=True,

@@ -17,7 +17,7 @@ import urllib.request
 import pytest
 import yaml
 
-from conftest import CPU_TINY_PROFILE, ROOT, free_port, gpuwarden_cmd
+from conftest import CPU_TINY_PROFILE, ROOT, VLLM_START_S, free_port, gpuwarden_cmd
 from gpuwarden.gpu.sim.scenario import resolve_scenario
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
@@ -157,7 +157,7 @@ serve:
   command: [{vllm_python}, -m, vllm.entrypoints.openai.api_server]
   port: {engine_port}
   user: {child_user}
-  startup_timeout_s: 400
+  startup_timeout_s: {VLLM_START_S}
   stop_timeout_s: 20
 """)
     config_c = write("c.yaml", f"poll_interval_s: 0.5\ngpu:\n  backend: sim\n  scenario: h100-nvswitch\n"
@@ -199,7 +199,7 @@ serve:
         assert 60 <= fired <= 80, fired
         assert not [a for a in firing if a["labels"]["instance"] == targets[1]], "the tuned host is fine"
 
-        d.wait_for("vLLM healthy after", timeout=400)
+        d.wait_for("vLLM healthy after", timeout=VLLM_START_S)
         through_proxy(proxy_port, tiny_model)
         wait_for_series(base, 'gpuwarden_proxy_engine_prefix_cache_queries_tokens_total{job="gpuwarden-proxy"}')
         wait_for_series(base, "gpuwarden_serving_tokens_per_joule")  # two reads of the energy counters, serving

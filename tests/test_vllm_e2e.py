@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import CPU_TINY_PROFILE, free_port, gpuwarden_cmd, subprocess_env
+from conftest import CPU_TINY_PROFILE, VLLM_START_S, free_port, gpuwarden_cmd, subprocess_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
@@ -40,7 +40,7 @@ serve:
   port: {vllm_port}
   user: {user}
   args: {args}
-  startup_timeout_s: 400
+  startup_timeout_s: {VLLM_START_S}
   stop_timeout_s: 20
   liveness_interval_s: 2
 {extra}""")
@@ -88,7 +88,7 @@ def test_serves_survives_sigkill_without_orphans_and_stops_clean(write, daemons,
     env = Path(f"/proc/{first_pid}/environ").read_bytes().split(b"\0")
     assert b"CUDA_DEVICE_ORDER=PCI_BUS_ID" in env and not [e for e in env if e.startswith(b"NOTIFY_SOCKET")]
     notes = []
-    deadline = time.monotonic() + 400
+    deadline = time.monotonic() + VLLM_START_S
     while not any("vLLM healthy" in line for line in d.lines) and time.monotonic() < deadline:
         try:
             notes.append(sock.recv(4096).decode())
@@ -129,7 +129,7 @@ def test_serves_survives_sigkill_without_orphans_and_stops_clean(write, daemons,
     assert group_alive(first_pid) == [], "no process of the old group survives"
     restarted = d.wait_for("vLLM starting (pid", after=mark, timeout=30)
     second_pid = int(restarted.split("(pid ")[1].split(",")[0])
-    d.wait_for("vLLM healthy after", after=mark, timeout=400)
+    d.wait_for("vLLM healthy after", after=mark, timeout=VLLM_START_S)
     assert complete(port, tiny_model)["choices"][0]["text"]
     # The snapshot with RUNNING is published once that poll has also read vLLM's /metrics.
     deadline = time.monotonic() + 15
@@ -159,7 +159,7 @@ def test_a_system_user_without_a_home_serves(write, daemons, vllm_python, tiny_m
         path = serving_config(write, vllm_python, tiny_model, name, port)
         d = daemons(path, env=dict(subprocess_env(), STATE_DIRECTORY=str(state)))
         d.wait_for(f"vLLM's user {name}: its home {pwd.getpwnam(name).pw_dir} does not exist")
-        d.wait_for("vLLM healthy after", timeout=400)
+        d.wait_for("vLLM healthy after", timeout=VLLM_START_S)
         assert complete(port, tiny_model)["choices"][0]["text"]
         home = state / "home" / name
         assert home.stat().st_uid == pwd.getpwnam(name).pw_uid and (home / ".cache" / "vllm").is_dir()
@@ -174,7 +174,7 @@ def test_bad_model_path_crash_loops_to_fatal_with_vllms_error(write, daemons, vl
     path = serving_config(write, vllm_python, "/nonexistent/model-dir", child_user, free_port(),
                           extra="  crash_loop_failures: 2\n  backoff_max_s: 1\n")
     d = daemons(path)
-    fatal = d.wait_for("vLLM FATAL", timeout=400)
+    fatal = d.wait_for("vLLM FATAL", timeout=VLLM_START_S)
     assert "2 failures within" in fatal and "nonexistent" in fatal  # vLLM's own error line, quoted
     assert d.log.count("vLLM starting (pid") == 2
     time.sleep(2)
@@ -276,7 +276,7 @@ def test_a_frozen_engine_is_caught_while_health_says_200_restarted_and_the_idle_
     d = daemons(path)
     started = d.wait_for("vLLM starting (pid", timeout=60)
     first = int(started.split("(pid ")[1].split(",")[0])
-    d.wait_for("vLLM healthy after", timeout=400)
+    d.wait_for("vLLM healthy after", timeout=VLLM_START_S)
 
     # A batch of eight first: torch compiles the CPU graph for a new batch shape, seconds in which vLLM counts
     # eight running requests and no token (a real stall by the counters, and no part of this test).
@@ -315,7 +315,7 @@ def test_a_frozen_engine_is_caught_while_health_says_200_restarted_and_the_idle_
     assert group_alive(first) == [], "no process of the frozen group survives"
     restarted = d.wait_for("vLLM starting (pid", after=mark, timeout=30)
     second = int(restarted.split("(pid ")[1].split(",")[0])
-    d.wait_for("vLLM healthy after", after=mark, timeout=400)
+    d.wait_for("vLLM healthy after", after=mark, timeout=VLLM_START_S)
     assert 'gpuwarden_serving_stalls_total{child="vllm"} 1.0' in urllib.request.urlopen(
         base + "/metrics", timeout=15).read().decode()
 
@@ -327,7 +327,7 @@ def test_a_frozen_engine_is_caught_while_health_says_200_restarted_and_the_idle_
     generate_in_background(port, long_tiny_model, 5, 1)
     d.wait_for("the stall probe (a one-token completion", after=mark, timeout=3 + 5 + 10)
     d.wait_for("vLLM stalled, restarting it", after=mark, timeout=5)
-    d.wait_for("vLLM healthy after", after=mark, timeout=400)
+    d.wait_for("vLLM healthy after", after=mark, timeout=VLLM_START_S)
     assert group_alive(second) == []
     assert d.stop() == 0
 
@@ -347,7 +347,7 @@ def test_an_idle_server_that_requires_a_key_is_probed_with_it_and_never_restarte
                           extra=f"  env_file: {secrets}\n  probe_after_s: 3\n  probe_timeout_s: 30\n")
     base = "http://" + path.read_text().split("listen: ")[1].split()[0]
     d = daemons(path)
-    d.wait_for("vLLM healthy after", timeout=400)
+    d.wait_for("vLLM healthy after", timeout=VLLM_START_S)
     began = time.monotonic()
     mark = len(d.lines)
     while time.monotonic() - began < 60:  # idle: only the daemon's probes reach the engine
