@@ -557,6 +557,7 @@ class SweepClient:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.lost: str | None = None  # why the lease was lost mid-sweep (the daemon stopped or died)
+        self._last_set = float("-inf")
         began = self.ask({"op": "begin", "setting": setting, "gpus": gpus, "lease_s": lease_s, "force": force})
         self.limits, self.uuids = began["limits"], began.get("uuids", {})
         self._renewer = threading.Thread(target=self._renew, args=(lease_s / 3,), daemon=True)
@@ -587,7 +588,15 @@ class SweepClient:
                 return
 
     def set(self, value: float) -> dict:
-        return self.ask({"op": "set", "value": value})
+        # The daemon takes a set at most every SET_MIN_S: very short steps wait a moment. Counted from the last
+        # answer, which came after the daemon took that set, so the daemon never sees two closer than this.
+        wait = self._last_set + SET_MIN_S + 0.05 - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+        try:
+            return self.ask({"op": "set", "value": value})
+        finally:
+            self._last_set = time.monotonic()
 
     def end(self) -> list[str]:
         self._stop.set()

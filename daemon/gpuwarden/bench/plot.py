@@ -27,11 +27,12 @@ def chart_path(path: Path) -> Path:
     """The file --plot writes, checked before any step runs: a name without a suffix gets .png (matplotlib would
     add it anyway, and the path printed must be the one written); a suffix matplotlib cannot write is
     ValueError, one line."""
-    plt = require()
+    require()
     if not path.suffix:
         return path.with_name(path.name + ".png")
-    formats = plt.figure().canvas.get_supported_filetypes()
-    plt.close("all")
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()  # what savefig writes, by suffix
     if path.suffix[1:].lower() not in formats:
         raise ValueError(f"--plot {path}: matplotlib cannot write {path.suffix} files (it writes "
                          f"{', '.join('.' + f for f in sorted(formats))})")
