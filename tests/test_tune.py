@@ -621,3 +621,21 @@ def test_a_plot_name_is_checked_before_the_sweep(tmp_path):
         assert "matplotlib cannot write .foo files" in out.stderr
     assert chart_path(tmp_path / "chart") == tmp_path / "chart.png"
     assert chart_path(tmp_path / "c.SVG") == tmp_path / "c.SVG"
+
+
+def test_a_peer_that_does_not_read_its_answers_is_closed(channel, monkeypatch):
+    server, sweeps, _ = channel
+    monkeypatch.setattr(control, "SEND_S", 0.3)
+    s, f = _connect(server.path)
+    assert _begin(s, f)["ok"]
+    big = json.dumps({"op": "x" * 4000}).encode() + b"\n"  # each answer ~4 KB, never read: the buffers fill
+    s.settimeout(0.2)
+    deadline = time.monotonic() + 5
+    try:
+        while sweeps.lease is not None and time.monotonic() < deadline:
+            s.sendall(big)
+    except OSError:
+        pass  # closed by the daemon (or our own buffer full): either way the lease must end now
+    while sweeps.lease is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sweeps.lease is None  # closed, its lease ended: no half-sent answer left to garble the next

@@ -532,7 +532,10 @@ def _send(conn: socket.socket, answer: dict) -> None:
     """One answer line; OSError (TimeoutError) if the peer does not take it within SEND_S: the caller closes the
     connection, since a line sent in part would garble the next."""
     conn.settimeout(SEND_S)
-    conn.sendall(json.dumps(answer).encode() + b"\n")
+    try:
+        conn.sendall(json.dumps(answer).encode() + b"\n")
+    except TimeoutError:  # not the lease's silence: the peer stopped reading
+        raise ConnectionError("the peer did not take its answer") from None
 
 
 # -- the client: `gpuwarden tune` ----------------------------------------------------------------------------
