@@ -639,3 +639,22 @@ def test_a_peer_that_does_not_read_its_answers_is_closed(channel, monkeypatch):
     while sweeps.lease is not None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert sweeps.lease is None  # closed, its lease ended: no half-sent answer left to garble the next
+
+
+def test_a_request_its_caller_gave_up_on_is_dropped(tmp_path, monkeypatch):
+    # the main loop came back after ANSWER_S: the connection that asked begin has gone; a late begin would leave
+    # a lease nobody holds (and the GPUs held) until it ran out
+    cfg = config.parse_text("gpu: {backend: sim, scenario: h100-nvswitch}\n", name="x.yaml")
+    backend = open_configured(cfg, ManualClock(20))
+    monkeypatch.setenv("STATE_DIRECTORY", str(tmp_path / "state"))
+    sweeps = control.Sweeps(TuningLife(backend, cfg, Tuner(backend)))
+    server = control.ControlServer(tmp_path / "run" / "control.sock", lambda: None)
+    server.start()
+    try:
+        monkeypatch.setattr(control, "ANSWER_S", 0.1)
+        answer = server._ask({"op": "begin", "setting": "power_limit_w", "gpus": [0], "lease_s": 5}, "x", object())
+        assert "did not answer in time" in answer["error"]
+        server.serve(sweeps)  # the loop, late
+        assert sweeps.lease is None and not sweeps.tuning.held
+    finally:
+        server.stop()
