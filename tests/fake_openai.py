@@ -108,20 +108,13 @@ def make_app(args) -> web.Application:
         delay = GOOD_TOKEN_DELAY if good else args.token_delay / decode
         tokens = 10**9 if args.endless and not good else body["max_tokens"]
         end = asyncio.get_running_loop().time() + ENDLESS_S  # endless: until the client hangs up, or an hour
-        # Each token is due at a time on the request's own timeline (its start, the prefill, a delay a token), not
-        # a delay after the last one woke: on a busy machine a late wake-up is caught up at the next token instead
-        # of adding up over the stream, so the speed served is the simulated card's, not the host's load.
-        loop = asyncio.get_running_loop()
-        due = loop.time()
         try:
             if args.prefill_ms and not good:
-                due += prompt_tokens * args.prefill_ms / 1e3 / prefill
-                await pause(request, due - loop.time())
+                await pause(request, prompt_tokens * args.prefill_ms / 1e3 / prefill)
             for _ in range(tokens):
-                if loop.time() > end:
+                if asyncio.get_running_loop().time() > end:
                     break
-                due += delay
-                await pause(request, due - loop.time())
+                await pause(request, delay)
                 state["generated"] += 1
                 delta = {"delta": {"content": "tok "}} if chat else {"text": "tok "}
                 chunk = {"id": "x", "choices": [{"index": 0, **delta, "finish_reason": None}]}
