@@ -517,6 +517,15 @@ def test_a_trickled_line_is_cut_at_its_deadline(channel, monkeypatch):
             s.sendall(b" ")
             time.sleep(0.2)
     assert time.monotonic() - started < 3
+    # nor do whole lines that are not a begin: HELLO_S counts from connecting
+    s, f = _connect(server.path)
+    started = time.monotonic()
+    with pytest.raises(OSError):
+        while time.monotonic() - started < 5:
+            s.sendall(b'{"op": "renew"}\n')
+            f.readline()
+            time.sleep(0.2)
+    assert time.monotonic() - started < 3
 
 
 def test_no_marker_no_sweep(channel):

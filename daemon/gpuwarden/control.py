@@ -440,7 +440,8 @@ class ControlServer:
                 _send(conn, answer)
                 if message.get("op") == "end" and answer.get("ok"):
                     break
-                deadline = self.clock() + (lease_s if began else HELLO_S)
+                if began:  # until a begin, HELLO_S from connecting stands: other messages do not extend it
+                    deadline = self.clock() + lease_s
             else:
                 _send(conn, {"ok": False, "error": f"more than {MESSAGES_MAX} messages on one connection"})
         except TimeoutError:
