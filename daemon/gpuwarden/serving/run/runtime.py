@@ -78,8 +78,8 @@ def prepare_launch(config: Config, backend: GpuBackend, sides: Sequence[Side], d
             ray = (node,)
             engine = dataclasses.replace(engine, peer=(role.nodes.head, role.nodes.port),
                                          env={**engine.env, "RAY_ADDRESS": role.nodes.address})
-        else:
-            engine = node
+        else:  # what the node serves, for gpuwarden_serving_info: ServingNodesDiffer compares it with the head's
+            engine = dataclasses.replace(node, model=engine.model, profile=engine.profile, version=engine.version)
     return Launch(config, prepared.command, engine, (*ray, *_sides(config, prepared.identity, sides)))
 
 
