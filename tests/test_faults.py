@@ -159,15 +159,15 @@ class Notify:
 
 
 def assert_on_schedule(base, seconds, since_sequence=None):
-    """Polls kept their schedule: the median poll on time, none as late as a blocked read, none missed. A read
-    that blocked the loop would wait out its deadline (2 s for /metrics, 5 s for /health) on every poll that
-    reads; a busy machine (CI runs other work beside the tests: load 13 on two cores) delays a poll by up to a
-    second now and then, which is not what this checks."""
+    """Polls kept their schedule: the median poll on time, none as late as a blocked /health read, none missed.
+    A read that blocked the loop would wait out its deadline (2 s for /metrics, read every poll: the median
+    shows it; 5 s for /health); a busy machine (CI runs other work beside the tests: load 13 on two cores)
+    delays a poll by a second or two now and then, which is not what this checks."""
     first = wait_until(lambda: (lambda st: st if "sequence" in st else None)(status(base)), timeout=10)
     time.sleep(seconds)
     last = status(base)
     lag = last["loop_lag"]
-    assert lag["p50_seconds"] < 0.25 and lag["max_seconds"] < 1.9, lag
+    assert lag["p50_seconds"] < 0.25 and lag["max_seconds"] < 4.5, lag
     expected = seconds / POLL
     done = last["sequence"] - first["sequence"]
     assert done >= 0.8 * expected, f"{done} polls in {seconds} s, expected about {expected:.0f}"
