@@ -191,8 +191,9 @@ class Daemon:
         self.watcher.start()
 
     def handle_gpu_events(self) -> None:
-        """Events the watcher queued: log and count them now; a GPU that needs a reset or a reboot stops
-        the serving engine on it (no restart loop on a broken GPU)."""
+        """What woke the loop: `gpuwarden tune`'s requests on the control socket (answered here, on the loop
+        that owns the GPUs), and events the watcher queued: log and count them now; a GPU that needs a reset
+        or a reboot stops the serving engine on it (no restart loop on a broken GPU)."""
         if self.control is not None:
             self.control.serve(self.sweeps)
         if self.watcher is None:
