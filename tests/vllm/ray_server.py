@@ -25,6 +25,11 @@ def alive_nodes() -> list[str]:
     return sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"])
 
 
+def alive_ids() -> set[str]:
+    """By node ID: a node restarted on the same address is a new node, and the group lost the old one."""
+    return {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
@@ -37,6 +42,7 @@ def main() -> None:
         print(f"INFO waiting for {args.tensor_parallel_size} Ray nodes, have {alive_nodes()}", flush=True)
         time.sleep(2)
     group = alive_nodes()
+    group_ids = alive_ids()
     print(f"INFO serving {args.model} on Ray nodes {group}", flush=True)
 
     @ray.remote(num_cpus=0)
@@ -46,10 +52,8 @@ def main() -> None:
     def watch() -> None:
         while True:
             time.sleep(1)
-            now = alive_nodes()
-            if any(node not in now for node in group):
-                print(f"ERROR Ray node(s) {sorted(set(group) - set(now))} of the group died: engine dead",
-                      flush=True)
+            if group_ids - alive_ids():
+                print(f"ERROR a Ray node of the group {group} died: engine dead", flush=True)
                 os._exit(1)
 
     class Handler(http.server.BaseHTTPRequestHandler):
