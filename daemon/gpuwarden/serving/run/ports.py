@@ -18,9 +18,8 @@ from pathlib import Path
 LISTEN = "0A"
 
 
-def listening_sockets(port: int, proc: str = "/proc") -> dict[int, int]:
-    """inode -> owner uid of the sockets listening on port."""
-    sockets = {}
+def _sockets(proc: str) -> Iterable[list[str]]:
+    """The fields of every line of /proc/net/tcp and tcp6 that has them all (a table that cannot be read: none)."""
     for table in ("tcp", "tcp6"):
         try:
             lines = Path(proc, "net", table).read_text().splitlines()[1:]
@@ -28,9 +27,14 @@ def listening_sockets(port: int, proc: str = "/proc") -> dict[int, int]:
             continue
         for line in lines:
             fields = line.split()
-            if len(fields) > 9 and fields[3] == LISTEN and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                sockets[int(fields[9])] = int(fields[7])
-    return sockets
+            if len(fields) > 9:
+                yield fields
+
+
+def listening_sockets(port: int, proc: str = "/proc") -> dict[int, int]:
+    """inode -> owner uid of the sockets listening on port."""
+    return {int(f[9]): int(f[7]) for f in _sockets(proc)
+            if f[3] == LISTEN and int(f[1].rsplit(":", 1)[1], 16) == port}
 
 
 ESTABLISHED = "01"
@@ -50,18 +54,12 @@ def peers(port: int, uid: int, proc: str = "/proc", accepted: bool = True) -> li
     remote port (not accepted): a multi-node engine's rendezvous, to which each rank's process holds one
     connection while the engine lives."""
     found = []
-    for table in ("tcp", "tcp6"):
-        try:
-            lines = Path(proc, "net", table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if len(fields) > 9 and fields[3] == ESTABLISHED and int(fields[7]) == uid:
-                local, remote = fields[1].rsplit(":", 1), fields[2].rsplit(":", 1)
-                if int((local if accepted else remote)[1], 16) == port:
-                    with contextlib.suppress(ValueError, OSError):
-                        found.append(_address(remote[0]))
+    for fields in _sockets(proc):
+        if fields[3] == ESTABLISHED and int(fields[7]) == uid:
+            local, remote = fields[1].rsplit(":", 1), fields[2].rsplit(":", 1)
+            if int((local if accepted else remote)[1], 16) == port:
+                with contextlib.suppress(ValueError, OSError):
+                    found.append(_address(remote[0]))
     return found
 
 
