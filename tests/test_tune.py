@@ -589,6 +589,19 @@ def test_the_sim_channel_never_waits_on_a_fifo(tmp_path):
     assert box == [None]
 
 
+def test_the_sim_card_stays_loaded_between_two_rounds_of_requests(tmp_path, monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr(power.time, "monotonic", lambda: now[0])
+    assert power.busy(tmp_path) is None  # no server: the scenario's load holds
+    power.write_load(tmp_path, 4)
+    assert power.busy(tmp_path) is True
+    power.write_load(tmp_path, 0)  # every stream of a round closed together; the client re-sends within ms
+    now[0] += power.BUSY_HOLD_S / 2
+    assert power.busy(tmp_path) is True
+    now[0] += power.BUSY_HOLD_S
+    assert power.busy(tmp_path) is False  # idle for longer than the gap between two rounds
+
+
 def test_apply_says_which_file_overrides_the_knee(tmp_path):
     from gpuwarden.bench.tune import _apply
 

@@ -19,12 +19,18 @@ from __future__ import annotations
 import json
 import os
 import stat
+import time
 from pathlib import Path
 
 ENV = "GPUWARDEN_SIM_STATE"
 DECODE_KNEE_OF_TDP = 2 / 3  # decode keeps full speed down to this share of TDP (RTX PRO 6000: 400 of 600 W)
 PREFILL_EXPONENT = 0.85  # prefill: "roughly proportional" to the clock
 MAX_FILE_BYTES = 64 * 1024
+# A card stays loaded this long after its last stream closed. A client re-sends within milliseconds, and a real
+# card's power reading does not fall to idle in that gap (its power readings are averaged over a window); without
+# the hold a sample that landed between two rounds of requests read idle draw mid-step (CI: one poll of three at
+# 70 W made a 700 W step look like 483 W and moved tune's knee).
+BUSY_HOLD_S = 0.5
 
 
 def decode_knee_fraction(idle_w: float, full_w: float, tdp_w: float) -> float:
@@ -76,12 +82,16 @@ def read_gpus(directory: Path) -> list[dict]:
 
 
 def write_load(directory: Path, open_streams: int) -> None:
-    _write(directory / "load.json", {"open": open_streams})
+    # CLOCK_MONOTONIC is one clock for every process of the host: the simulator compares it with its own
+    _write(directory / "load.json", {"open": open_streams, "at": time.monotonic()})
 
 
 def busy(directory: Path) -> bool | None:
-    """The server says it serves (True) or idles (False); None: it says nothing (the scenario's load holds)."""
+    """The server says it serves (True) or idles (False); None: it says nothing (the scenario's load holds).
+    A server that went idle less than BUSY_HOLD_S ago still counts as serving."""
     data = _read(directory / "load.json")
     if data is None or not isinstance(data.get("open"), int):
         return None
-    return data["open"] > 0
+    at = data.get("at")
+    recent = isinstance(at, (int, float)) and 0 <= time.monotonic() - at < BUSY_HOLD_S
+    return data["open"] > 0 or recent
