@@ -35,17 +35,17 @@ def errors(text):
 
 def test_bad_nodes_sections_are_one_located_line_each():
     base = "serve:\n  model: /m\n  nodes:\n"
-    assert errors(base + "    count: 2\n    head: h\n") == [
+    assert errors(base + "    count: 2\n    head: 10.0.0.1\n") == [
         "c.yaml:3: serve.nodes.rank: this node's rank is not set, and no hosts list to find it in "
         "(rank: 0-1 (0 is the head), or hosts: [HEAD, ...])"]
-    assert errors(base + "    count: 2\n    rank: 2\n    head: h\n")[0].startswith("c.yaml:5: serve.nodes.rank:")
-    assert errors(base + "    count: 3\n    hosts: [a, b]\n") == [
+    assert errors(base + "    count: 2\n    rank: 2\n    head: 10.0.0.1\n")[0].startswith("c.yaml:5: serve.nodes.rank:")
+    assert errors(base + "    count: 3\n    hosts: [10.0.0.1, 10.0.0.2]\n") == [
         "c.yaml:5: serve.nodes.hosts: 2 hosts for count 3 (one address per node, head first)"]
     assert errors(base + "    rank: 0\n") == [
         "c.yaml:3: serve.nodes.head: the head's address is not set (head: ADDRESS, or hosts: [HEAD, ...])"]
-    assert errors(base + "    rank: 0\n    head: h\n    backend: slurm\n") == [
+    assert errors(base + "    rank: 0\n    head: 10.0.0.1\n    backend: slurm\n") == [
         "c.yaml:6: serve.nodes.backend: 'slurm' is not a valid choice (allowed: mp, ray)"]
-    assert errors(base + "    rank: 0\n    head: h\n    colour: red\n")[0].startswith("c.yaml:6: serve.nodes.colour:")
+    assert errors(base + "    rank: 0\n    head: 10.0.0.1\n    colour: red\n")[0].startswith("c.yaml:6: serve.nodes.colour:")
 
 
 def test_the_config_round_trips_with_its_nodes():
@@ -124,7 +124,7 @@ class PeerOps(FakeOps):
         return None if self.head_answers else "Connection refused"
 
     def peers(self, port, uid, accepted):
-        return []
+        return {}
 
 
 def worker_program():
@@ -187,8 +187,8 @@ def head_program():
     spec = engine_spec(cfg.serve, cmd, Identity(me.pw_name, me.pw_uid, me.pw_gid, me.pw_dir, (), False), [FakeGpu()])
     clock = ManualClock(100)
     ops = PeerOps(clock)
-    ops.links = ["10.0.0.1"]
-    ops.peers = lambda port, uid, accepted: list(ops.links) if (port, accepted) == (29511, True) else []
+    ops.links = {1: "10.0.0.1"}  # socket inode -> remote address, as ports.peers gives them
+    ops.peers = lambda port, uid, accepted: dict(ops.links) if (port, accepted) == (29511, True) else {}
     ops.health_ok = True
     return Program(spec, ops, clock), ops, clock
 
@@ -199,16 +199,16 @@ def test_the_head_restarts_its_part_when_a_ranks_connection_to_the_rendezvous_cl
     program.start(clock.now)
     program.tick(clock.now)
     assert program.state == RUNNING
-    ops.links = ["10.0.0.1", "10.0.0.2"]  # rank 1 joined (its connection shows up from the first probe on)
+    ops.links = {1: "10.0.0.1", 2: "10.0.0.2"}  # rank 1 joined (its connection shows up from the first probe on)
     for _ in range(2):
         clock.advance(5)
         program.tick(clock.now)
     assert program.state == RUNNING
-    ops.links = ["10.0.0.1"]  # rank 1's process is gone
+    ops.links = {1: "10.0.0.1"}  # rank 1's process is gone
     clock.advance(5)
     program.tick(clock.now)
-    assert program.state == BACKOFF and program.restarts == 0 and program.problem.startswith("lost rank 1")
-    assert "vLLM rank 0 of 2 lost rank 1: its connection to the rendezvous on port 29511 closed" in caplog.text
+    assert program.state == BACKOFF and program.restarts == 0 and program.problem.startswith("lost rank 1 (10.0.0.2)")
+    assert "vLLM rank 0 of 2 lost rank 1 (10.0.0.2): its connection to the rendezvous on port 29511 closed" in caplog.text
     clock.advance(1)
     program.tick(clock.now)
     assert program.state == STARTING and len(ops.children) == 2
@@ -239,10 +239,11 @@ def test_a_stranger_that_connects_to_the_rendezvous_and_leaves_is_not_a_lost_ran
     program, ops, clock = head_program()
     program.start(clock.now)
     program.tick(clock.now)
-    ops.links = ["127.0.0.1", "10.0.0.2", "203.0.113.9"]  # its own rank 0, rank 1, and a stranger
-    clock.advance(5)
-    program.tick(clock.now)
-    ops.links = ["127.0.0.1", "10.0.0.2"]
+    ops.links = {1: "127.0.0.1", 2: "10.0.0.2", 3: "203.0.113.9"}  # its own rank 0, rank 1, and a stranger
+    for _ in range(2):
+        clock.advance(5)
+        program.tick(clock.now)
+    ops.links = {1: "127.0.0.1", 2: "10.0.0.2"}
     clock.advance(5)
     program.tick(clock.now)
     assert program.state == RUNNING
@@ -339,7 +340,225 @@ def test_a_starting_head_says_which_rank_it_waits_for(caplog):
     assert program.state == STARTING
     assert program.view().problem == "waiting for rank 1 (10.0.0.2) to join the rendezvous on port 29511"
     assert "vLLM rank 0 of 2 is waiting for rank 1 (10.0.0.2)" in caplog.text
-    ops.links = ["10.0.0.1", "10.0.0.2"]
+    ops.links = {1: "10.0.0.1", 2: "10.0.0.2"}
     clock.advance(1)
     program.tick(clock.now)
+    assert program.view().problem is not None  # read once a liveness period (5 s), not every tick
+    clock.advance(4)
+    program.tick(clock.now)
     assert program.state == STARTING and program.view().problem is None
+
+
+# -- issue 30: the rendezvous watch against strangers, big socket tables, and addresses written as names ---------
+
+def running_head():
+    program, ops, clock = head_program()
+    program.start(clock.now)
+    program.tick(clock.now)
+    assert program.state == RUNNING
+    return program, ops, clock
+
+
+def probes(program, clock, n=1):
+    for _ in range(n):
+        clock.advance(5)
+        program.tick(clock.now)
+
+
+def test_a_connection_seen_by_one_read_only_is_not_a_rank():
+    # a worker's liveness probe, or anyone's connect-and-close, between two reads of the table
+    program, ops, clock = running_head()
+    ops.links = {1: "10.0.0.1", 2: "10.0.0.2"}
+    probes(program, clock, 2)
+    ops.links = {1: "10.0.0.1", 2: "10.0.0.2", 3: "10.0.0.2"}
+    probes(program, clock)
+    ops.links = {1: "10.0.0.1", 2: "10.0.0.2"}
+    probes(program, clock, 2)
+    assert program.state == RUNNING
+
+
+def test_a_stranger_connecting_as_a_rank_leaves_does_not_hide_the_loss():
+    program, ops, clock = running_head()
+    ops.links = {1: "10.0.0.1", 2: "10.0.0.2"}
+    probes(program, clock, 2)
+    ops.links = {1: "10.0.0.1", 3: "127.0.0.1"}  # rank 1 gone; a local process connected meanwhile: same count
+    probes(program, clock)
+    assert program.state == BACKOFF and program.problem.startswith("lost rank 1 (10.0.0.2):")
+
+
+def test_a_lost_connection_is_named_by_its_address_not_taken_for_rank_1():
+    program, ops, clock = running_head()
+    ops.links = {1: "10.0.0.1", 2: "10.0.0.1", 3: "10.0.0.2"}  # a local process through the head's own address
+    probes(program, clock, 2)
+    ops.links = {1: "10.0.0.1", 3: "10.0.0.2"}
+    probes(program, clock)
+    assert program.state == BACKOFF and program.problem.startswith("lost a connection from 10.0.0.1:")
+    assert "rank 1" not in program.problem
+
+
+def test_restarts_for_lost_ranks_are_bounded_and_then_wait_long(caplog):
+    from gpuwarden.serving.run.supervisor import LOST_RANK_BACKOFF_S, LOST_RANK_LIMIT
+
+    program, ops, clock = running_head()
+    waits = []
+    for i in range(LOST_RANK_LIMIT + 1):  # someone holds a connection for two reads, then closes it; again
+        ops.links = {1: "10.0.0.1", 100 + i: "10.0.0.1"}
+        probes(program, clock, 2)
+        ops.links = {1: "10.0.0.1"}
+        probes(program, clock)
+        assert program.state == BACKOFF and program.restarts == 0
+        waits.append(program.phase.retry_at - clock.now)
+        clock.advance(waits[-1])
+        program.tick(clock.now)
+        program.tick(clock.now)
+        assert program.state == RUNNING
+    assert waits == [1.0] * LOST_RANK_LIMIT + [LOST_RANK_BACKOFF_S]
+    assert f"{LOST_RANK_LIMIT + 1} such restarts within 10 minutes, so the next waits 300 s" in caplog.text
+
+
+def test_the_socket_table_is_read_off_the_loop_and_once_a_probe_period(tmp_path):
+    import threading
+    import time as wall
+
+    from gpuwarden.background import Background
+
+    program, ops, clock = head_program()
+    calls, release = [], threading.Event()
+
+    def slow_peers(port, uid, accepted):  # /proc/net/tcp with 28,000 connections: seconds
+        calls.append(port)
+        release.wait(10)
+        return {1: "10.0.0.1", 2: "10.0.0.2"}
+
+    ops.peers = slow_peers
+    program._links_probe = Background("links", wall.monotonic)
+    ops.health_ok = False
+    program.start(clock.now)
+    began = wall.monotonic()
+    for _ in range(20):  # STARTING: 20 ticks of 0.25 s, one read started
+        program.tick(clock.now)
+        clock.advance(0.25)
+    assert wall.monotonic() - began < 1.0 and len(calls) == 1
+    release.set()
+    deadline = wall.monotonic() + 5
+    while program.problem is not None or program.state != STARTING:
+        assert wall.monotonic() < deadline, program.problem
+        wall.sleep(0.01)
+        program.tick(clock.now)
+
+
+def test_the_rendezvous_watch_reads_real_connections_and_ignores_a_process_that_connects_and_leaves():
+    import dataclasses
+    import subprocess
+    import sys
+
+    from gpuwarden.serving.run import ports
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        port = listener.getsockname()[1]
+        rank1 = socket.create_connection(("127.0.0.1", port))
+        held, _ = listener.accept()
+        found = ports.peers(port, os.geteuid())
+        assert found == {os.fstat(held.fileno()).st_ino: "127.0.0.1"}
+        assert ports.peers(port, os.geteuid(), accepted=False) == {os.fstat(rank1.fileno()).st_ino: "127.0.0.1"}
+
+        program, ops, clock = head_program()
+        program.spec = dataclasses.replace(program.spec, rendezvous=port)
+        ops.peers = lambda port, uid, accepted: ports.peers(port, uid, accepted=accepted)
+        program.start(clock.now)
+        program.tick(clock.now)
+        probes(program, clock, 2)
+        # a stranger process (any uid: the accepted socket carries the listener's) connects and leaves
+        stranger = subprocess.Popen([sys.executable, "-c", f"import socket,sys; s=socket.create_connection("
+                                     f"('127.0.0.1',{port})); sys.stdout.write('on\\n'); sys.stdout.flush(); "
+                                     f"sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert stranger.stdout.readline() == "on\n"
+        visitor, _ = listener.accept()
+        probes(program, clock)
+        stranger.stdin.close()
+        stranger.wait(10)
+        visitor.close()
+        probes(program, clock, 2)
+        assert program.state == RUNNING  # seen by one read only: not a rank
+        held.close()
+        rank1.close()
+        probes(program, clock)
+        assert program.state == BACKOFF and program.problem.startswith("lost a connection from 127.0.0.1")
+
+
+def test_nodes_addresses_are_numeric_canonical_and_one_line_each_when_not():
+    base = "serve:\n  model: /m\n  port: 8123\n  nodes:\n    count: 2\n"
+    cfg = config.parse_text(base + "    hosts: ['FD00:0:0:0::1', '::ffff:10.0.0.2']\n    head: 'FD00::1'\n",
+                            name="c.yaml")
+    assert cfg.serve.nodes.hosts == ("fd00::1", "10.0.0.2") and cfg.serve.nodes.head == "fd00::1"
+    long = "a" * 64 + ".example"
+    for written, bad in (("node-b", "node-b"), ("'127.1'", "127.1"), (long, long), ('"10.0.0.2\\0"', "10.0.0.2\0"),
+                         ('"10.0.0.1\\nforged"', "10.0.0.1\nforged"), ("''", "")):
+        assert errors(base + f"    hosts: [10.0.0.1, {written}]\n") == [
+            f"c.yaml:6: serve.nodes.hosts.1: not a numeric IP address: {bad!r} (the node's IP address, "
+            "e.g. 10.0.0.2; a name is never looked up)"], bad
+    assert errors(base + "    rank: 0\n    head: head.example\n") == [
+        "c.yaml:7: serve.nodes.head: not a numeric IP address: 'head.example' (the node's IP address, e.g. "
+        "10.0.0.2; a name is never looked up)"]
+    for bad in ("0.0.0.0", "'::'", "224.0.0.1"):
+        assert errors(base + f"    hosts: [10.0.0.1, {bad}]\n")[0].endswith(
+            "is not one node's address (the address this node is reached at, e.g. 10.0.0.2)"), bad
+    assert errors(base + "    rank: 0\n    hosts: [10.0.0.1, 10.0.0.1]\n") == [
+        "c.yaml:7: serve.nodes.hosts.1: 10.0.0.1 is also entry 0 (one address per node)"]
+    assert errors(base + "    rank: 0\n    head: 10.0.0.1\n    port: 8123\n") == [
+        "c.yaml:8: serve.nodes.port: port 8123 is serve.port, the engine's API (another port, e.g. 29500)"]
+    assert errors("serve:\n  model: /m\n  nodes:\n    rank: 0\n    head: 10.0.0.1\n    port: 8000\n")[0].endswith(
+        "port 8000 is serve.port, the engine's API (another port, e.g. 29500)")
+
+
+def test_the_head_compares_the_kernels_addresses_with_canonical_hosts():
+    cmd, cfg = command(0, extra="  liveness_interval_s: 5\n  liveness_failures: 2\n", hosts=True)
+    cfg = config.parse_text("serve:\n  model: /m/Qwen3-4B\n  port: 8123\n  liveness_interval_s: 5\n  nodes:\n"
+                            "    count: 2\n    hosts: ['FD00:0:0:0::1', 'FD00::2']\n    rank: 0\n    port: 29511\n",
+                            name="c.yaml")
+    cmd = build_command(cfg.serve, GENERIC, [sample()], {"PATH": "/bin"}, role=role_of(cfg))
+    me = pwd.getpwuid(os.geteuid())
+    spec = engine_spec(cfg.serve, cmd, Identity(me.pw_name, me.pw_uid, me.pw_gid, me.pw_dir, (), False), [FakeGpu()])
+    clock = ManualClock(100)
+    ops = PeerOps(clock)
+    ops.links = {1: "fd00::1", 2: "fd00::2"}  # inet_ntop's text, as ports.peers gives it
+    ops.peers = lambda port, uid, accepted: dict(ops.links)
+    ops.health_ok = True
+    program = Program(spec, ops, clock)
+    program.start(clock.now)
+    program.tick(clock.now)
+    probes(program, clock, 2)
+    ops.links = {1: "fd00::1"}
+    probes(program, clock)
+    assert program.state == BACKOFF and program.problem.startswith("lost rank 1 (fd00::2)")
+
+
+def test_is_local_address_takes_no_name_and_no_garbage():
+    from gpuwarden.serving.compose.nodes import is_local_address
+
+    assert is_local_address("127.0.0.1") and not is_local_address("")
+    assert not is_local_address("localhost") and not is_local_address("10.0.0.1\0")
+    assert reachable("a" * 64 + ".example", 1) is not None  # UnicodeError: words, not a traceback
+
+
+@pytest.mark.parametrize("head", ["a" * 64 + ".example", '"10.9.9.9\\0"', '"10.0.0.1\\nforged line"'])
+def test_check_and_doctor_say_one_line_for_a_head_that_is_not_an_address(write, cli, head):
+    path = write("gpuwarden.yaml", f"""gpu:
+  backend: sim
+  scenario: dgx-spark
+serve:
+  enabled: true
+  model: /m/Qwen3-4B
+  user: {pwd.getpwuid(os.geteuid()).pw_name if os.geteuid() else "nobody"}
+  command: [/bin/true]
+  nodes:
+    count: 2
+    rank: 1
+    head: {head}
+""")
+    for verb in ("check", "doctor"):
+        status, out, err = cli(verb, "-c", path)
+        assert status == 78, (verb, out, err)
+        assert f"{path}:12: serve.nodes.head: not a numeric IP address" in err and "Traceback" not in err

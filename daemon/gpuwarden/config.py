@@ -8,6 +8,7 @@ one-line `FILE:LINE: key.path: what is wrong (what is allowed)`.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import re
 from dataclasses import dataclass, field
@@ -410,18 +411,50 @@ def _serve_section(r: Reader, base_dir: Path) -> ServeConfig:
         profiles_dir=base_dir / "profiles.d",
         rules_dir=base_dir / "rules.d",
         proxy=_proxy_section(r, base_dir, port=r.get(base + ("port",))),
-        nodes=_nodes_section(r),
+        nodes=_nodes_section(r, serve_port=r.get(base + ("port",))),
     )
 
 
-def _nodes_section(r: Reader) -> NodesConfig | None:
+def node_address(text: Any) -> str | None:
+    """The canonical text of a numeric IP address (as the kernel's tables give it back: 'FD00:0::2' is
+    'fd00::2', '::ffff:10.0.0.2' is '10.0.0.2'); None if text is not one. Names are refused, not resolved: a
+    lookup would block the daemon's loop at a reload, and /proc/net/tcp, which the lost-rank watch reads,
+    holds numbers only."""
+    if not isinstance(text, str):
+        return None
+    try:
+        address = ipaddress.ip_address(text)
+    except ValueError:  # also a name, '', '127.1', a NUL or a newline: none of them reaches a socket or argv
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
+        address = address.ipv4_mapped
+    return str(address)
+
+
+def _node_address(r: Reader, path: Path_, value: Any) -> str:
+    address = node_address(value)
+    if address is None:
+        r.fail(path, f"not a numeric IP address: {value!r}", "the node's IP address, e.g. 10.0.0.2; a name is never looked up")
+        return ""
+    ip = ipaddress.ip_address(address)
+    if ip.is_unspecified or ip.is_multicast:
+        r.fail(path, f"{address} is not one node's address", "the address this node is reached at, e.g. 10.0.0.2")
+        return ""
+    return address
+
+
+def _nodes_section(r: Reader, serve_port: Any = None) -> NodesConfig | None:
     base = ("serve", "nodes")
     if r.get(base) is MISSING:
         return None
     d = NodesConfig()
     r.mapping(base, [f.name for f in dataclasses.fields(NodesConfig)])
     count = r.number(base + ("count",), 2, 1, 1024, integer=True)
-    hosts = tuple(_string_list(r, base + ("hosts",), ()))
+    hosts = tuple(_node_address(r, base + ("hosts", str(i)), host)
+                  for i, host in enumerate(_string_list(r, base + ("hosts",), ())))
+    for i, host in enumerate(hosts):
+        if host and host in hosts[:i]:
+            r.fail(base + ("hosts", str(i)), f"{host} is also entry {hosts.index(host)}", "one address per node")
     if hosts and len(hosts) != count:
         r.fail(base + ("hosts",), f"{len(hosts)} hosts for count {count}", "one address per node, head first")
     rank = r.get(base + ("rank",))
@@ -432,12 +465,19 @@ def _nodes_section(r: Reader) -> NodesConfig | None:
                    f"rank: 0-{count - 1} (0 is the head), or hosts: [HEAD, ...]")
     else:
         rank = r.number(base + ("rank",), 0, 0, count - 1, integer=True)
-    head = r.string(base + ("head",), hosts[0] if hosts else "")
-    if not head:
-        r.fail(base + ("head",), "the head's address is not set", "head: ADDRESS, or hosts: [HEAD, ...]")
+    head = r.get(base + ("head",))
+    if head is MISSING:
+        head = hosts[0] if hosts else ""
+        if not head and not hosts:
+            r.fail(base + ("head",), "the head's address is not set", "head: ADDRESS, or hosts: [HEAD, ...]")
+    else:  # numeric, as hosts: it goes into argv (--master-addr) and into a PromQL label matcher in the rules
+        head = _node_address(r, base + ("head",), head)
+    port = r.number(base + ("port",), d.port, 1, 65535, integer=True)
+    if port == (serve_port if isinstance(serve_port, int) else ServeConfig.port):
+        r.fail(base + ("port",), f"port {port} is serve.port, the engine's API", "another port, e.g. 29500")
     interface = r.string(base + ("interface",), "none")
     return NodesConfig(count=count, rank=rank, hosts=hosts, head=head,
-                       port=r.number(base + ("port",), d.port, 1, 65535, integer=True),
+                       port=port,
                        backend=r.string(base + ("backend",), d.backend, NODE_BACKENDS),
                        interface=None if str(interface).lower() in NONE_WORDS else interface)
 

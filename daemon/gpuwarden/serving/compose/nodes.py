@@ -13,7 +13,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...config import Config, NodesConfig
+from ...config import Config, NodesConfig, node_address
 from ...yamlfile import ConfigError
 
 SYS_NET = Path("/sys/class/net")
@@ -55,7 +55,11 @@ class Role:
 
 
 def is_local_address(address: str) -> bool:
-    """True if this host holds address: binding to it succeeds only where one of our interfaces has it."""
+    """True if this host holds address: binding to it succeeds only where one of our interfaces has it. The
+    config admits numeric addresses only (config.node_address), so this never waits for a name lookup; any
+    other text (empty, a NUL) is not ours."""
+    if not address or node_address(address) is None:
+        return False
     family = socket.AF_INET6 if ":" in address else socket.AF_INET
     try:
         with socket.socket(family, socket.SOCK_STREAM) as sock:
@@ -122,6 +126,8 @@ def reachable(host: str, port: int, timeout: float = 2.0) -> str | None:
         return f"no answer within {timeout:g} s"
     except OSError as exc:
         return exc.strerror or str(exc)
+    except (ValueError, UnicodeError) as exc:  # not an address (the config admits numeric ones only)
+        return str(exc)
 
 
 def preflight(role: Role, env: dict[str, str], reach=reachable) -> list[tuple[str, str, str, str]]:

@@ -18,8 +18,9 @@ from pathlib import Path
 LISTEN = "0A"
 
 
-def _sockets(proc: str) -> Iterable[list[str]]:
-    """The fields of every line of /proc/net/tcp and tcp6 that has them all (a table that cannot be read: none)."""
+def listening_sockets(port: int, proc: str = "/proc") -> dict[int, int]:
+    """inode -> owner uid of the sockets listening on port."""
+    sockets = {}
     for table in ("tcp", "tcp6"):
         try:
             lines = Path(proc, "net", table).read_text().splitlines()[1:]
@@ -27,14 +28,9 @@ def _sockets(proc: str) -> Iterable[list[str]]:
             continue
         for line in lines:
             fields = line.split()
-            if len(fields) > 9:
-                yield fields
-
-
-def listening_sockets(port: int, proc: str = "/proc") -> dict[int, int]:
-    """inode -> owner uid of the sockets listening on port."""
-    return {int(f[9]): int(f[7]) for f in _sockets(proc)
-            if f[3] == LISTEN and int(f[1].rsplit(":", 1)[1], 16) == port}
+            if len(fields) > 9 and fields[3] == LISTEN and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                sockets[int(fields[9])] = int(fields[7])
+    return sockets
 
 
 ESTABLISHED = "01"
@@ -49,17 +45,38 @@ def _address(hexed: str) -> str:
     return socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, raw)
 
 
-def peers(port: int, uid: int, proc: str = "/proc", accepted: bool = True) -> list[str]:
-    """The remote addresses of uid's established connections accepted on local port (accepted), or made to
-    remote port (not accepted): a multi-node engine's rendezvous, to which each rank's process holds one
-    connection while the engine lives."""
-    found = []
-    for fields in _sockets(proc):
-        if fields[3] == ESTABLISHED and int(fields[7]) == uid:
-            local, remote = fields[1].rsplit(":", 1), fields[2].rsplit(":", 1)
-            if int((local if accepted else remote)[1], 16) == port:
-                with contextlib.suppress(ValueError, OSError):
-                    found.append(_address(remote[0]))
+MAX_LINES = 500_000  # of each table: past this, peers() gives up (None) rather than guess from part of it
+
+
+def peers(port: int, uid: int, proc: str = "/proc", accepted: bool = True) -> dict[int, str] | None:
+    """socket inode -> remote address of uid's established connections accepted on local port (accepted), or
+    made to remote port (not accepted): a multi-node engine's rendezvous, to which each rank's process holds
+    one connection while the engine lives. The inode tells one connection from another of the same address.
+    None if a table has more than MAX_LINES lines (any client of the API port can add lines).
+
+    Cost: every connection of the host is one line, so this runs off the daemon's loop (a Background job),
+    once per liveness period at most; a line is split only when it holds ':PORT ' (a substring test), so
+    28,000 unrelated connections cost a read of the table and a scan, not 28,000 splits."""
+    found = {}
+    needle = f":{port:04X} "
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(Path(proc, "net", table), encoding="ascii", errors="replace") as lines:
+                next(lines, None)  # the header
+                for n, line in enumerate(lines):
+                    if n >= MAX_LINES:
+                        return None
+                    if needle not in line:
+                        continue
+                    fields = line.split()
+                    # inode 0: queued, not yet accepted (held by no process, so no rank's connection yet)
+                    if len(fields) > 9 and fields[3] == ESTABLISHED and fields[7] == str(uid) and fields[9] != "0":
+                        local, remote = fields[1].rsplit(":", 1), fields[2].rsplit(":", 1)
+                        if int((local if accepted else remote)[1], 16) == port:
+                            with contextlib.suppress(ValueError, OSError):
+                                found[int(fields[9])] = _address(remote[0])
+        except OSError:
+            continue
     return found
 
 

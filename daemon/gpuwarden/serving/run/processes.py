@@ -171,7 +171,7 @@ class ProcessOps:
         """None if host:port accepts a TCP connection (2 s at most); else why not."""
         return nodes.reachable(host, port)
 
-    def peers(self, port: int, uid: int, accepted: bool) -> list[str]:
+    def peers(self, port: int, uid: int, accepted: bool) -> dict[int, str] | None:
         return ports.peers(port, uid, accepted=accepted)
 
     def port_free(self, host: str, port: int) -> bool:

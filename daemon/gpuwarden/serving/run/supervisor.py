@@ -49,6 +49,13 @@ ALLOWED_FROM = {
     FATAL: (STOPPED, BACKOFF, EXITED),
 }
 PREFLIGHT_RETRY_S = 5.0
+# A head that lost a rank starts its part again in 1 s; more than LOST_RANK_LIMIT such restarts within
+# LOST_RANK_WINDOW_S wait LOST_RANK_BACKOFF_S instead. They spend no restart budget (the rank, not this node,
+# failed), so without this bound anything that can open and close connections to the rendezvous port could keep
+# the head restarting forever. The wait (BACKOFF, node_up 0) outlasts ServingNodeDown's 2 minutes: it alerts.
+LOST_RANK_LIMIT = 3
+LOST_RANK_WINDOW_S = 600.0
+LOST_RANK_BACKOFF_S = 300.0
 KILL_WAIT_S = 5.0  # after SIGKILL, how long a stop waits for the kernel before giving up on survivors
 
 
@@ -125,7 +132,12 @@ class Program:
         self._probe = self.ops.background(f"{self.name}-health")
         self._peer_probe = self.ops.background(f"{self.name}-peer")
         self._peer_why: str | None = "not asked yet"  # the head's rendezvous, as last asked (None: it answers)
-        self._links: Counter = Counter()  # a multi-node part's connections on the rendezvous, most seen this run
+        # A multi-node part's connections on the rendezvous (socket inode -> remote address), read off the loop:
+        self._links_probe = self.ops.background(f"{self.name}-links")
+        self._links_last: dict[int, str] = {}  # as the latest read found them
+        self._links_held: dict[int, str] = {}  # those found by two reads in a row: only their loss counts
+        self._ranks_next = 0.0  # STARTING (a head): when the ranks that joined are read next
+        self._lost_ranks: deque[float] = deque()  # when this head last ended its part for a lost rank
         self._head_seen_down = True  # a worker whose own part failed waits until the head restarted its part
         self._head_wait_until = 0.0  # ... for this long at most (the head may never have seen this rank join)
         self._failures: deque[float] = deque()  # when each recent failure happened (the crash-loop window)
@@ -194,7 +206,8 @@ class Program:
             self._failed(now, f"{self.title} could not be started: {_describe_error(exc)}")
             return
         self._probe.discard()
-        self._links = Counter()  # a new part: its connections are counted afresh
+        self._links_probe.discard()
+        self._links_last, self._links_held = {}, {}  # a new part: its connections are counted afresh
         profile = f", profile {spec.profile}" if spec.profile else ""
         self._transition(STARTING, f"{self.title} starting (pid {child.pid}{profile}, user {self.identity.name}): "
                                    + " ".join(redact_argv(spec.argv)), since=now, child=child, started=now,
@@ -329,17 +342,31 @@ class Program:
         elif now - started > timing.startup_timeout_s:
             self._failed(now, f"{self.title} not healthy within startup_timeout_s {timing.startup_timeout_s:g} s")
         elif self.spec.rendezvous and self.spec.peer is None and self.spec.hosts:
-            waiting = self._ranks_missing()
+            if now >= self._ranks_next:  # once a liveness period: a read costs a scan of every connection
+                self._ranks_next = now + timing.liveness_interval_s
+                self._links_probe.start(self.ops.peers, self.spec.rendezvous, self.identity.uid, True)
+            links = self._links_read()
+            if links is None:
+                return
+            waiting = self._ranks_missing(links)
             if waiting != self.problem:
                 if waiting:
                     log.info("%s is %s", self.title, waiting)
                 self._within(problem=waiting)
 
-    def _ranks_missing(self) -> str | None:
+    def _links_read(self) -> dict[int, str] | None:
+        """The latest finished read of this part's rendezvous connections (ports.peers, run off the loop: with
+        many connections on the host it takes seconds); None while none finished, or it failed or gave up."""
+        outcome = self._links_probe.take()
+        if outcome is None or outcome.error is not None or outcome.started_at < self.phase.started:
+            return None
+        return outcome.value
+
+    def _ranks_missing(self, links: dict[int, str]) -> str | None:
         """The head while it starts: the ranks whose node has no connection to its rendezvous yet (by the
         addresses in serve.nodes.hosts), as 'waiting for rank 1 (10.0.0.2) to join ...'; None once all have."""
         spec = self.spec
-        seen = set(self.ops.peers(spec.rendezvous, self.identity.uid, True))
+        seen = set(links.values())
         missing = [f"rank {r} ({host})" for r, host in enumerate(spec.hosts) if r and host not in seen]
         return f"waiting for {', '.join(missing)} to join the rendezvous on port {spec.rendezvous}" if missing else None
 
@@ -347,9 +374,14 @@ class Program:
         timing = self.spec.timing
         if self._consecutive and now - self.phase.since >= timing.stable_after_s:
             self._consecutive = 0  # a stable run resets the backoff
+        if self.spec.rendezvous:
+            if now >= self.phase.next_probe:  # read once a liveness period, off the loop; taken once it is done
+                self._links_probe.start(self.ops.peers, self.spec.rendezvous, self.identity.uid,
+                                        self.spec.peer is None)
+            links = self._links_read()
+            if links is not None and self._lost_rank(now, links):
+                return
         if now < self.phase.next_probe:
-            return
-        if self.spec.rendezvous and self._lost_rank(now):
             return
         healthy, why = self._health()
         if healthy is None:
@@ -365,46 +397,62 @@ class Program:
         elif failures >= timing.liveness_failures:
             self._failed(now, f"{self.title} failed {failures} liveness probes in a row")
 
-    def _lost_rank(self, now: float) -> bool:
+    def _lost_rank(self, now: float, links: dict[int, str]) -> bool:
         """A multi-node part that runs holds connections on the rendezvous: the head accepts one from each rank's
         process, a worker holds its own to the head. When one closes, a rank is gone and the engine cannot carry
         on: this part ends and starts anew (no failure of this node: no restart budget spent). True if so.
-        Where serve.nodes.hosts names the nodes, only connections from them (or this host's loopback) count: a
-        stranger that connects to the head's rendezvous and leaves is not a rank."""
+
+        Connections are told apart by socket inode and compared one by one (a stranger connecting as a rank
+        leaves does not hide the loss). Only a connection that two reads in a row found counts: a probe's
+        connect-and-close (a worker's own liveness probe, anyone's port scan) is not a rank. Where
+        serve.nodes.hosts names the nodes, only connections from them (or this host's loopback) count. The
+        uid in /proc/net/tcp does not tell a stranger apart on the head (an accepted socket carries the
+        listener's uid), so a local user can still open a connection, hold it, and close it: the restarts
+        that costs are bounded (LOST_RANK_LIMIT)."""
         spec = self.spec
-        held = Counter(a for a in self.ops.peers(spec.rendezvous, self.identity.uid, spec.peer is None)
-                       if not spec.hosts or a in spec.hosts or a.startswith("127.") or a == "::1")
-        if sum(held.values()) >= sum(self._links.values()):
-            self._links = held
+        held = {inode: a for inode, a in links.items()
+                if not spec.hosts or a in spec.hosts or a.startswith("127.") or a == "::1"}
+        lost = {inode: a for inode, a in self._links_held.items() if inode not in held}
+        self._links_held = {inode: a for inode, a in held.items() if inode in self._links_last}
+        self._links_last = held
+        if not lost:
             return False
-        lost = self._links - held
-        self._links = Counter()
+        self._links_last, self._links_held = {}, {}
         if spec.peer is not None:
             self._lost_head(now, f"its connection to the head's rendezvous {spec.head} closed")
             return True
-        names = self._ranks_at(lost)
+        names = self._ranks_at(sorted(set(lost.values())))
         reason = f"lost {names}: its connection to the rendezvous on port {spec.rendezvous} closed"
+        self._lost_ranks.append(now)
+        while now - self._lost_ranks[0] > LOST_RANK_WINDOW_S:
+            self._lost_ranks.popleft()
+        wait = 1.0
+        if len(self._lost_ranks) > LOST_RANK_LIMIT:
+            wait = LOST_RANK_BACKOFF_S
+            reason += (f"; {len(self._lost_ranks)} such restarts within {LOST_RANK_WINDOW_S / 60:g} minutes, so the "
+                       f"next waits {wait:g} s (a rank that keeps failing, or a process opening and closing "
+                       f"connections to port {spec.rendezvous})")
         try:
             self._end_child(f"{self.title} {reason}; restarting this part, so that the whole engine starts again")
         finally:
-            self._transition(BACKOFF, f"{self.title} starts its part again in 1 s, for {names} to rejoin",
+            self._transition(BACKOFF, f"{self.title} starts its part again in {wait:g} s, for {names} to rejoin",
                              logging.WARNING,
-                             since=now, problem=reason, retry_at=now + 1.0)
+                             since=now, problem=reason, retry_at=now + wait)
         return True
 
-    def _ranks_at(self, lost: Counter) -> str:
-        """'rank 1', 'rank 2 (10.0.0.3)', or 'a rank at 10.0.0.9' for each lost connection's address."""
-        if self.spec.nodes == 2:
-            return "rank 1"
+    def _ranks_at(self, addresses: list[str]) -> str:
+        """'rank 2 (10.0.0.3)' for a lost connection from an address of serve.nodes.hosts, else 'a connection
+        from 10.0.0.9': the address is what is known (a local process may connect through any of them)."""
         hosts = self.spec.hosts
-        names = [f"rank {hosts.index(a)} ({a})" if a in hosts[1:] else f"a rank at {a}" for a in sorted(lost)]
-        return ", ".join(names) or "a rank"
+        ranks = [f"rank {hosts.index(a)} ({a})" for a in addresses if a in hosts[1:]]
+        others = [f"a connection from {a}" for a in addresses if a not in hosts[1:]]
+        return ", ".join(ranks + others)
 
     def _lost_head(self, now: float, why: str) -> None:
         """The head went away: this part cannot carry on without it (the engine's rendezvous starts anew), so
         it ends and waits for the head again. Not a failure of this node: no restart budget is spent."""
         self._peer_why = why
-        self._links = Counter()
+        self._links_last, self._links_held = {}, {}
         try:
             self._end_child(f"{self.title} lost rank 0 (the head), ending its part: {why}")
         finally:
