@@ -562,3 +562,21 @@ serve:
         status, out, err = cli(verb, "-c", path)
         assert status == 78, (verb, out, err)
         assert f"{path}:12: serve.nodes.head: not a numeric IP address" in err and "Traceback" not in err
+
+
+def test_a_running_head_reads_the_socket_table_once_a_period_while_its_health_answer_is_pending():
+    import threading
+    import time as wall
+
+    from gpuwarden.background import Background
+
+    program, ops, clock = running_head()
+    calls, release = [], threading.Event()
+    ops.peers = lambda port, uid, accepted: calls.append(port) or {1: "10.0.0.1"}
+    program._probe = Background("health", wall.monotonic)  # /health slow to answer: the probe stays pending
+    ops.health = lambda url: release.wait(10)
+    for _ in range(20):  # 5 s of 0.25 s ticks from the probe on: one read
+        program.tick(clock.now)
+        clock.advance(0.25)
+    release.set()
+    assert len(calls) == 1, calls

@@ -136,7 +136,7 @@ class Program:
         self._links_probe = self.ops.background(f"{self.name}-links")
         self._links_last: dict[int, str] = {}  # as the latest read found them
         self._links_held: dict[int, str] = {}  # those found by two reads in a row: only their loss counts
-        self._ranks_next = 0.0  # STARTING (a head): when the ranks that joined are read next
+        self._links_next = 0.0  # when they are read next: once a liveness period (a read scans every connection)
         self._lost_ranks: deque[float] = deque()  # when this head last ended its part for a lost rank
         self._head_seen_down = True  # a worker whose own part failed waits until the head restarted its part
         self._head_wait_until = 0.0  # ... for this long at most (the head may never have seen this rank join)
@@ -208,6 +208,7 @@ class Program:
         self._probe.discard()
         self._links_probe.discard()
         self._links_last, self._links_held = {}, {}  # a new part: its connections are counted afresh
+        self._links_next = 0.0
         profile = f", profile {spec.profile}" if spec.profile else ""
         self._transition(STARTING, f"{self.title} starting (pid {child.pid}{profile}, user {self.identity.name}): "
                                    + " ".join(redact_argv(spec.argv)), since=now, child=child, started=now,
@@ -342,9 +343,7 @@ class Program:
         elif now - started > timing.startup_timeout_s:
             self._failed(now, f"{self.title} not healthy within startup_timeout_s {timing.startup_timeout_s:g} s")
         elif self.spec.rendezvous and self.spec.peer is None and self.spec.hosts:
-            if now >= self._ranks_next:  # once a liveness period: a read costs a scan of every connection
-                self._ranks_next = now + timing.liveness_interval_s
-                self._links_probe.start(self.ops.peers, self.spec.rendezvous, self.identity.uid, True)
+            self._read_links(now)
             links = self._links_read()
             if links is None:
                 return
@@ -353,6 +352,13 @@ class Program:
                 if waiting:
                     log.info("%s is %s", self.title, waiting)
                 self._within(problem=waiting)
+
+    def _read_links(self, now: float) -> None:
+        """Start a read of this part's rendezvous connections on a worker thread, once a liveness period: with
+        many connections on the host (any API client can open them) a read takes seconds of the loop's time."""
+        if now >= self._links_next and self._links_probe.start(self.ops.peers, self.spec.rendezvous,
+                                                               self.identity.uid, self.spec.peer is None):
+            self._links_next = now + self.spec.timing.liveness_interval_s
 
     def _links_read(self) -> dict[int, str] | None:
         """The latest finished read of this part's rendezvous connections (ports.peers, run off the loop: with
@@ -375,9 +381,7 @@ class Program:
         if self._consecutive and now - self.phase.since >= timing.stable_after_s:
             self._consecutive = 0  # a stable run resets the backoff
         if self.spec.rendezvous:
-            if now >= self.phase.next_probe:  # read once a liveness period, off the loop; taken once it is done
-                self._links_probe.start(self.ops.peers, self.spec.rendezvous, self.identity.uid,
-                                        self.spec.peer is None)
+            self._read_links(now)
             links = self._links_read()
             if links is not None and self._lost_rank(now, links):
                 return
