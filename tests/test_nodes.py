@@ -580,3 +580,36 @@ def test_a_running_head_reads_the_socket_table_once_a_period_while_its_health_an
         clock.advance(0.25)
     release.set()
     assert len(calls) == 1, calls
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a connection of another uid needs root to start a process as nobody")
+def test_a_local_connection_of_another_user_is_no_rank_however_long_it_stays():
+    import dataclasses
+    import subprocess
+    import sys
+
+    from gpuwarden.serving.run import ports
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        port = listener.getsockname()[1]
+        program, ops, clock = head_program()
+        program.spec = dataclasses.replace(program.spec, rendezvous=port)
+        ops.peers = lambda port, uid, accepted: ports.peers(port, uid, accepted=accepted)
+        program.start(clock.now)
+        program.tick(clock.now)
+        python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable  # nobody may run it
+        stranger = subprocess.Popen([python, "-c", f"import socket,sys; s=socket.create_connection("
+                                     f"('127.0.0.1',{port})); sys.stdout.write('on\\n'); sys.stdout.flush(); "
+                                     f"sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                    cwd="/", user=65534, group=65534, extra_groups=[])
+        assert stranger.stdout.readline() == "on\n"
+        visitor, _ = listener.accept()  # as the engine's rendezvous would: the socket has our uid now
+        assert ports.peers(port, os.geteuid()) == {}
+        probes(program, clock, 3)
+        stranger.stdin.close()
+        stranger.wait(10)
+        visitor.close()
+        probes(program, clock, 2)
+        assert program.state == RUNNING

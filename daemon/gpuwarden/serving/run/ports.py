@@ -54,10 +54,15 @@ def peers(port: int, uid: int, proc: str = "/proc", accepted: bool = True) -> di
     one connection while the engine lives. The inode tells one connection from another of the same address.
     None if a table has more than MAX_LINES lines (any client of the API port can add lines).
 
+    An accepted socket carries the listener's uid whoever connected, so on the head uid alone lets any local
+    user's connection pass; where the connecting end is on this host too, its own line is in the table with
+    the connecting process's uid, and a connection whose connecting end is another uid's is left out.
+
     Cost: every connection of the host is one line, so this runs off the daemon's loop (a Background job),
     once per liveness period at most; a line is split only when it holds ':PORT ' (a substring test), so
     28,000 unrelated connections cost a read of the table and a scan, not 28,000 splits."""
-    found = {}
+    found: dict[int, tuple[str, int]] = {}
+    strangers: set[tuple[str, int]] = set()  # the connecting ends, on this host, of other uids
     needle = f":{port:04X} "
     for table in ("tcp", "tcp6"):
         try:
@@ -69,15 +74,19 @@ def peers(port: int, uid: int, proc: str = "/proc", accepted: bool = True) -> di
                     if needle not in line:
                         continue
                     fields = line.split()
-                    # inode 0: queued, not yet accepted (held by no process, so no rank's connection yet)
-                    if len(fields) > 9 and fields[3] == ESTABLISHED and fields[7] == str(uid) and fields[9] != "0":
-                        local, remote = fields[1].rsplit(":", 1), fields[2].rsplit(":", 1)
-                        if int((local if accepted else remote)[1], 16) == port:
-                            with contextlib.suppress(ValueError, OSError):
-                                found[int(fields[9])] = _address(remote[0])
+                    if len(fields) <= 9 or fields[3] != ESTABLISHED:
+                        continue
+                    local, remote = fields[1].rsplit(":", 1), fields[2].rsplit(":", 1)
+                    with contextlib.suppress(ValueError, OSError):
+                        ours = fields[7] == str(uid)
+                        if accepted and int(remote[1], 16) == port and not ours:
+                            strangers.add((_address(local[0]), int(local[1], 16)))
+                        # inode 0: queued, not yet accepted (held by no process, so no rank's connection yet)
+                        if ours and fields[9] != "0" and int((local if accepted else remote)[1], 16) == port:
+                            found[int(fields[9])] = (_address(remote[0]), int(remote[1], 16))
         except OSError:
             continue
-    return found
+    return {inode: end[0] for inode, end in found.items() if end not in strangers}
 
 
 class Unseen(Exception):

@@ -409,10 +409,9 @@ class Program:
         Connections are told apart by socket inode and compared one by one (a stranger connecting as a rank
         leaves does not hide the loss). Only a connection that two reads in a row found counts: a probe's
         connect-and-close (a worker's own liveness probe, anyone's port scan) is not a rank. Where
-        serve.nodes.hosts names the nodes, only connections from them (or this host's loopback) count. The
-        uid in /proc/net/tcp does not tell a stranger apart on the head (an accepted socket carries the
-        listener's uid), so a local user can still open a connection, hold it, and close it: the restarts
-        that costs are bounded (LOST_RANK_LIMIT)."""
+        serve.nodes.hosts names the nodes, only connections from them (or this host's loopback) count, and
+        ports.peers leaves out a local connection made by another uid. A process on a listed node can still
+        open a connection, hold it, and close it: the restarts that costs are bounded (LOST_RANK_LIMIT)."""
         spec = self.spec
         held = {inode: a for inode, a in links.items()
                 if not spec.hosts or a in spec.hosts or a.startswith("127.") or a == "::1"}
