@@ -349,6 +349,44 @@ def test_a_starting_head_says_which_rank_it_waits_for(caplog):
     assert program.state == STARTING and program.view().problem is None
 
 
+def test_a_rank_lost_right_after_the_head_turned_healthy_is_seen(caplog):
+    # The real two-node run: the worker joined while the head started, and was SIGKILLed within a second of the
+    # head's healthy line, before a read while RUNNING. Watched only from RUNNING on, the first read there was
+    # the baseline and the loss went unseen; the head kept an engine without its rank 1.
+    program, ops, clock = head_program()
+    ops.health_ok = False
+    program.start(clock.now)
+    ops.links = {1: "10.0.0.1", 2: "10.0.0.2"}  # both ranks joined during the start
+    for _ in range(3):
+        program.tick(clock.now)
+        clock.advance(5)
+    assert program.state == STARTING and program.view().problem is None
+    ops.health_ok = True
+    program.tick(clock.now)
+    assert program.state == RUNNING
+    ops.links = {1: "10.0.0.1"}  # rank 1 gone at once
+    clock.advance(5)
+    program.tick(clock.now)
+    assert program.state == BACKOFF and program.problem.startswith("lost rank 1 (10.0.0.2):")
+
+
+def test_a_rank_lost_while_the_head_starts_restarts_its_part():
+    # vLLM's start would wait for the lost rank until startup_timeout_s (15 minutes by default): start anew
+    program, ops, clock = head_program()
+    ops.health_ok = False
+    program.start(clock.now)
+    ops.links = {1: "10.0.0.1", 2: "10.0.0.2"}
+    for _ in range(3):
+        program.tick(clock.now)
+        clock.advance(5)
+    ops.links = {1: "10.0.0.1"}
+    program.tick(clock.now)
+    assert program.state == BACKOFF and program.restarts == 0 and program.problem.startswith("lost rank 1")
+    clock.advance(1)
+    program.tick(clock.now)
+    assert program.state == STARTING and len(ops.children) == 2
+
+
 # -- issue 30: the rendezvous watch against strangers, big socket tables, and addresses written as names ---------
 
 def running_head():

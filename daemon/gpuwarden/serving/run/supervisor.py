@@ -342,16 +342,21 @@ class Program:
             self._failed(now, f"{self.title} not trusted: {why}")
         elif now - started > timing.startup_timeout_s:
             self._failed(now, f"{self.title} not healthy within startup_timeout_s {timing.startup_timeout_s:g} s")
-        elif self.spec.rendezvous and self.spec.peer is None and self.spec.hosts:
+        elif self.spec.rendezvous:
+            # Watched from the start, not from healthy on: a rank that joined counts once two reads found it, so a
+            # loss right after the engine turned healthy (before two reads while RUNNING) is still seen. The
+            # two-node test lost its worker within a second of the head's healthy line: unseen when the watch
+            # began at RUNNING.
             self._read_links(now)
             links = self._links_read()
-            if links is None:
+            if links is None or self._lost_rank(now, links):
                 return
-            waiting = self._ranks_missing(links)
-            if waiting != self.problem:
-                if waiting:
-                    log.info("%s is %s", self.title, waiting)
-                self._within(problem=waiting)
+            if self.spec.peer is None and self.spec.hosts:
+                waiting = self._ranks_missing(links)
+                if waiting != self.problem:
+                    if waiting:
+                        log.info("%s is %s", self.title, waiting)
+                    self._within(problem=waiting)
 
     def _read_links(self, now: float) -> None:
         """Start a read of this part's rendezvous connections on a worker thread, once a liveness period: with
@@ -402,9 +407,9 @@ class Program:
             self._failed(now, f"{self.title} failed {failures} liveness probes in a row")
 
     def _lost_rank(self, now: float, links: dict[int, str]) -> bool:
-        """A multi-node part that runs holds connections on the rendezvous: the head accepts one from each rank's
-        process, a worker holds its own to the head. When one closes, a rank is gone and the engine cannot carry
-        on: this part ends and starts anew (no failure of this node: no restart budget spent). True if so.
+        """A multi-node part that starts or runs holds connections on the rendezvous: the head accepts one from each
+        rank's process, a worker holds its own to the head. When one closes, a rank is gone and the engine cannot
+        carry on: this part ends and starts anew (no failure of this node: no restart budget spent). True if so.
 
         Connections are told apart by socket inode and compared one by one (a stranger connecting as a rank
         leaves does not hide the loss). Only a connection that two reads in a row found counts: a probe's
