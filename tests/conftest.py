@@ -1,12 +1,20 @@
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+
+# A test run started in the background of a non-interactive shell (`cmd &`, as a CI runner or a script may) has
+# SIGINT ignored, and every child inherits the ignore across exec: bench and tune then never see the Ctrl-C the
+# tests send them and the tests time out (seen on a fresh-clone run started so). A handler, unlike SIG_IGN, is
+# reset to the default at exec: the children start as they would from a terminal.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "etc" / "gpuwarden" / "gpuwarden.yaml"
