@@ -454,6 +454,25 @@ def test_restarts_for_lost_ranks_are_bounded_and_then_wait_long(caplog):
     assert f"{LOST_RANK_LIMIT + 1} such restarts within 10 minutes, so the next waits 300 s" in caplog.text
 
 
+def test_a_socket_table_past_its_cap_gives_no_verdict_on_ranks_but_still_names_the_listener(tmp_path, monkeypatch):
+    from gpuwarden.serving.run import ports
+
+    header = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+    row = "   {n}: {local} {remote} {st} 00000000:00000000 00:00000000 00000000  {uid}        0 {inode} 1\n"
+    port = 29511
+    here, rank1 = f"0200007F:{port:04X}", "0300007F:A000"
+    lines = [row.format(n=0, local=here, remote="00000000:0000", st="0A", uid=999, inode=10)]  # listeners first
+    lines += [row.format(n=i, local="0100007F:1F90", remote=f"0100007F:{i + 2000:04X}", st="01", uid=0, inode=100 + i)
+              for i in range(1, 40)]  # the API port's clients
+    lines.append(row.format(n=40, local=here, remote=rank1, st="01", uid=999, inode=11))
+    (tmp_path / "net").mkdir()
+    (tmp_path / "net" / "tcp").write_text(header + "".join(lines))
+    assert ports.peers(port, 999, proc=str(tmp_path)) == {11: "127.0.0.3"}
+    monkeypatch.setattr(ports, "MAX_LINES", 20)
+    assert ports.peers(port, 999, proc=str(tmp_path)) is None  # a partial table could hide the rank: no verdict
+    assert ports.listening_sockets(port, proc=str(tmp_path)) == {10: 999}
+
+
 def test_the_socket_table_is_read_off_the_loop_and_once_a_probe_period(tmp_path):
     import threading
     import time as wall

@@ -12,25 +12,48 @@ import errno
 import os
 import pwd
 import socket
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 LISTEN = "0A"
 
 
-def listening_sockets(port: int, proc: str = "/proc") -> dict[int, int]:
-    """inode -> owner uid of the sockets listening on port."""
-    sockets = {}
+MAX_LINES = 500_000  # of each table: past this, a reader gives up rather than guess from part of it
+
+
+class TooManyLines(Exception):
+    """A socket table holds more than MAX_LINES lines (any client of the API port can add lines)."""
+
+
+def _lines_of(port: int, proc: str) -> Iterator[list[str]]:
+    """The fields of each line of /proc/net/tcp and tcp6 that mentions port (a table that cannot be read: none).
+    Every connection of the host is a line, so a line is split only when it holds ':PORT ' (a substring test):
+    28,000 unrelated connections cost a read of the table and a scan, not 28,000 splits."""
+    needle = f":{port:04X} "
     for table in ("tcp", "tcp6"):
         try:
-            lines = Path(proc, "net", table).read_text().splitlines()[1:]
+            with open(Path(proc, "net", table), encoding="ascii", errors="replace") as lines:
+                next(lines, None)  # the header
+                for n, line in enumerate(lines):
+                    if n >= MAX_LINES:
+                        raise TooManyLines(table)
+                    if needle in line:
+                        fields = line.split()
+                        if len(fields) > 9:
+                            yield fields
         except OSError:
             continue
-        for line in lines:
-            fields = line.split()
-            if len(fields) > 9 and fields[3] == LISTEN and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                sockets[int(fields[9])] = int(fields[7])
-    return sockets
+
+
+def listening_sockets(port: int, proc: str = "/proc") -> dict[int, int]:
+    """inode -> owner uid of the sockets listening on port."""
+    found = {}
+    # Past MAX_LINES, what was found is all there is: the kernel lists its listening sockets before the others.
+    with contextlib.suppress(TooManyLines):
+        for f in _lines_of(port, proc):
+            if f[3] == LISTEN and int(f[1].rsplit(":", 1)[1], 16) == port:
+                found[int(f[9])] = int(f[7])
+    return found
 
 
 ESTABLISHED = "01"
@@ -45,9 +68,6 @@ def _address(hexed: str) -> str:
     return socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, raw)
 
 
-MAX_LINES = 500_000  # of each table: past this, peers() gives up (None) rather than guess from part of it
-
-
 def peers(port: int, uid: int, proc: str = "/proc", accepted: bool = True) -> dict[int, str] | None:
     """socket inode -> remote address of uid's established connections accepted on local port (accepted), or
     made to remote port (not accepted): a multi-node engine's rendezvous, to which each rank's process holds
@@ -58,34 +78,24 @@ def peers(port: int, uid: int, proc: str = "/proc", accepted: bool = True) -> di
     user's connection pass; where the connecting end is on this host too, its own line is in the table with
     the connecting process's uid, and a connection whose connecting end is another uid's is left out.
 
-    Cost: every connection of the host is one line, so this runs off the daemon's loop (a Background job),
-    once per liveness period at most; a line is split only when it holds ':PORT ' (a substring test), so
-    28,000 unrelated connections cost a read of the table and a scan, not 28,000 splits."""
+    Cost: a read of both tables (_lines_of), so this runs off the daemon's loop (a Background job), once per
+    liveness period at most."""
     found: dict[int, tuple[str, int]] = {}
     strangers: set[tuple[str, int]] = set()  # the connecting ends, on this host, of other uids
-    needle = f":{port:04X} "
-    for table in ("tcp", "tcp6"):
-        try:
-            with open(Path(proc, "net", table), encoding="ascii", errors="replace") as lines:
-                next(lines, None)  # the header
-                for n, line in enumerate(lines):
-                    if n >= MAX_LINES:
-                        return None
-                    if needle not in line:
-                        continue
-                    fields = line.split()
-                    if len(fields) <= 9 or fields[3] != ESTABLISHED:
-                        continue
-                    local, remote = fields[1].rsplit(":", 1), fields[2].rsplit(":", 1)
-                    with contextlib.suppress(ValueError, OSError):
-                        ours = fields[7] == str(uid)
-                        if accepted and int(remote[1], 16) == port and not ours:
-                            strangers.add((_address(local[0]), int(local[1], 16)))
-                        # inode 0: queued, not yet accepted (held by no process, so no rank's connection yet)
-                        if ours and fields[9] != "0" and int((local if accepted else remote)[1], 16) == port:
-                            found[int(fields[9])] = (_address(remote[0]), int(remote[1], 16))
-        except OSError:
-            continue
+    try:
+        for fields in _lines_of(port, proc):
+            if fields[3] != ESTABLISHED:
+                continue
+            local, remote = fields[1].rsplit(":", 1), fields[2].rsplit(":", 1)
+            with contextlib.suppress(ValueError, OSError):
+                ours = fields[7] == str(uid)
+                if accepted and int(remote[1], 16) == port and not ours:
+                    strangers.add((_address(local[0]), int(local[1], 16)))
+                # inode 0: queued, not yet accepted (held by no process, so no rank's connection yet)
+                if ours and fields[9] != "0" and int((local if accepted else remote)[1], 16) == port:
+                    found[int(fields[9])] = (_address(remote[0]), int(remote[1], 16))
+    except TooManyLines:
+        return None
     return {inode: end[0] for inode, end in found.items() if end not in strangers}
 
 
