@@ -18,11 +18,17 @@ from pathlib import Path
 LISTEN = "0A"
 
 
-MAX_LINES = 500_000  # of each table: past this, a reader gives up rather than guess from part of it
+# Past either cap a reader gives up rather than guess from part of a table. Lines of a table (any client of the
+# API port adds one): 500,000 unrelated lines cost a read and a substring scan. Lines that mention the port
+# (each one split and parsed; a local user can open thousands, as connections between their own sockets on
+# that port number): an engine holds one per rank's process, so 10,000 is far past any real one, and what a
+# read then costs stays small (the attacker's 499,999 such lines took 2.5 s CPU and 87 MiB a read).
+MAX_LINES = 500_000
+MAX_PORT_LINES = 10_000
 
 
 class TooManyLines(Exception):
-    """A socket table holds more than MAX_LINES lines (any client of the API port can add lines)."""
+    """A socket table holds more than MAX_LINES lines, or more than MAX_PORT_LINES that mention the port."""
 
 
 def _lines_of(port: int, proc: str) -> Iterator[list[str]]:
@@ -30,6 +36,7 @@ def _lines_of(port: int, proc: str) -> Iterator[list[str]]:
     Every connection of the host is a line, so a line is split only when it holds ':PORT ' (a substring test):
     28,000 unrelated connections cost a read of the table and a scan, not 28,000 splits."""
     needle = f":{port:04X} "
+    matched = 0
     for table in ("tcp", "tcp6"):
         try:
             with open(Path(proc, "net", table), encoding="ascii", errors="replace") as lines:
@@ -38,6 +45,9 @@ def _lines_of(port: int, proc: str) -> Iterator[list[str]]:
                     if n >= MAX_LINES:
                         raise TooManyLines(table)
                     if needle in line:
+                        matched += 1
+                        if matched > MAX_PORT_LINES:
+                            raise TooManyLines(table)
                         fields = line.split()
                         if len(fields) > 9:
                             yield fields

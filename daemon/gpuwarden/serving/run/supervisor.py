@@ -29,6 +29,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from . import ports
 from .processes import UNSEEN_EXIT, Child, ProcessOps
 from ..compose.secrets import redact_argv
 from .spec import ChildSpec
@@ -56,6 +57,12 @@ PREFLIGHT_RETRY_S = 5.0
 LOST_RANK_LIMIT = 3
 LOST_RANK_WINDOW_S = 600.0
 LOST_RANK_BACKOFF_S = 300.0
+# While a part starts, its rendezvous connections are read this often (at most; the liveness interval if
+# shorter): a rank that joins and dies a few seconds later (an NCCL init that fails) is then found by two reads
+# and its loss seen, rather than leaving the head waiting for it until startup_timeout_s.
+STARTING_LINKS_READ_S = 1.0
+# A socket table past ports' caps gives no verdict; the watch says so once per this many seconds.
+BLIND_LOG_S = 600.0
 KILL_WAIT_S = 5.0  # after SIGKILL, how long a stop waits for the kernel before giving up on survivors
 
 
@@ -137,6 +144,8 @@ class Program:
         self._links_last: dict[int, str] = {}  # as the latest read found them
         self._links_held: dict[int, str] = {}  # those found by two reads in a row: only their loss counts
         self._links_next = 0.0  # when they are read next: once a liveness period (a read scans every connection)
+        self._links_confirm = False  # a read found a held connection gone: the next read, at once, decides
+        self._blind_logged = -BLIND_LOG_S  # when the watch last said it could not read the tables
         self._lost_ranks: deque[float] = deque()  # when this head last ended its part for a lost rank
         self._head_seen_down = True  # a worker whose own part failed waits until the head restarted its part
         self._head_wait_until = 0.0  # ... for this long at most (the head may never have seen this rank join)
@@ -208,7 +217,7 @@ class Program:
         self._probe.discard()
         self._links_probe.discard()
         self._links_last, self._links_held = {}, {}  # a new part: its connections are counted afresh
-        self._links_next = 0.0
+        self._links_next, self._links_confirm = 0.0, False
         profile = f", profile {spec.profile}" if spec.profile else ""
         self._transition(STARTING, f"{self.title} starting (pid {child.pid}{profile}, user {self.identity.name}): "
                                    + " ".join(redact_argv(spec.argv)), since=now, child=child, started=now,
@@ -348,7 +357,7 @@ class Program:
             # two-node test lost its worker within a second of the head's healthy line: unseen when the watch
             # began at RUNNING.
             self._read_links(now)
-            links = self._links_read()
+            links = self._links_read(now)
             if links is None or self._lost_rank(now, links):
                 return
             if self.spec.peer is None and self.spec.hosts:
@@ -359,18 +368,27 @@ class Program:
                     self._within(problem=waiting)
 
     def _read_links(self, now: float) -> None:
-        """Start a read of this part's rendezvous connections on a worker thread, once a liveness period: with
-        many connections on the host (any API client can open them) a read takes seconds of the loop's time."""
+        """Start a read of this part's rendezvous connections on a worker thread, once a liveness period (every
+        STARTING_LINKS_READ_S while it starts): with many connections on the host (any API client can open them)
+        a read takes seconds of the loop's time."""
+        period = self.spec.timing.liveness_interval_s
+        if self.state == STARTING:
+            period = min(period, STARTING_LINKS_READ_S)
         if now >= self._links_next and self._links_probe.start(self.ops.peers, self.spec.rendezvous,
                                                                self.identity.uid, self.spec.peer is None):
-            self._links_next = now + self.spec.timing.liveness_interval_s
+            self._links_next = now + period
 
-    def _links_read(self) -> dict[int, str] | None:
+    def _links_read(self, now: float) -> dict[int, str] | None:
         """The latest finished read of this part's rendezvous connections (ports.peers, run off the loop: with
         many connections on the host it takes seconds); None while none finished, or it failed or gave up."""
         outcome = self._links_probe.take()
         if outcome is None or outcome.error is not None or outcome.started_at < self.phase.started:
             return None
+        if outcome.value is None and now - self._blind_logged >= BLIND_LOG_S:
+            self._blind_logged = now
+            log.warning("%s cannot watch its rendezvous connections: the host's socket tables hold more lines "
+                        "than gpuwarden reads (%d, or %d on port %d); a lost rank is not seen until they shrink",
+                        self.title, ports.MAX_LINES, ports.MAX_PORT_LINES, self.spec.rendezvous)
         return outcome.value
 
     def _ranks_missing(self, links: dict[int, str]) -> str | None:
@@ -387,7 +405,7 @@ class Program:
             self._consecutive = 0  # a stable run resets the backoff
         if self.spec.rendezvous:
             self._read_links(now)
-            links = self._links_read()
+            links = self._links_read(now)
             if links is not None and self._lost_rank(now, links):
                 return
         if now < self.phase.next_probe:
@@ -418,9 +436,19 @@ class Program:
         ports.peers leaves out a local connection made by another uid. A process on a listed node can still
         open a connection, hold it, and close it: the restarts that costs are bounded (LOST_RANK_LIMIT)."""
         spec = self.spec
-        held = {inode: a for inode, a in links.items()
-                if not spec.hosts or a in spec.hosts or a.startswith("127.") or a == "::1"}
+        if spec.peer is not None:  # a worker: only its own connections to the head (not to a local torch job)
+            held = {inode: a for inode, a in links.items() if a == spec.peer[0]}
+        else:
+            held = {inode: a for inode, a in links.items()
+                    if not spec.hosts or a in spec.hosts or a.startswith("127.") or a == "::1"}
         lost = {inode: a for inode, a in self._links_held.items() if inode not in held}
+        if lost and not self._links_confirm:
+            # /proc/net/tcp is no snapshot: the kernel writes it in chunks, and a connection can be skipped when
+            # another in its hash bucket closes between two. A healthy engine is not ended on one read: the next
+            # read, started at once, must find the connection gone too.
+            self._links_confirm, self._links_next = True, now
+            return False
+        self._links_confirm = False
         self._links_held = {inode: a for inode, a in held.items() if inode in self._links_last}
         self._links_last = held
         if not lost:
