@@ -1,11 +1,13 @@
 """Supervisor timings with the real CPU build of vLLM: SIGKILL of the API server to restart and to healthy,
 SIGTERM of the daemon to every child gone, and orphans left after repeated kill cycles.
 
-    python3 benchmarks/supervisor.py [--cycles 20] [--smoke]
+    python3 benchmarks/supervisor.py [--cycles 20] [--smoke] [--fake-engine]
 
 Runs `gpuwarden run` (a real process) on a sim GPU serving a tiny random Llama
 (tests/vllm/make_tiny_model.py) with vLLM from GPUWARDEN_VLLM_VENV
 (default /opt/gpuwarden-test/venv-vllm; install it with tests/vllm/install).
+--fake-engine serves tests/fakechild.py instead: the script's own steps in seconds (CI's smoke: two vLLM starts
+cost CI four minutes, and test_vllm_e2e already SIGKILLs real vLLM); the figures in RESULTS.md are vLLM's.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -56,25 +59,43 @@ class Log:
         raise SystemExit(f"timed out waiting for {text!r}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cycles", type=int, default=20)
-    parser.add_argument("--smoke", action="store_true", help="one kill cycle: checks that it runs")
-    args = parser.parse_args()
-    cycles = 1 if args.smoke else args.cycles
+def vllm_engine(work: Path) -> str:
+    """The serve keys for vLLM's CPU build on a tiny random Llama made in work."""
     python = VENV / "bin" / "python"
     if not python.exists():
         raise SystemExit(f"no vLLM at {VENV}: run bash tests/vllm/install")
-    work = Path(tempfile.mkdtemp(prefix="gpuwarden-bench-"))
     model = work / "model"
     subprocess.run([str(python), str(ROOT / "tests" / "vllm" / "make_tiny_model.py"), str(model)], check=True,
                    capture_output=True)
-    os.chmod(work, 0o755)
     for path in model.iterdir():
         path.chmod(0o644)
     model.chmod(0o755)
     (work / "profiles.d").mkdir()
     (work / "profiles.d" / "cpu-tiny.yaml").write_text((ROOT / "tests" / "vllm" / "cpu-tiny.yaml").read_text())
+    return (f"  profile: cpu-tiny\n  model: {model}\n"
+            f"  command: [{python}, -m, vllm.entrypoints.openai.api_server]\n")
+
+
+def fake_engine(work: Path) -> str:
+    """The serve keys for the tests' stand-in, copied where the child user can read it."""
+    fake = work / "fakechild.py"
+    shutil.copy(ROOT / "tests" / "fakechild.py", fake)
+    fake.chmod(0o644)
+    return (f"  profile: generic\n  model: /fake/model\n  python: {ROOT / 'tests' / 'fakechild-flagcheck'}\n"
+            f"  command: [/usr/bin/python3, {fake}, --mode, 'healthy,engine']\n")  # the child user may not reach our venv
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cycles", type=int, default=20)
+    parser.add_argument("--smoke", action="store_true", help="one kill cycle: checks that it runs")
+    parser.add_argument("--fake-engine", action="store_true",
+                        help="serve the tests' stand-in (tests/fakechild.py), not vLLM: checks the script, not vLLM")
+    args = parser.parse_args()
+    cycles = 1 if args.smoke else args.cycles
+    work = Path(tempfile.mkdtemp(prefix="gpuwarden-bench-"))
+    os.chmod(work, 0o755)
+    serve = fake_engine(work) if args.fake_engine else vllm_engine(work)
     metrics = free_port()
     user = "gpuwarden-test" if os.geteuid() == 0 else os.environ.get("USER", "nobody")
     config = work / "gpuwarden.yaml"
@@ -83,10 +104,7 @@ metrics: {{listen: 127.0.0.1:{metrics}}}
 gpu: {{backend: sim, scenario: dgx-spark}}
 serve:
   enabled: true
-  profile: cpu-tiny
-  model: {model}
-  command: [{python}, -m, vllm.entrypoints.openai.api_server]
-  port: {free_port()}
+{serve}  port: {free_port()}
   user: {user}
   startup_timeout_s: 400
   stop_timeout_s: 20

@@ -15,6 +15,8 @@ Modes:
   ignore-term  ignores SIGTERM
   setsid       forks a grandchild that calls setsid() and sleeps: it leaves the process group
   doublefork   forks a child that forks a grandchild and exits at once
+  engine       forks a child that stays in its process group, as vLLM's EngineCore does (a SIGKILL of the
+               server leaves it for the group kill)
   crash        exits with status 3 after 1 s
   chatty       prints "INFO fakechild tick N" every 0.3 s (is its output still read after a handover?)
 """
@@ -99,6 +101,9 @@ def serve(host: str, port: int, modes: set[str]) -> None:
 
 
 def leave_the_group(modes: set[str]) -> None:
+    if "engine" in modes and os.fork() == 0:  # stays in the group: what the supervisor's group kill ends
+        while True:
+            time.sleep(3600)
     if "setsid" in modes and os.fork() == 0:
         os.setsid()
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -38,11 +38,11 @@ def test_soak_smoke_stays_flat_and_leaves_nothing(child_user):
     assert "SIGTERM: exit 0; fake-child processes left: 0; tracebacks in the daemon's own log: 0" in proc.stdout
 
 
-@pytest.mark.vllm
-def test_supervisor_benchmark_smoke(vllm_python):
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "supervisor.py"), "--smoke"], capture_output=True,
-                          text=True, env=dict(subprocess_env(), GPUWARDEN_VLLM_VENV=str(vllm_python.parent.parent)),
-                          timeout=900)
+def test_supervisor_benchmark_smoke():
+    # on the tests' stand-in engine: the script's steps in seconds (with vLLM, two starts cost CI four minutes,
+    # and test_vllm_e2e SIGKILLs real vLLM and counts its orphans already)
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "supervisor.py"), "--smoke", "--fake-engine"],
+                          capture_output=True, text=True, env=subprocess_env(), timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     row = [line for line in proc.stdout.splitlines() if line.startswith("| 1 |")]
     assert row and row[0].endswith("| 0 |"), proc.stdout  # no orphan left
