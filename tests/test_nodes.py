@@ -767,3 +767,62 @@ def test_lines_on_the_port_past_their_cap_give_no_verdict(tmp_path, monkeypatch)
     assert len(ports.peers(29511, 999, proc=str(tmp_path))) == 50
     monkeypatch.setattr(ports, "MAX_PORT_LINES", 40)  # a local user's thousands of sockets on that port number
     assert ports.peers(29511, 999, proc=str(tmp_path)) is None
+
+
+# -- issue 30, third look (helper-16 on af13180) ------------------------------------------------------------------
+
+def test_two_reads_that_each_miss_another_connection_end_nothing():
+    # the table skipped inode 2 in one read and inode 3 in the next: no connection was gone in both
+    program, ops, clock = running_head()
+    ops.links = {1: "10.0.0.1", 2: "10.0.0.2", 3: "10.0.0.2"}
+    probes(program, clock, 2)
+    ops.links = {1: "10.0.0.1", 3: "10.0.0.2"}
+    clock.advance(5)
+    program.tick(clock.now)
+    ops.links = {1: "10.0.0.1", 2: "10.0.0.2"}
+    program.tick(clock.now)
+    assert program.state == RUNNING
+    ops.links = {1: "10.0.0.1", 2: "10.0.0.2", 3: "10.0.0.2"}
+    probes(program, clock, 2)
+    assert program.state == RUNNING and len(ops.children) == 1
+    ops.links = {1: "10.0.0.1", 2: "10.0.0.2"}  # inode 3 gone for good: two reads, and the part ends
+    probes(program, clock)
+    assert program.state == BACKOFF and program.problem.startswith("lost rank 1 (10.0.0.2)")
+
+
+def test_an_ipv6_listener_is_found_however_many_ipv4_lines_mention_its_port(tmp_path):
+    from gpuwarden.serving.run import ports
+
+    header = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+    row = "   {n}: {local} {remote} {st} 00000000:00000000 00:00000000 00000000  {uid}  0 {inode} 1\n"
+    port = 8123
+    (tmp_path / "net").mkdir()
+    # a local user's 10,001 connections to 127.0.0.1:PORT fill /proc/net/tcp with lines on the port
+    (tmp_path / "net" / "tcp").write_text(header + "".join(
+        row.format(n=i, local=f"0100007F:{30000 + i % 30000:04X}", remote=f"0100007F:{port:04X}", st="01",
+                   uid=65534, inode=100 + i) for i in range(ports.MAX_PORT_LINES + 1)))
+    (tmp_path / "net" / "tcp6").write_text(header + row.format(
+        n=0, local=f"00000000000000000000000000000000:{port:04X}", remote="00000000000000000000000000000000:0000",
+        st="0A", uid=999, inode=7))  # the engine on "::"
+    assert ports.listening_sockets(port, proc=str(tmp_path)) == {7: 999}
+    assert ports.peers(port, 999, proc=str(tmp_path)) is None  # no verdict on ranks past the cap
+
+
+def test_a_scoped_address_is_refused_and_ipv6_is_written_as_the_kernel_writes_it():
+    assert [e for e in errors("serve:\n  model: /m\n  nodes:\n    count: 2\n    rank: 1\n"
+                              "    hosts: ['fe80::1%eth1', 'fe80::2%eth1']\n")
+            if "a scoped address ('fe80::1%eth1') is not taken" in e]
+    assert config.node_address("fe80::1%eth1") is None
+    from gpuwarden.serving.run import ports
+    assert config.node_address("::1.2.3.4") == ports._address("00000000000000000000000004030201") == "::1.2.3.4"
+    assert config.node_address("FD00:0::2") == "fd00::2" and config.node_address("::ffff:10.0.0.2") == "10.0.0.2"
+
+
+def test_a_head_outside_hosts_is_a_preflight_warning():
+    from gpuwarden.serving.compose.nodes import preflight
+
+    cfg = node_config("  nodes:\n    count: 2\n    head: 10.0.1.1\n    port: 29511\n    interface: lo\n"
+                      "    hosts: [10.0.0.1, 10.0.0.2]\n    rank: 0\n")
+    lines = preflight(role_of(cfg), {"NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo"})
+    assert [line for line in lines if line[0] == "warning" and "serve.nodes.head 10.0.1.1 is not in "
+            "serve.nodes.hosts" in line[2]]

@@ -11,6 +11,7 @@ import dataclasses
 import ipaddress
 import os
 import re
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -426,13 +427,21 @@ def node_address(text: Any) -> str | None:
         address = ipaddress.ip_address(text)
     except ValueError:  # also a name, '', '127.1', a NUL or a newline: none of them reaches a socket or argv
         return None
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
-        address = address.ipv4_mapped
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.scope_id:  # 'fe80::1%eth1': the kernel's tables hold 'fe80::1', so it would never match
+            return None
+        if address.ipv4_mapped:
+            return str(address.ipv4_mapped)
+        return socket.inet_ntop(socket.AF_INET6, address.packed)  # as ports reads the tables ('::1.2.3.4')
     return str(address)
 
 
 def _node_address(r: Reader, path: Path_, value: Any) -> str:
     address = node_address(value)
+    if address is None and isinstance(value, str) and "%" in value:
+        r.fail(path, f"a scoped address ({value!r}) is not taken", "a global or unique-local address of the node; "
+               "the interface goes in serve.nodes.interface")
+        return ""
     if address is None:
         r.fail(path, f"not a numeric IP address: {value!r}", "the node's IP address, e.g. 10.0.0.2; a name is never looked up")
         return ""

@@ -157,6 +157,11 @@ def preflight(role: Role, env: dict[str, str], reach=reachable) -> list[tuple[st
                 found.append(("warning", "nodes interface", f"the engine gets {name}={env.get(name, '(unset)')}, "
                               f"not serve.nodes.interface {n.interface}", f"remove {name} from serve.env or the "
                               "profile"))
+    if n.hosts and n.head not in n.hosts:
+        found.append(("warning", "nodes head", f"serve.nodes.head {n.head} is not in serve.nodes.hosts: the ranks' "
+                      "connections to it may come from addresses not listed, and the head counts only those listed "
+                      "(a lost rank would go unseen)", "list the addresses the nodes reach the head from in "
+                      "serve.nodes.hosts, the head's own first, or leave serve.nodes.head out"))
     if not role.head:
         why = reach(n.head, n.port)
         if why is None:

@@ -23,46 +23,49 @@ LISTEN = "0A"
 # (each one split and parsed; a local user can open thousands, as connections between their own sockets on
 # that port number): an engine holds one per rank's process, so 10,000 is far past any real one, and what a
 # read then costs stays small (the attacker's 499,999 such lines took 2.5 s CPU and 87 MiB a read).
-MAX_LINES = 500_000
-MAX_PORT_LINES = 10_000
+MAX_LINES = 500_000  # a table
+MAX_PORT_LINES = 10_000  # a table, for peers()
 
 
 class TooManyLines(Exception):
-    """A socket table holds more than MAX_LINES lines, or more than MAX_PORT_LINES that mention the port."""
+    """A socket table holds more lines than a reader takes."""
 
 
-def _lines_of(port: int, proc: str) -> Iterator[list[str]]:
-    """The fields of each line of /proc/net/tcp and tcp6 that mentions port (a table that cannot be read: none).
-    Every connection of the host is a line, so a line is split only when it holds ':PORT ' (a substring test):
-    28,000 unrelated connections cost a read of the table and a scan, not 28,000 splits."""
+def _lines_of(port: int, proc: str, table: str, port_cap: int | None) -> Iterator[list[str]]:
+    """The fields of each line of /proc/net/TABLE that mentions port (a table that cannot be read: none). Raises
+    TooManyLines past MAX_LINES lines, or past port_cap lines that mention the port. Every connection of the host
+    is a line, so a line is split only when it holds ':PORT ' (a substring test): 28,000 unrelated connections
+    cost a read of the table and a scan, not 28,000 splits."""
     needle = f":{port:04X} "
     matched = 0
-    for table in ("tcp", "tcp6"):
-        try:
-            with open(Path(proc, "net", table), encoding="ascii", errors="replace") as lines:
-                next(lines, None)  # the header
-                for n, line in enumerate(lines):
-                    if n >= MAX_LINES:
+    try:
+        with open(Path(proc, "net", table), encoding="ascii", errors="replace") as lines:
+            next(lines, None)  # the header
+            for n, line in enumerate(lines):
+                if n >= MAX_LINES:
+                    raise TooManyLines(table)
+                if needle in line:
+                    matched += 1
+                    if port_cap is not None and matched > port_cap:
                         raise TooManyLines(table)
-                    if needle in line:
-                        matched += 1
-                        if matched > MAX_PORT_LINES:
-                            raise TooManyLines(table)
-                        fields = line.split()
-                        if len(fields) > 9:
-                            yield fields
-        except OSError:
-            continue
+                    fields = line.split()
+                    if len(fields) > 9:
+                        yield fields
+    except OSError:
+        return
 
 
 def listening_sockets(port: int, proc: str = "/proc") -> dict[int, int]:
-    """inode -> owner uid of the sockets listening on port."""
+    """inode -> owner uid of the sockets listening on port. Each table is read on its own, with no cap on the
+    lines that mention the port (a local user can open thousands of connections to it; a listener costs a dict
+    entry): past MAX_LINES a table gives what it held so far, which is all its listeners (the kernel lists its
+    listening sockets first)."""
     found = {}
-    # Past MAX_LINES, what was found is all there is: the kernel lists its listening sockets before the others.
-    with contextlib.suppress(TooManyLines):
-        for f in _lines_of(port, proc):
-            if f[3] == LISTEN and int(f[1].rsplit(":", 1)[1], 16) == port:
-                found[int(f[9])] = int(f[7])
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(TooManyLines):
+            for f in _lines_of(port, proc, table, None):
+                if f[3] == LISTEN and int(f[1].rsplit(":", 1)[1], 16) == port:
+                    found[int(f[9])] = int(f[7])
     return found
 
 
@@ -93,7 +96,7 @@ def peers(port: int, uid: int, proc: str = "/proc", accepted: bool = True) -> di
     found: dict[int, tuple[str, int]] = {}
     strangers: set[tuple[str, int]] = set()  # the connecting ends, on this host, of other uids
     try:
-        for fields in _lines_of(port, proc):
+        for fields in (f for table in ("tcp", "tcp6") for f in _lines_of(port, proc, table, MAX_PORT_LINES)):
             if fields[3] != ESTABLISHED:
                 continue
             local, remote = fields[1].rsplit(":", 1), fields[2].rsplit(":", 1)

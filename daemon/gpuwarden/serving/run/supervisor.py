@@ -144,7 +144,7 @@ class Program:
         self._links_last: dict[int, str] = {}  # as the latest read found them
         self._links_held: dict[int, str] = {}  # those found by two reads in a row: only their loss counts
         self._links_next = 0.0  # when they are read next: once a liveness period (a read scans every connection)
-        self._links_confirm = False  # a read found a held connection gone: the next read, at once, decides
+        self._links_suspect: dict[int, str] = {}  # held connections one read found gone: the next read decides
         self._blind_logged = -BLIND_LOG_S  # when the watch last said it could not read the tables
         self._lost_ranks: deque[float] = deque()  # when this head last ended its part for a lost rank
         self._head_seen_down = True  # a worker whose own part failed waits until the head restarted its part
@@ -217,7 +217,7 @@ class Program:
         self._probe.discard()
         self._links_probe.discard()
         self._links_last, self._links_held = {}, {}  # a new part: its connections are counted afresh
-        self._links_next, self._links_confirm = 0.0, False
+        self._links_next, self._links_suspect = 0.0, {}
         profile = f", profile {spec.profile}" if spec.profile else ""
         self._transition(STARTING, f"{self.title} starting (pid {child.pid}{profile}, user {self.identity.name}): "
                                    + " ".join(redact_argv(spec.argv)), since=now, child=child, started=now,
@@ -441,14 +441,15 @@ class Program:
         else:
             held = {inode: a for inode, a in links.items()
                     if not spec.hosts or a in spec.hosts or a.startswith("127.") or a == "::1"}
-        lost = {inode: a for inode, a in self._links_held.items() if inode not in held}
-        if lost and not self._links_confirm:
-            # /proc/net/tcp is no snapshot: the kernel writes it in chunks, and a connection can be skipped when
-            # another in its hash bucket closes between two. A healthy engine is not ended on one read: the next
-            # read, started at once, must find the connection gone too.
-            self._links_confirm, self._links_next = True, now
+        missing = {inode: a for inode, a in self._links_held.items() if inode not in held}
+        # /proc/net/tcp is no snapshot: the kernel writes it in chunks, and a connection can be skipped when
+        # another in its hash bucket closes between two. A healthy engine is not ended on one read: a connection
+        # is lost when two reads in a row (the second started at once) find it gone.
+        lost = {inode: a for inode, a in missing.items() if inode in self._links_suspect}
+        if missing and not lost:
+            self._links_suspect, self._links_next = missing, now
             return False
-        self._links_confirm = False
+        self._links_suspect = {}
         self._links_held = {inode: a for inode, a in held.items() if inode in self._links_last}
         self._links_last = held
         if not lost:
