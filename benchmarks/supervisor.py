@@ -145,8 +145,12 @@ serve:
             time.sleep(0.01)
         all_gone = time.monotonic() - stopping
     finally:
-        if daemon.poll() is None:
-            daemon.kill()
+        if daemon.poll() is None:  # a step failed: SIGTERM, so the daemon stops its engine (SIGKILL left it running)
+            daemon.terminate()
+            try:
+                daemon.wait(60)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
     print("| kill cycles | detected p50 / p99 | restart issued p50 / p99 | healthy again p50 / p99 | orphans left |")
     print("| ---: | ---: | ---: | ---: | ---: |")
     cells = [f"{percentile(xs, .5):.2f} / {percentile(xs, .99):.2f} s" for xs in (detect, restart, healthy)]
