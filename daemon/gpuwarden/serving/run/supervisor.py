@@ -431,10 +431,12 @@ class Program:
 
         Connections are told apart by socket inode and compared one by one (a stranger connecting as a rank
         leaves does not hide the loss). Only a connection that two reads in a row found counts: a probe's
-        connect-and-close (a worker's own liveness probe, anyone's port scan) is not a rank. Where
+        connect-and-close (a worker's own liveness probe, anyone's port scan) is not a rank. On the head, where
         serve.nodes.hosts names the nodes, only connections from them (or this host's loopback) count, and
         ports.peers leaves out a local connection made by another uid. A process on a listed node can still
-        open a connection, hold it, and close it: the restarts that costs are bounded (LOST_RANK_LIMIT)."""
+        open a connection, hold it, and close it: the restarts that costs are bounded (LOST_RANK_LIMIT). A worker
+        counts only its connections to the head's address (another job of the serving user on the same port
+        number elsewhere is not the head), so only the head's end closes them: it follows its head, unbounded."""
         spec = self.spec
         if spec.peer is not None:  # a worker: only its own connections to the head (not to a local torch job)
             held = {inode: a for inode, a in links.items() if a == spec.peer[0]}
