@@ -85,7 +85,7 @@ def peers(port: int, uid: int, proc: str = "/proc", accepted: bool = True) -> di
     """socket inode -> remote address of uid's established connections accepted on local port (accepted), or
     made to remote port (not accepted): a multi-node engine's rendezvous, to which each rank's process holds
     one connection while the engine lives. The inode tells one connection from another of the same address.
-    None if a table has more than MAX_LINES lines (any client of the API port can add lines).
+    None if a table has more than MAX_LINES lines, or MAX_PORT_LINES on the port: a partial table could hide a rank.
 
     An accepted socket carries the listener's uid whoever connected, so on the head uid alone lets any local
     user's connection pass; where the connecting end is on this host too, its own line is in the table with
