@@ -21,20 +21,20 @@ and one wake of the main loop answers only what was queued when it woke (the loo
 from __future__ import annotations
 
 import _thread
+import contextlib
 import errno
 import json
 import logging
 import os
 import queue
 import socket
-import stat
 import struct
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import tunables
+from . import smallfile, tunables
 from .gpu import errors
 from .originals import boot_id
 from .statedir import state_dir
@@ -302,24 +302,14 @@ class MarkerError(Exception):
 
 
 def _read_marker(path: Path) -> dict | None:
-    """The marker's content, checked; None when there is none. Opened without following a link or waiting on a
-    FIFO, a regular file only, at most MARKER_MAX bytes read."""
+    """The marker's content, checked; None when there is none. Read through smallfile (no link, no FIFO's
+    wait, a regular file only, at most MARKER_MAX bytes)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except FileNotFoundError:
+        raw = smallfile.read(path, MARKER_MAX)
+    except smallfile.Unreadable as exc:
+        raise MarkerError(str(exc)) from None
+    if raw is None:
         return None
-    except OSError as exc:
-        raise MarkerError(exc.strerror or str(exc)) from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise MarkerError("not a regular file")
-        raw = os.read(fd, MARKER_MAX + 1)
-    except OSError as exc:
-        raise MarkerError(exc.strerror or str(exc)) from None
-    finally:
-        os.close(fd)
-    if len(raw) > MARKER_MAX:
-        raise MarkerError(f"more than {MARKER_MAX} bytes")
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError):
@@ -400,11 +390,8 @@ class ControlServer:
             if full or uid not in (0, os.geteuid()):
                 why = (f"{CONNECTIONS_MAX} connections are open already" if full
                        else "the control channel is root's (run tune as root)")
-                try:
-                    conn.settimeout(0.5)  # the accept thread never waits long on one peer
-                    conn.sendall(json.dumps({"ok": False, "error": why}).encode() + b"\n")
-                except OSError:
-                    pass
+                with contextlib.suppress(OSError):
+                    _send(conn, {"ok": False, "error": why}, timeout=0.5)  # the accept thread never waits long
                 conn.close()
                 if not full:
                     with self._lock:
@@ -529,10 +516,10 @@ def _peer(conn: socket.socket) -> tuple[int, int]:
     return uid, pid
 
 
-def _send(conn: socket.socket, answer: dict) -> None:
-    """One answer line; OSError (TimeoutError) if the peer does not take it within SEND_S: the caller closes the
+def _send(conn: socket.socket, answer: dict, timeout: float = SEND_S) -> None:
+    """One answer line; OSError (TimeoutError) if the peer does not take it within timeout: the caller closes the
     connection, since a line sent in part would garble the next."""
-    conn.settimeout(SEND_S)
+    conn.settimeout(timeout)
     try:
         conn.sendall(json.dumps(answer).encode() + b"\n")
     except TimeoutError:  # not the lease's silence: the peer stopped reading

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import time
 from pathlib import Path
+
+from ... import smallfile
 
 ENV = "GPUWARDEN_SIM_STATE"
 DECODE_KNEE_OF_TDP = 2 / 3  # decode keeps full speed down to this share of TDP (RTX PRO 6000: 400 of 600 W)
@@ -53,15 +54,10 @@ def channel() -> Path | None:
 
 
 def _read(path: Path) -> dict | None:
-    try:  # never a FIFO's wait or a link's target: a regular file, opened without blocking
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return None
-            data = json.loads(os.read(fd, MAX_FILE_BYTES))
-        finally:
-            os.close(fd)
-    except (OSError, ValueError, RecursionError):
+    try:
+        raw = smallfile.read(path, MAX_FILE_BYTES)
+        data = json.loads(raw) if raw is not None else None
+    except (smallfile.Unreadable, ValueError, RecursionError):
         return None
     return data if isinstance(data, dict) else None
 
