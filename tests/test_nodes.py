@@ -271,8 +271,9 @@ def test_preflight_names_the_interface_its_variables_and_the_heads_rendezvous():
     assert not [line for line in missing if line[1] == "nodes head"]  # the head asks nobody
 
 
-def test_check_refuses_an_interface_that_is_not_there(write, cli, tmp_path):
-    path = write("gpuwarden.yaml", f"""gpu:
+def serving_file(write, nodes: str):
+    """A gpuwarden.yaml that serves /bin/true on a sim DGX Spark, with this serve.nodes block (indented 2)."""
+    return write("gpuwarden.yaml", f"""gpu:
   backend: sim
   scenario: dgx-spark
 serve:
@@ -280,8 +281,11 @@ serve:
   model: /m/Qwen3-4B
   user: {pwd.getpwuid(os.geteuid()).pw_name if os.geteuid() else "nobody"}
   command: [/bin/true]
-{NODES.replace("eth1", "gw-none0")}    rank: 0
-""")
+{nodes}""")
+
+
+def test_check_refuses_an_interface_that_is_not_there(write, cli, tmp_path):
+    path = serving_file(write, NODES.replace("eth1", "gw-none0") + "    rank: 0\n")
     status, out, err = cli("check", "-c", path)
     assert status == 78, (out, err)
     assert f"{path}:" in err and "serve.nodes.interface: no network interface gw-none0 on this host" in err
@@ -606,19 +610,7 @@ def test_is_local_address_takes_no_name_and_no_garbage():
 
 @pytest.mark.parametrize("head", ["a" * 64 + ".example", '"10.9.9.9\\0"', '"10.0.0.1\\nforged line"'])
 def test_check_and_doctor_say_one_line_for_a_head_that_is_not_an_address(write, cli, head):
-    path = write("gpuwarden.yaml", f"""gpu:
-  backend: sim
-  scenario: dgx-spark
-serve:
-  enabled: true
-  model: /m/Qwen3-4B
-  user: {pwd.getpwuid(os.geteuid()).pw_name if os.geteuid() else "nobody"}
-  command: [/bin/true]
-  nodes:
-    count: 2
-    rank: 1
-    head: {head}
-""")
+    path = serving_file(write, f"  nodes:\n    count: 2\n    rank: 1\n    head: {head}\n")
     for verb in ("check", "doctor"):
         status, out, err = cli(verb, "-c", path)
         assert status == 78, (verb, out, err)
