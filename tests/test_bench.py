@@ -280,7 +280,7 @@ def test_against_the_real_cpu_vllm_under_the_daemon(write, daemons, vllm_python,
 
 @pytest.mark.vllm
 def test_agrees_with_vllms_own_serving_benchmark(vllm_python, tiny_model, tmp_path):
-    """Output tok/s and mean TTFT at C = 1 against vllm.benchmarks.serve's, medians of three rounds (each tool
+    """Output tok/s and mean TTFT at C = 1 against vllm.benchmarks.serve's, medians of five rounds (each tool
     first in turn), on the same server and prompt shapes, as benchmarks/bench_agreement.py runs them: vLLM in this
     session (in one of its own, a CPU autogroup on this 2-core box, TTFTs scatter more), without prefix caching
     (vLLM's random prompts would hit it), and vLLM's benchmark with its aiohttp session's trust_env off (with it
@@ -295,7 +295,7 @@ def test_agrees_with_vllms_own_serving_benchmark(vllm_python, tiny_model, tmp_pa
     with open(tmp_path / "vllm.log", "w") as log:
         server = start_vllm(vllm_python, tiny_model, port, log, prefix_caching=False)
         try:
-            shape = type("Shape", (), {"rounds": 3, "concurrency": [1], "prompts": 32, "input_len": 48,
+            shape = type("Shape", (), {"rounds": 5, "concurrency": [1], "prompts": 32, "input_len": 48,
                                        "output_len": 128, "engine_interval": 2.0})
             rows = compare(vllm_python, tiny_model, port, shape, tools=("vllm_noenv", "ours"))
         finally:
