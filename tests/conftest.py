@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from budget import Budget, tag
+
 # A test run started in the background of a non-interactive shell (`cmd &`, as a CI runner or a script may) has
 # SIGINT ignored, and every child inherits the ignore across exec: bench and tune then never see the Ctrl-C the
 # tests send them and the tests time out (seen on a fresh-clone run started so). A handler, unlike SIG_IGN, is
@@ -42,7 +44,28 @@ def cpu_report() -> str:
             f"  lacks: {' '.join(lacks) or 'none'}\n  torch in vLLM's venv: {torch_view}")
 
 
+BUDGET = Budget()
+
+
+def pytest_collection_modifyitems(items):
+    tag(items)
+
+
+def pytest_runtest_logreport(report):
+    BUDGET.add(report)
+
+
 def pytest_terminal_summary(terminalreporter):
+    """The seconds per test file by the real part it needs (tests/budget.py); and when a real-vLLM test failed,
+    which CPU it ran on."""
+    if lines := BUDGET.lines():
+        terminalreporter.section("time per test file, by the real part it needs")
+        for line in lines:
+            terminalreporter.write_line(line)
+    _cpu_when_vllm_failed(terminalreporter)
+
+
+def _cpu_when_vllm_failed(terminalreporter):
     """When a real-vLLM test failed, say which CPU it ran on: a worker that dies with SIGILL is a kernel
     this CPU (or its hypervisor) does not support."""
     failed = [r for r in terminalreporter.stats.get("failed", []) + terminalreporter.stats.get("error", [])

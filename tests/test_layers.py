@@ -8,7 +8,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "daemon" / "gpuwarden"
 
 # Lowest first. A module may import from a lower layer and from its own package; nothing else.
 LAYERS = [
-    {"yamlfile", "statedir", "background", "httpget", "systemd", "earlysignals", "smallfile", "safetext"},  # no gpuwarden imports of their own
+    {"safetext"},  # imports nothing of gpuwarden: the one escape for outside text, used by the log writer
+    {"yamlfile", "statedir", "background", "httpget", "systemd", "earlysignals", "smallfile"},  # only safetext below them
     {"schema", "originals"},
     {"gpu", "webconfig"},  # the GPU backends know nothing of the config
     {"throttle", "xids"},  # is this clock low, and why; what an Xid means
