@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import free_port, gpuwarden_cmd, matplotlib_here, subprocess_env
-from gpuwarden import config, control
+from gpuwarden import config, control, smallfile
 from gpuwarden.backends import open_configured
 from gpuwarden.bench.tune import find_knee, settings_to_try
 from gpuwarden.gpu.sim import power
@@ -527,7 +527,8 @@ def test_a_trickled_line_is_cut_at_its_deadline(channel, monkeypatch):
 
 def test_no_marker_no_sweep(channel):
     server, sweeps, backend = channel
-    sweeps.marker.with_suffix(".tmp").mkdir(parents=True)  # the marker cannot be written (as on a full disk)
+    # the marker cannot be written (as on a full disk): a folder with something in it at its temp name
+    (smallfile.temp_name(sweeps.marker) / "inside").mkdir(parents=True)
     s, f = _connect(server.path)
     answer = _begin(s, f)
     assert not answer["ok"] and "cannot save the sweep's marker" in answer["error"]

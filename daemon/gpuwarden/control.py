@@ -275,20 +275,9 @@ class Sweeps:
         """The marker, on disk for good (file and folder fsynced) before the first set; OSError if not."""
         by_index = {g.index: g.uuid for g in self.tuning.backend.gpus()}
         self.marker.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.marker.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        try:
-            os.write(fd, json.dumps({"boot_id": boot_id(), "setting": setting,
-                                     "gpus": [by_index[i] for i in gpus]}).encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, self.marker)
-        folder = os.open(self.marker.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(folder)
-        finally:
-            os.close(folder)
+        smallfile.write_atomic(self.marker, json.dumps({"boot_id": boot_id(), "setting": setting,
+                                                        "gpus": [by_index[i] for i in gpus]}).encode(),
+                               durable=True)
 
     def _clear_marker(self) -> None:
         try:

