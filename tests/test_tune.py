@@ -392,6 +392,23 @@ def test_the_channels_limits_each_end_a_connection(channel, monkeypatch):
     assert f.readline() == b""
 
 
+def test_a_sweep_the_daemon_refuses_exits_1_as_its_help_says(rig):
+    r = rig("tuning: {power_limit_w: 650}\n")
+    r.start_daemon()
+    first = r.popen_tune("--values", "400,300", "--duration", "60", "--input-len", "8", "--output-len", "32")
+    try:
+        r.wait_limit(lambda w: w == 400)  # the first sweep holds the lease: the daemon refuses a second
+        second = r.tune("--values", "400", "--duration", "1")
+    finally:
+        first.send_signal(signal.SIGINT)
+        first.communicate(timeout=60)
+    assert second.returncode == 1, second.stderr  # 69 is for no daemon to ask: this one answered
+    assert second.stderr.startswith("gpuwarden tune: a sweep of power_limit_w runs already (") and \
+        second.stderr.count("\n") == 1, second.stderr
+    assert "1 the daemon refused the sweep" in subprocess.run([*gpuwarden_cmd(), "tune", "--help"],
+                                                              capture_output=True, text=True, env=r.env).stdout
+
+
 def test_a_sweep_is_refused_while_others_use_the_gpus_unless_forced(channel):
     server, sweeps, backend = channel
     # A process that is not this (daemon) process's descendant: its parent. (An orphan is no stranger here: a test

@@ -68,6 +68,10 @@ class ControlError(Exception):
     """One line for the user of `tune`: the daemon refused, or (ChannelLost) is gone."""
 
 
+class Unreachable(ControlError):
+    """No daemon to ask: no control socket, or it cannot be connected to (`tune` exits 69, or 77 for root's)."""
+
+
 class ChannelLost(ControlError):
     """The connection failed or closed mid-sweep: the lease is gone with it."""
 
@@ -526,12 +530,12 @@ class SweepClient:
             self.sock.settimeout(ANSWER_S + 5)
             self.sock.connect(str(path))
         except FileNotFoundError:
-            raise ControlError(f"no control socket at {path}: is the daemon running (`systemctl status gpuwarden`)?")\
+            raise Unreachable(f"no control socket at {path}: is the daemon running (`systemctl status gpuwarden`)?")\
                 from None
         except PermissionError:
-            raise ControlError(f"{path}: permission denied: the control channel is root's (run tune as root)") from None
+            raise Unreachable(f"{path}: permission denied: the control channel is root's (run tune as root)") from None
         except OSError as exc:
-            raise ControlError(f"cannot connect to {path}: {exc.strerror or exc}") from None
+            raise Unreachable(f"cannot connect to {path}: {exc.strerror or exc}") from None
         self.reader = self.sock.makefile("rb")
         self.daemon_pid = _peer(self.sock)[1]  # the kernel's word on who listens: the pid --apply reloads
         self._lock = threading.Lock()
