@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..config import Config
-from ..control import ChannelLost, ControlError, SweepClient, socket_path
+from ..control import ChannelLost, ControlError, SweepClient, Unreachable, socket_path
 from .command import _gpu_reader, _raise_fd_limit, _serving_facts, comma_numbers
 from .watch import Watch
 
@@ -43,7 +43,7 @@ setting back; a daemon killed mid-sweep puts it back when it starts again.
 A sweep is refused while other processes than the engine the daemon runs use the GPUs: their load would skew
 every step. --force sweeps anyway (e.g. a second engine you mean to measure with).
 
-Exit status: 0 done, 1 a step failed or refused (or the lease was lost), 69 no daemon or server, 77 not root, 78 bad arguments, 130 interrupted
+Exit status: 0 done, 1 the daemon refused the sweep or a step (or the lease was lost), 69 no daemon or server, 77 not root, 78 bad arguments, 130 interrupted
 (the setting is back; the steps done are printed)."""
 
 EX_FAILED, EX_UNAVAILABLE, EX_NOPERM, EX_USAGE, EX_INTERRUPTED = 1, 69, 77, 78, 130
@@ -210,9 +210,12 @@ def cmd_tune(args: argparse.Namespace, config: Config) -> int:
         return EX_UNAVAILABLE
     try:
         client = SweepClient(socket_path(), setting, gpus, args.lease, args.force)
-    except ControlError as exc:
+    except Unreachable as exc:
         print(f"gpuwarden tune: {exc}", file=sys.stderr)
         return EX_NOPERM if "permission denied" in str(exc) else EX_UNAVAILABLE
+    except ControlError as exc:  # the daemon answered, and refused the sweep (or went away while answering)
+        print(f"gpuwarden tune: {exc}", file=sys.stderr)
+        return EX_FAILED
     restored: list[str] = []
     code = 0
     sweep = None
