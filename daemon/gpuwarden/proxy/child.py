@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..config import Config
 from ..serving.compose.command import child_env
+from ..serving.compose.homes import let_group_in
 from ..serving.compose.identity import Identity
 from ..serving.run.spec import ChildSpec, Timing
 from .normalize import SWITCHES
@@ -63,11 +64,15 @@ def proxy_spec(config: Config, identity: Identity) -> ChildSpec | None:
 
 
 def prepare_dump_dir(path: Path, identity: Identity) -> None:
-    """Prompts are private: the dump directory is the service user's alone (0700)."""
+    """Prompts are private: the dump directory is the service user's own where it already is; else root's in the
+    user's group only, 0770 (the unit has no CAP_CHOWN to give it away), and each session's folder in it is the
+    user's own, 0700, made by the proxy."""
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if identity.switch and os.geteuid() == 0:
-            os.chown(path, identity.uid, identity.gid)
-        os.chmod(path, 0o700)
+        if not identity.switch:
+            os.chmod(path, 0o700)
+        elif os.lstat(path).st_uid != identity.uid:
+            let_group_in(path, identity, 0o770)
     except OSError as exc:
-        log.error("proxy dump directory %s cannot be prepared: %s; the proxy will say so on each dump", path, exc)
+        log.error("proxy dump directory %s cannot be prepared: %s; the proxy will say so on each dump", path,
+                  exc.strerror or exc)

@@ -6,16 +6,26 @@ PermissionError 40 lines into its traceback. When serve.user's home is missing
 or not writable, the child gets one under gpuwarden's state directory, owned
 by serve.user, with the caches pointed into it. A home that works is left
 alone, so caches (and downloaded models) already there are kept.
+
+The unit gives root no CAP_CHOWN, so root cannot give a folder away: serve.user
+makes its own home (`mkdir` run as it), in home/ under the state directory,
+which root lets the user's group into (root's, that group, 1730: a member may
+add an entry, not list the others nor remove one that is not its own).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
+import subprocess
 from pathlib import Path
 
 from ...statedir import state_dir
-from .identity import Identity
+from .identity import Identity, popen
+
+MAKE_TIMEOUT_S = 10.0  # mkdir and chgrp on a local disk: far less
+TOOLS_PATH = {"PATH": "/usr/bin:/bin"}
 
 # The cache variables, relative to the home they get.
 CACHES = {
@@ -67,11 +77,49 @@ def child_home(identity: Identity, create: bool, environ=os.environ) -> tuple[di
     env = {"HOME": str(home), **{name: str(home / sub) for name, sub in CACHES.items()}}
     if create:
         try:
-            for path in [home, *(home / sub for sub in CACHES.values())]:
-                path.mkdir(mode=0o700, parents=True, exist_ok=True)
-                if identity.switch:
-                    os.chown(path, identity.uid, identity.gid)
+            _make_own(identity, home, [home / sub for sub in CACHES.values()])
         except OSError as exc:
             raise HomeError(f"serve.user {identity.name}: {why}, and {home} cannot be made for it "
                             f"({exc.strerror}): give it a writable home") from None
     return env, f"{identity.name}: {why}; the engine's home and caches are {home}"
+
+
+def _make_own(identity: Identity, top: Path, inside: list[Path]) -> None:
+    """top and the folders inside it, 0700, made by identity itself so that they are its own. Raises OSError."""
+    top.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    if identity.switch:
+        try:
+            st = os.lstat(top)
+        except FileNotFoundError:
+            let_group_in(top.parent, identity, 0o1730)
+        else:
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != identity.uid:
+                raise OSError(errno.EEXIST, f"{top} is there and is not {identity.name}'s folder")
+    _run(popen(identity, ["mkdir", "-p", "--", str(top), *map(str, inside)], TOOLS_PATH, umask=0o077,
+               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+
+
+def let_group_in(folder: Path, identity: Identity, mode: int) -> None:
+    """root's folder into identity's group, with mode. The owner may give its file to a group it is in without
+    CAP_CHOWN, so chgrp runs as root with that one group. Raises OSError."""
+    st = os.lstat(folder)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise OSError(errno.EPERM, f"{folder} is not root's folder")
+    if st.st_gid != identity.gid:
+        _run(subprocess.Popen(["chgrp", "--", str(identity.gid), str(folder)], env=TOOLS_PATH, cwd="/",
+                              extra_groups=[identity.gid], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE))
+    os.chmod(folder, mode)
+
+
+def _run(proc: subprocess.Popen) -> None:
+    """Waits for a short tool; OSError with its last line when it fails."""
+    try:
+        _, err = proc.communicate(timeout=MAKE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise OSError(errno.ETIMEDOUT, f"{proc.args[0]} took more than {MAKE_TIMEOUT_S:g} s") from None
+    if proc.returncode != 0:
+        lines = err.decode("utf-8", "replace").strip().splitlines()
+        raise OSError(errno.EPERM, lines[-1] if lines else f"{proc.args[0]} exited {proc.returncode}")

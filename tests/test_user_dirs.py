@@ -1,0 +1,79 @@
+"""The folders made for serve.user (its home when it has none, the proxy's dump directory) as the unit runs the
+daemon: root without CAP_CHOWN or CAP_DAC_OVERRIDE, which cannot give a folder away."""
+
+import os
+import pwd
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from conftest import subprocess_env
+
+UNIT_CAPS = ["setpriv", "--bounding-set", "-all,+sys_admin,+setuid,+setgid,+kill", "--no-new-privs"]
+AS_NOBODY = ["setpriv", "--reuid", "nobody", "--regid", "nogroup", "--clear-groups"]
+MAKE = """
+import sys
+from pathlib import Path
+from gpuwarden.proxy.child import prepare_dump_dir
+from gpuwarden.serving.compose.homes import child_home
+from gpuwarden.serving.compose.identity import resolve
+
+user = resolve("nobody")
+env, why = child_home(user, create=True)
+print(env["HOME"])
+prepare_dump_dir(Path(sys.argv[1]), user)
+"""
+
+
+@pytest.fixture
+def reachable():
+    """A folder every user can pass through (pytest's own tmp is root's 0700)."""
+    base = Path(tempfile.mkdtemp(prefix="gpuwarden-userdirs-", dir="/tmp"))
+    base.chmod(0o755)
+    yield base
+    shutil.rmtree(base)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv")
+def test_a_user_without_a_home_gets_its_own_and_a_dump_dir_under_the_units_capabilities(reachable):
+    nobody = pwd.getpwnam("nobody")
+    assert not os.path.exists(nobody.pw_dir)  # /nonexistent: a user without a home
+    env = dict(subprocess_env(), STATE_DIRECTORY=str(reachable / "state"))
+    dumps = reachable / "state" / "proxy-dumps"
+    for _ in range(2):  # and again, with both there: kept
+        made = subprocess.run([*UNIT_CAPS, sys.executable, "-c", MAKE, str(dumps)], capture_output=True,
+                              text=True, env=env, timeout=60)
+        assert made.returncode == 0 and "cannot be prepared" not in made.stderr, made.stderr
+    home = Path(made.stdout.strip())
+    assert home == reachable / "state" / "home" / "nobody"
+    for folder in (home, home / ".cache" / "vllm", home / ".cache" / "huggingface"):
+        st = folder.lstat()
+        assert stat.S_ISDIR(st.st_mode) and st.st_uid == nobody.pw_uid and st.st_mode & 0o777 == 0o700, folder
+    homes = home.parent.lstat()  # root's, only nobody's group may add to it
+    assert (homes.st_uid, homes.st_gid, homes.st_mode & 0o7777) == (0, nobody.pw_gid, 0o1730)
+    st = dumps.lstat()
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (0, nobody.pw_gid, 0o770)
+    # the proxy, as nobody, makes its session folder and a turn there
+    turn = subprocess.run([*AS_NOBODY, "sh", "-c", f"mkdir -m 0700 {dumps}/s && echo x > {dumps}/s/t.json"],
+                          capture_output=True, text=True, timeout=30)
+    assert turn.returncode == 0, turn.stderr
+    # and the engine, as nobody, writes its caches
+    cache = subprocess.run([*AS_NOBODY, "sh", "-c", f"echo x > {home}/.cache/vllm/c"], capture_output=True,
+                           text=True, timeout=30)
+    assert cache.returncode == 0, cache.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+def test_a_folder_another_user_owns_where_the_home_goes_is_refused(reachable, tmp_path):
+    from gpuwarden.serving.compose.homes import HomeError, child_home
+    from gpuwarden.serving.compose.identity import resolve
+
+    squatted = reachable / "state" / "home" / "nobody"
+    squatted.mkdir(parents=True)  # root's: not nobody's own
+    with pytest.raises(HomeError, match="is there and is not nobody's folder"):
+        child_home(resolve("nobody"), create=True, environ={"STATE_DIRECTORY": str(reachable / "state")})
