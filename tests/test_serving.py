@@ -300,13 +300,14 @@ class FakeOps:
     def port_free(self, host, port):
         return self.port_is_free
 
-    def owns_port(self, port, group, uid):
+    def owns_port(self, host, port, group, uid):
+        self.owner_asked = (host, port)
         return bool([p for p in group if p not in self.squatters])
 
     def alive(self, pids):
         return [p for p in pids if any(p in group for group in self.groups.values())]
 
-    def who_listens(self, port):
+    def who_listens(self, host, port):
         return "pid 4444 (user mallory, nc)"
 
     def escaped(self):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import pwd
 import socket
@@ -55,18 +56,51 @@ def _lines_of(port: int, proc: str, table: str, port_cap: int | None) -> Iterato
         return
 
 
-def listening_sockets(port: int, proc: str = "/proc") -> dict[int, int]:
-    """inode -> owner uid of the sockets listening on port. Each table is read on its own, with no cap on the
-    lines that mention the port (a local user can open thousands of connections to it; a listener costs a dict
-    entry): past MAX_LINES a table gives what it held so far, which is all its listeners (the kernel lists its
-    listening sockets first)."""
+def listening_sockets(port: int, proc: str = "/proc", host: str | None = None) -> dict[int, int]:
+    """inode -> owner uid of the sockets listening on port; with host, only those that take its connections
+    (covering). Each table is read on its own, with no cap on the lines that mention the port (a local user
+    can open thousands of connections to it; a listener costs a dict entry): past MAX_LINES a table gives what
+    it held so far, which is all its listeners (the kernel lists its listening sockets first)."""
+    on = None if host is None else covering(host)
     found = {}
     for table in ("tcp", "tcp6"):
         with contextlib.suppress(TooManyLines):
             for f in _lines_of(port, proc, table, None):
                 if f[3] == LISTEN and int(f[1].rsplit(":", 1)[1], 16) == port:
-                    found[int(f[9])] = int(f[7])
+                    with contextlib.suppress(ValueError, OSError):
+                        if on is None or _address(f[1].rsplit(":", 1)[0]) in on:
+                            found[int(f[9])] = int(f[7])
     return found
+
+
+def covering(host: str) -> frozenset[str] | None:
+    """The listening addresses, as _address writes them, that take connections to host: its own address and
+    its family's wildcard. Never "::" for an IPv4 host: a "::" listener takes IPv4 too only without
+    IPV6_V6ONLY, which /proc/net/tcp6 does not show, and anyone may bind [::]:PORT with it beside ours. A name
+    is every address it resolves to (the child may bind, and a client reach, any of them). None: host does not
+    resolve, and every listener on the port counts."""
+    try:
+        return _resolve(host)
+    except (OSError, UnicodeError):
+        return None
+
+
+@functools.lru_cache(maxsize=32)
+def _resolve(host: str) -> frozenset[str]:
+    """covering()'s answer, kept: a name is looked up once (a liveness probe runs on the daemon's loop), a
+    numeric address needs no look-up (AI_NUMERICHOST). Raises, so that a failed look-up is not kept."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
+    except socket.gaierror:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    found = set()
+    for family, _, _, _, address in infos:
+        if family in (socket.AF_INET, socket.AF_INET6):
+            text = _text(socket.inet_pton(family, address[0].split("%")[0]))  # fe80::1%eth0: the table has no scope
+            found |= {text, "::" if ":" in text else "0.0.0.0"}
+    if not found:
+        raise OSError(f"{host}: no IPv4 or IPv6 address")
+    return frozenset(found)
 
 
 ESTABLISHED = "01"
@@ -75,7 +109,11 @@ ESTABLISHED = "01"
 def _address(hexed: str) -> str:
     """/proc/net/tcp's address (IPv4: one little-endian word; IPv6: four), as text; v4-mapped IPv6 as IPv4."""
     raw = bytes.fromhex(hexed)
-    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    return _text(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
+
+
+def _text(raw: bytes) -> str:
+    """A packed IPv4 or IPv6 address as text; v4-mapped IPv6 as IPv4 (a socket bound to it takes IPv4)."""
     if len(raw) == 16 and raw[:12] == b"\0" * 10 + b"\xff\xff":
         raw = raw[12:]
     return socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, raw)
@@ -164,9 +202,10 @@ def describe(pid: int, proc: str = "/proc") -> str:
     return f"pid {pid} ({_user(uid)}, {comm})"
 
 
-def who_listens(port: int, proc: str = "/proc") -> str:
-    """A readable account of the listeners on port, for an error line."""
-    sockets = listening_sockets(port, proc)
+def who_listens(port: int, proc: str = "/proc", host: str | None = None) -> str:
+    """A readable account of the listeners on port, for an error line: with host, those that take its
+    connections (covering), or where none does, every one on the port."""
+    sockets = listening_sockets(port, proc, host) or listening_sockets(port, proc)
     pids = holders(set(sockets), proc=proc)
     if pids:
         return ", ".join(describe(pid, proc) for pid in pids)

@@ -177,11 +177,13 @@ class ProcessOps:
     def port_free(self, host: str, port: int) -> bool:
         return ports.port_free(host, port)
 
-    def owns_port(self, port: int, group: Iterable[int], uid: int) -> bool:
-        """True if the socket listening on port belongs to these processes. Under the unit, root lacks
-        CAP_SYS_PTRACE and cannot read another uid's /proc/PID/fd: then the socket's owner uid (in
-        /proc/net/tcp) must be the child's, and no other listener may exist on the port."""
-        sockets = ports.listening_sockets(port)
+    def owns_port(self, host: str, port: int, group: Iterable[int], uid: int) -> bool:
+        """True if the socket listening on host:port belongs to these processes. Only the listeners that take
+        host's connections count (ports.covering): a local user may listen on the same port number on another
+        address (127.0.0.2, or [::1] with IPV6_V6ONLY beside 0.0.0.0), and that is never evidence about ours.
+        Under the unit, root lacks CAP_SYS_PTRACE and cannot read another uid's /proc/PID/fd: then the
+        socket's owner uid (in /proc/net/tcp) must be the child's, and no other listener may take host:port."""
+        sockets = ports.listening_sockets(port, host=host)
         if not sockets:
             return False
         try:
@@ -189,8 +191,8 @@ class ProcessOps:
         except ports.Unseen:
             return set(sockets.values()) == {uid}
 
-    def who_listens(self, port: int) -> str:
-        return ports.who_listens(port)
+    def who_listens(self, host: str, port: int) -> str:
+        return ports.who_listens(port, host=host)
 
 
 def _processes() -> dict[int, tuple[int, int]]:

@@ -263,7 +263,7 @@ class Program:
                         f"the head's rendezvous {host}:{port} still answers")
         if spec.port and not self.ops.port_free(spec.host, spec.port):
             return (f"port {spec.port} on {spec.host} is in use by "
-                    f"{self.ops.who_listens(spec.port)}; {self.title} needs it")
+                    f"{self.ops.who_listens(spec.host, spec.port)}; {self.title} needs it")
         want = spec.memory_fraction
         for gpu in self.gpus:
             s = gpu.sample()
@@ -331,8 +331,8 @@ class Program:
         if outcome.value.code != 200:
             return False, f"/health answered {outcome.value.code}"
         group = self.ops.group_pids(self.child.pgid)
-        if spec.port and not self.ops.owns_port(spec.port, group, self.identity.uid):
-            return False, (f"port {spec.port} is answered by {self.ops.who_listens(spec.port)}, "
+        if spec.port and not self.ops.owns_port(spec.host, spec.port, group, self.identity.uid):
+            return False, (f"port {spec.port} is answered by {self.ops.who_listens(spec.host, spec.port)}, "
                            f"not by {self.title}'s process group")
         return True, ""
 
