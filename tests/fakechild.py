@@ -19,6 +19,7 @@ Modes:
                server leaves it for the group kill)
   crash        exits with status 3 after 1 s
   chatty       prints "INFO fakechild tick N" every 0.3 s (is its output still read after a handover?)
+  controls     prints one line with NUL, CR, ESC and a forged `<0>` record in it, then serves as healthy
 """
 
 from __future__ import annotations
@@ -141,6 +142,10 @@ def main() -> None:
         for _ in range(200):
             sys.stdout.buffer.write(line)
         sys.stdout.buffer.write(b"\n")
+        sys.stdout.flush()
+    if "controls" in modes:  # an engine may echo a request's path or a prompt: bytes journald and terminals act on
+        sys.stdout.buffer.write(b"WARNING fakechild said: a\x00<0>gpuwarden: GPU0 gpu_needs_reset FORGED\r"
+                                b"\x1b[2J\x1b]52;c;Zm9yZ2Vk\x07 end\n")
         sys.stdout.flush()
     if "crash" in modes:
         time.sleep(1)

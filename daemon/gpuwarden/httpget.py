@@ -9,6 +9,7 @@ for as long as it likes. Everything we read from another process (the engine's
 
 from __future__ import annotations
 
+import re
 import socket
 import ssl
 import time
@@ -16,6 +17,9 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 MAX_HEADER_BYTES = 64 * 1024
+MAX_LENGTH_DIGITS = 18  # a Content-Length of more digits is past any cap here (an exabyte)
+STATUS_CODE = re.compile(rb"[0-9]{3}")
+CHUNK_SIZE = re.compile(rb"[0-9a-fA-F]{1,16}")
 
 
 class HttpError(Exception):
@@ -86,8 +90,7 @@ def request(method: str, url: str, deadline_s: float, max_bytes: int, headers: d
                     head_end = data.find(b"\r\n\r\n", searched)
                     if head_end < 0:
                         continue
-                    declared = _headers(bytes(data[:head_end])).get("content-length", "")
-                    length = int(declared) if declared.isdigit() else None
+                    length = _content_length(_headers(bytes(data[:head_end])))
                     if length is not None and length > max_bytes:
                         raise HttpError(f"the answer from {url} is larger than {max_bytes} bytes ({length})")
                 if length is not None and len(data) - head_end - 4 >= length:
@@ -134,6 +137,16 @@ def _headers(head: bytes) -> dict[str, str]:
     return out
 
 
+def _content_length(headers: dict[str, str]) -> int | None:
+    """The declared body length; None when absent or not a number. ASCII digits only (latin-1's "\u00b2" is
+    isdigit() but not int()), and a number past MAX_LENGTH_DIGITS digits (int() refuses 4,300) reads as
+    10**MAX_LENGTH_DIGITS: larger than any cap."""
+    value = headers.get("content-length", "")
+    if not (value.isascii() and value.isdigit()):
+        return None
+    return int(value) if len(value) <= MAX_LENGTH_DIGITS else 10**MAX_LENGTH_DIGITS
+
+
 def _parse(data: bytes, url: str, max_bytes: int) -> tuple[int, bytes]:
     split = _split(data)
     if split is None:
@@ -142,13 +155,14 @@ def _parse(data: bytes, url: str, max_bytes: int) -> tuple[int, bytes]:
         raise HttpError(f"{url} closed the connection before a complete answer")
     head, body = split
     status_line = head.split(b"\r\n", 1)[0].split()
-    if len(status_line) < 2 or not status_line[0].startswith(b"HTTP/") or not status_line[1].isdigit():
+    if len(status_line) < 2 or not status_line[0].startswith(b"HTTP/"):
         raise HttpError(f"{url} did not answer with HTTP")
+    if not STATUS_CODE.fullmatch(status_line[1]):  # 5,000 digits: int() would raise past 4,300
+        raise HttpError(f"{url} answered with a status code that is not three digits")
     headers = _headers(head)
     if headers.get("transfer-encoding", "").lower() == "chunked":
         body = _dechunk(body, url)
-    elif headers.get("content-length", "").isdigit():
-        length = int(headers["content-length"])
+    elif (length := _content_length(headers)) is not None:
         if len(body) < length:
             raise HttpError(f"{url} closed the connection after {len(body)} of {length} bytes")
         body = body[:length]
@@ -161,12 +175,10 @@ def _dechunk(body: bytes, url: str) -> bytes:
     out, rest = bytearray(), body
     while True:
         size_line, sep, rest = rest.partition(b"\r\n")
-        try:
-            size = int(size_line.split(b";")[0], 16)
-        except ValueError:
-            raise HttpError(f"{url} sent a malformed chunked body") from None
-        if not sep or size < 0:
+        digits = size_line.split(b";")[0].strip(b" \t")
+        if not sep or not CHUNK_SIZE.fullmatch(digits):  # int(x, 16) also takes "-0", "+1" and "1_0"
             raise HttpError(f"{url} sent a malformed chunked body")
+        size = int(digits, 16)
         if size == 0:
             return bytes(out)
         if len(rest) < size + 2:

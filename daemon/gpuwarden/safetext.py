@@ -27,3 +27,8 @@ def _escape(match: re.Match) -> str:
 def visible(text: str) -> str:
     """text with every control character written as an escape: one line, nothing a terminal or journald acts on."""
     return _UNSAFE.sub(_escape, text)
+
+
+def visible_lines(text: str) -> str:
+    """A report of several lines that quotes outside text: each line made visible, its line ends kept."""
+    return "\n".join(visible(line) for line in text.split("\n"))

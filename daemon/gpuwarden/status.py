@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 
 from . import httpget
 from .config import MetricsConfig
+from .safetext import visible
 from .statedir import listen_file
 from .webconfig import basic_auth_header
 
@@ -71,6 +72,7 @@ def _power(gpu: dict) -> str:
 
 
 def render_status(state: dict) -> str:
+    """The table; TypeError, ValueError, KeyError or AttributeError when state is not shaped as /status is."""
     daemon = state.get("daemon", {})
     uptime = time.time() - daemon.get("started_at", time.time())
     lines = [f"gpuwarden {daemon.get('version', '?')} (pid {daemon.get('pid', '?')}, up {uptime:.0f} s): "
@@ -96,4 +98,4 @@ def render_status(state: dict) -> str:
         where = f"GPU{alert['gpu']} " if alert["gpu"] is not None else ""
         lines.append(f"  [{alert['severity']}] {where}{alert['alert']}: {alert['observed']} "
                      f"{alert['threshold']}")
-    return "\n".join(lines)
+    return "\n".join(visible(line) for line in lines)  # the strings are the server's: no ESC reaches the terminal

@@ -18,6 +18,8 @@ import threading
 import time
 from collections.abc import Mapping
 
+from .safetext import visible
+
 NOTICE = 25  # syslog's "notice", between INFO and WARNING
 logging.addLevelName(NOTICE, "NOTICE")
 # Python level -> syslog priority, as journald reads it from a "<N>" prefix.
@@ -39,12 +41,23 @@ def stderr_is_journal(env: Mapping[str, str] = os.environ, fd: int = 2) -> bool:
 
 
 def print_error(text: str) -> None:
-    """One error line on stderr, at priority err when stderr is the journal."""
+    """One error line on stderr, at priority err when stderr is the journal; its text may quote a server or a
+    file, so control characters are escaped (safetext.visible)."""
     prefix = "<3>" if stderr_is_journal() else ""
-    print(f"{prefix}{text}", file=sys.stderr)
+    print(f"{prefix}{visible(text)}", file=sys.stderr)
 
 
-class JournalFormatter(logging.Formatter):
+class LineFormatter(logging.Formatter):
+    """Each record as one line with every control character escaped (safetext.visible): the one place every log
+    line passes, so a request path, a header or a child's output quoted in a message can never end the record
+    (NUL, CR, LF), start a forged one with its own `<N>` priority, or drive a terminal (ESC). A traceback stays
+    in its record, its line ends written as `\\n`."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return visible(super().format(record))
+
+
+class JournalFormatter(LineFormatter):
     """`<N>message`: journald stores N as the priority, so `journalctl -p warning` works."""
 
     def format(self, record: logging.LogRecord) -> str:
@@ -140,7 +153,7 @@ def setup_logging(level: int = logging.INFO, journal: bool | None = None) -> Que
     if journal is None:
         journal = stderr_is_journal()
     queued = QueuedLog(JournalFormatter("%(message)s") if journal else
-                       logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S"))
+                       LineFormatter("%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S"))
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
@@ -175,12 +188,14 @@ class Notifier:
             self.dropped += 1
 
     def ready(self, status: str, now: float) -> None:
+        status = visible(status)  # a line of its own in the datagram: a newline would add a field (STOPPING=1)
         self._status, self._status_at = status, now
         self._send(f"READY=1\nSTATUS={status}")
 
     def status(self, status: str, now: float) -> None:
         """Send a changed status, at most once per STATUS_MIN_INTERVAL_S: a state that flaps costs one
         message per interval, and its last value is sent once the interval has passed (called every poll)."""
+        status = visible(status)  # it may quote a process name or a child's line: one field, never a second
         if status != self._status and now - self._status_at >= STATUS_MIN_INTERVAL_S:
             self._status, self._status_at = status, now
             self._send(f"STATUS={status}")

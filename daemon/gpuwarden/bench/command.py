@@ -13,7 +13,9 @@ from pathlib import Path
 
 from .. import __version__
 from ..config import Config
+from ..safetext import visible_lines
 from ..statedir import state_dir
+from ..systemd import print_error
 from .watch import Watch
 
 HELP = """\
@@ -145,9 +147,9 @@ def cmd_bench(args: argparse.Namespace, config: Config) -> int:
         try:
             a, b = (load(ref, saved_dir) for ref in args.compare)
         except ValueError as exc:
-            print(f"gpuwarden bench: {exc}", file=sys.stderr)
+            print_error(f"gpuwarden bench: {exc}")
             return 3
-        print(render_compare(a, b, *args.compare))
+        print(visible_lines(render_compare(a, b, *args.compare)))
         return 0
     try:
         steps = _concurrency(args.concurrency)
@@ -162,7 +164,7 @@ def cmd_bench(args: argparse.Namespace, config: Config) -> int:
             from .plot import chart_path
             args.plot = chart_path(args.plot)  # before the steps: a bad name is one line now, not after them
     except (ValueError, ImportError) as exc:
-        print(f"gpuwarden bench: {exc}", file=sys.stderr)
+        print_error(f"gpuwarden bench: {exc}")
         return EX_USAGE
     base = (args.url or config.serve.url).rstrip("/").removesuffix("/v1")
     model_dir, tp, kv_dtype, names = _serving_facts(config)
@@ -188,7 +190,7 @@ def cmd_bench(args: argparse.Namespace, config: Config) -> int:
         asyncio.run(run(sweep, watch, progress.update))
     except BenchError as exc:
         progress.clear()
-        print(f"gpuwarden bench: {exc}", file=sys.stderr)
+        print_error(f"gpuwarden bench: {exc}")
         if not sweep.steps:
             return exc.exit_code
         code = EX_STEP_FAILED
@@ -208,10 +210,10 @@ def cmd_bench(args: argparse.Namespace, config: Config) -> int:
             sweep.notes.append(f"not saved: {saved_dir}: {exc.strerror}")
     if args.json:
         print(json.dumps(result, indent=2))
-    elif args.markdown:
-        print(render_markdown(result))
+    elif args.markdown:  # the reports quote the server (its model's name, its errors): escaped for the terminal
+        print(visible_lines(render_markdown(result)))
     else:
-        print(render_table(result))
+        print(visible_lines(render_table(result)))
         if result.get("saved_as"):
             print(f"saved: {result['saved_as']} (gpuwarden bench --compare A B)")
     if args.plot is not None and sweep.steps:
@@ -220,7 +222,7 @@ def cmd_bench(args: argparse.Namespace, config: Config) -> int:
             plot_bench(result, args.plot)
             print(f"chart: {args.plot}", file=sys.stderr)
         except (OSError, ValueError) as exc:
-            print(f"gpuwarden bench: --plot {args.plot}: {getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
+            print_error(f"gpuwarden bench: --plot {args.plot}: {getattr(exc, 'strerror', None) or exc}")
             code = code or EX_STEP_FAILED
     if sweep.interrupted:
         print("gpuwarden bench: interrupted; the result above is partial", file=sys.stderr)

@@ -21,6 +21,8 @@ from pathlib import Path
 from .. import __version__
 from ..config import Config
 from ..control import ChannelLost, ControlError, SweepClient, Unreachable, socket_path
+from ..safetext import visible_lines
+from ..systemd import print_error
 from .command import _gpu_reader, _raise_fd_limit, _serving_facts, comma_numbers
 from .watch import Watch
 
@@ -199,22 +201,22 @@ def cmd_tune(args: argparse.Namespace, config: Config) -> int:
             from .plot import chart_path
             args.plot = chart_path(args.plot)  # before the sweep: a bad name is one line now, not after it
     except (ValueError, PlotUnavailable) as exc:
-        print(f"gpuwarden tune: {exc}", file=sys.stderr)
+        print_error(f"gpuwarden tune: {exc}")
         return EX_USAGE
     setting, unit = ("gpu_clocks", "MHz") if args.clocks else ("power_limit_w", "W")
     base = (args.url or config.serve.url).rstrip("/").removesuffix("/v1")
     read_gpus, gpu_source, note = _gpu_reader(config)
     if read_gpus is None or not gpu_source.startswith("the daemon"):
-        print(f"gpuwarden tune: no daemon answers at {config.metrics.url}: tune needs the running daemon "
-              "(its /status for the power readings, its control socket for the settings)", file=sys.stderr)
+        print_error(f"gpuwarden tune: no daemon answers at {config.metrics.url}: tune needs the running daemon "
+                    "(its /status for the power readings, its control socket for the settings)")
         return EX_UNAVAILABLE
     try:
         client = SweepClient(socket_path(), setting, gpus, args.lease, args.force)
     except Unreachable as exc:
-        print(f"gpuwarden tune: {exc}", file=sys.stderr)
+        print_error(f"gpuwarden tune: {exc}")
         return EX_NOPERM if "permission denied" in str(exc) else EX_UNAVAILABLE
     except ControlError as exc:  # the daemon answered, and refused the sweep (or went away while answering)
-        print(f"gpuwarden tune: {exc}", file=sys.stderr)
+        print_error(f"gpuwarden tune: {exc}")
         return EX_FAILED
     restored: list[str] = []
     code = 0
@@ -242,18 +244,18 @@ def cmd_tune(args: argparse.Namespace, config: Config) -> int:
             sweep.interrupted = True
         except BenchError as exc:
             progress.clear()
-            print(f"gpuwarden tune: {exc}", file=sys.stderr)
+            print_error(f"gpuwarden tune: {exc}")
             code = exc.exit_code
         progress.clear()
     except ChannelLost as exc:  # the daemon gone while tune asked it something
         if sweep is None:
-            print(f"gpuwarden tune: {exc}", file=sys.stderr)
+            print_error(f"gpuwarden tune: {exc}")
             return EX_FAILED
         client.lost = client.lost or str(exc)
     except ControlError as exc:  # a step the daemon refused: the steps before it stand
         if sweep is not None:
             progress.clear()
-        print(f"gpuwarden tune: {exc}", file=sys.stderr)
+        print_error(f"gpuwarden tune: {exc}")
         if sweep is None:
             return EX_FAILED
         code = EX_FAILED
@@ -276,7 +278,7 @@ def cmd_tune(args: argparse.Namespace, config: Config) -> int:
                           "system_tokens_per_s": knee["system_tokens_per_s"], "peak_tokens_per_s": peak,
                           "share_of_peak": knee["system_tokens_per_s"] / peak}
         result["config"] = config_lines(setting, knee["setting"], gpus)
-    print(json.dumps(result, indent=2) if args.json else render(result))
+    print(json.dumps(result, indent=2) if args.json else visible_lines(render(result)))  # quotes the server
     if client.lost is None:
         print("the daemon put the configured setting back: " + ("; ".join(restored) or "nothing had changed"),
               file=sys.stderr)
@@ -285,12 +287,12 @@ def cmd_tune(args: argparse.Namespace, config: Config) -> int:
             plot_tune(result, args.plot)
             print(f"chart: {args.plot}", file=sys.stderr)
         except (PlotUnavailable, OSError, ValueError) as exc:
-            print(f"gpuwarden tune: --plot {args.plot}: {getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
+            print_error(f"gpuwarden tune: --plot {args.plot}: {getattr(exc, 'strerror', None) or exc}")
             code = code or EX_FAILED
     if client.lost is not None:
-        print(f"gpuwarden tune: {client.lost}: the sweep lost its lease mid-step (the daemon puts the configured "
-              "setting back: at once, at the lease's end, or at its next start); the steps above are partial",
-              file=sys.stderr)
+        print_error(f"gpuwarden tune: {client.lost}: the sweep lost its lease mid-step (the daemon puts the "
+                    "configured setting back: at once, at the lease's end, or at its next start); the steps above "
+                    "are partial")
         return EX_FAILED
     if sweep.interrupted:
         print("gpuwarden tune: interrupted; the steps above are partial", file=sys.stderr)
@@ -313,7 +315,7 @@ def _apply(lines: str, config_path: Path, pid: int, setting: str, value: float, 
         dropin.parent.mkdir(parents=True, exist_ok=True)
         dropin.write_text("# written by `gpuwarden tune --apply`: the knee of its sweep\n" + lines)
     except OSError as exc:
-        print(f"gpuwarden tune: --apply: {dropin}: {exc.strerror or exc}", file=sys.stderr)
+        print_error(f"gpuwarden tune: --apply: {dropin}: {exc.strerror or exc}")
         return EX_FAILED
     try:
         merged = config_mod.load(config_path)
@@ -329,14 +331,14 @@ def _apply(lines: str, config_path: Path, pid: int, setting: str, value: float, 
         overridden = [f"the merged config does not load: {exc}"]
     if overridden:
         dropin.unlink(missing_ok=True)
-        print(f"gpuwarden tune: --apply: not applied, and {dropin} removed again: the knee would not take effect: "
-              + "; ".join(overridden), file=sys.stderr)
+        print_error(f"gpuwarden tune: --apply: not applied, and {dropin} removed again: the knee would not take "
+                    "effect: " + "; ".join(overridden))
         return EX_FAILED
     try:
         os.kill(pid, signal.SIGHUP)
     except OSError as exc:
-        print(f"gpuwarden tune: --apply: wrote {dropin}, but the reload (SIGHUP to pid {pid}) failed: "
-              f"{exc.strerror or exc}", file=sys.stderr)
+        print_error(f"gpuwarden tune: --apply: wrote {dropin}, but the reload (SIGHUP to pid {pid}) failed: "
+                    f"{exc.strerror or exc}")
         return EX_FAILED
     print(f"applied: wrote {dropin} and reloaded the daemon (pid {pid}); `gpuwarden status` shows the setting",
           file=sys.stderr)

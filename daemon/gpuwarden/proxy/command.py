@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ..config import ProxyConfig, parse_address
 from ..serving.compose.engines import engine_for
+from ..systemd import LineFormatter
 from . import diff
 from .dump import Dumper
 from .faults import FaultLog
@@ -89,7 +90,11 @@ def cmd_proxy(args: argparse.Namespace, load_config) -> int:
     if keep < 2 or max_body < 1024 or args.dump_max_bytes < 1 << 20 or not 0.1 <= args.client_timeout <= 3600:
         return _usage("proxy: --dump-keep must be at least 2, --max-body-bytes at least 1024, --dump-max-bytes at "
                       "least 1048576, and --client-timeout 0.1 to 3600 s")
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stderr)
+    # One line per record, control characters escaped: the lines quote clients' request paths, and reach the
+    # daemon's journal as the child's output (or the proxy's own journal when it runs alone).
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(LineFormatter("%(levelname)s %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
     faults = FaultLog()
     dumper = Dumper(dump_dir, keep, args.dump_max_bytes, faults.note) if dump_dir else None
     return serve(upstream, listen, rules, engine, dumper, max_body, args.client_timeout, faults)

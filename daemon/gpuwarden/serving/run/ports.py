@@ -16,6 +16,8 @@ import socket
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from ...safetext import visible
+
 LISTEN = "0A"
 
 
@@ -196,10 +198,11 @@ def describe(pid: int, proc: str = "/proc") -> str:
     """'pid 1234 (user bob, python3)', as far as /proc tells."""
     try:
         uid = os.stat(f"{proc}/{pid}").st_uid
-        comm = Path(proc, str(pid), "comm").read_text().strip()
+        # Any bytes its owner chose (prctl PR_SET_NAME): not UTF-8, or a newline and `STOPPING=1` for STATUS=.
+        comm = Path(proc, str(pid), "comm").read_bytes().removesuffix(b"\n").decode("utf-8", "replace")
     except OSError:
         return f"pid {pid}"
-    return f"pid {pid} ({_user(uid)}, {comm})"
+    return f"pid {pid} ({_user(uid)}, {visible(comm)})"
 
 
 def who_listens(port: int, proc: str = "/proc", host: str | None = None) -> str:
