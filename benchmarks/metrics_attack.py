@@ -73,8 +73,9 @@ def get(port: int, context: ssl.SSLContext | None, auth: tuple[str, str] | None 
         conn.close()
 
 
-def guess_crowd(port: int, cafile: str | None, clients: int, seconds: float) -> dict:
-    """Wrong passwords, a new one each time, from `clients` threads back to back; the replies by status."""
+def guess_crowd(port: int, cafile: str | None, clients: int, seconds: float, source: str = "127.0.0.1") -> dict:
+    """Wrong passwords, a new one each time, from `clients` threads back to back, all from the source address;
+    the replies by status."""
     context = client_context(cafile)
     replies: Counter[int] = Counter()
     lock = threading.Lock()
@@ -84,7 +85,7 @@ def guess_crowd(port: int, cafile: str | None, clients: int, seconds: float) -> 
         for i in itertools.count():
             if time.monotonic() >= end:
                 return
-            code = get(port, context, ("prometheus", f"guess-{n}-{i}"), timeout=5)
+            code = get(port, context, ("prometheus", f"guess-{n}-{i}"), source, timeout=5)
             with lock:
                 replies[code] += 1
 
@@ -224,6 +225,7 @@ def main() -> None:
     crowd.add_argument("--cafile")
     crowd.add_argument("--clients", type=int, default=64)
     crowd.add_argument("--seconds", type=float, default=5.0)
+    crowd.add_argument("--source", default="127.0.0.1", help="the guessers' address (guess only)")
     parser.add_argument("--before", default="ec4d29d8", help="the revision to compare against (default: the "
                         "last one before the event-loop server)")
     parser.add_argument("--seconds", type=float, default=20.0)
@@ -231,8 +233,10 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="a short run: this tree only, 4 s each")
     args = parser.parse_args()
     if args.command == "crowd":
-        run = trickle_crowd if args.kind == "trickle" else guess_crowd
-        print(json.dumps(run(args.port, args.cafile, args.clients, args.seconds)))
+        if args.kind == "trickle":
+            print(json.dumps(trickle_crowd(args.port, args.cafile, args.clients, args.seconds)))
+        else:
+            print(json.dumps(guess_crowd(args.port, args.cafile, args.clients, args.seconds, args.source)))
         return
     seconds = 4.0 if args.smoke else args.seconds
     with tempfile.TemporaryDirectory() as tmp:

@@ -25,7 +25,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from . import __version__, earlysignals, smallfile
+from . import __version__, earlysignals, smallfile, webconfig
 from .config import Config
 from .control import ControlServer, Sweeps, socket_path
 from .exporter import Exposition, MetricsServer
@@ -58,6 +58,7 @@ def reexec() -> None:
     os.environ[HANDOVER_ENV] = "1"
     flush_logs(2.0)
     earlysignals.block_for_exec()  # (again: reexec() is also called on its own)
+    webconfig.let_inherit()  # the scrapers let in stay let in: Daemon.finish handed them over
     os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 
 
@@ -105,6 +106,7 @@ class Daemon:
         # a sweep cut by this daemon's predecessor's death (or its handover: a lease is its connection's, and
         # the connection did not carry over): its setting back first
         self.sweeps.recover(handover=HANDOVER_ENV in os.environ)
+        webconfig.take_over(self.config.metrics.web)  # the scrapers the image before this one let in, if any
         plan = self.tuning.check(self.config)
         # After a handover, or a crash of the daemon that left the engine serving, the engine runs already, its
         # flags checked when it started: only lint here, so the daemon watches it again within seconds, not
@@ -314,12 +316,15 @@ class Daemon:
             self.sweeps.end("the daemon stops")  # before the restore below, which may put back less
         if not self.handing_over:
             self.tuning.restore()
+        web = self.server.web if self.server is not None else None  # the server's (a reload's config: a copy)
         if self.server is not None:
             self.server.stop()
             self.server = None
             if os.environ.get("RUNTIME_DIRECTORY"):
                 with contextlib.suppress(OSError):
                     listen_file().unlink()
+        if self.handing_over and web is not None:
+            web.hand_over()  # after the server's end, so that every scraper it let in is in (reexec passes it)
         self.exposition.close()
 
     def status_document(self) -> dict:

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import logging
 import socket
 import ssl
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable, Iterator
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -380,7 +381,9 @@ MAX_CONNECTIONS = 64  # open at once (fds stay well under 1024); past it, one wa
 REQUEST_DEADLINE_S = 10.0  # from accept to the end of the request head, TLS handshake included (Prometheus: 10 s)
 RESPONSE_DEADLINE_S = 10.0  # to hand over the whole reply and close
 MAX_REQUEST_HEAD = 16 * 1024  # request line and headers, read at once; a scrape sends about 200 bytes
-AUTH_WAITING = 4  # password checks running (one at a time: at most a core) or queued; past it, 503
+AUTH_WAITING = 16  # password checks running (one at a time: at most a core) or waiting, from every source
+AUTH_PER_SOURCE = 2  # of those, from one source (an address; an IPv6 /64); past it, that source gets 503
+FAILED_SOURCES = 1024  # sources whose last password check failed, kept to serve them after the others
 LISTEN_BACKLOG = 128
 ACCEPT_BATCH = 16  # connections taken per wake-up: a burst holds at most this many fds over the cap at once
 FAULT_LOG_INTERVAL_S = 60.0
@@ -420,6 +423,131 @@ class _Connection:
     phase: str = "request"
 
 
+def source_of(peer: str) -> str:
+    """Whom a password check is counted against: the client's address, an IPv6 one by its /64 (what one
+    host, or one customer of a provider, is usually given: 2**64 addresses would be 2**64 sources)."""
+    try:
+        address = ipaddress.ip_address(peer)
+    except ValueError:
+        return peer
+    if address.version == 6 and address.ipv4_mapped is None:
+        return str(ipaddress.ip_network((address, 64), strict=False))
+    return str(getattr(address, "ipv4_mapped", None) or address)
+
+
+class AuthLine:
+    """Password checks, one at a time (at most a core), in turns by source (source_of), so that a crowd
+    guessing passwords from one place cannot keep out a scraper whose password is not remembered yet:
+    Prometheus started during the attack, or a scraper checked anew after a change of web.yml.
+
+    One line for everyone (issue 35) was full whenever a crowd was: a scraper not yet remembered got 503 on
+    30 of 30 tries. Here:
+    - a source has at most AUTH_PER_SOURCE checks running or waiting; past it, *that source* gets 503 at once;
+    - the sources take turns (round-robin), a check each;
+    - a source whose last check failed waits behind every source that has not failed (new ones, and those
+      that passed since): a scraper with the right password from its own address waits for the check under
+      way and its own, however large the crowd. A pass clears the mark; FAILED_SOURCES marks are kept, the
+      oldest forgotten first;
+    - AUTH_WAITING checks in all, so waiting checks (whose connections are never dropped to make room) leave
+      most of MAX_CONNECTIONS free, and so the sources in the line are bounded too. In a full line, a source
+      that has not failed takes the place of the last waiting check of the failed source that holds most
+      (which gets 503); a failed source gets 503.
+    What no choice by address can beat: a crowd from the scraper's own address (it shares that source's
+    places and turns; a remembered scraper skips the line), and one with many addresses (any local user
+    has all of 127.0.0.0/8; a remote one an IPv6 prefix, counted by /64), each address a source that has
+    not failed until its first check. Then the bounds still hold (one core, AUTH_WAITING connections, a
+    wait of at most AUTH_WAITING checks once in: 5 s at cost 12), and each address costs the crowd a check
+    run before it is marked; a new scraper competes with the crowd's fresh addresses for a free place.
+    """
+
+    def __init__(self):
+        self.waiting: dict[str, deque[asyncio.Future]] = {}  # by source, in turn order
+        self.held: Counter[str] = Counter()  # checks running or waiting, by source
+        self.failed: dict[str, None] = {}  # sources whose last check failed, oldest first
+        self.running = False
+
+    async def check(self, source: str, run: Callable[[], Awaitable[bool]]) -> bool | None:
+        """run()'s verdict, run in source's turn; None when the line has no place for it (503)."""
+        turn = self._enter(source)
+        if turn is None:
+            return None
+        verdict = None
+        try:
+            if not await turn:  # a newcomer that never failed took its place
+                return None
+            verdict = await run()
+            return verdict
+        finally:
+            if turn.cancelled():  # its connection went while it waited
+                self._leave(source, turn)
+            elif turn.result():
+                self._done(source, verdict)
+
+    def _enter(self, source: str) -> asyncio.Future | None:
+        if self.held[source] >= AUTH_PER_SOURCE:
+            return None
+        if self.held.total() >= AUTH_WAITING and not self._make_room(source):
+            return None
+        turn = asyncio.get_running_loop().create_future()
+        self.waiting.setdefault(source, deque()).append(turn)
+        self.held[source] += 1
+        self._next()
+        return turn
+
+    def _make_room(self, newcomer: str) -> bool:
+        if newcomer in self.failed:
+            return False
+        failed = [source for source in self.waiting if source in self.failed]
+        if not failed:
+            return False
+        source = max(failed, key=lambda s: len(self.waiting[s]))
+        self._leave(source, self.waiting[source][-1])
+        return True
+
+    def _leave(self, source: str, turn: asyncio.Future) -> None:
+        """A waiting check leaves the line (its connection went, or a newcomer took its place)."""
+        queue = self.waiting.get(source)
+        if queue is not None and turn in queue:
+            queue.remove(turn)
+            if not queue:
+                del self.waiting[source]
+        if not turn.done():
+            turn.set_result(False)
+        self._release(source)
+
+    def _done(self, source: str, verdict: bool | None) -> None:
+        """The running check ended: passed, failed, or (None) its connection went."""
+        self.running = False
+        if verdict is not None:
+            self.failed.pop(source, None)
+        if verdict is False:
+            self.failed[source] = None
+            if len(self.failed) > FAILED_SOURCES:
+                del self.failed[next(iter(self.failed))]
+        self._release(source)
+        self._next()
+
+    def _release(self, source: str) -> None:
+        self.held[source] -= 1
+        if self.held[source] <= 0:
+            del self.held[source]
+
+    def _next(self) -> None:
+        """Give the next check its turn, unless one runs."""
+        if self.running:
+            return
+        while self.waiting:
+            source = next((s for s in self.waiting if s not in self.failed), next(iter(self.waiting)))
+            queue = self.waiting.pop(source)
+            turn = queue.popleft()
+            if queue:
+                self.waiting[source] = queue  # to the end of the turns
+            if not turn.done():  # (done: cancelled, its connection gone; check() gives its place back)
+                self.running = True
+                turn.set_result(True)
+                return
+
+
 class MetricsServer:
     """`/metrics` for Prometheus and `/status` for `gpuwarden status`, from an event loop on its own thread.
 
@@ -428,8 +556,8 @@ class MetricsServer:
     pushes out the oldest connection that waits on its client, from the address that holds the most, so a
     crowd cannot hold every slot; only when the server is busy with all of them is the new one refused
     (the short line of password checks keeps that from happening). Password checks (bcrypt) run one at a
-    time on a worker thread, at most AUTH_WAITING in line, past which a request gets 503 at once; a scraper
-    whose password passed once is remembered and skips the line.
+    time on a worker thread, taken in turns by source (AuthLine); a request the line has no place for gets
+    503 at once; a scraper whose password passed once is remembered and skips the line.
     """
 
     def __init__(self, listen: tuple[str, int], exposition: Exposition, status: Callable[[], dict],
@@ -445,7 +573,7 @@ class MetricsServer:
         self.web = web
         self.faults = FaultLog()
         self.connections: dict[asyncio.Task, _Connection] = {}  # oldest first
-        self.checking = 0  # password checks running or waiting
+        self.line = AuthLine()  # password checks waiting for their turn
         self.checks = ThreadPoolExecutor(1, thread_name_prefix="metrics-auth")
         self.loop = asyncio.new_event_loop()
         self._main: asyncio.Task | None = None
@@ -584,21 +712,18 @@ class MetricsServer:
         return _reply(404, b"not found\n")
 
     async def _refusal(self, header: str | None, peer: str) -> bytes | None:
-        """None when basic auth lets the request through, else the reply: 401, or 503 while the line of
-        password checks is full (a crowd of wrong passwords then costs one core at most, and a remembered
-        scraper still gets in)."""
+        """None when basic auth lets the request through, else the reply: 401, or 503 when the line of
+        password checks has no place for it (AuthLine: a crowd of wrong passwords then costs one core at
+        most, a remembered scraper skips the line, and one never checked yet goes before the crowd)."""
         if self.web is None:
             return None
         verdict = self.web.remembered(header)
         if verdict is None:
-            if self.checking >= AUTH_WAITING:
+            verdict = await self.line.check(source_of(peer), lambda: self.loop.run_in_executor(
+                self.checks, self.web.authorized, header))
+            if verdict is None:
                 self.faults.note("refused: password checks queued", peer)
                 return _reply(503, b"too many password checks at once\n", extra=("Retry-After: 1",))
-            self.checking += 1
-            try:
-                verdict = await self.loop.run_in_executor(self.checks, self.web.authorized, header)
-            finally:
-                self.checking -= 1
         if verdict:
             return None
         self.faults.note("unauthorized", peer)

@@ -14,8 +14,20 @@
 Passwords are checked with bcrypt (Debian: python3-bcrypt); a check that
 passed is remembered, as the toolkit does, so a scrape does not pay bcrypt's
 cost every time. The server decides how many checks run at once
-(exporter.MetricsServer): `remembered` answers without bcrypt, `authorized`
-is the whole check, for a worker thread.
+(exporter.AuthLine): `remembered` answers without bcrypt, `authorized` is the
+whole check, for a worker thread.
+
+What is remembered is HMAC-SHA256 of "user:password" under a random key of
+this process's, not a plain SHA-256: SHA-256 is fast to try guesses against,
+and the same password would give the same digest on every host and in every
+process (a table computed once fits them all); keyed, a digest is this
+process's own, as a salted one is. The set survives a handover (SIGUSR2,
+re-exec of the same pid; daemon.reexec): hand_over() writes it, with its key,
+into a memfd whose number crosses in REMEMBERED_FD_ENV, and take_over() reads
+and closes it at the new image's start. The key crosses with the digests, so
+the memfd itself is as good as the remembered set to whoever reads it: it is
+never in the environment or a file, and only the daemon's user with ptrace
+rights over it (root) can open it through /proc.
 """
 
 from __future__ import annotations
@@ -23,6 +35,8 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import logging
+import os
 import ssl
 import threading
 from dataclasses import dataclass, field
@@ -32,8 +46,26 @@ from . import yamlfile
 from .schema import Reader, type_name
 from .yamlfile import ConfigError
 
+log = logging.getLogger("gpuwarden")
 REALM = "gpuwarden"
 PASSED_REMEMBERED = 64  # credentials that passed a check, kept so a scrape skips bcrypt
+REMEMBERED_FD_ENV = "GPUWARDEN_REMEMBERED_FD"  # across a re-exec: the memfd holding the remembered set
+_MEMFD_NAME = "gpuwarden-remembered"
+_CARRY_MAGIC = b"gpuwarden remembered 1\n"
+_DIGEST = 32  # bytes of a SHA-256 (the users' fingerprint, the key, each remembered credential)
+_CARRY_MAX = len(_CARRY_MAGIC) + 2 * _DIGEST + PASSED_REMEMBERED * _DIGEST
+
+
+class _Memory:
+    """The credentials that passed, as HMAC-SHA256 under this process's key (or the one handed over)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.key = os.urandom(_DIGEST)
+        self.passed: dict[bytes, None] = {}  # oldest first
+
+    def digest(self, decoded: bytes) -> bytes:
+        return hmac.new(self.key, decoded, hashlib.sha256).digest()
 
 
 @dataclass(frozen=True)
@@ -42,8 +74,7 @@ class WebConfig:
     cert_file: Path | None = None
     key_file: Path | None = None
     users: tuple[tuple[str, str], ...] = ()  # (name, bcrypt hash)
-    _passed: dict = field(default_factory=dict, compare=False, repr=False)  # digests, oldest first
-    _lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
+    _memory: _Memory = field(default_factory=_Memory, compare=False, repr=False)
 
     @property
     def tls(self) -> bool:
@@ -63,7 +94,7 @@ class WebConfig:
         decoded = _decode(header)
         if decoded is None:
             return False
-        return True if self._remembers(hashlib.sha256(decoded).digest()) else None
+        return True if self._remembers(decoded) else None
 
     def authorized(self, header: str | None) -> bool:
         """True when basic auth is off, or the Authorization header names a user with the right password.
@@ -73,8 +104,7 @@ class WebConfig:
         decoded = _decode(header)
         if decoded is None:
             return False
-        key = hashlib.sha256(decoded).digest()
-        if self._remembers(key):
+        if self._remembers(decoded):
             return True
         try:
             name, _, password = decoded.decode("utf-8").partition(":")
@@ -92,16 +122,89 @@ class WebConfig:
             return False
         if not ok or hashed is None:
             return False
-        with self._lock:
+        memory = self._memory
+        with memory.lock:
             # Only right passwords get here, yet bcrypt reads 72 bytes of one, so suffixes make more: a bound.
-            if len(self._passed) >= PASSED_REMEMBERED:
-                del self._passed[next(iter(self._passed))]
-            self._passed[key] = None
+            if len(memory.passed) >= PASSED_REMEMBERED:
+                del memory.passed[next(iter(memory.passed))]
+            memory.passed[memory.digest(decoded)] = None
         return True
 
-    def _remembers(self, key: bytes) -> bool:
-        with self._lock:
-            return any(hmac.compare_digest(key, seen) for seen in self._passed)
+    def _remembers(self, decoded: bytes) -> bool:
+        memory = self._memory
+        with memory.lock:
+            key = memory.digest(decoded)
+            return any(hmac.compare_digest(key, seen) for seen in memory.passed)
+
+    def _fingerprint(self) -> bytes:
+        """Of the users and their hashes: a set remembered under other ones (a password changed in web.yml
+        since) must not cross."""
+        return hashlib.sha256("\n".join(f"{name}:{hashed}" for name, hashed in self.users).encode()).digest()
+
+    def hand_over(self) -> None:
+        """Before a re-exec: the remembered set, its key and the users' fingerprint into a memfd for the new
+        image (take_over), its number in REMEMBERED_FD_ENV. Close-on-exec until let_inherit(), just before
+        execv: no child started meanwhile gets it."""
+        memory = self._memory
+        with memory.lock:
+            if not memory.passed:
+                return
+            data = _CARRY_MAGIC + self._fingerprint() + memory.key + b"".join(memory.passed)
+        fd = os.memfd_create(_MEMFD_NAME, os.MFD_CLOEXEC)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.environ[REMEMBERED_FD_ENV] = str(fd)
+
+    def _take(self, data: bytes) -> str | None:
+        """Remember what hand_over() wrote; None, or why it was left (in words)."""
+        body = data[len(_CARRY_MAGIC):]
+        if (not data.startswith(_CARRY_MAGIC) or len(data) > _CARRY_MAX or len(body) % _DIGEST
+                or len(body) < 2 * _DIGEST):
+            return f"not what a handover writes ({len(data)} bytes)"
+        if not hmac.compare_digest(body[:_DIGEST], self._fingerprint()):
+            return "basic_auth_users changed since: every scraper's password is checked again"
+        memory = self._memory
+        with memory.lock:
+            memory.key = body[_DIGEST:2 * _DIGEST]
+            memory.passed = dict.fromkeys(body[i:i + _DIGEST] for i in range(2 * _DIGEST, len(body), _DIGEST))
+        return None
+
+
+def let_inherit() -> None:
+    """daemon.reexec, just before execv: the memfd of hand_over() crosses the exec."""
+    number = os.environ.get(REMEMBERED_FD_ENV)
+    if number is not None:
+        os.set_inheritable(int(number), True)
+
+
+def take_over(web: WebConfig | None) -> None:
+    """At the start of a re-executed image: the scrapers the image before it remembered (hand_over), into web
+    (none: metrics or basic auth are off now). The memfd is read and closed whatever it holds; an fd that is
+    not our memfd is left alone. Anything amiss is one log line, and the scrapers' passwords are checked again."""
+    number = os.environ.pop(REMEMBERED_FD_ENV, None)
+    if number is None:
+        return
+    try:
+        fd = int(number)
+        if not os.readlink(f"/proc/self/fd/{fd}").startswith(f"/memfd:{_MEMFD_NAME} "):
+            raise ValueError(f"fd {fd} is not the handover's memfd")
+    except (ValueError, OSError) as exc:
+        log.warning("metrics: the remembered scrapers handed over are ignored: %s=%.20r: %s", REMEMBERED_FD_ENV,
+                    number, getattr(exc, "strerror", None) or exc)
+        return
+    try:
+        data = os.pread(fd, _CARRY_MAX + 1, 0)
+    except OSError as exc:
+        data, why = b"", exc.strerror or str(exc)
+    else:
+        why = "metrics or basic auth are off now" if web is None or not web.users else web._take(data)
+    finally:
+        os.close(fd)
+    if why is not None:
+        log.warning("metrics: the remembered scrapers handed over are ignored: %s", why)
+        return
+    log.info("metrics: %d scraper(s) remembered across the handover", len(web._memory.passed))
 
 
 def _decode(header: str | None) -> bytes | None:
