@@ -135,11 +135,7 @@ class Daemon:
                 except OSError as exc:
                     log.warning("%s not written: %s", listen_file(), exc.strerror or exc)
             log.info("serving /metrics and /status on %s", self.config.metrics.url)  # after the file: it is there
-        if launch is not None:
-            self._start_serving(launch, now)
-        elif self.serving.state_dir is not None:
-            handover.end_leftovers(handover.load(self.serving.state_dir), "serving is off now")
-            handover.clear(self.serving.state_dir)
+        self._start_serving(launch, now)
         self.tick(now)
 
     def _engine_survives(self) -> bool:
@@ -151,8 +147,9 @@ class Daemon:
                    if child.name == self.config.serve.engine)
 
     def _start_serving(self, launch, now: float) -> None:
-        """Start the children, or take over those an earlier daemon left running: after a re-exec (an
-        upgrade) their output pipes were inherited; after a crash systemd's fd store kept them."""
+        """Start the children (launch None: serving is off), or take over those an earlier daemon left running:
+        after a re-exec (an upgrade) their output pipes were inherited; after a crash systemd's fd store kept
+        them."""
         record = handover.load(self.serving.state_dir)
         reexec = os.environ.pop(HANDOVER_ENV, None) is not None
         if reexec and record is not None:  # this process's own fds, kept open across execv
@@ -162,6 +159,10 @@ class Daemon:
         if record is not None and record.stopping and not reexec:
             handover.end_leftovers(record, "the daemon before this one was stopping")
             record = None
+        if launch is None:  # serving is off: what the daemon before left running is stopped
+            self.serving.stop_unnamed(record, fds, now, self.config.serve.stop_timeout_s,
+                                      "serving is off in this config")
+            return
         self.serving.start(launch, now, record, fds, "an upgrade (re-exec, same daemon pid)" if reexec
                            else "a restart of the daemon")
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,10 +27,10 @@ from ..compose.identity import Identity
 from ..watch.metrics import MetricsReader, ServingStats
 from ..compose.prepare import prepare_serve
 from . import handover
-from .processes import ProcessOps
+from .processes import Child, ProcessOps
 from .spec import ChildSpec, engine_spec, ray_spec
 from ..watch.stall import Progress, StallWatch
-from .supervisor import FATAL, RUNNING, Program, ServingView, Supervisor
+from .supervisor import FATAL, KILL_WAIT_S, RUNNING, Program, ServingView, Supervisor
 
 log = logging.getLogger("gpuwarden")
 
@@ -87,6 +88,18 @@ def _sides(config: Config, identity: Identity, sides: Sequence[Side]) -> tuple[C
     return tuple(spec for make in sides if (spec := make(config, identity)) is not None)
 
 
+@dataclass
+class _Unnamed:
+    """A child the daemon before this one recorded and this one's config does not name (the proxy turned off
+    between a crash and the restart): stopping, and in the record until its group is gone, so that a crash
+    meanwhile still knows it and `gpuwarden cleanup` still ends it."""
+
+    entry: handover.Recorded  # as recorded, with the output pipe this daemon reads now
+    child: Child
+    kill_at: float  # SIGKILL then; once killed, when to give up on survivors
+    killed: bool = False
+
+
 class ServingRuntime:
     def __init__(self, backend: GpuBackend, sides: Sequence[Side] = (), ops: ProcessOps | None = None,
                  clock: Callable[[], float] = time.monotonic, state_dir: Path | None = None,
@@ -99,6 +112,7 @@ class ServingRuntime:
         self.keep_fd = keep_fd  # hands a child's output pipe to systemd's fd store (None: drop it)
         self._recorded: handover.Record | None = None  # what the record on disk says now
         self._stopping = False  # stop() came: whatever outlives this daemon is a leftover, not to adopt
+        self._unnamed: list[_Unnamed] = []  # recorded children this config does not name, being stopped
         self.launch: Launch | None = None  # what runs now
         self.children: Supervisor | None = None
         self.pending: Launch | None = None  # the next launch, started once the running children have stopped
@@ -120,25 +134,29 @@ class ServingRuntime:
 
     @property
     def stopped(self) -> bool:
-        return self.children is None or self.children.stopped
+        return (self.children is None or self.children.stopped) and not self._unnamed
 
     def start(self, launch: Launch, now: float, adoptable: handover.Record | None = None,
               fds: Mapping[str, int] | None = None, how: str = "") -> None:
         """Start the launch's children; with adoptable (the record an earlier daemon left), a recorded child
         that is provably ours is taken over instead: kept as it is when the config asks for the same command,
-        else stopped and replaced as a reload would (the new one starts once it has stopped)."""
+        else stopped and replaced as a reload would (the new one starts once it has stopped). One the launch
+        does not name is stopped (stop_unnamed)."""
         self.launch = launch
         programs = [Program(launch.engine, self.ops, self.clock),
                     *(Program(spec, self.ops, self.clock) for spec in launch.sides)]
         self.children = Supervisor(programs)
         self._make_watchers(launch)
-        recorded = {c.name: c for c in adoptable.children} if adoptable is not None else {}
+        named = {p.name: p for p in programs}
+        fds = dict(fds or {})  # each pipe is taken once
         changed = False
-        for program in programs:
-            entry = recorded.get(program.name)
-            if entry is None:
+        for entry in adoptable.children if adoptable is not None else ():
+            program = named.pop(entry.name, None)
+            fd = fds.pop(f"child-{entry.name}", None)
+            if program is None:
+                self._stop_unnamed(entry, fd, now, launch.config.serve.stop_timeout_s, "not in this config")
                 continue
-            child = self.ops.adopt(entry, (fds or {}).get(f"child-{program.name}"), program.on_line)
+            child = self.ops.adopt(entry, fd, program.on_line)
             if child is None:
                 continue
             program.adopt(child, now, handover.started_wall(entry.start_ticks), how)
@@ -150,6 +168,45 @@ class ServingRuntime:
         if changed:
             self._replace_all(launch, now)
         self._record(now)
+
+    def stop_unnamed(self, record: handover.Record | None, fds: Mapping[str, int] | None, now: float,
+                     grace: float, why: str) -> None:
+        """Stop every child of record (serving is off: no launch names any)."""
+        fds = dict(fds or {})
+        for entry in record.children if record is not None else ():
+            self._stop_unnamed(entry, fds.pop(f"child-{entry.name}", None), now, grace, why)
+        self._record(now)
+
+    def _stop_unnamed(self, entry: handover.Recorded, fd: int | None, now: float, grace: float, why: str) -> None:
+        """A recorded child no program of this daemon takes over: stopped as a stop would (SIGTERM to its group
+        now, SIGKILL after grace, in tick), if it is provably the recorded process (ops.adopt proves it; a
+        recycled PID is never signalled). Its output is read meanwhile, so that its last lines are logged."""
+        child = self.ops.adopt(entry, fd, lambda line: log.info("%s: %s", entry.name, line))
+        if child is None:
+            return
+        self.ops.killpg(child.pgid, signal.SIGTERM)
+        log.warning("%s pid %d: recorded by the daemon before, %s: stopping it (SIGTERM to its process group, "
+                    "SIGKILL after %g s)", entry.name, entry.pid, why, grace)
+        self._unnamed.append(_Unnamed(dataclasses.replace(entry, fd=child.output_fd), child, now + grace))
+
+    def _tick_unnamed(self, now: float) -> None:
+        """Advance the stops of unnamed children (never waiting): SIGKILL once the grace is over; gone once
+        their group is empty."""
+        for leaving in list(self._unnamed):
+            self.ops.poll(leaving.child)  # reap the leader (a re-exec's own child)
+            alive = self.ops.group_pids(leaving.child.pgid)  # a group's ID is not reused while it has members
+            if alive and now < leaving.kill_at:
+                continue
+            if alive and not leaving.killed:
+                log.warning("%s pid %d did not stop within its grace: SIGKILL to its %d processes",
+                            leaving.entry.name, leaving.entry.pid, len(alive))
+                self.ops.killpg(leaving.child.pgid, signal.SIGKILL)
+                leaving.killed, leaving.kill_at = True, now + KILL_WAIT_S
+                continue
+            if alive:
+                log.error("processes %s of the recorded %s's group survived SIGKILL for %g s", alive,
+                          leaving.entry.name, KILL_WAIT_S)
+            self._unnamed.remove(leaving)
 
     def _make_watchers(self, launch: Launch) -> None:
         engine, serve = launch.command.engine, launch.config.serve
@@ -169,6 +226,7 @@ class ServingRuntime:
             if child is not None and child.start_ticks is not None:
                 running.append(handover.Recorded(program.name, child.pid, child.start_ticks, program.identity.uid,
                                                  handover.argv_digest(program.spec.argv), child.output_fd))
+        running += [leaving.entry for leaving in self._unnamed]  # not adopted, but theirs to end until gone
         record = handover.Record(tuple(running), self._stopping)
         if record == self._recorded:
             return
@@ -193,6 +251,9 @@ class ServingRuntime:
     def tick(self, now: float) -> tuple[tuple[ServingView, ...] | None, ServingStats | None]:
         """Advance the children, read the engine's metrics and judge its progress: (views, stats)."""
         self._swap_in_pending(now)
+        if self._unnamed:
+            self._tick_unnamed(now)
+            self._record(now)
         if self.children is None:
             return None, None
         engine = self.children.main
@@ -218,7 +279,7 @@ class ServingRuntime:
 
     def _swap_in_pending(self, now: float) -> None:
         """After a reload, the new children start once the old ones are fully stopped."""
-        if not self.stopped:
+        if self.children is not None and not self.children.stopped:
             return
         if self.pending is not None:
             launch, self.pending = self.pending, None
@@ -276,9 +337,14 @@ class ServingRuntime:
         self.pending = None
         if self.children is not None:
             self.children.stop(now)
+        if self.children is not None or self._unnamed:
             self._stopping = True
             self._record(now)
 
     def kill_now(self, now: float) -> None:
         if self.children is not None:
             self.children.kill_now(now)
+        for leaving in self._unnamed:  # a second stop request: no more grace
+            if not leaving.killed:
+                leaving.kill_at = now
+        self._tick_unnamed(now)
