@@ -111,7 +111,7 @@ def test_a_recorded_child_the_new_config_does_not_name_is_stopped_and_nothing_is
                 proc.wait()
 
 
-def test_with_serving_off_a_recorded_child_is_stopped_gracefully_and_recorded_until_gone(write, daemons, tmp_path):
+def test_with_serving_off_a_recorded_child_is_stopped_gracefully(write, daemons, tmp_path):
     """serve.enabled turned off between a crash and the restart: the recorded proxy gets SIGTERM and its grace,
     as a stop gives it, not an instant SIGKILL; the record is empty once it has gone."""
     proxy_port = free_port()
