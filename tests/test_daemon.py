@@ -198,6 +198,8 @@ def test_sd_notify_ready_status_watchdog_stopping(write, notify_socket):
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline and sum(m == "WATCHDOG=1" for m in messages) < 4:
             messages.append(sock.recv(4096).decode())
+        # The metrics socket goes to the fd store first (test_metrics_listener.py), before anything is tuned.
+        assert messages.pop(0) == "FDSTORE=1\nFDNAME=metrics"
         first = messages[0].splitlines()
         assert first[0] == "READY=1" and first[1] == "STATUS=2 GPUs · locked 3090 MHz · ok"
         assert messages.count("WATCHDOG=1") >= 4

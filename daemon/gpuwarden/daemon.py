@@ -28,7 +28,7 @@ from collections.abc import Callable
 from . import __version__, earlysignals, smallfile, webconfig
 from .config import Config
 from .control import ControlServer, Sweeps, socket_path
-from .exporter import Exposition, MetricsServer
+from .exporter import Exposition, MetricsServer, take_listener
 from .eventwatch import EventWatcher
 from .gpu.base import GpuBackend
 from .monitor import Monitor, describe_sample
@@ -51,6 +51,9 @@ RESTART_ONLY = ("gpu", "metrics", "counters_interval_s")
 ERROR_REPEAT_S = 60.0  # the same serving or poll error is logged at most this often
 STOP_MARGIN_S = 30.0  # beyond the child's drain, for SIGKILL and restoring the tuning
 HANDOVER_ENV = "GPUWARDEN_HANDOVER"  # set across a re-exec: the children's pipes were inherited
+# The metrics listener's fd, inherited across a re-exec: the port is never let go, so no local user can bind it
+# in between and keep the new image from starting. After a crash systemd's fd store holds it (FDNAME=metrics).
+METRICS_FD_ENV = "GPUWARDEN_METRICS_FD"
 
 
 def reexec() -> None:
@@ -58,6 +61,8 @@ def reexec() -> None:
     os.environ[HANDOVER_ENV] = "1"
     flush_logs(2.0)
     earlysignals.block_for_exec()  # (again: reexec() is also called on its own)
+    if os.environ.get(METRICS_FD_ENV, "").isdigit():  # finish() kept it open; inheritable only now, for the exec
+        os.set_inheritable(int(os.environ[METRICS_FD_ENV]), True)
     webconfig.let_inherit()  # the scrapers let in stay let in: Daemon.finish handed them over
     os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 
@@ -113,14 +118,8 @@ class Daemon:
         # after the engine's import (a minute and more on a busy host, the engine unwatched all the while).
         adopting = HANDOVER_ENV in os.environ or self._engine_survives()
         launch = self.serving.prepare(self.config, deep=not adopting) if self.config.serve.enabled else None
-        if self.config.metrics.listen is not None:
-            try:
-                self.server = MetricsServer(self.config.metrics.listen, self.exposition, self.status_document,
-                                            self.config.metrics.web)
-            except OSError as exc:
-                host, port = self.config.metrics.listen
-                raise StartupError(f"cannot serve metrics on {host}:{port}: {exc.strerror} "
-                                   "(change metrics.listen, or set it to none)") from None
+        stored = handover.stored_fds()  # once: it takes LISTEN_FDS out of the environment
+        self._open_metrics(stored.get("metrics"))
         for note in plan.notes:
             log.info("%s", note)
         log.info("before tuning: %s", " | ".join(describe_sample(g.sample()) for g in self.backend.gpus()))
@@ -135,7 +134,7 @@ class Daemon:
                 except OSError as exc:
                     log.warning("%s not written: %s", listen_file(), exc.strerror or exc)
             log.info("serving /metrics and /status on %s", self.config.metrics.url)  # after the file: it is there
-        self._start_serving(launch, now)
+        self._start_serving(launch, now, stored)
         self.tick(now)
 
     def _engine_survives(self) -> bool:
@@ -146,7 +145,27 @@ class Daemon:
         return any(handover.proven(child) is None for child in record.children
                    if child.name == self.config.serve.engine)
 
-    def _start_serving(self, launch, now: float) -> None:
+    def _open_metrics(self, stored: int | None) -> None:
+        """The metrics listener: the one the daemon before this one passed on (a re-exec's inherited fd, else
+        systemd's fd store) where it listens on metrics.listen, else bound anew; kept in the fd store for the
+        daemon after this one. Raises StartupError when the port cannot be bound."""
+        passed = os.environ.pop(METRICS_FD_ENV, "")
+        fd = int(passed) if passed.isdigit() else stored
+        listen = self.config.metrics.listen
+        listener = take_listener(fd, listen) if fd is not None else None
+        if fd is not None and listener is None:  # closed here; systemd's copy would hold the old port forever
+            self.notifier.keep_fd("metrics", None)
+        if listen is None:
+            return
+        try:
+            self.server = MetricsServer(listen, self.exposition, self.status_document, self.config.metrics.web,
+                                        listener)
+        except OSError as exc:
+            raise StartupError(f"cannot serve metrics on {listen[0]}:{listen[1]}: {exc.strerror} "
+                               "(change metrics.listen, or set it to none)") from None
+        self.notifier.keep_fd("metrics", self.server.listener.fileno())  # systemd ignores one it holds already
+
+    def _start_serving(self, launch, now: float, stored: dict[str, int]) -> None:
         """Start the children (launch None: serving is off), or take over those an earlier daemon left running:
         after a re-exec (an upgrade) their output pipes were inherited; after a crash systemd's fd store kept
         them."""
@@ -155,7 +174,7 @@ class Daemon:
         if reexec and record is not None:  # this process's own fds, kept open across execv
             fds = {f"child-{c.name}": c.fd for c in record.children if c.fd is not None}
         else:
-            fds = handover.stored_fds()
+            fds = stored
         if record is not None and record.stopping and not reexec:
             handover.end_leftovers(record, "the daemon before this one was stopping")
             record = None
@@ -305,7 +324,7 @@ class Daemon:
 
     def finish(self) -> None:
         """The last step of every exit, also after an error: stop the event thread, restore the tuning if
-        asked (not on a handover: the new image keeps it), close the port."""
+        asked (not on a handover: the new image keeps it), close the port (a handover passes it on instead)."""
         if self.watcher is not None:
             if not self.watcher.stop():
                 log.warning("the GPU event thread did not end within 2 s")
@@ -319,7 +338,11 @@ class Daemon:
             self.tuning.restore()
         web = self.server.web if self.server is not None else None  # the server's (a reload's config: a copy)
         if self.server is not None:
-            self.server.stop()
+            kept = self.server.stop(keep_listener=self.handing_over)
+            if kept is not None:  # reexec() passes it across the exec: the port stays ours throughout
+                os.environ[METRICS_FD_ENV] = str(kept)
+            elif self.stopping:  # asked to stop: nothing to take back. After an error the restart takes it back.
+                self.notifier.keep_fd("metrics", None)
             self.server = None
             if os.environ.get("RUNTIME_DIRECTORY"):
                 with contextlib.suppress(OSError):

@@ -423,6 +423,40 @@ class _Connection:
     phase: str = "request"
 
 
+def take_listener(fd: int, listen: tuple[str, int] | None) -> socket.socket | None:
+    """The metrics socket the daemon before this one passed on as fd (inherited across a re-exec, or from
+    systemd's fd store), when it listens on listen: close-on-exec again, so nothing started from here
+    inherits it. One bound elsewhere (metrics.listen changed, or is none now) is closed; an fd that is no TCP
+    listener at all is not ours to close. None: bind anew."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError as exc:
+        log.warning("metrics: fd %d passed on is no socket (%s): binding anew", fd, exc.strerror or exc)
+        return None
+    if (sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM
+            or not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)):
+        sock.detach()
+        log.warning("metrics: fd %d passed on is no listening TCP socket: left alone, binding anew", fd)
+        return None
+    if listen is not None and sock.getsockname()[:2] in _addresses(listen, sock.family):
+        sock.set_inheritable(False)
+        return sock
+    log.info("metrics: the socket passed on listens on %s port %d, not on metrics.listen now: closed",
+             *sock.getsockname()[:2])
+    sock.close()
+    return None
+
+
+def _addresses(listen: tuple[str, int], family: int) -> set[tuple[str, int]]:
+    """(address, port) as getsockname() gives them for a socket of family bound to listen (a name resolved)."""
+    host, port = listen
+    try:
+        return {info[4][:2] for info in socket.getaddrinfo(host, port, family, socket.SOCK_STREAM, 0,
+                                                           socket.AI_PASSIVE)}
+    except (socket.gaierror, UnicodeError):
+        return set()
+
+
 def source_of(peer: str) -> str:
     """Whom a password check is counted against: the client's address, an IPv6 one by its /64 (what one
     host, or one customer of a provider, is usually given: 2**64 addresses would be 2**64 sources)."""
@@ -561,13 +595,15 @@ class MetricsServer:
     """
 
     def __init__(self, listen: tuple[str, int], exposition: Exposition, status: Callable[[], dict],
-                 web: WebConfig | None = None):
+                 web: WebConfig | None = None, listener: socket.socket | None = None):
+        """listener: the listening socket the daemon before this one passed on (take_listener), else listen is
+        bound here: a port in use is an OSError at start-up, before anything is tuned."""
         host, port = listen
         self.tls = web.ssl_context() if web is not None and web.tls else None
-        # Bound here: a port in use is an OSError at start-up, before anything is tuned.
-        self.listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
-                                             backlog=LISTEN_BACKLOG)
+        self.listener = listener or socket.create_server((host, port), backlog=LISTEN_BACKLOG,
+                                                         family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.listener.setblocking(False)
+        self._keep_listener = False  # stop(keep_listener=True): a handover, the socket goes on to the new image
         self.exposition = exposition
         self.status = status
         self.web = web
@@ -583,15 +619,23 @@ class MetricsServer:
         self._main = self.loop.create_task(self._serve())  # the loop runs it once the thread starts
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, keep_listener: bool = False) -> int | None:
+        """Stop serving and close the listener; with keep_listener (a handover) leave it open, still
+        listening (connections wait in its queue for the new image), and return its fd."""
+        self._keep_listener = keep_listener
         if self._thread.is_alive():
             self.loop.call_soon_threadsafe(self._main.cancel)
             self._thread.join(5)
         else:
-            self.listener.close()
+            self._close_listener()
             self.loop.close()
         self.checks.shutdown(wait=False, cancel_futures=True)
         self.exposition.close()
+        return self.listener.detach() if keep_listener else None
+
+    def _close_listener(self) -> None:
+        if not self._keep_listener:
+            self.listener.close()
 
     def _run(self) -> None:
         try:
@@ -614,7 +658,7 @@ class MetricsServer:
             for task in others:
                 task.cancel()
             await asyncio.gather(*others, return_exceptions=True)
-            self.listener.close()
+            self._close_listener()
 
     def _accept(self) -> None:
         """Take the connections in the listen queue, a batch on each turn of the loop (one a turn let the

@@ -9,6 +9,7 @@ stops reading costs dropped (and counted) lines, never a frozen poll.
 
 from __future__ import annotations
 
+import array
 import logging
 import os
 import queue
@@ -221,11 +222,11 @@ class Notifier:
         if self._sock is None:
             return
         message = f"FDSTORE=1\nFDNAME={name}" if fd is not None else f"FDSTOREREMOVE=1\nFDNAME={name}"
+        # sendmsg itself: socket.send_fds drops its flags and address (CPython 3.11), and this socket is not
+        # connected, so every FDSTORE through it failed (ENOTCONN) and the store never held a thing.
+        rights = [] if fd is None else [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
         try:
-            if fd is None:
-                self._sock.sendto(message.encode(), socket.MSG_DONTWAIT, self._address)
-            else:
-                socket.send_fds(self._sock, [message.encode()], [fd], socket.MSG_DONTWAIT, self._address)
+            self._sock.sendmsg([message.encode()], rights, socket.MSG_DONTWAIT, self._address)
         except OSError:
             self.dropped += 1
 

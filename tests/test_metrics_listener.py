@@ -1,0 +1,187 @@
+"""The metrics port is never let go between two daemons: a handover (SIGUSR2, re-exec) passes the listening socket
+across the exec as an inherited fd, and systemd's fd store (FDNAME=metrics) holds it across a crash restart, so a
+local user looping bind() on the port cannot take it in between and keep the daemon from starting. Real processes:
+the daemon (simulated GPUs) and a squatter running as `nobody`."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import DaemonProcess, free_port, gpuwarden_cmd, subprocess_env
+
+pytestmark = pytest.mark.integration  # real daemon processes: seconds each
+
+O_CLOEXEC = 0o2000000  # as /proc/PID/fdinfo shows the flags (octal)
+SQUATTER = """
+import socket, sys, time
+host, port = sys.argv[1], int(sys.argv[2])
+print("trying", flush=True)
+while True:  # without SO_REUSEADDR, as an attacker's plain bind()
+    s = socket.socket()
+    try:
+        s.bind((host, port))
+    except OSError:
+        s.close()
+        time.sleep(0.0005)
+        continue
+    s.listen()
+    print("bound", flush=True)
+    time.sleep(3600)
+"""
+
+
+def config(write, port):
+    return write("gpuwarden.yaml", f"poll_interval_s: 0.5\nmetrics:\n  listen: 127.0.0.1:{port}\n")
+
+
+def get_metrics(port):
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        return reply.status
+
+
+def listening_inodes(port):
+    """The inodes of the sockets listening on port (any address), from /proc/net/tcp{,6}."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                found.append(int(fields[9]))
+    return found
+
+
+def fds_of_socket(pid, inode):
+    """pid's fds that are the socket inode, each with its close-on-exec flag."""
+    found = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == f"socket:[{inode}]":
+                flags = next(line for line in Path(f"/proc/{pid}/fdinfo/{fd}").read_text().splitlines()
+                             if line.startswith("flags:"))
+                found[int(fd)] = bool(int(flags.split()[1], 8) & O_CLOEXEC)
+        except OSError:  # an fd that closed meanwhile
+            pass
+    return found
+
+
+@pytest.fixture
+def squatter():
+    """A local user (nobody) looping bind() on a port, as the attacker did; stopped at the end."""
+    started = []
+
+    def _start(port):
+        proc = subprocess.Popen(["setpriv", "--reuid", "nobody", "--regid", "nogroup", "--clear-groups",
+                                 "/usr/bin/python3", "-c", SQUATTER, "127.0.0.1", str(port)],
+                                stdout=subprocess.PIPE, text=True)
+        started.append(proc)
+        assert proc.stdout.readline() == "trying\n"  # its loop runs from here on
+        return proc
+
+    yield _start
+    for proc in started:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_a_handover_keeps_the_metrics_port_from_a_local_user_looping_bind(write, daemons, squatter):
+    port = free_port()
+    d = daemons(config(write, port), "--sim", "lock-lost")
+    d.wait_for("serving /metrics and /status on", timeout=30)
+    before = listening_inodes(port)
+    assert len(before) == 1 and get_metrics(port) == 200
+    attacker = squatter(port)
+    mark = len(d.lines)
+    d.proc.send_signal(signal.SIGUSR2)
+    d.wait_for("SIGUSR2: handing over to the installed gpuwarden", after=mark, timeout=10)
+    d.wait_for("serving /metrics and /status on", after=mark, timeout=30)
+    assert get_metrics(port) == 200
+    assert d.proc.poll() is None, "the same process serves on"
+    assert "cannot serve metrics" not in d.log
+    # The very socket crossed the exec: never closed, so there was no moment to bind in.
+    assert listening_inodes(port) == before
+    # Taken back as close-on-exec: nothing the new image starts inherits it.
+    assert list(fds_of_socket(d.proc.pid, before[0]).values()) == [True]
+    attacker.kill()
+    assert "bound" not in attacker.communicate(timeout=10)[0]
+    assert d.stop() == 0
+
+
+class StoredDaemon(DaemonProcess):
+    """`gpuwarden run` as systemd starts it after a crash: the fd store's sockets from fd 3 on, named in
+    LISTEN_FDNAMES, LISTEN_PID its own pid (a small exec wrapper sets it and puts the socket at fd 3)."""
+
+    WRAPPER = ("import os, sys; fd = int(sys.argv[1]); os.dup2(fd, 3); os.close(fd) if fd != 3 else None; "
+               "os.environ['LISTEN_PID'] = str(os.getpid()); os.execv(sys.executable, [sys.executable, *sys.argv[2:]])")
+
+    def __init__(self, config_path, sock, notify_path):
+        self.lines = []
+        env = dict(subprocess_env(), LISTEN_FDS="1", LISTEN_FDNAMES="metrics", NOTIFY_SOCKET=notify_path)
+        self.proc = subprocess.Popen([sys.executable, "-c", self.WRAPPER, str(sock.fileno()), *gpuwarden_cmd()[1:],
+                                      "run", "-c", str(config_path), "--sim", "lock-lost"],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                     pass_fds=(sock.fileno(),))
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+
+def stored(notify):
+    """The next FDSTORE message (its text, and the inode of the fd it carries), skipping the others."""
+    while True:
+        data, fds, _, _ = socket.recv_fds(notify, 4096, 4)
+        inode = os.fstat(fds[0]).st_ino if fds else None
+        for fd in fds:
+            os.close(fd)
+        if data.startswith(b"FDSTORE"):
+            return data.decode(), inode
+
+
+@pytest.fixture
+def notify(tmp_path):
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(tmp_path / "notify.sock"))
+    sock.settimeout(30)
+    yield sock
+    sock.close()
+
+
+def test_a_restart_takes_the_metrics_socket_back_from_the_fd_store(write, tmp_path, notify):
+    port = free_port()
+    held = socket.create_server(("127.0.0.1", port))  # what the fd store kept of the daemon before
+    inode = os.fstat(held.fileno()).st_ino
+    d = StoredDaemon(config(write, port), held, notify.getsockname())
+    try:
+        d.wait_for("serving /metrics and /status on", timeout=30)
+        assert get_metrics(port) == 200 and listening_inodes(port) == [inode]
+        assert list(fds_of_socket(d.proc.pid, inode).values()) == [True]
+        assert stored(notify) == ("FDSTORE=1\nFDNAME=metrics", inode)  # kept there for the restart after this one
+        assert "cannot serve metrics" not in d.log
+        d.stop()
+        assert stored(notify) == ("FDSTOREREMOVE=1\nFDNAME=metrics", None)  # a stop: nothing to take back
+    finally:
+        d.stop(signal.SIGKILL)
+        held.close()
+
+
+def test_a_stored_metrics_socket_on_another_address_is_closed_and_the_port_bound_anew(write, tmp_path, notify):
+    port = free_port()
+    stale = socket.create_server(("127.0.0.1", 0))  # metrics.listen changed since it was stored
+    inode = os.fstat(stale.fileno()).st_ino
+    d = StoredDaemon(config(write, port), stale, notify.getsockname())
+    try:
+        d.wait_for("serving /metrics and /status on", timeout=30)
+        assert get_metrics(port) == 200
+        assert fds_of_socket(d.proc.pid, inode) == {}, "the stale socket is closed, not kept or leaked"
+        assert stored(notify) == ("FDSTOREREMOVE=1\nFDNAME=metrics", None)  # systemd's copy of it goes too
+        text, new = stored(notify)
+        assert text == "FDSTORE=1\nFDNAME=metrics" and listening_inodes(port) == [new]
+    finally:
+        d.stop(signal.SIGKILL)
+        stale.close()
