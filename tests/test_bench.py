@@ -2,9 +2,7 @@
 every field, bad input, Ctrl-C, --compare and 1,024 concurrent streams."""
 
 import json
-import os
 import signal
-import statistics
 import struct
 import subprocess
 import sys
@@ -249,7 +247,12 @@ def test_prompts_are_exactly_input_len_where_the_server_tokenizes(server, bench)
 @pytest.mark.vllm
 def test_against_the_real_cpu_vllm_under_the_daemon(write, daemons, vllm_python, tiny_model, child_user, tmp_path):
     """A 2-step sweep of the vLLM gpuwarden supervises (sim GPUs, read through the daemon's /status): every
-    field sane, and the tokens counted are the tokens vLLM's own counter grew by over each step."""
+    field sane, and bench agrees with the server's own counters over each step (after bench's warm-up requests,
+    which take the graph compiles of a fresh engine): the tokens counted are the tokens vLLM's counter grew by,
+    and the mean TTFT bench timed is vLLM's `time_to_first_token_seconds` histogram's, plus the way to the
+    engine and back (a client that timed the first token late, or cost the server CPU per token, misses).
+    benchmarks/bench_agreement.py compares bench with vllm.benchmarks.serve over rounds (RESULTS.md section 9):
+    steadier here, and a minute cheaper than two load generators round by round."""
     from test_vllm_e2e import serving_config
 
     path = serving_config(write, vllm_python, tiny_model, child_user, free_port(), ["--max-model-len", "512"])
@@ -265,6 +268,15 @@ def test_against_the_real_cpu_vllm_under_the_daemon(write, daemons, vllm_python,
     for step in result["steps"]:
         assert step["ok"] == step["requests"] == 8 and step["errors"] == 0
         assert step["output_tokens"] == 8 * 64 == step["engine"]["generation_tokens"]  # vLLM's counter agrees
+        # The engine's mean TTFT, from its histogram, over the step. No client sees a token before the engine made
+        # it, so bench's mean is never below vLLM's; above it by the way to the engine and back, a few ms on a quiet
+        # box, but a busy one stretches single requests of the 8 (one of 114 ms beside vLLM's mean of 10 ms, at a
+        # load of 9): the median, not the mean, is held near vLLM's. A client that timed the first token at the end
+        # of the stream (a latency of ~120 ms here) fails, as does one that counted tokens other than vLLM's.
+        server = step["engine"]["ttft_mean_s"]
+        print(f"C={step['concurrency']}: TTFT bench mean {step['ttft_mean_s'] * 1e3:.1f} ms, median "
+              f"{step['ttft_p50_s'] * 1e3:.1f} ms; vLLM's histogram mean {server * 1e3:.1f} ms")
+        assert step["ttft_mean_s"] >= server - 0.001 and step["ttft_p50_s"] <= server + max(0.020, 0.5 * server)
         assert step["engine"]["prompt_tokens"] == pytest.approx(8 * step["input_tokens_mean"])
         assert step["ttft_mean_s"] <= step["latency_mean_s"] and step["ttft_p50_s"] <= step["ttft_p99_s"]
         assert step["itl_p50_s"] <= step["itl_p99_s"] and step["system_tokens_per_s"] > 0
@@ -276,35 +288,3 @@ def test_against_the_real_cpu_vllm_under_the_daemon(write, daemons, vllm_python,
     weights = sum(f.stat().st_size for f in tiny_model.glob("*.safetensors"))
     assert 0 < roof["weight_bytes"] < weights and roof["kv_bytes_per_token"] > 0  # tensors, not the header
     assert d.stop() == 0
-
-
-@pytest.mark.vllm
-def test_agrees_with_vllms_own_serving_benchmark(vllm_python, tiny_model, tmp_path):
-    """Output tok/s and mean TTFT at C = 1 against vllm.benchmarks.serve's, medians of five rounds (each tool
-    first in turn), on the same server and prompt shapes, as benchmarks/bench_agreement.py runs them: vLLM in this
-    session (in one of its own, a CPU autogroup on this 2-core box, TTFTs scatter more), without prefix caching
-    (vLLM's random prompts would hit it), and vLLM's benchmark with its aiohttp session's trust_env off (with it
-    on, every request first makes two trips through a worker thread inside its TTFT, 0.6-0.8 ms here).
-    The 10 % agreement at C = 1 and C = 4 is the script's, over more rounds (RESULTS.md section 9): single
-    rounds of 8 ms TTFTs on this box scatter by 20 % and more, so TTFT is held to 20 % here, tok/s to 10 %.
-    That still fails a client that times the first token late or costs the server CPU per token."""
-    sys.path.insert(0, str(HERE.parent / "benchmarks"))
-    from bench_agreement import compare, start_vllm
-
-    port = free_port()
-    with open(tmp_path / "vllm.log", "w") as log:
-        server = start_vllm(vllm_python, tiny_model, port, log, prefix_caching=False)
-        try:
-            shape = type("Shape", (), {"rounds": 5, "concurrency": [1], "prompts": 32, "input_len": 48,
-                                       "output_len": 128, "engine_interval": 2.0})
-            rows = compare(vllm_python, tiny_model, port, shape, tools=("vllm_noenv", "ours"))
-        finally:
-            os.killpg(server.pid, signal.SIGTERM)
-            server.wait(timeout=60)
-    for row in rows:
-        assert abs(row["ours_input_tokens"] - row["vllm_noenv_input_tokens"]) <= 1  # the same shapes, to the token
-    ratios = [(row["ours_tok_s"] / row["vllm_noenv_tok_s"], row["ours_ttft_ms"] / row["vllm_noenv_ttft_ms"])
-              for row in rows]
-    print("agreement with vllm.benchmarks.serve, (tok/s, mean TTFT) ratios per round:", ratios)
-    tok_s, ttft = (statistics.median(r[i] for r in ratios) for i in (0, 1))
-    assert 0.9 <= tok_s <= 1.1 and 0.8 <= ttft <= 1.25, ratios

@@ -138,13 +138,18 @@ def summarize_engine(names, start: dict | None, end: dict | None, polls: list[di
 
     kv = next((series(n) for n in names.kv_cache_usage if series(n)), [])
     hits, queries = delta(names.prefix_cache_hits), delta(names.prefix_cache_queries)
+    histogram = names.ttft_histogram
+    ttft_sum, ttft_count = (delta(f"{histogram}_{part}") if histogram else None for part in ("sum", "count"))
     running, waiting = series(names.requests_running), series(names.requests_waiting)
     return {"reported": True, "generation_tokens": delta(names.generation_tokens),
             "prompt_tokens": delta(names.prompt_tokens),
             "running_mean": _mean(running), "running_max": max(running) if running else None,
             "waiting_mean": _mean(waiting), "waiting_max": max(waiting) if waiting else None,
             "kv_cache_usage_max": max(kv) if kv else None,
-            "prefix_cache_hit_rate": hits / queries if hits is not None and queries else None}
+            "prefix_cache_hit_rate": hits / queries if hits is not None and queries else None,
+            # the engine's mean TTFT over the step (its histogram's sum over its count): the client's less the
+            # way to and from the engine
+            "ttft_mean_s": ttft_sum / ttft_count if ttft_sum is not None and ttft_count else None}
 
 
 def step_flags(gpus: list[dict], gpu_note: str | None) -> list[str]:
