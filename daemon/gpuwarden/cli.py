@@ -397,7 +397,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_cleanup(args: argparse.Namespace) -> int:
     """ExecStopPost: systemd says how the daemon ended ($SERVICE_RESULT). A crash (a signal, a core dump, the
     watchdog, an exit status systemd restarts on) leaves the children for the restarted daemon to adopt,
-    unless it was stopping them; any other end (a stop, a stop that timed out) ends what is left."""
+    unless it was stopping them; so does a start that failed with children to adopt (the record's keep: a
+    config the new image refused after a handover, exit 78, which the unit does not restart); any other end
+    (a stop, a stop that timed out) ends what is left."""
     from .serving.run import handover
     from .statedir import state_dir
 
@@ -411,6 +413,10 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     if crashed and not record.stopping:
         print(f"gpuwarden: the daemon ended with {result}: keeping {len(record.children)} child(ren) for the "
               "restarted daemon to adopt")
+        return EX_OK
+    if record.keep and not record.stopping:
+        print(f"gpuwarden: the daemon could not start: keeping {len(record.children)} child(ren) serving, "
+              "unsupervised, for the next daemon to adopt")
         return EX_OK
     handover.end_leftovers(record, f"the daemon stopped ({result})")
     handover.clear(folder)

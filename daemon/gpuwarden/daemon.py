@@ -97,6 +97,7 @@ class Daemon:
         self.ready_sent = False
         self.reload_asked = False  # a SIGHUP came: the next tick reloads
         self.handing_over = False  # a SIGUSR2 came: the loop ends and the installed code takes over (re-exec)
+        self.adopting = False  # start() found children to take over (a handover, or an engine a crash left)
         self.stopping = False
         self.started_at = time.time()
         self.published_at: float | None = None
@@ -108,16 +109,16 @@ class Daemon:
         """Check the plan and the serving command and take the port first (what can fail), then tune, start the
         engine, take the first sample, and tell systemd we are ready. Raises ConfigErrors for values a card or
         the engine rejects, StartupError if the metrics port is taken; neither leaves a GPU setting changed."""
+        # First, before anything can fail: a start that fails with children to adopt leaves them serving
+        # (leave_children). After a handover, or a crash of the daemon that left the engine serving, the engine
+        # runs already, its flags checked when it started: only lint here, so the daemon watches it again within
+        # seconds, not after the engine's import (a minute and more on a busy host, the engine unwatched).
+        self.adopting = HANDOVER_ENV in os.environ or self._engine_survives()
         # a sweep cut by this daemon's predecessor's death (or its handover: a lease is its connection's, and
         # the connection did not carry over): its setting back first
         self.sweeps.recover(handover=HANDOVER_ENV in os.environ)
         webconfig.take_over(self.config.metrics.web)  # the scrapers the image before this one let in, if any
-        plan = self.tuning.check(self.config)
-        # After a handover, or a crash of the daemon that left the engine serving, the engine runs already, its
-        # flags checked when it started: only lint here, so the daemon watches it again within seconds, not
-        # after the engine's import (a minute and more on a busy host, the engine unwatched all the while).
-        adopting = HANDOVER_ENV in os.environ or self._engine_survives()
-        launch = self.serving.prepare(self.config, deep=not adopting) if self.config.serve.enabled else None
+        plan, launch = self.check(self.config, deep=not self.adopting)
         stored = handover.stored_fds()  # once: it takes LISTEN_FDS out of the environment
         self._open_metrics(stored.get("metrics"))
         for note in plan.notes:
@@ -136,6 +137,29 @@ class Daemon:
             log.info("serving /metrics and /status on %s", self.config.metrics.url)  # after the file: it is there
         self._start_serving(launch, now, stored)
         self.tick(now)
+
+    def check(self, config: Config, deep: bool, on_loop: bool = False):
+        """Everything that makes a start refuse a config, nothing changed yet: (the tuning plan, the serving
+        launch or None), from the tuning check and, when serving, the lint at error level and the flag facts
+        (deep: the engine's own parser too). Raises InvalidConfig. A handover runs it first on the config on
+        disk as the new image's start will (adopting: not deep), so that a config the new image would refuse
+        is no handover. on_loop: from the main loop, which must not wait on the engine's interpreter."""
+        plan = self.tuning.check(config)
+        launch = self.serving.prepare(config, deep=deep, on_loop=on_loop) if config.serve.enabled else None
+        return plan, launch
+
+    def leave_children(self) -> None:
+        """start() failed with children to adopt: they serve on, unsupervised, for the next daemon to adopt.
+        The record is kept as it is, marked keep, so that cleanup (ExecStopPost) does not end them after an
+        exit it would otherwise read as a stop (78, a config error, which the unit does not restart)."""
+        record = handover.load(self.serving.state_dir) if self.adopting else None
+        if record is None or record.stopping or not record.children:
+            return
+        handover.save(self.serving.state_dir, dataclasses.replace(record, keep=True))
+        running = ", ".join(f"{c.name} pid {c.pid}" for c in record.children)
+        log.critical("this daemon could not start: %s keeps serving unsupervised (no health checks, no restarts) "
+                     "until what stopped the start is fixed and the daemon started again; the next daemon "
+                     "adopts it", running)
 
     def _engine_survives(self) -> bool:
         """The record an earlier daemon left names an engine that still runs, provably ours (to be adopted)."""
@@ -380,19 +404,25 @@ class Daemon:
     def handle_usr2(self) -> None:
         """Hand over to the installed code (an upgrade): the loop ends, and cli re-executes this same process,
         whose children stay its children; the new image adopts them (serving/run/handover.py)."""
+        if self.handing_over:  # more of them in one wake-up of the loop: one handover, said once
+            return
         if self.stopping:
             log.warning("SIGUSR2 received while stopping: no handover")
             return
         if self.reload_config is not None:
-            try:  # the new image reads it at start: one that cannot start would take the engine down with it
-                self.tuning.check(self.reload_config())
+            # The new image checks the config at start as check() does (adopting: lint at error level and flag
+            # facts, not the engine's parser), and exits 78 on a refusal, its engine orphaned: so check first,
+            # from the cache only (this is the main loop), and stay where it would refuse.
+            try:
+                self.check(self.reload_config(), deep=False, on_loop=True)
             except InvalidConfig as exc:
                 more = f" (and {len(exc.errors) - 1} more)" if len(exc.errors) > 1 else ""
                 log.error("SIGUSR2: no handover, the config on disk would not start: %s%s; this daemon keeps "
                           "running", exc.errors[0], more)
                 return
-            except Exception as exc:
-                log.error("SIGUSR2: no handover, the config on disk cannot be read: %s: %s", type(exc).__name__, exc)
+            except Exception as exc:  # RecursionError, MemoryError, a bug: staying is never worse
+                log.error("SIGUSR2: no handover, the config on disk cannot be checked: %s: %s; this daemon keeps "
+                          "running", type(exc).__name__, exc)
                 return
         record = self.serving.handover_record()
         running = ", ".join(f"{c.name} pid {c.pid}" for c in record.children) or "no child"
@@ -476,8 +506,14 @@ class SignalWaker:
         os.set_blocking(self.write_fd, False)
         self._old_fd = signal.set_wakeup_fd(self.write_fd)
         self._old = {s: earlysignals.original(s, signal.signal(s, lambda *_: None)) for s in HANDLED_SIGNALS}
-        # Those that came before this loop existed (earlysignals.py), first and in order.
+        # Those that came before this loop existed (earlysignals.py), first and in order; but a SIGUSR2 that
+        # waited across a handover's exec asked for the code this image runs: one handover, said once.
+        again = HANDOVER_ENV in os.environ and earlysignals.sent_before_exec(signal.SIGUSR2)
         for signum in earlysignals.take():
+            if again and signum == signal.SIGUSR2:
+                again = False
+                log.info("SIGUSR2 again during the handover: already handed over to the installed gpuwarden")
+                continue
             os.write(self.write_fd, bytes([signum]))
 
     def wait(self, timeout: float) -> list[int]:
@@ -518,7 +554,11 @@ def run(daemon: Daemon, duration_s: float | None = None, clock: Callable[[], flo
     daemon.wake = waker.wake
     try:
         start = clock()
-        daemon.start(start)
+        try:
+            daemon.start(start)
+        except BaseException:
+            daemon.leave_children()  # (after a handover, or a crash: the engine serves on for the next daemon)
+            raise
         poll = daemon.config.poll_interval_s
         next_tick = start + poll
         while not daemon.stop_done and not daemon.handing_over:

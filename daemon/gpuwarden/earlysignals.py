@@ -16,6 +16,7 @@ import signal
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR2)  # SIGUSR2: hand over (an upgrade)
 _held: list[int] = []
 _previous: dict[int, object] = {}
+_before_exec: set[int] = set()  # pending at hold(): sent before this image began, blocked across an execv
 
 
 def _note(signum: int, _frame) -> None:
@@ -27,6 +28,7 @@ def hold() -> None:
     blocked them across execv (block_for_exec): they were kept pending, and arrive now, written down."""
     for sig in SIGNALS:
         _previous.setdefault(sig, signal.signal(sig, _note))
+    _before_exec.update(signal.sigpending() & set(SIGNALS))
     signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
 
 
@@ -34,6 +36,12 @@ def block_for_exec() -> None:
     """Before execv: the new image starts with every handler at its default action (end the process) until its
     hold(); blocked, the signals wait for it instead. The mask survives exec."""
     signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+
+
+def sent_before_exec(sig: int) -> bool:
+    """sig was waiting when hold() unblocked it: sent before this image's code was loaded (across a handover's
+    execv), so a SIGUSR2 among them asked for the code this image runs."""
+    return sig in _before_exec
 
 
 def take() -> list[int]:

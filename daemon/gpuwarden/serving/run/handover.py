@@ -49,6 +49,9 @@ class Recorded:
 class Record:
     children: tuple[Recorded, ...]
     stopping: bool = False  # the daemon was stopping: anything left after it is a leftover, not to adopt
+    # A daemon that had these to adopt failed to start (a config the new image refuses): they serve on,
+    # unsupervised, and cleanup (ExecStopPost) leaves them to the next daemon, whatever the exit status.
+    keep: bool = False
 
 
 def argv_digest(argv: Sequence[str]) -> str:
@@ -131,7 +134,8 @@ def save(state_dir: Path | None, record: Record) -> None:
     if state_dir is None:
         return
     path = state_dir / RECORD
-    data = json.dumps({"children": [asdict(c) for c in record.children], "stopping": record.stopping})
+    data = json.dumps({"children": [asdict(c) for c in record.children], "stopping": record.stopping,
+                       "keep": record.keep})
     try:
         state_dir.mkdir(parents=True, exist_ok=True)
         smallfile.write_atomic(path, data.encode())
@@ -163,7 +167,7 @@ def load(state_dir: Path | None) -> Record | None:
         children = tuple(Recorded(str(c["name"]), int(c["pid"]), int(c["start_ticks"]), int(c["uid"]),
                                   str(c["argv_sha256"]), None if c.get("fd") is None else int(c["fd"]))
                          for c in doc["children"])
-        return Record(children, bool(doc.get("stopping", False)))
+        return Record(children, bool(doc.get("stopping", False)), bool(doc.get("keep", False)))
     except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as exc:
         log.warning("children's record %s is not one gpuwarden wrote (%s): adopting nothing", path,
                     type(exc).__name__ if isinstance(exc, RecursionError) else exc)
