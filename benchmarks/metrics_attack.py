@@ -6,7 +6,10 @@
 For each code tree (the revision given by --before, unpacked with `git archive`, and this checkout) and
 each attack, it starts `gpuwarden run` on two simulated GPUs, lets a good scraper fetch /metrics once, then
 starts the crowd as a process of its own and lets the good scraper fetch once every 0.5 s for --seconds
-(10 s timeout, as Prometheus's default). The attacks:
+(10 s timeout, as Prometheus's default). The guessing crowd comes three times: after that first fetch
+(warm: the good password remembered); with no fetch before (cold: Prometheus started during the attack,
+its first scrape needs a password check); and after the first fetch and a SIGUSR2 (handover: the new
+image must still remember it). The attacks:
 
 - trickle: --clients connections that each send a request head a byte every 0.5 s and never finish it,
   reconnecting when the server closes them; over plain HTTP, and over TLS with basic auth (the handshake
@@ -26,6 +29,7 @@ import http.client
 import itertools
 import json
 import os
+import signal
 import socket
 import ssl
 import subprocess
@@ -165,18 +169,29 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait(5)
 
 
+def serving(proc: subprocess.Popen, log: Path, times: int, tree: Path) -> None:
+    """Until the daemon's log says it serves /metrics for the times-th time (a handover's new image: 2)."""
+    deadline = time.monotonic() + 30
+    while log.read_text(errors="replace").count("serving /metrics and /status on ") < times:
+        if time.monotonic() > deadline or proc.poll() is not None:
+            raise SystemExit(f"metrics_attack.py: the daemon from {tree} did not serve /metrics")
+        time.sleep(0.1)
+
+
 def attack(tree: Path, folder: Path, name: str, kind: str, web: Path | None, sources: list[str],
-           clients: int, seconds: float) -> list[dict]:
-    """One daemon, one crowd; a row per good scraper's source address, the scrapers taking turns."""
+           clients: int, seconds: float, when: str = "warm") -> list[dict]:
+    """One daemon, one crowd; a row per good scraper's source address, the scrapers taking turns. when: warm
+    (a good fetch first), cold (none), handover (a good fetch, then SIGUSR2)."""
     proc, port, log = start(tree, folder, name, web)
     context = client_context(str(web.parent / "server.crt") if web else None)
     auth = GOOD if web else None
     try:
-        deadline = time.monotonic() + 30
-        while get(port, context, auth, timeout=2) != 200:  # up, and the good password remembered
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise SystemExit(f"metrics_attack.py: the daemon from {tree} did not serve /metrics")
-            time.sleep(0.2)
+        serving(proc, log, 1, tree)
+        if when != "cold" and get(port, context, auth) != 200:  # the good password remembered
+            raise SystemExit(f"metrics_attack.py: the daemon from {tree} refused the good scrape")
+        if when == "handover":
+            proc.send_signal(signal.SIGUSR2)
+            serving(proc, log, 2, tree)
         crowd = subprocess.Popen([sys.executable, __file__, "crowd", kind, "--port", str(port), "--clients",
                                   str(clients), "--seconds", str(seconds + 2)]
                                  + (["--cafile", str(web.parent / "server.crt")] if web else []),
@@ -207,7 +222,7 @@ def attack(tree: Path, folder: Path, name: str, kind: str, web: Path | None, sou
     for source, scrapes in results.items():
         ok = [took for code, took in scrapes if code == 200]
         failed = Counter(code for code, _ in scrapes if code != 200)
-        rows.append({"source": source, "scrapes": len(scrapes), "answered": len(ok),
+        rows.append({"source": source, "scrapes": len(scrapes), "answered": len(ok), "first": scrapes[0],
                      "failed": " ".join(f"{n}x{code or 'none'}" for code, n in sorted(failed.items())) or "-",
                      "p50_ms": percentile(ok, 0.5) * 1000 if ok else None,
                      "p99_ms": percentile(ok, 0.99) * 1000 if ok else None, "cores": cores,
@@ -231,6 +246,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--smoke", action="store_true", help="a short run: this tree only, 4 s each")
+    parser.add_argument("--guess-only", action="store_true", help="only the guessing crowds (warm, cold, handover)")
     args = parser.parse_args()
     if args.command == "crowd":
         if args.kind == "trickle":
@@ -246,20 +262,28 @@ def main() -> None:
         if not args.smoke:
             (folder / "before").mkdir()
             trees = {"before": checkout(args.before, folder / "before"), **trees}
-        attacks = [("trickle", "HTTP", None, ["127.0.0.1"]), ("trickle", "TLS + auth", web, ["127.0.0.1"]),
-                   ("guess", "TLS + auth", web, ["127.0.0.2", "127.0.0.1"])]
+        attacks = [("trickle", "HTTP", None, ["127.0.0.1"], "warm"),
+                   ("trickle", "TLS + auth", web, ["127.0.0.1"], "warm"),
+                   ("guess", "TLS + auth", web, ["127.0.0.2", "127.0.0.1"], "warm"),
+                   ("guess", "TLS + auth", web, ["127.0.0.2"], "cold"),
+                   ("guess", "TLS + auth", web, ["127.0.0.2", "127.0.0.1"], "handover")]
+        if args.guess_only:
+            attacks = [a for a in attacks if a[0] == "guess"]
         print(f"{args.clients} clients in each crowd, good scrapes every 0.5 s for {seconds:g} s\n")
-        print("| tree | crowd | server | good scraper from | answered | not answered | p50 ms | p99 ms "
+        print("| tree | crowd | server | good scraper | answered | not answered | first scrape | p50 ms | p99 ms "
               "| daemon CPU (cores) | crowd got | daemon log |")
-        print("|---|---|---|---|---:|---|---:|---:|---:|---|---|")
-        for kind, server, web_yml, sources in attacks:
+        print("|---|---|---|---|---:|---|---|---:|---:|---:|---|---|")
+        for kind, server, web_yml, sources, when in attacks:
             for name, tree in trees.items():
-                rows = attack(tree, folder, f"{name}-{kind}-{server[:3]}", kind, web_yml, sources, args.clients,
-                              seconds)
+                rows = attack(tree, folder, f"{name}-{kind}-{server[:3]}-{when}", kind, web_yml, sources,
+                              args.clients, seconds, when)
                 for row in rows:
                     share = 100 * row["answered"] / max(1, row["scrapes"])
-                    cells = [name, kind, server, row["source"], f"{row['answered']}/{row['scrapes']} ({share:.0f} %)",
-                             row["failed"], *("-" if row[k] is None else f"{row[k]:.1f}" for k in ("p50_ms", "p99_ms")),
+                    code, took = row["first"]
+                    cells = [name, kind, server, f"{row['source']}, {when}",
+                             f"{row['answered']}/{row['scrapes']} ({share:.0f} %)", row["failed"],
+                             f"{code or 'none'} in {took * 1000:.0f} ms",
+                             *("-" if row[k] is None else f"{row[k]:.1f}" for k in ("p50_ms", "p99_ms")),
                              f"{row['cores']:.2f}", json.dumps(row["crowd"]),
                              f"{row['fault_lines']} fault lines, {row['tracebacks']} tracebacks"]
                     print("| " + " | ".join(cells) + " |", flush=True)
