@@ -8,8 +8,10 @@ interpreter, and as serve.user, because it imports code from the engine's instal
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import stat
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,6 +33,9 @@ class FlagCheck:
     python: str
 
 
+SHEBANG_MAX = 4096  # of the engine script's first line
+
+
 def engine_python(serve: ServeConfig, command: Sequence[str]) -> str | None:
     """The engine's interpreter: serve.python, the command itself if it is Python, or the script's #! line."""
     if serve.python:
@@ -38,11 +43,19 @@ def engine_python(serve: ServeConfig, command: Sequence[str]) -> str | None:
     first = shutil.which(command[0]) or command[0]
     if re.match(r"python[0-9.]*$", Path(first).name):
         return first
+    # The script is serve.user's (its venv): read as root, never waiting (a FIFO), a regular file only (a link
+    # to /dev/zero), the first line within a cap (the kernel's own for #! is 256 bytes).
     try:
-        with open(first, "rb") as script:
-            line = script.readline().decode("utf-8", "replace")
+        fd = os.open(first, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
+    try:
+        head = os.read(fd, SHEBANG_MAX) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+    except OSError:
+        head = b""
+    finally:
+        os.close(fd)
+    line = head.split(b"\n", 1)[0].decode("utf-8", "replace")
     if line.startswith("#!"):
         parts = line[2:].split()
         if parts and Path(parts[0]).name == "env" and len(parts) > 1:
