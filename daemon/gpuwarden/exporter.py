@@ -459,14 +459,19 @@ def _addresses(listen: tuple[str, int], family: int) -> set[tuple[str, int]]:
 
 def source_of(peer: str) -> str:
     """Whom a password check is counted against: the client's address, an IPv6 one by its /64 (what one
-    host, or one customer of a provider, is usually given: 2**64 addresses would be 2**64 sources)."""
+    host, or one customer of a provider, is usually given: 2**64 addresses would be 2**64 sources), and the rest
+    of 127.0.0.0/8 beside 127.0.0.1 (where a local Prometheus comes from) as one: any local user may connect
+    from each of its 2**24 addresses (a crowd guessing from a fresh one each time filled the line with
+    sources that never failed, and kept out a scraper from any other address: 0 of 30 scrapes)."""
     try:
         address = ipaddress.ip_address(peer)
     except ValueError:
         return peer
     if address.version == 6 and address.ipv4_mapped is None:
         return str(ipaddress.ip_network((address, 64), strict=False))
-    return str(getattr(address, "ipv4_mapped", None) or address)
+    address = getattr(address, "ipv4_mapped", None) or address
+    text = str(address)
+    return "127.0.0.0/8" if address.is_loopback and text != "127.0.0.1" else text
 
 
 class AuthLine:
