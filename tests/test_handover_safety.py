@@ -173,3 +173,29 @@ def test_a_sigusr2_sent_before_the_exec_is_not_a_second_handover(handover_env):
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == ("['SIGHUP']" if handover_env else "['SIGHUP', 'SIGUSR2']")
     assert ("already handed over" in out.stderr) == handover_env
+
+
+def test_a_new_image_whose_loader_refuses_the_config_leaves_the_engine_serving(
+        write, fake, daemons, tmp_path, no_fakes_left):
+    """The old image checked the config with its own loader; the new release's loader may refuse it (a key it
+    dropped or reads otherwise) before the daemon exists: exit 78 all the same, and cleanup must keep the engine."""
+    path, base, port = fault_config(write, fake, "healthy")
+    env, folder = env_with_state(tmp_path)
+    first = daemons(path, env=env)
+    pid = running_pid(base)
+    first.proc.kill()
+    first.proc.wait(10)
+    dropin = write("conf.d/unknown.yaml", "serve:\n  no_such_key_in_this_release: 1\n")
+    failing = daemons(path, env=dict(env, GPUWARDEN_HANDOVER="1"))
+    assert failing.proc.wait(60) == 78
+    failing.stop()
+    assert "no_such_key_in_this_release" in failing.log
+    assert f"vllm pid {pid}" in failing.wait_for("keeps serving unsupervised")
+    assert handover.load(folder).keep
+    kept = cleanup(env, SERVICE_RESULT="exit-code", EXIT_STATUS="78")
+    assert kept.returncode == 0 and "keeping 1 child(ren)" in kept.stdout, kept.stdout + kept.stderr
+    dropin.unlink()
+    second = daemons(path, env=env)
+    second.wait_for("adopted after a restart of the daemon", timeout=30)
+    assert running_pid(base) == pid
+    assert second.stop() == 0

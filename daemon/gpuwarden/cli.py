@@ -372,10 +372,21 @@ def apply_status(outcomes: list[Outcome]) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .daemon import Daemon, StartupError, reexec, run
+    from .daemon import HANDOVER_ENV, LEFT_SERVING, Daemon, StartupError, reexec, run
     from .systemd import setup_logging
 
-    config = load_config(args)
+    try:
+        config = load_config(args)
+    except InvalidConfig:
+        # A re-exec: the old image checked this config with its own loader, and this release's refuses it. The
+        # children it handed over serve on for the next daemon (Daemon.leave_children), not for cleanup's kill.
+        if HANDOVER_ENV in os.environ and os.environ.get("STATE_DIRECTORY"):
+            from .serving.run import handover
+            from .statedir import state_dir
+
+            if (running := handover.keep(state_dir())) is not None:
+                print_error("gpuwarden: " + LEFT_SERVING % running)
+        raise
     logs = setup_logging()
     backend = open_configured(config)
     daemon = None

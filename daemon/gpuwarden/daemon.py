@@ -54,6 +54,8 @@ HANDOVER_ENV = "GPUWARDEN_HANDOVER"  # set across a re-exec: the children's pipe
 # The metrics listener's fd, inherited across a re-exec: the port is never let go, so no local user can bind it
 # in between and keep the new image from starting. After a crash systemd's fd store holds it (FDNAME=metrics).
 METRICS_FD_ENV = "GPUWARDEN_METRICS_FD"
+LEFT_SERVING = ("this daemon could not start: %s keeps serving unsupervised (no health checks, no restarts) until "
+                "what stopped the start is fixed and the daemon started again; the next daemon adopts it")
 
 
 def reexec() -> None:
@@ -152,14 +154,9 @@ class Daemon:
         """start() failed with children to adopt: they serve on, unsupervised, for the next daemon to adopt.
         The record is kept as it is, marked keep, so that cleanup (ExecStopPost) does not end them after an
         exit it would otherwise read as a stop (78, a config error, which the unit does not restart)."""
-        record = handover.load(self.serving.state_dir) if self.adopting else None
-        if record is None or record.stopping or not record.children:
-            return
-        handover.save(self.serving.state_dir, dataclasses.replace(record, keep=True))
-        running = ", ".join(f"{c.name} pid {c.pid}" for c in record.children)
-        log.critical("this daemon could not start: %s keeps serving unsupervised (no health checks, no restarts) "
-                     "until what stopped the start is fixed and the daemon started again; the next daemon "
-                     "adopts it", running)
+        running = handover.keep(self.serving.state_dir) if self.adopting else None
+        if running is not None:
+            log.critical(LEFT_SERVING, running)
 
     def _engine_survives(self) -> bool:
         """The record an earlier daemon left names an engine that still runs, provably ours (to be adopted)."""

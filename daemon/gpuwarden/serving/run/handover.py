@@ -143,6 +143,17 @@ def save(state_dir: Path | None, record: Record) -> None:
         log.warning("the record of the children was not saved to %s: %s", path, exc.strerror or exc)
 
 
+def keep(state_dir: Path | None) -> str | None:
+    """A start failed with children to adopt: mark the record keep, so that cleanup (ExecStopPost) leaves them
+    serving for the next daemon after an exit it would otherwise read as a stop (78). Returns the children, in
+    words, for the log line; None where there is nothing to keep (no record, a stop's, or no child)."""
+    record = load(state_dir)
+    if record is None or record.stopping or not record.children:
+        return None
+    save(state_dir, Record(record.children, record.stopping, keep=True))
+    return ", ".join(f"{c.name} pid {c.pid}" for c in record.children)
+
+
 def load(state_dir: Path | None) -> Record | None:
     """The record, or None when there is none or it cannot be read (said once; nothing is adopted then)."""
     if state_dir is None:
