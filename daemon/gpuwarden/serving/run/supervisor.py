@@ -50,6 +50,8 @@ ALLOWED_FROM = {
     FATAL: (STOPPED, BACKOFF, EXITED),
 }
 PREFLIGHT_RETRY_S = 5.0
+# What a child that could not bind its port says, as vLLM's OSError and uvicorn's own line write it.
+PORT_TAKEN = re.compile(r"address already in use", re.IGNORECASE)
 # A head that lost a rank starts its part again in 1 s; more than LOST_RANK_LIMIT such restarts within
 # LOST_RANK_WINDOW_S wait LOST_RANK_BACKOFF_S instead. They spend no restart budget (the rank, not this node,
 # failed), so without this bound anything that can open and close connections to the rendezvous port could keep
@@ -303,7 +305,12 @@ class Program:
             code = self.ops.poll(self.child)
             if code is not None:
                 died = "died while starting" if self.state == STARTING else "exited"
-                self._failed(now, f"{self.title} {died} with {_describe_exit(code)}", code)
+                reason = f"{self.title} {died} with {_describe_exit(code)}"
+                if self.state == STARTING and self.spec.port and any(map(PORT_TAKEN.search, self.error_lines)):
+                    self._lost_port(now, f"{reason}: port {self.spec.port} on {self.spec.host} was taken by "
+                                         "another process after our check, before it could bind")
+                else:
+                    self._failed(now, reason, code)
             elif self.state == STARTING:
                 self._starting(now)
             else:
@@ -348,7 +355,7 @@ class Program:
                                       f"{where}", since=now, child=self.child, started=started,
                              started_wall=self.phase.started_wall, next_probe=now + timing.liveness_interval_s)
         elif healthy is False and f"not by {self.title}'s process group" in why:
-            self._failed(now, f"{self.title} not trusted: {why}")
+            self._lost_port(now, f"{self.title} not trusted: {why}")
         elif now - started > timing.startup_timeout_s:
             self._failed(now, f"{self.title} not healthy within startup_timeout_s {timing.startup_timeout_s:g} s")
         elif self.spec.rendezvous:
@@ -544,6 +551,16 @@ class Program:
                 self.restarts += 1
                 self._transition(BACKOFF, f"{self.title} restarts in {delay:g} s (restart {self.restarts})",
                                  logging.WARNING, since=now, problem=reason, retry_at=now + delay)
+
+    def _lost_port(self, now: float, reason: str) -> None:
+        """Another process holds the child's own address and port: the start waits for it, as a preflight that
+        finds the port taken does, and no failure is counted. A local user who takes the port at each start,
+        between our preflight and the engine's bind (seconds of imports for vLLM), answering /health or not,
+        drove a healthy engine to FATAL within 10 s of a start: a crash, a reload, a boot."""
+        try:
+            self._end_child(reason)
+        finally:
+            self._transition(BACKOFF, since=now, problem=reason, blocked=True, retry_at=now + PREFLIGHT_RETRY_S)
 
     def _end_child(self, reason: str) -> None:
         """Log why, and if a child is there: EXITED, and its group killed."""
