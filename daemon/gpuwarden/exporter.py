@@ -492,9 +492,10 @@ class AuthLine:
       that has not failed takes the place of the last waiting check of the failed source that holds most
       (which gets 503); a failed source gets 503.
     What no choice by address can beat: a crowd from the scraper's own address (it shares that source's
-    places and turns; a remembered scraper skips the line), and one with many addresses (any local user
-    has all of 127.0.0.0/8; a remote one an IPv6 prefix, counted by /64), each address a source that has
-    not failed until its first check. Then the bounds still hold (one core, AUTH_WAITING connections, a
+    places and turns; a remembered scraper skips the line), and one with many addresses that are not one
+    source (127.0.0.0/8 beside 127.0.0.1 is one, see source_of, and an IPv6 /64 is one; a crowd with many
+    remote IPv4 addresses is not), each address a source that has not failed until its first check. Then
+    the bounds still hold (one core, AUTH_WAITING connections, a
     wait of at most AUTH_WAITING checks once in: 5 s at cost 12), and each address costs the crowd a check
     run before it is marked; a new scraper competes with the crowd's fresh addresses for a free place.
     """
