@@ -361,16 +361,62 @@ def test_signals_at_start_up_leave_no_traceback(write):
         assert "Traceback" not in out + rest and proc.returncode in (0, 130), out + rest
 
 
-def test_port_in_use_is_one_line(write):
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
-        path = write("g.yaml", f"metrics:\n  listen: 127.0.0.1:{port}\n")
-        proc = subprocess.run(gpuwarden_cmd() + ["run", "-c", str(path), "--sim", "lock-lost"],
-                              capture_output=True, text=True, env=subprocess_env(), timeout=60)
+# A local user holding the metrics port: the daemon starts anyway, and serves once the port is free.
+HOLDER = ("import socket, sys; s = socket.create_server(('127.0.0.1', int(sys.argv[1]))); print('bound', flush=True); "
+          "sys.stdin.readline()")
+
+
+def notices(sock, want, unless=None):
+    """The next sd_notify datagram that contains want (and not unless); the socket's timeout bounds the wait."""
+    while True:
+        data = sock.recv(4096).decode()
+        if want in data and (unless is None or unless not in data):
+            return data
+
+
+def test_a_held_metrics_port_is_waited_for_while_the_daemon_tunes_and_runs(write, daemons, tmp_path):
+    port = free_port()
+    holder = subprocess.Popen(["setpriv", "--reuid", "nobody", "--regid", "nogroup", "--clear-groups",
+                               "/usr/bin/python3", "-c", HOLDER, str(port)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        assert holder.stdout.readline() == "bound\n"
+        notify.bind(str(tmp_path / "notify.sock"))
+        notify.settimeout(30)
+        runtime = tmp_path / "run"
+        runtime.mkdir()
+        path = write("g.yaml", f"poll_interval_s: 0.5\nmetrics:\n  listen: 127.0.0.1:{port}\n")
+        env = dict(subprocess_env(), NOTIFY_SOCKET=str(tmp_path / "notify.sock"), RUNTIME_DIRECTORY=str(runtime))
+        d = daemons(path, "--sim", "rtx-pro-4000-headless", env=env)
+        line = d.wait_for(f"cannot serve metrics on 127.0.0.1:{port}: Address already in use")
+        assert "user nobody" in line and " ERROR " in line, line
+        ready = notices(notify, "READY=1")  # it started: tuned, polling, the watchdog fed
+        assert "metrics not served" in ready and str(port) in ready, ready
+        d.wait_for("tuning GPU 0 gpu_clocks:")  # tuned meanwhile
+        assert not (runtime / "metrics-url").exists()
+        holder.stdin.close()  # the holder lets go
+        assert holder.wait(10) == 0
+        line = d.wait_for(f"serving /metrics and /status on http://127.0.0.1:{port}")
+        assert re.search(r"\(the port was held for \d+ s\)", line), line
+        assert scrape(f"http://127.0.0.1:{port}")["gpuwarden_gpu_sm_clock_hertz"]
+        assert (runtime / "metrics-url").read_text() == f"http://127.0.0.1:{port}\n"
+        notices(notify, "STATUS=", unless="metrics not served")  # STATUS= says so no more
+        assert d.log.count("cannot serve metrics") == 1, "one line, not one per try"
+        assert "Traceback" not in d.log
+        assert d.stop() == 0
+    finally:
+        holder.kill()
+        holder.wait(10)
+        notify.close()
+
+
+def test_a_metrics_address_that_cannot_be_bound_is_one_line(write):
+    path = write("g.yaml", "metrics:\n  listen: 192.0.2.1:9999\n")  # TEST-NET-1: no address of this host
+    proc = subprocess.run(gpuwarden_cmd() + ["run", "-c", str(path), "--sim", "lock-lost"],
+                          capture_output=True, text=True, env=subprocess_env(), timeout=60)
     assert proc.returncode == 1
-    assert f"gpuwarden: cannot serve metrics on 127.0.0.1:{port}: Address already in use" in proc.stderr
+    assert "gpuwarden: cannot serve metrics on 192.0.2.1:9999: Cannot assign requested address" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert "before tuning" not in proc.stderr and "gpu_clocks:" not in proc.stderr, "no GPU was touched"
 

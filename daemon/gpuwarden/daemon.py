@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import logging
 import math
 import os
@@ -35,7 +36,7 @@ from .monitor import Monitor, describe_sample
 from .originals import originals_store
 from .proxy.child import proxy_spec
 from .serving.run.processes import ProcessOps
-from .serving.run import handover
+from .serving.run import handover, ports
 from .serving.run.runtime import ServingRuntime
 from .statedir import listen_file, state_dir
 from .systemd import Notifier, flush_logs
@@ -54,6 +55,9 @@ HANDOVER_ENV = "GPUWARDEN_HANDOVER"  # set across a re-exec: the children's pipe
 # The metrics listener's fd, inherited across a re-exec: the port is never let go, so no local user can bind it
 # in between and keep the new image from starting. After a crash systemd's fd store holds it (FDNAME=metrics).
 METRICS_FD_ENV = "GPUWARDEN_METRICS_FD"
+# A metrics port another process holds (a local user can bind it whenever it is free: at boot, at a requested
+# restart) is tried again this often from the tick: a bind, which never waits.
+METRICS_RETRY_S = 2.0
 LEFT_SERVING = ("this daemon could not start: %s keeps serving unsupervised (no health checks, no restarts) until "
                 "what stopped the start is fixed and the daemon started again; the next daemon adopts it")
 
@@ -88,6 +92,8 @@ class Daemon:
         self.monitor = Monitor(config, backend, self.tuning)
         self.exposition = Exposition(lambda: self.monitor.snapshot, clock)
         self.server: MetricsServer | None = None
+        self.metrics_held_since: float | None = None  # metrics.listen was in use: the tick tries it again
+        self._metrics_retry_at = 0.0
         # The children and what watches them; the proxy is a side child the runtime asks for by config. Under
         # the unit (StateDirectory=) the running children are recorded, so that the daemon after this one
         # takes them over (serving/run/handover.py); a daemon run by hand adopts nothing.
@@ -110,7 +116,9 @@ class Daemon:
     def start(self, now: float) -> None:
         """Check the plan and the serving command and take the port first (what can fail), then tune, start the
         engine, take the first sample, and tell systemd we are ready. Raises ConfigErrors for values a card or
-        the engine rejects, StartupError if the metrics port is taken; neither leaves a GPU setting changed."""
+        the engine rejects, StartupError if metrics.listen cannot be bound (a port another process holds is no
+        such error: the daemon runs without metrics and the tick takes the port once it is free); neither
+        leaves a GPU setting changed."""
         # First, before anything can fail: a start that fails with children to adopt leaves them serving
         # (leave_children). After a handover, or a crash of the daemon that left the engine serving, the engine
         # runs already, its flags checked when it started: only lint here, so the daemon watches it again within
@@ -122,21 +130,14 @@ class Daemon:
         webconfig.take_over(self.config.metrics.web)  # the scrapers the image before this one let in, if any
         plan, launch = self.check(self.config, deep=not self.adopting)
         stored = handover.stored_fds()  # once: it takes LISTEN_FDS out of the environment
-        self._open_metrics(stored.get("metrics"))
+        self._open_metrics(stored.get("metrics"), now)
         for note in plan.notes:
             log.info("%s", note)
         log.info("before tuning: %s", " | ".join(describe_sample(g.sample()) for g in self.backend.gpus()))
         self.tuning.start(plan)
         self._open_control()
         self._watch_events()
-        if self.server is not None:
-            self.server.start()
-            if os.environ.get("RUNTIME_DIRECTORY"):  # systemd's RuntimeDirectory=: the unit makes one
-                try:  # readable by all: `gpuwarden status` run by any user reads it
-                    smallfile.write_atomic(listen_file(), (self.config.metrics.url + "\n").encode(), 0o644)
-                except OSError as exc:
-                    log.warning("%s not written: %s", listen_file(), exc.strerror or exc)
-            log.info("serving /metrics and /status on %s", self.config.metrics.url)  # after the file: it is there
+        self._serve_metrics(now)
         self._start_serving(launch, now, stored)
         self.tick(now)
 
@@ -166,25 +167,70 @@ class Daemon:
         return any(handover.proven(child) is None for child in record.children
                    if child.name == self.config.serve.engine)
 
-    def _open_metrics(self, stored: int | None) -> None:
+    def _open_metrics(self, stored: int | None, now: float) -> None:
         """The metrics listener: the one the daemon before this one passed on (a re-exec's inherited fd, else
-        systemd's fd store) where it listens on metrics.listen, else bound anew; kept in the fd store for the
-        daemon after this one. Raises StartupError when the port cannot be bound."""
+        systemd's fd store) where it listens on metrics.listen, else bound anew (_bind_metrics)."""
         passed = os.environ.pop(METRICS_FD_ENV, "")
         fd = int(passed) if passed.isdigit() else stored
         listen = self.config.metrics.listen
         listener = take_listener(fd, listen) if fd is not None else None
         if fd is not None and listener is None:  # closed here; systemd's copy would hold the old port forever
             self.notifier.keep_fd("metrics", None)
-        if listen is None:
+        if listen is not None:
+            self._bind_metrics(listener, now)
+
+    def _bind_metrics(self, listener, now: float) -> None:
+        """The one place the metrics server is made (and metrics.listen bound, without a listener passed on);
+        kept in the fd store for the daemon after this one. A port another process holds is waited for, with
+        one error line naming the holder where /proc tells: the daemon tunes and supervises meanwhile, and the
+        tick tries again every METRICS_RETRY_S. Raises StartupError when the address cannot be bound at all."""
+        host, port = self.config.metrics.listen
+        try:
+            self.server = MetricsServer((host, port), self.exposition, self.status_document,
+                                        self.config.metrics.web, listener)
+        except OSError as exc:
+            # strerror alone: create_server's adds "(while attempting to bind on address ...)"
+            reason = os.strerror(exc.errno) if exc.errno else str(exc)
+            if exc.errno != errno.EADDRINUSE:
+                raise StartupError(f"cannot serve metrics on {host}:{port}: {reason} "
+                                   "(change metrics.listen, or set it to none)") from None
+            if self.metrics_held_since is None:
+                self.metrics_held_since = now
+                try:
+                    who = ports.who_listens(port, host=host)
+                except OSError:
+                    who = "a process we cannot see"
+                log.error("cannot serve metrics on %s:%d: %s (%s): running without /metrics and /status, "
+                          "binding the port as soon as it is free", host, port, reason, who)
+            self._metrics_retry_at = now + METRICS_RETRY_S
+            return
+        self.notifier.keep_fd("metrics", self.server.listener.fileno())  # systemd ignores one it holds already
+
+    def _serve_metrics(self, now: float) -> None:
+        """Start the metrics server made by _bind_metrics, write the URL for `gpuwarden status`, and say so."""
+        if self.server is None:
+            return
+        self.server.start()
+        if os.environ.get("RUNTIME_DIRECTORY"):  # systemd's RuntimeDirectory=: the unit makes one
+            try:  # readable by all: `gpuwarden status` run by any user reads it
+                smallfile.write_atomic(listen_file(), (self.config.metrics.url + "\n").encode(), 0o644)
+            except OSError as exc:
+                log.warning("%s not written: %s", listen_file(), exc.strerror or exc)
+        held = "" if self.metrics_held_since is None else \
+            f" (the port was held for {now - self.metrics_held_since:.0f} s)"
+        self.metrics_held_since = None
+        log.info("serving /metrics and /status on %s%s", self.config.metrics.url, held)  # after the file: it is there
+
+    def _retry_metrics(self, now: float) -> None:
+        """metrics.listen was held at the start: bind it once it is free (tick; a bind never waits)."""
+        if self.metrics_held_since is None or self.server is not None or now < self._metrics_retry_at:
             return
         try:
-            self.server = MetricsServer(listen, self.exposition, self.status_document, self.config.metrics.web,
-                                        listener)
-        except OSError as exc:
-            raise StartupError(f"cannot serve metrics on {listen[0]}:{listen[1]}: {exc.strerror} "
-                               "(change metrics.listen, or set it to none)") from None
-        self.notifier.keep_fd("metrics", self.server.listener.fileno())  # systemd ignores one it holds already
+            self._bind_metrics(None, now)
+        except StartupError as exc:  # the address went away meanwhile: say so now and then, keep trying
+            self._error_once(str(exc))
+            self._metrics_retry_at = now + METRICS_RETRY_S
+        self._serve_metrics(now)
 
     def _start_serving(self, launch, now: float, stored: dict[str, int]) -> None:
         """Start the children (launch None: serving is off), or take over those an earlier daemon left running:
@@ -268,6 +314,10 @@ class Daemon:
             self.handle_gpu_events()  # any the wake-up missed
         except Exception as exc:
             self._error_once(f"GPU events: {type(exc).__name__}: {exc}")
+        try:
+            self._retry_metrics(now)
+        except Exception as exc:
+            self._error_once(f"metrics: {type(exc).__name__}: {exc}")
         serving, stats = self._serving_tick(now)
         try:
             snapshot = self.monitor.tick(now, lag, serving=serving, stats=stats, published_at=self.clock())
@@ -281,6 +331,8 @@ class Daemon:
         if self.server is not None:
             self.exposition.published()
         status = snapshot.summary_line(numbers=False)  # the state, not this poll's readings
+        if self.metrics_held_since is not None:
+            status += " · metrics not served: %s:%d is held by another process" % self.config.metrics.listen
         # READY once everything is usable: tuned, and the engine healthy when serving. An engine that went FATAL
         # also ends the start-up, so that `systemctl start` returns and the STATUS line says why.
         if not self.ready_sent and self.serving.ready:
