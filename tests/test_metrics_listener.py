@@ -4,10 +4,13 @@ local user looping bind() on the port cannot take it in between and keep the dae
 the daemon (simulated GPUs) and a squatter running as `nobody`."""
 
 import os
+import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -16,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from conftest import DaemonProcess, free_port, gpuwarden_cmd, subprocess_env
+from test_faults import FLAGCHECK, fake, fault_config, no_fakes_left  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.integration  # real daemon processes: seconds each
 
@@ -121,11 +125,11 @@ class StoredDaemon(DaemonProcess):
     WRAPPER = ("import os, sys; fd = int(sys.argv[1]); os.dup2(fd, 3); os.close(fd) if fd != 3 else None; "
                "os.environ['LISTEN_PID'] = str(os.getpid()); os.execv(sys.executable, [sys.executable, *sys.argv[2:]])")
 
-    def __init__(self, config_path, sock, notify_path):
+    def __init__(self, config_path, sock, notify_path, args=("--sim", "lock-lost")):
         self.lines = []
         env = dict(subprocess_env(), LISTEN_FDS="1", LISTEN_FDNAMES="metrics", NOTIFY_SOCKET=notify_path)
         self.proc = subprocess.Popen([sys.executable, "-c", self.WRAPPER, str(sock.fileno()), *gpuwarden_cmd()[1:],
-                                      "run", "-c", str(config_path), "--sim", "lock-lost"],
+                                      "run", "-c", str(config_path), *args],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                      pass_fds=(sock.fileno(),))
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -185,3 +189,87 @@ def test_a_stored_metrics_socket_on_another_address_is_closed_and_the_port_bound
     finally:
         d.stop(signal.SIGKILL)
         stale.close()
+
+
+# The engine's interpreter as the start's check runs it (installed versions, flag check): the first run waits
+# until the test has looked at the daemon, then answers as tests/fakechild-flagcheck does.
+WAITING_PROBE = """#!/bin/sh
+if mkdir {folder}/once 2>/dev/null; then
+    exec 3<> {folder}/go  # open before saying so: the test's release finds a reader (bounded, if it never comes)
+    echo checking > {folder}/at-check
+    timeout 120 head -c 1 <&3 > /dev/null
+fi
+echo 'GPUWARDEN-FLAGCHECK {{"ok": true, "error": null, "version": "0.0.0+fake"}}'
+"""
+
+
+def test_the_passed_on_metrics_socket_is_close_on_exec_before_the_start_runs_the_engines_interpreter(
+        write, tmp_path, notify, fake, no_fakes_left):
+    """A crash restart (the fd store's socket at fd 3, inheritable as systemd passes it): the socket is taken,
+    close-on-exec, before the check starts anything, so no process the check runs could inherit the port."""
+    folder = Path(tempfile.mkdtemp(prefix="gpuwarden-probe-"))
+    try:
+        folder.chmod(0o777)  # serve.user runs the probe there
+        for fifo in ("at-check", "go"):
+            os.mkfifo(folder / fifo, 0o666)
+            (folder / fifo).chmod(0o666)
+        (folder / "python").write_text(WAITING_PROBE.format(folder=folder))
+        (folder / "python").chmod(0o755)
+        path, base, _ = fault_config(write, fake, "healthy")
+        path.write_text(path.read_text().replace(str(FLAGCHECK), str(folder / "python")))
+        port = int(base.rsplit(":", 1)[1])
+        held = socket.create_server(("127.0.0.1", port))  # what the fd store kept of the daemon before
+        inode = os.fstat(held.fileno()).st_ino
+        d = StoredDaemon(path, held, notify.getsockname(), args=())
+        held.close()  # the daemon's copy only: it alone holds the port from here on
+        at_check = os.open(folder / "at-check", os.O_RDONLY | os.O_NONBLOCK)  # no wait for a writer
+        try:
+            assert select.select([at_check], [], [], 60)[0], "the check never ran the engine's interpreter"
+            assert os.read(at_check, 64) == b"checking\n"  # the probe runs: the check is under way
+            assert list(fds_of_socket(d.proc.pid, inode).values()) == [True], "close-on-exec during the check"
+            release(folder / "go")
+            d.wait_for("serving /metrics and /status on", timeout=60)
+            assert get_metrics(port) == 200 and listening_inodes(port) == [inode]
+            assert d.stop() == 0
+        finally:
+            os.close(at_check)
+            release(folder / "go")  # a probe still waiting (a failed assertion) ends too
+            d.stop(signal.SIGKILL)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def release(fifo):
+    """Let a probe waiting on fifo go; nothing when none waits there."""
+    try:
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:  # ENXIO: no reader
+        return
+    os.write(fd, b"go\n")
+    os.close(fd)
+
+
+def test_a_start_whose_check_refuses_the_config_closes_the_passed_on_metrics_socket(monkeypatch):
+    """The listener is taken before the check; a check that raises still leaves nothing open (run's finish)."""
+    from gpuwarden import config
+    from gpuwarden.backends import open_configured
+    from gpuwarden.daemon import METRICS_FD_ENV, Daemon, run
+    from gpuwarden.yamlfile import InvalidConfig
+
+    port = free_port()
+    passed = socket.create_server(("127.0.0.1", port))
+    monkeypatch.setenv(METRICS_FD_ENV, str(passed.detach()))  # as a handover passes it across the exec
+    monkeypatch.delenv("GPUWARDEN_HANDOVER", raising=False)
+    cfg = config.parse_text("gpu:\n  backend: sim\n  scenario: dgx-spark\ntuning:\n  apply: false\n"
+                            f"metrics:\n  listen: 127.0.0.1:{port}\n"
+                            "serve:\n  enabled: true\n  model: /fake/model\n  user: gpuwarden-no-such-user\n")
+    daemon = Daemon(cfg, open_configured(cfg))
+    try:
+        with pytest.raises(InvalidConfig, match="gpuwarden-no-such-user"):
+            run(daemon)
+    finally:
+        daemon.backend.close()
+    assert METRICS_FD_ENV not in os.environ
+    assert daemon.server is None
+    with pytest.raises(ConnectionRefusedError):  # the listener is closed: nothing listens on the port any more
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()

@@ -114,7 +114,7 @@ class Daemon:
 
     # -- life cycle -------------------------------------------------------------
     def start(self, now: float) -> None:
-        """Check the plan and the serving command and take the port first (what can fail), then tune, start the
+        """Take the metrics port and check the plan and the serving command first (what can fail), then tune, start the
         engine, take the first sample, and tell systemd we are ready. Raises ConfigErrors for values a card or
         the engine rejects, StartupError if metrics.listen cannot be bound (a port another process holds is no
         such error: the daemon runs without metrics and the tick takes the port once it is free); neither
@@ -128,9 +128,12 @@ class Daemon:
         # the connection did not carry over): its setting back first
         self.sweeps.recover(handover=HANDOVER_ENV in os.environ)
         webconfig.take_over(self.config.metrics.web)  # the scrapers the image before this one let in, if any
-        plan, launch = self.check(self.config, deep=not self.adopting)
+        # The sockets and pipes passed on before the check, which may start the engine's interpreter: taken (the
+        # listener close-on-exec, the variables out of the environment) before anything is started from here.
+        # A check that raises after this leaves them to finish() (run), which closes the listener.
         stored = handover.stored_fds()  # once: it takes LISTEN_FDS out of the environment
         self._open_metrics(stored.get("metrics"), now)
+        plan, launch = self.check(self.config, deep=not self.adopting)
         for note in plan.notes:
             log.info("%s", note)
         log.info("before tuning: %s", " | ".join(describe_sample(g.sample()) for g in self.backend.gpus()))
