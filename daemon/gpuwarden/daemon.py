@@ -133,7 +133,10 @@ class Daemon:
         # A check that raises after this leaves them to finish() (run), which closes the listener.
         stored = handover.stored_fds()  # once: it takes LISTEN_FDS out of the environment
         self._open_metrics(stored.get("metrics"), now)
-        plan, launch = self.check(self.config, deep=not self.adopting)
+        # Adopting, the installed versions and model facts come from the cache, as the handover's check (on the old
+        # image's loop) read them: one verdict for both, or a pip install under the running engine made the new
+        # image refuse what the old one let through (exit 78). The running engine is not what they describe.
+        plan, launch = self.check(self.config, deep=not self.adopting, on_loop=self.adopting)
         for note in plan.notes:
             log.info("%s", note)
         log.info("before tuning: %s", " | ".join(describe_sample(g.sample()) for g in self.backend.gpus()))
@@ -149,7 +152,8 @@ class Daemon:
         launch or None), from the tuning check and, when serving, the lint at error level and the flag facts
         (deep: the engine's own parser too). Raises InvalidConfig. A handover runs it first on the config on
         disk as the new image's start will (adopting: not deep), so that a config the new image would refuse
-        is no handover. on_loop: from the main loop, which must not wait on the engine's interpreter."""
+        is no handover, and an adopting start runs it as that check did (on_loop). on_loop: from the cache only
+        (the main loop must not wait on the engine's interpreter), the model's files not read."""
         plan = self.tuning.check(config)
         launch = self.serving.prepare(config, deep=deep, on_loop=on_loop) if config.serve.enabled else None
         return plan, launch
