@@ -6,6 +6,8 @@ check. A FIFO planted there held the daemon's start in open() for good (no log l
 import os
 import threading
 
+from test_faults import fake  # noqa: F401 (fixture)
+
 from gpuwarden.config import ServeConfig
 from gpuwarden.serving.compose.flagcheck import engine_python
 
@@ -39,3 +41,23 @@ def test_a_fifo_or_a_link_to_dev_zero_at_the_engines_script_is_no_interpreter_an
     long_line.parent.mkdir()
     long_line.write_text("#!/opt/venv/bin/python3 " + "x" * 10_000_000 + "\n")
     assert _in_time(lambda: engine_python(serve, [str(long_line), "serve"])) == "/opt/venv/bin/python3"
+
+
+def test_doctor_prints_the_engine_interpreters_text_escaped(write, fake, tmp_path):
+    """The engine's interpreter is serve.user's: its stderr reaches doctor's findings (installed versions, flag
+    check), which root reads on a terminal. An OSC 52 / clear-screen there was printed raw."""
+    import subprocess
+
+    from conftest import gpuwarden_cmd
+    from test_faults import fault_config
+
+    python = fake["script"].parent / "python"
+    python.write_text("#!/bin/sh\nprintf '\\033]52;c;Zm9yZ2Vk\\007\\033[2J FORGED\\n' >&2\nexit 1\n")
+    python.chmod(0o755)
+    path, _, _ = fault_config(write, fake, "healthy")
+    path.write_text("\n".join(f"  python: {python}" if line.startswith("  python:") else line
+                              for line in path.read_text().splitlines()) + "\n")
+    done = subprocess.run([*gpuwarden_cmd(), "doctor", "-c", str(path)], capture_output=True, text=True, timeout=120)
+    assert "FORGED" in done.stdout, done.stdout + done.stderr
+    assert "\x1b" not in done.stdout and "\x07" not in done.stdout
+    assert "\\x1b]52" in done.stdout or "\\e]52" in done.stdout or "]52;" in done.stdout

@@ -11,6 +11,7 @@ from itertools import combinations
 from typing import TYPE_CHECKING
 
 from . import throttle
+from .safetext import visible
 from .alerts import RULES_BY_NAME
 from .config import AlertSettings, Config
 from .gpu.base import ClockEventReason as R
@@ -35,7 +36,9 @@ class Diagnosis:
     fix: str = ""
 
     def __str__(self) -> str:
-        return f"{self.severity.upper():7s} {self.check}: {self.message}" + (f" -> fix: {self.fix}" if self.fix else "")
+        # one line on a terminal: a message may quote the engine's interpreter (serve.user's) or a server
+        text = f"{self.severity.upper():7s} {self.check}: {self.message}" + (f" -> fix: {self.fix}" if self.fix else "")
+        return visible(text)
 
     def as_dict(self) -> dict:
         return {"severity": self.severity, "check": self.check, "message": self.message, "fix": self.fix}
