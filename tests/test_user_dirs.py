@@ -77,3 +77,39 @@ def test_a_folder_another_user_owns_where_the_home_goes_is_refused(reachable, tm
     squatted.mkdir(parents=True)  # root's: not nobody's own
     with pytest.raises(HomeError, match="is there and is not nobody's folder"):
         child_home(resolve("nobody"), create=True, environ={"STATE_DIRECTORY": str(reachable / "state")})
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (serve.user nobody)")
+def test_the_main_loop_runs_nothing_as_serve_user_for_its_home(reachable, monkeypatch):
+    """A reload and SIGUSR2's check (on_loop) only check that the home made at the daemon's start is there: a
+    mkdir or chgrp run as serve.user could hold the loop for MAKE_TIMEOUT_S. The start (off the loop) makes it."""
+    from gpuwarden import config
+    from gpuwarden.backends import open_configured
+    from gpuwarden.serving.run.runtime import prepare_launch
+    from gpuwarden.yamlfile import InvalidConfig
+
+    monkeypatch.setenv("STATE_DIRECTORY", str(reachable / "state"))
+    cfg = config.parse_text("gpu:\n  backend: sim\n  scenario: dgx-spark\nserve:\n  enabled: true\n"
+                            "  profile: generic\n  model: /fake/model\n  command: [/usr/bin/python3, /fake/child.py]\n"
+                            "  port: 18765\n  user: nobody\n")
+    backend = open_configured(cfg)
+    spawned = []
+    real_popen = subprocess.Popen
+
+    def popen(*args, **kwargs):
+        spawned.append(args[0] if args else kwargs.get("args"))
+        return real_popen(*args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    try:
+        with pytest.raises(InvalidConfig, match="is made only at the daemon's start .*restart the daemon"):
+            prepare_launch(cfg, backend, (), deep=False, on_loop=True)
+        assert spawned == [] and not (reachable / "state" / "home" / "nobody").exists()
+        prepare_launch(cfg, backend, (), deep=False)  # the daemon's start: made here, as serve.user
+        assert {"chgrp", "mkdir"} <= {argv[0] for argv in spawned}
+        spawned.clear()
+        launch = prepare_launch(cfg, backend, (), deep=False, on_loop=True)  # made before: used, nothing run
+        assert spawned == []
+        assert launch.engine.env["HOME"] == str(reachable / "state" / "home" / "nobody")
+    finally:
+        backend.close()

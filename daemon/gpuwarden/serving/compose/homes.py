@@ -67,21 +67,40 @@ def _writable_by(st: os.stat_result, identity: Identity) -> bool:
     return bool(st.st_mode & stat.S_IWOTH)
 
 
-def child_home(identity: Identity, create: bool, environ=os.environ) -> tuple[dict[str, str], str | None]:
+def child_home(identity: Identity, create: bool, environ=os.environ, on_loop: bool = False
+               ) -> tuple[dict[str, str], str | None]:
     """(environment for the child, why it got one) -- {} and None when its own home works. With create,
-    makes the home and cache directories under the state directory, owned by the user. Raises HomeError."""
+    makes the home and cache directories under the state directory, owned by the user; on_loop (the daemon's
+    main loop: a reload, SIGUSR2's check), which must not wait on a process run as the user, only checks that
+    a home made before (at the daemon's start) is there. Raises HomeError."""
     why = home_problem(identity)
     if why is None:
         return {}, None
     home = state_dir(environ) / "home" / identity.name
     env = {"HOME": str(home), **{name: str(home / sub) for name, sub in CACHES.items()}}
-    if create:
+    if create and on_loop:
+        if not _made_for(identity, home):
+            raise HomeError(f"serve.user {identity.name}: {why}, and {home} is made only at the daemon's start "
+                            "(the main loop runs nothing as serve.user): restart the daemon, or give it a "
+                            "writable home")
+    elif create:
         try:
             _make_own(identity, home, [home / sub for sub in CACHES.values()])
         except OSError as exc:
             raise HomeError(f"serve.user {identity.name}: {why}, and {home} cannot be made for it "
                             f"({exc.strerror}): give it a writable home") from None
     return env, f"{identity.name}: {why}; the engine's home and caches are {home}"
+
+
+def _made_for(identity: Identity, home: Path) -> bool:
+    """home is identity's own folder, in a home/ it may pass through: what _make_own left (the caches inside
+    are the user's to make again, as the engine's libraries do)."""
+    try:
+        st, parent = os.lstat(home), os.stat(home.parent)
+    except OSError:
+        return False
+    reachable = not identity.switch or parent.st_gid == identity.gid  # home/ is 1730, root's, in the user's group
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == identity.uid and reachable
 
 
 def _make_own(identity: Identity, top: Path, inside: list[Path]) -> None:

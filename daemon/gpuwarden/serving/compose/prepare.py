@@ -155,12 +155,13 @@ def prepare_serve(config: Config, backend: GpuBackend, deep: bool, create_home: 
     """compose() for this host's GPUs as serve.user, with its secrets and home; with deep, the engine's own
     parser too. Raises ConfigError(s) for an unknown engine, profile, GPU, profile file, serve.user or secrets
     file; starts nothing but the installed-versions probe. create_home: make the home the child gets when its
-    own cannot be written. on_loop: called from the daemon's main loop (a reload), which must not wait on the
-    engine's interpreter, so the installed versions come from the cache only."""
+    own cannot be written. on_loop: called from the daemon's main loop (a reload, SIGUSR2's check), which must
+    not wait on the engine's interpreter nor on any process run as serve.user: the installed versions come from
+    the cache only, and the home is only checked to be there (made at the daemon's start)."""
     identity = child_identity(config)
     secrets = child_secrets(config)
     try:
-        home, home_note = child_home(identity, create=create_home)
+        home, home_note = child_home(identity, create=create_home, on_loop=on_loop)
     except HomeError as exc:
         raise config.error(("serve", "user"), str(exc)) from None
     gpus = chosen_gpus(config, [gpu.sample() for gpu in backend.gpus()])
