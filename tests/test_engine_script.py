@@ -18,7 +18,7 @@ def _in_time(fn, seconds=5):
     thread = threading.Thread(target=lambda: out.setdefault("v", fn()), daemon=True)
     thread.start()
     thread.join(seconds)
-    assert not thread.is_alive(), "engine_python still waiting"
+    assert not thread.is_alive(), "still waiting"
     return out["v"]
 
 
@@ -61,3 +61,20 @@ def test_doctor_prints_the_engine_interpreters_text_escaped(write, fake, tmp_pat
     assert "FORGED" in done.stdout, done.stdout + done.stderr
     assert "\x1b" not in done.stdout and "\x07" not in done.stdout
     assert "\\x1b]52" in done.stdout or "\\e]52" in done.stdout or "]52;" in done.stdout
+
+
+def test_status_reads_metrics_url_past_a_fifo_without_waiting(tmp_path, monkeypatch):
+    """`gpuwarden status` reads the runtime directory's metrics-url: a FIFO there (a bad edit as root) held it in
+    open() for good; a link to /dev/zero read without end."""
+    from gpuwarden.config import MetricsConfig
+    from gpuwarden.status import running_elsewhere
+
+    monkeypatch.setenv("RUNTIME_DIRECTORY", str(tmp_path))
+    os.mkfifo(tmp_path / "metrics-url")
+    assert _in_time(lambda: running_elsewhere(MetricsConfig())) is None
+    (tmp_path / "metrics-url").unlink()
+    (tmp_path / "metrics-url").symlink_to("/dev/zero")
+    assert _in_time(lambda: running_elsewhere(MetricsConfig())) is None
+    (tmp_path / "metrics-url").unlink()
+    (tmp_path / "metrics-url").write_text("http://127.0.0.1:9999\n")
+    assert running_elsewhere(MetricsConfig()).listen == ("127.0.0.1", 9999)

@@ -8,7 +8,7 @@ import ssl
 import time
 from urllib.parse import urlsplit
 
-from . import httpget
+from . import httpget, smallfile
 from .config import MetricsConfig
 from .safetext import visible
 from .statedir import listen_file
@@ -48,10 +48,13 @@ def fetch_status(metrics: MetricsConfig, auth: tuple[str, str] | None = None, ti
 
 def running_elsewhere(metrics: MetricsConfig) -> MetricsConfig | None:
     """The address the running daemon recorded (statedir.listen_file), when it differs from the config's."""
-    try:
-        url = listen_file().read_text().strip()
-    except OSError:
+    try:  # never a FIFO's wait nor a link's target (smallfile)
+        raw = smallfile.read(listen_file(), 4096)
+    except smallfile.Unreadable:
         return None
+    if raw is None:
+        return None
+    url = raw.decode("utf-8", "replace").strip()
     parts = urlsplit(url)
     if url == metrics.url or not parts.hostname or not parts.port:
         return None
