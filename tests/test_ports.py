@@ -182,10 +182,14 @@ def test_the_child_starts_and_stays_up_beside_a_squatter_on_another_address(writ
         while time.monotonic() < deadline and not any(f"{title} healthy after" in x for x in lines):
             assert daemon.poll() is None and "not trusted" not in "".join(lines), "".join(lines)
             time.sleep(0.05)
-        # One more squatter while it runs, then three liveness periods (1 s each; 3 failures ended the child):
-        # nothing marks a probe that passed, so the test looks, after them, for the failures squatters caused.
+        # One more squatter while it runs, then three liveness probes (3 failures ended the child), counted in
+        # /status; the test then looks for the failures squatters caused.
         squatters.append(listen_as("nobody", "127.0.0.3", proxy_port if proxy else port))
-        time.sleep(3.5)
+        first = probes(base, title)
+        deadline = time.monotonic() + 60
+        while probes(base, title) < first + 3:
+            assert time.monotonic() < deadline and daemon.poll() is None, "".join(lines)
+            time.sleep(0.05)
         assert status(base)["serving"]["state"] == "RUNNING", "".join(lines)
     finally:
         daemon.send_signal(signal.SIGTERM)
@@ -195,6 +199,11 @@ def test_the_child_starts_and_stays_up_beside_a_squatter_on_another_address(writ
     log = "".join(lines)
     assert log.count(f"{title} healthy after") == 1, log
     assert "liveness probe failed" not in log and "not by" not in log and "restarts in" not in log, log
+
+
+def probes(base, title):
+    """The liveness probes the child named title has had answered since it last turned RUNNING (/status)."""
+    return next(c["probes"] for c in status(base)["children"] if c["title"] == title)
 
 
 # -- the supervisor asks about the child's own address: the engine's and the proxy's ---------------------------

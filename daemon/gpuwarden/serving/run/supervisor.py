@@ -98,6 +98,7 @@ class ServingView:
     nodes: int = 1
     head: str = ""  # the head's rendezvous HOST:PORT
     head_up: bool | None = None  # a worker: the head's rendezvous answered when last asked (None: not a worker)
+    probes: int = 0  # liveness probes answered since it last turned RUNNING
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,7 @@ class Phase:
     retry_at: float = 0.0  # BACKOFF: when the next start is tried
     next_probe: float = 0.0  # RUNNING: when /health is asked next
     probe_failures: int = 0  # RUNNING: liveness probes failed in a row
+    probes: int = 0  # RUNNING: liveness probes answered, passed or failed (in /status: an event a test can wait on)
     kill_at: float = 0.0  # STOPPING: SIGKILL then (or, once killed, give up on survivors then)
     killed: bool = False  # STOPPING: SIGKILL sent
     stop_count: int = 0  # STOPPING: processes in the group when the stop began
@@ -421,10 +423,11 @@ class Program:
         if healthy is None:
             return  # still waiting for this probe's answer
         if healthy:
-            self._within(next_probe=now + timing.liveness_interval_s, probe_failures=0)
+            self._within(next_probe=now + timing.liveness_interval_s, probe_failures=0, probes=self.phase.probes + 1)
             return
         failures = self.phase.probe_failures + 1
-        self._within(next_probe=now + timing.liveness_interval_s, probe_failures=failures)
+        self._within(next_probe=now + timing.liveness_interval_s, probe_failures=failures,
+                     probes=self.phase.probes + 1)
         log.warning("%s liveness probe failed (%d of %d): %s", self.title, failures, timing.liveness_failures, why)
         if failures >= timing.liveness_failures and self.spec.peer is not None and not self.spec.health_path:
             self._lost_head(now, why)
@@ -671,7 +674,8 @@ class Program:
                            self.name, self.title,
                            tuple((old, new, n) for (old, new), n in sorted(self.transitions.items())),
                            self.stalled, self.stalls, tuple(g.index for g in self.gpus), self.phase.started_wall,
-                           spec.version, spec.role, spec.rank, spec.nodes, spec.head, self._head_up())
+                           spec.version, spec.role, spec.rank, spec.nodes, spec.head, self._head_up(),
+                           self.phase.probes)
 
     def _head_up(self) -> bool | None:
         if self.spec.peer is None or self.spec.role != "worker":
