@@ -143,3 +143,15 @@ serve:
         if proxy.poll() is None:
             os.killpg(proxy.pid, signal.SIGKILL)
             proxy.wait()
+
+
+def test_with_serving_off_and_nothing_recorded_no_record_is_written(write, daemons, tmp_path):
+    """Nothing ran and nothing was recorded: the start writes no children.json (it wrote an empty one, every
+    start); a record left on disk is still rewritten (the test above)."""
+    path = write("gpuwarden.yaml", f"poll_interval_s: {POLL}\nmetrics:\n  listen: 127.0.0.1:{free_port()}\n"
+                 "gpu:\n  backend: sim\n  scenario: dgx-spark\nserve:\n  enabled: false\n")
+    env, folder = env_with_state(tmp_path)
+    d = daemons(path, env=env)
+    d.wait_for("serving /metrics and /status on", timeout=30)
+    assert d.stop() == 0  # signals wait until the start is over: it has run stop_unnamed by now
+    assert not (folder / handover.RECORD).exists(), (folder / handover.RECORD).read_text()

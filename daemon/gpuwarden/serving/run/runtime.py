@@ -230,6 +230,9 @@ class ServingRuntime:
         record = handover.Record(tuple(running), self._stopping)
         if record == self._recorded:
             return
+        if self._recorded is None and record == handover.Record(()) and not self._on_disk():
+            self._recorded = record  # nothing runs and nothing was recorded (serving off): no file to write
+            return
         old = {c.name: c for c in (self._recorded.children if self._recorded else ())}
         if self.keep_fd is not None:
             for entry in running:
@@ -239,6 +242,10 @@ class ServingRuntime:
                 self.keep_fd(f"child-{name}", None)
         handover.save(self.state_dir, record)
         self._recorded = record
+
+    def _on_disk(self) -> bool:
+        """A record is there (even one not read: a stale one is replaced by what runs now)."""
+        return self.state_dir is not None and os.path.lexists(self.state_dir / handover.RECORD)
 
     def handover_record(self) -> handover.Record:
         """What a re-executed daemon needs: the running children, their pipes inheritable."""
