@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import VLLM_START_S, free_port, gpuwarden_cmd, matplotlib_here, subprocess_env
+from conftest import free_port, gpuwarden_cmd, matplotlib_here, subprocess_env
 from gpuwarden.bench.roofline import ModelUnreadable, ceiling_tokens_per_s, kv_bytes_per_token, model_bytes
 
 HERE = Path(__file__).resolve().parent
@@ -245,7 +245,7 @@ def test_prompts_are_exactly_input_len_where_the_server_tokenizes(server, bench)
 # -- against the real CPU vLLM ----------------------------------------------------------------------------------
 
 @pytest.mark.vllm
-def test_against_the_real_cpu_vllm_under_the_daemon(write, daemons, vllm_python, tiny_model, child_user, tmp_path):
+def test_against_the_real_cpu_vllm_under_the_daemon(served, tmp_path):
     """A 2-step sweep of the vLLM gpuwarden supervises (sim GPUs, read through the daemon's /status): every
     field sane, and bench agrees with the server's own counters over each step (after bench's warm-up requests,
     which take the graph compiles of a fresh engine): the tokens counted are the tokens vLLM's counter grew by,
@@ -253,11 +253,7 @@ def test_against_the_real_cpu_vllm_under_the_daemon(write, daemons, vllm_python,
     engine and back (a client that timed the first token late, or cost the server CPU per token, misses).
     benchmarks/bench_agreement.py compares bench with vllm.benchmarks.serve over rounds (RESULTS.md section 9):
     steadier here, and a minute cheaper than two load generators round by round."""
-    from test_vllm_e2e import serving_config
-
-    path = serving_config(write, vllm_python, tiny_model, child_user, free_port(), ["--max-model-len", "512"])
-    d = daemons(path)
-    d.wait_for("vLLM healthy after", timeout=VLLM_START_S)
+    path, tiny_model = served.config, served.model  # the shared engine (conftest.served)
     env = {**subprocess_env(), "STATE_DIRECTORY": str(tmp_path / "state")}
     out = subprocess.run([*gpuwarden_cmd(), "bench", "-c", str(path), "--concurrency", "1,4", "--requests", "8",
                           "--input-len", "128", "--output-len", "64", "--json"], capture_output=True, text=True,
@@ -268,15 +264,20 @@ def test_against_the_real_cpu_vllm_under_the_daemon(write, daemons, vllm_python,
     for step in result["steps"]:
         assert step["ok"] == step["requests"] == 8 and step["errors"] == 0
         assert step["output_tokens"] == 8 * 64 == step["engine"]["generation_tokens"]  # vLLM's counter agrees
-        # The engine's mean TTFT, from its histogram, over the step. No client sees a token before the engine made
-        # it, so bench's mean is never below vLLM's; above it by the way to the engine and back, a few ms on a quiet
-        # box, but a busy one stretches single requests of the 8 (one of 114 ms beside vLLM's mean of 10 ms, at a
-        # load of 9): the median, not the mean, is held near vLLM's. A client that timed the first token at the end
-        # of the stream (a latency of ~120 ms here) fails, as does one that counted tokens other than vLLM's.
-        server = step["engine"]["ttft_mean_s"]
-        print(f"C={step['concurrency']}: TTFT bench mean {step['ttft_mean_s'] * 1e3:.1f} ms, median "
-              f"{step['ttft_p50_s'] * 1e3:.1f} ms; vLLM's histogram mean {server * 1e3:.1f} ms")
-        assert step["ttft_mean_s"] >= server - 0.001 and step["ttft_p50_s"] <= server + max(0.020, 0.5 * server)
+        # vLLM's own means over the step (its histograms' sums over their counts) time a request from its arrival in
+        # the engine; bench's from the request's send. So bench's are never below vLLM's, and are above them by the
+        # way to the engine and back, alike for the first token and the whole request (a quiet box puts it within
+        # 4 ms; a busy one stretches it, to 55 ms beside vLLM's 6 ms TTFT while other tests ran), plus, for the
+        # first token, the tokens the tiny random model makes before one that decodes to text (bench times the
+        # first text, as vLLM's benchmark does: 13-15 ms more at C=1 in three runs). A client that
+        # timed the first token at the end of the stream (~60 ms here), or counted other tokens, fails.
+        engine = step["engine"]
+        to_first, to_end = step["ttft_mean_s"] - engine["ttft_mean_s"], step["latency_mean_s"] - engine["latency_mean_s"]
+        print(f"C={step['concurrency']}: bench's mean TTFT and latency above vLLM's by {to_first * 1e3:.1f} and "
+              f"{to_end * 1e3:.1f} ms (vLLM's: {engine['ttft_mean_s'] * 1e3:.1f}, {engine['latency_mean_s'] * 1e3:.1f} "
+              f"ms; bench's inter-token p99 {step['itl_p99_s'] * 1e3:.1f} ms)")
+        assert to_first >= -0.001 and to_end >= -0.001
+        assert to_first <= to_end + max(0.025, 0.5 * to_end, 3 * step["itl_p99_s"])  # C=4: 197 beside 141 ms
         assert step["engine"]["prompt_tokens"] == pytest.approx(8 * step["input_tokens_mean"])
         assert step["ttft_mean_s"] <= step["latency_mean_s"] and step["ttft_p50_s"] <= step["ttft_p99_s"]
         assert step["itl_p50_s"] <= step["itl_p99_s"] and step["system_tokens_per_s"] > 0
@@ -287,4 +288,3 @@ def test_against_the_real_cpu_vllm_under_the_daemon(write, daemons, vllm_python,
     assert roof["known"] and roof["bandwidth_bytes_per_s"] == pytest.approx(2 * 4266e6 * 256 / 8, rel=0.01)
     weights = sum(f.stat().st_size for f in tiny_model.glob("*.safetensors"))
     assert 0 < roof["weight_bytes"] < weights and roof["kv_bytes_per_token"] > 0  # tensors, not the header
-    assert d.stop() == 0

@@ -138,8 +138,12 @@ def summarize_engine(names, start: dict | None, end: dict | None, polls: list[di
 
     kv = next((series(n) for n in names.kv_cache_usage if series(n)), [])
     hits, queries = delta(names.prefix_cache_hits), delta(names.prefix_cache_queries)
-    histogram = names.ttft_histogram
-    ttft_sum, ttft_count = (delta(f"{histogram}_{part}") if histogram else None for part in ("sum", "count"))
+
+    def histogram_mean(name: str | None) -> float | None:
+        """A histogram's mean over the step: its sum's growth over its count's."""
+        grew, count = (delta(f"{name}_{part}") if name else None for part in ("sum", "count"))
+        return grew / count if grew is not None and count else None
+
     running, waiting = series(names.requests_running), series(names.requests_waiting)
     return {"reported": True, "generation_tokens": delta(names.generation_tokens),
             "prompt_tokens": delta(names.prompt_tokens),
@@ -147,9 +151,10 @@ def summarize_engine(names, start: dict | None, end: dict | None, polls: list[di
             "waiting_mean": _mean(waiting), "waiting_max": max(waiting) if waiting else None,
             "kv_cache_usage_max": max(kv) if kv else None,
             "prefix_cache_hit_rate": hits / queries if hits is not None and queries else None,
-            # the engine's mean TTFT over the step (its histogram's sum over its count): the client's less the
-            # way to and from the engine
-            "ttft_mean_s": ttft_sum / ttft_count if ttft_sum is not None and ttft_count else None}
+            # the engine's own means over the step, from a request's arrival in it: the client's less the way
+            # to and from the engine
+            "ttft_mean_s": histogram_mean(names.ttft_histogram),
+            "latency_mean_s": histogram_mean(names.latency_histogram)}
 
 
 def step_flags(gpus: list[dict], gpu_note: str | None) -> list[str]:

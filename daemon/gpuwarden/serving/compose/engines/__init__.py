@@ -47,9 +47,10 @@ class MetricNames:
     kv_cache_usage: tuple[str, ...]
     prefix_cache_queries: str | None = None  # counters in tokens, where the engine has them (`gpuwarden bench`)
     prefix_cache_hits: str | None = None
-    # the engine's own time-to-first-token histogram (its _sum and _count): `bench` sets each step's client TTFT
-    # beside the server's, over the same interval
+    # the engine's own time-to-first-token and request-latency histograms (their _sum and _count): `bench` sets
+    # each step's client figures beside the server's, over the same interval
     ttft_histogram: str | None = None
+    latency_histogram: str | None = None
 
     def missing(self, served: Mapping[str, float]) -> list[str]:
         """The names gpuwarden reads that a /metrics scrape lacks: a stale name fails as silently as an empty

@@ -259,7 +259,7 @@ class Vllm(Engine):
                                "vllm:num_requests_running", "vllm:num_requests_waiting",
                                ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
                                "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
-                               "vllm:time_to_first_token_seconds")
+                               "vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds")
     api_key_env = "VLLM_API_KEY"  # the flag wins (vllm/entrypoints/serve/middleware/register.py, 0.32)
     flag_probe = PROBE
     checks = {"kv_cache_fp8_e5m2": kv_cache_fp8_e5m2, "ngram_small_model": ngram_small_model,
