@@ -15,7 +15,7 @@ from collections import defaultdict
 PARTS = (
     ("nspawn", {"systemd"}, set(), set()),
     ("Ray", set(), {"ray_processes"}, set()),
-    ("vLLM", {"vllm"}, {"vllm_python", "tiny_model", "long_tiny_model"}, set()),
+    ("vLLM", {"vllm"}, {"vllm_python", "tiny_model", "long_tiny_model", "served"}, set()),
     ("Prometheus/Alertmanager", {"fleet"}, set(), {"test_prometheus.py", "test_fleet.py"}),
 )
 KEYWORD = "budget-part:"

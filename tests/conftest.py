@@ -1,3 +1,4 @@
+import json
 import os
 import pwd
 import shutil
@@ -5,6 +6,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import types
 from pathlib import Path
 
 import pytest
@@ -240,6 +242,74 @@ def long_tiny_model(vllm_python):
     folder = _make_tiny_model(vllm_python, "16384")
     yield folder
     shutil.rmtree(folder, ignore_errors=True)
+
+
+def serving_config(write, vllm_python, model, user, vllm_port, extra_args=(), extra=""):
+    """A config serving model with the real CPU vLLM on a sim DGX Spark, written with write(name, text)."""
+    write("profiles.d/cpu-tiny.yaml", CPU_TINY_PROFILE.read_text())
+    args = json.dumps(list(extra_args))
+    return write("gpuwarden.yaml", f"""poll_interval_s: 0.5
+metrics:
+  listen: 127.0.0.1:{free_port()}
+gpu:
+  backend: sim
+  scenario: dgx-spark
+serve:
+  enabled: true
+  profile: cpu-tiny
+  model: {model}
+  command: [{vllm_python}, -m, vllm.entrypoints.openai.api_server]
+  port: {vllm_port}
+  user: {user}
+  args: {args}
+  startup_timeout_s: {VLLM_START_S}
+  stop_timeout_s: 20
+  liveness_interval_s: 2
+{extra}""")
+
+
+NOHOME_USER = "gw-nohome-test"
+
+
+@pytest.fixture(scope="session")
+def served(vllm_python, tiny_model, child_user):
+    """One daemon serving the tiny model with the real CPU vLLM, healthy, for the tests that only use or watch an
+    engine (a vLLM start costs 60-90 s on two cores): bench against vLLM's counters, and a system user without a
+    home (as root the engine runs as one, `useradd -r -M`; it gets a home under the state directory). A test that
+    kills, freezes or reconfigures its engine, or needs other flags, starts its own."""
+    folder = Path(tempfile.mkdtemp(prefix="gpuwarden-served-"))  # not under pytest's 0700 folder: the user
+    folder.chmod(0o755)  # reaches its home below the state directory, as below /var/lib/gpuwarden
+    user = child_user
+    if os.geteuid() == 0:
+        user = NOHOME_USER
+        subprocess.run(["userdel", "-f", user], capture_output=True)
+        subprocess.run(["useradd", "-r", "-M", "-s", "/usr/sbin/nologin", user], check=True)
+        assert not Path(pwd.getpwnam(user).pw_dir).exists()
+    state = folder / "state"
+    state.mkdir()
+    state.chmod(0o755)
+
+    def write(name, text):
+        path = folder / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        return path
+
+    port = free_port()
+    path = serving_config(write, vllm_python, tiny_model, user, port, ["--max-model-len", "512"])
+    d = DaemonProcess(path, env=dict(subprocess_env(), STATE_DIRECTORY=str(state)))
+    try:
+        d.wait_for("vLLM healthy after", timeout=VLLM_START_S)
+        yield types.SimpleNamespace(daemon=d, config=path, port=port, model=tiny_model, user=user,
+                                    plain_user=child_user, state=state)
+        assert d.stop() == 0, d.log[-3000:]
+    finally:
+        if d.proc.poll() is None:
+            d.proc.terminate()
+            d.proc.wait(60)
+        if user == NOHOME_USER:
+            subprocess.run(["userdel", "-f", user], capture_output=True)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
