@@ -20,6 +20,7 @@ from .config import EX_CONFIG, Config
 from .gpu import errors
 from .gpu.sim.scenario import builtin_scenarios, resolve_scenario, unknown_scenario
 from .originals import originals_store
+from .safetext import visible
 from .serving.compose.secrets import redact_argv, redact_env
 from .tuning import Outcome, Plan, Tuner, make_plan
 from .systemd import print_error
@@ -190,7 +191,8 @@ def _serve_check(config: Config, backend, deep: bool, as_json: bool) -> dict:
                  for severity, check, message, fix in nodes if severity == "error"]
     if not as_json:
         for finding in prepared.findings:
-            print(f"lint {finding}", file=sys.stderr if finding.severity == "error" else sys.stdout)
+            # a finding's note may quote the engine interpreter's own text (its installed-versions error)
+            print(visible(f"lint {finding}"), file=sys.stderr if finding.severity == "error" else sys.stdout)
     if problems:
         raise ConfigErrors(problems)
     version = prepared.flags.version if prepared.flags else None
