@@ -413,7 +413,10 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     unless it was stopping them; so does a start that failed with children to adopt (the record's keep: a
     config the new image refused after a handover, exit 78, which the unit does not restart); any other end
     (a stop, a stop that timed out) ends what is left."""
+    import time
+
     from .serving.run import handover
+    from .serving.run.processes import STRAY_GRACE_S, Strays, find_strays
     from .statedir import state_dir
 
     folder = state_dir()
@@ -432,6 +435,11 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
               "unsupervised, for the next daemon to adopt")
         return EX_OK
     handover.end_leftovers(record, f"the daemon stopped ({result})")
+    # What left the children's groups (setsid) is found in the unit's cgroup (ExecStopPost runs there too).
+    uids = {c.uid for c in record.children}
+    strays = Strays()
+    strays.end(find_strays(uids, ()), uids, (), time.monotonic(), STRAY_GRACE_S)
+    strays.wait(time.monotonic)
     handover.clear(folder)
     return EX_OK
 

@@ -4,7 +4,9 @@ As in supervisor's process.py, a spawn that fails is an error the supervisor
 turns into a child failure, never an exception in the loop. The daemon is a
 child subreaper (prctl PR_SET_CHILD_SUBREAPER), so a process that leaves the
 child's process group (setsid(), a double fork) is re-parented to us rather
-than to init when its parent dies: we can still find it and kill it.
+than to init when its parent dies: we can still find it and kill it. After a crash the restarted daemon is
+nobody's parent (init took them): under the unit, such leftovers are found in the unit's own cgroup
+instead (find_strays), and nowhere else.
 """
 
 from __future__ import annotations
@@ -12,8 +14,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import itertools
 import logging
 import os
+import re
+import select
+import signal
 import stat
 import subprocess
 import threading
@@ -33,6 +39,13 @@ MAX_LINE_BYTES = 16 * 1024  # a child's line longer than this is cut: one log re
 HEALTH_DEADLINE_S = 5.0
 HEALTH_MAX_BYTES = 64 * 1024
 PR_SET_CHILD_SUBREAPER = 36
+MAX_CGROUP_PROCS = 10_000  # cgroup.procs is read this far at most: a bounded look, whatever runs in the unit
+MAX_STRAYS = 64  # leftovers held (a pidfd each) at once; any more are found by the next look
+KILL_WAIT_S = 5.0  # after SIGKILL, how long a stop waits for the kernel before giving up on survivors
+STRAY_GRACE_S = 5.0  # SIGTERM, then SIGKILL after this (where serve.stop_timeout_s is not known: cleanup)
+# Only systemd makes a cgroup of this name (the unit's); a daemon run by hand sits in a session scope, a
+# user's service or the root cgroup, where processes of serve.user's uid are not ours to end.
+UNIT_CGROUP = re.compile(r"gpuwarden(@[^/]+)?\.service")
 
 
 UNSEEN_EXIT = 256  # the exit status of an adopted child that is not ours to wait for (systemd reaped it)
@@ -195,20 +208,179 @@ class ProcessOps:
         return ports.who_listens(port, host=host)
 
 
+def cgroup2(pid: int | str, proc: str = "/proc") -> str | None:
+    """The process's cgroup v2 path ("0::" in /proc/PID/cgroup), or None."""
+    try:
+        with open(f"{proc}/{pid}/cgroup", "rb") as f:
+            raw = f.read(64 * 1024)
+    except OSError:
+        return None
+    return next((line[3:] for line in raw.decode("utf-8", "surrogateescape").splitlines()
+                 if line.startswith("0::")), None)
+
+
+def unit_cgroup(proc: str = "/proc") -> Path | None:
+    """The folder of this process's own cgroup (v2) when it is gpuwarden's unit's (UNIT_CGROUP); else None."""
+    path = cgroup2("self", proc)
+    if path is None or not UNIT_CGROUP.fullmatch(path.rpartition("/")[2]):
+        return None
+    try:
+        mounts = Path(proc, "self", "mounts").read_text("utf-8", "surrogateescape")
+    except OSError:
+        return None
+    for fields in (line.split() for line in mounts.splitlines()):
+        if len(fields) > 2 and fields[2] == "cgroup2":  # mount points write a space etc. as octal escapes
+            root = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[1])
+            return Path(root, path.lstrip("/"))
+    return None
+
+
+def find_strays(uids: Iterable[int], live: Iterable[int]) -> list[int]:
+    """Leftovers of ours: processes in the unit's own cgroup that run as one of uids (never root), outside every
+    live child's process group and tree (live: their leaders; a child leads its group) and outside this
+    process's own tree (what it runs itself, and what escaped() finds). A process that left a child's group
+    before a daemon crash was re-parented to init, not to the daemon after it: this is where it is found.
+    Empty outside the unit, and where the cgroup read does not list this process (not our cgroup after all)."""
+    folder = unit_cgroup()
+    uids = set(uids) - {0}
+    if folder is None or not uids:
+        return []
+    try:
+        with open(folder / "cgroup.procs", "rb") as f:
+            pids = {int(line) for line in itertools.islice(f, MAX_CGROUP_PROCS)}
+    except (OSError, ValueError):
+        return []
+    me = os.getpid()
+    if me not in pids:
+        return []
+    table, live = _processes(), set(live)
+    keep = {me, *live}
+    found = []
+    for pid in sorted(pids):
+        if pid in table and table[pid][1] not in live and _uid(pid) in uids and not _descends(pid, keep, table):
+            found.append(pid)
+    return found[:MAX_STRAYS]
+
+
+def _uid(pid: int) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
+
+
+def _descends(pid: int, ancestors: set[int], table: dict[int, tuple[int, int]]) -> bool:
+    for _ in range(len(table)):  # bounded: a PID table has no cycles, but a snapshot is taken over time
+        pid = table.get(pid, (0, 0))[0]
+        if pid in ancestors:
+            return True
+        if pid <= 1:
+            return False
+    return False
+
+
+@dataclass
+class _Held:
+    pidfd: int
+    kill_at: float
+    killed: bool = False
+
+
+class Strays:
+    """Leftovers (find_strays) ended as a stop ends a child: SIGTERM now, SIGKILL after the grace; one line names
+    each. Each is held by a pidfd from before its last check on, so a PID recycled meanwhile is never
+    signalled."""
+
+    def __init__(self) -> None:
+        self._held: dict[int, _Held] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._held)
+
+    def end(self, pids: Iterable[int], uids: Iterable[int], live: Iterable[int], now: float, grace: float) -> None:
+        uids, live, mine = set(uids) - {0}, set(live), cgroup2("self")
+        for pid in pids:
+            if pid in self._held or len(self._held) >= MAX_STRAYS:
+                continue
+            try:
+                pidfd = os.pidfd_open(pid)
+            except OSError:
+                continue  # gone
+            # Checked again once held: while the pidfd has not exited, these facts are its process's.
+            group = (_stat(pid) or (0, 0))[1]
+            if (_uid(pid) not in uids or group in live or cgroup2(pid) != mine or _exited(pidfd)
+                    or not _signal(pidfd, signal.SIGTERM)):
+                os.close(pidfd)
+                continue
+            log.warning("stopping %s: left behind in this unit's cgroup, outside every running child's process "
+                        "group (SIGTERM, SIGKILL after %g s)", ports.describe(pid), grace)
+            self._held[pid] = _Held(pidfd, now + grace)
+
+    def tick(self, now: float) -> None:
+        """SIGKILL those past their grace; forget those gone (never waits)."""
+        for pid, held in list(self._held.items()):
+            if not _exited(held.pidfd):
+                if now < held.kill_at:
+                    continue
+                if not held.killed:
+                    log.warning("pid %d did not stop within its grace: SIGKILL", pid)
+                    _signal(held.pidfd, signal.SIGKILL)
+                    held.killed, held.kill_at = True, now + KILL_WAIT_S
+                    continue
+                log.error("pid %d survived SIGKILL for %g s", pid, KILL_WAIT_S)
+            os.close(held.pidfd)
+            del self._held[pid]
+
+    def hurry(self, now: float) -> None:
+        """A second stop request: no more grace."""
+        for held in self._held.values():
+            if not held.killed:
+                held.kill_at = now
+        self.tick(now)
+
+    def wait(self, clock: Callable[[], float]) -> None:
+        """Until every one is gone or given up on (cleanup, which may wait): woken by their exits."""
+        while self._held:
+            poller = select.poll()
+            for held in self._held.values():
+                poller.register(held.pidfd, select.POLLIN)
+            next_at = min(held.kill_at for held in self._held.values())
+            poller.poll(max(0, (next_at - clock()) * 1000) + 1)
+            self.tick(clock())
+
+
+def _exited(pidfd: int) -> bool:
+    """A pidfd reads as readable once its process has ended."""
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(0))
+
+
+def _signal(pidfd: int, sig: int) -> bool:
+    try:
+        signal.pidfd_send_signal(pidfd, sig)
+    except OSError:
+        return False  # gone meanwhile
+    return True
+
+
 def _processes() -> dict[int, tuple[int, int]]:
     """pid -> (ppid, process group) of every live, non-zombie process."""
     out = {}
     for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-        except OSError:
-            continue  # ended while we looked
-        if fields[0] != b"Z":
-            out[int(entry.name)] = (int(fields[1]), int(fields[2]))
+        if entry.name.isdigit() and (found := _stat(int(entry.name))) is not None:
+            out[int(entry.name)] = found
     return out
+
+
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(ppid, process group) of a live, non-zombie process; None once it has ended."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None  # ended while we looked
+    return None if fields[0] == b"Z" else (int(fields[1]), int(fields[2]))
 
 
 def forward_lines(stream, on_line: Callable[[str], None], limit: int = MAX_LINE_BYTES) -> None:

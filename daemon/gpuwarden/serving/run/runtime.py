@@ -27,7 +27,7 @@ from ..compose.identity import Identity
 from ..watch.metrics import MetricsReader, ServingStats
 from ..compose.prepare import prepare_serve
 from . import handover
-from .processes import Child, ProcessOps
+from .processes import STRAY_GRACE_S, Child, ProcessOps, Strays, find_strays
 from .spec import ChildSpec, engine_spec, ray_spec
 from ..watch.stall import Progress, StallWatch
 from .supervisor import FATAL, KILL_WAIT_S, RUNNING, Program, ServingView, Supervisor
@@ -113,6 +113,12 @@ class ServingRuntime:
         self._recorded: handover.Record | None = None  # what the record on disk says now
         self._stopping = False  # stop() came: whatever outlives this daemon is a leftover, not to adopt
         self._unnamed: list[_Unnamed] = []  # recorded children this config does not name, being stopped
+        # Leftovers found in the unit's cgroup (processes.find_strays) as the users that ran our children, being
+        # stopped; looked for at a start with a record, and whenever nothing runs any more (_sweep).
+        self._strays = Strays()
+        self._uids: set[int] = set()
+        self._grace = STRAY_GRACE_S
+        self._busy = False  # something ran at the last tick: nothing running now calls for a look
         self.launch: Launch | None = None  # what runs now
         self.children: Supervisor | None = None
         self.pending: Launch | None = None  # the next launch, started once the running children have stopped
@@ -134,6 +140,10 @@ class ServingRuntime:
 
     @property
     def stopped(self) -> bool:
+        return self._idle and not self._busy and not self._strays  # _busy: the look for leftovers is still due
+
+    @property
+    def _idle(self) -> bool:
         return (self.children is None or self.children.stopped) and not self._unnamed
 
     def start(self, launch: Launch, now: float, adoptable: handover.Record | None = None,
@@ -168,6 +178,8 @@ class ServingRuntime:
         if changed:
             self._replace_all(launch, now)
         self._record(now)
+        if adoptable is not None and adoptable.children:
+            self._sweep(adoptable, launch.config.serve.stop_timeout_s, now)
 
     def stop_unnamed(self, record: handover.Record | None, fds: Mapping[str, int] | None, now: float,
                      grace: float, why: str) -> None:
@@ -176,6 +188,19 @@ class ServingRuntime:
         for entry in record.children if record is not None else ():
             self._stop_unnamed(entry, fds.pop(f"child-{entry.name}", None), now, grace, why)
         self._record(now)
+        if record is not None and record.children:
+            self._sweep(record, grace, now)
+
+    def _sweep(self, record: handover.Record | None, grace: float | None, now: float) -> None:
+        """Stop what is left of our children outside every running child's group: after a crash (a record), a
+        process that left an engine's group had init for its parent, not this daemon (escaped() misses it)."""
+        if record is not None:
+            self._uids.update(c.uid for c in record.children)
+        if grace is not None:
+            self._grace = grace
+        live = [p.child.pid for p in (self.children.programs.values() if self.children else ()) if p.child]
+        live += [leaving.child.pid for leaving in self._unnamed]
+        self._strays.end(find_strays(self._uids, live), self._uids, live, now, self._grace)
 
     def _stop_unnamed(self, entry: handover.Recorded, fd: int | None, now: float, grace: float, why: str) -> None:
         """A recorded child no program of this daemon takes over: stopped as a stop would (SIGTERM to its group
@@ -227,6 +252,7 @@ class ServingRuntime:
                 running.append(handover.Recorded(program.name, child.pid, child.start_ticks, program.identity.uid,
                                                  handover.argv_digest(program.spec.argv), child.output_fd))
         running += [leaving.entry for leaving in self._unnamed]  # not adopted, but theirs to end until gone
+        self._uids.update(c.uid for c in running)
         record = handover.Record(tuple(running), self._stopping)
         if record == self._recorded:
             return
@@ -261,6 +287,10 @@ class ServingRuntime:
         if self._unnamed:
             self._tick_unnamed(now)
             self._record(now)
+        due, self._busy = self._idle and self._busy, not self._idle  # a look that fails is not due again
+        if due:  # the children's groups are gone: anything left of them is a leftover
+            self._sweep(None, None, now)
+        self._strays.tick(now)
         if self.children is None:
             return None, None
         engine = self.children.main
@@ -355,3 +385,4 @@ class ServingRuntime:
             if not leaving.killed:
                 leaving.kill_at = now
         self._tick_unnamed(now)
+        self._strays.hurry(now)

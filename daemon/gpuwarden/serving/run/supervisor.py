@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from . import ports
-from .processes import UNSEEN_EXIT, Child, ProcessOps
+from .processes import KILL_WAIT_S, UNSEEN_EXIT, Child, ProcessOps
 from ..compose.secrets import redact_argv
 from .spec import ChildSpec
 
@@ -65,7 +65,6 @@ LOST_RANK_BACKOFF_S = 300.0
 STARTING_LINKS_READ_S = 1.0
 # A socket table past ports' caps gives no verdict; the watch says so once per this many seconds.
 BLIND_LOG_S = 600.0
-KILL_WAIT_S = 5.0  # after SIGKILL, how long a stop waits for the kernel before giving up on survivors
 
 
 class TransitionError(RuntimeError):
