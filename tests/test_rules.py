@@ -405,10 +405,11 @@ def test_every_vllm_metric_name_gpuwarden_ships_is_one_the_live_check_covers():
 
     names = VLLM.metric_names
     covered = {names.generation_tokens, names.prompt_tokens, names.requests_running, names.requests_waiting,
-               *names.kv_cache_usage, names.prefix_cache_queries, names.prefix_cache_hits}
+               *names.kv_cache_usage, names.prefix_cache_queries, names.prefix_cache_hits, names.ttft_histogram,
+               names.latency_histogram}
     root = HERE.parent
     used = set()
     for path in [*(root / "etc").rglob("*"), *(root / "daemon").rglob("*.py")]:
         if path.is_file():
-            used |= set(re.findall(r"vllm:[a-z_]+", path.read_text(errors="replace")))
+            used |= set(re.findall(r"vllm:[a-z0-9_]+", path.read_text(errors="replace")))
     assert used and used <= covered, used - covered

@@ -87,6 +87,8 @@ def test_serves_survives_sigkill_without_orphans_and_stops_clean(write, daemons,
 
     served = fetch(f"http://127.0.0.1:{port}/metrics")
     assert VLLM.metric_names.missing(served) == [], sorted(n for n in served if n.startswith("vllm:"))
+    for histogram in (VLLM.metric_names.ttft_histogram, VLLM.metric_names.latency_histogram):  # bench reads these
+        assert f"{histogram}_sum" in served and f"{histogram}_count" in served, histogram
     doctor = subprocess.run([*gpuwarden_cmd(), "doctor", "--no-deep", "-c", str(path)], capture_output=True,
                             text=True, env=subprocess_env(), timeout=120)
     assert "OK      vLLM metrics: serves every metric gpuwarden reads" in doctor.stdout, doctor.stdout
