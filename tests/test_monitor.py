@@ -4,9 +4,10 @@ import logging
 
 import pytest
 
-from gpuwarden import config
+from gpuwarden import config, control
 from gpuwarden.alerts import AlertSettings, AlertState, Check, RULES_BY_NAME
 from gpuwarden.backends import open_configured
+from gpuwarden.exporter import make_registry
 from gpuwarden.gpu.sim.backend import ManualClock
 from gpuwarden.gpu.sim.scenario import resolve_scenario
 from gpuwarden.monitor import Monitor
@@ -55,20 +56,80 @@ def test_locked_card_raises_no_clock_alert_only_the_design_power_notice():
     assert capped.short == "-37%" and capped.severity == "info"  # 1935 of locked 3090 MHz
 
 
-def test_a_limit_below_the_maximum_warns_with_the_watts_that_could_be_added(caplog):
+def capped_line(caplog, gpu=0):
+    return [r.getMessage() for r in caplog.records if f"GPU{gpu} " in r.getMessage() and "power_capped firing" in
+            r.getMessage()][0]
+
+
+def chosen_gauge(monitor):
+    families = {m.name: m for m in make_registry(lambda: monitor.snapshot).collect()}
+    return {s.labels["gpu"]: s.value for s in families["gpuwarden_gpu_power_limit_chosen_watts"].samples}
+
+
+def test_a_limit_the_tuning_chose_is_reported_as_that_choice_with_its_clock_loss(caplog):
     monitor, clock = monitor_for("rtx-pro-4000-headless", FAST + "tuning:\n  power_limit_w: 120\n")
     with caplog.at_level(logging.INFO, logger="gpuwarden"):
         events = play(monitor, clock, 25)
-    assert (1.0, 0, "power_capped", "firing") in events  # at 120 W, 60 % load already caps
+    assert (1.0, 0, "power_capped", "firing") in events  # at 120 W, 60 % load already caps: still one warning
     assert not [e for e in events if e[2] == "at_design_power"]
-    line = [r.getMessage() for r in caplog.records if "GPU0" in r.getMessage() and "power_capped firing" in
-            r.getMessage()][0]
+    line = capped_line(caplog)
+    assert "SM clock 2580 MHz, -17% of locked 3090 MHz; drawing 120 W at the power limit chosen in " \
+           "tuning.power_limit_w, 120 W (SwPowerCap)" in line
+    assert line.endswith("fix: nothing to fix: the limit was chosen, and the clock loss shown is its price")
+    assert "raise" not in line and "increase" not in line
+    assert chosen_gauge(monitor) == {"0": 120, "1": 120}
+
+
+def test_a_limit_below_the_maximum_nobody_here_chose_warns_with_the_watts_that_could_be_added(caplog):
+    # Somebody ran `nvidia-smi -pl 120` on GPU 0: the tuning sets no limit, so the raise is the fix.
+    monitor, clock = monitor_for("rtx-pro-4000-headless")
+    monitor.backend.gpus()[0].set_power_limit_w(120)
+    with caplog.at_level(logging.INFO, logger="gpuwarden"):
+        events = play(monitor, clock, 25)
+    assert (1.0, 0, "power_capped", "firing") in events
+    line = capped_line(caplog)
+    assert "at power limit 120 W (SwPowerCap)" in line
     assert line.endswith("fix: raise tuning.power_limit_w by up to 25 W, to 145 W (the card's maximum), "
                          "or accept the clock loss")
+    assert chosen_gauge(monitor) == {}  # nothing chosen on either GPU: no series
+    # The tuning wants 130 W, yet the card enforces 120 W that somebody else set: not the choice, so the raise.
+    caplog.clear()
+    monitor, clock = monitor_for("rtx-pro-4000-headless", FAST + "tuning:\n  power_limit_w: 130\n")
+    monitor.backend.gpus()[0].set_power_limit_w(120)
+    with caplog.at_level(logging.INFO, logger="gpuwarden"):
+        play(monitor, clock, 3)
+    assert "fix: raise tuning.power_limit_w by up to 25 W" in capped_line(caplog, 0)
+    assert "chosen in tuning.power_limit_w, 130 W" in capped_line(caplog, 1)
+    assert chosen_gauge(monitor) == {"0": 130, "1": 130}
     monitor, clock = monitor_for("rtx-pro-4000-headless", FAST.replace("alerts:\n", "alerts:\n  warn_at_design_power: "
                                                                       "true\n"))
     events = play(monitor, clock, 25)
     assert (21.0, 0, "power_capped", "firing") in events and not [e for e in events if e[2] == "at_design_power"]
+
+
+def test_a_sweeps_step_is_the_chosen_limit_while_it_holds_the_gpu(tmp_path):
+    monitor, clock = monitor_for("rtx-pro-4000-headless", FAST + "tuning:\n  power_limit_w: 120\n")
+    sweeps = control.Sweeps(monitor.tuning, clock, marker=tmp_path / "sweep.json")
+    owner = object()
+    assert sweeps.handle({"op": "begin", "setting": "power_limit_w", "gpus": [0], "lease_s": 60, "force": True},
+                         "test", owner)["ok"]
+    play(monitor, clock, 1)
+    assert chosen_gauge(monitor) == {"0": 120, "1": 120}  # no step set yet: the configured limit stands
+    assert sweeps.handle({"op": "set", "value": 100}, "test", owner)["ok"]
+    play(monitor, clock, 2)
+    assert chosen_gauge(monitor) == {"0": 100, "1": 120}
+    assert monitor.tuning.chosen_power_limit(0, monitor.backend.gpus()[0].uuid) == (100, "set by a tune sweep")
+    assert sweeps.handle({"op": "end"}, "test", owner)["ok"]
+    play(monitor, clock, 3)
+    assert chosen_gauge(monitor) == {"0": 120, "1": 120}
+    # A GPU's own override is named as the key that chose it.
+    monitor, clock = monitor_for("rtx-pro-4000-headless", FAST + "tuning:\n  gpus:\n    '1': {power_limit_w: 110}\n")
+    chosen = {g.index: monitor.tuning.chosen_power_limit(g.index, g.uuid) for g in monitor.backend.gpus()}
+    assert chosen == {0: None, 1: (110, "chosen in tuning.gpus.1.power_limit_w")}
+    # Read-only: the tuning applies nothing, so nothing is its choice.
+    monitor, clock = monitor_for("rtx-pro-4000-headless", FAST + "tuning:\n  apply: false\n  power_limit_w: 120\n")
+    play(monitor, clock, 1)
+    assert chosen_gauge(monitor) == {}
 
 
 def test_lock_lost_is_detected_reapplied_and_resolved():

@@ -17,6 +17,7 @@ from .config import AlertSettings
 from .gpu.base import ClockEventReason as R
 from .gpu.base import GpuSample
 from .throttle import Threshold, headroom_w, reasons
+from .tunables import power_limit_is
 
 INFO, WARNING, CRITICAL = "info", "warning", "critical"
 
@@ -42,6 +43,9 @@ class GpuContext:
     nvlinks_seen_up: frozenset[int] = frozenset()
     nvlink_growth: Mapping[tuple[int, str], int] = field(default_factory=dict)
     nvlink_growth_s: float = 0.0
+    # The power limit gpuwarden sets on this GPU on purpose and who chose it ("chosen in tuning.power_limit_w",
+    # "set by a tune sweep"): TuningLife.chosen_power_limit. None: nobody here chose the card's limit.
+    power_limit_chosen: tuple[float, str] | None = None
 
 
 HW_DUTY_MIN = 0.10  # a critical hardware reason that slows the card this much of the time fires
@@ -144,6 +148,11 @@ def _power_check(s: GpuSample, ctx: GpuContext, at_max: bool) -> Check:
     if is_max:
         return Check(True, f"{observed}; drawing {draw}", f"at its maximum power limit {limit} (SwPowerCap)", short,
                      "nothing to change: this is the card's design power, and no higher limit is allowed", loss)
+    chosen = ctx.power_limit_chosen
+    if chosen is not None and power_limit_is(s.power_limit_w, chosen[0]):
+        # A choice, not a fault: still said (one line names the cause of the clock loss), never undone.
+        return Check(True, f"{observed}; drawing {draw}", f"at the power limit {chosen[1]}, {limit} (SwPowerCap)",
+                     short, "nothing to fix: the limit was chosen, and the clock loss shown is its price", loss)
     fix = (f"raise tuning.power_limit_w by up to {headroom:g} W, to {s.power_limit_max_w:g} W (the card's maximum), "
            "or accept the clock loss") if headroom is not None else ""
     return Check(True, f"{observed}; drawing {draw}", f"at power limit {limit} (SwPowerCap)", short, fix, loss)

@@ -177,7 +177,7 @@ class Sweeps:
                     f"({exc.strerror or exc}): a crash mid-sweep would leave the setting swept, so no sweep"}
         self.lease = Lease(setting, wanted, float(lease_s), self.clock() + lease_s, peer, owner)
         self.tuning.held |= set(wanted)
-        self.tuning.held_setting = setting
+        self.tuning.held_setting, self.tuning.held_step = setting, None
         log.log(NOTICE, "sweep of %s on GPU %s begins (%s, lease %g s): the configured setting comes back at its "
                 "end", setting, ", ".join(map(str, wanted)), peer, lease_s)
         uuids = {str(g.index): g.uuid for g in self.tuning.backend.gpus() if g.index in wanted}
@@ -225,6 +225,7 @@ class Sweeps:
             actions.append(Action(gpu.index, gpu.uuid, lease.setting, current, target, True, "sweep"))
         plan = Plan(tuple(GpuPlan(a.gpu, a.uuid, "", (a,)) for a in actions))
         lease.last_set = self.clock()  # a set that reaches the GPUs counts for the rate; a refused value does not
+        self.tuning.held_step = value  # the sweep's choice now (a GPU that failed to take it reads otherwise)
         failed = [o.describe() for o in self.tuning.tuner.apply(plan) if not o.ok]
         checks = self.tuning.tuner.verify(plan)  # read back, as the tuning verifies every set
         failed += [o.describe("verified") for o in checks if not o.ok]
@@ -245,6 +246,7 @@ class Sweeps:
         if lease is None:
             return []
         self.tuning.held -= set(lease.gpus)  # first: the config's value goes on these GPUs now
+        self.tuning.held_step = None
         done = self._put_back(lease.setting, lease.gpus)
         self._clear_marker()
         log.log(NOTICE, "sweep of %s ended (%s, %d steps set): %s", lease.setting, why, lease.sets,

@@ -38,6 +38,7 @@ class GpuView:
     sample: GpuSample
     sm_lock: tuple[int, int] | None
     memory_lock: tuple[int, int] | None
+    power_limit_chosen: tuple[float, str] | None = None  # the limit set on purpose, and by whom (TuningLife)
 
 
 @dataclass(frozen=True)
@@ -310,7 +311,8 @@ class Monitor:
                           self.duty.reasons_seen(sample, now, window),
                           tuple(self.events.recent_xids(sample.index, now)),
                           self.events.needs_reset.get(sample.index),
-                          self.link_errors.seen_up.get(sample.index, frozenset()), growth, growth_s)
+                          self.link_errors.seen_up.get(sample.index, frozenset()), growth, growth_s,
+                          self.tuning.chosen_power_limit(sample.index, sample.uuid))
 
     def record_events(self, events: list, now: float) -> list[tuple[int, str]]:
         """Log and count GPU events (eventwatch.EventBook); return (gpu, why) for those that ask for a reset
@@ -342,6 +344,7 @@ class Monitor:
         counters = self.polls % self.counters_every() == 0
         self.polls += 1
         samples = [gpu.sample(counters) for gpu in self.backend.gpus()]
+        chosen = {}  # gpu -> its power limit set on purpose, for the exporter
         duration = time.perf_counter() - started
         if now - self._last_sample_log >= self.config.log_interval_s:
             self._last_sample_log = now
@@ -350,6 +353,7 @@ class Monitor:
             if self.tuning.gpu_answered(sample):  # back after being lost: reset or reloaded
                 self.events.cleared(sample.index)
             ctx = self._context(sample, now, counters)
+            chosen[sample.index] = ctx.power_limit_chosen
             for rule in RULES:
                 if rule.name in SWEPT and sample.index in self.tuning.held:
                     continue  # a sweep (gpuwarden tune) set this clock or power limit: not a fault to act on
@@ -367,7 +371,8 @@ class Monitor:
         host_alerts = [_view(state) for state in self.serving_states.values()] if serving else []
         self.snapshot = Snapshot(
             taken_at=self.wall(), monotonic=now,
-            gpus=tuple(GpuView(s, *self.tuning.locks.get(s.index, (None, None))) for s in samples),
+            gpus=tuple(GpuView(s, *self.tuning.locks.get(s.index, (None, None)), chosen.get(s.index))
+                       for s in samples),
             alerts=tuple([_view(state) for state in self.states.values()] + host_alerts),
             transitions=dict(self.transitions), reapplies=dict(self.tuning.reapplies), event_counts=dict(self.events.counts),
             sample_duration_s=duration, loop_lag_s=loop_lag_s, read_only=not self.config.tuning.apply,

@@ -226,7 +226,7 @@ class PowerLimit(Tunable):
         gpu.set_power_limit_w(value)
 
     def verify(self, step, sample):
-        ok = sample.power_limit_w is not None and abs(sample.power_limit_w - step.target) < POWER_TOLERANCE_W
+        ok = power_limit_is(sample.power_limit_w, step.target)
         return ok, "" if ok else f"reads {self.show(sample.power_limit_w, True)}"
 
     def undo(self, original, locked):
@@ -234,6 +234,12 @@ class PowerLimit(Tunable):
 
     def show(self, value, current):
         return "unreadable" if value is None else f"{value:g} W"
+
+
+def power_limit_is(enforced: float | None, target: float) -> bool:
+    """The card enforces this limit, within the tolerance a set limit is verified with: the one test of "this is
+    the limit the tuning set" (verify, and the power_capped alert's "a limit chosen")."""
+    return enforced is not None and abs(enforced - target) < POWER_TOLERANCE_W
 
 
 TUNABLES: tuple[Tunable, ...] = (PersistenceMode(), ClockLock("gpu_clocks", "sm", "SM clock", "auto", auto=True),

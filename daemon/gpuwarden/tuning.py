@@ -279,6 +279,7 @@ class TuningLife:
         self._was_up: dict[int, bool] = {}
         self.held: set[int] = set()  # GPUs a sweep's lease holds (control.py): no re-apply on them meanwhile
         self.held_setting: str | None = None  # the setting it sweeps there: a reload leaves it to the sweep's end
+        self.held_step: Any = None  # the value the sweep last set there (None: none yet)
 
     def check(self, config: Config) -> Plan:
         """The plan config gives on these GPUs; ConfigErrors for a value a card cannot take. Changes nothing."""
@@ -313,6 +314,17 @@ class TuningLife:
             for outcome in self.tuner.restore(only=dropped):
                 (log.info if outcome.ok else log.error)("reload: no longer wanted, %s", outcome.describe())
         self.start(plan)
+
+    def chosen_power_limit(self, index: int, uuid: str) -> tuple[float, str] | None:
+        """The power limit gpuwarden sets on this GPU on purpose, and who chose it: a sweep's step while a sweep
+        holds the GPU's power limit, else tuning.power_limit_w while the tuning applies. None where neither does:
+        a limit found on the card, or set by somebody else, is nobody's choice here."""
+        if self._is_held(index, "power_limit_w") and self.held_step is not None:
+            return float(self.held_step), "set by a tune sweep"
+        wanted = self.config.tuning.for_gpu(index, uuid).power_limit_w
+        if wanted is None or not self.config.tuning.apply:
+            return None
+        return wanted, "chosen in " + ".".join(self.config.tuning.override_source(index, uuid, "power_limit_w"))
 
     def _is_held(self, gpu: int, setting: str) -> bool:
         return gpu in self.held and setting == self.held_setting
