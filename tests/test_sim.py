@@ -1,5 +1,7 @@
 """The simulated backend behaves the way users reported real cards do."""
 
+import re
+
 import pytest
 
 from gpuwarden.gpu import errors
@@ -269,3 +271,26 @@ def test_a_card_whose_full_load_power_is_its_idle_power_is_refused(write):
         load_scenario(path)
     assert [str(e) for e in info.value.errors] == [
         f"{path}:7: gpus.0.power.full_load_w: full_load_w 100 W must be above idle_w 100 W"]
+
+
+def test_format_md_documents_every_event_the_parser_accepts_with_its_parameters_and_ranges():
+    """FORMAT.md's event table against scenario.EVENT_PARAMS: a row per event, and in it each parameter with
+    "required" where the parser requires it and its range as LOW-HIGH; until_s exactly on the conditions."""
+    from gpuwarden.gpu.sim.scenario import CONDITIONS, EVENT_PARAMS
+
+    doc = (resolve_scenario("rtx-pro-4000-headless").parent / "FORMAT.md").read_text()
+    rows = {}
+    for line in doc.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and re.fullmatch(r"`\w+`", cells[0]):
+            rows[cells[0].strip("`")] = cells[1]
+    assert sorted(rows) == sorted(EVENT_PARAMS), "FORMAT.md's event table and EVENT_PARAMS differ"
+    for event, params in EVENT_PARAMS.items():
+        cell = rows[event]
+        named = set(re.findall(r"`(\w+)`", cell))
+        assert named == set(params) | ({"until_s"} if event in CONDITIONS else set()), event
+        for name, (required, low, high) in params.items():
+            said = re.search(rf"`{name}` \(([^)]*)\)", cell)
+            assert said, f"{event}.{name}: no (range) after it"
+            assert ("required" in said.group(1)) == required, f"{event}.{name}: required is {required}"
+            assert f"{low:.0f}-{high:.0f}" in said.group(1), f"{event}.{name}: range {low:.0f}-{high:.0f}"
