@@ -1,3 +1,5 @@
+import contextlib
+import fcntl
 import json
 import os
 import pwd
@@ -12,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from budget import Budget, tag
+from workers import spread
 
 # A test run started in the background of a non-interactive shell (`cmd &`, as a CI runner or a script may) has
 # SIGINT ignored, and every child inherits the ignore across exec: bench and tune then never see the Ctrl-C the
@@ -51,6 +54,7 @@ BUDGET = Budget()
 
 def pytest_collection_modifyitems(items):
     tag(items)
+    spread(items)
 
 
 def pytest_runtest_logreport(report):
@@ -282,8 +286,9 @@ def served(vllm_python, tiny_model, child_user):
     user = child_user
     if os.geteuid() == 0:
         user = NOHOME_USER
-        subprocess.run(["userdel", "-f", user], capture_output=True)
-        subprocess.run(["useradd", "-r", "-M", "-s", "/usr/sbin/nologin", user], check=True)
+        with users_locked():
+            subprocess.run(["userdel", "-f", user], capture_output=True)
+            subprocess.run(["useradd", "-r", "-M", "-s", "/usr/sbin/nologin", user], check=True)
         assert not Path(pwd.getpwnam(user).pw_dir).exists()
     state = folder / "state"
     state.mkdir()
@@ -308,7 +313,8 @@ def served(vllm_python, tiny_model, child_user):
             d.proc.terminate()
             d.proc.wait(60)
         if user == NOHOME_USER:
-            subprocess.run(["userdel", "-f", user], capture_output=True)
+            with users_locked():
+                subprocess.run(["userdel", "-f", user], capture_output=True)
         shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -317,9 +323,19 @@ def child_user():
     """An unprivileged user for vLLM when the tests run as root (as in CI); else we are that user."""
     if os.geteuid() != 0:
         return pwd.getpwuid(os.geteuid()).pw_name
-    try:
-        pwd.getpwnam(CHILD_USER)
-    except KeyError:
-        subprocess.run(["useradd", "--system", "--create-home", "--home-dir", f"/var/lib/{CHILD_USER}",
-                        "--shell", "/usr/sbin/nologin", CHILD_USER], check=True)
+    with users_locked():  # each xdist worker runs this session fixture: one adds the user
+        try:
+            pwd.getpwnam(CHILD_USER)
+        except KeyError:
+            subprocess.run(["useradd", "--system", "--create-home", "--home-dir", f"/var/lib/{CHILD_USER}",
+                            "--shell", "/usr/sbin/nologin", CHILD_USER], check=True)
     return CHILD_USER
+
+
+@contextlib.contextmanager
+def users_locked():
+    """Hold the tests' lock on adding and removing users: useradd and userdel of two xdist workers at once fail
+    with "cannot lock /etc/passwd" (exit 10), and the check-then-add of a shared user races."""
+    with open("/run/gpuwarden-tests-users.lock" if os.geteuid() == 0 else os.devnull, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield

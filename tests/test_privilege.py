@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import free_port, gpuwarden_cmd, subprocess_env
+from conftest import free_port, gpuwarden_cmd, subprocess_env, users_locked
 
 pytestmark = pytest.mark.integration
 SECRET = "sk-planted-0123456789"
@@ -224,10 +224,11 @@ def test_serve_user_that_is_root_by_another_name_is_refused(write, planted, kind
     name = "gw-toor-test" if kind == "uid-0 alias" else "gw-sudoer-test"
     add = ["useradd", "-o", "-u", "0", "-g", "0", "-M", "-s", "/usr/sbin/nologin", name] if kind == "uid-0 alias" \
         else ["useradd", "-M", "-s", "/usr/sbin/nologin", "-G", "sudo", name]
-    if kind == "member of sudo":
-        subprocess.run(["groupadd", "-f", "sudo"], check=True)
-    subprocess.run(["userdel", "-f", name], capture_output=True)  # a leftover of an interrupted run
-    subprocess.run(add, check=True)
+    with users_locked():
+        if kind == "member of sudo":
+            subprocess.run(["groupadd", "-f", "sudo"], check=True)
+        subprocess.run(["userdel", "-f", name], capture_output=True)  # a leftover of an interrupted run
+        subprocess.run(add, check=True)
     try:
         path, _ = config(write, planted)
         path.write_text(path.read_text().replace(f"user: {planted['user']}", f"user: {name}"))
@@ -239,5 +240,5 @@ def test_serve_user_that_is_root_by_another_name_is_refused(write, planted, kind
         assert line.startswith(f"{path}:") and f"serve.user: user {name} {says}" in line, line
         assert not records(planted) or "vLLM starting" not in proc.stderr
     finally:
-        # -f: a uid-0 account is "in use" by every root process
-        subprocess.run(["userdel", "-f", name], capture_output=True)
+        with users_locked():  # -f: a uid-0 account is "in use" by every root process
+            subprocess.run(["userdel", "-f", name], capture_output=True)

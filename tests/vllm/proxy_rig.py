@@ -47,7 +47,7 @@ class Rig:
         # this 2-core box, where CPU vLLM withholds streams (benchmarks/RESULTS.md, section 9).
         self._start([str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                      "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.engine_port),
-                     "--gpu-memory-utilization", "0.3", "--max-model-len", "16384", "--enable-prefix-caching",
+                     "--kv-cache-memory-bytes", "1073741824", "--max-model-len", "16384", "--enable-prefix-caching",
                      "--chat-template", str(HERE / "tools_first.jinja"), "--enable-auto-tool-choice",
                      "--tool-call-parser", "hermes"], engine_log, {**os.environ, "VLLM_SERVER_DEV_MODE": "1"})
         wait_healthy(self.engine, self.procs[-1], 600, engine_log)
