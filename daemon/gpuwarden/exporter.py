@@ -82,9 +82,9 @@ def _gpu_metrics(snap: Snapshot) -> Iterator[Metric]:
         ("gpuwarden_gpu_power_limit_watts", "Enforced power limit", lambda v: v.sample.power_limit_w),
         ("gpuwarden_gpu_power_limit_max_watts", "Highest power limit the GPU accepts",
          lambda v: v.sample.power_limit_max_w),
-        ("gpuwarden_gpu_power_limit_chosen_watts", "Power limit gpuwarden sets on purpose: tuning.power_limit_w, or "
-         "a tune sweep's step; absent where none is chosen. Where it equals the enforced limit, a power cap there "
-         "is that choice", lambda v: v.power_limit_chosen[0] if v.power_limit_chosen else None),
+        ("gpuwarden_gpu_power_limit_chosen_watts", ("Power limit gpuwarden sets on purpose: tuning.power_limit_w, "
+         "or a tune sweep's step; absent where none is chosen. Where it equals the enforced limit, a power cap there "
+         "is that choice"), lambda v: v.power_limit_chosen[0] if v.power_limit_chosen else None),
         ("gpuwarden_gpu_temperature_celsius", "GPU temperature", lambda v: v.sample.temperature_c),
         ("gpuwarden_gpu_utilization_ratio", "Fraction of time a kernel ran over the last sample period",
          lambda v: None if v.sample.utilization_pct is None else v.sample.utilization_pct / 100),
