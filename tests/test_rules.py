@@ -315,7 +315,7 @@ def test_installed_is_asked_once_and_again_when_its_packages_change(tmp_path, mo
     assert installed(sys.executable, me, env, tmp_path / "state").versions == first.versions  # from the file
     (site / "newpkg").mkdir()  # what a pip install does to the directory
     on_loop = installed(sys.executable, me, env, tmp_path / "state", ask=False)  # a reload: never waits on it
-    assert not on_loop.known and "read again when the daemon restarts" in on_loop.error
+    assert not on_loop.known and "read again at the next reload or restart" in on_loop.error
     again = installed(sys.executable, me, env, tmp_path / "state")
     assert not again.known and "asked again" in again.error
 

@@ -307,7 +307,7 @@ class Daemon:
     def tick(self, now: float, lag: float = 0.0) -> None:
         """One poll: a reload if one was asked for, advance serving (its faults stay there), then sample and
         publish the GPUs."""
-        if self.reload_asked:
+        if self.reload_asked and not self.serving.rereading:
             self.reload_asked = False
             try:
                 self.reload()
@@ -513,10 +513,14 @@ class Daemon:
             return
         try:
             new = self.reload_config()
+            if self.serving.reread_installed(new):
+                self.reload_asked = True  # again once they are read; the loop polls on meanwhile
+                return
             changed = [key for key in RESTART_ONLY if getattr(new, key) != getattr(self.config, key)]
             new = dataclasses.replace(new, **{key: getattr(self.config, key) for key in changed})
             plan = self.tuning.check(new)
-            # lint only, with the installed versions from the cache: nothing here waits on the engine's interpreter
+            # lint only, with the installed versions from the cache (read again above, off the loop, where they
+            # changed): nothing here waits on the engine's interpreter
             serving_step = self.serving.plan_reload(new)
         except InvalidConfig as exc:
             problems = exc.errors

@@ -18,7 +18,7 @@ import os
 import pwd
 import subprocess
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 DEVICE_GROUPS = ("video", "render")  # /dev/nvidia* and /dev/dri access; the only extra groups the child gets
@@ -103,12 +103,13 @@ class Finished:
     stderr: str  # the last MAX_OUTPUT_BYTES (where a traceback's last line is)
 
 
-def run_bounded(identity: Identity, argv: Sequence[str], env: Mapping[str, str], timeout_s: float) -> Finished:
-    """popen, waited for at most timeout_s (then killed), with at most MAX_OUTPUT_BYTES of each stream read:
-    the output goes to temporary files, so a child that prints without end neither blocks on a full pipe nor
-    fills our memory. Raises what popen raises."""
+def run_bounded(identity: Identity, argv: Sequence[str], env: Mapping[str, str], timeout_s: float,
+                spawn: Callable[..., subprocess.Popen] = popen) -> Finished:
+    """popen (or spawn, popen's stand-in: the daemon's, from a worker thread), waited for at most timeout_s (then
+    killed), with at most MAX_OUTPUT_BYTES of each stream read: the output goes to temporary files, so a child
+    that prints without end neither blocks on a full pipe nor fills our memory. Raises what popen raises."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = popen(identity, argv, env, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+        proc = spawn(identity, argv, env, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
         try:
             code = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:

@@ -15,12 +15,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ... import smallfile
-from .identity import Identity, run_bounded
+from .identity import Identity, popen, run_bounded
 
 PACKAGES = {"vllm": "vLLM", "flashinfer": "FlashInfer", "torch": "torch", "sglang": "SGLang"}
 # The usual distribution of each module, asked when no installed file list names the module (a distribution
@@ -182,19 +182,21 @@ def _to_cache(state_dir: Path | None, found: Installed) -> None:
 
 
 def installed(python: str | None, identity: Identity, env: Mapping[str, str], state_dir: Path | None = None,
-              timeout_s: float = TIMEOUT_S, ask: bool = True) -> Installed:
-    """What python has installed, from the cache while its environment is unchanged, else asked once. ask
-    False (a reload, on the daemon's main loop): the cache or nothing, never a process to wait for."""
+              timeout_s: float = TIMEOUT_S, ask: bool = True, spawn: Callable[..., subprocess.Popen] = popen
+              ) -> Installed:
+    """What python has installed, from the cache while its environment is unchanged, else asked once (started
+    with spawn). ask False (on the daemon's main loop): the cache or nothing, never a process to wait for; a
+    reload asks again first, on a worker thread (ServingRuntime.reread_installed)."""
     if python is None:
         return Installed("", False, error="the engine's Python is not known (set serve.python)")
     cached = _from_cache(state_dir, python)
     if cached is not None:
         return cached
     if not ask:
-        return Installed(python, False, error=f"{python} changed since it was last read; it is read again when "
-                                              "the daemon restarts, not on a reload")
+        return Installed(python, False, error=f"{python} changed since it was last read; it is read again at the "
+                                              "next reload or restart")
     try:
-        done = run_bounded(identity, [python, "-c", PROBE], env, timeout_s)
+        done = run_bounded(identity, [python, "-c", PROBE], env, timeout_s, spawn)
     except (OSError, ValueError, subprocess.SubprocessError) as exc:
         return Installed(python, False, error=f"cannot run {python}: {exc}")
     if done.returncode is None:

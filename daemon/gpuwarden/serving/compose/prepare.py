@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Mapping, Sequence
+import subprocess
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ...config import Config
@@ -14,7 +15,7 @@ from ...yamlfile import ConfigError, ConfigErrors
 from .command import ServeCommand, build_command, chosen_gpus, engine_of, profile_error
 from .flagcheck import FlagCheck, check_flags
 from .homes import HomeError, child_home
-from .identity import Identity, IdentityError, resolve
+from .identity import Identity, IdentityError, popen, resolve
 from ...statedir import state_dir
 from .engines import evaluate_lint, rules_for
 from .flagcheck import engine_python
@@ -138,16 +139,17 @@ def compose(config: Config, gpus: Sequence[GpuSample], profile_name: str | None 
     return Composed(command, tuple(o.finding for o in outcomes if o.finding is not None), outcomes, found, rules)
 
 
-def installed_for(config: Config, command: ServeCommand, ask: bool = True) -> Installed:
-    """What the engine's interpreter has installed, asked as serve.user (cached while it is unchanged; with ask
-    False, only the cache)."""
+def installed_for(config: Config, command: ServeCommand, ask: bool = True,
+                  spawn: Callable[..., subprocess.Popen] = popen) -> Installed:
+    """What the engine's interpreter has installed, asked as serve.user (started with spawn; cached while it is
+    unchanged; with ask False, only the cache)."""
     python = engine_python(config.serve, command.argv[:command.prefix])
     try:
         identity = child_identity(config)
     except ConfigError as exc:
         return Installed(python or "", False, error=exc.message)
     env = {k: v for k, v in command.env.items() if k in ("PATH", "PYTHONPATH", "HOME", "LANG", "CUDA_HOME")}
-    return installed(python, identity, env, state_dir(), ask=ask)
+    return installed(python, identity, env, state_dir(), ask=ask, spawn=spawn)
 
 
 def prepare_serve(config: Config, backend: GpuBackend, deep: bool, create_home: bool = False,

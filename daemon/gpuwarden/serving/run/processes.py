@@ -66,6 +66,10 @@ class ProcessOps:
     def __init__(self) -> None:
         self._spawned: dict[int, subprocess.Popen] = {}  # our own children (not escaped processes)
         self._adopted: set[int] = set()  # children taken over from an earlier daemon: not escaped either
+        # Short-lived processes of ours run from a worker thread (a reload's read of the installed versions): not
+        # escaped either. The lock spans their start and escaped()'s look, so none is seen before it is known.
+        self._helpers: dict[int, subprocess.Popen] = {}
+        self._helpers_lock = threading.Lock()
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
@@ -79,6 +83,13 @@ class ProcessOps:
         threading.Thread(target=forward_lines, args=(process.stdout, on_line), daemon=True,
                          name=f"child-output-{process.pid}").start()
         return Child(process.pid, process.pid, process, handover.start_ticks(process.pid), process.stdout.fileno())
+
+    def helper(self, identity: Identity, argv: list[str], env: dict[str, str], **kwargs) -> subprocess.Popen:
+        """identity.popen for a process waited for on a worker thread, known as ours (escaped() leaves it be)."""
+        with self._helpers_lock:
+            process = popen(identity, argv, env, **kwargs)
+            self._helpers[process.pid] = process
+        return process
 
     def adopt(self, entry: handover.Recorded, fd: int | None, on_line: Callable[[str], None]) -> Child | None:
         """Take back a child an earlier daemon started, if it is provably that child (else None, said once);
@@ -143,8 +154,13 @@ class ProcessOps:
     def escaped(self) -> list[int]:
         """Processes re-parented to us that we did not start ourselves: they left a child's group."""
         me = os.getpid()
-        return [pid for pid, (ppid, _) in _processes().items()
-                if ppid == me and pid not in self._spawned and pid not in self._adopted]
+        with self._helpers_lock:
+            # a waited-for helper is reaped (returncode set) before its PID can be reused
+            self._helpers = {pid: p for pid, p in self._helpers.items() if p.returncode is None}
+            found = _processes()
+            helpers = set(self._helpers)
+        return [pid for pid, (ppid, _) in found.items()
+                if ppid == me and pid not in self._spawned and pid not in self._adopted and pid not in helpers]
 
     def reap(self, pids: Iterable[int]) -> None:
         """Collect the exit status of killed processes, so they do not stay zombies: our own children through

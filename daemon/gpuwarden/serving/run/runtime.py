@@ -25,7 +25,7 @@ from ...yamlfile import ConfigErrors
 from ..compose.command import ServeCommand
 from ..compose.identity import Identity
 from ..watch.metrics import MetricsReader, ServingStats
-from ..compose.prepare import prepare_serve
+from ..compose.prepare import installed_for, prepare_serve
 from . import handover
 from .processes import STRAY_GRACE_S, Child, ProcessOps, Strays, find_strays
 from .spec import ChildSpec, engine_spec, ray_spec
@@ -124,6 +124,7 @@ class ServingRuntime:
         self.pending: Launch | None = None  # the next launch, started once the running children have stopped
         self.reader: MetricsReader | None = None  # the engine's /metrics
         self.stall_watch: StallWatch | None = None  # is the engine making progress
+        self._reread = self.ops.background("installed")  # a reload's read of the engine's installed versions
 
     def prepare(self, config: Config, deep: bool, on_loop: bool = False) -> Launch:
         return prepare_launch(config, self.backend, self.sides, deep, on_loop)
@@ -325,21 +326,67 @@ class ServingRuntime:
             self.launch = self.children = self.reader = self.stall_watch = None
 
     # -- reload ------------------------------------------------------------------------------
+    @property
+    def rereading(self) -> bool:
+        """The installed versions are being read for a reload, which waits for them (the loop does not)."""
+        return self._reread.busy
+
+    def reread_installed(self, config: Config) -> bool:
+        """A reload's first step: where the engine's interpreter or one of its package folders changed since its
+        installed versions were read (a pip install upgrading the engine in place), read them again, on a worker
+        thread: the probe may take installed.TIMEOUT_S, and the loop must not wait on it. True: a read runs, and
+        the reload comes back once it has answered; False: the cache answers, or this reload's read ended (a
+        failed read leaves the versions unknown, and the reload goes on without them)."""
+        done = self._reread.take()
+        if done is not None and done.error is not None:
+            log.warning("reload: the engine's installed versions could not be read: %s: %s",
+                        type(done.error).__name__, done.error)
+        elif done is not None and not done.value.known:  # an unknown version restarts nothing: say why not
+            log.warning("reload: %s; the engine's version is not compared", done.value.describe())
+        if done is not None or self.launch is None or not config.serve.enabled:
+            return False
+        if self._reread.busy:
+            return True
+        if installed_for(config, self.launch.command, ask=False).known:
+            return False
+        return self._reread.start(installed_for, config, self.launch.command, True, self.ops.helper)
+
+    def _upgraded(self, config: Config) -> str | None:
+        """Why the engine must restart although its section did not change: the installed version (as
+        reread_installed left it) is not the one it runs. None where they match, or either is unknown: an
+        unknown version never restarts the engine by itself."""
+        running = self.engine.spec.version
+        found = installed_for(config, self.launch.command, ask=False)
+        engine = self.launch.command.engine
+        version = found.version(engine.name) if found.known else None
+        if not running or not version or version == running:
+            return None
+        return (f"reload: {engine.title} {version} is installed, the engine runs {running}: restarting it on the "
+                "installed version")
+
     def plan_reload(self, config: Config) -> Callable[[float], None] | None:
         """Check what a reloaded config asks of serving, and return the step that carries it out (None: no
         change). Raises ConfigErrors (nothing is stopped then). Only serve.proxy changed: the proxy restarts
-        and the engine keeps serving."""
+        and the engine keeps serving. Another engine version installed under the running one: all restart, as
+        for a changed section, so that the engine runs (and gpuwarden_serving_info says) the installed version."""
         old = self.launch.config.serve if self.launch is not None else None
         new = config.serve
-        if old is not None and new == old:
+        upgraded = self._upgraded(config) if old is not None and new.enabled and self.pending is None else None
+        if old is not None and new == old and upgraded is None:
             return None
-        if old is None and not new.enabled and self.pending is None:
+        if old is not None and not new.enabled and self.pending is None:
             return None
-        if old is not None and self.pending is None and dataclasses.replace(new, proxy=old.proxy) == old:
+        if old is not None and self.pending is None and upgraded is None \
+                and dataclasses.replace(new, proxy=old.proxy) == old:
             sides = _sides(config, self.engine.identity, self.sides)
             return lambda now: self._replace_sides(config, sides, now)
         launch = self.prepare(config, deep=False, on_loop=True) if new.enabled else None
-        return lambda now: self._replace_all(launch, now)
+
+        def step(now: float) -> None:
+            if upgraded is not None:
+                log.warning("%s", upgraded)
+            self._replace_all(launch, now)
+        return step
 
     def _replace_sides(self, config: Config, sides: tuple[ChildSpec, ...], now: float) -> None:
         log.info("reload: serve.proxy changed; restarting the proxy only")
