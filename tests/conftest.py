@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from budget import Budget, tag
-from workers import spread
+from workers import make_scheduler, spread
 
 # A test run started in the background of a non-interactive shell (`cmd &`, as a CI runner or a script may) has
 # SIGINT ignored, and every child inherits the ignore across exec: bench and tune then never see the Ctrl-C the
@@ -55,6 +55,11 @@ BUDGET = Budget()
 def pytest_collection_modifyitems(items):
     tag(items)
     spread(items)
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: only called where xdist runs the tests
+def pytest_xdist_make_scheduler(config, log):
+    return make_scheduler(config, log)
 
 
 def pytest_runtest_logreport(report):
