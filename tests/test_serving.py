@@ -314,6 +314,9 @@ class FakeOps:
         out, self.escapees = self.escapees, []
         return out
 
+    def end_helpers(self):
+        pass
+
     def reap(self, pids):
         pass
 

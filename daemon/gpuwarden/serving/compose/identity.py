@@ -88,12 +88,14 @@ def _no_new_privs() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
 
 
-def popen(identity: Identity, argv: Sequence[str], env: Mapping[str, str], **kwargs) -> subprocess.Popen:
+def popen(identity: Identity, argv: Sequence[str], env: Mapping[str, str],
+          kind: type[subprocess.Popen] = subprocess.Popen, **kwargs) -> subprocess.Popen:
     """Start argv as identity: its uid, gid and device groups only, no capabilities, no_new_privs (the unit
     sets NoNewPrivileges=yes too; this covers `check --deep`, `doctor` and `run` outside systemd), in /.
-    env may override HOME, USER and LOGNAME. Raises OSError, ValueError or SubprocessError."""
-    return subprocess.Popen(list(argv), env={**identity.env(), **env}, cwd="/", close_fds=True,
-                            preexec_fn=_no_new_privs, **identity.popen_kwargs(), **kwargs)
+    env may override HOME, USER and LOGNAME; kind: Popen or a subclass of it. Raises OSError, ValueError or
+    SubprocessError."""
+    return kind(list(argv), env={**identity.env(), **env}, cwd="/", close_fds=True,
+                preexec_fn=_no_new_privs, **identity.popen_kwargs(), **kwargs)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -120,6 +121,21 @@ class Installed:
                 "error": self.error}
 
 
+# A version as PEP 440 writes one (a local part included), 64 characters at most. The answer comes from serve.user's
+# interpreter, whose site-packages may print anything: a version goes into log lines and gpuwarden_serving_info's
+# label (and is compared with the running engine's at a reload), so one that is not a version is no answer.
+VERSION = re.compile(r"[0-9A-Za-z.+!_-]{1,64}")
+
+
+def _check(found: Installed) -> None:
+    """Raise ValueError unless every version in found is None or a VERSION."""
+    if not isinstance(found.versions, dict):
+        raise TypeError("no versions")
+    values = [*found.versions.values(), found.torch_cuda, *(found.toolkit[:1] if found.toolkit else ())]
+    if not all(v is None or (isinstance(v, str) and VERSION.fullmatch(v)) for v in values):
+        raise ValueError("a version that is not one")
+
+
 UNKNOWN = Installed("", known=False, error="not read")
 _memory: dict[str, Installed] = {}
 
@@ -205,10 +221,15 @@ def installed(python: str | None, identity: Identity, env: Mapping[str, str], st
     if line is None:
         last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
         return Installed(python, False, error=f"{python} failed to answer: {last}")
-    raw = json.loads(line)
-    dirs = tuple(raw["dirs"])
-    found = Installed(python, True, raw["versions"], raw["torch_cuda"],
-                      frozenset(raw["env_names"]) if raw["env_names"] is not None else None, None, dirs,
-                      _stamp(python, dirs), _toolkit(raw["toolkit"]))
+    try:
+        raw = json.loads(line)
+        dirs = tuple(raw["dirs"])
+        found = Installed(python, True, raw["versions"], raw["torch_cuda"],
+                          frozenset(raw["env_names"]) if raw["env_names"] is not None else None, None, dirs,
+                          _stamp(python, dirs), _toolkit(raw["toolkit"]))
+        _check(found)
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+        why = exc if isinstance(exc, ValueError) and not isinstance(exc, json.JSONDecodeError) else type(exc).__name__
+        return Installed(python, False, error=f"{python} answered nonsense ({why})")
     _to_cache(state_dir, found)
     return found

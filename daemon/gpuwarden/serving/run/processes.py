@@ -60,6 +60,18 @@ class Child:
     output_fd: int | None = None  # the read end of its output pipe, kept across a handover
 
 
+class _Group(subprocess.Popen):
+    """A process that leads its own group: a signal goes to the whole group, so that what a probe forked (a .pth
+    in serve.user's venv runs code at start) ends with it. Polled first, as Popen.send_signal does: the group's
+    ID is the leader's PID, which is not reused before the leader is reaped."""
+
+    def send_signal(self, sig: int) -> None:
+        self.poll()
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, sig)
+
+
 class ProcessOps:
     """The real OS. Tests pass a fake with the same methods."""
 
@@ -85,11 +97,21 @@ class ProcessOps:
         return Child(process.pid, process.pid, process, handover.start_ticks(process.pid), process.stdout.fileno())
 
     def helper(self, identity: Identity, argv: list[str], env: dict[str, str], **kwargs) -> subprocess.Popen:
-        """identity.popen for a process waited for on a worker thread, known as ours (escaped() leaves it be)."""
+        """identity.popen for a process waited for on a worker thread, known as ours (escaped() leaves it be). It
+        leads its own process group, which its kill() ends whole (_Group)."""
         with self._helpers_lock:
-            process = popen(identity, argv, env, **kwargs)
+            process = popen(identity, argv, env, kind=_Group, start_new_session=True, **kwargs)
             self._helpers[process.pid] = process
         return process
+
+    def end_helpers(self) -> None:
+        """The daemon stops: SIGKILL every helper still running, its group with it. Its answer is of no use any more,
+        and serve.user's interpreter may hang deaf to SIGTERM; no thread would be left to kill it at its deadline,
+        and the unit's KillMode=process leaves it running after the daemon. What left its group (setsid) was
+        re-parented to us: the engine's stop ends it (escaped())."""
+        with self._helpers_lock:
+            for process in self._helpers.values():
+                process.kill()
 
     def adopt(self, entry: handover.Recorded, fd: int | None, on_line: Callable[[str], None]) -> Child | None:
         """Take back a child an earlier daemon started, if it is provably that child (else None, said once);
@@ -152,15 +174,19 @@ class ProcessOps:
         return [pid for pid, (ppid, pgrp) in _processes().items() if pgrp == pgid]
 
     def escaped(self) -> list[int]:
-        """Processes re-parented to us that we did not start ourselves: they left a child's group."""
+        """Processes re-parented to us that we did not start ourselves (they left a child's group), with all their
+        descendants."""
         me = os.getpid()
         with self._helpers_lock:
             # a waited-for helper is reaped (returncode set) before its PID can be reused
             self._helpers = {pid: p for pid, p in self._helpers.items() if p.returncode is None}
             found = _processes()
             helpers = set(self._helpers)
-        return [pid for pid, (ppid, _) in found.items()
-                if ppid == me and pid not in self._spawned and pid not in self._adopted and pid not in helpers]
+        roots = {pid for pid, (ppid, _) in found.items()
+                 if ppid == me and pid not in self._spawned and pid not in self._adopted and pid not in helpers}
+        # And everything below them, killed in the same pass: a stop looks once, and the children of a killed
+        # escapee would be re-parented to us after that look, then to init when the daemon exits.
+        return sorted(roots | {pid for pid in found if _descends(pid, roots, found)})
 
     def reap(self, pids: Iterable[int]) -> None:
         """Collect the exit status of killed processes, so they do not stay zombies: our own children through

@@ -419,6 +419,7 @@ class ServingRuntime:
 
     def stop(self, now: float) -> None:
         self.pending = None
+        self.ops.end_helpers()  # a reload's read of the installed versions still running: nothing waits for it now
         if self.children is not None:
             self.children.stop(now)
         if self.children is not None or self._unnamed:
