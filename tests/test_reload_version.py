@@ -133,3 +133,22 @@ def test_a_helper_started_from_a_worker_thread_is_not_taken_for_an_escaped_proce
         for process in (helper, stranger):
             process.kill()
             process.wait()
+
+
+def test_a_reload_that_turns_serving_off_stops_the_engine(write, fake, daemons, venv, tmp_path, no_fakes_left):
+    """The version check of a reload reads only a config that still serves: `serve.enabled: false` stops the
+    engine as before (a slip in the version change once left it running)."""
+    path, base, _ = fault_config(write, fake, "healthy")
+    path.write_text(path.read_text().replace(f"python: {FLAGCHECK}", f"python: {venv.python}"))
+    state = tmp_path / "state"
+    state.mkdir()
+    d = daemons(path, env={**subprocess_env(), "STATE_DIRECTORY": str(state)})
+    d.wait_for("vLLM healthy after", timeout=30)
+    pid = status(base)["serving"]["pid"]
+    path.write_text(path.read_text().replace("  enabled: true\n", "  enabled: false\n", 1))
+    mark = _mark(d)
+    d.proc.send_signal(signal.SIGHUP)
+    d.wait_for("vLLM stopped after", after=mark, timeout=20)
+    d.wait_for("config reloaded", after=mark)
+    assert not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    assert d.stop() == 0 and "Traceback" not in own_log(d)

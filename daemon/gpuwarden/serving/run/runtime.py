@@ -374,7 +374,7 @@ class ServingRuntime:
         upgraded = self._upgraded(config) if old is not None and new.enabled and self.pending is None else None
         if old is not None and new == old and upgraded is None:
             return None
-        if old is not None and not new.enabled and self.pending is None:
+        if old is None and not new.enabled and self.pending is None:
             return None
         if old is not None and self.pending is None and upgraded is None \
                 and dataclasses.replace(new, proxy=old.proxy) == old:
