@@ -79,6 +79,8 @@ def check_flags(serve: ServeConfig, command: ServeCommand, identity: Identity, t
         return FlagCheck(False, f"{title}'s Python {python} does not exist (set serve.python)", None, python)
     except (OSError, ValueError, subprocess.SubprocessError) as exc:
         return FlagCheck(False, f"{title}'s flag check could not start {python}: {exc}", None, python)
+    if done.stopped is not None:
+        return FlagCheck(False, f"{title}'s flag check stopped: {done.stopped}", None, python)
     if done.returncode is None:
         return FlagCheck(False, f"{title}'s flag check did not finish within {timeout_s:g} s", None, python)
     out, err = done.stdout, done.stderr

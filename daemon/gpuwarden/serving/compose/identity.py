@@ -16,6 +16,7 @@ import ctypes
 import grp
 import os
 import pwd
+import resource
 import subprocess
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
@@ -25,6 +26,11 @@ DEVICE_GROUPS = ("video", "render")  # /dev/nvidia* and /dev/dri access; the onl
 ROOT_GROUPS = ("root", "sudo", "wheel", "admin")  # gid 0, and the groups sudo gives root to on Debian/RHEL/Ubuntu
 PR_SET_NO_NEW_PRIVS = 38
 MAX_OUTPUT_BYTES = 1024 * 1024  # what run_bounded reads of each stream: the probes print one line
+# The largest file a run_bounded child may write (RLIMIT_FSIZE, soft and hard): its output goes to our temporary
+# files, root's and already deleted, which serve.user's venv (a .pth runs at start) could fill at ~1 GB/s until the
+# deadline. The probes print a line, but the flag check imports vLLM, which may write caches of its own: 256 MiB a
+# file is far above both and still leaves the disk alone. The engine itself is not limited (identity.popen's default).
+MAX_WRITE_BYTES = 256 * 1024 * 1024
 
 
 class IdentityError(Exception):
@@ -88,14 +94,36 @@ def _no_new_privs() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
 
 
+def _file_limit(max_file_bytes: int) -> int:
+    """The file size limit a child asked to stay under max_file_bytes gets: never above the hard limit we have
+    ourselves (lowering it needs no capability; raising it would fail the start)."""
+    hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+    return max_file_bytes if hard == resource.RLIM_INFINITY else min(max_file_bytes, hard)
+
+
+def _preexec(max_file_bytes: int | None) -> Callable[[], None]:
+    """What the child runs between fork and exec: no_new_privs, and the file size limit where one is asked for,
+    soft and hard alike, so that the child cannot raise it again. Computed here, in the parent."""
+    if max_file_bytes is None:
+        return _no_new_privs
+    limit = _file_limit(max_file_bytes)
+
+    def start() -> None:
+        _no_new_privs()
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return start
+
+
 def popen(identity: Identity, argv: Sequence[str], env: Mapping[str, str],
-          kind: type[subprocess.Popen] = subprocess.Popen, **kwargs) -> subprocess.Popen:
+          kind: type[subprocess.Popen] = subprocess.Popen, max_file_bytes: int | None = None,
+          **kwargs) -> subprocess.Popen:
     """Start argv as identity: its uid, gid and device groups only, no capabilities, no_new_privs (the unit
     sets NoNewPrivileges=yes too; this covers `check --deep`, `doctor` and `run` outside systemd), in /.
-    env may override HOME, USER and LOGNAME; kind: Popen or a subclass of it. Raises OSError, ValueError or
-    SubprocessError."""
+    env may override HOME, USER and LOGNAME; kind: Popen or a subclass of it; max_file_bytes: no file it (or
+    what it starts) writes grows past this (RLIMIT_FSIZE; None: no limit, as for the engine). Raises OSError,
+    ValueError or SubprocessError."""
     return kind(list(argv), env={**identity.env(), **env}, cwd="/", close_fds=True,
-                preexec_fn=_no_new_privs, **identity.popen_kwargs(), **kwargs)
+                preexec_fn=_preexec(max_file_bytes), **identity.popen_kwargs(), **kwargs)
 
 
 @dataclass(frozen=True)
@@ -103,23 +131,35 @@ class Finished:
     returncode: int | None  # None: it ran past its deadline and was killed
     stdout: str  # the first MAX_OUTPUT_BYTES
     stderr: str  # the last MAX_OUTPUT_BYTES (where a traceback's last line is)
+    stopped: str | None = None  # why its answer is none whatever it says: it wrote as much as it may
 
 
 def run_bounded(identity: Identity, argv: Sequence[str], env: Mapping[str, str], timeout_s: float,
-                spawn: Callable[..., subprocess.Popen] = popen) -> Finished:
+                spawn: Callable[..., subprocess.Popen] = popen, max_write_bytes: int = MAX_WRITE_BYTES) -> Finished:
     """popen (or spawn, popen's stand-in: the daemon's, from a worker thread), waited for at most timeout_s (then
     killed), with at most MAX_OUTPUT_BYTES of each stream read: the output goes to temporary files, so a child
-    that prints without end neither blocks on a full pipe nor fills our memory. Raises what popen raises."""
+    that prints without end neither blocks on a full pipe nor fills our memory, and no file it writes grows past
+    max_write_bytes, so it cannot fill our disk either (it gets SIGXFSZ, or EFBIG where it ignores that, as Python
+    does). Raises what popen raises."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = spawn(identity, argv, env, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+        proc = spawn(identity, argv, env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                     max_file_bytes=max_write_bytes)
         try:
             code = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
             code = None
+        # A stream at the limit was cut short: whatever it holds is not the child's whole answer.
+        limit = _file_limit(max_write_bytes)
+        full = max(os.fstat(out.fileno()).st_size, os.fstat(err.fileno()).st_size) >= limit
+        stopped = f"it wrote more than {_size(limit)} of output" if full else None
         out.seek(0)
         stdout = out.read(MAX_OUTPUT_BYTES)
         err.seek(max(0, err.seek(0, os.SEEK_END) - MAX_OUTPUT_BYTES))
         stderr = err.read()
-    return Finished(code, stdout.decode("utf-8", "replace"), stderr.decode("utf-8", "replace"))
+    return Finished(code, stdout.decode("utf-8", "replace"), stderr.decode("utf-8", "replace"), stopped)
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 and n % (1 << 20) == 0 else f"{n} bytes"

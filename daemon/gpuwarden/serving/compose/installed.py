@@ -215,6 +215,8 @@ def installed(python: str | None, identity: Identity, env: Mapping[str, str], st
         done = run_bounded(identity, [python, "-c", PROBE], env, timeout_s, spawn)
     except (OSError, ValueError, subprocess.SubprocessError) as exc:
         return Installed(python, False, error=f"cannot run {python}: {exc}")
+    if done.stopped is not None:
+        return Installed(python, False, error=f"{python} stopped: {done.stopped}")
     if done.returncode is None:
         return Installed(python, False, error=f"{python} did not answer within {timeout_s:g} s")
     line = next((line[len(MARK):] for line in done.stdout.splitlines() if line.startswith(MARK)), None)
