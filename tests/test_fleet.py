@@ -1,6 +1,6 @@
 """A fleet on Prometheus and Alertmanager, with real servers.
 
-Twelve `gpuwarden run` daemons on the simulator (each its own scenario and port, faults staggered in
+Sixteen `gpuwarden run` daemons on the simulator (each its own scenario and port, faults staggered in
 time), Debian's prometheus with the shipped rules and Debian's prometheus-alertmanager with the shipped
 configuration, which sends to a webhook receiver in this test. The test copies divide every duration of the
 rules' `for:` and of Alertmanager's waits by SCALE and point the receivers at the webhook; routes, grouping,
@@ -96,6 +96,83 @@ def test_inhibition_and_routes_name_only_alerts_the_rules_ship():
         for pattern in matcher_names(route.get("matchers", [])):
             assert any(re.fullmatch(pattern, alert) for alert in alerts), pattern
         routes += route.get("routes", [])
+
+
+# Alerts about the fleet or the daemon itself: not one host's numbers, so nothing to hold while a daemon is silent.
+ACROSS_HOSTS = {"GpuwardenDown", "GpuwardenStale", "GpuwardenTargetMissing", "ServingEngineVersionsDiffer",
+                "ServingNodesDiffer"}
+
+
+def test_every_alert_of_one_host_keeps_firing_while_its_daemon_is_silent():
+    """The rules file's hold: each host's alert ends in the same two lines with its own name (the promtool test
+    "a daemon that stops answering ..." shows them working on GpuHardwareSlowdown and GpuXid)."""
+    alerts = shipped_alerts()
+    assert ACROSS_HOSTS < set(alerts)
+    for name, alert in alerts.items():
+        expr = " ".join(alert["expr"].split())
+        if name in ACROSS_HOSTS:
+            assert "ALERTS" not in expr, name
+        else:
+            assert expr.startswith("(") and expr.endswith(
+                ') unless on (job, instance) up == 0 or max without (alertstate) '
+                f'(ALERTS{{alertname="{name}", alertstate="firing"}}) and on (job, instance) up == 0'), name
+
+
+def inhibited_pairs():
+    """(source, target, the labels they share) for every pair of shipped alerts an inhibit rule mutes."""
+    config = yaml.safe_load(ALERTMANAGER.read_text())
+    alerts = set(shipped_alerts())
+    pairs = []
+    for rule in config["inhibit_rules"]:
+        sources = [a for a in alerts if any(re.fullmatch(p, a) for p in matcher_names(rule["source_matchers"]))]
+        named = matcher_names(rule["target_matchers"])
+        targets = [a for a in alerts if any(re.fullmatch(p, a) for p in named)] if named else \
+            [a for a in alerts if a not in sources]  # "anything from that instance"
+        pairs += [(s, t, tuple(rule["equal"])) for s in sources for t in targets if s != t]
+    return pairs
+
+
+@pytest.mark.integration
+@pytest.mark.fleet
+def test_alertmanager_mutes_every_pair_the_inhibit_rules_name(tmp_path):
+    """Each pair of the explanation table (the README's "What it mutes"), through Debian's Alertmanager with the
+    shipped inhibit rules: the explained alert is suppressed and names the one that explains it; a lookalike
+    on another host, GPU or child is not."""
+    alertmanager = tool("prometheus-alertmanager", "prometheus-alertmanager")
+    port = free_port()
+    server = Server([alertmanager, f"--config.file={ALERTMANAGER}", f"--storage.path={tmp_path / 'am'}",
+                     f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="], tmp_path / "am.log")
+    base = f"http://127.0.0.1:{port}"
+    pairs = inhibited_pairs()
+    assert ("GpuHardwareSlowdown", "GpuClocksLowWhileBusy", ("instance", "gpu")) in pairs
+    assert ("GpuPowerCapped", "GpuClocksLowWhileBusy", ("instance", "gpu")) in pairs
+    try:
+        wait("Alertmanager answers", lambda: get(f"{base}/api/v2/status"), 60)
+        posted = []
+        for n, (source, target, equal) in enumerate(pairs):
+            shared = {"instance": f"pair{n}", "gpu": "0", "child": "vllm"}
+            posted += [{"labels": {"alertname": source, **shared}},
+                       {"labels": {"alertname": target, **shared, "pair": str(n)}},
+                       # the same target where one shared label differs: not muted
+                       {"labels": {"alertname": target, **shared, equal[-1]: "other", "pair": str(n)}}]
+        request = urllib.request.Request(f"{base}/api/v2/alerts", json.dumps(posted).encode(),
+                                         {"Content-Type": "application/json"})
+        urllib.request.urlopen(request, timeout=10).close()
+        # Alertmanager's API works out each alert's inhibition when asked: no wait for a notification.
+        found = {tuple(sorted(a["labels"].items())): a for a in get(f"{base}/api/v2/alerts")}
+
+        def status(**labels):
+            return found[tuple(sorted(labels.items()))]
+
+        for n, (source, target, equal) in enumerate(pairs):
+            shared = {"instance": f"pair{n}", "gpu": "0", "child": "vllm"}
+            cause = status(alertname=source, **shared)["fingerprint"]
+            muted = status(alertname=target, **shared, pair=str(n))["status"]
+            assert muted["state"] == "suppressed" and cause in muted["inhibitedBy"], (source, target, muted)
+            other = status(alertname=target, **{**shared, equal[-1]: "other"}, pair=str(n))["status"]
+            assert cause not in other["inhibitedBy"], (source, target, equal, other)
+    finally:
+        server.stop()
 
 
 def fleet_dashboard_exprs():
@@ -242,7 +319,16 @@ HOSTS = {
             False, None),
     "h10": (scenario(PRO6000, 4, [LOAD], "healthy-4"), False, None),
     "h11": (resolve_scenario("dgx-spark").read_text(), False, None),  # unified memory, no power limit
+    # One cause, one notification: a power brake (a page), a thermal slowdown and a power cap at the limit the
+    # config chose (a ticket each), all of which also hold the clocks low; no "clocks low" ticket beside them.
+    "h12": (scenario(PRO4000, 1, [LOAD, {"at_s": 20, "event": "power_brake", "gpus": [0]}], "brake-1"), False, None),
+    "h13": (scenario(PRO4000, 1, [LOAD, {"at_s": 20, "event": "thermal_slowdown", "gpus": [0], "temperature_c": 88}],
+                     "thermal-1"), False, None),
+    "h14": (scenario(PRO4000, 1, [{**LOAD, "utilization_pct": 100}], "capped-1"), False, None),
+    # Serves /fake/model as h06 and h07 do, with an engine whose version is known: theirs is not ("").
+    "h15": (scenario(PRO4000, 1, [LOAD], "versioned-1"), False, "versioned"),
 }
+TUNING = {"h14": {"power_limit_w": 100}}  # of the card's 70-145 W: a choice, reported as one
 EXPECTED = {
     (TICKET, "firing", "GpuClocksLowWhileBusy", "h01", "0"),
     (TICKET, "firing", "GpuClocksLowWhileBusy", "h01", "1"),
@@ -252,12 +338,16 @@ EXPECTED = {
     (PAGE, "firing", "GpuwardenDown", "h05", ""),
     (PAGE, "firing", "VllmCrashLoop", "h06", ""),
     (TICKET, "firing", "GpuCountDropped", "h08", ""),
+    (PAGE, "firing", "GpuHardwareSlowdown", "h12", "0"),
+    (TICKET, "firing", "GpuThermalSlowdown", "h13", "0"),
+    (TICKET, "firing", "GpuPowerCapped", "h14", "0"),
 }
 # Received by Alertmanager and muted: (alertname, instance, gpu) -> the alerts that may inhibit it (Alertmanager
 # names one of those firing).
 INHIBITED = {
     ("GpuXid", "h02", "1"): {"GpuNeedsReset"},
-    ("GpuClocksLowWhileBusy", "h02", "1"): {"GpuNeedsReset"},
+    # its collapsed clock is a lost lock (tuned, no power or heat reason): that alert, not "clocks low"
+    ("GpuClockLockLost", "h02", "1"): {"GpuNeedsReset"},
     ("GpuXid", "h03", "0"): {"GpuNeedsReset", "GpuLost"},
     ("GpuLost", "h03", "0"): {"GpuNeedsReset"},
     ("VllmStalled", "h06", ""): {"VllmCrashLoop"},
@@ -291,6 +381,15 @@ args = sys.argv
 HTTPServer((args[args.index("--host") + 1], int(args[args.index("--port") + 1])), Handler).serve_forever()
 '''
 
+# The engine's interpreter as gpuwarden asks it: its installed versions (vLLM 0.32.0), and the flag check.
+VERSIONED_PYTHON = """#!/bin/sh
+case "$*" in
+  *GPUWARDEN-INSTALLED*) echo 'GPUWARDEN-INSTALLED {"versions": {"vllm": "0.32.0", "flashinfer": null, \
+"torch": null, "sglang": null}, "torch_cuda": null, "env_names": null, "dirs": [], "toolkit": null}' ;;
+  *) echo 'GPUWARDEN-FLAGCHECK {"ok": true, "error": null, "version": "0.32.0"}' ;;
+esac
+"""
+
 
 @pytest.fixture
 def engines():
@@ -299,10 +398,13 @@ def engines():
     folder.chmod(0o755)
     shutil.copy(FAKE, folder / "fakechild.py")
     (folder / "stall.py").write_text(STALL_ENGINE)
+    (folder / "versioned-python").write_text(VERSIONED_PYTHON)
     for path in folder.iterdir():
-        path.chmod(0o644)
+        path.chmod(0o755 if path.name == "versioned-python" else 0o644)
     yield {"healthy": ["/usr/bin/python3", str(folder / "fakechild.py"), "--mode", "healthy"],
-           "stall": ["/usr/bin/python3", str(folder / "stall.py")]}
+           "stall": ["/usr/bin/python3", str(folder / "stall.py")],
+           "versioned": ["/usr/bin/python3", str(folder / "fakechild.py"), "--mode", "healthy"],
+           "versioned-python": str(folder / "versioned-python")}
     shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -312,9 +414,12 @@ def host_config(folder: Path, name: str, port: int, read_only: bool, serving: st
               "metrics": {"listen": f"127.0.0.1:{port}"}}
     if read_only:
         config["tuning"] = {"apply": False}
+    if name in TUNING:
+        config["tuning"] = TUNING[name]
     if serving:
+        python = engines["versioned-python"] if serving == "versioned" else str(FLAGCHECK)
         config["serve"] = {"enabled": True, "profile": "generic", "model": "/fake/model",
-                           "command": engines[serving], "python": str(FLAGCHECK), "port": free_port(),
+                           "command": engines[serving], "python": python, "port": free_port(),
                            "user": user, "startup_timeout_s": 60, "stop_timeout_s": 2, "liveness_interval_s": 1,
                            "backoff_max_s": 1, "stall_after_s": 5, "probe_after_s": 0,
                            "crash_loop_failures": 1 if serving == "stall" else 5}
@@ -438,7 +543,7 @@ def fleet_figures(base):
 
 @pytest.mark.integration
 @pytest.mark.fleet
-def test_a_fleet_of_twelve_daemons_pages_once_per_host_and_alert(tmp_path, daemons, engines, child_user):
+def test_a_fleet_of_sixteen_daemons_notifies_once_per_host_and_cause(tmp_path, daemons, engines, child_user):
     prometheus = tool("prometheus")
     alertmanager = tool("prometheus-alertmanager", "prometheus-alertmanager")
     webhook = Webhook()
@@ -503,6 +608,19 @@ def test_a_fleet_of_twelve_daemons_pages_once_per_host_and_alert(tmp_path, daemo
                    {(group["alertname"], group["instance"])}, body
         daemon_down = [b for p, b in notifications if b["groupLabels"]["alertname"] == "GpuwardenDown"]
         assert [a["labels"]["instance"] for a in daemon_down[0]["alerts"]] == ["h05"]
+        # Each names its cause and a fix that can work: the brake's is the PSU, the chosen limit's is none.
+        said = {(b["groupLabels"]["alertname"], b["groupLabels"]["instance"]):
+                b["alerts"][0]["annotations"]["description"] for _, b in notifications}
+        assert "asserted the power brake" in said["GpuHardwareSlowdown", "h12"]
+        assert "88 C" in said["GpuThermalSlowdown", "h13"]
+        capped = said["GpuPowerCapped", "h14"]
+        assert "at a power limit of 100 W" in capped and "chosen on purpose" in capped and "nothing to fix" in capped
+        # An engine version nobody could read ("" on h06 and h07) beside a known one (h15) is no skew: the
+        # rule is not even pending.
+        versions = {m["instance"]: m.get("version", "")  # Prometheus keeps no empty label
+                    for m, _ in values(prom_base, 'gpuwarden_serving_info{model="/fake/model"}')}
+        assert versions == {"h06": "", "h07": "", "h15": "0.32.0"}, versions
+        assert not values(prom_base, 'ALERTS{alertname="ServingEngineVersionsDiffer"}')
 
         received = am_alerts(am_base)
         names = {a["fingerprint"]: k[0] for k, a in received.items()}
@@ -526,7 +644,7 @@ def test_a_fleet_of_twelve_daemons_pages_once_per_host_and_alert(tmp_path, daemo
             Path(os.environ["GPUWARDEN_FLEET_FIGURES"]).write_text(json.dumps(figures, indent=1))
 
         # The serving daemons stop their engines: none of the fakes outlives them.
-        for name in ("h06", "h07"):
+        for name in ("h06", "h07", "h15"):
             assert fleet.running[name].stop() == 0
         assert not processes_with(str(Path(engines["stall"][1]).parent)), "an engine outlived its daemon"
     finally:
