@@ -115,14 +115,15 @@ def _preexec(max_file_bytes: int | None) -> Callable[[], None]:
 
 
 def popen(identity: Identity, argv: Sequence[str], env: Mapping[str, str],
-          kind: type[subprocess.Popen] = subprocess.Popen, max_file_bytes: int | None = None,
+          kind: type[subprocess.Popen] | None = None, max_file_bytes: int | None = None,
           **kwargs) -> subprocess.Popen:
     """Start argv as identity: its uid, gid and device groups only, no capabilities, no_new_privs (the unit
     sets NoNewPrivileges=yes too; this covers `check --deep`, `doctor` and `run` outside systemd), in /.
-    env may override HOME, USER and LOGNAME; kind: Popen or a subclass of it; max_file_bytes: no file it (or
+    env may override HOME, USER and LOGNAME; kind: a subclass of Popen (None: Popen itself, looked up at the
+    call, as tests that watch subprocess.Popen expect); max_file_bytes: no file it (or
     what it starts) writes grows past this (RLIMIT_FSIZE; None: no limit, as for the engine). Raises OSError,
     ValueError or SubprocessError."""
-    return kind(list(argv), env={**identity.env(), **env}, cwd="/", close_fds=True,
+    return (kind or subprocess.Popen)(list(argv), env={**identity.env(), **env}, cwd="/", close_fds=True,
                 preexec_fn=_preexec(max_file_bytes), **identity.popen_kwargs(), **kwargs)
 
 
