@@ -44,7 +44,7 @@ def test_a_daemon_killed_while_its_alerts_fire_pages_before_any_of_them_resolves
     webhook = Webhook()
     threading.Thread(target=webhook.serve_forever, daemon=True).start()
     prom_port, am_port, metrics_port = free_port(), free_port(), free_port()
-    prom_base, am_base = f"http://127.0.0.1:{prom_port}", f"http://127.0.0.1:{am_port}"
+    am_base = f"http://127.0.0.1:{am_port}"
     (tmp_path / "scenario.yaml").write_text(scenario(PRO4000, 2, [LOAD, {"at_s": 0, "event": "power_brake",
                                                                          "gpus": [0]}], "brake-and-idle-2"))
     config = tmp_path / "gpuwarden.yaml"
