@@ -226,3 +226,18 @@ def test_doctor_counts_one_replay_and_names_the_persistenced_command(write, monk
     # The H100s say what they are: gpu_clocks: auto leaves them unlocked, and says why.
     assert "gpu_clocks: 1980 MHz now, no change (left unlocked: a datacenter card (NVIDIA, SXM, default 1755 MHz)" \
         in findings["GPU0 tuning"].message
+
+
+def test_doctor_reports_a_power_limit_the_config_chose_as_a_choice():
+    """tuning.power_limit_w: 100 on a 70-145 W card, capped under load: a choice with its price, no advice to
+    raise it (the standard: a limit the user chose is never advice to undo it)."""
+    cfg = config.parse_text("gpu:\n  backend: sim\n  scenario: rtx-pro-4000-headless\ntuning:\n  power_limit_w: 100\n")
+    backend = open_configured(cfg, ManualClock())
+    gpu = backend.gpus()[0]
+    gpu.set_gpu_locked_clocks(3090, 3090)
+    gpu.set_power_limit_w(100)
+    findings = {f.check: f for f in diagnose(cfg, backend, deep=False)}
+    clocks, power = findings["GPU0 clocks"], findings["GPU0 power limit"]
+    assert clocks.severity == "ok" and "at the power limit chosen in tuning.power_limit_w (100 W)" in clocks.message
+    assert power.severity == "ok" and power.message == "100 W (allowed 70-145 W): chosen in tuning.power_limit_w"
+    assert not clocks.fix and not power.fix

@@ -17,7 +17,7 @@ from .config import AlertSettings, Config
 from .gpu.base import ClockEventReason as R
 from .gpu.base import OFF_PCIE, PEER_PATHS, GpuBackend, GpuSample
 from .gpu.iommu import iommu_state
-from .tunables import persistenced_fix
+from .tunables import persistenced_fix, power_limit_is
 from .yamlfile import InvalidConfig
 
 if TYPE_CHECKING:
@@ -60,8 +60,9 @@ def diagnose(config: Config, backend: GpuBackend, deep: bool = True) -> list[Dia
             continue
         samples.append(s)
         findings.append(_persistence(s, persistenced))
-        findings.append(_clocks(s, config.alerts))
-        findings.append(_power(s))
+        chosen = _chosen_power_limit(config, s)
+        findings.append(_clocks(s, config.alerts, chosen))
+        findings.append(_power(s, chosen))
         findings.extend(_health(s, config.alerts))
         findings.extend(_nvlink(s))
     serving, command = _serving(config, backend, deep)
@@ -251,7 +252,14 @@ def _persistence(s: GpuSample, persistenced: str) -> Diagnosis:
                      persistenced_fix(persistenced))
 
 
-def _clocks(s: GpuSample, alerts: AlertSettings) -> Diagnosis:
+def _chosen_power_limit(config: Config, s: GpuSample) -> float | None:
+    """The card's enforced limit where it is the one the config chose (tuning.power_limit_w, applied): a choice,
+    reported as one and never as advice to undo it (the power_capped alert says the same)."""
+    wanted = config.tuning.for_gpu(s.index, s.uuid).power_limit_w
+    return wanted if config.tuning.apply and wanted is not None and power_limit_is(s.power_limit_w, wanted) else None
+
+
+def _clocks(s: GpuSample, alerts: AlertSettings, chosen: float | None = None) -> Diagnosis:
     """The same question the alert rules ask (throttle.py), with the configured busy level and threshold;
     doctor knows no lock, so the threshold is taken against the maximum clock."""
     check = f"GPU{s.index} clocks"
@@ -274,6 +282,9 @@ def _clocks(s: GpuSample, alerts: AlertSettings) -> Diagnosis:
     if busy and reasons & R.SwPowerCap and not reasons & R.SwThermalSlowdown and at_max:
         return Diagnosis(OK, check, f"at its design power (SwPowerCap at its maximum limit, "
                        f"{s.power_limit_w:g} W): {now}")
+    if busy and reasons & R.SwPowerCap and not reasons & R.SwThermalSlowdown and chosen is not None:
+        return Diagnosis(OK, check, f"at the power limit chosen in tuning.power_limit_w ({chosen:g} W), which costs "
+                       f"this clock: {now}")
     if busy and reasons & R.SwPowerCap and not reasons & R.SwThermalSlowdown:
         return Diagnosis(WARNING, check, f"power-capped below the card's maximum limit: {now}",
                        f"tuning.power_limit_w: {s.power_limit_max_w:g} adds {s.power_limit_max_w - s.power_limit_w:g} W"
@@ -287,12 +298,14 @@ def _clocks(s: GpuSample, alerts: AlertSettings) -> Diagnosis:
     return Diagnosis(OK, check, now)
 
 
-def _power(s: GpuSample) -> Diagnosis:
+def _power(s: GpuSample, chosen: float | None = None) -> Diagnosis:
     check = f"GPU{s.index} power limit"
     low, high, limit = s.power_limit_min_w, s.power_limit_max_w, s.power_limit_w
     if limit is None or low is None or high is None:
         return Diagnosis(INFO, check, "the power limit is not reported by this GPU")
     text = f"{limit:g} W (allowed {low:g}-{high:g} W)"
+    if chosen is not None:
+        return Diagnosis(OK, check, f"{text}: chosen in tuning.power_limit_w")
     if limit < high - 0.5:
         return Diagnosis(WARNING, check, f"{text}: below the card's maximum",
                        f"tuning.power_limit_w: {high:g} if the GPU hits SwPowerCap")
