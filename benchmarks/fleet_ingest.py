@@ -2,7 +2,7 @@
 
     python3 benchmarks/fleet_ingest.py
 
-Runs the fleet test (twelve daemons, 32 simulated GPUs, two engines, Debian's prometheus scraping every
+Runs the fleet test (sixteen daemons, 36 simulated GPUs, three engines, Debian's prometheus scraping every
 second with the shipped rules, Debian's prometheus-alertmanager), which writes Prometheus's figures to the
 file named by GPUWARDEN_FLEET_FIGURES just before it stops the servers, and prints them: the series in the
 head block, samples appended per second, samples per scrape by host, scrape durations and the rule groups'
@@ -27,7 +27,7 @@ def main() -> None:
         env = dict(os.environ, GPUWARDEN_FLEET_FIGURES=str(out))
         env.setdefault("PYTHONPATH", str(ROOT / "daemon"))  # this checkout's daemon, unless told otherwise
         run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                              str(ROOT / "tests" / "test_fleet.py"), "-k", "twelve"], cwd=ROOT, env=env,
+                              str(ROOT / "tests" / "test_fleet.py"), "-k", "sixteen"], cwd=ROOT, env=env,
                              capture_output=True, text=True, timeout=1200)
         if run.returncode != 0 or not out.exists():
             sys.exit(f"fleet_ingest.py: the fleet test failed:\n{run.stdout[-4000:]}{run.stderr[-2000:]}")
