@@ -60,22 +60,24 @@ def test_a_daemon_killed_while_its_alerts_fire_pages_before_any_of_them_resolves
     }))
     servers = []
     try:
-        servers.append(Server([alertmanager, f"--config.file={alertmanager_config(tmp_path, f'http://127.0.0.1:{webhook.server_address[1]}')}",
-                               f"--storage.path={tmp_path / 'am'}", f"--web.listen-address=127.0.0.1:{am_port}",
-                               "--cluster.listen-address="], tmp_path / "alertmanager.log"))
+        am_config = alertmanager_config(tmp_path, f"http://127.0.0.1:{webhook.server_address[1]}")
+        servers.append(Server([alertmanager, f"--config.file={am_config}", f"--storage.path={tmp_path / 'am'}",
+                               f"--web.listen-address=127.0.0.1:{am_port}", "--cluster.listen-address="],
+                              tmp_path / "alertmanager.log"))
         servers.append(Server([prometheus, f"--config.file={prom_config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
                                f"--web.listen-address=127.0.0.1:{prom_port}"], tmp_path / "prometheus.log"))
         wait("Alertmanager answers", lambda: get(f"{am_base}/api/v2/status"), 60)
         host = tmp_path / "h1"
         for sub in ("state", "run"):
             (host / sub).mkdir(parents=True)
-        d = daemons(config, "--sim", str(tmp_path / "scenario.yaml"),
-                    env=dict(subprocess_env(), STATE_DIRECTORY=str(host / "state"), RUNTIME_DIRECTORY=str(host / "run")))
+        env = dict(subprocess_env(), STATE_DIRECTORY=str(host / "state"), RUNTIME_DIRECTORY=str(host / "run"))
+        d = daemons(config, "--sim", str(tmp_path / "scenario.yaml"), env=env)
 
         def arrivals():
             return [key(*n) for n in webhook.notifications()]
 
-        firing = {(PAGE, "firing", "GpuHardwareSlowdown", "h1", "0"), (TICKET, "firing", "GpuClocksLowWhileBusy", "h1", "1")}
+        firing = {(PAGE, "firing", "GpuHardwareSlowdown", "h1", "0"),
+                  (TICKET, "firing", "GpuClocksLowWhileBusy", "h1", "1")}
         # the rule's for: 1m, then the page's group_wait 30 s and the ticket's 2 minutes, on a busy box
         wait("the page and the ticket", lambda: firing <= set(arrivals()), 420, every=1,
              detail=lambda: f"got {arrivals()}; the daemon said:\n" + "\n".join(d.lines[-20:]))

@@ -1,8 +1,9 @@
 """Two gpuwarden daemons on this one machine as two nodes of one engine. First, one vLLM engine (tensor parallel 2 across
 --nnodes 2, on vLLM's own multi-node mode), each on its own loopback address (127.0.0.2 head, 127.0.0.3
 worker), its own ports, state and home. One scenario, because every vLLM start costs minutes on CI's 2 cores:
-the worker comes up 30 s after the head waits for it, completions come back through the head, each node's engine is SIGKILLed in
-turn and the whole engine comes back without a command, and the stops leave no engine process on either node.
+the worker comes up 30 s after the head waits for it, completions come back through the head, each node's engine is
+SIGKILLed in turn and the whole engine comes back without a command, and the stops leave no engine process on either
+node.
 
 Then the same supervision on Ray: real Ray nodes (`ray start --head` / `ray start --address` as each node's
 children) under a Ray driver that serves (tests/vllm/ray_server.py: vLLM's CPU build cannot run on Ray).

@@ -231,13 +231,14 @@ def generate_in_background(port, model, max_tokens, count):
 
 def test_a_frozen_engine_is_caught_while_health_says_200_restarted_and_the_idle_probe_catches_it_too(
         write, daemons, vllm_python, long_tiny_model, child_user):
-    # stall_after: long enough that a busy two-core box (the suite's other workers compile engines beside this
-    # one) starving the engine for seconds is no stall; the freeze below is one for good.
-    stall_after, poll = 15.0, 0.5
+    # stall_after and the probe's timeout: long enough that a busy two-core box (the suite's other workers compile
+    # engines beside this one) starving the engine for seconds is no stall; the freezes below are for good.
+    stall_after, poll, probe_timeout = 15.0, 0.5, 15
     port = free_port()
     path = serving_config(write, vllm_python, long_tiny_model, child_user, port,
                           extra_args=["--max-model-len", "16384"],
-                          extra=f"  stall_after_s: {stall_after:g}\n  probe_after_s: 3\n  probe_timeout_s: 5\n")
+                          extra=f"  stall_after_s: {stall_after:g}\n  probe_after_s: 3\n"
+                                f"  probe_timeout_s: {probe_timeout}\n")
     base = "http://" + path.read_text().split("listen: ")[1].split()[0]
     d = daemons(path)
     started = d.wait_for("vLLM starting (pid", timeout=60)
@@ -291,7 +292,7 @@ def test_a_frozen_engine_is_caught_while_health_says_200_restarted_and_the_idle_
     mark = len(d.lines)
     os.kill(core, signal.SIGSTOP)
     generate_in_background(port, long_tiny_model, 5, 1)
-    d.wait_for("the stall probe (a one-token completion", after=mark, timeout=3 + 5 + 10)
+    d.wait_for("the stall probe (a one-token completion", after=mark, timeout=3 + probe_timeout + 10)
     d.wait_for("vLLM stalled, restarting it", after=mark, timeout=5)
     d.wait_for("processes of the previous vLLM are gone", after=mark, timeout=20)
     assert group_alive(second) == []
