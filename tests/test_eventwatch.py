@@ -71,8 +71,12 @@ def sim_monitor(extra=""):
      "gpuwarden: its processes' own health decides (the engine restarts if it died); processes on it: ", False),
     (GpuEvent(2, "double_bit_ecc", 0), "CRITICAL", "GPU2 double-bit ECC error; recovery: reset the GPU", True),
     (GpuEvent(2, "gpu_unavailable", 0), "CRITICAL", "GPU2 GPU unavailable; recovery: reboot the node", True),
-    (GpuEvent(2, "recovery_action", 3), "CRITICAL", "GPU2 the driver set a recovery action; recovery: drain the "
-     "GPU, then reset it", True),
+    (GpuEvent(2, "recovery_action", 3), "CRITICAL", "GPU2 the driver set a recovery action; recovery: drain its "
+     "peer-to-peer (NVLink) traffic", True),
+    (GpuEvent(2, "recovery_action", 4), "CRITICAL", "GPU2 the driver set a recovery action; recovery: drain its "
+     "peer-to-peer traffic, then reset the GPU", True),
+    (GpuEvent(2, "recovery_action", 6), "CRITICAL", "GPU2 the driver set a recovery action; recovery: reset the "
+     "GPU's PCIe bus", True),
     (GpuEvent(2, "nonfatal_poison", 0), "ERROR", "GPU2 poisoned memory contained (the process that read it was "
      "stopped); recovery: restart the application", False),
     (GpuEvent(2, "fatal_poison", 0), "CRITICAL", "GPU2 poisoned memory not contained; recovery: reset the GPU", True),

@@ -30,8 +30,10 @@ KINDS = {XID: "xid", DOUBLE_BIT_ECC: "double_bit_ecc", GPU_UNAVAILABLE: "gpu_una
 WANTED = sum(KINDS)
 NVML_ERROR_TIMEOUT = 10
 # nvmlDeviceGpuRecoveryAction_t: what the driver says must happen next (Xid 154's "recovery action").
-RECOVERY_ACTIONS = {0: "none", 1: "reset the GPU", 2: "reboot the node", 3: "drain the GPU, then reset it",
-                    4: "drain the node, then reboot it"}
+# NVML's nvmlDeviceGpuRecoveryAction_t (nvml.h; cuda.bindings.nvml.DeviceGpuRecoveryAction documents each value)
+RECOVERY_ACTIONS = {0: "none", 1: "reset the GPU", 2: "reboot the node", 3: "drain its peer-to-peer (NVLink) traffic",
+                    4: "drain its peer-to-peer traffic, then reset the GPU", 5: "recover the IMEX domain",
+                    6: "reset the GPU's PCIe bus", 7: "reboot the system"}
 
 
 @dataclass(frozen=True)
