@@ -492,6 +492,18 @@ class Server:
                 self.proc.wait(10)
 
 
+def start_servers(servers: list, folder: Path, am_config: Path, am_port: int, prom_config: Path, prom_port: int):
+    """Debian's Alertmanager and Prometheus on loopback, appended to servers (the caller stops them), once
+    Alertmanager answers."""
+    # --cluster.listen-address= turns off Alertmanager's gossip port (it would listen on every address).
+    servers.append(Server([tool("prometheus-alertmanager", "prometheus-alertmanager"), f"--config.file={am_config}",
+                           f"--storage.path={folder / 'am'}", f"--web.listen-address=127.0.0.1:{am_port}",
+                           "--cluster.listen-address="], folder / "alertmanager.log"))
+    servers.append(Server([tool("prometheus"), f"--config.file={prom_config}", f"--storage.tsdb.path={folder / 'tsdb'}",
+                           f"--web.listen-address=127.0.0.1:{prom_port}"], folder / "prometheus.log"))
+    wait("Alertmanager answers", lambda: get(f"http://127.0.0.1:{am_port}/api/v2/status"), 60)
+
+
 def silence(am_base, matchers):
     now = datetime.datetime.now(datetime.timezone.utc)
     body = {"matchers": [{"name": k, "value": v, "isRegex": False} for k, v in matchers.items()],
@@ -544,8 +556,6 @@ def fleet_figures(base):
 @pytest.mark.integration
 @pytest.mark.fleet
 def test_a_fleet_of_sixteen_daemons_notifies_once_per_host_and_cause(tmp_path, daemons, engines, child_user):
-    prometheus = tool("prometheus")
-    alertmanager = tool("prometheus-alertmanager", "prometheus-alertmanager")
     webhook = Webhook()
     threading.Thread(target=webhook.serve_forever, daemon=True).start()
     prom_port, am_port = free_port(), free_port()
@@ -564,13 +574,7 @@ def test_a_fleet_of_sixteen_daemons_notifies_once_per_host_and_cause(tmp_path, d
     }))
     servers = []
     try:
-        # --cluster.listen-address= turns off Alertmanager's gossip port (it would listen on every address).
-        servers.append(Server([alertmanager, f"--config.file={am_config}", f"--storage.path={tmp_path / 'am'}",
-                               f"--web.listen-address=127.0.0.1:{am_port}", "--cluster.listen-address="],
-                              tmp_path / "alertmanager.log"))
-        servers.append(Server([prometheus, f"--config.file={prom_config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                               f"--web.listen-address=127.0.0.1:{prom_port}"], tmp_path / "prometheus.log"))
-        wait("Alertmanager answers", lambda: get(f"{am_base}/api/v2/status"), 60)
+        start_servers(servers, tmp_path, am_config, am_port, prom_config, prom_port)
         silence_id = silence(am_base, {"alertname": SILENCED[0], "instance": SILENCED[1]})
         for name in HOSTS:
             fleet.start(name)

@@ -20,9 +20,8 @@ import pytest
 import yaml
 
 from conftest import free_port, subprocess_env
-from test_fleet import (ALERTMANAGER, LOAD, PAGE, PRO4000, RULES, TICKET, Server, Webhook, am_alerts, get, key,
-                        scenario, wait)
-from test_prometheus import tool
+from test_fleet import (ALERTMANAGER, LOAD, PAGE, PRO4000, RULES, TICKET, Webhook, am_alerts, key,
+                        scenario, start_servers, wait)
 
 pytestmark = [pytest.mark.integration, pytest.mark.fleet]
 SCRAPE_S = 5
@@ -39,8 +38,6 @@ def alertmanager_config(folder, webhook: str):
 
 
 def test_a_daemon_killed_while_its_alerts_fire_pages_before_any_of_them_resolves(tmp_path, daemons):
-    prometheus = tool("prometheus")
-    alertmanager = tool("prometheus-alertmanager", "prometheus-alertmanager")
     webhook = Webhook()
     threading.Thread(target=webhook.serve_forever, daemon=True).start()
     prom_port, am_port, metrics_port = free_port(), free_port(), free_port()
@@ -61,12 +58,7 @@ def test_a_daemon_killed_while_its_alerts_fire_pages_before_any_of_them_resolves
     servers = []
     try:
         am_config = alertmanager_config(tmp_path, f"http://127.0.0.1:{webhook.server_address[1]}")
-        servers.append(Server([alertmanager, f"--config.file={am_config}", f"--storage.path={tmp_path / 'am'}",
-                               f"--web.listen-address=127.0.0.1:{am_port}", "--cluster.listen-address="],
-                              tmp_path / "alertmanager.log"))
-        servers.append(Server([prometheus, f"--config.file={prom_config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                               f"--web.listen-address=127.0.0.1:{prom_port}"], tmp_path / "prometheus.log"))
-        wait("Alertmanager answers", lambda: get(f"{am_base}/api/v2/status"), 60)
+        start_servers(servers, tmp_path, am_config, am_port, prom_config, prom_port)
         host = tmp_path / "h1"
         for sub in ("state", "run"):
             (host / sub).mkdir(parents=True)

@@ -67,18 +67,24 @@ def _info(base):
     return next(line for line in metrics(base).splitlines() if line.startswith("gpuwarden_serving_info{"))
 
 
-def _mark(d):
-    return len(d.lines)
-
-
-def test_a_reload_after_an_in_place_upgrade_restarts_the_engine_on_the_installed_version(write, fake, daemons, venv,
-                                                                                         tmp_path, no_fakes_left):
+def _serving(write, fake, daemons, venv, tmp_path):
+    """A daemon serving the fake engine with venv's interpreter, healthy: (daemon, config path, metrics base)."""
     path, base, _ = fault_config(write, fake, "healthy")
     path.write_text(path.read_text().replace(f"python: {FLAGCHECK}", f"python: {venv.python}"))
     state = tmp_path / "state"
     state.mkdir()
     d = daemons(path, env={**subprocess_env(), "STATE_DIRECTORY": str(state)})
     d.wait_for("vLLM healthy after", timeout=30)
+    return d, path, base
+
+
+def _mark(d):
+    return len(d.lines)
+
+
+def test_a_reload_after_an_in_place_upgrade_restarts_the_engine_on_the_installed_version(write, fake, daemons, venv,
+                                                                                         tmp_path, no_fakes_left):
+    d, path, base = _serving(write, fake, daemons, venv, tmp_path)
     first = status(base)["serving"]["pid"]
     assert 'version="0.32.0"' in _info(base)
 
@@ -138,12 +144,7 @@ def test_a_helper_started_from_a_worker_thread_is_not_taken_for_an_escaped_proce
 def test_a_reload_that_turns_serving_off_stops_the_engine(write, fake, daemons, venv, tmp_path, no_fakes_left):
     """The version check of a reload reads only a config that still serves: `serve.enabled: false` stops the
     engine as before (a slip in the version change once left it running)."""
-    path, base, _ = fault_config(write, fake, "healthy")
-    path.write_text(path.read_text().replace(f"python: {FLAGCHECK}", f"python: {venv.python}"))
-    state = tmp_path / "state"
-    state.mkdir()
-    d = daemons(path, env={**subprocess_env(), "STATE_DIRECTORY": str(state)})
-    d.wait_for("vLLM healthy after", timeout=30)
+    d, path, base = _serving(write, fake, daemons, venv, tmp_path)
     pid = status(base)["serving"]["pid"]
     path.write_text(path.read_text().replace("  enabled: true\n", "  enabled: false\n", 1))
     mark = _mark(d)
