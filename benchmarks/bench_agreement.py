@@ -37,7 +37,7 @@ from _common import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "daemon"))
-from gpuwarden.serving.watch.metrics import fetch  # noqa: E402  (the daemon's bounded read of /metrics)
+from gpuwarden.serving.probe.metrics import fetch  # noqa: E402  (the daemon's bounded read of /metrics)
 
 TOOLS = ("vllm", "vllm_noenv", "ours")  # vLLM's benchmark as it ships, the same with trust_env off, gpuwarden bench
 VLLM_SERVE = """

@@ -24,10 +24,10 @@ from pathlib import Path
 from _common import free_port, percentile
 
 from gpuwarden import config
-from gpuwarden.daemon import Daemon, run
+from gpuwarden.service.daemon import Daemon, run
 from gpuwarden.gpu.sim.backend import SimBackend
 from gpuwarden.gpu.sim.scenario import load_scenario, resolve_scenario
-from gpuwarden.systemd import Notifier
+from gpuwarden.base.systemd import Notifier
 
 ALERT_LINE = 'gpuwarden_alert_active{alert="sm_clock_low",gpu="0",severity="warning"} 1.0'
 

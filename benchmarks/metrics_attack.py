@@ -44,7 +44,7 @@ from _common import free_port, percentile
 from scrape import checkout  # first: it puts this checkout's daemon/ on sys.path
 from footprint import cpu_seconds  # noqa: I001
 
-from gpuwarden.webconfig import basic_auth_header
+from gpuwarden.base.webconfig import basic_auth_header
 
 ROOT = Path(__file__).resolve().parent.parent
 GOOD = ("prometheus", "s3cret")

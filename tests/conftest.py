@@ -102,7 +102,7 @@ def write(tmp_path):
 @pytest.fixture
 def cli(capsys):
     """Run gpuwarden's main() in-process; return (status, stdout, stderr)."""
-    from gpuwarden.cli import main
+    from gpuwarden.cli.main import main
 
     def _run(*args: str):
         status = main([str(a) for a in args])

@@ -13,7 +13,7 @@ SIM = ("-c", DEFAULT_CONFIG, "--sim")
 
 
 def test_version(capsys):
-    from gpuwarden.cli import main
+    from gpuwarden.cli.main import main
 
     with pytest.raises(SystemExit) as info:
         main(["--version"])

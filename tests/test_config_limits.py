@@ -13,7 +13,7 @@ import pytest
 
 from conftest import gpuwarden_cmd, subprocess_env
 from gpuwarden import config
-from gpuwarden.yamlfile import ConfigError
+from gpuwarden.base.yamlfile import ConfigError
 
 pytestmark = pytest.mark.integration
 

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import DEFAULT_CONFIG, free_port, gpuwarden_cmd, subprocess_env
-from gpuwarden.systemd import JournalFormatter, stderr_is_journal
+from gpuwarden.base.systemd import JournalFormatter, stderr_is_journal
 
 pytestmark = pytest.mark.integration  # real daemon processes: seconds each
 

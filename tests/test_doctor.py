@@ -7,11 +7,11 @@ import pytest
 
 from conftest import DEFAULT_CONFIG
 from gpuwarden import config
-from gpuwarden.doctor import diagnose, exit_status
+from gpuwarden.watch.doctor import diagnose, exit_status
 from gpuwarden.backends import open_configured
 from gpuwarden.gpu.sim.backend import ManualClock
 from gpuwarden.gpu.sim.scenario import builtin_scenarios, resolve_scenario
-from gpuwarden.tuning import Tuner, make_plan
+from gpuwarden.tune.tuning import Tuner, make_plan
 
 # Untuned, as every scenario boots: the headless SM120 cards stay at 180 MHz while busy (an error);
 # the DGX Spark boosts, so only its persistence mode is off (a warning).
@@ -182,7 +182,7 @@ def test_doctor_names_the_metrics_a_running_vllm_no_longer_serves(write, cli, ch
     served = {"vllm:generation_tokens_total": 5.0, "vllm:prompt_tokens_total": 9.0,
               "vllm:num_requests_running": 0.0, "vllm:num_requests_waiting": 0.0,
               "vllm:prefix_cache_queries_total": 0.0, "vllm:prefix_cache_hits_total": 0.0}
-    monkeypatch.setattr("gpuwarden.serving.watch.metrics.fetch", lambda url: served)
+    monkeypatch.setattr("gpuwarden.serving.probe.metrics.fetch", lambda url: served)
     path = write("g.yaml", "gpu:\n  backend: sim\n  scenario: rtx-pro-4000-headless\nserve:\n  enabled: true\n"
                  f"  user: {child_user}\n  model: /m/Qwen3-4B\n")
     status, out, _ = cli("doctor", "--no-deep", "-c", path)
@@ -194,7 +194,7 @@ def test_doctor_names_the_metrics_a_running_vllm_no_longer_serves(write, cli, ch
 
 
 def test_doctor_says_when_the_lint_rules_are_older_than_the_installed_vllm(monkeypatch):
-    from gpuwarden.doctor import _installed
+    from gpuwarden.watch.doctor import _installed
     from gpuwarden.serving.compose.engines import rules_for
     from gpuwarden.serving.compose.engines.vllm import ENGINE
     from gpuwarden.serving.compose.installed import Installed

@@ -67,7 +67,7 @@ def test_status_reads_metrics_url_past_a_fifo_without_waiting(tmp_path, monkeypa
     """`gpuwarden status` reads the runtime directory's metrics-url: a FIFO there (a bad edit as root) held it in
     open() for good; a link to /dev/zero read without end."""
     from gpuwarden.config import MetricsConfig
-    from gpuwarden.status import running_elsewhere
+    from gpuwarden.web.status import running_elsewhere
 
     monkeypatch.setenv("RUNTIME_DIRECTORY", str(tmp_path))
     os.mkfifo(tmp_path / "metrics-url")

@@ -13,19 +13,19 @@ import pwd
 import pytest
 
 from gpuwarden import config
-from gpuwarden.exporter import make_registry
+from gpuwarden.web.exporter import make_registry
 from gpuwarden.gpu.base import GpuSample
 from gpuwarden.gpu.sim.backend import ManualClock
 from gpuwarden.serving.compose.command import build_command
 from gpuwarden.serving.compose.engines import Engine, engine_for, lint, names
 from gpuwarden.serving.compose.flags import flag_value
 from gpuwarden.serving.compose.identity import Identity
-from gpuwarden.serving.watch.metrics import MetricsReader, parse
+from gpuwarden.serving.probe.metrics import MetricsReader, parse
 from gpuwarden.serving.compose.prepare import compose
 from gpuwarden.serving.run.spec import engine_spec
 from gpuwarden.serving.compose.profiles import load_profiles, select_profile
 from gpuwarden.serving.run.supervisor import RUNNING, STARTING, Program, Supervisor
-from gpuwarden.yamlfile import ConfigError
+from gpuwarden.base.yamlfile import ConfigError
 from test_faults import fake, no_fakes_left  # noqa: F401 (the fixtures the real-process test uses)
 from test_faults import fault_config, metrics, serving_state, status, wait_until
 from test_serving import FakeGpu, FakeOps, Inline
@@ -114,7 +114,7 @@ def test_log_levels(name):
 def test_metric_names_map_to_the_generic_stats(name, monkeypatch):
     engine = engine_for(name)
     texts = iter([scrape(engine, 100, 3), scrape(engine, 400, 5)])
-    monkeypatch.setattr("gpuwarden.serving.watch.metrics.fetch", lambda url: parse(next(texts)))
+    monkeypatch.setattr("gpuwarden.serving.probe.metrics.fetch", lambda url: parse(next(texts)))
     clock = ManualClock(0)
     reader = MetricsReader("http://x" + engine.metrics_path, engine.metric_names, clock, Inline(clock))
     reader.read(0)
@@ -230,8 +230,8 @@ def test_sglang_lint_from_the_deepseek_v4_report():
 
 
 def test_sglang_metrics_carry_the_engine_label_and_no_vllm_names():
-    from gpuwarden.monitor import GpuView, Snapshot
-    from gpuwarden.serving.watch.metrics import ServingStats
+    from gpuwarden.watch.monitor import GpuView, Snapshot
+    from gpuwarden.serving.probe.metrics import ServingStats
     from gpuwarden.serving.run.supervisor import ServingView
 
     view = ServingView("RUNNING", "/m/x", "sglang-generic", 1, 0, None, 3.0, None, False, "sglang", "SGLang",

@@ -11,15 +11,15 @@ from conftest import free_port
 from fake_nvml import FakeNvml, device
 from gpuwarden import config
 from gpuwarden.backends import open_configured
-from gpuwarden.exporter import make_registry
+from gpuwarden.web.exporter import make_registry
 from gpuwarden.gpu.events import XID, GpuEvent
 from gpuwarden.gpu.nvml import NvmlBackend
 from gpuwarden.gpu.sim.backend import ManualClock
 from gpuwarden.gpu.sim.scenario import resolve_scenario
-from gpuwarden.eventwatch import EventBook, EventWatcher
-from gpuwarden.monitor import Monitor
+from gpuwarden.watch.eventwatch import EventBook, EventWatcher
+from gpuwarden.watch.monitor import Monitor
 from gpuwarden.serving.run.supervisor import FATAL, Supervisor
-from gpuwarden.tuning import Tuner, TuningLife
+from gpuwarden.tune.tuning import Tuner, TuningLife
 from test_serving import running_supervisor, supervisor
 
 
@@ -162,7 +162,7 @@ def test_an_xid_is_logged_when_it_happens_not_at_the_next_poll(write, daemons):
 
 
 def test_a_gpu_waiting_for_a_reset_holds_an_engine_started_later_until_a_reload_says_it_is_done():
-    from gpuwarden.daemon import Daemon
+    from gpuwarden.service.daemon import Daemon
 
     class Watcher:
         failure = None

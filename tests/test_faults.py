@@ -420,7 +420,7 @@ def test_started_with_stdio_closed_the_signal_pipe_does_not_take_fds_0_to_2(writ
     out = tmp_path / "fds"
     script = (f"import os, sys, runpy; os.close(0); os.close(1); "
               f"sys.argv = ['gpuwarden', 'run', '-c', {str(path)!r}, '--sim', 'lock-lost', '--duration', '1.5']; "
-              f"import gpuwarden.daemon as d; real = d.SignalWaker.__init__\n"
+              f"import gpuwarden.service.daemon as d; real = d.SignalWaker.__init__\n"
               f"def spy(self):\n real(self); open({str(out)!r}, 'w').write(f'{{self.read_fd}} {{self.write_fd}}')\n"
               f"d.SignalWaker.__init__ = spy\nrunpy.run_module('gpuwarden', run_name='__main__')")
     proc = subprocess.run([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True, timeout=60,

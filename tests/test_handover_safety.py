@@ -132,7 +132,7 @@ def test_more_sigusr2_in_one_wake_up_hand_over_once(caplog):
     """Two SIGUSR2 read in one wake-up of the loop (a postinst and an operator): one handover, said once."""
     from gpuwarden import config, earlysignals
     from gpuwarden.backends import open_configured
-    from gpuwarden.daemon import Daemon
+    from gpuwarden.service.daemon import Daemon
 
     cfg = config.parse_text("gpu:\n  backend: sim\n  scenario: dgx-spark\nmetrics:\n  listen: none\n"
                             "tuning:\n  apply: false\n")
@@ -156,7 +156,7 @@ signal.pthread_sigmask(signal.SIG_BLOCK, earlysignals.SIGNALS)  # as the old ima
 os.kill(os.getpid(), signal.SIGUSR2)  # a second SIGUSR2, pending across the exec
 os.kill(os.getpid(), signal.SIGHUP)
 earlysignals.hold()
-from gpuwarden.daemon import SignalWaker
+from gpuwarden.service.daemon import SignalWaker
 waker = SignalWaker()
 print(sorted(signal.Signals(s).name for s in waker.wait(0)))
 """

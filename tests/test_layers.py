@@ -6,28 +6,27 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "daemon" / "gpuwarden"
 
-# Lowest first. A module may import from a lower layer and from its own package; nothing else.
+# Lowest first: the wings (and the serving wing's rooms). A module may import from a lower layer and from its own
+# wing; nothing else.
 LAYERS = [
-    {"safetext"},  # imports nothing of gpuwarden: the one escape for outside text, used by the log writer
-    {"yamlfile", "statedir", "background", "httpget", "systemd", "earlysignals", "smallfile"},  # only safetext below them
-    {"schema", "originals"},
-    {"gpu", "webconfig"},  # the GPU backends know nothing of the config
-    {"throttle", "xids"},  # is this clock low, and why; what an Xid means
-    {"tunables"},  # the tuning settings table
-    {"config"},
-    {"alerts", "tuning", "serving.compose", "backends", "status", "eventwatch"},  # compose: command, lint, user
-    {"serving.watch", "control"},  # the engine's metrics and its progress; tune's control channel
+    {"base"},  # files, YAML, the schema reader, HTTP GET, the journal, early signals, the web config file
+    {"gpu"},  # the GPU backends and what their readings mean (throttle): they know nothing of the config
+    {"tune"},  # the settings table, plan and Tuner, the tuning life, originals, the sweeps' lease
+    {"config"},  # YAML in, frozen dataclasses out; the tuning section is tune's
+    {"serving.compose", "backends"},  # the serving command, lint, the child's user; the backend a config names
+    {"serving.probe"},  # the engine's metrics and its progress
     {"serving.run"},  # the children: specs, supervisor, processes, the serving runtime
-    {"monitor", "doctor", "bench", "proxy"},
-    {"exporter"},
-    {"daemon"},
+    {"watch"},  # one poll: signals, rules, events, the snapshot; the preflight
+    {"web"},  # /metrics and /status
+    {"proxy", "bench"},
+    {"service"},  # the daemon's main loop, the control socket
     {"cli"},
     {"__main__", "entry"},
 ]
 RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
 
 
-SERVING_ROOMS = ("compose", "watch", "run")  # serving/ by job, each a unit of its own
+SERVING_ROOMS = ("compose", "probe", "run")  # serving/ by job, each a unit of its own
 
 
 def unit_of(module: str) -> str:

@@ -13,7 +13,7 @@ import pytest
 from gpuwarden.serving.compose import facts as F
 from gpuwarden.serving.compose import model as M
 from gpuwarden.serving.compose.engines import evaluate_lint, rules_for
-from gpuwarden.yamlfile import ConfigErrors
+from gpuwarden.base.yamlfile import ConfigErrors
 from test_rules import context, outcome_of, serving_conf
 
 # -- conditions and flags ------------------------------------------------------------------------------------

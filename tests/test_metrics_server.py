@@ -19,8 +19,8 @@ import pytest
 
 from conftest import ROOT, free_port
 from gpuwarden import exporter
-from gpuwarden.exporter import MAX_CONNECTIONS, Exposition, MetricsServer
-from gpuwarden.webconfig import PASSED_REMEMBERED, WebConfig, basic_auth_header
+from gpuwarden.web.exporter import MAX_CONNECTIONS, Exposition, MetricsServer
+from gpuwarden.base.webconfig import PASSED_REMEMBERED, WebConfig, basic_auth_header
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import metrics_attack  # noqa: E402  (the benchmark's scrape, one copy)

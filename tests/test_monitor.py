@@ -5,13 +5,13 @@ import logging
 import pytest
 
 from gpuwarden import config, control
-from gpuwarden.alerts import AlertSettings, AlertState, Check, RULES_BY_NAME
+from gpuwarden.watch.alerts import AlertSettings, AlertState, Check, RULES_BY_NAME
 from gpuwarden.backends import open_configured
-from gpuwarden.exporter import make_registry
+from gpuwarden.web.exporter import make_registry
 from gpuwarden.gpu.sim.backend import ManualClock
 from gpuwarden.gpu.sim.scenario import resolve_scenario
-from gpuwarden.monitor import Monitor
-from gpuwarden.tuning import Tuner, TuningLife
+from gpuwarden.watch.monitor import Monitor
+from gpuwarden.tune.tuning import Tuner, TuningLife
 
 FAST = "poll_interval_s: 0.5\nalerts:\n  for_s: 1\n  clear_for_s: 2\n"
 
@@ -263,7 +263,7 @@ def test_status_line(scenario):
 
 
 def test_the_resolved_line_quotes_the_worst_reading_and_the_fix_follows_the_reasons():
-    from gpuwarden.alerts import AlertSettings, AlertState, Check, RULES_BY_NAME
+    from gpuwarden.watch.alerts import AlertSettings, AlertState, Check, RULES_BY_NAME
 
     settings = AlertSettings(for_s=0, clear_for_s=0)
     state = AlertState(RULES_BY_NAME["sm_clock_low"], 0, "GPU-0")
@@ -342,7 +342,7 @@ def test_the_status_line_for_systemd_carries_the_state_not_the_readings():
 def test_status_is_sent_when_the_state_changes_at_most_every_five_seconds(tmp_path):
     import socket
 
-    from gpuwarden.systemd import STATUS_MIN_INTERVAL_S, Notifier
+    from gpuwarden.base.systemd import STATUS_MIN_INTERVAL_S, Notifier
 
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(str(tmp_path / "notify"))
@@ -404,7 +404,7 @@ def test_nvlink_and_fabric_metrics_come_from_the_snapshot():
     from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from gpuwarden.exporter import make_registry
+    from gpuwarden.web.exporter import make_registry
 
     events, monitor = nvlink_events("nvlink-down", 16)
     text = generate_latest(make_registry(lambda: monitor.snapshot)).decode()

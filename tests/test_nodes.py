@@ -16,7 +16,7 @@ from gpuwarden.serving.compose.nodes import interface, reachable, role_of
 from gpuwarden.serving.compose.profiles import load_profiles
 from gpuwarden.serving.run.spec import engine_spec
 from gpuwarden.serving.run.supervisor import BACKOFF, RUNNING, STARTING, Program
-from gpuwarden.yamlfile import ConfigError, ConfigErrors
+from gpuwarden.base.yamlfile import ConfigError, ConfigErrors
 from test_serving import FakeGpu, FakeOps, sample
 
 GENERIC = load_profiles(None)["generic"]
@@ -325,7 +325,7 @@ def test_ray_nodes_are_children_started_from_the_engines_own_environment():
 
 
 def test_a_worker_waiting_for_its_head_is_not_a_blocked_start_alert():
-    from gpuwarden.alerts import vllm_start_blocked
+    from gpuwarden.watch.alerts import vllm_start_blocked
 
     program, ops, clock = worker_program()
     program.start(clock.now)
@@ -485,7 +485,7 @@ def test_the_socket_table_is_read_off_the_loop_and_once_a_probe_period(tmp_path)
     import threading
     import time as wall
 
-    from gpuwarden.background import Background
+    from gpuwarden.base.background import Background
 
     program, ops, clock = head_program()
     calls, release = [], threading.Event()
@@ -621,7 +621,7 @@ def test_a_running_head_reads_the_socket_table_once_a_period_while_its_health_an
     import threading
     import time as wall
 
-    from gpuwarden.background import Background
+    from gpuwarden.base.background import Background
 
     program, ops, clock = running_head()
     calls, release = [], threading.Event()

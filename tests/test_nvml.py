@@ -9,7 +9,7 @@ from gpuwarden.gpu import errors
 from gpuwarden.gpu.base import ClockEventReason as R
 from gpuwarden.gpu.nvml import MAX_NVLINKS, REINIT_INTERVAL_S, NvmlBackend, persistenced_pids, persistenced_state
 from gpuwarden.gpu.sim.backend import ManualClock
-from gpuwarden.tuning import Tuner, make_plan
+from gpuwarden.tune.tuning import Tuner, make_plan
 
 
 def backend_with(*devices, counters_interval_s=10.0):

@@ -23,7 +23,7 @@ import pytest
 
 from conftest import free_port, gpuwarden_cmd, subprocess_env
 from gpuwarden.serving.run.ports import describe
-from gpuwarden.systemd import JournalFormatter, Notifier, QueuedLog
+from gpuwarden.base.systemd import JournalFormatter, Notifier, QueuedLog
 from test_faults import fake, fault_config  # noqa: F401 (fake: a fixture)
 
 HERE = Path(__file__).resolve().parent

@@ -117,7 +117,7 @@ def test_diff_names_the_shuffled_tools_and_the_nonce():
 
 
 def test_config_section_is_validated_with_file_and_line(tmp_path):
-    from gpuwarden.yamlfile import InvalidConfig
+    from gpuwarden.base.yamlfile import InvalidConfig
 
     with pytest.raises(InvalidConfig) as caught:
         parse_text("serve:\n  proxy:\n    listen: 127.0.0.1:8000\n    remove_patterns: ['(']\n    sort: yes\n",

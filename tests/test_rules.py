@@ -18,7 +18,7 @@ from gpuwarden.serving.compose.model import ModelFacts
 from gpuwarden.serving.compose.model import model_facts as read_model
 from gpuwarden.serving.compose.profiles import load_profiles
 from gpuwarden.serving.compose.rules import LintContext
-from gpuwarden.yamlfile import ConfigErrors
+from gpuwarden.base.yamlfile import ConfigErrors
 
 HERE = Path(__file__).resolve().parent
 PROFILES = load_profiles(None)

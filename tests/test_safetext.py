@@ -1,6 +1,6 @@
 """safetext.visible: outside text made safe for one journal line, STATUS= or a terminal."""
 
-from gpuwarden.safetext import visible
+from gpuwarden.base.safetext import visible
 
 
 def test_every_control_character_is_written_visibly():

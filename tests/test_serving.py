@@ -17,12 +17,11 @@ from gpuwarden.serving.compose.engines import lint
 from gpuwarden.serving.compose.profiles import load_profiles, select_profile
 from gpuwarden.serving.compose.identity import Identity
 from gpuwarden.serving.run.processes import Child
-from gpuwarden.serving.run.supervisor import (BACKOFF, FATAL, RUNNING, STARTING, STOPPED, STOPPING,
-                                          Program)
+from gpuwarden.serving.run.supervisor import BACKOFF, FATAL, RUNNING, STARTING, STOPPED, STOPPING, Program
 from gpuwarden.serving.compose.engines.vllm import ENGINE as VLLM
-from gpuwarden.serving.watch.metrics import MetricsReader, parse
+from gpuwarden.serving.probe.metrics import MetricsReader, parse
 from gpuwarden.serving.run.spec import engine_spec
-from gpuwarden.yamlfile import ConfigErrors
+from gpuwarden.base.yamlfile import ConfigErrors
 
 PROFILES = load_profiles(None)
 
@@ -206,7 +205,7 @@ class Inline:
         self.clock, self.busy, self._done = clock, False, None
 
     def start(self, fn, *args):
-        from gpuwarden.background import Outcome
+        from gpuwarden.base.background import Outcome
 
         at = self.clock()
         try:
@@ -228,7 +227,7 @@ def test_metrics_rates_and_the_kv_cache_rename(monkeypatch):
                   SCRAPE.format(gen=334, prompt=48, kv="gpu_cache_usage_perc")])
     clock = ManualClock(10)
     reader = MetricsReader("http://x/metrics", VLLM.metric_names, clock, Inline(clock))
-    monkeypatch.setattr("gpuwarden.serving.watch.metrics.fetch", lambda url: parse(next(texts)))
+    monkeypatch.setattr("gpuwarden.serving.probe.metrics.fetch", lambda url: parse(next(texts)))
     first = reader.read(10.0)
     assert first.generation_tokens_per_s is None and first.kv_cache_usage_ratio == 0.25
     clock.advance(1)
@@ -288,7 +287,7 @@ class FakeOps:
         return self.uids.get(pid)
 
     def health(self, url):
-        from gpuwarden.httpget import HttpError, Reply
+        from gpuwarden.base.httpget import HttpError, Reply
 
         if self.spawn_error is not None:
             raise HttpError("connection refused")

@@ -9,7 +9,7 @@ from gpuwarden.gpu import errors
 from gpuwarden.gpu.base import ClockEventReason as R
 from gpuwarden.gpu.sim.backend import ManualClock, SimBackend
 from gpuwarden.gpu.sim.scenario import builtin_scenarios, load_scenario, resolve_scenario
-from gpuwarden.yamlfile import ConfigError, ConfigErrors
+from gpuwarden.base.yamlfile import ConfigError, ConfigErrors
 
 
 def sim(name, clock=None):
@@ -263,7 +263,7 @@ def test_manual_clock_needs_no_sleep():
 
 def test_a_card_whose_full_load_power_is_its_idle_power_is_refused(write):
     from gpuwarden.gpu.sim.scenario import load_scenario
-    from gpuwarden.yamlfile import ConfigErrors
+    from gpuwarden.base.yamlfile import ConfigErrors
 
     path = write("s.yaml", "name: s\ngpus:\n  - name: G\n    compute_capability: \"12.0\"\n"
                  "    memory_clocks_mhz: [405]\n    graphics_clocks_mhz: [180, 3090, 15]\n"

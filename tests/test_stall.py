@@ -5,10 +5,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from gpuwarden.alerts import RULES_BY_NAME
+from gpuwarden.watch.alerts import RULES_BY_NAME
 from gpuwarden.gpu.base import GpuSample
 from gpuwarden.gpu.sim.backend import ManualClock
-from gpuwarden.serving.watch.stall import Progress, StallWatch
+from gpuwarden.serving.probe.stall import Progress, StallWatch
 from gpuwarden.serving.run.supervisor import BACKOFF, RUNNING
 from test_serving import Inline, running_supervisor, supervisor
 

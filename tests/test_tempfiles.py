@@ -52,7 +52,7 @@ def write_within(write, planted: list[Path]) -> None:
 
 
 def marker(tmp_path):
-    from gpuwarden.control import Sweeps
+    from gpuwarden.tune.control import Sweeps
 
     tuning = SimpleNamespace(backend=SimpleNamespace(gpus=lambda: [SimpleNamespace(index=0, uuid="GPU-a")]))
     path = tmp_path / "state" / "sweep.json"
@@ -70,7 +70,7 @@ def children(tmp_path):
 
 
 def originals(tmp_path):
-    from gpuwarden.originals import OriginalsStore
+    from gpuwarden.tune.originals import OriginalsStore
 
     path = tmp_path / "state" / "originals.json"
     return path, lambda: OriginalsStore(path, boot="b").save({"GPU-a": {"power_limit": 300}}), \

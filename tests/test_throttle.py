@@ -1,14 +1,14 @@
 """throttle.py: the one answer to "is this clock low, and why", as alerts, tuning and doctor ask it."""
 
 from gpuwarden import config, throttle
-from gpuwarden.alerts import RULES_BY_NAME, GpuContext
+from gpuwarden.watch.alerts import RULES_BY_NAME, GpuContext
 from gpuwarden.backends import open_configured
-from gpuwarden.doctor import diagnose
+from gpuwarden.watch.doctor import diagnose
 from gpuwarden.gpu.base import ClockEventReason as R
 from gpuwarden.gpu.base import GpuSample
 from gpuwarden.gpu.sim.backend import ManualClock
-from gpuwarden.throttle import Threshold
-from gpuwarden.tuning import Action, _verify
+from gpuwarden.gpu.throttle import Threshold
+from gpuwarden.tune.tuning import Action, _verify
 
 SIM = "gpu:\n  backend: sim\n  scenario: rtx-pro-4000-headless\n"
 

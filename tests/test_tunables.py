@@ -8,11 +8,11 @@ import pytest
 from gpuwarden import config, tunables
 from gpuwarden.backends import open_configured
 from gpuwarden.gpu.sim.backend import ManualClock
-from gpuwarden.originals import OriginalsStore
-from gpuwarden.tunables import Step, Tunable, Unfit
+from gpuwarden.tune.originals import OriginalsStore
+from gpuwarden.tune.tunables import Step, Tunable, Unfit
 from gpuwarden.gpu.base import GpuBoard, GpuSample
-from gpuwarden.tuning import Tuner, TuningLife, make_plan
-from gpuwarden.yamlfile import ConfigErrors
+from gpuwarden.tune.tuning import Tuner, TuningLife, make_plan
+from gpuwarden.base.yamlfile import ConfigErrors
 
 PROFILES = ("default", "compute", "low_latency")
 

@@ -20,7 +20,7 @@ from gpuwarden.backends import open_configured
 from gpuwarden.bench.tune import find_knee, settings_to_try
 from gpuwarden.gpu.sim import power
 from gpuwarden.gpu.sim.backend import ManualClock
-from gpuwarden.tuning import Tuner, TuningLife
+from gpuwarden.tune.tuning import Tuner, TuningLife
 
 HERE = Path(__file__).resolve().parent
 SCENARIO = """\
@@ -443,7 +443,7 @@ def test_a_steps_energy_with_and_without_the_idle_draw():
 
 
 def test_the_daemons_tokens_per_joule_spans_a_minute_of_counter_reads():
-    from gpuwarden.monitor import EnergyWindow
+    from gpuwarden.watch.monitor import EnergyWindow
 
     window = EnergyWindow()
     assert window.tokens_per_joule() is None
@@ -557,7 +557,7 @@ def test_no_marker_no_sweep(channel):
 
 @pytest.mark.parametrize("bad", ["int", "nested", "bool", "fifo", "zero", "huge"])
 def test_a_bad_marker_is_one_line_and_the_daemon_starts(tmp_path, bad, caplog):
-    from gpuwarden.originals import boot_id
+    from gpuwarden.tune.originals import boot_id
 
     cfg = config.parse_text("gpu: {backend: sim, scenario: h100-nvswitch}\n", name="x.yaml")
     backend = open_configured(cfg, ManualClock(20))

@@ -7,8 +7,8 @@ from gpuwarden.backends import open_configured
 from gpuwarden.gpu import errors
 from gpuwarden.gpu.sim.backend import ManualClock
 from gpuwarden.gpu.sim.scenario import builtin_scenarios, resolve_scenario
-from gpuwarden.tuning import Tuner, make_plan
-from gpuwarden.yamlfile import ConfigErrors
+from gpuwarden.tune.tuning import Tuner, make_plan
+from gpuwarden.base.yamlfile import ConfigErrors
 
 
 def setup(scenario, tuning="", clock=None):
@@ -188,7 +188,7 @@ def test_down_gpu_gets_no_actions_and_a_note():
 
 
 def test_originals_survive_a_restart_of_the_daemon_in_the_same_boot(tmp_path):
-    from gpuwarden.originals import OriginalsStore
+    from gpuwarden.tune.originals import OriginalsStore
 
     cfg, backend = setup("rtx-pro-4000-headless", "tuning:\n  power_limit_w: 120\n")
     store = OriginalsStore(tmp_path / "originals.json", boot="boot-1")

@@ -4,8 +4,8 @@ import configparser
 
 from conftest import ROOT
 from gpuwarden.config import ServeConfig
-from gpuwarden.daemon import STOP_MARGIN_S
-from gpuwarden.exporter import MAX_CONNECTIONS
+from gpuwarden.service.daemon import STOP_MARGIN_S
+from gpuwarden.web.exporter import MAX_CONNECTIONS
 
 
 def unit():

@@ -86,7 +86,7 @@ def test_the_main_loop_runs_nothing_as_serve_user_for_its_home(reachable, monkey
     from gpuwarden import config
     from gpuwarden.backends import open_configured
     from gpuwarden.serving.run.runtime import prepare_launch
-    from gpuwarden.yamlfile import InvalidConfig
+    from gpuwarden.base.yamlfile import InvalidConfig
 
     monkeypatch.setenv("STATE_DIRECTORY", str(reachable / "state"))
     cfg = config.parse_text("gpu:\n  backend: sim\n  scenario: dgx-spark\nserve:\n  enabled: true\n"

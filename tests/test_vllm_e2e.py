@@ -83,7 +83,7 @@ def test_serves_survives_sigkill_without_orphans_and_stops_clean(write, daemons,
     assert complete(port, tiny_model)["choices"][0]["text"]
     # Every metric name gpuwarden reads, against this vLLM's own /metrics (issue 15: stale names fail silently).
     from gpuwarden.serving.compose.engines.vllm import ENGINE as VLLM
-    from gpuwarden.serving.watch.metrics import fetch
+    from gpuwarden.serving.probe.metrics import fetch
 
     served = fetch(f"http://127.0.0.1:{port}/metrics")
     assert VLLM.metric_names.missing(served) == [], sorted(n for n in served if n.startswith("vllm:"))

@@ -13,7 +13,7 @@ import bcrypt
 import pytest
 
 from conftest import ROOT, free_port, gpuwarden_cmd, subprocess_env
-from gpuwarden.webconfig import basic_auth_header
+from gpuwarden.base.webconfig import basic_auth_header
 from test_metrics_server import scrape, trickle
 
 pytestmark = pytest.mark.integration

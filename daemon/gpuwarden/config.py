@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import tunables, webconfig, yamlfile
-from .schema import MISSING, NONE_WORDS, Reader, type_name
-from .throttle import Threshold
-from .webconfig import WebConfig
-from .yamlfile import ConfigError, Document, Path_
+from .tune import tunables
+from .base import webconfig, yamlfile
+from .base.schema import MISSING, NONE_WORDS, Reader, type_name
+from .gpu.throttle import Threshold
+from .base.webconfig import WebConfig
+from .base.yamlfile import ConfigError, Document, Path_
 
 DEFAULT_PATH = Path("/etc/gpuwarden/gpuwarden.yaml")
 EX_CONFIG = 78  # sysexits.h; the unit's RestartPreventExitStatus

@@ -1,10 +1,10 @@
 """The `gpuwarden` console script: signals are held before the slow imports (earlysignals.py)."""
 
-from . import earlysignals
+from .base import earlysignals
 
 
 def main() -> int:
     earlysignals.hold()
-    from .cli import main as cli_main
+    from .cli.main import main as cli_main
 
     return cli_main()

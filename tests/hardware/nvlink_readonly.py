@@ -238,11 +238,11 @@ def main(out: Path, fake: bool) -> int:
     import logging
 
     from gpuwarden import config
-    from gpuwarden.daemon import Daemon, run
-    from gpuwarden.doctor import diagnose
+    from gpuwarden.service.daemon import Daemon, run
+    from gpuwarden.watch.doctor import diagnose
     from gpuwarden.gpu.nvml import NvmlBackend
-    from gpuwarden.systemd import Notifier, setup_logging
-    from gpuwarden.tuning import make_plan
+    from gpuwarden.base.systemd import Notifier, setup_logging
+    from gpuwarden.tune.tuning import make_plan
 
     out.mkdir(parents=True, exist_ok=True)
     report: dict = {"fake": fake}

@@ -17,10 +17,10 @@ import time
 import pynvml
 
 from gpuwarden import config
-from gpuwarden.daemon import Daemon, run
+from gpuwarden.service.daemon import Daemon, run
 from gpuwarden.gpu.nvml import NvmlBackend
-from gpuwarden.systemd import setup_logging
-from gpuwarden.tuning import make_plan
+from gpuwarden.base.systemd import setup_logging
+from gpuwarden.tune.tuning import make_plan
 
 READ_PREFIXES = ("nvmlDeviceGet", "nvmlSystemGet", "nvmlErrorString", "c_nvml",  # reads, and the structs they fill
                  "nvmlEventSet", "nvmlDeviceRegisterEvents")  # waiting for events changes nothing on the card
@@ -82,7 +82,7 @@ def guard(argv: list[str]) -> int:
     from gpuwarden import earlysignals
 
     earlysignals.hold()
-    from gpuwarden.cli import main as cli_main
+    from gpuwarden.cli.main import main as cli_main
 
     return cli_main(argv)
 

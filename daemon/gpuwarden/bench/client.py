@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from ..httpget import HttpError, read_capped
+from ..base.httpget import HttpError, read_capped
 
 MAX_EVENT_BYTES = 1024 * 1024  # an SSE event longer than this is not a token stream
 MAX_ERROR_BYTES = 64 * 1024  # an error's body: room for any message, and not a 1.5 GB one

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from .. import __version__
 from ..config import Config
-from ..safetext import visible_lines
-from ..statedir import state_dir
-from ..systemd import print_error
+from ..base.safetext import visible_lines
+from ..base.statedir import state_dir
+from ..base.systemd import print_error
 from .watch import Watch
 
 HELP = """\
@@ -108,7 +108,7 @@ def _gpu_reader(config: Config):
     simulator), else nothing."""
     from ..backends import open_configured
     from ..gpu import errors
-    from ..status import StatusError, fetch_status
+    from ..web.status import StatusError, fetch_status
 
     if config.metrics.url is not None:
         try:

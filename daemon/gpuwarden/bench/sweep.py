@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 
 import aiohttp
 
-from ..httpget import HttpError, read_capped
+from ..base.httpget import HttpError, read_capped
 from .client import RequestResult, stream
 from .energy import gpu_watts, step_energy
 from .watch import Watch, step_flags

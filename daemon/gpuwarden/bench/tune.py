@@ -20,9 +20,9 @@ from pathlib import Path
 
 from .. import __version__
 from ..config import Config
-from ..control import ChannelLost, ControlError, SweepClient, Unreachable, socket_path
-from ..safetext import visible_lines
-from ..systemd import print_error
+from ..tune.control import ChannelLost, ControlError, SweepClient, Unreachable, socket_path
+from ..base.safetext import visible_lines
+from ..base.systemd import print_error
 from .command import _gpu_reader, _raise_fd_limit, _serving_facts, comma_numbers
 from .watch import Watch
 
@@ -308,7 +308,7 @@ def _apply(lines: str, config_path: Path, pid: int, setting: str, value: float, 
     SO_PEERCRED named). Before the reload, the merged config is loaded as the daemon will load it: where a later
     drop-in or a per-GPU key overrides the knee, the drop-in is removed again and tune says which file wins."""
     from .. import config as config_mod
-    from ..yamlfile import ConfigError, ConfigErrors
+    from ..base.yamlfile import ConfigError, ConfigErrors
 
     dropin = config_path.parent / "conf.d" / "50-tune.yaml"
     try:
@@ -348,7 +348,7 @@ def _apply(lines: str, config_path: Path, pid: int, setting: str, value: float, 
 def _who_sets(config_path: Path, key: tuple) -> str:
     """The last of the config and its drop-ins (the order the loader merges them) that sets `key`."""
     from .. import config as config_mod
-    from .. import yamlfile
+    from ..base import yamlfile
 
     found = "the config"
     for file in [config_path, *config_mod.dropin_files(config_path)]:

@@ -19,10 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..gpu.base import ClockEventReason
-from ..httpget import HttpError
-from ..serving.watch.metrics import fetch
-from ..status import StatusError
-from ..throttle import HELD_DOWN, LOCK_TOLERANCE_MHZ
+from ..base.httpget import HttpError
+from ..serving.probe.metrics import fetch
+from ..web.status import StatusError
+from ..gpu.throttle import HELD_DOWN, LOCK_TOLERANCE_MHZ
 
 HELD_DOWN_NAMES = set(ClockEventReason(HELD_DOWN).names())
 GpuReader = Callable[[], "list[dict] | None"]  # the GPUs as /status reports them (GpuSample.as_dict + locks)

@@ -18,8 +18,7 @@ from typing import Any
 from collections.abc import Callable
 
 from . import errors
-from .base import (NVLINK_ERRORS, VIOLATION_POLICIES, ClockEventReason, Gpu, GpuBackend, GpuBoard, GpuCapabilities,
-                   GpuHealth, GpuSample, NvLink)
+from .base import (NVLINK_ERRORS, VIOLATION_POLICIES, ClockEventReason, Gpu, GpuBackend, GpuBoard, GpuCapabilities, GpuHealth, GpuSample, NvLink)
 from .events import NvmlEvents
 from .iommu import iommu_state
 from .sysmem import system_memory

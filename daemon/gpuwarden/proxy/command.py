@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..config import ProxyConfig, parse_address
 from ..serving.compose.engines import engine_for
-from ..systemd import LineFormatter
+from ..base.systemd import LineFormatter
 from . import diff
 from .dump import Dumper
 from .faults import FaultLog

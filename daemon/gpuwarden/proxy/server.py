@@ -27,8 +27,8 @@ from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ..httpget import HttpError, read_capped
-from ..serving.watch.metrics import parse
+from ..base.httpget import HttpError, read_capped
+from ..serving.probe.metrics import parse
 from .body import Budget, Held, Refusal, decode, loads, parse_cost, read
 from .dump import Dumper, session_of
 from .faults import FaultLog

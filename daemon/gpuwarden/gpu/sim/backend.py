@@ -14,8 +14,7 @@ from collections.abc import Callable
 
 from .. import errors
 from ..base import ClockEventReason as R
-from ..base import (NVLINK_ERRORS, VIOLATION_POLICIES, Gpu, GpuBackend, GpuBoard, GpuCapabilities, GpuHealth,
-                    GpuSample, NvLink)
+from ..base import (NVLINK_ERRORS, VIOLATION_POLICIES, Gpu, GpuBackend, GpuBoard, GpuCapabilities, GpuHealth, GpuSample, NvLink)
 from ..events import GpuEvent
 from . import power as channel_io
 from .scenario import PCIE_MAX, Event, GpuModel, Scenario

@@ -21,7 +21,7 @@ import os
 import time
 from pathlib import Path
 
-from ... import smallfile
+from ...base import smallfile
 
 ENV = "GPUWARDEN_SIM_STATE"
 DECODE_KNEE_OF_TDP = 2 / 3  # decode keeps full speed down to this share of TDP (RTX PRO 6000: 400 of 600 W)

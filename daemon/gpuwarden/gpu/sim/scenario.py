@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Mapping
 
-from ... import yamlfile
-from ...schema import MISSING, Reader, type_name
+from ...base import yamlfile
+from ...base.schema import MISSING, Reader, type_name
 from ..base import PEER_PATHS
 
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "scenarios"

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ...config import Config, ServeConfig
 from ...gpu.base import GpuSample
-from ...yamlfile import ConfigError
+from ...base.yamlfile import ConfigError
 from .engines import Engine, engine_for
 from .nodes import Role
 from .profiles import Profile

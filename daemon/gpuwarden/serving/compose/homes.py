@@ -21,7 +21,7 @@ import stat
 import subprocess
 from pathlib import Path
 
-from ...statedir import state_dir
+from ...base.statedir import state_dir
 from .identity import Identity, popen
 
 MAKE_TIMEOUT_S = 10.0  # mkdir and chgrp on a local disk: far less

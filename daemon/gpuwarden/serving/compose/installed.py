@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ... import smallfile
+from ...base import smallfile
 from .identity import Identity, popen, run_bounded
 
 PACKAGES = {"vllm": "vLLM", "flashinfer": "FlashInfer", "torch": "torch", "sglang": "SGLang"}

@@ -17,7 +17,7 @@ from packaging.version import InvalidVersion, Version
 
 from ...gpu.base import OFF_PCIE, PEER_PATHS
 from ...gpu.iommu import iommu_state
-from ...schema import Reader
+from ...base.schema import Reader
 from . import facts as F
 
 ERROR, WARNING = "error", "warning"

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...config import Config, NodesConfig, node_address
-from ...yamlfile import ConfigError
+from ...base.yamlfile import ConfigError
 
 SYS_NET = Path("/sys/class/net")
 

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 
 from ...config import Config
 from ...gpu.base import GpuBackend, GpuSample
-from ...yamlfile import ConfigError, ConfigErrors
+from ...base.yamlfile import ConfigError, ConfigErrors
 from .command import ServeCommand, build_command, chosen_gpus, engine_of, profile_error
 from .flagcheck import FlagCheck, check_flags
 from .homes import HomeError, child_home
 from .identity import Identity, IdentityError, popen, resolve
-from ...statedir import state_dir
+from ...base.statedir import state_dir
 from .engines import evaluate_lint, rules_for
 from .flagcheck import engine_python
 from .installed import Installed, installed

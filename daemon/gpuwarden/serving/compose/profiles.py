@@ -15,10 +15,10 @@ from pathlib import Path
 
 from packaging.specifiers import SpecifierSet
 
-from ... import yamlfile
+from ...base import yamlfile
 from ...gpu.base import GpuSample
-from ...schema import MISSING, Reader, type_name
-from ...yamlfile import ConfigError, ConfigErrors, InvalidConfig
+from ...base.schema import MISSING, Reader, type_name
+from ...base.yamlfile import ConfigError, ConfigErrors, InvalidConfig
 from .lint import read_specifier
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "profiles"

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ... import yamlfile
-from ...schema import Reader, type_name
-from ...yamlfile import ConfigError, ConfigErrors, InvalidConfig
+from ...base import yamlfile
+from ...base.schema import Reader, type_name
+from ...base.yamlfile import ConfigError, ConfigErrors, InvalidConfig
 from . import facts as F
 from .flags import flag_value, has_flag
 from .installed import PACKAGES, Installed

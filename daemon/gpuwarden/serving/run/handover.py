@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ... import smallfile
+from ...base import smallfile
 
 log = logging.getLogger("gpuwarden")
 

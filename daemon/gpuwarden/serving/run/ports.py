@@ -16,7 +16,7 @@ import socket
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from ...safetext import visible
+from ...base.safetext import visible
 
 LISTEN = "0A"
 

@@ -27,8 +27,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ... import httpget
-from ...background import Background
+from ...base import httpget
+from ...base.background import Background
 from . import handover, ports
 from ..compose import nodes
 from ..compose.identity import Identity, popen

@@ -21,15 +21,15 @@ from pathlib import Path
 
 from ...config import Config
 from ...gpu.base import GpuBackend
-from ...yamlfile import ConfigErrors
+from ...base.yamlfile import ConfigErrors
 from ..compose.command import ServeCommand
 from ..compose.identity import Identity
-from ..watch.metrics import MetricsReader, ServingStats
+from ..probe.metrics import MetricsReader, ServingStats
 from ..compose.prepare import installed_for, prepare_serve
 from . import handover
 from .processes import STRAY_GRACE_S, Child, ProcessOps, Strays, find_strays
 from .spec import ChildSpec, engine_spec, ray_spec
-from ..watch.stall import Progress, StallWatch
+from ..probe.stall import Progress, StallWatch
 from .supervisor import FATAL, KILL_WAIT_S, RUNNING, Program, ServingView, Supervisor
 
 log = logging.getLogger("gpuwarden")

@@ -15,8 +15,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from . import smallfile
-from .statedir import state_dir
+from ..base import smallfile
+from ..base.statedir import state_dir
 
 log = logging.getLogger("gpuwarden")
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")

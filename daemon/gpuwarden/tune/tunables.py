@@ -14,10 +14,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Union
 
-from .gpu.base import Gpu, GpuCapabilities, GpuSample
-from .schema import MISSING, NONE_WORDS, Reader, type_name
-from .throttle import held_down_by, within_lock
-from .yamlfile import Path_
+from ..gpu.base import Gpu, GpuCapabilities, GpuSample
+from ..base.schema import MISSING, NONE_WORDS, Reader, type_name
+from ..gpu.throttle import held_down_by, within_lock
+from ..base.yamlfile import Path_
 
 MAX_MHZ = 100_000
 MAX_WATTS = 5_000

@@ -34,13 +34,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import smallfile, tunables
-from .gpu import errors
+from ..base import smallfile
+from . import tunables
+from ..gpu import errors
 from .originals import boot_id
-from .statedir import state_dir
-from .systemd import NOTICE
+from ..base.statedir import state_dir
+from ..base.systemd import NOTICE
 from .tuning import Action, GpuPlan, Plan, TuningLife, make_plan
-from .yamlfile import ConfigErrors
+from ..base.yamlfile import ConfigErrors
 
 log = logging.getLogger("gpuwarden")
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from ... import httpget
-from ...background import Background
+from ...base import httpget
+from ...base.background import Background
 from ..compose.engines import MetricNames
 
 DEADLINE_S = 2.0

@@ -8,11 +8,11 @@ import ssl
 import time
 from urllib.parse import urlsplit
 
-from . import httpget, smallfile
-from .config import MetricsConfig
-from .safetext import visible
-from .statedir import listen_file
-from .webconfig import basic_auth_header
+from ..base import httpget, smallfile
+from ..config import MetricsConfig
+from ..base.safetext import visible
+from ..base.statedir import listen_file
+from ..base.webconfig import basic_auth_header
 
 
 class StatusError(Exception):

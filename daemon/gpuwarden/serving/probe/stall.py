@@ -27,8 +27,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ... import httpget
-from ...background import Background
+from ...base import httpget
+from ...base.background import Background
 
 log = logging.getLogger("gpuwarden")
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from . import throttle
+from ..gpu import throttle
 from .xids import lookup
-from .config import AlertSettings
-from .gpu.base import ClockEventReason as R
-from .gpu.base import GpuSample
-from .throttle import Threshold, headroom_w, reasons
-from .tunables import power_limit_is
+from ..config import AlertSettings
+from ..gpu.base import ClockEventReason as R
+from ..gpu.base import GpuSample
+from ..gpu.throttle import Threshold, headroom_w, reasons
+from ..tune.tunables import power_limit_is
 
 INFO, WARNING, CRITICAL = "info", "warning", "critical"
 

@@ -26,10 +26,11 @@ from http import HTTPStatus
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from . import __version__, tunables
-from .gpu.base import VIOLATION_POLICIES, ClockEventReason
-from .monitor import Snapshot
-from .webconfig import REALM, WebConfig
+from .. import __version__
+from ..tune import tunables
+from ..gpu.base import VIOLATION_POLICIES, ClockEventReason
+from ..watch.monitor import Snapshot
+from ..base.webconfig import REALM, WebConfig
 
 log = logging.getLogger("gpuwarden")
 MHZ = 1e6
@@ -254,7 +255,7 @@ def _node_metrics(s: Any) -> Iterator[Metric]:
 def _serving_metrics(snap: Snapshot) -> Iterator[Metric]:
     """Generic serving metrics with an engine label, for every engine, and the same numbers under the
     gpuwarden_vllm_* names (no label) while the engine is vLLM: those dashboards keep working this release."""
-    from .serving.run.supervisor import STATES
+    from ..serving.run.supervisor import STATES
 
     s, stats = snap.serving, snap.stats
     legacy = s.engine == "vllm"

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .gpu.base import ClockEventReason as R
-from .gpu.base import GpuSample
+from .base import ClockEventReason as R
+from .base import GpuSample
 
 HELD_DOWN = (R.SwPowerCap | R.SwThermalSlowdown | R.HwThermalSlowdown | R.HwSlowdown | R.HwPowerBrakeSlowdown
              | R.SyncBoost)

@@ -26,22 +26,23 @@ import sys
 import time
 from collections.abc import Callable
 
-from . import __version__, earlysignals, smallfile, webconfig
-from .config import Config
-from .control import ControlServer, Sweeps, socket_path
-from .exporter import Exposition, MetricsServer, take_listener
-from .eventwatch import EventWatcher
-from .gpu.base import GpuBackend
-from .monitor import Monitor, describe_sample
-from .originals import originals_store
-from .proxy.child import proxy_spec
-from .serving.run.processes import ProcessOps
-from .serving.run import handover, ports
-from .serving.run.runtime import ServingRuntime
-from .statedir import listen_file, state_dir
-from .systemd import Notifier, flush_logs
-from .tuning import Tuner, TuningLife
-from .yamlfile import InvalidConfig
+from .. import __version__
+from ..base import earlysignals, smallfile, webconfig
+from ..config import Config
+from ..tune.control import ControlServer, Sweeps, socket_path
+from ..web.exporter import Exposition, MetricsServer, take_listener
+from ..watch.eventwatch import EventWatcher
+from ..gpu.base import GpuBackend
+from ..watch.monitor import Monitor, describe_sample
+from ..tune.originals import originals_store
+from ..proxy.child import proxy_spec
+from ..serving.run.processes import ProcessOps
+from ..serving.run import handover, ports
+from ..serving.run.runtime import ServingRuntime
+from ..base.statedir import listen_file, state_dir
+from ..base.systemd import Notifier, flush_logs
+from ..tune.tuning import Tuner, TuningLife
+from ..base.yamlfile import InvalidConfig
 
 log = logging.getLogger("gpuwarden")
 

@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import tunables
-from .config import Config, GpuTuning
-from .gpu import errors
-from .gpu.base import Gpu, GpuBackend, GpuCapabilities, GpuSample
+from ..config import Config, GpuTuning
+from ..gpu import errors
+from ..gpu.base import Gpu, GpuBackend, GpuCapabilities, GpuSample
 from .originals import OriginalsStore
-from .systemd import NOTICE
+from ..base.systemd import NOTICE
 from .tunables import Step, Unfit, persistenced_fix
-from .yamlfile import ConfigError, ConfigErrors
+from ..base.yamlfile import ConfigError, ConfigErrors
 
 log = logging.getLogger("gpuwarden")
 

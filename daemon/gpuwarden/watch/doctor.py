@@ -10,18 +10,18 @@ from dataclasses import dataclass
 from itertools import combinations
 from typing import TYPE_CHECKING
 
-from . import throttle
-from .safetext import visible
+from ..gpu import throttle
+from ..base.safetext import visible
 from .alerts import RULES_BY_NAME
-from .config import AlertSettings, Config
-from .gpu.base import ClockEventReason as R
-from .gpu.base import OFF_PCIE, PEER_PATHS, GpuBackend, GpuSample
-from .gpu.iommu import iommu_state
-from .tunables import persistenced_fix, power_limit_is
-from .yamlfile import InvalidConfig
+from ..config import AlertSettings, Config
+from ..gpu.base import ClockEventReason as R
+from ..gpu.base import OFF_PCIE, PEER_PATHS, GpuBackend, GpuSample
+from ..gpu.iommu import iommu_state
+from ..tune.tunables import persistenced_fix, power_limit_is
+from ..base.yamlfile import InvalidConfig
 
 if TYPE_CHECKING:
-    from .serving.compose.command import ServeCommand
+    from ..serving.compose.command import ServeCommand
 
 OK, INFO, WARNING, ERROR = "ok", "info", "warning", "error"
 EXIT = {OK: 0, INFO: 0, WARNING: 1, ERROR: 2}
@@ -158,8 +158,8 @@ def _installed(installed, engine, written_against: dict[str, str]) -> list[Diagn
 
 def _metric_names(config: Config, engine) -> list[Diagnosis]:
     """The metric names gpuwarden reads, against the running engine's /metrics (nothing when it is not up)."""
-    from .httpget import HttpError
-    from .serving.watch.metrics import fetch
+    from ..base.httpget import HttpError
+    from ..serving.probe.metrics import fetch
 
     try:
         served = fetch(config.serve.url + engine.metrics_path)
@@ -209,7 +209,7 @@ def _peer_path(command: ServeCommand | None, samples: list[GpuSample]) -> list[D
 def _tuning(config: Config, backend: GpuBackend) -> list[Diagnosis]:
     """What the configured tuning sets on each GPU, setting by setting (the plan walks the settings table),
     or why a card cannot take it. Read-only: planning touches nothing."""
-    from .tuning import make_plan
+    from ..tune.tuning import make_plan
 
     try:
         plan = make_plan(backend, config)
@@ -315,8 +315,8 @@ def _power(s: GpuSample, chosen: float | None = None) -> Diagnosis:
 def _serving(config: Config, backend: GpuBackend, deep: bool) -> tuple[list[Diagnosis], ServeCommand | None]:
     """The serving checks, named after the engine ("vLLM profile", "SGLang flags"), and the command they
     prepared (None when serving is off or cannot be prepared)."""
-    from .serving.compose.engines import engine_for
-    from .serving.compose.prepare import prepare_serve
+    from ..serving.compose.engines import engine_for
+    from ..serving.compose.prepare import prepare_serve
 
     engine = engine_for(config.serve.engine)
     title = engine.title if engine is not None else config.serve.engine
@@ -336,7 +336,7 @@ def _serving(config: Config, backend: GpuBackend, deep: bool) -> tuple[list[Diag
         found.append(Diagnosis(ERROR if lint.severity == "error" else WARNING, f"{title} lint {lint.rule}",
                                f"{lint.message} [source: {lint.source}]", lint.fix))
     if prepared.command.role is not None:
-        from .serving.compose.nodes import preflight
+        from ..serving.compose.nodes import preflight
 
         found += [Diagnosis(*line) for line in preflight(prepared.command.role, prepared.command.env)]
     if prepared.flags is not None:

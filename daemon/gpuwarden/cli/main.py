@@ -10,21 +10,23 @@ import shlex
 import sys
 from pathlib import Path
 
-from . import __version__, earlysignals, tunables
-from . import config as configmod
-from .backends import open_configured
-from .bench import command as bench_command
-from .bench import tune as tune_command
-from .proxy import command as proxy_command
-from .config import EX_CONFIG, Config
-from .gpu import errors
-from .gpu.sim.scenario import builtin_scenarios, resolve_scenario, unknown_scenario
-from .originals import originals_store
-from .safetext import visible
-from .serving.compose.secrets import redact_argv, redact_env
-from .tuning import Outcome, Plan, Tuner, make_plan
-from .systemd import print_error
-from .yamlfile import ConfigError, ConfigErrors, InvalidConfig
+from .. import __version__
+from ..base import earlysignals
+from ..tune import tunables
+from .. import config as configmod
+from ..backends import open_configured
+from ..bench import command as bench_command
+from ..bench import tune as tune_command
+from ..proxy import command as proxy_command
+from ..config import EX_CONFIG, Config
+from ..gpu import errors
+from ..gpu.sim.scenario import builtin_scenarios, resolve_scenario, unknown_scenario
+from ..tune.originals import originals_store
+from ..base.safetext import visible
+from ..serving.compose.secrets import redact_argv, redact_env
+from ..tune.tuning import Outcome, Plan, Tuner, make_plan
+from ..base.systemd import print_error
+from ..base.yamlfile import ConfigError, ConfigErrors, InvalidConfig
 
 EX_OK, EX_FAIL, EX_UNAVAILABLE, EX_NOPERM = 0, 1, 69, 77  # sysexits.h where one fits
 EX_NOT_RUNNING = 3  # as `systemctl status` says of an inactive unit
@@ -182,7 +184,7 @@ def _serve_check(config: Config, backend, deep: bool, as_json: bool) -> dict:
     """Everything `run` checks before starting the engine: profile, GPUs, serve.user, secrets, lint, the
     executable, and with deep, its own parser (in its interpreter, as serve.user). ConfigErrors if a start is
     blocked."""
-    from .serving.compose.prepare import prepare_serve
+    from ..serving.compose.prepare import prepare_serve
 
     prepared = prepare_serve(config, backend, deep=deep)
     problems = prepared.blocking(config)
@@ -220,7 +222,7 @@ def _nodes_check(config: Config, command, as_json: bool) -> list[tuple[str, str,
     it), not in `run`, which may start before the network is up and whose engine then waits for it."""
     if command.role is None:
         return []
-    from .serving.compose.nodes import preflight
+    from ..serving.compose.nodes import preflight
 
     lines = preflight(command.role, command.env)
     if not as_json:
@@ -231,9 +233,9 @@ def _nodes_check(config: Config, command, as_json: bool) -> list[tuple[str, str,
 
 
 def cmd_profiles(args: argparse.Namespace) -> int:
-    from .serving.compose.command import chosen_gpus
-    from .serving.compose.prepare import compose
-    from .serving.compose.profiles import load_profiles
+    from ..serving.compose.command import chosen_gpus
+    from ..serving.compose.prepare import compose
+    from ..serving.compose.profiles import load_profiles
 
     config = load_config(args)
     profiles = load_profiles(config.serve.profiles_dir)
@@ -282,7 +284,7 @@ def _gpus_for_profiles(config: Config) -> list:
 
 
 def _placeholder_gpu(index: int, profile):
-    from .gpu.base import GpuSample
+    from ..gpu.base import GpuSample
 
     cc = profile.compute_capabilities[0] if profile and profile.compute_capabilities else None
     return GpuSample(index, f"GPU-{index}", "(no GPU readable here)", "", cc)
@@ -374,8 +376,8 @@ def apply_status(outcomes: list[Outcome]) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .daemon import HANDOVER_ENV, LEFT_SERVING, Daemon, StartupError, reexec, run
-    from .systemd import setup_logging
+    from ..service.daemon import HANDOVER_ENV, LEFT_SERVING, Daemon, StartupError, reexec, run
+    from ..base.systemd import setup_logging
 
     try:
         config = load_config(args)
@@ -383,8 +385,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         # A re-exec: the old image checked this config with its own loader, and this release's refuses it. The
         # children it handed over serve on for the next daemon (Daemon.leave_children), not for cleanup's kill.
         if HANDOVER_ENV in os.environ and os.environ.get("STATE_DIRECTORY"):
-            from .serving.run import handover
-            from .statedir import state_dir
+            from ..serving.run import handover
+            from ..base.statedir import state_dir
 
             if (running := handover.keep(state_dir())) is not None:
                 print_error("gpuwarden: " + LEFT_SERVING % running)
@@ -415,9 +417,9 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     (a stop, a stop that timed out) ends what is left."""
     import time
 
-    from .serving.run import handover
-    from .serving.run.processes import STRAY_GRACE_S, Strays, find_strays
-    from .statedir import state_dir
+    from ..serving.run import handover
+    from ..serving.run.processes import STRAY_GRACE_S, Strays, find_strays
+    from ..base.statedir import state_dir
 
     folder = state_dir()
     record = handover.load(folder)
@@ -445,7 +447,7 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from .doctor import diagnose, exit_status
+    from ..watch.doctor import diagnose, exit_status
 
     config = load_config(args)
     backend = open_configured(config)
@@ -462,7 +464,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from .status import StatusError, fetch_status, render_status, running_elsewhere
+    from ..web.status import StatusError, fetch_status, render_status, running_elsewhere
 
     config = load_config(args)
     if config.metrics.url is None:

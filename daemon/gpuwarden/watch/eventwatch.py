@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import xids
-from .gpu.events import RECOVERY_ACTIONS, GpuEvent
-from .systemd import NOTICE
+from ..gpu.events import RECOVERY_ACTIONS, GpuEvent
+from ..base.systemd import NOTICE
 
 log = logging.getLogger("gpuwarden")
 RECENT_S = 300.0  # an Xid keeps its GPU's gpu_xid alert on this long

@@ -17,16 +17,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .alerts import CRITICAL, FIRING, REAPPLY_ON, RULES, SERVING_RULES, WARNING, AlertState, GpuContext
-from .config import Config
+from ..config import Config
 from .eventwatch import EventBook, processes_on
-from .gpu.base import NVLINK_ERRORS, ClockEventReason, GpuBackend, GpuSample
-from .systemd import NOTICE
-from .throttle import is_busy
-from .tuning import TuningLife
+from ..gpu.base import NVLINK_ERRORS, ClockEventReason, GpuBackend, GpuSample
+from ..base.systemd import NOTICE
+from ..gpu.throttle import is_busy
+from ..tune.tuning import TuningLife
 
 if TYPE_CHECKING:
-    from .serving.watch.metrics import ServingStats
-    from .serving.run.supervisor import ServingView
+    from ..serving.probe.metrics import ServingStats
+    from ..serving.run.supervisor import ServingView
 
 log = logging.getLogger("gpuwarden")
 STALL_POLLS = 3  # a gap of this many poll intervals between two readings is a stall, not a poll
