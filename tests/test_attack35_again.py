@@ -2,7 +2,7 @@
 
 import asyncio
 
-from gpuwarden import exporter
+from gpuwarden.web import exporter
 
 
 def test_a_local_crowd_on_fresh_loopback_addresses_leaves_a_scraper_from_another_address_a_place():

@@ -130,7 +130,8 @@ def test_cleanup_keeps_what_a_failed_start_left_and_ends_what_a_stop_left(tmp_pa
 
 def test_more_sigusr2_in_one_wake_up_hand_over_once(caplog):
     """Two SIGUSR2 read in one wake-up of the loop (a postinst and an operator): one handover, said once."""
-    from gpuwarden import config, earlysignals
+    from gpuwarden import config
+    from gpuwarden.base import earlysignals
     from gpuwarden.backends import open_configured
     from gpuwarden.service.daemon import Daemon
 
@@ -150,7 +151,7 @@ def test_more_sigusr2_in_one_wake_up_hand_over_once(caplog):
 
 SENT_BEFORE_THE_EXEC = """
 import logging, os, signal
-from gpuwarden import earlysignals
+from gpuwarden.base import earlysignals
 logging.basicConfig(level=logging.INFO)
 signal.pthread_sigmask(signal.SIG_BLOCK, earlysignals.SIGNALS)  # as the old image left them for execv
 os.kill(os.getpid(), signal.SIGUSR2)  # a second SIGUSR2, pending across the exec

@@ -17,7 +17,8 @@ import bcrypt
 import pytest
 
 from conftest import ROOT, subprocess_env
-from gpuwarden import exporter, webconfig
+from gpuwarden.web import exporter
+from gpuwarden.base import webconfig
 from gpuwarden.base.webconfig import WebConfig, basic_auth_header
 from test_metrics_server import PASSWORD, cert, client_context, scrape, serve  # noqa: F401 (fixtures)
 from test_webconfig import GOOD, secure

@@ -18,7 +18,7 @@ import bcrypt
 import pytest
 
 from conftest import ROOT, free_port
-from gpuwarden import exporter
+from gpuwarden.web import exporter
 from gpuwarden.web.exporter import MAX_CONNECTIONS, Exposition, MetricsServer
 from gpuwarden.base.webconfig import PASSED_REMEMBERED, WebConfig, basic_auth_header
 

@@ -4,7 +4,8 @@ import logging
 
 import pytest
 
-from gpuwarden import config, control
+from gpuwarden import config
+from gpuwarden.tune import control
 from gpuwarden.watch.alerts import AlertSettings, AlertState, Check, RULES_BY_NAME
 from gpuwarden.backends import open_configured
 from gpuwarden.web.exporter import make_registry

@@ -108,7 +108,7 @@ def test_a_state_file_is_written_past_a_fifo_or_link_at_its_temp_name(tmp_path, 
 
 
 def test_a_planted_folder_at_the_temp_name_is_removed_with_a_line_and_a_full_one_refused(tmp_path, caplog):
-    from gpuwarden import smallfile
+    from gpuwarden.base import smallfile
 
     path = tmp_path / "f"
     smallfile.temp_name(path).mkdir()
@@ -121,7 +121,7 @@ def test_a_planted_folder_at_the_temp_name_is_removed_with_a_line_and_a_full_one
 
 
 def test_write_atomic_gives_the_mode_asked_whatever_the_umask(tmp_path):
-    from gpuwarden import smallfile
+    from gpuwarden.base import smallfile
 
     old = os.umask(0o077)
     try:
@@ -133,7 +133,7 @@ def test_write_atomic_gives_the_mode_asked_whatever_the_umask(tmp_path):
 
 @pytest.mark.parametrize("kind", ["fifo", "link"])
 def test_the_daemon_writes_metrics_url_past_a_fifo_or_link(write, daemons, tmp_path, kind):
-    from gpuwarden import smallfile
+    from gpuwarden.base import smallfile
 
     runtime = tmp_path / "run"
     runtime.mkdir()

@@ -1,6 +1,7 @@
 """throttle.py: the one answer to "is this clock low, and why", as alerts, tuning and doctor ask it."""
 
-from gpuwarden import config, throttle
+from gpuwarden import config
+from gpuwarden.gpu import throttle
 from gpuwarden.watch.alerts import RULES_BY_NAME, GpuContext
 from gpuwarden.backends import open_configured
 from gpuwarden.watch.doctor import diagnose

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from gpuwarden import config, tunables
+from gpuwarden import config
+from gpuwarden.tune import tunables
 from gpuwarden.backends import open_configured
 from gpuwarden.gpu.sim.backend import ManualClock
 from gpuwarden.tune.originals import OriginalsStore

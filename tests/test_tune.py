@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 from conftest import free_port, gpuwarden_cmd, matplotlib_here, subprocess_env
-from gpuwarden import config, control, smallfile
+from gpuwarden import config
+from gpuwarden.tune import control
+from gpuwarden.base import smallfile
 from gpuwarden.backends import open_configured
 from gpuwarden.bench.tune import find_knee, settings_to_try
 from gpuwarden.gpu.sim import power

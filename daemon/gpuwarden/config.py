@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .tune import tunables
+from .tune.wanted import TuningConfig, parse_tuning
 from .base import webconfig, yamlfile
 from .base.schema import MISSING, NONE_WORDS, Reader, type_name
 from .gpu.throttle import Threshold
@@ -25,52 +26,6 @@ from .base.yamlfile import ConfigError, Document, Path_
 
 DEFAULT_PATH = Path("/etc/gpuwarden/gpuwarden.yaml")
 EX_CONFIG = 78  # sysexits.h; the unit's RestartPreventExitStatus
-
-UUID_RE = re.compile(r"^(GPU|MIG)-[0-9A-Za-z-]+$")
-
-
-@dataclass(frozen=True)
-class GpuTuning:
-    """What to set on one GPU: a wanted value for every setting of tunables.TUNABLES, by key
-    (tuning.gpu_clocks reads as an attribute)."""
-
-    wanted: tuple[tuple[str, Any], ...] = field(
-        default_factory=lambda: tuple((t.key, t.default) for t in tunables.TUNABLES))
-
-    def __getattr__(self, key: str) -> Any:
-        for name, value in object.__getattribute__(self, "wanted"):
-            if name == key:
-                return value
-        raise AttributeError(key)
-
-    def updated(self, changes: dict[str, Any]) -> GpuTuning:
-        return GpuTuning(tuple((key, changes.get(key, value)) for key, value in self.wanted))
-
-
-@dataclass(frozen=True)
-class TuningConfig:
-    apply: bool = True
-    restore_on_stop: bool = False
-    default: GpuTuning = field(default_factory=GpuTuning)
-    # Per-GPU partial overrides, keyed by index ("0") or UUID, as (key, ((setting, value), ...)).
-    overrides: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
-
-    def for_gpu(self, index: int, uuid: str) -> GpuTuning:
-        by_key = dict(self.overrides)
-        tuning = self.default
-        for key in (str(index), uuid):  # a UUID is more specific, so it wins
-            if key in by_key:
-                tuning = tuning.updated(dict(by_key[key]))
-        return tuning
-
-    def override_source(self, index: int, uuid: str, setting: str) -> Path_:
-        """The config key path a GPU's effective setting came from."""
-        by_key = dict(self.overrides)
-        for key in (uuid, str(index)):
-            if key in by_key and setting in dict(by_key[key]):
-                return ("tuning", "gpus", key, setting)
-        return ("tuning", setting)
-
 
 @dataclass(frozen=True)
 class GpuBackendConfig:
@@ -240,6 +195,10 @@ class Config:
             },
         }
 
+    @property
+    def reapply_min_interval_s(self) -> float:
+        return self.alerts.reapply_min_interval_s
+
     def error(self, path: Path_, message: str, allowed: str | None = None) -> ConfigError:
         """A ConfigError pointing at the file and line that set `path`."""
         if self.document is None:
@@ -334,7 +293,7 @@ def _validate(doc: Document, files: tuple[str, ...]) -> Config:
     poll = r.number(("poll_interval_s",), d.poll_interval_s, 0.05, 3600, unit=" s")
     counters = r.number(("counters_interval_s",), d.counters_interval_s, 1, 86400, unit=" s")
     log_interval = r.number(("log_interval_s",), d.log_interval_s, 0, 86400, unit=" s")
-    tuning = _tuning_section(r)
+    tuning = parse_tuning(r)
     alerts = _alerts_section(r)
     metrics = MetricsConfig(_listen(r, ("metrics", "listen")), _web_config(r, Path(doc.file).parent))
     r.mapping(("metrics",), ("listen", "web_config"))
@@ -621,29 +580,3 @@ def _gpu_section(r: Reader, base_dir: Path) -> GpuBackendConfig:
     backend = r.string(("gpu", "backend"), d.backend, ("nvml", "sim"))
     scenario = r.string(("gpu", "scenario"), d.scenario)
     return GpuBackendConfig(backend, scenario, base_dir)
-
-
-def _tuning_section(r: Reader) -> TuningConfig:
-    base = ("tuning",)
-    d = TuningConfig()
-    r.mapping(base, ("apply", "restore_on_stop", "gpus") + tunables.keys())
-    default = GpuTuning(tuple((t.key, t.parse(r, base + (t.key,), t.default)) for t in tunables.TUNABLES))
-    overrides = []
-    for key, value in r.mapping(base + ("gpus",), None).items():
-        path = base + ("gpus", key)
-        if not (key.isdigit() or UUID_RE.match(key)):
-            r.fail(path, "not a GPU index or UUID", "an index such as \"0\" or a UUID such as GPU-5c1e...")
-            continue
-        if not isinstance(value, dict):
-            r.fail(path, f"expected a mapping of per-GPU settings, got {type_name(value)}",
-                   "keys: " + ", ".join(tunables.keys()))
-            continue
-        r.mapping(path, tunables.keys())
-        overrides.append((key, tuple((t.key, t.parse(r, path + (t.key,), t.default))
-                                     for t in tunables.TUNABLES if t.key in value)))
-    return TuningConfig(
-        apply=r.boolean(base + ("apply",), d.apply),
-        restore_on_stop=r.boolean(base + ("restore_on_stop",), d.restore_on_stop),
-        default=default,
-        overrides=tuple(overrides),
-    )

@@ -79,7 +79,7 @@ def main(seconds: float) -> int:
 def guard(argv: list[str]) -> int:
     """The gpuwarden command with the read-only wrapper as its pynvml."""
     sys.modules["pynvml"] = ReadOnlyNvml()  # gpu/nvml.py imports pynvml by name: it gets this
-    from gpuwarden import earlysignals
+    from gpuwarden.base import earlysignals
 
     earlysignals.hold()
     from gpuwarden.cli.main import main as cli_main

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import tunables
-from ..config import Config, GpuTuning
 from ..gpu import errors
 from ..gpu.base import Gpu, GpuBackend, GpuCapabilities, GpuSample
 from .originals import OriginalsStore
 from ..base.systemd import NOTICE
 from .tunables import Step, Unfit, persistenced_fix
+from .wanted import Configured as Config, GpuTuning
 from ..base.yamlfile import ConfigError, ConfigErrors
 
 log = logging.getLogger("gpuwarden")
@@ -396,7 +396,7 @@ class TuningLife:
         if not causes or not self.config.tuning.apply or not sample.up or sample.index in self.held:
             return
         last = self._last_reapply.get(sample.index, float("-inf"))
-        if now - last < self.config.alerts.reapply_min_interval_s:
+        if now - last < self.config.reapply_min_interval_s:
             return
         self._last_reapply[sample.index] = now
         try:

@@ -1,0 +1,97 @@
+"""What the config wants tuned: the `tuning:` section (a value for every setting of the table, per-GPU overrides),
+read here so that the tuning needs nothing of the config module, and what the tuning reads of a whole config."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ..base.schema import Reader, type_name
+from ..base.yamlfile import ConfigError, Path_
+from . import tunables
+
+UUID_RE = re.compile(r"^(GPU|MIG)-[0-9A-Za-z-]+$")
+
+
+@dataclass(frozen=True)
+class GpuTuning:
+    """What to set on one GPU: a wanted value for every setting of tunables.TUNABLES, by key
+    (tuning.gpu_clocks reads as an attribute)."""
+
+    wanted: tuple[tuple[str, Any], ...] = field(
+        default_factory=lambda: tuple((t.key, t.default) for t in tunables.TUNABLES))
+
+    def __getattr__(self, key: str) -> Any:
+        for name, value in object.__getattribute__(self, "wanted"):
+            if name == key:
+                return value
+        raise AttributeError(key)
+
+    def updated(self, changes: dict[str, Any]) -> GpuTuning:
+        return GpuTuning(tuple((key, changes.get(key, value)) for key, value in self.wanted))
+
+
+@dataclass(frozen=True)
+class TuningConfig:
+    apply: bool = True
+    restore_on_stop: bool = False
+    default: GpuTuning = field(default_factory=GpuTuning)
+    # Per-GPU partial overrides, keyed by index ("0") or UUID, as (key, ((setting, value), ...)).
+    overrides: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
+
+    def for_gpu(self, index: int, uuid: str) -> GpuTuning:
+        by_key = dict(self.overrides)
+        tuning = self.default
+        for key in (str(index), uuid):  # a UUID is more specific, so it wins
+            if key in by_key:
+                tuning = tuning.updated(dict(by_key[key]))
+        return tuning
+
+    def override_source(self, index: int, uuid: str, setting: str) -> Path_:
+        """The config key path a GPU's effective setting came from."""
+        by_key = dict(self.overrides)
+        for key in (uuid, str(index)):
+            if key in by_key and setting in dict(by_key[key]):
+                return ("tuning", "gpus", key, setting)
+        return ("tuning", setting)
+
+
+class Configured(Protocol):
+    """What the tuning reads of a config (config.Config is one): the tuning section, how soon a drifted setting
+    may be set again, and an error pointing at the line that set a key."""
+
+    @property
+    def tuning(self) -> TuningConfig: ...
+
+    @property
+    def reapply_min_interval_s(self) -> float: ...
+
+    def error(self, path: Path_, message: str, allowed: str | None = None) -> ConfigError: ...
+
+
+def parse_tuning(r: Reader) -> TuningConfig:
+    """The `tuning:` section: apply, restore_on_stop, a value for each setting of the table, per-GPU overrides."""
+    base = ("tuning",)
+    d = TuningConfig()
+    r.mapping(base, ("apply", "restore_on_stop", "gpus") + tunables.keys())
+    default = GpuTuning(tuple((t.key, t.parse(r, base + (t.key,), t.default)) for t in tunables.TUNABLES))
+    overrides = []
+    for key, value in r.mapping(base + ("gpus",), None).items():
+        path = base + ("gpus", key)
+        if not (key.isdigit() or UUID_RE.match(key)):
+            r.fail(path, "not a GPU index or UUID", "an index such as \"0\" or a UUID such as GPU-5c1e...")
+            continue
+        if not isinstance(value, dict):
+            r.fail(path, f"expected a mapping of per-GPU settings, got {type_name(value)}",
+                   "keys: " + ", ".join(tunables.keys()))
+            continue
+        r.mapping(path, tunables.keys())
+        overrides.append((key, tuple((t.key, t.parse(r, path + (t.key,), t.default))
+                                     for t in tunables.TUNABLES if t.key in value)))
+    return TuningConfig(
+        apply=r.boolean(base + ("apply",), d.apply),
+        restore_on_stop=r.boolean(base + ("restore_on_stop",), d.restore_on_stop),
+        default=default,
+        overrides=tuple(overrides),
+    )
