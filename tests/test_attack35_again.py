@@ -2,7 +2,7 @@
 
 import asyncio
 
-from gpuwarden.web import exporter
+from gpuwarden.web import server
 
 
 def test_a_local_crowd_on_fresh_loopback_addresses_leaves_a_scraper_from_another_address_a_place():
@@ -10,12 +10,12 @@ def test_a_local_crowd_on_fresh_loopback_addresses_leaves_a_scraper_from_another
     that never failed, the line was full, and a scraper from another address never let in before got 503 on 30
     of 30 scrapes (/tmp/atk35/f4_many_sources.py: 32 guessers as nobody, bcrypt cost 12). 127/8 beside
     127.0.0.1 is one source, as an IPv6 /64 is; 127.0.0.1, where a local Prometheus comes from, is its own."""
-    assert exporter.source_of("127.1.2.3") == exporter.source_of("127.0.0.2") == exporter.source_of("::ffff:127.9.9.9")
-    assert exporter.source_of("127.0.0.1") == exporter.source_of("::ffff:127.0.0.1") == "127.0.0.1"
-    assert exporter.source_of("192.0.2.2") == "192.0.2.2"
+    assert server.source_of("127.1.2.3") == server.source_of("127.0.0.2") == server.source_of("::ffff:127.9.9.9")
+    assert server.source_of("127.0.0.1") == server.source_of("::ffff:127.0.0.1") == "127.0.0.1"
+    assert server.source_of("192.0.2.2") == "192.0.2.2"
 
     async def scenario():
-        line = exporter.AuthLine()
+        line = server.AuthLine()
         verdicts, gates = {}, {}
 
         async def ask(source: str, tag: str, ok: bool):
@@ -23,10 +23,10 @@ def test_a_local_crowd_on_fresh_loopback_addresses_leaves_a_scraper_from_another
                 gates[tag] = asyncio.Event()
                 await gates[tag].wait()
                 return ok
-            verdicts[tag] = await line.check(exporter.source_of(source), check)
+            verdicts[tag] = await line.check(server.source_of(source), check)
 
         tasks = [asyncio.create_task(ask(f"127.{n // 250 + 1}.{n % 250 + 1}.9", f"guess{n}", False))
-                 for n in range(4 * exporter.AUTH_WAITING)]
+                 for n in range(4 * server.AUTH_WAITING)]
         for _ in range(5):
             await asyncio.sleep(0)
         tasks.append(asyncio.create_task(ask("192.0.2.2", "scraper", True)))
@@ -35,7 +35,7 @@ def test_a_local_crowd_on_fresh_loopback_addresses_leaves_a_scraper_from_another
             await asyncio.sleep(0)
         assert "scraper" not in verdicts and "local-scraper" not in verdicts, \
             f"a scraper from another address found no place beside a loopback crowd: {verdicts}"
-        assert line.held.total() <= exporter.AUTH_PER_SOURCE + 2
+        assert line.held.total() <= server.AUTH_PER_SOURCE + 2
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

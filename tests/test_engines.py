@@ -13,7 +13,7 @@ import pwd
 import pytest
 
 from gpuwarden import config
-from gpuwarden.web.exporter import make_registry
+from gpuwarden.web.exposition import make_registry
 from gpuwarden.gpu.base import GpuSample
 from gpuwarden.gpu.sim.backend import ManualClock
 from gpuwarden.serving.compose.command import build_command

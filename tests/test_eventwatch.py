@@ -11,7 +11,7 @@ from conftest import free_port
 from fake_nvml import FakeNvml, device
 from gpuwarden import config
 from gpuwarden.backends import open_configured
-from gpuwarden.web.exporter import make_registry
+from gpuwarden.web.exposition import make_registry
 from gpuwarden.gpu.events import XID, GpuEvent
 from gpuwarden.gpu.nvml import NvmlBackend
 from gpuwarden.gpu.sim.backend import ManualClock

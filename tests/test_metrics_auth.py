@@ -17,7 +17,7 @@ import bcrypt
 import pytest
 
 from conftest import ROOT, subprocess_env
-from gpuwarden.web import exporter
+from gpuwarden.web import server
 from gpuwarden.base import webconfig
 from gpuwarden.base.webconfig import WebConfig, basic_auth_header
 from test_metrics_server import PASSWORD, cert, client_context, scrape, serve  # noqa: F401 (fixtures)
@@ -76,7 +76,7 @@ def test_the_line_takes_sources_in_turns_a_failed_one_last_and_bounds_each_and_a
     """The line alone, on an event loop, with a check that ends when the test says: who runs next, who is
     refused, and that a newcomer that never failed finds room when the line is full."""
     async def scenario():
-        line = exporter.AuthLine()
+        line = server.AuthLine()
         order, verdicts, gates = [], {}, {}
 
         async def ask(source: str, tag: str, ok: bool):
@@ -85,13 +85,13 @@ def test_the_line_takes_sources_in_turns_a_failed_one_last_and_bounds_each_and_a
                 gates[tag] = asyncio.Event()
                 await gates[tag].wait()
                 return ok
-            verdicts[tag] = await line.check(exporter.source_of(source), check)
+            verdicts[tag] = await line.check(server.source_of(source), check)
 
         async def settle():
             for _ in range(5):
                 await asyncio.sleep(0)
 
-        cap = exporter.AUTH_PER_SOURCE
+        cap = server.AUTH_PER_SOURCE
         tasks = [asyncio.create_task(ask("10.0.0.1", f"crowd{i}", False)) for i in range(cap + 1)]
         await settle()
         assert verdicts == {f"crowd{cap}": None}, "one source held more than its cap"
@@ -118,7 +118,7 @@ def test_the_line_takes_sources_in_turns_a_failed_one_last_and_bounds_each_and_a
         tasks.append(asyncio.create_task(ask("2001:db8::9", "v6-late", False)))
         await settle()
         n = 0  # the line filled up with sources that never failed
-        while line.held.total() < exporter.AUTH_WAITING:
+        while line.held.total() < server.AUTH_WAITING:
             tasks.append(asyncio.create_task(ask(f"10.1.{n}.1", f"fill{n}", False)))
             n += 1
             await settle()
@@ -128,7 +128,7 @@ def test_the_line_takes_sources_in_turns_a_failed_one_last_and_bounds_each_and_a
         assert verdicts.get("failed-newcomer", "waiting") is None, "a failed source got room in a full line"
         assert "fresh-newcomer" not in verdicts, "a source that never failed found no room in a full line"
         assert verdicts.get("v6-late", "waiting") is None, "the newcomer took no failed source's place"
-        assert line.held.total() == exporter.AUTH_WAITING and len(line.held) <= exporter.AUTH_WAITING
+        assert line.held.total() == server.AUTH_WAITING and len(line.held) <= server.AUTH_WAITING
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -18,8 +18,9 @@ import bcrypt
 import pytest
 
 from conftest import ROOT, free_port
-from gpuwarden.web import exporter
-from gpuwarden.web.exporter import MAX_CONNECTIONS, Exposition, MetricsServer
+from gpuwarden.web import server
+from gpuwarden.web.exposition import Exposition
+from gpuwarden.web.server import MAX_CONNECTIONS, MetricsServer
 from gpuwarden.base.webconfig import PASSED_REMEMBERED, WebConfig, basic_auth_header
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -122,7 +123,7 @@ def test_scrapes_over_tls_leave_no_fault_in_the_log(serve, cert, caplog):
 
 
 def test_a_request_has_one_deadline_however_its_bytes_are_spaced(serve, monkeypatch):
-    monkeypatch.setattr(exporter, "REQUEST_DEADLINE_S", 1.0)
+    monkeypatch.setattr(server, "REQUEST_DEADLINE_S", 1.0)
     port = serve()
     with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
         began = time.monotonic()
@@ -174,7 +175,7 @@ def test_passwords_that_passed_are_remembered_up_to_a_bound():
 
 
 def test_client_faults_are_one_line_a_minute_with_a_count_per_kind(serve, caplog, monkeypatch):
-    monkeypatch.setattr(exporter, "FAULT_LOG_INTERVAL_S", 1.0)
+    monkeypatch.setattr(server, "FAULT_LOG_INTERVAL_S", 1.0)
     port = serve()
     caplog.set_level(logging.INFO, logger="gpuwarden")
     for _ in range(5):

@@ -8,7 +8,7 @@ from gpuwarden import config
 from gpuwarden.tune import control
 from gpuwarden.watch.alerts import AlertSettings, AlertState, Check, RULES_BY_NAME
 from gpuwarden.backends import open_configured
-from gpuwarden.web.exporter import make_registry
+from gpuwarden.web.exposition import make_registry
 from gpuwarden.gpu.sim.backend import ManualClock
 from gpuwarden.gpu.sim.scenario import resolve_scenario
 from gpuwarden.watch.monitor import Monitor
@@ -405,7 +405,7 @@ def test_nvlink_and_fabric_metrics_come_from_the_snapshot():
     from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from gpuwarden.web.exporter import make_registry
+    from gpuwarden.web.exposition import make_registry
 
     events, monitor = nvlink_events("nvlink-down", 16)
     text = generate_latest(make_registry(lambda: monitor.snapshot)).decode()

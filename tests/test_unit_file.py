@@ -5,7 +5,7 @@ import configparser
 from conftest import ROOT
 from gpuwarden.config import ServeConfig
 from gpuwarden.service.daemon import STOP_MARGIN_S
-from gpuwarden.web.exporter import MAX_CONNECTIONS
+from gpuwarden.web.server import MAX_CONNECTIONS
 
 
 def unit():

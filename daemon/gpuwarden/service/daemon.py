@@ -30,7 +30,8 @@ from .. import __version__
 from ..base import earlysignals, smallfile, webconfig
 from ..config import Config
 from ..tune.control import ControlServer, Sweeps, socket_path
-from ..web.exporter import Exposition, MetricsServer, take_listener
+from ..web.exposition import Exposition
+from ..web.server import MetricsServer, take_listener
 from ..watch.eventwatch import EventWatcher
 from ..gpu.base import GpuBackend
 from ..watch.monitor import Monitor, describe_sample
