@@ -5,7 +5,7 @@ import logging
 import pytest
 
 from gpuwarden import config
-from gpuwarden.tune import control
+from gpuwarden.tune.sweeps import Sweeps
 from gpuwarden.watch.alerts import AlertSettings, AlertState, Check, RULES_BY_NAME
 from gpuwarden.backends import open_configured
 from gpuwarden.web.exposition import make_registry
@@ -110,7 +110,7 @@ def test_a_limit_below_the_maximum_nobody_here_chose_warns_with_the_watts_that_c
 
 def test_a_sweeps_step_is_the_chosen_limit_while_it_holds_the_gpu(tmp_path):
     monitor, clock = monitor_for("rtx-pro-4000-headless", FAST + "tuning:\n  power_limit_w: 120\n")
-    sweeps = control.Sweeps(monitor.tuning, clock, marker=tmp_path / "sweep.json")
+    sweeps = Sweeps(monitor.tuning, clock, marker=tmp_path / "sweep.json")
     owner = object()
     assert sweeps.handle({"op": "begin", "setting": "power_limit_w", "gpus": [0], "lease_s": 60, "force": True},
                          "test", owner)["ok"]

@@ -52,7 +52,7 @@ def write_within(write, planted: list[Path]) -> None:
 
 
 def marker(tmp_path):
-    from gpuwarden.tune.control import Sweeps
+    from gpuwarden.tune.sweeps import Sweeps
 
     tuning = SimpleNamespace(backend=SimpleNamespace(gpus=lambda: [SimpleNamespace(index=0, uuid="GPU-a")]))
     path = tmp_path / "state" / "sweep.json"

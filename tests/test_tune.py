@@ -16,7 +16,9 @@ import pytest
 
 from conftest import free_port, gpuwarden_cmd, matplotlib_here, subprocess_env
 from gpuwarden import config
-from gpuwarden.tune import control
+from gpuwarden.service import control
+from gpuwarden.tune.channel import CONNECTIONS_MAX, SET_MIN_S
+from gpuwarden.tune.sweeps import MARKER, Sweeps
 from gpuwarden.base import smallfile
 from gpuwarden.backends import open_configured
 from gpuwarden.bench.tune import find_knee, settings_to_try
@@ -275,7 +277,7 @@ def test_every_end_of_a_sweep_leaves_the_configured_limit(rig):
     again = r.start_daemon()
     assert "did not end" in again.wait_for("a sweep of power_limit_w on GPU 0")
     r.wait_limit(lambda w: w == 650, timeout=10)
-    assert not (r.tmp / "state" / control.MARKER).exists()
+    assert not (r.tmp / "state" / MARKER).exists()
     assert again.stop() == 0 and r.limit() == 650  # restore_on_stop is off by default: the tuning stays
 
     # With no limit configured, only the recovery can put the card's own 700 W back (the plan sets nothing):
@@ -300,7 +302,7 @@ def channel(tmp_path, monkeypatch):
     cfg = config.parse_text("gpu: {backend: sim, scenario: h100-nvswitch}\n", name="x.yaml")
     backend = open_configured(cfg, ManualClock(20))
     monkeypatch.setenv("STATE_DIRECTORY", str(tmp_path / "state"))
-    sweeps = control.Sweeps(TuningLife(backend, cfg, Tuner(backend)))
+    sweeps = Sweeps(TuningLife(backend, cfg, Tuner(backend)))
     wake = threading.Event()
     server = control.ControlServer(tmp_path / "run" / "control.sock", wake.set)
     server.start()
@@ -367,7 +369,7 @@ def test_the_channels_limits_each_end_a_connection(channel, monkeypatch):
     s, f = _connect(server.path)
     assert _ask(s, f, b"[1, 2]")["error"] == "a message is one JSON object" and f.readline() == b""
     # connections past CONNECTIONS_MAX are told so at once
-    held = [_connect(server.path) for _ in range(control.CONNECTIONS_MAX)]
+    held = [_connect(server.path) for _ in range(CONNECTIONS_MAX)]
     s, f = _connect(server.path)
     assert "4 connections are open already" in json.loads(f.readline())["error"]
     for h, hf in held:
@@ -502,7 +504,7 @@ def test_one_wake_answers_only_what_was_queued_and_sets_are_rate_limited(channel
     assert _ask(s, f, {"op": "set", "value": 450})["ok"]
     assert "sets too fast" in _ask(s, f, {"op": "set", "value": 400})["error"]
     assert backend.gpus()[0].power_limit_w == 450
-    time.sleep(control.SET_MIN_S)
+    time.sleep(SET_MIN_S)
     assert _ask(s, f, {"op": "set", "value": 400})["ok"] and backend.gpus()[0].power_limit_w == 400
     assert _ask(s, f, {"op": "end"})["ok"]
 
@@ -573,7 +575,7 @@ def test_a_bad_marker_is_one_line_and_the_daemon_starts(tmp_path, bad, caplog):
         marker.write_text(json.dumps({**good, "gpus": ["GPU-x" * 10]}) + " " * 10_000_000)
     else:
         marker.write_text(json.dumps({**good, "gpus": {"int": 5, "nested": [[1]], "bool": [True]}[bad]}))
-    sweeps = control.Sweeps(TuningLife(backend, cfg, Tuner(backend)), marker=marker)
+    sweeps = Sweeps(TuningLife(backend, cfg, Tuner(backend)), marker=marker)
     thread = threading.Thread(target=sweeps.recover, daemon=True)
     thread.start()
     thread.join(5)
@@ -703,7 +705,7 @@ def test_a_request_its_caller_gave_up_on_is_dropped(tmp_path, monkeypatch):
     cfg = config.parse_text("gpu: {backend: sim, scenario: h100-nvswitch}\n", name="x.yaml")
     backend = open_configured(cfg, ManualClock(20))
     monkeypatch.setenv("STATE_DIRECTORY", str(tmp_path / "state"))
-    sweeps = control.Sweeps(TuningLife(backend, cfg, Tuner(backend)))
+    sweeps = Sweeps(TuningLife(backend, cfg, Tuner(backend)))
     server = control.ControlServer(tmp_path / "run" / "control.sock", lambda: None)
     server.start()
     try:

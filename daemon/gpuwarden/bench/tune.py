@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..config import Config
-from ..tune.control import ChannelLost, ControlError, SweepClient, Unreachable, socket_path
+from ..tune.channel import ChannelLost, ControlError, SweepClient, Unreachable, socket_path
 from ..base.safetext import visible_lines
 from ..base.systemd import print_error
 from .command import _gpu_reader, _raise_fd_limit, _serving_facts, comma_numbers

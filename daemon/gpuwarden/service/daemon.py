@@ -29,7 +29,9 @@ from collections.abc import Callable
 from .. import __version__
 from ..base import earlysignals, smallfile, webconfig
 from ..config import Config
-from ..tune.control import ControlServer, Sweeps, socket_path
+from .control import ControlServer
+from ..tune.channel import socket_path
+from ..tune.sweeps import Sweeps
 from ..web.exposition import Exposition
 from ..web.server import MetricsServer, take_listener
 from ..watch.eventwatch import EventWatcher

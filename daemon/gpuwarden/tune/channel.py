@@ -1,0 +1,130 @@
+"""The control channel's wire, what both ends speak: `gpuwarden tune` (SweepClient, here) asks the running daemon
+to set each step of a sweep, under a lease, and the daemon puts the configured setting back however the sweep
+ends. The daemon's end: the lease and the putting back in tune/sweeps.py, the socket in service/control.py.
+
+The wire: a unix stream socket in the runtime directory, mode 0600 (created under umask 0177, so never wider),
+and each peer's SO_PEERCRED uid checked (root, or the daemon's own user). One JSON object per line, one answer
+line each: {"op": "begin", "setting": "power_limit_w" | "gpu_clocks", "gpus": [0, 1] | null, "lease_s": 15,
+"force": false}, {"op": "set", "value": 450}, {"op": "renew"}, {"op": "end"}. Limits: LINE_MAX bytes a line,
+MESSAGES_MAX lines a connection, CONNECTIONS_MAX connections at once, one lease at a time and only its own
+connection may use it, each whole line within the lease (or HELLO_S before a begin), a set at most every SET_MIN_S,
+and one wake of the main loop answers only what was queued when it woke (the loop's polls come first).
+"""
+
+from __future__ import annotations
+
+import _thread
+import json
+import os
+import socket
+import struct
+import threading
+import time
+from pathlib import Path
+
+SETTINGS = ("power_limit_w", "gpu_clocks")  # what a sweep may change
+LINE_MAX = 4096
+MESSAGES_MAX = 10_000
+CONNECTIONS_MAX = 4
+HELLO_S = 10.0  # a connection says begin within this
+LEASE_MIN_S, LEASE_MAX_S = 1.0, 300.0
+ANSWER_S = 60.0  # the most the main loop may take to answer one message (the setters and their read-back)
+SET_MIN_S = 0.5  # a lease's sets at most this often: a real sweep sets once a step, seconds apart; each set and
+# its read-back costs the main loop ~25 ms a GPU, so a flood of them would starve the polls (and the watchdog)
+
+
+def socket_path(environ=os.environ) -> Path:
+    """systemd's RuntimeDirectory= (the unit makes /run/gpuwarden, root's), else /run/gpuwarden."""
+    return Path(environ.get("RUNTIME_DIRECTORY", "").split(":")[0] or "/run/gpuwarden") / "control.sock"
+
+
+class ControlError(Exception):
+    """One line for the user of `tune`: the daemon refused, or (ChannelLost) is gone."""
+
+
+class Unreachable(ControlError):
+    """No daemon to ask: no control socket, or it cannot be connected to (`tune` exits 69, or 77 for root's)."""
+
+
+class ChannelLost(ControlError):
+    """The connection failed or closed mid-sweep: the lease is gone with it."""
+
+
+def _peer(conn: socket.socket) -> tuple[int, int]:
+    """(uid, pid) of the process at the other end, from the kernel (SO_PEERCRED: struct ucred)."""
+    pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return uid, pid
+
+
+# -- the client: `gpuwarden tune` ----------------------------------------------------------------------------
+
+class SweepClient:
+    """A sweep's lease, renewed by a thread every third of it while the steps run."""
+
+    def __init__(self, path: Path, setting: str, gpus: list[int] | None, lease_s: float, force: bool):
+        try:
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.settimeout(ANSWER_S + 5)
+            self.sock.connect(str(path))
+        except FileNotFoundError:
+            raise Unreachable(f"no control socket at {path}: is the daemon running (`systemctl status gpuwarden`)?")\
+                from None
+        except PermissionError:
+            raise Unreachable(f"{path}: permission denied: the control channel is root's (run tune as root)") from None
+        except OSError as exc:
+            raise Unreachable(f"cannot connect to {path}: {exc.strerror or exc}") from None
+        self.reader = self.sock.makefile("rb")
+        self.daemon_pid = _peer(self.sock)[1]  # the kernel's word on who listens: the pid --apply reloads
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.lost: str | None = None  # why the lease was lost mid-sweep (the daemon stopped or died)
+        self._last_set = float("-inf")
+        began = self.ask({"op": "begin", "setting": setting, "gpus": gpus, "lease_s": lease_s, "force": force})
+        self.limits, self.uuids = began["limits"], began.get("uuids", {})
+        self._renewer = threading.Thread(target=self._renew, args=(lease_s / 3,), daemon=True)
+        self._renewer.start()
+
+    def ask(self, message: dict) -> dict:
+        with self._lock:
+            try:
+                self.sock.sendall(json.dumps(message).encode() + b"\n")
+                line = self.reader.readline(1 << 20)
+            except OSError as exc:
+                raise ChannelLost(f"the daemon's control channel failed: {exc.strerror or exc}") from None
+        if not line:
+            raise ChannelLost("the daemon closed the control channel (did it stop?)")
+        answer = json.loads(line)
+        if not answer.get("ok"):
+            raise ControlError(answer.get("error", "refused"))
+        return answer
+
+    def _renew(self, every: float) -> None:
+        while not self._stop.wait(every):
+            try:
+                self.ask({"op": "renew"})
+            except ControlError as exc:
+                if not self._stop.is_set():  # the lease is gone: the steps after this would measure nothing set
+                    self.lost = str(exc)
+                    _thread.interrupt_main()  # the sweep ends as on Ctrl-C
+                return
+
+    def set(self, value: float) -> dict:
+        # The daemon takes a set at most every SET_MIN_S: very short steps wait a moment. Counted from the last
+        # answer, which came after the daemon took that set, so the daemon never sees two closer than this.
+        wait = self._last_set + SET_MIN_S + 0.05 - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+        try:
+            return self.ask({"op": "set", "value": value})
+        finally:
+            self._last_set = time.monotonic()
+
+    def end(self) -> list[str]:
+        self._stop.set()
+        if self.lost is not None:
+            self.sock.close()
+            raise ControlError(self.lost)
+        try:
+            return self.ask({"op": "end"}).get("restored", [])
+        finally:
+            self.sock.close()
