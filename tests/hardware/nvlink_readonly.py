@@ -182,7 +182,7 @@ def probe(nvml, handles) -> dict:
 
 def cost(nvml, backend) -> dict:
     """What one counters read costs per GPU, by part (median of 10, ms): where the milliseconds go."""
-    from gpuwarden.gpu.nvml import COUNTER_FIELDS, NVLINK_FIELDS
+    from gpuwarden.gpu.nvml_counters import COUNTER_FIELDS, NVLINK_FIELDS
 
     gpu = backend.gpus()[0]
     h, links = gpu.handle, gpu.links

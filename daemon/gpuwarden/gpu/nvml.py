@@ -8,7 +8,6 @@ marks the GPU down until NVML can be re-initialised and finds it again.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import importlib
 import sys
 import time
@@ -18,63 +17,23 @@ from typing import Any
 from collections.abc import Callable
 
 from . import errors
-from .base import (NVLINK_ERRORS, VIOLATION_POLICIES, ClockEventReason, Gpu, GpuBackend, GpuBoard, GpuCapabilities, GpuHealth, GpuSample, NvLink)
+from .base import ClockEventReason, Gpu, GpuBackend, GpuBoard, GpuCapabilities, GpuSample
 from .events import NvmlEvents
 from .iommu import iommu_state
+from .nvml_counters import NVLINK_SWITCH, NvmlCounters
+from .nvml_values import pci_bus, scaled, text
 from .sysmem import system_memory
 
 CLOCK_GRAPHICS, CLOCK_SM, CLOCK_MEM = 0, 1, 2
-ECC_UNCORRECTED, ECC_VOLATILE = 1, 0  # NVML_MEMORY_ERROR_TYPE_UNCORRECTED, NVML_VOLATILE_ECC
-PAGE_RETIRED_SBE, PAGE_RETIRED_DBE = 0, 1  # NVML_PAGE_RETIREMENT_CAUSE_*
-# nvmlDeviceGetFieldValues reads the counters in one call; a field the GPU does not support comes back with
-# its own error and is read the old way. Field ids from nvml.h (NVML_FI_DEV_*). On a lent H100 this took a
-# poll with the counters from 11.4 to 6.4 ms; the per-poll fields gained nothing from it (275 against
-# 318 µs, benchmarks/RESULTS.md), so those stay single calls.
-COUNTER_FIELDS = {
-    "energy_mj": 83,  # TOTAL_ENERGY_CONSUMPTION
-    **{f"violation_ns:{name}": 74 + policy for name, policy in VIOLATION_POLICIES.items()},  # PERF_POLICY_*
-    "min_limit_mw": 187, "max_limit_mw": 188, "default_limit_mw": 189,  # POWER_MIN/MAX/DEFAULT_LIMIT
-    "pcie_replays": 94,  # PCIE_REPLAY_COUNTER
-    "ecc_uncorrected": 4,  # ECC_DBE_VOL_TOTAL
-    "remapped_cor": 142, "remapped_unc": 143, "remap_pending": 144, "remap_failure": 145,  # REMAPPED_*
-}
-# NVLink, per link: one field each, with the link as its scope (pynvml takes (field id, scope id) pairs):
-# NVML_FI_DEV_NVLINK_ERROR_DL_REPLAY 161, _DL_RECOVERY 162, _DL_CRC 163, NVML_FI_DEV_NVLINK_GET_SPEED 164 (MB/s),
-# NVML_FI_DEV_NVLINK_GET_STATE 165. The _COUNT_TOTAL fields (38, 45, 52, 59) answer NOT_SUPPORTED on an H100
-# with driver 580, where these answer. Where they do not, nvmlDeviceGetNvLinkState and
-# nvmlDeviceGetNvLinkErrorCounter (NVML_NVLINK_ERROR_DL_REPLAY 0, _RECOVERY 1, _CRC_FLIT 2) are asked per link.
-# On that H100 the three error fields cost ~0.75 ms per link each (16.5 ms for 18 links in one batch), state
-# and speed 0.02 ms: so they are read with the counters, every counters_interval_s (benchmarks/RESULTS.md 14).
-NVLINK_FIELDS = {"replay": 161, "recovery": 162, "crc": 163, "speed": 164, "state": 165}
-NVLINK_COUNTERS = {"replay": 0, "recovery": 1, "crc": 2}
-NVLINK_STATES = {0: "down", 1: "up", 2: "sleep", 3: "off"}  # NVML_NVLINK_STATE_INACTIVE, ACTIVE, SLEEP, ..._DISABLED
-NVLINK_SWITCH = 2  # NVML_NVLINK_DEVICE_TYPE_SWITCH (nvmlDeviceGetNvLinkRemoteDeviceType)
 MAX_NVLINKS = 36  # NVML_NVLINK_MAX_LINKS
-FABRIC_STATES = {1: "not_started", 2: "in_progress", 3: "completed"}  # NVML_GPU_FABRIC_STATE_*; 0: no fabric
 # nvmlDeviceGetTopologyCommonAncestor's level (nvmlGpuTopologyLevel_t) -> base.PEER_PATHS
 TOPOLOGY = {0: "pcie_board", 10: "pcie_switch", 20: "pcie_switch", 30: "host_bridge", 40: "cpu", 50: "cpu_interconnect"}
 P2P_NVLINK, P2P_OK = 2, 0  # NVML_P2P_CAPS_INDEX_NVLINK, NVML_P2P_STATUS_OK
 BRANDS = {1: "Quadro", 2: "Tesla", 3: "NVS", 5: "GeForce", 6: "Titan", 12: "Quadro RTX", 13: "NVIDIA RTX",
           14: "NVIDIA", 15: "GeForce RTX", 16: "Titan RTX"}  # nvmlBrandType_t (NVML_BRAND_*)
-VALUE_FIELDS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")  # by nvmlValueType_t
 TEMPERATURE_GPU = 0
 FUNCTION_NOT_FOUND = 13
 REINIT_INTERVAL_S = 5.0  # how often to retry NVML while a GPU is lost
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _bus(bus_id: str) -> str:
-    """A PCI bus id in one spelling: NVML gives "00000000:18:00.0" here and "0000:18:00.0" there."""
-    parts = bus_id.strip().lower().split(":")
-    if len(parts) == 3 and all(parts):
-        try:
-            return f"{int(parts[0], 16):04x}:{parts[1]}:{parts[2]}"
-        except ValueError:
-            pass
-    return bus_id.strip().lower()
 
 
 # Where nvidia-persistenced is found when it is installed but not running (Debian's non-free package, NVIDIA's
@@ -121,7 +80,7 @@ class NvmlBackend(GpuBackend):
         for i in range(self._call(self.nvml.nvmlDeviceGetCount)):
             handle = self._call(self.nvml.nvmlDeviceGetHandleByIndex, i)
             try:
-                bus = _text(self.nvml.nvmlDeviceGetPciInfo(handle).busId).lower()
+                bus = text(self.nvml.nvmlDeviceGetPciInfo(handle).busId).lower()
             except self.nvml.NVMLError:
                 bus = f"~unreadable-{i}"  # a GPU lost at start sorts last and reports itself down
             handles.append((bus, handle))
@@ -134,7 +93,7 @@ class NvmlBackend(GpuBackend):
         or both through NVSwitch (or NVML's NVLink peer-to-peer status says so); C2C where both are Grace
         superchips' GPUs; else PCIe through their nearest common ancestor. A pair NVML cannot place is left out
         (unknown), never guessed."""
-        names = {_bus(g.pci_bus_id): f"GPU{g.index}" for g in self._gpus}
+        names = {pci_bus(g.pci_bus_id): f"GPU{g.index}" for g in self._gpus}
         for gpu in self._gpus:
             gpu.peer_names, gpu.peer_paths = names, {}
         for a, b in combinations([g for g in self._gpus if g.up], 2):
@@ -171,7 +130,7 @@ class NvmlBackend(GpuBackend):
 
     def driver_version(self) -> str | None:
         try:
-            return _text(self.nvml.nvmlSystemGetDriverVersion())
+            return text(self.nvml.nvmlSystemGetDriverVersion())
         except self.nvml.NVMLError:
             return None
 
@@ -238,10 +197,6 @@ class NvmlGpu(Gpu):
         self.down_reason: str | None = None
         self._unsupported: set[tuple] = set()  # (call, args) that said NOT_SUPPORTED: not asked again
         self._counters_at = float("-inf")
-        self._energy: float | None = None
-        self._violations: dict[str, float | None] = {}
-        self._health = GpuHealth()
-        self._limits: tuple = (None, None)  # (power constraints, default limit), with the counters
         self.uuid, self.name, self.pci_bus_id = f"GPU-unknown-{index}", "unknown", "unknown"
         self.compute_capability = None
         self.memory_bus_width_bits, self.max_clocks = None, dict.fromkeys((CLOCK_SM, CLOCK_MEM, CLOCK_GRAPHICS))
@@ -252,7 +207,7 @@ class NvmlGpu(Gpu):
         self.c2c = False  # a Grace superchip's GPU, joined to its CPU by C2C
         self.peer_names: dict[str, str] = {}  # PCI bus -> "GPU1": the backend's GPUs, to name a link's far end
         self.peer_paths: dict[int, str] = {}
-        self._dead_fields: set = set()  # batched fields that answered NOT_SUPPORTED: not asked for again
+        self.counters = NvmlCounters(self)  # read every counters_interval_s, published in every sample
         try:
             self._read_identity()
             self._read_static()
@@ -260,10 +215,10 @@ class NvmlGpu(Gpu):
             self.up, self.down_reason = False, str(exc)
 
     def _read_identity(self) -> None:
-        self.uuid = _text(self._read("nvmlDeviceGetUUID") or self.uuid)
-        self.name = _text(self._read("nvmlDeviceGetName") or self.name)
+        self.uuid = text(self._read("nvmlDeviceGetUUID") or self.uuid)
+        self.name = text(self._read("nvmlDeviceGetName") or self.name)
         pci = self._read("nvmlDeviceGetPciInfo")
-        self.pci_bus_id = _text(pci.busId) if pci is not None else self.pci_bus_id
+        self.pci_bus_id = text(pci.busId) if pci is not None else self.pci_bus_id
         cc = self._read("nvmlDeviceGetCudaComputeCapability")
         self.compute_capability = f"{cc[0]}.{cc[1]}" if cc else None
 
@@ -291,11 +246,11 @@ class NvmlGpu(Gpu):
         """The far end of a link, as long as it is up enough to say."""
         pci = self._read("nvmlDeviceGetNvLinkRemotePciInfo", link)
         if pci is not None:
-            self.remote[link] = (_bus(_text(pci.busId)), self._read("nvmlDeviceGetNvLinkRemoteDeviceType", link))
+            self.remote[link] = (pci_bus(text(pci.busId)), self._read("nvmlDeviceGetNvLinkRemoteDeviceType", link))
 
     def path_to(self, other: NvmlGpu) -> str | None:
         """How this GPU reaches other (a key of base.PEER_PATHS), or None when NVML cannot say."""
-        theirs = _bus(other.pci_bus_id)
+        theirs = pci_bus(other.pci_bus_id)
         if any(bus == theirs for bus, _ in self.remote.values()):
             return "nvlink"
         switched = lambda g: any(kind == NVLINK_SWITCH for _, kind in g.remote.values())  # noqa: E731
@@ -374,11 +329,11 @@ class NvmlGpu(Gpu):
         r = self._read
         due = now - self._counters_at >= self.backend.counters_interval_s if counters is None else counters
         if due or self._counters_at == float("-inf"):
-            self._read_counters()
+            self.counters.read()
             self._counters_at = now
         power_mw = r("nvmlDeviceGetPowerUsage")
         limit_mw = r("nvmlDeviceGetEnforcedPowerLimit")
-        constraints, default_mw = self._limits  # they change only when a limit's range does: with the counters
+        constraints, default_mw = self.counters.limits  # they change only when a limit's range does: with the counters
         util = r("nvmlDeviceGetUtilizationRates")
         used, total, reserved = self._memory()
         persistence = r("nvmlDeviceGetPersistenceMode")
@@ -391,11 +346,11 @@ class NvmlGpu(Gpu):
             max_sm_clock_mhz=self.max_clocks[CLOCK_SM],
             max_memory_clock_mhz=self.max_clocks[CLOCK_MEM],
             max_graphics_clock_mhz=self.max_clocks[CLOCK_GRAPHICS],
-            power_w=_scaled(power_mw, 1e-3),
-            power_limit_w=_scaled(limit_mw, 1e-3),
-            power_limit_min_w=_scaled(constraints[0], 1e-3) if constraints else None,
-            power_limit_max_w=_scaled(constraints[1], 1e-3) if constraints else None,
-            power_limit_default_w=_scaled(default_mw, 1e-3),
+            power_w=scaled(power_mw, 1e-3),
+            power_limit_w=scaled(limit_mw, 1e-3),
+            power_limit_min_w=scaled(constraints[0], 1e-3) if constraints else None,
+            power_limit_max_w=scaled(constraints[1], 1e-3) if constraints else None,
+            power_limit_default_w=scaled(default_mw, 1e-3),
             temperature_c=r("nvmlDeviceGetTemperature", TEMPERATURE_GPU),
             utilization_pct=util.gpu if util is not None else None,
             memory_utilization_pct=util.memory if util is not None else None,
@@ -406,12 +361,12 @@ class NvmlGpu(Gpu):
             persistence_mode=bool(persistence) if persistence is not None else None,
             performance_state=r("nvmlDeviceGetPerformanceState"),
             clock_event_reasons=self._reasons(),
-            violation_seconds=dict(self._violations),
-            energy_joules=self._energy,
+            violation_seconds=dict(self.counters.violations),
+            energy_joules=self.counters.energy,
             memory_bus_width_bits=self.memory_bus_width_bits,
             driver_version=self.backend.driver[0],
             cuda_driver_version=self.backend.driver[1],
-            health=self._health,
+            health=self.counters.health,
             board=self.board,
             peer_paths=dict(self.peer_paths),
             iommu=self.backend.iommu,
@@ -441,117 +396,6 @@ class NvmlGpu(Gpu):
             value = self._read("nvmlDeviceGetCurrentClocksThrottleReasons")
         return ClockEventReason(value) if value is not None else None
 
-    def _fields(self, wanted: dict[str, int | tuple[int, int]]) -> dict[str, float]:
-        """wanted's fields (an id, or (id, scope) for a per-link one) in one nvmlDeviceGetFieldValues call, by
-        name; a field that this GPU or driver does not support is left out (the caller reads it the old way,
-        and it is not asked for again), and so is everything when the call itself is missing or batching is
-        off (NvmlBackend.batched)."""
-        if not self.backend.batched:
-            return {}
-        wanted = {name: field for name, field in wanted.items() if field not in self._dead_fields}
-        values = self._read("nvmlDeviceGetFieldValues", tuple(wanted.values()))
-        if values is None:
-            return {}
-        out = {}
-        for (name, field), value in zip(wanted.items(), values, strict=False):
-            if value.nvmlReturn == 0 and 0 <= value.valueType < len(VALUE_FIELDS):
-                out[name] = getattr(value.value, VALUE_FIELDS[value.valueType])
-            elif value.nvmlReturn == errors.NotSupported.nvml_code:
-                self._dead_fields.add(field)
-        return out
-
-    def _field_or_read(self, fields: dict[str, float], name: str, fn_name: str, *args: Any) -> Any:
-        """The batched value when the batch had it, else the single NVML call."""
-        return fields[name] if name in fields else self._read(fn_name, *args)
-
-    def _read_counters(self) -> None:
-        """The slow cumulative counters (energy ~4 ms, violations ~0.8 ms each as single calls), the power
-        limits, and the link and memory health, which change seldom: every counters_interval_s, not every
-        poll, and as many as the driver allows in one batched call."""
-        per_link = {f"nvlink:{link}:{kind}": (field, link)
-                    for link in self.links for kind, field in NVLINK_FIELDS.items()}
-        fields = self._fields({**COUNTER_FIELDS, **per_link})
-        self._energy = _scaled(self._field_or_read(fields, "energy_mj", "nvmlDeviceGetTotalEnergyConsumption"), 1e-3)
-        for name, policy in VIOLATION_POLICIES.items():
-            ns = fields.get(f"violation_ns:{name}")
-            if ns is None:
-                status = self._read("nvmlDeviceGetViolationStatus", policy)
-                ns = status.violationTime if status is not None else None
-            self._violations[name] = ns * 1e-9 if ns is not None else None
-        low, high = fields.get("min_limit_mw"), fields.get("max_limit_mw")
-        constraints = (low, high) if low is not None and high is not None else \
-            self._read("nvmlDeviceGetPowerManagementLimitConstraints")
-        self._limits = (constraints, self._field_or_read(fields, "default_limit_mw",
-                                                         "nvmlDeviceGetPowerManagementDefaultLimit"))
-        self._health = self._read_health(fields)
-
-    def _read_health(self, fields: dict[str, float]) -> GpuHealth:
-        r = self._read
-        batched = ("remapped_cor", "remapped_unc", "remap_pending", "remap_failure")
-        rows = tuple(int(fields[k]) for k in batched) if all(k in fields for k in batched) else \
-            r("nvmlDeviceGetRemappedRows")  # (correctable, uncorrectable, pending, failure): Ampere and later
-        retired = pending = None
-        if rows is None:  # older GPUs retire pages instead
-            pages = [r("nvmlDeviceGetRetiredPages", cause) for cause in (PAGE_RETIRED_SBE, PAGE_RETIRED_DBE)]
-            if any(p is not None for p in pages):
-                retired = sum(len(p) for p in pages if p is not None)
-            pending = r("nvmlDeviceGetRetiredPagesPendingStatus")
-        return GpuHealth(
-            pcie_generation=r("nvmlDeviceGetCurrPcieLinkGeneration"),
-            pcie_generation_max=r("nvmlDeviceGetMaxPcieLinkGeneration"),
-            pcie_width=r("nvmlDeviceGetCurrPcieLinkWidth"),
-            pcie_width_max=r("nvmlDeviceGetMaxPcieLinkWidth"),
-            pcie_replays=self._field_or_read(fields, "pcie_replays", "nvmlDeviceGetPcieReplayCounter"),
-            ecc_uncorrected=self._field_or_read(fields, "ecc_uncorrected", "nvmlDeviceGetTotalEccErrors",
-                                                ECC_UNCORRECTED, ECC_VOLATILE),
-            remapped_rows_correctable=rows[0] if rows else None,
-            remapped_rows_uncorrectable=rows[1] if rows else None,
-            remap_pending=bool(rows[2]) if rows else None,
-            remap_failure=bool(rows[3]) if rows else None,
-            retired_pages=retired,
-            retire_pending=bool(pending) if pending is not None else None,
-            nvlinks=tuple(self._nvlink(link, fields) for link in self.links),
-            **self._fabric(),
-        )
-
-    def _nvlink(self, link: int, fields: dict[str, float]) -> NvLink:
-        """One link's state and error counters: from the batch, else asked one by one."""
-        state = fields.get(f"nvlink:{link}:state")
-        if state is None:
-            active = self._read("nvmlDeviceGetNvLinkState", link)
-            state = None if active is None else int(bool(active))
-        # A link NVML did not answer for this time is not a link down: no alert on a failed read.
-        state_name = NVLINK_STATES.get(int(state), "unknown") if state is not None else "unknown"
-        if link not in self.remote and state_name == "up":
-            self._find_remote(link)  # it came up since: now it can say where it goes
-        bus, kind = self.remote.get(link, (None, None))
-        peer = self.peer_names.get(bus) or ("NVSwitch" if kind == NVLINK_SWITCH else bus)
-        counts = {}
-        for name in NVLINK_ERRORS:
-            value = fields.get(f"nvlink:{link}:{name}")
-            if value is None:
-                value = self._read("nvmlDeviceGetNvLinkErrorCounter", link, NVLINK_COUNTERS[name])
-            counts[name] = int(value) if value is not None else None
-        speed = fields.get(f"nvlink:{link}:speed")
-        return NvLink(link, state_name, peer, int(speed) if speed else None, **counts)
-
-    def _fabric(self) -> dict:
-        """The NVSwitch fabric's state through the versioned call (the old nvmlDeviceGetGpuFabricInfo answered
-        state 0 on an H100 whose nvidia-smi -q said Completed): {} where there is no fabric."""
-        struct = getattr(self.nvml, "c_nvmlGpuFabricInfoV_t", None)
-        if struct is None:
-            return {}
-        info = struct()
-        if self._read("nvmlDeviceGetGpuFabricInfoV", ctypes.byref(info)) is None:
-            return {}
-        state = FABRIC_STATES.get(int(info.state))
-        if state is None:
-            return {}
-        error = None
-        if state == "completed" and int(info.status) != 0:
-            error = _error_name(self.nvml, int(info.status))
-        return {"fabric": state, "fabric_error": error}
-
     def compute_processes(self) -> list[tuple[int, int | None]]:
         try:
             procs = self._read("nvmlDeviceGetComputeRunningProcesses") or []
@@ -567,9 +411,9 @@ class NvmlGpu(Gpu):
         return GpuCapabilities(
             memory_clocks_mhz=tuple(mem),
             graphics_clocks_mhz=tuple(graphics),
-            power_limit_min_w=_scaled(constraints[0], 1e-3) if constraints else None,
-            power_limit_max_w=_scaled(constraints[1], 1e-3) if constraints else None,
-            power_limit_default_w=_scaled(default_mw, 1e-3),
+            power_limit_min_w=scaled(constraints[0], 1e-3) if constraints else None,
+            power_limit_max_w=scaled(constraints[1], 1e-3) if constraints else None,
+            power_limit_default_w=scaled(default_mw, 1e-3),
         )
 
     # -- setting (never called in read-only mode) ---------------------------------
@@ -592,15 +436,3 @@ class NvmlGpu(Gpu):
     def set_power_limit_w(self, watts: float) -> None:
         self._set(f"setting the power limit to {watts:g} W", "nvmlDeviceSetPowerManagementLimit",
                   int(round(watts * 1000)))
-
-
-def _error_name(nvml: Any, code: int) -> str:
-    try:
-        return _text(nvml.nvmlErrorString(code))
-    except (AttributeError, nvml.NVMLError):  # an old pynvml, or a code the library does not know
-        return f"NVML error {code}"
-
-
-def _scaled(value: float | None, factor: float) -> float | None:
-    return None if value is None else value * factor
-
