@@ -3,6 +3,8 @@
 Every call goes through `NvmlGpu._read`, the seam tests replace by passing a
 fake module. One failing field never fails the whole sample; GPU_IS_LOST
 marks the GPU down until NVML can be re-initialised and finds it again.
+An NvmlGpu's slow reads are its NvmlCounters (gpu/nvml_counters.py), its
+setters NvmlSettings (gpu/nvml_settings.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from .base import ClockEventReason, Gpu, GpuBackend, GpuBoard, GpuCapabilities, 
 from .events import NvmlEvents
 from .iommu import iommu_state
 from .nvml_counters import NVLINK_SWITCH, NvmlCounters
+from .nvml_settings import NvmlSettings
 from .nvml_values import pci_bus, scaled, text
 from .sysmem import system_memory
 
@@ -187,7 +190,7 @@ def _import_pynvml() -> Any:
     raise errors.Unavailable("NVML: the nvidia-ml-py package (module pynvml) is not installed")
 
 
-class NvmlGpu(Gpu):
+class NvmlGpu(NvmlSettings, Gpu):
     def __init__(self, backend: NvmlBackend, index: int, handle: Any):
         self.backend = backend
         self.nvml = backend.nvml
@@ -283,21 +286,6 @@ class NvmlGpu(Gpu):
             if code in (errors.NotSupported.nvml_code, FUNCTION_NOT_FOUND):
                 self._unsupported.add(key)  # it will not start working: stop asking
             return None
-
-    def _set(self, what: str, fn_name: str, *args: Any) -> None:
-        """One NVML setter, with its failure turned into our error classes."""
-        try:
-            getattr(self.nvml, fn_name)(self.handle, *args)
-        except self.nvml.NVMLError as exc:
-            code = getattr(exc, "value", None)
-            cls = errors.BY_CODE.get(code, errors.GpuError)
-            hint = {
-                errors.NoPermission: "needs root or CAP_SYS_ADMIN",
-                errors.NotSupported: "is not supported on this GPU",
-                errors.InvalidArgument: "was rejected as out of range",
-                errors.GpuLost: "failed: the GPU is lost",
-            }.get(cls, f"failed: {exc}")
-            raise cls(f"GPU {self.index} ({self.uuid}): {what} {hint} ({cls.nvml_name})") from None
 
     # -- reading ----------------------------------------------------------------
     def sample(self, counters: bool | None = None) -> GpuSample:
@@ -415,24 +403,3 @@ class NvmlGpu(Gpu):
             power_limit_max_w=scaled(constraints[1], 1e-3) if constraints else None,
             power_limit_default_w=scaled(default_mw, 1e-3),
         )
-
-    # -- setting (never called in read-only mode) ---------------------------------
-    def set_persistence_mode(self, enabled: bool) -> None:
-        self._set("setting persistence mode", "nvmlDeviceSetPersistenceMode", 1 if enabled else 0)
-
-    def set_gpu_locked_clocks(self, min_mhz: int, max_mhz: int) -> None:
-        self._set(f"locking GPU clocks to {min_mhz}-{max_mhz} MHz", "nvmlDeviceSetGpuLockedClocks", min_mhz, max_mhz)
-
-    def reset_gpu_locked_clocks(self) -> None:
-        self._set("resetting locked GPU clocks", "nvmlDeviceResetGpuLockedClocks")
-
-    def set_memory_locked_clocks(self, min_mhz: int, max_mhz: int) -> None:
-        self._set(f"locking memory clocks to {min_mhz}-{max_mhz} MHz", "nvmlDeviceSetMemoryLockedClocks",
-                  min_mhz, max_mhz)
-
-    def reset_memory_locked_clocks(self) -> None:
-        self._set("resetting locked memory clocks", "nvmlDeviceResetMemoryLockedClocks")
-
-    def set_power_limit_w(self, watts: float) -> None:
-        self._set(f"setting the power limit to {watts:g} W", "nvmlDeviceSetPowerManagementLimit",
-                  int(round(watts * 1000)))
