@@ -443,7 +443,7 @@ def test_a_lost_connection_is_named_by_its_address_not_taken_for_rank_1():
 
 
 def test_restarts_for_lost_ranks_are_bounded_and_then_wait_long(caplog):
-    from gpuwarden.serving.run.supervisor import LOST_RANK_BACKOFF_S, LOST_RANK_LIMIT
+    from gpuwarden.serving.run.ranks import LOST_RANK_BACKOFF_S, LOST_RANK_LIMIT
 
     program, ops, clock = running_head()
     waits = []
@@ -738,7 +738,7 @@ def test_a_connection_missing_from_one_read_only_ends_nothing():
 
 
 def test_a_watch_that_cannot_read_the_tables_says_so_once_in_a_while(caplog):
-    from gpuwarden.serving.run.supervisor import BLIND_LOG_S
+    from gpuwarden.serving.run.ranks import BLIND_LOG_S
 
     program, ops, clock = running_head()
     ops.peers = lambda port, uid, accepted: None  # the tables past ports' caps: no verdict

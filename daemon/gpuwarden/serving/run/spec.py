@@ -3,8 +3,8 @@ listens and answers /health, its timeouts and backoff, and the GPUs it holds.
 
 As supervisor's process.py keeps a program's configuration (its `ProcessConfig`) apart from the process's
 runtime state, a ChildSpec is only data: the engine builds one (engine_spec), the proxy builds one
-(proxy/child.py), and `Program` runs any of them. A new kind of child (a multi-node worker, a Ray head) is
-one more function that returns a ChildSpec.
+(proxy/child.py), and `Program` runs any of them. A new kind of child is one more function that returns a
+ChildSpec, and one entry in the registry of kinds (serving/run/kinds.py).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from ...gpu.base import Gpu
 from ..compose.command import ServeCommand
 from ..compose.flagcheck import engine_python
 from ..compose.identity import Identity
+from .policy import Policy
+from .ranks import RankWatch
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,9 @@ class ChildSpec:
     head: str = ""  # the head's rendezvous HOST:PORT: what names the engine across the nodes' metrics
     rendezvous: int = 0  # the rendezvous port whose connections (one per rank) are watched while it runs
     hosts: tuple[str, ...] = ()  # every node's address by rank, where known: names a rank that was lost
+    # What its kind plugs into the Program that runs it (serving/run/policy.py), given that Program; None: nothing.
+    # A part of a multi-node engine plugs in the rank watch (serving/run/ranks.py).
+    policy: Callable[[object], Policy] | None = None
 
     @property
     def url(self) -> str:
@@ -90,7 +95,7 @@ def engine_spec(serve: ServeConfig, command: ServeCommand, identity: Identity, g
                      command.memory_fraction, serve.model, command.profile.name, version or "", peer,
                      role.name if role else "", role.rank if role else None, role.nodes.count if role else 1,
                      role.nodes.address if role else "", role.nodes.port if role and role.nodes.backend == "mp" else 0,
-                     role.nodes.hosts if role else ())
+                     role.nodes.hosts if role else (), RankWatch if role else None)
 
 
 def ray_spec(serve: ServeConfig, command: ServeCommand, identity: Identity) -> ChildSpec:
@@ -113,7 +118,7 @@ def ray_spec(serve: ServeConfig, command: ServeCommand, identity: Identity) -> C
         title, port, peer = f"Ray rank {role.rank} of {nodes.count}", 0, (nodes.head, nodes.port)
     return ChildSpec("ray", title, argv, dict(command.env), identity, nodes.head, port, "", Timing.of(serve),
                      _ray_level, peer=peer, role=role.name, rank=role.rank, nodes=nodes.count, head=nodes.address,
-                     hosts=nodes.hosts)
+                     hosts=nodes.hosts, policy=RankWatch)
 
 
 def _ray_level(line: str) -> int | None:

@@ -1,0 +1,39 @@
+"""A child's health, from the latest answer of its probe (asked off the loop, on a Background worker): its
+/health, with its port answered by its own process group; or, for a child that serves no HTTP, whether the
+peer it needs (a headless part's head) or its own port accepts a connection."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ...base.background import Background
+from .processes import Child, ProcessOps
+from .spec import ChildSpec
+
+
+def judge(spec: ChildSpec, probe: Background, ops: ProcessOps, child: Child, started: float,
+          waiting: Callable[[str], str]) -> tuple[bool | None, str]:
+    """(True healthy / False not / None no answer yet, why): the latest answer about this child (one asked
+    before started is stale), a new question asked meanwhile. waiting: why, where its peer does not answer."""
+    if not spec.health_path:  # no HTTP: the peer it needs (a headless part's head), or its own port, answers
+        probe.start(ops.reachable, *(spec.peer or (spec.host, spec.port)))
+        outcome = probe.take()
+        if outcome is None or outcome.started_at < started:
+            return None, ""
+        why = str(outcome.error) if outcome.error is not None else outcome.value
+        if why is None:
+            return True, ""
+        return False, waiting(why) if spec.peer else f"port {spec.port} does not answer: {why}"
+    probe.start(ops.health, spec.url + spec.health_path)
+    outcome = probe.take()
+    if outcome is None or outcome.started_at < started:
+        return None, ""
+    if outcome.error is not None:
+        return False, str(outcome.error)
+    if outcome.value.code != 200:
+        return False, f"/health answered {outcome.value.code}"
+    group = ops.group_pids(child.pgid)
+    if spec.port and not ops.owns_port(spec.host, spec.port, group, spec.identity.uid):
+        return False, (f"port {spec.port} is answered by {ops.who_listens(spec.host, spec.port)}, "
+                       f"not by {spec.title}'s process group")
+    return True, ""
