@@ -20,50 +20,7 @@ from .normalize import RULES, SWITCHES, Rules
 DUMP_MAX_BYTES = 1 << 30
 CLIENT_TIMEOUT_S = 15.0  # above the 4-5 s keep-alive clients keep themselves (Node's undici, httpx)
 
-HELP = """\
-Runs the prefix-cache normalizing proxy in front of the serving engine: /v1/messages (Anthropic) and
-/v1/chat/completions (OpenAI) requests have their cache busters removed (rules below), everything else
-passes through untouched, and responses stream back chunk by chunk. /health and /metrics are the proxy's
-own; the engine's prefix-cache counters are re-exported beside them.
-
-Settings come from serve.proxy in the config; the options here override them (-c none: no config, the
-defaults: 127.0.0.1:8001 in front of http://127.0.0.1:8000). With serve.proxy.enabled, `gpuwarden run`
-starts and supervises this itself, as serve.user.
-
-Rules: billing_header (Claude Code's per-request nonce block), cache_control (moving cache markers),
-sort_tools (tools in a stable order), date_line ("Today's date is ..."; off by default), and
---remove-pattern REGEX for anything else in system text.
-
-Limits: at most half the descriptors RLIMIT_NOFILE leaves (after a reserve) as client connections; a
-connection that waits, or sends its headers, longer than --client-timeout, or its body slower than 16 KiB/s after
-that, is closed; bodies over --max-body-bytes get 413; bodies and their parses hold at most 12 x --max-body-bytes
-of memory at once (503 with Retry-After past it); each kind of client fault is logged once a minute, with a count.
-
-`gpuwarden proxy diff A B` shows where two dumped turns (--dump-dir) first differ: the cache buster."""
-
 log = logging.getLogger("gpuwarden.proxy")
-
-
-def add_parser(sub, common) -> None:
-    p = sub.add_parser("proxy", parents=[common], help="the prefix-cache normalizing proxy; `proxy diff A B` "
-                       "finds a cache buster", description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--upstream", help="the engine, e.g. http://127.0.0.1:8000 (default: serve.host:serve.port)")
-    p.add_argument("--listen", help="HOST:PORT to serve on (default: serve.proxy.listen, 127.0.0.1:8001)")
-    p.add_argument("--engine", help="the engine's name, for its metric names (default: serve.engine)")
-    p.add_argument("--rules", help="the rules to apply, comma-separated, or none (default: serve.proxy's)")
-    p.add_argument("--remove-pattern", action="append", metavar="REGEX", help="also remove this from system "
-                   "text (repeatable; adds to serve.proxy.remove_patterns)")
-    p.add_argument("--dump-dir", type=Path, help="dump each request, as received and as sent, per session")
-    p.add_argument("--dump-keep", type=int, help="at most this many dump files (default: 200)")
-    p.add_argument("--dump-max-bytes", type=int, default=DUMP_MAX_BYTES, help="at most this many bytes of dump "
-                   "files; the oldest go first (default: 1 GiB)")
-    p.add_argument("--max-body-bytes", type=int, help="refuse bigger request bodies with 413 (default: 32 MiB)")
-    p.add_argument("--client-timeout", type=float, default=CLIENT_TIMEOUT_S, help="seconds a connection may wait "
-                   "for its next request, and a request's headers may take; a body gets as long plus 1 s per 16 "
-                   "KiB (default: 15)")
-    p.add_argument("action", nargs="?", choices=("run", "diff"), default="run", help="run (default) or diff")
-    p.add_argument("dumps", nargs="*", type=Path, help="diff: two dump files, or one session folder (its last two "
-                   "turns)")
 
 
 def cmd_proxy(args: argparse.Namespace, load_config) -> int:

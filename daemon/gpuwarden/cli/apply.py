@@ -1,0 +1,44 @@
+"""`gpuwarden apply`: the tuning once, verified, for boot-time tuning without the daemon."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..backends import open_configured
+from ..base.systemd import print_error
+from ..gpu import errors
+from ..tune.originals import originals_store
+from ..tune.tuning import Outcome, Tuner, make_plan
+from .common import EX_FAIL, EX_NOPERM, EX_OK, load_config
+from .registry import Command
+
+
+def cmd_apply(args: argparse.Namespace) -> int:
+    config = load_config(args)
+    if not config.tuning.apply:
+        where = config.error(("tuning", "apply"), "")  # only for its file and line
+        print_error(f"gpuwarden: nothing applied: tuning.apply is false ({where.file}:{where.line})")
+        return EX_FAIL
+    backend = open_configured(config)
+    try:
+        plan = make_plan(backend, config)
+        tuner = Tuner(backend, originals_store(config))
+        applied = tuner.apply(plan)
+        verified = tuner.verify(plan) if all(o.ok for o in applied) else []
+    finally:
+        backend.close()
+    for outcome in applied:
+        print(f"applied {outcome.describe()}")
+    for outcome in verified:
+        print(f"verified {outcome.describe()}")
+    return apply_status(applied + verified)
+
+
+def apply_status(outcomes: list[Outcome]) -> int:
+    if any(o.error is errors.NoPermission for o in outcomes):
+        return EX_NOPERM
+    return EX_OK if all(o.ok for o in outcomes) else EX_FAIL
+
+
+COMMAND = Command("apply", help="apply the tuning once, verify it, and exit (for boot-time tuning without the daemon)",
+                  run=cmd_apply, order=30)

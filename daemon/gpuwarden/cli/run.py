@@ -1,0 +1,57 @@
+"""`gpuwarden run`: the daemon."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from ..backends import open_configured
+from ..base.systemd import print_error
+from ..base.yamlfile import InvalidConfig
+from .common import EX_FAIL, EX_OK, load_config
+from .registry import Command
+
+
+def arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--read-only", action="store_true", help="never touch the GPUs (same as tuning.apply: false)")
+    p.add_argument("--duration", type=float, metavar="SECONDS", help="stop by itself after SECONDS")
+    p.add_argument("-v", "--verbose", action="store_true", help="log every sample, not one per log_interval_s")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from ..service.daemon import HANDOVER_ENV, LEFT_SERVING, Daemon, StartupError, reexec, run
+    from ..base.systemd import setup_logging
+
+    try:
+        config = load_config(args)
+    except InvalidConfig:
+        # A re-exec: the old image checked this config with its own loader, and this release's refuses it. The
+        # children it handed over serve on for the next daemon (Daemon.leave_children), not for cleanup's kill.
+        if HANDOVER_ENV in os.environ and os.environ.get("STATE_DIRECTORY"):
+            from ..serving.run import handover
+            from ..base.statedir import state_dir
+
+            if (running := handover.keep(state_dir())) is not None:
+                print_error("gpuwarden: " + LEFT_SERVING % running)
+        raise
+    logs = setup_logging()
+    backend = open_configured(config)
+    daemon = None
+    try:
+        daemon = Daemon(config, backend, reload=lambda: load_config(args))
+        run(daemon, duration_s=args.duration)
+    except StartupError as exc:
+        logs.close()
+        print_error(f"gpuwarden: {exc}")
+        return EX_FAIL
+    finally:
+        backend.close()
+        logs.close()
+    if daemon is not None and daemon.handing_over:
+        reexec()  # does not return
+    return EX_OK
+
+
+COMMAND = Command("run", help="the daemon: apply the tuning, then monitor every poll_interval_s and serve metrics "
+                  "until SIGTERM/SIGINT (SIGHUP reloads the config)", run=cmd_run, arguments=arguments, order=50,
+                  keeps_held_signals=True)
