@@ -16,25 +16,11 @@ from ..config import Config
 from ..base.safetext import visible_lines
 from ..base.statedir import state_dir
 from ..base.systemd import print_error
+from .options import concurrency_steps, out_of_range
 from .watch import Watch
 
 EX_STEP_FAILED, EX_USAGE, EX_INTERRUPTED = 1, 78, 130
 DEFAULT_GRACE_MAX_S = 30.0
-
-
-def comma_numbers(text: str, convert) -> list:
-    """"1,2, 4" as numbers (convert: int or float); [] when one is not a number."""
-    try:
-        return [convert(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        return []
-
-
-def _concurrency(text: str) -> list[int]:
-    values = comma_numbers(text, int)
-    if not values or any(v < 1 or v > 4096 for v in values):
-        raise ValueError(f"--concurrency {text!r}: expected positive integers up to 4096, e.g. 1,2,4,8")
-    return values
 
 
 def _raise_fd_limit(concurrency: int) -> None:
@@ -94,10 +80,9 @@ def cmd_bench(args: argparse.Namespace, config: Config) -> int:
         print(visible_lines(render_compare(a, b, *args.compare)))
         return 0
     try:
-        steps = _concurrency(args.concurrency)
-        if args.input_len < 1 or args.output_len < 1 or (args.requests is not None and args.requests < 1) \
-                or (args.duration is not None and args.duration <= 0) or args.warmup < 0 or args.engine_interval < 0 \
-                or not 0 <= args.idle <= 600 or not args.request_timeout > 0 or (args.grace is not None and not args.grace >= 0):
+        steps = concurrency_steps(args.concurrency)
+        if out_of_range(args, ("input_len", "output_len", "requests", "duration", "warmup", "engine_interval", "idle",
+                               "request_timeout", "grace")):
             raise ValueError("--input-len, --output-len, --requests, --duration and --request-timeout must be "
                              "positive, --warmup, --engine-interval and --grace not negative, --idle 0-600")
         if args.grace is not None and args.duration is None:

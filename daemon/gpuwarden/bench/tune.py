@@ -23,7 +23,8 @@ from ..config import Config
 from ..tune.channel import ChannelLost, ControlError, SweepClient, Unreachable, socket_path
 from ..base.safetext import visible_lines
 from ..base.systemd import print_error
-from .command import _gpu_reader, _raise_fd_limit, _serving_facts, comma_numbers
+from .command import _gpu_reader, _raise_fd_limit, _serving_facts
+from .options import comma_numbers, out_of_range
 from .watch import Watch
 
 EX_FAILED, EX_UNAVAILABLE, EX_NOPERM, EX_USAGE, EX_INTERRUPTED = 1, 69, 77, 78, 130
@@ -140,8 +141,7 @@ def cmd_tune(args: argparse.Namespace, config: Config) -> int:
         gpus = _gpus(args.gpus)
         if not 0 < args.keep <= 1:
             raise ValueError(f"--keep {args.keep:g}: expected a share of the peak, above 0 and at most 1")
-        if not 2 <= args.steps <= 64 or not 1 <= args.concurrency <= 4096 or args.duration <= 0 \
-                or args.input_len < 1 or args.output_len < 1 or args.warmup < 0 or not 0 <= args.idle <= 600:
+        if out_of_range(args, ("steps", "concurrency", "duration", "input_len", "output_len", "warmup", "idle")):
             raise ValueError("--steps 2-64, --concurrency 1-4096, --duration, --input-len and --output-len "
                              "positive, --warmup not negative, --idle 0-600")
         if not 1 <= args.lease <= 300:
