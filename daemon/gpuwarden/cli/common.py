@@ -7,9 +7,9 @@ import dataclasses
 from pathlib import Path
 
 from .. import config as configmod
+from ..base.yamlfile import ConfigError
 from ..config import Config
 from ..gpu.sim.scenario import builtin_scenarios, resolve_scenario, unknown_scenario
-from ..base.yamlfile import ConfigError
 
 EX_OK, EX_FAIL, EX_UNAVAILABLE, EX_NOPERM = 0, 1, 69, 77  # sysexits.h where one fits
 EX_NOT_RUNNING = 3  # as `systemctl status` says of an inactive unit

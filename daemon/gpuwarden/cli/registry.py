@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import pkgutil
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from .. import __version__
 from .. import config as configmod
