@@ -84,13 +84,24 @@ def everything() -> str:
     return "".join(out)
 
 
+def families(text: str) -> list[list[str]]:
+    """Each render's metric families (a HELP line, its TYPE line and its samples, byte for byte), in name order:
+    the families' order on the page follows the signals (watch/signals/), and Prometheus reads them in any."""
+    renders = []
+    for render in text.split("### ")[1:]:
+        title, _, body = render.partition("\n")
+        renders.append([title] + sorted("# HELP " + block for block in body.split("# HELP ")[1:]))
+    return renders
+
+
 def test_metrics_body_is_the_saved_one_byte_for_byte():
     text = everything()
     if os.environ.get("GPUWARDEN_GOLDEN_WRITE"):
         GOLDEN.write_text(text)
     assert "gpuwarden_gpu_nvlink_errors_total" in text and "gpuwarden_vllm_info" in text  # the rows are there
     assert "gpuwarden_serving_node_up" in text and 'to="firing"' in text and "gpuwarden_gpu_xid_errors_total" in text
-    assert text == GOLDEN.read_text()
+    assert families(text) == families(GOLDEN.read_text())
+    assert text.startswith("### ") and text.count("# HELP gpuwarden_build_info ") == len(families(text))
 
 
 def test_an_event_counted_by_the_book_shows_in_the_body():

@@ -6,7 +6,8 @@ import pytest
 
 from gpuwarden import config
 from gpuwarden.tune.sweeps import Sweeps
-from gpuwarden.watch.alerts import AlertSettings, AlertState, Check, RULES_BY_NAME
+from gpuwarden.watch.alerts import AlertSettings, AlertState, Check
+from gpuwarden.watch.signals import RULES_BY_NAME
 from gpuwarden.backends import open_configured
 from gpuwarden.web.exposition import make_registry
 from gpuwarden.gpu.sim.backend import ManualClock
@@ -264,7 +265,8 @@ def test_status_line(scenario):
 
 
 def test_the_resolved_line_quotes_the_worst_reading_and_the_fix_follows_the_reasons():
-    from gpuwarden.watch.alerts import AlertSettings, AlertState, Check, RULES_BY_NAME
+    from gpuwarden.watch.alerts import AlertSettings, AlertState, Check
+    from gpuwarden.watch.signals import RULES_BY_NAME
 
     settings = AlertSettings(for_s=0, clear_for_s=0)
     state = AlertState(RULES_BY_NAME["sm_clock_low"], 0, "GPU-0")

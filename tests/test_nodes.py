@@ -325,7 +325,7 @@ def test_ray_nodes_are_children_started_from_the_engines_own_environment():
 
 
 def test_a_worker_waiting_for_its_head_is_not_a_blocked_start_alert():
-    from gpuwarden.watch.alerts import vllm_start_blocked
+    from gpuwarden.watch.signals.serving import vllm_start_blocked
 
     program, ops, clock = worker_program()
     program.start(clock.now)

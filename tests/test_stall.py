@@ -5,7 +5,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from gpuwarden.watch.alerts import RULES_BY_NAME
+from gpuwarden.watch.signals import RULES_BY_NAME
 from gpuwarden.gpu.base import GpuSample
 from gpuwarden.gpu.sim.backend import ManualClock
 from gpuwarden.serving.probe.stall import Progress, StallWatch

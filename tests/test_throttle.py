@@ -2,7 +2,8 @@
 
 from gpuwarden import config
 from gpuwarden.gpu import throttle
-from gpuwarden.watch.alerts import RULES_BY_NAME, GpuContext
+from gpuwarden.watch.alerts import GpuContext
+from gpuwarden.watch.signals import RULES_BY_NAME
 from gpuwarden.backends import open_configured
 from gpuwarden.watch.doctor import diagnose
 from gpuwarden.gpu.base import ClockEventReason as R

@@ -447,7 +447,7 @@ def test_a_steps_energy_with_and_without_the_idle_draw():
 
 
 def test_the_daemons_tokens_per_joule_spans_a_minute_of_counter_reads():
-    from gpuwarden.watch.monitor import EnergyWindow
+    from gpuwarden.watch.signals.serving import EnergyWindow
 
     window = EnergyWindow()
     assert window.tokens_per_joule() is None

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from ..gpu import throttle
 from ..base.safetext import visible
-from .alerts import RULES_BY_NAME
+from .signals import RULES_BY_NAME
 from ..config import AlertSettings, Config
 from ..gpu.base import ClockEventReason as R
 from ..gpu.base import OFF_PCIE, PEER_PATHS, GpuBackend, GpuSample

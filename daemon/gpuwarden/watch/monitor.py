@@ -16,10 +16,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .alerts import CRITICAL, FIRING, REAPPLY_ON, RULES, SERVING_RULES, WARNING, AlertState, GpuContext
+from .alerts import CRITICAL, FIRING, WARNING, AlertState, GpuContext
 from ..config import Config
 from .eventwatch import EventBook, processes_on
-from ..gpu.base import NVLINK_ERRORS, ClockEventReason, GpuBackend, GpuSample
+from ..gpu.base import GpuBackend, GpuSample
+from .signals import REAPPLY_ON, RULES, SERVING_RULES
+from .signals.nvlink import LinkErrors
+from .signals.serving import EnergyWindow
+from .signals.slowdown import DutyCycles
 from ..base.systemd import NOTICE
 from ..gpu.throttle import is_busy
 from ..tune.tuning import TuningLife
@@ -62,30 +66,6 @@ class AlertView:
 # The rules a sweep's own settings trip (control.py): held as they are on the GPUs a sweep holds, and evaluated
 # again once the configured setting is back.
 SWEPT = ("sm_clock_low", "memory_clock_low", "clock_lock_lost", "power_capped", "at_design_power")
-
-
-class EnergyWindow:
-    """(time, generated tokens, joules) at each read of NVML's energy counter (nvmlDeviceGetTotalEnergyConsumption:
-    mJ since the driver loaded, Volta and newer), the oldest dropped past WINDOW_S: the rate over about a minute
-    is steady enough to read, and follows a change of the power limit within one."""
-
-    WINDOW_S = 60.0
-
-    def __init__(self) -> None:
-        self.points: list[tuple[float, float, float]] = []
-
-    def add(self, now: float, tokens: float, joules: float) -> None:
-        if self.points and (tokens < self.points[-1][1] or joules < self.points[-1][2]):
-            self.points = []  # the engine restarted (its counter began again) or the driver reloaded
-        self.points.append((now, tokens, joules))
-        while len(self.points) > 2 and now - self.points[1][0] >= self.WINDOW_S:
-            self.points.pop(0)
-
-    def tokens_per_joule(self) -> float | None:
-        if len(self.points) < 2:
-            return None
-        (_, t0, j0), (_, t1, j1) = self.points[0], self.points[-1]
-        return (t1 - t0) / (j1 - j0) if j1 > j0 else None
 
 
 @dataclass(frozen=True)
@@ -170,70 +150,6 @@ class Snapshot:
             "tokens_per_joule": self.tokens_per_joule,
             "vllm": dataclasses.asdict(self.stats) if self.stats else None,  # the older name of serving_stats
         }
-
-
-class DutyCycles:
-    """Per GPU, the fraction of a recent window each NVML violation counter grew by: the share of the time a
-    reason held the clocks down. Counters are read every counters_interval_s, so the window spans several."""
-
-    def __init__(self) -> None:
-        self._seen: dict[int, deque[tuple[float, dict[str, float]]]] = {}
-        self._reasons: dict[int, deque[tuple[float, ClockEventReason]]] = {}
-
-    def reasons_seen(self, sample: GpuSample, now: float, window_s: float) -> ClockEventReason:
-        """Every reason present in this GPU's samples during the window."""
-        history = self._reasons.setdefault(sample.index, deque())
-        history.append((now, sample.clock_event_reasons or ClockEventReason.NONE))
-        while history and now - history[0][0] > window_s:
-            history.popleft()
-        seen = ClockEventReason.NONE
-        for _, reasons in history:
-            seen |= reasons
-        return seen
-
-    def update(self, sample: GpuSample, now: float, window_s: float) -> dict[str, float]:
-        history = self._seen.setdefault(sample.index, deque())
-        counters = {k: v for k, v in sample.violation_seconds.items() if v is not None}
-        if not counters:
-            return {}
-        if not history or history[-1][1] != counters:
-            history.append((now, counters))
-        while len(history) > 2 and now - history[1][0] >= window_s:
-            history.popleft()
-        (t0, first), (t1, last) = history[0], history[-1]
-        if t1 - t0 < window_s / 2:
-            return {}  # too little history to say
-        return {k: max(0.0, min(1.0, (last[k] - first[k]) / (t1 - t0))) for k in last if k in first}
-
-
-class LinkErrors:
-    """Per GPU, how much each NVLink link's error counters grew over a recent window, from the polls that read
-    the counters (so a rate is errors over the time between two real reads), and the links seen up."""
-
-    def __init__(self) -> None:
-        self._reads: dict[int, deque[tuple[float, dict[tuple[int, str], int]]]] = {}
-        self._growth: dict[int, tuple[dict[tuple[int, str], int], float]] = {}
-        self.seen_up: dict[int, frozenset[int]] = {}
-
-    def update(self, sample: GpuSample, now: float, window_s: float,
-               fresh: bool) -> tuple[dict[tuple[int, str], int], float]:
-        """({(link, kind): growth}, the seconds it spans); fresh: this poll read the counters. A counter that
-        went back (a driver reload) counts 0."""
-        links = sample.health.nvlinks
-        if not links:
-            return {}, 0.0
-        up = {n.link for n in links if n.state in ("up", "sleep")}
-        self.seen_up[sample.index] = self.seen_up.get(sample.index, frozenset()) | up
-        if fresh:
-            reads = self._reads.setdefault(sample.index, deque())
-            reads.append((now, {(n.link, kind): getattr(n, kind) for n in links for kind in NVLINK_ERRORS
-                                if getattr(n, kind) is not None}))
-            while len(reads) > 1 and now - reads[1][0] >= window_s:  # the base: the newest read a window old
-                reads.popleft()
-            (t0, first), (t1, last) = reads[0], reads[-1]
-            self._growth[sample.index] = ({key: max(0, n - first[key]) for key, n in last.items() if key in first},
-                                          t1 - t0)
-        return self._growth.get(sample.index, ({}, 0.0))
 
 
 @dataclass(frozen=True)
