@@ -17,7 +17,7 @@ import pytest
 from test_proxy import TOOLS, claude_code_request, last_upstream, rig, send  # noqa: F401 (rig: a fixture)
 from gpuwarden.proxy.body import Budget, Refusal, decode, loads, parse_cost
 from gpuwarden.proxy.dump import session_of
-from gpuwarden.proxy.faults import FaultLog
+from gpuwarden.proxy.faults import proxy_faults as FaultLog
 from gpuwarden.proxy.listener import connection_cap
 from gpuwarden.proxy.normalize import Rules, apply
 

@@ -14,7 +14,7 @@ from ..serving.compose.engines import engine_for
 from ..base.systemd import LineFormatter
 from . import diff
 from .dump import Dumper
-from .faults import FaultLog
+from .faults import LOUD_LOGGERS, proxy_faults
 from .normalize import RULES, SWITCHES, Rules
 
 DUMP_MAX_BYTES = 1 << 30
@@ -52,7 +52,7 @@ def cmd_proxy(args: argparse.Namespace, load_config) -> int:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(LineFormatter("%(levelname)s %(message)s"))
     logging.basicConfig(level=logging.INFO, handlers=[handler])
-    faults = FaultLog()
+    faults = proxy_faults()
     dumper = Dumper(dump_dir, keep, args.dump_max_bytes, faults.note) if dump_dir else None
     return serve(upstream, listen, rules, engine, dumper, max_body, args.client_timeout, faults)
 
@@ -61,7 +61,7 @@ def serve(upstream, listen, rules, engine, dumper, max_body, client_timeout_s, f
     from .listener import Connections, connection_cap, run
     from .server import Proxy, ProxyMetrics
 
-    faults.quiet()
+    faults.quiet(LOUD_LOGGERS)
     names = engine.metric_names
     metrics = ProxyMetrics((names.prefix_cache_queries, names.prefix_cache_hits))
     conns = Connections(connection_cap(), client_timeout_s, faults,

@@ -29,7 +29,7 @@ import time
 
 from aiohttp import web
 
-from .faults import FaultLog
+from ..base.faultlog import FaultLog
 
 BACKLOG = 64  # also how many connections asyncio accepts in one pass of the loop
 # Descriptors kept for everything that is not a client or upstream connection: stdio, the listener, epoll, dump

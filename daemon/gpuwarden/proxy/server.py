@@ -27,11 +27,12 @@ from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ..base.faultlog import FaultLog
 from ..base.httpget import HttpError, read_capped
 from ..serving.probe.metrics import parse
 from .body import Budget, Held, Refusal, decode, loads, parse_cost, read
 from .dump import Dumper, session_of
-from .faults import FaultLog
+from .faults import proxy_faults
 from .listener import Connections
 from .normalize import Rules, apply
 
@@ -119,7 +120,7 @@ class Proxy:
         self.upstream = upstream.rstrip("/")
         self.rules, self.metrics, self.dumper = rules, metrics, dumper
         self.max_body_bytes, self.read_timeout_s, self.metrics_path = max_body_bytes, read_timeout_s, metrics_path
-        self.faults, self.conns = faults or FaultLog(), conns
+        self.faults, self.conns = faults or proxy_faults(), conns
         self.budget = Budget(BUDGET_BODIES * max_body_bytes)
         metrics.now["gpuwarden_proxy_body_bytes"] = ("Bytes of request bodies and their parses held now, of "
                                                      "the budget", lambda: self.budget.used)

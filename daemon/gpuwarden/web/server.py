@@ -13,7 +13,6 @@ import logging
 import socket
 import ssl
 import threading
-import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +21,7 @@ from http import HTTPStatus
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from ..base.faultlog import FaultLog
 from ..base.webconfig import REALM, WebConfig
 from .exposition import Exposition
 
@@ -38,32 +38,8 @@ FAILED_SOURCES = 1024  # sources whose last password check failed, kept to serve
 LISTEN_BACKLOG = 128
 ACCEPT_BATCH = 16  # connections taken per wake-up: a burst holds at most this many fds over the cap at once
 FAULT_LOG_INTERVAL_S = 60.0
-
-
-class FaultLog:
-    """Client faults as one log line a minute at most, with a count for each kind; never a traceback.
-
-    The first fault after a quiet minute is told at once; those after it wait for the minute to end."""
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic):
-        self.clock = clock
-        self.counts: Counter[str] = Counter()
-        self.last_peer = ""
-        self.next_line = float("-inf")
-
-    def note(self, kind: str, peer: str) -> None:
-        self.counts[kind] += 1
-        self.last_peer = peer
-        self.tick()
-
-    def tick(self) -> None:
-        now = self.clock()
-        if not self.counts or now < self.next_line:
-            return
-        kinds = ", ".join(f"{count} {kind}" for kind, count in self.counts.most_common())
-        log.info("metrics endpoint: client faults: %s (the last from %s)", kinds, self.last_peer)
-        self.counts.clear()
-        self.next_line = now + FAULT_LOG_INTERVAL_S
+# Client faults: the first after a quiet minute at once, those after it as one line when the minute ends.
+CLIENT_FAULTS = "metrics endpoint: client faults: {counts} (the last from {last})"
 
 
 @dataclass
@@ -264,7 +240,8 @@ class MetricsServer:
         self.exposition = exposition
         self.status = status
         self.web = web
-        self.faults = FaultLog()
+        self.faults = FaultLog(log, CLIENT_FAULTS, CLIENT_FAULTS, FAULT_LOG_INTERVAL_S, level=logging.INFO,
+                               by_kind=False)
         self.connections: dict[asyncio.Task, _Connection] = {}  # oldest first
         self.line = AuthLine()  # password checks waiting for their turn
         self.checks = ThreadPoolExecutor(1, thread_name_prefix="metrics-auth")
@@ -306,7 +283,7 @@ class MetricsServer:
         try:
             while True:  # until stop() cancels
                 await asyncio.sleep(1.0)
-                self.faults.tick()
+                self.faults.flush()
         except asyncio.CancelledError:
             pass
         finally:
