@@ -16,9 +16,10 @@ import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from . import httphead
+
 MAX_HEADER_BYTES = 64 * 1024
 MAX_LENGTH_DIGITS = 18  # a Content-Length of more digits is past any cap here (an exabyte)
-STATUS_CODE = re.compile(rb"[0-9]{3}")
 CHUNK_SIZE = re.compile(rb"[0-9a-fA-F]{1,16}")
 
 
@@ -87,10 +88,10 @@ def request(method: str, url: str, deadline_s: float, max_bytes: int, headers: d
                 if len(data) > limit:
                     raise HttpError(f"the answer from {url} is larger than {max_bytes} bytes")
                 if head_end < 0:
-                    head_end = data.find(b"\r\n\r\n", searched)
+                    head_end = data.find(httphead.END, searched)
                     if head_end < 0:
                         continue
-                    length = _content_length(_headers(bytes(data[:head_end])))
+                    length = _content_length(_response(bytes(data[:head_end]), url)[1])
                     if length is not None and length > max_bytes:
                         raise HttpError(f"the answer from {url} is larger than {max_bytes} bytes ({length})")
                 if length is not None and len(data) - head_end - 4 >= length:
@@ -124,17 +125,11 @@ def _encode_head(head: str) -> bytes:
         return head.encode("utf-8")
 
 
-def _split(data: bytes) -> tuple[bytes, bytes] | None:
-    head, sep, rest = data.partition(b"\r\n\r\n")
-    return (head, rest) if sep else None
-
-
-def _headers(head: bytes) -> dict[str, str]:
-    out = {}
-    for line in head.split(b"\r\n")[1:]:
-        name, _, value = line.decode("latin-1").partition(":")
-        out[name.strip().lower()] = value.strip()
-    return out
+def _response(head: bytes, url: str) -> tuple[int, dict[str, str]]:
+    try:
+        return httphead.response(head, MAX_HEADER_BYTES)
+    except httphead.BadHead as exc:
+        raise HttpError(f"{url} {exc}") from None
 
 
 def _content_length(headers: dict[str, str]) -> int | None:
@@ -148,18 +143,13 @@ def _content_length(headers: dict[str, str]) -> int | None:
 
 
 def _parse(data: bytes, url: str, max_bytes: int) -> tuple[int, bytes]:
-    split = _split(data)
+    split = httphead.split(data)
     if split is None:
         if len(data) > MAX_HEADER_BYTES:
             raise HttpError(f"the headers from {url} are larger than {MAX_HEADER_BYTES} bytes")
         raise HttpError(f"{url} closed the connection before a complete answer")
     head, body = split
-    status_line = head.split(b"\r\n", 1)[0].split()
-    if len(status_line) < 2 or not status_line[0].startswith(b"HTTP/"):
-        raise HttpError(f"{url} did not answer with HTTP")
-    if not STATUS_CODE.fullmatch(status_line[1]):  # 5,000 digits: int() would raise past 4,300
-        raise HttpError(f"{url} answered with a status code that is not three digits")
-    headers = _headers(head)
+    status, headers = _response(head, url)
     if headers.get("transfer-encoding", "").lower() == "chunked":
         body = _dechunk(body, url)
     elif (length := _content_length(headers)) is not None:
@@ -168,7 +158,7 @@ def _parse(data: bytes, url: str, max_bytes: int) -> tuple[int, bytes]:
         body = body[:length]
     if len(body) > max_bytes:
         raise HttpError(f"the answer from {url} is larger than {max_bytes} bytes")
-    return int(status_line[1]), body
+    return status, body
 
 
 def _dechunk(body: bytes, url: str) -> bytes:

@@ -21,6 +21,7 @@ from http import HTTPStatus
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from ..base import httphead
 from ..base.faultlog import FaultLog
 from ..base.webconfig import REALM, WebConfig
 from .exposition import Exposition
@@ -346,7 +347,7 @@ class MetricsServer:
             try:
                 async with asyncio.timeout(REQUEST_DEADLINE_S):
                     transport, _ = await self.loop.connect_accepted_socket(lambda: protocol, sock, ssl=self.tls)
-                    head = await reader.readuntil(b"\r\n\r\n")
+                    head = await reader.readuntil(httphead.END)
             except asyncio.LimitOverrunError:
                 head = None
             head_read, connection.phase = True, "answer"
@@ -371,8 +372,8 @@ class MetricsServer:
             self.faults.note(f"request head over {MAX_REQUEST_HEAD // 1024} KiB", peer)
             return _reply(431, b"request header fields too large\n")
         try:
-            method, target, headers = _parse_head(head)
-        except ValueError:
+            method, target, headers = httphead.request(head, MAX_REQUEST_HEAD)
+        except httphead.BadHead:
             self.faults.note("not an HTTP/1 request", peer)
             return _reply(400, b"bad request\n")
         if method != "GET":
@@ -422,22 +423,6 @@ def _fault(exc: Exception, head_read: bool) -> str:
     if isinstance(exc, (OSError, EOFError)):  # reset, or closed before the request ended
         return "hung up"
     return f"server error: {type(exc).__name__}: {exc}"[:120]
-
-
-def _parse_head(head: bytes) -> tuple[str, str, dict[str, str]]:
-    """Method, target and headers (lower-case names, the first of each) of a request head; ValueError unless
-    it is HTTP/1."""
-    request, *lines = head.decode("latin-1").split("\r\n")
-    method, target, version = request.split(" ")
-    if not version.startswith("HTTP/1."):
-        raise ValueError(version)
-    headers: dict[str, str] = {}
-    for line in filter(None, lines):
-        name, colon, value = line.partition(":")
-        if not colon:
-            raise ValueError(line)
-        headers.setdefault(name.strip().lower(), value.strip())
-    return method, target, headers
 
 
 def _reply(code: int, body: bytes, content_type: str = "text/plain; charset=utf-8", extra: tuple[str, ...] = ()
