@@ -13,13 +13,15 @@ themselves; an integer has at most MAX_DIGITS digits.
 
 from __future__ import annotations
 
-import os
+import errno
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from . import smallfile
 
 MAX_BYTES = 1024 * 1024
 MAX_DEPTH = 64
@@ -92,33 +94,28 @@ def read_text(file: str | Path) -> str:
     """A regular file's UTF-8 text, at most MAX_BYTES; ConfigError for anything else."""
     name = str(file)
     try:
-        # O_NONBLOCK: opening a FIFO must not wait for a writer (we refuse it right after).
-        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise ConfigError(name, 1, "(file)", "file not found", "give an existing file, e.g. with --config") from None
-    except IsADirectoryError:
-        raise ConfigError(name, 1, "(file)", "is a directory, not a file") from None
-    except PermissionError:
-        raise ConfigError(name, 1, "(file)", "permission denied", "run as root or make the file readable") from None
-    except OSError as exc:
-        raise ConfigError(name, 1, "(file)", f"cannot read: {exc.strerror}") from None
-    try:
-        mode = os.fstat(fd).st_mode
-        if stat.S_ISDIR(mode):
-            raise ConfigError(name, 1, "(file)", "is a directory, not a file")
-        if not stat.S_ISREG(mode):
-            raise ConfigError(name, 1, "(file)", "not a regular file (a FIFO, a device or a socket is never read)")
-        data = b""
-        while len(data) <= MAX_BYTES and (chunk := os.read(fd, MAX_BYTES + 1 - len(data))):
-            data += chunk
-    finally:
-        os.close(fd)
-    if len(data) > MAX_BYTES:
-        raise ConfigError(name, 1, "(file)", f"larger than {MAX_BYTES // 1024} KiB", "a config file is a few KiB")
+        data = smallfile.read(file, MAX_BYTES, follow=True)  # a FIFO is refused, never waited on
+    except smallfile.Unreadable as exc:
+        raise ConfigError(name, 1, "(file)", *_unreadable(exc)) from None
+    if data is None:
+        raise ConfigError(name, 1, "(file)", "file not found", "give an existing file, e.g. with --config")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(name, 1, "(file)", f"not UTF-8 text ({exc.reason})") from None
+
+
+def _unreadable(exc: smallfile.Unreadable) -> tuple[str, str | None]:
+    """What is wrong with a config file smallfile would not read, and the fix."""
+    if exc.errno == errno.EISDIR or exc.st is not None and stat.S_ISDIR(exc.st.st_mode):
+        return "is a directory, not a file", None
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return "permission denied", "run as root or make the file readable"
+    if exc.errno is not None:
+        return f"cannot read: {exc}", None
+    if not stat.S_ISREG(exc.st.st_mode):
+        return "not a regular file (a FIFO, a device or a socket is never read)", None
+    return f"larger than {MAX_BYTES // 1024} KiB", "a config file is a few KiB"
 
 
 def load(file: str | Path, empty_ok: bool = False) -> Document:

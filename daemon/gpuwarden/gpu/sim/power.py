@@ -63,9 +63,8 @@ def _read(path: Path) -> dict | None:
 
 
 def _write(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(data))
-    os.replace(tmp, path)  # readers see a whole file, never half of one
+    # readers see a whole file, never half of one; a served workload as another user reads the simulator's
+    smallfile.write_atomic(path, json.dumps(data).encode(), 0o644, shared=True)
 
 
 def write_gpus(directory: Path, gpus: list[dict]) -> None:

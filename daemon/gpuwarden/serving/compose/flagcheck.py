@@ -8,15 +8,14 @@ interpreter, and as serve.user, because it imports code from the engine's instal
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import stat
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ...base import smallfile
 from ...config import ServeConfig
 from .command import ServeCommand
 from .engines import FLAGCHECK_MARK
@@ -46,15 +45,9 @@ def engine_python(serve: ServeConfig, command: Sequence[str]) -> str | None:
     # The script is serve.user's (its venv): read as root, never waiting (a FIFO), a regular file only (a link
     # to /dev/zero), the first line within a cap (the kernel's own for #! is 256 bytes).
     try:
-        fd = os.open(first, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
+        head = smallfile.read(first, SHEBANG_MAX, follow=True, head=True) or b""
+    except smallfile.Unreadable:
         return None
-    try:
-        head = os.read(fd, SHEBANG_MAX) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
-    except OSError:
-        head = b""
-    finally:
-        os.close(fd)
     line = head.split(b"\n", 1)[0].decode("utf-8", "replace")
     if line.startswith("#!"):
         parts = line[2:].split()

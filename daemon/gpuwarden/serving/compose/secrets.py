@@ -17,6 +17,7 @@ import stat
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from ...base import smallfile
 from .flags import names_flag
 
 CREDENTIAL = "vllm.env"
@@ -76,32 +77,26 @@ def redact_argv(argv: Sequence[str]) -> list[str]:
 
 def read_env_file(path: Path, owner: int | None = None) -> dict[str, str]:
     """KEY=VALUE lines from a file only its owner (root, or `owner`) can read. Raises SecretFileError."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except FileNotFoundError:
-        raise SecretFileError(1, "file not found") from None
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a link
-            raise SecretFileError(1, "is a symbolic link: name the file itself (a link may point at any file "
-                                     "the daemon can read)") from None
-        raise SecretFileError(1, f"cannot open: {exc.strerror}") from None
-    try:
-        st = os.fstat(fd)
-        kind = _kind(st.st_mode)
-        if kind != "regular file":
-            raise SecretFileError(1, f"is a {kind}, not a regular file")
+    def private(st: os.stat_result) -> None:
         wanted = 0 if owner is None else owner
         if st.st_uid != wanted:
             raise SecretFileError(1, f"owned by uid {st.st_uid}, not {wanted}: anyone who owns it can read the key")
         if st.st_mode & 0o077:
             raise SecretFileError(1, f"mode {stat.S_IMODE(st.st_mode):04o} lets others read it: chmod 600 {path}")
-        data = os.read(fd, MAX_BYTES + 1)
-    except OSError as exc:
-        raise SecretFileError(1, f"cannot read: {exc.strerror}") from None
-    finally:
-        os.close(fd)
-    if len(data) > MAX_BYTES:
-        raise SecretFileError(1, f"larger than {MAX_BYTES} bytes")
+
+    try:
+        data = smallfile.read(path, MAX_BYTES, check=private)  # no link, no FIFO's wait, owner checked first
+    except smallfile.Unreadable as exc:
+        if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a link
+            raise SecretFileError(1, "is a symbolic link: name the file itself (a link may point at any file "
+                                     "the daemon can read)") from None
+        if exc.errno is not None:
+            raise SecretFileError(1, f"cannot {'read' if exc.st else 'open'}: {exc}") from None
+        if not stat.S_ISREG(exc.st.st_mode):
+            raise SecretFileError(1, f"is a {_kind(exc.st.st_mode)}, not a regular file") from None
+        raise SecretFileError(1, f"larger than {MAX_BYTES} bytes") from None
+    if data is None:
+        raise SecretFileError(1, "file not found")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:

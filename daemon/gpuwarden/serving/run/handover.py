@@ -160,25 +160,21 @@ def load(state_dir: Path | None) -> Record | None:
         return None
     path = state_dir / RECORD
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        log.warning("children's record %s cannot be read (%s): adopting nothing", path, exc.strerror)
-        return None
-    with os.fdopen(fd, "rb") as f:
-        regular = stat.S_ISREG(os.fstat(f.fileno()).st_mode)
-        raw = f.read(MAX_RECORD_BYTES + 1) if regular else b""
-    try:
-        if not regular:
-            raise ValueError("not a regular file")
-        if len(raw) > MAX_RECORD_BYTES:
-            raise ValueError(f"larger than {MAX_RECORD_BYTES} bytes")
+        raw = smallfile.read(path, MAX_RECORD_BYTES)
+        if raw is None:
+            return None
         doc = json.loads(raw)
         children = tuple(Recorded(str(c["name"]), int(c["pid"]), int(c["start_ticks"]), int(c["uid"]),
                                   str(c["argv_sha256"]), None if c.get("fd") is None else int(c["fd"]))
                          for c in doc["children"])
         return Record(children, bool(doc.get("stopping", False)), bool(doc.get("keep", False)))
+    except smallfile.Unreadable as exc:
+        if exc.errno is not None:  # it could not be opened, or read
+            log.warning("children's record %s cannot be read (%s): adopting nothing", path, exc)
+        else:
+            log.warning("children's record %s is not one gpuwarden wrote (%s): adopting nothing", path,
+                        f"larger than {MAX_RECORD_BYTES} bytes" if stat.S_ISREG(exc.st.st_mode) else exc)
+        return None
     except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as exc:
         log.warning("children's record %s is not one gpuwarden wrote (%s): adopting nothing", path,
                     type(exc).__name__ if isinstance(exc, RecursionError) else exc)
