@@ -123,3 +123,80 @@ def test_check_finds_what_run_would_refuse(write, cli, child_user, serve, says):
         base += "  command: [/usr/bin/python3, -m, vllm.entrypoints.openai.api_server]\n"
     status, _, err = cli("check", "-c", write("g.yaml", base + serve))
     assert status == 78 and says in err, err
+
+
+# The commands of 0.2, in the order `gpuwarden --help` lists them; a new command may come anywhere among them.
+LISTED = ["check", "plan", "apply", "cleanup", "run", "profiles", "doctor", "status", "bench", "tune", "proxy"]
+NOT_COMMANDS = {"common", "main", "registry"}  # the modules of cli/ that serve every command
+
+
+def _help(capsys, *argv: str) -> str:
+    from gpuwarden.cli.main import main
+
+    with pytest.raises(SystemExit) as info:
+        main([*argv, "--help"])
+    assert info.value.code == 0
+    return capsys.readouterr().out
+
+
+def _listed(top_help: str) -> list[str]:
+    """The command names under COMMAND in `gpuwarden --help`, in order."""
+    block = top_help.split("\n  COMMAND\n", 1)[1].split("\n\n", 1)[0]
+    return [line.split()[0] for line in block.splitlines() if line.startswith("    ") and line[4] != " "]
+
+
+def test_every_module_in_cli_is_a_command_and_help_lists_each(capsys):
+    import importlib
+    import pkgutil
+
+    from gpuwarden import cli
+    from gpuwarden.cli.registry import find_commands
+
+    modules = {m.name for m in pkgutil.iter_modules(cli.__path__)} - NOT_COMMANDS
+    for name in modules:  # the file's name is the command's
+        assert importlib.import_module(f"gpuwarden.cli.{name}").COMMAND.name == name
+    commands = find_commands()
+    assert set(commands) == modules and set(LISTED) <= modules
+    listed = _listed(_help(capsys))
+    assert listed == list(commands) and [n for n in listed if n in LISTED] == LISTED
+    for name in commands:
+        assert _help(capsys, name).startswith(f"usage: gpuwarden {name} [-h] [-c CONFIG] [--sim SCENARIO]")
+
+
+HELLO = '''"""A toy command: the recipe's one file."""
+
+from .common import EX_OK, load_config
+from .registry import Command
+
+
+def arguments(p):
+    p.add_argument("--name", default="world", help="whom to greet")
+
+
+def cmd_hello(args):
+    config = load_config(args)
+    print(f"hello {args.name} from {config.files[0]}")
+    return EX_OK
+
+
+COMMAND = Command("hello", help="say hello (a toy)", run=cmd_hello, arguments=arguments)
+'''
+
+
+def test_a_new_command_is_one_file_in_cli(tmp_path, monkeypatch, capsys, cli):
+    """The package map's recipe, done: one file beside the others, and nothing else edited."""
+    import sys
+
+    from gpuwarden import cli as package
+
+    (tmp_path / "hello.py").write_text(HELLO)
+    monkeypatch.setattr(package, "__path__", [*package.__path__, str(tmp_path)])
+    try:
+        top = _help(capsys)
+        assert _listed(top)[-1] == "hello" and "say hello (a toy)" in top  # no order given: listed last
+        assert "--name NAME" in _help(capsys, "hello")
+        assert cli("hello", "--name", "you", "-c", DEFAULT_CONFIG) == (0, f"hello you from {DEFAULT_CONFIG}\n", "")
+        status, _, err = cli("hello", "-c", tmp_path / "absent.yaml")  # the entry's exit statuses come with it
+        assert status == 78 and "absent.yaml" in err
+    finally:
+        sys.modules.pop("gpuwarden.cli.hello", None)
