@@ -37,7 +37,8 @@ def device(uuid, bus, **over):
                nvlinks=None,  # a list of nvlink(...) records; None: no NVLink (NOT_SUPPORTED)
                nvlink_fields=True,  # the per-link fields 161-165 answer (else only the per-link calls do)
                fabric=None,  # (state, status) of nvmlDeviceGetGpuFabricInfoV; None: NOT_SUPPORTED
-               brand=14, module_id=1, default_app_clock=1755, c2c=None)  # an SXM H100: brand NVIDIA, module 1
+               brand=14, module_id=1, default_app_clock=1755, c2c=None,  # an SXM H100: brand NVIDIA, module 1
+               mem_temp=None)  # NVML_FI_DEV_MEMORY_TEMP (field 82) in C; None: NOT_SUPPORTED
     dev.update(over)
     return dev
 
@@ -212,7 +213,7 @@ class FakeNvml:
         known = {83: dev["energy_mj"],
                  **{74 + p: ns for p, ns in dev["violations"].items()},
                  187: dev["constraints"][0], 188: dev["constraints"][1], 189: dev["default_mw"],
-                 94: dev["replays"], 4: dev["ecc_uncorrected"],
+                 94: dev["replays"], 4: dev["ecc_uncorrected"], 82: dev["mem_temp"],
                  **({142 + i: v for i, v in enumerate(remapped)} if remapped is not None else {})}
         known = {k: v for k, v in known.items() if k not in dev.get("unsupported_fields", ())}
         links = dev["nvlinks"] or []

@@ -162,6 +162,7 @@ class GpuSample:
     power_limit_max_w: float | None = None
     power_limit_default_w: float | None = None
     temperature_c: float | None = None
+    memory_temperature_c: float | None = None  # the memory's own sensor (HBM), read with the counters
     utilization_pct: float | None = None
     memory_utilization_pct: float | None = None
     memory_used_bytes: int | None = None

@@ -340,6 +340,7 @@ class NvmlGpu(NvmlSettings, Gpu):
             power_limit_max_w=scaled(constraints[1], 1e-3) if constraints else None,
             power_limit_default_w=scaled(default_mw, 1e-3),
             temperature_c=r("nvmlDeviceGetTemperature", TEMPERATURE_GPU),
+            memory_temperature_c=self.counters.memory_temperature,
             utilization_pct=util.gpu if util is not None else None,
             memory_utilization_pct=util.memory if util is not None else None,
             memory_used_bytes=used,

@@ -27,6 +27,7 @@ COUNTER_FIELDS = {
     "pcie_replays": 94,  # PCIE_REPLAY_COUNTER
     "ecc_uncorrected": 4,  # ECC_DBE_VOL_TOTAL
     "remapped_cor": 142, "remapped_unc": 143, "remap_pending": 144, "remap_failure": 145,  # REMAPPED_*
+    "memory_temp_c": 82,  # MEMORY_TEMP: HBM's sensor; no single call reads it, so batched or not at all
 }
 # NVLink, per link: one field each, with the link as its scope (pynvml takes (field id, scope id) pairs):
 # NVML_FI_DEV_NVLINK_ERROR_DL_REPLAY 161, _DL_RECOVERY 162, _DL_CRC 163, NVML_FI_DEV_NVLINK_GET_SPEED 164 (MB/s),
@@ -53,6 +54,7 @@ class NvmlCounters:
         self.violations: dict[str, float | None] = {}
         self.limits: tuple = (None, None)  # (power constraints, default limit)
         self.health = GpuHealth()
+        self.memory_temperature: float | None = None
         self._dead_fields: set = set()  # batched fields that answered NOT_SUPPORTED: not asked for again
 
     def read(self) -> None:
@@ -75,6 +77,7 @@ class NvmlCounters:
         self.limits = (constraints, self._field_or_read(fields, "default_limit_mw",
                                                         "nvmlDeviceGetPowerManagementDefaultLimit"))
         self.health = self._read_health(fields)
+        self.memory_temperature = fields.get("memory_temp_c")
 
     def _fields(self, wanted: dict[str, int | tuple[int, int]]) -> dict[str, float]:
         """wanted's fields (an id, or (id, scope) for a per-link one) in one nvmlDeviceGetFieldValues call, by
