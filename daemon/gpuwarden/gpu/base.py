@@ -162,7 +162,6 @@ class GpuSample:
     power_limit_max_w: float | None = None
     power_limit_default_w: float | None = None
     temperature_c: float | None = None
-    memory_temperature_c: float | None = None  # the memory's own sensor (HBM), read with the counters
     utilization_pct: float | None = None
     memory_utilization_pct: float | None = None
     memory_used_bytes: int | None = None
@@ -174,6 +173,7 @@ class GpuSample:
     clock_event_reasons: ClockEventReason | None = None
     violation_seconds: Mapping[str, float | None] = field(default_factory=dict)  # keys: VIOLATION_POLICIES
     energy_joules: float | None = None
+    memory_temperature_c: float | None = None  # the memory's own sensor (HBM), read with the counters
     memory_bus_width_bits: int | None = None
     # The host's driver and the newest CUDA it runs ("13.0"), read once per backend: the serving lint compares
     # them with the CUDA the engine was built for. None: not known (the simulator gives the driver only).
