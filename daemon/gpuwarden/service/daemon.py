@@ -38,7 +38,7 @@ from ..watch.eventwatch import EventWatcher
 from ..gpu.base import GpuBackend
 from ..watch.monitor import Monitor, describe_sample
 from ..tune.originals import originals_store
-from ..proxy.child import proxy_spec
+from ..proxy.child import PROXY_KIND
 from ..serving.run.processes import ProcessOps
 from ..serving.run import handover, ports
 from ..serving.run.runtime import ServingRuntime
@@ -102,7 +102,7 @@ class Daemon:
         # the unit (StateDirectory=) the running children are recorded, so that the daemon after this one
         # takes them over (serving/run/handover.py); a daemon run by hand adopts nothing.
         records = state_dir() if os.environ.get("STATE_DIRECTORY") else None
-        self.serving = ServingRuntime(backend, sides=(proxy_spec,), ops=ops, clock=clock, state_dir=records,
+        self.serving = ServingRuntime(backend, sides=(PROXY_KIND,), ops=ops, clock=clock, state_dir=records,
                                       keep_fd=self.notifier.keep_fd)
         self.watcher: EventWatcher | None = None  # Xid and fatal events, on their own thread
         self.wake: Callable[[], None] | None = None  # run() sets it: wakes the loop as a signal does
