@@ -18,6 +18,7 @@ from ..config import Config
 from ..serving.compose.command import child_env
 from ..serving.compose.homes import let_group_in
 from ..serving.compose.identity import Identity
+from ..serving.run.kinds import ChildKind
 from ..serving.run.spec import ChildSpec, Timing
 from .normalize import SWITCHES
 
@@ -61,6 +62,11 @@ def proxy_spec(config: Config, identity: Identity) -> ChildSpec | None:
     timing = Timing.of(config.serve, startup_timeout_s=min(60.0, config.serve.startup_timeout_s))
     return ChildSpec(PROXY, "the proxy", proxy_argv(config), env, identity, p.listen[0], p.listen[1], "/health",
                      timing, log_level)
+
+
+# Its entry in the registry of child kinds (serving/run/kinds.py): a side child that serve.proxy alone configures,
+# so that a reload that changes only serve.proxy restarts only the proxy.
+PROXY_KIND = ChildKind(PROXY, proxy_spec, section="proxy")
 
 
 def prepare_dump_dir(path: Path, identity: Identity) -> None:

@@ -4,8 +4,9 @@ knows nothing of its parts.
 
 A start or a reload is prepared first (prepare_launch: engine, profile, lint, identity, secrets, the specs
 of every child), so that a bad config is refused before anything stops; carrying it out never fails that
-way. Side children (the proxy) come from functions the daemon hands in (`sides`), each turning a config and
-the engine's user into a ChildSpec or None: serving/ sits below the proxy's package and does not import it.
+way. The children are kinds of a registry (serving/run/kinds.py): the engine's part, and the side kinds the
+daemon hands in (`sides`: serving/ sits below the proxy's package and does not import it). A reload restarts
+only the kinds whose spec changed; a change of the engine's part restarts them all.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -23,18 +23,17 @@ from ...config import Config
 from ...gpu.base import GpuBackend
 from ...base.yamlfile import ConfigErrors
 from ..compose.command import ServeCommand
-from ..compose.identity import Identity
 from ..probe.metrics import MetricsReader, ServingStats
 from ..compose.prepare import installed_for, prepare_serve
 from . import handover
-from .processes import STRAY_GRACE_S, Child, ProcessOps, Strays, find_strays
-from .spec import ChildSpec, engine_spec, ray_spec
+from .kinds import ENGINE_PART, ChildKind, EngineParts, same_engine, side_specs
+from .leftovers import Leftovers
+from .processes import ProcessOps
+from .spec import ChildSpec
 from ..probe.stall import Progress, StallWatch
-from .supervisor import FATAL, KILL_WAIT_S, RUNNING, Program, ServingView, Supervisor
+from .supervisor import FATAL, RUNNING, Program, ServingView, Supervisor
 
 log = logging.getLogger("gpuwarden")
-
-Side = Callable[[Config, Identity], "ChildSpec | None"]  # a side child's spec for a config (None: not wanted)
 
 
 @dataclass(frozen=True)
@@ -47,7 +46,7 @@ class Launch:
     sides: tuple[ChildSpec, ...] = ()
 
 
-def prepare_launch(config: Config, backend: GpuBackend, sides: Sequence[Side], deep: bool,
+def prepare_launch(config: Config, backend: GpuBackend, sides: Sequence[ChildKind], deep: bool,
                    on_loop: bool = False) -> Launch:
     """Engine, profile, GPUs, lint, spawnability (and with deep, the engine's own parser), logged as a start
     logs them. Raises ConfigErrors when something would block the start. on_loop: from the daemon's loop (a
@@ -68,56 +67,25 @@ def prepare_launch(config: Config, backend: GpuBackend, sides: Sequence[Side], d
     chosen = {g.index for g in prepared.command.gpus}
     gpus = [g for g in backend.gpus() if g.index in chosen]
     version = prepared.installed.version(prepared.command.engine.name) if prepared.installed else None
-    engine = engine_spec(config.serve, prepared.command, prepared.identity, gpus, version)
-    ray = ()
-    role = prepared.command.role
-    if role is not None and role.nodes.backend == "ray":
-        # Ray: the head runs its Ray node beside the engine, which starts once the Ray head answers and finds
-        # the cluster at RAY_ADDRESS; another node runs only its Ray node (its main child: no vLLM there).
-        node = ray_spec(config.serve, prepared.command, prepared.identity)
-        if role.head:
-            ray = (node,)
-            engine = dataclasses.replace(engine, peer=(role.nodes.head, role.nodes.port),
-                                         env={**engine.env, "RAY_ADDRESS": role.nodes.address})
-        else:  # what the node serves, for gpuwarden_serving_info: ServingNodesDiffer compares it with the head's
-            engine = dataclasses.replace(node, model=engine.model, profile=engine.profile, version=engine.version)
-    return Launch(config, prepared.command, engine, (*ray, *_sides(config, prepared.identity, sides)))
-
-
-def _sides(config: Config, identity: Identity, sides: Sequence[Side]) -> tuple[ChildSpec, ...]:
-    return tuple(spec for make in sides if (spec := make(config, identity)) is not None)
-
-
-@dataclass
-class _Unnamed:
-    """A child the daemon before this one recorded and this one's config does not name (the proxy turned off
-    between a crash and the restart): stopping, and in the record until its group is gone, so that a crash
-    meanwhile still knows it and `gpuwarden cleanup` still ends it."""
-
-    entry: handover.Recorded  # as recorded, with the output pipe this daemon reads now
-    child: Child
-    kill_at: float  # SIGKILL then; once killed, when to give up on survivors
-    killed: bool = False
+    parts = EngineParts(prepared.command, prepared.identity, tuple(gpus), version)
+    engine, *part = [spec for kind in ENGINE_PART if (spec := kind.build(config, parts)) is not None]
+    sides = side_specs(config, prepared.identity, tuple(sides)).values()
+    return Launch(config, prepared.command, engine, (*part, *sides))
 
 
 class ServingRuntime:
-    def __init__(self, backend: GpuBackend, sides: Sequence[Side] = (), ops: ProcessOps | None = None,
+    def __init__(self, backend: GpuBackend, sides: Sequence[ChildKind] = (), ops: ProcessOps | None = None,
                  clock: Callable[[], float] = time.monotonic, state_dir: Path | None = None,
                  keep_fd: Callable[[str, int | None], None] | None = None):
         self.backend = backend
-        self.sides = tuple(sides)
+        self.sides = tuple(sides)  # the side kinds of the registry, beside the engine's part (kinds.ENGINE_PART)
         self.ops = ops or ProcessOps()  # one for every child: it knows which processes we started
         self.clock = clock
         self.state_dir = state_dir  # where the record of running children lives (None: no adoption)
         self.keep_fd = keep_fd  # hands a child's output pipe to systemd's fd store (None: drop it)
         self._recorded: handover.Record | None = None  # what the record on disk says now
         self._stopping = False  # stop() came: whatever outlives this daemon is a leftover, not to adopt
-        self._unnamed: list[_Unnamed] = []  # recorded children this config does not name, being stopped
-        # Leftovers found in the unit's cgroup (processes.find_strays) as the users that ran our children, being
-        # stopped; looked for at a start with a record, and whenever nothing runs any more (_sweep).
-        self._strays = Strays()
-        self._uids: set[int] = set()
-        self._grace = STRAY_GRACE_S
+        self.leftovers = Leftovers(self.ops)  # what an earlier daemon left that this one does not run
         self._busy = False  # something ran at the last tick: nothing running now calls for a look
         self.launch: Launch | None = None  # what runs now
         self.children: Supervisor | None = None
@@ -141,11 +109,11 @@ class ServingRuntime:
 
     @property
     def stopped(self) -> bool:
-        return self._idle and not self._busy and not self._strays  # _busy: the look for leftovers is still due
+        return self._idle and not self._busy and not self.leftovers.strays  # _busy: the look for leftovers is still due
 
     @property
     def _idle(self) -> bool:
-        return (self.children is None or self.children.stopped) and not self._unnamed
+        return (self.children is None or self.children.stopped) and not self.leftovers.unnamed
 
     def start(self, launch: Launch, now: float, adoptable: handover.Record | None = None,
               fds: Mapping[str, int] | None = None, how: str = "") -> None:
@@ -165,7 +133,7 @@ class ServingRuntime:
             program = named.pop(entry.name, None)
             fd = fds.pop(f"child-{entry.name}", None)
             if program is None:
-                self._stop_unnamed(entry, fd, now, launch.config.serve.stop_timeout_s, "not in this config")
+                self.leftovers.stop(entry, fd, now, launch.config.serve.stop_timeout_s, "not in this config")
                 continue
             child = self.ops.adopt(entry, fd, program.on_line)
             if child is None:
@@ -187,52 +155,14 @@ class ServingRuntime:
         """Stop every child of record (serving is off: no launch names any)."""
         fds = dict(fds or {})
         for entry in record.children if record is not None else ():
-            self._stop_unnamed(entry, fds.pop(f"child-{entry.name}", None), now, grace, why)
+            self.leftovers.stop(entry, fds.pop(f"child-{entry.name}", None), now, grace, why)
         self._record(now)
         if record is not None and record.children:
             self._sweep(record, grace, now)
 
     def _sweep(self, record: handover.Record | None, grace: float | None, now: float) -> None:
-        """Stop what is left of our children outside every running child's group: after a crash (a record), a
-        process that left an engine's group had init for its parent, not this daemon (escaped() misses it)."""
-        if record is not None:
-            self._uids.update(c.uid for c in record.children)
-        if grace is not None:
-            self._grace = grace
         live = [p.child.pid for p in (self.children.programs.values() if self.children else ()) if p.child]
-        live += [leaving.child.pid for leaving in self._unnamed]
-        self._strays.end(find_strays(self._uids, live), self._uids, live, now, self._grace)
-
-    def _stop_unnamed(self, entry: handover.Recorded, fd: int | None, now: float, grace: float, why: str) -> None:
-        """A recorded child no program of this daemon takes over: stopped as a stop would (SIGTERM to its group
-        now, SIGKILL after grace, in tick), if it is provably the recorded process (ops.adopt proves it; a
-        recycled PID is never signalled). Its output is read meanwhile, so that its last lines are logged."""
-        child = self.ops.adopt(entry, fd, lambda line: log.info("%s: %s", entry.name, line))
-        if child is None:
-            return
-        self.ops.killpg(child.pgid, signal.SIGTERM)
-        log.warning("%s pid %d: recorded by the daemon before, %s: stopping it (SIGTERM to its process group, "
-                    "SIGKILL after %g s)", entry.name, entry.pid, why, grace)
-        self._unnamed.append(_Unnamed(dataclasses.replace(entry, fd=child.output_fd), child, now + grace))
-
-    def _tick_unnamed(self, now: float) -> None:
-        """Advance the stops of unnamed children (never waiting): SIGKILL once the grace is over; gone once
-        their group is empty."""
-        for leaving in list(self._unnamed):
-            self.ops.poll(leaving.child)  # reap the leader (a re-exec's own child)
-            alive = self.ops.group_pids(leaving.child.pgid)  # a group's ID is not reused while it has members
-            if alive and now < leaving.kill_at:
-                continue
-            if alive and not leaving.killed:
-                log.warning("%s pid %d did not stop within its grace: SIGKILL to its %d processes",
-                            leaving.entry.name, leaving.entry.pid, len(alive))
-                self.ops.killpg(leaving.child.pgid, signal.SIGKILL)
-                leaving.killed, leaving.kill_at = True, now + KILL_WAIT_S
-                continue
-            if alive:
-                log.error("processes %s of the recorded %s's group survived SIGKILL for %g s", alive,
-                          leaving.entry.name, KILL_WAIT_S)
-            self._unnamed.remove(leaving)
+        self.leftovers.sweep(record, grace, now, live)
 
     def _make_watchers(self, launch: Launch) -> None:
         engine, serve = launch.command.engine, launch.config.serve
@@ -252,8 +182,8 @@ class ServingRuntime:
             if child is not None and child.start_ticks is not None:
                 running.append(handover.Recorded(program.name, child.pid, child.start_ticks, program.identity.uid,
                                                  handover.argv_digest(program.spec.argv), child.output_fd))
-        running += [leaving.entry for leaving in self._unnamed]  # not adopted, but theirs to end until gone
-        self._uids.update(c.uid for c in running)
+        running += self.leftovers.recorded  # not adopted, but theirs to end until gone
+        self.leftovers.uids.update(c.uid for c in running)
         record = handover.Record(tuple(running), self._stopping)
         if record == self._recorded:
             return
@@ -285,13 +215,13 @@ class ServingRuntime:
     def tick(self, now: float) -> tuple[tuple[ServingView, ...] | None, ServingStats | None]:
         """Advance the children, read the engine's metrics and judge its progress: (views, stats)."""
         self._swap_in_pending(now)
-        if self._unnamed:
-            self._tick_unnamed(now)
+        if self.leftovers.unnamed:
+            self.leftovers.tick(now)
             self._record(now)
         due, self._busy = self._idle and self._busy, not self._idle  # a look that fails is not due again
         if due:  # the children's groups are gone: anything left of them is a leftover
             self._sweep(None, None, now)
-        self._strays.tick(now)
+        self.leftovers.strays.tick(now)
         if self.children is None:
             return None, None
         engine = self.children.main
@@ -366,20 +296,22 @@ class ServingRuntime:
 
     def plan_reload(self, config: Config) -> Callable[[float], None] | None:
         """Check what a reloaded config asks of serving, and return the step that carries it out (None: no
-        change). Raises ConfigErrors (nothing is stopped then). Only serve.proxy changed: the proxy restarts
-        and the engine keeps serving. Another engine version installed under the running one: all restart, as
-        for a changed section, so that the engine runs (and gpuwarden_serving_info says) the installed version."""
+        change). Raises ConfigErrors (nothing is stopped then). The engine's part unchanged: only the side kinds
+        whose spec changed restart (serve.proxy changed: the proxy), and the engine keeps serving. Another engine
+        version installed under the running one: all restart, as for a changed section, so that the engine runs
+        (and gpuwarden_serving_info says) the installed version."""
         old = self.launch.config.serve if self.launch is not None else None
         new = config.serve
         upgraded = self._upgraded(config) if old is not None and new.enabled and self.pending is None else None
+        if old is not None and self.pending is None and upgraded is None and same_engine(old, new, self.sides):
+            wanted = side_specs(config, self.engine.identity, self.sides)
+            running = {spec.name: spec for spec in self.launch.sides}
+            changed = [kind for kind in self.sides if wanted.get(kind.name) != running.get(kind.name)]
+            return (lambda now: self._replace_sides(config, wanted, changed, now)) if changed else None
         if old is not None and new == old and upgraded is None:
             return None
         if old is None and not new.enabled and self.pending is None:
             return None
-        if old is not None and self.pending is None and upgraded is None \
-                and dataclasses.replace(new, proxy=old.proxy) == old:
-            sides = _sides(config, self.engine.identity, self.sides)
-            return lambda now: self._replace_sides(config, sides, now)
         launch = self.prepare(config, deep=False, on_loop=True) if new.enabled else None
 
         def step(now: float) -> None:
@@ -388,12 +320,17 @@ class ServingRuntime:
             self._replace_all(launch, now)
         return step
 
-    def _replace_sides(self, config: Config, sides: tuple[ChildSpec, ...], now: float) -> None:
-        log.info("reload: serve.proxy changed; restarting the proxy only")
-        wanted = {spec.name: spec for spec in sides}
-        for name in {*wanted, *(p for p in self.children.programs if p != self.engine.name)}:
-            spec = wanted.get(name)
-            self.children.replace(name, Program(spec, self.ops, self.clock) if spec else None, now)
+    def _replace_sides(self, config: Config, wanted: dict[str, ChildSpec], changed: list[ChildKind],
+                       now: float) -> None:
+        running = {spec.name: spec for spec in self.launch.sides}
+        titles = [(wanted.get(kind.name) or running[kind.name]).title for kind in changed]
+        log.info("reload: %s changed; restarting %s only", ", ".join(kind.what for kind in changed),
+                 " and ".join(titles))
+        for kind in changed:
+            spec = wanted.get(kind.name)
+            self.children.replace(kind.name, Program(spec, self.ops, self.clock) if spec else None, now)
+            running.pop(kind.name, None)
+        sides = (*running.values(), *(spec for name, spec in wanted.items() if name not in running))
         self.launch = dataclasses.replace(self.launch, config=config, sides=sides)
 
     def _replace_all(self, launch: Launch | None, now: float) -> None:
@@ -422,15 +359,11 @@ class ServingRuntime:
         self.ops.end_helpers()  # a reload's read of the installed versions still running: nothing waits for it now
         if self.children is not None:
             self.children.stop(now)
-        if self.children is not None or self._unnamed:
+        if self.children is not None or self.leftovers.unnamed:
             self._stopping = True
             self._record(now)
 
     def kill_now(self, now: float) -> None:
         if self.children is not None:
             self.children.kill_now(now)
-        for leaving in self._unnamed:  # a second stop request: no more grace
-            if not leaving.killed:
-                leaving.kill_at = now
-        self._tick_unnamed(now)
-        self._strays.hurry(now)
+        self.leftovers.kill_now(now)  # a second stop request: no more grace
