@@ -9,7 +9,9 @@ through _transition(), which checks it against ALLOWED_FROM, logs it and counts
 it (the count is published in the view and exported). Nothing here blocks the
 loop: STOPPING is a timed state that tick() advances (SIGTERM, stop_timeout_s,
 then SIGKILL), and /health is read on a worker thread with a total deadline.
-The Supervisor runs one or more Programs side by side.
+The Supervisor runs one or more Programs side by side. Policy stays out of the state
+machine: what a kind needs beyond it (the multi-node rank watch) plugs in as its spec's
+policy (serving/run/policy.py, ranks.py), and changes state only through _transition.
 
 The child runs in its own session, so its process group holds the API server
 and every engine/worker process it forks; that group is what gets SIGTERM,
