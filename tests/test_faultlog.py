@@ -63,3 +63,15 @@ def test_a_traceback_only_the_first_time_a_kind_is_seen(caplog):
         now[0] = 5
         faults.note("bug", "two", exc_info=info)  # a new period, but not a new kind
     assert [r.exc_info is not None for r in caplog.records] == [True, False]
+
+
+def test_without_a_count_line_a_kind_is_said_at_most_once_a_period(caplog):
+    now = [0.0]
+    errors = FaultLog(log, "{last}", None, 60, lambda: now[0], level=logging.ERROR)
+    with caplog.at_level(logging.INFO, logger=log.name):
+        for t in (0, 1, 30, 59.9, 60, 61):
+            now[0] = t
+            errors.note("poll failed: X", "poll failed: X")
+            errors.flush()
+        errors.note("serving: Y", "serving: Y")
+    assert [r.getMessage() for r in caplog.records] == ["poll failed: X", "poll failed: X", "serving: Y"]

@@ -37,10 +37,11 @@ class _Period:
 
 
 class FaultLog:
-    def __init__(self, logger: logging.Logger, first: str, more: str, period_s: float = PERIOD_S,
+    def __init__(self, logger: logging.Logger, first: str, more: str | None, period_s: float = PERIOD_S,
                  clock=time.monotonic, level: int = logging.WARNING, by_kind: bool = True):
         """first: the line of a fault told at once; more: the line of the faults a period counted (the fields are
-        in the module's doc). level: of a fault noted without one."""
+        in the module's doc), None to drop them unsaid (an error said at most once a period). level: of a fault
+        noted without one."""
         self.logger, self.first, self.more = logger, first, more
         self.period_s, self.clock, self.level, self.by_kind = period_s, clock, level, by_kind
         self._lock = threading.Lock()  # the proxy's dumps fail on the executor's threads
@@ -68,7 +69,7 @@ class FaultLog:
         with self._lock:
             now = self.clock()
             for period in self._periods.values():
-                if now >= period.ends and period.counts:
+                if now >= period.ends and period.counts and self.more is not None:
                     lines.append((period.level, self._line(self.more, period.counts, period.last)))
                     period.ends, period.counts = now + self.period_s, Counter()
         for level, line in lines:
