@@ -253,7 +253,8 @@ def test_a_start_whose_check_refuses_the_config_closes_the_passed_on_metrics_soc
     """The listener is taken before the check; a check that raises still leaves nothing open (run's finish)."""
     from gpuwarden import config
     from gpuwarden.backends import open_configured
-    from gpuwarden.service.daemon import METRICS_FD_ENV, Daemon, run
+    from gpuwarden.service.daemon import Daemon, run
+    from gpuwarden.service.metrics_port import METRICS_FD_ENV
     from gpuwarden.base.yamlfile import InvalidConfig
 
     port = free_port()

@@ -19,7 +19,9 @@ def arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from ..service.daemon import HANDOVER_ENV, LEFT_SERVING, Daemon, StartupError, reexec, run
+    from ..service.adoption import HANDOVER_ENV, LEFT_SERVING
+    from ..service.daemon import Daemon, reexec, run
+    from ..service.metrics_port import StartupError
     from ..base.systemd import setup_logging
 
     try:

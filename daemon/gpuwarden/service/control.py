@@ -13,10 +13,11 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from ..gpu import errors
-from ..tune.channel import ANSWER_S, CONNECTIONS_MAX, HELLO_S, LINE_MAX, MESSAGES_MAX, _peer
+from ..tune.channel import ANSWER_S, CONNECTIONS_MAX, HELLO_S, LINE_MAX, MESSAGES_MAX, _peer, socket_path
 from ..tune.sweeps import Sweeps
 
 log = logging.getLogger("gpuwarden")
@@ -206,3 +207,19 @@ def _send(conn: socket.socket, answer: dict, timeout: float = SEND_S) -> None:
         conn.sendall(json.dumps(answer).encode() + b"\n")
     except TimeoutError:  # not the lease's silence: the peer stopped reading
         raise ConnectionError("the peer did not take its answer") from None
+
+
+def open_control(wake: Callable[[], None] | None, apply: bool) -> ControlServer | None:
+    """The control socket for `gpuwarden tune`, started, where the runtime directory is ours (and the tuning
+    applies); without it there is no sweep, and everything else runs."""
+    if wake is None or not apply:
+        return None
+    path = socket_path()
+    try:
+        server = ControlServer(path, wake)
+    except OSError as exc:
+        log.info("no control socket at %s (%s): `gpuwarden tune` cannot sweep this daemon", path,
+                 exc.strerror or exc)
+        return None
+    server.start()
+    return server

@@ -14,9 +14,6 @@ published on schedule, so systemd restarts a daemon whose polls stopped.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import errno
 import logging
 import math
 import os
@@ -27,43 +24,35 @@ import time
 from collections.abc import Callable
 
 from .. import __version__
-from ..base import earlysignals, smallfile, webconfig
+from ..base import earlysignals, webconfig
 from ..config import Config
-from .control import ControlServer
-from ..tune.channel import socket_path
+from . import adoption, metrics_port
+from .adoption import HANDOVER_ENV
+from .control import ControlServer, open_control
+from .event_thread import start_event_thread
+from .heartbeat import Heartbeat
+from .metrics_port import MetricsPort
+from .reload import handover_refused, plan_reload, refusal
 from ..tune.sweeps import Sweeps
 from ..web.exposition import Exposition
-from ..web.server import MetricsServer, take_listener
 from ..watch.eventwatch import EventWatcher
 from ..gpu.base import GpuBackend
 from ..watch.monitor import Monitor, describe_sample
 from ..tune.originals import originals_store
 from ..proxy.child import PROXY_KIND
 from ..serving.run.processes import ProcessOps
-from ..serving.run import handover, ports
+from ..serving.run import handover
 from ..serving.run.runtime import ServingRuntime
-from ..base.statedir import listen_file, state_dir
+from ..base.statedir import state_dir
 from ..base.systemd import Notifier, flush_logs
 from ..tune.tuning import Tuner, TuningLife
-from ..base.yamlfile import InvalidConfig
 
 log = logging.getLogger("gpuwarden")
 
 HANDLED_SIGNALS = earlysignals.SIGNALS
 EVENTS_WAKE = 0  # the byte the GPU event thread writes to the wake-up pipe: no signal has number 0
-# Settings a reload cannot change in a running daemon.
-RESTART_ONLY = ("gpu", "metrics", "counters_interval_s")
 ERROR_REPEAT_S = 60.0  # the same serving or poll error is logged at most this often
 STOP_MARGIN_S = 30.0  # beyond the child's drain, for SIGKILL and restoring the tuning
-HANDOVER_ENV = "GPUWARDEN_HANDOVER"  # set across a re-exec: the children's pipes were inherited
-# The metrics listener's fd, inherited across a re-exec: the port is never let go, so no local user can bind it
-# in between and keep the new image from starting. After a crash systemd's fd store holds it (FDNAME=metrics).
-METRICS_FD_ENV = "GPUWARDEN_METRICS_FD"
-# A metrics port another process holds (a local user can bind it whenever it is free: at boot, at a requested
-# restart) is tried again this often from the tick: a bind, which never waits.
-METRICS_RETRY_S = 2.0
-LEFT_SERVING = ("this daemon could not start: %s keeps serving unsupervised (no health checks, no restarts) until "
-                "what stopped the start is fixed and the daemon started again; the next daemon adopts it")
 
 
 def reexec() -> None:
@@ -71,14 +60,9 @@ def reexec() -> None:
     os.environ[HANDOVER_ENV] = "1"
     flush_logs(2.0)
     earlysignals.block_for_exec()  # (again: reexec() is also called on its own)
-    if os.environ.get(METRICS_FD_ENV, "").isdigit():  # finish() kept it open; inheritable only now, for the exec
-        os.set_inheritable(int(os.environ[METRICS_FD_ENV]), True)
+    metrics_port.let_inherit()  # the port stays ours across the exec: Daemon.finish kept it open
     webconfig.let_inherit()  # the scrapers let in stay let in: Daemon.finish handed them over
     os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
-
-
-class StartupError(Exception):
-    """The daemon cannot start; the message is one line for the user."""
 
 
 class Daemon:
@@ -91,13 +75,12 @@ class Daemon:
         self.notifier = notifier or Notifier()
         self.clock = clock
         self.tuning = TuningLife(backend, config, Tuner(backend, originals_store(config, backend)))
-        self.sweeps = Sweeps(self.tuning, clock)  # `gpuwarden tune`'s leases (control.py)
+        self.sweeps = Sweeps(self.tuning, clock)  # `gpuwarden tune`'s leases (tune/sweeps.py)
         self.control: ControlServer | None = None
         self.monitor = Monitor(config, backend, self.tuning)
         self.exposition = Exposition(lambda: self.monitor.snapshot, clock)
-        self.server: MetricsServer | None = None
-        self.metrics_held_since: float | None = None  # metrics.listen was in use: the tick tries it again
-        self._metrics_retry_at = 0.0
+        self.metrics = MetricsPort(config.metrics, self.exposition, self.status_document, self.notifier,
+                                   self._error_once)
         # The children and what watches them; the proxy is a side child the runtime asks for by config. Under
         # the unit (StateDirectory=) the running children are recorded, so that the daemon after this one
         # takes them over (serving/run/handover.py); a daemon run by hand adopts nothing.
@@ -106,14 +89,12 @@ class Daemon:
                                       keep_fd=self.notifier.keep_fd)
         self.watcher: EventWatcher | None = None  # Xid and fatal events, on their own thread
         self.wake: Callable[[], None] | None = None  # run() sets it: wakes the loop as a signal does
-        self.ready_sent = False
+        self.heartbeat = Heartbeat(self.notifier, lambda: self.config.poll_interval_s)
         self.reload_asked = False  # a SIGHUP came: the next tick reloads
         self.handing_over = False  # a SIGUSR2 came: the loop ends and the installed code takes over (re-exec)
         self.adopting = False  # start() found children to take over (a handover, or an engine a crash left)
         self.stopping = False
         self.started_at = time.time()
-        self.published_at: float | None = None
-        self._stale_logged = False
         self._errors: dict[str, float] = {}  # message -> when last logged
 
     # -- life cycle -------------------------------------------------------------
@@ -127,7 +108,8 @@ class Daemon:
         # (leave_children). After a handover, or a crash of the daemon that left the engine serving, the engine
         # runs already, its flags checked when it started: only lint here, so the daemon watches it again within
         # seconds, not after the engine's import (a minute and more on a busy host, the engine unwatched).
-        self.adopting = HANDOVER_ENV in os.environ or self._engine_survives()
+        self.adopting = HANDOVER_ENV in os.environ or \
+            adoption.engine_survives(self.serving, self.config.serve.engine)
         # a sweep cut by this daemon's predecessor's death (or its handover: a lease is its connection's, and
         # the connection did not carry over): its setting back first
         self.sweeps.recover(handover=HANDOVER_ENV in os.environ)
@@ -136,7 +118,7 @@ class Daemon:
         # listener close-on-exec, the variables out of the environment) before anything is started from here.
         # A check that raises after this leaves them to finish() (run), which closes the listener.
         stored = handover.stored_fds()  # once: it takes LISTEN_FDS out of the environment
-        self._open_metrics(stored.get("metrics"), now)
+        self.metrics.open(stored.get("metrics"), now)
         # Adopting, the installed versions and model facts come from the cache, as the handover's check (on the old
         # image's loop) read them: one verdict for both, or a pip install under the running engine made the new
         # image refuse what the old one let through (exit 78). The running engine is not what they describe.
@@ -145,10 +127,10 @@ class Daemon:
             log.info("%s", note)
         log.info("before tuning: %s", " | ".join(describe_sample(g.sample()) for g in self.backend.gpus()))
         self.tuning.start(plan)
-        self._open_control()
-        self._watch_events()
-        self._serve_metrics(now)
-        self._start_serving(launch, now, stored)
+        self.control = open_control(self.wake, self.config.tuning.apply)
+        self.watcher = start_event_thread(self.backend, self.wake)
+        self.metrics.serve(now)
+        adoption.start_serving(self.serving, launch, now, stored, self.config.serve.stop_timeout_s)
         self.tick(now)
 
     def check(self, config: Config, deep: bool, on_loop: bool = False):
@@ -163,134 +145,13 @@ class Daemon:
         return plan, launch
 
     def leave_children(self) -> None:
-        """start() failed with children to adopt: they serve on, unsupervised, for the next daemon to adopt.
-        The record is kept as it is, marked keep, so that cleanup (ExecStopPost) does not end them after an
-        exit it would otherwise read as a stop (78, a config error, which the unit does not restart)."""
-        running = handover.keep(self.serving.state_dir) if self.adopting else None
-        if running is not None:
-            log.critical(LEFT_SERVING, running)
+        """start() failed with children to adopt: they serve on, unsupervised, for the next daemon to adopt."""
+        adoption.leave_children(self.serving, self.adopting)
 
-    def _engine_survives(self) -> bool:
-        """The record an earlier daemon left names an engine that still runs, provably ours (to be adopted)."""
-        record = handover.load(self.serving.state_dir)
-        if record is None or record.stopping:
-            return False
-        return any(handover.proven(child) is None for child in record.children
-                   if child.name == self.config.serve.engine)
-
-    def _open_metrics(self, stored: int | None, now: float) -> None:
-        """The metrics listener: the one the daemon before this one passed on (a re-exec's inherited fd, else
-        systemd's fd store) where it listens on metrics.listen, else bound anew (_bind_metrics)."""
-        passed = os.environ.pop(METRICS_FD_ENV, "")
-        fd = int(passed) if passed.isdigit() else stored
-        listen = self.config.metrics.listen
-        listener = take_listener(fd, listen) if fd is not None else None
-        if fd is not None and listener is None:  # closed here; systemd's copy would hold the old port forever
-            self.notifier.keep_fd("metrics", None)
-        if listen is not None:
-            self._bind_metrics(listener, now)
-
-    def _bind_metrics(self, listener, now: float) -> None:
-        """The one place the metrics server is made (and metrics.listen bound, without a listener passed on);
-        kept in the fd store for the daemon after this one. A port another process holds is waited for, with
-        one error line naming the holder where /proc tells: the daemon tunes and supervises meanwhile, and the
-        tick tries again every METRICS_RETRY_S. Raises StartupError when the address cannot be bound at all."""
-        host, port = self.config.metrics.listen
-        try:
-            self.server = MetricsServer((host, port), self.exposition, self.status_document,
-                                        self.config.metrics.web, listener)
-        except OSError as exc:
-            # strerror alone: create_server's adds "(while attempting to bind on address ...)"
-            reason = os.strerror(exc.errno) if exc.errno else str(exc)
-            if exc.errno != errno.EADDRINUSE:
-                raise StartupError(f"cannot serve metrics on {host}:{port}: {reason} "
-                                   "(change metrics.listen, or set it to none)") from None
-            if self.metrics_held_since is None:
-                self.metrics_held_since = now
-                try:
-                    who = ports.who_listens(port, host=host)
-                except OSError:
-                    who = "a process we cannot see"
-                log.error("cannot serve metrics on %s:%d: %s (%s): running without /metrics and /status, "
-                          "binding the port as soon as it is free", host, port, reason, who)
-            self._metrics_retry_at = now + METRICS_RETRY_S
-            return
-        self.notifier.keep_fd("metrics", self.server.listener.fileno())  # systemd ignores one it holds already
-
-    def _serve_metrics(self, now: float) -> None:
-        """Start the metrics server made by _bind_metrics, write the URL for `gpuwarden status`, and say so."""
-        if self.server is None:
-            return
-        self.server.start()
-        if os.environ.get("RUNTIME_DIRECTORY"):  # systemd's RuntimeDirectory=: the unit makes one
-            try:  # readable by all: `gpuwarden status` run by any user reads it
-                smallfile.write_atomic(listen_file(), (self.config.metrics.url + "\n").encode(), 0o644)
-            except OSError as exc:
-                log.warning("%s not written: %s", listen_file(), exc.strerror or exc)
-        held = "" if self.metrics_held_since is None else \
-            f" (the port was held for {now - self.metrics_held_since:.0f} s)"
-        self.metrics_held_since = None
-        log.info("serving /metrics and /status on %s%s", self.config.metrics.url, held)  # after the file: it is there
-
-    def _retry_metrics(self, now: float) -> None:
-        """metrics.listen was held at the start: bind it once it is free (tick; a bind never waits)."""
-        if self.metrics_held_since is None or self.server is not None or now < self._metrics_retry_at:
-            return
-        try:
-            self._bind_metrics(None, now)
-        except StartupError as exc:  # the address went away meanwhile: say so now and then, keep trying
-            self._error_once(str(exc))
-            self._metrics_retry_at = now + METRICS_RETRY_S
-        self._serve_metrics(now)
-
-    def _start_serving(self, launch, now: float, stored: dict[str, int]) -> None:
-        """Start the children (launch None: serving is off), or take over those an earlier daemon left running:
-        after a re-exec (an upgrade) their output pipes were inherited; after a crash systemd's fd store kept
-        them."""
-        record = handover.load(self.serving.state_dir)
-        reexec = os.environ.pop(HANDOVER_ENV, None) is not None
-        if reexec and record is not None:  # this process's own fds, kept open across execv
-            fds = {f"child-{c.name}": c.fd for c in record.children if c.fd is not None}
-        else:
-            fds = stored
-        if record is not None and record.stopping and not reexec:
-            handover.end_leftovers(record, "the daemon before this one was stopping")
-            record = None
-        if launch is None:  # serving is off: what the daemon before left running is stopped
-            self.serving.stop_unnamed(record, fds, now, self.config.serve.stop_timeout_s,
-                                      "serving is off in this config")
-            return
-        self.serving.start(launch, now, record, fds, "an upgrade (re-exec, same daemon pid)" if reexec
-                           else "a restart of the daemon")
-
-    def _open_control(self) -> None:
-        """The control socket for `gpuwarden tune`, where the runtime directory is ours; without it there is no
-        sweep, and everything else runs."""
-        if self.wake is None or not self.config.tuning.apply:
-            return
-        path = socket_path()
-        try:
-            self.control = ControlServer(path, self.wake)
-        except OSError as exc:
-            log.info("no control socket at %s (%s): `gpuwarden tune` cannot sweep this daemon", path,
-                     exc.strerror or exc)
-            return
-        self.control.start()
-
-    def _watch_events(self) -> None:
-        """Start the thread that waits for Xid and fatal events (where the backend reports them)."""
-        try:
-            source = self.backend.events()
-        except Exception as exc:  # the events are extra: polling goes on without them
-            log.warning("GPU events unavailable: %s: %s", type(exc).__name__, exc)
-            return
-        if source is None:
-            log.info("GPU events: this backend reports none; Xids show only in the kernel log")
-            return
-        kinds = "; ".join(f"GPU{gpu} {','.join(names)}" for gpu, names in sorted(source.registered.items()))
-        log.info("GPU events: waiting for %s", kinds or "none (no GPU reports events)")
-        self.watcher = EventWatcher(source, self.wake)
-        self.watcher.start()
+    @property
+    def server(self):
+        """The metrics server, while it serves."""
+        return self.metrics.server
 
     def handle_gpu_events(self) -> None:
         """What woke the loop: `gpuwarden tune`'s requests on the control socket (answered here, on the loop
@@ -326,7 +187,7 @@ class Daemon:
         except Exception as exc:
             self._error_once(f"GPU events: {type(exc).__name__}: {exc}")
         try:
-            self._retry_metrics(now)
+            self.metrics.retry(now)
         except Exception as exc:
             self._error_once(f"metrics: {type(exc).__name__}: {exc}")
         serving, stats = self._serving_tick(now)
@@ -335,22 +196,12 @@ class Daemon:
         except Exception as exc:  # one bad poll must not end the daemon; the next one may work
             self._error_once(f"poll failed: {type(exc).__name__}: {exc}")
             return
-        self.published_at = snapshot.published_at
-        if self._stale_logged:
-            log.log(logging.WARNING, "polls are published again; feeding the watchdog")
-            self._stale_logged = False
+        self.heartbeat.published(snapshot.published_at)
         if self.server is not None:
             self.exposition.published()
         status = snapshot.summary_line(numbers=False)  # the state, not this poll's readings
-        if self.metrics_held_since is not None:
-            status += " · metrics not served: %s:%d is held by another process" % self.config.metrics.listen
-        # READY once everything is usable: tuned, and the engine healthy when serving. An engine that went FATAL
-        # also ends the start-up, so that `systemctl start` returns and the STATUS line says why.
-        if not self.ready_sent and self.serving.ready:
-            flush_logs(0.5)  # once: the journal then shows "vLLM healthy" before systemd's "Started"
-            self.notifier.ready(status, now)
-            self.ready_sent = True
-        self.notifier.status(status, now)
+        status += self.metrics.held_note()  # while another process holds the port
+        self.heartbeat.report(status, now, ready=self.serving.ready)
 
     def _serving_tick(self, now: float):
         """Advance the children and read the engine's metrics. Never raises: a serving fault is logged and
@@ -374,21 +225,6 @@ class Daemon:
         if now - self._errors.get(message, float("-inf")) >= ERROR_REPEAT_S:
             self._errors[message] = now
             log.error("%s", message)
-
-    # -- the watchdog means "the snapshot is fresh" -------------------------------------
-    @property
-    def stale_after_s(self) -> float:
-        return max(3 * self.config.poll_interval_s, self.config.poll_interval_s + 2.0)
-
-    def fresh(self, now: float) -> bool:
-        return self.published_at is not None and now - self.published_at <= self.stale_after_s
-
-    def feed_watchdog(self, now: float) -> None:
-        if self.fresh(now):
-            self.notifier.watchdog(now)
-        elif self.published_at is not None and not self._stale_logged:
-            self._stale_logged = True
-            log.critical("no poll published for %.1f s: not feeding the watchdog", now - self.published_at)
 
     # -- stopping ------------------------------------------------------------------------
     def begin_stop(self, now: float) -> None:
@@ -420,19 +256,7 @@ class Daemon:
             self.sweeps.end("the daemon stops")  # before the restore below, which may put back less
         if not self.handing_over:
             self.tuning.restore()
-        web = self.server.web if self.server is not None else None  # the server's (a reload's config: a copy)
-        if self.server is not None:
-            kept = self.server.stop(keep_listener=self.handing_over)
-            if kept is not None:  # reexec() passes it across the exec: the port stays ours throughout
-                os.environ[METRICS_FD_ENV] = str(kept)
-            elif self.stopping:  # asked to stop: nothing to take back. After an error the restart takes it back.
-                self.notifier.keep_fd("metrics", None)
-            self.server = None
-            if os.environ.get("RUNTIME_DIRECTORY"):
-                with contextlib.suppress(OSError):
-                    listen_file().unlink()
-        if self.handing_over and web is not None:
-            web.hand_over()  # after the server's end, so that every scraper it let in is in (reexec passes it)
+        self.metrics.close(self.handing_over, self.stopping)
         self.exposition.close()
 
     def status_document(self) -> dict:
@@ -442,7 +266,8 @@ class Daemon:
         return _finite({"daemon": {"version": __version__, "pid": os.getpid(), "started_at": self.started_at,
                                    "config_files": list(self.config.files),
                                    "poll_interval_s": self.config.poll_interval_s,
-                                   "snapshot_age_seconds": age, "stale": age is not None and age > self.stale_after_s},
+                                   "snapshot_age_seconds": age,
+                                   "stale": age is not None and age > self.heartbeat.stale_after_s},
                         **(snapshot.as_dict() if snapshot else {})})
 
     # -- signal dispatch (by name, as in gunicorn) -----------------------------------
@@ -469,21 +294,9 @@ class Daemon:
         if self.stopping:
             log.warning("SIGUSR2 received while stopping: no handover")
             return
-        if self.reload_config is not None:
-            # The new image checks the config at start as check() does (adopting: lint at error level and flag
-            # facts, not the engine's parser), and exits 78 on a refusal, its engine orphaned: so check first,
-            # from the cache only (this is the main loop), and stay where it would refuse.
-            try:
-                self.check(self.reload_config(), deep=False, on_loop=True)
-            except InvalidConfig as exc:
-                more = f" (and {len(exc.errors) - 1} more)" if len(exc.errors) > 1 else ""
-                log.error("SIGUSR2: no handover, the config on disk would not start: %s%s; this daemon keeps "
-                          "running", exc.errors[0], more)
-                return
-            except Exception as exc:  # RecursionError, MemoryError, a bug: staying is never worse
-                log.error("SIGUSR2: no handover, the config on disk cannot be checked: %s: %s; this daemon keeps "
-                          "running", type(exc).__name__, exc)
-                return
+        if self.reload_config is not None and \
+                handover_refused(lambda: self.check(self.reload_config(), deep=False, on_loop=True)):
+            return
         record = self.serving.handover_record()
         running = ", ".join(f"{c.name} pid {c.pid}" for c in record.children) or "no child"
         log.info("SIGUSR2: handing over to the installed gpuwarden (same pid %d; %s kept running)", os.getpid(),
@@ -520,34 +333,24 @@ class Daemon:
             if self.serving.reread_installed(new):
                 self.reload_asked = True  # again once they are read; the loop polls on meanwhile
                 return
-            changed = [key for key in RESTART_ONLY if getattr(new, key) != getattr(self.config, key)]
-            new = dataclasses.replace(new, **{key: getattr(self.config, key) for key in changed})
-            plan = self.tuning.check(new)
-            # lint only, with the installed versions from the cache (read again above, off the loop, where they
-            # changed): nothing here waits on the engine's interpreter
-            serving_step = self.serving.plan_reload(new)
-        except InvalidConfig as exc:
-            problems = exc.errors
-            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-            log.error("reload failed, still running the previous config: %s%s", problems[0], more)
+            step = plan_reload(new, self.config, self.tuning, self.serving)
+        except Exception as exc:  # InvalidConfig; RecursionError, MemoryError, a bug: still keep what runs
+            log.error("reload failed, still running the previous config: %s", refusal(exc))
             return
-        except Exception as exc:  # RecursionError, MemoryError, a bug: still keep what runs
-            log.error("reload failed, still running the previous config: %s: %s", type(exc).__name__, exc)
-            return
-        if changed:
-            log.warning("reload: %s only change on restart; keeping the running values", ", ".join(changed))
+        if step.kept:
+            log.warning("reload: %s only change on restart; keeping the running values", ", ".join(step.kept))
         if self.monitor.events.needs_reset:  # the operator reset the GPUs (or says they need none)
             log.info("reload: no GPU counts as waiting for a reset any more")
             self.monitor.gpus_were_reset()
-        self.config = new
-        self.monitor.reconfigure(new)
-        self.tuning.reload(new, plan)
+        self.config = step.config
+        self.monitor.reconfigure(step.config)
+        self.tuning.reload(step.config, step.tuning)
         now = self.clock()
-        if serving_step is not None:
-            serving_step(now)
+        if step.serving_step is not None:
+            step.serving_step(now)
         else:
             self.serving.reset(now)
-        log.info("config reloaded from %s", ", ".join(new.files))
+        log.info("config reloaded from %s", ", ".join(step.config.files))
 
 
 def _finite(value):
@@ -627,7 +430,7 @@ def run(daemon: Daemon, duration_s: float | None = None, clock: Callable[[], flo
         next_tick = start + poll
         while not daemon.stop_done and not daemon.handing_over:
             now = clock()
-            daemon.feed_watchdog(now)
+            daemon.heartbeat.feed_watchdog(now)
             if duration_s is not None and now - start >= duration_s and not daemon.stopping:
                 log.info("ran for %g s as asked, stopping", duration_s)
                 daemon.begin_stop(now)
@@ -640,7 +443,7 @@ def run(daemon: Daemon, duration_s: float | None = None, clock: Callable[[], flo
                 daemon.tick(stamp, lag=lag)
                 next_tick = stamp + poll
             waits = [next_tick - clock()]
-            if daemon.fresh(clock()):  # a stale daemon sends no pings, so it must not wake up for them
+            if daemon.heartbeat.fresh(clock()):  # a stale daemon sends no pings, so it must not wake up for them
                 waits.append(daemon.notifier.next_watchdog_in(clock()))
             if duration_s is not None and not daemon.stopping:
                 waits.append(start + duration_s - clock())
