@@ -1,7 +1,7 @@
 """`gpuwarden tune`: sweep the power limit (or a locked SM clock) under bench's workload, find the knee.
 
 Each step is one bench step (sweep.run: the same workload, client, watch and energy figures) at one setting,
-which the running daemon sets through its control channel (control.py) under a lease; the configured setting
+which the running daemon sets through its control channel (tune/channel.py) under a lease; the configured setting
 comes back however the sweep ends. The knee is the step with the most tokens per joule among those that keep
 --keep of the peak tok/s.
 """

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..gpu import errors
-from ..tune.channel import ANSWER_S, CONNECTIONS_MAX, HELLO_S, LINE_MAX, MESSAGES_MAX, _peer, socket_path
+from ..tune.channel import ANSWER_S, CONNECTIONS_MAX, HELLO_S, LINE_MAX, MESSAGES_MAX, peer_of, socket_path
 from ..tune.sweeps import Sweeps
 
 log = logging.getLogger("gpuwarden")
@@ -71,7 +71,7 @@ class ControlServer:
                 continue
             except OSError:
                 return
-            uid, pid = _peer(conn)
+            uid, pid = peer_of(conn)
             with self._lock:
                 full = self._open >= CONNECTIONS_MAX
                 if not full:
@@ -199,10 +199,10 @@ def _answers(path: Path) -> bool:
             return False
 
 
-def _send(conn: socket.socket, answer: dict, timeout: float = SEND_S) -> None:
-    """One answer line; OSError (TimeoutError) if the peer does not take it within timeout: the caller closes the
-    connection, since a line sent in part would garble the next."""
-    conn.settimeout(timeout)
+def _send(conn: socket.socket, answer: dict, timeout: float | None = None) -> None:
+    """One answer line; OSError (TimeoutError) if the peer does not take it within timeout (SEND_S, read at the
+    call): the caller closes the connection, since a line sent in part would garble the next."""
+    conn.settimeout(SEND_S if timeout is None else timeout)
     try:
         conn.sendall(json.dumps(answer).encode() + b"\n")
     except TimeoutError:  # not the lease's silence: the peer stopped reading

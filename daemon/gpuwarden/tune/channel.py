@@ -50,7 +50,7 @@ class ChannelLost(ControlError):
     """The connection failed or closed mid-sweep: the lease is gone with it."""
 
 
-def _peer(conn: socket.socket) -> tuple[int, int]:
+def peer_of(conn: socket.socket) -> tuple[int, int]:
     """(uid, pid) of the process at the other end, from the kernel (SO_PEERCRED: struct ucred)."""
     pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
     return uid, pid
@@ -74,7 +74,7 @@ class SweepClient:
         except OSError as exc:
             raise Unreachable(f"cannot connect to {path}: {exc.strerror or exc}") from None
         self.reader = self.sock.makefile("rb")
-        self.daemon_pid = _peer(self.sock)[1]  # the kernel's word on who listens: the pid --apply reloads
+        self.daemon_pid = peer_of(self.sock)[1]  # the kernel's word on who listens: the pid --apply reloads
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.lost: str | None = None  # why the lease was lost mid-sweep (the daemon stopped or died)

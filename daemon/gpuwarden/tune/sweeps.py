@@ -111,7 +111,8 @@ class Sweeps:
         setting, lease_s, wanted = message.get("setting"), message.get("lease_s"), message.get("gpus")
         if setting not in SETTINGS:
             return {"ok": False, "error": f"setting {setting!r}: expected one of {', '.join(SETTINGS)}"}
-        if not isinstance(lease_s, (int, float)) or isinstance(lease_s, bool) or not LEASE_MIN_S <= lease_s <= LEASE_MAX_S:
+        if not isinstance(lease_s, (int, float)) or isinstance(lease_s, bool) or \
+                not LEASE_MIN_S <= lease_s <= LEASE_MAX_S:
             return {"ok": False, "error": f"lease_s {lease_s!r}: expected {LEASE_MIN_S:g}-{LEASE_MAX_S:g} seconds"}
         indices = [g.index for g in self.tuning.backend.gpus()]
         if wanted is None:
@@ -177,7 +178,8 @@ class Sweeps:
                     return {"ok": False, "error": f"GPU {gpu.index} reports no supported graphics clocks"}
                 current, target = sample.sm_clock_mhz, (int(value), int(value))
             if not low <= value <= high:
-                return {"ok": False, "error": f"GPU {gpu.index}: {value:g} is outside what it accepts ({low:g}-{high:g})"}
+                return {"ok": False,
+                        "error": f"GPU {gpu.index}: {value:g} is outside what it accepts ({low:g}-{high:g})"}
             actions.append(Action(gpu.index, gpu.uuid, lease.setting, current, target, True, "sweep"))
         plan = Plan(tuple(GpuPlan(a.gpu, a.uuid, "", (a,)) for a in actions))
         lease.last_set = self.clock()  # a set that reaches the GPUs counts for the rate; a refused value does not

@@ -277,7 +277,7 @@ class TuningLife:
         self._last_reapply: dict[int, float] = {}
         self._unplanned: set[int] = set()  # unreadable when planned: planned as soon as they answer
         self._was_up: dict[int, bool] = {}
-        self.held: set[int] = set()  # GPUs a sweep's lease holds (control.py): no re-apply on them meanwhile
+        self.held: set[int] = set()  # GPUs a sweep's lease holds (sweeps.py): no re-apply on them meanwhile
         self.held_setting: str | None = None  # the setting it sweeps there: a reload leaves it to the sweep's end
         self.held_step: Any = None  # the value the sweep last set there (None: none yet)
 
