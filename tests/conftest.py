@@ -158,8 +158,10 @@ class DaemonProcess:
         for line in self.proc.stdout:
             self.lines.append(line.rstrip("\n"))
 
-    def wait_for(self, text: str, timeout: float = 30.0, after: int = 0) -> str:
-        """The first log line from index `after` on that contains text."""
+    def wait_for(self, text: str, timeout: float = 120.0, after: int = 0) -> str:
+        """The first log line from index `after` on that contains text. It returns as soon as the line comes and
+        fails as soon as the daemon ends, so the timeout only bounds a daemon that hangs: a busy box took over 30 s
+        to reach a vLLM start (the engine's flag check imports vLLM)."""
         import time
 
         deadline = time.monotonic() + timeout

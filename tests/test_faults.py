@@ -405,7 +405,9 @@ def test_a_stderr_nobody_reads_does_not_stop_the_loop_or_sigterm(write, tmp_path
         base = f"http://127.0.0.1:{port}"
         began = time.monotonic()
         state = status(base)
-        assert state["loop_lag"]["p99_seconds"] < 0.1 and not state["daemon"]["stale"]
+        # A loop blocked on a full pipe lags without end and goes stale; a busy box's scheduling adds tenths at most
+        # (0.12 s was seen with CI's four workers beside six other jobs).
+        assert state["loop_lag"]["p99_seconds"] < 0.5 and not state["daemon"]["stale"]
         time.sleep(1)
         assert_fed(notify, began, time.monotonic(), watchdog_s=0.5)
         proc.send_signal(signal.SIGTERM)

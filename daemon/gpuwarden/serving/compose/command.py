@@ -12,7 +12,7 @@ from ...gpu.base import GpuSample
 from ...base.yamlfile import ConfigError
 from .engines import Engine, engine_for
 from .nodes import Role
-from .profiles import Profile
+from .profiles import Composed, Profile
 
 # What the child inherits from our environment: the locale and the CUDA/NCCL/NVIDIA settings, nothing else
 # (not our credentials, our unit's notify socket, our PATH with /root in it, or a secret in the unit's env).
@@ -22,10 +22,7 @@ CHILD_PATH = "/usr/local/bin:/usr/bin:/bin"  # after the directory of the child'
 
 
 @dataclass(frozen=True)
-class ServeCommand:
-    argv: tuple[str, ...]
-    env: dict[str, str]
-    profile: Profile
+class ServeCommand(Composed):
     gpus: tuple[GpuSample, ...]
     engine: Engine
     prefix: int  # how many leading words of argv are the command (serve.command or the engine's)

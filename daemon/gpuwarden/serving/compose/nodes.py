@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...config import Config, NodesConfig, node_address
-from ...base.yamlfile import ConfigError
 
 SYS_NET = Path("/sys/class/net")
 

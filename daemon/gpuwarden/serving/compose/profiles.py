@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,6 +75,16 @@ class Profile:
                          "known_bad": [{"version": b.version, "reason": b.reason} for b in self.known_bad]},
                 "args": list(self.args), "env": dict(self.env), "tuning_hints": dict(self.tuning_hints),
                 "notes": [{"text": t, "source": s} for t, s in self.notes]}
+
+
+@dataclass(frozen=True)
+class Composed:
+    """A command line as a profile composed it: argv (the command, then the engine's flags) and the environment.
+    The final command (command.ServeCommand) and what a lint rule looks at (rules.LintContext) are each one."""
+
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    profile: Profile
 
 
 def load_profile(file: Path) -> Profile:

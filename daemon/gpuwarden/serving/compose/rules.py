@@ -31,7 +31,7 @@ from .flags import flag_value, has_flag
 from .installed import PACKAGES, Installed
 from .lint import ERROR, WARNING, LintFinding, read_specifier, version_in
 from .model import ModelFacts, not_read
-from .profiles import Profile
+from .profiles import Composed
 from .secrets import SECRET_FLAGS, is_secret, is_secret_flag
 
 BUILTIN = Path(__file__).resolve().parent / "rules" / "builtin.yaml"
@@ -49,12 +49,9 @@ NEW_RULE_NEEDS = ("severity", "message", "fix", "source")
 
 
 @dataclass(frozen=True)
-class LintContext:
+class LintContext(Composed):
     """What a rule looks at: the final command and environment, and where it will run."""
 
-    argv: tuple[str, ...]
-    env: Mapping[str, str]
-    profile: Profile
     compute_capabilities: tuple[str, ...]
     model: str
     engine: Any  # engines.Engine (not imported: engines import this module)
