@@ -99,3 +99,22 @@ def test_the_check_sees_an_upward_import():
         [(_, target)] = imports_in(source, "gpuwarden.gpu")
         assert unit_of(target) == "config" and RANK["config"] > RANK["gpu"], source
     assert imports_in("from .base import Gpu\n", "gpuwarden.gpu") == [(1, "gpuwarden.gpu.base")]
+
+
+TOP_LEVEL_MAX = 6  # entry points, the config and its backend; the rest lives in a wing
+CLASS_LINES_MAX = 300
+
+
+def test_the_package_is_wings_with_few_modules_at_the_top():
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= TOP_LEVEL_MAX, f"{len(top)} modules directly in daemon/gpuwarden/ (a wing is their home): {top}"
+
+
+def test_no_class_is_over_300_lines():
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > CLASS_LINES_MAX:
+                long.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {node.name}, "
+                            f"{node.end_lineno - node.lineno + 1} lines")
+    assert not long, "classes over 300 lines (split by job):\n" + "\n".join(long)
