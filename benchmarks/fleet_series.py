@@ -5,7 +5,7 @@
 For each GPU count it starts `gpuwarden run` (a real process, tuned, polling once a second) on that many
 simulated RTX PRO 6000, once without and once with a serving engine (tests/fakechild.py standing in for
 vLLM), scrapes /metrics five times once the engine serves, and reports the series (sample lines) and the
-bytes of a scrape, with the series each GPU adds, and the series the README's remote-write keep list (KEEP,
+bytes of a scrape, with the series each GPU adds, and the series docs/fleet.md's remote-write keep list (KEEP,
 the same regex) lets through. --families adds the series of each metric family for the largest GPU count
 with an engine.
 """
@@ -33,7 +33,7 @@ DAEMON = os.environ.get("PYTHONPATH") or str(ROOT / "daemon")  # this checkout's
 sys.path.insert(0, DAEMON)
 from gpuwarden.gpu.sim.scenario import resolve_scenario  # noqa: E402
 
-# The README's write_relabel_configs keep list for a long-term store (recording rules and ALERTS are kept
+# docs/fleet.md's write_relabel_configs keep list for a long-term store (recording rules and ALERTS are kept
 # there too; they are the local Prometheus's own series, not a host's).
 KEEP = re.compile(r"gpuwarden_gpu_(info|up|sm_clock_hertz|memory_clock_hertz|power_watts|power_limit_watts"
                   r"|temperature_celsius|utilization_ratio|memory_used_bytes|energy_joules_total"

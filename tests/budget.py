@@ -1,5 +1,5 @@
 """The test budget: seconds per test file at the end of a run, grouped by the real part each test needs, so that
-what CI's time goes to can be read off one table (the README's development section keeps it).
+what CI's time goes to can be read off one table (docs/development.md keeps it).
 
 A test's part comes from its markers and fixtures (PARTS): the real CPU vLLM, the nspawn boot, Prometheus and
 Alertmanager, Ray; "none" is everything else (simulated GPUs, fake children, the daemon as a process). Setup and

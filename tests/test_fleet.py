@@ -135,7 +135,7 @@ def inhibited_pairs():
 @pytest.mark.integration
 @pytest.mark.fleet
 def test_alertmanager_mutes_every_pair_the_inhibit_rules_name(tmp_path):
-    """Each pair of the explanation table (the README's "What it mutes"), through Debian's Alertmanager with the
+    """Each pair of the explanation table (docs/fleet.md, "What it mutes"), through Debian's Alertmanager with the
     shipped inhibit rules: the explained alert is suppressed and names the one that explains it; a lookalike
     on another host, GPU or child is not."""
     alertmanager = tool("prometheus-alertmanager", "prometheus-alertmanager")
@@ -567,7 +567,7 @@ def test_a_fleet_of_sixteen_daemons_notifies_once_per_host_and_cause(tmp_path, d
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s", "scrape_timeout": "1s"},
         "rule_files": [str(rules_copy(tmp_path))],
         "alerting": {"alertmanagers": [{"static_configs": [{"targets": [f"127.0.0.1:{am_port}"]}]}]},
-        # instance is the host's name, as the README suggests: alerts and pages read "h05", not a port.
+        # instance is the host's name, as docs/fleet.md suggests: alerts and pages read "h05", not a port.
         "scrape_configs": [{"job_name": "gpuwarden", "static_configs": [
             {"targets": [f"127.0.0.1:{port}"], "labels": {"instance": name}} for name, port in fleet.ports.items()]},
             {"job_name": "prometheus", "static_configs": [{"targets": [f"127.0.0.1:{prom_port}"]}]}],

@@ -170,7 +170,7 @@ serve:
                            {"job_name": "gpuwarden-proxy", "static_configs": [{"targets": [f"127.0.0.1:{proxy_port}"]}]}],
     }))
     d = daemons(config_b)
-    # The proxy in front of host B's vLLM, scraped as the README says, for the dashboard's prefix-cache row.
+    # The proxy in front of host B's vLLM, scraped as docs/fleet.md says, for the dashboard's prefix-cache row.
     proxy = subprocess.Popen([*gpuwarden_cmd(), "proxy", "-c", "none", "--upstream", f"http://127.0.0.1:{engine_port}",
                               "--listen", f"127.0.0.1:{proxy_port}", "--rules", "date_line"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

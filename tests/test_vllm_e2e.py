@@ -304,7 +304,7 @@ def test_a_frozen_engine_is_caught_while_health_says_200_restarted_and_the_idle_
 def test_an_idle_server_that_requires_a_key_is_probed_with_it_and_never_restarted(write, daemons, vllm_python,
                                                                                    tiny_model, child_user):
     """Issue 24: the idle probe posted without credentials, vLLM answered 401 (VLLM_API_KEY set), and the daemon
-    restarted a healthy engine every few probes until FATAL. The key comes from serve.env_file, as the README
+    restarted a healthy engine every few probes until FATAL. The key comes from serve.env_file, as docs/serving/vllm.md
     says to give it; idle for ten probes, one due every 3 s (one failed probe is a stall, so each of them
     would have restarted it): no stall, no restart, and keyed work still works while a request without the
     key is refused."""
