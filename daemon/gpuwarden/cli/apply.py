@@ -6,10 +6,11 @@ import argparse
 
 from ..backends import open_configured
 from ..base.systemd import print_error
+from ..config import EX_CONFIG
 from ..gpu import errors
 from ..tune.originals import originals_store
 from ..tune.tuning import Outcome, Tuner, make_plan
-from .common import EX_FAIL, EX_NOPERM, EX_OK, load_config
+from .common import EX_FAIL, EX_NOPERM, EX_OK, EX_UNAVAILABLE, load_config
 from .registry import Command
 
 
@@ -41,4 +42,8 @@ def apply_status(outcomes: list[Outcome]) -> int:
 
 
 COMMAND = Command("apply", help="apply the tuning once, verify it, and exit (for boot-time tuning without the daemon)",
-                  run=cmd_apply, order=30)
+                  run=cmd_apply, order=30,
+                  exits=((EX_OK, "every setting applied and read back"), (EX_FAIL, "a tuning step failed"),
+                         (EX_UNAVAILABLE, "NVML unavailable"),
+                         (EX_NOPERM, "permission denied (needs root or CAP_SYS_ADMIN)"),
+                         (EX_CONFIG, "configuration error")))

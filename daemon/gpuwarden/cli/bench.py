@@ -9,7 +9,8 @@ from pathlib import Path
 from .. import config as configmod
 from ..bench import command as bench_command
 from ..config import Config
-from .common import load_config
+from ..config import EX_CONFIG
+from .common import EX_FAIL, EX_INTERRUPTED, EX_NOT_RUNNING, EX_OK, EX_UNAVAILABLE, load_config
 from .registry import Command
 
 HELP = """\
@@ -78,4 +79,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 COMMAND = Command("bench", help="served throughput by concurrency, with the clocks, the power and the roofline "
-                  "beside it", run=cmd_bench, arguments=arguments, description=HELP, order=90)
+                  "beside it", run=cmd_bench, arguments=arguments, description=HELP, order=90,
+                  exits=((EX_OK, "done"), (EX_FAIL, "a step (or the first request) had only errors"),
+                         (EX_NOT_RUNNING, "nothing to compare"), (EX_UNAVAILABLE, "the server cannot be reached"),
+                         (EX_CONFIG, "bad arguments, config or model"),
+                         (EX_INTERRUPTED, "interrupted (the partial result is still printed and saved)")))

@@ -11,7 +11,7 @@ import sys
 from ..backends import open_configured
 from ..base.safetext import visible
 from ..base.yamlfile import ConfigErrors
-from ..config import Config
+from ..config import EX_CONFIG, Config
 from ..gpu import errors
 from ..serving.compose.secrets import redact_argv
 from ..tune.tuning import make_plan
@@ -104,4 +104,6 @@ def _nodes_check(config: Config, command, as_json: bool) -> list[tuple[str, str,
 
 
 COMMAND = Command("check", help="validate the config and, where GPUs are reachable, the tuning values against the "
-                  "cards; exit 0 or 78", run=cmd_check, arguments=arguments, order=10)
+                  "cards; exit 0 or 78", run=cmd_check, arguments=arguments, order=10,
+                  exits=((EX_OK, "the config is valid (GPU checks skipped where NVML is unavailable)"),
+                         (EX_CONFIG, "a configuration error, each one printed with its file and line")))

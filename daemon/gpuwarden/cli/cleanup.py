@@ -48,4 +48,5 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
 
 
 COMMAND = Command("cleanup", help="for the unit's ExecStopPost: after a stop, end the serving children the daemon left "
-                  "(after a crash they are kept for the restarted daemon to adopt)", run=cmd_cleanup, order=40)
+                  "(after a crash they are kept for the restarted daemon to adopt)", run=cmd_cleanup, order=40,
+                  exits=((EX_OK, "always: what it ended or kept is logged"),))

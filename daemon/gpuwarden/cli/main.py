@@ -12,7 +12,7 @@ from ..base.systemd import print_error
 from ..base.yamlfile import InvalidConfig
 from ..config import EX_CONFIG
 from ..gpu import errors
-from .common import EX_FAIL, EX_UNAVAILABLE
+from .common import EX_FAIL, EX_INTERRUPTED, EX_UNAVAILABLE
 from .registry import build_parser, find_commands
 
 
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         return EX_UNAVAILABLE if isinstance(exc, errors.Unavailable) else EX_FAIL
     except KeyboardInterrupt:
         print_error("gpuwarden: interrupted")
-        return 130
+        return EX_INTERRUPTED
     except BrokenPipeError:
         return EX_FAIL  # e.g. `gpuwarden plan | head`
 

@@ -9,7 +9,8 @@ from ..backends import open_configured
 from ..config import Config
 from ..tune import tunables
 from ..tune.tuning import Plan, make_plan
-from .common import EX_OK, load_config
+from ..config import EX_CONFIG
+from .common import EX_OK, EX_UNAVAILABLE, load_config
 from .registry import Command
 
 
@@ -47,4 +48,6 @@ def render_plan(plan: Plan, config: Config) -> str:
 
 
 COMMAND = Command("plan", help="print what tuning would change on each GPU; touches nothing", run=cmd_plan,
-                  arguments=arguments, order=20)
+                  arguments=arguments, order=20,
+                  exits=((EX_OK, "the plan is printed"), (EX_UNAVAILABLE, "NVML unavailable"),
+                         (EX_CONFIG, "configuration error")))

@@ -8,7 +8,7 @@ import json
 import shlex
 
 from ..backends import open_configured
-from ..config import Config
+from ..config import EX_CONFIG, Config
 from ..gpu import errors
 from ..serving.compose.secrets import redact_argv, redact_env
 from .common import EX_OK, load_config
@@ -109,4 +109,5 @@ def render_profile(profile, composed) -> str:
 
 
 COMMAND = Command("profiles", help="the serving profiles of every engine: `profiles list`, `profiles show NAME` (the "
-                  "final command, env and lint)", run=cmd_profiles, arguments=arguments, order=60)
+                  "final command, env and lint)", run=cmd_profiles, arguments=arguments, order=60,
+                  exits=((EX_OK, "listed or shown"), (EX_CONFIG, "configuration error, or no profile of that name")))

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from ..proxy import command as proxy_command
 from ..proxy.command import CLIENT_TIMEOUT_S, DUMP_MAX_BYTES
-from .common import load_config
+from ..config import EX_CONFIG
+from .common import EX_FAIL, EX_OK, load_config
 from .registry import Command
 
 HELP = """\
@@ -57,4 +58,8 @@ def cmd_proxy(args: argparse.Namespace) -> int:
 
 
 COMMAND = Command("proxy", help="the prefix-cache normalizing proxy; `proxy diff A B` finds a cache buster",
-                  run=cmd_proxy, arguments=arguments, description=HELP, order=110)
+                  run=cmd_proxy, arguments=arguments, description=HELP, order=110,
+                  exits=((EX_OK, "stopped by SIGTERM or SIGINT; diff: the report is printed"),
+                         (EX_FAIL, "diff: a dump cannot be read"),
+                         (71, "cannot listen on the address (EX_OSERR)"),  # proxy/command.py's serve()
+                         (EX_CONFIG, "bad arguments or configuration")))

@@ -8,7 +8,8 @@ import os
 from ..backends import open_configured
 from ..base.systemd import print_error
 from ..base.yamlfile import InvalidConfig
-from .common import EX_FAIL, EX_OK, load_config
+from ..config import EX_CONFIG
+from .common import EX_FAIL, EX_OK, EX_UNAVAILABLE, load_config
 from .registry import Command
 
 
@@ -56,4 +57,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 COMMAND = Command("run", help="the daemon: apply the tuning, then monitor every poll_interval_s and serve metrics "
                   "until SIGTERM/SIGINT (SIGHUP reloads the config)", run=cmd_run, arguments=arguments, order=50,
-                  keeps_held_signals=True)
+                  keeps_held_signals=True,
+                  exits=((EX_OK, "stopped by SIGTERM or SIGINT, or --duration ran out"),
+                         (EX_FAIL, "the start failed (e.g. the metrics port is taken, or a tuning step failed)"),
+                         (EX_UNAVAILABLE, "NVML unavailable"),
+                         (EX_CONFIG, "configuration error (the unit does not restart on it)")))

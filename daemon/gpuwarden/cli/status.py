@@ -7,6 +7,7 @@ import json
 import os
 
 from ..base.systemd import print_error
+from ..config import EX_CONFIG
 from .common import EX_NOT_RUNNING, EX_OK, load_config
 from .registry import Command
 
@@ -48,4 +49,6 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 COMMAND = Command("status", help="show the running daemon's view: clocks, power, reasons and firing alerts per GPU "
-                  "(exit 3 if no daemon answers)", run=cmd_status, arguments=arguments, order=80)
+                  "(exit 3 if no daemon answers)", run=cmd_status, arguments=arguments, order=80,
+                  exits=((EX_OK, "the daemon answered"), (EX_NOT_RUNNING, "no daemon answers"),
+                         (EX_CONFIG, "configuration error")))

@@ -6,7 +6,8 @@ import argparse
 from pathlib import Path
 
 from ..bench import tune as bench_tune
-from .common import load_config
+from ..config import EX_CONFIG
+from .common import EX_FAIL, EX_INTERRUPTED, EX_NOPERM, EX_OK, EX_UNAVAILABLE, load_config
 from .registry import Command
 
 HELP = """\
@@ -63,4 +64,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 COMMAND = Command("tune", help="sweep power limits or SM clocks under bench's workload and find the most tokens per "
-                  "joule", run=cmd_tune, arguments=arguments, description=HELP, order=100)
+                  "joule", run=cmd_tune, arguments=arguments, description=HELP, order=100,
+                  exits=((EX_OK, "done"), (EX_FAIL, "the daemon refused the sweep or a step, or the lease was lost"),
+                         (EX_UNAVAILABLE, "no daemon or server to ask"), (EX_NOPERM, "not root"),
+                         (EX_CONFIG, "bad arguments"),
+                         (EX_INTERRUPTED, "interrupted (the setting is back; the steps done are printed)")))
