@@ -15,6 +15,10 @@ Why each escape:
 
 from __future__ import annotations
 
+import email.utils
+import re
+from pathlib import Path
+
 
 class Roff(str):
     """Text that is roff already: not escaped again."""
@@ -112,3 +116,13 @@ class ManPage:
 
     def text(self) -> str:
         return "\n".join(self.lines) + "\n"
+
+
+def release(root: Path) -> tuple[str, str]:
+    """The .TH source and date of every page: the newest entry of the Debian changelog, the release the pages
+    ship in (a date taken from the clock would make each generation differ)."""
+    head = (root / "packaging" / "debian" / "changelog").read_text().splitlines()
+    version = re.match(r"\S+ \(([^)-]+)", head[0]).group(1)
+    signed = next(line for line in head if line.startswith(" -- "))
+    date = email.utils.parsedate_to_datetime(signed.split(">", 1)[1].strip())
+    return f"gpuwarden {version}", date.strftime("%Y-%m-%d")
