@@ -1,5 +1,6 @@
 """The rule machinery: what a rule is and what its check says (each signal's rules live in watch/signals/),
-the context a rule reads beyond the sample, and the per-GPU state machine that debounces them.
+the context a rule reads beyond the sample (each signal's window contributes its own part), and the per-GPU state
+machine that debounces them.
 
 A rule must hold for `for_s` before it fires and be false for `clear_for_s`
 before it resolves (pending -> firing -> clearing -> resolved), so a value that
@@ -11,39 +12,56 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from ..config import AlertSettings
-from ..gpu.base import ClockEventReason as R
 from ..gpu.base import GpuSample
 from .rows import COUNTER, Row
+
+if TYPE_CHECKING:
+    from .eventwatch import EventBook
 
 INFO, WARNING, CRITICAL = "info", "warning", "critical"
 
 
 @dataclass(frozen=True)
+class Poll:
+    """One poll as a signal's window sees it."""
+
+    now: float
+    fresh: bool  # this poll read the slow counters (counters_interval_s)
+    window_s: float  # how far back a window looks (monitor.DUTY_WINDOW_S, or three counter reads when longer)
+    events: EventBook  # the GPU events the event thread brought (the xid signal's window reads its book)
+
+
+class Window(Protocol):
+    """A signal's memory of earlier polls, declared as its WINDOW (watch/signals/): the monitor keeps one of each
+    and reads it once per GPU per poll, before the rules; the rules find the reading in ctx.window(TheClass), the
+    signal's rows in view.windows."""
+
+    EMPTY: ClassVar[object]  # the reading a rule sees where none was taken (a check asked outside a poll)
+
+    def read(self, sample: GpuSample, poll: Poll) -> object: ...
+
+
+@dataclass(frozen=True)
 class GpuContext:
-    """What a rule needs beyond the sample: the configured state and busy input."""
+    """What a rule needs beyond the sample: the configured state, the busy input, and what each signal's window
+    read for this GPU on this poll."""
 
     busy: bool
     sm_lock: tuple[int, int] | None  # configured and applied locks; None if not locking
     memory_lock: tuple[int, int] | None
     persistence_wanted: bool
     settings: AlertSettings
-    # Fraction of the recent window each NVML violation counter ran (signals/slowdown.py's DutyCycles): how much of the
-    # time a reason held the clocks down, however it flapped between two polls.
-    duty: Mapping[str, float] = field(default_factory=dict)
-    duty_window_s: float = 0.0
-    seen: R = R.NONE  # every reason seen in a sample during that window
-    xids: tuple[tuple[int, int], ...] = ()  # (xid, count) of this GPU's recent Xids (eventwatch.RECENT_S)
-    reset_needed: str | None = None  # an event asked for a GPU reset or a reboot, and none happened yet
-    # NVLink links seen up since the start (a link never up and with no far end is not cabled: not a fault),
-    # and each link's error counters' growth over the duty window: {(link, kind): errors}, with its seconds.
-    nvlinks_seen_up: frozenset[int] = frozenset()
-    nvlink_growth: Mapping[tuple[int, str], int] = field(default_factory=dict)
-    nvlink_growth_s: float = 0.0
     # The power limit gpuwarden sets on this GPU on purpose and who chose it ("chosen in tuning.power_limit_w",
     # "set by a tune sweep"): TuningLife.chosen_power_limit. None: nobody here chose the card's limit.
     power_limit_chosen: tuple[float, str] | None = None
+    windows: Mapping[type, object] = field(default_factory=dict)  # each window's reading, by its class
+
+    def window(self, kind: type[Window]) -> Any:
+        """This poll's reading of a signal's window; its EMPTY one where none was read."""
+        return self.windows.get(kind, kind.EMPTY)
 
 
 @dataclass(frozen=True)
@@ -63,6 +81,9 @@ class Rule:
     hint: str
     check: Callable[[GpuSample, GpuContext], Check]
     for_s: float | None = None  # None: alerts.for_s; a rule whose condition is already a duration fires at once
+    # A rule that a sweep's own settings trip (tune/sweeps.py): held as it is on the GPUs a sweep holds, and
+    # evaluated again once the configured setting is back.
+    swept: bool = False
 
 
 INACTIVE = Check(False)

@@ -12,18 +12,18 @@ import dataclasses
 import logging
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import TYPE_CHECKING
 
-from .alerts import CRITICAL, FIRING, WARNING, AlertState, GpuContext
+from .alerts import CRITICAL, FIRING, WARNING, AlertState, GpuContext, Poll
 from ..config import Config
 from .eventwatch import EventBook, processes_on
 from ..gpu.base import GpuBackend, GpuSample
-from .signals import REAPPLY_ON, RULES, SERVING_RULES
-from .signals.nvlink import LinkErrors
+from .rows import Row
+from .signals import GPU_ROWS, REAPPLY_ON, SERVING_RULES, SIGNALS, rows_of, rules_of, windows_of
 from .signals.serving import EnergyWindow
-from .signals.slowdown import DutyCycles
 from ..base.systemd import NOTICE
 from ..gpu.throttle import is_busy
 from ..tune.tuning import TuningLife
@@ -43,6 +43,7 @@ class GpuView:
     sm_lock: tuple[int, int] | None
     memory_lock: tuple[int, int] | None
     power_limit_chosen: tuple[float, str] | None = None  # the limit set on purpose, and by whom (TuningLife)
+    windows: Mapping[type, object] = field(default_factory=dict)  # each signal's window's reading (GpuContext's)
 
 
 @dataclass(frozen=True)
@@ -63,11 +64,6 @@ class AlertView:
                                               "threshold", "short")}
 
 
-# The rules a sweep's own settings trip (control.py): held as they are on the GPUs a sweep holds, and evaluated
-# again once the configured setting is back.
-SWEPT = ("sm_clock_low", "memory_clock_low", "clock_lock_lost", "power_capped", "at_design_power")
-
-
 @dataclass(frozen=True)
 class Snapshot:
     taken_at: float  # wall-clock seconds
@@ -86,6 +82,7 @@ class Snapshot:
     published_at: float = 0.0  # monotonic seconds when this snapshot was published
     loop_lag: LagWindow | None = None
     tokens_per_joule: float | None = None  # the engine's generated tokens over its GPUs' energy (EnergyWindow)
+    rows: tuple[Row, ...] = GPU_ROWS  # the metric rows of the signals it was read with, for /metrics
 
     @property
     def serving(self) -> ServingView | None:
@@ -176,21 +173,22 @@ LAG_WINDOW = 300  # polls
 
 class Monitor:
     def __init__(self, config: Config, backend: GpuBackend, tuning: TuningLife,
-                 wall: Callable[[], float] = time.time):
+                 wall: Callable[[], float] = time.time, signals: Iterable[ModuleType] = SIGNALS):
         self.config = config
         self.backend = backend
         self.tuning = tuning  # it tunes; the monitor reads its locks and tells it what it sees
         self.wall = wall
+        signals = tuple(signals)  # watch/signals/: their rules, their rows, and one of each of their windows
+        self.rules, self.rows = rules_of(signals), rows_of(signals)
+        self.windows = {kind: kind() for kind in windows_of(signals)}
         self.states = {(rule.name, gpu.index): AlertState(rule, gpu.index, gpu.uuid)
-                       for gpu in backend.gpus() for rule in RULES}
+                       for gpu in backend.gpus() for rule in self.rules}
         self.serving_states = {rule.name: AlertState(rule, None, "") for rule in SERVING_RULES}
         self.transitions: Counter = Counter()
         self._last_sample_log = float("-inf")
         self.running_requests: int | None = None  # fed from the engine's metrics; counts as busy
         self.snapshot: Snapshot | None = None
         self._lags: deque[float] = deque(maxlen=LAG_WINDOW)
-        self.duty = DutyCycles()
-        self.link_errors = LinkErrors()
         self.events = EventBook(config.alerts.repeat_s)
         self._last_tick: float | None = None
         self.polls = 0  # polls taken; the counters are read on every counters_every()-th, for all GPUs at once
@@ -212,7 +210,7 @@ class Monitor:
     def report_running_requests(self, count: int | None) -> None:
         self.running_requests = count
 
-    def _context(self, sample: GpuSample, now: float, fresh: bool) -> GpuContext:
+    def _context(self, sample: GpuSample, poll: Poll) -> GpuContext:
         settings = self.config.alerts
         sm_lock, mem_lock = self.tuning.locks.get(sample.index, (None, None))
         busy = is_busy(sample, settings.busy_utilization_pct, self.running_requests)
@@ -221,14 +219,9 @@ class Monitor:
         # --no-persistence-mode, and that is their choice), so off is not drift either.
         wanted = (self.config.tuning.apply and not self.tuning.persistenced
                   and self.config.tuning.for_gpu(sample.index, sample.uuid).persistence_mode)
-        window = max(DUTY_WINDOW_S, 3 * self.config.counters_interval_s)
-        growth, growth_s = self.link_errors.update(sample, now, window, fresh)
-        return GpuContext(busy, sm_lock, mem_lock, wanted, settings, self.duty.update(sample, now, window), window,
-                          self.duty.reasons_seen(sample, now, window),
-                          tuple(self.events.recent_xids(sample.index, now)),
-                          self.events.needs_reset.get(sample.index),
-                          self.link_errors.seen_up.get(sample.index, frozenset()), growth, growth_s,
-                          self.tuning.chosen_power_limit(sample.index, sample.uuid))
+        return GpuContext(busy, sm_lock, mem_lock, wanted, settings,
+                          self.tuning.chosen_power_limit(sample.index, sample.uuid),
+                          {kind: window.read(sample, poll) for kind, window in self.windows.items()})
 
     def record_events(self, events: list, now: float) -> list[tuple[int, str]]:
         """Log and count GPU events (eventwatch.EventBook); return (gpu, why) for those that ask for a reset
@@ -260,18 +253,18 @@ class Monitor:
         counters = self.polls % self.counters_every() == 0
         self.polls += 1
         samples = [gpu.sample(counters) for gpu in self.backend.gpus()]
-        chosen = {}  # gpu -> its power limit set on purpose, for the exporter
+        contexts = {}  # gpu -> what its rules read, for the snapshot
         duration = time.perf_counter() - started
         if now - self._last_sample_log >= self.config.log_interval_s:
             self._last_sample_log = now
             log.info("%s", " | ".join(describe_sample(s) for s in samples))
+        poll = Poll(now, counters, max(DUTY_WINDOW_S, 3 * self.config.counters_interval_s), self.events)
         for sample in samples:
             if self.tuning.gpu_answered(sample):  # back after being lost: reset or reloaded
                 self.events.cleared(sample.index)
-            ctx = self._context(sample, now, counters)
-            chosen[sample.index] = ctx.power_limit_chosen
-            for rule in RULES:
-                if rule.name in SWEPT and sample.index in self.tuning.held:
+            ctx = contexts[sample.index] = self._context(sample, poll)
+            for rule in self.rules:
+                if rule.swept and sample.index in self.tuning.held:
                     continue  # a sweep (gpuwarden tune) set this clock or power limit: not a fault to act on
                 state = self.states[(rule.name, sample.index)]
                 event = state.step(rule.check(sample, ctx), now, self.config.alerts, restart_timers=stalled)
@@ -287,15 +280,15 @@ class Monitor:
         host_alerts = [_view(state) for state in self.serving_states.values()] if serving else []
         self.snapshot = Snapshot(
             taken_at=self.wall(), monotonic=now,
-            gpus=tuple(GpuView(s, *self.tuning.locks.get(s.index, (None, None)), chosen.get(s.index))
-                       for s in samples),
+            gpus=tuple(GpuView(s, *self.tuning.locks.get(s.index, (None, None)), contexts[s.index].power_limit_chosen,
+                               contexts[s.index].windows) for s in samples),
             alerts=tuple([_view(state) for state in self.states.values()] + host_alerts),
             transitions=dict(self.transitions), reapplies=dict(self.tuning.reapplies), event_counts=dict(self.events.counts),
             sample_duration_s=duration, loop_lag_s=loop_lag_s, read_only=not self.config.tuning.apply,
             children=tuple(serving or ()), stats=stats, sequence=(self.snapshot.sequence + 1) if self.snapshot else 1,
             published_at=time.monotonic() if published_at is None else published_at,
             loop_lag=LagWindow.of(list(self._lags)),
-            tokens_per_joule=self._efficiency(engine, stats, samples, counters, now))
+            tokens_per_joule=self._efficiency(engine, stats, samples, counters, now), rows=self.rows)
         return self.snapshot
 
     def _efficiency(self, engine, stats, samples, counters: bool, now: float) -> float | None:

@@ -19,7 +19,7 @@ from .. import __version__
 from ..watch import alerts
 from ..watch.monitor import Snapshot
 from ..watch.rows import GAUGE, Row
-from ..watch.signals import GPU_ROWS, SERVING_ROWS
+from ..watch.signals import SERVING_ROWS
 
 log = logging.getLogger("gpuwarden")
 
@@ -35,7 +35,7 @@ class SnapshotCollector:
         snap = self.snapshot()
         if snap is None:  # before the first tick
             return
-        yield from _rows(GPU_ROWS + alerts.ROWS, snap)
+        yield from _rows(snap.rows + alerts.ROWS, snap)  # the GPU signals' rows, as the monitor read them
         yield from _rows(SERVING_ROWS, snap)
         yield GaugeMetricFamily("gpuwarden_sample_duration_seconds",
                                 "Time the last poll took to sample every GPU", value=snap.sample_duration_s)

@@ -1,22 +1,41 @@
 """The GPU signals, one file each: what a reading means, its alert rules, its metric rows and its window.
 
 SIGNALS is the order the rules are evaluated and logged in within one poll, and the order of their rows on
-/metrics. A new signal is a module here with RULES and ROWS, named in SIGNALS.
+/metrics. A new signal is a module here with RULES and ROWS, named in SIGNALS; a signal whose rules need earlier
+polls also declares WINDOW, the class of its memory of them (alerts.Window): the monitor keeps one and reads it
+for each GPU on each poll, its rules find the reading in ctx.window(WINDOW), its rows in view.windows.
 """
 
 from __future__ import annotations
 
-from ..alerts import Rule
+from collections.abc import Iterable
+from types import ModuleType
+
+from ..alerts import Rule, Window
 from ..rows import Row
 from . import clocks, device, fabric, memory, nvlink, pcie, power, serving, slowdown, thermal, xid
 
 SIGNALS = (clocks, power, slowdown, thermal, device, xid, pcie, nvlink, fabric, memory)
 
-RULES: tuple[Rule, ...] = tuple(rule for signal in SIGNALS for rule in signal.RULES)
+
+def rules_of(signals: Iterable[ModuleType]) -> tuple[Rule, ...]:
+    return tuple(rule for signal in signals for rule in signal.RULES)
+
+
+def rows_of(signals: Iterable[ModuleType]) -> tuple[Row, ...]:
+    return tuple(row for signal in signals for row in signal.ROWS)
+
+
+def windows_of(signals: Iterable[ModuleType]) -> tuple[type[Window], ...]:
+    """The window classes of the signals that keep one."""
+    return tuple(signal.WINDOW for signal in signals if hasattr(signal, "WINDOW"))
+
+
+RULES: tuple[Rule, ...] = rules_of(SIGNALS)
 SERVING_RULES: tuple[Rule, ...] = serving.RULES  # host-wide: evaluated on the supervisor's view
 RULES_BY_NAME = {rule.name: rule for rule in RULES + SERVING_RULES}
 # Rules that the daemon answers by re-applying the tuning.
 REAPPLY_ON = ("clock_lock_lost", "persistence_off")
 
-GPU_ROWS: tuple[Row, ...] = tuple(row for signal in SIGNALS for row in signal.ROWS)
+GPU_ROWS: tuple[Row, ...] = rows_of(SIGNALS)
 SERVING_ROWS: tuple[Row, ...] = serving.ROWS

@@ -53,12 +53,14 @@ def clock_loss(s: GpuSample, ctx: GpuContext) -> tuple[str, str, float | None]:
     return f"SM clock {s.sm_clock_mhz} MHz, {loss:+.0f}% of {basis} {reference} MHz", f"{loss:+.0f}%", loss
 
 
+# swept: a tune sweep's clock trips these (alerts.Rule.swept)
 RULES = (
     Rule("sm_clock_low", WARNING, "lock the clocks (tuning.gpu_clocks: max) and check `gpuwarden plan`",
-         sm_clock_low),
-    Rule("memory_clock_low", WARNING, "lock the GPU clocks or tuning.memory_clocks: max", memory_clock_low),
+         sm_clock_low, swept=True),
+    Rule("memory_clock_low", WARNING, "lock the GPU clocks or tuning.memory_clocks: max", memory_clock_low,
+         swept=True),
     Rule("clock_lock_lost", WARNING, "a driver reload or GPU reset dropped the lock; gpuwarden re-applies it",
-         clock_lock_lost),
+         clock_lock_lost, swept=True),
 )
 
 

@@ -4,9 +4,11 @@ GPU's fastest (nvlink_degraded) and errors growing (nvlink_errors), over the win
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from ...gpu.base import NVLINK_ERRORS, GpuSample
-from ..alerts import INACTIVE, WARNING, Check, GpuContext, Rule
+from ..alerts import INACTIVE, WARNING, Check, GpuContext, Poll, Rule
 from ..rows import COUNTER, gpu_row, per_gpu_row
 
 NVLINK_CRC_PER_S = 100.0  # DCGM: "RM has informed us that CRC errors only matter at rates of 100+ per second"
@@ -16,7 +18,7 @@ UP = ("up", "sleep")  # a sleeping link wakes on traffic
 def nvlink_degraded(s: GpuSample, ctx: GpuContext) -> Check:
     """A link that was up (or knows its far end) is down, or runs slower than the GPU's fastest link."""
     h = s.health
-    problems = h.nvlink_problems(ctx.nvlinks_seen_up)
+    problems = h.nvlink_problems(ctx.window(LinkErrors).seen_up)
     if not problems:
         return INACTIVE
     up = sum(n.state in UP for n in h.nvlinks)
@@ -27,15 +29,16 @@ def nvlink_degraded(s: GpuSample, ctx: GpuContext) -> Check:
 def nvlink_errors(s: GpuSample, ctx: GpuContext) -> Check:
     """Replays or recoveries since the window began (any: DCGM's health check fails on one), or CRC errors
     at 100/s or more."""
-    grew = ctx.nvlink_growth
-    seconds = max(ctx.nvlink_growth_s, 1e-9)
+    window = ctx.window(LinkErrors)
+    grew = window.growth
+    seconds = max(window.seconds, 1e-9)
     bad = {key: n for key, n in grew.items() if n and (key[1] != "crc" or n / seconds >= NVLINK_CRC_PER_S)}
     if not bad:
         return INACTIVE
     text = ", ".join(f"link {link} {kind} +{n}" + (f" ({n / seconds:.0f}/s)" if kind == "crc" else "")
                      for (link, kind), n in sorted(bad.items()))
     total = sum(bad.values())
-    return Check(True, f"NVLink errors in the last {ctx.nvlink_growth_s:.0f} s: {text}",
+    return Check(True, f"NVLink errors in the last {window.seconds:.0f} s: {text}",
                  f"no replay or recovery; CRC below {NVLINK_CRC_PER_S:.0f}/s", f"+{total} errors",
                  value=-float(total))
 
@@ -50,14 +53,31 @@ RULES = (
 )
 
 
+@dataclass(frozen=True)
+class Links:
+    """What LinkErrors read for one GPU on one poll."""
+
+    # The links seen up since the start: a link never up and with no far end is not cabled (not a fault).
+    seen_up: frozenset[int]
+    growth: Mapping[tuple[int, str], int]  # each link's error counters' growth over the window: {(link, kind): n}
+    seconds: float  # the time that growth spans (between two reads of the counters)
+
+
 class LinkErrors:
     """Per GPU, how much each NVLink link's error counters grew over a recent window, from the polls that read
-    the counters (so a rate is errors over the time between two real reads), and the links seen up."""
+    the counters (so a rate is errors over the time between two real reads), and the links seen up. The signal's
+    window (alerts.Window)."""
+
+    EMPTY = Links(frozenset(), {}, 0.0)
 
     def __init__(self) -> None:
         self._reads: dict[int, deque[tuple[float, dict[tuple[int, str], int]]]] = {}
         self._growth: dict[int, tuple[dict[tuple[int, str], int], float]] = {}
         self.seen_up: dict[int, frozenset[int]] = {}
+
+    def read(self, sample: GpuSample, poll: Poll) -> Links:
+        growth, seconds = self.update(sample, poll.now, poll.window_s, poll.fresh)
+        return Links(self.seen_up.get(sample.index, frozenset()), growth, seconds)
 
     def update(self, sample: GpuSample, now: float, window_s: float,
                fresh: bool) -> tuple[dict[tuple[int, str], int], float]:
@@ -79,6 +99,8 @@ class LinkErrors:
                                           t1 - t0)
         return self._growth.get(sample.index, ({}, 0.0))
 
+
+WINDOW = LinkErrors
 
 ROWS = (
     gpu_row("gpuwarden_gpu_nvlink_links", "NVLink links the GPU has (where it has NVLink)",

@@ -47,10 +47,12 @@ def at_design_power(s: GpuSample, ctx: GpuContext) -> Check:
     return _power_check(s, ctx, at_max=True)
 
 
+# swept: a tune sweep's power limit trips these (alerts.Rule.swept)
 RULES = (
     Rule("power_capped", WARNING, "the card is at its power limit; raise tuning.power_limit_w within the "
-         "constraints (`gpuwarden plan` shows them), or accept the clock loss", power_capped),
-    Rule("at_design_power", INFO, "nothing to change: this is the card's design power", at_design_power),
+         "constraints (`gpuwarden plan` shows them), or accept the clock loss", power_capped, swept=True),
+    Rule("at_design_power", INFO, "nothing to change: this is the card's design power", at_design_power,
+         swept=True),
 )
 
 ROWS = (

@@ -5,13 +5,14 @@ counters say how much of the time a flapping one held the clocks down (DutyCycle
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from ...gpu.base import VIOLATION_POLICIES, ClockEventReason
 from ...gpu.base import ClockEventReason as R
 from ...gpu.base import GpuSample
 from ...gpu.throttle import reasons
-from ..alerts import CRITICAL, INACTIVE, WARNING, Check, GpuContext, Rule
+from ..alerts import CRITICAL, INACTIVE, WARNING, Check, GpuContext, Poll, Rule
 from ..rows import COUNTER, per_gpu_row
 from .clocks import clock_loss
 
@@ -22,22 +23,23 @@ DUTY_COUNTER = {R.HwSlowdown: "board_limit", R.HwPowerBrakeSlowdown: "board_limi
 REASON_NAMES = [r.name for r in ClockEventReason if r]
 
 
-def _duty_for(reason: R, ctx: GpuContext) -> float | None:
+def _duty_for(reason: R, window: Duty) -> float | None:
     """The duty cycle of reason's counter, when the counter's growth can be put down to this reason: the
     power brake when it was seen in the window; the slowdown when it was seen, or the brake was not."""
     counter = DUTY_COUNTER.get(reason)
-    if counter is None or counter not in ctx.duty:
+    if counter is None or counter not in window.cycles:
         return None
-    if reason == R.HwPowerBrakeSlowdown and R.HwPowerBrakeSlowdown not in ctx.seen:
+    if reason == R.HwPowerBrakeSlowdown and R.HwPowerBrakeSlowdown not in window.seen:
         return None
-    if reason == R.HwSlowdown and R.HwSlowdown not in ctx.seen and R.HwPowerBrakeSlowdown in ctx.seen:
+    if reason == R.HwSlowdown and R.HwSlowdown not in window.seen and R.HwPowerBrakeSlowdown in window.seen:
         return None
-    return ctx.duty[counter]
+    return window.cycles[counter]
 
 
 def _reason_rule(reason: R) -> Callable[[GpuSample, GpuContext], Check]:
     def check(s: GpuSample, ctx: GpuContext) -> Check:
-        duty = _duty_for(reason, ctx)
+        window = ctx.window(DutyCycles)
+        duty = _duty_for(reason, window)
         # A hardware reason that toggles faster than for_s never holds for a whole streak; its violation
         # counter still says how much of the time it slowed the card.
         flapping = duty is not None and duty >= HW_DUTY_MIN
@@ -47,7 +49,7 @@ def _reason_rule(reason: R) -> Callable[[GpuSample, GpuContext], Check]:
         temp = f", {s.temperature_c:.0f} C" if s.temperature_c is not None else ""
         if flapping:
             observed = (f"{reason.name} held the clocks down {duty * 100:.0f}% of the last "
-                        f"{ctx.duty_window_s:.0f} s (violation counter {DUTY_COUNTER[reason]})"
+                        f"{window.window_s:.0f} s (violation counter {DUTY_COUNTER[reason]})"
                         + (f"; {observed}" if observed and reason in reasons(s) else ""))
             short = f"{duty * 100:.0f}% of the time"
         return Check(True, observed + temp, f"{reason.name} active, or >= {HW_DUTY_MIN * 100:.0f}% of the time",
@@ -66,13 +68,29 @@ RULES = (
 )
 
 
+@dataclass(frozen=True)
+class Duty:
+    """What DutyCycles read for one GPU on one poll."""
+
+    cycles: Mapping[str, float]  # the fraction of the window each violation counter ran ({} while too little history)
+    window_s: float
+    seen: R  # every reason seen in a sample during the window
+
+
 class DutyCycles:
     """Per GPU, the fraction of a recent window each NVML violation counter grew by: the share of the time a
-    reason held the clocks down. Counters are read every counters_interval_s, so the window spans several."""
+    reason held the clocks down, however it flapped between two polls. Counters are read every
+    counters_interval_s, so the window spans several. The signal's window (alerts.Window)."""
+
+    EMPTY = Duty({}, 0.0, R.NONE)
 
     def __init__(self) -> None:
         self._seen: dict[int, deque[tuple[float, dict[str, float]]]] = {}
         self._reasons: dict[int, deque[tuple[float, ClockEventReason]]] = {}
+
+    def read(self, sample: GpuSample, poll: Poll) -> Duty:
+        return Duty(self.update(sample, poll.now, poll.window_s), poll.window_s,
+                    self.reasons_seen(sample, poll.now, poll.window_s))
 
     def reasons_seen(self, sample: GpuSample, now: float, window_s: float) -> ClockEventReason:
         """Every reason present in this GPU's samples during the window."""
@@ -98,6 +116,9 @@ class DutyCycles:
         if t1 - t0 < window_s / 2:
             return {}  # too little history to say
         return {k: max(0.0, min(1.0, (last[k] - first[k]) / (t1 - t0))) for k in last if k in first}
+
+
+WINDOW = DutyCycles
 
 
 def _active(view) -> list:

@@ -4,21 +4,25 @@ not happened yet (gpu_needs_reset)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ...gpu.base import GpuSample
-from ..alerts import CRITICAL, INACTIVE, WARNING, Check, GpuContext, Rule
+from ..alerts import CRITICAL, INACTIVE, WARNING, Check, GpuContext, Poll, Rule
 from ..rows import COUNTER, Row
 from ..xids import lookup
 
 
 def gpu_xid(s: GpuSample, ctx: GpuContext) -> Check:
-    if not ctx.xids:
+    xids = ctx.window(RecentEvents).xids
+    if not xids:
         return INACTIVE
-    seen = ", ".join(f"Xid {x} ({lookup(x).meaning}) x{n}" for x, n in ctx.xids)
-    return Check(True, f"{seen} in the last 5 minutes", "no Xid", f"Xid {ctx.xids[0][0]}")
+    seen = ", ".join(f"Xid {x} ({lookup(x).meaning}) x{n}" for x, n in xids)
+    return Check(True, f"{seen} in the last 5 minutes", "no Xid", f"Xid {xids[0][0]}")
 
 
 def gpu_needs_reset(s: GpuSample, ctx: GpuContext) -> Check:
-    return Check(ctx.reset_needed is not None, ctx.reset_needed or "", "no reset or reboot pending", "needs reset")
+    why = ctx.window(RecentEvents).reset_needed
+    return Check(why is not None, why or "", "no reset or reboot pending", "needs reset")
 
 
 RULES = (
@@ -27,6 +31,28 @@ RULES = (
     Rule("gpu_needs_reset", CRITICAL, "drain the GPU, then reset it (nvidia-smi -r) or reboot as the line says; "
          "then `systemctl reload gpuwarden` starts the engine again", gpu_needs_reset, for_s=0.0),
 )
+
+
+@dataclass(frozen=True)
+class Events:
+    """What RecentEvents read for one GPU on one poll."""
+
+    xids: tuple[tuple[int, int], ...]  # (xid, count) of the GPU's recent Xids (eventwatch.RECENT_S), most first
+    reset_needed: str | None  # an event asked for a GPU reset or a reboot, and none happened yet
+
+
+class RecentEvents:
+    """The signal's window (alerts.Window): the events' book (eventwatch.EventBook) keeps the history, fed by the
+    event thread between polls; this reads it for one GPU."""
+
+    EMPTY = Events((), None)
+
+    def read(self, sample: GpuSample, poll: Poll) -> Events:
+        return Events(tuple(poll.events.recent_xids(sample.index, poll.now)),
+                      poll.events.needs_reset.get(sample.index))
+
+
+WINDOW = RecentEvents
 
 
 def _totals(snap):
