@@ -6,7 +6,7 @@ so a line mixes the two: page.paragraph("Run ", bold("gpuwarden check"), " first
 Why each escape:
 - a backslash starts a roff escape, so a literal one is \\e;
 - "-" is a hyphen to groff (U+2010 under -Tutf8): options and keys must stay copy-pasteable, so every
-  hyphen-minus is \\- (an ASCII minus);
+  hyphen-minus is \\- (an ASCII minus), and a word holding one starts with \\% (groff hyphenates it no further);
 - a line starting with "." or "'" is a request, so such a line is guarded with \\&;
 - characters outside ASCII become \\[uXXXX], so the page reads the same whatever encoding groff assumes;
 - a blank line in filled text warns under man --warnings (lintian), so paragraphs are split into .PP
@@ -56,7 +56,9 @@ def italic(*parts: str) -> Roff:
 
 
 def _guard(line: str) -> str:
-    """A text line that starts with a control character would be read as a request."""
+    """A text line as written: one that starts with a control character would be read as a request, and a word
+    with a minus in it (an option, a scenario, a key) gets \\% in front, so groff does not hyphenate it."""
+    line = re.sub(r"(?<!\S)(?=\S*\\-)", r"\\%", line)
     return "\\&" + line if line.startswith((".", "'")) else line
 
 
@@ -81,6 +83,10 @@ class ManPage:
 
     def subsection(self, title: str) -> None:
         self.lines.append(f".SS {_quoted(title)}")
+
+    def synopsis(self, command: str, *arguments: str) -> None:
+        """One usage (.SY/.YS): the command in bold, its arguments wrapping under the first, not under it."""
+        self.lines += [f".SY {_quoted(command)}", *_text_lines(join(*arguments)), ".YS"]
 
     def paragraph(self, *parts: str) -> None:
         """One or more paragraphs: a blank line in the text starts the next."""
