@@ -1,5 +1,7 @@
 """The memory temperature signal, end to end: NVML's MEMORY_TEMP field (82) read with the counters, the
-simulator's reading, and its gauge on /metrics (watch/signals/thermal.py)."""
+simulator's reading (HBM cards only, as NVML), and its gauge on /metrics (watch/signals/thermal.py)."""
+
+import pytest
 
 from fake_nvml import FakeNvml, device
 from prometheus_client import generate_latest
@@ -43,3 +45,19 @@ def test_the_gauge_is_on_the_page_for_the_gpus_that_have_it():
     text = generate_latest(make_registry(lambda: snapshot)).decode()
     assert "# TYPE gpuwarden_gpu_memory_temperature_celsius gauge" in text
     assert f'gpuwarden_gpu_memory_temperature_celsius{{gpu="0"}} {float(die + MEMORY_ABOVE_DIE_C)}' in text
+
+
+@pytest.mark.parametrize("scenario, hbm", [("h100-nvswitch", True), ("rtx-pro-4000-headless", False),
+                                           ("rtx-pro-6000-tp4", False), ("dgx-spark", False)])
+def test_the_simulator_has_the_sensor_on_hbm_cards_only(scenario, hbm):
+    # NVML_FI_DEV_MEMORY_TEMP is HBM's own sensor: GDDR cards and DGX Spark's unified LPDDR report none
+    cfg = config.parse_text(f"gpu:\n  backend: sim\n  scenario: {scenario}\nmetrics:\n  listen: none\n")
+    clock = ManualClock()
+    backend = open_configured(cfg, clock)
+    snapshot = Monitor(cfg, backend, TuningLife(backend, cfg, Tuner(backend))).tick(clock.now)
+    readings = [view.sample.memory_temperature_c for view in snapshot.gpus]
+    assert readings == ([v.sample.temperature_c + MEMORY_ABOVE_DIE_C for v in snapshot.gpus] if hbm
+                        else [None] * len(readings))
+    text = generate_latest(make_registry(lambda: snapshot)).decode()
+    assert "# TYPE gpuwarden_gpu_memory_temperature_celsius gauge" in text  # the family stays, HELP and all
+    assert ("gpuwarden_gpu_memory_temperature_celsius{" in text) == hbm

@@ -20,7 +20,7 @@ from . import power as channel_io
 from .scenario import PCIE_MAX, Event, GpuModel, Scenario
 
 MIB = 1024 * 1024
-MEMORY_ABOVE_DIE_C = 4  # the simulated memory's sensor: the die's temperature plus this (no heat model of its own)
+MEMORY_ABOVE_DIE_C = 4  # the simulated HBM's sensor: the die's temperature plus this (no heat model of its own)
 # Default SM clock under each slowdown, as a fraction of the max clock.
 SLOWDOWN_FRACTION = {"thermal_slowdown": 0.7, "hw_thermal_slowdown": 0.5, "hw_slowdown": 0.5}
 SLOWDOWN_REASON = {"clock_collapse": R.NONE, "thermal_slowdown": R.SwThermalSlowdown,
@@ -308,7 +308,7 @@ class SimGpu(Gpu):
             power_limit_max_w=m.max_power_limit_w if limits else None,
             power_limit_default_w=m.default_power_limit_w if limits else None,
             temperature_c=round(temp),
-            memory_temperature_c=round(temp) + MEMORY_ABOVE_DIE_C,
+            memory_temperature_c=round(temp) + MEMORY_ABOVE_DIE_C if m.hbm else None,  # HBM's own sensor
             utilization_pct=self.utilization,
             memory_utilization_pct=self.utilization * mem / m.memory_clocks_mhz[-1],
             # Without NVML memory figures the backend reports the system's, which the GPU shares (DGX Spark):

@@ -52,6 +52,7 @@ CONDITIONS = ("clock_collapse", "power_cap", "thermal_slowdown", "hw_thermal_slo
               "hw_slowdown", "power_brake", "gpu_lost", "pcie_link", "row_remap_pending", "nvlink_fault",
               "nvlink_errors", "fabric_not_ready")
 PCIE_MAX = (5, 16)  # every simulated card sits in a Gen5 x16 slot
+HBM_STACK_BITS = 1024  # an HBM stack's interface: an HBM card's memory bus is a multiple of it
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,13 @@ class GpuModel:
     form_factor: str | None = None
     nvlinks: int = 0  # NVLink links, each at nvlink_speed_mbps
     nvlink_speed_mbps: int = 0
+
+    @property
+    def hbm(self) -> bool:
+        """Whether its memory is HBM, which has the sensor NVML's memory temperature reads: a bus of whole HBM
+        stacks (A100 and H100 5120 bits, H200 6144, B200 8192). GDDR cards' buses are 512 bits at most (RTX PRO,
+        L4, L40S) and DGX Spark's LPDDR is 256: those report no memory temperature."""
+        return self.memory_bus_width_bits >= HBM_STACK_BITS
 
     @property
     def graphics_clocks_mhz(self) -> tuple[int, ...]:
