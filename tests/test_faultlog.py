@@ -75,3 +75,14 @@ def test_without_a_count_line_a_kind_is_said_at_most_once_a_period(caplog):
             errors.flush()
         errors.note("serving: Y", "serving: Y")
     assert [r.getMessage() for r in caplog.records] == ["poll failed: X", "poll failed: X", "serving: Y"]
+
+
+def test_admit_tells_a_caller_that_words_its_own_line_when_and_how_many_since(caplog):
+    # the GPU events' book: its own line, with the count the period dropped inside the kind's next one
+    quiet = FaultLog(log, period_s=600)
+    assert quiet.admit("0 xid 13", 0.0) == 0  # the first: said, nothing before it
+    assert [quiet.admit("0 xid 13", t) for t in (0.5, 599.9)] == [None, None]  # counted
+    assert quiet.admit("0 xid 31", 1.0) == 0  # another kind has its own period
+    assert quiet.admit("0 xid 13", 600.0) == 2  # a new period: said, with the two dropped since the last line
+    assert quiet.admit("0 xid 13", 1200.0) == 0
+    assert not caplog.records  # admit logs nothing itself

@@ -89,3 +89,21 @@ def test_the_status_line_says_while_another_process_holds_the_metrics_port():
     assert port.held_note() == ""
     port.held_since = 5.0
     assert port.held_note() == " · metrics not served: 127.0.0.1:9400 is held by another process"
+
+
+def test_the_daemons_loop_errors_are_said_once_a_minute_each(caplog):
+    from gpuwarden.backends import open_configured
+    from gpuwarden.gpu.sim.backend import ManualClock
+    from gpuwarden.service.daemon import ERROR_REPEAT_S, Daemon
+
+    now = [0.0]
+    cfg = config.parse_text("gpu:\n  backend: sim\n  scenario: rtx-pro-4000-headless\nmetrics:\n  listen: none\n"
+                            "tuning:\n  apply: false\n")
+    daemon = Daemon(cfg, open_configured(cfg, ManualClock()), reload=lambda: cfg, clock=lambda: now[0])
+    with caplog.at_level(logging.INFO, logger="gpuwarden"):
+        for t in (0, 1, ERROR_REPEAT_S - 0.1, ERROR_REPEAT_S, ERROR_REPEAT_S + 1):
+            now[0] = t
+            daemon._error_once("poll failed: OSError: {x}")  # braces: the message is not a template
+        daemon._error_once("serving: ValueError: y (GPU monitoring goes on)")
+    assert messages(caplog, logging.ERROR) == ["poll failed: OSError: {x}", "poll failed: OSError: {x}",
+                                               "serving: ValueError: y (GPU monitoring goes on)"]

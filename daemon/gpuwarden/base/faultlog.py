@@ -8,6 +8,11 @@ message, then "N more KIND"; the metrics endpoint keeps one period for all kinds
 for each kind (by_kind=False). The fields a line may use: {kind}, {count} (faults in the line), {counts} ("3 hung
 up, 1 unauthorized", most first), {last} (the latest fault's message) and {period} (seconds).
 
+Without a count line (more=None) a kind is said at most once a period and its repeats are dropped unsaid: the
+daemon's loop errors (service/daemon.py) and the rank watch's blind spell (serving/run/ranks.py). A caller that
+words its own line asks admit() whether to say it, and how many were counted since: the GPU events' book
+(watch/eventwatch.py) tells that count inside the kind's next line.
+
 The same goes for what a library logs itself about clients (aiohttp's "Error handling request" with a traceback
 for each malformed request, asyncio's "socket.accept() out of system resource" for each failed accept): quiet()
 routes those loggers' records into the same counts. Only an exception that passed through gpuwarden's own code
@@ -37,8 +42,8 @@ class _Period:
 
 
 class FaultLog:
-    def __init__(self, logger: logging.Logger, first: str, more: str | None, period_s: float = PERIOD_S,
-                 clock=time.monotonic, level: int = logging.WARNING, by_kind: bool = True):
+    def __init__(self, logger: logging.Logger, first: str = "{last}", more: str | None = None,
+                 period_s: float = PERIOD_S, clock=time.monotonic, level: int = logging.WARNING, by_kind: bool = True):
         """first: the line of a fault told at once; more: the line of the faults a period counted (the fields are
         in the module's doc), None to drop them unsaid (an error said at most once a period). level: of a fault
         noted without one."""
@@ -51,17 +56,29 @@ class FaultLog:
         """One fault: logged now if it is the first of its period, else counted. exc_info: a traceback to log,
         only the first time this kind is seen."""
         level = self.level if level is None else level
-        key = kind if self.by_kind else ""
         with self._lock:
-            period = self._periods.get(key)
-            now = self.clock()
-            if period is not None and now < period.ends:
-                period.counts[kind] += 1
-                period.last = message
+            seen = (kind if self.by_kind else "") in self._periods
+            if self._admit(kind, message, level, self.clock()) is None:
                 return
-            self._periods[key] = _Period(now + self.period_s, level, message)
             line = self._line(self.first, Counter({kind: 1}), message)
-        self.logger.log(level, "%s", line, exc_info=exc_info if period is None else None)
+        self.logger.log(level, "%s", line, exc_info=None if seen else exc_info)
+
+    def admit(self, kind: str, now: float | None = None) -> int | None:
+        """For a caller that words its own line: None while this kind's period runs (the fault is counted), else
+        how many of the kind were counted since its last line (a new period begins: the caller tells this one,
+        with that count where its line has one). now: the fault's time, if not the clock's."""
+        with self._lock:
+            return self._admit(kind, "", self.level, self.clock() if now is None else now)
+
+    def _admit(self, kind: str, message: str, level: int, now: float) -> int | None:
+        key = kind if self.by_kind else ""
+        period = self._periods.get(key)
+        if period is not None and now < period.ends:
+            period.counts[kind] += 1
+            period.last = message
+            return None
+        self._periods[key] = _Period(now + self.period_s, level, message)
+        return period.counts.total() if period is not None else 0
 
     def flush(self) -> None:
         """The counts of the periods that are over, a line each."""

@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 from .. import __version__
 from ..base import earlysignals, webconfig
+from ..base.faultlog import FaultLog
 from ..config import Config
 from . import adoption, metrics_port
 from .adoption import HANDOVER_ENV
@@ -95,7 +96,8 @@ class Daemon:
         self.adopting = False  # start() found children to take over (a handover, or an engine a crash left)
         self.stopping = False
         self.started_at = time.time()
-        self._errors: dict[str, float] = {}  # message -> when last logged
+        # Each error message at most once every ERROR_REPEAT_S (its repeats dropped unsaid):
+        self._errors = FaultLog(log, period_s=ERROR_REPEAT_S, clock=clock, level=logging.ERROR)
 
     # -- life cycle -------------------------------------------------------------
     def start(self, now: float) -> None:
@@ -221,10 +223,7 @@ class Daemon:
 
     def _error_once(self, message: str) -> None:
         """Log an error, but the same one at most every ERROR_REPEAT_S."""
-        now = self.clock()
-        if now - self._errors.get(message, float("-inf")) >= ERROR_REPEAT_S:
-            self._errors[message] = now
-            log.error("%s", message)
+        self._errors.note(message, message)
 
     # -- stopping ------------------------------------------------------------------------
     def begin_stop(self, now: float) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from . import xids
 from ..gpu.events import RECOVERY_ACTIONS, GpuEvent
+from ..base.faultlog import FaultLog
 from ..base.systemd import NOTICE
 
 log = logging.getLogger("gpuwarden")
@@ -71,25 +72,19 @@ class EventWatcher:
 
 
 @dataclass
-class _Quiet:
-    """One (GPU, event) line's rate limit: when it was last written and how many have come since."""
-
-    last_logged: float
-    since: int = 0
-
-
-@dataclass
 class EventBook:
     repeat_s: float
     counts: Counter = field(default_factory=Counter)  # (gpu, xid) -> events; kind events use xid -1
     recent: dict[int, list[tuple[float, int]]] = field(default_factory=dict)  # gpu -> [(at, xid)]
     needs_reset: dict[int, str] = field(default_factory=dict)  # gpu -> why it waits for a reset or reboot
-    _quiet: dict[tuple[int, str], _Quiet] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._quiet = FaultLog(log, period_s=self.repeat_s)  # one line per (GPU, event kind) a period, with a count
 
     def record(self, event: GpuEvent, now: float, processes: Callable[[int], str]) -> str | None:
         """Count and log one event; return the reason when it asks for a reset or a reboot, else None."""
         xid = xids.lookup(event.data) if event.kind == "xid" else None
-        key = (event.gpu, f"xid {event.data}" if xid else event.kind)
+        key = f"{event.gpu} " + (f"xid {event.data}" if xid else event.kind)
         self.counts[(event.gpu, event.data if xid else -1, event.kind)] += 1
         if xid:
             self.recent.setdefault(event.gpu, []).append((now, event.data))
@@ -97,12 +92,10 @@ class EventBook:
         reset = action in xids.NEEDS_RESET or (event.kind == "recovery_action" and event.data != 0)
         if reset:
             self.needs_reset[event.gpu] = f"{what}: {action}"
-        quiet = self._quiet.get(key)
-        if quiet is not None and now - quiet.last_logged < self.repeat_s:
-            quiet.since += 1
+        since = self._quiet.admit(key, now)  # None: within its period, counted
+        if since is None:
             return self.needs_reset.get(event.gpu) if reset else None
-        more = f" ({quiet.since} more since the last line)" if quiet is not None and quiet.since else ""
-        self._quiet[key] = _Quiet(now)
+        more = f" ({since} more since the last line)" if since else ""
         done = ("the serving engine on it is stopped until the GPU is reset and gpuwarden reloaded"
                 if reset else "its processes' own health decides (the engine restarts if it died)"
                 if xid is not None and xid.app_fault else "logged and counted")

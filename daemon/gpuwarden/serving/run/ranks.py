@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 
+from ...base.faultlog import FaultLog
 from . import ports
 from .policy import PREFLIGHT_RETRY_S, Policy
 
@@ -43,7 +44,7 @@ class RankWatch(Policy):
         self.links_held: dict[int, str] = {}  # those found by two reads in a row: only their loss counts
         self.links_next = 0.0  # when they are read next: once a liveness period (a read scans every connection)
         self.links_suspect: dict[int, str] = {}  # held connections one read found gone: the next read decides
-        self.blind_logged = -BLIND_LOG_S  # when the watch last said it could not read the tables
+        self.blind = FaultLog(log, period_s=BLIND_LOG_S)  # says when the watch cannot read the tables
         self.lost_ranks: deque[float] = deque()  # when this head last ended its part for a lost rank
         self.head_seen_down = True  # a worker whose own part failed waits until the head restarted its part
         self.head_wait_until = 0.0  # ... for this long at most (the head may never have seen this rank join)
@@ -142,8 +143,7 @@ class RankWatch(Policy):
         outcome = self.links.take()
         if outcome is None or outcome.error is not None or outcome.started_at < self.program.phase.started:
             return None
-        if outcome.value is None and now - self.blind_logged >= BLIND_LOG_S:
-            self.blind_logged = now
+        if outcome.value is None and self.blind.admit("blind", now) is not None:
             log.warning("%s cannot watch its rendezvous connections: the host's socket tables hold more lines "
                         "than gpuwarden reads (%d, or %d on port %d); a lost rank is not seen until they shrink",
                         self.program.title, ports.MAX_LINES, ports.MAX_PORT_LINES, self.program.spec.rendezvous)
