@@ -445,8 +445,7 @@ def render(root: Path) -> str:
              "for its value, and a query in backticks for the number the annotation reads. Every per-host alert's "
              "expression ends with a hold, left out below: `unless on (job, instance) up == 0 or max without "
              "(alertstate) (ALERTS{alertname=\"<its name>\", alertstate=\"firing\"}) and on (job, instance) up == "
-             "0`. So an alert that fires when its daemon stops answering keeps firing until the daemon answers "
-             "again, rather than resolving because its series went silent; `GpuwardenDown` pages for the host.", ""]
+             "0` ([the first Prometheus section](#prometheus-per-host-the-gpus) says why).", ""]
     lines += _daemon_section(alert_keys(), twins)
     lines += _prometheus_section(root, daemon_names)
     lines += _alertmanager_section(root, prometheus_names)
