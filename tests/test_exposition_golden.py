@@ -84,13 +84,24 @@ def everything() -> str:
     return "".join(out)
 
 
+def _value_read(line: str) -> str:
+    """A sample line with its value as the float it reads as: prometheus_client writes 3.35232e+12 in Debian 12's
+    0.16 and 3.35232e+012 in newer releases, the same number."""
+    if line.startswith("#") or " " not in line:
+        return line
+    head, _, value = line.rpartition(" ")
+    return f"{head} {float(value)!r}"
+
+
 def families(text: str) -> list[list[str]]:
-    """Each render's metric families (a HELP line, its TYPE line and its samples, byte for byte), in name order:
-    the families' order on the page follows the signals (watch/signals/), and Prometheus reads them in any."""
+    """Each render's metric families (a HELP line, its TYPE line and its samples, byte for byte but for how a
+    value's exponent is written), in name order: the families' order on the page follows the signals
+    (watch/signals/), and Prometheus reads them in any."""
     renders = []
     for render in text.split("### ")[1:]:
         title, _, body = render.partition("\n")
-        renders.append([title] + sorted("# HELP " + block for block in body.split("# HELP ")[1:]))
+        blocks = ("# HELP " + block for block in body.split("# HELP ")[1:])
+        renders.append([title] + sorted("\n".join(map(_value_read, b.split("\n"))) for b in blocks))
     return renders
 
 
