@@ -17,7 +17,7 @@ import pytest
 from conftest import free_port, gpuwarden_cmd, matplotlib_here, subprocess_env
 from gpuwarden import config
 from gpuwarden.service import control
-from gpuwarden.tune.channel import CONNECTIONS_MAX, SET_MIN_S
+from gpuwarden.tune.channel import CONNECTIONS_MAX, SET_MIN_S, ControlError
 from gpuwarden.tune.sweeps import MARKER, Sweeps
 from gpuwarden.base import smallfile
 from gpuwarden.backends import open_configured
@@ -414,6 +414,29 @@ def test_a_sweep_the_daemon_refuses_exits_1_as_its_help_says(rig):
         second.stderr.count("\n") == 1, second.stderr
     assert "1 the daemon refused the sweep" in subprocess.run([*gpuwarden_cmd(), "tune", "--help"],
                                                               capture_output=True, text=True, env=r.env).stdout
+
+
+def test_a_card_without_power_limit_constraints_is_one_line_not_a_traceback(rig):
+    # DGX Spark's GB10 answers NOT_SUPPORTED for the power limit: the daemon's begin names its constraints None
+    r = rig()
+    r.conf.write_text(r.conf.read_text().replace("scenario: h100.yaml", "scenario: dgx-spark"))
+    daemon = r.start_daemon()
+    out = r.tune("--duration", "1")
+    assert out.returncode == 1 and out.stderr == ("gpuwarden tune: GPU 0 reports no power-limit constraints: its "
+                                                  "power limit cannot be swept\n"), out.stderr
+    daemon.wait_for("sweep of power_limit_w ended (the sweep ended, 0 steps set): nothing to put back")
+
+
+@pytest.mark.parametrize("limits, clocks, said", [
+    ({"0": [200, 700], "1": [None, None]}, False, "GPU 1 reports no power-limit constraints"),
+    ({"0": [True, 700]}, False, "GPU 0 reports no power-limit constraints"),
+    ({"0": [1980, 1965], "1": []}, True, "GPU 1 lists no supported clocks"),
+    ({}, False, "the daemon's answer names no GPU's limits ({})"),
+    (None, True, "the daemon's answer names no GPU's limits (None)")])
+def test_limits_a_sweep_cannot_use_are_one_line(limits, clocks, said):
+    with pytest.raises(ControlError) as raised:
+        settings_to_try(limits, clocks, 4)
+    assert str(raised.value).startswith(said)
 
 
 def test_a_sweep_is_refused_while_others_use_the_gpus_unless_forced(channel):

@@ -48,7 +48,14 @@ def _gpus(text: str | None) -> list[int] | None:
 
 def settings_to_try(limits: dict, clocks: bool, steps: int) -> list[float]:
     """Evenly spaced from the highest value every GPU accepts down to the lowest: the power-limit constraints,
-    or the supported clocks (each step a clock the card lists)."""
+    or the supported clocks (each step a clock the card lists). A GPU that reports none (a card without power
+    management answers None for its constraints) is one line (ControlError), not a TypeError."""
+    if not isinstance(limits, dict) or not limits:
+        raise ControlError(f"the daemon's answer names no GPU's limits ({limits!r})")
+    for gpu, values in limits.items():
+        if not isinstance(values, list) or not _numbers(values) or (not clocks and len(values) != 2):
+            raise ControlError(f"GPU {gpu} lists no supported clocks" if clocks else
+                               f"GPU {gpu} reports no power-limit constraints: its power limit cannot be swept")
     if clocks:
         common = sorted(set.intersection(*(set(v) for v in limits.values())), reverse=True)
         if not common:
@@ -58,6 +65,10 @@ def settings_to_try(limits: dict, clocks: bool, steps: int) -> list[float]:
     low = max(v[0] for v in limits.values())
     high = min(v[1] for v in limits.values())
     return [round(high - i * (high - low) / max(1, steps - 1)) for i in range(steps)]
+
+
+def _numbers(values: list) -> bool:
+    return bool(values) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
 
 
 def find_knee(steps: list[dict], keep: float) -> dict | None:
