@@ -20,7 +20,7 @@ def test_no_rule_or_metric_name_is_used_twice():
     rows = [r.name for r in signals.GPU_ROWS + signals.SERVING_ROWS + alerts.ROWS]
     assert len(rows) == len(set(rows))
     assert all(name.startswith("gpuwarden_") for name in rows)
-    assert set(signals.REAPPLY_ON) <= set(rules)
+    assert {r.name for r in signals.RULES if r.reapply} == {"clock_lock_lost", "persistence_off"}
 
 
 def test_a_new_signal_with_a_window_is_one_module_and_its_rule_fires_and_its_row_renders(caplog):

@@ -99,7 +99,6 @@ def daemon_rules() -> list[tuple[object, list]]:
 
 def _daemon_rule(rule, module, keys, twins, host_wide: bool) -> list[str]:
     from gpuwarden.config import AlertSettings
-    from gpuwarden.watch.signals import REAPPLY_ON
 
     lines = [f"#### `{rule.name}`", ""]
     facts = [f"**{rule.severity}**"]
@@ -128,7 +127,7 @@ def _daemon_rule(rule, module, keys, twins, host_wide: bool) -> list[str]:
               + (f": {note}" if (note := _constant_note(module, name)) else "") for name, value in constants.items()]
     if items:
         lines.append("- **Threshold:** " + "; ".join(items) + ".")
-    if rule.name in REAPPLY_ON:
+    if rule.reapply:
         key, default = keys["reapply_min_interval_s"]
         lines.append(f"- **The daemon's answer:** it re-applies the tuning, at most every `alerts.{key}` (default "
                      f"{default} s) per GPU.")

@@ -78,9 +78,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return bench_command.cmd_bench(args, load_config(args))
 
 
+EXITS = ((EX_OK, "done"), (EX_FAIL, "a step (or the first request) had only errors"),
+         (EX_NOT_RUNNING, "nothing to compare"), (EX_UNAVAILABLE, "the server cannot be reached"),
+         (EX_CONFIG, "bad arguments, config or model"),
+         (EX_INTERRUPTED, "interrupted (the partial result is still printed and saved)"))
 COMMAND = Command("bench", help="served throughput by concurrency, with the clocks, the power and the roofline "
-                  "beside it", run=cmd_bench, arguments=arguments, description=HELP, order=90,
-                  exits=((EX_OK, "done"), (EX_FAIL, "a step (or the first request) had only errors"),
-                         (EX_NOT_RUNNING, "nothing to compare"), (EX_UNAVAILABLE, "the server cannot be reached"),
-                         (EX_CONFIG, "bad arguments, config or model"),
-                         (EX_INTERRUPTED, "interrupted (the partial result is still printed and saved)")))
+                  "beside it", run=cmd_bench, arguments=arguments, description=HELP, order=90, exits=EXITS)

@@ -63,9 +63,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return bench_tune.cmd_tune(args, load_config(args))
 
 
-COMMAND = Command("tune", help="sweep power limits or SM clocks under bench's workload and find the most tokens per "
-                  "joule", run=cmd_tune, arguments=arguments, description=HELP, order=100,
-                  exits=((EX_OK, "done"), (EX_FAIL, "the daemon refused the sweep or a step, or the lease was lost"),
-                         (EX_UNAVAILABLE, "no daemon or server to ask"), (EX_NOPERM, "not root"),
-                         (EX_CONFIG, "bad arguments"),
-                         (EX_INTERRUPTED, "interrupted (the setting is back; the steps done are printed)")))
+EXITS = ((EX_OK, "done"), (EX_FAIL, "the daemon refused the sweep or a step, or the lease was lost"),
+         (EX_UNAVAILABLE, "no daemon or server to ask"), (EX_NOPERM, "not root"), (EX_CONFIG, "bad arguments"),
+         (EX_INTERRUPTED, "interrupted (the setting is back; the steps done are printed)"))
+COMMAND = Command("tune", help="sweep power limits or SM clocks under bench's workload and find the most tokens "
+                  "per joule", run=cmd_tune, arguments=arguments, description=HELP, order=100, exits=EXITS)

@@ -84,6 +84,7 @@ class Rule:
     # A rule that a sweep's own settings trip (tune/sweeps.py): held as it is on the GPUs a sweep holds, and
     # evaluated again once the configured setting is back.
     swept: bool = False
+    reapply: bool = False  # the daemon answers it by applying the tuning again (a lock or a mode a reset dropped)
 
 
 INACTIVE = Check(False)

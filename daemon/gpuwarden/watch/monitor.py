@@ -22,7 +22,7 @@ from ..config import Config
 from .eventwatch import EventBook, processes_on
 from ..gpu.base import GpuBackend, GpuSample
 from .rows import Row
-from .signals import GPU_ROWS, REAPPLY_ON, SERVING_RULES, SIGNALS, rows_of, rules_of, windows_of
+from .signals import GPU_ROWS, SERVING_RULES, SIGNALS, rows_of, rules_of, windows_of
 from .signals.serving import EnergyWindow
 from ..base.systemd import NOTICE
 from ..gpu.throttle import is_busy
@@ -270,8 +270,8 @@ class Monitor:
                 event = state.step(rule.check(sample, ctx), now, self.config.alerts, restart_timers=stalled)
                 if event:
                     self._log_event(event, state, sample, now)
-            self.tuning.drifted(sample, [name for name in REAPPLY_ON
-                                         if self.states[(name, sample.index)].phase == FIRING], now)
+            self.tuning.drifted(sample, [rule.name for rule in self.rules if rule.reapply
+                                         and self.states[(rule.name, sample.index)].phase == FIRING], now)
         engine = serving[0] if serving else None  # the serving rules are about the engine
         for state in self.serving_states.values():
             event = state.step(state.rule.check(engine, samples), now, self.config.alerts, restart_timers=stalled)

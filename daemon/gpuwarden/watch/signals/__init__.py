@@ -34,8 +34,6 @@ def windows_of(signals: Iterable[ModuleType]) -> tuple[type[Window], ...]:
 RULES: tuple[Rule, ...] = rules_of(SIGNALS)
 SERVING_RULES: tuple[Rule, ...] = serving.RULES  # host-wide: evaluated on the supervisor's view
 RULES_BY_NAME = {rule.name: rule for rule in RULES + SERVING_RULES}
-# Rules that the daemon answers by re-applying the tuning.
-REAPPLY_ON = ("clock_lock_lost", "persistence_off")
 
 GPU_ROWS: tuple[Row, ...] = rows_of(SIGNALS)
 SERVING_ROWS: tuple[Row, ...] = serving.ROWS

@@ -1,5 +1,5 @@
 """The SM and memory clocks: how fast the GPU runs against its maximum or its lock. Rules: a busy GPU's clock
-low (sm_clock_low, memory_clock_low; thresholds alerts.sm_clock_min, alerts.memory_clock_min) and a lock the
+low (sm_clock_low, memory_clock_low; thresholds alerts.sm_clock_min_mhz, alerts.memory_clock_min_mhz) and a lock the
 driver dropped (clock_lock_lost, which the daemon answers by re-applying the tuning)."""
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ RULES = (
     Rule("memory_clock_low", WARNING, "lock the GPU clocks or tuning.memory_clocks: max", memory_clock_low,
          swept=True),
     Rule("clock_lock_lost", WARNING, "a driver reload or GPU reset dropped the lock; gpuwarden re-applies it",
-         clock_lock_lost, swept=True),
+         clock_lock_lost, swept=True, reapply=True),
 )
 
 

@@ -21,7 +21,7 @@ def gpu_lost(s: GpuSample, ctx: GpuContext) -> Check:
 RULES = (
     Rule("persistence_off", WARNING, "a driver reload turned it off; gpuwarden re-applies it through NVML's "
          "deprecated setter: `systemctl enable --now nvidia-persistenced` keeps it on the supported way",
-         persistence_off),
+         persistence_off, reapply=True),
     Rule("gpu_lost", CRITICAL, "check `dmesg` for Xid errors; the GPU may need a reset or a reboot", gpu_lost),
 )
 
