@@ -33,7 +33,7 @@ from gpuwarden import config as configmod  # noqa: E402
 from gpuwarden.base import schema, webconfig  # noqa: E402
 from gpuwarden.base.yamlfile import InvalidConfig  # noqa: E402
 from gpuwarden.gpu.sim.scenario import builtin_scenarios  # noqa: E402
-from gpuwarden.proxy.child import PROXY_KIND  # noqa: E402
+from gpuwarden.service.daemon import SIDE_KINDS  # noqa: E402
 from gpuwarden.serving.compose import engines  # noqa: E402
 from gpuwarden.service.reload import RESTART_ONLY  # noqa: E402
 from gpuwarden.tune import tunables  # noqa: E402
@@ -44,10 +44,6 @@ MAN = Path("packaging/man/gpuwarden.yaml.5")
 EXAMPLE = Path("etc/gpuwarden/gpuwarden.yaml")
 CONFIG, WEB = "gpuwarden.yaml", "web config"
 ID = "ID"  # a tuning.gpus key: a GPU's index or UUID
-
-# The side children the daemon runs beside the engine, as service/daemon.py hands them to ServingRuntime: a reload
-# that changes only serve.<section> restarts that child alone.
-SIDE_KINDS = (PROXY_KIND,)
 
 # What a reload (SIGHUP, systemctl reload gpuwarden) does with a changed key.
 AT_ONCE = "applies at once"

@@ -54,6 +54,9 @@ HANDLED_SIGNALS = earlysignals.SIGNALS
 EVENTS_WAKE = 0  # the byte the GPU event thread writes to the wake-up pipe: no signal has number 0
 ERROR_REPEAT_S = 60.0  # the same serving or poll error is logged at most this often
 STOP_MARGIN_S = 30.0  # beyond the child's drain, for SIGKILL and restoring the tuning
+# The side children the daemon runs beside the engine (serving/run/kinds.py): a reload that changes only one
+# kind's spec restarts that child alone.
+SIDE_KINDS = (PROXY_KIND,)
 
 
 def reexec() -> None:
@@ -86,7 +89,7 @@ class Daemon:
         # the unit (StateDirectory=) the running children are recorded, so that the daemon after this one
         # takes them over (serving/run/handover.py); a daemon run by hand adopts nothing.
         records = state_dir() if os.environ.get("STATE_DIRECTORY") else None
-        self.serving = ServingRuntime(backend, sides=(PROXY_KIND,), ops=ops, clock=clock, state_dir=records,
+        self.serving = ServingRuntime(backend, sides=SIDE_KINDS, ops=ops, clock=clock, state_dir=records,
                                       keep_fd=self.notifier.keep_fd)
         self.watcher: EventWatcher | None = None  # Xid and fatal events, on their own thread
         self.wake: Callable[[], None] | None = None  # run() sets it: wakes the loop as a signal does
