@@ -275,17 +275,17 @@ def test_a_card_whose_full_load_power_is_its_idle_power_is_refused(write):
 
 
 def test_format_md_documents_every_event_the_parser_accepts_with_its_parameters_and_ranges():
-    """FORMAT.md's event table against scenario.EVENT_PARAMS: a row per event, and in it each parameter with
+    """docs/scenario-format.md's event table against scenario.EVENT_PARAMS: a row per event, and in it each parameter with
     "required" where the parser requires it and its range as LOW-HIGH; until_s exactly on the conditions."""
     from gpuwarden.gpu.sim.scenario import CONDITIONS, EVENT_PARAMS
 
-    doc = (ROOT / "daemon" / "gpuwarden" / "gpu" / "scenarios" / "FORMAT.md").read_text()  # in the tree: not shipped
+    doc = (ROOT / "docs" / "scenario-format.md").read_text()
     rows = {}
     for line in doc.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 3 and re.fullmatch(r"`\w+`", cells[0]):
             rows[cells[0].strip("`")] = cells[1]
-    assert sorted(rows) == sorted(EVENT_PARAMS), "FORMAT.md's event table and EVENT_PARAMS differ"
+    assert sorted(rows) == sorted(EVENT_PARAMS), "docs/scenario-format.md's event table and EVENT_PARAMS differ"
     for event, params in EVENT_PARAMS.items():
         cell = rows[event]
         named = set(re.findall(r"`(\w+)`", cell))

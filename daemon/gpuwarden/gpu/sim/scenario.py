@@ -1,6 +1,6 @@
 """Scenario files for the simulated backend: GPU models plus a timeline.
 
-The format is documented in gpu/scenarios/FORMAT.md; the built-in scenarios live in
+The format is documented in docs/scenario-format.md; the built-in scenarios live in
 gpu/scenarios/*.yaml and double as examples.
 """
 
