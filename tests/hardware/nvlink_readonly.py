@@ -201,7 +201,7 @@ def cost(nvml, backend) -> dict:
            "sample, no counters": ms(lambda: gpu.sample(counters=False)),
            "batch: the counter fields before NVLink": ms(lambda: nvml.nvmlDeviceGetFieldValues(
                h, list(COUNTER_FIELDS.values())))}
-    for name, fid in NVLINK_FIELDS.items():
+    for name, fid in NVLINK_FIELDS.items() if links else ():  # NVML refuses an empty batch (one GPU, no links up)
         out[f"batch: field {fid} ({name}) x {len(links)} links"] = ms(
             lambda fid=fid: nvml.nvmlDeviceGetFieldValues(h, [(fid, link) for link in links]))
     out["nvmlDeviceGetNvLinkErrorCounter x links x 3"] = ms(
