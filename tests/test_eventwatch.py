@@ -1,6 +1,7 @@
 """Xid and fatal GPU events: the NVML event set, the waiting thread, the journal line, the metric, the alert
 and what happens to the engine on that GPU. Through the fake NVML; a real-process run of the sim at the end."""
 
+import dataclasses
 import threading
 import time
 import urllib.request
@@ -110,6 +111,24 @@ def test_an_xid_storm_is_one_line_per_kind_per_repeat_s(caplog):
     assert len(lines) == 2 and book.counts[(0, 13, "xid")] == 1000
     book.record(GpuEvent(0, "xid", 13), 601, lambda gpu: "none")
     assert "(999 more since the last line)" in caplog.records[-1].getMessage()
+
+
+def test_a_reload_gives_the_xid_repeat_its_new_period(caplog):
+    """alerts.repeat_s reached the events' book only at start: a reload changed the alert reminders, not the Xid
+    lines (600 s kept)."""
+    caplog.set_level("INFO")
+    monitor, clock = sim_monitor()
+    monitor.record_events([GpuEvent(0, "xid", 13)], clock.now)
+    monitor.record_events([GpuEvent(0, "xid", 13)], clock.now)  # counted: within the period
+    reloaded, _ = sim_monitor()
+    monitor.reconfigure(dataclasses.replace(reloaded.config, alerts=dataclasses.replace(reloaded.config.alerts,
+                                                                                        repeat_s=30.0)))
+    clock.advance(31)
+    monitor.record_events([GpuEvent(0, "xid", 13)], clock.now)  # the running period ended at 30 s: said, +1 more
+    clock.advance(31)
+    monitor.record_events([GpuEvent(0, "xid", 13)], clock.now)  # and again 30 s later
+    lines = [r.getMessage() for r in caplog.records if "Xid 13" in r.getMessage()]
+    assert len(lines) == 3 and "(1 more since the last line)" in lines[1], lines
 
 
 def test_a_gpu_that_needs_a_reset_stops_the_engine_instead_of_restarting_it():

@@ -64,8 +64,6 @@ RELOADS = (
 # Where a key's reload is more than its section's rule.
 RELOAD_NOTES = {
     "serve.enabled": "starts or stops the engine",
-    "alerts.repeat_s": (AT_ONCE + " for alerts; the GPU event log (Xid) keeps the value it started with until a "
-                        "restart"),
 }
 
 # The keys the parser reads without a typed call (Reader.get and its own checks): (type, what it accepts).

@@ -80,6 +80,14 @@ class FaultLog:
         self._periods[key] = _Period(now + self.period_s, level, message)
         return period.counts.total() if period is not None else 0
 
+    def set_period(self, seconds: float) -> None:
+        """A new period length (a reloaded setting), for the periods running now too: each ends as if it had begun
+        with this length."""
+        with self._lock:
+            for period in self._periods.values():
+                period.ends += seconds - self.period_s
+            self.period_s = seconds
+
     def flush(self) -> None:
         """The counts of the periods that are over, a line each."""
         lines = []

@@ -81,6 +81,11 @@ class EventBook:
     def __post_init__(self) -> None:
         self._quiet = FaultLog(log, period_s=self.repeat_s)  # one line per (GPU, event kind) a period, with a count
 
+    def repeat_every(self, seconds: float) -> None:
+        """A reloaded alerts.repeat_s, for the (GPU, event kind) periods running now too."""
+        self.repeat_s = seconds
+        self._quiet.set_period(seconds)
+
     def record(self, event: GpuEvent, now: float, processes: Callable[[int], str]) -> str | None:
         """Count and log one event; return the reason when it asks for a reset or a reboot, else None."""
         xid = xids.lookup(event.data) if event.kind == "xid" else None

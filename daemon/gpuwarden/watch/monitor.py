@@ -200,8 +200,9 @@ class Monitor:
         return max(1, round(self.config.counters_interval_s / self.config.poll_interval_s))
 
     def reconfigure(self, config: Config) -> None:
-        """A reloaded config: its alert settings from the next poll on."""
+        """A reloaded config: its alert settings from the next poll on (the events' repeat too)."""
         self.config = config
+        self.events.repeat_every(config.alerts.repeat_s)
 
     def gpus_were_reset(self) -> None:
         """The operator says the GPUs were reset (a reload): none counts as waiting for a reset any more."""
