@@ -124,6 +124,11 @@ class Phase:
     stop_count: int = 0  # STOPPING: processes in the group when the stop began
 
 
+def _of_phase(name: str) -> property:
+    """A field of the program's current phase, read-only: only _transition and _within change the phase."""
+    return property(lambda program: getattr(program.phase, name))
+
+
 class Program:
     """One supervised child: runs a ChildSpec (serving/run/spec.py), whatever kind of child it describes; a
     kind that needs more than the states (the multi-node rank watch) plugs its policy in (serving/run/policy.py)."""
@@ -150,21 +155,10 @@ class Program:
         self.policy: Policy = spec.policy(self) if spec.policy is not None else Policy()
 
     # -- the state, read through the phase ----------------------------------------------
-    @property
-    def state(self) -> str:
-        return self.phase.state
-
-    @property
-    def child(self) -> Child | None:
-        return self.phase.child
-
-    @property
-    def problem(self) -> str | None:
-        return self.phase.problem
-
-    @property
-    def blocked(self) -> bool:
-        return self.phase.blocked
+    state = _of_phase("state")  # str
+    child = _of_phase("child")  # Child | None
+    problem = _of_phase("problem")  # str | None
+    blocked = _of_phase("blocked")  # bool
 
     @property
     def _links_probe(self):  # the rank watch's reader of the rendezvous connections (a test slows it down)
