@@ -95,6 +95,13 @@ def test_the_check_sees_a_missing_page_and_a_missing_anchor(tmp_path):
     assert broken_links(tmp_path) == ["index.html: a/#nope (no anchor #nope)", "index.html: b/ (no index.html)"]
 
 
+def test_the_docs_home_is_the_readme():
+    """docs/index.md is README.md with its links seen from docs/: one text, two places it is read."""
+    readme = (ROOT / "README.md").read_text()
+    assert (ROOT / "docs" / "index.md").read_text() == readme.replace("](docs/", "]("), \
+        "docs/index.md differs from README.md: copy it (links to docs/X become X)"
+
+
 def test_the_readme_is_short_and_its_links_resolve():
     readme = ROOT / "README.md"
     size = len(readme.read_bytes())

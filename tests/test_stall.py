@@ -1,4 +1,4 @@
-"""Stall detection (serving/watch/stall.py): counters that stop while work waits, and the idle probe."""
+"""Stall detection (serving/probe/stall.py): counters that stop while work waits, and the idle probe."""
 
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer

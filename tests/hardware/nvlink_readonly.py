@@ -13,7 +13,6 @@ check the script itself. Not collected by pytest.
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
 import statistics

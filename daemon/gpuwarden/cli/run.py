@@ -59,6 +59,6 @@ COMMAND = Command("run", help="the daemon: apply the tuning, then monitor every 
                   "until SIGTERM/SIGINT (SIGHUP reloads the config)", run=cmd_run, arguments=arguments, order=50,
                   keeps_held_signals=True,
                   exits=((EX_OK, "stopped by SIGTERM or SIGINT, or --duration ran out"),
-                         (EX_FAIL, "the start failed (e.g. the metrics port is taken, or a tuning step failed)"),
+                         (EX_FAIL, "the start failed (e.g. a metrics address this host cannot bind, or a tuning step failed)"),
                          (EX_UNAVAILABLE, "NVML unavailable"),
                          (EX_CONFIG, "configuration error (the unit does not restart on it)")))

@@ -21,7 +21,7 @@ from ..gpu.base import Gpu, GpuBackend, GpuCapabilities, GpuSample
 from .originals import OriginalsStore
 from ..base.systemd import NOTICE
 from .tunables import Step, Unfit, persistenced_fix
-from .wanted import Configured as Config, GpuTuning
+from .wanted import Configured, GpuTuning
 from ..base.yamlfile import ConfigError, ConfigErrors
 
 log = logging.getLogger("gpuwarden")
@@ -81,7 +81,7 @@ class Plan:
 
 # -- plan -----------------------------------------------------------------------
 
-def make_plan(backend: GpuBackend, config: Config) -> Plan:
+def make_plan(backend: GpuBackend, config: Configured) -> Plan:
     """What tuning would do on each GPU. Touches nothing; raises ConfigErrors
     when a configured value is outside what a card supports."""
     gpus = backend.gpus()
@@ -118,7 +118,7 @@ def make_plan(backend: GpuBackend, config: Config) -> Plan:
     return Plan(tuple(plans), tuple(notes), persistenced)
 
 
-def _check_override_keys(config: Config, gpus: list[Gpu], problems: list[ConfigError]) -> None:
+def _check_override_keys(config: Configured, gpus: list[Gpu], problems: list[ConfigError]) -> None:
     known = {str(g.index) for g in gpus} | {g.uuid for g in gpus}
     indices = f"0-{len(gpus) - 1}" if gpus else "none"
     for key, _ in config.tuning.overrides:
@@ -127,7 +127,7 @@ def _check_override_keys(config: Config, gpus: list[Gpu], problems: list[ConfigE
                                          f"GPU indices {indices}, or their UUIDs from `gpuwarden plan`"))
 
 
-def _gpu_actions(config: Config, gpu: Gpu, want: GpuTuning, sample: GpuSample, caps: GpuCapabilities,
+def _gpu_actions(config: Configured, gpu: Gpu, want: GpuTuning, sample: GpuSample, caps: GpuCapabilities,
                  persistenced: bool, per_gpu: dict[tuple, list[Gpu]]) -> list[Action]:
     actions = []
     for tunable in tunables.TUNABLES:
@@ -265,7 +265,7 @@ class TuningLife:
     restoring at stop. The monitor reads `locks` and `persistenced` and reports what it sees (gpu_answered,
     drifted); the daemon hands it the config (start, reload) and the stop."""
 
-    def __init__(self, backend: GpuBackend, config: Config, tuner: Tuner):
+    def __init__(self, backend: GpuBackend, config: Configured, tuner: Tuner):
         self.backend = backend
         self.config = config
         self.tuner = tuner
@@ -281,7 +281,7 @@ class TuningLife:
         self.held_setting: str | None = None  # the setting it sweeps there: a reload leaves it to the sweep's end
         self.held_step: Any = None  # the value the sweep last set there (None: none yet)
 
-    def check(self, config: Config) -> Plan:
+    def check(self, config: Configured) -> Plan:
         """The plan config gives on these GPUs; ConfigErrors for a value a card cannot take. Changes nothing."""
         return make_plan(self.backend, config)
 
@@ -300,7 +300,7 @@ class TuningLife:
         for outcome in self.tuner.verify(plan):
             (log.info if outcome.ok else log.warning)("tuning %s", outcome.describe("verified"))
 
-    def reload(self, config: Config, plan: Plan) -> None:
+    def reload(self, config: Configured, plan: Plan) -> None:
         """A reloaded config (its plan checked already): undo what it no longer wants, apply what it does."""
         old, self.config = self.config, config
         if config.tuning == old.tuning:
@@ -352,7 +352,7 @@ class TuningLife:
         except Exception as exc:
             log.error("restore failed: %s: %s", type(exc).__name__, exc)
 
-    def _use(self, plan: Plan, config: Config) -> None:
+    def _use(self, plan: Plan, config: Configured) -> None:
         self.plan = plan
         self.persistenced = plan.persistenced
         self.locks = {}

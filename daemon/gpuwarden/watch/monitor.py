@@ -3,7 +3,7 @@ locks from the tuning's life cycle (tuning.TuningLife) and tells it what the rea
 
 The snapshot is the one source for the log, the metrics, the STATUS line and
 `gpuwarden status`; it is immutable and replaced whole on each tick, so the
-exporter thread reads it without locks.
+metrics server's and the render threads (web/) read it without locks.
 """
 
 from __future__ import annotations
@@ -244,7 +244,7 @@ class Monitor:
 
     def tick(self, now: float, loop_lag_s: float = 0.0, serving: tuple[ServingView, ...] | None = None,
              stats: ServingStats | None = None, published_at: float | None = None) -> Snapshot:
-        """Sample, evaluate, and publish one complete snapshot (the exporter thread reads it any time)."""
+        """Sample, evaluate, and publish one complete snapshot (web/ reads it any time)."""
         # After a stall (SIGSTOP, a frozen host) one reading cannot show that a condition held for for_s:
         # pending and clearing timers start again from this reading.
         stalled = self._last_tick is not None and now - self._last_tick > STALL_POLLS * self.config.poll_interval_s

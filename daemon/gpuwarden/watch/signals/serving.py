@@ -19,7 +19,7 @@ def vllm_fatal(view, _ctx=None) -> Check:
 
 
 def vllm_stalled(view, samples=()) -> Check:
-    """The engine makes no progress (serving/watch/stall.py), with what its GPUs did in those seconds."""
+    """The engine makes no progress (serving/probe/stall.py), with what its GPUs did in those seconds."""
     if view is None or not view.stalled:
         return INACTIVE
     mine = [s for s in samples if s.up and (not view.gpus or s.index in view.gpus)]
@@ -171,6 +171,11 @@ ROWS = (
         _children(lambda c: [((c.engine,), c.stalls)]), COUNTER, _serving),
     Row("gpuwarden_serving_transitions", "State changes of a supervised child", ("child", "from", "to"),
         _children(lambda c: [((c.engine, old, new), n) for old, new, n in c.transitions]), COUNTER, _serving),
+    Row("gpuwarden_serving_drains", "The engine's planned stops (reload, systemctl stop, a new profile, model or "
+        "version) by outcome: drained (its requests in flight finished), timed_out (SIGKILL aborted what was left "
+        "after serve.drain_s), aborted (no drain: drain_s 0, a version without one, or a second stop)", ("outcome",),
+        lambda snap: list(((outcome,), n) for outcome, n in snap.serving.drains), COUNTER,
+        lambda snap: _serving(snap) and bool(snap.serving.drains)),
     Row("gpuwarden_serving_start_time_seconds", "When the running child's process started (seconds since the "
         "epoch; time() minus it is its uptime: an upgrade of gpuwarden does not reset it)", ("child",),
         _children(lambda c: [((c.engine,), c.started_at)] if c.started_at is not None else []), shown=_serving),
