@@ -20,6 +20,10 @@ Modes:
   crash        exits with status 3 after 1 s
   chatty       prints "INFO fakechild tick N" every 0.3 s (is its output still read after a handover?)
   controls     prints one line with NUL, CR, ESC and a forged `<0>` record in it, then serves as healthy
+  drain        answers GET /v1/... after 3 s (?s=N: N s), counted as running in /metrics; at SIGTERM it drains as
+               vLLM does with --shutdown-timeout N: new requests get 503, it exits once those in flight finished
+               or N s passed (without the flag, or 0: it exits at once, aborting them, as vLLM does)
+  stuck-drain  as drain, but its requests never finish and SIGTERM never ends it: a drain that never ends
 """
 
 from __future__ import annotations
@@ -39,6 +43,12 @@ vllm:num_requests_running{{engine="0",model_name="m"}} {running}
 vllm:num_requests_waiting{{engine="0",model_name="m"}} {waiting}
 vllm:kv_cache_usage_perc{{engine="0",model_name="m"}} 0.1
 """
+
+
+DRAINERS = {"drain", "stuck-drain"}
+IN_FLIGHT = [0]  # the slow requests being answered (drain modes)
+IN_FLIGHT_LOCK = threading.Lock()
+DRAINING = threading.Event()  # SIGTERM came
 
 
 SGLANG_METRICS = """# TYPE sglang:generation_tokens_total counter
@@ -63,6 +73,9 @@ def answer(conn: socket.socket, modes: set[str], started: float) -> None:
         if path == "/health":
             conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
             return
+        if path.startswith("/v1/") and modes & DRAINERS:
+            slow_request(conn, path, modes)
+            return
         if path != "/metrics":
             conn.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
             return
@@ -75,6 +88,8 @@ def answer(conn: socket.socket, modes: set[str], started: float) -> None:
             return
         gen = int((time.monotonic() - started) * 100)
         running, waiting = ("NaN", "+Inf") if "nan" in modes else ("2", "0")
+        if modes & DRAINERS:
+            running = str(IN_FLIGHT[0])
         text = SGLANG_METRICS if "sglang" in modes else METRICS
         body = text.format(gen=gen, prompt=gen // 2, running=running, waiting=waiting).encode()
         head = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body)
@@ -84,6 +99,49 @@ def answer(conn: socket.socket, modes: set[str], started: float) -> None:
                 time.sleep(1)
             return
         conn.sendall(head + body)
+
+
+def slow_request(conn: socket.socket, path: str, modes: set[str]) -> None:
+    """A request that takes its time (drain modes); refused once SIGTERM came, as a draining vLLM refuses."""
+    if DRAINING.is_set():
+        conn.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+        return
+    seconds = float(path.partition("?s=")[2] or 3)
+    with IN_FLIGHT_LOCK:
+        IN_FLIGHT[0] += 1
+    try:
+        if "stuck-drain" in modes:
+            threading.Event().wait()  # never answered
+        time.sleep(seconds)
+        body = b'{"done": true}'
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+    finally:
+        with IN_FLIGHT_LOCK:
+            IN_FLIGHT[0] -= 1
+
+
+def drain_at_sigterm(timeout: int, modes: set[str]) -> None:
+    """vLLM's drain (v1/engine/core.py _handle_shutdown): 0 aborts at once; N lets the requests in flight finish
+    within N s. stuck-drain never ends."""
+    def finish() -> None:
+        deadline = time.monotonic() + timeout
+        while IN_FLIGHT[0] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        print(f"INFO fakechild drain over, {IN_FLIGHT[0]} requests left", flush=True)
+        os._exit(0)
+
+    def on_term(_signum, _frame) -> None:
+        if DRAINING.is_set():
+            return
+        DRAINING.set()
+        print(f"INFO fakechild SIGTERM: draining {IN_FLIGHT[0]} requests, up to {timeout} s", flush=True)
+        if "stuck-drain" in modes:
+            return
+        if timeout <= 0:
+            os._exit(0)
+        threading.Thread(target=finish, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_term)
 
 
 def serve(host: str, port: int, modes: set[str]) -> None:
@@ -125,6 +183,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--model-path")
     parser.add_argument("--enable-metrics", action="store_true")
+    parser.add_argument("--shutdown-timeout", type=int, default=0)  # vLLM's drain (0.18 and later)
     args, _ = parser.parse_known_args()
     modes = set(args.mode.split(","))
     if "sglang" in modes:
@@ -135,6 +194,8 @@ def main() -> None:
         print(time.strftime("[%Y-%m-%d %H:%M:%S TP0] ") + f"Load weight begin. model {args.model_path}", flush=True)
     if "ignore-term" in modes:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if modes & DRAINERS:
+        drain_at_sigterm(args.shutdown_timeout, modes)
     print(f"INFO fakechild pid {os.getpid()} modes {sorted(modes)} on {args.host}:{args.port}", flush=True)
     leave_the_group(modes)
     if "flood" in modes:

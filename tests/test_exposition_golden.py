@@ -57,7 +57,7 @@ def played(scenario: str, extra: str = "", until: float = 30.0, serving=(), stat
 def views() -> list[tuple[str, tuple[ServingView, ...], ServingStats | None]]:
     vllm = ServingView("RUNNING", "/m/Qwen3-8B", "vllm-generic", 4242, 2, -9, 31.5, None, gpus=(0,),
                        transitions=(("STOPPED", "STARTING", 3), ("STARTING", "RUNNING", 3)), stalls=1,
-                       started_at=999.0, version="0.11.0")
+                       started_at=999.0, version="0.11.0", drains=(("drained", 2), ("timed_out", 1), ("aborted", 0)))
     proxy = ServingView("RUNNING", "", "", 4343, 0, None, None, None, engine="proxy", title="proxy")
     sglang = ServingView("BACKOFF", "/m/x", "sglang-generic", None, 1, 1, None, "exited 1", engine="sglang",
                          title="SGLang")

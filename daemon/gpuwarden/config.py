@@ -130,6 +130,9 @@ class ServeConfig:
     allow_lint_errors: bool = False
     startup_timeout_s: float = 1800.0
     stop_timeout_s: float = 30.0
+    # A planned stop lets the requests in flight finish for this long (vLLM's --shutdown-timeout); 0: they are
+    # aborted at SIGTERM, as before (serving/compose/drain.py).
+    drain_s: int = 60
     liveness_interval_s: float = 10.0
     liveness_failures: int = 3
     backoff_max_s: float = 60.0
@@ -357,6 +360,7 @@ def _serve_section(r: Reader, base_dir: Path) -> ServeConfig:
         allow_lint_errors=r.boolean(base + ("allow_lint_errors",), d.allow_lint_errors),
         startup_timeout_s=float(number(base + ("startup_timeout_s",), d.startup_timeout_s, 1, 86400, unit=" s")),
         stop_timeout_s=float(number(base + ("stop_timeout_s",), d.stop_timeout_s, 1, 3600, unit=" s")),
+        drain_s=number(base + ("drain_s",), d.drain_s, 0, 3600, integer=True, unit=" s"),
         liveness_interval_s=float(number(base + ("liveness_interval_s",), d.liveness_interval_s, 0.1, 3600,
                                          unit=" s")),
         liveness_failures=number(base + ("liveness_failures",), d.liveness_failures, 1, 100, integer=True),

@@ -235,10 +235,11 @@ class Daemon:
             return
         self.stopping = True
         self.notifier.stopping()
-        if not self.serving.stopped:
+        running = not self.serving.stopped
+        wait = self.serving.stop(now)  # the longest wait for SIGKILL: the engine's drain and its margin included
+        if running:
             # systemd's TimeoutStopSec covers the default drain; a longer one asks for more time.
-            self.notifier.extend_timeout(self.config.serve.stop_timeout_s + STOP_MARGIN_S)
-        self.serving.stop(now)
+            self.notifier.extend_timeout(max(wait or 0.0, self.config.serve.stop_timeout_s) + STOP_MARGIN_S)
 
     @property
     def stop_done(self) -> bool:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from ...config import Config, ServeConfig
 from ...gpu.base import GpuSample
 from ...base.yamlfile import ConfigError
+from .drain import Drain
 from .engines import Engine, engine_for
 from .nodes import Role
 from .profiles import Composed, Profile
@@ -27,6 +28,7 @@ class ServeCommand(Composed):
     engine: Engine
     prefix: int  # how many leading words of argv are the command (serve.command or the engine's)
     role: Role | None = None  # this node's part of a multi-node engine (None: one host)
+    drain: Drain = Drain(0)  # how a SIGTERM lets its requests in flight finish (serving/compose/drain.py)
 
     @property
     def flags(self) -> list[str]:

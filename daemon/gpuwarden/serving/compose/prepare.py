@@ -3,6 +3,7 @@ parser. `run`, `check`, `doctor` and `profiles show` all come through compose().
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -17,6 +18,7 @@ from .flagcheck import FlagCheck, check_flags
 from .homes import HomeError, child_home
 from .identity import Identity, IdentityError, popen, resolve
 from ...base.statedir import state_dir
+from .drain import plan_drain
 from .engines import evaluate_lint, rules_for
 from .flagcheck import engine_python
 from .installed import Installed, installed
@@ -134,9 +136,13 @@ def compose(config: Config, gpus: Sequence[GpuSample], profile_name: str | None 
         raise config.error(("serve", "nodes"), str(exc), "serve.engine: vllm, or no serve.nodes") from None
     if found is None:
         found = installed_for(config, command, ask)
+    # The drain flag, where the installed version has it: the last flags, after the user's and the node's.
+    drain = plan_drain(engine, config.serve, command.flags, found)
+    command = dataclasses.replace(command, argv=(*command.argv, *drain.args), drain=drain)
     model = model_facts(config.serve.model, read=ask)
     outcomes = tuple(evaluate_lint(LintContext.of(command, config.serve.model, found, model), rules))
-    return Composed(command, tuple(o.finding for o in outcomes if o.finding is not None), outcomes, found, rules)
+    findings = tuple(o.finding for o in outcomes if o.finding is not None)
+    return Composed(command, findings + ((drain.finding,) if drain.finding else ()), outcomes, found, rules)
 
 
 def installed_for(config: Config, command: ServeCommand, ask: bool = True,

@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,7 @@ from .leftovers import Leftovers
 from .processes import ProcessOps
 from .spec import ChildSpec
 from ..probe.stall import Progress, StallWatch
-from .supervisor import FATAL, RUNNING, Program, ServingView, Supervisor
+from .supervisor import FATAL, RUNNING, STOPPING, Program, ServingView, Supervisor
 
 log = logging.getLogger("gpuwarden")
 
@@ -59,6 +60,8 @@ def prepare_launch(config: Config, backend: GpuBackend, sides: Sequence[ChildKin
         log.info("%s: %s", title, prepared.installed.describe())
     for finding in prepared.findings:
         log.warning("%s lint %s", title, finding)
+    if prepared.command.drain.note:  # how a stop treats the requests in flight, where not as serve.drain_s says
+        log.log(prepared.command.drain.level, "%s", prepared.command.drain.note)
     problems = prepared.blocking(config)
     if problems:
         raise ConfigErrors(problems)
@@ -93,6 +96,7 @@ class ServingRuntime:
         self.reader: MetricsReader | None = None  # the engine's /metrics
         self.stall_watch: StallWatch | None = None  # is the engine making progress
         self._reread = self.ops.background("installed")  # a reload's read of the engine's installed versions
+        self.drains: Counter = Counter()  # the engine's planned stops by outcome, across its restarts (drains.py)
 
     def prepare(self, config: Config, deep: bool, on_loop: bool = False) -> Launch:
         return prepare_launch(config, self.backend, self.sides, deep, on_loop)
@@ -122,7 +126,7 @@ class ServingRuntime:
         else stopped and replaced as a reload would (the new one starts once it has stopped). One the launch
         does not name is stopped (stop_unnamed)."""
         self.launch = launch
-        programs = [Program(launch.engine, self.ops, self.clock),
+        programs = [Program(launch.engine, self.ops, self.clock, self.drains),
                     *(Program(spec, self.ops, self.clock) for spec in launch.sides)]
         self.children = Supervisor(programs)
         self._make_watchers(launch)
@@ -237,9 +241,12 @@ class ServingRuntime:
                 self.reader.reset()  # a new child: its counters restart at zero
                 self.stall_watch.reset(now)
             stats = self.reader.read(now)
+            engine.drain.note(stats)
             progress = Progress(stats.tokens_total, stats.requests_running, stats.requests_waiting) \
                 if stats else None
             engine.note_stall(now, self.stall_watch.update(now, progress), self.launch.config.serve.restart_on_stall)
+        elif engine.state == STOPPING and engine.drain.active and engine.spec.port:
+            engine.drain.note(self.reader.read(now))  # what the drain has left, for its last line; not published
         return self.children.views(), stats
 
     def views(self) -> tuple[ServingView, ...] | None:
@@ -354,14 +361,15 @@ class ServingRuntime:
         if self.children is not None:
             self.children.reset(now)
 
-    def stop(self, now: float) -> None:
+    def stop(self, now: float) -> float | None:
+        """Stop every child; the longest wait for SIGKILL among them (an engine's drain included), None: none."""
         self.pending = None
         self.ops.end_helpers()  # a reload's read of the installed versions still running: nothing waits for it now
-        if self.children is not None:
-            self.children.stop(now)
+        wait = self.children.stop(now) if self.children is not None else None
         if self.children is not None or self.leftovers.unnamed:
             self._stopping = True
             self._record(now)
+        return wait
 
     def kill_now(self, now: float) -> None:
         if self.children is not None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from ...config import ServeConfig
 from ...gpu.base import Gpu
 from ..compose.command import ServeCommand
+from ..compose.drain import DRAIN_MARGIN_S
 from ..compose.flagcheck import engine_python
 from ..compose.identity import Identity
 from .policy import Policy
@@ -73,6 +74,9 @@ class ChildSpec:
     # What its kind plugs into the Program that runs it (serving/run/policy.py), given that Program; None: nothing.
     # A part of a multi-node engine plugs in the rank watch (serving/run/ranks.py).
     policy: Callable[[object], Policy] | None = None
+    # An engine's drain: how long a planned stop's SIGTERM lets its requests in flight finish (0: they are aborted),
+    # said and counted at each stop (serving/run/supervisor.py); None: a child without requests (the proxy, Ray).
+    drain_s: float | None = None
 
     @property
     def url(self) -> str:
@@ -86,16 +90,19 @@ def engine_spec(serve: ServeConfig, command: ServeCommand, identity: Identity, g
     the head of a multi-node engine it serves no API: it listens nowhere, and its health is the head's."""
     engine, role = command.engine, command.role
     title, port, health, peer = engine.title, serve.port, engine.health_path, None
+    drain = command.drain.seconds
+    # SIGKILL waits for the drain and the engine's teardown after it, and never comes before serve.stop_timeout_s.
+    timing = Timing.of(serve, stop_timeout_s=max(serve.stop_timeout_s, drain + DRAIN_MARGIN_S if drain else 0))
     if role is not None:
         title = f"{engine.title} rank {role.rank} of {role.nodes.count}"
         if not role.head:
             port, health, peer = 0, "", (role.nodes.head, role.nodes.port)
     return ChildSpec(engine.name, title, command.argv, dict(command.env), identity, serve.host, port,
-                     health, Timing.of(serve), engine.log_level, tuple(gpus), engine.memory_flag,
+                     health, timing, engine.log_level, tuple(gpus), engine.memory_flag,
                      command.memory_fraction, serve.model, command.profile.name, version or "", peer,
                      role.name if role else "", role.rank if role else None, role.nodes.count if role else 1,
                      role.nodes.address if role else "", role.nodes.port if role and role.nodes.backend == "mp" else 0,
-                     role.nodes.hosts if role else (), RankWatch if role else None)
+                     role.nodes.hosts if role else (), RankWatch if role else None, drain)
 
 
 def ray_spec(serve: ServeConfig, command: ServeCommand, identity: Identity) -> ChildSpec:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from ..compose.secrets import redact_argv
 from .backoff import Backoff
+from .drains import DrainLog
 from .health import judge
 from .output import ChildOutput
 from .policy import PREFLIGHT_RETRY_S, Policy
@@ -90,6 +91,7 @@ class ServingView:
     head: str = ""  # the head's rendezvous HOST:PORT
     head_up: bool | None = None  # a worker: the head's rendezvous answered when last asked (None: not a worker)
     probes: int = 0  # liveness probes answered since it last turned RUNNING
+    drains: tuple[tuple[str, int], ...] = ()  # (outcome, count) of the engine's planned stops (serving/run/drains.py)
 
     @classmethod
     def of(cls, program: Program) -> ServingView:
@@ -100,7 +102,8 @@ class ServingView:
                    tuple((old, new, n) for (old, new), n in sorted(program.transitions.items())),
                    program.stalled, program.stalls, tuple(g.index for g in program.gpus), phase.started_wall,
                    spec.version, spec.role, spec.rank, spec.nodes, spec.head,
-                   program.policy.head_up(phase.state == RUNNING, phase.probe_failures), phase.probes)
+                   program.policy.head_up(phase.state == RUNNING, phase.probe_failures), phase.probes,
+                   program.drain.view())
 
 
 @dataclass(frozen=True)
@@ -122,6 +125,7 @@ class Phase:
     kill_at: float = 0.0  # STOPPING: SIGKILL then (or, once killed, give up on survivors then)
     killed: bool = False  # STOPPING: SIGKILL sent
     stop_count: int = 0  # STOPPING: processes in the group when the stop began
+    cut: bool = False  # STOPPING: a second stop asked for SIGKILL now, cutting the drain short
 
 
 def _of_phase(name: str) -> property:
@@ -133,7 +137,8 @@ class Program:
     """One supervised child: runs a ChildSpec (serving/run/spec.py), whatever kind of child it describes; a
     kind that needs more than the states (the multi-node rank watch) plugs its policy in (serving/run/policy.py)."""
 
-    def __init__(self, spec: ChildSpec, ops: ProcessOps | None = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, spec: ChildSpec, ops: ProcessOps | None = None, clock: Callable[[], float] = time.monotonic,
+                 drains: Counter | None = None):
         self.spec = spec
         self.name, self.title = spec.name, spec.title
         self.identity = spec.identity
@@ -153,6 +158,7 @@ class Program:
         self.backoff = Backoff()  # the restart budget (serving/run/backoff.py)
         self.remains = Remains(self.ops, self.title)  # what is left of the groups before: a start waits for it
         self.policy: Policy = spec.policy(self) if spec.policy is not None else Policy()
+        self.drain = DrainLog(self.title, spec.drain_s, drains)  # what a planned stop let finish (drains.py)
 
     # -- the state, read through the phase ----------------------------------------------
     state = _of_phase("state")  # str
@@ -361,25 +367,27 @@ class Program:
 
     # -- stopping: a timed state ------------------------------------------------------
     def stop(self, now: float) -> None:
-        """Begin a stop: SIGTERM to the group now, SIGKILL once stop_timeout_s has passed (in tick)."""
+        """Begin a planned stop: SIGTERM to the group now, SIGKILL once stop_timeout_s (for an engine that drains,
+        at least its drain and a margin: serving/run/spec.py) has passed (in tick)."""
         if self.state == STOPPING:
             return
         child = self.child
         if child is None:
             self._transition(STOPPED)
             return
-        count = len(self.ops.group_pids(child.pgid))
+        count, serving = len(self.ops.group_pids(child.pgid)), self.state == RUNNING
         self.ops.killpg(child.pgid, signal.SIGTERM)
         timeout = self.spec.timing.stop_timeout_s
         self._transition(STOPPING, f"{self.title} stopping: SIGTERM to its {count} processes, SIGKILL after "
                                    f"{timeout:g} s", since=now, child=child, kill_at=now + timeout, stop_count=count,
                          started_wall=self.phase.started_wall)
+        self.drain.began(serving)
 
     def kill_now(self, now: float) -> None:
         """A second stop request: do not wait for the drain."""
         if self.state == STOPPING and not self.phase.killed:
             log.warning("%s stop: asked again, SIGKILL now", self.title)
-            self._within(kill_at=now)
+            self._within(kill_at=now, cut=True)
             self._stopping(now)
 
     @property
@@ -397,12 +405,14 @@ class Program:
                         len(alive))
             self.ops.killpg(phase.child.pgid, signal.SIGKILL)
             self._within(killed=True, kill_at=now + KILL_WAIT_S)
+            self.drain.killed(phase.cut)
             return
         if alive:
             log.error("processes %s of %s's group survived SIGKILL for %g s", alive, self.title, KILL_WAIT_S)
             self.remains.dying.update(alive)
         self.ops.poll(phase.child)
         self.remains.kill_escaped()
+        self.drain.ended(now - phase.since, phase.killed)
         self._transition(STOPPED, f"{self.title} stopped after {now - phase.since:.1f} s ({phase.stop_count} "
                                   "processes in its group at the stop)")
 
@@ -472,9 +482,11 @@ class Supervisor:
         if self._incoming:
             self._swap(now)
 
-    def stop(self, now: float) -> None:
+    def stop(self, now: float) -> float | None:
+        """Stop them all; the longest wait for SIGKILL of one still stopping (a drain's included), None: none."""
         self._incoming.clear()  # stopping everything: a pending replacement never starts
         self._each(lambda p: p.stop(now))
+        return max((p.spec.timing.stop_timeout_s for p in self.programs.values() if not p.stopped), default=None)
 
     def kill_now(self, now: float) -> None:
         self._each(lambda p: p.kill_now(now))

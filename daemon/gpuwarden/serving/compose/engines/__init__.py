@@ -81,6 +81,11 @@ class Engine:
     # {"ok", "error", "version"} as JSON. None: the engine has no parser gpuwarden can run.
     flag_probe: str | None = None
     checks: Mapping = {}  # name -> check(LintContext): the rules' check: entries for this engine (serving/compose/rules.py)
+    # How it lets the requests in flight finish at SIGTERM (serving/compose/drain.py): the flag that says for how
+    # long, and the versions that have it (PEP 440); or it drains by itself, with no bound of its own; or neither.
+    drain_flag: str | None = None
+    drain_versions: str = ""
+    drains_itself = False
 
     def command(self, serve: ServeConfig) -> tuple[str, ...]:
         return serve.command or self.default_command

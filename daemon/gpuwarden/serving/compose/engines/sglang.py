@@ -61,6 +61,9 @@ class Sglang(Engine):
     metric_names = MetricNames("sglang:generation_tokens_total", "sglang:prompt_tokens_total",
                                "sglang:num_running_reqs", "sglang:num_queue_reqs", ("sglang:token_usage",))
     flag_probe = PROBE
+    # SIGTERM makes it drain by itself: TokenizerManager.sigterm_watchdog (0.5.23) waits, with no flag and no bound
+    # of its own, for the requests in flight (it looks every 5 s), its /health answering 503 meanwhile, then exits.
+    drains_itself = True
     checks = {"sglang_triton_backends": sglang_triton_backends, "sglang_long_context": sglang_long_context}
 
     def log_level(self, line: str) -> int | None:

@@ -262,6 +262,10 @@ class Vllm(Engine):
                                "vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds")
     api_key_env = "VLLM_API_KEY"  # the flag wins (vllm/entrypoints/serve/middleware/register.py, 0.32)
     flag_probe = PROBE
+    # vllm/engine/arg_utils.py (0.32): "--shutdown-timeout", 0 (its default) aborts the requests in flight at
+    # SIGTERM, N rejects new ones and lets those finish within N s (v1/engine/core.py _handle_shutdown). Since 0.18:
+    # vllm-project/vllm#34730, reverted and re-applied as #36666.
+    drain_flag, drain_versions = "--shutdown-timeout", ">=0.18.0"
     checks = {"kv_cache_fp8_e5m2": kv_cache_fp8_e5m2, "ngram_small_model": ngram_small_model,
               "memory_above_tp4": memory_above_tp4, "ignored_vllm_env": ignored_vllm_env,
               "capture_clamp": capture_clamp, "fuse_gemm_comms_declined": fuse_gemm_comms_declined,
