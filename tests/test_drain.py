@@ -23,10 +23,10 @@ from gpuwarden.serving.run.drains import ABORTED, DRAINED, TIMED_OUT
 from gpuwarden.serving.run.spec import engine_spec
 from gpuwarden.serving.run.supervisor import RUNNING, STOPPED, Program
 from gpuwarden import config
-from test_faults import FLAGCHECK, Notify, fake, fault_config, metrics, no_fakes_left, wait_until  # noqa: F401
-from test_serving import GENERIC, FakeGpu, FakeOps, sample, serve_config
 from gpuwarden.gpu.sim.backend import ManualClock
 from gpuwarden.serving.compose.identity import Identity
+from test_faults import FLAGCHECK, Notify, fake, fault_config, metrics, no_fakes_left, wait_until  # noqa: F401 (fixtures)
+from test_serving import GENERIC, FakeGpu, FakeOps, sample, serve_config
 
 FAKE_PYTHON = ROOT / "tests" / "fakechild-python"  # answers vLLM 0.32.0 to the installed-versions probe
 
@@ -85,6 +85,27 @@ def test_sigkill_waits_for_the_drain_and_its_margin_never_less_than_stop_timeout
     cmd = composed(settings).command
     spec = engine_spec(serve_config(settings).serve, cmd, me(), [])
     assert spec.timing.stop_timeout_s == wait and spec.drain_s == cmd.drain.seconds
+
+
+@pytest.mark.parametrize("running_told, known_now", [(True, False), (False, True)])
+def test_an_engine_adopted_that_differs_by_the_drain_flag_alone_is_kept_as_it_runs(running_told, known_now):
+    """A handover whose cache lost the version (a pip install under the engine), or the first handover to a
+    gpuwarden with drains: the engine's command differs by --shutdown-timeout alone, and it is adopted as it runs."""
+    from gpuwarden.serving.run import handover
+    from gpuwarden.serving.run.runtime import Launch, _as_recorded
+
+    serve = serve_config().serve
+    told = engine_spec(serve, composed(vllm="0.32.0").command, me(), [])
+    untold = engine_spec(serve, composed(vllm=None, known=False).command, me(), [])
+    running = told if running_told else untold
+    now = composed(vllm="0.32.0" if known_now else None, known=known_now).command
+    launch = Launch(serve_config(), now, engine_spec(serve, now, me(), []))
+    record = handover.Record((handover.Recorded("vllm", 1, 1, 0, handover.argv_digest(running.argv)),))
+    kept = _as_recorded(launch, record)
+    assert kept.argv == running.argv and kept.drain_s == (60 if running_told else 0)
+    assert kept.timing.stop_timeout_s == (60 + DRAIN_MARGIN_S if running_told else 30)
+    other = handover.Record((handover.Recorded("vllm", 1, 1, 0, handover.argv_digest((*running.argv, "--x"))),))
+    assert _as_recorded(launch, other) == launch.engine  # another command: replaced, as before
 
 
 # -- the stop, on fake process calls -------------------------------------------------------------------------

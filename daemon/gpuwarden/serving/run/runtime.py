@@ -30,7 +30,7 @@ from . import handover
 from .kinds import ENGINE_PART, ChildKind, EngineParts, same_engine, side_specs
 from .leftovers import Leftovers
 from .processes import ProcessOps
-from .spec import ChildSpec
+from .spec import ChildSpec, other_drain
 from ..probe.stall import Progress, StallWatch
 from .supervisor import FATAL, RUNNING, STOPPING, Program, ServingView, Supervisor
 
@@ -74,6 +74,16 @@ def prepare_launch(config: Config, backend: GpuBackend, sides: Sequence[ChildKin
     engine, *part = [spec for kind in ENGINE_PART if (spec := kind.build(config, parts)) is not None]
     sides = side_specs(config, prepared.identity, tuple(sides)).values()
     return Launch(config, prepared.command, engine, (*part, *sides))
+
+
+def _as_recorded(launch: Launch, adoptable: handover.Record | None) -> ChildSpec:
+    """The engine's spec; but where the engine a start adopts differs from it by the drain flag alone (spec.other_drain:
+    its version unknown here, or started before drains), the spec it runs: the same command, adopted, not restarted."""
+    other = other_drain(launch.engine, launch.command, launch.config.serve)
+    entry = next((e for e in (adoptable.children if adoptable else ()) if e.name == launch.engine.name), None)
+    if other is not None and entry is not None and entry.argv_sha256 == handover.argv_digest(other.argv):
+        return other
+    return launch.engine
 
 
 class ServingRuntime:
@@ -126,7 +136,7 @@ class ServingRuntime:
         else stopped and replaced as a reload would (the new one starts once it has stopped). One the launch
         does not name is stopped (stop_unnamed)."""
         self.launch = launch
-        programs = [Program(launch.engine, self.ops, self.clock, self.drains),
+        programs = [Program(_as_recorded(launch, adoptable), self.ops, self.clock, self.drains),
                     *(Program(spec, self.ops, self.clock) for spec in launch.sides)]
         self.children = Supervisor(programs)
         self._make_watchers(launch)

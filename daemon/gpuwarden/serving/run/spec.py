@@ -9,6 +9,7 @@ ChildSpec, and one entry in the registry of kinds (serving/run/kinds.py).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -91,18 +92,35 @@ def engine_spec(serve: ServeConfig, command: ServeCommand, identity: Identity, g
     engine, role = command.engine, command.role
     title, port, health, peer = engine.title, serve.port, engine.health_path, None
     drain = command.drain.seconds
-    # SIGKILL waits for the drain and the engine's teardown after it, and never comes before serve.stop_timeout_s.
-    timing = Timing.of(serve, stop_timeout_s=max(serve.stop_timeout_s, drain + DRAIN_MARGIN_S if drain else 0))
     if role is not None:
         title = f"{engine.title} rank {role.rank} of {role.nodes.count}"
         if not role.head:
             port, health, peer = 0, "", (role.nodes.head, role.nodes.port)
     return ChildSpec(engine.name, title, command.argv, dict(command.env), identity, serve.host, port,
-                     health, timing, engine.log_level, tuple(gpus), engine.memory_flag,
+                     health, _timing(serve, drain), engine.log_level, tuple(gpus), engine.memory_flag,
                      command.memory_fraction, serve.model, command.profile.name, version or "", peer,
                      role.name if role else "", role.rank if role else None, role.nodes.count if role else 1,
                      role.nodes.address if role else "", role.nodes.port if role and role.nodes.backend == "mp" else 0,
                      role.nodes.hosts if role else (), RankWatch if role else None, drain)
+
+
+def _timing(serve: ServeConfig, drain: float) -> Timing:
+    """SIGKILL waits for the drain and the engine's teardown after it, and never comes before serve.stop_timeout_s."""
+    return Timing.of(serve, stop_timeout_s=max(serve.stop_timeout_s, drain + DRAIN_MARGIN_S if drain else 0))
+
+
+def other_drain(spec: ChildSpec, command: ServeCommand, serve: ServeConfig) -> ChildSpec | None:
+    """The engine's spec as the other answer about its drain flag makes it: told to drain (the flag last, as compose
+    adds it) where this one is not because its version is unknown here (an adopting start reads the installed
+    versions from the cache only, which a pip install under the engine made stale), or not told where this one is
+    (an engine a gpuwarden without drains started). None: no flag gpuwarden adds, or drain_s 0."""
+    flag, added = command.engine.drain_flag, command.drain.args
+    if flag is None or not serve.drain_s or (command.drain.seconds and not added):  # none, or the user's own
+        return None
+    if added:
+        return dataclasses.replace(spec, argv=spec.argv[:-len(added)], drain_s=0, timing=_timing(serve, 0))
+    return dataclasses.replace(spec, argv=(*spec.argv, flag, str(serve.drain_s)), drain_s=serve.drain_s,
+                               timing=_timing(serve, serve.drain_s))
 
 
 def ray_spec(serve: ServeConfig, command: ServeCommand, identity: Identity) -> ChildSpec:
