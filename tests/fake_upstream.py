@@ -1,13 +1,15 @@
 """A fake engine behind the proxy, as a real process: it records what reached it and streams back.
 
-    python3 tests/fake_upstream.py --port P [--chunk-delay S]
+    python3 tests/fake_upstream.py --port P [--chunk-delay S] [--unready-s S]
 
 POST any path: the raw body and headers are kept for GET /debug/last. A JSON body with "stream": true gets
 SSE events (a text delta, a tool-call delta, then [DONE]; "chunks": N for N of them) --chunk-delay apart, or with
 "endless": true events
-until the client leaves. POST /fail answers 500 with a JSON error. A request with an X-Reply-Hop header gets a reply
-whose Connection header names a hop-by-hop header of its own (X-Up-Hop). GET /v1/models lists one model; GET /metrics
-has vLLM's prefix-cache counters; GET /debug/open counts streams open now.
+until the client leaves. POST /fail answers 500 with a JSON error, POST /busy 503 with Retry-After: 7. A request
+with an X-Reply-Hop header gets a reply whose Connection header names a hop-by-hop header of its own (X-Up-Hop).
+GET /v1/models lists one model; GET /metrics has vLLM's prefix-cache counters; GET /debug/open counts streams open
+now. GET /health answers 200, and for the first --unready-s seconds it and every request answer 503, as a vLLM
+starting or draining does.
 """
 
 import argparse
@@ -15,6 +17,7 @@ import asyncio
 import base64
 import json
 import signal
+import time
 
 from aiohttp import web
 
@@ -29,6 +32,18 @@ EVENTS = [
 
 
 def make_app(args) -> web.Application:
+    ready_at = time.monotonic() + args.unready_s
+
+    @web.middleware
+    async def unready(request, handler):
+        if time.monotonic() < ready_at and not request.path.startswith("/debug/"):
+            state["unready"] = state.get("unready", 0) + 1
+            return web.json_response({"error": {"message": "the engine is not ready"}}, status=503)
+        return await handler(request)
+
+    async def health(request):
+        return web.Response(text="")
+
     async def record(request):
         body = await request.read()
         state["requests"] += 1
@@ -36,6 +51,8 @@ def make_app(args) -> web.Application:
                          "headers": [[k, v] for k, v in request.headers.items()]}
         if request.path == "/fail":
             return web.json_response({"error": {"message": "engine is asleep"}}, status=500)
+        if request.path == "/busy":  # a 503 of its own, its /health up
+            return web.json_response({"error": {"message": "busy"}}, status=503, headers={"Retry-After": "7"})
         try:
             parsed = json.loads(body) if body else {}
         except ValueError:
@@ -64,7 +81,8 @@ def make_app(args) -> web.Application:
         return web.json_response(state["last"])
 
     async def open_streams(request):
-        return web.json_response({"open": state["open"], "requests": state["requests"]})
+        return web.json_response({"open": state["open"], "requests": state["requests"],
+                                  "unready": state.get("unready", 0)})
 
     async def models(request):
         return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
@@ -73,7 +91,8 @@ def make_app(args) -> web.Application:
         return web.Response(text="# TYPE vllm:prefix_cache_queries_total counter\nvllm:prefix_cache_queries_total 100\n"
                                  "# TYPE vllm:prefix_cache_hits_total counter\nvllm:prefix_cache_hits_total 40\n")
 
-    app = web.Application(client_max_size=1 << 30)
+    app = web.Application(client_max_size=1 << 30, middlewares=[unready])
+    app.router.add_get("/health", health)
     app.router.add_get("/debug/last", last)
     app.router.add_get("/debug/open", open_streams)
     app.router.add_get("/v1/models", models)
@@ -86,6 +105,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--chunk-delay", type=float, default=0.05)
+    parser.add_argument("--unready-s", type=float, default=0.0)
     args = parser.parse_args()
 
     async def serve():

@@ -112,7 +112,7 @@ def test_a_forged_path_reaches_the_proxys_log_escaped_on_one_line_in_the_413_502
                           "--chunk-delay", "0.02"])
     up(up_port, "/v1/models")
     proxy = processes([*gpuwarden_cmd(), "proxy", "-c", "none", "--upstream", f"http://127.0.0.1:{up_port}",
-                       "--listen", f"127.0.0.1:{proxy_port}"])
+                       "--listen", f"127.0.0.1:{proxy_port}", "--hold-s", "0"])  # the engine down: 502 at once
     up(proxy_port, "/health")
 
     # A client that leaves a stream on a path with CR and ESC in it.

@@ -287,7 +287,7 @@ def test_bad_bodies_get_their_status_and_one_log_line_per_kind(rig):
 
 @pytest.mark.integration
 def test_upstream_down_is_502_and_health_still_answers(rig):
-    upstream, proxy = rig()
+    upstream, proxy = rig("--hold-s", "0")  # no hold (test_proxy_hold.py holds)
     upstream.stop()
     reply, data = send(proxy.port, "POST", "/v1/messages", b'{"model": "tiny"}')
     assert reply.status == 502 and "unreachable" in json.loads(data)["error"]["message"]

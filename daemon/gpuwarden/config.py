@@ -79,6 +79,8 @@ class ProxyConfig:
     dump_max_bytes: int = 1 << 30  # the dump directory's bytes, beside the count
     max_body_bytes: int = 32 << 20
     client_timeout_s: float = 15.0  # a request's head and body (plus 1 s per 16 KiB), and an idle connection
+    hold_s: float = 300.0  # the longest a request waits for the engine to come back (a big model restarts in minutes)
+    hold_max: int = 256  # requests held at once
 
     @property
     def address(self) -> str:
@@ -486,6 +488,8 @@ def _proxy_section(r: Reader, base_dir: Path, port: Any) -> ProxyConfig:
         dump_max_bytes=r.number(base + ("dump_max_bytes",), d.dump_max_bytes, 1 << 20, 1 << 40, integer=True),
         max_body_bytes=r.number(base + ("max_body_bytes",), d.max_body_bytes, 1 << 10, 1 << 30, integer=True),
         client_timeout_s=r.number(base + ("client_timeout_s",), d.client_timeout_s, 0.1, 3600),
+        hold_s=r.number(base + ("hold_s",), d.hold_s, 0, 3600),
+        hold_max=r.number(base + ("hold_max",), d.hold_max, 1, 4096, integer=True),
     )
 
 

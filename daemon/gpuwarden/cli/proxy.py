@@ -30,6 +30,11 @@ connection that waits, or sends its headers, longer than --client-timeout, or it
 that, is closed; bodies over --max-body-bytes get 413; bodies and their parses hold at most 12 x --max-body-bytes
 of memory at once (503 with Retry-After past it); each kind of client fault is logged once a minute, with a count.
 
+While the engine is down (refusing connections, or answering 503 while it drains or starts), a request no byte of
+whose answer has reached its client is held, and sent again once the engine's /health answers: for at most
+--hold-s seconds, at most --hold-max requests at once (and half the connection cap), its body within the budget
+above; past any of these, 503 with Retry-After at once. --hold-s 0: no hold, 502 at once.
+
 `gpuwarden proxy diff A B` shows where two dumped turns (--dump-dir) first differ: the cache buster."""
 
 
@@ -48,6 +53,10 @@ def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--client-timeout", type=float, default=CLIENT_TIMEOUT_S, help="seconds a connection may wait "
                    "for its next request, and a request's headers may take; a body gets as long plus 1 s per 16 "
                    "KiB (default: 15)")
+    p.add_argument("--hold-s", type=float, help="seconds a request may wait for an engine that is down; 0: "
+                   "none, 502 at once (default: serve.proxy.hold_s, 300)")
+    p.add_argument("--hold-max", type=int, help="requests held at once while the engine is down (default: "
+                   "serve.proxy.hold_max, 256)")
     p.add_argument("action", nargs="?", choices=("run", "diff"), default="run", help="run (default) or diff")
     p.add_argument("dumps", nargs="*", type=Path, help="diff: two dump files, or one session folder (its last two "
                    "turns)")

@@ -2,7 +2,9 @@
 
 The budget is what every body being read or parsed may cost at once, in bytes; a request whose bytes or parse
 do not fit now is answered 503 with Retry-After, and one that would not fit even in an empty budget is refused
-(413). What a request took is given back when its body has gone upstream.
+(413). What a request took is given back when its body has gone upstream; while the proxy holds requests for an
+engine that is down (hold.py), a body sent upstream is only lent: kept for a retry until the engine answers (a
+draining engine answers 503), but given up, and its place with it, as soon as a new body needs the room.
 
 A parse costs far more than its body: CPython's json makes a 64-byte dict of each `{}`, so 31 MB of
 `[{},{},...]` took 846 MB. `parse_cost` bounds it from the body's own bytes before a byte is parsed.
@@ -15,6 +17,7 @@ import math
 import re
 import threading
 import zlib
+from collections import OrderedDict
 
 from aiohttp import web
 
@@ -39,49 +42,85 @@ class Refusal(Exception):
 
 class Budget:
     """Bytes of request bodies and their parses that may be in memory at once (thread-safe: parses run on the
-    executor)."""
+    executor). `used` is what requests hold; `lent` what bodies already sent keep for a retry, given up first."""
 
     def __init__(self, limit: int):
-        self.limit, self.used = limit, 0
+        self.limit, self.used, self.lent = limit, 0, 0
         self._lock = threading.Lock()
+        self._lenders: OrderedDict[Held, None] = OrderedDict()  # the oldest lent first
 
     def hold(self) -> Held:
         return Held(self)
 
-    def _take(self, n: int) -> bool:
+    def _take(self, held: Held, n: int) -> bool:
         with self._lock:
-            if self.used + n > self.limit:
+            while self.used + self.lent + n > self.limit and self._lenders:
+                self._drop(next(iter(self._lenders)))  # a retry that may never be needed yields to a new body
+            if self.used + self.lent + n > self.limit:
                 return False
             self.used += n
+            held.bytes += n
             return True
 
-    def _give(self, n: int) -> None:
-        with self._lock:
-            self.used -= n
+    def _drop(self, held: Held) -> None:
+        """Under the lock: a lent body given up (its request can no longer be retried) and its bytes freed."""
+        del self._lenders[held]
+        self.lent -= held.bytes
+        held.bytes, held.body, held.dropped = 0, None, True
 
 
 class Held:
-    """One request's share of the budget."""
+    """One request's share of the budget, and its body while it may be sent again."""
 
     def __init__(self, budget: Budget):
         self.budget, self.bytes = budget, 0
+        self.body: bytes | bytearray | None = None  # kept (keep()) for a retry; None once given up
+        self.dropped = False  # released, or its kept body given up for a new one's room: no retry
 
     def take(self, n: int, what: str) -> None:
         if self.bytes + n > self.budget.limit:  # this request alone would never fit
             raise Refusal(413, "too_costly", f"{what} would take {(self.bytes + n) >> 20} MiB of memory; the proxy "
                           f"holds at most {self.budget.limit >> 20} MiB of request bodies and their parses at once")
-        if not self.budget._take(n):
+        if not self.budget._take(self, n):
             raise Refusal(503, "busy", f"the proxy is holding {self.budget.limit >> 20} MiB of request bodies now; "
                           f"{what} does not fit: retry")
-        self.bytes += n
 
     def give(self, n: int) -> None:
-        n = min(n, self.bytes)
-        self.bytes -= n
-        self.budget._give(n)
+        with self.budget._lock:
+            if self in self.budget._lenders:
+                return  # lent: given up through release() or _drop() only
+            n = min(n, self.bytes)
+            self.bytes -= n
+            self.budget.used -= n
+
+    def keep(self, body: bytes | bytearray) -> None:
+        """Keep the body to send (its share is the bytes still held) until the engine has answered."""
+        self.body = body
+
+    def lend(self) -> None:
+        """The body is with the engine: its share stays, lent, until the engine answers or a new body needs it."""
+        with self.budget._lock:
+            if self.body is not None and self not in self.budget._lenders:
+                self.budget._lenders[self] = None
+                self.budget.used -= self.bytes
+                self.budget.lent += self.bytes
+
+    def reclaim(self) -> bool:
+        """Held again for a retry: whether the body is still here (False: it was given up, no retry)."""
+        with self.budget._lock:
+            if self in self.budget._lenders:
+                del self.budget._lenders[self]
+                self.budget.lent -= self.bytes
+                self.budget.used += self.bytes
+            return not self.dropped
 
     def release(self) -> None:
-        self.give(self.bytes)
+        """All given back, the body too: the request is never sent again."""
+        with self.budget._lock:
+            if self in self.budget._lenders:
+                self.budget._drop(self)
+            self.budget.used -= self.bytes
+            self.bytes, self.body, self.dropped = 0, None, True
 
 
 async def read(request: web.BaseRequest, limit: int, held: Held) -> bytearray:

@@ -40,7 +40,7 @@ def proxy_argv(config: Config) -> tuple[str, ...]:
     rules = [name for name in SWITCHES if getattr(p, name)]
     argv = [*COMMAND, "-c", "none", "--upstream", serve.url, "--listen", p.address,
             "--engine", serve.engine, "--rules", ",".join(rules) or "none", "--max-body-bytes", str(p.max_body_bytes),
-            "--client-timeout", f"{p.client_timeout_s:g}"]
+            "--client-timeout", f"{p.client_timeout_s:g}", "--hold-s", f"{p.hold_s:g}", "--hold-max", str(p.hold_max)]
     for pattern in p.remove_patterns:
         argv += ["--remove-pattern", pattern]
     if p.dump_dir is not None:

@@ -44,9 +44,13 @@ def cmd_proxy(args: argparse.Namespace, load_config) -> int:
     dump_dir = args.dump_dir or settings.dump_dir
     keep = settings.dump_keep if args.dump_keep is None else args.dump_keep
     max_body = settings.max_body_bytes if args.max_body_bytes is None else args.max_body_bytes
+    hold_s = settings.hold_s if args.hold_s is None else args.hold_s
+    hold_max = settings.hold_max if args.hold_max is None else args.hold_max
     if keep < 2 or max_body < 1024 or args.dump_max_bytes < 1 << 20 or not 0.1 <= args.client_timeout <= 3600:
         return _usage("proxy: --dump-keep must be at least 2, --max-body-bytes at least 1024, --dump-max-bytes at "
                       "least 1048576, and --client-timeout 0.1 to 3600 s")
+    if not 0 <= hold_s <= 3600 or not 1 <= hold_max <= 4096:
+        return _usage("proxy: --hold-s must be 0 to 3600 s and --hold-max 1 to 4096")
     # One line per record, control characters escaped: the lines quote clients' request paths, and reach the
     # daemon's journal as the child's output (or the proxy's own journal when it runs alone).
     handler = logging.StreamHandler(sys.stderr)
@@ -54,10 +58,10 @@ def cmd_proxy(args: argparse.Namespace, load_config) -> int:
     logging.basicConfig(level=logging.INFO, handlers=[handler])
     faults = proxy_faults()
     dumper = Dumper(dump_dir, keep, args.dump_max_bytes, faults.note) if dump_dir else None
-    return serve(upstream, listen, rules, engine, dumper, max_body, args.client_timeout, faults)
+    return serve(upstream, listen, rules, engine, dumper, max_body, args.client_timeout, faults, (hold_s, hold_max))
 
 
-def serve(upstream, listen, rules, engine, dumper, max_body, client_timeout_s, faults) -> int:
+def serve(upstream, listen, rules, engine, dumper, max_body, client_timeout_s, faults, hold) -> int:
     from .listener import Connections, connection_cap, run
     from .server import Proxy, ProxyMetrics
 
@@ -67,10 +71,12 @@ def serve(upstream, listen, rules, engine, dumper, max_body, client_timeout_s, f
     conns = Connections(connection_cap(), client_timeout_s, faults,
                         lambda reason: metrics.failures.labels(reason).inc())
     proxy = Proxy(upstream, rules, metrics, dumper, max_body, metrics_path=engine.metrics_path, faults=faults,
-                  conns=conns)
+                  conns=conns, hold_s=hold[0], hold_max=hold[1], health_path=engine.health_path)
     enabled = [name for name in RULES if getattr(rules, name)]
-    log.info("proxy on http://%s:%d for %s; rules: %s%s; at most %d connections", *listen, upstream,
-             ", ".join(enabled) or "none", f"; dumps in {dumper.directory}" if dumper else "", conns.cap)
+    held = (f"; requests held up to {proxy.hold.hold_s:g} s, {proxy.hold.hold_max} at most, while the engine is "
+            "down" if proxy.hold.on else "; no hold while the engine is down")
+    log.info("proxy on http://%s:%d for %s; rules: %s%s; at most %d connections%s", *listen, upstream,
+             ", ".join(enabled) or "none", f"; dumps in {dumper.directory}" if dumper else "", conns.cap, held)
     try:
         asyncio.run(run(proxy.app(), listen[0], listen[1], conns))  # a stop cuts streams still open after 2 s
     except OSError as exc:

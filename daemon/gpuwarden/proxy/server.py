@@ -9,7 +9,8 @@ body to a normalized path goes upstream decompressed, without its Content-Encodi
 it (so the engine sees the same kind of body either way); to any other path it goes as it came.
 
 The limits on what clients send: listener.py (connections and their deadlines), body.py (body size, the memory
-of bodies and parses at once), faults.py (one line a minute for each kind of fault).
+of bodies and parses at once), faults.py (one line a minute for each kind of fault). While the engine is down,
+requests wait in hold.py, within limits of their own.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from ..serving.probe.metrics import parse
 from .body import Budget, Held, Refusal, decode, loads, parse_cost, read
 from .dump import Dumper, session_of
 from .faults import proxy_faults
+from .hold import Hold
 from .listener import Connections
 from .normalize import Rules, apply
 
@@ -69,6 +71,9 @@ class ProxyMetrics:
                                   ["rule"], registry=r)
         self.failures = Counter("gpuwarden_proxy_failures", "Requests the proxy refused or could not finish",
                                 ["reason"], registry=r)
+        self.held = Histogram("gpuwarden_proxy_held_seconds", "Seconds a request waited for the engine to come "
+                              "back, each time it was held", registry=r,
+                              buckets=(.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800))
         self.prefix_names = prefix_names
         self.engine: dict[str, float] | None = None  # the upstream's latest /metrics, parsed
         self.engine_up: int | None = None  # 1 read at the last scrape, 0 not, None no scrape yet
@@ -97,13 +102,14 @@ class ProxyMetrics:
         return []
 
 
-async def _sent(body: bytes | bytearray, held: Held):
+async def _sent(held: Held, lend: bool):
     """The body for the upstream request, one piece: aiohttp asks for the next only once this one is written
-    (handed to the socket, waiting for it to drain), and then the body's share of the budget is given back."""
-    try:
-        yield body
-        body = None
-    finally:
+    (handed to the socket, waiting for it to drain), and then the body's share of the budget is given back, or,
+    while requests may be held, lent (body.py: kept for a retry until the engine answers, unless room is needed)."""
+    yield held.body
+    if lend:
+        held.lend()
+    else:
         held.release()
 
 
@@ -116,12 +122,20 @@ def forwarded(headers) -> CIMultiDict:
 class Proxy:
     def __init__(self, upstream: str, rules: Rules, metrics: ProxyMetrics, dumper: Dumper | None = None,
                  max_body_bytes: int = 32 << 20, read_timeout_s: float = 600.0, metrics_path: str = "/metrics",
-                 faults: FaultLog | None = None, conns: Connections | None = None):
+                 faults: FaultLog | None = None, conns: Connections | None = None, hold_s: float = 0.0,
+                 hold_max: int = 256, health_path: str = "/health"):
         self.upstream = upstream.rstrip("/")
         self.rules, self.metrics, self.dumper = rules, metrics, dumper
         self.max_body_bytes, self.read_timeout_s, self.metrics_path = max_body_bytes, read_timeout_s, metrics_path
         self.faults, self.conns = faults or proxy_faults(), conns
         self.budget = Budget(BUDGET_BODIES * max_body_bytes)
+        self.health_path = health_path
+        # Held requests keep their client connections: at most half the cap, so that /health, /metrics and new
+        # requests still get in (and are answered 503 at once past hold_max).
+        hold_max = min(hold_max, max(1, conns.cap // 2)) if conns is not None else hold_max
+        self.hold = Hold(hold_s, hold_max, self._engine_answers, metrics.held)
+        metrics.now["gpuwarden_proxy_held_requests"] = ("Requests waiting now for the engine to come back",
+                                                        lambda: len(self.hold.waiting))
         metrics.now["gpuwarden_proxy_body_bytes"] = ("Bytes of request bodies and their parses held now, of "
                                                      "the budget", lambda: self.budget.used)
         metrics.now["gpuwarden_proxy_body_budget_bytes"] = ("At most this many bytes of request bodies and their "
@@ -155,6 +169,7 @@ class Proxy:
         self._scraper = asyncio.get_running_loop().create_task(self._scrape_forever())
 
     async def _stop(self, app) -> None:
+        await self.hold.stop()
         if self._scraper is not None:
             self._scraper.cancel()
             await asyncio.gather(self._scraper, return_exceptions=True)
@@ -225,27 +240,62 @@ class Proxy:
                                  f"{request.remote}: the body stopped: {exc}", logging.INFO)
                 return web.Response(status=400)  # for a client still there; aiohttp closes the connection
             self.metrics.bytes_in.inc(len(body))
+            if body:  # sent as a stream of one piece, so its share is given back once the engine has it
+                headers["Content-Length"] = str(len(body))
+                held.keep(body)
+            body = None
+            return await self._send(request, headers, held, label, began)
+        finally:
+            held.release()
+
+    async def _send(self, request: web.Request, headers: CIMultiDict, held: Held, label: str,
+                    began: float) -> web.StreamResponse:
+        """Send the request upstream and relay the answer; while the engine is down (refused, reset before it
+        answered, or answering 503) and no byte of the answer has reached the client, hold it (hold.py) and send it
+        again once the engine is back, while its body is still here (body.py may have given it up)."""
+        first_held = None
+        while True:
             try:
-                if body:  # sent as a stream of one piece, so its share is given back once the engine has it
-                    headers["Content-Length"] = str(len(body))
-                    data, body = _sent(body, held), None
-                else:
-                    data = None
+                data = _sent(held, self.hold.on) if held.body is not None else None
                 async with self.session.request(request.method, self.upstream + request.path_qs, data=data,
                                                 headers=headers, allow_redirects=False) as up:
-                    held.release()
-                    self.metrics.upstream.labels(label).observe(time.monotonic() - began)
-                    return await self._relay(request, up, label)
-            except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError) as exc:
-                return self._refuse(request, label, 502, "upstream_down",
-                                    f"upstream {self.upstream} unreachable: {exc}")
+                    down = up.status == 503 and self.hold.on and await self.hold.answered_503()
+                    if not (down and held.reclaim()):
+                        held.release()  # from here on, never sent again
+                        self.metrics.upstream.labels(label).observe(time.monotonic() - began)
+                        return await self._relay(request, up, label)
             except asyncio.TimeoutError:
                 return self._refuse(request, label, 504, "upstream_timeout",
                                     f"upstream {self.upstream} sent nothing for {self.read_timeout_s:g} s")
+            except aiohttp.ClientConnectionError as exc:
+                down = isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError))
+                if not (self.hold.on and held.reclaim()):
+                    if down:
+                        return self._refuse(request, label, 502, "upstream_down",
+                                            f"upstream {self.upstream} unreachable: {exc}")
+                    return self._refuse(request, label, 502, "upstream_error", f"upstream {self.upstream}: {exc}")
             except aiohttp.ClientError as exc:
                 return self._refuse(request, label, 502, "upstream_error", f"upstream {self.upstream}: {exc}")
-        finally:
-            held.release()
+            first_held = time.monotonic() if first_held is None else first_held
+            try:
+                await self.hold.wait(request, first_held)
+            except Refusal as exc:
+                return self._refuse(request, label, exc.status, exc.reason, str(exc))
+            except asyncio.CancelledError:  # aiohttp 3.8 cancels the handler of a client that left
+                self.metrics.failures.labels("client_gone").inc()
+                raise
+            except ConnectionResetError:
+                self.metrics.failures.labels("client_gone").inc()
+                return web.Response(status=400)  # nobody reads it: the connection is closed
+
+    async def _engine_answers(self) -> bool:
+        """Whether the engine's /health answers 200 now (hold.py's one watcher asks, every half second)."""
+        try:
+            async with self.session.get(self.upstream + self.health_path,
+                                        timeout=aiohttp.ClientTimeout(total=2.0)) as reply:
+                return reply.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
 
     async def _read(self, request: web.Request, held: Held) -> bytearray:
         """The whole body, within --max-body-bytes and the budget; then the request is whole (listener.py)."""

@@ -1,0 +1,136 @@
+"""Requests held while the engine is down (issue 40): a planned restart (a reload, a new version), a crash or a
+stall takes the engine away for seconds or minutes; a request that finds it refusing connections, or answering 503
+(draining, starting), before a byte of the answer reached its client, waits here and is sent again once the engine
+answers its /health.
+
+One watcher for all held requests reads /health every HEALTH_EVERY_S while any is held, and sees clients that left
+(dropped, their budget given back, within a tick). Bounds: `hold_s` from a request's first hold, `hold_max` at
+once, and the body budget (body.py), where held bodies count; past any, 503 with Retry-After at once. The journal
+gets two lines an outage, not one a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+from prometheus_client import Histogram
+
+from .body import Refusal
+
+log = logging.getLogger("gpuwarden.proxy")
+HEALTH_EVERY_S = 0.5
+# An outage no held request waits for any more ends (said once) after this long, or hold_s if longer: a client that
+# comes and goes costs two lines at most this often.
+QUIET_S = 10.0
+UP, GONE = "up", "gone"
+
+
+class Hold:
+    def __init__(self, hold_s: float, hold_max: int, engine_answers: Callable[[], Awaitable[bool]],
+                 held_seconds: Histogram, clock=time.monotonic):
+        """engine_answers: whether the engine's /health answers 200 now, within a short deadline."""
+        self.hold_s, self.hold_max, self.engine_answers = hold_s, hold_max, engine_answers
+        self.held_seconds, self.clock = held_seconds, clock
+        self.waiting: dict[asyncio.Future, web.BaseRequest] = {}
+        self.down_since: float | None = None  # the outage's start, None while the engine answers
+        self.refused = self.gone = 0  # in this outage, for its closing line
+        self._watcher: asyncio.Task | None = None
+        self._probe: asyncio.Future | None = None  # answered_503()'s look at /health, shared by every request
+        self._probed_at = 0.0
+
+
+    @property
+    def on(self) -> bool:
+        return self.hold_s > 0
+
+    async def answered_503(self) -> bool:
+        """An engine answered 503: whether it is down (draining, starting; hold the request) rather than saying
+        503 itself with its /health up (pass its answer on). Asked of /health at most once a tick, whatever the
+        crowd: an engine that says 503 while healthy costs no outage, no lines, no loop of retries."""
+        if self.down_since is not None:
+            return True
+        now = self.clock()
+        if self._probe is None or (self._probe.done() and now - self._probed_at >= HEALTH_EVERY_S):
+            self._probe, self._probed_at = asyncio.ensure_future(self.engine_answers()), now
+        return not await asyncio.shield(self._probe)  # a client that leaves does not cancel it for the others
+
+    async def wait(self, request: web.BaseRequest, since: float) -> None:
+        """Wait until the engine answers again (then return: send the request again). Refusal (503) past hold_s
+        from `since` (the request's first hold) or past hold_max held at once; ConnectionResetError when the client
+        leaves meanwhile."""
+        now = self.clock()
+        self._begin(now)
+        if now - since >= self.hold_s:
+            self._refuse("held_too_long", f"the engine did not come back within {self.hold_s:g} s (the proxy's "
+                         "hold_s): retry later")
+        if len(self.waiting) >= self.hold_max:
+            self._refuse("held_too_many", f"the engine is down and the proxy holds {self.hold_max} requests already "
+                         "(its hold_max): retry later")
+        future = asyncio.get_running_loop().create_future()
+        self.waiting[future] = request
+        try:
+            outcome = await asyncio.wait_for(future, since + self.hold_s - now)
+        except asyncio.TimeoutError:
+            self._refuse("held_too_long", f"the engine did not come back within {self.hold_s:g} s (the proxy's "
+                         "hold_s): retry later")
+        except asyncio.CancelledError:  # aiohttp 3.8 cancels the handler of a client that left
+            self.gone += 1
+            raise
+        finally:
+            self.waiting.pop(future, None)
+            self.held_seconds.observe(self.clock() - now)
+        if outcome == GONE:
+            self.gone += 1
+            raise ConnectionResetError("the client left while its request was held")
+
+    def _refuse(self, reason: str, message: str) -> None:
+        self.refused += 1
+        raise Refusal(503, reason, message)
+
+    def _begin(self, now: float) -> None:
+        if self.down_since is not None:
+            return
+        self.down_since, self.refused, self.gone = now, 0, 0
+        log.warning("proxy: engine down: holding requests (up to %g s, %d at most)", self.hold_s, self.hold_max)
+        self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(HEALTH_EVERY_S)
+            self._drop_gone()
+            if await self.engine_answers():
+                self._end(UP)
+                return
+            if not self.waiting and self.clock() - self.down_since >= max(self.hold_s, QUIET_S):
+                self._end(None)
+                return
+
+    def _drop_gone(self) -> None:
+        for future, request in self.waiting.items():
+            if request.transport is None and not future.done():  # the client closed its connection
+                future.set_result(GONE)
+
+    def _end(self, outcome: str | None) -> None:
+        took = self.clock() - self.down_since
+        forwarded = 0
+        for future in self.waiting:
+            if not future.done():
+                future.set_result(UP)
+                forwarded += 1
+        gone = f", {self.gone} gone before" if self.gone else ""
+        if outcome == UP:
+            log.info("proxy: engine back after %.1f s: %d held requests forwarded, %d refused%s", took,
+                     forwarded, self.refused, gone)
+        else:
+            log.warning("proxy: engine still down after %.1f s, no request held now: %d refused%s", took,
+                        self.refused, gone)
+        self.down_since, self._watcher = None, None
+
+    async def stop(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            await asyncio.gather(self._watcher, return_exceptions=True)

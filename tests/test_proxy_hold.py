@@ -1,0 +1,323 @@
+"""Requests held at the proxy while the engine is down (issue 40, part 2): the real proxy process in front of
+tests/fake_upstream.py, stopped and started again on the same port, as a restart of the engine does."""
+
+import http.client
+import json
+import os
+import select
+import sys
+import threading
+import time
+
+import pytest
+
+from conftest import free_port, gpuwarden_cmd
+from gpuwarden.proxy.body import Budget, Refusal
+from test_proxy import HERE, Process, send
+from test_proxy_limits import closed_by_peer, metric, open_socket
+
+pytestmark = pytest.mark.integration
+CHAT = "/v1/chat/completions"
+
+
+class Rig:
+    def __init__(self):
+        self.up_port, self.started = free_port(), []
+
+    def engine(self, *args, chunk_delay=0.02) -> Process:
+        """The fake engine on the rig's one port; "/debug/open" answers even while it says 503 (--unready-s)."""
+        p = Process([sys.executable, str(HERE / "fake_upstream.py"), "--port", str(self.up_port), "--chunk-delay",
+                     str(chunk_delay), *args], self.up_port, "/debug/open")
+        self.started.append(p)
+        return p
+
+    def proxy(self, *args, nofile=None) -> Process:
+        port = free_port()
+        p = Process([*gpuwarden_cmd(), "proxy", "-c", "none", "--upstream", f"http://127.0.0.1:{self.up_port}",
+                     "--listen", f"127.0.0.1:{port}", *args], port, nofile=nofile)
+        self.started.append(p)
+        return p
+
+    def stop(self, p: Process) -> None:
+        p.stop()
+        self.started.remove(p)
+
+
+@pytest.fixture
+def rig():
+    r = Rig()
+    yield r
+    for p in reversed(r.started):
+        if p.proc.poll() is None:
+            p.stop()
+
+
+class Call(threading.Thread):
+    """One request in a thread: its status, headers and whole body, or the error it ended with."""
+
+    def __init__(self, port, body: bytes, path=CHAT, timeout=30):
+        super().__init__(daemon=True)
+        self.port, self.body, self.path, self.timeout = port, body, path, timeout
+        self.status = self.data = self.error = self.retry_after = None
+        self.took = None
+        self.start()
+
+    def run(self):
+        began = time.monotonic()
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=self.timeout)
+            conn.request("POST", self.path, body=self.body)
+            reply = conn.getresponse()
+            self.status, self.retry_after, self.data = reply.status, reply.getheader("Retry-After"), reply.read()
+            conn.close()
+        except Exception as exc:  # noqa: BLE001 - kept for the assertion
+            self.error = exc
+        self.took = time.monotonic() - began
+
+
+def wait_until(check, within_s, what):
+    deadline = time.monotonic() + within_s
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def held_now(proxy) -> float:
+    return metric(proxy, "gpuwarden_proxy_held_requests")
+
+
+def lines(proxy, text) -> list[str]:
+    return [line for line in proxy.lines if text in line]
+
+
+def test_a_lent_body_yields_its_room_to_a_new_one_and_is_then_never_sent_again():
+    """A body with the engine is kept for a retry (a 503 from a draining engine) only while no new body needs its
+    room: the budget is never exceeded, and a held body is never given up."""
+    budget = Budget(1000)
+    sent = budget.hold()
+    sent.take(600, "sent")
+    sent.keep(b"x" * 600)
+    sent.lend()
+    assert (budget.used, budget.lent) == (0, 600)
+    new = budget.hold()
+    new.take(700, "new")  # fits only once the lent body is given up
+    assert sent.body is None and not sent.reclaim() and (budget.used, budget.lent) == (700, 0)
+    again = budget.hold()
+    again.take(200, "again")
+    again.keep(b"y" * 200)
+    again.lend()
+    assert again.reclaim() and again.body == b"y" * 200 and (budget.used, budget.lent) == (900, 0)
+    with pytest.raises(Refusal):  # a held body (reclaimed) is not given up
+        budget.hold().take(200, "one more")
+    for held in (sent, new, again):
+        held.release()
+    assert (budget.used, budget.lent) == (0, 0) and not again.reclaim()
+
+
+def test_the_hold_settings_reach_the_proxy_child_and_are_checked(tmp_path, cli):
+    from gpuwarden.base.yamlfile import InvalidConfig
+    from gpuwarden.config import parse_text
+    from gpuwarden.proxy.child import proxy_argv
+
+    argv = proxy_argv(parse_text("serve:\n  proxy: {hold_s: 90, hold_max: 10}\n", str(tmp_path / "g.yaml")))
+    assert argv[argv.index("--hold-s") + 1] == "90" and argv[argv.index("--hold-max") + 1] == "10"
+    default = proxy_argv(parse_text("serve: {}\n", str(tmp_path / "g.yaml")))
+    assert default[default.index("--hold-s") + 1] == "300" and default[default.index("--hold-max") + 1] == "256"
+    with pytest.raises(InvalidConfig) as caught:
+        parse_text("serve:\n  proxy:\n    hold_s: -1\n    hold_max: 0\n", str(tmp_path / "g.yaml"))
+    text = "\n".join(str(e) for e in caught.value.errors)
+    assert "g.yaml:3: serve.proxy.hold_s" in text and "g.yaml:4: serve.proxy.hold_max" in text, text
+    for args in (("--hold-s", "-1"), ("--hold-max", "0"), ("--hold-s", "3601")):
+        status, out, err = cli("proxy", "-c", "none", *args)
+        assert status == 78 and err.count("\n") == 1 and "--hold-s must be 0 to 3600 s" in err, err
+
+
+def test_requests_sent_while_the_engine_is_down_complete_once_it_is_back(rig):
+    engine = rig.engine()
+    proxy = rig.proxy("--hold-s", "60")
+    rig.stop(engine)
+    plain = [json.dumps({"model": "tiny", "pad": "x" * n}).encode() for n in (10, 1000, 200_000)]
+    streams = [json.dumps({"model": "tiny", "stream": True, "chunks": n}).encode() for n in (1, 4, 9)]
+    calls = [Call(proxy.port, body) for body in plain + streams]
+    wait_until(lambda: held_now(proxy) == 6, 10, "six requests held")
+    time.sleep(1.0)
+    assert all(c.status is None and c.error is None for c in calls)  # held: none answered, none failed
+    assert metric(proxy, "gpuwarden_proxy_body_bytes") >= sum(map(len, plain + streams))  # held bodies count
+    rig.engine()  # the engine comes back on the same port
+    for c in calls:
+        c.join(20)
+    for c, body in zip(calls[:3], plain):
+        assert c.status == 200 and json.loads(c.data)["echo_bytes"] == len(body), (c.status, c.data, c.error)
+    for c, n in zip(calls[3:], (1, 4, 9)):
+        assert c.status == 200 and c.data.count(b"data: ") == n + 1 and c.data.endswith(b"data: [DONE]\n\n"), c.data
+    assert held_now(proxy) == 0 and metric(proxy, "gpuwarden_proxy_body_bytes") == 0
+    assert metric(proxy, "gpuwarden_proxy_held_seconds_count") == 6
+    assert metric(proxy, "gpuwarden_proxy_held_seconds_sum") >= 6 * 1.0
+    wait_until(lambda: lines(proxy, "engine back"), 5, "the outage's closing line")
+    assert len(lines(proxy, "engine down: holding requests (up to 60 s, ")) == 1, proxy.lines
+    back = lines(proxy, "engine back after")
+    assert len(back) == 1 and back[0].endswith(": 6 held requests forwarded, 0 refused"), back
+    assert not lines(proxy, "unreachable") and not lines(proxy, "Traceback"), proxy.lines
+
+
+def test_an_engine_answering_503_while_it_starts_gets_the_request_again_once_ready(rig):
+    engine = rig.engine("--unready-s", "2.5")
+    proxy = rig.proxy("--hold-s", "60")
+    call = Call(proxy.port, b'{"model": "tiny", "stream": true}')
+    call.join(20)
+    assert call.status == 200 and call.data.endswith(b"data: [DONE]\n\n"), (call.status, call.data, call.error)
+    assert engine.get_json("/debug/open")["unready"] >= 1  # it did answer 503 first
+    assert engine.get_json("/debug/open")["requests"] == 1  # and the request reached it once it was ready
+
+
+def test_a_503_from_an_engine_whose_health_answers_passes_through_at_once(rig):
+    engine = rig.engine()
+    proxy = rig.proxy("--hold-s", "60")
+    for _ in range(3):
+        call = Call(proxy.port, b"{}", path="/busy")
+        call.join(5)
+        assert call.status == 503 and call.retry_after == "7" and call.took < 3  # the engine's own answer
+        assert call.data == b'{"error": {"message": "busy"}}'
+    assert engine.get_json("/debug/open")["requests"] == 3 and not lines(proxy, "holding requests"), proxy.lines
+
+
+def test_past_hold_max_the_budget_or_hold_s_a_request_gets_503_with_retry_after(rig):
+    engine = rig.engine()
+    proxy = rig.proxy("--hold-s", "6", "--hold-max", "12", "--max-body-bytes", "100000")
+    rig.stop(engine)
+    body = b'"' + b"x" * 94_998 + b'"'  # 95,000 bytes on an untouched path: 12 fill the 1.2 MB budget
+    held = [Call(proxy.port, body, path="/v1/completions") for _ in range(12)]
+    wait_until(lambda: held_now(proxy) == 12, 10, "twelve requests held")
+    over_budget = Call(proxy.port, b"{}" + body[2:], path="/v1/completions")
+    over_budget.join(5)
+    assert over_budget.status == 503 and over_budget.retry_after == "1" and over_budget.took < 3
+    assert b"request bodies" in over_budget.data
+    over_count = Call(proxy.port, b"{}")
+    over_count.join(5)
+    assert over_count.status == 503 and over_count.retry_after == "1" and over_count.took < 3
+    assert b"hold_max" in over_count.data
+    for c in held:  # hold_s from each one's first hold: 503 then, not before
+        c.join(10)
+        assert c.status == 503 and c.retry_after == "1" and b"hold_s" in c.data, (c.status, c.data, c.error)
+        assert 5.9 < c.took < 60  # (the upper bound: a machine busy with other tests)
+    assert metric(proxy, 'gpuwarden_proxy_failures_total{reason="held_too_long"}') == 12
+    assert metric(proxy, 'gpuwarden_proxy_failures_total{reason="held_too_many"}') == 1
+    assert metric(proxy, "gpuwarden_proxy_body_bytes") == 0 and held_now(proxy) == 0
+
+
+def test_a_client_that_leaves_while_held_is_dropped_and_the_engine_never_sees_it(rig):
+    engine = rig.engine()
+    proxy = rig.proxy("--hold-s", "60")
+    rig.stop(engine)
+    sock = open_socket(proxy.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+    wait_until(lambda: held_now(proxy) == 1, 10, "the request held")
+    sock.close()
+    wait_until(lambda: held_now(proxy) == 0, 2, "the request dropped within a watcher's tick or two")
+    assert metric(proxy, "gpuwarden_proxy_body_bytes") == 0
+    assert metric(proxy, 'gpuwarden_proxy_failures_total{reason="client_gone"}') == 1
+    engine = rig.engine()
+    wait_until(lambda: lines(proxy, "engine back"), 5, "the outage's closing line")
+    time.sleep(0.5)
+    assert engine.get_json("/debug/open")["requests"] == 0
+    assert lines(proxy, "engine back")[0].endswith(": 0 held requests forwarded, 0 refused, 1 gone before")
+
+
+def test_hold_s_0_gives_502_at_once(rig):
+    engine = rig.engine()
+    proxy = rig.proxy("--hold-s", "0")
+    rig.stop(engine)
+    call = Call(proxy.port, b"{}")
+    call.join(5)
+    assert call.status == 502 and call.took < 3 and b"unreachable" in call.data
+    assert not lines(proxy, "holding requests") and "no hold while the engine is down" in proxy.lines[0]
+
+
+def test_a_stream_in_flight_when_the_engine_goes_away_is_cut_and_never_sent_again(rig):
+    engine = rig.engine()
+    proxy = rig.proxy("--hold-s", "60")
+    conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=10)
+    conn.request("POST", CHAT, body=b'{"stream": true, "endless": true}')
+    reply = conn.getresponse()
+    assert reply.readline().startswith(b"data: ")
+    engine.proc.kill()  # a crash: the stream is cut at once
+    engine.proc.wait(10)
+    rig.started.remove(engine)
+    with pytest.raises(http.client.IncompleteRead):  # cut: the client sees no end of the stream
+        reply.read()
+    conn.close()
+    engine = rig.engine()
+    time.sleep(1.5)
+    assert engine.get_json("/debug/open")["requests"] == 0 and held_now(proxy) == 0
+    assert not lines(proxy, "holding requests")
+
+
+# -- as a hostile client would -------------------------------------------------------------------------------
+
+def test_a_body_trickled_in_while_the_engine_is_down_is_closed_and_never_held(rig):
+    engine = rig.engine()
+    proxy = rig.proxy("--hold-s", "60", "--client-timeout", "1")
+    rig.stop(engine)
+    sock = open_socket(proxy.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n{")
+    began = time.monotonic()
+    for _ in range(20):  # a byte every 0.2 s: far under 16 KiB/s
+        try:
+            sock.sendall(b" ")
+        except OSError:
+            break
+        assert held_now(proxy) == 0
+        time.sleep(0.2)
+    assert closed_by_peer(sock, 3) and time.monotonic() - began < 5
+    assert metric(proxy, 'gpuwarden_proxy_failures_total{reason="slow_body"}') == 1
+    assert held_now(proxy) == 0 and metric(proxy, "gpuwarden_proxy_body_bytes") == 0
+
+
+def readable(socks) -> list:
+    poll = select.poll()
+    for sock in socks:
+        poll.register(sock, select.POLLIN)
+    ready = {fd for fd, _ in poll.poll(0)}
+    return [sock for sock in socks if sock.fileno() in ready]
+
+
+def fds_and_rss(pid) -> tuple[int, int]:
+    rss = next(int(line.split()[1]) for line in open(f"/proc/{pid}/status") if line.startswith("VmRSS:"))
+    return len(os.listdir(f"/proc/{pid}/fd")), rss
+
+
+def test_a_crowd_held_through_a_restart_that_never_comes_back_is_bounded_and_then_refused(rig):
+    """300 clients against an engine that never returns, under a 1024-fd limit: 192 held (half the connection
+    cap), the rest 503 at once; /health and /metrics still answer; at hold_s every held one gets 503, their fds and
+    budget are given back, and the outage ends with one line."""
+    engine = rig.engine()
+    proxy = rig.proxy("--hold-s", "8", nofile=1024)
+    rig.stop(engine)
+    fds_before, rss_before = fds_and_rss(proxy.proc.pid)
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "y" * 20_000}]}).encode()
+    head = b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (CHAT.encode(), len(body))
+    crowd = [open_socket(proxy.port, head + body, timeout=5) for _ in range(300)]
+    assert all(crowd)
+    wait_until(lambda: held_now(proxy) == 192, 10, "192 held")
+    fds_held, rss_held = fds_and_rss(proxy.proc.pid)
+    assert send(proxy.port, "GET", "/health")[0].status == 200
+    wait_until(lambda: len(readable(crowd)) >= 300 - 192, 5, "the 108 past hold_max answered at once")
+    time.sleep(0.5)
+    answered = readable(crowd)
+    assert len(answered) == 300 - 192  # past hold_max: at once; the others wait
+    assert all(sock.recv(65536).startswith(b"HTTP/1.1 503") for sock in answered)
+    waiting = [sock for sock in crowd if sock not in answered]
+    # The crowd, and the metric reads above the proxy has not closed yet: within the connection cap (384 at 1024
+    # fds; no upstream connection while the engine is down). KiB: under 64 MiB for the crowd.
+    assert fds_before + 300 <= fds_held <= fds_before + 384 and rss_held - rss_before < 64 << 10
+    for sock in waiting:
+        sock.settimeout(10)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 503")  # at hold_s
+    assert held_now(proxy) == 0
+    for sock in crowd:
+        sock.close()
+    wait_until(lambda: fds_and_rss(proxy.proc.pid)[0] <= fds_before + 2, 10, "the crowd's fds given back")
+    assert metric(proxy, "gpuwarden_proxy_body_bytes") == 0
+    wait_until(lambda: lines(proxy, "engine still down"), 20, "the outage's closing line")
+    assert len(lines(proxy, "engine down: holding requests (up to 8 s, 192 at most)")) == 1, proxy.lines
+    assert lines(proxy, "engine still down")[0].endswith(": 300 refused"), proxy.lines
+    assert len(proxy.lines) <= 8, proxy.lines  # the start, the outage's two lines, one a kind of refusal
+    print(f"crowd of 300: fds {fds_before} -> {fds_held}, RSS {rss_before} -> {rss_held} KiB")
