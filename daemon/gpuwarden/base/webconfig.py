@@ -14,7 +14,7 @@
 Passwords are checked with bcrypt (Debian: python3-bcrypt); a check that
 passed is remembered, as the toolkit does, so a scrape does not pay bcrypt's
 cost every time. The server decides how many checks run at once
-(exporter.AuthLine): `remembered` answers without bcrypt, `authorized` is the
+(web/server.AuthLine): `remembered` answers without bcrypt, `authorized` is the
 whole check, for a worker thread.
 
 What is remembered is HMAC-SHA256 of "user:password" under a random key of
