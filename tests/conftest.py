@@ -143,12 +143,12 @@ def free_port() -> int:
 class DaemonProcess:
     """`gpuwarden run` as a real process, with its log collected line by line."""
 
-    def __init__(self, config_path, *args, env=None):
+    def __init__(self, config_path, *args, env=None, command=None):
         import subprocess
         import threading
 
         self.lines: list[str] = []
-        self.proc = subprocess.Popen([*gpuwarden_cmd(), "run", "-c", str(config_path), *args],
+        self.proc = subprocess.Popen([*(command or gpuwarden_cmd()), "run", "-c", str(config_path), *args],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env=env or subprocess_env())
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -193,8 +193,8 @@ def daemons():
     """Start daemons; every one still running at the end of the test is killed."""
     started: list[DaemonProcess] = []
 
-    def _start(config_path, *args, env=None) -> DaemonProcess:
-        d = DaemonProcess(config_path, *args, env=env)
+    def _start(config_path, *args, env=None, command=None) -> DaemonProcess:
+        d = DaemonProcess(config_path, *args, env=env, command=command)
         started.append(d)
         return d
 
@@ -323,6 +323,32 @@ def served(vllm_python, tiny_model, child_user):
             with users_locked():
                 subprocess.run(["userdel", "-f", user], capture_output=True)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def proxy_daemon(child_user):
+    """How to start a daemon whose proxy (its child, as serve.user) can run: (command, env). The proxy runs on the
+    daemon's interpreter; as root, where serve.user cannot run this one (a venv made from a Python under /root, as
+    on CI), the daemon runs on the vLLM venv's (made from /usr/bin/python3, with aiohttp, prometheus_client and
+    PyYAML) with a copy of the package under test that the user can read."""
+    if os.geteuid() != 0 or subprocess.run(["runuser", "-u", child_user, "--", sys.executable, "-c", ""],
+                                           capture_output=True).returncode == 0:
+        yield gpuwarden_cmd(), subprocess_env()
+        return
+    python = VENV / "bin" / "python"
+    if not python.exists():
+        pytest.fail(f"{child_user} cannot run {sys.executable}, and there is no {python} to run the proxy on "
+                    "(tests/run installs it with tests/vllm/install)")
+    import gpuwarden
+
+    folder = Path(tempfile.mkdtemp(prefix="gpuwarden-package-"))
+    folder.chmod(0o755)
+    shutil.copytree(Path(gpuwarden.__file__).parent, folder / "gpuwarden",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for path in folder.rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    yield [str(python), "-m", "gpuwarden"], dict(subprocess_env(), PYTHONPATH=str(folder))
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -21,8 +21,8 @@ Modes:
   chatty       prints "INFO fakechild tick N" every 0.3 s (is its output still read after a handover?)
   controls     prints one line with NUL, CR, ESC and a forged `<0>` record in it, then serves as healthy
   drain        answers GET /v1/... after 3 s (?s=N: N s), counted as running in /metrics; at SIGTERM it drains as
-               vLLM does with --shutdown-timeout N: new requests get 503, it exits once those in flight finished
-               or N s passed (without the flag, or 0: it exits at once, aborting them, as vLLM does)
+               vLLM does with --shutdown-timeout N: new requests get 500 (its /health 200), it exits once those in
+               flight finished or N s passed (without the flag, or 0: it exits at once, aborting them, as vLLM does)
   stuck-drain  as drain, but its requests never finish and SIGTERM never ends it: a drain that never ends
 """
 
@@ -102,9 +102,12 @@ def answer(conn: socket.socket, modes: set[str], started: float) -> None:
 
 
 def slow_request(conn: socket.socket, path: str, modes: set[str]) -> None:
-    """A request that takes its time (drain modes); refused once SIGTERM came, as a draining vLLM refuses."""
+    """A request that takes its time (drain modes); refused once SIGTERM came, as a draining vLLM 0.32 refuses: 500,
+    its /health still 200 (its executor is shut down: entrypoints/launchers/launcher.py)."""
     if DRAINING.is_set():
-        conn.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+        body = b'{"error":{"message":"cannot schedule new futures after shutdown","code":500}}'
+        conn.sendall(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
+                     % (len(body), body))
         return
     seconds = float(path.partition("?s=")[2] or 3)
     with IN_FLIGHT_LOCK:

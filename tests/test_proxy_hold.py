@@ -5,6 +5,7 @@ import http.client
 import json
 import os
 import select
+import signal
 import sys
 import threading
 import time
@@ -344,3 +345,65 @@ def test_a_crowd_held_through_a_restart_that_never_comes_back_is_bounded_and_the
     assert lines(proxy, "engine still down")[0].endswith(": 300 refused"), proxy.lines
     assert len(proxy.lines) <= 8, proxy.lines  # the start, the outage's two lines, one a kind of refusal
     print(f"crowd of 300: {held_connections} connections, fds {fds_before} -> {fds_held}, RSS {rss_before} -> {rss_held} KiB")
+
+
+def test_told_of_a_planned_stop_the_proxy_holds_new_requests_unsent_until_told_the_engine_is_up(rig):
+    """SIGUSR1 (the daemon: the engine drains, its /health still 200): a new request is held without reaching the
+    engine; SIGUSR2 (an engine is healthy): it is sent. A 500 while told so (a draining vLLM's answer to a request
+    that slipped in) is held too."""
+    engine = rig.engine()
+    proxy = rig.proxy("--hold-s", "60")
+    proxy.proc.send_signal(signal.SIGUSR1)
+    wait_until(lambda: lines(proxy, "the engine stops for a planned restart"), 5, "the word heard")
+    calls = [Call(proxy.port, b'{"model": "tiny"}'), Call(proxy.port, b"{}", path="/fail")]
+    wait_until(lambda: held_now(proxy) == 2, 10, "two held")
+    time.sleep(1.0)  # the watcher reads /health 200 meanwhile: still held, the engine may still drain
+    assert engine.get_json("/debug/open")["requests"] == 0 and all(c.status is None for c in calls)
+    proxy.proc.send_signal(signal.SIGUSR2)
+    for c in calls:
+        c.join(10)
+    assert calls[0].status == 200 and calls[1].status == 500  # sent once: its own 500 then passes, the word gone
+    assert engine.get_json("/debug/open")["requests"] == 2
+    assert lines(proxy, "engine back after")[0].endswith(": 2 held requests forwarded, 0 refused"), proxy.lines
+
+
+def test_told_of_a_planned_stop_the_proxy_sends_again_once_the_engine_was_seen_down_and_back(rig):
+    """No SIGUSR2 (a daemon that died meanwhile): /health seen down and then up ends the hold; an engine never seen
+    down within hold_s was not restarted after all."""
+    engine = rig.engine()
+    proxy = rig.proxy("--hold-s", "3")
+    proxy.proc.send_signal(signal.SIGUSR1)
+    wait_until(lambda: lines(proxy, "the engine stops for a planned restart"), 5, "the word heard")
+    call = Call(proxy.port, b'{"model": "tiny"}')
+    wait_until(lambda: held_now(proxy) == 1, 10, "held")
+    rig.stop(engine)
+    time.sleep(1.0)  # seen down
+    rig.engine()
+    call.join(10)
+    assert call.status == 200, (call.status, call.data, call.error)
+    proxy.proc.send_signal(signal.SIGUSR1)  # told again, and the engine never goes down
+    wait_until(lambda: len(lines(proxy, "the engine stops for a planned restart")) == 2, 5, "the word heard")
+    time.sleep(1.5)
+    held = Call(proxy.port, b'{"model": "tiny"}')  # its own hold_s ends after the word's
+    held.join(10)
+    assert held.status == 200 and held.took >= 1, (held.status, held.data, held.error)  # held until the word lapsed
+    assert lines(proxy, "did not go down within 3 s of its planned stop"), proxy.lines
+    after = Call(proxy.port, b'{"model": "tiny"}')
+    after.join(10)
+    assert after.status == 200 and after.took < 3
+
+
+def test_held_requests_get_503_at_once_when_the_proxy_stops(rig):
+    engine = rig.engine()
+    proxy = rig.proxy("--hold-s", "60")
+    rig.stop(engine)
+    calls = [Call(proxy.port, b'{"model": "tiny"}') for _ in range(3)]
+    wait_until(lambda: held_now(proxy) == 3, 10, "three held")
+    began = time.monotonic()
+    proxy.proc.send_signal(signal.SIGTERM)
+    for c in calls:
+        c.join(10)
+    assert all(c.status == 503 and c.retry_after == "1" and b"the proxy is stopping" in c.data for c in calls), \
+        [(c.status, c.data, c.error) for c in calls]
+    assert max(c.took for c in calls) < 60 and time.monotonic() - began < 3
+    assert proxy.proc.wait(10) == 0

@@ -61,7 +61,7 @@ def proxy_spec(config: Config, identity: Identity) -> ChildSpec | None:
     env["PYTHONPATH"] = PACKAGE_PARENT
     timing = Timing.of(config.serve, startup_timeout_s=min(60.0, config.serve.startup_timeout_s))
     return ChildSpec(PROXY, "the proxy", proxy_argv(config), env, identity, p.listen[0], p.listen[1], "/health",
-                     timing, log_level)
+                     timing, log_level, fronts_engine=True)
 
 
 # Its entry in the registry of child kinds (serving/run/kinds.py): a side child that serve.proxy alone configures,

@@ -3,6 +3,11 @@ stall takes the engine away for seconds or minutes; a request that finds it refu
 (draining, starting), before a byte of the answer reached its client, waits here and is sent again once the engine
 answers its /health.
 
+A planned stop is told by the daemon (SIGUSR1: serving/run/supervisor.py): the engine drains, its /health still
+answering while it refuses new requests (vLLM 0.32 answers them 500), so from then on a new request is held without
+being sent, until the daemon says an engine is healthy (SIGUSR2) or /health is seen down and then up again. An
+engine that was never seen down within hold_s of the word was not restarted after all: requests go to it again.
+
 One watcher for all held requests reads /health every HEALTH_EVERY_S while any is held, and sees clients that left
 (dropped, their budget given back, within a tick). Bounds: `hold_s` from a request's first hold, `hold_max` at
 once, and the body budget (body.py), where held bodies count; past any, 503 with Retry-After at once. The journal
@@ -26,7 +31,7 @@ HEALTH_EVERY_S = 0.5
 # An outage no held request waits for any more ends (said once) after this long, or hold_s if longer: a client that
 # comes and goes costs two lines at most this often.
 QUIET_S = 10.0
-UP, GONE = "up", "gone"
+UP, GONE, CLOSING = "up", "gone", "closing"
 
 
 class Hold:
@@ -41,11 +46,39 @@ class Hold:
         self._watcher: asyncio.Task | None = None
         self._probe: asyncio.Future | None = None  # answered_503()'s look at /health, shared by every request
         self._probed_at = 0.0
-
+        self.planned_since: float | None = None  # the daemon's word that the engine stops (a drain), until it is back
+        self._seen_down = False  # since that word, /health was seen down: the next answer is a new engine
+        self.closing = False  # the proxy stops: a request held now, or later, is refused at once
 
     @property
     def on(self) -> bool:
         return self.hold_s > 0
+
+    @property
+    def planned(self) -> bool:
+        """The engine drains for a planned stop: a new request is held without being sent to it."""
+        return self.planned_since is not None
+
+    def engine_stopping(self) -> None:
+        """The daemon's word (SIGUSR1) that the engine begins a planned stop: hold every new request from now."""
+        if not self.on or self.closing:
+            return
+        self.planned_since, self._seen_down = self.clock(), False
+        log.info("proxy: the engine stops for a planned restart: holding new requests while it drains")
+        self._begin(self.planned_since)
+
+    def engine_up(self) -> None:
+        """The daemon's word (SIGUSR2) that an engine is healthy: the held requests go to it now."""
+        self.planned_since = None
+        if self.down_since is not None:
+            self._end(UP)
+
+    def close(self) -> None:
+        """The proxy stops: every held request is answered 503 at once, and so is any held later."""
+        self.closing = True
+        for future in self.waiting:
+            if not future.done():
+                future.set_result(CLOSING)
 
     async def answered_503(self) -> bool:
         """An engine answered 503: whether it is down (draining, starting; hold the request) rather than saying
@@ -63,6 +96,8 @@ class Hold:
         from `since` (the request's first hold) or past hold_max held at once; ConnectionResetError when the client
         leaves meanwhile."""
         now = self.clock()
+        if self.closing:
+            self._refuse("proxy_stopping", "the proxy is stopping: retry later")
         self._begin(now)
         if now - since >= self.hold_s:
             self._refuse("held_too_long", f"the engine did not come back within {self.hold_s:g} s (the proxy's "
@@ -86,6 +121,8 @@ class Hold:
         if outcome == GONE:
             self.gone += 1
             raise ConnectionResetError("the client left while its request was held")
+        if outcome == CLOSING:
+            self._refuse("proxy_stopping", "the proxy is stopping: retry later")
 
     def _refuse(self, reason: str, message: str) -> None:
         self.refused += 1
@@ -102,7 +139,17 @@ class Hold:
         while True:
             await asyncio.sleep(HEALTH_EVERY_S)
             self._drop_gone()
-            if await self.engine_answers():
+            answers = await self.engine_answers()
+            if self.down_since is None:  # ended meanwhile (engine_up)
+                return
+            if answers and self.planned and not self._seen_down:
+                if self.clock() - self.planned_since < self.hold_s:
+                    continue  # the old engine still drains
+                log.warning("proxy: the engine did not go down within %g s of its planned stop: sending requests to "
+                            "it again", self.hold_s)
+            self._seen_down = self._seen_down or not answers
+            if answers:
+                self.planned_since = None
                 self._end(UP)
                 return
             if not self.waiting and self.clock() - self.down_since >= max(self.hold_s, QUIET_S):
@@ -128,7 +175,9 @@ class Hold:
         else:
             log.warning("proxy: engine still down after %.1f s, no request held now: %d refused%s", took,
                         self.refused, gone)
-        self.down_since, self._watcher = None, None
+        watcher, self.down_since, self._watcher = self._watcher, None, None
+        if watcher is not None and watcher is not asyncio.current_task():
+            watcher.cancel()  # ended by the daemon's word, not by the watcher
 
     async def stop(self) -> None:
         if self._watcher is not None:

@@ -26,6 +26,7 @@ import logging
 import resource
 import signal
 import time
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -258,9 +259,11 @@ class Connections:
         self.faults.note(f"connections closed ({reason})", f"closed a connection from {peer}: {what}", logging.INFO)
 
 
-async def run(app: web.Application, host: str, port: int, conns: Connections, shutdown_s: float = 2.0) -> None:
+async def run(app: web.Application, host: str, port: int, conns: Connections, shutdown_s: float = 2.0,
+              signals: dict[int, Callable[[], None]] | None = None) -> None:
     """Serve app on host:port until SIGTERM or SIGINT; then streams still open after shutdown_s are cut.
-    OSError when the address cannot be bound."""
+    signals: other signals' handlers, in place before the first connection. OSError when the address cannot be
+    bound."""
     # auto_decompress off: a compressed body reaches the proxy as sent (server.py decides, with a size cap).
     # aiohttp's own keep-alive timer only backs ours up (ours closes first, and counts why).
     runner = web.AppRunner(app, access_log=None, keepalive_timeout=conns.timeout_s + 5, auto_decompress=False)
@@ -269,6 +272,8 @@ async def run(app: web.Application, host: str, port: int, conns: Connections, sh
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    for sig, handler in (signals or {}).items():
+        loop.add_signal_handler(sig, handler)
     server = runner.server
     try:
         listener = await loop.create_server(lambda: conns.protocol(server), host, port, backlog=BACKLOG)

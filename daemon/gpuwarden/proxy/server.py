@@ -154,6 +154,7 @@ class Proxy:
         app.router.add_get("/metrics", self.own_metrics)
         app.router.add_route("*", "/{tail:.*}", self.forward)
         app.on_startup.append(self._start)
+        app.on_shutdown.append(self._closing)
         app.on_cleanup.append(self._stop)
         return app
 
@@ -167,6 +168,9 @@ class Proxy:
                                              skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding",
                                                                 "Content-Type"))
         self._scraper = asyncio.get_running_loop().create_task(self._scrape_forever())
+
+    async def _closing(self, app) -> None:
+        self.hold.close()  # held requests get their 503 while the connections are still open
 
     async def _stop(self, app) -> None:
         await self.hold.stop()
@@ -251,31 +255,15 @@ class Proxy:
     async def _send(self, request: web.Request, headers: CIMultiDict, held: Held, label: str,
                     began: float) -> web.StreamResponse:
         """Send the request upstream and relay the answer; while the engine is down (refused, reset before it
-        answered, or answering 503) and no byte of the answer has reached the client, hold it (hold.py) and send it
-        again once the engine is back, while its body is still here (body.py may have given it up)."""
+        answered, or answering 503; any 5xx while it drains for a planned stop) and no byte of the answer has
+        reached the client, hold it (hold.py) and send it again once the engine is back, while its body is still
+        here (body.py may have given it up). While the engine drains for a planned stop, a request is held unsent."""
         first_held = None
         while True:
-            try:
-                data = _sent(held, self.hold.on) if held.body is not None else None
-                async with self.session.request(request.method, self.upstream + request.path_qs, data=data,
-                                                headers=headers, allow_redirects=False) as up:
-                    down = up.status == 503 and self.hold.on and await self.hold.answered_503()
-                    if not (down and held.reclaim()):
-                        held.release()  # from here on, never sent again
-                        self.metrics.upstream.labels(label).observe(time.monotonic() - began)
-                        return await self._relay(request, up, label)
-            except asyncio.TimeoutError:
-                return self._refuse(request, label, 504, "upstream_timeout",
-                                    f"upstream {self.upstream} sent nothing for {self.read_timeout_s:g} s")
-            except aiohttp.ClientConnectionError as exc:
-                down = isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError))
-                if not (self.hold.on and held.reclaim()):
-                    if down:
-                        return self._refuse(request, label, 502, "upstream_down",
-                                            f"upstream {self.upstream} unreachable: {exc}")
-                    return self._refuse(request, label, 502, "upstream_error", f"upstream {self.upstream}: {exc}")
-            except aiohttp.ClientError as exc:
-                return self._refuse(request, label, 502, "upstream_error", f"upstream {self.upstream}: {exc}")
+            if not self.hold.planned:
+                response = await self._send_once(request, headers, held, label, began)
+                if response is not None:
+                    return response
             first_held = time.monotonic() if first_held is None else first_held
             try:
                 await self.hold.wait(request, first_held)
@@ -287,6 +275,35 @@ class Proxy:
             except ConnectionResetError:
                 self.metrics.failures.labels("client_gone").inc()
                 return web.Response(status=400)  # nobody reads it: the connection is closed
+
+    async def _send_once(self, request: web.Request, headers: CIMultiDict, held: Held, label: str,
+                         began: float) -> web.StreamResponse | None:
+        """One try: the answer relayed, or a refusal; None: the engine is down and the request is to be held."""
+        try:
+            data = _sent(held, self.hold.on) if held.body is not None else None
+            async with self.session.request(request.method, self.upstream + request.path_qs, data=data,
+                                            headers=headers, allow_redirects=False) as up:
+                # vLLM answers a request that reached it after its planned stop began 500 ("cannot schedule new
+                # futures after shutdown"): while the daemon says it drains, any 5xx holds.
+                failed = up.status == 503 or (up.status >= 500 and self.hold.planned)
+                down = failed and self.hold.on and await self.hold.answered_503()
+                if not (down and held.reclaim()):
+                    held.release()  # from here on, never sent again
+                    self.metrics.upstream.labels(label).observe(time.monotonic() - began)
+                    return await self._relay(request, up, label)
+        except asyncio.TimeoutError:
+            return self._refuse(request, label, 504, "upstream_timeout",
+                                f"upstream {self.upstream} sent nothing for {self.read_timeout_s:g} s")
+        except aiohttp.ClientConnectionError as exc:
+            down = isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError))
+            if not (self.hold.on and held.reclaim()):
+                if down:
+                    return self._refuse(request, label, 502, "upstream_down",
+                                        f"upstream {self.upstream} unreachable: {exc}")
+                return self._refuse(request, label, 502, "upstream_error", f"upstream {self.upstream}: {exc}")
+        except aiohttp.ClientError as exc:
+            return self._refuse(request, label, 502, "upstream_error", f"upstream {self.upstream}: {exc}")
+        return None
 
     async def _engine_answers(self) -> bool:
         """Whether the engine's /health answers 200 now (hold.py's one watcher asks, every half second)."""

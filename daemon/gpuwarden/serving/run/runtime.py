@@ -103,6 +103,7 @@ class ServingRuntime:
         self.launch: Launch | None = None  # what runs now
         self.children: Supervisor | None = None
         self.pending: Launch | None = None  # the next launch, started once the running children have stopped
+        self._kept: dict[str, Program] = {}  # side programs the pending launch runs on as they are (the proxy)
         self.reader: MetricsReader | None = None  # the engine's /metrics
         self.stall_watch: StallWatch | None = None  # is the engine making progress
         self._reread = self.ops.background("installed")  # a reload's read of the engine's installed versions
@@ -135,9 +136,10 @@ class ServingRuntime:
         that is provably ours is taken over instead: kept as it is when the config asks for the same command,
         else stopped and replaced as a reload would (the new one starts once it has stopped). One the launch
         does not name is stopped (stop_unnamed)."""
-        self.launch = launch
+        kept = self._kept
+        self.launch, self._kept = launch, {}
         programs = [Program(_as_recorded(launch, adoptable), self.ops, self.clock, self.drains),
-                    *(Program(spec, self.ops, self.clock) for spec in launch.sides)]
+                    *(kept.get(spec.name) or Program(spec, self.ops, self.clock) for spec in launch.sides)]
         self.children = Supervisor(programs)
         self._make_watchers(launch)
         named = {p.name: p for p in programs}
@@ -298,19 +300,6 @@ class ServingRuntime:
             return False
         return self._reread.start(installed_for, config, self.launch.command, True, self.ops.helper)
 
-    def _upgraded(self, config: Config) -> str | None:
-        """Why the engine must restart although its section did not change: the installed version (as
-        reread_installed left it) is not the one it runs. None where they match, or either is unknown: an
-        unknown version never restarts the engine by itself."""
-        running = self.engine.spec.version
-        found = installed_for(config, self.launch.command, ask=False)
-        engine = self.launch.command.engine
-        version = found.version(engine.name) if found.known else None
-        if not running or not version or version == running:
-            return None
-        return (f"reload: {engine.title} {version} is installed, the engine runs {running}: restarting it on the "
-                "installed version")
-
     def plan_reload(self, config: Config) -> Callable[[float], None] | None:
         """Check what a reloaded config asks of serving, and return the step that carries it out (None: no
         change). Raises ConfigErrors (nothing is stopped then). The engine's part unchanged: only the side kinds
@@ -319,7 +308,9 @@ class ServingRuntime:
         (and gpuwarden_serving_info says) the installed version."""
         old = self.launch.config.serve if self.launch is not None else None
         new = config.serve
-        upgraded = self._upgraded(config) if old is not None and new.enabled and self.pending is None else None
+        upgraded = None
+        if old is not None and new.enabled and self.pending is None:
+            upgraded = _upgraded(config, self.launch, self.engine)
         if old is not None and self.pending is None and upgraded is None and same_engine(old, new, self.sides):
             wanted = side_specs(config, self.engine.identity, self.sides)
             running = {spec.name: spec for spec in self.launch.sides}
@@ -351,8 +342,11 @@ class ServingRuntime:
         self.launch = dataclasses.replace(self.launch, config=config, sides=sides)
 
     def _replace_all(self, launch: Launch | None, now: float) -> None:
+        """Stop the children; the launch's start once they have stopped. A side child whose spec the launch keeps
+        as it is (the proxy, serve.proxy unchanged) runs on into the launch: it holds requests meanwhile."""
+        self._kept = _unchanged_sides(self.children, launch, self.sides)
         if self.children is not None:
-            self.children.stop(now)  # the new children start once these have stopped
+            self.children.stop(now, keep=frozenset(self._kept))  # the new children start once these have stopped
         self.pending = launch
 
     # -- the rest of the life cycle ----------------------------------------------------------
@@ -373,7 +367,7 @@ class ServingRuntime:
 
     def stop(self, now: float) -> float | None:
         """Stop every child; the longest wait for SIGKILL among them (an engine's drain included), None: none."""
-        self.pending = None
+        self.pending, self._kept = None, {}
         self.ops.end_helpers()  # a reload's read of the installed versions still running: nothing waits for it now
         wait = self.children.stop(now) if self.children is not None else None
         if self.children is not None or self.leftovers.unnamed:
@@ -385,3 +379,26 @@ class ServingRuntime:
         if self.children is not None:
             self.children.kill_now(now)
         self.leftovers.kill_now(now)  # a second stop request: no more grace
+
+
+def _upgraded(config: Config, launch: Launch, engine: Program) -> str | None:
+    """Why the engine must restart although its section did not change: the installed version (as
+    reread_installed left it) is not the one it runs. None where they match, or either is unknown: an unknown
+    version never restarts the engine by itself."""
+    running = engine.spec.version
+    found = installed_for(config, launch.command, ask=False)
+    kind = launch.command.engine
+    version = found.version(kind.name) if found.known else None
+    if not running or not version or version == running:
+        return None
+    return (f"reload: {kind.title} {version} is installed, the engine runs {running}: restarting it on the "
+            "installed version")
+
+
+def _unchanged_sides(children: Supervisor | None, launch: Launch | None, sides: tuple[ChildKind, ...]) -> dict:
+    """The running side programs (the proxy) whose spec the launch keeps as it is: they run on into it."""
+    if children is None or launch is None:
+        return {}
+    names, wanted = {kind.name for kind in sides}, {spec.name: spec for spec in launch.sides}
+    return {name: program for name, program in children.programs.items()
+            if name in names and wanted.get(name) == program.spec and not program.stopped}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import signal
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,12 @@ class Timing:
     def of(cls, serve: ServeConfig, **changes: float) -> Timing:
         values = {name: getattr(serve, name) for name in cls.__dataclass_fields__}
         return cls(**{**values, **changes})
+
+
+# What a child in front of the engine (ChildSpec.fronts_engine: the proxy) is sent, as a signal to its group: the
+# engine begins a planned stop (it drains: its /health still answers, and vLLM answers 500 to new requests), and an
+# engine is healthy. Sent only to a front that is RUNNING (serving/run/supervisor.py).
+STOPPING_SIGNAL, UP_SIGNAL = signal.SIGUSR1, signal.SIGUSR2
 
 
 @dataclass(frozen=True)
@@ -78,6 +85,10 @@ class ChildSpec:
     # An engine's drain: how long a planned stop's SIGTERM lets its requests in flight finish (0: they are aborted),
     # said and counted at each stop (serving/run/supervisor.py); None: a child without requests (the proxy, Ray).
     drain_s: float | None = None
+    # A child in front of the engine (the proxy): a whole stop stops it once the engine has stopped, so that the
+    # engine's drain reaches clients through it; while it runs, it is told of the engine's planned stops
+    # (STOPPING_SIGNAL: hold new requests, the engine drains) and of each engine that is healthy (UP_SIGNAL).
+    fronts_engine: bool = False
 
     @property
     def url(self) -> str:

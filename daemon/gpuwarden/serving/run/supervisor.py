@@ -39,7 +39,7 @@ from .output import ChildOutput
 from .policy import PREFLIGHT_RETRY_S, Policy
 from .preflight import Remains, preflight
 from .processes import KILL_WAIT_S, UNSEEN_EXIT, Child, ProcessOps
-from .spec import ChildSpec
+from .spec import STOPPING_SIGNAL, UP_SIGNAL, ChildSpec
 
 log = logging.getLogger("gpuwarden")
 
@@ -436,6 +436,9 @@ class Supervisor:
             raise ValueError("a supervisor needs at least one program")
         self.programs = {p.name: p for p in programs}
         self._incoming: dict[str, Program | None] = {}  # a side program's replacement, once the old one stopped
+        self.kept: frozenset[str] = frozenset()  # programs a stop left running, for the next supervisor (a reload)
+        self._fronts_stop = False  # a whole stop: the fronts stop once the engine has stopped
+        self._engine_told: str | None = None  # the engine's state the fronts were last told of
 
     def replace(self, name: str, program: Program | None, now: float) -> None:
         """Swap one side program (the proxy) and leave the others running: the old one is stopped, and the new
@@ -481,22 +484,57 @@ class Supervisor:
         self._each(lambda p: p.tick(now))
         if self._incoming:
             self._swap(now)
+        if self._fronts_stop and self.main.stopped:
+            self._fronts_stop = False
+            self._each(lambda p: p.stop(now) if p in self._fronts() else None)
+        self._tell_fronts()
 
-    def stop(self, now: float) -> float | None:
-        """Stop them all; the longest wait for SIGKILL of one still stopping (a drain's included), None: none."""
+    def stop(self, now: float, keep: frozenset[str] = frozenset()) -> float | None:
+        """Stop them all but keep (programs the next supervisor runs on: a reload keeps an unchanged proxy); a
+        front of the engine stops once the engine has. The longest wait for the last SIGKILL (a drain's included,
+        and a front's after it), None: none."""
         self._incoming.clear()  # stopping everything: a pending replacement never starts
-        self._each(lambda p: p.stop(now))
-        return max((p.spec.timing.stop_timeout_s for p in self.programs.values() if not p.stopped), default=None)
+        self.kept = keep
+        fronts = [p for p in self._fronts() if p.name not in keep]
+        self._fronts_stop = bool(fronts) and not self.main.stopped
+        if self.main.state == RUNNING:  # the fronts first: they hold new requests before the engine refuses them
+            self._tell_fronts(STOPPING)
+        self._each(lambda p: None if p.name in keep or (self._fronts_stop and p in fronts) else p.stop(now))
+        self._tell_fronts()
+        waits = [p.spec.timing.stop_timeout_s for p in self.programs.values()
+                 if not p.stopped and p.name not in keep and p not in fronts]
+        after = max((p.spec.timing.stop_timeout_s for p in fronts if not p.stopped), default=0.0)
+        return max(waits, default=0.0) + after if waits or after else None
 
     def kill_now(self, now: float) -> None:
+        if self._fronts_stop:  # a second stop: the fronts do not wait for the engine either
+            self._fronts_stop = False
+            self._each(lambda p: p.stop(now) if p in self._fronts() else None)
         self._each(lambda p: p.kill_now(now))
+
+    def _fronts(self) -> list[Program]:
+        return [p for p in self.programs.values() if p.spec.fronts_engine and p is not self.main]
+
+    def _tell_fronts(self, state: str | None = None) -> None:
+        """Tell the running fronts when the engine begins a planned stop from RUNNING (state: about to), and when
+        an engine is healthy (also the first, and one a reload started: a front kept from the last supervisor)."""
+        state = state or self.main.state
+        if state == self._engine_told:
+            return
+        news = UP_SIGNAL if state == RUNNING else STOPPING_SIGNAL if state == STOPPING and \
+            self._engine_told == RUNNING else None
+        self._engine_told = state
+        for front in self._fronts():
+            if news is not None and front.state == RUNNING:  # its health answered: its handlers are in place
+                front.ops.killpg(front.child.pgid, news)
 
     def reset(self, now: float) -> None:
         self._each(lambda p: p.reset(now))
 
     @property
     def stopped(self) -> bool:
-        return all(p.stopped for p in self.programs.values())
+        """Every program stopped, but those a stop kept running for the next supervisor."""
+        return all(p.stopped for p in self.programs.values() if p.name not in self.kept)
 
     def views(self) -> tuple[ServingView, ...]:
         return tuple(p.view() for p in self.programs.values())

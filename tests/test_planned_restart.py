@@ -1,0 +1,203 @@
+"""Planned changes fail no request (issue 40, part 3): the proxy in front of the engine stays up across the engine's
+restart and stop, is told of the engine's planned stop (it holds new requests unsent while the engine drains: a
+draining vLLM 0.32 answers them 500 with its /health 200) and of its return. The supervisor's part with its OS seam
+replaced; then the daemon, the fake engine (tests/fakechild.py, drain mode) and the real proxy as processes."""
+
+import http.client
+import json
+import signal
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from conftest import free_port
+from gpuwarden.config import parse_text
+from gpuwarden.proxy.child import PROXY, proxy_spec
+from gpuwarden.serving.run.spec import STOPPING_SIGNAL, UP_SIGNAL
+from gpuwarden.serving.run.supervisor import RUNNING, STOPPED, STOPPING, Program, Supervisor
+from test_drain import drain_config, in_flight
+from test_faults import fake, no_fakes_left, wait_until  # noqa: F401 (fixtures)
+from test_serving import running_supervisor
+
+
+def engine_and_proxy(tmp_path):
+    engine, ops, clock = running_supervisor()
+    cfg = parse_text("serve:\n  model: /m\n  proxy: {enabled: true}\n", str(tmp_path / "g.yaml"))
+    proxy = Program(proxy_spec(cfg, engine.identity), ops=ops, clock=clock)
+    both = Supervisor([engine, proxy])
+    proxy.start(clock.now)
+    both.tick(clock.now)
+    assert proxy.state == RUNNING
+    return both, engine, proxy, ops, clock
+
+
+def test_the_proxy_is_told_before_the_engines_sigterm_and_stops_only_once_the_engine_has(tmp_path):
+    both, engine, proxy, ops, clock = engine_and_proxy(tmp_path)
+    assert (proxy.child.pgid, UP_SIGNAL) in ops.signals  # the engine is healthy
+    ops.signals.clear()
+    wait = both.stop(clock.now)
+    # the proxy first (it holds new requests), then the engine's SIGTERM; the proxy itself not yet
+    assert ops.signals == [(proxy.child.pgid, STOPPING_SIGNAL), (engine.child.pgid, signal.SIGTERM)]
+    assert engine.state == STOPPING and proxy.state == RUNNING and not both.stopped
+    # systemd is asked for both waits: the engine's drain, then the proxy's stop after it
+    assert wait == engine.spec.timing.stop_timeout_s + proxy.spec.timing.stop_timeout_s
+    clock.advance(1)
+    both.tick(clock.now)
+    assert proxy.state == RUNNING  # the engine still drains: the proxy relays its streams
+    ops.groups[engine.child.pgid] = []
+    clock.advance(1)
+    both.tick(clock.now)
+    assert engine.state == STOPPED and proxy.state == STOPPING
+    assert ops.signals[-1] == (proxy.phase.child.pgid, signal.SIGTERM)
+
+
+def test_a_second_stop_does_not_wait_for_the_engine_to_stop_the_proxy(tmp_path):
+    both, engine, proxy, ops, clock = engine_and_proxy(tmp_path)
+    both.stop(clock.now)
+    both.kill_now(clock.now)
+    assert (engine.phase.child.pgid, signal.SIGKILL) in ops.signals
+    assert (proxy.phase.child.pgid, signal.SIGKILL) in ops.signals
+
+
+def test_a_stop_that_keeps_the_proxy_leaves_it_running_and_the_rest_reads_stopped(tmp_path):
+    both, engine, proxy, ops, clock = engine_and_proxy(tmp_path)
+    both.stop(clock.now, keep=frozenset({PROXY}))
+    assert (proxy.child.pgid, STOPPING_SIGNAL) in ops.signals
+    ops.groups[engine.child.pgid] = []
+    clock.advance(1)
+    both.tick(clock.now)
+    assert engine.state == STOPPED and proxy.state == RUNNING and both.stopped
+    assert not [s for s in ops.signals if s == (proxy.child.pgid, signal.SIGTERM)]
+
+
+def test_a_front_not_yet_healthy_is_sent_nothing(tmp_path):
+    """A signal before its handlers are in place would end it (SIGUSR1's default)."""
+    engine, ops, clock = running_supervisor()
+    cfg = parse_text("serve:\n  model: /m\n  proxy: {enabled: true}\n", str(tmp_path / "g.yaml"))
+    proxy = Program(proxy_spec(cfg, engine.identity), ops=ops, clock=clock)
+    both = Supervisor([engine, proxy])
+    ops.health_ok = False
+    proxy.start(clock.now)
+    both.tick(clock.now)
+    both.stop(clock.now)
+    assert proxy.state != RUNNING and not [s for s in ops.signals if s[0] == proxy.phase.child.pgid]
+
+
+# -- the daemon, the fake engine and the real proxy ------------------------------------------------------------
+
+class Clients:
+    """A steady client of the proxy until stopped: a slow request (the fake engine's ?s=) every `every` s, each on
+    its own connection; every outcome kept ("200 ..." or the failure)."""
+
+    def __init__(self, port, seconds=0.3, every=0.1):
+        self.port, self.seconds, self.every = port, seconds, every
+        self.outcomes, self.threads, self._stop = [], [], threading.Event()
+        self.runner = threading.Thread(target=self._run, daemon=True)
+        self.runner.start()
+
+    def _run(self):
+        while not self._stop.wait(self.every):
+            thread = threading.Thread(target=self.one, args=(self.seconds,), daemon=True)
+            thread.start()
+            self.threads.append(thread)
+
+    def one(self, seconds):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        try:
+            conn.request("GET", f"/v1/completions?s={seconds}")
+            reply = conn.getresponse()
+            self.outcomes.append((reply.status, reply.getheader("Retry-After"), reply.read().decode()))
+        except OSError as exc:
+            self.outcomes.append(("failed", None, repr(exc)))
+        finally:
+            conn.close()
+
+    def stop(self):
+        self._stop.set()
+        self.runner.join(5)
+        for thread in self.threads:
+            thread.join(60)
+        return self.outcomes
+
+
+def proxy_metric(port, name):
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")
+               or line.startswith(name + "{"))
+
+
+def with_proxy(write, fake, drain_s=10, hold_s=60):
+    proxy_port = free_port()
+    path, base, port = drain_config(write, fake, "drain", drain_s)
+    path.write_text(path.read_text() + f"  proxy: {{enabled: true, listen: '127.0.0.1:{proxy_port}', "
+                                       f"hold_s: {hold_s}}}\n")
+    return path, base, port, proxy_port
+
+
+@pytest.mark.integration
+def test_a_reload_that_restarts_the_engine_fails_no_request_through_the_proxy(write, fake, daemons, proxy_daemon,
+                                                                              no_fakes_left):
+    """Requests in flight finish on the draining engine; those that come meanwhile are held at the proxy (never sent
+    to the draining engine, which would answer 500) and answered by the new engine; the proxy's process lives on."""
+    path, base, port, proxy_port = with_proxy(write, fake)
+    command, env = proxy_daemon
+    d = daemons(path, command=command, env=env)
+    d.wait_for("vLLM healthy after", timeout=30)
+    d.wait_for("the proxy healthy after", timeout=30)
+    slow = Clients(proxy_port)
+    slow.stop()  # none: only its one() for the two in flight
+    long = [threading.Thread(target=slow.one, args=(3,), daemon=True) for _ in range(2)]
+    for thread in long:
+        thread.start()
+    in_flight(base, 2)
+    steady = Clients(proxy_port)
+    mark = len(d.lines)
+    path.write_text(path.read_text().replace("  drain_s: 10\n", '  drain_s: 10\n  args: [--max-num-seqs, "4"]\n'))
+    d.proc.send_signal(signal.SIGHUP)
+    d.wait_for("proxy: the engine stops for a planned restart", after=mark)
+    d.wait_for("vLLM drained in", after=mark, timeout=15)
+    d.wait_for("vLLM healthy after", after=mark, timeout=30)
+    d.wait_for("proxy: engine back after", after=mark, timeout=15)
+    time.sleep(0.5)  # a few requests after the restart too
+    outcomes = steady.stop()
+    for thread in long:
+        thread.join(10)
+    statuses = [status for status, _, _ in outcomes + slow.outcomes]
+    assert statuses and set(statuses) == {200}, [o for o in outcomes + slow.outcomes if o[0] != 200][:5]
+    assert len(slow.outcomes) == 2
+    assert proxy_metric(proxy_port, "gpuwarden_proxy_held_seconds_count") >= 1  # some were held, and answered
+    log = "\n".join(d.lines)
+    assert log.count("the proxy starting") == 1 and "the proxy stopping" not in log  # one process throughout
+    assert d.stop() == 0
+
+
+@pytest.mark.integration
+def test_a_stop_lets_a_request_through_the_proxy_finish_and_refuses_the_held_with_503(write, fake, daemons,
+                                                                                       proxy_daemon, no_fakes_left):
+    """systemctl stop: the request in flight finishes through the proxy, which stops after the engine; a request
+    that came during the drain was held, and gets 503 with Retry-After when the proxy stops, not a reset."""
+    path, base, port, proxy_port = with_proxy(write, fake)
+    command, env = proxy_daemon
+    d = daemons(path, command=command, env=env)
+    d.wait_for("vLLM healthy after", timeout=30)
+    d.wait_for("the proxy healthy after", timeout=30)
+    clients = Clients(proxy_port)
+    clients.stop()
+    first = threading.Thread(target=clients.one, args=(3,), daemon=True)
+    first.start()
+    in_flight(base, 1)
+    d.proc.send_signal(signal.SIGTERM)
+    d.wait_for("proxy: the engine stops for a planned restart")
+    late = threading.Thread(target=clients.one, args=(0.1,), daemon=True)
+    late.start()
+    assert d.proc.wait(60) == 0
+    first.join(10)
+    late.join(10)
+    by_seconds = sorted(clients.outcomes, key=lambda o: o[0] == 200, reverse=True)
+    assert by_seconds[0][0] == 200 and json.loads(by_seconds[0][2]) == {"done": True}, clients.outcomes
+    status, retry_after, body = by_seconds[1]
+    assert (status, retry_after) == (503, "1") and "the proxy is stopping" in body, clients.outcomes
+    log = "\n".join(d.lines)
+    assert log.index("vLLM stopped after") < log.index("the proxy stopping")
