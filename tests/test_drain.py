@@ -138,12 +138,14 @@ def test_a_drain_that_ends_in_time_says_how_long_it_took(caplog):
     program, ops, clock = running(60, counts)
     program.stop(clock.now)
     assert "draining vLLM: 7 requests in flight, up to 60 s" in caplog.text
-    assert [s for _, s in ops.signals] == [signal.SIGTERM]
+    leader = program.child.pid
+    # SIGTERM to the leader (the API server) alone: one to its engine's processes would cut the drain short
+    assert ops.killed == [(leader, signal.SIGTERM)] and ops.signals == []
     clock.advance(4.2)
-    ops.groups[program.child.pid] = []  # the engine finished its requests and exited
+    ops.groups[leader] = []  # the engine finished its requests and exited
     program.tick(clock.now)
     assert program.state == STOPPED and "vLLM drained in 4.2 s" in caplog.text
-    assert [s for _, s in ops.signals] == [signal.SIGTERM] and counts == {DRAINED: 1}
+    assert ops.signals == [] and counts == {DRAINED: 1}
     assert dict(program.view().drains) == {DRAINED: 1, TIMED_OUT: 0, ABORTED: 0}
 
 
@@ -152,15 +154,31 @@ def test_a_drain_that_never_ends_is_killed_at_drain_s_plus_the_margin(caplog):
     program.stop(clock.now)
     clock.advance(60 + DRAIN_MARGIN_S - 0.1)
     program.tick(clock.now)
-    assert [s for _, s in ops.signals] == [signal.SIGTERM]
+    assert [s for _, s in ops.killed] == [signal.SIGTERM] and ops.signals == []
     program.drain.note(type("Stats", (), {"requests_running": 2.0, "requests_waiting": 0.0})())
     clock.advance(0.2)
     program.tick(clock.now)
-    assert [s for _, s in ops.signals] == [signal.SIGTERM, signal.SIGKILL]
+    assert [s for _, s in ops.signals] == [signal.SIGKILL]
     assert "vLLM drain timed out: 2 requests aborted" in caplog.text
     program.tick(clock.now)
     assert program.state == STOPPED and "drained in" not in caplog.text
     assert dict(program.view().drains) == {DRAINED: 0, TIMED_OUT: 1, ABORTED: 0}
+
+
+def test_once_the_leader_exits_the_rest_of_its_group_gets_sigterm():
+    """A leader that drained and left processes behind (a wrapper script, a worker it did not end): they follow it
+    at once, not at the drain's end."""
+    program, ops, clock = running(60)
+    leader = program.child.pid
+    program.stop(clock.now)
+    ops.groups[leader] = [leader + 1, leader + 2]  # the leader exited
+    clock.advance(1)
+    program.tick(clock.now)
+    assert ops.signals == [(leader, signal.SIGTERM)] and program.state == "STOPPING"
+    ops.groups[leader] = []
+    clock.advance(1)
+    program.tick(clock.now)
+    assert program.state == STOPPED and ops.signals == [(leader, signal.SIGTERM)]
 
 
 def test_a_second_stop_cuts_the_drain_short_and_a_crash_is_no_drain(caplog):

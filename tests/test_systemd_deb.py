@@ -182,7 +182,7 @@ def test_boots_tunes_alerts_stops_fails_cleanly_and_survives_a_stall(installed_r
 
 
 def test_serving_ready_only_when_vllm_is_healthy_and_stop_leaves_nothing(installed_root, tmp_path, vllm_python,
-                                                                        tiny_model, newer_deb):
+                                                                        long_tiny_model, newer_deb):
     root = tmp_path / "root"
     subprocess.run(["cp", "-a", "--reflink=auto", str(installed_root), str(root)], check=True)
     shutil.copy(newer_deb, root / "var" / "cache" / "gpuwarden-new.deb")
@@ -198,7 +198,7 @@ def test_serving_ready_only_when_vllm_is_healthy_and_stop_leaves_nothing(install
     folder.mkdir()
     venv = vllm_python.parent.parent
     proc = nspawn(root, boot=True, timeout=1200,
-                  binds=[f"{folder}:/results", f"{venv}:{venv}", f"{tiny_model}:/srv/tiny-model"])
+                  binds=[f"{folder}:/results", f"{venv}:{venv}", f"{long_tiny_model}:/srv/tiny-model"])
     got = results(folder)
     full = (folder / "journal.txt").read_text() if (folder / "journal.txt").exists() else proc.stdout[-3000:]
     # For the messages: what systemd said of the unit (a restart, a watchdog, an exit) first, then the tail.
@@ -237,4 +237,12 @@ def test_serving_ready_only_when_vllm_is_healthy_and_stop_leaves_nothing(install
     stream = json.loads(got["crash_stream"])
     assert stream["ok"] >= 10 and stream["failed"] == 0, stream
     assert got["crash_adopted_logged"] == "1" and got["crash_metrics"] == "yes", journal
+    # systemctl stop with a request in flight straight to the engine and one through the proxy: both complete,
+    # every token, within the engine's drain; the proxy stops after the engine.
+    assert got["stop_in_flight"] == "2", journal
+    for where in ("direct", "proxy"):
+        assert json.loads(got[f"stop_long_{where}"]) == {"status": 200, "tokens": 3000}, (where, journal)
+    assert got["stop_drained_logged"] == "1" and got["stop_draining_line"].startswith(
+        "draining vLLM: 2 requests in flight, up to 60 s"), journal
+    assert full.index("vLLM drained in") < full.index("the proxy stopping"), journal
     assert got["stop_result"] == "success" and got["leftover"] == "0"

@@ -126,6 +126,7 @@ class Phase:
     killed: bool = False  # STOPPING: SIGKILL sent
     stop_count: int = 0  # STOPPING: processes in the group when the stop began
     cut: bool = False  # STOPPING: a second stop asked for SIGKILL now, cutting the drain short
+    leader_only: bool = False  # STOPPING: SIGTERM went to the leader alone (a drain); the group's comes once it exits
 
 
 def _of_phase(name: str) -> property:
@@ -376,11 +377,15 @@ class Program:
             self._transition(STOPPED)
             return
         count, serving = len(self.ops.group_pids(child.pgid)), self.state == RUNNING
-        self.ops.killpg(child.pgid, signal.SIGTERM)
+        # An engine that drains gets SIGTERM at its leader (the API server) alone, which ends its processes after the
+        # drain: vLLM 0.32's worker signalled itself exits at once, and the requests in flight die (EngineDeadError).
+        leader_only = bool(self.spec.drain_s)
+        _sigterm(self.ops, child, leader_only)
         timeout = self.spec.timing.stop_timeout_s
-        self._transition(STOPPING, f"{self.title} stopping: SIGTERM to its {count} processes, SIGKILL after "
-                                   f"{timeout:g} s", since=now, child=child, kill_at=now + timeout, stop_count=count,
-                         started_wall=self.phase.started_wall)
+        to = "its leader (its drain)" if leader_only else f"its {count} processes"
+        self._transition(STOPPING, f"{self.title} stopping: SIGTERM to {to}, SIGKILL after {timeout:g} s", since=now,
+                         child=child, kill_at=now + timeout, stop_count=count, started_wall=self.phase.started_wall,
+                         leader_only=leader_only)
         self.drain.began(serving)
 
     def kill_now(self, now: float) -> None:
@@ -398,6 +403,9 @@ class Program:
         phase = self.phase
         self.ops.poll(phase.child)  # reap the leader
         alive = self.ops.group_pids(phase.child.pgid)
+        if alive and phase.leader_only and phase.child.pid not in alive:  # the leader is done: the rest follow it
+            self.ops.killpg(phase.child.pgid, signal.SIGTERM)
+            self._within(leader_only=False)
         if alive and now < phase.kill_at:
             return
         if alive and not phase.killed:
@@ -538,6 +546,13 @@ class Supervisor:
 
     def views(self) -> tuple[ServingView, ...]:
         return tuple(p.view() for p in self.programs.values())
+
+
+def _sigterm(ops: ProcessOps, child: Child, leader_only: bool) -> None:
+    if leader_only:
+        ops.kill(child.pid, signal.SIGTERM)
+    else:
+        ops.killpg(child.pgid, signal.SIGTERM)
 
 
 def _duration(seconds: float) -> str:
