@@ -22,7 +22,7 @@ LONG_POLES = {
     "test_vllm_e2e.py": "vllm-engines", "test_bench.py": "vllm-engines", "test_proxy_vllm.py": "vllm-engines",
     "test_multinode_vllm.py": "vllm-nodes", "test_prometheus.py": "vllm-nodes",
     "test_fleet_timing.py": "fleet-timing",  # nine minutes of the shipped waits
-    "test_systemd_deb.py": "nspawn",
+    "test_systemd_deb.py": "nspawn", "test_planned_restart_vllm.py": "nspawn",  # one vLLM at a time there too
     "test_fleet.py": "fleet",
 }
 ORDER = list(dict.fromkeys(LONG_POLES.values()))

@@ -248,6 +248,7 @@ serve:
     def reload(self, number: int, in_flight: int = 2) -> Reload:
         """Change the engine's flags and SIGHUP once `in_flight` requests run on the engine; back once the new engine
         is healthy and the proxy's outage is over."""
+        time.sleep(3)  # serving a while: the daemon has read the engine's /metrics (its drain line counts them)
         deadline = time.monotonic() + 120
         while self.engine_running() < in_flight and time.monotonic() < deadline:
             time.sleep(0.05)
