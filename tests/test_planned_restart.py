@@ -6,6 +6,8 @@ replaced; then the daemon, the fake engine (tests/fakechild.py, drain mode) and 
 import http.client
 import json
 import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -35,11 +37,12 @@ def engine_and_proxy(tmp_path):
 
 def test_the_proxy_is_told_before_the_engines_sigterm_and_stops_only_once_the_engine_has(tmp_path):
     both, engine, proxy, ops, clock = engine_and_proxy(tmp_path)
-    assert (proxy.child.pgid, UP_SIGNAL) in ops.signals  # the engine is healthy
-    ops.signals.clear()
+    assert ("process", proxy.child.pid, UP_SIGNAL) in ops.sent  # the engine is healthy
+    ops.sent.clear()
     wait = both.stop(clock.now)
     # the proxy first (it holds new requests), then the engine's SIGTERM; the proxy itself not yet
-    assert ops.signals == [(proxy.child.pgid, STOPPING_SIGNAL), (engine.child.pgid, signal.SIGTERM)]
+    assert [(pid, sig) for _, pid, sig in ops.sent] == [(proxy.child.pid, STOPPING_SIGNAL),
+                                                       (engine.child.pid, signal.SIGTERM)], ops.sent
     assert engine.state == STOPPING and proxy.state == RUNNING and not both.stopped
     # systemd is asked for both waits: the engine's drain, then the proxy's stop after it
     assert wait == engine.spec.timing.stop_timeout_s + proxy.spec.timing.stop_timeout_s
@@ -64,7 +67,7 @@ def test_a_second_stop_does_not_wait_for_the_engine_to_stop_the_proxy(tmp_path):
 def test_a_stop_that_keeps_the_proxy_leaves_it_running_and_the_rest_reads_stopped(tmp_path):
     both, engine, proxy, ops, clock = engine_and_proxy(tmp_path)
     both.stop(clock.now, keep=frozenset({PROXY}))
-    assert (proxy.child.pgid, STOPPING_SIGNAL) in ops.signals
+    assert ("process", proxy.child.pid, STOPPING_SIGNAL) in ops.sent
     ops.groups[engine.child.pgid] = []
     clock.advance(1)
     both.tick(clock.now)
@@ -82,7 +85,36 @@ def test_a_front_not_yet_healthy_is_sent_nothing(tmp_path):
     proxy.start(clock.now)
     both.tick(clock.now)
     both.stop(clock.now)
-    assert proxy.state != RUNNING and not [s for s in ops.signals if s[0] == proxy.phase.child.pgid]
+    assert proxy.state != RUNNING and not [s for s in ops.sent if s[1] == proxy.phase.child.pid]
+
+
+def test_a_front_without_a_handler_is_sent_nothing(tmp_path):
+    """A proxy of an older gpuwarden adopted after an upgrade handles neither word: sent one, it would end."""
+    engine, ops, clock = running_supervisor()
+    cfg = parse_text("serve:\n  model: /m\n  proxy: {enabled: true}\n", str(tmp_path / "g.yaml"))
+    proxy = Program(proxy_spec(cfg, engine.identity), ops=ops, clock=clock)
+    both = Supervisor([engine, proxy])
+    proxy.start(clock.now)
+    ops.deaf.add(proxy.child.pid)
+    both.tick(clock.now)
+    both.stop(clock.now)
+    assert proxy.state == RUNNING and not [s for s in ops.sent if s[1] == proxy.child.pid]
+
+
+def test_the_handlers_of_a_real_process_are_read_from_proc():
+    from gpuwarden.serving.run.processes import ProcessOps
+
+    child = subprocess.Popen([sys.executable, "-c", "import signal, sys, time; signal.signal(signal.SIGUSR2, "
+                              "lambda *a: None); sys.stdout.write('ready\\n'); sys.stdout.flush(); time.sleep(30)"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "ready\n"
+        ops = ProcessOps.__new__(ProcessOps)  # catches() reads /proc only: no subreaper for this test process
+        assert ops.catches(child.pid, signal.SIGUSR2) and not ops.catches(child.pid, signal.SIGUSR1)
+        assert not ops.catches(2**22 + 1, signal.SIGUSR2)  # no such process
+    finally:
+        child.kill()
+        child.wait()
 
 
 # -- the daemon, the fake engine and the real proxy ------------------------------------------------------------

@@ -259,6 +259,8 @@ class FakeOps:
         self.port_is_free = True
         self.squatters, self.escapees = set(), []
         self.signals, self.uids, self.killed = [], {}, []
+        self.sent = []  # every signal, to a group (killpg) or a process (kill), in order
+        self.deaf = set()  # pids with no handler for any signal (catches)
 
     def spawn(self, argv, env, user, on_line):
         if self.spawn_error is not None:
@@ -274,11 +276,16 @@ class FakeOps:
 
     def killpg(self, pgid, sig):
         self.signals.append((pgid, sig))
+        self.sent.append(("group", pgid, sig))
         if sig == signal.SIGKILL:
             self.groups[pgid] = []
 
     def kill(self, pid, sig):
         self.killed.append((pid, sig))
+        self.sent.append(("process", pid, sig))
+
+    def catches(self, pid, sig):
+        return pid not in self.deaf
 
     def group_pids(self, pgid):
         return list(self.groups.get(pgid, []))

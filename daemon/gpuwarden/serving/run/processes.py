@@ -211,6 +211,16 @@ class ProcessOps:
         except OSError:
             return None
 
+    def catches(self, pid: int, sig: int) -> bool:
+        """Whether the process has a handler for sig now (SigCgt in /proc/PID/status): a proxy of an older gpuwarden,
+        adopted after an upgrade, has none for the word it is sent, whose default would end it."""
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                caught = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+        except (OSError, StopIteration, ValueError, IndexError):
+            return False
+        return bool(caught >> (sig - 1) & 1)
+
     def describe(self, pid: int) -> str:
         return ports.describe(pid)
 

@@ -532,9 +532,9 @@ class Supervisor:
         news = UP_SIGNAL if state == RUNNING else STOPPING_SIGNAL if state == STOPPING and \
             self._engine_told == RUNNING else None
         self._engine_told = state
-        for front in self._fronts():
-            if news is not None and front.state == RUNNING:  # its health answered: its handlers are in place
-                front.ops.killpg(front.child.pgid, news)
+        for front in self._fronts():  # only one that handles the word: by default SIGUSR1 and SIGUSR2 end a process
+            if news is not None and front.state == RUNNING and front.ops.catches(front.child.pid, news):
+                front.ops.kill(front.child.pid, news)
 
     def reset(self, now: float) -> None:
         self._each(lambda p: p.reset(now))
