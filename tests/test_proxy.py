@@ -143,14 +143,17 @@ class Process:
                                      env=subprocess_env(), preexec_fn=limit)
         threading.Thread(target=lambda: [self.lines.append(line.rstrip()) for line in self.proc.stdout],
                          daemon=True).start()
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60  # a bound for a hang: at load 14 a start took over 30 s
         while time.monotonic() < deadline:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}{health}", timeout=2):
                     return
             except OSError:
-                assert self.proc.poll() is None, "\n".join(self.lines)
+                if self.proc.poll() is not None:
+                    raise AssertionError("\n".join(self.lines)) from None
                 time.sleep(0.05)
+        self.proc.kill()  # the caller never gets it to stop: not left behind
+        self.proc.wait(10)
         raise AssertionError("not up:\n" + "\n".join(self.lines))
 
     def get_json(self, path):
@@ -160,11 +163,11 @@ class Process:
     def stop(self):
         self.proc.terminate()
         try:
-            code = self.proc.wait(timeout=10)
+            code = self.proc.wait(timeout=30)  # a bound for a hang (a stop takes 2 s at most; longer on a busy box)
         except subprocess.TimeoutExpired:
             self.proc.kill()  # never left behind, even when it did not stop in time
             self.proc.wait(timeout=10)
-            raise AssertionError(f"{self.proc.args[:4]} ignored SIGTERM for 10 s") from None
+            raise AssertionError(f"{self.proc.args[:4]} ignored SIGTERM for 30 s") from None
         assert code == 0 or code < 0, code
 
 
