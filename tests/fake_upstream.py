@@ -5,7 +5,8 @@
 POST any path: the raw body and headers are kept for GET /debug/last. A JSON body with "stream": true gets
 SSE events (a text delta, a tool-call delta, then [DONE]; "chunks": N for N of them) --chunk-delay apart, or with
 "endless": true events
-until the client leaves. POST /fail answers 500 with a JSON error, POST /busy 503 with Retry-After: 7. A request
+until the client leaves. POST /fail answers 500 with a JSON error, POST /busy 503 with Retry-After: 7, POST /drop
+closes the connection unanswered. A request
 with an X-Reply-Hop header gets a reply whose Connection header names a hop-by-hop header of its own (X-Up-Hop).
 GET /v1/models lists one model; GET /metrics has vLLM's prefix-cache counters; GET /debug/open counts streams open
 now. GET /health answers 200, and for the first --unready-s seconds it and every request answer 503, as a vLLM
@@ -51,6 +52,9 @@ def make_app(args) -> web.Application:
                          "headers": [[k, v] for k, v in request.headers.items()]}
         if request.path == "/fail":
             return web.json_response({"error": {"message": "engine is asleep"}}, status=500)
+        if request.path == "/drop":  # the connection closed before any answer, its /health up
+            request.transport.close()
+            return web.Response()
         if request.path == "/busy":  # a 503 of its own, its /health up
             return web.json_response({"error": {"message": "busy"}}, status=503, headers={"Retry-After": "7"})
         try:

@@ -73,6 +73,20 @@ def test_the_users_own_flag_wins_and_a_finding_says_where_it_disagrees():
     assert agreeing.command.argv.count("--shutdown-timeout=60") == 1 and "--shutdown-timeout" not in agreeing.command.argv
 
 
+def test_a_hold_no_longer_than_the_drain_is_a_finding():
+    from gpuwarden.serving.compose.drain import hold_finding
+
+    short = config.parse_text("serve:\n  model: /m\n  drain_s: 120\n  proxy: {enabled: true, hold_s: 90}\n",
+                              name="c.yaml").serve
+    finding = hold_finding(short, 120)
+    assert finding.rule == "hold-within-drain" and "hold_s 90 s is not longer than the engine's drain (120 s)" \
+        in finding.message
+    for text, seconds in (("  proxy: {enabled: true}\n", 60), ("  proxy: {enabled: true, hold_s: 0}\n", 120),
+                          ("  proxy: {enabled: false, hold_s: 30}\n", 120), ("  proxy: {enabled: true}\n", 0)):
+        serve = config.parse_text("serve:\n  model: /m\n" + text, name="c.yaml").serve
+        assert hold_finding(serve, seconds) is None, text
+
+
 def test_sglang_drains_by_itself_with_no_flag_and_the_same_bound():
     command = composed(engine="  engine: sglang\n").command
     assert not any("shutdown" in arg or "graceful" in arg for arg in command.argv)

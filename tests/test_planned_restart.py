@@ -43,12 +43,16 @@ def test_the_proxy_is_told_before_the_engines_sigterm_and_stops_only_once_the_en
     # the proxy first (it holds new requests), then the engine's SIGTERM; the proxy itself not yet
     assert [(pid, sig) for _, pid, sig in ops.sent] == [(proxy.child.pid, STOPPING_SIGNAL),
                                                        (engine.child.pid, signal.SIGTERM)], ops.sent
+    both.tick(clock.now)
+    both.tick(clock.now)  # the word once more a tick later (two signals pending at once come in no set order)
+    assert [sig for _, pid, sig in ops.sent if pid == proxy.child.pid] == [STOPPING_SIGNAL] * 2
     assert engine.state == STOPPING and proxy.state == RUNNING and not both.stopped
     # systemd is asked for both waits: the engine's drain, then the proxy's stop after it
     assert wait == engine.spec.timing.stop_timeout_s + proxy.spec.timing.stop_timeout_s
     clock.advance(1)
     both.tick(clock.now)
     assert proxy.state == RUNNING  # the engine still drains: the proxy relays its streams
+    assert [sig for _, pid, sig in ops.sent if pid == proxy.child.pid] == [STOPPING_SIGNAL] * 2
     ops.groups[engine.child.pgid] = []
     clock.advance(1)
     both.tick(clock.now)
@@ -86,6 +90,22 @@ def test_a_front_not_yet_healthy_is_sent_nothing(tmp_path):
     both.tick(clock.now)
     both.stop(clock.now)
     assert proxy.state != RUNNING and not [s for s in ops.sent if s[1] == proxy.phase.child.pid]
+
+
+def test_a_front_that_restarts_while_the_word_stands_is_told_it(tmp_path):
+    both, engine, proxy, ops, clock = engine_and_proxy(tmp_path)
+    ups = [s for s in ops.sent if s[1] == proxy.child.pid]
+    both.tick(clock.now)
+    both.tick(clock.now)
+    assert [sig for _, pid, sig in ops.sent if pid == proxy.child.pid] == [UP_SIGNAL] * 2 and len(ups) == 1
+    first = proxy.child.pid
+    ops.exit[first] = 1  # the proxy dies; its restart comes up while the engine serves
+    ops.groups[first] = []
+    for _ in range(4):
+        clock.advance(2)
+        both.tick(clock.now)
+    assert proxy.state == RUNNING and proxy.child.pid != first
+    assert [sig for _, pid, sig in ops.sent if pid == proxy.child.pid] == [UP_SIGNAL] * 2
 
 
 def test_a_front_without_a_handler_is_sent_nothing(tmp_path):

@@ -44,7 +44,7 @@ class Hold:
         self.down_since: float | None = None  # the outage's start, None while the engine answers
         self.refused = self.gone = 0  # in this outage, for its closing line
         self._watcher: asyncio.Task | None = None
-        self._probe: asyncio.Future | None = None  # answered_503()'s look at /health, shared by every request
+        self._probe: asyncio.Future | None = None  # engine_down()'s look at /health, shared by every request
         self._probed_at = 0.0
         self.planned_since: float | None = None  # the daemon's word that the engine stops (a drain), until it is back
         self._seen_down = False  # since that word, /health was seen down: the next answer is a new engine
@@ -61,7 +61,7 @@ class Hold:
 
     def engine_stopping(self) -> None:
         """The daemon's word (SIGUSR1) that the engine begins a planned stop: hold every new request from now."""
-        if not self.on or self.closing:
+        if not self.on or self.closing or self.planned:  # the daemon says each word twice (serving/run/fronts.py)
             return
         self.planned_since, self._seen_down = self.clock(), False
         log.info("proxy: the engine stops for a planned restart: holding new requests while it drains")
@@ -80,10 +80,11 @@ class Hold:
             if not future.done():
                 future.set_result(CLOSING)
 
-    async def answered_503(self) -> bool:
-        """An engine answered 503: whether it is down (draining, starting; hold the request) rather than saying
-        503 itself with its /health up (pass its answer on). Asked of /health at most once a tick, whatever the
-        crowd: an engine that says 503 while healthy costs no outage, no lines, no loop of retries."""
+    async def engine_down(self) -> bool:
+        """An engine answered 503, or closed the connection before it answered: whether it is down (draining,
+        starting, gone; hold the request) rather than answering so itself with its /health up (pass its answer on,
+        or 502). Asked of /health at most once a tick, whatever the crowd: an engine that says 503, or drops every
+        request, while healthy costs no outage, no lines, no loop of retries."""
         if self.down_since is not None:
             return True
         now = self.clock()
@@ -110,6 +111,9 @@ class Hold:
         try:
             outcome = await asyncio.wait_for(future, since + self.hold_s - now)
         except asyncio.TimeoutError:
+            if self.planned and not self._seen_down:  # the word lapses now: the engine never went down
+                self._lapse()
+                return
             self._refuse("held_too_long", f"the engine did not come back within {self.hold_s:g} s (the proxy's "
                          "hold_s): retry later")
         except asyncio.CancelledError:  # aiohttp 3.8 cancels the handler of a client that left
@@ -145,8 +149,8 @@ class Hold:
             if answers and self.planned and not self._seen_down:
                 if self.clock() - self.planned_since < self.hold_s:
                     continue  # the old engine still drains
-                log.warning("proxy: the engine did not go down within %g s of its planned stop: sending requests to "
-                            "it again", self.hold_s)
+                self._lapse()
+                return
             self._seen_down = self._seen_down or not answers
             if answers:
                 self.planned_since = None
@@ -155,6 +159,14 @@ class Hold:
             if not self.waiting and self.clock() - self.down_since >= max(self.hold_s, QUIET_S):
                 self._end(None)
                 return
+
+    def _lapse(self) -> None:
+        """hold_s since the word, and the engine never seen down: it was not restarted after all. The requests held
+        go to it (one whose own hold_s ends now included, rather than a 503 from an engine that serves)."""
+        log.warning("proxy: the engine did not go down within %g s of its planned stop: sending requests to it "
+                    "again", self.hold_s)
+        self.planned_since = None
+        self._end(UP)
 
     def _drop_gone(self) -> None:
         for future, request in self.waiting.items():

@@ -286,7 +286,7 @@ class Proxy:
                 # vLLM answers a request that reached it after its planned stop began 500 ("cannot schedule new
                 # futures after shutdown"): while the daemon says it drains, any 5xx holds.
                 failed = up.status == 503 or (up.status >= 500 and self.hold.planned)
-                down = failed and self.hold.on and await self.hold.answered_503()
+                down = failed and self.hold.on and await self.hold.engine_down()
                 if not (down and held.reclaim()):
                     held.release()  # from here on, never sent again
                     self.metrics.upstream.labels(label).observe(time.monotonic() - began)
@@ -296,7 +296,10 @@ class Proxy:
                                 f"upstream {self.upstream} sent nothing for {self.read_timeout_s:g} s")
         except aiohttp.ClientConnectionError as exc:
             down = isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError))
-            if not (self.hold.on and held.reclaim()):
+            # Refused: held. Cut before it answered: held only where its /health says it is down (or it drains for
+            # a planned stop); an engine that drops every request while healthy gets 502, not a loop of retries.
+            hold = self.hold.on and (isinstance(exc, aiohttp.ClientConnectorError) or await self.hold.engine_down())
+            if not (hold and held.reclaim()):
                 if down:
                     return self._refuse(request, label, 502, "upstream_down",
                                         f"upstream {self.upstream} unreachable: {exc}")

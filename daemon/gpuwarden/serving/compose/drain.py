@@ -76,3 +76,17 @@ def _own(title: str, flag: str, own: str, wanted: int) -> Drain:
                                                                                f"serve.drain_s {wanted}"))
     return Drain(seconds, note=f"{title} drains for {seconds:g} s ({flag} {own} in its flags, not serve.drain_s)",
                  finding=finding)
+
+
+def hold_finding(serve: ServeConfig, seconds: float) -> LintFinding | None:
+    """The proxy holds new requests while the engine drains and starts again: a hold no longer than the drain
+    refuses them (503) before the new engine can answer. None where the hold outlasts it, or either is off."""
+    hold = serve.proxy.hold_s
+    if not (serve.proxy.enabled and hold and seconds and hold <= seconds):
+        return None
+    return LintFinding(WARNING, "hold-within-drain",
+                       f"serve.proxy.hold_s {hold:g} s is not longer than the engine's drain ({seconds:g} s): a "
+                       "request the proxy holds while the engine restarts gets 503 before the new engine can answer",
+                       "gpuwarden's serve.proxy.hold_s and serve.drain_s",
+                       f"set serve.proxy.hold_s above {seconds:g} s and an engine start (300 s by default), or "
+                       "shorten serve.drain_s", facts=(f"serve.proxy.hold_s {hold:g}", f"drain {seconds:g} s"))

@@ -18,7 +18,7 @@ from .flagcheck import FlagCheck, check_flags
 from .homes import HomeError, child_home
 from .identity import Identity, IdentityError, popen, resolve
 from ...base.statedir import state_dir
-from .drain import plan_drain
+from .drain import hold_finding, plan_drain
 from .engines import evaluate_lint, rules_for
 from .flagcheck import engine_python
 from .installed import Installed, installed
@@ -142,7 +142,8 @@ def compose(config: Config, gpus: Sequence[GpuSample], profile_name: str | None 
     model = model_facts(config.serve.model, read=ask)
     outcomes = tuple(evaluate_lint(LintContext.of(command, config.serve.model, found, model), rules))
     findings = tuple(o.finding for o in outcomes if o.finding is not None)
-    return Composed(command, findings + ((drain.finding,) if drain.finding else ()), outcomes, found, rules)
+    own = tuple(f for f in (drain.finding, hold_finding(config.serve, drain.seconds)) if f is not None)
+    return Composed(command, findings + own, outcomes, found, rules)
 
 
 def installed_for(config: Config, command: ServeCommand, ask: bool = True,

@@ -39,7 +39,8 @@ from .output import ChildOutput
 from .policy import PREFLIGHT_RETRY_S, Policy
 from .preflight import Remains, preflight
 from .processes import KILL_WAIT_S, UNSEEN_EXIT, Child, ProcessOps
-from .spec import STOPPING_SIGNAL, UP_SIGNAL, ChildSpec
+from .fronts import FrontWord
+from .spec import ChildSpec
 
 log = logging.getLogger("gpuwarden")
 
@@ -446,7 +447,7 @@ class Supervisor:
         self._incoming: dict[str, Program | None] = {}  # a side program's replacement, once the old one stopped
         self.kept: frozenset[str] = frozenset()  # programs a stop left running, for the next supervisor (a reload)
         self._fronts_stop = False  # a whole stop: the fronts stop once the engine has stopped
-        self._engine_told: str | None = None  # the engine's state the fronts were last told of
+        self.word = FrontWord()  # to the fronts of the engine (the proxy): its planned stop, its health
 
     def replace(self, name: str, program: Program | None, now: float) -> None:
         """Swap one side program (the proxy) and leave the others running: the old one is stopped, and the new
@@ -506,9 +507,8 @@ class Supervisor:
         fronts = [p for p in self._fronts() if p.name not in keep]
         self._fronts_stop = bool(fronts) and not self.main.stopped
         if self.main.state == RUNNING:  # the fronts first: they hold new requests before the engine refuses them
-            self._tell_fronts(STOPPING)
+            self.word.stopping(self._fronts())
         self._each(lambda p: None if p.name in keep or (self._fronts_stop and p in fronts) else p.stop(now))
-        self._tell_fronts()
         waits = [p.spec.timing.stop_timeout_s for p in self.programs.values()
                  if not p.stopped and p.name not in keep and p not in fronts]
         after = max((p.spec.timing.stop_timeout_s for p in fronts if not p.stopped), default=0.0)
@@ -523,18 +523,8 @@ class Supervisor:
     def _fronts(self) -> list[Program]:
         return [p for p in self.programs.values() if p.spec.fronts_engine and p is not self.main]
 
-    def _tell_fronts(self, state: str | None = None) -> None:
-        """Tell the running fronts when the engine begins a planned stop from RUNNING (state: about to), and when
-        an engine is healthy (also the first, and one a reload started: a front kept from the last supervisor)."""
-        state = state or self.main.state
-        if state == self._engine_told:
-            return
-        news = UP_SIGNAL if state == RUNNING else STOPPING_SIGNAL if state == STOPPING and \
-            self._engine_told == RUNNING else None
-        self._engine_told = state
-        for front in self._fronts():  # only one that handles the word: by default SIGUSR1 and SIGUSR2 end a process
-            if news is not None and front.state == RUNNING and front.ops.catches(front.child.pid, news):
-                front.ops.kill(front.child.pid, news)
+    def _tell_fronts(self) -> None:
+        self.word.update(self.main.state == RUNNING, self.main.state == STOPPING, self._fronts())
 
     def reset(self, now: float) -> None:
         self._each(lambda p: p.reset(now))
