@@ -2,6 +2,11 @@
 
 Errors are injected per call name (and optionally per device) with NVML's own
 return codes, so the tests exercise the backend's real error handling.
+
+By default it is a driver and an nvidia-ml-py that have both each deprecated call and its successor
+(gpuwarden.gpu.nvml_successors.DEPRECATED). driver_lacks names calls that answer FUNCTION_NOT_FOUND, as pynvml
+does against an older libnvidia-ml (or, with the old names, a CUDA 14 driver that removed them); pynvml_lacks
+names calls the module itself does not have, as an older nvidia-ml-py.
 """
 
 import ctypes
@@ -60,17 +65,26 @@ class FakeNvml:
     nvmlMemory_v2 = 0x02000028  # pynvml's version word for nvmlDeviceGetMemoryInfo_v2
     c_nvmlGpuFabricInfoV_t = FabricInfo
 
-    def __init__(self, devices, ancestors=None):
+    def __init__(self, devices, ancestors=None, driver_lacks=(), pynvml_lacks=()):
         self.devices = devices
+        self.driver_lacks = set(driver_lacks)
+        self.pynvml_lacks = set(pynvml_lacks)
         self.ancestors = ancestors or {}  # frozenset of two NVML indices -> topology level (default host bridge)
         self.fail = {}  # (call name, device index or None) -> NVML return code
         self.calls = Counter()
         self.inits = 0
         self.events = []  # (device index, NVML event type, event data), handed out by nvmlEventSetWait_v2
 
+    def __getattribute__(self, name):
+        if name.startswith("nvml") and name in object.__getattribute__(self, "pynvml_lacks"):
+            raise AttributeError(name)  # an nvidia-ml-py from before the call
+        return object.__getattribute__(self, name)
+
     # -- helpers ----------------------------------------------------------------
     def _check(self, name, index=None):
         self.calls[name] += 1
+        if name in self.driver_lacks:
+            raise NVMLError(FUNCTION_NOT_FOUND)
         for key in ((name, index), (name, None)):
             if key in self.fail:
                 raise NVMLError(self.fail[key])
@@ -120,6 +134,9 @@ class FakeNvml:
     def nvmlDeviceGetPowerManagementLimitConstraints(self, h):
         return list(self._dev("nvmlDeviceGetPowerManagementLimitConstraints", h)["constraints"])
     def nvmlDeviceGetTemperature(self, h, sensor): return self._dev("nvmlDeviceGetTemperature", h)["temp"]
+    def nvmlDeviceGetTemperatureV(self, h, sensor, version=0x100000C):  # nvmlTemperature_v1, as pynvml 12.570+
+        assert sensor == 0, "NVML_TEMPERATURE_GPU"
+        return self._dev("nvmlDeviceGetTemperatureV", h)["temp"]
     def nvmlDeviceGetUtilizationRates(self, h):
         gpu, memory = self._dev("nvmlDeviceGetUtilizationRates", h)["util"]
         return SimpleNamespace(gpu=gpu, memory=memory)
@@ -193,6 +210,11 @@ class FakeNvml:
     def nvmlDeviceGetModuleId(self, h): return self._dev("nvmlDeviceGetModuleId", h)["module_id"]
     def nvmlDeviceGetDefaultApplicationsClock(self, h, clock):
         return self._opt("nvmlDeviceGetDefaultApplicationsClock", h, "default_app_clock")
+    def nvmlDeviceGetClock(self, h, clock, clock_id):
+        """NVML_CLOCK_ID_CURRENT (0), or the applications clock's target (1) and default (2): one value here."""
+        if clock_id == 0:
+            return self._dev("nvmlDeviceGetClock", h)["clocks"][clock]
+        return self._opt("nvmlDeviceGetClock", h, "default_app_clock")
     def nvmlDeviceGetC2cModeInfoV(self, h):
         return SimpleNamespace(isC2cEnabled=self._opt("nvmlDeviceGetC2cModeInfoV", h, "c2c"))
     def nvmlDeviceGetTopologyCommonAncestor(self, h1, h2):

@@ -84,9 +84,9 @@ def test_a_gpu_without_memory_of_its_own_reports_the_systems(monkeypatch, tmp_pa
 def test_transient_error_is_none_this_time_and_retried():
     backend, fake, _ = backend_with(device("GPU-aaa", "00000000:18:00.0"))
     gpu = backend.gpus()[0]
-    fake.fail[("nvmlDeviceGetTemperature", None)] = UNKNOWN
+    fake.fail[("nvmlDeviceGetTemperatureV", None)] = UNKNOWN
     assert gpu.sample().temperature_c is None
-    del fake.fail[("nvmlDeviceGetTemperature", None)]
+    del fake.fail[("nvmlDeviceGetTemperatureV", None)]
     assert gpu.sample().temperature_c == 41
 
 

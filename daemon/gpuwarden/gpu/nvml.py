@@ -24,6 +24,7 @@ from .events import NvmlEvents
 from .iommu import iommu_state
 from .nvml_counters import NVLINK_SWITCH, NvmlCounters
 from .nvml_settings import NvmlSettings
+from .nvml_successors import DEPRECATED
 from .nvml_values import pci_bus, scaled, text
 from .sysmem import system_memory
 
@@ -35,6 +36,7 @@ P2P_NVLINK, P2P_OK = 2, 0  # NVML_P2P_CAPS_INDEX_NVLINK, NVML_P2P_STATUS_OK
 BRANDS = {1: "Quadro", 2: "Tesla", 3: "NVS", 5: "GeForce", 6: "Titan", 12: "Quadro RTX", 13: "NVIDIA RTX",
           14: "NVIDIA", 15: "GeForce RTX", 16: "Titan RTX"}  # nvmlBrandType_t (NVML_BRAND_*)
 TEMPERATURE_GPU = 0
+CLOCK_ID_APP_DEFAULT = 2  # NVML_CLOCK_ID_APP_CLOCK_DEFAULT (nvmlClockId_t)
 FUNCTION_NOT_FOUND = 13
 REINIT_INTERVAL_S = 5.0  # how often to retry NVML while a GPU is lost
 
@@ -199,6 +201,7 @@ class NvmlGpu(NvmlSettings, Gpu):
         self.up = True
         self.down_reason: str | None = None
         self._unsupported: set[tuple] = set()  # (call, args) that said NOT_SUPPORTED: not asked again
+        self._missing: set[str] = set()  # calls this nvidia-ml-py or driver lacks: their older name is asked
         self._counters_at = float("-inf")
         self.uuid, self.name, self.pci_bus_id = f"GPU-unknown-{index}", "unknown", "unknown"
         self.compute_capability = None
@@ -234,7 +237,8 @@ class NvmlGpu(NvmlSettings, Gpu):
         self.board = GpuBoard(BRANDS.get(brand, f"brand {brand}") if brand is not None else None,
                               # a module on a baseboard (SXM) has an id; a PCIe card answers 0
                               None if module is None else "sxm" if module > 0 else "pcie",
-                              self._read("nvmlDeviceGetDefaultApplicationsClock", CLOCK_GRAPHICS))
+                              self._read_successor(("nvmlDeviceGetClock", CLOCK_GRAPHICS, CLOCK_ID_APP_DEFAULT),
+                                                   ("nvmlDeviceGetDefaultApplicationsClock", CLOCK_GRAPHICS)))
         c2c = self._read("nvmlDeviceGetC2cModeInfoV")
         self.c2c = bool(getattr(c2c, "isC2cEnabled", 0))
         # A GPU without NVLink answers NOT_SUPPORTED for every link; one with it answers a state for each of
@@ -276,6 +280,7 @@ class NvmlGpu(NvmlSettings, Gpu):
         fn = getattr(self.nvml, fn_name, None)
         if fn is None:  # an old nvidia-ml-py without this call
             self._unsupported.add(key)
+            self._missing.add(fn_name)
             return None
         try:
             return fn(self.handle, *args)
@@ -285,7 +290,20 @@ class NvmlGpu(NvmlSettings, Gpu):
                 raise errors.GpuLost(f"GPU {self.index} ({getattr(self, 'uuid', '?')}) is lost") from None
             if code in (errors.NotSupported.nvml_code, FUNCTION_NOT_FOUND):
                 self._unsupported.add(key)  # it will not start working: stop asking
+            if code == FUNCTION_NOT_FOUND:  # pynvml's answer where this driver's libnvidia-ml lacks the symbol
+                self._missing.add(fn_name)
             return None
+
+    def lacks(self, fn_name: str) -> bool:
+        """Whether the installed nvidia-ml-py or the driver has no fn_name (asked at least once)."""
+        return fn_name in self._missing
+
+    def _read_successor(self, new: tuple, old: tuple) -> Any:
+        """new's read, (name, *args); old's only where this nvidia-ml-py or driver lacks new's call: CUDA 14
+        removes old (gpu/nvml_successors.py). Any other failure of new is None, as any read's."""
+        assert DEPRECATED[old[0]] == new[0], f"{old[0]} is not replaced by {new[0]}"
+        value = self._read(*new)
+        return self._read(*old) if value is None and self.lacks(new[0]) else value
 
     # -- reading ----------------------------------------------------------------
     def sample(self, counters: bool | None = None) -> GpuSample:
@@ -339,7 +357,8 @@ class NvmlGpu(NvmlSettings, Gpu):
             power_limit_min_w=scaled(constraints[0], 1e-3) if constraints else None,
             power_limit_max_w=scaled(constraints[1], 1e-3) if constraints else None,
             power_limit_default_w=scaled(default_mw, 1e-3),
-            temperature_c=r("nvmlDeviceGetTemperature", TEMPERATURE_GPU),
+            temperature_c=self._read_successor(("nvmlDeviceGetTemperatureV", TEMPERATURE_GPU),
+                                               ("nvmlDeviceGetTemperature", TEMPERATURE_GPU)),
             memory_temperature_c=self.counters.memory_temperature,
             utilization_pct=util.gpu if util is not None else None,
             memory_utilization_pct=util.memory if util is not None else None,
@@ -379,10 +398,9 @@ class NvmlGpu(NvmlSettings, Gpu):
         return None, None, None
 
     def _reasons(self) -> ClockEventReason | None:
-        # Drivers before 535 only have the older "throttle reasons" name for this call.
-        value = self._read("nvmlDeviceGetCurrentClocksEventReasons")
-        if value is None and ("nvmlDeviceGetCurrentClocksEventReasons", ()) in self._unsupported:
-            value = self._read("nvmlDeviceGetCurrentClocksThrottleReasons")
+        # Drivers before 535 (and nvidia-ml-py before 12.535) only have the older "throttle reasons" name.
+        value = self._read_successor(("nvmlDeviceGetCurrentClocksEventReasons",),
+                                     ("nvmlDeviceGetCurrentClocksThrottleReasons",))
         return ClockEventReason(value) if value is not None else None
 
     def compute_processes(self) -> list[tuple[int, int | None]]:

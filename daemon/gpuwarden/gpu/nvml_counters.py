@@ -67,7 +67,9 @@ class NvmlCounters:
         self.energy = scaled(self._field_or_read(fields, "energy_mj", "nvmlDeviceGetTotalEnergyConsumption"), 1e-3)
         for name, policy in VIOLATION_POLICIES.items():
             ns = fields.get(f"violation_ns:{name}")
-            if ns is None:
+            # nvmlDeviceGetViolationStatus is gone in CUDA 14 (gpu/nvml_successors.py): asked only where the
+            # field values call or this field is missing, never for a batch that failed this once.
+            if ns is None and not self._has_field(COUNTER_FIELDS[f"violation_ns:{name}"]):
                 status = self._read("nvmlDeviceGetViolationStatus", policy)
                 ns = status.violationTime if status is not None else None
             self.violations[name] = ns * 1e-9 if ns is not None else None
@@ -97,6 +99,12 @@ class NvmlCounters:
             elif value.nvmlReturn == errors.NotSupported.nvml_code:
                 self._dead_fields.add(field)
         return out
+
+    def _has_field(self, field: int) -> bool:
+        """Whether this driver answers field through nvmlDeviceGetFieldValues (as far as we know yet);
+        batching off reads as a driver without the call."""
+        return self.gpu.backend.batched and not self.gpu.lacks("nvmlDeviceGetFieldValues") and \
+            field not in self._dead_fields
 
     def _field_or_read(self, fields: dict[str, float], name: str, fn_name: str, *args: Any) -> Any:
         """The batched value when the batch had it, else the single NVML call."""
