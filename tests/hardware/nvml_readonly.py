@@ -23,7 +23,8 @@ from gpuwarden.base.systemd import setup_logging
 from gpuwarden.tune.tuning import make_plan
 
 READ_PREFIXES = ("nvmlDeviceGet", "nvmlSystemGet", "nvmlErrorString", "c_nvml",  # reads, and the structs they fill
-                 "nvmlEventSet", "nvmlDeviceRegisterEvents")  # waiting for events changes nothing on the card
+                 "nvmlEventSet", "nvmlDeviceRegisterEvents",  # waiting for events changes nothing on the card
+                 "nvmlGpmQueryDeviceSupport", "nvmlGpmSample", "nvmlGpmMetricsGet")  # GPM's reads (gpu/nvml_gpm.py)
 
 
 class ReadOnlyNvml:

@@ -46,6 +46,11 @@ PEER_PATHS = {"nvlink": "NVLink", "nvswitch": "NVLink through NVSwitch", "c2c": 
               "cpu": "PCIe through the CPU", "cpu_interconnect": "PCIe across CPU sockets"}
 OFF_PCIE = ("nvlink", "nvswitch", "c2c")  # peer paths that never cross PCIe, nor an IOMMU on it
 NVLINK_ERRORS = ("replay", "recovery", "crc")  # the data-link-layer counters `nvidia-smi nvlink -e` shows
+# The GpuSample fields GPM gives (the ratios first, then bytes per second); gpu/nvml_gpm.py has NVML's id of each.
+GPM_RATIOS = ("graphics_engine_active_ratio", "sm_active_ratio", "sm_occupancy_ratio", "tensor_active_ratio",
+              "tensor_hmma_active_ratio", "dram_bandwidth_ratio", "fp32_active_ratio", "fp16_active_ratio")
+GPM_RATES = ("pcie_tx_bytes_per_s", "pcie_rx_bytes_per_s", "nvlink_tx_bytes_per_s", "nvlink_rx_bytes_per_s")
+GPM_FIELDS = GPM_RATIOS + GPM_RATES
 
 
 @dataclass(frozen=True)
@@ -175,6 +180,22 @@ class GpuSample:
     energy_joules: float | None = None
     memory_temperature_c: float | None = None  # the memory's own sensor (HBM), read with the counters
     memory_bus_width_bits: int | None = None
+    # GPM, NVML's GPU Performance Monitoring (Hopper and newer; gpu/nvml_gpm.py), read with the counters: each
+    # reading pairs the GPU's performance counters with the last reading's, so each is the mean over the time
+    # between them (counters_interval_s). None: GPM unsupported on this GPU, or before the second reading (the
+    # first only primes). The ratios are shares of that time, 0..1 (GPM_FIELDS).
+    graphics_engine_active_ratio: float | None = None  # some kernel ran: what "utilization" means, as GPM sees it
+    sm_active_ratio: float | None = None  # the SMs' busy share: a sleep kernel is 1.0 above and ~0.01 here
+    sm_occupancy_ratio: float | None = None  # resident warps against the SMs' maximum
+    tensor_active_ratio: float | None = None  # the tensor cores, any precision
+    tensor_hmma_active_ratio: float | None = None  # the tensor cores on HMMA (FP16/BF16) work
+    dram_bandwidth_ratio: float | None = None  # the memory's bandwidth in use against its peak
+    fp32_active_ratio: float | None = None  # non-tensor FP32 math
+    fp16_active_ratio: float | None = None  # non-tensor FP16 math
+    pcie_tx_bytes_per_s: float | None = None  # PCIe from this GPU
+    pcie_rx_bytes_per_s: float | None = None  # PCIe to this GPU
+    nvlink_tx_bytes_per_s: float | None = None  # all NVLink links together; None on a GPU without NVLink
+    nvlink_rx_bytes_per_s: float | None = None
     # The host's driver and the newest CUDA it runs ("13.0"), read once per backend: the serving lint compares
     # them with the CUDA the engine was built for. None: not known (the simulator gives the driver only).
     driver_version: str | None = None

@@ -372,6 +372,7 @@ class NvmlGpu(NvmlSettings, Gpu):
             violation_seconds=dict(self.counters.violations),
             energy_joules=self.counters.energy,
             memory_bus_width_bits=self.memory_bus_width_bits,
+            **self.counters.gpm.values,  # GPM's figures (gpu/nvml_gpm.py), none where unsupported or priming
             driver_version=self.backend.driver[0],
             cuda_driver_version=self.backend.driver[1],
             health=self.counters.health,

@@ -12,6 +12,7 @@ from typing import Any
 
 from . import errors
 from .base import NVLINK_ERRORS, VIOLATION_POLICIES, GpuHealth, NvLink
+from .nvml_gpm import NvmlGpm
 from .nvml_values import error_name, scaled
 
 ECC_UNCORRECTED, ECC_VOLATILE = 1, 0  # NVML_MEMORY_ERROR_TYPE_UNCORRECTED, NVML_VOLATILE_ECC
@@ -56,6 +57,7 @@ class NvmlCounters:
         self.health = GpuHealth()
         self.memory_temperature: float | None = None
         self._dead_fields: set = set()  # batched fields that answered NOT_SUPPORTED: not asked for again
+        self.gpm = NvmlGpm(gpu)  # GPM's SM, tensor and DRAM activity (Hopper on): read here, with the counters
 
     def read(self) -> None:
         """The slow cumulative counters (energy ~4 ms, violations ~0.8 ms each as single calls), the power
@@ -80,6 +82,7 @@ class NvmlCounters:
                                                         "nvmlDeviceGetPowerManagementDefaultLimit"))
         self.health = self._read_health(fields)
         self.memory_temperature = fields.get("memory_temp_c")
+        self.gpm.read()  # paired with the last read: each figure is the mean over the interval between them
 
     def _fields(self, wanted: dict[str, int | tuple[int, int]]) -> dict[str, float]:
         """wanted's fields (an id, or (id, scope) for a per-link one) in one nvmlDeviceGetFieldValues call, by

@@ -16,6 +16,7 @@ from .. import errors
 from ..base import ClockEventReason as R
 from ..base import (NVLINK_ERRORS, VIOLATION_POLICIES, Gpu, GpuBackend, GpuBoard, GpuCapabilities, GpuHealth, GpuSample, NvLink)
 from ..events import GpuEvent
+from . import gpm
 from . import power as channel_io
 from .scenario import PCIE_MAX, Event, GpuModel, Scenario
 
@@ -325,6 +326,7 @@ class SimGpu(Gpu):
             else dict.fromkeys(self.violations),
             energy_joules=self.energy_j if "energy" not in ns else None,
             memory_bus_width_bits=m.memory_bus_width_bits,
+            **gpm.figures(m, self.utilization, len(self.backend.scenario.gpus) - 1, self.conditions.get("gpm")),
             board=GpuBoard(m.brand, m.form_factor),
             peer_paths={i: self.backend.scenario.topology for i in range(len(self.backend.scenario.gpus))
                         if i != self.index},

@@ -13,16 +13,22 @@ from collections.abc import Mapping
 
 from ...base import yamlfile
 from ...base.schema import MISSING, Reader, type_name
-from ..base import PEER_PATHS
+from ..base import GPM_RATIOS, GPM_RATES, PEER_PATHS
 
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "scenarios"
 
 NOT_SUPPORTED_CHOICES = ("memory_info", "power_limit", "memory_locked_clocks", "persistence_mode",
-                         "energy", "violation_counters", "clock_event_reasons", "pcie", "memory_errors")
+                         "energy", "violation_counters", "clock_event_reasons", "pcie", "memory_errors", "gpm")
 BRAND_CHOICES = ("NVIDIA RTX", "Quadro RTX", "Quadro", "GeForce", "GeForce RTX", "Titan", "Tesla", "NVIDIA")
 TOPOLOGY_CHOICES = tuple(PEER_PATHS)
 PERSISTENCED_CHOICES = ("running", "stopped", "absent")  # true and false mean running and absent
 IOMMU_CHOICES = ("off", "passthrough", "translating")
+
+
+def gpm_param(field: str) -> str:
+    """The `gpm` event's parameter for a GpuSample GPM field: a ratio in percent, a rate in MiB/s (as NVML)."""
+    return field.replace("_ratio", "_pct").replace("_bytes_per_s", "_mib_per_s")
+
 
 # Event kind -> {parameter: (required, low, high)}; numbers only, except `hardware`.
 EVENT_PARAMS: dict[str, dict[str, tuple[bool, float, float]]] = {
@@ -46,11 +52,14 @@ EVENT_PARAMS: dict[str, dict[str, tuple[bool, float, float]]] = {
     "nvlink_errors": {"link": (True, 0, 35), "replay_per_s": (False, 0, 1e6), "recovery_per_s": (False, 0, 1e6),
                       "crc_per_s": (False, 0, 1e6)},
     "fabric_not_ready": {},  # the NVSwitch fabric's registration is in progress (the fabric manager is down)
+    # GPM's figures, scripted: each one named replaces the one derived from the load (sim/backend.py)
+    "gpm": {**{gpm_param(f): (False, 0, 100) for f in GPM_RATIOS},
+            **{gpm_param(f): (False, 0, 10_000_000) for f in GPM_RATES}},
 }
 # Events that describe a condition with a start and (optionally) an end.
 CONDITIONS = ("clock_collapse", "power_cap", "thermal_slowdown", "hw_thermal_slowdown",
               "hw_slowdown", "power_brake", "gpu_lost", "pcie_link", "row_remap_pending", "nvlink_fault",
-              "nvlink_errors", "fabric_not_ready")
+              "nvlink_errors", "fabric_not_ready", "gpm")
 PCIE_MAX = (5, 16)  # every simulated card sits in a Gen5 x16 slot
 HBM_STACK_BITS = 1024  # an HBM stack's interface: an HBM card's memory bus is a multiple of it
 

@@ -13,9 +13,9 @@ from types import ModuleType
 
 from ..alerts import Rule, Window
 from ..rows import Row
-from . import clocks, device, fabric, memory, nvlink, pcie, power, serving, slowdown, thermal, xid
+from . import activity, clocks, device, fabric, memory, nvlink, pcie, power, serving, slowdown, thermal, xid
 
-SIGNALS = (clocks, power, slowdown, thermal, device, xid, pcie, nvlink, fabric, memory)
+SIGNALS = (clocks, power, slowdown, thermal, device, activity, xid, pcie, nvlink, fabric, memory)
 
 
 def rules_of(signals: Iterable[ModuleType]) -> tuple[Rule, ...]:
