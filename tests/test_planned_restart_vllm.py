@@ -12,6 +12,9 @@ sys.path.insert(0, str(Path(__file__).parent / "vllm"))
 from restart_rig import Rig, table  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+# Lighter than the benchmark's flat-out clients: CI runs other engines beside this one on two cores (a flat-out mix
+# took a core and a half for eight minutes and slowed every test beside it).
+LIGHT = {"long_tokens": 400, "pause_s": 0.3}
 
 
 def run(rig: Rig, reloads: int) -> list:
@@ -31,10 +34,11 @@ def run(rig: Rig, reloads: int) -> list:
 def test_five_reloads_fail_no_request_through_the_proxy_and_drain_what_runs_on_the_engine(vllm_python,
                                                                                        long_tiny_model, tmp_path):
     tmp_path.chmod(0o755)
-    rig = Rig(vllm_python, long_tiny_model, tmp_path)
+    rig = Rig(vllm_python, long_tiny_model, tmp_path, **LIGHT)
     reloads = run(rig, 5)
     proxied = [o for o in rig.outcomes if o.client.startswith("proxy")]
-    assert len(proxied) >= 50 and not [o for o in proxied if not o.ok], [o for o in proxied if not o.ok][:5]
+    failed = [o for o in proxied if not o.ok]
+    assert len(proxied) >= 30 and not failed, (failed[:5], [line for line in rig.lines if "proxy" in line][-30:])
     restart = max(r.healthy - r.began for r in reloads)
     assert all(r.drain_outcome == "drained" for r in reloads), table(reloads)
     # The daemon's count is its last /metrics read before the stop, which a reload's own checks may precede by
@@ -54,7 +58,7 @@ def test_five_reloads_fail_no_request_through_the_proxy_and_drain_what_runs_on_t
 
 def test_without_the_drain_and_the_hold_a_reload_fails_requests(vllm_python, long_tiny_model, tmp_path):
     tmp_path.chmod(0o755)
-    rig = Rig(vllm_python, long_tiny_model, tmp_path, drain_s=0, hold_s=0)
+    rig = Rig(vllm_python, long_tiny_model, tmp_path, drain_s=0, hold_s=0, **LIGHT)
     reloads = run(rig, 1)
     failed = reloads[0].failed("proxy")
     assert failed and reloads[0].drain_outcome == "aborted (no drain)", table(reloads)

@@ -77,18 +77,18 @@ class Client(threading.Thread):
     """One client: requests one after another until stopped, each judged whole."""
 
     def __init__(self, name: str, port: int, stream: bool, max_tokens: int, outcomes: list, stop: threading.Event,
-                 model: str = "tiny"):
+                 model: str = "tiny", pause_s: float = 0.0):
         super().__init__(daemon=True)
         self.name_, self.port, self.stream, self.max_tokens, self.model = name, port, stream, max_tokens, model
-        self.outcomes, self.stop_event = outcomes, stop
+        self.outcomes, self.stop_event, self.pause_s = outcomes, stop, pause_s
 
     def run(self):
         while not self.stop_event.is_set():
             began = time.monotonic()
             ok, what = self.once()
             self.outcomes.append(Outcome(self.name_, began, time.monotonic() - began, ok, what))
-            if not ok:
-                time.sleep(0.2)  # a client that failed tries again, as a real one would, but not in a tight loop
+            # a client that failed tries again, as a real one would, but not in a tight loop
+            self.stop_event.wait(self.pause_s if ok else max(self.pause_s, 0.2))
 
     def once(self) -> tuple[bool, str]:
         body = {"model": self.model, "messages": [{"role": "user", "content": "the gpu runs"}], "max_tokens":
@@ -141,8 +141,11 @@ class Reload:
 
 class Rig:
     def __init__(self, vllm_python: Path, model: Path, workdir: Path, drain_s: float = 60, hold_s: float = 300,
-                 user: str = CHILD_USER):
+                 user: str = CHILD_USER, long_tokens: int = LONG, pause_s: float = 0.0):
+        """long_tokens, pause_s: the long requests' length and each client's pause between requests (the benchmark
+        runs flat out; the CI test lighter, beside the other tests' engines on two cores)."""
         self.workdir, self.drain_s, self.hold_s = workdir, drain_s, hold_s
+        self.long_tokens, self.pause_s = long_tokens, pause_s
         self.port, self.proxy_port, self.metrics_port = free_port(), free_port(), free_port()
         self.user = user if os.geteuid() == 0 else pwd.getpwuid(os.geteuid()).pw_name
         (workdir / "profiles.d").mkdir(parents=True, exist_ok=True)
@@ -221,11 +224,12 @@ serve:
 
     # -- the clients -------------------------------------------------------------------------------------------------
     def start_clients(self) -> None:
+        long = self.long_tokens
         mix = [("proxy stream", self.proxy_port, True, SHORT), ("proxy plain", self.proxy_port, False, SHORT),
-               ("proxy stream long", self.proxy_port, True, LONG), ("direct plain long", self.port, False, LONG),
+               ("proxy stream long", self.proxy_port, True, long), ("direct plain long", self.port, False, long),
                ("direct plain", self.port, False, SHORT)]
-        self.clients = [Client(name, port, stream, tokens, self.outcomes, self._stop_clients, str(self.model))
-                        for name, port, stream, tokens in mix]
+        self.clients = [Client(name, port, stream, tokens, self.outcomes, self._stop_clients, str(self.model),
+                               self.pause_s) for name, port, stream, tokens in mix]
         for client in self.clients:
             client.start()
 

@@ -113,6 +113,9 @@ async def _sent(held: Held, lend: bool):
         held.release()
 
 
+RESEND = object()  # _send_once: send the request once more, at once
+
+
 def forwarded(headers) -> CIMultiDict:
     """The end-to-end headers: without the hop-by-hop ones, nor those the Connection header names as such."""
     named = {token.strip().lower() for value in headers.getall("Connection", ()) for token in value.split(",")}
@@ -258,10 +261,13 @@ class Proxy:
         answered, or answering 503; any 5xx while it drains for a planned stop) and no byte of the answer has
         reached the client, hold it (hold.py) and send it again once the engine is back, while its body is still
         here (body.py may have given it up). While the engine drains for a planned stop, a request is held unsent."""
-        first_held = None
+        first_held, resent = None, False
         while True:
             if not self.hold.planned:
-                response = await self._send_once(request, headers, held, label, began)
+                response = await self._send_once(request, headers, held, label, began, resend=not resent)
+                if response is RESEND:
+                    resent = True
+                    continue
                 if response is not None:
                     return response
             first_held = time.monotonic() if first_held is None else first_held
@@ -277,8 +283,9 @@ class Proxy:
                 return web.Response(status=400)  # nobody reads it: the connection is closed
 
     async def _send_once(self, request: web.Request, headers: CIMultiDict, held: Held, label: str,
-                         began: float) -> web.StreamResponse | None:
-        """One try: the answer relayed, or a refusal; None: the engine is down and the request is to be held."""
+                         began: float, resend: bool) -> web.StreamResponse | object | None:
+        """One try: the answer relayed, or a refusal; None: the engine is down and the request is to be held;
+        RESEND: the engine closed the connection unanswered while healthy, to be sent once more at once."""
         try:
             data = _sent(held, self.hold.on) if held.body is not None else None
             async with self.session.request(request.method, self.upstream + request.path_qs, data=data,
@@ -299,6 +306,10 @@ class Proxy:
             # Refused: held. Cut before it answered: held only where its /health says it is down (or it drains for
             # a planned stop); an engine that drops every request while healthy gets 502, not a loop of retries.
             hold = self.hold.on and (isinstance(exc, aiohttp.ClientConnectorError) or await self.hold.engine_down())
+            # A pooled connection the engine closed as it was reused (its keep-alive timer, on a loaded box: one
+            # stream in CI's 5-reload run) says nothing of the engine: once more at once, never again after that.
+            if not hold and resend and isinstance(exc, aiohttp.ServerDisconnectedError) and held.reclaim():
+                return RESEND
             if not (hold and held.reclaim()):
                 if down:
                     return self._refuse(request, label, 502, "upstream_down",
