@@ -116,6 +116,15 @@ async def _sent(held: Held, lend: bool):
 RESEND = object()  # _send_once: send the request once more, at once
 
 
+async def answers(session: aiohttp.ClientSession, url: str) -> bool:
+    """Whether the engine's /health answers 200 now (hold.py's one watcher asks, every half second)."""
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=2.0)) as reply:
+            return reply.status == 200
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        return False
+
+
 def forwarded(headers) -> CIMultiDict:
     """The end-to-end headers: without the hop-by-hop ones, nor those the Connection header names as such."""
     named = {token.strip().lower() for value in headers.getall("Connection", ()) for token in value.split(",")}
@@ -136,7 +145,8 @@ class Proxy:
         # Held requests keep their client connections: at most half the cap, so that /health, /metrics and new
         # requests still get in (and are answered 503 at once past hold_max).
         hold_max = min(hold_max, max(1, conns.cap // 2)) if conns is not None else hold_max
-        self.hold = Hold(hold_s, hold_max, self._engine_answers, metrics.held)
+        self.hold = Hold(hold_s, hold_max, lambda: answers(self.session, self.upstream + self.health_path),
+                         metrics.held)
         metrics.now["gpuwarden_proxy_held_requests"] = ("Requests waiting now for the engine to come back",
                                                         lambda: len(self.hold.waiting))
         metrics.now["gpuwarden_proxy_body_bytes"] = ("Bytes of request bodies and their parses held now, of "
@@ -318,15 +328,6 @@ class Proxy:
         except aiohttp.ClientError as exc:
             return self._refuse(request, label, 502, "upstream_error", f"upstream {self.upstream}: {exc}")
         return None
-
-    async def _engine_answers(self) -> bool:
-        """Whether the engine's /health answers 200 now (hold.py's one watcher asks, every half second)."""
-        try:
-            async with self.session.get(self.upstream + self.health_path,
-                                        timeout=aiohttp.ClientTimeout(total=2.0)) as reply:
-                return reply.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-            return False
 
     async def _read(self, request: web.Request, held: Held) -> bytearray:
         """The whole body, within --max-body-bytes and the budget; then the request is whole (listener.py)."""
