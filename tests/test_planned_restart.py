@@ -253,3 +253,18 @@ def test_a_stop_lets_a_request_through_the_proxy_finish_and_refuses_the_held_wit
     assert (status, retry_after) == (503, "1") and "the proxy is stopping" in body, clients.outcomes
     log = "\n".join(d.lines)
     assert log.index("vLLM stopped after") < log.index("the proxy stopping")
+
+
+def test_a_reload_keeps_only_a_proxy_that_runs_or_is_on_its_way(tmp_path):
+    """A STOPPING proxy kept would end in the new launch and never start again; a FATAL one would never come back."""
+    import types
+
+    from gpuwarden.proxy.child import PROXY_KIND
+    from gpuwarden.serving.run.runtime import _unchanged_sides
+
+    both, engine, proxy, ops, clock = engine_and_proxy(tmp_path)
+    launch = types.SimpleNamespace(sides=(proxy.spec,))
+    assert _unchanged_sides(both, launch, (PROXY_KIND,)) == {PROXY: proxy}
+    assert _unchanged_sides(both, types.SimpleNamespace(sides=()), (PROXY_KIND,)) == {}  # turned off: not kept
+    proxy.stop(clock.now)
+    assert proxy.state == STOPPING and _unchanged_sides(both, launch, (PROXY_KIND,)) == {}

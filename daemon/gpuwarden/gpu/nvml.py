@@ -38,6 +38,7 @@ BRANDS = {1: "Quadro", 2: "Tesla", 3: "NVS", 5: "GeForce", 6: "Titan", 12: "Quad
 TEMPERATURE_GPU = 0
 CLOCK_ID_APP_DEFAULT = 2  # NVML_CLOCK_ID_APP_CLOCK_DEFAULT (nvmlClockId_t)
 FUNCTION_NOT_FOUND = 13
+ARGUMENT_VERSION_MISMATCH = 25  # a versioned call (nvmlDeviceGetTemperatureV) whose struct this driver does not know
 REINIT_INTERVAL_S = 5.0  # how often to retry NVML while a GPU is lost
 
 
@@ -288,9 +289,10 @@ class NvmlGpu(NvmlSettings, Gpu):
             code = getattr(exc, "value", None)
             if code == errors.GpuLost.nvml_code:
                 raise errors.GpuLost(f"GPU {self.index} ({getattr(self, 'uuid', '?')}) is lost") from None
-            if code in (errors.NotSupported.nvml_code, FUNCTION_NOT_FOUND):
+            if code in (errors.NotSupported.nvml_code, FUNCTION_NOT_FOUND, ARGUMENT_VERSION_MISMATCH):
                 self._unsupported.add(key)  # it will not start working: stop asking
-            if code == FUNCTION_NOT_FOUND:  # pynvml's answer where this driver's libnvidia-ml lacks the symbol
+                # No answer from this call on this driver, for good: where it is a successor (or the batched
+                # fields), the old call is asked instead (FUNCTION_NOT_FOUND: the driver lacks the symbol).
                 self._missing.add(fn_name)
             return None
 

@@ -95,7 +95,7 @@ class Hold:
     async def wait(self, request: web.BaseRequest, since: float) -> None:
         """Wait until the engine answers again (then return: send the request again). Refusal (503) past hold_s
         from `since` (the request's first hold) or past hold_max held at once; ConnectionResetError when the client
-        leaves meanwhile."""
+        leaves meanwhile. A planned stop's word that lapses at the request's hold_s returns (it is sent) instead."""
         now = self.clock()
         if self.closing:
             self._refuse("proxy_stopping", "the proxy is stopping: retry later")

@@ -32,7 +32,7 @@ from .leftovers import Leftovers
 from .processes import ProcessOps
 from .spec import ChildSpec, other_drain
 from ..probe.stall import Progress, StallWatch
-from .supervisor import FATAL, RUNNING, STOPPING, Program, ServingView, Supervisor
+from .supervisor import BACKOFF, FATAL, RUNNING, STARTING, STOPPING, Program, ServingView, Supervisor
 
 log = logging.getLogger("gpuwarden")
 
@@ -144,7 +144,7 @@ class ServingRuntime:
         self._make_watchers(launch)
         named = {p.name: p for p in programs}
         fds = dict(fds or {})  # each pipe is taken once
-        changed = False
+        changed, stale = False, set()  # stale: adopted children whose command or user changed since their start
         for entry in adoptable.children if adoptable is not None else ():
             program = named.pop(entry.name, None)
             fd = fds.pop(f"child-{entry.name}", None)
@@ -159,9 +159,10 @@ class ServingRuntime:
                 log.info("%s's command or user changed since it was started: replacing it, as a reload would",
                          program.title)
                 changed = True
+                stale.add(program.name)
         self.children.start(now)  # the programs not adopted
         if changed:
-            self._replace_all(launch, now)
+            self._replace_all(launch, now, stale=stale)
         self._record(now)
         if adoptable is not None and adoptable.children:
             self._sweep(adoptable, launch.config.serve.stop_timeout_s, now)
@@ -341,10 +342,12 @@ class ServingRuntime:
         sides = (*running.values(), *(spec for name, spec in wanted.items() if name not in running))
         self.launch = dataclasses.replace(self.launch, config=config, sides=sides)
 
-    def _replace_all(self, launch: Launch | None, now: float) -> None:
+    def _replace_all(self, launch: Launch | None, now: float, stale: set[str] = frozenset()) -> None:
         """Stop the children; the launch's start once they have stopped. A side child whose spec the launch keeps
-        as it is (the proxy, serve.proxy unchanged) runs on into the launch: it holds requests meanwhile."""
-        self._kept = _unchanged_sides(self.children, launch, self.sides)
+        as it is (the proxy, serve.proxy unchanged) runs on into the launch: it holds requests meanwhile. stale: an
+        adopted child whose running command differs from its spec, never kept."""
+        self._kept = {name: program for name, program in _unchanged_sides(self.children, launch, self.sides).items()
+                      if name not in stale}
         if self.children is not None:
             self.children.stop(now, keep=frozenset(self._kept))  # the new children start once these have stopped
         self.pending = launch
@@ -400,5 +403,6 @@ def _unchanged_sides(children: Supervisor | None, launch: Launch | None, sides: 
     if children is None or launch is None:
         return {}
     names, wanted = {kind.name for kind in sides}, {spec.name: spec for spec in launch.sides}
+    # Only one that runs or is on its way (a STOPPING one would end, a FATAL one never come back, in the launch)
     return {name: program for name, program in children.programs.items()
-            if name in names and wanted.get(name) == program.spec and not program.stopped}
+            if name in names and wanted.get(name) == program.spec and program.state in (STARTING, RUNNING, BACKOFF)}

@@ -45,7 +45,7 @@ class Timing:
         return cls(**{**values, **changes})
 
 
-# What a child in front of the engine (ChildSpec.fronts_engine: the proxy) is sent, as a signal to its group: the
+# What a child in front of the engine (ChildSpec.fronts_engine: the proxy) is sent, as a signal to its process: the
 # engine begins a planned stop (it drains: its /health still answers, and vLLM answers 500 to new requests), and an
 # engine is healthy. Sent only to a front that is RUNNING and handles it (serving/run/supervisor.py).
 STOPPING_SIGNAL, UP_SIGNAL = signal.SIGUSR1, signal.SIGUSR2

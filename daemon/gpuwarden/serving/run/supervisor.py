@@ -14,7 +14,8 @@ machine: what a kind needs beyond it (the multi-node rank watch) plugs in as its
 policy (serving/run/policy.py, ranks.py), and changes state only through _transition.
 
 The child runs in its own session, so its process group holds the API server
-and every engine/worker process it forks; that group is what gets SIGTERM,
+and every engine/worker process it forks; that group is what gets SIGTERM
+(an engine that drains: its leader first, the group once the leader exited),
 then SIGKILL, and what must be empty before the next start. A process that
 left the group (setsid, double fork) is found through the subreaper and killed
 with it.
@@ -369,8 +370,9 @@ class Program:
 
     # -- stopping: a timed state ------------------------------------------------------
     def stop(self, now: float) -> None:
-        """Begin a planned stop: SIGTERM to the group now, SIGKILL once stop_timeout_s (for an engine that drains,
-        at least its drain and a margin: serving/run/spec.py) has passed (in tick)."""
+        """Begin a planned stop: SIGTERM now (to the group; an engine that drains, to its leader), SIGKILL once
+        stop_timeout_s (for an engine that drains, at least its drain and a margin: serving/run/spec.py) has
+        passed (in tick)."""
         if self.state == STOPPING:
             return
         child = self.child
