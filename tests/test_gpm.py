@@ -238,8 +238,10 @@ def test_the_families_are_on_the_page_where_gpm_works():
     page = metrics_page("h100-nvswitch")
     for family in FAMILIES:
         assert f"# TYPE {family} gauge" in page
-    assert 'gpuwarden_gpu_sm_active_ratio{gpu="0"} 0.855' in page  # 95 % utilization x 0.9
-    assert 'gpuwarden_gpu_nvlink_tx_bytes_per_second{gpu="0"} 2.375e+10' in page
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
+              if line and not line.startswith("#")}  # compared as numbers: prometheus_client writes them its way
+    assert values['gpuwarden_gpu_sm_active_ratio{gpu="0"}'] == pytest.approx(0.855)  # 95 % utilization x 0.9
+    assert values['gpuwarden_gpu_nvlink_tx_bytes_per_second{gpu="0"}'] == pytest.approx(2.375e10)
 
 
 def test_no_series_where_gpm_is_unsupported():
