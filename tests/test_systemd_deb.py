@@ -240,7 +240,7 @@ def test_serving_ready_only_when_vllm_is_healthy_and_stop_leaves_nothing(install
     # systemctl stop with a request in flight straight to the engine and one through the proxy: both complete,
     # every token, within the engine's drain; the proxy stops after the engine.
     for where in ("direct", "proxy"):
-        assert json.loads(got[f"stop_long_{where}"]) == {"status": 200, "tokens": 3000}, (where, journal)
+        assert json.loads(got[f"stop_long_{where}"]) == {"status": 200, "tokens": 12000}, (where, journal)
     assert got["stop_in_flight"] == "2", journal
     assert got["stop_drained_logged"] == "1" and got["stop_draining_line"].startswith(
         "draining vLLM: 2 requests in flight, up to 60 s"), journal
