@@ -327,28 +327,19 @@ def served(vllm_python, tiny_model, child_user):
 
 @pytest.fixture(scope="session")
 def proxy_daemon(child_user):
-    """How to start a daemon whose proxy (its child, as serve.user) can run: (command, env). The proxy runs on the
-    daemon's interpreter; as root, where serve.user cannot run this one (a venv made from a Python under /root, as
-    on CI), the daemon runs on the vLLM venv's (made from /usr/bin/python3, with aiohttp, prometheus_client and
-    PyYAML) with a copy of the package under test that the user can read."""
-    if os.geteuid() != 0 or subprocess.run(["runuser", "-u", child_user, "--", sys.executable, "-c", ""],
-                                           capture_output=True).returncode == 0:
-        yield gpuwarden_cmd(), subprocess_env()
-        return
+    """How to start a daemon whose proxy (its child, as serve.user) can run: (command, env). As root, where serve.user
+    cannot run this interpreter, the vLLM venv's with a readable copy of the package (tests/vllm/restart_rig.py)."""
+    sys.path.insert(0, str(ROOT / "tests" / "vllm"))
+    from restart_rig import runnable_daemon
+
     python = VENV / "bin" / "python"
-    if not python.exists():
+    command, env, copy = runnable_daemon(python, child_user)
+    if copy is not None and not python.exists():
         pytest.fail(f"{child_user} cannot run {sys.executable}, and there is no {python} to run the proxy on "
                     "(tests/run installs it with tests/vllm/install)")
-    import gpuwarden
-
-    folder = Path(tempfile.mkdtemp(prefix="gpuwarden-package-"))
-    folder.chmod(0o755)
-    shutil.copytree(Path(gpuwarden.__file__).parent, folder / "gpuwarden",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    for path in folder.rglob("*"):
-        path.chmod(0o755 if path.is_dir() else 0o644)
-    yield [str(python), "-m", "gpuwarden"], dict(subprocess_env(), PYTHONPATH=str(folder))
-    shutil.rmtree(folder, ignore_errors=True)
+    yield command, env
+    if copy is not None:
+        shutil.rmtree(copy, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
