@@ -35,7 +35,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 COMMAND = Command("doctor", help="one-shot, read-only preflight: persistence, clocks and throttle reasons, power "
-                  "limit, driver, and the serving setup; exit 0 ok, 1 warnings, 2 errors", run=cmd_doctor,
-                  arguments=arguments, order=70,
+                  "limit, driver, whether GPM works, and the serving setup; exit 0 ok, 1 warnings, 2 errors",
+                  run=cmd_doctor, arguments=arguments, order=70,
                   exits=((0, "no finding worse than information"), (1, "warnings"), (2, "errors"),
                          (EX_CONFIG, "configuration error")))

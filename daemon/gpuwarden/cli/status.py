@@ -48,7 +48,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     return EX_OK
 
 
-COMMAND = Command("status", help="show the running daemon's view: clocks, power, reasons and firing alerts per GPU "
-                  "(exit 3 if no daemon answers)", run=cmd_status, arguments=arguments, order=80,
+COMMAND = Command("status", help="show the running daemon's view: clocks, power, utilization beside GPM's SM, tensor "
+                  "and DRAM activity, reasons and firing alerts per GPU (exit 3 if no daemon answers)", run=cmd_status,
+                  arguments=arguments, order=80,
                   exits=((EX_OK, "the daemon answered"), (EX_NOT_RUNNING, "no daemon answers"),
                          (EX_CONFIG, "configuration error")))

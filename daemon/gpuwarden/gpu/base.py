@@ -51,6 +51,16 @@ GPM_RATIOS = ("graphics_engine_active_ratio", "sm_active_ratio", "sm_occupancy_r
               "tensor_hmma_active_ratio", "dram_bandwidth_ratio", "fp32_active_ratio", "fp16_active_ratio")
 GPM_RATES = ("pcie_tx_bytes_per_s", "pcie_rx_bytes_per_s", "nvlink_tx_bytes_per_s", "nvlink_rx_bytes_per_s")
 GPM_FIELDS = GPM_RATIOS + GPM_RATES
+# What `gpuwarden status` and doctor show of GPM beside utilization: the three that tell a sleeping kernel, a
+# memory-bound decode and a compute-bound prefill apart (all read 100 % utilization).
+GPM_SHOWN = {"SM": "sm_active_ratio", "tensor": "tensor_active_ratio", "DRAM": "dram_bandwidth_ratio"}
+
+
+def gpm_activity(gpu: Mapping[str, Any]) -> str:
+    """e.g. "SM 1% · tensor 0% · DRAM 0%" from a sample's fields (GpuSample.as_dict, or /status's GPU entry); a
+    figure the GPU does not report is left out, so "" where it has no GPM or has not read it yet."""
+    return " · ".join(f"{label} {gpu[name] * 100:.0f}%" for label, name in GPM_SHOWN.items()
+                      if isinstance(gpu.get(name), (int, float)))
 
 
 @dataclass(frozen=True)
@@ -253,6 +263,11 @@ class Gpu(ABC):
 
     @abstractmethod
     def capabilities(self) -> GpuCapabilities: ...
+
+    @abstractmethod
+    def gpm_unsupported(self) -> str | None:
+        """Why GPM (SM, tensor and DRAM activity) is not read on this GPU, as the driver (or the scenario) says
+        it; None: it is read. Known once a sample has read the counters: it asks nothing itself (doctor)."""
 
     @abstractmethod
     def compute_processes(self) -> list[tuple[int, int | None]]:

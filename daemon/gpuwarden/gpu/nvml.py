@@ -413,6 +413,9 @@ class NvmlGpu(NvmlSettings, Gpu):
             return []
         return [(p.pid, getattr(p, "usedGpuMemory", None)) for p in procs]
 
+    def gpm_unsupported(self) -> str | None:
+        return self.counters.gpm.unsupported  # gpu/nvml_gpm.py keeps the driver's answer
+
     def capabilities(self) -> GpuCapabilities:
         mem = sorted(self._read("nvmlDeviceGetSupportedMemoryClocks") or [], reverse=True)
         graphics = sorted(self._read("nvmlDeviceGetSupportedGraphicsClocks", mem[0]) or [], reverse=True) if mem else []

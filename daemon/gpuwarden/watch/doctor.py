@@ -15,7 +15,7 @@ from ..base.safetext import visible
 from .signals import RULES_BY_NAME
 from ..config import AlertSettings, Config
 from ..gpu.base import ClockEventReason as R
-from ..gpu.base import OFF_PCIE, PEER_PATHS, GpuBackend, GpuSample
+from ..gpu.base import OFF_PCIE, PEER_PATHS, Gpu, GpuBackend, GpuSample, gpm_activity
 from ..gpu.iommu import iommu_state
 from ..tune.tunables import persistenced_fix, power_limit_is
 from ..base.yamlfile import InvalidConfig
@@ -49,11 +49,12 @@ def exit_status(findings: list[Diagnosis]) -> int:
 
 
 def diagnose(config: Config, backend: GpuBackend, deep: bool = True) -> list[Diagnosis]:
-    findings = [_driver(backend)]
+    # One sample per GPU serves every line: a GPU's first sample reads the slow counters, GPM's among them
+    taken = [(gpu, gpu.sample()) for gpu in backend.gpus()]
+    findings = [_driver(backend, [s for _, s in taken])]
     persistenced = backend.persistenced_state()
     samples = []
-    for gpu in backend.gpus():
-        s = gpu.sample()
+    for gpu, s in taken:
         if not s.up:
             findings.append(Diagnosis(ERROR, f"GPU{s.index} present", f"{s.uuid} is lost: {s.error}",
                                     "check `dmesg` for Xid errors; reset the GPU or reboot"))
@@ -65,6 +66,7 @@ def diagnose(config: Config, backend: GpuBackend, deep: bool = True) -> list[Dia
         findings.append(_power(s, chosen))
         findings.extend(_health(s, config.alerts))
         findings.extend(_nvlink(s))
+        findings.append(_gpm(gpu, s))
     serving, command = _serving(config, backend, deep)
     findings.extend(_peer_path(command, samples))
     findings.extend(_tuning(config, backend))
@@ -132,6 +134,21 @@ def _nvlink(s: GpuSample) -> list[Diagnosis]:
                                  "has no NVLink peers, and tensor parallelism cannot use it",
                                  RULES_BY_NAME["fabric_not_ready"].hint))
     return out
+
+
+def _gpm(gpu: Gpu, s: GpuSample) -> Diagnosis:
+    """Whether GPM works on this GPU, from the sample already taken: doctor pays for no GPM read of its own. Over
+    one NVML sample GPM has only primed (a figure pairs two reads); the simulator's figures come at once."""
+    check = f"GPU{s.index} GPM"
+    why = gpu.gpm_unsupported()
+    if why is not None:
+        return Diagnosis(INFO, check, f"SM, tensor and DRAM activity not read: {why}")
+    figures = gpm_activity(s.as_dict())
+    if figures:
+        util = f" at util {s.utilization_pct:.0f}%" if s.utilization_pct is not None else ""
+        return Diagnosis(OK, check, f"{figures}{util}")
+    return Diagnosis(OK, check, "works (a first sample read; SM, tensor and DRAM activity pair two reads "
+                     "counters_interval_s apart: `gpuwarden status` shows them while the daemon runs)")
 
 
 def _installed(installed, engine, written_against: dict[str, str]) -> list[Diagnosis]:
@@ -222,11 +239,11 @@ def _tuning(config: Config, backend: GpuBackend) -> list[Diagnosis]:
         for gpu in plan.gpus if gpu.actions]
 
 
-def _driver(backend: GpuBackend) -> Diagnosis:
+def _driver(backend: GpuBackend, samples: list[GpuSample]) -> Diagnosis:
     version = backend.driver_version()
     if version is None:
         return Diagnosis(WARNING, "driver", "NVML did not report a driver version")
-    sm12x = [g.index for g in backend.gpus() if (g.sample().compute_capability or "").startswith("12.")]
+    sm12x = [s.index for s in samples if (s.compute_capability or "").startswith("12.")]
     major = int(version.split(".")[0]) if version.split(".")[0].isdigit() else 0
     if sm12x and major < MIN_SM120_DRIVER:
         return Diagnosis(WARNING, "driver", f"driver {version} on SM12x GPUs {sm12x}",

@@ -10,6 +10,7 @@ from urllib.parse import urlsplit
 
 from ..base import httpget, smallfile
 from ..config import MetricsConfig
+from ..gpu.base import gpm_activity
 from ..base.safetext import visible
 from ..base.statedir import listen_file
 from ..base.webconfig import basic_auth_header
@@ -80,17 +81,19 @@ def render_status(state: dict) -> str:
     uptime = time.time() - daemon.get("started_at", time.time())
     lines = [f"gpuwarden {daemon.get('version', '?')} (pid {daemon.get('pid', '?')}, up {uptime:.0f} s): "
              f"{state.get('status', 'no sample yet')}"]
-    rows = [("GPU", "NAME", "SM MHz", "MEM MHz", "POWER", "TEMP", "UTIL", "REASONS")]
+    # ACTIVITY: GPM's SM, tensor and DRAM shares beside utilization, which reads ~100 % for a kernel that only
+    # sleeps; "-" on a GPU without GPM (before Hopper) or before its second read
+    rows = [("GPU", "NAME", "SM MHz", "MEM MHz", "POWER", "TEMP", "UTIL", "ACTIVITY", "REASONS")]
     for gpu in state.get("gpus", []):
         if not gpu.get("up", True):
-            rows.append((str(gpu["index"]), gpu["name"], "DOWN", "", "", "", "", gpu.get("error") or ""))
+            rows.append((str(gpu["index"]), gpu["name"], "DOWN", "", "", "", "", "", gpu.get("error") or ""))
             continue
         temp, util = gpu.get("temperature_c"), gpu.get("utilization_pct")
         rows.append((str(gpu["index"]), gpu["name"],
                      _mhz(gpu.get("sm_clock_mhz"), gpu.get("sm_lock_mhz"), gpu.get("max_sm_clock_mhz")),
                      _mhz(gpu.get("memory_clock_mhz"), gpu.get("memory_lock_mhz"), gpu.get("max_memory_clock_mhz")),
                      _power(gpu), "?" if temp is None else f"{temp:.0f} C",
-                     "?" if util is None else f"{util:.0f}%",
+                     "?" if util is None else f"{util:.0f}%", gpm_activity(gpu) or "-",
                      ",".join(gpu.get("clock_event_reasons") or []) or "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]

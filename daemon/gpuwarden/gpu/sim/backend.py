@@ -347,6 +347,13 @@ class SimGpu(Gpu):
             power_limit_default_w=m.default_power_limit_w if limits else None,
         )
 
+    def gpm_unsupported(self) -> str | None:
+        if gpm.supported(self.model):
+            return None
+        why = "gpm in its not_supported" if "gpm" in self.model.not_supported else \
+            f"compute capability {self.model.compute_capability}, before Hopper"
+        return f"scenario {self.backend.scenario.name} models this {self.name} without it ({why})"
+
     def _setter(self, what: str, feature: str | None = None) -> None:
         """The checks a real setter makes, in NVML's order."""
         self.backend.advance()
