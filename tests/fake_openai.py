@@ -16,7 +16,9 @@ completion requests (bench's calibration) as a well-behaved server would, quickl
 
 --sim-state DIR serves at the speed of the simulated cards (gpuwarden.gpu.sim.power): each token's delay is
 --token-delay over the decode speed at the clock GPU 0 keeps under load, and a prompt first takes --prefill-ms per
-token over the prefill speed; the streams open are written back, so the simulated card is busy while it serves.
+token over the prefill speed; the streams open are written back, so the simulated card is busy while it serves,
+with the share of that time spent on prefill (the open requests' prefill seconds over their prefill and decode
+seconds, as served here), so that the simulated card's GPM figures follow the workload.
 """
 
 import argparse
@@ -51,6 +53,8 @@ class SimSpeed:
 
     def __init__(self, directory: Path | None):
         self.directory, self._at, self._speeds = directory, 0.0, (1.0, 1.0)
+        self.work: dict[object, tuple[float, float]] = {}  # each open request's (prefill, decode) seconds
+        self.share: float | None = None
 
     def speeds(self) -> tuple[float, float]:
         """(decode, prefill) relative speed; 1.0 without a channel."""
@@ -65,10 +69,23 @@ class SimSpeed:
             self._at = time.monotonic()
         return self._speeds
 
-    def opened(self) -> None:
-        if self.directory is not None:
-            from gpuwarden.gpu.sim import power
-            power.write_load(self.directory, state["open"])
+    def opened(self, key: object, prefill_s: float, decode_s: float) -> None:
+        self.work[key] = (prefill_s, decode_s)
+        self._write()
+
+    def closed(self, key: object) -> None:
+        self.work.pop(key, None)
+        self._write()
+
+    def _write(self) -> None:
+        if self.directory is None:
+            return
+        from gpuwarden.gpu.sim import power
+        prefill = sum(p for p, _ in self.work.values())
+        total = prefill + sum(d for _, d in self.work.values())
+        if total > 0:  # with nothing open the last share stays: the card's busy hold still runs that work
+            self.share = prefill / total
+        power.write_load(self.directory, state["open"], self.share)
 
 
 def make_app(args) -> web.Application:
@@ -103,14 +120,16 @@ def make_app(args) -> web.Application:
         state["running"] += 1
         state["open"] += 1
         state["peak"] = max(state["peak"], state["open"])
-        sim.opened()
         decode, prefill = sim.speeds()
         delay = GOOD_TOKEN_DELAY if good else args.token_delay / decode
         tokens = 10**9 if args.endless and not good else body["max_tokens"]
+        prefill_s = prompt_tokens * args.prefill_ms / 1e3 / prefill if args.prefill_ms and not good else 0.0
+        key = object()
+        sim.opened(key, prefill_s, tokens * delay)
         end = asyncio.get_running_loop().time() + ENDLESS_S  # endless: until the client hangs up, or an hour
         try:
-            if args.prefill_ms and not good:
-                await pause(request, prompt_tokens * args.prefill_ms / 1e3 / prefill)
+            if prefill_s:
+                await pause(request, prefill_s)
             for _ in range(tokens):
                 if asyncio.get_running_loop().time() > end:
                     break
@@ -128,7 +147,7 @@ def make_app(args) -> web.Application:
         finally:
             state["running"] -= 1
             state["open"] -= 1
-            sim.opened()
+            sim.closed(key)
         return response
 
     async def huge_error(request):

@@ -1,5 +1,6 @@
 """`gpuwarden bench`: the roofline arithmetic, and sweeps against a fake streaming server (tests/fake_openai.py):
-every field, bad input, Ctrl-C, --compare and 1,024 concurrent streams."""
+every field, bad input, Ctrl-C, --compare, 1,024 concurrent streams, and the bound each step measured on a
+simulated H100 whose GPM figures follow the served workload."""
 
 import json
 import signal
@@ -13,7 +14,10 @@ from pathlib import Path
 import pytest
 
 from conftest import free_port, gpuwarden_cmd, matplotlib_here, subprocess_env
+from gpuwarden.bench.bound import COMPUTE_TENSOR_MIN, MEMORY_DRAM_MIN, NOT_REPORTED
 from gpuwarden.bench.roofline import ModelUnreadable, ceiling_tokens_per_s, kv_bytes_per_token, model_bytes
+from gpuwarden.gpu.sim import power
+from test_tune import SCENARIO as H100_SCENARIO
 
 HERE = Path(__file__).resolve().parent
 GB = 1e9
@@ -108,10 +112,10 @@ def server(request):
 def bench(write, tmp_path):
     conf = write("b.yaml", "gpu: {backend: sim, scenario: rtx-pro-4000-headless}\nmetrics: {listen: none}\n")
 
-    def run(*args, timeout=120):
-        env = {**subprocess_env(), "STATE_DIRECTORY": str(tmp_path / "state")}
+    def run(*args, timeout=120, config=conf, env=None):
+        env = {**subprocess_env(), "STATE_DIRECTORY": str(tmp_path / "state"), **(env or {})}
         # the idle draw measured for half a second, not the default 2: the energy columns, at a quarter of the cost
-        return subprocess.run([*gpuwarden_cmd(), "bench", "-c", str(conf), "--idle", "0.5", *args],
+        return subprocess.run([*gpuwarden_cmd(), "bench", "-c", str(config), "--idle", "0.5", *args],
                               capture_output=True, text=True, env=env, timeout=timeout)
     return run
 
@@ -171,7 +175,7 @@ def test_the_table_and_the_markdown(server, bench, tmp_path):
     assert lines[0].startswith("fake-model at http://127.0.0.1:") and "GPUs from the sim backend" in lines[0]
     assert lines[1].split()[:4] == ["C", "ok/sent", "cut", "system"] and lines[2].split()[:3] == ["2", "4/4", "0"]
     assert "roofline: unknown (no completed step at concurrency 1)" in lines
-    assert lines[1].split()[25:31] == ["GPUs", "W", "J/tok", "tok/J", "tok/J", ">idle"] and any(l.startswith("! idle draw before the first step: ")
+    assert lines[1].split()[31:37] == ["GPUs", "W", "J/tok", "tok/J", "tok/J", ">idle"] and any(l.startswith("! idle draw before the first step: ")
                                                                   for l in lines)
     md = bench("--url", fake.url, "--concurrency", "1", "--requests", "2", "--output-len", "4", "--markdown")
     assert "| C | ok/sent | cut | system tok/s |" in md.stdout and "\n| 1 | 2/2 | 0 |" in md.stdout
@@ -240,6 +244,83 @@ def test_prompts_are_exactly_input_len_where_the_server_tokenizes(server, bench)
     result = json.loads(bench("--url", plain.url, "--concurrency", "1", "--requests", "8", "--input-len", "64",
                               "--output-len", "4", "--json").stdout)
     assert any("estimated" in n for n in result["notes"]), result["notes"]
+
+
+# -- GPM activity and the bound each step measured ---------------------------------------------------------------
+
+@pytest.fixture
+def sim_bench(tmp_path, daemons, server, bench):
+    """bench against the fake server serving at a simulated H100's speed, and a daemon on that H100, the two
+    sharing its channel (GPUWARDEN_SIM_STATE): the server says what share of its time is prefill, the card's GPM
+    figures follow, and bench reads them from the daemon's /status, as on a real host."""
+    chan = tmp_path / "chan"
+    chan.mkdir()
+    (tmp_path / "h100.yaml").write_text(H100_SCENARIO)
+    conf = tmp_path / "sim.yaml"
+    conf.write_text(f"gpu: {{backend: sim, scenario: h100.yaml}}\npoll_interval_s: 0.25\n"
+                    f"metrics: {{listen: '127.0.0.1:{free_port()}'}}\n")
+    env = {power.ENV: str(chan), "RUNTIME_DIRECTORY": str(tmp_path / "run")}
+    daemons(conf, env={**subprocess_env(), "STATE_DIRECTORY": str(tmp_path / "state"), **env}).wait_for(
+        "serving /metrics")
+    fake = server("--sim-state", str(chan), "--token-delay", "0.01", "--prefill-ms", "0.25")
+    return lambda *args: bench("--url", fake.url, "--concurrency", "1,2", "--requests", "8", *args, config=conf,
+                               env=env)
+
+
+def activity_cells(line: str) -> list[str]:
+    """A table row's SM act%, tensor%, DRAM bw% and bound (after C, ok/sent, cut, 7 latency cells, 2 clocks)."""
+    return line.split()[12:16]
+
+
+def test_bench_on_the_simulator_names_decode_memory_bound_and_prefill_compute_bound(sim_bench, tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    write_safetensors(model / "model.safetensors", {"w": ("BF16", [1024, 1024], 2 * 2**20)})
+    # decode-heavy: 16 prompt tokens (4 ms of prefill) and 48 tokens of 10 ms each
+    out = sim_bench("--input-len", "16", "--output-len", "48", "--model-path", str(model), "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["gpu_source"].startswith("the daemon's /status")
+    for step in result["steps"]:
+        a, gpu = step["activity"], step["gpus"][0]
+        print(f"decode C={step['concurrency']}: SM {a['sm_active']:.3f} tensor {a['tensor_active']:.3f} "
+              f"DRAM {a['dram_bandwidth']:.3f} -> {a['bound']}")
+        assert a["bound"] == "memory" and a["gpus"] == [0] and a["why"] is None
+        assert a["dram_bandwidth"] >= MEMORY_DRAM_MIN and a["tensor_active"] < COMPUTE_TENSOR_MIN
+        # the step's figures are the GPU's own means over its polls, from /status
+        assert (gpu["sm_active_ratio_mean"], gpu["tensor_active_ratio_mean"], gpu["dram_bandwidth_ratio_mean"]) == \
+            (a["sm_active"], a["tensor_active"], a["dram_bandwidth"])
+    roof = result["roofline"]
+    assert roof["known"] and roof["measured_bound"]["bound"] == "memory"
+    # prefill-heavy: about 1,000 prompt tokens (250 ms of prefill) and one output token
+    out = sim_bench("--input-len", "1000", "--output-len", "1")
+    assert out.returncode == 0, out.stderr
+    print(out.stdout)
+    lines = out.stdout.splitlines()
+    assert lines[1].split()[22:28] == ["SM", "act%", "tensor%", "DRAM", "bw%", "bound"]
+    for row in lines[2:4]:
+        sm, tensor, dram, bound = activity_cells(row)
+        assert bound == "compute" and int(tensor) >= COMPUTE_TENSOR_MIN * 100 and int(dram) < MEMORY_DRAM_MIN * 100
+    line = next(l for l in lines if l.startswith("roofline"))
+    assert line.startswith("roofline: unknown (the model is not a local directory here")  # --model-path not given
+    assert "; measured at C=1: compute-bound (SM " in line
+
+
+def test_gpus_without_gpm_show_a_dash_and_say_why_once(server, bench, write):
+    conf = write("spark.yaml", "gpu: {backend: sim, scenario: dgx-spark}\nmetrics: {listen: none}\n")
+    fake = server()
+    out = bench("--url", fake.url, "--concurrency", "1,2", "--requests", "2", "--output-len", "4", config=conf)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert [activity_cells(row) for row in lines[2:4]] == [["-", "-", "-", "-"]] * 2
+    said = [l for l in lines if "activity and the bound not reported" in l]
+    assert said == [f"! SM, tensor and DRAM activity and the bound not reported: {NOT_REPORTED}"]  # once, not per step
+    assert "; measured at C=1: not measured (no GPM figures)" in out.stdout
+    result = json.loads(bench("--url", fake.url, "--concurrency", "1", "--requests", "2", "--output-len", "4",
+                              "--json", config=conf).stdout)
+    activity = result["steps"][0]["activity"]
+    assert activity["sm_active"] is None and activity["bound"] is None and activity["why"] == NOT_REPORTED
+    assert result["steps"][0]["gpus"][0]["sm_active_ratio_mean"] is None
 
 
 # -- against the real CPU vLLM ----------------------------------------------------------------------------------

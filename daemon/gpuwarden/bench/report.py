@@ -1,4 +1,8 @@
-"""Bench results: the terminal table, --markdown, --json, saved runs under the state directory, --compare."""
+"""Bench results: the terminal table, --markdown, --json, saved runs under the state directory, --compare.
+
+The activity columns (SM act%, tensor%, DRAM bw%) are GPM's shares over the step, means over the GPUs that served it,
+and *bound* what they name (bound.py); "-" where the GPUs give no GPM, said once under the table.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import re
 import time
 from pathlib import Path
 
+from .bound import describe
 from .roofline import ModelUnreadable, ceiling_tokens_per_s, model_bytes
 
 
@@ -19,10 +24,15 @@ def _ms(value) -> str:
 
 
 def roofline(result: dict, model_dir: Path | None, tp: int, kv_cache_dtype: str | None) -> dict:
-    """The C = 1 ceiling from the step's own memory clocks, and the efficiency measured against it."""
+    """The C = 1 ceiling from the step's own memory clocks, the efficiency measured against it, and the bound the
+    step measured (bound.py): a memory ceiling says little about a step the host or the compute held back."""
     step = next((s for s in result["steps"] if s["concurrency"] == 1 and s["ok"]), None)
     if step is None:
         return {"known": False, "why": "no completed step at concurrency 1"}
+    return {**_ceiling(result, step, model_dir, tp, kv_cache_dtype), "measured_bound": step.get("activity")}
+
+
+def _ceiling(result: dict, step: dict, model_dir: Path | None, tp: int, kv_cache_dtype: str | None) -> dict:
     gpus = step.get("gpus") or []
     bandwidths = [g["bandwidth_bytes_per_s_mean"] for g in gpus[:tp] if g.get("bandwidth_bytes_per_s_mean")]
     if len(bandwidths) < tp:
@@ -44,6 +54,11 @@ def roofline(result: dict, model_dir: Path | None, tp: int, kv_cache_dtype: str 
 
 
 def roofline_line(r: dict) -> str:
+    measured = f"; measured at C=1: {describe(r['measured_bound'])}" if "measured_bound" in r else ""
+    return _ceiling_line(r) + measured
+
+
+def _ceiling_line(r: dict) -> str:
     if not r.get("known"):
         return f"roofline: unknown ({r.get('why')})"
     kv = (f" + KV {r['kv_bytes_per_token'] * r['context_tokens'] / 1e9:.3f} GB at {r['context_tokens']:.0f} tokens"
@@ -55,8 +70,8 @@ def roofline_line(r: dict) -> str:
 
 
 COLUMNS = ("C", "ok/sent", "cut", "system tok/s", "per-req tok/s mean", "p50", "TTFT p50 ms", "p99", "ITL p50 ms",
-           "p99", "SM MHz min/mean", "mem MHz", "W/GPU / limit", "GPUs W", "J/tok", "tok/J", "tok/J >idle",
-           "running", "waiting", "KV max", "prefix hit")
+           "p99", "SM MHz min/mean", "mem MHz", "SM act%", "tensor%", "DRAM bw%", "bound", "W/GPU / limit", "GPUs W",
+           "J/tok", "tok/J", "tok/J >idle", "running", "waiting", "KV max", "prefix hit")
 
 
 def _values(gpus: list[dict], key: str) -> list[float]:
@@ -72,13 +87,17 @@ def _row(step: dict) -> list[str]:
     power, limit = _values(gpus, "power_w_mean"), _values(gpus, "power_limit_w")
     mem = f"{sum(mem) / len(mem):.0f}" if mem else "-"
     power = f"{sum(power) / len(power):.0f}/{_f(max(limit) if limit else None, '.0f')}" if power else "-"
+    activity = step.get("activity") or {}
+    shares = [_f(None if activity.get(key) is None else activity[key] * 100, ".0f")
+              for key in ("sm_active", "tensor_active", "dram_bandwidth")]
     kv = engine.get("kv_cache_usage_max")
     hit = engine.get("prefix_cache_hit_rate")
     c = f"{step['concurrency']}" + (" (partial)" if step["interrupted"] else "")
     return [c, f"{step['ok']}/{step['requests']}", str(step["cut"]), _f(step["system_tokens_per_s"]),
             _f(step["per_request_tokens_per_s_mean"]), _f(step["per_request_tokens_per_s_p50"]),
             _ms(step["ttft_p50_s"]), _ms(step["ttft_p99_s"]), _ms(step["itl_p50_s"]), _ms(step["itl_p99_s"]),
-            sm, mem, power, _f(step.get("gpu_watts_mean"), ".0f"), _f(step.get("joules_per_token"), ".3g"),
+            sm, mem, *shares, activity.get("bound") or "-", power, _f(step.get("gpu_watts_mean"), ".0f"),
+            _f(step.get("joules_per_token"), ".3g"),
             _f(step.get("tokens_per_joule"), ".3g"), _f(step.get("tokens_per_joule_above_idle"), ".3g"),
             _f(engine.get("running_mean")), _f(engine.get("waiting_mean")),
             "-" if kv is None else f"{kv * 100:.0f}%", "-" if hit is None else f"{hit * 100:.0f}%"]
@@ -95,6 +114,10 @@ def _notes(result: dict) -> list[str]:
         if step["cut"]:
             lines.append(f"C={step['concurrency']}: {step['cut']} of {step['requests']} requests cut by bench (not "
                          f"errors of the server; their tokens left out): {step['first_cut']}")
+    unreported = [s["activity"]["why"] for s in result["steps"] if (s.get("activity") or {}).get("why")
+                  and s["activity"]["sm_active"] is None]
+    for why in dict.fromkeys(unreported):  # once, not per step
+        lines.append(f"SM, tensor and DRAM activity and the bound not reported: {why}")
     if result.get("idle_w") is not None:
         lines.append(f"idle draw before the first step: {result['idle_w']:.0f} W over all GPUs (tok/J >idle: the "
                      "tokens over the energy above it)")

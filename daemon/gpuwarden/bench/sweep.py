@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 import aiohttp
 
 from ..base.httpget import HttpError, read_capped
+from .bound import step_activity
 from .client import RequestResult, stream
 from .energy import gpu_watts, step_energy
 from .watch import Watch, step_flags
@@ -261,7 +262,8 @@ async def run(sweep: Sweep, watch: Watch, progress: Callable[[int, int, int | No
                     lambda done, total, elapsed, c=concurrency: progress(c, done, total, elapsed))
                 gpus, engine = watch.end()
                 step = summarize_step(concurrency, results, duration, interrupted)
-                step.update(gpus=gpus, engine=engine, flags=step_flags(gpus, None))
+                step.update(gpus=gpus, engine=engine, flags=step_flags(gpus, None),
+                            activity=step_activity(gpus, step["ok"]))
                 step.update(step_energy(step, sweep.idle_w))
                 sweep.steps.append(step)
                 if interrupted:

@@ -23,6 +23,7 @@ from ..base.httpget import HttpError
 from ..serving.probe.metrics import fetch
 from ..web.status import StatusError
 from ..gpu.throttle import HELD_DOWN, LOCK_TOLERANCE_MHZ
+from .bound import FIELDS
 
 HELD_DOWN_NAMES = set(ClockEventReason(HELD_DOWN).names())
 GpuReader = Callable[[], "list[dict] | None"]  # the GPUs as /status reports them (GpuSample.as_dict + locks)
@@ -103,6 +104,8 @@ def summarize_gpu(index: int, polls: list[dict]) -> dict:
     power = [p["power_w"] for p in polls if p.get("power_w") is not None]
     util = [p["utilization_pct"] for p in polls if p.get("utilization_pct") is not None]
     bandwidth = [p["memory_bandwidth_bytes_per_s"] for p in polls if p.get("memory_bandwidth_bytes_per_s")]
+    # GPM's shares (GpuSample's *_ratio; absent from an older daemon's /status, None where the GPU has no GPM)
+    activity = {f"{key}_mean": _mean([p[key] for p in polls if p.get(key) is not None]) for key in FIELDS}
     reasons: list[str] = []
     for p in polls:
         for name in p.get("clock_event_reasons") or []:
@@ -118,7 +121,7 @@ def summarize_gpu(index: int, polls: list[dict]) -> dict:
             "memory_mhz_min": min(mem) if mem else None, "memory_mhz_mean": _mean(mem),
             "power_w_mean": _mean(power), "power_w_max": max(power) if power else None,
             "power_limit_w": limits[-1] if limits else None, "utilization_pct_mean": _mean(util),
-            "bandwidth_bytes_per_s_mean": _mean(bandwidth),
+            "bandwidth_bytes_per_s_mean": _mean(bandwidth), **activity,
             "memory_bus_width_bits": polls[-1].get("memory_bus_width_bits"),
             "reasons_seen": reasons, "held_down_by": [r for r in reasons if r in HELD_DOWN_NAMES],
             "sm_lock_mhz": list(lock) if lock else None, "polls_below_lock": len(below), "busy_polls": len(busy)}

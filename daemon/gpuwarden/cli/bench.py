@@ -18,8 +18,10 @@ Runs a concurrency sweep against an OpenAI-compatible endpoint (by default the e
 supervises, from the config) and prints, per step: system output tok/s, per-request decode tok/s,
 TTFT and inter-token latency, errors; beside them, from the same seconds, the SM and memory clocks,
 power against its limit and the clock-event reasons (from the running daemon's /status, else from NVML),
-the engine's running and waiting requests, KV-cache usage and prefix-cache hit rate; and the single-stream
-roofline (memory bandwidth / bytes per token) with the efficiency at C=1. Energy: the GPUs' idle draw is
+the engine's running and waiting requests, KV-cache usage and prefix-cache hit rate; the SM, tensor and DRAM
+activity (NVML's GPM, Hopper and newer; "-" where the GPUs give none) and the bound they name: memory, compute,
+host (the SMs idle while requests ran) or mixed; and the single-stream roofline (memory bandwidth / bytes per
+token) with the efficiency and the bound measured at C=1. Energy: the GPUs' idle draw is
 measured before the first step (--idle seconds, nothing sent); per step the GPUs' mean watts, joules per output
 token and tokens per joule, with and without the idle draw (the energy above idle is what serving cost). A step that ran throttled or
 below the clock lock is flagged. Results are kept under the state directory for --compare.

@@ -105,11 +105,12 @@ class SimBackend(GpuBackend):
     def advance(self) -> None:
         """Play the timeline up to now, integrating energy and violation time."""
         now = self.clock()
-        busy = channel_io.busy(self.channel) if self.channel is not None else None
-        if busy is not None:
+        load = channel_io.read_load(self.channel) if self.channel is not None else None
+        if load is not None:
             self._integrate_to(now)  # the time before this look ran at the old load
             for gpu in self._gpus:
-                gpu.utilization = 100.0 if busy else 0.0
+                gpu.utilization = 100.0 if load.busy else 0.0
+                gpu.prefill_share = load.prefill_share
         while self._pending and self._pending[0].at_s <= now:
             event = self._pending.pop(0)
             self._integrate_to(max(event.at_s, self._time))
@@ -134,6 +135,7 @@ class SimGpu(Gpu):
                                                f"gpuwarden-sim/{backend.scenario.name}/{index}"))
         self.pci_bus_id = f"00000000:{(index + 1) * 0x10:02X}:00.0"
         self.utilization = 0.0
+        self.prefill_share: float | None = None  # what the served workload does (sim/power.py), for sim/gpm.py
         self.memory_used_pct = 1.0
         self.conditions: dict[str, dict] = {}  # active condition events by kind
         self.lost = False
@@ -326,7 +328,8 @@ class SimGpu(Gpu):
             else dict.fromkeys(self.violations),
             energy_joules=self.energy_j if "energy" not in ns else None,
             memory_bus_width_bits=m.memory_bus_width_bits,
-            **gpm.figures(m, self.utilization, len(self.backend.scenario.gpus) - 1, self.conditions.get("gpm")),
+            **gpm.figures(m, self.utilization, len(self.backend.scenario.gpus) - 1, self.conditions.get("gpm"),
+                          self.prefill_share),
             board=GpuBoard(m.brand, m.form_factor),
             peer_paths={i: self.backend.scenario.topology for i in range(len(self.backend.scenario.gpus))
                         if i != self.index},

@@ -9,9 +9,10 @@ the same curve answers a power-limit sweep and a clock sweep.
 
 The channel is a directory (GPUWARDEN_SIM_STATE): the simulator writes `gpus.json` (each card's power limit,
 clock lock and loaded clock fraction) whenever a setter changes a card, and reads `load.json` ({"open": N}, the
-streams the server serves now) on each sample: a card is fully busy while N > 0. A real card keeps its power
-limit and clock locks while the driver stays loaded, so a simulator with a channel reads its settings back at
-start: a daemon killed mid-sweep finds the swept setting, as it would on real hardware.
+streams the server serves now) on each sample: a card is fully busy while N > 0. The server may add
+"prefill_share" (0..1, the share of its busy time spent on prefill): sim/gpm.py mixes the GPM figures by it. A real
+card keeps its power limit and clock locks while the driver stays loaded, so a simulator with a channel reads its
+settings back at start: a daemon killed mid-sweep finds the swept setting, as it would on real hardware.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from ...base import smallfile
@@ -76,17 +78,34 @@ def read_gpus(directory: Path) -> list[dict]:
     return [g for g in data.get("gpus", []) if isinstance(g, dict)]
 
 
-def write_load(directory: Path, open_streams: int) -> None:
+def write_load(directory: Path, open_streams: int, prefill_share: float | None = None) -> None:
     # CLOCK_MONOTONIC is one clock for every process of the host: the simulator compares it with its own
-    _write(directory / "load.json", {"open": open_streams, "at": time.monotonic()})
+    data = {"open": open_streams, "at": time.monotonic()}
+    if prefill_share is not None:
+        data["prefill_share"] = round(prefill_share, 4)
+    _write(directory / "load.json", data)
 
 
-def busy(directory: Path) -> bool | None:
-    """The server says it serves (True) or idles (False); None: it says nothing (the scenario's load holds).
-    A server that went idle less than BUSY_HOLD_S ago still counts as serving."""
+@dataclass(frozen=True)
+class Load:
+    busy: bool
+    prefill_share: float | None  # None: not said, or not a number in 0..1 (the figures then follow the load alone)
+
+
+def read_load(directory: Path) -> Load | None:
+    """What the server says it does; None: it says nothing (the scenario's load holds). A server that went idle
+    less than BUSY_HOLD_S ago still counts as serving."""
     data = _read(directory / "load.json")
     if data is None or not isinstance(data.get("open"), int):
         return None
     at = data.get("at")
     recent = isinstance(at, (int, float)) and 0 <= time.monotonic() - at < BUSY_HOLD_S
-    return data["open"] > 0 or recent
+    share = data.get("prefill_share")
+    valid = isinstance(share, (int, float)) and not isinstance(share, bool) and 0 <= share <= 1
+    return Load(data["open"] > 0 or recent, float(share) if valid else None)
+
+
+def busy(directory: Path) -> bool | None:
+    """The server says it serves (True) or idles (False); None: it says nothing."""
+    load = read_load(directory)
+    return None if load is None else load.busy
