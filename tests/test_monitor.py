@@ -260,8 +260,19 @@ def test_status_line(scenario):
     line = monitor.snapshot.summary_line()
     n = len(monitor.backend.gpus())
     assert line.startswith(f"{n} GPU" + ("s" if n > 1 else "") + " · locked ")
+    samples = [v.sample for v in monitor.snapshot.gpus]
     if scenario == "rtx-pro-4000-headless":
-        assert line == "2 GPUs · locked 3090 MHz · GPU0 at_design_power (-37%)"
+        assert line == f"2 GPUs · locked 3090 MHz · {activity(samples)} · GPU0 at_design_power (-37%)"
+    if scenario == "dgx-spark":  # GB10 reports no GPM: no activity in the line
+        assert "SM " not in line and all(s.sm_active_ratio is None for s in samples)
+
+
+def activity(samples, numbers=True) -> str:
+    """What the status line should say of GPM's SM, tensor and DRAM activity: the GPUs' mean, from the samples."""
+    def mean(field):
+        value = 100 * sum(getattr(s, field) for s in samples) / len(samples)
+        return f"{value if numbers else round(value, -1):.0f}%"
+    return f"SM {mean('sm_active_ratio')}, tensor {mean('tensor_active_ratio')}, DRAM {mean('dram_bandwidth_ratio')}"
 
 
 def test_the_resolved_line_quotes_the_worst_reading_and_the_fix_follows_the_reasons():
@@ -338,8 +349,12 @@ def test_the_counters_are_read_on_every_nth_poll_for_all_gpus_at_once():
 def test_the_status_line_for_systemd_carries_the_state_not_the_readings():
     monitor, clock = monitor_for("rtx-pro-4000-headless")
     play(monitor, clock, 25)
-    assert monitor.snapshot.summary_line() == "2 GPUs · locked 3090 MHz · GPU0 at_design_power (-37%)"
-    assert monitor.snapshot.summary_line(numbers=False) == "2 GPUs · locked 3090 MHz · GPU0 at_design_power"
+    samples = [v.sample for v in monitor.snapshot.gpus]
+    assert monitor.snapshot.summary_line() == \
+        f"2 GPUs · locked 3090 MHz · {activity(samples)} · GPU0 at_design_power (-37%)"
+    # the activity to the nearest 10%: the line moves when the work does
+    assert monitor.snapshot.summary_line(numbers=False) == \
+        f"2 GPUs · locked 3090 MHz · {activity(samples, numbers=False)} · GPU0 at_design_power"
 
 
 def test_status_is_sent_when_the_state_changes_at_most_every_five_seconds(tmp_path):
@@ -400,7 +415,7 @@ def test_a_fabric_that_is_not_ready_fires_after_a_minute_and_resolves_when_it_co
 def test_an_nvlink_host_idle_then_loaded_raises_no_warning():
     monitor, clock = monitor_for("h100-nvswitch", FAST + "tuning:\n  apply: false\n")
     assert [e for e in play(monitor, clock, 50) if e[3] == "firing"] == []
-    assert monitor.snapshot.summary_line() == "4 GPUs · read-only · ok"
+    assert monitor.snapshot.summary_line() == "4 GPUs · read-only · SM 0%, tensor 0%, DRAM 0% · ok"  # idle H100s
 
 
 def test_nvlink_and_fabric_metrics_come_from_the_snapshot():

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from .alerts import CRITICAL, FIRING, WARNING, AlertState, GpuContext, Poll
 from ..config import Config
 from .eventwatch import EventBook, processes_on
-from ..gpu.base import GpuBackend, GpuSample
+from ..gpu.base import GPM_SHOWN, GpuBackend, GpuSample
 from .rows import Row
 from .signals import GPU_ROWS, SERVING_RULES, SIGNALS, rows_of, rules_of, windows_of
 from .signals.serving import EnergyWindow
@@ -105,6 +105,8 @@ class Snapshot:
             parts.append(f"locked {locks[0]} MHz" if len(locks) == 1 else f"locked {locks[0]}-{locks[-1]} MHz")
         else:
             parts.append("clocks not locked")
+        if activity := self._activity_part(numbers):
+            parts.append(activity)
         firing = sorted(self.firing(), key=lambda a: (a.severity != CRITICAL, a.gpu is not None, a.gpu or 0, a.alert))
         shown = [(f"GPU{a.gpu} " if a.gpu is not None else "") + a.alert
                  + (f" ({a.short})" if a.short and numbers else "") for a in firing[:3]]
@@ -114,6 +116,18 @@ class Snapshot:
         if self.serving is not None:
             parts.append(self._serving_part(numbers))
         return " · ".join(parts)
+
+    def _activity_part(self, numbers: bool) -> str:
+        """GPM's SM, tensor and DRAM activity, the mean over the GPUs that report it, e.g. `SM 45%, tensor 30%,
+        DRAM 61%`; "" where none does. Without numbers (systemd's STATUS=) to the nearest 10%: the line moves when
+        the work does, not with each counters read's noise."""
+        shown = []
+        for name, field in GPM_SHOWN.items():
+            values = [v for g in self.gpus if g.sample.up and (v := getattr(g.sample, field)) is not None]
+            if values:
+                mean = 100 * sum(values) / len(values)
+                shown.append(f"{name} {mean if numbers else round(mean, -1):.0f}%")
+        return ", ".join(shown)
 
     def _serving_part(self, numbers: bool) -> str:
         s = self.serving

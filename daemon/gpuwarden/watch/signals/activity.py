@@ -5,13 +5,44 @@ window: a kernel that sleeps on one SM reads 99.5 % there and 0.8 % SM activity 
 a compute-bound prefill and an engine starved by its CPU tell apart only here.
 
 Read with the counters: each figure is the mean over counters_interval_s (the first read only primes). A GPU
-without GPM (before Hopper, or where the driver says no) has none of these series. No rule yet."""
+without GPM (before Hopper, or where the driver says no) has none of these series.
+
+Rule: busy_but_idle, a notice (not a warning): kernels run nearly all the time, yet almost no SM works, for a
+minute. Both figures are GPM's, the mean over the same interval, so a bursty load cannot pair a busy instant
+with an idle mean (NVML's utilization is a sample of its own, shorter period)."""
 
 from __future__ import annotations
 
+from ...gpu.base import GpuSample
+from ..alerts import INACTIVE, INFO, Check, GpuContext, Rule, pct
 from ..rows import gpu_row
 
-RULES = ()
+KERNELS_BUSY_MIN = 0.80  # GPM's graphics-engine activity: kernels ran this share of the interval, or more
+# SM activity below this is a GPU that waits while it reads busy: a kernel that sleeps or spins on one SM read
+# 0.8 % on a real H200 (issue 41), a bf16 matmul 95 %, a device-to-device copy 98 %. Decode at batch 1 of a
+# small model keeps a few SMs busy, and is one of the causes this names.
+SM_IDLE_MAX = 0.10
+BUSY_BUT_IDLE_FOR_S = 60.0  # six GPM reads at the default counters_interval_s: a pattern, not a pause
+
+
+def busy_but_idle(s: GpuSample, ctx: GpuContext) -> Check:
+    """Kernels run nearly all the time but almost no SM works: the GPU reads busy and waits. GPM's figures, so
+    only on GPUs that report GPM (Hopper and newer)."""
+    kernels, sm = s.graphics_engine_active_ratio, s.sm_active_ratio
+    if kernels is None or sm is None or kernels < KERNELS_BUSY_MIN or sm >= SM_IDLE_MAX:
+        return INACTIVE
+    util = f"utilization {pct(s.utilization_pct)}, " if s.utilization_pct is not None else ""
+    return Check(True, f"{util}kernels active {pct(kernels * 100)} of the time, SM active {sm * 100:.1f}%",
+                 f"kernels active >= {KERNELS_BUSY_MIN * 100:.0f}% with SM active < {SM_IDLE_MAX * 100:.0f}% for "
+                 f"{BUSY_BUT_IDLE_FOR_S:.0f} s", f"SM {sm * 100:.0f}%")
+
+
+RULES = (
+    Rule("busy_but_idle", INFO, "a notice: the GPU reads busy but its SMs wait. Likely causes: the engine's "
+         "scheduling is CPU-bound (look at its host threads' CPU), its batches are tiny (few requests at once), or "
+         "it waits on the network between nodes (NCCL); `gpuwarden bench` shows each step's SM and tensor "
+         "activity", busy_but_idle, for_s=BUSY_BUT_IDLE_FOR_S),
+)
 
 _MEAN = ", the mean over counters_interval_s (GPM, Hopper and newer)"
 
