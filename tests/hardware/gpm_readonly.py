@@ -41,32 +41,14 @@ from datetime import datetime
 
 import pynvml
 from gpuwarden.gpu.nvml import NvmlBackend
+from nvml_readonly import REFUSED, ReadOnlyNvml  # tests/hardware/, beside this script
 
-READS = ("nvmlDeviceGet", "nvmlSystemGet", "nvmlErrorString", "c_nvml", "struct_c_nvml",
-         "nvmlGpmQueryDeviceSupport", "nvmlGpmSampleAlloc", "nvmlGpmSampleGet", "nvmlGpmSampleFree",
-         "nvmlGpmMetricsGet")
-REFUSED: list[str] = []
 DMON_METRICS = (1, 2, 3, 5, 10)
 # dmon's GPM column -> (its name here, gpuwarden's GpuSample field); utilization is NVML's own, beside them
 COMPARED = {1: ("graphics activity (gract)", "graphics_engine_active_ratio"), 2: ("SM activity", "sm_active_ratio"),
             3: ("SM occupancy", "sm_occupancy_ratio"), 5: ("tensor activity", "tensor_active_ratio"),
             10: ("DRAM bandwidth", "dram_bandwidth_ratio")}
 LOADS = ("matmul", "copy", "sleep", "idle")
-
-
-class ReadOnlyNvml:
-    """pynvml with every call that could change a GPU refused (and recorded)."""
-
-    NVMLError = pynvml.NVMLError
-    nvmlInit = staticmethod(pynvml.nvmlInit)
-    nvmlShutdown = staticmethod(pynvml.nvmlShutdown)
-
-    def __getattr__(self, name):
-        value = getattr(pynvml, name)  # AttributeError for what pynvml lacks, as for the real module
-        if not callable(value) or name.startswith(READS):
-            return value
-        REFUSED.append(name)
-        raise PermissionError(f"read-only probe: NVML call {name} is not allowed here")
 
 
 # -- the loads, in a child process --------------------------------------------------------------------------------

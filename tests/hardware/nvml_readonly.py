@@ -11,6 +11,7 @@ run) with that wrapper in place of pynvml. Not collected by pytest (no GPU in CI
 """
 
 import json
+import os
 import sys
 import time
 
@@ -27,17 +28,26 @@ READ_PREFIXES = ("nvmlDeviceGet", "nvmlSystemGet", "nvmlErrorString", "c_nvml", 
                  "nvmlGpmQueryDeviceSupport", "nvmlGpmSample", "nvmlGpmMetricsGet")  # GPM's reads (gpu/nvml_gpm.py)
 
 
+REFUSED: list[str] = []  # every call refused, for the exit status of a probe
+# Set to hide GPM's calls, as an nvidia-ml-py without them would (gpuwarden then reads no GPM): the probe that
+# measures what GPM adds to a poll runs the daemon once with them and once without.
+HIDE_GPM = "GPUWARDEN_PROBE_NO_GPM"
+
+
 class ReadOnlyNvml:
-    """pynvml with every call that could change a GPU removed."""
+    """pynvml with every call that could change a GPU removed (refused, recorded in REFUSED)."""
 
     NVMLError = pynvml.NVMLError
     nvmlInit = staticmethod(pynvml.nvmlInit)
     nvmlShutdown = staticmethod(pynvml.nvmlShutdown)
 
     def __getattr__(self, name):
+        if name.startswith("nvmlGpm") and os.environ.get(HIDE_GPM):
+            raise AttributeError(name)
         value = getattr(pynvml, name)  # AttributeError for what pynvml lacks, as for the real module
         if not callable(value) or name.startswith(READ_PREFIXES):  # constants, and the reads
             return value
+        REFUSED.append(name)
         raise PermissionError(f"read-only probe: NVML call {name} is not allowed here")
 
 
