@@ -134,6 +134,19 @@ def test_a_new_handle_after_a_reinit_asks_again_and_primes_again():
     assert fake.calls["nvmlGpmQueryDeviceSupport"] == 2
 
 
+def test_closing_the_backend_frees_every_gpm_buffer_before_nvml_shuts_down():
+    fake = FakeNvml([device("GPU-aaa", "00000000:18:00.0", gpm=dict(MATMUL)),
+                     device("GPU-bbb", "00000000:19:00.0", gpm=dict(MATMUL))])
+    backend = NvmlBackend(nvml=fake, clock=ManualClock())
+    for _ in range(3):
+        for gpu in backend.gpus():
+            gpu.sample(True)
+    assert len(fake.gpm_samples) == 4 and not any(s.freed for s in fake.gpm_samples)
+    backend.close()
+    assert all(s.freed for s in fake.gpm_samples)  # two a GPU, each once (the fake fails a second free)
+    backend.close()  # a second close frees nothing twice
+
+
 def test_the_request_fits_pynvml_s_own_structs():
     """gpu/nvml_gpm.py's request against nvidia-ml-py's real ctypes structs (no driver: the call is stubbed)."""
     pynvml = pytest.importorskip("pynvml")

@@ -174,6 +174,8 @@ class NvmlBackend(GpuBackend):
     def close(self) -> None:
         if self._open:
             self._open = False
+            for gpu in self._gpus:  # GPM's two sample buffers per GPU, while NVML can still free them
+                gpu.counters.gpm.close()
             with contextlib.suppress(self.nvml.NVMLError):  # shutting down anyway
                 self.nvml.nvmlShutdown()
 
