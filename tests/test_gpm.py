@@ -134,6 +134,14 @@ def test_a_new_handle_after_a_reinit_asks_again_and_primes_again():
     assert fake.calls["nvmlGpmQueryDeviceSupport"] == 2
 
 
+def test_a_nan_or_infinite_answer_is_no_reading():
+    gpu, fake = nvml_gpu(gpm={**MATMUL, 2: float("nan"), 5: float("inf")})
+    gpu.sample(True)
+    sample = gpu.sample(True)
+    assert sample.sm_active_ratio is None and sample.tensor_active_ratio is None
+    assert sample.dram_bandwidth_ratio == pytest.approx(0.16)
+
+
 def test_closing_the_backend_frees_every_gpm_buffer_before_nvml_shuts_down():
     fake = FakeNvml([device("GPU-aaa", "00000000:18:00.0", gpm=dict(MATMUL)),
                      device("GPU-bbb", "00000000:19:00.0", gpm=dict(MATMUL))])

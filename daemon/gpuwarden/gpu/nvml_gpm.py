@@ -20,6 +20,7 @@ GPM fields stay None: no series.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any
 
@@ -136,7 +137,7 @@ class NvmlGpm:
         out = {}
         for i, (field, metric) in enumerate(wanted.items()):
             answer = request.metrics[i]
-            if answer.nvmlReturn == 0:
+            if answer.nvmlReturn == 0 and math.isfinite(answer.value):  # a NaN or inf is no reading: no series
                 out[field] = scale(field, float(answer.value))
             elif answer.nvmlReturn in FOR_GOOD:
                 self._dead.add(metric)  # e.g. NVLink's on a card without it
