@@ -46,6 +46,18 @@ class AlertSettings:
     warn_at_design_power: bool = False  # True: SwPowerCap at the card's maximum limit is power_capped too
 
 
+@dataclass(frozen=True)
+class HealthPolicy:
+    """health: what the daemon may do by itself when a GPU turns unhealthy (watch/health.py says which GPU and
+    what it needs). By default it stops the engine on a GPU that must not serve and waits for the GPU's action;
+    each further step is the operator's to turn on."""
+
+    drain_before_stop: bool = False  # drain the engine (serve.drain_s) where the GPU still answers, then stop it
+    reset_gpu: bool = False  # reset a GPU whose action is a reset when nobody else's process uses it
+    known_answer: bool = False  # after a recovery, a fixed prompt must give the tokens of the first healthy start
+    reboots_before_inspect: int = 3  # reboots for one fault on one GPU before the action is "inspect the hardware"
+
+
 DEFAULT_LISTEN = ("127.0.0.1", 9847)  # dcgm-exporter uses 9400, nvidia_gpu_exporter 9835
 
 
@@ -165,6 +177,7 @@ class Config:
     log_interval_s: float = 60.0
     tuning: TuningConfig = field(default_factory=TuningConfig)
     alerts: AlertSettings = AlertSettings()
+    health: HealthPolicy = HealthPolicy()
     metrics: MetricsConfig = MetricsConfig()
     serve: ServeConfig = ServeConfig()
     files: tuple[str, ...] = ()
@@ -190,6 +203,7 @@ class Config:
                 "reapply_min_interval_s": a.reapply_min_interval_s,
                 "warn_at_design_power": a.warn_at_design_power,
             },
+            "health": dataclasses.asdict(self.health),
             "metrics": {"listen": "none" if listen is None else self.metrics.url.split("//", 1)[1],
                         "web_config": "none" if self.metrics.web is None else self.metrics.web.file},
             "serve": _serve_dict(self.serve),
@@ -292,7 +306,7 @@ def _threshold_value(t: Threshold) -> Any:
 def _validate(doc: Document, files: tuple[str, ...]) -> Config:
     r = Reader(doc)
     r.mapping((), ("gpu", "poll_interval_s", "counters_interval_s", "log_interval_s", "tuning", "alerts",
-                   "metrics", "serve"))
+                   "health", "metrics", "serve"))
     d = Config()
     gpu = _gpu_section(r, Path(doc.file).parent)
     poll = r.number(("poll_interval_s",), d.poll_interval_s, 0.05, 3600, unit=" s")
@@ -300,12 +314,13 @@ def _validate(doc: Document, files: tuple[str, ...]) -> Config:
     log_interval = r.number(("log_interval_s",), d.log_interval_s, 0, 86400, unit=" s")
     tuning = parse_tuning(r)
     alerts = _alerts_section(r)
+    health = _health_section(r)
     metrics = MetricsConfig(_listen(r, ("metrics", "listen")), _web_config(r, Path(doc.file).parent))
     r.mapping(("metrics",), ("listen", "web_config"))
     serve = _serve_section(r, Path(doc.file).parent)
     r.raise_if_errors()
     return Config(gpu=gpu, poll_interval_s=float(poll), counters_interval_s=float(counters),
-                  log_interval_s=float(log_interval), tuning=tuning, alerts=alerts, metrics=metrics,
+                  log_interval_s=float(log_interval), tuning=tuning, alerts=alerts, health=health, metrics=metrics,
                   serve=serve, files=files, document=doc)
 
 
@@ -519,6 +534,19 @@ def _alerts_section(r: Reader) -> AlertSettings:
         reapply_min_interval_s=float(r.number(base + ("reapply_min_interval_s",), d.reapply_min_interval_s,
                                               1, 86400, unit=" s")),
         warn_at_design_power=r.boolean(base + ("warn_at_design_power",), d.warn_at_design_power),
+    )
+
+
+def _health_section(r: Reader) -> HealthPolicy:
+    base = ("health",)
+    r.mapping(base, [f.name for f in dataclasses.fields(HealthPolicy)])
+    d = HealthPolicy()
+    return HealthPolicy(
+        drain_before_stop=r.boolean(base + ("drain_before_stop",), d.drain_before_stop),
+        reset_gpu=r.boolean(base + ("reset_gpu",), d.reset_gpu),
+        known_answer=r.boolean(base + ("known_answer",), d.known_answer),
+        reboots_before_inspect=int(r.number(base + ("reboots_before_inspect",), d.reboots_before_inspect, 1, 100,
+                                            integer=True)),
     )
 
 
