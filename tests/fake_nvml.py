@@ -45,7 +45,8 @@ def device(uuid, bus, **over):
                nvlink_fields=True,  # the per-link fields 161-165 answer (else only the per-link calls do)
                fabric=None,  # (state, status) of nvmlDeviceGetGpuFabricInfoV; None: NOT_SUPPORTED
                brand=14, module_id=1, default_app_clock=1755, c2c=None,  # an SXM H100: brand NVIDIA, module 1
-               mem_temp=None)  # NVML_FI_DEV_MEMORY_TEMP (field 82) in C; None: NOT_SUPPORTED
+               mem_temp=None,  # NVML_FI_DEV_MEMORY_TEMP (field 82) in C; None: NOT_SUPPORTED
+               recovery_action=None)  # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION (230); None: NOT_SUPPORTED
     dev.update(over)
     return dev
 
@@ -237,7 +238,7 @@ class FakeNvml(FakeGpm):  # GPM's calls: tests/fake_gpm.py
         known = {83: dev["energy_mj"],
                  **{74 + p: ns for p, ns in dev["violations"].items()},
                  187: dev["constraints"][0], 188: dev["constraints"][1], 189: dev["default_mw"],
-                 94: dev["replays"], 4: dev["ecc_uncorrected"], 82: dev["mem_temp"],
+                 94: dev["replays"], 4: dev["ecc_uncorrected"], 82: dev["mem_temp"], 230: dev["recovery_action"],
                  **({142 + i: v for i, v in enumerate(remapped)} if remapped is not None else {})}
         known = {k: v for k, v in known.items() if k not in dev.get("unsupported_fields", ())}
         links = dev["nvlinks"] or []
@@ -251,8 +252,9 @@ class FakeNvml(FakeGpm):  # GPM's calls: tests/fake_gpm.py
                 value = links[link][per_link[fid]] if ok else None
             else:
                 value = known.get(field)
-            if value is None:
-                out.append(SimpleNamespace(fieldId=field, nvmlReturn=NOT_SUPPORTED, valueType=0, value=None))
+            code = dev.get("field_errors", {}).get(field)  # a field's own status other than NOT_SUPPORTED
+            if value is None or code:
+                out.append(SimpleNamespace(fieldId=field, nvmlReturn=code or NOT_SUPPORTED, valueType=0, value=None))
             else:
                 out.append(SimpleNamespace(fieldId=field, nvmlReturn=0, valueType=3,
                                            value=SimpleNamespace(ullVal=value)))

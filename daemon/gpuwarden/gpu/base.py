@@ -110,6 +110,9 @@ class GpuHealth:
     # ready has no NVLink peers: tensor parallelism fails or falls back.
     fabric: str | None = None
     fabric_error: str | None = None  # a completed registration's failure, as nvmlErrorString says it
+    # The driver's recovery action, polled (NVML_FI_DEV_GET_GPU_RECOVERY_ACTION): a code of gpu/events.py
+    # RECOVERY_ACTIONS, 0 none; None where the driver does not report it (before the field existed).
+    recovery_action: int | None = None
 
     @property
     def fabric_ready(self) -> bool | None:

@@ -29,6 +29,10 @@ COUNTER_FIELDS = {
     "ecc_uncorrected": 4,  # ECC_DBE_VOL_TOTAL
     "remapped_cor": 142, "remapped_unc": 143, "remap_pending": 144, "remap_failure": 145,  # REMAPPED_*
     "memory_temp_c": 82,  # MEMORY_TEMP: HBM's sensor; no single call reads it, so batched or not at all
+    # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION (nvidia-ml-py 13.615): what the driver says must happen to the GPU now
+    # (nvmlDeviceGpuRecoveryAction_t, gpu/events.RECOVERY_ACTIONS). Batched or not at all, like MEMORY_TEMP; a
+    # driver from before it answers NOT_SUPPORTED (or INVALID_ARGUMENT for an id it does not know) once.
+    "recovery_action": 230,
 }
 # NVLink, per link: one field each, with the link as its scope (pynvml takes (field id, scope id) pairs):
 # NVML_FI_DEV_NVLINK_ERROR_DL_REPLAY 161, _DL_RECOVERY 162, _DL_CRC 163, NVML_FI_DEV_NVLINK_GET_SPEED 164 (MB/s),
@@ -42,6 +46,8 @@ NVLINK_COUNTERS = {"replay": 0, "recovery": 1, "crc": 2}
 NVLINK_STATES = {0: "down", 1: "up", 2: "sleep", 3: "off"}  # NVML_NVLINK_STATE_INACTIVE, ACTIVE, SLEEP, ..._DISABLED
 NVLINK_SWITCH = 2  # NVML_NVLINK_DEVICE_TYPE_SWITCH (nvmlDeviceGetNvLinkRemoteDeviceType)
 FABRIC_STATES = {1: "not_started", 2: "in_progress", 3: "completed"}  # NVML_GPU_FABRIC_STATE_*; 0: no fabric
+# A field's own status that will not change: unsupported here, or an id this driver does not know (newer than it).
+DEAD_FIELD_CODES = (errors.NotSupported.nvml_code, errors.InvalidArgument.nvml_code)
 VALUE_FIELDS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")  # by nvmlValueType_t
 
 
@@ -99,7 +105,7 @@ class NvmlCounters:
         for (name, field), value in zip(wanted.items(), values, strict=False):
             if value.nvmlReturn == 0 and 0 <= value.valueType < len(VALUE_FIELDS):
                 out[name] = getattr(value.value, VALUE_FIELDS[value.valueType])
-            elif value.nvmlReturn == errors.NotSupported.nvml_code:
+            elif value.nvmlReturn in DEAD_FIELD_CODES:
                 self._dead_fields.add(field)
         return out
 
@@ -140,6 +146,7 @@ class NvmlCounters:
             retire_pending=bool(pending) if pending is not None else None,
             nvlinks=tuple(self._nvlink(link, fields) for link in self.gpu.links),
             **self._fabric(),
+            recovery_action=int(fields["recovery_action"]) if "recovery_action" in fields else None,
         )
 
     def _nvlink(self, link: int, fields: dict[str, float]) -> NvLink:

@@ -154,6 +154,7 @@ class SimGpu(Gpu):
         self.gpu_lock: tuple[int, int] | None = None
         self.memory_lock: tuple[int, int] | None = None
         self.power_limit_w = self.model.default_power_limit_w
+        self.recovery_action = 0  # the driver's recovery action field: none until an event sets one
 
     # -- timeline ---------------------------------------------------------------
     def apply(self, event: Event) -> None:
@@ -176,7 +177,9 @@ class SimGpu(Gpu):
             self.ecc_uncorrected += int(event.params.get("count", 1))
         elif event.kind == "row_remap_failure":
             self.remap_failure = True
-        elif event.kind in ("xid", "recovery_action"):
+        elif event.kind == "recovery_action":  # the event thread gets it too (SimEvents), as with NVML's event set
+            self.recovery_action = int(event.params["action"])  # and the polled field follows it
+        elif event.kind == "xid":
             pass  # SimEvents hands these to the event thread, as NVML's event set does
         else:
             self.conditions[key] = dict(event.params)
@@ -209,7 +212,7 @@ class SimGpu(Gpu):
         fabric = {}
         if self.backend.scenario.topology == "nvswitch":
             fabric = {"fabric": "in_progress" if "fabric_not_ready" in self.conditions else "completed"}
-        return GpuHealth(**pcie, **memory, nvlinks=self._nvlinks(), **fabric)
+        return GpuHealth(**pcie, **memory, nvlinks=self._nvlinks(), **fabric, recovery_action=self.recovery_action)
 
     def integrate(self, dt: float) -> None:
         if self.lost:

@@ -46,7 +46,7 @@ EVENT_PARAMS: dict[str, dict[str, tuple[bool, float, float]]] = {
     "row_remap_pending": {},
     "row_remap_failure": {},
     "xid": {"xid": (True, 1, 1_000), "count": (False, 1, 100_000)},  # as NVML's event set reports them
-    "recovery_action": {"action": (True, 0, 4)},
+    "recovery_action": {"action": (True, 0, 7)},  # nvmlDeviceGpuRecoveryAction_t (gpu/events.RECOVERY_ACTIONS)
     # NVLink: a link goes down (or, with speed_mbps, retrains slower); error counters grow at these rates
     "nvlink_fault": {"link": (True, 0, 35), "speed_mbps": (False, 1, 1_000_000)},
     "nvlink_errors": {"link": (True, 0, 35), "replay_per_s": (False, 0, 1e6), "recovery_per_s": (False, 0, 1e6),
