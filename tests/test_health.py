@@ -110,3 +110,150 @@ def test_nvml_reads_the_recovery_action_in_the_batch_and_a_driver_without_it_is_
     assert first.health.recovery_action == second.health.recovery_action == expected
     assert fake.calls["field 230"] == (2 if expected is not None else 1)
     assert fake.calls["field 83"] == 2  # the rest of the batch goes on
+
+
+# -- each fault class's scenario, played through the monitor ----------------------------------------------------
+
+FAST = "poll_interval_s: 0.5\ncounters_interval_s: 1\nalerts:\n  for_s: 1\n  clear_for_s: 2\n"
+
+
+def play(scenario, until, extra="", reboots=health.no_reboots, step=0.5):
+    """The monitor on the scenario, the events delivered as the event thread would: {t: snapshot}."""
+    from gpuwarden import config
+    from gpuwarden.backends import open_configured
+    from gpuwarden.gpu.sim.backend import ManualClock
+    from gpuwarden.tune.tuning import Tuner, TuningLife
+    from gpuwarden.watch.monitor import Monitor
+
+    cfg = config.parse_text(f"gpu:\n  backend: sim\n  scenario: {scenario}\nmetrics:\n  listen: none\n{FAST}{extra}")
+    clock = ManualClock()
+    backend = open_configured(cfg, clock)
+    tuning = TuningLife(backend, cfg, Tuner(backend))
+    tuning.start(tuning.check(cfg))
+    monitor = Monitor(cfg, backend, tuning, reboots=reboots)
+    events, snaps = backend.events(), {}
+    while clock.now <= until + 1e-9:
+        monitor.record_events(events.wait(0), clock.now)
+        snaps[clock.now] = monitor.tick(clock.now)
+        clock.advance(step)
+    return monitor, snaps
+
+
+def states(snap):
+    return [(v.health.state, v.health.action) for v in snap.gpus]
+
+
+def health_lines(caplog):
+    return [(r.levelname, r.getMessage()) for r in caplog.records if " health: " in r.getMessage()]
+
+
+def metrics(snap):
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from gpuwarden.web.exposition import make_registry
+
+    text = generate_latest(make_registry(lambda: snap)).decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def firing(snap):
+    return sorted((a.gpu, a.alert) for a in snap.firing() if a.alert in ("gpu_unhealthy", "gpu_degraded"))
+
+
+def test_xid79_gpu_fallen_off_the_bus_is_unhealthy_reboot_and_the_host_takes_it(caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="gpuwarden"):
+        monitor, snaps = play("xid79", 15)
+    assert states(snaps[9.5]) == [("healthy", "none")] * 2
+    v = snaps[15.0].gpus[1].health
+    assert states(snaps[15.0]) == [("healthy", "none"), ("unhealthy", "reboot")]
+    assert v.reasons[0].startswith("GPU lost from the bus")
+    assert v.reasons[1] == "Xid 79 (GPU has fallen off the bus): reboot the node"
+    assert v.faults == ("gpu_lost", "xid79")
+    assert (snaps[15.0].host_health.state, snaps[15.0].host_health.action) == ("unhealthy", "reboot")
+    assert health_lines(caplog) == [("CRITICAL", f"GPU1 {v.uuid} health: unhealthy; action: reboot; reasons: "
+                                                 + "; ".join(v.reasons))]
+    assert firing(snaps[15.0]) == [(1, "gpu_unhealthy")]
+    assert monitor.unhealthy() == [(1, "reboot: " + "; ".join(v.reasons))]
+    assert "GPU1 unhealthy: reboot · GPU1 gpu_lost" in snaps[15.0].summary_line(numbers=False)
+    m = metrics(snaps[15.0])
+    assert m[("gpuwarden_gpu_health", (("gpu", "1"), ("state", "unhealthy")))] == 1  # a lost GPU has its series
+    assert m[("gpuwarden_gpu_health", (("gpu", "1"), ("state", "healthy")))] == 0
+    assert m[("gpuwarden_gpu_action_required", (("action", "reboot"), ("gpu", "1")))] == 1
+    assert m[("gpuwarden_gpu_action_required", (("action", "none"), ("gpu", "0")))] == 1
+    assert m[("gpuwarden_host_health", (("state", "unhealthy"),))] == 1
+    assert m[("gpuwarden_host_health", (("state", "healthy"),))] == 0
+    status = snaps[15.0].as_dict()
+    assert status["health"]["state"] == "unhealthy" and status["gpus"][1]["health"]["action"] == "reboot"
+
+
+def test_xid79_after_the_configured_reboots_asks_for_the_hardware_to_be_inspected():
+    counts = {"xid79": 3}
+    _, snaps = play("xid79", 11, reboots=lambda uuid, fault: counts.get(fault, 0))
+    v = snaps[11.0].gpus[1].health
+    assert (v.state, v.action) == ("unhealthy", "inspect")
+    assert v.reasons[0] == "Xid 79 (GPU has fallen off the bus): reboot the node, still after 3 reboots"
+    _, snaps = play("xid79", 11, "health:\n  reboots_before_inspect: 4\n",
+                    reboots=lambda uuid, fault: counts.get(fault, 0))
+    assert snaps[11.0].gpus[1].health.action == "reboot"
+
+
+def test_xid48_with_a_row_remap_pending_is_unhealthy_reset_and_a_remap_alone_is_degraded(caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="gpuwarden"):
+        _, snaps = play("xid48-row-remap", 25)
+    assert states(snaps[15.0]) == [("unhealthy", "reset_gpu"), ("healthy", "none")]
+    assert snaps[15.0].gpus[0].health.reasons == (
+        "Xid 48 (double-bit ECC error): reset the GPU", "1 uncorrected ECC error(s)",
+        "a remapped row waits for a GPU reset")
+    assert states(snaps[25.0]) == [("unhealthy", "reset_gpu"), ("degraded", "reset_gpu")]
+    assert [line[0] for line in health_lines(caplog)] == ["CRITICAL", "WARNING"]
+    assert "GPU1 " in health_lines(caplog)[1][1] and "degraded; action: reset the GPU" in health_lines(caplog)[1][1]
+    # degraded fires after alerts.for_s (1 s); unhealthy at once
+    assert firing(snaps[20.5]) == [(0, "gpu_unhealthy")]
+    assert firing(snaps[21.0]) == [(0, "gpu_unhealthy"), (1, "gpu_degraded")]
+    alert = next(a for a in snaps[25.0].firing() if a.alert == "gpu_degraded")
+    assert alert.observed == "degraded: a remapped row waits for a GPU reset" and alert.short == "reset the GPU"
+
+
+def test_the_recovery_action_asks_for_a_reset_then_a_reboot(caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="gpuwarden"):
+        _, snaps = play("recovery-action", 35)
+    assert snaps[15.0].gpus[0].sample.health.recovery_action == 1  # the polled field follows the event
+    assert states(snaps[15.0])[0] == ("unhealthy", "reset_gpu")
+    assert snaps[15.0].gpus[0].health.reasons == ("the driver's recovery action: reset the GPU",)  # said once
+    assert states(snaps[35.0])[0] == ("unhealthy", "reboot")
+    assert [(level, msg.split("; reasons")[0].split(" health: ")[1]) for level, msg in health_lines(caplog)] == [
+        ("CRITICAL", "unhealthy; action: reset the GPU"), ("CRITICAL", "unhealthy; action: reboot")]
+    assert metrics(snaps[35.0])[("gpuwarden_gpu_action_required", (("action", "reset_gpu"), ("gpu", "0")))] == 0
+
+
+def test_an_nvlink_link_down_is_degraded_and_healthy_again_when_it_comes_back(caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="gpuwarden"):
+        _, snaps = play("nvlink-down", 35, "tuning:\n  apply: false\n")
+    assert states(snaps[12.0])[1] == ("degraded", "reset_gpu")
+    assert snaps[12.0].gpus[1].health.reasons == ("NVLink link 5 down (to NVSwitch) (17 of 18 up)",)
+    assert states(snaps[35.0]) == [("healthy", "none"), ("healthy", "none"), ("degraded", "reset_gpu"),
+                                   ("healthy", "none")]
+    lines = [(level, msg.split(" ", 1)[0] + " " + msg.split(" health: ")[1].split("; reasons")[0])
+             for level, msg in health_lines(caplog)]
+    assert lines == [("WARNING", "GPU1 degraded; action: reset the GPU"),
+                     ("WARNING", "GPU2 degraded; action: reset the GPU"),
+                     ("NOTICE", "GPU1 healthy again (was degraded: reset the GPU)")]
+    assert (snaps[20.0].host_health.state, snaps[20.0].host_health.action) == ("degraded", "reset_gpu")
+
+
+def test_a_fabric_not_ready_is_degraded_until_it_completes():
+    _, snaps = play("fabric-not-ready", 102, "tuning:\n  apply: false\n", step=2.0)
+    assert states(snaps[50.0]) == [("degraded", "restart_engine")] * 4
+    assert snaps[50.0].gpus[0].health.reasons == ("NVSwitch fabric registration in progress",)
+    assert states(snaps[102.0]) == [("healthy", "none")] * 4
+    assert "GPU0 degraded: restart the engine" in snaps[50.0].summary_line()

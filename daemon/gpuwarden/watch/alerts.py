@@ -58,6 +58,7 @@ class GpuContext:
     # "set by a tune sweep"): TuningLife.chosen_power_limit. None: nobody here chose the card's limit.
     power_limit_chosen: tuple[float, str] | None = None
     windows: Mapping[type, object] = field(default_factory=dict)  # each window's reading, by its class
+    health: Any = None  # this poll's verdict (watch/health.Verdict), for the health signal's rules
 
     def window(self, kind: type[Window]) -> Any:
         """This poll's reading of a signal's window; its EMPTY one where none was read."""

@@ -123,8 +123,9 @@ def host(verdicts: Iterable[Verdict]) -> Verdict:
 
 def findings(s: GpuSample, inputs: Inputs) -> list[Finding]:
     """Every input's finding, each from its own small rule below."""
-    if not s.up:  # nothing else is readable; NVML's GPU_IS_LOST is Xid 79's state (catalog: RESTART_BM)
-        return [Finding(UNHEALTHY, REBOOT, f"GPU lost from the bus ({s.error or 'unreadable'})", "gpu_lost")]
+    if not s.up:  # nothing of its own is readable; NVML's GPU_IS_LOST is Xid 79's state (catalog: RESTART_BM)
+        return [Finding(UNHEALTHY, REBOOT, f"GPU lost from the bus ({s.error or 'unreadable'})", "gpu_lost"),
+                *_events(s, inputs)]
     return [f for rule in RULES for f in rule(s, inputs)]
 
 

@@ -17,12 +17,15 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING
 
+from . import health
 from .alerts import CRITICAL, FIRING, WARNING, AlertState, GpuContext, Poll
 from ..config import Config
 from .eventwatch import EventBook, processes_on
 from ..gpu.base import GPM_SHOWN, GpuBackend, GpuSample
+from .health import Verdict
 from .rows import Row
 from .signals import GPU_ROWS, SERVING_RULES, SIGNALS, rows_of, rules_of, windows_of
+from .signals.nvlink import LinkErrors
 from .signals.serving import EnergyWindow
 from ..base.systemd import NOTICE
 from ..gpu.throttle import is_busy
@@ -44,6 +47,7 @@ class GpuView:
     memory_lock: tuple[int, int] | None
     power_limit_chosen: tuple[float, str] | None = None  # the limit set on purpose, and by whom (TuningLife)
     windows: Mapping[type, object] = field(default_factory=dict)  # each signal's window's reading (GpuContext's)
+    health: Verdict | None = None  # can it serve, and what must happen to it (watch/health.py)
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,11 @@ class Snapshot:
     def firing(self) -> list[AlertView]:
         return [a for a in self.alerts if a.firing]
 
+    @property
+    def host_health(self) -> Verdict:
+        """The worst of the GPUs' verdicts."""
+        return health.host(v.health for v in self.gpus if v.health is not None)
+
     def summary_line(self, numbers: bool = True) -> str:
         """One line for /status's "status", e.g. `2 GPUs · locked 3090 MHz · GPU0 power_capped (-16%)`.
         Without numbers, the state alone (`... · GPU0 power_capped`, tok/s left out), for systemd's STATUS=:
@@ -107,6 +116,9 @@ class Snapshot:
             parts.append("clocks not locked")
         if activity := self._activity_part(numbers):
             parts.append(activity)
+        # What must happen comes before what fires: "GPU1 unhealthy: reboot" says more than its four alerts.
+        parts += [f"GPU{v.sample.index} {v.health.state}: {v.health.action_text}" for v in self.gpus
+                  if v.health is not None and v.health.state != health.HEALTHY]
         firing = sorted(self.firing(), key=lambda a: (a.severity != CRITICAL, a.gpu is not None, a.gpu or 0, a.alert))
         shown = [(f"GPU{a.gpu} " if a.gpu is not None else "") + a.alert
                  + (f" ({a.short})" if a.short and numbers else "") for a in firing[:3]]
@@ -148,7 +160,9 @@ class Snapshot:
             "read_only": self.read_only,
             "status": self.summary_line(),
             "gpus": [{**v.sample.as_dict(), "sm_lock_mhz": list(v.sm_lock) if v.sm_lock else None,
-                      "memory_lock_mhz": list(v.memory_lock) if v.memory_lock else None} for v in self.gpus],
+                      "memory_lock_mhz": list(v.memory_lock) if v.memory_lock else None,
+                      "health": v.health.as_dict() if v.health else None} for v in self.gpus],
+            "health": self.host_health.as_dict(),
             "alerts_firing": [a.as_dict() for a in self.firing()],
             "tuning_reapplies": {str(k): v for k, v in self.reapplies.items()},
             "sample_duration_seconds": self.sample_duration_s,
@@ -187,7 +201,8 @@ LAG_WINDOW = 300  # polls
 
 class Monitor:
     def __init__(self, config: Config, backend: GpuBackend, tuning: TuningLife,
-                 wall: Callable[[], float] = time.time, signals: Iterable[ModuleType] = SIGNALS):
+                 wall: Callable[[], float] = time.time, signals: Iterable[ModuleType] = SIGNALS,
+                 reboots: Callable[[str, str], int] = health.no_reboots):
         self.config = config
         self.backend = backend
         self.tuning = tuning  # it tunes; the monitor reads its locks and tells it what it sees
@@ -207,6 +222,8 @@ class Monitor:
         self._last_tick: float | None = None
         self.polls = 0  # polls taken; the counters are read on every counters_every()-th, for all GPUs at once
         self.energy = EnergyWindow()  # the serving engine's tokens per joule
+        self.reboots = reboots  # (uuid, fault) -> reboots recorded for it (watch/health_record.py): escalation
+        self.verdicts: dict[int, Verdict] = {}  # gpu -> its last verdict, to log each change once
 
     def counters_every(self) -> int:
         """Read the slow counters every this many polls: counters_interval_s on the poll schedule. (Each GPU
@@ -234,9 +251,14 @@ class Monitor:
         # --no-persistence-mode, and that is their choice), so off is not drift either.
         wanted = (self.config.tuning.apply and not self.tuning.persistenced
                   and self.config.tuning.for_gpu(sample.index, sample.uuid).persistence_mode)
-        return GpuContext(busy, sm_lock, mem_lock, wanted, settings,
-                          self.tuning.chosen_power_limit(sample.index, sample.uuid),
-                          {kind: window.read(sample, poll) for kind, window in self.windows.items()})
+        windows = {kind: window.read(sample, poll) for kind, window in self.windows.items()}
+        ctx = GpuContext(busy, sm_lock, mem_lock, wanted, settings,
+                         self.tuning.chosen_power_limit(sample.index, sample.uuid), windows)
+        inputs = health.Inputs(poll.events.needs_reset.get(sample.index),
+                               tuple(poll.events.recent_xids(sample.index, poll.now)), busy,
+                               ctx.window(LinkErrors).seen_up)
+        return dataclasses.replace(ctx, health=health.judge(sample, inputs, self.config.health.reboots_before_inspect,
+                                                           self.reboots))
 
     def record_events(self, events: list, now: float) -> list[tuple[int, str]]:
         """Log and count GPU events (eventwatch.EventBook); return (gpu, why) for those that ask for a reset
@@ -278,6 +300,7 @@ class Monitor:
             if self.tuning.gpu_answered(sample):  # back after being lost: reset or reloaded
                 self.events.cleared(sample.index)
             ctx = contexts[sample.index] = self._context(sample, poll)
+            self._health_changed(ctx.health)
             for rule in self.rules:
                 if rule.swept and sample.index in self.tuning.held:
                     continue  # a sweep (gpuwarden tune) set this clock or power limit: not a fault to act on
@@ -296,7 +319,7 @@ class Monitor:
         self.snapshot = Snapshot(
             taken_at=self.wall(), monotonic=now,
             gpus=tuple(GpuView(s, *self.tuning.locks.get(s.index, (None, None)), contexts[s.index].power_limit_chosen,
-                               contexts[s.index].windows) for s in samples),
+                               contexts[s.index].windows, contexts[s.index].health) for s in samples),
             alerts=tuple([_view(state) for state in self.states.values()] + host_alerts),
             transitions=dict(self.transitions), reapplies=dict(self.tuning.reapplies), event_counts=dict(self.events.counts),
             sample_duration_s=duration, loop_lag_s=loop_lag_s, read_only=not self.config.tuning.apply,
@@ -305,6 +328,28 @@ class Monitor:
             loop_lag=LagWindow.of(list(self._lags)),
             tokens_per_joule=self._efficiency(engine, stats, samples, counters, now), rows=self.rows)
         return self.snapshot
+
+    def unhealthy(self) -> list[tuple[int, str]]:
+        """(gpu index, its action and reasons as one text) of each GPU that must not serve, as of the last poll:
+        what the daemon asks before it starts or keeps an engine on a GPU."""
+        gpus = self.snapshot.gpus if self.snapshot else ()
+        return [(v.sample.index, v.health.text()) for v in gpus
+                if v.health is not None and v.health.state == health.UNHEALTHY]
+
+    def _health_changed(self, verdict: Verdict) -> None:
+        """One journal line when a GPU's state or action changes, saying the action: WARNING degraded, CRITICAL
+        unhealthy, NOTICE back to healthy. A GPU healthy from the start says nothing."""
+        was = self.verdicts.get(verdict.gpu, Verdict(verdict.gpu))
+        self.verdicts[verdict.gpu] = verdict
+        if (was.state, was.action) == (verdict.state, verdict.action):
+            return
+        who = f"GPU{verdict.gpu} {verdict.uuid} health"
+        if verdict.state == health.HEALTHY:
+            log.log(NOTICE, "%s: healthy again (was %s: %s)", who, was.state, was.action_text)
+            return
+        level = logging.CRITICAL if verdict.state == health.UNHEALTHY else logging.WARNING
+        log.log(level, "%s: %s; action: %s; reasons: %s", who, verdict.state, verdict.action_text,
+                "; ".join(verdict.reasons))
 
     def _efficiency(self, engine, stats, samples, counters: bool, now: float) -> float | None:
         """Tokens per joule over the last EnergyWindow.WINDOW_S, from the polls that read the energy counters (the

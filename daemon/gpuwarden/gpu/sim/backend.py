@@ -177,11 +177,9 @@ class SimGpu(Gpu):
             self.ecc_uncorrected += int(event.params.get("count", 1))
         elif event.kind == "row_remap_failure":
             self.remap_failure = True
-        elif event.kind == "recovery_action":  # the event thread gets it too (SimEvents), as with NVML's event set
-            self.recovery_action = int(event.params["action"])  # and the polled field follows it
-        elif event.kind == "xid":
-            pass  # SimEvents hands these to the event thread, as NVML's event set does
-        else:
+        elif event.kind == "recovery_action":  # to the event thread (SimEvents), and the polled field follows it
+            self.recovery_action = int(event.params["action"])
+        elif event.kind != "xid":  # an Xid only goes to the event thread (SimEvents), as NVML's event set does
             self.conditions[key] = dict(event.params)
 
     def _nvlinks(self) -> tuple[NvLink, ...]:
