@@ -257,3 +257,19 @@ def test_a_fabric_not_ready_is_degraded_until_it_completes():
     assert snaps[50.0].gpus[0].health.reasons == ("NVSwitch fabric registration in progress",)
     assert states(snaps[102.0]) == [("healthy", "none")] * 4
     assert "GPU0 degraded: restart the engine" in snaps[50.0].summary_line()
+
+
+def test_the_shipped_prometheus_rules_carry_each_actions_runbook_and_inhibit_what_the_action_explains():
+    import yaml
+    from conftest import ROOT
+    from gpuwarden.watch.signals.health import RUNBOOK
+
+    rules = {r["alert"]: r for g in yaml.safe_load((ROOT / "etc/prometheus/gpuwarden-rules.yml").read_text())["groups"]
+             for r in g["rules"] if "alert" in r}
+    for action, runbook in RUNBOOK.items():
+        alert = next(r for r in rules.values() if f'action="{action}"' in r["expr"])
+        assert alert["annotations"]["runbook"] == runbook and runbook in " ".join(alert["annotations"]["description"].split())
+    inhibit = yaml.safe_load((ROOT / "etc/alertmanager/gpuwarden-alertmanager.yml").read_text())["inhibit_rules"]
+    muted = {target for rule in inhibit if "GpuActionReboot" in str(rule["source_matchers"])
+             for target in str(rule["target_matchers"]).split('"')[1].split("|")}
+    assert {"GpuXid", "GpuNeedsReset", "GpuLost", "Vllm.*"} <= muted

@@ -13,9 +13,10 @@ from ..rows import Row
 # What to do for each action: the daemon rules' fix, and the shipped Prometheus rules' runbook annotation
 # (etc/prometheus/gpuwarden-rules.yml; a test holds them equal).
 RUNBOOK = {
-    RESTART_ENGINE: "the engine's side, not the GPU's: an application Xid restarts what died by itself; a fabric "
-                    "still registering needs `systemctl enable --now nvidia-fabricmanager` first; then "
-                    "`systemctl reload gpuwarden` starts the engine again",
+    RESTART_ENGINE: "stop the serving engine and start it again (`systemctl reload gpuwarden`): that drains the "
+                    "GPU's peer-to-peer traffic where the driver asks for it (DRAIN_P2P) and restarts what an "
+                    "application Xid killed; a fabric still registering needs `systemctl enable --now "
+                    "nvidia-fabricmanager` first",
     RESET_GPU: "drain the GPU and stop what uses it, then reset it (`nvidia-smi -r -i GPU`) or reboot; then "
                "`systemctl reload gpuwarden` re-applies the tuning and starts the engine",
     REBOOT: "drain the node and reboot it: only a reboot brings this GPU back; gpuwarden counts the reboots per "
