@@ -1,5 +1,6 @@
-"""The control socket: the daemon's end of `gpuwarden tune`'s channel (the wire: tune/channel.py). Threads
-accept, read and answer; the main loop decides (tune/sweeps.py's Sweeps), woken for each message.
+"""The control socket: the daemon's end of `gpuwarden tune`'s channel (the wire: tune/channel.py) and of
+`gpuwarden health clear`'s one request. Threads accept, read and answer; the main loop decides (tune/sweeps.py's
+Sweeps, watch/health_record.answer_clear), woken for each message.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ..tune.sweeps import Sweeps
 log = logging.getLogger("gpuwarden")
 
 SEND_S = 5.0  # an answer line not taken within this: the peer is not reading, the connection is closed
+HEALTH_CLEAR = "health_clear"  # `gpuwarden health clear`'s one request: a GPU repaired, its reboot counts reset
 SERVE_MAX = 8  # requests one wake of the main loop answers; the rest wait for the next wake
 
 
@@ -142,9 +144,11 @@ class ControlServer:
             return {"ok": False, "error": "the daemon did not answer in time"}
         return box["answer"]
 
-    def serve(self, sweeps: Sweeps) -> None:
+    def serve(self, sweeps: Sweeps, health: Callable[[dict, str], dict] | None = None) -> None:
         """On the main loop: answer what was queued when it woke (at most SERVE_MAX), then back to the loop:
-        connections that ask again at once must not keep it here."""
+        connections that ask again at once must not keep it here. health: answers `gpuwarden health clear`'s
+        {"op": "health_clear", ...} (watch/health_record.answer_clear): the daemon owns the record, so a repair
+        is written by it, never behind its back."""
         for _ in range(min(self.requests.qsize(), SERVE_MAX)):
             try:
                 message, peer, owner, box, done = self.requests.get_nowait()
@@ -155,6 +159,9 @@ class ControlServer:
                     box["answer"] = {"ok": True, "restored": sweeps.lost(owner, message["lost"])}
                 elif box.get("abandoned"):
                     continue  # its connection gave up on it: a late begin would leave a lease nobody holds
+                elif message.get("op") == HEALTH_CLEAR:
+                    box["answer"] = health(message, peer) if health is not None else \
+                        {"ok": False, "error": "this daemon keeps no health record"}
                 else:
                     box["answer"] = sweeps.handle(message, peer, owner)
             except errors.GpuError as exc:

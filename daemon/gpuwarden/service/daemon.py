@@ -37,6 +37,7 @@ from .reload import handover_refused, plan_reload, refusal
 from ..tune.sweeps import Sweeps
 from ..web.exposition import Exposition
 from ..watch.eventwatch import EventWatcher
+from ..watch.health_record import NAME as HEALTH_RECORD, HealthRecord, clear_handler
 from ..gpu.base import GpuBackend
 from ..watch.monitor import Monitor, describe_sample
 from ..tune.originals import originals_store
@@ -81,6 +82,8 @@ class Daemon:
         self.tuning = TuningLife(backend, config, Tuner(backend, originals_store(config, backend)))
         self.sweeps = Sweeps(self.tuning, clock)  # `gpuwarden tune`'s leases (tune/sweeps.py)
         self.control: ControlServer | None = None
+        self.health_record = HealthRecord.load(state_dir() / HEALTH_RECORD)  # reboots per GPU and fault, kept
+        self.clear_health = clear_handler(self.health_record, lambda: {g.index: g.uuid for g in backend.gpus()})
         self.monitor = Monitor(config, backend, self.tuning)
         self.exposition = Exposition(lambda: self.monitor.snapshot, clock)
         self.metrics = MetricsPort(config.metrics, self.exposition, self.status_document, self.notifier,
@@ -163,7 +166,7 @@ class Daemon:
         that owns the GPUs), and events the watcher queued: log and count them now; a GPU that needs a reset
         or a reboot stops the serving engine on it (no restart loop on a broken GPU)."""
         if self.control is not None:
-            self.control.serve(self.sweeps)
+            self.control.serve(self.sweeps, self.clear_health)
         if self.watcher is None:
             return
         if self.watcher.failure is not None:

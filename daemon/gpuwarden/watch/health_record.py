@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -220,6 +221,12 @@ def _time(value: object) -> float:
 # -- `gpuwarden health clear`'s request, answered on the daemon's loop (service/control.py) --------------------
 
 WHO_MAX = 64  # the name the client gives; the kernel's uid and pid of the peer are added to it
+
+
+def clear_handler(record: HealthRecord, uuids: Callable[[], dict[int, str]],
+                  clock: Callable[[], float] = time.time) -> Callable[[dict, str], dict]:
+    """The control socket's answer to a clear (ControlServer.serve's health=), over the GPUs uuids() lists now."""
+    return lambda message, peer: answer_clear(record, message, peer, uuids(), clock())
 
 
 def answer_clear(record: HealthRecord, message: dict, peer: str, uuids: dict[int, str], now: float) -> dict:
