@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from conftest import free_port, gpuwarden_cmd, subprocess_env
-from gpuwarden.cli import health as health_cli
 from gpuwarden.watch.health_record import HealthRecord
 
 pytestmark = pytest.mark.integration
@@ -106,7 +105,7 @@ def test_health_shows_states_and_counts_and_clear_records_who_across_restarts(ho
 
 def test_a_gpu_named_by_uuid_or_by_its_index_now_is_cleared_and_a_bad_name_is_one_line(host):
     host.start()
-    first, second = uuids(host)
+    _, second = uuids(host)
     host.stop()
     write_record(host, second, 1)
     write_record(host, "GPU-fallen-off-the-bus", 2)  # a GPU the daemon no longer lists
@@ -151,8 +150,8 @@ def test_a_caller_not_root_is_told_in_one_line(cli, monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     status, out, err = cli("health", "clear", "0")
     assert (status, out) == (77, "") and err.splitlines() == [
-        "gpuwarden: health clear asks the daemon over its root-only control socket: run it as root "
-        "(sudo gpuwarden health clear GPU)"]
+        ("gpuwarden: health clear asks the daemon over its root-only control socket: run it as root "
+         "(sudo gpuwarden health clear GPU)")]
 
 
 def test_another_user_cannot_clear_through_the_socket(daemons):

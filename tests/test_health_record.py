@@ -119,8 +119,8 @@ def test_a_gpu_back_under_another_index_keeps_its_count_and_clears_by_either_nam
                       "who": "alice (pid 9, uid 0)"}
     assert record.count("GPU-moved", "xid79") == 0
     lines = [r.getMessage() for r in caplog.records]
-    assert lines == ["health: GPU 1 (GPU-moved) cleared by alice (pid 9, uid 0): a repair recorded; its reboot "
-                     "counts (xid79 x1) reset"]
+    assert lines == [("health: GPU 1 (GPU-moved) cleared by alice (pid 9, uid 0): a repair recorded; its reboot "
+                      "counts (xid79 x1) reset")]
     # a GPU not listed now (still off the bus) is named by the UUID the record knows
     record.reboot_required("GPU-gone", "gpu_lost", 6.0)
     answer = answer_clear(record, {"op": "health_clear", "gpu": "GPU-gone", "who": "bob"}, "pid 9, uid 0", now, 7.0)
