@@ -85,7 +85,7 @@ def test_doctor_lints_the_vllm_command(write, cli, child_user):
 def test_doctor_text_is_one_line_per_finding(cli):
     status, out, _ = cli("doctor", "-c", DEFAULT_CONFIG, "--sim", "dgx-spark")
     lines = out.strip().splitlines()
-    assert status == 1 and len(lines) == 7
+    assert status == 1 and len(lines) == 8  # the GPU's health among them
     assert "INFO    GPU0 GPM: SM, tensor and DRAM activity not read: scenario dgx-spark models this NVIDIA GB10 " \
         "without it (gpm in its not_supported)" in lines  # GB10's GPM is unconfirmed: the scenario says no
     assert all(line.split()[0] in ("OK", "INFO", "WARNING", "ERROR") for line in lines)

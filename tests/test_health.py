@@ -273,3 +273,43 @@ def test_the_shipped_prometheus_rules_carry_each_actions_runbook_and_inhibit_wha
     muted = {target for rule in inhibit if "GpuActionReboot" in str(rule["source_matchers"])
              for target in str(rule["target_matchers"]).split('"')[1].split("|")}
     assert {"GpuXid", "GpuNeedsReset", "GpuLost", "Vllm.*"} <= muted
+
+
+def test_status_shows_a_health_column_and_the_reasons_and_a_daemon_before_it_shows_a_dash():
+    import time
+
+    from gpuwarden.web.status import render_status
+
+    _, snaps = play("xid79", 15)
+    state = {**snaps[15.0].as_dict(), "daemon": {"version": "t", "pid": 1, "started_at": time.time()}}
+    lines = render_status(state).splitlines()
+    header = lines[1].split()
+    assert header[:3] == ["GPU", "NAME", "HEALTH"]
+    import re
+
+    assert re.split(r"\s{2,}", lines[2])[2] == "healthy"
+    assert "unhealthy: reboot" in lines[3] and "DOWN" in lines[3]
+    assert lines[4] == "  GPU1 unhealthy: reboot, because: " + "; ".join(snaps[15.0].gpus[1].health.reasons)
+    for gpu in state["gpus"]:
+        del gpu["health"]
+    assert re.split(r"\s{2,}", render_status(state).splitlines()[2])[2] == "-"
+
+
+@pytest.mark.parametrize("scenario, at, severity, message", [
+    ("h100-nvswitch", 0, "ok", "healthy, action none"),
+    ("fabric-not-ready", 0, "warning", "degraded, action restart the engine: NVSwitch fabric registration in progress"),
+    ("gpu-lost-at-start", 0, "error", "unhealthy, action reboot: GPU lost from the bus"),
+])
+def test_doctor_says_each_gpus_health_in_one_line(scenario, at, severity, message):
+    from gpuwarden import config
+    from gpuwarden.backends import open_configured
+    from gpuwarden.gpu.sim.backend import ManualClock
+    from gpuwarden.watch.doctor import diagnose
+
+    cfg = config.parse_text(f"gpu:\n  backend: sim\n  scenario: {scenario}\n")
+    findings = {f.check: f for f in diagnose(cfg, open_configured(cfg, ManualClock(at)), deep=False)}
+    lines = [f for check, f in findings.items() if check.endswith(" health")]
+    assert lines and all(f.check.startswith("GPU") for f in lines)
+    worst = max(lines, key=lambda f: ["ok", "warning", "error"].index(f.severity))
+    assert worst.severity == severity and worst.message.startswith(message), worst
+    assert (worst.fix != "") == (severity != "ok")

@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING
 
 from ..gpu import throttle
 from ..base.safetext import visible
+from . import health
 from .signals import RULES_BY_NAME
+from .signals.health import RUNBOOK
 from ..config import AlertSettings, Config
 from ..gpu.base import ClockEventReason as R
 from ..gpu.base import OFF_PCIE, PEER_PATHS, Gpu, GpuBackend, GpuSample, gpm_activity
@@ -55,6 +57,7 @@ def diagnose(config: Config, backend: GpuBackend, deep: bool = True) -> list[Dia
     persistenced = backend.persistenced_state()
     samples = []
     for gpu, s in taken:
+        findings.append(_verdict(s, config))
         if not s.up:
             findings.append(Diagnosis(ERROR, f"GPU{s.index} present", f"{s.uuid} is lost: {s.error}",
                                     "check `dmesg` for Xid errors; reset the GPU or reboot"))
@@ -72,6 +75,16 @@ def diagnose(config: Config, backend: GpuBackend, deep: bool = True) -> list[Dia
     findings.extend(_tuning(config, backend))
     findings.extend(serving)
     return findings
+
+
+def _verdict(s: GpuSample, config: Config) -> Diagnosis:
+    """The health model's verdict (watch/health.py) from this one sample: a one-shot run has no Xid events, so
+    what it says is what the GPU itself reports (lost, the recovery action, memory, fabric, links)."""
+    busy = throttle.is_busy(s, config.alerts.busy_utilization_pct)
+    v = health.judge(s, health.Inputs(busy=busy), config.health.reboots_before_inspect)
+    severity = {health.HEALTHY: OK, health.DEGRADED: WARNING, health.UNHEALTHY: ERROR}[v.state]
+    return Diagnosis(severity, f"GPU{s.index} health", f"{v.state}, action {v.action_text}"
+                     + (f": {'; '.join(v.reasons)}" if v.reasons else ""), RUNBOOK.get(v.action, ""))
 
 
 def _health(s: GpuSample, alerts: AlertSettings) -> list[Diagnosis]:

@@ -75,6 +75,16 @@ def _power(gpu: dict) -> str:
     return text + (f" / {limit:.0f} W" if limit is not None else " W")
 
 
+def _health(gpu: dict) -> str:
+    """The HEALTH cell: "healthy", or the state and the action it requires ("unhealthy: reboot"); "-" from a daemon
+    before the health model."""
+    health = gpu.get("health")
+    if not health:
+        return "-"
+    state = str(health["state"])
+    return state if state == "healthy" else f"{state}: {health['action_text']}"
+
+
 def render_status(state: dict) -> str:
     """The table; TypeError, ValueError, KeyError or AttributeError when state is not shaped as /status is."""
     daemon = state.get("daemon", {})
@@ -83,13 +93,15 @@ def render_status(state: dict) -> str:
              f"{state.get('status', 'no sample yet')}"]
     # ACTIVITY: GPM's SM, tensor and DRAM shares beside utilization, which reads ~100 % for a kernel that only
     # sleeps; "-" on a GPU without GPM (before Hopper) or before its second read
-    rows = [("GPU", "NAME", "SM MHz", "MEM MHz", "POWER", "TEMP", "UTIL", "ACTIVITY", "REASONS")]
+    # HEALTH: can it serve, and what must happen to it (watch/health.py); the reasons follow the table
+    rows = [("GPU", "NAME", "HEALTH", "SM MHz", "MEM MHz", "POWER", "TEMP", "UTIL", "ACTIVITY", "REASONS")]
     for gpu in state.get("gpus", []):
         if not gpu.get("up", True):
-            rows.append((str(gpu["index"]), gpu["name"], "DOWN", "", "", "", "", "", gpu.get("error") or ""))
+            rows.append((str(gpu["index"]), gpu["name"], _health(gpu), "DOWN", "", "", "", "", "",
+                         gpu.get("error") or ""))
             continue
         temp, util = gpu.get("temperature_c"), gpu.get("utilization_pct")
-        rows.append((str(gpu["index"]), gpu["name"],
+        rows.append((str(gpu["index"]), gpu["name"], _health(gpu),
                      _mhz(gpu.get("sm_clock_mhz"), gpu.get("sm_lock_mhz"), gpu.get("max_sm_clock_mhz")),
                      _mhz(gpu.get("memory_clock_mhz"), gpu.get("memory_lock_mhz"), gpu.get("max_memory_clock_mhz")),
                      _power(gpu), "?" if temp is None else f"{temp:.0f} C",
@@ -97,6 +109,9 @@ def render_status(state: dict) -> str:
                      ",".join(gpu.get("clock_event_reasons") or []) or "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    for gpu in state.get("gpus", []):
+        if gpu.get("health") and gpu["health"]["state"] != "healthy":
+            lines.append(f"  GPU{gpu['index']} {_health(gpu)}, because: {'; '.join(map(str, gpu['health']['reasons']))}")
     firing = state.get("alerts_firing", [])
     lines.append("")
     lines.append("Alerts firing:" if firing else "No alerts firing.")
