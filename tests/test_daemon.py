@@ -124,7 +124,7 @@ def test_status_command_shows_the_daemons_view(write, daemons, cli):
     status, out, _ = cli("status", "-c", path)
     assert status == 0
     assert "2 GPUs · read-only" in out.splitlines()[0]
-    assert re.search(r"^0\s+NVIDIA RTX PRO 4000 Blackwell\s+180 / max 3090\s+405 / max 14001\s+27 / 145 W", out, re.M)
+    assert re.search(r"^0\s+NVIDIA RTX PRO 4000 Blackwell\s+healthy\s+180 / max 3090\s+405 / max 14001\s+27 / 145 W", out, re.M)
     assert "[warning] GPU1 sm_clock_low: SM clock 180 MHz while busy" in out
     status, out, _ = cli("status", "--json", "-c", path)
     state = json.loads(out)
