@@ -24,11 +24,14 @@ Modes:
                vLLM does with --shutdown-timeout N: new requests get 500 (its /health 200), it exits once those in
                flight finished or N s passed (without the flag, or 0: it exits at once, aborting them, as vLLM does)
   stuck-drain  as drain, but its requests never finish and SIGTERM never ends it: a drain that never ends
+  answer       POST /v1/completions answers a completion whose text is what --answer-file holds when asked (the
+               known-answer check: a test changes the file to make a restarted engine compute something else)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
@@ -46,6 +49,7 @@ vllm:kv_cache_usage_perc{{engine="0",model_name="m"}} 0.1
 
 
 DRAINERS = {"drain", "stuck-drain"}
+ANSWER_FILE = [""]  # answer mode: where the completion's text is read
 IN_FLIGHT = [0]  # the slow requests being answered (drain modes)
 IN_FLIGHT_LOCK = threading.Lock()
 DRAINING = threading.Event()  # SIGTERM came
@@ -72,6 +76,11 @@ def answer(conn: socket.socket, modes: set[str], started: float) -> None:
         path = request.split(b" ", 2)[1].decode()
         if path == "/health":
             conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            return
+        if path == "/v1/completions" and "answer" in modes:
+            with open(ANSWER_FILE[0], encoding="utf-8") as f:
+                body = json.dumps({"object": "text_completion", "choices": [{"index": 0, "text": f.read()}]}).encode()
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
             return
         if path.startswith("/v1/") and modes & DRAINERS:
             slow_request(conn, path, modes)
@@ -187,7 +196,9 @@ def main() -> None:
     parser.add_argument("--model-path")
     parser.add_argument("--enable-metrics", action="store_true")
     parser.add_argument("--shutdown-timeout", type=int, default=0)  # vLLM's drain (0.18 and later)
+    parser.add_argument("--answer-file", default="")
     args, _ = parser.parse_known_args()
+    ANSWER_FILE[0] = args.answer_file
     modes = set(args.mode.split(","))
     if "sglang" in modes:
         if not (args.model_path and args.enable_metrics):

@@ -19,7 +19,7 @@ from gpuwarden.gpu.sim.backend import ManualClock
 from gpuwarden.gpu.sim.scenario import resolve_scenario
 from gpuwarden.watch.eventwatch import EventBook, EventWatcher
 from gpuwarden.watch.monitor import Monitor
-from gpuwarden.serving.run.supervisor import FATAL, Supervisor
+from gpuwarden.serving.run.supervisor import HELD, Supervisor
 from gpuwarden.tune.tuning import Tuner, TuningLife
 from test_serving import running_supervisor, supervisor
 
@@ -134,12 +134,12 @@ def test_a_reload_gives_the_xid_repeat_its_new_period(caplog):
 def test_a_gpu_that_needs_a_reset_stops_the_engine_instead_of_restarting_it():
     sup, ops, clock = running_supervisor()
     pid = sup.child.pid
-    sup.hold(clock.now, "GPU0 Xid 79 (GPU has fallen off the bus): reboot the node")
-    assert sup.state == FATAL and (pid, 9) in ops.signals
+    sup.hold(clock.now, "waiting for GPU0's action: reboot the node (Xid 79 (GPU has fallen off the bus))")
+    assert sup.state == HELD and (pid, 9) in ops.signals  # held for the GPU: not FATAL, the engine is not at fault
     assert "Xid 79" in sup.view().problem
     clock.advance(120)
     sup.tick(clock.now)
-    assert sup.state == FATAL and len(ops.children) == 1  # no restart loop on a broken GPU
+    assert sup.state == HELD and len(ops.children) == 1  # no restart loop on a broken GPU
 
 
 def test_app_xids_name_the_processes_on_that_gpu(caplog):
@@ -198,6 +198,6 @@ def test_a_gpu_waiting_for_a_reset_holds_an_engine_started_later_until_a_reload_
     ops.health_ok = True
     sup.start(clock.now)  # started after the event, on that GPU
     daemon.handle_gpu_events()
-    assert sup.state == FATAL and "Xid 79" in sup.view().problem
-    daemon.reload()  # the operator rebooted or reset it: SIGHUP leaves FATAL and starts again
-    assert not daemon.monitor.events.needs_reset and sup.state != FATAL
+    assert sup.state == HELD and "waiting for GPU0's action: reboot the node (Xid 79" in sup.view().problem
+    daemon.reload()  # the operator rebooted or reset it: SIGHUP leaves HELD and starts again
+    assert not daemon.monitor.events.needs_reset and sup.state == "STARTING"

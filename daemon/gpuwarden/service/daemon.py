@@ -33,6 +33,7 @@ from .control import ControlServer, open_control
 from .event_thread import start_event_thread
 from .heartbeat import Heartbeat
 from .metrics_port import MetricsPort
+from .recovery import Recovery
 from .reload import handover_refused, plan_reload, refusal
 from ..tune.sweeps import Sweeps
 from ..web.exposition import Exposition
@@ -94,6 +95,7 @@ class Daemon:
         records = state_dir() if os.environ.get("STATE_DIRECTORY") else None
         self.serving = ServingRuntime(backend, sides=SIDE_KINDS, ops=ops, clock=clock, state_dir=records,
                                       keep_fd=self.notifier.keep_fd)
+        self.recovery = Recovery(self.serving, self.tuning, backend, clock, config.health)  # health:'s own steps
         self.watcher: EventWatcher | None = None  # Xid and fatal events, on their own thread
         self.wake: Callable[[], None] | None = None  # run() sets it: wakes the loop as a signal does
         self.heartbeat = Heartbeat(self.notifier, lambda: self.config.poll_interval_s)
@@ -175,7 +177,7 @@ class Daemon:
         holds = self.monitor.record_events(self.watcher.take(), now)
         if not self.stopping:
             # New events, and any GPU still waiting for a reset (an engine started since must not run there).
-            self.serving.hold(now, holds + list(self.monitor.events.needs_reset.items()))
+            self.recovery.hold(now, holds + list(self.monitor.events.needs_reset.items()))
 
     def tick(self, now: float, lag: float = 0.0) -> None:
         """One poll: a reload if one was asked for, advance serving (its faults stay there), then sample and
@@ -204,6 +206,10 @@ class Daemon:
         except Exception as exc:  # one bad poll must not end the daemon; the next one may work
             self._error_once(f"poll failed: {type(exc).__name__}: {exc}")
             return
+        try:  # a GPU back: the engine held for it starts again; a reset the policy allows; the known answer
+            self.recovery.tick(now, self.monitor.events.needs_reset, self.stopping)
+        except Exception as exc:
+            self._error_once(f"recovery: {type(exc).__name__}: {exc}")
         self.heartbeat.published(snapshot.published_at)
         if self.server is not None:
             self.exposition.published()
@@ -350,6 +356,7 @@ class Daemon:
             self.monitor.gpus_were_reset()
         self.config = step.config
         self.monitor.reconfigure(step.config)
+        self.recovery.configure(step.config.health)
         self.tuning.reload(step.config, step.tuning)
         now = self.clock()
         if step.serving_step is not None:

@@ -390,6 +390,11 @@ class TuningLife:
         log.log(NOTICE, "GPU%d %s is back: planned and applied its tuning: %s", sample.index, sample.uuid, done)
         return True
 
+    def gpu_was_reset(self, index: int) -> None:
+        """The daemon reset this GPU (service/recovery.py), which dropped its settings: at its next reading it is
+        planned and tuned as one that answers again (gpu_answered), and the monitor clears its wait for a reset."""
+        self._unplanned.add(index)
+
     def drifted(self, sample: GpuSample, causes: list[str], now: float) -> None:
         """Alerts that mean a setting was lost fire on this GPU: re-apply its tuning, at most once per
         alerts.reapply_min_interval_s."""

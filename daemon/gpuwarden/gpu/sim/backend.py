@@ -21,6 +21,7 @@ from . import power as channel_io
 from .scenario import PCIE_MAX, Event, GpuModel, Scenario
 
 MIB = 1024 * 1024
+RESET_S = 1.0  # a scripted gpu_reset's default time off the bus
 MEMORY_ABOVE_DIE_C = 4  # the simulated HBM's sensor: the die's temperature plus this (no heat model of its own)
 # Default SM clock under each slowdown, as a fraction of the max clock.
 SLOWDOWN_FRACTION = {"thermal_slowdown": 0.7, "hw_thermal_slowdown": 0.5, "hw_slowdown": 0.5}
@@ -55,13 +56,15 @@ def wall_clock() -> Callable[[], float]:
 class SimBackend(GpuBackend):
     def __init__(self, scenario: Scenario, clock: Callable[[], float] | None = None):
         self.scenario = scenario
-        self.clock = clock or wall_clock()
+        # The served workload's channel (sim/power.py): the cards' settings outlive this process, as a real
+        # card's do while its driver stays loaded, so tuning's originals are kept on disk too (originals.py).
+        # Through it a test also moves the timeline on to a fault (clock.json) once its engine is up.
+        self.channel = channel_io.channel()
+        clock = clock or wall_clock()
+        self.clock = channel_io.movable(clock, self.channel) if self.channel is not None else clock
         self._pending = list(scenario.events)
         self._time = self.clock()
         self._gpus = [SimGpu(self, i, model) for i, model in enumerate(scenario.gpus)]
-        # The served workload's channel (sim/power.py): the cards' settings outlive this process, as a real
-        # card's do while its driver stays loaded, so tuning's originals are kept on disk too (originals.py).
-        self.channel = channel_io.channel()
         self.persistent = self.channel is not None
         if self.channel is not None:
             self._load_settings(self.channel)
@@ -117,6 +120,8 @@ class SimBackend(GpuBackend):
             for gpu in self._gpus:
                 if event.gpus is None or gpu.index in event.gpus:
                     gpu.apply(event)
+        for gpu in self._gpus:
+            gpu.reset_done(now)
         self._integrate_to(now)
 
     def _integrate_to(self, t: float) -> None:
@@ -146,6 +151,8 @@ class SimGpu(Gpu):
         self.remap_failure = False
         self.pcie_replays = 0.0
         self.nvlink_errors = {link: dict.fromkeys(NVLINK_ERRORS, 0.0) for link in range(model.nvlinks)}
+        self.back_at: float | None = None  # a reset in progress (lost meanwhile): when the card answers again
+        self.resets = 0
         self._reset_driver_state()
 
     def _reset_driver_state(self) -> None:
@@ -171,6 +178,8 @@ class SimGpu(Gpu):
             self.memory_used_pct = event.params.get("memory_used_pct", self.memory_used_pct)
         elif event.kind == "driver_reload":
             self._reset_driver_state()
+        elif event.kind == "gpu_reset":
+            self.reset(float(event.params.get("for_s", RESET_S)), at=event.at_s)
         elif event.kind == "gpu_lost":
             self.lost = True
         elif event.kind == "ecc_uncorrected":
@@ -181,6 +190,19 @@ class SimGpu(Gpu):
             self.recovery_action = int(event.params["action"])
         elif event.kind != "xid":  # an Xid only goes to the event thread (SimEvents), as NVML's event set does
             self.conditions[key] = dict(event.params)
+
+    def reset(self, seconds: float = 0.0, at: float | None = None) -> None:
+        """A GPU reset: lost for `seconds`, then back (reset_done) with every condition and the volatile ECC count
+        cleared and the driver's defaults (no locks, no recovery action); a failed row remap stays."""
+        self.resets, self.ecc_uncorrected, self.lost = self.resets + 1, 0, True
+        self.conditions.clear()
+        self.back_at = (self.backend.clock() if at is None else at) + seconds
+        self.reset_done(self.backend.clock())
+
+    def reset_done(self, now: float) -> None:
+        if self.back_at is not None and now >= self.back_at:  # the reset's time is up: it answers again
+            self.back_at, self.lost = None, False
+            self._reset_driver_state()
 
     def _nvlinks(self) -> tuple[NvLink, ...]:
         """Links spread over the other GPUs in turn (all-to-all), or all to NVSwitch."""

@@ -18,8 +18,10 @@ settings back at start: a daemon killed mid-sweep finds the swept setting, as it
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +36,29 @@ MAX_FILE_BYTES = 64 * 1024
 # the hold a sample that landed between two rounds of requests read idle draw mid-step (CI: one poll of three at
 # 70 W made a 700 W step look like 483 W and moved tune's knee).
 BUSY_HOLD_S = 0.5
+MAX_LOCK_MHZ = 10_000  # a clock lock read back from gpus.json: no GPU clocks near it
+
+
+def move_clock(directory: Path, to_s: float) -> None:
+    """The test's side: move the simulated timeline on to to_s now (a fault scripted at to_s happens now), as a
+    test waits for its engine to be up before the fault. Later moves only go forward."""
+    _write(directory / "clock.json", {"to_s": to_s, "at": time.monotonic()})
+
+
+def movable(clock: Callable[[], float], directory: Path) -> Callable[[], float]:
+    """The simulator's clock through the channel: clock(), or where the last move_clock() put the timeline plus
+    the time since, whichever is later (the timeline never runs backwards)."""
+    latest = [float("-inf")]
+
+    def now() -> float:
+        base = clock()
+        data = _read(directory / "clock.json")
+        to, at = (data or {}).get("to_s"), (data or {}).get("at")
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (to, at)):
+            base = max(base, to + max(0.0, time.monotonic() - at))
+        latest[0] = max(latest[0], base)  # a move back (or a file taken away) never turns the timeline back
+        return latest[0]
+    return now
 
 
 def decode_knee_fraction(idle_w: float, full_w: float, tdp_w: float) -> float:
@@ -74,8 +99,23 @@ def write_gpus(directory: Path, gpus: list[dict]) -> None:
 
 
 def read_gpus(directory: Path) -> list[dict]:
+    """Each card's saved settings; a gpu_lock that is not [low, high] whole MHz in 1..MAX_LOCK_MHZ, or a
+    power_limit_w that is not a finite number, is left out (the folder may be another user's: a lock of 400 digits
+    made every sample's arithmetic raise, and -5 MHz read as the card's clock). The card's own range is the
+    simulator's check."""
     data = _read(directory / "gpus.json") or {}
-    return [g for g in data.get("gpus", []) if isinstance(g, dict)]
+    gpus = data.get("gpus")
+    return [_settings(g) for g in gpus if isinstance(g, dict)] if isinstance(gpus, list) else []
+
+
+def _settings(saved: dict) -> dict:
+    lock, limit = saved.get("gpu_lock"), saved.get("power_limit_w")
+    if not (isinstance(lock, list) and len(lock) == 2 and all(type(v) is int for v in lock)
+            and 1 <= lock[0] <= lock[1] <= MAX_LOCK_MHZ):
+        lock = None
+    if not (type(limit) is int or (type(limit) is float and math.isfinite(limit))):  # a bool is no int here
+        limit = None
+    return {**saved, "gpu_lock": lock, "power_limit_w": limit}
 
 
 def write_load(directory: Path, open_streams: int, prefill_share: float | None = None) -> None:
@@ -99,7 +139,8 @@ def read_load(directory: Path) -> Load | None:
     if data is None or not isinstance(data.get("open"), int):
         return None
     at = data.get("at")
-    recent = isinstance(at, (int, float)) and 0 <= time.monotonic() - at < BUSY_HOLD_S
+    now = time.monotonic()  # compared, never subtracted: an "at" of 400 digits has no float
+    recent = type(at) in (int, float) and now - BUSY_HOLD_S < at <= now
     share = data.get("prefill_share")
     valid = isinstance(share, (int, float)) and not isinstance(share, bool) and 0 <= share <= 1
     return Load(data["open"] > 0 or recent, float(share) if valid else None)

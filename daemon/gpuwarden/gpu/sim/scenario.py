@@ -41,6 +41,9 @@ EVENT_PARAMS: dict[str, dict[str, tuple[bool, float, float]]] = {
     "power_brake": {"sm_clock_mhz": (False, 1, 100_000)},
     "driver_reload": {},
     "gpu_lost": {},
+    # a GPU reset (nvidia-smi --gpu-reset, or the daemon's): the card is gone for for_s, then back with its faults
+    # cleared and its settings at the driver's defaults
+    "gpu_reset": {"for_s": (False, 0, 60)},
     "pcie_link": {"generation": (True, 1, 6), "width": (False, 1, 32)},
     "ecc_uncorrected": {"count": (False, 1, 1_000_000)},
     "row_remap_pending": {},

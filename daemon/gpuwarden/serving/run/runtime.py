@@ -28,11 +28,12 @@ from ..probe.metrics import MetricsReader, ServingStats
 from ..compose.prepare import installed_for, prepare_serve
 from . import handover
 from .kinds import ENGINE_PART, ChildKind, EngineParts, same_engine, side_specs
+from .holding import waiting_for
 from .leftovers import Leftovers
 from .processes import ProcessOps
 from .spec import ChildSpec, other_drain
 from ..probe.stall import Progress, StallWatch
-from .supervisor import BACKOFF, FATAL, RUNNING, STARTING, STOPPING, Program, ServingView, Supervisor
+from .supervisor import BACKOFF, FATAL, HELD, RUNNING, STARTING, STOPPING, Program, ServingView, Supervisor
 
 log = logging.getLogger("gpuwarden")
 
@@ -119,8 +120,8 @@ class ServingRuntime:
 
     @property
     def ready(self) -> bool:
-        """Start-up is over for serving: the engine is healthy, or FATAL (so `systemctl start` returns)."""
-        return self.engine is None or self.engine.state in (RUNNING, FATAL)
+        """Start-up is over for serving: the engine is healthy, FATAL or HELD (so `systemctl start` returns)."""
+        return self.engine is None or self.engine.state in (RUNNING, FATAL, HELD)
 
     @property
     def stopped(self) -> bool:
@@ -353,15 +354,17 @@ class ServingRuntime:
         self.pending = launch
 
     # -- the rest of the life cycle ----------------------------------------------------------
-    def hold(self, now: float, holds: Sequence[tuple[int, str]]) -> None:
-        """GPUs that need a reset or a reboot: the engine on them ends and stays down (gpu -1: unnamed)."""
-        engine = self.engine
-        if engine is None:
-            return
-        mine = {g.index for g in engine.gpus}
+    def hold(self, now: float, holds: Sequence[tuple[int, str]], drain: frozenset[int] = frozenset()) -> None:
+        """GPUs that need a reset or a reboot ((gpu, "what: action"), -1: unnamed): the engine on them waits in HELD
+        (serving/run/holding.py); drain: GPUs that still answer, where the policy lets the engine drain first."""
+        mine = {g.index for g in self.engine.gpus} if self.engine is not None else set()
         for gpu, why in holds:
             if gpu in mine or gpu < 0:
-                engine.hold(now, f"GPU{gpu} {why}" if gpu >= 0 else why)
+                self.engine.hold(now, waiting_for(gpu, why), drain=gpu in drain)
+
+    def release(self, now: float, why: str) -> bool:
+        """The held engine's GPUs are back: it starts again. False: it was not held."""
+        return self.engine is not None and self.engine.release(now, why)
 
     def reset(self, now: float) -> None:
         """A reload that changed nothing of serving: a FATAL child tries again."""

@@ -41,13 +41,12 @@ from .policy import PREFLIGHT_RETRY_S, Policy
 from .preflight import Remains, preflight
 from .processes import KILL_WAIT_S, UNSEEN_EXIT, Child, ProcessOps
 from .fronts import FrontWord
+from .holding import Holding
 from .spec import ChildSpec
+from .states import BACKOFF, EXITED, FATAL, HELD, RUNNING, STARTING, STATES, STOPPED, STOPPING  # noqa: F401 (theirs)
 
 log = logging.getLogger("gpuwarden")
 
-STOPPED, STARTING, RUNNING, BACKOFF, STOPPING, EXITED, FATAL = (
-    "STOPPED", "STARTING", "RUNNING", "BACKOFF", "STOPPING", "EXITED", "FATAL")
-STATES = (STOPPED, STARTING, RUNNING, BACKOFF, STOPPING, EXITED, FATAL)
 # new state -> the states it may be entered from
 ALLOWED_FROM = {
     STARTING: (STOPPED, BACKOFF),
@@ -55,8 +54,9 @@ ALLOWED_FROM = {
     EXITED: (STARTING, RUNNING),
     BACKOFF: (STOPPED, BACKOFF, EXITED),
     STOPPING: (STARTING, RUNNING),
-    STOPPED: (STOPPED, STOPPING, BACKOFF, EXITED, FATAL),
+    STOPPED: (STOPPED, STOPPING, BACKOFF, EXITED, FATAL, HELD),
     FATAL: (STOPPED, BACKOFF, EXITED),
+    HELD: (STOPPED, BACKOFF, EXITED),  # its GPU must not serve (holding.py): released through STOPPED
 }
 # What a child that could not bind its port says, as vLLM's OSError and uvicorn's own line write it.
 PORT_TAKEN = re.compile(r"address already in use", re.IGNORECASE)
@@ -136,7 +136,7 @@ def _of_phase(name: str) -> property:
     return property(lambda program: getattr(program.phase, name))
 
 
-class Program:
+class Program(Holding):
     """One supervised child: runs a ChildSpec (serving/run/spec.py), whatever kind of child it describes; a
     kind that needs more than the states (the multi-node rank watch) plugs its policy in (serving/run/policy.py)."""
 
@@ -319,15 +319,6 @@ class Program:
         if restart and self.state == RUNNING:
             self._failed(now, f"{self.title} stalled, restarting it: {reason}")
 
-    def hold(self, now: float, reason: str) -> None:
-        """A GPU it runs on needs a reset or a reboot: end the child and stay down (FATAL, with the reason on
-        the STATUS line) rather than loop-restart it on a broken GPU; SIGHUP tries again."""
-        if self.state in (FATAL, STOPPING, STOPPED):
-            return  # already down, or stopping; a start later is held on the next check
-        if self.child is not None:  # in BACKOFF there is none: the FATAL line says it all
-            self._end_child(f"{self.title} stopped: {reason}")
-        self._fatal(reason)
-
     def _failed(self, now: float, reason: str, code: int | None = None) -> None:
         """The child is gone or must go: kill its group, then BACKOFF or FATAL, whatever a step raises."""
         self.last_exit_code = code
@@ -373,6 +364,7 @@ class Program:
         """Begin a planned stop: SIGTERM now (to the group; an engine that drains, to its leader), SIGKILL once
         stop_timeout_s (for an engine that drains, at least its drain and a margin: serving/run/spec.py) has
         passed (in tick)."""
+        self._held_for = None  # a stop asked for now is a stop, not the end of a hold's drain
         if self.state == STOPPING:
             return
         child = self.child
@@ -426,10 +418,11 @@ class Program:
         self.drain.ended(now - phase.since, phase.killed)
         self._transition(STOPPED, f"{self.title} stopped after {now - phase.since:.1f} s ({phase.stop_count} "
                                   "processes in its group at the stop)")
+        self._stopped_for_hold()
 
     def reset(self, now: float) -> None:
-        """SIGHUP: leave FATAL and try again from scratch."""
-        if self.state == FATAL:
+        """SIGHUP: leave FATAL (or HELD: the operator says the GPU is done) and try again from scratch."""
+        if self.state in (FATAL, HELD):
             self.backoff.reset()
             self._transition(STOPPED)
             self.start(now)
