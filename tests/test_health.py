@@ -313,3 +313,16 @@ def test_doctor_says_each_gpus_health_in_one_line(scenario, at, severity, messag
     worst = max(lines, key=lambda f: ["ok", "warning", "error"].index(f.severity))
     assert worst.severity == severity and worst.message.startswith(message), worst
     assert (worst.fix != "") == (severity != "ok")
+
+
+def test_a_reboot_record_that_fails_counts_as_none_and_is_said_once(caplog):
+    import logging
+
+    def broken(uuid, fault):
+        raise ValueError("state file is not JSON")
+
+    with caplog.at_level(logging.ERROR, logger="gpuwarden"):
+        _, snaps = play("xid79", 12, reboots=broken)
+    assert snaps[12.0].gpus[1].health.action == "reboot"  # the polls went on
+    said = [r.getMessage() for r in caplog.records if "reboot count" in r.getMessage()]
+    assert len(said) == 1 and "ValueError: state file is not JSON" in said[0]

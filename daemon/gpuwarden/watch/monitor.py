@@ -224,6 +224,7 @@ class Monitor:
         self.energy = EnergyWindow()  # the serving engine's tokens per joule
         self.reboots = reboots  # (uuid, fault) -> reboots recorded for it (watch/health_record.py): escalation
         self.verdicts: dict[int, Verdict] = {}  # gpu -> its last verdict, to log each change once
+        self._reboots_failed = False  # the reboot record failed once: said once
 
     def counters_every(self) -> int:
         """Read the slow counters every this many polls: counters_interval_s on the poll schedule. (Each GPU
@@ -258,7 +259,7 @@ class Monitor:
                                tuple(poll.events.recent_xids(sample.index, poll.now)), busy,
                                ctx.window(LinkErrors).seen_up)
         return dataclasses.replace(ctx, health=health.judge(sample, inputs, self.config.health.reboots_before_inspect,
-                                                           self.reboots))
+                                                           self._reboots))
 
     def record_events(self, events: list, now: float) -> list[tuple[int, str]]:
         """Log and count GPU events (eventwatch.EventBook); return (gpu, why) for those that ask for a reset
@@ -335,6 +336,17 @@ class Monitor:
         gpus = self.snapshot.gpus if self.snapshot else ()
         return [(v.sample.index, v.health.text()) for v in gpus
                 if v.health is not None and v.health.state == health.UNHEALTHY]
+
+    def _reboots(self, uuid: str, fault: str) -> int:
+        """The reboot count, or 0 where its record cannot say (a corrupt state file): the poll goes on, said once."""
+        try:
+            return int(self.reboots(uuid, fault))
+        except Exception as exc:  # the record's fault stays in its room: no GPU goes unwatched for it
+            if not self._reboots_failed:
+                self._reboots_failed = True
+                log.error("health: the reboot count for %s %s cannot be read (%s: %s); counted as 0", uuid, fault,
+                          type(exc).__name__, exc)
+            return 0
 
     def _health_changed(self, verdict: Verdict) -> None:
         """One journal line when a GPU's state or action changes, saying the action: WARNING degraded, CRITICAL
