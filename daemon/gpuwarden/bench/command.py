@@ -17,7 +17,7 @@ from ..base.safetext import visible_lines
 from ..base.statedir import state_dir
 from ..base.systemd import print_error
 from .options import concurrency_steps, out_of_range
-from .watch import Watch
+from .watch import Watch, checked_gpus
 
 EX_STEP_FAILED, EX_USAGE, EX_INTERRUPTED = 1, 78, 130
 DEFAULT_GRACE_MAX_S = 30.0
@@ -40,8 +40,9 @@ def _gpu_reader(config: Config):
 
     if config.metrics.url is not None:
         try:
-            if fetch_status(config.metrics, timeout_s=2.0) is not None:
-                return (lambda: (fetch_status(config.metrics, timeout_s=2.0) or {}).get("gpus"),
+            if fetch_status(config.metrics, timeout_s=2.0) is not None:  # whatever answers there: each poll checked
+                return (lambda: checked_gpus((fetch_status(config.metrics, timeout_s=2.0) or {}).get("gpus"),
+                                             config.metrics.url),
                         f"the daemon's /status at {config.metrics.url}", None)
         except StatusError:
             pass

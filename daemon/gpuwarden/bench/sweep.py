@@ -271,5 +271,7 @@ async def run(sweep: Sweep, watch: Watch, progress: Callable[[int, int, int | No
                     break
         except asyncio.CancelledError:  # between steps (calibration, warm-up)
             sweep.interrupted = True
+        finally:
+            sweep.notes += watch.refusals()  # answers of /status that were not the daemon's, said once
         sweep.settings = replace(settings, workload=workload)
     return sweep

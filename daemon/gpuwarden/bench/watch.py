@@ -21,12 +21,66 @@ from dataclasses import dataclass, field
 from ..gpu.base import ClockEventReason
 from ..base.httpget import HttpError
 from ..serving.probe.metrics import fetch
-from ..web.status import StatusError
+from ..web.status import StatusError, is_share, shown
 from ..gpu.throttle import HELD_DOWN, LOCK_TOLERANCE_MHZ
 from .bound import FIELDS
 
 HELD_DOWN_NAMES = set(ClockEventReason(HELD_DOWN).names())
 GpuReader = Callable[[], "list[dict] | None"]  # the GPUs as /status reports them (GpuSample.as_dict + locks)
+
+# What bench reads of each GPU in a daemon's /status, and what each must be: whatever answers on the metrics port
+# is read (it may not be the daemon), and every poll of a step is kept until the step's end.
+MAX_GPUS = 64  # GPU indices 0..63: more than any host has
+NUMBER_MAX = 1e15  # clocks, watts, percent, bytes per second (HBM: ~1e13): a step's sum of them stays finite
+NUMBERS = ("sm_clock_mhz", "memory_clock_mhz", "power_w", "power_limit_w", "utilization_pct",
+           "memory_bandwidth_bytes_per_s", "memory_bus_width_bits")
+NAME_MAX = 256
+REASONS_MAX = 64  # clock-event reason names (the daemon's are a fixed set of about a dozen)
+
+
+def checked_gpus(gpus, url: str) -> list[dict] | None:
+    """/status's "gpus", each GPU kept as only the fields bench reads, each checked: numbers finite and 0..NUMBER_MAX,
+    GPM's shares 0..1, names and reason names strings. None where /status has no "gpus" (a poll fewer); StatusError,
+    one line naming the GPU, the field and the value, for anything else (a 400-digit integer, "x", NaN, 1e308 and
+    nested lists raised out of bench's poll thread; a list of 100,000 GPUs filled its memory poll by poll)."""
+    def refuse(what: str, value, expected: str):
+        return StatusError(f"{url}/status: {what} is {shown(value)}, not {expected}")
+
+    if gpus is None:
+        return None
+    if not isinstance(gpus, list):
+        raise refuse("gpus", gpus, "a list of GPUs")
+    if len(gpus) > MAX_GPUS:
+        raise StatusError(f"{url}/status lists {len(gpus)} GPUs: more than {MAX_GPUS} GPUs is no daemon's")
+    out = []
+    for gpu in gpus:
+        if not isinstance(gpu, dict):
+            raise refuse("an entry of gpus", gpu, "a GPU (an object)")
+        index = gpu.get("index")
+        if type(index) is not int or not 0 <= index < MAX_GPUS:
+            raise refuse("a GPU's index", index, f"0-{MAX_GPUS - 1}")
+        kept = {"index": index}
+        for name in NUMBERS + FIELDS:
+            value = gpu.get(name)
+            if value is None:
+                pass
+            elif name in FIELDS and not is_share(value):
+                raise refuse(f"GPU {index}'s {name}", value, "a share 0..1")
+            elif name in NUMBERS and not (type(value) in (int, float) and 0 <= value <= NUMBER_MAX):
+                raise refuse(f"GPU {index}'s {name}", value, f"a number 0-{NUMBER_MAX:g}")
+            kept[name] = value
+        name, reasons, lock = gpu.get("name"), gpu.get("clock_event_reasons"), gpu.get("sm_lock_mhz")
+        if name is not None and not isinstance(name, str):
+            raise refuse(f"GPU {index}'s name", name, "a string")
+        if reasons is not None and not (isinstance(reasons, list) and len(reasons) <= REASONS_MAX
+                                        and all(isinstance(r, str) and len(r) <= NAME_MAX for r in reasons)):
+            raise refuse(f"GPU {index}'s clock_event_reasons", reasons, "a list of reason names")
+        if lock is not None and not (isinstance(lock, list) and len(lock) == 2 and all(
+                type(v) in (int, float) and 0 <= v <= NUMBER_MAX for v in lock)):
+            raise refuse(f"GPU {index}'s sm_lock_mhz", lock, "[low, high] MHz")
+        kept.update(name=None if name is None else name[:NAME_MAX], clock_event_reasons=reasons, sm_lock_mhz=lock)
+        out.append(kept)
+    return out
 
 
 @dataclass
@@ -47,14 +101,21 @@ class Watch:
         self._polls = Polls()
         self._start_counters: dict[str, float] | None = None
         self._count = 0
+        self._wanted = engine_names(names)
+        self._asked = 0  # answers asked of read_gpus over the whole run, and those it refused (a StatusError)
+        self._refused = 0
+        self._first_refusal: str | None = None
 
     def _scrape(self) -> dict[str, float] | None:
+        """The names summarize_engine reads, and no others: a scrape is kept until the step's end, and 8 MiB of
+        distinct names (fetch's cap) parse to 850,000 of them, about 100 MB a scrape."""
         if self.metrics_url is None:
             return None
         try:
-            return fetch(self.metrics_url)
+            scraped = fetch(self.metrics_url)
         except (HttpError, OSError, ValueError):  # restarting, or not ours to read: the step says "not reported"
             return None
+        return {name: scraped[name] for name in self._wanted if name in scraped}
 
     def _poll(self) -> None:
         # Polls fall inside the step: the first one an interval after it began, none after it ended.
@@ -63,9 +124,14 @@ class Watch:
 
     def _poll_once(self) -> None:
         if self.read_gpus is not None:
+            self._asked += 1
             try:
                 gpus = self.read_gpus()
-            except (StatusError, HttpError, OSError, ValueError):  # the daemon restarting: a poll fewer
+            except StatusError as exc:  # not the daemon's answer (checked_gpus, fetch_status): a poll fewer, said
+                gpus = None
+                self._refused += 1
+                self._first_refusal = self._first_refusal or str(exc)
+            except (HttpError, OSError, ValueError):  # the daemon restarting: a poll fewer
                 gpus = None
             for gpu in gpus or []:
                 self._polls.gpus.setdefault(gpu["index"], []).append(gpu)
@@ -74,6 +140,13 @@ class Watch:
             scraped = self._scrape()
             if scraped is not None:
                 self._polls.engine.append(scraped)
+
+    def refusals(self) -> list[str]:
+        """One note for the run's answers read_gpus refused, or none."""
+        if not self._refused:
+            return []
+        return [f"the GPU view refused {self._refused} of {self._asked} answers from the daemon's /status, the "
+                f"first: {self._first_refusal}"]
 
     def begin(self) -> None:
         self._polls, self._count = Polls(), self.engine_every // 2  # the first scrape half an interval in
@@ -92,6 +165,17 @@ class Watch:
         end = self._scrape()
         return ([summarize_gpu(index, polls) for index, polls in sorted(self._polls.gpus.items())],
                 summarize_engine(self.names, self._start_counters, end, self._polls.engine))
+
+
+def engine_names(names) -> set[str]:
+    """Every /metrics name summarize_engine reads."""
+    if names is None:
+        return set()
+    histograms = [f"{name}_{part}" for name in (names.ttft_histogram, names.latency_histogram) if name
+                  for part in ("sum", "count")]
+    return {names.generation_tokens, names.prompt_tokens, names.requests_running, names.requests_waiting,
+            *names.kv_cache_usage, *(n for n in (names.prefix_cache_queries, names.prefix_cache_hits) if n),
+            *histograms}
 
 
 def _mean(values: list[float]) -> float | None:

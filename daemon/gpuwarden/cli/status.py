@@ -19,7 +19,7 @@ def arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from ..web.status import StatusError, fetch_status, render_status, running_elsewhere
+    from ..web.status import NotShaped, StatusError, fetch_status, render_status, running_elsewhere
 
     config = load_config(args)
     if config.metrics.url is None:
@@ -42,8 +42,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         return EX_NOT_RUNNING
     try:
         print(json.dumps(state, indent=2) if args.json else render_status(state))
-    except (TypeError, ValueError, KeyError, AttributeError):  # "gpus": 5, a string as a power reading
-        print_error(f"gpuwarden: {config.metrics.url}/status is not shaped as this gpuwarden's /status")
+    # "gpus": 5, a string as a power reading, a 400-digit integer as one (OverflowError)
+    except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as exc:
+        what = f" ({exc})" if isinstance(exc, NotShaped) else ""
+        print_error(f"gpuwarden: {config.metrics.url}/status is not shaped as this gpuwarden's /status{what}")
         return EX_NOT_RUNNING
     return EX_OK
 

@@ -137,8 +137,10 @@ class NvmlGpm:
         out = {}
         for i, (field, metric) in enumerate(wanted.items()):
             answer = request.metrics[i]
-            if answer.nvmlReturn == 0 and math.isfinite(answer.value):  # a NaN or inf is no reading: no series
-                out[field] = scale(field, float(answer.value))
+            # a NaN or inf is no reading: no series; nor a rate whose MiB/s scale past a double's range
+            if answer.nvmlReturn == 0 and math.isfinite(answer.value) and \
+                    math.isfinite(value := scale(field, float(answer.value))):
+                out[field] = value
             elif answer.nvmlReturn in FOR_GOOD:
                 self._dead.add(metric)  # e.g. NVLink's on a card without it
         return out

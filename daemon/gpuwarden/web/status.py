@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 from ..base import httpget, smallfile
 from ..config import MetricsConfig
-from ..gpu.base import gpm_activity
+from ..gpu.base import GPM_SHOWN, gpm_activity
 from ..base.safetext import visible
 from ..base.statedir import listen_file
 from ..base.webconfig import basic_auth_header
@@ -18,6 +18,21 @@ from ..base.webconfig import basic_auth_header
 
 class StatusError(Exception):
     """Something answered, but not with the daemon's /status; the message says what to do."""
+
+
+class NotShaped(ValueError):
+    """A /status value that this gpuwarden's daemon never writes; the message names it (one line, short)."""
+
+
+def is_share(value) -> bool:
+    """A GPM ratio as the daemon writes it: a number 0..1 (not a bool, not NaN)."""
+    return type(value) in (int, float) and 0 <= value <= 1
+
+
+def shown(value) -> str:
+    """A value from another process, cut to fit a line."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def fetch_status(metrics: MetricsConfig, auth: tuple[str, str] | None = None, timeout_s: float = 3.0) -> dict | None:
@@ -40,7 +55,7 @@ def fetch_status(metrics: MetricsConfig, auth: tuple[str, str] | None = None, ti
                           "password in $GPUWARDEN_PASSWORD")
     try:
         state = json.loads(reply.body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nested past the interpreter's limit
         state = None
     if reply.code != 200 or not isinstance(state, dict) or "daemon" not in state:
         raise StatusError(f"something other than gpuwarden answers on {metrics.url} (HTTP {reply.code})")
@@ -86,7 +101,8 @@ def _health(gpu: dict) -> str:
 
 
 def render_status(state: dict) -> str:
-    """The table; TypeError, ValueError, KeyError or AttributeError when state is not shaped as /status is."""
+    """The table; TypeError, ValueError (NotShaped, naming the value), KeyError, AttributeError or OverflowError (a
+    400-digit integer as a reading) when state is not shaped as /status is."""
     daemon = state.get("daemon", {})
     uptime = time.time() - daemon.get("started_at", time.time())
     lines = [f"gpuwarden {daemon.get('version', '?')} (pid {daemon.get('pid', '?')}, up {uptime:.0f} s): "
@@ -101,6 +117,9 @@ def render_status(state: dict) -> str:
                          gpu.get("error") or ""))
             continue
         temp, util = gpu.get("temperature_c"), gpu.get("utilization_pct")
+        for name in GPM_SHOWN.values():  # never "SM -500%", "nan%" or a 400-digit integer's OverflowError
+            if gpu.get(name) is not None and not is_share(gpu[name]):
+                raise NotShaped(f"GPU {shown(gpu.get('index'))}: {name} {shown(gpu[name])} is not a share 0..1")
         rows.append((str(gpu["index"]), gpu["name"], _health(gpu),
                      _mhz(gpu.get("sm_clock_mhz"), gpu.get("sm_lock_mhz"), gpu.get("max_sm_clock_mhz")),
                      _mhz(gpu.get("memory_clock_mhz"), gpu.get("memory_lock_mhz"), gpu.get("max_memory_clock_mhz")),
