@@ -149,6 +149,21 @@ def test_a_hostile_settings_file_is_ignored_and_the_simulated_cards_start_as_the
     assert gpu.gpu_lock == (1000, 1500) and gpu.power_limit_w == 500
 
 
+HOSTILE_CLOCKS = ['{"to_s": 5, "at": %s}' % BIG_TEXT, '{"to_s": %s, "at": 1}' % BIG_TEXT, '{"to_s": Infinity, "at": 1}',
+                  '{"to_s": 5, "at": NaN}', '{"to_s": true, "at": true}', '{"to_s": 1e300, "at": -1e300}']
+
+
+def test_a_hostile_clock_file_never_stops_nor_breaks_the_simulated_timeline(tmp_path):
+    """clock.json (a test moves the timeline on, power.move_clock) is in the same folder: a 400-digit "at" raised
+    OverflowError out of every sample, Infinity put the timeline at infinity for good."""
+    now = power.movable(lambda: 10.0, tmp_path)
+    for text in HOSTILE_CLOCKS:
+        (tmp_path / "clock.json").write_text(text)
+        assert now() == 10.0, text
+    power.move_clock(tmp_path, 100.0)
+    assert 100.0 <= now() < 101.0  # a real move still moves it
+
+
 def test_doctor_on_a_channel_another_user_filled_prints_its_gpm_lines_not_a_traceback(tmp_path, nobody_channel):
     chan = nobody_channel
     conf = tmp_path / "d.yaml"
@@ -186,6 +201,9 @@ def test_a_channel_another_user_owns_and_rewrites_leaves_the_daemon_polling_unde
     for kind, text in plants:
         plant(chan, "load.json", kind, text)
         time.sleep(0.3)  # more than a poll
+    for text in HOSTILE_CLOCKS:
+        plant(chan, "clock.json", "file", text)
+        time.sleep(0.3)
     time.sleep(1.0)
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=5) as reply:
         state = json.loads(reply.read())

@@ -37,6 +37,7 @@ MAX_FILE_BYTES = 64 * 1024
 # 70 W made a 700 W step look like 483 W and moved tune's knee).
 BUSY_HOLD_S = 0.5
 MAX_LOCK_MHZ = 10_000  # a clock lock read back from gpus.json: no GPU clocks near it
+MAX_CLOCK_S = 1e12  # clock.json's to_s and at (a monotonic clock's seconds): 30,000 years
 
 
 def move_clock(directory: Path, to_s: float) -> None:
@@ -54,7 +55,9 @@ def movable(clock: Callable[[], float], directory: Path) -> Callable[[], float]:
         base = clock()
         data = _read(directory / "clock.json")
         to, at = (data or {}).get("to_s"), (data or {}).get("at")
-        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (to, at)):
+        # seconds a clock can hold: the folder may be another user's, and an "at" of 400 digits raised
+        # OverflowError out of every sample, Infinity put the timeline at infinity for good (NaN fails the test)
+        if all(type(v) in (int, float) and abs(v) <= MAX_CLOCK_S for v in (to, at)):
             base = max(base, to + max(0.0, time.monotonic() - at))
         latest[0] = max(latest[0], base)  # a move back (or a file taken away) never turns the timeline back
         return latest[0]
