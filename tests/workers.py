@@ -24,6 +24,7 @@ LONG_POLES = {
     # nspawn group it loaded the box to 60 and timed-out tests beside it)
     "test_planned_restart_vllm.py": "vllm-engines",
     "test_multinode_vllm.py": "vllm-nodes", "test_prometheus.py": "vllm-nodes",
+    "test_recovery_vllm.py": "vllm-nodes",  # one engine start and one restart, one after the other
     "test_fleet_timing.py": "fleet-timing",  # nine minutes of the shipped waits
     "test_systemd_deb.py": "nspawn",
     "test_fleet.py": "fleet",

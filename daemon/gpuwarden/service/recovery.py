@@ -101,7 +101,9 @@ class Recovery:
     def hold(self, now: float, holds: list[tuple[int, str]]) -> None:
         """GPUs that need a reset or a reboot: the engine on them waits (drained first where the policy says and
         the GPU still answers)."""
-        drain = frozenset(g for g, _ in holds if self.policy.drain_before_stop and self._answers(g))
+        engine = self.serving.engine
+        serving = engine is not None and engine.state == RUNNING  # else there is nothing to drain: no GPU read
+        drain = frozenset(g for g, _ in holds if self.policy.drain_before_stop and serving and self._answers(g))
         self.serving.hold(now, holds, drain)
 
     def _answers(self, index: int) -> bool:
