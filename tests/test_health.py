@@ -326,3 +326,30 @@ def test_a_reboot_record_that_fails_counts_as_none_and_is_said_once(caplog):
     assert snaps[12.0].gpus[1].health.action == "reboot"  # the polls went on
     said = [r.getMessage() for r in caplog.records if "reboot count" in r.getMessage()]
     assert len(said) == 1 and "ValueError: state file is not JSON" in said[0]
+
+
+def test_three_boots_of_xid79_count_in_the_record_and_the_third_asks_for_inspection(tmp_path):
+    """What the daemon does each poll (service/daemon.py): the monitor reads the record's counts, record_reboots
+    counts each fault that asked for a reboot once per boot and saves; a new daemon (a new boot) loads the file."""
+    from gpuwarden.watch.health_record import HealthRecord, record_reboots
+
+    path, seen = tmp_path / "health.json", []
+    for boot in ("boot-1", "boot-2", "boot-3", "boot-3"):  # the last: the daemon restarted within boot 3
+        record = HealthRecord.load(path, boot_id=lambda boot=boot: boot)
+        monitor, snaps = play("xid79", 15, reboots=record.count)
+        record_reboots(record, monitor.verdicts.values(), 1000.0)
+        monitor, snaps = play("xid79", 15, reboots=record.count)  # the next polls see this boot's count
+        seen.append((record.count(snaps[15.0].gpus[1].health.uuid, "xid79"), snaps[15.0].gpus[1].health.action))
+    assert seen == [(1, "reboot"), (2, "reboot"), (3, "inspect"), (3, "inspect")]
+    assert HealthRecord.load(path).count(snaps[15.0].gpus[1].health.uuid, "gpu_lost") == 3  # saved, both faults
+
+
+def test_an_engine_waits_for_every_unhealthy_gpu_each_text_ending_with_its_action():
+    from gpuwarden.watch.health import waiting
+
+    monitor, snaps = play("xid79", 15)
+    wait = waiting({}, monitor.verdicts)
+    assert list(wait) == [1] and wait[1].endswith(": reboot") and wait[1].startswith("GPU lost from the bus")
+    # the events' book wins where it names the GPU (its text ends with the Xid table's action)
+    assert waiting({1: "Xid 48 (double-bit ECC error): reset the GPU"}, monitor.verdicts)[1].endswith("reset the GPU")
+    assert waiting({}, {0: snaps[15.0].gpus[0].health}) == {}  # a healthy GPU holds nothing

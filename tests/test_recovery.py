@@ -127,6 +127,27 @@ def test_by_default_the_engine_waits_for_the_gpu_and_starts_when_it_is_back_with
     assert text.index("is back: planned and applied its tuning") < text.index("vLLM released: its GPUs answer again")
 
 
+def test_a_gpu_judged_unhealthy_without_any_event_holds_the_engine_until_it_is_healthy_again():
+    """The daemon holds for what the health model judges too (watch/health.waiting): here a GPU off the bus that
+    no Xid announced."""
+    from gpuwarden.watch.health import waiting
+
+    sup, ops, clock, monitor, recovery = rig()
+    gpu = monitor.backend.gpus()[0]
+    gpu.reset(30.0)  # off the bus for 30 s, and no event says so
+    monitor.tick(clock.now)
+    wait = waiting(monitor.events.needs_reset, monitor.verdicts)
+    assert not monitor.events.needs_reset and list(wait) == [0]
+    recovery.hold(clock.now, list(wait.items()))
+    assert sup.state == HELD and sup.problem.startswith("waiting for GPU0's action: reboot (GPU lost from the bus")
+    recovery.tick(clock.now, wait)
+    assert sup.state == HELD  # still judged unhealthy: no restart into it
+    gpu.backend.clock.advance(31)
+    monitor.tick(clock.now)
+    recovery.tick(clock.now, waiting(monitor.events.needs_reset, monitor.verdicts))
+    assert monitor.verdicts[0].state == "healthy" and sup.state == STARTING and len(ops.children) == 2
+
+
 def test_a_drain_only_where_the_policy_says_and_the_gpu_still_answers():
     for policy, lost, drained in ((HealthPolicy(drain_before_stop=True), False, True),
                                   (HealthPolicy(drain_before_stop=True), True, False),

@@ -38,7 +38,8 @@ from .reload import handover_refused, plan_reload, refusal
 from ..tune.sweeps import Sweeps
 from ..web.exposition import Exposition
 from ..watch.eventwatch import EventWatcher
-from ..watch.health_record import NAME as HEALTH_RECORD, HealthRecord, clear_handler
+from ..watch.health import waiting
+from ..watch.health_record import NAME as HEALTH_RECORD, HealthRecord, clear_handler, record_reboots
 from ..gpu.base import GpuBackend
 from ..watch.monitor import Monitor, describe_sample
 from ..tune.originals import originals_store
@@ -85,7 +86,8 @@ class Daemon:
         self.control: ControlServer | None = None
         self.health_record = HealthRecord.load(state_dir() / HEALTH_RECORD)  # reboots per GPU and fault, kept
         self.clear_health = clear_handler(self.health_record, lambda: {g.index: g.uuid for g in backend.gpus()})
-        self.monitor = Monitor(config, backend, self.tuning)
+        # a reboot for the same fault on the same GPU past health.reboots_before_inspect: "inspect the hardware"
+        self.monitor = Monitor(config, backend, self.tuning, reboots=self.health_record.count)
         self.exposition = Exposition(lambda: self.monitor.snapshot, clock)
         self.metrics = MetricsPort(config.metrics, self.exposition, self.status_document, self.notifier,
                                    self._error_once)
@@ -177,7 +179,11 @@ class Daemon:
         holds = self.monitor.record_events(self.watcher.take(), now)
         if not self.stopping:
             # New events, and any GPU still waiting for a reset (an engine started since must not run there).
-            self.recovery.hold(now, holds + list(self.monitor.events.needs_reset.items()))
+            self.recovery.hold(now, holds + list(self._waiting().items()))
+
+    def _waiting(self) -> dict[int, str]:
+        """The GPUs no engine may run on: those an event asked a reset or a reboot for, and those judged unhealthy."""
+        return waiting(self.monitor.events.needs_reset, self.monitor.verdicts)
 
     def tick(self, now: float, lag: float = 0.0) -> None:
         """One poll: a reload if one was asked for, advance serving (its faults stay there), then sample and
@@ -207,7 +213,8 @@ class Daemon:
             self._error_once(f"poll failed: {type(exc).__name__}: {exc}")
             return
         try:  # a GPU back: the engine held for it starts again; a reset the policy allows; the known answer
-            self.recovery.tick(now, self.monitor.events.needs_reset, self.stopping)
+            self.recovery.tick(now, self._waiting(), self.stopping)
+            record_reboots(self.health_record, self.monitor.verdicts.values(), time.time())
         except Exception as exc:
             self._error_once(f"recovery: {type(exc).__name__}: {exc}")
         self.heartbeat.published(snapshot.published_at)

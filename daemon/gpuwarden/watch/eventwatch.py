@@ -101,7 +101,7 @@ class EventBook:
         if since is None:
             return self.needs_reset.get(event.gpu) if reset else None
         more = f" ({since} more since the last line)" if since else ""
-        done = ("the serving engine on it is stopped until the GPU is reset and gpuwarden reloaded"
+        done = ("the serving engine on it is stopped and waits (HELD) until the GPU is back"
                 if reset else "its processes' own health decides (the engine restarts if it died)"
                 if xid is not None and xid.app_fault else "logged and counted")
         extra = f"; processes on it: {processes(event.gpu)}" if xid is not None and xid.app_fault else ""

@@ -12,7 +12,7 @@ watch/xids.py keeps the table) and NVML's nvmlDeviceGpuRecoveryAction_t (gpu/eve
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from ..gpu.base import GpuSample
@@ -65,6 +65,7 @@ class Verdict:
     action: str = NONE
     reasons: tuple[str, ...] = ()
     faults: tuple[str, ...] = ()  # the findings' fault keys, most severe first (a reboot's record names them)
+    reboot_faults: tuple[str, ...] = ()  # those whose finding asked for a reboot: the record counts them per boot
 
     @property
     def action_text(self) -> str:
@@ -100,7 +101,8 @@ def judge(sample: GpuSample, inputs: Inputs, reboots_before_inspect: int,
     same fault (reboots(uuid, fault), the state directory's count) becomes "inspect the hardware": rebooting
     again would not help (gpud escalates the same way, leptonai/gpud#1075)."""
     found = []
-    for f in findings(sample, inputs):
+    raw = findings(sample, inputs)
+    for f in raw:
         if f.action == REBOOT and (count := reboots(sample.uuid, f.fault)) >= reboots_before_inspect:
             f = Finding(f.state, INSPECT, f"{f.reason}, still after {count} reboots", f.fault)
         found.append(f)
@@ -109,7 +111,20 @@ def judge(sample: GpuSample, inputs: Inputs, reboots_before_inspect: int,
     found.sort(key=lambda f: (-STATES.index(f.state), -ACTIONS.index(f.action)))
     return Verdict(sample.index, sample.uuid, max((f.state for f in found), key=STATES.index),
                    max((f.action for f in found), key=ACTIONS.index), tuple(f.reason for f in found),
-                   tuple(dict.fromkeys(f.fault for f in found)))
+                   tuple(dict.fromkeys(f.fault for f in found)),
+                   tuple(dict.fromkeys(f.fault for f in raw if f.action == REBOOT)))
+
+
+def waiting(needs_reset: Mapping[int, str], verdicts: Mapping[int, Verdict]) -> dict[int, str]:
+    """The GPUs an engine must not run on, and why, each text ending with its action ("...: reset the GPU"): the
+    events' book (an Xid or the driver's event that asked for a reset or a reboot) and every GPU judged unhealthy
+    (lost from the bus, the polled recovery action, uncorrected ECC, a failed remap...). An engine held for them
+    starts again once none of its GPUs is here."""
+    out = dict(needs_reset)
+    for index, verdict in verdicts.items():
+        if verdict.state == UNHEALTHY and index not in out:
+            out[index] = "; ".join(verdict.reasons) + ": " + verdict.action_text
+    return out
 
 
 def host(verdicts: Iterable[Verdict]) -> Verdict:

@@ -22,7 +22,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from ..base import smallfile
@@ -221,6 +221,18 @@ def _time(value: object) -> float:
 # -- `gpuwarden health clear`'s request, answered on the daemon's loop (service/control.py) --------------------
 
 WHO_MAX = 64  # the name the client gives; the kernel's uid and pid of the peer are added to it
+
+
+def record_reboots(record: HealthRecord, verdicts: Iterable, now: float) -> None:
+    """Each fault a GPU's verdict says asks for a reboot (Verdict.reboot_faults), counted by the record once per boot;
+    saved only when a count moved (every poll asks; almost always nothing is new)."""
+    moved = False
+    for verdict in verdicts:
+        for fault in verdict.reboot_faults:
+            before = record.count(verdict.uuid, fault)
+            moved |= record.reboot_required(verdict.uuid, fault, now) != before
+    if moved:
+        record.save()
 
 
 def clear_handler(record: HealthRecord, uuids: Callable[[], dict[int, str]],
