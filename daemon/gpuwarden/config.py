@@ -209,6 +209,8 @@ class Config:
             "serve": _serve_dict(self.serve),
             "tuning": {
                 "apply": t.apply, "restore_on_stop": t.restore_on_stop,
+                "power_budget_w": "none" if t.power_budget_w is None else t.power_budget_w,
+                "power_shares": dict(t.power_shares),
                 **per_gpu(dict(t.default.wanted)),
                 "gpus": {key: per_gpu(dict(settings)) for key, settings in t.overrides},
             },
