@@ -68,18 +68,50 @@ def chosen_gauge(monitor):
     return {s.labels["gpu"]: s.value for s in families["gpuwarden_gpu_power_limit_chosen_watts"].samples}
 
 
-def test_a_limit_the_tuning_chose_is_reported_as_that_choice_with_its_clock_loss(caplog):
+def notice_line(caplog, gpu=0):
+    return [r.getMessage() for r in caplog.records if f"GPU{gpu} " in r.getMessage() and
+            "held_at_chosen_limit firing" in r.getMessage()][0]
+
+
+def test_a_limit_the_tuning_chose_is_a_notice_of_that_choice_not_a_power_capped_warning(caplog):
     monitor, clock = monitor_for("rtx-pro-4000-headless", FAST + "tuning:\n  power_limit_w: 120\n")
     with caplog.at_level(logging.INFO, logger="gpuwarden"):
         events = play(monitor, clock, 25)
-    assert (1.0, 0, "power_capped", "firing") in events  # at 120 W, 60 % load already caps: still one warning
-    assert not [e for e in events if e[2] == "at_design_power"]
-    line = capped_line(caplog)
-    assert "SM clock 2580 MHz, -17% of locked 3090 MHz; drawing 120 W at the power limit chosen in " \
-           "tuning.power_limit_w, 120 W (SwPowerCap)" in line
+    assert (1.0, 0, "held_at_chosen_limit", "firing") in events  # at 120 W, 60 % load already caps
+    assert not [e for e in events if e[2] in ("power_capped", "at_design_power")]
+    notice = [a for a in monitor.snapshot.alerts if a.alert == "held_at_chosen_limit" and a.gpu == 0][0]
+    assert notice.severity == "info"
+    line = notice_line(caplog)
+    assert "SM clock 2580 MHz, -17% of locked 3090 MHz; drawing 120 W held at 120 W, chosen in " \
+           "tuning.power_limit_w (SwPowerCap)" in line
     assert line.endswith("fix: nothing to fix: the limit was chosen, and the clock loss shown is its price")
     assert "raise" not in line and "increase" not in line
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "GPU0 " in r.getMessage()]
     assert chosen_gauge(monitor) == {"0": 120, "1": 120}
+
+
+def test_a_tune_sweeps_step_is_the_notice_not_power_capped(tmp_path, caplog):
+    monitor, clock = monitor_for("rtx-pro-4000-headless")
+    sweeps = Sweeps(monitor.tuning, clock, marker=tmp_path / "sweep.json")
+    owner = object()
+    assert sweeps.handle({"op": "begin", "setting": "power_limit_w", "gpus": [0], "lease_s": 60, "force": True},
+                         "test", owner)["ok"]
+    assert sweeps.handle({"op": "set", "value": 100}, "test", owner)["ok"]
+    with caplog.at_level(logging.INFO, logger="gpuwarden"):
+        events = play(monitor, clock, 5)
+    assert (1.0, 0, "held_at_chosen_limit", "firing") in events
+    assert not [e for e in events if e[2] == "power_capped"]
+    assert "held at 100 W, set by a tune sweep (SwPowerCap)" in notice_line(caplog)
+
+
+def test_a_thermal_cap_still_warns_at_a_chosen_limit():
+    monitor, clock = monitor_for("thermal", FAST + "tuning:\n  power_limit_w: 200\n")
+    events = play(monitor, clock, 22)
+    assert (1.0, 0, "held_at_chosen_limit", "firing") in events  # 60 % of 450 W is above the chosen 200 W
+    assert (11.0, 0, "thermal_slowdown", "firing") in events
+    assert not [e for e in events if e[2] == "power_capped"]
+    severity = {a.alert: a.severity for a in monitor.snapshot.alerts}
+    assert severity["thermal_slowdown"] == "warning" and severity["held_at_chosen_limit"] == "info"
 
 
 def test_a_limit_below_the_maximum_nobody_here_chose_warns_with_the_watts_that_could_be_added(caplog):
@@ -94,14 +126,18 @@ def test_a_limit_below_the_maximum_nobody_here_chose_warns_with_the_watts_that_c
     assert line.endswith("fix: raise tuning.power_limit_w by up to 25 W, to 145 W (the card's maximum), "
                          "or accept the clock loss")
     assert chosen_gauge(monitor) == {}  # nothing chosen on either GPU: no series
-    # The tuning wants 130 W, yet the card enforces 120 W that somebody else set: not the choice, so the raise.
+    # The tuning wants 130 W, yet the card enforces 120 W that somebody else set: throttled below the choice, a
+    # warning whose fix is to find what lowered it (raising the config would change nothing).
     caplog.clear()
     monitor, clock = monitor_for("rtx-pro-4000-headless", FAST + "tuning:\n  power_limit_w: 130\n")
     monitor.backend.gpus()[0].set_power_limit_w(120)
     with caplog.at_level(logging.INFO, logger="gpuwarden"):
         play(monitor, clock, 3)
-    assert "fix: raise tuning.power_limit_w by up to 25 W" in capped_line(caplog, 0)
-    assert "chosen in tuning.power_limit_w, 130 W" in capped_line(caplog, 1)
+    line = capped_line(caplog, 0)
+    assert "at power limit 120 W, below the 130 W chosen in tuning.power_limit_w (SwPowerCap)" in line
+    assert line.endswith("fix: something else lowered the limit (nvidia-smi -pl, a cron job, another tool): stop "
+                         "it, then `systemctl reload gpuwarden` sets the chosen limit again")
+    assert "held at 130 W, chosen in tuning.power_limit_w" in notice_line(caplog, 1)
     assert chosen_gauge(monitor) == {"0": 130, "1": 130}
     monitor, clock = monitor_for("rtx-pro-4000-headless", FAST.replace("alerts:\n", "alerts:\n  warn_at_design_power: "
                                                                       "true\n"))

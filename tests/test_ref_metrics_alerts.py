@@ -124,6 +124,7 @@ def test_alert_text_is_readable():
     text = (ROOT / alerts_ref.PAGE).read_text()
     assert "{{" not in text and "$labels" not in text
     power = text.split("### `GpuPowerCapped`", 1)[1].split("###", 1)[0]
-    assert "nothing to fix while the choice stands" in power and "Otherwise: set tuning.power_limit_w" in power
+    assert "`systemctl reload gpuwarden` sets the chosen limit again" in power
+    assert "set alerts.warn_at_design_power: false" in power and "Otherwise: set tuning.power_limit_w" in power
     node_down = text.split("### `ServingNodeDown`", 1)[1].split("###", 1)[0]
     assert "**critical**" in node_down and "- **Fix:** `journalctl -u gpuwarden` on {instance}" in node_down
