@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,8 @@ from ..gpu.base import Gpu, GpuBackend, GpuCapabilities, GpuSample
 from .originals import OriginalsStore
 from ..base.systemd import NOTICE
 from .tunables import Step, Unfit, persistenced_fix
+from . import budget
+from .budget import Mover, PowerBudget
 from .wanted import Configured, GpuTuning
 from ..base.yamlfile import ConfigError, ConfigErrors
 
@@ -113,9 +116,31 @@ def make_plan(backend: GpuBackend, config: Configured) -> Plan:
         who = f"GPU {on[0].index} ({on[0].name}, {on[0].uuid})" if len(on) == 1 else \
             f"GPUs {', '.join(str(g.index) for g in on)} ({', '.join(names)})"
         problems.append(config.error(path, f"{who}: {message}", allowed))
+    notes += _budget_notes(config, gpus, problems)
     if problems:
         raise ConfigErrors(sorted(problems, key=lambda e: (e.file, e.line, e.key)))
     return Plan(tuple(plans), tuple(notes), persistenced)
+
+
+def _budget_notes(config: Configured, gpus: list[Gpu], problems: list[ConfigError]) -> list[str]:
+    """tuning.power_budget_w: a config error below the cards' minimum limits, else the split it would make now
+    (from each card's current draw and demand), as a note of the plan."""
+    t = config.tuning
+    if t.power_budget_w is None:
+        return []
+    cards, lost = budget.cards_of(gpus, {g.index: g.sample() for g in gpus}, t.power_share, {})
+    floor = budget.minimum_w(cards)
+    if floor > t.power_budget_w:
+        problems.append(config.error(("tuning", "power_budget_w"),
+                                     f"{t.power_budget_w:g} W is below the minimum power limits of the "
+                                     f"{len(cards)} GPUs, {floor:g} W in all", f"at least {floor:g} W"))
+        return []
+    if not cards:
+        return [f"power budget {t.power_budget_w:g} W: no GPU reports power-limit constraints, nothing to split"]
+    alloc = (budget.static_split if lost else budget.split)(cards, t.power_budget_w)
+    how = "a static split (GPU " + ", ".join(map(str, lost)) + " lost)" if lost else "by demand now"
+    return [f"power budget {t.power_budget_w:g} W, split {how}: {budget.describe(alloc, t.power_budget_w)}; "
+            f"it follows the demand every {budget.MOVE_EVERY_S:g} s"]
 
 
 def _check_override_keys(config: Configured, gpus: list[Gpu], problems: list[ConfigError]) -> None:
@@ -258,6 +283,9 @@ def _verify(action: Action, sample: GpuSample) -> Outcome:
     return Outcome(action, ok, message)
 
 
+BACK_LINE_S = 60.0  # a GPU's "is back" line at most once in this (a flapping GPU returns every other poll)
+
+
 class TuningLife:
     """The tuning's whole life on a running daemon, in one place: plan and apply at start (and verify), the
     locks the clock alerts measure against, planning a GPU that answers again (a reset or a driver reload
@@ -277,9 +305,44 @@ class TuningLife:
         self._last_reapply: dict[int, float] = {}
         self._unplanned: set[int] = set()  # unreadable when planned: planned as soon as they answer
         self._was_up: dict[int, bool] = {}
+        self._back_said: dict[int, tuple[float, int]] = {}  # gpu -> (its last "is back" line, returns unsaid since)
         self.held: set[int] = set()  # GPUs a sweep's lease holds (sweeps.py): no re-apply on them meanwhile
         self.held_setting: str | None = None  # the setting it sweeps there: a reload leaves it to the sweep's end
         self.held_step: Any = None  # the value the sweep last set there (None: none yet)
+        self.budget = self._budget(config)  # tuning.power_budget_w's split and mover (tune/budget.py)
+
+    def _budget(self, config: Configured) -> PowerBudget | None:
+        t = config.tuning
+        if t.power_budget_w is None:
+            return None
+        return PowerBudget(t.power_budget_w, t.power_share, Mover(self._set_budget_limit, _enforced_limit))
+
+    def _set_budget_limit(self, gpu: Gpu, watts: float) -> None:
+        """A budget move, through the tuner: the card's original limit is recorded before its first change."""
+        action = Action(gpu.index, gpu.uuid, "power_limit_w", gpu.sample().power_limit_w, watts, True,
+                        "power budget")
+        for outcome in self.tuner.apply(Plan((GpuPlan(gpu.index, gpu.uuid, gpu.name, (action,)),))):
+            if not outcome.ok:
+                log.warning("power budget: %s", outcome.describe())
+        self.tuned = True
+
+    def budget_tick(self, samples: list[GpuSample], now: float) -> None:
+        """The daemon's poll: every budget.MOVE_EVERY_S, the budget's split follows the demand read in samples. A
+        sweep's cards (gpuwarden tune) keep its step; the rest of the budget is split over the others."""
+        if self.budget is None or not self.budget.due(now):
+            return
+        try:
+            self.budget.tick(self.backend.gpus(), {s.index: s for s in samples}, now, self._swept_limits(samples),
+                             self.config.tuning.apply)
+        except Exception as exc:  # the budget's fault stays in its room: the poll goes on, the limits stay
+            log.error("power budget: %s: %s", type(exc).__name__, exc)
+
+    def _swept_limits(self, samples: list[GpuSample]) -> dict[int, float]:
+        if self.held_setting != "power_limit_w":
+            return {}
+        enforced = {s.index: s.power_limit_w for s in samples}
+        return {i: float(self.held_step) if self.held_step is not None else enforced.get(i) or 0.0
+                for i in self.held}
 
     def check(self, config: Configured) -> Plan:
         """The plan config gives on these GPUs; ConfigErrors for a value a card cannot take. Changes nothing."""
@@ -305,6 +368,9 @@ class TuningLife:
         old, self.config = self.config, config
         if config.tuning == old.tuning:
             return
+        if (config.tuning.power_budget_w, config.tuning.power_shares) != (old.tuning.power_budget_w,
+                                                                          old.tuning.power_shares):
+            self.budget = self._budget(config)  # a new split at the next poll; the limits in force stay till then
         if old.tuning.apply:
             # A setting the new plan leaves alone (gpu_clocks: auto on a datacenter card) is not kept either.
             kept = {(a.gpu, a.setting) for a in plan.actions if a.target is not None} if config.tuning.apply \
@@ -321,6 +387,8 @@ class TuningLife:
         a limit found on the card, or set by somebody else, is nobody's choice here."""
         if self._is_held(index, "power_limit_w") and self.held_step is not None:
             return float(self.held_step), "set by a tune sweep"
+        if self.budget is not None and self.config.tuning.apply:
+            return self.budget.chosen(index)
         wanted = self.config.tuning.for_gpu(index, uuid).power_limit_w
         if wanted is None or not self.config.tuning.apply:
             return None
@@ -387,7 +455,15 @@ class TuningLife:
             return True
         outcomes = self.tuner.apply(self._unheld(mine))
         done = "; ".join(o.describe() for o in outcomes) or "nothing to change"
-        log.log(NOTICE, "GPU%d %s is back: planned and applied its tuning: %s", sample.index, sample.uuid, done)
+        said, unsaid = self._back_said.get(sample.index, (-BACK_LINE_S, 0))
+        now = time.monotonic()
+        if now - said < BACK_LINE_S:  # a GPU that flaps (lost and back every poll): one line a minute
+            self._back_said[sample.index] = (said, unsaid + 1)
+            return True
+        self._back_said[sample.index] = (now, 0)
+        again = f" ({unsaid} more returns before this one not logged: it flaps)" if unsaid else ""
+        log.log(NOTICE, "GPU%d %s is back: planned and applied its tuning: %s%s", sample.index, sample.uuid, done,
+                again)
         return True
 
     def gpu_was_reset(self, index: int) -> None:
@@ -414,3 +490,9 @@ class TuningLife:
         self.reapplies[sample.index] += 1
         done = "; ".join(o.describe() for o in outcomes) or "nothing to change"
         log.warning("GPU%d %s re-applied tuning after %s: %s", sample.index, sample.uuid, ", ".join(causes), done)
+
+
+def _enforced_limit(gpu: Gpu) -> float | None:
+    """The limit NVML enforces on this card now; None when it cannot be read."""
+    sample = gpu.sample()
+    return sample.power_limit_w if sample.up else None

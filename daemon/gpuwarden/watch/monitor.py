@@ -87,6 +87,7 @@ class Snapshot:
     loop_lag: LagWindow | None = None
     tokens_per_joule: float | None = None  # the engine's generated tokens over its GPUs' energy (EnergyWindow)
     rows: tuple[Row, ...] = GPU_ROWS  # the metric rows of the signals it was read with, for /metrics
+    budget: dict | None = None  # tuning.power_budget_w's split (tune/budget.PowerBudget.view); None: no budget
 
     @property
     def serving(self) -> ServingView | None:
@@ -197,6 +198,9 @@ class LagWindow:
 
 
 LAG_WINDOW = 300  # polls
+# A GPU whose health changed FLAP_CHANGES times within FLAP_S (lost and back every poll) gets at most one change
+# line per FLAP_S, which counts the changes not said: a flapping card must not flood the journal.
+FLAP_CHANGES, FLAP_S = 6, 60.0
 
 
 class Monitor:
@@ -225,6 +229,8 @@ class Monitor:
         self.reboots = reboots  # (uuid, fault) -> reboots recorded for it (watch/health_record.py): escalation
         self.verdicts: dict[int, Verdict] = {}  # gpu -> its last verdict, to log each change once
         self._reboots_failed = False  # the reboot record failed once: said once
+        self._changes: dict[int, deque[float]] = {}  # gpu -> when its last FLAP_CHANGES health changes came
+        self._flap_said: dict[int, tuple[float, int]] = {}  # gpu -> (its last change line while flapping, unsaid)
 
     def counters_every(self) -> int:
         """Read the slow counters every this many polls: counters_interval_s on the poll schedule. (Each GPU
@@ -301,7 +307,7 @@ class Monitor:
             if self.tuning.gpu_answered(sample):  # back after being lost: reset or reloaded
                 self.events.cleared(sample.index)
             ctx = contexts[sample.index] = self._context(sample, poll)
-            self._health_changed(ctx.health)
+            self._health_changed(ctx.health, now)
             for rule in self.rules:
                 if rule.swept and sample.index in self.tuning.held:
                     continue  # a sweep (gpuwarden tune) set this clock or power limit: not a fault to act on
@@ -311,6 +317,7 @@ class Monitor:
                     self._log_event(event, state, sample, now)
             self.tuning.drifted(sample, [rule.name for rule in self.rules if rule.reapply
                                          and self.states[(rule.name, sample.index)].phase == FIRING], now)
+        self.tuning.budget_tick(samples, now)  # the power budget's split follows the demand just read
         engine = serving[0] if serving else None  # the serving rules are about the engine
         for state in self.serving_states.values():
             event = state.step(state.rule.check(engine, samples), now, self.config.alerts, restart_timers=stalled)
@@ -327,7 +334,8 @@ class Monitor:
             children=tuple(serving or ()), stats=stats, sequence=(self.snapshot.sequence + 1) if self.snapshot else 1,
             published_at=time.monotonic() if published_at is None else published_at,
             loop_lag=LagWindow.of(list(self._lags)),
-            tokens_per_joule=self._efficiency(engine, stats, samples, counters, now), rows=self.rows)
+            tokens_per_joule=self._efficiency(engine, stats, samples, counters, now), rows=self.rows,
+            budget=self.tuning.budget.view() if self.tuning.budget is not None else None)
         return self.snapshot
 
     def unhealthy(self) -> list[tuple[int, str]]:
@@ -348,14 +356,24 @@ class Monitor:
                           type(exc).__name__, exc)
             return 0
 
-    def _health_changed(self, verdict: Verdict) -> None:
+    def _health_changed(self, verdict: Verdict, now: float = 0.0) -> None:
         """One journal line when a GPU's state or action changes, saying the action: WARNING degraded, CRITICAL
-        unhealthy, NOTICE back to healthy. A GPU healthy from the start says nothing."""
+        unhealthy, NOTICE back to healthy. A GPU healthy from the start says nothing; one that flaps (FLAP_S)
+        one line a FLAP_S."""
         was = self.verdicts.get(verdict.gpu, Verdict(verdict.gpu))
         self.verdicts[verdict.gpu] = verdict
         if (was.state, was.action) == (verdict.state, verdict.action):
             return
         who = f"GPU{verdict.gpu} {verdict.uuid} health"
+        changes = self._changes.setdefault(verdict.gpu, deque(maxlen=FLAP_CHANGES))
+        changes.append(now)
+        if len(changes) == FLAP_CHANGES and now - changes[0] < FLAP_S:
+            said, unsaid = self._flap_said.get(verdict.gpu, (-FLAP_S, 0))
+            if now - said < FLAP_S:
+                self._flap_said[verdict.gpu] = (said, unsaid + 1)
+                return
+            self._flap_said[verdict.gpu] = (now, 0)
+            who += f" (flapping: {FLAP_CHANGES} changes within {now - changes[0]:.0f} s, {unsaid} not logged)"
         if verdict.state == health.HEALTHY:
             log.log(NOTICE, "%s: healthy again (was %s: %s)", who, was.state, was.action_text)
             return

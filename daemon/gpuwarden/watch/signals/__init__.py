@@ -13,10 +13,10 @@ from types import ModuleType
 
 from ..alerts import Rule, Window
 from ..rows import Row
-from . import activity, clocks, device, fabric, health, memory, nvlink, pcie, power, serving, slowdown, thermal, xid
+from . import activity, budget, clocks, device, fabric, health, memory, nvlink, pcie, power, serving, slowdown, thermal, xid
 
 # health last: its verdict reads what the others read (the monitor judges it before any rule runs)
-SIGNALS = (clocks, power, slowdown, thermal, device, activity, xid, pcie, nvlink, fabric, memory, health)
+SIGNALS = (clocks, power, budget, slowdown, thermal, device, activity, xid, pcie, nvlink, fabric, memory, health)
 
 
 def rules_of(signals: Iterable[ModuleType]) -> tuple[Rule, ...]:

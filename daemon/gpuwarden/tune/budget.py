@@ -1,0 +1,248 @@
+"""The power budget (tuning.power_budget_w): one wall-power limit the GPUs share, split by demand, and the mover that
+puts a new split on the cards without the sum of the enforced limits ever passing the budget.
+
+The split is pure data (split, static_split): each card's NVML constraints, its demand and its weight in, watts
+out. The mover (PowerBudget) runs on the daemon's loop every MOVE_EVERY_S: it lowers the cards that give watts
+first, reads each back (the limit NVML enforces), and only then raises the others, each raise no more than the
+readings leave room for. A card lost, or a limit that does not read back, ends the moving: a static split that
+fits (budget x weight, minimums first) is set instead, and said once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from ..base.systemd import NOTICE
+from ..gpu import errors
+from ..gpu.base import ClockEventReason as R
+from ..gpu.base import Gpu, GpuSample
+from ..gpu.throttle import reasons
+from .tunables import BUSY_PCT, power_limit_is
+
+log = logging.getLogger("gpuwarden")
+MOVE_EVERY_S = 5.0  # how often the split follows the demand: a card that starts working waits at most this long
+HEADROOM_W = 50.0  # a card neither capped nor idle wants its draw plus this, so a rising load is not capped at once
+WATT = 1.0  # allocations are whole watts (NVML takes milliwatts; a card verifies within POWER_TOLERANCE_W)
+
+
+@dataclass(frozen=True)
+class Card:
+    index: int
+    uuid: str
+    min_w: float  # NVML's power-limit constraints
+    max_w: float
+    demand_w: float  # what it would use now (demand())
+    weight: float = 1.0  # tuning.power_shares
+    fixed_w: float | None = None  # a sweep holds this card's limit here: it gets exactly this
+
+
+def demand(sample: GpuSample, min_w: float, max_w: float) -> float:
+    """What a card would use: held at its limit by SwPowerCap while it works, its maximum; idle, its minimum;
+    otherwise its draw plus HEADROOM_W, within its constraints."""
+    busy = (sample.utilization_pct or 0) >= BUSY_PCT
+    if busy and R.SwPowerCap in reasons(sample):
+        return max_w
+    if not busy or sample.power_w is None:
+        return min_w
+    return min(max_w, max(min_w, sample.power_w + HEADROOM_W))
+
+
+def minimum_w(cards: Iterable[Card]) -> float:
+    """The least the cards can be held at: each at its minimum, a swept one at its step."""
+    return sum(c.fixed_w if c.fixed_w is not None else c.min_w for c in cards)
+
+
+def split(cards: list[Card], budget_w: float) -> dict[int, float]:
+    """Each card's limit: its minimum (a swept card its step) first, then what is left of the budget shared by
+    weight, each card up to its demand. Watts nobody wants stay unallocated. Raises ValueError when the
+    minimums alone pass the budget."""
+    return _fill(cards, budget_w, lambda c: c.demand_w)
+
+
+def static_split(cards: list[Card], budget_w: float) -> dict[int, float]:
+    """The fallback: no demand read, budget x weight within each card's constraints, minimums first."""
+    return _fill(cards, budget_w, lambda c: c.max_w)
+
+
+def _fill(cards: list[Card], budget_w: float, want: Callable[[Card], float]) -> dict[int, float]:
+    floor = minimum_w(cards)
+    if floor > budget_w:
+        raise ValueError(f"the minimums come to {floor:g} W, above the budget of {budget_w:g} W")
+    alloc = {c.index: (c.fixed_w if c.fixed_w is not None else c.min_w) for c in cards}
+    left = budget_w - floor
+    hungry = [c for c in cards if c.fixed_w is None and min(want(c), c.max_w) > alloc[c.index]]
+    while left >= WATT and hungry:  # water-filling: a card that reaches its want leaves its share to the rest
+        weights = sum(c.weight for c in hungry)
+        given = 0.0
+        for c in hungry:
+            more = min(left * c.weight / weights, min(want(c), c.max_w) - alloc[c.index])
+            alloc[c.index] += more
+            given += more
+        left -= given
+        hungry = [c for c in hungry if min(want(c), c.max_w) - alloc[c.index] >= WATT / 2]
+        if given < WATT / 2:
+            break
+    # whole watts, rounded down, so rounding never passes the budget; a minimum is a whole watt on every card
+    return {i: max(float(int(w + 1e-6)), _card(cards, i).min_w) for i, w in alloc.items()}
+
+
+def _card(cards: list[Card], index: int) -> Card:
+    return next(c for c in cards if c.index == index)
+
+
+def describe(alloc: dict[int, float], budget_w: float) -> str:
+    return ", ".join(f"GPU {i} {w:g} W" for i, w in sorted(alloc.items())) + \
+        f" (sum {sum(alloc.values()):g} of {budget_w:g} W)"
+
+
+def cards_of(gpus: list[Gpu], samples: dict[int, GpuSample], weight: Callable[[int, str], float],
+             fixed: dict[int, float]) -> tuple[list[Card], list[int]]:
+    """The cards to split over, from a poll's readings, and the indices of those lost (no reading, no
+    constraints): a lost card keeps the share of a static split."""
+    cards, lost = [], []
+    for gpu in gpus:
+        caps = gpu.capabilities()
+        low, high = caps.power_limit_min_w, caps.power_limit_max_w
+        sample = samples.get(gpu.index)
+        if low is None or high is None:
+            lost.append(gpu.index)
+            continue
+        up = sample is not None and sample.up
+        if not up:
+            lost.append(gpu.index)
+        want = demand(sample, low, high) if up else high
+        cards.append(Card(gpu.index, gpu.uuid, low, high, want, weight(gpu.index, gpu.uuid), fixed.get(gpu.index)))
+    return cards, lost
+
+
+class Mover:
+    """Puts a split on the cards: lowers first and reads each back, then raises within the room the readings
+    leave. set_limit(gpu, watts) sets through the tuner (so the original is recorded); read_limit(gpu) is the
+    enforced limit (None: unreadable). Returns the indices whose limit did not read back."""
+
+    def __init__(self, set_limit: Callable[[Gpu, float], None], read_limit: Callable[[Gpu], float | None]):
+        self.set_limit, self.read_limit = set_limit, read_limit
+
+    def move(self, gpus: list[Gpu], target: dict[int, float], budget_w: float,
+             known: dict[int, float]) -> tuple[int, list[int]]:
+        """(limits set, GPUs that did not read back). known: the last enforced limit of each card, the
+        conservative count for a card that cannot be read now."""
+        enforced = dict(known)
+        for gpu in gpus:
+            reading = self.read_limit(gpu)
+            if reading is not None:
+                enforced[gpu.index] = reading
+        sets, bad = 0, []
+        by_index = {g.index: g for g in gpus}
+        lowers = [i for i, w in target.items() if i in enforced and w < enforced[i] - WATT / 2]
+        raises = [i for i, w in target.items() if i in enforced and w > enforced[i] + WATT / 2]
+        for i in lowers + raises:
+            want = target[i]
+            if want > enforced[i]:  # a raise: only into the room the readings leave
+                room = budget_w - sum(w for j, w in enforced.items() if j != i)
+                want = min(want, float(int(room + 1e-6)))
+                if want <= enforced[i] + WATT / 2:
+                    continue
+            try:
+                self.set_limit(by_index[i], want)
+                sets += 1
+            except errors.GpuError as exc:
+                log.warning("power budget: GPU%d power limit %g W not set: %s", i, want, exc)
+            reading = self.read_limit(by_index[i])
+            if reading is not None:
+                enforced[i] = reading
+            if not power_limit_is(reading, want):
+                bad.append(i)
+                if reading is None:  # unreadable: counted at the higher of the two, whichever it enforces
+                    enforced[i] = max(enforced[i], want)
+        return sets, bad
+
+
+class PowerBudget:
+    """The budget's life on a running daemon: every MOVE_EVERY_S, the split from the latest readings, put on the
+    cards by the Mover; the static fallback once a card is lost or a limit does not read back; what it chose, for
+    the alerts (chosen) and the metrics and status (view)."""
+
+    def __init__(self, budget_w: float, weight: Callable[[int, str], float], mover: Mover):
+        self.budget_w, self.weight, self.mover = budget_w, weight, mover
+        self.alloc: dict[int, float] = {}  # the split in force (or planned, read-only)
+        self.enforced: dict[int, float] = {}  # the last enforced limits read
+        self.moves = 0  # limits set by the budget
+        self.fallback: str | None = None  # why the split is static now
+        self.short: str | None = None  # the minimums pass the budget (a GPU added): the alert's text
+        self._last = float("-inf")
+        self._read_back_failed = False  # latched until a reload: a card that ignores a set is not moved again
+
+    def due(self, now: float) -> bool:
+        return now - self._last >= MOVE_EVERY_S
+
+    def tick(self, gpus: list[Gpu], samples: dict[int, GpuSample], now: float, fixed: dict[int, float],
+             apply: bool) -> None:
+        """One look: the split, and (apply) the moves."""
+        self._last = now
+        cards, lost = cards_of(gpus, samples, self.weight, fixed)
+        for s in samples.values():
+            if s.up and s.power_limit_w is not None:
+                self.enforced[s.index] = s.power_limit_w
+        try:
+            if lost or self._read_back_failed:
+                self._fall_back(f"GPU {', '.join(map(str, lost))} lost" if lost else None)
+                target = static_split(cards, self.budget_w)
+            else:
+                self._resume()
+                target = split(cards, self.budget_w)
+        except ValueError as exc:
+            self._short(f"{exc}: raise tuning.power_budget_w to at least {minimum_w(cards):g} W, or weigh fewer "
+                        "GPUs into it")
+            return
+        self.short = None
+        self.alloc = target
+        if not apply:
+            return
+        up = [g for g in gpus if g.index not in lost]
+        sets, bad = self.mover.move(up, {i: w for i, w in target.items() if i not in lost and i not in fixed},
+                                    self.budget_w, self.enforced)
+        self.moves += sets
+        if bad:
+            self._read_back_failed = True
+            self._fall_back(f"GPU {', '.join(map(str, bad))} did not read back its limit")
+
+    def _fall_back(self, why: str | None) -> None:
+        if why is None or self.fallback == why:
+            return
+        self.fallback = why
+        log.warning("power budget: %s: holding a static split that fits %g W until %s", why, self.budget_w,
+                    "a reload" if self._read_back_failed else "every GPU answers again")
+
+    def _resume(self) -> None:
+        if self.fallback is not None:
+            log.log(NOTICE, "power budget: every GPU answers again: the split follows the demand again")
+            self.fallback = None
+
+    def _short(self, text: str) -> None:
+        if self.short != text:
+            log.error("power budget: %s", text)
+        self.short = text
+
+    def chosen(self, index: int) -> tuple[float, str] | None:
+        """This card's allocation and who chose it, for the power rules."""
+        if index not in self.alloc:
+            return None
+        return self.alloc[index], f"set by the power budget ({self.budget_w:g} W over {len(self.alloc)} GPUs)"
+
+    def room_for(self, swept: dict[int, float], gpus: list[Gpu], samples: dict[int, GpuSample]) -> str | None:
+        """A sweep asks to hold these cards at these limits: None when the rest of the budget still covers the
+        other cards' minimums, else the one line that refuses the step."""
+        cards, _ = cards_of(gpus, samples, self.weight, swept)
+        floor = minimum_w(cards)
+        if floor > self.budget_w:
+            return (f"{', '.join(f'{w:g} W on GPU {i}' for i, w in sorted(swept.items()))} would take the power "
+                    f"budget to {floor:g} W with the other GPUs at their minimums, above tuning.power_budget_w "
+                    f"{self.budget_w:g} W")
+        return None
+
+    def view(self) -> dict:
+        return {"budget_w": self.budget_w, "alloc": dict(self.alloc), "moves": self.moves,
+                "fallback": self.fallback, "short": self.short}
