@@ -24,6 +24,8 @@ from .tunables import BUSY_PCT, power_limit_is
 log = logging.getLogger("gpuwarden")
 MOVE_EVERY_S = 5.0  # how often the split follows the demand: a card that starts working waits at most this long
 HEADROOM_W = 50.0  # a card neither capped nor idle wants its draw plus this, so a rising load is not capped at once
+URGENT_W = 50.0  # a card the new split gives this much more moves at once (a card started working), not at the period
+MIN_MOVE_S = 1.0  # but no more often than this
 WATT = 1.0  # allocations are whole watts (NVML takes milliwatts; a card verifies within POWER_TOLERANCE_W)
 
 
@@ -175,14 +177,15 @@ class PowerBudget:
         self._last = float("-inf")
         self._read_back_failed = False  # latched until a reload: a card that ignores a set is not moved again
 
-    def due(self, now: float) -> bool:
-        return now - self._last >= MOVE_EVERY_S
-
     def tick(self, gpus: list[Gpu], samples: dict[int, GpuSample], now: float, fixed: dict[int, float],
              apply: bool) -> None:
-        """One look: the split, and (apply) the moves."""
-        self._last = now
+        """One poll's look: the split, and (apply) the moves, every MOVE_EVERY_S, or at once (MIN_MOVE_S apart) where
+        a card needs URGENT_W more than it has or the enforced limits pass the budget (a card back at its default)."""
         cards, lost = cards_of(gpus, samples, self.weight, fixed)
+        if now - self._last < MOVE_EVERY_S and not (now - self._last >= MIN_MOVE_S and
+                                                    self._urgent(cards, samples, lost, fixed)):
+            return
+        self._last = now
         for s in samples.values():
             if s.up and s.power_limit_w is not None:
                 self.enforced[s.index] = s.power_limit_w
@@ -208,6 +211,18 @@ class PowerBudget:
         if bad:
             self._read_back_failed = True
             self._fall_back(f"GPU {', '.join(map(str, bad))} did not read back its limit")
+
+    def _urgent(self, cards: list[Card], samples: dict[int, GpuSample], lost: list[int], fixed: dict) -> bool:
+        limits = [s.power_limit_w for s in samples.values() if s.up and s.power_limit_w is not None]
+        if sum(limits) > self.budget_w + WATT / 2:
+            return True
+        if lost or self._read_back_failed:
+            return False
+        try:
+            target = split(cards, self.budget_w)
+        except ValueError:
+            return False
+        return any(w - self.alloc.get(i, w) >= URGENT_W for i, w in target.items() if i not in fixed)
 
     def _fall_back(self, why: str | None) -> None:
         if why is None or self.fallback == why:

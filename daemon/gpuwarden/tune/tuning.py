@@ -329,7 +329,7 @@ class TuningLife:
     def budget_tick(self, samples: list[GpuSample], now: float) -> None:
         """The daemon's poll: every budget.MOVE_EVERY_S, the budget's split follows the demand read in samples. A
         sweep's cards (gpuwarden tune) keep its step; the rest of the budget is split over the others."""
-        if self.budget is None or not self.budget.due(now):
+        if self.budget is None:
             return
         try:
             self.budget.tick(self.backend.gpus(), {s.index: s for s in samples}, now, self._swept_limits(samples),

@@ -1,0 +1,209 @@
+"""tuning.power_budget_w (issue 43 item 1): the split, the mover's order, a 5-minute simulated run with the load
+moving between two 600 W cards under 800 W, the four-card fallback when a GPU is lost, and the config errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpuwarden import config
+from gpuwarden.backends import open_configured
+from gpuwarden.gpu.base import ClockEventReason as R
+from gpuwarden.gpu.sim import power
+from gpuwarden.gpu.sim.backend import ManualClock
+from gpuwarden.gpu.sim.scenario import resolve_scenario
+from gpuwarden.tune import budget
+from gpuwarden.tune.budget import Card, split, static_split
+from gpuwarden.tune.tuning import Tuner, TuningLife
+
+X2, X4 = "rtx-pro-6000-server-x2", "rtx-pro-6000-server-x4-lost"
+
+
+def card(index, demand, weight=1.0, low=150.0, high=600.0, fixed=None):
+    return Card(index, f"GPU-{index}", low, high, demand, weight, fixed)
+
+
+# -- the split ------------------------------------------------------------------------------------------------
+
+def test_one_busy_one_idle_the_busy_card_gets_its_max():
+    assert split([card(0, 600), card(1, 150)], 800) == {0: 600, 1: 150}
+
+
+def test_both_busy_split_evenly():
+    assert split([card(0, 600), card(1, 600)], 800) == {0: 400, 1: 400}
+
+
+def test_weights_share_what_is_above_the_minimums():
+    # 500 W above the minimums, 3:1 (capped at 600): GPU 0 150 + 375 = 525, GPU 1 150 + 125 = 275
+    assert split([card(0, 600, weight=3), card(1, 600)], 800) == {0: 525, 1: 275}
+
+
+def test_constraints_and_demand_bound_each_card():
+    alloc = split([card(0, 600, low=200, high=450), card(1, 300), card(2, 150)], 1500)
+    assert alloc == {0: 450, 1: 300, 2: 150}  # watts nobody wants stay unallocated
+
+
+def test_a_swept_card_keeps_its_step_and_the_rest_is_shared():
+    assert split([card(0, 600, fixed=500), card(1, 600)], 800) == {0: 500, 1: 300}
+
+
+def test_minimums_above_the_budget_raise():
+    with pytest.raises(ValueError, match="300 W, above the budget of 250 W"):
+        split([card(0, 600), card(1, 600)], 250)
+
+
+def test_static_split_fits_with_minimums_first():
+    alloc = static_split([card(i, 150) for i in range(4)], 1500)
+    assert alloc == {0: 375, 1: 375, 2: 375, 3: 375}
+    lopsided = static_split([card(0, 150, low=500), card(1, 150), card(2, 150)], 900)
+    assert lopsided == {0: 533, 1: 183, 2: 183}  # 800 W of minimums first, the 100 W left shared evenly
+
+
+def test_demand_reads_the_cap_the_idle_and_the_draw(tmp_path):
+    backend = _backend(tmp_path, X2, 800)[0]
+    busy, idle = (g.sample() for g in backend.gpus())
+    assert R.SwPowerCap in R(busy.clock_event_reasons or 0) or busy.power_w >= 590
+    assert budget.demand(busy, 150, 600) == 600
+    assert budget.demand(idle, 150, 600) == 150
+
+
+# -- the mover and the run ----------------------------------------------------------------------------------
+
+def _backend(tmp_path, scenario, budget_w, timeline=None):
+    path = resolve_scenario(scenario)
+    if timeline is not None:
+        text = path.read_text()
+        path = tmp_path / f"{scenario}.yaml"
+        path.write_text(text[:text.index("timeline:")] + "timeline:\n" + timeline)
+    cfg = config.parse_text(f"gpu: {{backend: sim, scenario: {path}}}\nmetrics: {{listen: none}}\n"
+                            f"tuning: {{power_budget_w: {budget_w}, gpu_clocks: none}}\n")
+    clock = ManualClock()
+    return open_configured(cfg, clock), cfg, clock
+
+
+def _recording(backend, sums):
+    """Every set of a power limit on the simulated cards appends the sum of the enforced limits after it."""
+    gpus = backend.gpus()
+    for gpu in gpus:
+        original = gpu.set_power_limit_w
+
+        def recorded(watts, original=original):
+            original(watts)
+            sums.append(sum(g.power_limit_w for g in gpus))
+        gpu.set_power_limit_w = recorded
+
+
+def _moving_timeline(seconds, every):
+    lines = []
+    for n, at in enumerate(range(0, seconds, every)):
+        lines.append(f"  - {{at_s: {at}, event: load, gpus: [{n % 2}], utilization_pct: 100}}\n")
+        lines.append(f"  - {{at_s: {at}, event: load, gpus: [{1 - n % 2}], utilization_pct: 0}}\n")
+    return "".join(lines)
+
+
+def _run(tmp_path, budget_w, seconds=300, static=None):
+    """Play the moving load for `seconds` of simulated time, polled every 100 ms. Returns (the largest sum of the
+    enforced limits seen at a check or after any set, the busy card's mean decode and prefill speeds)."""
+    backend, cfg, clock = _backend(tmp_path, X2, budget_w, _moving_timeline(seconds, 20))
+    life = TuningLife(backend, cfg, Tuner(backend))
+    sums: list[float] = []
+    if static is None:
+        clock.advance(0.1)
+        life.budget_tick([g.sample() for g in backend.gpus()], clock())  # the daemon's first poll
+    _recording(backend, sums)
+    if static is not None:  # the operator's static split: each card's limit once, no budget
+        life.budget = None
+        for gpu, watts in zip(backend.gpus(), static):
+            gpu.set_power_limit_w(watts)
+    decode = prefill = 0.0
+    steps = seconds * 10
+    for step in range(steps):
+        clock.advance(0.1)
+        samples = [g.sample() for g in backend.gpus()]
+        life.budget_tick(samples, clock())
+        if step:  # the first poll finds the driver's defaults (600 + 600 W): the budget starts there
+            sums.append(sum(g.power_limit_w for g in backend.gpus()))
+        busy = max(backend.gpus(), key=lambda g: g.utilization)
+        published = busy.published()
+        decode += power.speed("decode", published["loaded_fraction"], published["decode_knee_fraction"]) / steps
+        prefill += power.speed("prefill", published["loaded_fraction"], published["decode_knee_fraction"]) / steps
+    return max(sums), decode, prefill, life
+
+
+def test_the_mover_lowers_first_and_the_sum_never_passes_the_budget(tmp_path):
+    worst, decode, prefill, life = _run(tmp_path, 800)
+    assert worst <= 800
+    assert life.budget.moves >= 20  # the load moved 15 times: the split followed it
+    assert life.budget.fallback is None
+
+
+def test_the_busy_card_serves_faster_than_under_a_static_even_split(tmp_path):
+    _, decode, prefill, _ = _run(tmp_path, 800)
+    _, decode_static, prefill_static, _ = _run(tmp_path, 800, static=(400, 400))
+    # The simulator's decode keeps full speed down to two thirds of TDP (400 W), so decode alone gains nothing;
+    # prefill runs with the clock, and the budget's 600 W buys it back.
+    assert decode >= decode_static * 0.98
+    assert prefill / prefill_static > 1.2
+
+
+def test_chosen_power_limit_names_the_budget(tmp_path):
+    backend, cfg, clock = _backend(tmp_path, X2, 800)
+    life = TuningLife(backend, cfg, Tuner(backend))
+    clock.advance(1)
+    life.budget_tick([g.sample() for g in backend.gpus()], clock())
+    assert life.chosen_power_limit(0, backend.gpus()[0].uuid) == (600, "set by the power budget (800 W over 2 GPUs)")
+    assert [g.power_limit_w for g in backend.gpus()] == [600, 150]
+
+
+def test_a_limit_that_does_not_read_back_falls_back_to_a_static_split(tmp_path, caplog):
+    backend, cfg, clock = _backend(tmp_path, X2, 800)
+    life = TuningLife(backend, cfg, Tuner(backend))
+    deaf = backend.gpus()[1]
+    deaf.set_power_limit_w = lambda watts: None  # a driver that ignores the set
+    clock.advance(1)
+    life.budget_tick([g.sample() for g in backend.gpus()], clock())
+    assert life.budget.fallback == "GPU 1 did not read back its limit"
+    assert sum(g.power_limit_w for g in backend.gpus()) <= 1200  # GPU 0 was never raised past the room left
+    assert caplog.text.count("holding a static split") == 1
+
+
+def test_four_cards_a_gpu_lost_the_static_fallback_fits(tmp_path):
+    backend, cfg, clock = _backend(tmp_path, X4, 1500)
+    life = TuningLife(backend, cfg, Tuner(backend))
+    seen = []
+    for _ in range(900):  # 90 s: GPU 3 lost from 30 s to 60 s
+        clock.advance(0.1)
+        samples = [g.sample() for g in backend.gpus()]
+        life.budget_tick(samples, clock())
+        seen.append((clock(), life.budget.fallback, sum(g.power_limit_w for g in backend.gpus())))
+    assert all(total <= 1500 for _, _, total in seen)
+    during = [(fb, total) for t, fb, total in seen if 36 < t < 59]
+    assert during and all(fb == "GPU 3 lost" for fb, _ in during)
+    after = [fb for t, fb, _ in seen if t > 66]
+    assert after and all(fb is None for fb in after)  # back: the split follows the demand again
+    assert [g.power_limit_w for g in backend.gpus()] == [600, 600, 150, 150]
+
+
+# -- config -------------------------------------------------------------------------------------------------
+
+def test_a_budget_below_the_minimums_is_a_config_error(cli, tmp_path):
+    path = tmp_path / "g.yaml"
+    path.write_text(f"gpu: {{backend: sim, scenario: {X2}}}\ntuning:\n  power_budget_w: 250\n")
+    for command in ("check", "plan"):
+        status, out, err = cli(command, "-c", path)
+        assert status == 78
+        assert "tuning.power_budget_w: 250 W is below the minimum power limits of the 2 GPUs, 300 W" in out + err
+
+
+def test_a_budget_beside_a_power_limit_is_a_config_error(tmp_path):
+    with pytest.raises(Exception, match="cannot be set with tuning.power_budget_w"):
+        config.parse_text("tuning:\n  power_budget_w: 800\n  gpus:\n    '0': {power_limit_w: 300}\n")
+    with pytest.raises(Exception, match="not a GPU index or UUID"):
+        config.parse_text("tuning:\n  power_budget_w: 800\n  power_shares: {gpu0: 2}\n")
+
+
+def test_plan_shows_the_split(cli, tmp_path):
+    path = tmp_path / "g.yaml"
+    path.write_text(f"gpu: {{backend: sim, scenario: {X2}}}\ntuning:\n  power_budget_w: 800\n")
+    status, out, _ = cli("plan", "-c", path)
+    assert status == 0
+    assert "power budget 800 W, split by demand now: GPU 0 600 W, GPU 1 150 W (sum 750 of 800 W)" in out
