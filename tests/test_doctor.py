@@ -19,9 +19,10 @@ EXPECTED_EXIT = {"rtx-pro-4000-headless": 2, "rtx-pro-6000-tp4": 2, "dgx-spark":
                  "gpu-lost": 2, "thermal": 2, "persistenced-no-persistence": 2, "hw-slowdown-flapping": 1,
                  "gpu-lost-at-start": 2, "link-and-memory": 1, "h100-nvswitch": 1, "nvlink-down": 1,
                  "nvlink-errors": 1, "fabric-not-ready": 2, "nvlink-iommu": 1, "xid79": 1, "xid48-row-remap": 1,
-                 "recovery-action": 1}
+                 "recovery-action": 1, "rtx-pro-6000-server-x2": 1, "rtx-pro-6000-server-x4-lost": 1}
 BOOSTING = ("hw-slowdown-flapping", "link-and-memory", "h100-nvswitch", "nvlink-down", "nvlink-errors",
-            "fabric-not-ready", "nvlink-iommu", "xid79", "xid48-row-remap", "recovery-action")
+            "fabric-not-ready", "nvlink-iommu", "xid79", "xid48-row-remap", "recovery-action", "rtx-pro-6000-server-x2",
+            "rtx-pro-6000-server-x4-lost")
 
 
 @pytest.mark.parametrize("scenario", builtin_scenarios())

@@ -73,6 +73,7 @@ def diagnose(config: Config, backend: GpuBackend, deep: bool = True) -> list[Dia
     serving, command = _serving(config, backend, deep)
     findings.extend(_peer_path(command, samples))
     findings.extend(_tuning(config, backend))
+    findings.extend(_power_budget(config, backend))
     findings.extend(serving)
     return findings
 
@@ -376,3 +377,25 @@ def _serving(config: Config, backend: GpuBackend, deep: bool) -> tuple[list[Diag
             found.append(Diagnosis(ERROR, f"{title} flags", f"{title} rejects the command: {prepared.flags.error}",
                                    "fix serve.args or the profile; `gpuwarden profiles show` prints it"))
     return found, prepared.command
+
+
+def _power_budget(config: Config, backend: GpuBackend) -> list[Diagnosis]:
+    """tuning.power_budget_w can be met: the cards' minimum limits fit it, and the split it would make now."""
+    from ..tune import budget
+
+    t = config.tuning
+    if t.power_budget_w is None:
+        return []
+    gpus = backend.gpus()
+    cards, lost = budget.cards_of(gpus, {g.index: g.sample() for g in gpus}, t.power_share, {})
+    low, high = budget.minimum_w(cards), sum(c.max_w for c in cards)
+    check = "power budget"
+    if low > t.power_budget_w:
+        return [Diagnosis(ERROR, check, f"{t.power_budget_w:g} W is below the GPUs' minimum limits, {low:g} W in all",
+                          f"raise tuning.power_budget_w to at least {low:g} W")]
+    alloc = (budget.static_split if lost else budget.split)(cards, t.power_budget_w)
+    split = budget.describe(alloc, t.power_budget_w)
+    if t.power_budget_w >= high:
+        return [Diagnosis(INFO, check, f"{t.power_budget_w:g} W covers every GPU at its maximum ({high:g} W in all): "
+                          f"it never holds a card back; split now: {split}")]
+    return [Diagnosis(OK, check, f"{t.power_budget_w:g} W can be met ({low:g}-{high:g} W); split now: {split}")]
