@@ -295,6 +295,41 @@ def test_every_end_of_a_sweep_leaves_the_configured_limit(rig):
     r.wait_limit(lambda w: w == 700, timeout=10)
 
 
+def _ignored_signals(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigIgn:")), 16)
+
+
+def test_tune_started_as_a_script_starts_it_ends_at_once_when_its_daemon_dies(rig):
+    # A script's background job: bash without job control starts it with SIGINT ignored, so the lease's loss
+    # cannot reach the sweep through SIGINT (it took a whole step, 37 s in the case).
+    r = rig("tuning: {power_limit_w: 650}\n")
+    daemon = r.start_daemon()
+    r.wait_limit(lambda w: w == 650)
+    argv = r.tune_argv("--values", "400,300", "--duration", "60", "--input-len", "8", "--output-len", "32")
+    script = subprocess.Popen(["bash", "-c", '"$@" & echo $!; wait $!', "bash", *argv], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=r.env)
+    tune_pid = int(script.stdout.readline())
+    r.wait_limit(lambda w: w == 400)
+    assert _ignored_signals(tune_pid) & (1 << (signal.SIGINT - 1))  # started as a script starts it
+    daemon.proc.kill()
+    daemon.proc.wait(10)
+    killed = time.monotonic()
+    _, err = script.communicate(timeout=30)
+    took = time.monotonic() - killed
+    # The lease (2 s) is renewed every third of it: the loss is seen within about 0.7 s, the step cut at once.
+    assert took < 5.0, (took, err)
+    assert script.returncode == 1, err
+    lost = [line for line in err.splitlines() if "the sweep lost its lease mid-step" in line]
+    assert len(lost) == 1 and "Traceback" not in err, err
+    # The dead daemon could put nothing back: the card keeps the step, and the next daemon restores the choice.
+    assert r.limit() == 400
+    again = r.start_daemon()
+    assert "did not end" in again.wait_for("a sweep of power_limit_w on GPU 0")
+    r.wait_limit(lambda w: w == 650, timeout=10)
+    print(f"tune ended {took:.2f} s after its daemon's SIGKILL")
+
+
 # -- the control channel's limits (in-process: the same server and sweeps, a fake loop) ----------------------
 
 @pytest.fixture

@@ -13,9 +13,9 @@ and one wake of the main loop answers only what was queued when it woke (the loo
 
 from __future__ import annotations
 
-import _thread
 import json
 import os
+import signal
 import socket
 import struct
 import threading
@@ -44,6 +44,17 @@ class ControlError(Exception):
 
 class Unreachable(ControlError):
     """No daemon to ask: no control socket, or it cannot be connected to (`tune` exits 69, or 77 for root's)."""
+
+
+class LeaseLost(KeyboardInterrupt):
+    """Raised in tune's main thread when its lease is lost: a KeyboardInterrupt, so that asyncio lets it out of a
+    running step as it lets Ctrl-C (a plain Exception raised in a task would only fail that task)."""
+
+
+# The renew thread tells the main thread that the lease is gone with this signal, whose handler tune installs
+# itself: SIGINT cannot do it, since a script's background job (`tune ... &`) has SIGINT ignored, and then
+# _thread.interrupt_main() does nothing and the sweep ran on for up to a whole step after its daemon died.
+LOST_SIGNAL = signal.SIGUSR1
 
 
 class ChannelLost(ControlError):
@@ -81,6 +92,8 @@ class SweepClient:
         self._last_set = float("-inf")
         began = self.ask({"op": "begin", "setting": setting, "gpus": gpus, "lease_s": lease_s, "force": force})
         self.limits, self.uuids = began["limits"], began.get("uuids", {})
+        if threading.current_thread() is threading.main_thread():  # where a signal handler can be installed
+            signal.signal(LOST_SIGNAL, self._on_lost)
         self._renewer = threading.Thread(target=self._renew, args=(lease_s / 3,), daemon=True)
         self._renewer.start()
 
@@ -105,8 +118,15 @@ class SweepClient:
             except ControlError as exc:
                 if not self._stop.is_set():  # the lease is gone: the steps after this would measure nothing set
                     self.lost = str(exc)
-                    _thread.interrupt_main()  # the sweep ends as on Ctrl-C
+                    # To the main thread itself: its wait in a step (epoll, a sleep) ends with EINTR and the handler
+                    # runs at once; a signal to the process could land on this thread and wake nothing.
+                    signal.pthread_kill(threading.main_thread().ident, LOST_SIGNAL)
                 return
+
+    def _on_lost(self, signum: int, frame: object) -> None:
+        # Left installed after end(): a late signal must find this handler, never SIGUSR1's default (it kills).
+        if self.lost is not None and not self._stop.is_set():
+            raise LeaseLost(self.lost)  # the sweep ends as on Ctrl-C, and tune says the lease was lost
 
     def set(self, value: float) -> dict:
         # The daemon takes a set at most every SET_MIN_S: very short steps wait a moment. Counted from the last
