@@ -16,8 +16,9 @@ def setup(scenario, tuning="", clock=None):
     return cfg, open_configured(cfg, clock or ManualClock())
 
 
-DATACENTER = {"h100-nvswitch", "nvlink-down", "nvlink-errors", "fabric-not-ready", "nvlink-iommu", "xid79", "xid48-row-remap",
-              "recovery-action"}  # H100 SXM cards: they boost by themselves
+# H100 SXM cards: they boost by themselves
+DATACENTER = {"h100-nvswitch", "nvlink-down", "nvlink-errors", "fabric-not-ready", "nvlink-iommu", "xid79",
+              "xid48-row-remap", "recovery-action"}
 
 
 @pytest.mark.parametrize("scenario", [s for s in builtin_scenarios() if s != "gpu-lost-at-start"])

@@ -13,7 +13,8 @@ from types import ModuleType
 
 from ..alerts import Rule, Window
 from ..rows import Row
-from . import activity, budget, clocks, device, fabric, health, memory, nvlink, pcie, power, serving, slowdown, thermal, xid
+from . import (activity, budget, clocks, device, fabric, health, memory, nvlink, pcie, power, serving, slowdown,
+               thermal, xid)
 
 # health last: its verdict reads what the others read (the monitor judges it before any rule runs)
 SIGNALS = (clocks, power, budget, slowdown, thermal, device, activity, xid, pcie, nvlink, fabric, memory, health)
