@@ -14,8 +14,10 @@ The daemon never reboots by itself.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import resource
 import signal
 import subprocess
 import tempfile
@@ -38,6 +40,12 @@ log = logging.getLogger("gpuwarden")
 
 RESET_TIMEOUT_S = 60.0  # nvidia-smi --gpu-reset takes seconds; past this it is killed and the reset counts as failed
 RESET_OUTPUT_MAX = 4096  # the last bytes of its output kept for the log line
+# A GPU that flaps (lost and back every poll) must not restart the engine at each return: an engine held again
+# within FLAP_S of its release starts again only once its GPUs have answered for SETTLE_S, doubled at each such
+# hold up to SETTLE_MAX_S (a reload, or a hold after FLAP_S of serving, starts from 0 again).
+FLAP_S = 300.0
+SETTLE_S, SETTLE_MAX_S = 10.0, 600.0
+RESET_WRITE_MAX = 64 * 1024 * 1024  # the largest file it may write (RLIMIT_FSIZE): its output file stops there
 
 
 def nvidia_smi_reset(index: int) -> list[str]:
@@ -54,13 +62,18 @@ def run_reset(argv: list[str], timeout_s: float = RESET_TIMEOUT_S) -> str:
     with tempfile.TemporaryFile() as out:
         try:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+                                    start_new_session=True, preexec_fn=_write_limit(RESET_WRITE_MAX))
         except OSError as exc:
             raise ResetFailed(f"{argv[0]} could not be started: {exc.strerror or exc}") from None
         try:
             code = proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
+            code = None
+        # Its session's group, in either case: what it left behind (a helper in the background) ends with it,
+        # and a command that exited just at the limit leaves no group to kill (ESRCH is no failure).
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
+        if code is None:
             proc.wait()
             raise ResetFailed(f"no end within {timeout_s:g} s: killed") from None
         out.seek(max(0, out.tell() - RESET_OUTPUT_MAX))
@@ -69,6 +82,14 @@ def run_reset(argv: list[str], timeout_s: float = RESET_TIMEOUT_S) -> str:
     if code != 0:
         raise ResetFailed(f"exit status {code}: {last}")
     return last
+
+
+def _write_limit(most: int) -> Callable[[], None]:
+    """Between fork and exec: no file the command writes (its output file in /tmp) grows past most bytes (soft and
+    hard, never above our own hard limit): 60 s of output without end would fill the disk."""
+    hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+    limit = most if hard == resource.RLIM_INFINITY else min(most, hard)
+    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
 
 class Recovery:
@@ -87,6 +108,10 @@ class Recovery:
         self.answers: dict[tuple[str, str], str] = {}  # (model, argv digest) -> the first healthy start's answer
         self.mismatch: str | None = None  # a known answer that came back different: held until a reload
         self._recovering = False  # the engine was released: its next healthy start is checked
+        self._released_at: float | None = None  # the engine's last release
+        self._settle_s = 0.0  # how long its GPUs must answer before the next release (FLAP_S)
+        self._back_since: float | None = None  # since when none of the held engine's GPUs waits
+        self._held = False  # the engine was HELD at the last tick
         self._was_running = False
 
     def configure(self, policy: HealthPolicy) -> None:
@@ -94,6 +119,7 @@ class Recovery:
         mismatch and the failed resets are forgotten."""
         self.policy = policy
         self.mismatch = None
+        self._settle_s = 0.0
         self._tried.clear()
         self._said.clear()
 
@@ -121,10 +147,23 @@ class Recovery:
             return
         self._resets(waiting)
         engine = self.serving.engine
-        if engine is not None and engine.state == HELD and self.mismatch is None and not self._reset.busy:
+        held = engine is not None and engine.state == HELD
+        if held and not self._held:  # a new hold: one soon after the last release is a flapping GPU
+            flaps = self._released_at is not None and now - self._released_at < FLAP_S
+            self._settle_s = min(max(2 * self._settle_s, SETTLE_S), SETTLE_MAX_S) if flaps else 0.0
+            if flaps:
+                log.warning("%s held again %.0f s after its release: its GPU flaps; it starts again once its GPUs "
+                            "have answered for %g s", engine.title, now - self._released_at, self._settle_s)
+        self._held = held
+        if held and self.mismatch is None and not self._reset.busy:
             mine = {g.index for g in engine.gpus}
-            if not any(g in mine or g < 0 for g in waiting):
-                self._recovering = self.serving.release(now, "its GPUs answer again, their tuning applied")
+            if any(g in mine or g < 0 for g in waiting):
+                self._back_since = None
+            else:
+                self._back_since = now if self._back_since is None else self._back_since
+                if now - self._back_since >= self._settle_s:
+                    self._recovering = self.serving.release(now, "its GPUs answer again, their tuning applied")
+                    self._released_at, self._back_since = now, None
         self._known_answer(now)
 
     # -- the reset ------------------------------------------------------------------------

@@ -38,6 +38,7 @@ FAULTS_MAX = 8  # faults remembered per GPU; past it the oldest goes
 HISTORY_MAX = 256  # history entries; past it the oldest goes
 STRING_MAX = 96  # a UUID, a fault key, a user name: longer ones are cut
 COUNT_MAX = 1_000_000  # a count stops here (one a boot: never reached by a real host)
+TIME_MAX = 1e12  # seconds since 1970 (year 33658): a later time is no clock's, and time.localtime() refuses it
 EVENTS = ("reboot required", "cleared")
 
 
@@ -136,7 +137,7 @@ class HealthRecord:
 
 def _when(now: float) -> float:
     """A clock's reading as kept: a time the file's check would refuse (NaN, negative) is 0, not a poisoned file."""
-    return float(now) if isinstance(now, (int, float)) and math.isfinite(now) and now >= 0 else 0.0
+    return float(now) if isinstance(now, (int, float)) and 0 <= now <= TIME_MAX else 0.0
 
 
 def _read(path: Path, owner: int) -> dict | None:
@@ -213,8 +214,9 @@ def _count(value: object) -> int:
 
 
 def _time(value: object) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
-        raise RecordError("a time is not a finite number of seconds")
+    # compared, never converted first: float() of a 400-digit int raises OverflowError (NaN fails both compares)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= TIME_MAX:
+        raise RecordError(f"a time is not a finite number of seconds of 0-{TIME_MAX:g}")
     return float(value)
 
 
