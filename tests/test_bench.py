@@ -15,6 +15,7 @@ import pytest
 
 from conftest import free_port, gpuwarden_cmd, matplotlib_here, subprocess_env
 from gpuwarden.bench.bound import COMPUTE_TENSOR_MIN, MEMORY_DRAM_MIN, NOT_REPORTED
+from gpuwarden.bench.energy import NOT_ABOVE_IDLE
 from gpuwarden.bench.roofline import ModelUnreadable, ceiling_tokens_per_s, kv_bytes_per_token, model_bytes
 from gpuwarden.gpu.sim import power
 from test_tune import SCENARIO as H100_SCENARIO
@@ -148,11 +149,14 @@ def test_a_two_step_sweep_reports_every_field_and_counts_what_the_server_counted
         assert step["engine"]["prefix_cache_hit_rate"] == 0.0
         gpu = step["gpus"][0]  # the config's simulated RTX PRO 4000s: no daemon, so the backend itself
         assert gpu["sm_mhz_min"] <= gpu["sm_mhz_mean"] and gpu["power_limit_w"] == 145
-        # energy: the GPUs' summed mean draw over the step's seconds, per output token
+        # energy: the GPUs' summed mean draw over the step's seconds. These simulated GPUs did not serve the
+        # fake server's tokens (their load is their scenario's), so their draw never rose above idle: no per-token
+        # figure (it was 8.1e-18 J/token), the reason instead (the issue's case, reproduced)
         assert step["gpu_watts_mean"] == pytest.approx(sum(g["power_w_mean"] for g in step["gpus"]))
-        assert step["tokens_per_joule"] == pytest.approx(
-            step["output_tokens"] / (step["gpu_watts_mean"] * step["duration_s"]))
-        assert step["joules_per_token"] == pytest.approx(1 / step["tokens_per_joule"])
+        assert step["energy_j"] == pytest.approx(step["gpu_watts_mean"] * step["duration_s"])
+        assert [step[k] for k in ("joules_per_token", "tokens_per_joule", "joules_per_token_above_idle",
+                                  "tokens_per_joule_above_idle")] == [None] * 4
+        assert step["energy_note"] == NOT_ABOVE_IDLE
     assert result["idle_w"] > 0  # measured before the first step
     assert result["steps"][1]["system_tokens_per_s"] > result["steps"][0]["system_tokens_per_s"]
     assert result["gpu_source"] == "the sim backend"
@@ -177,6 +181,10 @@ def test_the_table_and_the_markdown(server, bench, tmp_path):
     assert "roofline: unknown (no completed step at concurrency 1)" in lines
     assert lines[1].split()[31:37] == ["GPUs", "W", "J/tok", "tok/J", "tok/J", ">idle"] and any(l.startswith("! idle draw before the first step: ")
                                                                   for l in lines)
+    # GPUs that did not serve these tokens: a '-' for J/tok, tok/J and tok/J >idle, and the reason once
+    assert [row.split()[18:21] for row in lines[2:4]] == [["-", "-", "-"]] * 2 and float(lines[2].split()[17]) > 0
+    assert [l for l in lines if "J/tok and tok/J not given" in l] == [
+        f"! J/tok and tok/J not given at C=2, C=4: {NOT_ABOVE_IDLE}"]
     md = bench("--url", fake.url, "--concurrency", "1", "--requests", "2", "--output-len", "4", "--markdown")
     assert "| C | ok/sent | cut | system tok/s |" in md.stdout and "\n| 1 | 2/2 | 0 |" in md.stdout
 
@@ -290,6 +298,12 @@ def test_bench_on_the_simulator_names_decode_memory_bound_and_prefill_compute_bo
         # the step's figures are the GPU's own means over its polls, from /status
         assert (gpu["sm_active_ratio_mean"], gpu["tensor_active_ratio_mean"], gpu["dram_bandwidth_ratio_mean"]) == \
             (a["sm_active"], a["tensor_active"], a["dram_bandwidth"])
+        # this GPU served the tokens, its draw rose above idle: the energy figures are given, per output token
+        assert step["energy_note"] is None and step["gpu_watts_mean"] > result["idle_w"] + 10
+        assert step["tokens_per_joule"] == pytest.approx(
+            step["output_tokens"] / (step["gpu_watts_mean"] * step["duration_s"]))
+        assert step["joules_per_token"] == pytest.approx(1 / step["tokens_per_joule"])
+        assert step["tokens_per_joule_above_idle"] > step["tokens_per_joule"]
     roof = result["roofline"]
     assert roof["known"] and roof["measured_bound"]["bound"] == "memory"
     # prefill-heavy: about 1,000 prompt tokens (250 ms of prefill) and one output token

@@ -118,11 +118,21 @@ def _notes(result: dict) -> list[str]:
                   and s["activity"]["sm_active"] is None]
     for why in dict.fromkeys(unreported):  # once, not per step
         lines.append(f"SM, tensor and DRAM activity and the bound not reported: {why}")
+    lines += energy_notes(result["steps"], lambda s: f"C={s['concurrency']}")
     if result.get("idle_w") is not None:
         lines.append(f"idle draw before the first step: {result['idle_w']:.0f} W over all GPUs (tok/J >idle: the "
                      "tokens over the energy above it)")
     lines += result.get("notes", [])
     return lines
+
+
+def energy_notes(steps: list[dict], name) -> list[str]:
+    """Why steps give no J/tok or tok/J (bench/energy.py's energy_note): one line per reason, naming its steps."""
+    by_note: dict[str, list[str]] = {}
+    for step in steps:
+        if step.get("energy_note"):
+            by_note.setdefault(step["energy_note"], []).append(name(step))
+    return [f"J/tok and tok/J not given at {', '.join(names)}: {note}" for note, names in by_note.items()]
 
 
 def render_table(result: dict) -> str:

@@ -25,6 +25,7 @@ from ..base.safetext import visible_lines
 from ..base.systemd import print_error
 from .command import _gpu_reader, _raise_fd_limit, _serving_facts
 from .options import comma_numbers, out_of_range
+from .report import energy_notes
 from .watch import Watch
 
 EX_FAILED, EX_UNAVAILABLE, EX_NOPERM, EX_USAGE, EX_INTERRUPTED = 1, 69, 77, 78, 130
@@ -128,6 +129,7 @@ def render(result: dict) -> str:
     out = [f"{result['model']} at {result['url']}: {result['setting']} sweep, C={result['concurrency']}, "
            f"{result['input_len']} in / {result['output_len']} out, {result['duration_s']:g} s a step"]
     out += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    out += energy_notes(result["steps"], lambda s: f"{s['setting']:g} {unit}")
     if result.get("idle_w") is not None:
         out.append(f"idle draw before the first step: {result['idle_w']:.0f} W")
     knee = result.get("knee")
@@ -137,7 +139,7 @@ def render(result: dict) -> str:
                    f"(--keep {result['keep']:g}); in the config:")
         out.append(result["config"].rstrip())
     else:
-        out.append("knee: none (no step reported both tok/s and power)")
+        out.append("knee: none (no step reported both tok/s and tok/J)")
     out += [f"! {n}" for n in result.get("notes", [])]
     return "\n".join(out)
 
