@@ -207,3 +207,170 @@ def test_plan_shows_the_split(cli, tmp_path):
     status, out, _ = cli("plan", "-c", path)
     assert status == 0
     assert "power budget 800 W, split by demand now: GPU 0 600 W, GPU 1 150 W (sum 750 of 800 W)" in out
+
+
+# -- tune's sweeps under a budget (tune/sweeps.py) -------------------------------------------------------------
+
+def _sweeping(tmp_path, budget_w=800):
+    """A budget's daemon, in-process: its first poll split (GPU 0 busy, GPU 1 idle at its 150 W minimum), and a
+    sweep's lease on GPU 1."""
+    from gpuwarden.tune.sweeps import Sweeps
+
+    backend, cfg, clock = _backend(tmp_path, X2, budget_w)
+    life = TuningLife(backend, cfg, Tuner(backend))
+    clock.advance(1)
+    life.budget_tick([g.sample() for g in backend.gpus()], clock())
+    assert [g.power_limit_w for g in backend.gpus()] == [min(600, budget_w - 150), 150]
+    sweeps = Sweeps(life, clock=clock, marker=tmp_path / "sweep.json")
+    began = sweeps.handle({"op": "begin", "setting": "power_limit_w", "gpus": [1], "lease_s": 60, "force": True},
+                          "test", owner="t")
+    assert began["ok"], began
+    return backend, life, sweeps, clock
+
+
+def _poll(backend, life, clock, seconds):
+    for _ in range(int(seconds * 10)):
+        clock.advance(0.1)
+        life.budget_tick([g.sample() for g in backend.gpus()], clock())
+        assert sum(g.power_limit_w for g in backend.gpus()) <= life.budget.budget_w
+
+
+def test_a_sweep_step_lowers_the_other_cards_first_and_they_get_what_is_left(tmp_path):
+    backend, life, sweeps, clock = _sweeping(tmp_path)
+    sums: list[float] = []
+    _recording(backend, sums)
+    # tune's steps stop at the budget's room: 800 W less GPU 0's 150 W minimum
+    assert sweeps._limits("power_limit_w", [1]) == {"1": [150, 600]}
+    clock.advance(2)
+    assert sweeps.handle({"op": "set", "value": 500}, "test", owner="t")["ok"]
+    assert max(sums) <= 800  # GPU 0 went down to 300 W before GPU 1 went up to 500 W
+    assert [g.power_limit_w for g in backend.gpus()] == [300, 500]
+    _poll(backend, life, clock, 10)  # the budget holds GPU 1 at the step and gives GPU 0 the rest
+    assert [g.power_limit_w for g in backend.gpus()] == [300, 500]
+    clock.advance(2)
+    assert sweeps.handle({"op": "set", "value": 200}, "test", owner="t")["ok"]
+    _poll(backend, life, clock, 2)  # GPU 0 wants 600 W and gets it back at the next poll (it needs 300 W more)
+    assert [g.power_limit_w for g in backend.gpus()] == [600, 200]
+    assert max(sums) <= 800
+
+
+def test_a_step_with_no_room_is_refused_in_one_line_and_nothing_is_set(tmp_path):
+    backend, life, sweeps, clock = _sweeping(tmp_path, budget_w=700)
+    assert sweeps._limits("power_limit_w", [1]) == {"1": [150, 550]}
+    clock.advance(2)
+    answer = sweeps.handle({"op": "set", "value": 600}, "test", owner="t")  # in the card's range, past the budget
+    assert not answer["ok"]
+    assert answer["error"] == ("power budget: 600 W on GPU 1 would take the power budget to 750 W with the other "
+                               "GPUs at their minimums, above tuning.power_budget_w 700 W")
+    assert [g.power_limit_w for g in backend.gpus()] == [550, 150]  # nothing of the step was set
+
+
+def test_a_step_the_other_cards_cannot_make_room_for_is_refused(tmp_path):
+    backend, life, sweeps, clock = _sweeping(tmp_path)
+    backend.gpus()[0].set_power_limit_w = lambda watts: None  # GPU 0 ignores the lowering
+    clock.advance(2)
+    answer = sweeps.handle({"op": "set", "value": 500}, "test", owner="t")
+    assert not answer["ok"] and "the other GPUs still hold 600 W (read back)" in answer["error"]
+    assert [g.power_limit_w for g in backend.gpus()] == [600, 150]
+    assert life.budget.fallback == "GPU 0 did not read back its limit"
+
+
+def test_the_sweeps_end_leaves_its_card_to_the_budget(tmp_path):
+    backend, life, sweeps, clock = _sweeping(tmp_path)
+    clock.advance(2)
+    assert sweeps.handle({"op": "set", "value": 500}, "test", owner="t")["ok"]
+    done = sweeps.handle({"op": "end"}, "test", owner="t")["restored"]
+    assert done == ["GPU 1 power_limit_w: left to the power budget (800 W), which sets it at the next poll"]
+    assert [g.power_limit_w for g in backend.gpus()] == [300, 500]  # not its original 600 W: 900 W in all
+    _poll(backend, life, clock, 0.1)  # the next poll: GPU 1 idle goes to its minimum, GPU 0 busy to its max
+    assert [g.power_limit_w for g in backend.gpus()] == [600, 150]
+
+
+# -- status, and the run-time alert ---------------------------------------------------------------------------
+
+def _monitored(tmp_path, budget_w=800):
+    from gpuwarden.watch.monitor import Monitor
+
+    clock = ManualClock()
+    cfg = config.parse_text(f"gpu: {{backend: sim, scenario: {X2}}}\nmetrics: {{listen: none}}\npoll_interval_s: 0.5\n"
+                            f"alerts: {{for_s: 1, clear_for_s: 2}}\ntuning: {{power_budget_w: {budget_w}}}\n")
+    backend = open_configured(cfg, clock)
+    life = TuningLife(backend, cfg, Tuner(backend))
+    life.start(life.check(cfg))
+    return Monitor(cfg, backend, life), backend, clock
+
+
+def _status(snapshot) -> str:
+    import json
+
+    from gpuwarden.web.status import render_status
+
+    return render_status(json.loads(json.dumps({**snapshot.as_dict(), "daemon": {"version": "t", "pid": 1}})))
+
+
+def test_status_shows_the_split_under_the_table(tmp_path):
+    monitor, backend, clock = _monitored(tmp_path)
+    for _ in range(4):
+        snapshot = monitor.tick(clock.advance(0.5) or clock())
+    assert snapshot.as_dict()["power_budget"]["alloc"] == {"0": 600, "1": 150}
+    lines = _status(snapshot).splitlines()
+    assert "power budget 800 W: GPU0 600 W, GPU1 150 W (sum 750 W, 1 move)" in lines
+    assert lines.index("power budget 800 W: GPU0 600 W, GPU1 150 W (sum 750 W, 1 move)") == 4  # under the table
+
+
+@pytest.mark.parametrize("bad", [
+    {"budget_w": True, "alloc": {}, "moves": 0}, {"budget_w": 1e308, "alloc": {}, "moves": 0},
+    {"budget_w": 800, "alloc": {"x": 1}, "moves": 0}, {"budget_w": 800, "alloc": {"0": float("nan")}, "moves": 0},
+    {"budget_w": 800, "alloc": {"0": 10**400}, "moves": 0}, {"budget_w": 800, "alloc": [], "moves": 0},
+    {"budget_w": 800, "alloc": {}, "moves": -1}])
+def test_status_names_a_budget_not_shaped_as_the_daemons(bad):
+    from gpuwarden.web.status import NotShaped, render_status
+
+    with pytest.raises(NotShaped, match="power_budget"):
+        render_status({"daemon": {}, "gpus": [], "power_budget": bad})
+
+
+def test_minimums_past_the_budget_at_run_time_are_an_alert(tmp_path, caplog):
+    import dataclasses
+    import logging
+
+    caplog.set_level(logging.INFO, logger="gpuwarden")
+    monitor, backend, clock = _monitored(tmp_path)
+    for _ in range(4):
+        monitor.tick(clock.advance(0.5) or clock())
+    gpu = backend.gpus()[1]
+    plain = gpu.model
+    gpu.model = dataclasses.replace(plain, min_power_limit_w=700)  # the card's range changed: 150 + 700 > 800 W
+    firing = []
+    for _ in range(12):  # the budget looks again within its 5 s
+        snapshot = monitor.tick(clock.advance(0.5) or clock())
+        firing += [a.alert for a in snapshot.firing()]
+    assert "power_budget_short" in firing
+    alert = next(a for a in snapshot.firing() if a.alert == "power_budget_short")
+    assert alert.gpu is None and alert.severity == "warning"
+    assert alert.observed == ("power budget: the minimums come to 850 W, above the budget of 800 W: raise "
+                              "tuning.power_budget_w to at least 850 W")
+    lines = [r.getMessage() for r in caplog.records if "power_budget_short" in r.getMessage()]
+    assert len(lines) == 1 and "firing" in lines[0]
+    assert "SHORT: the minimums come to 850 W" in _status(snapshot)
+    assert "[warning] power_budget_short: power budget: the minimums" in _status(snapshot)
+    gpu.model = plain
+    for _ in range(30):
+        snapshot = monitor.tick(clock.advance(0.5) or clock())
+    assert monitor.tuning.budget.short is None, monitor.tuning.budget.short
+    assert "power_budget_short" not in [a.alert for a in snapshot.firing()]
+    assert any("power_budget_short resolved" in r.getMessage() for r in caplog.records)
+
+
+def test_the_constraints_come_with_the_samples_not_a_read_each_poll(tmp_path):
+    backend, cfg, clock = _backend(tmp_path, X4, 1500)
+    life = TuningLife(backend, cfg, Tuner(backend))
+    asked = []
+    for gpu in backend.gpus():
+        original = gpu.capabilities
+        gpu.capabilities = lambda original=original, i=gpu.index: asked.append(i) or original()
+    for _ in range(900):  # 90 s, GPU 3 lost from 30 s to 60 s: it keeps the range it was last seen with
+        clock.advance(0.1)
+        life.budget_tick([g.sample() for g in backend.gpus()], clock())
+    assert asked == []  # NVML reads the constraints with the slow counters (gpu/nvml_counters.limits)
+    assert life.budget.ranges == {g.uuid: (150, 600) for g in backend.gpus()}

@@ -87,11 +87,12 @@ def reads(check, module) -> tuple[list[str], bool, dict[str, object]]:
 
 
 def daemon_rules() -> list[tuple[object, list]]:
-    """(signal module, its rules), in the order the daemon evaluates them; the host-wide serving rules last."""
+    """(signal module, its rules), in the order the daemon evaluates them; a signal's host-wide rules (HOST_RULES)
+    after its per-GPU ones; the host-wide serving rules last."""
     from gpuwarden.watch import signals
     from gpuwarden.watch.signals import serving
 
-    out = [(signal, list(signal.RULES)) for signal in signals.SIGNALS]
+    out = [(signal, list(signal.RULES) + list(getattr(signal, "HOST_RULES", ()))) for signal in signals.SIGNALS]
     if serving not in signals.SIGNALS:
         out.append((serving, list(signals.SERVING_RULES)))
     return [(signal, rules) for signal, rules in out if rules]
@@ -156,7 +157,8 @@ def _daemon_section(keys, twins) -> list[str]:
         short = module.__name__.rsplit(".", 1)[1]
         lines += [f"### `{short}`", "", f"From `watch/signals/{short}.py`: {_words(inspect.getdoc(module))}", ""]
         for rule in rules:
-            lines += _daemon_rule(rule, module, keys, twins, host_wide=module is serving)
+            lines += _daemon_rule(rule, module, keys, twins,
+                                  host_wide=module is serving or rule in getattr(module, "HOST_RULES", ()))
     return lines
 
 

@@ -100,18 +100,30 @@ def describe(alloc: dict[int, float], budget_w: float) -> str:
 
 
 def cards_of(gpus: list[Gpu], samples: dict[int, GpuSample], weight: Callable[[int, str], float],
-             fixed: dict[int, float]) -> tuple[list[Card], list[int]]:
+             fixed: dict[int, float], ranges: dict[str, tuple[float, float]] | None = None) \
+        -> tuple[list[Card], list[int]]:
     """The cards to split over, from a poll's readings, and the indices of those lost (no reading, no
-    constraints): a lost card keeps the share of a static split."""
+    constraints): a lost card keeps the share of a static split.
+
+    Each card's constraints come from its sample (NVML reads them with the slow counters, every
+    counters_interval_s: they change only when the card's range does), else from `ranges` (uuid -> (min, max),
+    the last ones seen: a card lost for now keeps its range), else from gpu.capabilities() once (it also reads
+    the supported clocks, too slow for every poll); what is found is kept in `ranges`."""
+    ranges = {} if ranges is None else ranges
     cards, lost = [], []
     for gpu in gpus:
-        caps = gpu.capabilities()
-        low, high = caps.power_limit_min_w, caps.power_limit_max_w
         sample = samples.get(gpu.index)
+        up = sample is not None and sample.up
+        if up and sample.power_limit_min_w is not None and sample.power_limit_max_w is not None:
+            ranges[gpu.uuid] = (sample.power_limit_min_w, sample.power_limit_max_w)
+        elif gpu.uuid not in ranges:
+            caps = gpu.capabilities()
+            if caps.power_limit_min_w is not None and caps.power_limit_max_w is not None:
+                ranges[gpu.uuid] = (caps.power_limit_min_w, caps.power_limit_max_w)
+        low, high = ranges.get(gpu.uuid, (None, None))
         if low is None or high is None:
             lost.append(gpu.index)
             continue
-        up = sample is not None and sample.up
         if not up:
             lost.append(gpu.index)
         want = demand(sample, low, high) if up else high
@@ -130,8 +142,8 @@ class Mover:
     def move(self, gpus: list[Gpu], target: dict[int, float], budget_w: float,
              known: dict[int, float]) -> tuple[int, list[int]]:
         """(limits set, GPUs that did not read back). known: the last enforced limit of each card, the
-        conservative count for a card that cannot be read now."""
-        enforced = dict(known)
+        conservative count for a card that cannot be read now; updated here with what is read."""
+        enforced = known
         for gpu in gpus:
             reading = self.read_limit(gpu)
             if reading is not None:
@@ -176,12 +188,13 @@ class PowerBudget:
         self.short: str | None = None  # the minimums pass the budget (a GPU added): the alert's text
         self._last = float("-inf")
         self._read_back_failed = False  # latched until a reload: a card that ignores a set is not moved again
+        self.ranges: dict[str, tuple[float, float]] = {}  # uuid -> its power-limit constraints (cards_of)
 
     def tick(self, gpus: list[Gpu], samples: dict[int, GpuSample], now: float, fixed: dict[int, float],
              apply: bool) -> None:
         """One poll's look: the split, and (apply) the moves, every MOVE_EVERY_S, or at once (MIN_MOVE_S apart) where
         a card needs URGENT_W more than it has or the enforced limits pass the budget (a card back at its default)."""
-        cards, lost = cards_of(gpus, samples, self.weight, fixed)
+        cards, lost = cards_of(gpus, samples, self.weight, fixed, self.ranges)
         if now - self._last < MOVE_EVERY_S and not (now - self._last >= MIN_MOVE_S and
                                                     self._urgent(cards, samples, lost, fixed)):
             return
@@ -197,9 +210,8 @@ class PowerBudget:
                 self._resume()
                 target = split(cards, self.budget_w)
         except ValueError as exc:
-            self._short(f"{exc}: raise tuning.power_budget_w to at least {minimum_w(cards):g} W, or weigh fewer "
-                        "GPUs into it")
-            return
+            self.short = f"{exc}: raise tuning.power_budget_w to at least {minimum_w(cards):g} W"
+            return  # the rule power_budget_short (watch/signals/budget.py) says it, once
         self.short = None
         self.alloc = target
         if not apply:
@@ -236,11 +248,6 @@ class PowerBudget:
             log.log(NOTICE, "power budget: every GPU answers again: the split follows the demand again")
             self.fallback = None
 
-    def _short(self, text: str) -> None:
-        if self.short != text:
-            log.error("power budget: %s", text)
-        self.short = text
-
     def chosen(self, index: int) -> tuple[float, str] | None:
         """This card's allocation and who chose it, for the power rules."""
         if index not in self.alloc:
@@ -250,13 +257,54 @@ class PowerBudget:
     def room_for(self, swept: dict[int, float], gpus: list[Gpu], samples: dict[int, GpuSample]) -> str | None:
         """A sweep asks to hold these cards at these limits: None when the rest of the budget still covers the
         other cards' minimums, else the one line that refuses the step."""
-        cards, _ = cards_of(gpus, samples, self.weight, swept)
+        cards, _ = cards_of(gpus, samples, self.weight, swept, self.ranges)
         floor = minimum_w(cards)
         if floor > self.budget_w:
             return (f"{', '.join(f'{w:g} W on GPU {i}' for i, w in sorted(swept.items()))} would take the power "
                     f"budget to {floor:g} W with the other GPUs at their minimums, above tuning.power_budget_w "
                     f"{self.budget_w:g} W")
         return None
+
+    def sweep_ceiling(self, swept: list[int], gpus: list[Gpu], samples: dict[int, GpuSample]) -> float | None:
+        """The highest limit a sweep may hold each of these cards at: what the budget leaves above the other
+        cards' minimums, shared among the swept ones (tune's steps stop there, so its knee respects the budget);
+        None when the budget leaves nothing to sweep over."""
+        cards, _ = cards_of(gpus, samples, self.weight, {i: 0.0 for i in swept}, self.ranges)
+        left = self.budget_w - minimum_w(cards)
+        return float(int(left / len(swept) + 1e-6)) if swept and left > 0 else None
+
+    def make_room(self, swept: dict[int, float], gpus: list[Gpu], samples: dict[int, GpuSample]) -> str | None:
+        """A sweep's step is about to hold these cards at these limits (tune/sweeps.py sets it after this). The
+        other cards are lowered first, each read back, to their share of what the step leaves; None when the
+        readings then leave room for the step, else the one line that refuses it (nothing of the step is set)."""
+        refused = self.room_for(swept, gpus, samples)
+        if refused is not None:
+            return refused
+        cards, lost = cards_of(gpus, samples, self.weight, swept, self.ranges)
+        target = (static_split if lost or self._read_back_failed else split)(cards, self.budget_w)
+        self.alloc = target
+        for s in samples.values():
+            if s.up and s.power_limit_w is not None:
+                self.enforced[s.index] = s.power_limit_w
+        others = [g for g in gpus if g.index not in swept and g.index not in lost]
+        lowers = {g.index: min(target[g.index], self.enforced.get(g.index, target[g.index])) for g in others
+                  if g.index in target}  # only lowers now: the step takes the room, the next poll shares the rest
+        sets, bad = self.mover.move(others, lowers, self.budget_w, self.enforced)
+        self.moves += sets
+        if bad:
+            self._read_back_failed = True
+            self._fall_back(f"GPU {', '.join(map(str, bad))} did not read back its limit")
+        held = sum(w for i, w in self.enforced.items() if i not in swept)
+        if held + sum(swept.values()) > self.budget_w + WATT / 2:
+            return (f"the other GPUs still hold {held:g} W (read back), which leaves "
+                    f"{max(0.0, self.budget_w - held):g} W of tuning.power_budget_w {self.budget_w:g} W for "
+                    f"{', '.join(f'{w:g} W on GPU {i}' for i, w in sorted(swept.items()))}")
+        self._last = float("-inf")  # the cards the step leaves room to get it at the next poll
+        return None
+
+    def wake(self) -> None:
+        """The next poll splits and moves (a sweep ended: its cards are the budget's again)."""
+        self._last = float("-inf")
 
     def view(self) -> dict:
         return {"budget_w": self.budget_w, "alloc": dict(self.alloc), "moves": self.moves,

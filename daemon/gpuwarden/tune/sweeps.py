@@ -140,6 +140,15 @@ class Sweeps:
         uuids = {str(g.index): g.uuid for g in self.tuning.backend.gpus() if g.index in wanted}
         return {"ok": True, "limits": self._limits(setting, wanted), "uuids": uuids}
 
+    def _budget_ceiling(self, setting: str, gpus: list[int]) -> float | None:
+        """With tuning.power_budget_w, the highest power limit the budget leaves each swept GPU (the others at
+        their minimums): tune's steps stop there. None without a budget, or for clocks."""
+        budget = self.tuning.budget
+        if budget is None or setting != "power_limit_w":
+            return None
+        backend = self.tuning.backend.gpus()
+        return budget.sweep_ceiling(gpus, backend, {g.index: g.sample() for g in backend})
+
     def _other_processes(self, gpus: list[int]) -> list[int]:
         """Compute processes on these GPUs that are not the daemon's descendants (its engine and workers)."""
         mine = os.getpid()
@@ -150,10 +159,14 @@ class Sweeps:
         """What each GPU accepts: the power-limit constraints (nvmlDeviceGetPowerManagementLimitConstraints) or
         the supported graphics clocks (nvmlDeviceGetSupportedGraphicsClocks)."""
         out = {}
+        ceiling = self._budget_ceiling(setting, gpus)
         for gpu in self.tuning.backend.gpus():
             if gpu.index in gpus:
                 caps = gpu.capabilities()
-                out[str(gpu.index)] = ([caps.power_limit_min_w, caps.power_limit_max_w] if setting == "power_limit_w"
+                high = caps.power_limit_max_w
+                if ceiling is not None and high is not None and caps.power_limit_min_w is not None:
+                    high = max(caps.power_limit_min_w, min(high, ceiling))  # the budget's room, never below min
+                out[str(gpu.index)] = ([caps.power_limit_min_w, high] if setting == "power_limit_w"
                                        else list(caps.graphics_clocks_mhz))
         return out
 
@@ -181,6 +194,18 @@ class Sweeps:
                 return {"ok": False,
                         "error": f"GPU {gpu.index}: {value:g} is outside what it accepts ({low:g}-{high:g})"}
             actions.append(Action(gpu.index, gpu.uuid, lease.setting, current, target, True, "sweep"))
+        if lease.setting == "power_limit_w" and self.tuning.budget is not None:
+            # tuning.power_budget_w: the other GPUs go down first (read back), so the step never takes the sum of
+            # the enforced limits past the budget. A step with no room is refused, not clamped: tune records its
+            # figures against the value it asked for, and a clamped step would put a limit never measured into
+            # its table and knee. Its steps stop at the budget's room (_limits), so a refusal means the room
+            # shrank mid-sweep (a GPU added, a card that would not go down): tune ends with this one line.
+            gpus = self.tuning.backend.gpus()
+            refused = self.tuning.budget.make_room({i: float(value) for i in lease.gpus}, gpus,
+                                                   {g.index: g.sample() for g in gpus})
+            if refused is not None:
+                log.warning("sweep step refused: %s", refused)
+                return {"ok": False, "error": f"power budget: {refused}"}
         plan = Plan(tuple(GpuPlan(a.gpu, a.uuid, "", (a,)) for a in actions))
         lease.last_set = self.clock()  # a set that reaches the GPUs counts for the rate; a refused value does not
         self.tuning.held_step = value  # the sweep's choice now (a GPU that failed to take it reads otherwise)
@@ -213,8 +238,15 @@ class Sweeps:
 
     def _put_back(self, setting: str, gpus: list[int]) -> list[str]:
         """The configured value where the config sets one (straight from the step: never the original first,
-        which would put the card at a third value for a moment); the original elsewhere."""
+        which would put the card at a third value for a moment); the original elsewhere. Under a power budget a
+        swept power limit is the budget's: it moves the card at the next poll (the card's original limit, often
+        its maximum, would take the sum past the budget)."""
         tuner, show = self.tuning.tuner, tunables.BY_KEY[setting].show
+        budget = self.tuning.budget
+        if setting == "power_limit_w" and budget is not None and self.tuning.config.tuning.apply:
+            budget.wake()
+            return [f"GPU {g} {setting}: left to the power budget ({budget.budget_w:g} W), which sets it at the "
+                    "next poll" for g in gpus]
         try:
             plan = make_plan(self.tuning.backend, self.tuning.config)
         except ConfigErrors as exc:

@@ -24,7 +24,7 @@ from .eventwatch import EventBook, processes_on
 from ..gpu.base import GPM_SHOWN, GpuBackend, GpuSample
 from .health import Verdict
 from .rows import Row
-from .signals import GPU_ROWS, SERVING_RULES, SIGNALS, rows_of, rules_of, windows_of
+from .signals import BUDGET_RULES, GPU_ROWS, SERVING_RULES, SIGNALS, rows_of, rules_of, windows_of
 from .signals.nvlink import LinkErrors
 from .signals.serving import EnergyWindow
 from ..base.systemd import NOTICE
@@ -175,6 +175,9 @@ class Snapshot:
             "serving_stats": dataclasses.asdict(self.stats) if self.stats else None,
             "tokens_per_joule": self.tokens_per_joule,
             "vllm": dataclasses.asdict(self.stats) if self.stats else None,  # the older name of serving_stats
+            # tuning.power_budget_w's split (tune/budget.PowerBudget.view, GPU indices as strings); None: no budget
+            "power_budget": {**self.budget, "alloc": {str(i): w for i, w in self.budget["alloc"].items()}}
+            if self.budget is not None else None,
         }
 
 
@@ -217,6 +220,7 @@ class Monitor:
         self.states = {(rule.name, gpu.index): AlertState(rule, gpu.index, gpu.uuid)
                        for gpu in backend.gpus() for rule in self.rules}
         self.serving_states = {rule.name: AlertState(rule, None, "") for rule in SERVING_RULES}
+        self.budget_states = {rule.name: AlertState(rule, None, "") for rule in BUDGET_RULES}  # host-wide too
         self.transitions: Counter = Counter()
         self._last_sample_log = float("-inf")
         self.running_requests: int | None = None  # fed from the engine's metrics; counts as busy
@@ -324,6 +328,12 @@ class Monitor:
             if event:
                 self._log_event(event, state, None, now)
         host_alerts = [_view(state) for state in self.serving_states.values()] if serving else []
+        budget = self.tuning.budget.view() if self.tuning.budget is not None else None
+        for state in self.budget_states.values():  # evaluated without a budget too: a reload that drops it resolves
+            event = state.step(state.rule.check(budget, samples), now, self.config.alerts, restart_timers=stalled)
+            if event:
+                self._log_event(event, state, None, now)
+        host_alerts += [_view(state) for state in self.budget_states.values() if budget is not None or state.firing]
         self.snapshot = Snapshot(
             taken_at=self.wall(), monotonic=now,
             gpus=tuple(GpuView(s, *self.tuning.locks.get(s.index, (None, None)), contexts[s.index].power_limit_chosen,
@@ -335,7 +345,7 @@ class Monitor:
             published_at=time.monotonic() if published_at is None else published_at,
             loop_lag=LagWindow.of(list(self._lags)),
             tokens_per_joule=self._efficiency(engine, stats, samples, counters, now), rows=self.rows,
-            budget=self.tuning.budget.view() if self.tuning.budget is not None else None)
+            budget=budget)
         return self.snapshot
 
     def unhealthy(self) -> list[tuple[int, str]]:

@@ -100,6 +100,34 @@ def _health(gpu: dict) -> str:
     return state if state == "healthy" else f"{state}: {health['action_text']}"
 
 
+def _watts(value, what: str) -> float:
+    if type(value) not in (int, float) or not 0 <= value <= 1e6:  # no bool, NaN, 1e308 nor a 400-digit integer
+        raise NotShaped(f"power_budget: {what} {shown(value)} is not watts")
+    return float(value)
+
+
+def _budget_line(budget) -> str | None:
+    """Under the table, tuning.power_budget_w's split: "power budget 800 W: GPU0 600 W, GPU1 150 W (sum 750 W,
+    3 moves)", and why it is static or short when it is. None without a budget (or from a daemon before it)."""
+    if budget is None:
+        return None
+    alloc = budget.get("alloc") if isinstance(budget, dict) else None
+    if not isinstance(alloc, dict) or len(alloc) > 64 or not all(str(k).isdigit() and len(k) < 4 for k in alloc):
+        raise NotShaped(f"power_budget {shown(budget)} is not a split of GPUs")
+    total = _watts(budget.get("budget_w"), "budget_w")
+    moves = budget.get("moves")
+    if type(moves) is not int or not 0 <= moves < 10**15:
+        raise NotShaped(f"power_budget: moves {shown(moves)} is not a count")
+    shares = {int(k): _watts(w, f"GPU{k}") for k, w in alloc.items()}
+    split = ", ".join(f"GPU{i} {w:g} W" for i, w in sorted(shares.items())) or "not split yet"
+    line = f"power budget {total:g} W: {split} (sum {sum(shares.values()):g} W, {moves} move" + \
+        ("s" if moves != 1 else "") + ")"
+    for key, said in (("fallback", "static split"), ("short", "SHORT")):
+        if budget.get(key):
+            line += f"; {said}: {str(budget[key])[:300] if isinstance(budget[key], str) else shown(budget[key])}"
+    return line
+
+
 def render_status(state: dict) -> str:
     """The table; TypeError, ValueError (NotShaped, naming the value), KeyError, AttributeError or OverflowError (a
     400-digit integer as a reading) when state is not shaped as /status is."""
@@ -131,6 +159,9 @@ def render_status(state: dict) -> str:
     for gpu in state.get("gpus", []):
         if gpu.get("health") and gpu["health"]["state"] != "healthy":
             lines.append(f"  GPU{gpu['index']} {_health(gpu)}, because: {'; '.join(map(str, gpu['health']['reasons']))}")
+    budget = _budget_line(state.get("power_budget"))
+    if budget:
+        lines.append(budget)
     firing = state.get("alerts_firing", [])
     lines.append("")
     lines.append("Alerts firing:" if firing else "No alerts firing.")

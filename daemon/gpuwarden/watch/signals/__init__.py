@@ -35,7 +35,8 @@ def windows_of(signals: Iterable[ModuleType]) -> tuple[type[Window], ...]:
 
 RULES: tuple[Rule, ...] = rules_of(SIGNALS)
 SERVING_RULES: tuple[Rule, ...] = serving.RULES  # host-wide: evaluated on the supervisor's view
-RULES_BY_NAME = {rule.name: rule for rule in RULES + SERVING_RULES}
+BUDGET_RULES: tuple[Rule, ...] = budget.HOST_RULES  # host-wide: evaluated on the power budget's view
+RULES_BY_NAME = {rule.name: rule for rule in RULES + SERVING_RULES + BUDGET_RULES}
 
 GPU_ROWS: tuple[Row, ...] = rows_of(SIGNALS)
 SERVING_ROWS: tuple[Row, ...] = serving.ROWS
