@@ -13,6 +13,7 @@ pytestmark = pytest.mark.integration
 @pytest.mark.parametrize("script,expect", [
     ("detection_latency.py", "| 0.25 | 1 | 1 |"),
     ("footprint.py", "/metrics with 8 GPUs, 20 sequential scrapes"),
+    ("power_budget.py", "sum of enforced limits at or below the budget at every check: yes"),
 ])
 def test_benchmark_smoke(script, expect):
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--smoke"], capture_output=True,
