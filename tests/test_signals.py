@@ -15,7 +15,7 @@ def test_every_signal_file_is_registered_and_declares_rules_and_rows():
 
 
 def test_no_rule_or_metric_name_is_used_twice():
-    rules = [r.name for r in signals.RULES + signals.SERVING_RULES]
+    rules = [r.name for r in signals.RULES + signals.SERVING_RULES + signals.BUDGET_RULES]
     assert len(rules) == len(set(rules)) == len(signals.RULES_BY_NAME)
     rows = [r.name for r in signals.GPU_ROWS + signals.SERVING_ROWS + alerts.ROWS]
     assert len(rows) == len(set(rows))
