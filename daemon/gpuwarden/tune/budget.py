@@ -11,6 +11,7 @@ fits (budget x weight, minimums first) is set instead, and said once.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ MOVE_EVERY_S = 5.0  # how often the split follows the demand: a card that starts
 HEADROOM_W = 50.0  # a card neither capped nor idle wants its draw plus this, so a rising load is not capped at once
 URGENT_W = 50.0  # a card the new split gives this much more moves at once (a card started working), not at the period
 MIN_MOVE_S = 1.0  # but no more often than this
+LINE_S = 60.0  # a fall-back or resume line at most once in this (a GPU lost and back every few polls)
 WATT = 1.0  # allocations are whole watts (NVML takes milliwatts; a card verifies within POWER_TOLERANCE_W)
 
 
@@ -38,6 +40,19 @@ class Card:
     demand_w: float  # what it would use now (demand())
     weight: float = 1.0  # tuning.power_shares
     fixed_w: float | None = None  # a sweep holds this card's limit here: it gets exactly this
+
+
+def watts(value: float | None) -> float | None:
+    """A reading of watts the budget can count with: NaN, infinite or negative (a driver or a backend that lies)
+    is unreadable, and so counted as conservatively as a card that cannot be read."""
+    return value if value is not None and math.isfinite(value) and value >= 0 else None
+
+
+def _range(low: float | None, high: float | None) -> tuple[float, float] | None:
+    """NVML's power-limit constraints, where they are watts (finite, not negative); else None: unknown. A minimum
+    above the maximum stays: the split holds the card at its minimum, and the budget's floor counts it."""
+    low, high = watts(low), watts(high)
+    return (low, high) if low is not None and high is not None else None
 
 
 def demand(sample: GpuSample, min_w: float, max_w: float) -> float:
@@ -114,12 +129,13 @@ def cards_of(gpus: list[Gpu], samples: dict[int, GpuSample], weight: Callable[[i
     for gpu in gpus:
         sample = samples.get(gpu.index)
         up = sample is not None and sample.up
-        if up and sample.power_limit_min_w is not None and sample.power_limit_max_w is not None:
-            ranges[gpu.uuid] = (sample.power_limit_min_w, sample.power_limit_max_w)
+        read = _range(sample.power_limit_min_w, sample.power_limit_max_w) if up else None
+        if read is not None:
+            ranges[gpu.uuid] = read
         elif gpu.uuid not in ranges:
-            caps = gpu.capabilities()
-            if caps.power_limit_min_w is not None and caps.power_limit_max_w is not None:
-                ranges[gpu.uuid] = (caps.power_limit_min_w, caps.power_limit_max_w)
+            caps = _range(*_caps(gpu))
+            if caps is not None:
+                ranges[gpu.uuid] = caps
         low, high = ranges.get(gpu.uuid, (None, None))
         if low is None or high is None:
             lost.append(gpu.index)
@@ -129,6 +145,14 @@ def cards_of(gpus: list[Gpu], samples: dict[int, GpuSample], weight: Callable[[i
         want = demand(sample, low, high) if up else high
         cards.append(Card(gpu.index, gpu.uuid, low, high, want, weight(gpu.index, gpu.uuid), fixed.get(gpu.index)))
     return cards, lost
+
+
+def _caps(gpu: Gpu) -> tuple[float | None, float | None]:
+    try:
+        caps = gpu.capabilities()
+    except errors.GpuError:  # a card lost since before its first reading: no range yet, it counts as lost
+        return None, None
+    return caps.power_limit_min_w, caps.power_limit_max_w
 
 
 class Mover:
@@ -145,7 +169,7 @@ class Mover:
         conservative count for a card that cannot be read now; updated here with what is read."""
         enforced = known
         for gpu in gpus:
-            reading = self.read_limit(gpu)
+            reading = watts(self.read_limit(gpu))
             if reading is not None:
                 enforced[gpu.index] = reading
         sets, bad = 0, []
@@ -164,7 +188,7 @@ class Mover:
                 sets += 1
             except errors.GpuError as exc:
                 log.warning("power budget: GPU%d power limit %g W not set: %s", i, want, exc)
-            reading = self.read_limit(by_index[i])
+            reading = watts(self.read_limit(by_index[i]))
             if reading is not None:
                 enforced[i] = reading
             if not power_limit_is(reading, want):
@@ -188,6 +212,9 @@ class PowerBudget:
         self.short: str | None = None  # the minimums pass the budget (a GPU added): the alert's text
         self._last = float("-inf")
         self._read_back_failed = False  # latched until a reload: a card that ignores a set is not moved again
+        self._deaf: set[int] = set()  # those cards (a set retried every second was a warning every second)
+        self._now = float("-inf")  # the last tick's time
+        self._said = (float("-inf"), 0)  # (the last fall-back or resume line, changes unsaid since): LINE_S apart
         self.ranges: dict[str, tuple[float, float]] = {}  # uuid -> its power-limit constraints (cards_of)
 
     def tick(self, gpus: list[Gpu], samples: dict[int, GpuSample], now: float, fixed: dict[int, float],
@@ -198,10 +225,8 @@ class PowerBudget:
         if now - self._last < MOVE_EVERY_S and not (now - self._last >= MIN_MOVE_S and
                                                     self._urgent(cards, samples, lost, fixed)):
             return
-        self._last = now
-        for s in samples.values():
-            if s.up and s.power_limit_w is not None:
-                self.enforced[s.index] = s.power_limit_w
+        self._last = self._now = now
+        self._read(gpus, samples, cards)
         try:
             if lost or self._read_back_failed:
                 self._fall_back(f"GPU {', '.join(map(str, lost))} lost" if lost else None)
@@ -217,15 +242,31 @@ class PowerBudget:
         if not apply:
             return
         up = [g for g in gpus if g.index not in lost]
-        sets, bad = self.mover.move(up, {i: w for i, w in target.items() if i not in lost and i not in fixed},
-                                    self.budget_w, self.enforced)
+        skip = set(lost) | set(fixed) | self._deaf
+        sets, bad = self.mover.move(up, {i: w for i, w in target.items() if i not in skip}, self.budget_w,
+                                    self.enforced)
         self.moves += sets
+        self._did_not_read_back(bad)
+
+    def _read(self, gpus: list[Gpu], samples: dict[int, GpuSample], cards: list[Card]) -> None:
+        """The enforced limits from the samples; a card never read (lost since the start, or its reading NaN)
+        counts at its maximum limit, or at the whole budget without a range: the others are raised only into room
+        that is there whatever it enforces."""
+        for s in samples.values():
+            if s.up and watts(s.power_limit_w) is not None:
+                self.enforced[s.index] = s.power_limit_w
+        high = {c.index: c.max_w for c in cards}
+        for gpu in gpus:
+            self.enforced.setdefault(gpu.index, high.get(gpu.index, self.budget_w))
+
+    def _did_not_read_back(self, bad: list[int]) -> None:
         if bad:
             self._read_back_failed = True
+            self._deaf.update(bad)
             self._fall_back(f"GPU {', '.join(map(str, bad))} did not read back its limit")
 
     def _urgent(self, cards: list[Card], samples: dict[int, GpuSample], lost: list[int], fixed: dict) -> bool:
-        limits = [s.power_limit_w for s in samples.values() if s.up and s.power_limit_w is not None]
+        limits = [w for s in samples.values() if s.up and (w := watts(s.power_limit_w)) is not None]
         if sum(limits) > self.budget_w + WATT / 2:
             return True
         if lost or self._read_back_failed:
@@ -240,13 +281,23 @@ class PowerBudget:
         if why is None or self.fallback == why:
             return
         self.fallback = why
-        log.warning("power budget: %s: holding a static split that fits %g W until %s", why, self.budget_w,
-                    "a reload" if self._read_back_failed else "every GPU answers again")
+        self._say(logging.WARNING, f"power budget: {why}: holding a static split that fits {self.budget_w:g} W "
+                  f"until {'a reload' if self._read_back_failed else 'every GPU answers again'}")
 
     def _resume(self) -> None:
         if self.fallback is not None:
-            log.log(NOTICE, "power budget: every GPU answers again: the split follows the demand again")
+            self._say(NOTICE, "power budget: every GPU answers again: the split follows the demand again")
             self.fallback = None
+
+    def _say(self, level: int, line: str) -> None:
+        """One line per LINE_S: a GPU lost and back every few polls was a warning and a notice every few seconds.
+        status and gpuwarden_power_budget_static say the state in between."""
+        said, unsaid = self._said
+        if self._now - said < LINE_S:
+            self._said = (said, unsaid + 1)
+            return
+        self._said = (self._now, 0)
+        log.log(level, "%s%s", line, f" ({unsaid} changes before this one not logged: a GPU flaps)" if unsaid else "")
 
     def chosen(self, index: int) -> tuple[float, str] | None:
         """This card's allocation and who chose it, for the power rules."""
@@ -283,17 +334,13 @@ class PowerBudget:
         cards, lost = cards_of(gpus, samples, self.weight, swept, self.ranges)
         target = (static_split if lost or self._read_back_failed else split)(cards, self.budget_w)
         self.alloc = target
-        for s in samples.values():
-            if s.up and s.power_limit_w is not None:
-                self.enforced[s.index] = s.power_limit_w
-        others = [g for g in gpus if g.index not in swept and g.index not in lost]
+        self._read(gpus, samples, cards)
+        others = [g for g in gpus if g.index not in swept and g.index not in lost and g.index not in self._deaf]
         lowers = {g.index: min(target[g.index], self.enforced.get(g.index, target[g.index])) for g in others
                   if g.index in target}  # only lowers now: the step takes the room, the next poll shares the rest
         sets, bad = self.mover.move(others, lowers, self.budget_w, self.enforced)
         self.moves += sets
-        if bad:
-            self._read_back_failed = True
-            self._fall_back(f"GPU {', '.join(map(str, bad))} did not read back its limit")
+        self._did_not_read_back(bad)
         held = sum(w for i, w in self.enforced.items() if i not in swept)
         if held + sum(swept.values()) > self.budget_w + WATT / 2:
             return (f"the other GPUs still hold {held:g} W (read back), which leaves "

@@ -89,6 +89,7 @@ class SweepClient:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.lost: str | None = None  # why the lease was lost mid-sweep (the daemon stopped or died)
+        self._raised = False  # LeaseLost raised once (_on_lost)
         self._last_set = float("-inf")
         began = self.ask({"op": "begin", "setting": setting, "gpus": gpus, "lease_s": lease_s, "force": force})
         self.limits, self.uuids = began["limits"], began.get("uuids", {})
@@ -125,7 +126,8 @@ class SweepClient:
 
     def _on_lost(self, signum: int, frame: object) -> None:
         # Left installed after end(): a late signal must find this handler, never SIGUSR1's default (it kills).
-        if self.lost is not None and not self._stop.is_set():
+        if self.lost is not None and not self._stop.is_set() and not self._raised:
+            self._raised = True  # once: a second SIGUSR1 (from outside) during the sweep's cleanup was a traceback
             raise LeaseLost(self.lost)  # the sweep ends as on Ctrl-C, and tune says the lease was lost
 
     def set(self, value: float) -> dict:

@@ -89,7 +89,7 @@ def parse_tuning(r: Reader) -> TuningConfig:
     overrides = []
     for key, value in r.mapping(base + ("gpus",), None).items():
         path = base + ("gpus", key)
-        if not (key.isdigit() or UUID_RE.match(key)):
+        if not (gpu_index(key) or UUID_RE.match(key)):
             r.fail(path, "not a GPU index or UUID", "an index such as \"0\" or a UUID such as GPU-5c1e...")
             continue
         if not isinstance(value, dict):
@@ -117,11 +117,16 @@ def parse_tuning(r: Reader) -> TuningConfig:
     )
 
 
+def gpu_index(key: str) -> bool:
+    """An index as str(index) spells it: "٠" (an Arabic-Indic zero) and "00" passed isdigit() and matched no GPU."""
+    return key.isascii() and key.isdigit() and str(int(key)) == key
+
+
 def _power_shares(r: Reader, path: Path_) -> tuple[tuple[str, float], ...]:
     """tuning.power_shares: GPU index or UUID -> its weight in the budget's split (a number above 0)."""
     shares = []
     for key in r.mapping(path, None):
-        if not (key.isdigit() or UUID_RE.match(key)):
+        if not (gpu_index(key) or UUID_RE.match(key)):
             r.fail(path + (key,), "not a GPU index or UUID", "an index such as \"0\" or a UUID such as GPU-5c1e...")
             continue
         weight = r.number(path + (key,), None, 0.01, MAX_SHARE)
