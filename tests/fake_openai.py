@@ -2,7 +2,7 @@
 
     python3 tests/fake_openai.py --port P [--model M] [--token-delay S] [--reject-ignore-eos] [--fail-all] [--tokenize]
                                  [--endless] [--error-bytes N] [--usage-event TEXT] [--models-body TEXT]
-                                 [--good-first N] [--sim-state DIR [--prefill-ms MS]]
+                                 [--good-first N] [--sim-state DIR [--prefill-ms MS] [--sim-gpu N]]
 
 Prompt tokens are the prompt's words (+1); each output token is one SSE chunk after --token-delay seconds,
 then a usage chunk and [DONE]. /metrics counts tokens as vLLM names them; /debug/open says how many streams
@@ -15,10 +15,11 @@ data of the usage event, --models-body TEXT as the answer to /v1/models. --good-
 completion requests (bench's calibration) as a well-behaved server would, quickly and whole.
 
 --sim-state DIR serves at the speed of the simulated cards (gpuwarden.gpu.sim.power): each token's delay is
---token-delay over the decode speed at the clock GPU 0 keeps under load, and a prompt first takes --prefill-ms per
-token over the prefill speed; the streams open are written back, so the simulated card is busy while it serves,
-with the share of that time spent on prefill (the open requests' prefill seconds over their prefill and decode
-seconds, as served here), so that the simulated card's GPM figures follow the workload.
+--token-delay over the decode speed at the clock its GPU (--sim-gpu, 0 by default) keeps under load, and a prompt
+first takes --prefill-ms per token over the prefill speed; the streams open are written back, so the simulated card
+is busy while it serves (with --sim-gpu, that card alone: load.json's "gpus"; without it every card), with the
+share of that time spent on prefill (the open requests' prefill seconds over their prefill and decode seconds, as
+served here), so that the simulated card's GPM figures follow the workload.
 """
 
 import argparse
@@ -51,8 +52,9 @@ async def pause(request, seconds: float) -> None:
 class SimSpeed:
     """The simulated card's speeds, read from the channel at most every 50 ms; streams open written back."""
 
-    def __init__(self, directory: Path | None):
+    def __init__(self, directory: Path | None, gpu: int | None = None):
         self.directory, self._at, self._speeds = directory, 0.0, (1.0, 1.0)
+        self.gpu = gpu  # the card it serves on; None: GPU 0's speed, and every card busy (as before --sim-gpu)
         self.work: dict[object, tuple[float, float]] = {}  # each open request's (prefill, decode) seconds
         self.share: float | None = None
 
@@ -62,9 +64,10 @@ class SimSpeed:
             return 1.0, 1.0
         if time.monotonic() - self._at > 0.05:
             from gpuwarden.gpu.sim import power
-            gpus = power.read_gpus(self.directory)
-            if gpus:
-                f, knee = gpus[0]["loaded_fraction"], gpus[0]["decode_knee_fraction"]
+            index = self.gpu or 0
+            mine = [g for g in power.read_gpus(self.directory) if g.get("index") == index]
+            if mine:
+                f, knee = mine[0]["loaded_fraction"], mine[0]["decode_knee_fraction"]
                 self._speeds = (max(0.01, power.speed("decode", f, knee)), max(0.01, power.speed("prefill", f, knee)))
             self._at = time.monotonic()
         return self._speeds
@@ -85,11 +88,11 @@ class SimSpeed:
         total = prefill + sum(d for _, d in self.work.values())
         if total > 0:  # with nothing open the last share stays: the card's busy hold still runs that work
             self.share = prefill / total
-        power.write_load(self.directory, state["open"], self.share)
+        power.write_load(self.directory, state["open"], self.share, None if self.gpu is None else [self.gpu])
 
 
 def make_app(args) -> web.Application:
-    sim = SimSpeed(args.sim_state)
+    sim = SimSpeed(args.sim_state, args.sim_gpu)
 
     async def models(request):
         if args.models_body:
@@ -213,6 +216,8 @@ def main() -> None:
     parser.add_argument("--sim-state", type=Path, metavar="DIR",
                         help="serve at the simulated cards' speed (the simulator's GPUWARDEN_SIM_STATE)")
     parser.add_argument("--prefill-ms", type=float, default=0.0, help="with --sim-state: ms per prompt token")
+    parser.add_argument("--sim-gpu", type=int, metavar="N",
+                        help="with --sim-state: serve on this simulated card alone (its speed; only it busy)")
     args = parser.parse_args()
     web.run_app(make_app(args), host="127.0.0.1", port=args.port, print=lambda *a: print("listening", flush=True),
                 backlog=2048)

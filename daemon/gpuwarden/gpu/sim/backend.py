@@ -111,9 +111,10 @@ class SimBackend(GpuBackend):
         load = channel_io.read_load(self.channel) if self.channel is not None else None
         if load is not None:
             self._integrate_to(now)  # the time before this look ran at the old load
-            for gpu in self._gpus:
-                gpu.utilization = 100.0 if load.busy else 0.0
-                gpu.prefill_share = load.prefill_share
+            for gpu in self._gpus:  # the cards the server names (load.json's "gpus"; all without it) serve its load
+                mine = load.serves(gpu.index)
+                gpu.utilization = 100.0 if load.busy and mine else 0.0
+                gpu.prefill_share = load.prefill_share if mine else None
         while self._pending and self._pending[0].at_s <= now:
             event = self._pending.pop(0)
             self._integrate_to(max(event.at_s, self._time))

@@ -9,7 +9,9 @@ the same curve answers a power-limit sweep and a clock sweep.
 
 The channel is a directory (GPUWARDEN_SIM_STATE): the simulator writes `gpus.json` (each card's power limit,
 clock lock and loaded clock fraction) whenever a setter changes a card, and reads `load.json` ({"open": N}, the
-streams the server serves now) on each sample: a card is fully busy while N > 0. The server may add
+streams the server serves now) on each sample: a card is fully busy while N > 0. The server may name the cards its
+streams run on, "gpus": [indices] (at most MAX_LOAD_GPUS entries; an entry that is no index in 0..MAX_LOAD_GPUS-1
+is left out): only those are busy, the others idle; without the key every card is the server's. It may add
 "prefill_share" (0..1, the share of its busy time spent on prefill): sim/gpm.py mixes the GPM figures by it. A real
 card keeps its power limit and clock locks while the driver stays loaded, so a simulator with a channel reads its
 settings back at start: a daemon killed mid-sweep finds the swept setting, as it would on real hardware.
@@ -37,6 +39,7 @@ MAX_FILE_BYTES = 64 * 1024
 # 70 W made a 700 W step look like 483 W and moved tune's knee).
 BUSY_HOLD_S = 0.5
 MAX_LOCK_MHZ = 10_000  # a clock lock read back from gpus.json: no GPU clocks near it
+MAX_LOAD_GPUS = 64  # load.json's "gpus": the entries read and the indices taken (the scenarios hold a few cards)
 MAX_CLOCK_S = 1e12  # clock.json's to_s and at (a monotonic clock's seconds): 30,000 years
 
 
@@ -121,11 +124,14 @@ def _settings(saved: dict) -> dict:
     return {**saved, "gpu_lock": lock, "power_limit_w": limit}
 
 
-def write_load(directory: Path, open_streams: int, prefill_share: float | None = None) -> None:
+def write_load(directory: Path, open_streams: int, prefill_share: float | None = None,
+               gpus: list[int] | None = None) -> None:
     # CLOCK_MONOTONIC is one clock for every process of the host: the simulator compares it with its own
     data = {"open": open_streams, "at": time.monotonic()}
     if prefill_share is not None:
         data["prefill_share"] = round(prefill_share, 4)
+    if gpus is not None:
+        data["gpus"] = list(gpus)
     _write(directory / "load.json", data)
 
 
@@ -133,6 +139,11 @@ def write_load(directory: Path, open_streams: int, prefill_share: float | None =
 class Load:
     busy: bool
     prefill_share: float | None  # None: not said, or not a number in 0..1 (the figures then follow the load alone)
+    gpus: frozenset[int] | None = None  # the cards the server's streams run on; None: every card
+
+    def serves(self, index: int) -> bool:
+        """The server's load is on this card (busy while it serves); a card it does not name idles."""
+        return self.gpus is None or index in self.gpus
 
 
 def read_load(directory: Path) -> Load | None:
@@ -146,7 +157,16 @@ def read_load(directory: Path) -> Load | None:
     recent = type(at) in (int, float) and now - BUSY_HOLD_S < at <= now
     share = data.get("prefill_share")
     valid = isinstance(share, (int, float)) and not isinstance(share, bool) and 0 <= share <= 1
-    return Load(data["open"] > 0 or recent, float(share) if valid else None)
+    return Load(data["open"] > 0 or recent, float(share) if valid else None, _load_gpus(data.get("gpus")))
+
+
+def _load_gpus(value) -> frozenset[int] | None:
+    """load.json's "gpus": the indices in 0..MAX_LOAD_GPUS-1 among its first MAX_LOAD_GPUS entries (a bool, a
+    float or -1 is no index); None when the key is absent or not a list (the folder may be another user's: a list
+    of 30,000 entries is read no further than the bound)."""
+    if not isinstance(value, list):
+        return None
+    return frozenset(v for v in value[:MAX_LOAD_GPUS] if type(v) is int and 0 <= v < MAX_LOAD_GPUS)
 
 
 def busy(directory: Path) -> bool | None:
