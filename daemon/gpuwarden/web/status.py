@@ -158,7 +158,8 @@ def render_status(state: dict) -> str:
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     for gpu in state.get("gpus", []):
         if gpu.get("health") and gpu["health"]["state"] != "healthy":
-            lines.append(f"  GPU{gpu['index']} {_health(gpu)}, because: {'; '.join(map(str, gpu['health']['reasons']))}")
+            reasons = "; ".join(map(str, gpu["health"]["reasons"]))
+            lines.append(f"  GPU{gpu['index']} {_health(gpu)}, because: {reasons}")
     budget = _budget_line(state.get("power_budget"))
     if budget:
         lines.append(budget)

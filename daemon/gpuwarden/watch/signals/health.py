@@ -17,8 +17,9 @@ RUNBOOK = {
                     "GPU's peer-to-peer traffic where the driver asks for it (DRAIN_P2P) and restarts what an "
                     "application Xid killed; a fabric still registering needs `systemctl enable --now "
                     "nvidia-fabricmanager` first",
-    RESET_GPU: "drain the GPU and stop what uses it, then reset it (`nvidia-smi -r -i GPU`) or reboot (health.reset_gpu "
-               "lets gpuwarden reset it); once it answers, gpuwarden re-applies the tuning and starts the engine",
+    RESET_GPU: "drain the GPU and stop what uses it, then reset it (`nvidia-smi -r -i GPU`) or reboot "
+               "(health.reset_gpu lets gpuwarden reset it); once it answers, gpuwarden re-applies the tuning and "
+               "starts the engine",
     REBOOT: "drain the node and reboot it: only a reboot brings this GPU back; gpuwarden counts the reboots per "
             "fault and asks for an inspection after health.reboots_before_inspect",
     INSPECT: "take the GPU out of service and have the hardware looked at: a failed row remap or fabric "

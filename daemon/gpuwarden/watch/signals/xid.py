@@ -29,7 +29,8 @@ RULES = (
     Rule("gpu_xid", WARNING, "the journal line names the Xid, its meaning and the processes on the GPU; an "
          "application fault (13, 31, 43) restarts only what died", gpu_xid, for_s=0.0),
     Rule("gpu_needs_reset", CRITICAL, "drain the GPU, then reset it (nvidia-smi -r) or reboot as the line says; "
-         "the engine held for it starts again by itself once the GPU answers (or `systemctl reload gpuwarden`)", gpu_needs_reset, for_s=0.0),
+         "the engine held for it starts again by itself once the GPU answers (or `systemctl reload gpuwarden`)",
+         gpu_needs_reset, for_s=0.0),
 )
 
 
