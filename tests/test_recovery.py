@@ -364,3 +364,33 @@ def test_a_known_answer_that_differs_after_the_recovery_keeps_the_engine_stopped
 def _env():
     from conftest import subprocess_env
     return subprocess_env()
+
+
+def test_a_recovery_fault_does_not_stop_the_reboot_record(tmp_path, monkeypatch):
+    """Faults stay in their room: recovery.tick raising every pass must not leave a fault that asks for a reboot
+    uncounted (the count shared recovery's try, so the record was never written)."""
+    from gpuwarden.gpu.sim.backend import ManualClock as Clock
+    from gpuwarden.service.daemon import Daemon
+    from gpuwarden.watch.health_record import HealthRecord, NAME
+
+    class Watcher:
+        failure = None
+
+        def take(self):
+            return []
+
+    monkeypatch.setenv("STATE_DIRECTORY", str(tmp_path))
+    cfg = config.parse_text("gpu:\n  backend: sim\n  scenario: rtx-pro-4000-headless\nmetrics:\n  listen: none\n"
+                            "tuning:\n  apply: false\n")
+    daemon = Daemon(cfg, open_configured(cfg, Clock()), reload=lambda: cfg)
+    daemon.watcher = Watcher()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("recovery broke")
+
+    monkeypatch.setattr(daemon.recovery, "tick", broken)
+    daemon.monitor.events.needs_reset[0] = "Xid 79 (GPU has fallen off the bus): reboot the node"
+    daemon.tick(time.monotonic())
+    uuid = daemon.monitor.verdicts[0].uuid
+    assert "xid79" in daemon.monitor.verdicts[0].reboot_faults
+    assert HealthRecord.load(tmp_path / NAME).count(uuid, "xid79") == 1

@@ -214,9 +214,12 @@ class Daemon:
             return
         try:  # a GPU back: the engine held for it starts again; a reset the policy allows; the known answer
             self.recovery.tick(now, self._waiting(), self.stopping)
-            record_reboots(self.health_record, self.monitor.verdicts.values(), time.time())
         except Exception as exc:
             self._error_once(f"recovery: {type(exc).__name__}: {exc}")
+        try:  # its own room: a recovery fault must not leave a reboot uncounted
+            record_reboots(self.health_record, self.monitor.verdicts.values(), time.time())
+        except Exception as exc:
+            self._error_once(f"health record: {type(exc).__name__}: {exc}")
         self.heartbeat.published(snapshot.published_at)
         if self.server is not None:
             self.exposition.published()
