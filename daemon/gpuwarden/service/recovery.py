@@ -234,9 +234,11 @@ class Recovery:
         if key in self.answers and not recovering:
             return  # a restart that was no recovery (a crash, a reload): nothing to compare
         kind, serve, command = launch.command.engine, launch.config.serve, launch.command
-        self._asked = (key, recovering)
-        self._check.start(known.ask, serve.url + kind.completions_path, kind.served_model(serve, command.argv),
-                          kind.api_key(command.argv, command.env))
+        if self._check.start(known.ask, serve.url + kind.completions_path, kind.served_model(serve, command.argv),
+                             kind.api_key(command.argv, command.env)):
+            self._asked = (key, recovering)
+        else:  # an earlier engine's check still runs: its answer is not this one's; asked again at the next tick
+            self._recovering, self._was_running = recovering, False
 
     def _judge(self, now: float, done, key: tuple[str, str], recovering: bool) -> None:
         self._asked = None
