@@ -331,8 +331,8 @@ HOSTS = {
             False, None),
     "h10": (scenario(PRO6000, 4, [LOAD], "healthy-4"), False, None),
     "h11": (resolve_scenario("dgx-spark").read_text(), False, None),  # unified memory, no power limit
-    # One cause, one notification: a power brake (a page), a thermal slowdown and a power cap at the limit the
-    # config chose (a ticket each), all of which also hold the clocks low; no "clocks low" ticket beside them.
+    # One cause, one notification: a power brake (a page), a thermal slowdown (a ticket) and a power cap at the limit
+    # the config chose (a notice, no ticket), all of which also hold the clocks low; no "clocks low" ticket beside them.
     "h12": (scenario(PRO4000, 1, [LOAD, {"at_s": 20, "event": "power_brake", "gpus": [0]}], "brake-1"), False, None),
     "h13": (scenario(PRO4000, 1, [LOAD, {"at_s": 20, "event": "thermal_slowdown", "gpus": [0], "temperature_c": 88}],
                      "thermal-1"), False, None),
@@ -344,24 +344,26 @@ TUNING = {"h14": {"power_limit_w": 100}}  # of the card's 70-145 W: a choice, re
 EXPECTED = {
     (TICKET, "firing", "GpuClocksLowWhileBusy", "h01", "0"),
     (TICKET, "firing", "GpuClocksLowWhileBusy", "h01", "1"),
-    (PAGE, "firing", "GpuNeedsReset", "h02", "1"),
-    (PAGE, "firing", "GpuNeedsReset", "h03", "0"),
+    # one fault, one page: the health model's action (issue 42) mutes the Xid, the reset and the lost GPU
+    (PAGE, "firing", "GpuActionReboot", "h02", "1"),
+    (PAGE, "firing", "GpuActionReboot", "h03", "0"),
     (TICKET, "firing", "GpuXid", "h05", "0"),
     (PAGE, "firing", "GpuwardenDown", "h05", ""),
     (PAGE, "firing", "VllmCrashLoop", "h06", ""),
     (TICKET, "firing", "GpuCountDropped", "h08", ""),
     (PAGE, "firing", "GpuHardwareSlowdown", "h12", "0"),
     (TICKET, "firing", "GpuThermalSlowdown", "h13", "0"),
-    (TICKET, "firing", "GpuPowerCapped", "h14", "0"),
-}
+}  # h14's cap at the limit its config chose is a notice in the daemon (held_at_chosen_limit), no ticket
 # Received by Alertmanager and muted: (alertname, instance, gpu) -> the alerts that may inhibit it (Alertmanager
 # names one of those firing).
 INHIBITED = {
-    ("GpuXid", "h02", "1"): {"GpuNeedsReset"},
+    ("GpuXid", "h02", "1"): {"GpuNeedsReset", "GpuActionReboot"},
+    ("GpuNeedsReset", "h02", "1"): {"GpuActionReboot"},
+    ("GpuNeedsReset", "h03", "0"): {"GpuActionReboot"},
     # its collapsed clock is a lost lock (tuned, no power or heat reason): that alert, not "clocks low"
-    ("GpuClockLockLost", "h02", "1"): {"GpuNeedsReset"},
-    ("GpuXid", "h03", "0"): {"GpuNeedsReset", "GpuLost"},
-    ("GpuLost", "h03", "0"): {"GpuNeedsReset"},
+    ("GpuClockLockLost", "h02", "1"): {"GpuNeedsReset", "GpuActionReboot"},
+    ("GpuXid", "h03", "0"): {"GpuNeedsReset", "GpuLost", "GpuActionReboot"},
+    ("GpuLost", "h03", "0"): {"GpuNeedsReset", "GpuActionReboot"},
     ("VllmStalled", "h06", ""): {"VllmCrashLoop"},
     ("GpuXid", "h05", "0"): {"GpuwardenDown"},  # notified before its daemon died, muted since
 }
@@ -629,8 +631,10 @@ def test_a_fleet_of_sixteen_daemons_notifies_once_per_host_and_cause(tmp_path, d
                 b["alerts"][0]["annotations"]["description"] for _, b in notifications}
         assert "asserted the power brake" in said["GpuHardwareSlowdown", "h12"]
         assert "88 C" in said["GpuThermalSlowdown", "h13"]
-        capped = said["GpuPowerCapped", "h14"]
-        assert "at a power limit of 100 W" in capped and "chosen on purpose" in capped and "nothing to fix" in capped
+        assert "reboot" in said["GpuActionReboot", "h03"]
+        # h14 held at the 100 W its config chose: the daemon's notice, and no GpuPowerCapped ticket (issue 43)
+        assert values(prom_base, 'gpuwarden_alert_active{alert="held_at_chosen_limit",instance="h14"} == 1')
+        assert not values(prom_base, 'ALERTS{alertname="GpuPowerCapped",instance="h14",alertstate="firing"}')
         # An engine version nobody could read ("" on h06 and h07) beside a known one (h15) is no skew: the
         # rule is not even pending.
         versions = {m["instance"]: m.get("version", "")  # Prometheus keeps no empty label
