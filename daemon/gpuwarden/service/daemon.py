@@ -178,12 +178,9 @@ class Daemon:
         now = self.clock()
         holds = self.monitor.record_events(self.watcher.take(), now)
         if not self.stopping:
-            # New events, and any GPU still waiting for a reset (an engine started since must not run there).
-            self.recovery.hold(now, holds + list(self._waiting().items()))
-
-    def _waiting(self) -> dict[int, str]:
-        """The GPUs no engine may run on: those an event asked a reset or a reboot for, and those judged unhealthy."""
-        return waiting(self.monitor.events.needs_reset, self.monitor.verdicts)
+            # New events, and any GPU that waits for its action (an event's, or judged unhealthy): no engine on it.
+            held = waiting(self.monitor.events.needs_reset, self.monitor.verdicts)
+            self.recovery.hold(now, holds + list(held.items()))
 
     def tick(self, now: float, lag: float = 0.0) -> None:
         """One poll: a reload if one was asked for, advance serving (its faults stay there), then sample and
@@ -213,7 +210,7 @@ class Daemon:
             self._error_once(f"poll failed: {type(exc).__name__}: {exc}")
             return
         try:  # a GPU back: the engine held for it starts again; a reset the policy allows; the known answer
-            self.recovery.tick(now, self._waiting(), self.stopping)
+            self.recovery.tick(now, waiting(self.monitor.events.needs_reset, self.monitor.verdicts), self.stopping)
         except Exception as exc:
             self._error_once(f"recovery: {type(exc).__name__}: {exc}")
         try:  # its own room: a recovery fault must not leave a reboot uncounted
