@@ -151,7 +151,8 @@ def test_boots_tunes_alerts_stops_fails_cleanly_and_survives_a_stall(installed_r
     # and after the daemon's SIGKILL mid-sweep (restored by the restarted daemon, from the marker and originals)
     assert got["tune_exit"] == "0", (folder / "tune.err").read_text()[-2000:]
     tuned = json.loads((folder / "tune.json").read_text())
-    assert [s["setting"] for s in tuned["steps"]] == [120, 100] and tuned["knee"]["setting"] in (120, 100), tuned
+    assert [s["setting"] for s in tuned["steps"]] == [120, 100] and "knee" in tuned, json.dumps(tuned)[:4000]
+    assert tuned["knee"]["setting"] in (120, 100), tuned
     assert got["tune_limit_after"] == "140.0" and got["tune_killed_limit"] == "140.0", got
     assert got["tune_socket"] == "600 root" and got["tune_nobody"] == "1", got
     assert got["tune_swept"] == "90.0" and got["tune_daemon_killed_limit"] == "140.0", got
