@@ -34,7 +34,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from gpm_readonly import COMPARED, dmon, dmon_rows, load  # tests/hardware/, beside this script
+from gpm_readonly import COMPARED, dmon, dmon_rows, start_load  # tests/hardware/, beside this script
 from nvml_readonly import HIDE_GPM
 
 HERE = Path(__file__).resolve().parent
@@ -100,12 +100,9 @@ def agree(args, workdir: Path) -> int:
     try:
         for name, seconds in (("matmul", args.seconds), ("copy", args.seconds), ("sleep", args.seconds),
                               ("idle", min(args.seconds, 30.0))):
-            ready, stop = ctx.Event(), ctx.Event()
-            child = ctx.Process(target=load, args=(name, ready, stop), daemon=True)
-            child.start()
-            if not ready.wait(120):
-                print(f"{name}: the load did not start", file=sys.stderr)
+            if (started := start_load(ctx, name)) is None:
                 return 1
+            child, stop = started
             start = time.time()
             while time.time() < start + args.settle + seconds:
                 if (state := daemon.status()) is not None and state.get("gpus"):

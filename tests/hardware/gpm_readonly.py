@@ -83,6 +83,17 @@ def load(name: str, ready, stop) -> None:
         torch.cuda.synchronize()  # a bounded queue: the load stops when asked
 
 
+def start_load(ctx, name: str):
+    """The load in a spawned child, once it runs: (the child, its stop event); None (said) if it did not start."""
+    ready, stop = ctx.Event(), ctx.Event()
+    child = ctx.Process(target=load, args=(name, ready, stop), daemon=True)
+    child.start()
+    if not ready.wait(120):
+        print(f"{name}: the load did not start", file=sys.stderr)
+        return None
+    return child, stop
+
+
 # -- nvidia-smi dmon ----------------------------------------------------------------------------------------------
 
 def dmon(lines: queue.Queue) -> subprocess.Popen:
@@ -174,12 +185,9 @@ def main() -> int:
     ctx = multiprocessing.get_context("spawn")
     try:
         for name in LOADS:
-            ready, stop = ctx.Event(), ctx.Event()
-            child = ctx.Process(target=load, args=(name, ready, stop), daemon=True)
-            child.start()
-            if not ready.wait(120):
-                print(f"{name}: the load did not start", file=sys.stderr)
+            if (started := start_load(ctx, name)) is None:
                 return 1
+            child, stop = started
             start = time.time()
             end = start + args.settle + args.seconds
             while time.time() < end:
