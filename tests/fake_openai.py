@@ -16,10 +16,10 @@ completion requests (bench's calibration) as a well-behaved server would, quickl
 
 --sim-state DIR serves at the speed of the simulated cards (gpuwarden.gpu.sim.power): each token's delay is
 --token-delay over the decode speed at the clock its GPU (--sim-gpu, 0 by default) keeps under load, and a prompt
-first takes --prefill-ms per token over the prefill speed; the streams open are written back, so the simulated card
-is busy while it serves (with --sim-gpu, that card alone: load.json's "gpus"; without it every card), with the
-share of that time spent on prefill (the open requests' prefill seconds over their prefill and decode seconds, as
-served here), so that the simulated card's GPM figures follow the workload.
+first takes --prefill-ms per token over the prefill speed; the streams open are written back (none at start), so
+the simulated card is busy while it serves (with --sim-gpu, that card alone: load.json's "gpus"; without it every
+card) and idle otherwise, with the share of that time spent on prefill (the open requests' prefill seconds over
+their prefill and decode seconds, as served here), so that the simulated card's GPM figures follow the workload.
 """
 
 import argparse
@@ -57,6 +57,9 @@ class SimSpeed:
         self.gpu = gpu  # the card it serves on; None: GPU 0's speed, and every card busy (as before --sim-gpu)
         self.work: dict[object, tuple[float, float]] = {}  # each open request's (prefill, decode) seconds
         self.share: float | None = None
+        # The server owns its cards' load from the moment it listens: idle until a request comes, not whatever the
+        # scenario's timeline had them doing (a scenario's load under a tune's idle reading withheld every tok/J).
+        self._write()
 
     def speeds(self) -> tuple[float, float]:
         """(decode, prefill) relative speed; 1.0 without a channel."""

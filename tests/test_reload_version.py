@@ -17,7 +17,7 @@ from conftest import subprocess_env
 from gpuwarden.serving.compose.identity import Identity
 from gpuwarden.serving.run.processes import ProcessOps
 from test_faults import fake, no_fakes_left  # noqa: F401 (fixtures)
-from test_faults import FLAGCHECK, assert_on_schedule, fault_config, metrics, own_log, status
+from test_faults import FLAGCHECK, assert_on_schedule, fault_config, metrics, own_log, status, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -65,6 +65,12 @@ class _Env:
 
 def _info(base):
     return next(line for line in metrics(base).splitlines() if line.startswith("gpuwarden_serving_info{"))
+
+
+def _running_anew(base, first):
+    """The serving section once it shows a RUNNING engine other than pid first, else None."""
+    serving = status(base)["serving"]
+    return serving if serving["state"] == "RUNNING" and serving["pid"] != first else None
 
 
 def _serving(write, fake, daemons, venv, tmp_path):
@@ -118,9 +124,9 @@ def test_a_reload_after_an_in_place_upgrade_restarts_the_engine_on_the_installed
                          "installed version"), line
     stopped = d.wait_for("vLLM stopped after", after=mark, timeout=10)
     d.wait_for("vLLM healthy after", after=d.lines.index(stopped), timeout=20)
-    now = status(base)["serving"]
-    assert now["state"] == "RUNNING" and now["pid"] != first
-    assert 'version="0.32.1"' in _info(base)
+    # The log line comes as the state changes; /status and /metrics show it from the next published poll.
+    wait_until(lambda: _running_anew(base, first), timeout=10)
+    wait_until(lambda: 'version="0.32.1"' in _info(base), timeout=10)
     assert d.log.count("is installed, the engine runs") == 1
     assert d.stop() == 0 and "Traceback" not in own_log(d)
 
