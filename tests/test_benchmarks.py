@@ -39,6 +39,20 @@ def test_soak_smoke_stays_flat_and_leaves_nothing(child_user):
     assert "SIGTERM: exit 0; fake-child processes left: 0; tracebacks in the daemon's own log: 0" in proc.stdout
 
 
+def test_a_lag_is_excused_only_by_the_wait_for_a_cpu_just_before_it():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from soak import lags_not_explained_by_waiting
+
+    def rows(*pairs):  # (lag p99 s, the daemon's total wait for a CPU s) per sample, as soak.py records them
+        return [(t, "m", 1.0, 1, p99, p99, 0.1, "RUNNING", waited) for t, (p99, waited) in enumerate(pairs)]
+
+    assert lags_not_explained_by_waiting(rows((0.1, 0.0), (0.1, 0.2), (2.5, 1.0))) == []  # waited 1.0 s >= 0.6
+    blocked = rows((0.1, 0.0), (0.1, 0.0), (2.5, 0.1))  # a read that slept its 2 s deadline: no wait for a CPU
+    assert lags_not_explained_by_waiting(blocked) == [blocked[2]]
+    # the same worst lag, read again at the next samples, is that one stall, not another
+    assert lags_not_explained_by_waiting(rows((2.5, 1.0), (2.5, 1.0), (2.5, 1.0))) == []
+
+
 def test_supervisor_benchmark_smoke():
     # on the tests' stand-in engine: the script's steps in seconds (with vLLM, two starts cost CI four minutes,
     # and test_vllm_e2e SIGKILLs real vLLM and counts its orphans already)
