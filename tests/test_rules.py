@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
 from gpuwarden.serving.compose.engines import builtin_rules, engine_for, evaluate_lint, rules_for
 from gpuwarden.serving.compose.installed import Installed, installed
@@ -24,6 +25,15 @@ HERE = Path(__file__).resolve().parent
 PROFILES = load_profiles(None)
 DEFAULT_VERSIONS = {"vllm": "0.32.0", "flashinfer": "0.6.18", "torch": "2.13.0", "sglang": "0.5.23"}
 TESTED_ELSEWHERE = {"known-bad", "profile-untested", "tp-pcie-iommu"}  # host or profile state: below
+# An example's `case:` says what it shows: the trap's own launch (a firing example is one without saying so), the
+# launch with the documented workaround, or the launch on the first release that fixed it.
+CASES = ("trap", "workaround", "fixed")
+# A rule with no fixed release says so, against the release the rules are written for: "still open upstream as of
+# vLLM 0.32.0", or "by design upstream as of ..." where the behaviour is not a bug (a secret in ps, a deprecation).
+STILL_OPEN = ("still open upstream as of", "by design upstream as of")
+# Rules without a public page to link: the profile's own notes are their source, or the report was never posted.
+NO_LINK = {"known-bad": "the profile's notes", "profile-untested": "the profile's versions.tested",
+           "gpu-memory-utilization-tp4": "a working-state report with no public copy found"}
 
 
 def context(engine="vllm", args=(), command=None, env=None, model="/m/Qwen3-4B", cc="12.0", gpus=1,
@@ -60,6 +70,7 @@ EXAMPLES = [(rule, example) for rule in RULES for example in rule.examples]
 def test_every_rules_examples_from_its_source(rule, example):
     example = dict(example)
     fires = example.pop("fires")
+    assert example.pop("case", "trap") in CASES
     example.setdefault("engine", rule.engine if rule.engine != "any" else "vllm")
     outcome = outcome_of(rule, context(**example))
     assert (outcome.finding.severity if outcome.finding else "none") == fires, outcome.line()
@@ -80,6 +91,43 @@ def test_every_rule_has_a_firing_and_a_quiet_case_and_crosses_its_version_bounds
             firing_versions = {ex.get("versions", {}).get(module) for ex in fires}
             assert any(ex.get("versions", {}).get(module) not in firing_versions for ex in quiet), \
                 f"{rule.id}: no quiet example across its {module} bound"
+
+
+def case_of(example) -> str | None:
+    return example.get("case", "trap" if example["fires"] != "none" else None)
+
+
+def named(version: str, text: str) -> bool:
+    """Whether text names version, or its release without a trailing .0 (0.24.0 as "0.24")."""
+    return version in text or (version.endswith(".0") and version[:-2] in text)
+
+
+def test_every_rule_has_its_trap_its_workaround_and_its_fix_or_says_it_is_still_open():
+    """Precision first (issue 44): every rule shows the launch it warns about, the same launch with the documented
+    workaround (quiet), and the first fixed release (quiet) or the words that say none is known; and a link."""
+    against = builtin_rules().written_against
+    for rule in RULES:
+        assert rule.link.startswith("https://") or rule.id in NO_LINK, f"{rule.id}: no link"
+        if rule.id in TESTED_ELSEWHERE:
+            continue
+        cases = {c: [ex for ex in rule.examples if case_of(ex) == c] for c in CASES}
+        assert cases["trap"] and all(ex["fires"] != "none" for ex in cases["trap"]), f"{rule.id}: no trap case"
+        assert cases["workaround"] and all(ex["fires"] == "none" for ex in cases["workaround"]), \
+            f"{rule.id}: no quiet workaround case"
+        text = " ".join((rule.source, rule.message, rule.fix))
+        engine = "sglang" if rule.engine == "sglang" else "vllm"
+        release = f"{'SGLang' if engine == 'sglang' else 'vLLM'} {against[engine]}"
+        assert cases["fixed"] or any(f"{words} {release}" in text for words in STILL_OPEN), \
+            f"{rule.id}: neither a fixed-version case nor 'still open upstream as of {release}'"
+        for ex in cases["fixed"]:
+            assert ex["fires"] == "none" and "fixed in" in text, rule.id
+            moved = {m: v for m, v in ex.get("versions", {}).items()
+                     if m in rule.when and not version_in(rule.when[m], v)}
+            assert moved, f"{rule.id}: a fixed case whose versions are inside the rule's range"
+            for module, version in moved.items():  # the first fixed release: the range's end, or one the text names
+                ends = [s.version for s in rule.when[module] if s.operator == "<"]
+                assert (ends and Version(version) == Version(ends[0])) or named(version, text), \
+                    f"{rule.id}: fixed case {module} {version} is not where the range ends nor named in its text"
 
 
 def stale(rule, against) -> list[str]:
