@@ -7,29 +7,49 @@ A fact has a name:
 - `model.NAME`: a field of serving/compose/model.ModelFacts, read from a local model's config.json;
 - `host.NAME`: gpus (on this host), unified (memory the GPU shares with the system), nodes (the parallel group
   spans several hosts: --nnodes, --data-parallel-size beyond --data-parallel-size-local, a tensor x pipeline
-  group larger than this host's GPUs), driver, driver_cuda (the newest CUDA the driver runs);
+  group larger than this host's GPUs), driver, driver_cuda (the newest CUDA the driver runs), gpu_memory_gib
+  (the smallest GPU's total memory);
 - `engine.NAME`: torch_cuda (the CUDA torch was built for), cuda_toolkit (a toolkit in the engine's
   environment).
-A condition on a fact is a regular expression (matched whole), a comparison (">4", ">=0.85,<1"), a boolean, or
-null (absent). A fact that cannot be known (a remote model's config, a host without a readable driver) makes
-the rule skip, with the reason: serving/compose/rules.py.
+A condition on a fact is a regular expression (matched whole; a list fact matches when one item does), a
+comparison (">4", ">=0.85,<1"), a boolean, or null (absent). A text that starts with <, >, = or ! is a
+comparison, never a regular expression, so a mistyped one is refused when the rules are loaded.
+Arithmetic, bounded (MAX_FACTORS, MAX_EXPRESSION): where a rule names a fact it may name a product of numeric
+facts and numbers, `--speculative-config.num_speculative_tokens * --max-num-seqs`, and a comparison's right
+side may be one, `>=0.9*model.max_position_embeddings`. A fact that cannot be known (a remote model's config,
+a host without a readable driver, a flag absent with no default in the rule) makes the rule skip, with the
+reason: serving/compose/rules.py.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .flags import canonical, flag_value
+from .model import ModelFacts
 
 MAX_FLAG_JSON = 64 * 1024  # a JSON-valued flag is a few hundred bytes; anything larger is not looked into
 MAX_FLAG_DEPTH = 16
-COMPARISON = re.compile(r"\s*(<=|>=|==|!=|<|>)\s*(-?\d+(?:\.\d+)?)\s*")
-HOST_FACTS = ("gpus", "unified", "nodes", "driver", "driver_cuda")
+COMPARISON = re.compile(r"\s*(<=|>=|==|!=|<|>)(.*)", re.DOTALL)
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+FLAG_NAME = re.compile(r"--?[A-Za-z0-9][A-Za-z0-9_-]*(\.[A-Za-z0-9_]+)*")
+FACT_WORD = re.compile(rf"{FLAG_NAME.pattern}|[a-z]+\.[A-Za-z0-9_]+")
+MAX_FACTORS = 4  # K x seqs needs two; a rule wanting more than four is better a check: in Python
+MAX_EXPRESSION = 200  # characters of one product or comparison
+HOST_FACTS = ("gpus", "unified", "nodes", "driver", "driver_cuda", "gpu_memory_gib")
+HOST_NUMBERS = ("gpus", "nodes", "gpu_memory_gib")
 ENGINE_FACTS = ("torch_cuda", "cuda_toolkit")
+MODEL_FACTS = tuple(f for f in ModelFacts.__dataclass_fields__ if f not in ("path", "known", "why", "stamp"))
+# ModelFacts' int and float fields (annotations are text under `from __future__ import annotations`)
+MODEL_NUMBERS = tuple(f for f in MODEL_FACTS if str(ModelFacts.__dataclass_fields__[f].type).split(" |")[0]
+                      in ("int", "float"))
+FACT_HINT = (f"a flag (--max-num-seqs, --speculative-config.method), model.{{{','.join(MODEL_FACTS)}}}, "
+             f"host.{{{','.join(HOST_FACTS)}}} or engine.{{{','.join(ENGINE_FACTS)}}}")
 # The newest CUDA each driver branch runs (NVIDIA's CUDA toolkit release notes, table 3): used where NVML's
 # nvmlSystemGetCudaDriverVersion_v2 is not at hand (the simulator, an old nvidia-ml-py).
 DRIVER_CUDA = ((590, "13.1"), (580, "13.0"), (575, "12.9"), (570, "12.8"), (565, "12.7"),
@@ -41,16 +61,36 @@ class Unknown(Exception):
     """A fact this launch cannot know, and why."""
 
 
+class NotAFact(ValueError):
+    """A name in a rule that is no fact: the rules file's error adds FACT_HINT."""
+
+
+@dataclass(frozen=True)
+class Product:
+    """Numbers and numeric facts multiplied: "--speculative-config.num_speculative_tokens * --max-num-seqs"."""
+
+    factors: tuple[str | float, ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(f for f in self.factors if isinstance(f, str))
+
+
 @dataclass(frozen=True)
 class Condition:
-    """One compiled condition: kind "regex", "compare", "bool" or "absent"."""
+    """One compiled condition: kind "regex", "compare", "bool" or "absent". A comparison's limit is a number or
+    a Product, whose value the caller reads (limits) with the launch's facts."""
 
     kind: str
     pattern: re.Pattern | None = None
-    bounds: tuple[tuple[str, float], ...] = ()
+    bounds: tuple[tuple[str, float | Product], ...] = ()
     flag: bool | None = None
 
-    def holds(self, value: Any) -> bool:
+    @property
+    def products(self) -> tuple[Product, ...]:
+        return tuple(limit for _, limit in self.bounds if isinstance(limit, Product))
+
+    def holds(self, value: Any, limits: Mapping[Product, float] | None = None) -> bool:
         if self.kind == "absent":
             return value is None
         if value is None:
@@ -59,7 +99,11 @@ class Condition:
             return as_bool(value) is self.flag
         if self.kind == "compare":
             number = as_number(value)
-            return number is not None and all(_compare(number, op, limit) for op, limit in self.bounds)
+            return number is not None and all(
+                _compare(number, op, limits[limit] if isinstance(limit, Product) else limit)
+                for op, limit in self.bounds)
+        if isinstance(value, (list, tuple)) and any(self.pattern.fullmatch(show(item)) for item in value):
+            return True  # model.architectures: "DeepseekV32.*" matches ["DeepseekV32ForCausalLM"]
         return bool(self.pattern.fullmatch(show(value)))
 
 
@@ -72,14 +116,77 @@ def condition(value: Any) -> Condition:
     if isinstance(value, (int, float)):
         return Condition("compare", bounds=(("==", float(value)),))
     text = str(value)
-    parts = text.split(",")
-    matched = [COMPARISON.fullmatch(p) for p in parts]
-    if all(matched):
-        return Condition("compare", bounds=tuple((m.group(1), float(m.group(2))) for m in matched))
+    if text.lstrip()[:1] in ("<", ">", "=", "!"):
+        return Condition("compare", bounds=_bounds(text))
     try:
         return Condition("regex", pattern=re.compile(text))
     except (re.error, OverflowError, RecursionError) as exc:  # a{4294967295}, 1,000 nested groups
         raise ValueError(f"{text!r} is neither a comparison (e.g. '>4', '>=2,<8') nor a regular expression: {exc}")
+
+
+def _bounds(text: str) -> tuple[tuple[str, float | Product], ...]:
+    if len(text) > MAX_EXPRESSION:
+        raise ValueError(f"a comparison of {len(text)} characters: at most {MAX_EXPRESSION}")
+    out: list[tuple[str, float | Product]] = []
+    for part in text.split(","):
+        match = COMPARISON.fullmatch(part)
+        if match is None:
+            raise ValueError(f"{text!r}: {part.strip()!r} is not a comparison (<, <=, >, >=, == or != and a number "
+                             f"or a product of numeric facts, e.g. '>4', '>=0.9*model.max_position_embeddings')")
+        right = match.group(2).strip()
+        if NUMBER.fullmatch(right):
+            out.append((match.group(1), float(right)))
+            continue
+        limit = product(right, text)
+        out.append((match.group(1), limit if limit.names else math.prod(limit.factors)))
+    return tuple(out)
+
+
+def product(text: str, whole: str | None = None) -> Product:
+    """The product text says ("A * B", "0.9*model.max_position_embeddings"); ValueError (NotAFact for a name
+    that is no fact) says what is wrong, quoting whole (the comparison it is part of) where given."""
+    where = repr(whole if whole is not None else text)
+    if len(text) > MAX_EXPRESSION:
+        raise ValueError(f"an expression of {len(text)} characters: at most {MAX_EXPRESSION}")
+    parts = [part.strip() for part in text.split("*")]
+    if len(parts) > MAX_FACTORS:
+        raise ValueError(f"{where} multiplies {len(parts)} factors: at most {MAX_FACTORS}")
+    factors: list[str | float] = []
+    for part in parts:
+        if NUMBER.fullmatch(part):
+            factors.append(float(part))
+        elif FACT_WORD.fullmatch(part):
+            if fact_problem(part):
+                raise NotAFact(f"{where}: {fact_problem(part)}")
+            if number_problem(part):
+                raise ValueError(f"{where}: {number_problem(part)}")
+            factors.append(part)
+        else:
+            raise ValueError(f"{where}: {part!r} is neither a number nor a fact" if part else
+                             f"{where} is missing a number or a fact{' beside a *' if len(parts) > 1 else ''}")
+    return Product(tuple(factors))
+
+
+def fact_problem(name: str) -> str | None:
+    """Why name is no fact this module knows, or None."""
+    kind, _, key = name.partition(".")
+    if name.startswith("-") and FLAG_NAME.fullmatch(name):
+        return None
+    known = {"model": MODEL_FACTS, "host": HOST_FACTS, "engine": ENGINE_FACTS}.get(kind, ())
+    return None if key in known else f"{name!r} is not a fact"
+
+
+def number_problem(name: str) -> str | None:
+    """Why name cannot be multiplied or compared with a fact (no fact, or not a number), or None. A flag's value
+    is only known at lint time: a flag that is not a number then skips the rule."""
+    problem = fact_problem(name)
+    if problem or name.startswith("-"):
+        return problem
+    kind, _, key = name.partition(".")
+    if (kind == "model" and key in MODEL_NUMBERS) or (kind == "host" and key in HOST_NUMBERS):
+        return None
+    return (f"{name} is not a number (numeric facts: a flag, model.{{{','.join(MODEL_NUMBERS)}}} or "
+            f"host.{{{','.join(HOST_NUMBERS)}}})")
 
 
 def _compare(number: float, op: str, limit: float) -> bool:
@@ -96,6 +203,16 @@ def as_number(value: Any) -> float | None:
         return float(str(value).strip())
     except ValueError:
         return None
+
+
+def operand(value: Any) -> float | None:
+    """A fact's value as a factor: a number, or a flag's text of one ("32k": vLLM's human_readable_int reads a
+    lower-case k as 1,000 in every release that takes suffixes); never a boolean."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, str) and re.fullmatch(r"\s*\d+(\.\d+)?k\s*", value):
+        return float(value.strip()[:-1]) * 1000
+    return as_number(value)
 
 
 def as_bool(value: Any) -> bool | None:

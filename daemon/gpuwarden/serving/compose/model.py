@@ -1,6 +1,7 @@
 """What a local model directory says about the model, for the lint: config.json (architecture, hybrid or
-sliding-window attention, MTP layers, quantization, context), hf_quant_config.json, whether it ships a
-generation_config.json or its own reasoning parser, and the parameter count the safetensors headers give.
+sliding-window attention, a sparse-attention indexer, MTP layers, quantization, context), hf_quant_config.json,
+whether it ships a generation_config.json or its own reasoning parser, and the parameter count the safetensors
+headers give.
 
 A model directory is input from outside, and the daemon reads it as root, so every read is bounded: only
 regular files (a FIFO or a device is refused before a byte is read, O_NONBLOCK), links only where they stay
@@ -33,6 +34,10 @@ MAX_HEADERS_TOTAL = 128 * 2**20  # all headers together
 HYBRID_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "jamba", "bamba", "falcon_h1", "granitemoehybrid",
                 "zamba2", "plamo2", "lfm2", "minimax_m2", "kimi_linear", "mamba", "mamba2")
 RECURRENT_LAYERS = re.compile(r"(?i)linear|mamba|gdn|deltanet|recurrent|conv")
+# vLLM takes a model for DeepSeek-V3.2-style sparse attention (an indexer picking index_topk tokens) when its
+# config has index_topk (deepseek_v2.py: is_v32 = hasattr(config, "index_topk")); these config classes give it a
+# default where config.json leaves it out.
+INDEXER_TYPES = ("deepseek_v32", "glm_moe_dsa")
 NEXTN_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_layers", "n_mtp_layers")
 NOT_PARAMETERS = re.compile(r"(?i)(scale|zero|g_idx|_shape|perm)[^.]*$")  # quantization side tensors
 PACKED_DTYPES = {"U8": 8, "I8": 8, "I32": 32, "U32": 32}
@@ -60,6 +65,8 @@ class ModelFacts:
     layer_types: tuple[str, ...] | None = None
     num_hidden_layers: int | None = None
     nextn_layers: int | None = None  # multi-token-prediction layers (num_nextn_predict_layers and kin)
+    indexer: bool | None = None  # sparse attention's indexer (DeepSeek-V3.2's DSA)
+    index_topk: int | None = None  # the tokens the indexer keeps, where config.json says
     quant_method: str | None = None
     quant_bits: int | None = None
     quant_ignore: tuple[str, ...] = ()  # modules the quantization leaves out (config.json and hf_quant_config.json)
@@ -234,6 +241,8 @@ def _read(path: Path, model: str, stamp: tuple) -> ModelFacts:
         layer_types=layer_types,
         num_hidden_layers=_int(lm.get("num_hidden_layers")),
         nextn_layers=next((_int(lm[k]) for k in NEXTN_KEYS if _int(lm.get(k)) is not None), None),
+        indexer="index_topk" in lm or (_text(config.get("model_type")) or "") in INDEXER_TYPES,
+        index_topk=_int(lm.get("index_topk")),
         quant_method=method,
         quant_bits=bits,
         quant_ignore=_ignored(quant) + _ignored(hf_quant),

@@ -5,12 +5,15 @@ A rule says when it can apply (compute capability and the installed vLLM, FlashI
 as PEP 440 specifiers; a VLLM_* variable the installed vLLM still reads) and what it matches in the
 command (flags present or absent, flag values, variables set or not, the command, the model name, the
 tensor-parallel size, the GPU count) and in the facts of serving/compose/facts.py (`values`: a JSON flag's
-fields, numbers compared, the model's config.json, the host's driver and nodes). Rules that cannot be said
-as data name a `check:` instead, a function the engine module (or serving/compose/lint.py) registers; they
-keep every other field. Each evaluation says, per rule, whether it applied (and the facts it matched on),
-was skipped and why, or matched nothing: `profiles show` prints it. An installed version that is unknown
+fields, numbers compared, the model's config.json, the host's driver, nodes and GPU memory; a product of
+numeric facts, `--speculative-config.num_speculative_tokens * --max-num-seqs: ">=64"`, and a comparison with
+another fact, `--max-model-len: ">model.sliding_window"`, each checked when the rules are loaded). Rules that
+cannot be said as data name a `check:` instead, a function the engine module (or serving/compose/lint.py)
+registers; they keep every other field. Each evaluation says, per rule, whether it applied (and the facts it
+matched on), was skipped and why, or matched nothing: `profiles show` prints it. An installed version that is unknown
 (the probe could not run) never blocks: such a rule still applies, as a warning that says so. A fact that
-cannot be read (a remote model's config.json, a driver with no GPU readable) skips the rule, saying why.
+cannot be read (a remote model's config.json, a driver with no GPU readable, a flag in a product that is
+absent with no `defaults:` value) skips the rule, saying why; a finding says the values it compared.
 """
 
 from __future__ import annotations
@@ -43,7 +46,6 @@ RULE_KEYS = ("id", "severity", "engine", "message", "fix", "source", "link", "tr
 WHEN_KEYS = ("compute_capability", *PACKAGES, "reads_env")
 MATCH_KEYS = ("flags_present", "flags_absent", "flag_values", "flag_not", "env_set", "env_not", "command",
               "model", "tp_size", "gpu_count", "values", "values_not", "defaults")
-MODEL_FACTS = tuple(f for f in ModelFacts.__dataclass_fields__ if f not in ("path", "known", "why", "stamp"))
 UNREAD = not_read("", "not read")
 NEW_RULE_NEEDS = ("severity", "message", "fix", "source")
 
@@ -63,6 +65,7 @@ class LintContext(Composed):
     model_facts: ModelFacts = UNREAD  # the local model directory's config.json and headers
     iommu: str | None = None  # the host's IOMMU as the GPU backend read it (None: not known, read the host's)
     peer_paths: tuple[tuple[int, int, str], ...] = ()  # (gpu, gpu, gpu.base.PEER_PATHS key or "unknown")
+    gpu_memory: int | None = None  # bytes of the smallest GPU's memory (the system's where unified)
 
     @property
     def flags(self) -> tuple[str, ...]:
@@ -80,7 +83,8 @@ class LintContext(Composed):
                    command.prefix, next((g.driver_version for g in gpus if g.driver_version), None),
                    next((g.cuda_driver_version for g in gpus if g.cuda_driver_version), None),
                    any(g.memory_unified for g in gpus), model_facts,
-                   next((g.iommu for g in gpus if g.iommu), None), pairs)
+                   next((g.iommu for g in gpus if g.iommu), None), pairs,
+                   min((g.memory_total_bytes for g in gpus if g.memory_total_bytes), default=None))
 
     @property
     def tp_size(self) -> int:
@@ -125,6 +129,11 @@ class LintContext(Composed):
         if key == "nodes":
             count, why = F.nodes(self.flags, self.tp_size, self.gpu_count)
             return count, f"{count} node(s): {why}"
+        if key == "gpu_memory_gib":
+            if self.gpu_memory is None:
+                raise F.Unknown("the GPUs' memory (no GPU readable here)")
+            gib = round(self.gpu_memory / 2**30, 1)
+            return gib, f"{gib:g} GiB on the smallest GPU{' (the system memory it shares)' if self.unified else ''}"
         if self.driver is None:
             raise F.Unknown("the driver version (no GPU readable here)")
         if key == "driver":
@@ -314,7 +323,7 @@ def _match(r: Reader, path: tuple[str, ...]) -> dict:
         elif key in ("command", "model"):
             out[key] = _pattern(r, where)
         elif key in ("values", "values_not"):
-            out[key] = tuple((name, _condition(r, where + (name,), name)) for name in r.mapping(where, None))
+            out[key] = tuple(_value(r, where + (name,), name) for name in r.mapping(where, None))
         elif key == "defaults":
             out[key] = {name: r.get(where + (name,)) for name in r.mapping(where, None)
                         if _fact_name(r, where + (name,), name)}
@@ -325,26 +334,58 @@ def _match(r: Reader, path: tuple[str, ...]) -> dict:
                 r.fail(where, f"expected [MIN, MAX], got {value!r}", "e.g. [2, 64]")
                 continue
             out[key] = (value[0], value[1])
+    _numeric_defaults(r, path, out)
     return out
+
+
+def _numeric_defaults(r: Reader, path: tuple[str, ...], match: Mapping[str, Any]) -> None:
+    """A default a product or a fact comparison multiplies or compares must be a number."""
+    used = set()
+    for key in ("values", "values_not"):
+        for name, cond in match.get(key, ()):
+            products = (*cond.products, name) if cond is not None else (name,)
+            used.update(n for p in products if isinstance(p, F.Product) for n in p.names)
+            if cond is not None and cond.products:
+                used.add(name)
+    for name, value in match.get("defaults", {}).items():
+        if name in used and F.operand(value) is None:
+            r.fail(path + ("defaults", name), f"{name} is multiplied or compared with a fact: its default must be "
+                   f"a number, got {value!r}")
 
 
 def _fact_name(r: Reader, path: tuple[str, ...], name: str) -> bool:
     """Whether name is a fact serving/compose/facts.py knows; a FILE:LINE error when not."""
-    kind, _, key = name.partition(".")
-    if name.startswith("-") and re.fullmatch(r"--?[A-Za-z0-9][A-Za-z0-9_-]*(\.[A-Za-z0-9_]+)*", name):
-        return True
-    if (kind, key) in [("model", k) for k in MODEL_FACTS] + [("host", k) for k in F.HOST_FACTS] + \
-            [("engine", k) for k in F.ENGINE_FACTS]:
-        return True
-    r.fail(path, f"{name!r} is not a fact", "a flag (--max-num-seqs, --speculative-config.method), "
-           f"model.{{{','.join(MODEL_FACTS)}}}, host.{{{','.join(F.HOST_FACTS)}}} or "
-           f"engine.{{{','.join(F.ENGINE_FACTS)}}}")
-    return False
+    problem = F.fact_problem(name)
+    if problem:
+        r.fail(path, problem, F.FACT_HINT)
+    return problem is None
 
 
-def _condition(r: Reader, path: tuple[str, ...], name: str) -> F.Condition | None:
-    if not _fact_name(r, path, name):
-        return None
+def _value(r: Reader, path: tuple[str, ...], name: str) -> tuple[str | F.Product, F.Condition | None]:
+    """(the fact, or product of facts, that a values: key names; its condition), None where either is wrong
+    (a FILE:LINE error says why)."""
+    if "*" not in name:
+        cond = _condition(r, path) if _fact_name(r, path, name) else None
+        problem = F.number_problem(name) if cond is not None and cond.products else None
+        if problem:
+            r.fail(path, f"{name} is compared with a fact: {problem}")
+        return name, cond
+    try:
+        product = F.product(name)
+    except ValueError as exc:
+        r.fail(path, str(exc), F.FACT_HINT if isinstance(exc, F.NotAFact) else None)
+        return name, None
+    if not product.names:
+        r.fail(path, f"{name!r} multiplies no fact: write the number")
+        return name, None
+    cond = _condition(r, path)
+    if cond is not None and cond.kind != "compare":
+        r.fail(path, f"{name!r} is a number: compare it (e.g. '>=64'), not {type_name(r.get(path))}")
+        return name, None
+    return product, cond
+
+
+def _condition(r: Reader, path: tuple[str, ...]) -> F.Condition | None:
     value = r.get(path)
     if isinstance(value, (list, dict)):
         r.fail(path, f"expected a regular expression, a comparison, true/false or null, got {type_name(value)}")
@@ -352,7 +393,7 @@ def _condition(r: Reader, path: tuple[str, ...], name: str) -> F.Condition | Non
     try:
         return F.condition(value)
     except ValueError as exc:
-        r.fail(path, str(exc))
+        r.fail(path, str(exc), F.FACT_HINT if isinstance(exc, F.NotAFact) else None)
         return None
 
 
@@ -516,12 +557,48 @@ def _matches(match: Mapping[str, Any], ctx: LintContext) -> list[str] | None:
     defaults = match.get("defaults", {})
     for key, wanted in (("values", True), ("values_not", False)):
         for name, cond in match.get(key, ()):
-            value, text = ctx.fact(name)
-            if value is None and name in defaults:
-                value = defaults[name]
-                text = f"{name} {F.show(value)} ({ctx.engine.title}'s default)"
-            if cond.holds(value) is not wanted:
+            if isinstance(name, F.Product) or cond.products:
+                value, text = _number(name, ctx, defaults)
+            else:
+                value, text = _fact(name, ctx, defaults)
+            limits: dict[F.Product, float] = {}
+            for op, limit in cond.bounds:
+                if isinstance(limit, F.Product):
+                    limits[limit], right = _number(limit, ctx, defaults)
+                    text += f"{'' if wanted else ' not'} {op} {right}"
+            if cond.holds(value, limits) is not wanted:
                 return None
             seen.append(text)
     return seen
+
+
+def _fact(name: str, ctx: LintContext, defaults: Mapping[str, Any]) -> tuple[Any, str]:
+    """(value, how it reads) of a fact, the rule's default where the launch does not give it."""
+    value, text = ctx.fact(name)
+    if value is None and name in defaults:
+        value = defaults[name]
+        text = f"{name} {F.show(value)} ({ctx.engine.title}'s default)"
+    return value, text
+
+
+def _number(term: str | F.Product, ctx: LintContext, defaults: Mapping[str, Any]) -> tuple[float, str]:
+    """(value, how it reads: "A 4 x B 256 (vLLM's default) = 1024") of a numeric fact or a product of them;
+    facts.Unknown when a factor is absent with no default, unreadable or not a number."""
+    factors = term.factors if isinstance(term, F.Product) else (term,)
+    total, texts = 1.0, []
+    for factor in factors:
+        if not isinstance(factor, str):
+            total, texts = total * factor, texts + [F.show(factor)]
+            continue
+        value, text = _fact(factor, ctx, defaults)
+        if value is None:
+            raise F.Unknown(f"{factor}, which is not given and has no default in the rule" if factor.startswith("-")
+                            else f"{factor}, which the model's config.json does not set")
+        number = F.operand(value)
+        if number is None:
+            raise F.Unknown(f"{factor} as a number: {text}")
+        total, texts = total * number, texts + [text]
+    if len(factors) == 1:
+        return total, texts[0]
+    return total, f"{' x '.join(texts)} = {F.show(round(total, 3))}"
 
