@@ -84,7 +84,7 @@ def test_every_rule_has_a_firing_and_a_quiet_case_and_crosses_its_version_bounds
             continue
         fires = [ex for ex in rule.examples if ex["fires"] != "none"]
         quiet = [ex for ex in rule.examples if ex["fires"] == "none"]
-        assert fires and (quiet or rule.id == "api-key-on-command-line-sglang"), rule.id
+        assert fires and quiet, rule.id
         assert rule.source and rule.fix and rule.message, rule.id
         bounded = [m for m in ("vllm", "flashinfer", "torch", "sglang") if m in rule.when]
         for module in bounded:  # a quiet case that differs from a firing one only across the boundary
