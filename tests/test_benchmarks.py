@@ -73,3 +73,11 @@ def test_gpu_benchmarks_say_plainly_that_they_need_a_gpu(script):
         pytest.skip("a GPU is present here")
     assert "needs" in proc.stderr and "GPU" in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_lint_registry_benchmark_smoke():
+    # the community registry's first cases through the lint in-process; recall is measured, not asserted here
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "lint_registry.py"), "--smoke"],
+                          capture_output=True, text=True, env=subprocess_env(), timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "recall: " in proc.stdout and "near misses: " in proc.stdout and "Traceback" not in proc.stderr
