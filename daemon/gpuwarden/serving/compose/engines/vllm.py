@@ -6,9 +6,11 @@ import logging
 import re
 from typing import Any
 
+from packaging.specifiers import SpecifierSet
+
 from ..facts import as_bool, as_number, show
 from ..flags import flag_value, has_flag, switch
-from ..lint import model_size
+from ..lint import model_size, version_in
 from . import Engine, MetricNames, flag_probe
 
 SMALL_MODEL_B = 8.0  # billions of parameters at or below which ngram speculation costs more than it gains
@@ -24,7 +26,9 @@ NEMOTRON3_SUPER_NAME = re.compile(r"(?i)nemotron[-_ ]?3[-_ ]?super")  # one MTP 
 QWEN_TOOL_PARSERS = ("qwen3_coder", "qwen3_xml")  # the two parser families Qwen3.5 and later ship templates for
 # Trained versus advertised context where the config cannot be read: DeepSeek-V4-Flash's rope scaling extends
 # 64K of training to a 1M window (minefield trap 61 re-derives it from its public config.json).
-TRAINED_CONTEXT_BY_NAME = ((re.compile(r"(?i)deepseek[-_]?v4"), 65536, 1048576),)
+DSV4_NAME = re.compile(r"(?i)deepseek[-_]?v4")
+TRAINED_CONTEXT_BY_NAME = ((DSV4_NAME, 65536, 1048576),)
+INDEXER_BLOCK = 64  # tokens per block of the DSA indexer's block table (minefield trap 120: 200,000 = 3,125 blocks)
 CAPTURE_LADDER_END = 256  # vLLM captures 1, 2, 4, then every 8 to 256, then every 16
 # "INFO 05-01 ...", or "(EngineCore_DP0 pid=12) INFO ..." from its worker processes.
 LEVEL = re.compile(r"^(?:\(\w+ pid=\d+\)\s*)?(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")
@@ -166,11 +170,15 @@ def hybrid_fp4_ignore_list(ctx: Any) -> dict | None:
     return None
 
 
-def beyond_trained_context(ctx: Any) -> dict | None:
+def _beyond_trained_context(ctx: Any, dsv4: bool) -> dict | None:
     """--max-model-len (or the advertised window it defaults to) past the length the model was trained at,
-    under a rope-scaling factor (minefield trap 61)."""
-    asked = as_number(flag_value(ctx.flags, "--max-model-len"))
+    under a rope-scaling factor: on DeepSeek-V4 (dsv4, minefield trap 61's lane) or on any other rope-extended
+    model whose config.json says so (trap 55). One of the two rules fires on a launch, never both."""
     mf = ctx.model_facts
+    is_dsv4 = bool(DSV4_NAME.search(ctx.model)) or (mf.known and (mf.model_type or "").startswith("deepseek_v4"))
+    if is_dsv4 != dsv4:
+        return None
+    asked = as_number(flag_value(ctx.flags, "--max-model-len"))
     if mf.known:
         trained, advertised = mf.original_max_position_embeddings, mf.max_position_embeddings
         if not trained or not (mf.rope_factor or 1) > 1:
@@ -186,6 +194,54 @@ def beyond_trained_context(ctx: Any) -> dict | None:
         return None
     given = f"--max-model-len {length}" if asked else f"no --max-model-len: the advertised {length}"
     return {"length": length, "trained": trained, "facts": [given, how]}
+
+
+def beyond_trained_context(ctx: Any) -> dict | None:
+    return _beyond_trained_context(ctx, dsv4=True)
+
+
+def rope_extended_context(ctx: Any) -> dict | None:
+    return _beyond_trained_context(ctx, dsv4=False)
+
+
+def indexer_spec_overhang(ctx: Any) -> dict | None:
+    """MTP on a model with a sparse-attention indexer whose block table is sized from --max-model-len alone:
+    the speculative overhang (max_model_len + num_speculative_tokens) addresses one 64-token block more than
+    the table holds (minefield trap 120: 200,000 = 3,125 blocks exactly, + 3 draft tokens reaches the 3,126th)."""
+    method, text = _spec(ctx)
+    tokens = as_number(ctx.fact(SPEC_TOKENS)[0])
+    mf = ctx.model_facts
+    if not MTP.fullmatch(method) or not tokens or not mf.known or not mf.indexer:
+        return None
+    asked = as_number(flag_value(ctx.flags, "--max-model-len"))
+    length = int(asked) if asked else mf.max_position_embeddings
+    if not length:
+        return None
+    table, needed = -(-length // INDEXER_BLOCK), -(-(length + int(tokens)) // INDEXER_BLOCK)
+    if needed <= table:
+        return None
+    given = f"--max-model-len {length}" if asked else f"no --max-model-len: max_position_embeddings {length}"
+    topk = f" (index_topk {mf.index_topk})" if mf.index_topk else ""
+    return {"length": length, "tokens": int(tokens), "table": table, "needed": needed,
+            "facts": [text, f"num_speculative_tokens {int(tokens)}", given,
+                      f"config.json: a sparse-attention indexer{topk}"]}
+
+
+DSV4_LANE_BUILDS = "<0.24"  # before the FlashInfer SM12x sparse-MLA path for DeepSeek-V4 (#43477, vLLM 0.24)
+
+
+def dsv4_mtp_sm12x_hang(ctx: Any) -> dict | None:
+    """DeepSeek-V4 with MTP on SM12x: vllm#51593 hangs on the FlashInfer sparse-MLA path upstream vLLM carries
+    from 0.24 (#43477); before it only preview builds served DeepSeek-V4 on SM12x, and those stopped answering
+    with VLLM_TRITON_MLA_SPARSE_ALLOW_CUDAGRAPH=1 (#47169). A preview build without that variable is what
+    minefield trap 62's known-good GB10 lane runs (vLLM 0.21.1rc1, MTP 3, served since 2026-07-22): quiet."""
+    version = ctx.installed.version("vllm") if ctx.installed.known else None
+    preview = version is not None and version_in(SpecifierSet(DSV4_LANE_BUILDS), version)
+    if preview and ctx.env.get("VLLM_TRITON_MLA_SPARSE_ALLOW_CUDAGRAPH") != "1":
+        return None
+    why = ("VLLM_TRITON_MLA_SPARSE_ALLOW_CUDAGRAPH=1 on a pre-0.24 build" if preview else
+           f"vLLM {version}" if version else "vLLM version unknown")
+    return {"facts": [why]}
 
 
 def checkpoint_reasoning_parser(ctx: Any) -> dict | None:
@@ -272,7 +328,9 @@ class Vllm(Engine):
               "fuse_gemm_comms_across_hosts": fuse_gemm_comms_across_hosts, "hybrid_prefix_cache": hybrid_prefix_cache,
               "hybrid_fp4_ignore_list": hybrid_fp4_ignore_list, "beyond_trained_context": beyond_trained_context,
               "checkpoint_reasoning_parser": checkpoint_reasoning_parser, "mtp_one_draft": mtp_one_draft,
-              "mtp_excluded_from_quant": mtp_excluded_from_quant, "tool_parser_family": tool_parser_family}
+              "mtp_excluded_from_quant": mtp_excluded_from_quant, "tool_parser_family": tool_parser_family,
+              "rope_extended_context": rope_extended_context, "indexer_spec_overhang": indexer_spec_overhang,
+              "dsv4_mtp_sm12x_hang": dsv4_mtp_sm12x_hang}
 
     def node_args(self, role: Any) -> list[str]:
         """vLLM's own multi-node mode on its multiprocessing executor (vllm/engine/arg_utils.py:1143-1146:
