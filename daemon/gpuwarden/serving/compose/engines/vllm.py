@@ -90,6 +90,11 @@ def capture_clamp(ctx: Any) -> dict | None:
     if isinstance(sizes, list) and sizes and all(as_number(x) for x in sizes):
         captured, how = int(max(as_number(x) for x in sizes)), f"cudagraph_capture_sizes {show(sizes)}"
     elif limit:
+        if tokens and limit <= seqs:
+            # Pinned to the sequence count under speculation: trap 62's documented known-good lane does this on
+            # purpose (full graphs garbled drafts and wedged decode there), as --enforce-eager does under MTP. A
+            # deliberate trade, not a capture that meant to cover the decode step and was clamped short of it.
+            return None
         ladder = [1, 2, 4, *range(8, CAPTURE_LADDER_END, 8), *range(CAPTURE_LADDER_END, int(limit) + 1, 16)]
         captured = max(x for x in ladder if x <= limit)
         how = f"--max-cudagraph-capture-size {int(limit)} captures up to {captured}"
