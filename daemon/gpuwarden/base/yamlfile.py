@@ -66,7 +66,8 @@ class ConfigErrors(InvalidConfig):
 
 
 def key_name(path: Path_) -> str:
-    return ".".join(path) if path else "(top level)"
+    # A key may hold a newline ("--max-num-seqs\n* 2": a quoted YAML key): escaped, so an error stays one line.
+    return ".".join(k if k.isprintable() else repr(k)[1:-1] for k in path) if path else "(top level)"
 
 
 @dataclass

@@ -36,11 +36,17 @@ from .model import ModelFacts
 MAX_FLAG_JSON = 64 * 1024  # a JSON-valued flag is a few hundred bytes; anything larger is not looked into
 MAX_FLAG_DEPTH = 16
 COMPARISON = re.compile(r"\s*(<=|>=|==|!=|<|>)(.*)", re.DOTALL)
-NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+# ASCII digits only: \d would read '١٢' as 12 where the docs promise -?[0-9]+(.[0-9]+)?
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?", re.ASCII)
 FLAG_NAME = re.compile(r"--?[A-Za-z0-9][A-Za-z0-9_-]*(\.[A-Za-z0-9_]+)*")
 FACT_WORD = re.compile(rf"{FLAG_NAME.pattern}|[a-z]+\.[A-Za-z0-9_]+")
 MAX_FACTORS = 4  # K x seqs needs two; a rule wanting more than four is better a check: in Python
 MAX_EXPRESSION = 200  # characters of one product or comparison
+# A list fact (model.quant_ignore: thousands of module names, read from another user's config.json) is matched
+# item by item; the whole list as JSON (how lists matched before) only up to MAX_LIST_JSON characters: a
+# pattern like '.*a.*b.*' takes time growing with the square of the text, 25 s on a 1 MB list (model.py bounds
+# each item to MAX_NAME characters).
+MAX_LIST_JSON = 4096
 HOST_FACTS = ("gpus", "unified", "nodes", "driver", "driver_cuda", "gpu_memory_gib")
 HOST_NUMBERS = ("gpus", "nodes", "gpu_memory_gib")
 ENGINE_FACTS = ("torch_cuda", "cuda_toolkit")
@@ -102,8 +108,11 @@ class Condition:
             return number is not None and all(
                 _compare(number, op, limits[limit] if isinstance(limit, Product) else limit)
                 for op, limit in self.bounds)
-        if isinstance(value, (list, tuple)) and any(self.pattern.fullmatch(show(item)) for item in value):
-            return True  # model.architectures: "DeepseekV32.*" matches ["DeepseekV32ForCausalLM"]
+        if isinstance(value, (list, tuple)):
+            if any(self.pattern.fullmatch(show(item)) for item in value):
+                return True  # model.architectures: "DeepseekV32.*" matches ["DeepseekV32ForCausalLM"]
+            text = show(value)
+            return len(text) <= MAX_LIST_JSON and bool(self.pattern.fullmatch(text))
         return bool(self.pattern.fullmatch(show(value)))
 
 
@@ -195,14 +204,18 @@ def _compare(number: float, op: str, limit: float) -> bool:
 
 
 def as_number(value: Any) -> float | None:
+    """value as a float; None where it is none, or NaN (JSON and float() take 'NaN': it compares false with
+    everything, so a product or a bound of it decides nothing). An integer beyond a float's range (10**400 in a
+    JSON flag) is an infinity of its sign, as a text of 400 digits already reads: float() raises for it."""
     if isinstance(value, bool):
         return float(value)
-    if isinstance(value, (int, float)):
-        return float(value)
     try:
-        return float(str(value).strip())
+        number = float(value) if isinstance(value, (int, float)) else float(str(value).strip())
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
     except ValueError:
         return None
+    return None if math.isnan(number) else number
 
 
 def operand(value: Any) -> float | None:
@@ -320,15 +333,21 @@ def cuda_tuple(version: str | None) -> tuple[int, int] | None:
 
 def nodes(flags: Sequence[str], tp: int, gpu_count: int) -> tuple[int, str]:
     """(how many hosts the engine's parallel group spans, as the flags say, and why)."""
-    count = as_number(flag_value(flags, "--nnodes"))
+    count = _size(flags, "--nnodes")
     if count and count > 1:
         return int(count), f"--nnodes {int(count)}"
-    dp, local = as_number(flag_value(flags, "--data-parallel-size", "-dp")), \
-        as_number(flag_value(flags, "--data-parallel-size-local", "-dpl"))
+    dp, local = _size(flags, "--data-parallel-size", "-dp"), _size(flags, "--data-parallel-size-local", "-dpl")
     if dp and local and dp > local:
         return int(-(-dp // local)), f"--data-parallel-size {int(dp)} over --data-parallel-size-local {int(local)}"
-    pp = as_number(flag_value(flags, "--pipeline-parallel-size", "-pp")) or 1
+    pp = _size(flags, "--pipeline-parallel-size", "-pp") or 1
     ranks = tp * int(pp)
     if gpu_count and ranks > gpu_count:
         return -(-ranks // gpu_count), f"tensor x pipeline parallel {ranks} over {gpu_count} GPU(s) here"
     return 1, "one host"
+
+
+def _size(flags: Sequence[str], *names: str) -> float | None:
+    """A size flag's number; None where it is absent or infinite ('9' * 400, '1e309': int() of it raises, and no
+    engine starts with it)."""
+    number = as_number(flag_value(flags, *names))
+    return number if number is not None and math.isfinite(number) else None

@@ -31,6 +31,12 @@ MAX_ENTRIES = 10_000  # directory entries looked at
 MAX_SHARDS = 4096  # *.safetensors files whose headers are read
 MAX_HEADER_BYTES = 32 * 2**20  # one safetensors header (the format allows 100 MB; real ones are under 1 MiB)
 MAX_HEADERS_TOTAL = 128 * 2**20  # all headers together
+# config.json is another user's file: a number beyond MAX_NUMBER (JSON takes 10**400, NaN, Infinity) is no layer
+# count or window, and would overflow the float a rule's comparison or product reads it as; a name or list item
+# longer than MAX_NAME is no architecture or module name (those run to ~100 characters), and a rule's regular
+# expression matched against 4 MiB of one name could take hours. Either reads as not set.
+MAX_NUMBER = 2**63
+MAX_NAME = 256
 HYBRID_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "nemotron_h", "jamba", "bamba", "falcon_h1", "granitemoehybrid",
                 "zamba2", "plamo2", "lfm2", "minimax_m2", "kimi_linear", "mamba", "mamba2")
 RECURRENT_LAYERS = re.compile(r"(?i)linear|mamba|gdn|deltanet|recurrent|conv")
@@ -228,11 +234,12 @@ def _read(path: Path, model: str, stamp: tuple) -> ModelFacts:
     rope = lm.get("rope_scaling") or lm.get("rope_parameters") or {}
     rope = rope if isinstance(rope, dict) else {}
     layer_types = lm.get("layer_types")
-    layer_types = tuple(str(t) for t in layer_types) if isinstance(layer_types, list) else None
+    layer_types = tuple(t for t in map(str, layer_types) if len(t) <= MAX_NAME) if isinstance(layer_types, list) \
+        else None
     params, note = _params(path, names, roots, bits)
     return ModelFacts(
         model, True, "",
-        architectures=tuple(str(a) for a in config.get("architectures") or () if isinstance(a, str)),
+        architectures=_names_in(config.get("architectures")),
         model_type=_text(config.get("model_type")),
         hybrid=_hybrid(config, lm, layer_types),
         sliding_window=_int(lm.get("sliding_window")),
@@ -274,15 +281,23 @@ def _names(path: Path) -> set[str]:
 
 
 def _text(value: Any) -> str | None:
-    return value.lower() if isinstance(value, str) and value else None
+    return value.lower() if isinstance(value, str) and value and len(value) <= MAX_NAME else None
+
+
+def _names_in(value: Any) -> tuple[str, ...]:
+    """The names a list of config.json gives, those that can be names (MAX_NAME)."""
+    return tuple(v for v in value if isinstance(v, str) and len(v) <= MAX_NAME) if isinstance(value, list) else ()
 
 
 def _int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    ok = isinstance(value, int) and not isinstance(value, bool) and abs(value) <= MAX_NUMBER
+    return value if ok else None
 
 
 def _float(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    if _int(value) is not None:
+        return float(value)
+    return value if isinstance(value, float) and math.isfinite(value) else None  # NaN, Infinity: not set
 
 
 def _hybrid(config: dict, lm: dict, layer_types: tuple[str, ...] | None) -> bool:
@@ -298,8 +313,7 @@ def _ignored(quant: dict) -> tuple[str, ...]:
     out = []
     for key in ("ignore", "ignored_layers", "modules_to_not_convert", "exclude_modules"):
         value = quant.get(key)
-        if isinstance(value, list):
-            out += [str(v) for v in value if isinstance(v, str)]
+        out += _names_in(value)
     return tuple(out)
 
 

@@ -19,6 +19,7 @@ absent with no `defaults:` value) skips the rule, saying why; a finding says the
 from __future__ import annotations
 
 import functools
+import math
 import re
 from itertools import combinations
 from collections.abc import Callable, Mapping, Sequence
@@ -414,6 +415,11 @@ def _evaluate(rule: Rule, ctx: LintContext, checks: Mapping[str, Check]) -> Outc
         values: Mapping[str, Any] | None = checks[rule.check](ctx) if matched is not None and rule.check else {}
     except F.Unknown as exc:
         return Outcome(rule, "skipped", f"needs {exc}")
+    except (ValueError, ArithmeticError) as exc:
+        # A check reading serve.args' value its own way (int() of --max-num-seqs '9' * 5000 raises past 4,300
+        # digits) skips, saying so: the lint runs on the daemon's start, which an odd flag must not stop with a
+        # traceback; the engine's own parser is the one that refuses the value.
+        return Outcome(rule, "skipped", f"needs values it can read: {str(exc)[:120]}")
     if matched is None or values is None:
         return Outcome(rule, "clear", "")
     severity, note = rule.severity, ""
@@ -598,6 +604,8 @@ def _number(term: str | F.Product, ctx: LintContext, defaults: Mapping[str, Any]
         if number is None:
             raise F.Unknown(f"{factor} as a number: {text}")
         total, texts = total * number, texts + [text]
+    if math.isnan(total):  # an infinite factor ('9' * 400 reads as one) times 0
+        raise F.Unknown(f"a number for {' x '.join(texts)}")
     if len(factors) == 1:
         return total, texts[0]
     return total, f"{' x '.join(texts)} = {F.show(round(total, 3))}"
