@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import stat
-import struct
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,8 @@ import pytest
 import yaml
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "benchmarks"))
+from lint_registry import scenario_path, sides, write_model  # noqa: E402  (the benchmark's, one home for both)
 CASES = yaml.safe_load((HERE / "minefield_cases.yaml").read_text())
 DISTRIBUTIONS = {"vllm": "vllm", "flashinfer": "flashinfer-python", "torch": "torch", "sglang": "sglang"}
 COMMANDS = {"vllm": ["-m", "vllm.entrypoints.openai.api_server"], "sglang": ["-m", "sglang.launch_server"]}
@@ -75,45 +76,15 @@ def fake_python():
     shutil.rmtree(root, ignore_errors=True)
 
 
-def write_model(folder: Path, spec: dict) -> Path:
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps(spec["config"]))
-    if "hf_quant_config" in spec:
-        (folder / "hf_quant_config.json").write_text(json.dumps(spec["hf_quant_config"]))
-    for name, text in spec.get("files", {}).items():
-        (folder / name).write_text(text)
-    for name, tensors in spec.get("safetensors", {}).items():
-        header = json.dumps(tensors).encode()
-        (folder / name).write_bytes(struct.pack("<Q", len(header)) + header)
-    return folder
-
-
-def scenario_file(tmp_path: Path, gpus: dict) -> str:
-    path = tmp_path / "scenario.yaml"
-    path.write_text(yaml.safe_dump({
-        "name": "case", "driver_version": gpus["driver"],
-        "gpus": [{"name": gpus["name"], "count": gpus["count"], "compute_capability": gpus["compute_capability"],
-                  "memory_clocks_mhz": [14001], "graphics_clocks_mhz": [180, 3090, 15]}]}))
-    return str(path)
-
-
-def fixes(case: dict) -> list[dict]:
-    """A case's near misses: `fix` is one launch's changes, or a list of them (one per documented workaround)."""
-    return case["fix"] if isinstance(case["fix"], list) else [case["fix"]]
-
-
-def show(case: dict, tmp_path: Path, cli, child_user, fake_python, side: str, fix: dict | None = None) -> dict:
-    """`profiles show --json` of one side ("trap", or a fix's name with the fix) of a case."""
-    run = {**case, **(fix or {})}
-    if fix and "model_dir" in fix:
-        run.pop("model", None)
-    versions = {**case["versions"], **run.get("versions", {})}
+def show(case: dict, run: dict, tmp_path: Path, cli, child_user, fake_python, side: str) -> dict:
+    """`profiles show --json` of one side of a case: run is the trap's launch or a near miss, as
+    benchmarks/lint_registry.py's sides() merges a fix over its case (the one place that does)."""
     engine = case.get("engine", "vllm")
-    python = fake_python(versions, run.get("torch_cuda", case.get("torch_cuda")))
+    python = fake_python(run["versions"], run.get("torch_cuda"))
     model = run.get("model")
     if "model_dir" in run:
         model = str(write_model(tmp_path / side / "model", run["model_dir"]))
-    scenario = case.get("scenario") or scenario_file(tmp_path, case["gpus"])
+    scenario = case.get("scenario") or str(scenario_path(case, tmp_path))
     serve = {"enabled": True, "engine": engine, "profile": f"{'sglang-' if engine == 'sglang' else ''}generic",
              "model": model, "user": child_user, "python": python, "command": [python, *COMMANDS[engine]],
              "args": run.get("args", []), "env": run.get("env", {})}
@@ -142,14 +113,15 @@ def with_rule(case: dict):
 def test_a_visible_trap_is_named_and_its_documented_fix_is_not(case, tmp_path, cli, child_user, fake_python,
                                                                monkeypatch):
     monkeypatch.setenv("STATE_DIRECTORY", str(tmp_path / "state"))
-    trap = show(case, tmp_path, cli, child_user, fake_python, "trap")
+    (_, launch), *near_misses = sides(case)
+    trap = show(case, launch, tmp_path, cli, child_user, fake_python, "trap")
     assert trap["installed"]["known"], trap["installed"]["error"]  # the fake environment was read
     assert named(trap, case["trap"]), [(f["rule"], f["traps"]) for f in trap["lint"]]
     finding = next(f for f in trap["lint"] if case["trap"] in f["traps"])
     assert finding["link"].endswith(".md") and f"/{case['trap']}-" in finding["link"] and finding["facts"]
-    for i, fix in enumerate(fixes(case)):
-        fixed = show(case, tmp_path, cli, child_user, fake_python, f"fix{i}", fix)
-        assert not named(fixed, case["trap"]), (i, [f for f in fixed["lint"] if case["trap"] in f["traps"]])
+    for side, run in near_misses:
+        fixed = show(case, run, tmp_path, cli, child_user, fake_python, side.replace(" ", ""))
+        assert not named(fixed, case["trap"]), (side, [f for f in fixed["lint"] if case["trap"] in f["traps"]])
 
 
 def test_the_cases_cover_the_traps_judged_visible_and_the_rules_name_most_of_them():

@@ -191,6 +191,9 @@ def test_a_list_fact_matches_a_regex_when_one_item_does(pattern, value, holds):
      "model.model_type is compared with a fact: model.model_type is not a number"),
     (f"values: {{'{PRODUCT}': '>=64'}}\ndefaults: {{--max-num-seqs: lots}}",
      "--max-num-seqs is multiplied or compared with a fact: its default must be a number, got 'lots'"),
+    # YAML's .nan equals nothing: under values_not it fired on every launch
+    ("values_not: {--max-num-seqs: .nan}", "nan is no number a fact can equal: write a finite number"),
+    ("values: {--max-num-seqs: -.inf}", "-inf is no number a fact can equal"),
 ])
 def test_a_condition_that_cannot_work_is_a_file_line_error(tmp_path, match, says):
     with pytest.raises(ConfigErrors) as caught:

@@ -93,6 +93,15 @@ def test_every_rule_has_a_firing_and_a_quiet_case_and_crosses_its_version_bounds
                 f"{rule.id}: no quiet example across its {module} bound"
 
 
+def test_rope_extended_context_says_a_window_not_a_flag_the_launch_does_not_give():
+    """With no --max-model-len the window is the advertised one: the message named the flag anyway."""
+    rule = next(r for r in RULES if r.id == "rope-extended-context")
+    facts = {"max_position_embeddings": 262144, "original_max_position_embeddings": 32768, "rope_factor": 8.0}
+    finding = outcome_of(rule, context(model="/m/local", model_facts=facts)).finding
+    assert finding.message.startswith("a 262144-token window on a rope-extended model trained at 32768 tokens")
+    assert "no --max-model-len: the advertised 262144" in finding.facts
+
+
 def case_of(example) -> str | None:
     return example.get("case", "trap" if example["fires"] != "none" else None)
 

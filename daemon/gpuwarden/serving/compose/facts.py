@@ -123,6 +123,9 @@ def condition(value: Any) -> Condition:
     if isinstance(value, bool):
         return Condition("bool", flag=value)
     if isinstance(value, (int, float)):
+        # YAML's .nan equals nothing, so a values_not: on it fired on every launch; .inf is no value a fact has
+        if not math.isfinite(as_number(value) or math.nan):
+            raise ValueError(f"{value!r} is no number a fact can equal: write a finite number")
         return Condition("compare", bounds=(("==", float(value)),))
     text = str(value)
     if text.lstrip()[:1] in ("<", ">", "=", "!"):
