@@ -22,7 +22,7 @@ import pytest
 
 from conftest import ROOT, free_port, gpuwarden_cmd, subprocess_env
 from gpuwarden.gpu.sim.scenario import resolve_scenario
-from run_queue import cpu_wait_s
+from run_queue import CpuWait, cpu_wait_s
 
 pytestmark = pytest.mark.integration
 FAKE = ROOT / "tests" / "fakechild.py"
@@ -172,7 +172,7 @@ def assert_on_schedule(base, seconds):
     last = status(base)
     waited = min(seconds, cpu_wait_s(pid) - waited)
     lag = last["loop_lag"]
-    assert lag["p50_seconds"] < 0.25 and lag["max_seconds"] < 4.5 + waited, lag
+    assert lag["p50_seconds"] < 0.25 + waited and lag["max_seconds"] < 4.5 + waited, (lag, waited)
     expected = (seconds - waited) / POLL
     done = last["sequence"] - first["sequence"]
     assert done >= 0.8 * expected - 1, (f"{done} polls in {seconds} s, expected about {expected:.0f} "
@@ -186,10 +186,13 @@ def own_log(d):
     return "\n".join(line for line in d.lines if "vllm: " not in line)
 
 
-def assert_fed(notify, since, until, watchdog_s=1.0):
+def assert_fed(notify, since, until, watchdog_s=1.0, cpu=None):
+    """The watchdog's pings came in time. cpu (a run_queue.CpuWait begun at since): the daemon's wait for a CPU
+    meanwhile is the machine's, not the loop's (ci40: a gap of 0.92 s on a box running the suite's newest pass)."""
     pings = notify.pings(since)
     gaps = [b - a for a, b in zip([since, *pings], [*pings, until])]
-    assert max(gaps) < watchdog_s * 0.9, f"watchdog gaps {gaps}"
+    waited = cpu.since() if cpu else 0.0
+    assert max(gaps) < watchdog_s * 0.9 + waited, f"watchdog gaps {gaps} (the daemon waited {waited:.2f} s for a CPU)"
 
 
 @pytest.mark.parametrize("mode", ["trickle", "huge", "nan"])
@@ -198,9 +201,9 @@ def test_a_hostile_metrics_endpoint_never_stalls_the_loop(write, fake, daemons, 
     notify = Notify(tmp_path)
     d = daemons(path, env=notify.env())
     d.wait_for("vLLM healthy after", timeout=30)
-    began = time.monotonic()
+    began, cpu = time.monotonic(), CpuWait(d.proc.pid)
     last = assert_on_schedule(base, 4)
-    assert_fed(notify, began, time.monotonic())
+    assert_fed(notify, began, time.monotonic(), cpu=cpu)
     assert last["serving"]["state"] == "RUNNING"
     assert last["vllm"] is None or last["vllm"]["requests_running"] is None, "a NaN or an unread body is no value"
     rss_kib = int(next(line.split()[1] for line in Path(f"/proc/{d.proc.pid}/status").read_text().splitlines()
@@ -216,11 +219,11 @@ def test_a_child_that_binds_but_never_accepts_costs_the_loop_nothing(write, fake
     notify = Notify(tmp_path)
     d = daemons(path, env=notify.env())
     d.wait_for("vLLM starting (pid")
-    began = time.monotonic()
+    began, cpu = time.monotonic(), CpuWait(d.proc.pid)
     last = assert_on_schedule(base, 4)
     assert last["serving"]["state"] == "STARTING"
     assert not [m for _, m in notify.drain() if m.startswith("READY=1")], "not ready before healthy"
-    assert_fed(notify, began, time.monotonic())
+    assert_fed(notify, began, time.monotonic(), cpu=cpu)
     assert d.stop() == 0 and "Traceback" not in own_log(d)
 
 
@@ -244,13 +247,13 @@ def test_a_child_that_ignores_sigterm_is_killed_after_the_timeout_while_the_loop
     d = daemons(path, env=notify.env())
     d.wait_for("vLLM healthy after", timeout=30)
     notify.drain()
-    began = time.monotonic()
+    began, cpu = time.monotonic(), CpuWait(d.proc.pid)
     d.proc.send_signal(signal.SIGTERM)
-    assert d.proc.wait(15) == 0
+    assert cpu.wait_exit(d.proc, 15) == 0
     took = time.monotonic() - began
-    assert 3 <= took < 6, took
+    assert 3 <= took < 6 + cpu.since(), (took, cpu.since())  # ci40: 6.27 s on a busy box
     assert "SIGKILL to 1 processes" in d.log
-    assert_fed(notify, began, began + 3)  # the drain did not stop the pings
+    assert_fed(notify, began, began + 3, cpu=cpu)  # the drain did not stop the pings
     messages = [m for _, m in notify.drain()]
     assert "STOPPING=1" in messages and "EXTEND_TIMEOUT_USEC=33000000" in messages
 
@@ -313,10 +316,10 @@ def test_a_missing_binary_backs_off_to_fatal_and_the_gpus_are_still_polled(write
     firing = wait_until(lambda: [a for a in status(base)["alerts_firing"] if a["alert"] == "vllm_fatal"], timeout=5)
     assert firing[0]["gpu"] is None and firing[0]["severity"] == "critical"
     assert 'gpuwarden_alert_transitions_total{alert="vllm_fatal",gpu="all",to="firing"} 1.0' in metrics(base)
-    began = time.monotonic()
+    began, cpu = time.monotonic(), CpuWait(d.proc.pid)
     last = assert_on_schedule(base, 2)
     assert last["serving"]["state"] == "FATAL"
-    assert_fed(notify, began, time.monotonic())
+    assert_fed(notify, began, time.monotonic(), cpu=cpu)
     assert d.stop() == 0 and "Traceback" not in own_log(d)
 
 
@@ -409,13 +412,13 @@ def test_a_stderr_nobody_reads_does_not_stop_the_loop_or_sigterm(write, tmp_path
     try:
         time.sleep(4)  # ~80 polls, each logging two GPUs: far more than the pipe holds
         base = f"http://127.0.0.1:{port}"
-        began = time.monotonic()
+        began, cpu = time.monotonic(), CpuWait(proc.pid)
         state = status(base)
         # A loop blocked on a full pipe lags without end and goes stale; a busy box's scheduling adds tenths at most
         # (0.12 s was seen with CI's four workers beside six other jobs).
         assert state["loop_lag"]["p99_seconds"] < 0.5 and not state["daemon"]["stale"]
         time.sleep(1)
-        assert_fed(notify, began, time.monotonic(), watchdog_s=0.5)
+        assert_fed(notify, began, time.monotonic(), watchdog_s=0.5, cpu=cpu)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0
     finally:
@@ -445,7 +448,7 @@ def test_idle_connections_are_capped_and_the_daemon_keeps_serving(write, daemons
     d.wait_for("serving /metrics")
     base = f"http://127.0.0.1:{port}"
     idle = []
-    began = time.monotonic()
+    began, cpu = time.monotonic(), CpuWait(d.proc.pid)
     try:
         for _ in range(1100):
             s = socket.socket()
@@ -455,14 +458,14 @@ def test_idle_connections_are_capped_and_the_daemon_keeps_serving(write, daemons
         time.sleep(2)
         fds = len(os.listdir(f"/proc/{d.proc.pid}/fd"))
         assert fds < 150, f"{fds} fds open in the daemon with 1,100 idle connections"
-        assert_fed(notify, began, time.monotonic())  # the loop polls on through the crowd
+        assert_fed(notify, began, time.monotonic(), cpu=cpu)  # the loop polls on through the crowd
     finally:
         for s in idle:
             s.close()
     time.sleep(0.5)
     assert "gpuwarden_gpu_up" in metrics(base), "serves again once the crowd is gone"
     state = status(base)
-    assert state["loop_lag"]["p99_seconds"] < 0.1 and not state["daemon"]["stale"]
+    assert state["loop_lag"]["p99_seconds"] < 0.1 + cpu.since() and not state["daemon"]["stale"]
     d.proc.send_signal(signal.SIGHUP)
     d.wait_for("config reloaded")
     assert d.stop() == 0 and "Traceback" not in own_log(d)
