@@ -177,7 +177,10 @@ def assert_on_schedule(base, seconds):
     done = last["sequence"] - first["sequence"]
     assert done >= 0.8 * expected - 1, (f"{done} polls in {seconds} s, expected about {expected:.0f} "
                                         f"(the daemon waited {waited:.2f} s for a CPU)")
-    assert not last["daemon"]["stale"]
+    # stale: no poll published within the heartbeat's max(3 polls, a poll + 2 s); ci41 read it stale on a box
+    # whose wait for a CPU the daemon shared
+    age = last["daemon"]["snapshot_age_seconds"]
+    assert not last["daemon"]["stale"] or age < max(3 * POLL, POLL + 2.0) + waited, (age, waited)
     return last
 
 

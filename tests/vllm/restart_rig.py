@@ -262,10 +262,16 @@ serve:
         among them; back once the new engine is healthy and the proxy's outage is over."""
         time.sleep(3)  # serving a while: the daemon has read the engine's /metrics (its drain line counts them)
         deadline = time.monotonic() + 180
-        while not (self.long_direct_running() and self.engine_running() >= in_flight):
+        running = 0
+        while not (self.long_direct_running() and (running := self.engine_running()) >= in_flight):
             if time.monotonic() > deadline:
+                # what each client was doing, so that a failure on a busy box explains itself (ci41: reload 5)
+                clients = "; ".join(f"{c.name_}: {'idle' if c.since is None else f'{time.monotonic() - c.since:.0f} s'}"
+                                    f"{'' if c.is_alive() else ' (ended)'}" for c in self.clients)
+                last = [f"{o.client} {o.what}" for o in self.outcomes[-5:]]
                 raise AssertionError(f"reload {number}: no direct long request with {in_flight} on the engine in "
-                                     "180 s")
+                                     f"180 s (the engine ran {running} at the last look; {clients}; last outcomes "
+                                     f"{last})")
             time.sleep(0.05)
         self.flags += 1
         self.write_config()

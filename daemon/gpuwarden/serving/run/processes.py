@@ -92,9 +92,12 @@ class ProcessOps:
         process = popen(identity, argv, env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                         stderr=subprocess.STDOUT, start_new_session=True)
         self._spawned[process.pid] = process
+        # The descriptor is read before the reader starts: a child that writes a line and exits at once lets the
+        # reader reach EOF and close the stream first (ci41: "I/O operation on closed file").
+        output = process.stdout.fileno()
         threading.Thread(target=forward_lines, args=(process.stdout, on_line), daemon=True,
                          name=f"child-output-{process.pid}").start()
-        return Child(process.pid, process.pid, process, handover.start_ticks(process.pid), process.stdout.fileno())
+        return Child(process.pid, process.pid, process, handover.start_ticks(process.pid), output)
 
     def helper(self, identity: Identity, argv: list[str], env: dict[str, str], **kwargs) -> subprocess.Popen:
         """identity.popen for a process waited for on a worker thread, known as ours (escaped() leaves it be). It
