@@ -38,7 +38,7 @@ NO_LINK = {"known-bad": "the profile's notes", "profile-untested": "the profile'
 
 def context(engine="vllm", args=(), command=None, env=None, model="/m/Qwen3-4B", cc="12.0", gpus=1,
             versions=None, env_names=None, profile=None, driver=None, nvml_cuda=None, unified=False,
-            torch_cuda=None, toolkit=None, model_facts=None):
+            torch_cuda=None, toolkit=None, model_facts=None, gpu_memory_gib=None):
     """A lint context as compose() builds one. model_facts: ModelFacts fields, as read from a local model's
     config.json (None: read model as compose() does; the /m/... of the examples are not there)."""
     eng = engine_for(engine)
@@ -54,7 +54,8 @@ def context(engine="vllm", args=(), command=None, env=None, model="/m/Qwen3-4B",
     facts = read_model(model) if model_facts is None else ModelFacts(model, True, **{
         k: tuple(v) if isinstance(v, list) else v for k, v in model_facts.items()})
     return LintContext(argv, dict(env or {}), profile, (cc,) * gpus, model, eng, have, len(prefix), driver,
-                       nvml_cuda, unified, facts)
+                       nvml_cuda, unified, facts,
+                       gpu_memory=None if gpu_memory_gib is None else int(gpu_memory_gib * 2**30))
 
 
 def outcome_of(rule, ctx):
