@@ -216,9 +216,11 @@ def test_a_finding_says_the_facts_it_matched_on_and_its_link():
     text = str(finding)
     assert "(matched: driver 580.95.05 supports CUDA 13.0; torch 2.12.0+cu132 is built for CUDA 13.2)" in text
     assert finding.as_dict()["facts"] == list(finding.facts) and finding.as_dict()["traps"] == ["08"]
-    spec = outcome_of(rules["spec-depth-unified-memory"], context(cc="12.1", unified=True, args=[
+    spec = outcome_of(rules["spec-depth-unified-memory"], context(cc="12.1", unified=True, gpu_memory_gib=121.5, args=[
         "--speculative-config", '{"method": "dflash", "num_speculative_tokens": 15}'])).finding
-    assert "--max-num-seqs 256 (vLLM's default)" in spec.facts and "memory shared with the system" in spec.facts
+    assert "memory shared with the system" in spec.facts  # the product says the default it multiplied
+    assert "--speculative-config.num_speculative_tokens 15 x --max-num-seqs 256 (vLLM's default) = 3840" in spec.facts
+    assert "121.5 GiB on the smallest GPU (the system memory it shares)" in spec.facts
 
 
 def test_a_secret_is_never_shown_among_the_facts():
