@@ -22,7 +22,7 @@ import pytest
 
 from conftest import ROOT, free_port, gpuwarden_cmd, subprocess_env
 from gpuwarden.gpu.sim.scenario import resolve_scenario
-from run_queue import CpuWait, cpu_wait_s
+from run_queue import CpuWait
 
 pytestmark = pytest.mark.integration
 FAKE = ROOT / "tests" / "fakechild.py"
@@ -166,11 +166,10 @@ def assert_on_schedule(base, seconds):
     the daemon waiting for a CPU instead: ci37 saw 7 polls in 4 s with every poll a few ms long. That wait is
     read from the kernel (run_queue) and the polls are counted over the time the daemon could run."""
     first = wait_until(lambda: (lambda st: st if "sequence" in st else None)(status(base)), timeout=10)
-    pid = first["daemon"]["pid"]
-    waited = cpu_wait_s(pid)
+    cpu = CpuWait(first["daemon"]["pid"])
     time.sleep(seconds)
     last = status(base)
-    waited = min(seconds, cpu_wait_s(pid) - waited)
+    waited = min(seconds, cpu.since())
     lag = last["loop_lag"]
     assert lag["p50_seconds"] < 0.25 + waited and lag["max_seconds"] < 4.5 + waited, (lag, waited)
     expected = (seconds - waited) / POLL
