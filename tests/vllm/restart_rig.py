@@ -136,6 +136,11 @@ class Reload:
     held: int | None = None  # the proxy's outage line: held requests forwarded
     refused: int | None = None
     outcomes: list = field(default_factory=list)  # the clients' requests that began inside this reload's window
+    long_since: float | None = None  # when the direct long request in flight at the SIGHUP began
+
+    def long_direct(self) -> list:
+        """The direct long requests in flight at the SIGHUP (one; or none, if it has not ended by `Rig.settle`)."""
+        return [o for o in self.outcomes if o.client == "direct plain long" and o.began <= self.began]
 
     def failed(self, through: str) -> list:
         return [o for o in self.outcomes if o.client.startswith(through) and not o.ok]
@@ -248,23 +253,32 @@ serve:
             text = conn.getresponse().read().decode()
         finally:
             conn.close()
-        return int(sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:num_requests_running")))
+        return int(sum(float(line.split()[-1]) for line in text.splitlines()
+                       if line.startswith("vllm:num_requests_running")))
 
     # -- a reload ----------------------------------------------------------------------------------------------------
-    def long_direct_running(self) -> bool:
-        """The direct long client has a request in flight (a reload in its pause between two requests would judge no
-        drain; on a quiet box a 400-token request takes under half a second, on CI's busy one over a minute)."""
-        since = next(c.since for c in self.clients if c.name_ == "direct plain long")
-        return since is not None and time.monotonic() - since > 0.1
+    def long_direct_since(self) -> float | None:
+        """When the direct long client's request now in flight began; None between its requests."""
+        return next(c.since for c in self.clients if c.name_ == "direct plain long")
 
     def reload(self, number: int, in_flight: int = 2) -> Reload:
         """Change the engine's flags and SIGHUP once `in_flight` requests run on the engine, the direct long one
         among them; back once the new engine is healthy and the proxy's outage is over."""
         time.sleep(3)  # serving a while: the daemon has read the engine's /metrics (its drain line counts them)
+        self.flags += 1
+        self.write_config()  # read only at the SIGHUP
         deadline = time.monotonic() + 180
-        running = 0
-        while not (self.long_direct_running() and (running := self.engine_running()) >= in_flight):
-            if time.monotonic() > deadline:
+        while True:
+            running = self.engine_running()
+            # The reload's moment is taken before the direct long request is looked at, not before the engine's
+            # /metrics (a busy engine answers it in a second or more): a request seen in flight after that moment
+            # was in flight at it. Looked at first, it could end while /metrics answered, and the reload then had no
+            # long request in flight (ci44: reloads 1 and 3 "0 / 0"; CI at 0bafc08: reloads 1-3).
+            began = time.monotonic()
+            since = self.long_direct_since()
+            if since is not None and began - since > 0.1 and running >= in_flight:
+                break
+            if began > deadline:
                 # what each client was doing, so that a failure on a busy box explains itself (ci41: reload 5)
                 clients = "; ".join(f"{c.name_}: {'idle' if c.since is None else f'{time.monotonic() - c.since:.0f} s'}"
                                     f"{'' if c.is_alive() else ' (ended)'}" for c in self.clients)
@@ -273,10 +287,8 @@ serve:
                                      f"180 s (the engine ran {running} at the last look; {clients}; last outcomes "
                                      f"{last})")
             time.sleep(0.05)
-        self.flags += 1
-        self.write_config()
         mark = len(self.lines)
-        reload = Reload(number, time.monotonic())
+        reload = Reload(number, began, long_since=since)
         self.proc.send_signal(signal.SIGHUP)
         self.wait_for("vLLM healthy after", START_S, after=mark)
         reload.healthy = time.monotonic()
@@ -317,7 +329,7 @@ def table(reloads: list[Reload]) -> str:
         proxied = [o for o in r.outcomes if o.client.startswith("proxy")]
         longest = max((o.took for o in proxied), default=0.0)
         drain = f"{r.drain_outcome} in {r.drained_s:.1f} s" if r.drained_s is not None else r.drain_outcome or "?"
-        long_direct = [o for o in r.outcomes if o.client == "direct plain long" and o.began <= r.began]
+        long_direct = r.long_direct()
         new_direct = [o for o in r.outcomes if o.client == "direct plain" and o.began >= r.began]
         failures = sorted({o.what.split(":")[0][:40] for o in new_direct if not o.ok})
         rows.append(f"| {r.number} | {r.in_flight} | {drain} | {r.held if r.held is not None else '-'} | "
