@@ -15,8 +15,10 @@ def free_port() -> int:
 
 
 def percentile(values: list[float], q: float) -> float:
-    """The nearest-rank q-quantile (q in 0-1)."""
+    """The nearest-rank q-quantile (q in 0-1); NaN of none (a cell whose every sample failed prints as nan)."""
     ordered = sorted(values)
+    if not ordered:
+        return math.nan
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 

@@ -174,7 +174,9 @@ class DaemonProcess:
             time.sleep(0.05)
         raise AssertionError(f"{text!r} not logged; log was:\n" + "\n".join(self.lines))
 
-    def stop(self, sig=None, timeout: float = 30.0) -> int:
+    def stop(self, sig=None, timeout: float = 120.0) -> int:
+        """Stop it and wait; the timeout bounds a hang. A daemon serving the CPU vLLM waits for the engine's own
+        shutdown, which took over 30 s on a busy box (ci46)."""
         import signal
 
         if self.proc.poll() is None:
@@ -182,6 +184,19 @@ class DaemonProcess:
         code = self.proc.wait(timeout)
         self._reader.join(5)
         return code
+
+    def end(self) -> None:
+        """For a test that failed half-way: SIGTERM first, so the daemon stops its engine too (a SIGKILL leaves the
+        engine serving, for the next daemon to adopt: ci46 left one behind), then SIGKILL."""
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(120)  # a host swapping under a test's load delivers even SIGKILL late
 
     @property
     def log(self) -> str:
@@ -199,14 +214,8 @@ def daemons():
         return d
 
     def _stop_all():
-        for d in started:  # a test that failed half-way: SIGTERM first, so the daemon stops its child too
-            if d.proc.poll() is None:
-                d.proc.terminate()
-                try:
-                    d.proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    d.proc.kill()
-                    d.proc.wait(120)  # a host swapping under a test's load delivers even SIGKILL late
+        for d in started:
+            d.end()
 
     _start.stop_all = _stop_all  # for a fixture that checks what the daemons left, after they are stopped
     yield _start

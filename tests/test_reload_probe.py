@@ -83,9 +83,7 @@ def unit_daemon(write, fake, venv, tmp_path):
 
     yield start
     for d in started:
-        if d.proc.poll() is None:
-            d.proc.kill()
-            d.proc.wait(30)
+        d.end()
 
 
 def test_a_probe_that_hangs_does_not_outlive_the_daemons_stop(unit_daemon, venv, token, no_fakes_left):

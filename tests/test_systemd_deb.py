@@ -239,9 +239,10 @@ def test_serving_ready_only_when_vllm_is_healthy_and_stop_leaves_nothing(install
     assert stream["ok"] >= 10 and stream["failed"] == 0, stream
     assert got["crash_adopted_logged"] == "1" and got["crash_metrics"] == "yes", journal
     # systemctl stop with a request in flight straight to the engine and one through the proxy: both complete,
-    # every token, within the engine's drain; the proxy stops after the engine.
+    # every token, within the engine's drain; the proxy stops after the engine. 3,000 tokens each: two of 12,000
+    # outlasted the 60 s drain when the box served 170-350 tokens/s (ci46).
     for where in ("direct", "proxy"):
-        assert json.loads(got[f"stop_long_{where}"]) == {"status": 200, "tokens": 12000}, (where, journal)
+        assert json.loads(got[f"stop_long_{where}"]) == {"status": 200, "tokens": 3000}, (where, journal)
     assert got["stop_in_flight"] == "2", journal
     # Both streamed their first tokens before the stop (stop_in_flight), so both were in flight at it; the drain
     # line's count is the daemon's last /metrics read, which may come before they started.
