@@ -19,6 +19,7 @@ import yaml
 
 from conftest import CPU_TINY_PROFILE, ROOT, VLLM_START_S, free_port, gpuwarden_cmd
 from gpuwarden.gpu.sim.scenario import resolve_scenario
+from run_queue import CpuWait
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 RULES = ROOT / "etc" / "prometheus" / "gpuwarden-rules.yml"
@@ -189,7 +190,7 @@ serve:
         while time.monotonic() - started < 300 and fired is None:
             try:
                 if seen is None and len(query(base, low).get("data", {}).get("result", [])) == 2:
-                    seen = time.monotonic()
+                    seen, waits = time.monotonic(), (CpuWait(prom.pid), CpuWait(os.getpid()))
                 firing = [a for a in alerts(base) if a["labels"]["alertname"] == "GpuClocksLowWhileBusy"
                           and a["state"] == "firing"]
             except OSError:
@@ -199,7 +200,9 @@ serve:
                 fired = time.monotonic()
             time.sleep(0.5)
         assert fired is not None and seen is not None, "GpuClocksLowWhileBusy never fired for both GPUs"
-        assert 58 <= fired - seen <= 75, (fired - seen, fired - started)
+        # the upper bound excuses Prometheus's and this test's wait for a CPU (ci47: 127 s on a starved box)
+        waited = sum(wait.since() for wait in waits)
+        assert 58 <= fired - seen <= 75 + waited, (fired - seen, fired - started, waited)
         assert not [a for a in firing if a["labels"]["instance"] == targets[1]], "the tuned host is fine"
 
         d.wait_for("vLLM healthy after", timeout=VLLM_START_S)
