@@ -127,6 +127,28 @@ def test_by_default_the_engine_waits_for_the_gpu_and_starts_when_it_is_back_with
     assert text.index("is back: planned and applied its tuning") < text.index("vLLM released: its GPUs answer again")
 
 
+def test_a_reset_between_two_polls_is_read_in_the_recovery_field_and_releases_the_engine(caplog):
+    """ci48: the box starved the daemon through the reset's second off the bus; it never saw the GPU lost, and the
+    engine stayed HELD for good. The driver's field, which asked for the reset, reads none again: that clears it."""
+    caplog.set_level("INFO")
+    sup, ops, clock, monitor, recovery = rig()
+    gpu = monitor.backend.gpus()[0]
+    gpu.recovery_action = 1  # the driver asks in its polled field and in an event, as the scenario's event does
+    recovery.hold(clock.now, monitor.record_events([GpuEvent(0, "recovery_action", 1)], clock.now))
+    for _ in range(20):  # polls, counter polls among them, read the field asking
+        settle(recovery, monitor, clock)
+        clock.advance(1)
+    assert sup.state == HELD and monitor.events.needs_reset
+    gpu.reset(1.0)
+    gpu.backend.clock.advance(2)  # gone a second and back before the next poll: never seen lost
+    for _ in range(20):
+        settle(recovery, monitor, clock)
+        clock.advance(1)
+    assert not monitor.events.needs_reset and sup.state == STARTING and len(ops.children) == 2
+    assert "GPU0: its driver's recovery action reads none again: it was reset between two polls" in caplog.text
+    assert "is back: planned and applied its tuning" not in caplog.text  # the other way back was not taken
+
+
 def test_a_gpu_judged_unhealthy_without_any_event_holds_the_engine_until_it_is_healthy_again():
     """The daemon holds for what the health model judges too (watch/health.waiting): here a GPU off the bus that
     no Xid announced."""

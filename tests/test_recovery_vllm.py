@@ -89,11 +89,16 @@ def test_an_unhealthy_gpu_drains_and_holds_the_engine_and_a_reset_brings_it_back
         began = time.monotonic()
         power.move_clock(channel, FAULT_AT)  # the fault, now that the engine serves
         at = {}
-        for name, line in (("draining", "draining vLLM: "), ("held", "vLLM held, not restarting"),
-                           ("back", "is back: planned and applied its tuning"), ("released", "vLLM released"),
-                           ("healthy", "vLLM healthy after"),
-                           ("known answer", "the known-answer check passed after the recovery")):
-            d.wait_for(line, after=mark, timeout=VLLM_START_S)
+        # "back": seen lost and back, or, where the box starved the daemon through the reset's second off the bus,
+        # the driver's recovery action reading none again (ci48)
+        back = ("is back: planned and applied its tuning", "recovery action reads none again")
+        for name, lines in (("draining", ("draining vLLM: ",)), ("held", ("vLLM held, not restarting",)),
+                            ("back", back), ("released", ("vLLM released",)), ("healthy", ("vLLM healthy after",)),
+                            ("known answer", ("the known-answer check passed after the recovery",))):
+            deadline = time.monotonic() + VLLM_START_S
+            while not any(line in text for text in d.lines[mark:] for line in lines):
+                assert time.monotonic() < deadline and d.proc.poll() is None, (lines, d.log[-3000:])
+                time.sleep(0.1)
             at[name] = round(time.monotonic() - began, 1)
         thread.join(30)
         print(f"\ntimeline from the fault (s): {at}; {recorded}")

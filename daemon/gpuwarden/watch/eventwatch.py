@@ -80,6 +80,7 @@ class EventBook:
 
     def __post_init__(self) -> None:
         self._quiet = FaultLog(log, period_s=self.repeat_s)  # one line per (GPU, event kind) a period, with a count
+        self._field_asked: set[int] = set()  # GPUs waiting whose polled recovery-action field has asked (reset_unseen)
 
     def repeat_every(self, seconds: float) -> None:
         """A reloaded alerts.repeat_s, for the (GPU, event kind) periods running now too."""
@@ -97,6 +98,7 @@ class EventBook:
         reset = action in xids.NEEDS_RESET or (event.kind == "recovery_action" and event.data != 0)
         if reset:
             self.needs_reset[event.gpu] = f"{what}: {action}"
+            self._field_asked.discard(event.gpu)  # a new wait: only the field read from now on clears it unseen
         since = self._quiet.admit(key, now)  # None: within its period, counted
         if since is None:
             return self.needs_reset.get(event.gpu) if reset else None
@@ -143,6 +145,24 @@ class EventBook:
     def cleared(self, gpu: int) -> None:
         """The GPU came back (a reset or a driver reload): it no longer waits for one."""
         self.needs_reset.pop(gpu, None)
+        self._field_asked.discard(gpu)
+
+    def all_reset(self) -> None:
+        """The operator says every GPU was reset: none waits any more."""
+        self.needs_reset.clear()
+        self._field_asked.clear()
+
+    def reset_unseen(self, gpu: int, recovery_action: int | None) -> bool:
+        """A GPU that waits for the reset its driver asked for in the polled recovery-action field, and whose field,
+        read asking while it waited, reads none again: it was reset between two polls (ci48: a busy box starved the
+        daemon through the reset's second off the bus, and the engine stayed HELD for good). A wait from an Xid, whose
+        field never asked, is not cleared this way."""
+        if gpu not in self.needs_reset or recovery_action is None:
+            return False
+        if recovery_action:
+            self._field_asked.add(gpu)
+            return False
+        return gpu in self._field_asked
 
 
 def processes_on(pids: list[int], proc: Path = Path("/proc")) -> str:

@@ -248,7 +248,7 @@ class Monitor:
 
     def gpus_were_reset(self) -> None:
         """The operator says the GPUs were reset (a reload): none counts as waiting for a reset any more."""
-        self.events.needs_reset.clear()
+        self.events.all_reset()
 
     def report_running_requests(self, count: int | None) -> None:
         self.running_requests = count
@@ -309,6 +309,10 @@ class Monitor:
         poll = Poll(now, counters, max(DUTY_WINDOW_S, 3 * self.config.counters_interval_s), self.events)
         for sample in samples:
             if self.tuning.gpu_answered(sample):  # back after being lost: reset or reloaded
+                self.events.cleared(sample.index)
+            elif sample.up and self.events.reset_unseen(sample.index, sample.health.recovery_action):
+                log.log(NOTICE, "GPU%d: its driver's recovery action reads none again: it was reset between two polls; "
+                        "it no longer waits", sample.index)
                 self.events.cleared(sample.index)
             ctx = contexts[sample.index] = self._context(sample, poll)
             self._health_changed(ctx.health, now)
