@@ -2,7 +2,8 @@
 
 By default an engine on a GPU that needs a reset or a reboot waits in HELD (serving/run/holding.py) and starts again
 once that GPU is back: the monitor sees it answer again, re-applies its tuning and clears the wait (the events'
-needs_reset; a reload clears it too). Each further step is the operator's to turn on:
+needs_reset; a reload clears it too; so does the recovery-action field that asked for a reset reading none again:
+a reset between two polls, EventBook.reset_unseen). Each further step is the operator's to turn on:
 - drain_before_stop: where the GPU still answers, the engine's stop is a planned one (serve.drain_s).
 - reset_gpu: a GPU whose action is a reset, that no process uses any more (ours stopped, nobody else's there), is
   reset with `nvidia-smi --gpu-reset -i N` (NVML's API has no reset call: only its clocks' and NvLink counters'
