@@ -158,16 +158,17 @@ class DaemonProcess:
         for line in self.proc.stdout:
             self.lines.append(line.rstrip("\n"))
 
-    def wait_for(self, text: str, timeout: float = 120.0, after: int = 0) -> str:
+    def wait_for(self, text: str | tuple[str, ...], timeout: float = 120.0, after: int = 0) -> str:
         """The first log line from index `after` on that contains text. It returns as soon as the line comes and
         fails as soon as the daemon ends, so the timeout only bounds a daemon that hangs: a busy box took over 30 s
         to reach a vLLM start (the engine's flag check imports vLLM)."""
         import time
 
+        texts = (text,) if isinstance(text, str) else text  # a tuple: the first line with any of them
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for line in self.lines[after:]:
-                if text in line:
+                if any(t in line for t in texts):
                     return line
             if self.proc.poll() is not None and not self._reader.is_alive():
                 break
