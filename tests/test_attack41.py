@@ -11,6 +11,7 @@ Each is a real process where the fault is between processes; nothing is left run
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -31,6 +32,7 @@ from gpuwarden.bench.watch import MAX_GPUS, Watch, checked_gpus
 from gpuwarden.gpu.sim import power
 from gpuwarden.gpu.sim.backend import ManualClock
 from gpuwarden.web.status import StatusError
+from run_queue import CpuWait
 
 HERE = Path(__file__).resolve().parent
 UNIT_CAPS = ["setpriv", "--bounding-set", "-all,+sys_admin,+setuid,+setgid,+kill", "--no-new-privs"]
@@ -196,6 +198,7 @@ def test_a_channel_another_user_owns_and_rewrites_leaves_the_daemon_polling_unde
            "RUNTIME_DIRECTORY": str(tmp_path / "run")}
     d = daemons(conf, env=env, command=[*UNIT_CAPS, *gpuwarden_cmd()])
     d.wait_for("serving /metrics", timeout=60)
+    cpu = CpuWait(d.proc.pid)
     plants = [("file", text) for text in HOSTILE_LOADS[1:]] + [("fifo", ""), ("link", "/dev/zero"), ("dir", ""),
                                                                 ("file", HOSTILE_LOADS[0])]
     for kind, text in plants:
@@ -210,10 +213,16 @@ def test_a_channel_another_user_owns_and_rewrites_leaves_the_daemon_polling_unde
     assert state["daemon"]["stale"] is False and state["daemon"]["snapshot_age_seconds"] < 2, state["daemon"]
     gpu = state["gpus"][0]
     assert gpu["sm_lock_mhz"] is None and 0 < gpu["sm_clock_mhz"] <= gpu["max_sm_clock_mhz"], gpu
+    waited = cpu.since()
     assert d.stop() == 0
     log = "\n".join(d.lines)
-    for bad in ("Traceback", "poll failed", "not feeding the watchdog"):
+    for bad in ("Traceback", "poll failed"):
         assert bad not in log, log[-3000:]
+    # A poll the files held up past the watchdog's 2.25 s shows; one the busy box starved is excused by the
+    # daemon's wait for a CPU meanwhile (ci49: 2.8 s on a box running the newest pass beside a CPU vLLM).
+    stalls = [float(m) for m in re.findall(r"no poll published for ([0-9.]+) s: not feeding the watchdog", log)]
+    assert max(stalls, default=0.0) - waited < 2.25, f"polls stalled {stalls} s; the daemon waited {waited:.2f} s " \
+                                                      f"for a CPU"
     assert not any(p.name.startswith(".gpus.json.") for p in chan.iterdir())  # no temp file of ours left there
 
 
