@@ -17,7 +17,8 @@ import pytest
 from conftest import free_port
 from gpuwarden.config import parse_text
 from gpuwarden.proxy.child import PROXY, proxy_spec
-from gpuwarden.serving.run.spec import STOPPING_SIGNAL, UP_SIGNAL
+from gpuwarden.serving.run.fronts import HEAR_S
+from gpuwarden.serving.run.spec import HOLDING_LINES, STOPPING_SIGNAL, UP_SIGNAL
 from gpuwarden.serving.run.supervisor import RUNNING, STOPPED, STOPPING, Program, Supervisor
 from test_drain import drain_config, in_flight
 from test_faults import fake, no_fakes_left, wait_until  # noqa: F401 (fixtures)
@@ -40,15 +41,22 @@ def test_the_proxy_is_told_before_the_engines_sigterm_and_stops_only_once_the_en
     assert ("process", proxy.child.pid, UP_SIGNAL) in ops.sent  # the engine is healthy
     ops.sent.clear()
     wait = both.stop(clock.now)
-    # the proxy first (it holds new requests), then the engine's SIGTERM; the proxy itself not yet
-    assert [(pid, sig) for _, pid, sig in ops.sent] == [(proxy.child.pid, STOPPING_SIGNAL),
-                                                       (engine.child.pid, signal.SIGTERM)], ops.sent
-    both.tick(clock.now)
+    # the proxy first (it holds new requests); the engine's SIGTERM once the proxy says it holds
+    assert [(pid, sig) for _, pid, sig in ops.sent] == [(proxy.child.pid, STOPPING_SIGNAL)], ops.sent
     both.tick(clock.now)  # the word once more a tick later (two signals pending at once come in no set order)
+    assert [(pid, sig) for _, pid, sig in ops.sent] == [(proxy.child.pid, STOPPING_SIGNAL)] * 2, ops.sent
+    assert engine.state == RUNNING
+    proxy.on_line("INFO proxy: the engine stops for a planned restart: holding new requests while it drain")
+    proxy.on_line("INFO proxy: a client said: " + HOLDING_LINES[0])  # not its answer: not the whole line
+    both.tick(clock.now)
+    assert engine.state == RUNNING
+    proxy.on_line(HOLDING_LINES[0])
+    both.tick(clock.now)
+    assert ops.sent[-1][1:] == (engine.child.pid, signal.SIGTERM), ops.sent
     assert [sig for _, pid, sig in ops.sent if pid == proxy.child.pid] == [STOPPING_SIGNAL] * 2
     assert engine.state == STOPPING and proxy.state == RUNNING and not both.stopped
-    # systemd is asked for both waits: the engine's drain, then the proxy's stop after it
-    assert wait == engine.spec.timing.stop_timeout_s + proxy.spec.timing.stop_timeout_s
+    # systemd is asked for all three waits: the proxy's answer, the engine's drain, then the proxy's stop after it
+    assert wait == HEAR_S + engine.spec.timing.stop_timeout_s + proxy.spec.timing.stop_timeout_s
     clock.advance(1)
     both.tick(clock.now)
     assert proxy.state == RUNNING  # the engine still drains: the proxy relays its streams
@@ -58,6 +66,30 @@ def test_the_proxy_is_told_before_the_engines_sigterm_and_stops_only_once_the_en
     both.tick(clock.now)
     assert engine.state == STOPPED and proxy.state == STOPPING
     assert ops.signals[-1] == (proxy.phase.child.pgid, signal.SIGTERM)
+
+
+def test_a_proxy_that_never_answers_costs_the_stop_hear_s_and_one_warning(tmp_path, caplog):
+    both, engine, proxy, ops, clock = engine_and_proxy(tmp_path)
+    both.stop(clock.now)
+    for _ in range(4):
+        clock.advance(HEAR_S / 4 - 0.01)
+        both.tick(clock.now)
+        assert engine.state == RUNNING and "SIGTERM" not in str([s for s in ops.sent if s[1] == engine.child.pid])
+    clock.advance(0.05)
+    both.tick(clock.now)
+    assert engine.state == STOPPING and (engine.child.pid, signal.SIGTERM) in [s[1:] for s in ops.sent]
+    assert [r.getMessage() for r in caplog.records if "did not say" in r.getMessage()] == [
+        f"proxy did not say within {HEAR_S:g} s that it holds new requests: the engine stops anyway"]
+
+
+def test_a_proxy_that_ends_instead_of_answering_lets_the_sigterm_go(tmp_path):
+    both, engine, proxy, ops, clock = engine_and_proxy(tmp_path)
+    both.stop(clock.now)
+    ops.exit[proxy.child.pid] = 1
+    ops.groups[proxy.child.pid] = []
+    clock.advance(0.1)
+    both.tick(clock.now)
+    assert proxy.state != RUNNING and engine.state == STOPPING
 
 
 def test_a_second_stop_does_not_wait_for_the_engine_to_stop_the_proxy(tmp_path):
@@ -72,6 +104,8 @@ def test_a_stop_that_keeps_the_proxy_leaves_it_running_and_the_rest_reads_stoppe
     both, engine, proxy, ops, clock = engine_and_proxy(tmp_path)
     both.stop(clock.now, keep=frozenset({PROXY}))
     assert ("process", proxy.child.pid, STOPPING_SIGNAL) in ops.sent
+    proxy.on_line(HOLDING_LINES[1])  # a proxy without a hold answers too
+    both.tick(clock.now)
     ops.groups[engine.child.pgid] = []
     clock.advance(1)
     both.tick(clock.now)
@@ -222,6 +256,10 @@ def test_a_reload_that_restarts_the_engine_fails_no_request_through_the_proxy(wr
     assert proxy_metric(proxy_port, "gpuwarden_proxy_held_seconds_count") >= 1  # some were held, and answered
     log = "\n".join(d.lines)
     assert log.count("the proxy starting") == 1 and "the proxy stopping" not in log  # one process throughout
+    after = d.lines[mark:]  # the engine's SIGTERM went once the proxy said it holds, not at HEAR_S
+    said = next(i for i, line in enumerate(after) if line.endswith(HOLDING_LINES[0]))
+    assert said < next(i for i, line in enumerate(after) if "vLLM stopping: SIGTERM" in line), after
+    assert "did not say" not in log
     assert d.stop() == 0
 
 

@@ -7,6 +7,8 @@ A planned stop is told by the daemon (SIGUSR1: serving/run/supervisor.py): the e
 answering while it refuses new requests (vLLM 0.32 answers them 500), so from then on a new request is held without
 being sent, until the daemon says an engine is healthy (SIGUSR2) or /health is seen down and then up again. An
 engine that was never seen down within hold_s of the word was not restarted after all: requests go to it again.
+The proxy answers the word with a line the daemon waits for before the engine's SIGTERM (HOLDING_LINES), so that
+no request goes to an engine already shutting down.
 
 One watcher for all held requests reads /health every HEALTH_EVERY_S while any is held, and sees clients that left
 (dropped, their budget given back, within a tick). Bounds: `hold_s` from a request's first hold, `hold_max` at
@@ -24,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from prometheus_client import Histogram
 
+from ..serving.run.spec import HOLDING_LINES
 from .body import Refusal
 
 log = logging.getLogger("gpuwarden.proxy")
@@ -60,11 +63,15 @@ class Hold:
         return self.planned_since is not None
 
     def engine_stopping(self) -> None:
-        """The daemon's word (SIGUSR1) that the engine begins a planned stop: hold every new request from now."""
-        if not self.on or self.closing or self.planned:  # the daemon says each word twice (serving/run/fronts.py)
+        """The daemon's word (SIGUSR1) that the engine begins a planned stop: hold every new request from now. The
+        line logged is the answer the daemon waits for before it sends the engine SIGTERM (HOLDING_LINES)."""
+        if self.closing or self.planned:  # the daemon says each word twice (serving/run/fronts.py)
+            return
+        if not self.on:
+            log.info("%s", HOLDING_LINES[1].removeprefix("INFO "))
             return
         self.planned_since, self._seen_down = self.clock(), False
-        log.info("proxy: the engine stops for a planned restart: holding new requests while it drains")
+        log.info("%s", HOLDING_LINES[0].removeprefix("INFO "))
         self._begin(self.planned_since)
 
     def engine_up(self) -> None:

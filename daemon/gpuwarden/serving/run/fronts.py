@@ -2,6 +2,11 @@
 planned stop (STOPPING_SIGNAL: it drains, its /health still answering while vLLM answers new requests 500, so the
 proxy holds them unsent), and that an engine is healthy (UP_SIGNAL: the proxy sends what it holds).
 
+The engine's SIGTERM waits for the fronts told of its stop to answer (one of HOLDING_LINES in their output) or to
+be gone, HEAR_S at most: a request a front forwards after the SIGTERM meets vLLM 0.32 shutting down, which answers
+it 200 with no tokens (ci47 saw it when both went in one tick and the busy box ran the proxy late). A front whose
+output the daemon does not read (adopted after an upgrade) or that never answers costs a stop HEAR_S.
+
 Two signals pending at once are handled in no set order (the attacker of issue 40 saw a stop's word overtaken by
 the last word of health in 13 of 60 rounds), so each word goes to each front twice, a tick apart, and the proxy
 takes a word it already follows as a no-op. A front that starts (or restarts) while the word stands is told it
@@ -11,31 +16,67 @@ once it is RUNNING. Only a front that is RUNNING and handles the signal is sent 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 from .spec import STOPPING_SIGNAL, UP_SIGNAL
 
+log = logging.getLogger("gpuwarden")
 TIMES = 2  # each word to each front: once at once, once on the next tick
+HEAR_S = 5.0  # the longest the engine's SIGTERM waits for its fronts' answer
 
 
 class FrontWord:
     def __init__(self):
         self.planned = False  # the engine's stop began while it served: its fronts hold until it is back
         self._told: dict[str, tuple[int, int, int]] = {}  # front's name -> (its pid, the word, times told)
+        self._asked: dict[str, tuple[int, int]] = {}  # front told of the stop -> (its pid, its answers before)
+        self._until: float | None = None  # the engine's SIGTERM waits for the answers until then
 
-    def stopping(self, fronts: Iterable) -> None:
-        """The engine is about to get its SIGTERM, serving: tell the fronts first."""
+    @property
+    def waiting(self) -> bool:
+        """The engine's stop is told and its SIGTERM waits for the fronts' answer (heard)."""
+        return self._until is not None
+
+    def stopping(self, fronts: Iterable, now: float) -> bool:
+        """The engine is about to get its SIGTERM, serving: tell the fronts first. Whether it waits for their
+        answer (a front was told)."""
         self.planned = True
-        self._tell(fronts, STOPPING_SIGNAL)
+        told = self._tell(fronts, STOPPING_SIGNAL)
+        self._asked = {front.name: (front.child.pid, front.output.answers) for front in told}
+        self._until = now + HEAR_S if told else None
+        return bool(told)
+
+    def heard(self, fronts: Iterable, now: float) -> bool:
+        """Whether the engine's SIGTERM may go now: every front told has answered or is gone, or HEAR_S passed."""
+        if self._until is None:
+            return True
+        running = {front.name: front for front in fronts if front.state == "RUNNING"}
+        silent = [name for name, (pid, before) in self._asked.items()
+                  if name in running and running[name].child.pid == pid and running[name].output.answers <= before]
+        if silent and now < self._until:
+            return False
+        if silent:
+            log.warning("%s did not say within %g s that it holds new requests: the engine stops anyway",
+                        " and ".join(silent), HEAR_S)
+        self._until = None
+        return True
+
+    def stop_waiting(self) -> None:
+        self._until = None
 
     def update(self, running: bool, stopping: bool, fronts: Iterable) -> None:
-        """Each tick: the standing word, to the fronts not told it twice (a new front process counts anew)."""
+        """Each tick: the standing word, to the fronts not told it twice (a new front process counts anew). While
+        the engine's SIGTERM waits for the answer, the word is its stop."""
+        running, stopping = running and not self.waiting, stopping or self.waiting
         self.planned = self.planned and stopping
         word = UP_SIGNAL if running else STOPPING_SIGNAL if self.planned else None
         if word is not None:
             self._tell(fronts, word)
 
-    def _tell(self, fronts: Iterable, word: int) -> None:
+    def _tell(self, fronts: Iterable, word: int) -> list:
+        """Send word to the fronts not told it twice; the fronts it went to."""
+        told = []
         for front in fronts:
             if front.state != "RUNNING":
                 continue
@@ -45,3 +86,5 @@ class FrontWord:
             if times < TIMES and front.ops.catches(pid, word):
                 front.ops.kill(pid, word)
                 self._told[front.name] = (pid, word, times + 1)
+                told.append(front)
+        return told

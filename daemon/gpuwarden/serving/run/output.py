@@ -1,5 +1,6 @@
 """A child's output, line by line: logged at the level the child gave it (the child's kind knows its format:
-ChildSpec.log_level), and its last error lines kept for the FATAL line and for telling a lost port."""
+ChildSpec.log_level), and its last error lines kept for the FATAL line and for telling a lost port; a front's
+answers to the engine's stop counted."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import re
 from collections import deque
 from collections.abc import Callable
 
+from .spec import HOLDING_LINES
+
 log = logging.getLogger("gpuwarden")
 
 
@@ -15,9 +18,12 @@ class ChildOutput:
     def __init__(self, name: str, level_of: Callable[[str], int | None]):
         self.name, self.level_of = name, level_of
         self.error_lines: deque[str] = deque(maxlen=10)
+        self.answers = 0  # whole lines that answer the engine's stop (a front's: serving/run/fronts.py)
         self._last_level = logging.INFO
 
     def on_line(self, line: str) -> None:
+        if line in HOLDING_LINES:
+            self.answers += 1
         level = self.level_of(line)
         if level is not None:
             self._last_level = level

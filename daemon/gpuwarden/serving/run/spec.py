@@ -49,6 +49,10 @@ class Timing:
 # engine begins a planned stop (it drains: its /health still answers, and vLLM answers 500 to new requests), and an
 # engine is healthy. Sent only to a front that is RUNNING and handles it (serving/run/supervisor.py).
 STOPPING_SIGNAL, UP_SIGNAL = signal.SIGUSR1, signal.SIGUSR2
+# A front's answer to STOPPING_SIGNAL, a whole line of its output ("LEVEL message"): it holds new requests, or has no
+# hold, so the engine's SIGTERM may go (serving/run/fronts.py). Anything else it prints is no answer.
+HOLDING_LINES = ("INFO proxy: the engine stops for a planned restart: holding new requests while it drains",
+                 "INFO proxy: the engine stops for a planned restart: no hold (--hold-s 0), requests go on to it")
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from .output import ChildOutput
 from .policy import PREFLIGHT_RETRY_S, Policy
 from .preflight import Remains, preflight
 from .processes import KILL_WAIT_S, UNSEEN_EXIT, Child, ProcessOps
-from .fronts import FrontWord
+from .fronts import HEAR_S, FrontWord
 from .holding import Holding
 from .spec import ChildSpec
 from .states import BACKOFF, EXITED, FATAL, HELD, RUNNING, STARTING, STATES, STOPPED, STOPPING  # noqa: F401 (theirs)
@@ -486,6 +486,8 @@ class Supervisor:
 
     def tick(self, now: float) -> None:
         self._each(lambda p: p.tick(now))
+        if self.word.waiting and self.word.heard(self._fronts(), now):
+            self.main.stop(now)  # the fronts hold new requests (or are gone): the engine's SIGTERM
         if self._incoming:
             self._swap(now)
         if self._fronts_stop and self.main.stopped:
@@ -501,15 +503,22 @@ class Supervisor:
         self.kept = keep
         fronts = [p for p in self._fronts() if p.name not in keep]
         self._fronts_stop = bool(fronts) and not self.main.stopped
-        if self.main.state == RUNNING:  # the fronts first: they hold new requests before the engine refuses them
-            self.word.stopping(self._fronts())
-        self._each(lambda p: None if p.name in keep or (self._fronts_stop and p in fronts) else p.stop(now))
-        waits = [p.spec.timing.stop_timeout_s for p in self.programs.values()
+        # The fronts first: they hold new requests before the engine refuses them, its SIGTERM waiting (in tick)
+        # for their answer (serving/run/fronts.py).
+        if self.main.state == RUNNING and not self.word.waiting:
+            self.word.stopping(self._fronts(), now)
+        later = self.main if self.word.waiting else None
+        self._each(lambda p: None if p.name in keep or (self._fronts_stop and p in fronts) or p is later
+                   else p.stop(now))
+        waits = [p.spec.timing.stop_timeout_s + (HEAR_S if p is later else 0.0) for p in self.programs.values()
                  if not p.stopped and p.name not in keep and p not in fronts]
         after = max((p.spec.timing.stop_timeout_s for p in fronts if not p.stopped), default=0.0)
         return max(waits, default=0.0) + after if waits or after else None
 
     def kill_now(self, now: float) -> None:
+        if self.word.waiting:  # a second stop: the engine does not wait for its fronts' answer either
+            self.word.stop_waiting()
+            self.main.stop(now)
         if self._fronts_stop:  # a second stop: the fronts do not wait for the engine either
             self._fronts_stop = False
             self._each(lambda p: p.stop(now) if p in self._fronts() else None)
