@@ -14,6 +14,7 @@ import pytest
 
 from conftest import free_port, gpuwarden_cmd
 from gpuwarden.proxy.body import Budget, Refusal
+from gpuwarden.serving.run.spec import HOLDING_LINES
 from test_proxy import HERE, Process, send
 from test_proxy_limits import closed_by_peer, metric, open_socket
 
@@ -441,3 +442,26 @@ def test_the_words_repeat_settles_two_that_came_together_in_either_order(rig):
         call.join(10)
         assert call.status == 200
     assert engine.get_json("/debug/open")["requests"] == 5
+
+
+@pytest.mark.parametrize("hold_s, answer", [("60", 0), ("0", 1)])
+def test_the_proxy_answers_a_stops_word_once_with_the_whole_line_the_daemon_waits_for(rig, hold_s, answer):
+    """The daemon sends the engine SIGTERM once the proxy said it holds (serving/run/fronts.py): one line per
+    stop, with or without a hold, however often the word comes (a storm of words is no flood of lines)."""
+    rig.engine()
+    proxy = rig.proxy("--hold-s", hold_s)
+
+    def said():
+        return lines(proxy, "the engine stops for a planned restart")
+
+    def storm():
+        for _ in range(20):
+            proxy.proc.send_signal(signal.SIGUSR1)
+
+    storm()
+    wait_until(lambda: len(said()) == 1, 30, "the answer")
+    proxy.proc.send_signal(signal.SIGUSR2)  # the engine is back: the next stop is answered anew
+    wait_until(lambda: proxy.proc.send_signal(signal.SIGUSR1) or len(said()) == 2, 30, "the next stop's answer")
+    storm()
+    time.sleep(0.5)  # time for a line too many
+    assert said() == [HOLDING_LINES[answer]] * 2, said()

@@ -51,6 +51,7 @@ class Hold:
         self._probed_at = 0.0
         self.planned_since: float | None = None  # the daemon's word that the engine stops (a drain), until it is back
         self._seen_down = False  # since that word, /health was seen down: the next answer is a new engine
+        self._answered_off = False  # without a hold, the word was answered (until the word that the engine is up)
         self.closing = False  # the proxy stops: a request held now, or later, is refused at once
 
     @property
@@ -65,9 +66,10 @@ class Hold:
     def engine_stopping(self) -> None:
         """The daemon's word (SIGUSR1) that the engine begins a planned stop: hold every new request from now. The
         line logged is the answer the daemon waits for before it sends the engine SIGTERM (HOLDING_LINES)."""
-        if self.closing or self.planned:  # the daemon says each word twice (serving/run/fronts.py)
+        if self.closing or self.planned or self._answered_off:  # each word comes twice (serving/run/fronts.py)
             return
-        if not self.on:
+        if not self.on:  # no hold: the answer alone, once until the engine is back
+            self._answered_off = True
             log.info("%s", HOLDING_LINES[1].removeprefix("INFO "))
             return
         self.planned_since, self._seen_down = self.clock(), False
@@ -76,7 +78,7 @@ class Hold:
 
     def engine_up(self) -> None:
         """The daemon's word (SIGUSR2) that an engine is healthy: the held requests go to it now."""
-        self.planned_since = None
+        self.planned_since, self._answered_off = None, False
         if self.down_since is not None:
             self._end(UP)
 
