@@ -18,7 +18,7 @@ from conftest import free_port
 from gpuwarden.config import parse_text
 from gpuwarden.proxy.child import PROXY, proxy_spec
 from gpuwarden.serving.run.fronts import HEAR_S
-from gpuwarden.serving.run.spec import HOLDING_LINES, STOPPING_SIGNAL, UP_SIGNAL
+from gpuwarden.serving.run.spec import HOLDING_LINES, RELEASED_LINE, STOPPING_SIGNAL, UP_SIGNAL
 from gpuwarden.serving.run.supervisor import RUNNING, STOPPED, STOPPING, Program, Supervisor
 from test_drain import drain_config, in_flight
 from test_faults import fake, no_fakes_left, wait_until  # noqa: F401 (fixtures)
@@ -90,6 +90,35 @@ def test_a_proxy_that_ends_instead_of_answering_lets_the_sigterm_go(tmp_path):
     clock.advance(0.1)
     both.tick(clock.now)
     assert proxy.state != RUNNING and engine.state == STOPPING
+
+
+def test_an_answer_the_proxy_takes_back_is_no_answer_until_the_repeated_word_is_answered(tmp_path):
+    """The up word sent just before the stop's can be handled after it (attacker of 41ddf6c: 6 of 20 rounds with
+    the proxy slowed): the proxy answers, then takes it back; the SIGTERM waits for the repeat's answer."""
+    both, engine, proxy, ops, clock = engine_and_proxy(tmp_path)
+    both.stop(clock.now)
+    proxy.on_line(HOLDING_LINES[0])
+    proxy.on_line(RELEASED_LINE)
+    both.tick(clock.now)  # the word's repeat goes out; no SIGTERM yet
+    assert engine.state == RUNNING and [s[2] for s in ops.sent if s[1] == proxy.child.pid][-1] == STOPPING_SIGNAL
+    proxy.on_line(HOLDING_LINES[0])
+    both.tick(clock.now)
+    assert engine.state == STOPPING
+
+
+def test_an_engine_that_ends_while_its_sigterm_waits_is_stopped_not_restarted(tmp_path):
+    """Attacker of 41ddf6c: with the proxy silent, the engine that crashed during the wait was restarted (its backoff,
+    1 s, is shorter than HEAR_S) and a new one loaded in the middle of a stop."""
+    both, engine, proxy, ops, clock = engine_and_proxy(tmp_path)
+    spawned = len(ops.children)
+    both.stop(clock.now)
+    ops.exit[engine.child.pid] = 1
+    ops.groups[engine.child.pgid] = []
+    for _ in range(10):
+        clock.advance(0.5)
+        both.tick(clock.now)
+    assert engine.state == STOPPED and len(ops.children) == spawned
+    assert proxy.state in (STOPPING, STOPPED)  # then the proxy stops after it, as in any stop
 
 
 def test_a_second_stop_does_not_wait_for_the_engine_to_stop_the_proxy(tmp_path):

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import free_port, gpuwarden_cmd
 from gpuwarden.proxy.body import Budget, Refusal
-from gpuwarden.serving.run.spec import HOLDING_LINES
+from gpuwarden.serving.run.spec import HOLDING_LINES, RELEASED_LINE
 from test_proxy import HERE, Process, send
 from test_proxy_limits import closed_by_peer, metric, open_socket
 
@@ -447,7 +447,8 @@ def test_the_words_repeat_settles_two_that_came_together_in_either_order(rig):
 @pytest.mark.parametrize("hold_s, answer", [("60", 0), ("0", 1)])
 def test_the_proxy_answers_a_stops_word_once_with_the_whole_line_the_daemon_waits_for(rig, hold_s, answer):
     """The daemon sends the engine SIGTERM once the proxy said it holds (serving/run/fronts.py): one line per
-    stop, with or without a hold, however often the word comes (a storm of words is no flood of lines)."""
+    stop, with or without a hold, however often the word comes (a storm of words is no flood of lines), and one
+    line that takes it back when told the engine is up."""
     rig.engine()
     proxy = rig.proxy("--hold-s", hold_s)
 
@@ -460,8 +461,14 @@ def test_the_proxy_answers_a_stops_word_once_with_the_whole_line_the_daemon_wait
 
     storm()
     wait_until(lambda: len(said()) == 1, 30, "the answer")
-    proxy.proc.send_signal(signal.SIGUSR2)  # the engine is back: the next stop is answered anew
+    proxy.proc.send_signal(signal.SIGUSR2)  # the engine is back: the answer is taken back, the next stop answered anew
+    wait_until(lambda: lines(proxy, "the planned stop's word ends") == [RELEASED_LINE], 30, "the answer taken back")
     wait_until(lambda: proxy.proc.send_signal(signal.SIGUSR1) or len(said()) == 2, 30, "the next stop's answer")
     storm()
     time.sleep(0.5)  # time for a line too many
     assert said() == [HOLDING_LINES[answer]] * 2, said()
+    proxy.proc.send_signal(signal.SIGUSR2)
+    proxy.proc.send_signal(signal.SIGUSR2)  # the repeat takes back nothing more
+    wait_until(lambda: len(lines(proxy, "the planned stop's word ends")) == 2, 30, "the second taken back")
+    time.sleep(0.5)
+    assert lines(proxy, "the planned stop's word ends") == [RELEASED_LINE] * 2

@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from prometheus_client import Histogram
 
-from ..serving.run.spec import HOLDING_LINES
+from ..serving.run.spec import HOLDING_LINES, RELEASED_LINE
 from .body import Refusal
 
 log = logging.getLogger("gpuwarden.proxy")
@@ -77,7 +77,11 @@ class Hold:
         self._begin(self.planned_since)
 
     def engine_up(self) -> None:
-        """The daemon's word (SIGUSR2) that an engine is healthy: the held requests go to it now."""
+        """The daemon's word (SIGUSR2) that an engine is healthy: the held requests go to it now. A stop's word
+        answered before is taken back in a line (RELEASED_LINE): this word can come just before it and be handled
+        after it, and the daemon then waits for the stop's word repeated (serving/run/fronts.py)."""
+        if self.planned or self._answered_off:
+            log.info("%s", RELEASED_LINE.removeprefix("INFO "))
         self.planned_since, self._answered_off = None, False
         if self.down_since is not None:
             self._end(UP)

@@ -2,10 +2,11 @@
 planned stop (STOPPING_SIGNAL: it drains, its /health still answering while vLLM answers new requests 500, so the
 proxy holds them unsent), and that an engine is healthy (UP_SIGNAL: the proxy sends what it holds).
 
-The engine's SIGTERM waits for the fronts told of its stop to answer (one of HOLDING_LINES in their output) or to
-be gone, HEAR_S at most: a request a front forwards after the SIGTERM meets vLLM 0.32 shutting down, which answers
-it 200 with no tokens (ci47 saw it when both went in one tick and the busy box ran the proxy late). A front whose
-output the daemon does not read (adopted after an upgrade) or that never answers costs a stop HEAR_S.
+The engine's SIGTERM waits for the fronts told of its stop to answer (one of HOLDING_LINES in their output, not
+taken back by RELEASED_LINE since) or to be gone, HEAR_S at most: a request a front forwards after the SIGTERM
+meets vLLM 0.32 shutting down, which answers it 200 with no tokens (ci47 saw it when both went in one tick and the
+busy box ran the proxy late). A front whose output the daemon does not read (adopted after an upgrade) or that never
+answers costs a stop HEAR_S. An engine that ends meanwhile is stopped at once, not restarted (supervisor.py).
 
 Two signals pending at once are handled in no set order (the attacker of issue 40 saw a stop's word overtaken by
 the last word of health in 13 of 60 rounds), so each word goes to each front twice, a tick apart, and the proxy
@@ -52,8 +53,8 @@ class FrontWord:
         if self._until is None:
             return True
         running = {front.name: front for front in fronts if front.state == "RUNNING"}
-        silent = [name for name, (pid, before) in self._asked.items()
-                  if name in running and running[name].child.pid == pid and running[name].output.answers <= before]
+        silent = [name for name, (pid, before) in self._asked.items() if name in running
+                  and running[name].child.pid == pid and not _holds(running[name].output, before)]
         if silent and now < self._until:
             return False
         if silent:
@@ -88,3 +89,9 @@ class FrontWord:
                 self._told[front.name] = (pid, word, times + 1)
                 told.append(front)
         return told
+
+
+def _holds(output, before: int) -> bool:
+    """The front answered since the word (more answers than before), and no word that the engine is up, handled
+    after the stop's, took it back (RELEASED_LINE): the word's repeat a tick later is answered anew."""
+    return output.answers > before and not output.released

@@ -9,7 +9,7 @@ import re
 from collections import deque
 from collections.abc import Callable
 
-from .spec import HOLDING_LINES
+from .spec import HOLDING_LINES, RELEASED_LINE
 
 log = logging.getLogger("gpuwarden")
 
@@ -19,11 +19,15 @@ class ChildOutput:
         self.name, self.level_of = name, level_of
         self.error_lines: deque[str] = deque(maxlen=10)
         self.answers = 0  # whole lines that answer the engine's stop (a front's: serving/run/fronts.py)
+        self.released = False  # the last of those lines, or of RELEASED_LINE, was RELEASED_LINE
         self._last_level = logging.INFO
 
     def on_line(self, line: str) -> None:
         if line in HOLDING_LINES:
+            self.released = False
             self.answers += 1
+        elif line == RELEASED_LINE:
+            self.released = True
         level = self.level_of(line)
         if level is not None:
             self._last_level = level

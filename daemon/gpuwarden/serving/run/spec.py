@@ -53,6 +53,9 @@ STOPPING_SIGNAL, UP_SIGNAL = signal.SIGUSR1, signal.SIGUSR2
 # hold, so the engine's SIGTERM may go (serving/run/fronts.py). Anything else it prints is no answer.
 HOLDING_LINES = ("INFO proxy: the engine stops for a planned restart: holding new requests while it drains",
                  "INFO proxy: the engine stops for a planned restart: no hold (--hold-s 0), requests go on to it")
+# ... and its word that an answer no longer stands: told the engine is up (UP_SIGNAL), which it can handle after
+# a stop's word sent just after it (two signals pending at once come in no set order).
+RELEASED_LINE = "INFO proxy: told the engine is up: the planned stop's word ends"
 
 
 @dataclass(frozen=True)

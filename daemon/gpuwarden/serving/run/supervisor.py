@@ -486,8 +486,11 @@ class Supervisor:
 
     def tick(self, now: float) -> None:
         self._each(lambda p: p.tick(now))
-        if self.word.waiting and self.word.heard(self._fronts(), now):
-            self.main.stop(now)  # the fronts hold new requests (or are gone): the engine's SIGTERM
+        # The engine's SIGTERM once the fronts hold new requests (or are gone); at once if it is no longer RUNNING
+        # (it ended while waiting: no restart in the middle of a stop).
+        if self.word.waiting and (self.main.state != RUNNING or self.word.heard(self._fronts(), now)):
+            self.word.stop_waiting()
+            self.main.stop(now)
         if self._incoming:
             self._swap(now)
         if self._fronts_stop and self.main.stopped:
