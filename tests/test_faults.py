@@ -412,14 +412,17 @@ def test_a_stderr_nobody_reads_does_not_stop_the_loop_or_sigterm(write, tmp_path
     # stderr is a pipe we never read: after 64 KiB every write would block.
     proc = subprocess.Popen(gpuwarden_cmd() + ["run", "-c", str(path), "--sim", "rtx-pro-4000-headless"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=notify.env(0.5))
+    lifelong = CpuWait(proc.pid)
     try:
         time.sleep(4)  # ~80 polls, each logging two GPUs: far more than the pipe holds
         base = f"http://127.0.0.1:{port}"
         began, cpu = time.monotonic(), CpuWait(proc.pid)
         state = status(base)
-        # A loop blocked on a full pipe lags without end and goes stale; a busy box's scheduling adds tenths at most
-        # (0.12 s was seen with CI's four workers beside six other jobs).
-        assert state["loop_lag"]["p99_seconds"] < 0.5 and not state["daemon"]["stale"]
+        # A loop blocked on a full pipe lags without end and goes stale; a busy box's scheduling adds tenths (0.12 s
+        # with CI's four workers beside six other jobs), and a starved one what the daemon waited for a CPU (ci48:
+        # 10.6 s beside a decoding CPU vLLM).
+        lag = state["loop_lag"]["p99_seconds"]
+        assert lag < 0.5 + lifelong.since() and not state["daemon"]["stale"], (lag, lifelong.since())
         time.sleep(1)
         assert_fed(notify, began, time.monotonic(), watchdog_s=0.5, cpu=cpu)
         proc.send_signal(signal.SIGTERM)
