@@ -22,7 +22,7 @@ import pytest
 
 from conftest import ROOT, free_port, gpuwarden_cmd, subprocess_env
 from gpuwarden.gpu.sim.scenario import resolve_scenario
-from run_queue import CpuWait
+from run_queue import CpuWait, cpu_wait_s
 
 pytestmark = pytest.mark.integration
 FAKE = ROOT / "tests" / "fakechild.py"
@@ -171,7 +171,10 @@ def assert_on_schedule(base, seconds):
     last = status(base)
     waited = min(seconds, cpu.since())
     lag = last["loop_lag"]
-    assert lag["p50_seconds"] < 0.25 + waited and lag["max_seconds"] < 4.5 + waited, (lag, waited)
+    # The window of lags reaches back before `first`, to the daemon's start on a young daemon: its worst is excused
+    # by the daemon's CPU wait since its start (ci51: 9.3 s, starved, with 0.13 s since `first`).
+    lifelong = cpu_wait_s(first["daemon"]["pid"])
+    assert lag["p50_seconds"] < 0.25 + waited and lag["max_seconds"] < 4.5 + lifelong, (lag, waited, lifelong)
     expected = (seconds - waited) / POLL
     done = last["sequence"] - first["sequence"]
     assert done >= 0.8 * expected - 1, (f"{done} polls in {seconds} s, expected about {expected:.0f} "
