@@ -49,7 +49,8 @@ class FrontWord:
         return bool(told)
 
     def heard(self, fronts: Iterable, now: float) -> bool:
-        """Whether the engine's SIGTERM may go now: every front told has answered or is gone, or HEAR_S passed."""
+        """Whether the engine's SIGTERM may go now: every front told has answered or is gone, or HEAR_S passed (the
+        caller then ends the wait: stop_waiting)."""
         if self._until is None:
             return True
         running = {front.name: front for front in fronts if front.state == "RUNNING"}
@@ -60,7 +61,6 @@ class FrontWord:
         if silent:
             log.warning("%s did not say within %g s that it holds new requests: the engine stops anyway",
                         " and ".join(silent), HEAR_S)
-        self._until = None
         return True
 
     def stop_waiting(self) -> None:
