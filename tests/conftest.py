@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from budget import Budget, tag
-from workers import make_scheduler, spread
+from harness import tiers
+from harness.budget import Budget, tag
+from harness.workers import make_scheduler, spread
 
 # A test run started in the background of a non-interactive shell (`cmd &`, as a CI runner or a script may) has
 # SIGINT ignored, and every child inherits the ignore across exec: bench and tune then never see the Ctrl-C the
@@ -52,9 +53,32 @@ def cpu_report() -> str:
 BUDGET = Budget()
 
 
+def pytest_configure(config):
+    tiers.configure(config)
+
+
 def pytest_collection_modifyitems(items):
+    tiers.collection_modifyitems(items)
     tag(items)
     spread(items)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef):
+    yield from tiers.fixture_setup(fixturedef)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item):
+    yield from tiers.runtest_protocol(item)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    tiers.note_failure(item, call, report)
+    tiers.makereport(item, call, report)
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: only called where xdist runs the tests

@@ -18,7 +18,7 @@ from conftest import subprocess_env
 from gpuwarden.serving.run import handover
 from test_faults import fake, fault_config, no_fakes_left, status, wait_until  # noqa: F401 (fixtures)
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.process
 
 
 def engine_of(base):

@@ -121,7 +121,7 @@ def bench(write, tmp_path):
     return run
 
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.process
 
 
 def test_a_two_step_sweep_reports_every_field_and_counts_what_the_server_counted(server, bench, tmp_path):

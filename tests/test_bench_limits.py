@@ -12,7 +12,7 @@ from conftest import free_port, gpuwarden_cmd, subprocess_env
 from gpuwarden.config import DEFAULT_PATH
 from test_bench import server  # noqa: F401 (the fixture)
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.process
 
 MiB = 1 << 20
 # Runs its command and prints the peak RSS of it (its only child), in KiB.

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import ROOT, subprocess_env
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.process
 
 
 @pytest.mark.parametrize("script,expect", [

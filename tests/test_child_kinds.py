@@ -11,7 +11,7 @@ import pytest
 from conftest import free_port, subprocess_env
 from test_faults import fake, fault_config  # noqa: F401 (fixtures)
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.process
 
 TOY_KIND = Path(__file__).resolve().parent / "toy_kind.py"
 

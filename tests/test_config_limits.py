@@ -15,7 +15,7 @@ from conftest import gpuwarden_cmd, subprocess_env
 from gpuwarden import config
 from gpuwarden.base.yamlfile import ConfigError
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.process
 
 
 def bomb(levels):

@@ -18,7 +18,7 @@ from conftest import DEFAULT_CONFIG, free_port, gpuwarden_cmd, subprocess_env
 from gpuwarden.base.systemd import JournalFormatter, stderr_is_journal
 from run_queue import CpuWait
 
-pytestmark = pytest.mark.integration  # real daemon processes: seconds each
+pytestmark = pytest.mark.process  # real daemon processes: seconds each
 
 
 def write_config(write, text="", name="gpuwarden.yaml"):

@@ -247,7 +247,7 @@ def in_flight(base, count):
     wait_until(lambda: f'gpuwarden_serving_requests_running{{engine="vllm"}} {count:.1f}' in metrics(base), 15)
 
 
-@pytest.mark.integration
+@pytest.mark.process
 def test_a_reload_that_restarts_the_engine_drains_it_and_its_requests_finish(write, fake, daemons, no_fakes_left):
     path, base, port = drain_config(write, fake, "drain", 10)
     d = daemons(path)
@@ -269,7 +269,7 @@ def test_a_reload_that_restarts_the_engine_drains_it_and_its_requests_finish(wri
     assert d.stop() == 0
 
 
-@pytest.mark.integration
+@pytest.mark.process
 def test_a_stop_whose_drain_never_ends_is_killed_at_drain_s_plus_the_margin(write, fake, daemons, tmp_path,
                                                                             no_fakes_left):
     path, base, port = drain_config(write, fake, "stuck-drain", 2)
@@ -294,7 +294,7 @@ def test_a_stop_whose_drain_never_ends_is_killed_at_drain_s_plus_the_margin(writ
     assert f"EXTEND_TIMEOUT_USEC={int((2 + DRAIN_MARGIN_S + 30) * 1e6)}" in messages
 
 
-@pytest.mark.integration
+@pytest.mark.process
 def test_drain_s_0_keeps_the_abort_of_before(write, fake, daemons, no_fakes_left):
     path, base, port = drain_config(write, fake, "drain", 0)
     d = daemons(path)

@@ -255,7 +255,7 @@ def test_sglang_metrics_carry_the_engine_label_and_no_vllm_names():
     assert info.labels["version"] == "0.5.23"
 
 
-@pytest.mark.integration
+@pytest.mark.process
 @pytest.mark.vllm
 def test_sglang_flag_check_runs_sglangs_own_parser(vllm_python, child_user, write, cli):
     """SGLang's ServerArgs parser, in the interpreter that holds it (the vLLM venv, where tests/vllm/install
@@ -271,7 +271,7 @@ def test_sglang_flag_check_runs_sglangs_own_parser(vllm_python, child_user, writ
     assert status == 78 and "SGLang rejects the flags: ambiguous option: --cuda-graph-max-bs" in err
 
 
-@pytest.mark.integration
+@pytest.mark.process
 def test_the_daemon_serves_with_sglang_as_a_real_child_and_exports_its_counters(write, daemons, fake, no_fakes_left):
     """The whole path with a real process speaking as SGLang (tests/fakechild.py --mode sglang, which exits 2
     without --model-path and --enable-metrics, as SGLang's parser would): the daemon builds SGLang's argv,

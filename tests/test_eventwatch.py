@@ -150,7 +150,7 @@ def test_app_xids_name_the_processes_on_that_gpu(caplog):
     assert "processes on it: pid 1 (" in caplog.records[-1].getMessage()
 
 
-@pytest.mark.integration
+@pytest.mark.process
 def test_an_xid_is_logged_when_it_happens_not_at_the_next_poll(write, daemons):
     """A real daemon on the simulator, polling every 5 s: the Xid at 2 s is in the journal about then."""
     scenario = write("xid.yaml", resolve_scenario("lock-lost").read_text().split("timeline:")[0] + "timeline:\n  - {at_s: 0, event: load, utilization_pct: 60}\n"

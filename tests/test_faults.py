@@ -24,7 +24,7 @@ from conftest import ROOT, free_port, gpuwarden_cmd, subprocess_env
 from gpuwarden.gpu.sim.scenario import resolve_scenario
 from run_queue import CpuWait, cpu_wait_s
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.process
 FAKE = ROOT / "tests" / "fakechild.py"
 FLAGCHECK = ROOT / "tests" / "fakechild-flagcheck"
 POLL = 0.25

@@ -48,7 +48,7 @@ def shipped_alerts():
     return {r["alert"]: r for g in rules["groups"] for r in g["rules"] if "alert" in r}
 
 
-@pytest.mark.integration
+@pytest.mark.process
 def test_amtool_checks_the_config_and_routes_every_shipped_alert_by_its_severity():
     amtool = tool("amtool", "prometheus-alertmanager")
     check = subprocess.run([amtool, "check-config", str(ALERTMANAGER)], capture_output=True, text=True, timeout=60)
@@ -132,7 +132,7 @@ def inhibited_pairs():
     return pairs
 
 
-@pytest.mark.integration
+@pytest.mark.process
 @pytest.mark.fleet
 def test_alertmanager_mutes_every_pair_the_inhibit_rules_name(tmp_path):
     """Each pair of the explanation table (docs/fleet.md, "What it mutes"), through Debian's Alertmanager with the
@@ -570,7 +570,7 @@ def fleet_figures(base):
     return figures
 
 
-@pytest.mark.integration
+@pytest.mark.process
 @pytest.mark.fleet
 def test_a_fleet_of_sixteen_daemons_notifies_once_per_host_and_cause(tmp_path, daemons, engines, child_user):
     webhook = Webhook()

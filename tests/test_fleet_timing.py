@@ -23,7 +23,7 @@ from conftest import free_port, subprocess_env
 from test_fleet import (ALERTMANAGER, LOAD, PAGE, PRO4000, RULES, TICKET, Webhook, am_alerts, key,
                         scenario, start_servers, wait)
 
-pytestmark = [pytest.mark.integration, pytest.mark.fleet]
+pytestmark = [pytest.mark.process, pytest.mark.fleet]
 SCRAPE_S = 5
 
 

@@ -19,7 +19,7 @@ from gpuwarden.serving.run import handover
 from test_adoption import env_with_state, running_pid
 from test_faults import fake, fault_config, no_fakes_left, status, wait_until  # noqa: F401 (fixtures)
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.process
 
 KEY_ON_COMMAND_LINE = "serve:\n  args: [--api-key, x]\n"  # lint api-key-on-command-line, an error
 

@@ -16,7 +16,7 @@ from gpuwarden.serving.run import handover
 from test_adoption import env_with_state, running_pid
 from test_faults import FLAGCHECK, fake, fault_config, no_fakes_left  # noqa: F401 (fixtures)
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.process
 
 
 def installed_vllm(site: Path, version: str) -> None:

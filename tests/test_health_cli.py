@@ -16,7 +16,7 @@ import pytest
 from conftest import free_port, gpuwarden_cmd, subprocess_env
 from gpuwarden.watch.health_record import HealthRecord
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.process
 
 
 class Host:

@@ -18,7 +18,7 @@ from gpuwarden.serving.run import handover
 from test_adoption import env_with_state, running_pid
 from test_faults import POLL, fake, fault_config, no_fakes_left, wait_until  # noqa: F401 (fixtures)
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.process
 
 
 def start_recordable(argv, **kwargs):

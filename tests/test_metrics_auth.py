@@ -210,7 +210,7 @@ def test_a_carry_for_other_users_or_with_bad_content_is_ignored_with_one_line(ca
         os.close(write)
 
 
-@pytest.mark.integration
+@pytest.mark.process
 def test_a_remembered_scraper_is_let_in_through_a_crowd_after_a_handover(write, tmp_path, daemons):
     path, base, context = secure(write, tmp_path, rounds=ROUNDS)
     port = int(base.rsplit(":", 1)[1])

@@ -21,7 +21,7 @@ import pytest
 from conftest import DaemonProcess, free_port, gpuwarden_cmd, subprocess_env
 from test_faults import FLAGCHECK, fake, fault_config, no_fakes_left  # noqa: F401 (fixtures)
 
-pytestmark = pytest.mark.integration  # real daemon processes: seconds each
+pytestmark = pytest.mark.process  # real daemon processes: seconds each
 
 O_CLOEXEC = 0o2000000  # as /proc/PID/fdinfo shows the flags (octal)
 SQUATTER = """

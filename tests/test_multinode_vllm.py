@@ -27,7 +27,7 @@ import pytest
 from conftest import CPU_TINY_PROFILE, ROOT, free_port, subprocess_env
 from test_vllm_e2e import group_alive
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+pytestmark = [pytest.mark.process, pytest.mark.vllm]
 
 HEAD, WORKER = "127.0.0.2", "127.0.0.3"
 LATE_S = 30  # the worker's daemon starts this long after the head waits for it in its rendezvous

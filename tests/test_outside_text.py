@@ -105,7 +105,7 @@ def raw_request(port, head: bytes) -> bytes:
 
 
 # -- the proxy: request paths ---------------------------------------------------------------------------------
-@pytest.mark.integration
+@pytest.mark.process
 def test_a_forged_path_reaches_the_proxys_log_escaped_on_one_line_in_the_413_502_and_client_gone_lines(processes):
     up_port, proxy_port = free_port(), free_port()
     upstream = processes([sys.executable, str(HERE / "fake_upstream.py"), "--port", str(up_port),
@@ -145,7 +145,7 @@ def test_a_forged_path_reaches_the_proxys_log_escaped_on_one_line_in_the_413_502
 
 
 # -- the daemon: its children's output, its records, STATUS= ----------------------------------------------------
-@pytest.mark.integration
+@pytest.mark.process
 def test_an_engines_control_characters_reach_the_daemons_log_escaped_on_one_line(processes, write, fake):
     path, base, _ = fault_config(write, fake, "healthy,controls")
     daemon = processes([*gpuwarden_cmd(), "run", "-c", str(path)],
@@ -272,7 +272,7 @@ def test_status_of_the_wrong_shape_is_one_line(answers, cli, write):
     assert code != 0 and len(err.splitlines()) == 1 and "not shaped as" in err, (code, out, err)
 
 
-@pytest.mark.integration
+@pytest.mark.process
 def test_bench_prints_a_servers_error_text_escaped(answers, tmp_path, write):
     hostile = "\x1b]52;c;Zm9yZ2Vk\x07\x1b[2J\rcleared"
     error = json.dumps({"error": {"message": hostile}}).encode()

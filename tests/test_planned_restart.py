@@ -251,7 +251,7 @@ def with_proxy(write, fake, drain_s=10, hold_s=60):
     return path, base, port, proxy_port
 
 
-@pytest.mark.integration
+@pytest.mark.process
 def test_a_reload_that_restarts_the_engine_fails_no_request_through_the_proxy(write, fake, daemons, proxy_daemon,
                                                                               no_fakes_left):
     """Requests in flight finish on the draining engine; those that come meanwhile are held at the proxy (never sent
@@ -292,7 +292,7 @@ def test_a_reload_that_restarts_the_engine_fails_no_request_through_the_proxy(wr
     assert d.stop() == 0
 
 
-@pytest.mark.integration
+@pytest.mark.process
 def test_a_stop_lets_a_request_through_the_proxy_finish_and_refuses_the_held_with_503(write, fake, daemons,
                                                                                        proxy_daemon, no_fakes_left):
     """systemctl stop: the request in flight finishes through the proxy, which stops after the engine; a request

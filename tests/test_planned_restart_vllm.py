@@ -11,7 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "vllm"))
 from restart_rig import Rig, table  # noqa: E402
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+pytestmark = [pytest.mark.process, pytest.mark.vllm]
 # Lighter than the benchmark's flat-out clients: CI runs other engines beside this one on two cores (a flat-out mix
 # took a core and a half for eight minutes and slowed every test beside it).
 LIGHT = {"long_tokens": 400, "pause_s": 0.3}

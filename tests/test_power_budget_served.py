@@ -61,7 +61,7 @@ def test_only_the_named_card_is_busy(tmp_path, monkeypatch):
 
 # -- the done-when, through real processes ---------------------------------------------------------------------
 
-@pytest.mark.integration
+@pytest.mark.process
 def test_budget_serves_the_busy_card_faster_than_a_static_split(tmp_path):
     """The daemon (gpuwarden run) on rtx-pro-6000-server-x2 with an 800 W budget, then with 400 W on both cards;
     the fake server on GPU 0 alone, a prefill-heavy workload for 4 s each. The fake server's speed is modelled (it

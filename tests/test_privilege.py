@@ -18,7 +18,7 @@ import pytest
 
 from conftest import free_port, gpuwarden_cmd, subprocess_env, users_locked
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.process
 SECRET = "sk-planted-0123456789"
 
 RECORD = '''

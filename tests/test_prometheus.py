@@ -21,7 +21,7 @@ from conftest import CPU_TINY_PROFILE, ROOT, VLLM_START_S, free_port, gpuwarden_
 from gpuwarden.gpu.sim.scenario import resolve_scenario
 from run_queue import CpuWait
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+pytestmark = [pytest.mark.process, pytest.mark.vllm]
 RULES = ROOT / "etc" / "prometheus" / "gpuwarden-rules.yml"
 DASHBOARD = ROOT / "etc" / "grafana" / "gpuwarden-dashboard.json"
 RULE_TESTS = ROOT / "tests" / "prometheus" / "gpuwarden-rules.test.yml"

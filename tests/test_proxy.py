@@ -209,7 +209,7 @@ def last_upstream(upstream):
     return base64.b64decode(last["body"]), dict(last["headers"])
 
 
-@pytest.mark.integration
+@pytest.mark.process
 def test_a_request_without_busters_reaches_the_engine_byte_for_byte(rig):
     upstream, proxy = rig()
     raw = b'{ "model":"tiny",\n  "messages": [{"role":"user","content":"caf\\u00e9 \xe2\x82\xac"}], "max_tokens" : 5}'
@@ -227,7 +227,7 @@ def test_a_request_without_busters_reaches_the_engine_byte_for_byte(rig):
         assert upstream.get_json("/debug/last")["path"] == path
 
 
-@pytest.mark.integration
+@pytest.mark.process
 def test_the_rules_change_what_reaches_the_engine_and_are_counted(rig):
     upstream, proxy = rig("--rules", "billing_header,cache_control,sort_tools,date_line")
     body = claude_code_request(2, TOOLS[::-1])
@@ -246,7 +246,7 @@ def test_the_rules_change_what_reaches_the_engine_and_are_counted(rig):
     assert "gpuwarden_proxy_upstream_up 1.0" in metrics
 
 
-@pytest.mark.integration
+@pytest.mark.process
 def test_streams_pass_chunk_by_chunk_with_tool_call_deltas(rig):
     upstream, proxy = rig(chunk_delay=0.3)
     direct = send(upstream.port, "POST", "/v1/chat/completions", b'{"stream": true}')[1]
@@ -264,7 +264,7 @@ def test_streams_pass_chunk_by_chunk_with_tool_call_deltas(rig):
     assert b'"tool_calls"' in rest
 
 
-@pytest.mark.integration
+@pytest.mark.process
 def test_bad_bodies_get_their_status_and_one_log_line_per_kind(rig):
     upstream, proxy = rig("--max-body-bytes", "100000")
     before = upstream.get_json("/debug/open")["requests"]
@@ -288,7 +288,7 @@ def test_bad_bodies_get_their_status_and_one_log_line_per_kind(rig):
     assert reply.status == 200 and json.loads(data)["data"][0]["id"] == "tiny"
 
 
-@pytest.mark.integration
+@pytest.mark.process
 def test_upstream_down_is_502_and_health_still_answers(rig):
     upstream, proxy = rig("--hold-s", "0")  # no hold (test_proxy_hold.py holds)
     upstream.stop()
@@ -298,7 +298,7 @@ def test_upstream_down_is_502_and_health_still_answers(rig):
     assert reply.status == 200
 
 
-@pytest.mark.integration
+@pytest.mark.process
 def test_a_client_that_leaves_mid_stream_ends_the_upstream_stream(rig):
     upstream, proxy = rig(chunk_delay=0.02)
     sock = socket.create_connection(("127.0.0.1", proxy.port))
@@ -317,7 +317,7 @@ def test_a_client_that_leaves_mid_stream_ends_the_upstream_stream(rig):
     assert send(proxy.port, "GET", "/health")[0].status == 200
 
 
-@pytest.mark.integration
+@pytest.mark.process
 def test_dumps_are_private_bounded_and_diffable(rig, tmp_path):
     dumps = tmp_path / "dumps"
     upstream, proxy = rig("--dump-dir", str(dumps), "--dump-keep", "3", "--rules", "none")
@@ -393,7 +393,7 @@ def test_a_proxy_only_change_restarts_the_proxy_and_leaves_the_engine(tmp_path):
     assert list(both.programs) == [engine.name]
 
 
-@pytest.mark.integration
+@pytest.mark.process
 def test_big_bodies_and_odd_text_are_normalized_intact(rig, tmp_path):
     upstream, proxy = rig("--dump-dir", str(tmp_path / "d"))
     body = claude_code_request(1, TOOLS[::-1])
@@ -409,7 +409,7 @@ def test_big_bodies_and_odd_text_are_normalized_intact(rig, tmp_path):
     assert len(list((tmp_path / "d").glob("*/*.json"))) == 1
 
 
-@pytest.mark.integration
+@pytest.mark.process
 def test_an_upstream_that_dies_mid_stream_cuts_the_clients_stream(rig):
     upstream, proxy = rig(chunk_delay=0.02)
     conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=10)

@@ -18,7 +18,7 @@ from gpuwarden.serving.run.spec import HOLDING_LINES, RELEASED_LINE
 from test_proxy import HERE, Process, send
 from test_proxy_limits import closed_by_peer, metric, open_socket
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.process
 CHAT = "/v1/chat/completions"
 
 

@@ -74,7 +74,7 @@ def test_limits_out_of_range_are_one_line_each(cli):
         assert status == 78 and err.count("\n") == 1 and "--client-timeout 0.1 to 3600 s" in err, err
 
 
-@pytest.mark.integration
+@pytest.mark.process
 def test_a_crowd_of_half_sent_bodies_past_the_fd_limit_leaves_the_proxy_serving(rig):
     """More half-sent bodies than the proxy has descriptors: each new connection pushes out the oldest waiting
     one, so requests that arrive whole are served, and the log holds a line or two, not a traceback each."""
@@ -104,7 +104,7 @@ def test_a_crowd_of_half_sent_bodies_past_the_fd_limit_leaves_the_proxy_serving(
     assert len(proxy.lines) <= 8, proxy.lines  # the start lines and one per kind of fault
 
 
-@pytest.mark.integration
+@pytest.mark.process
 def test_past_the_cap_with_every_connection_served_a_new_one_gets_a_503(rig):
     upstream, proxy = rig(nofile=100, chunk_delay=0.02)  # the smallest cap: 8
     streams = []
@@ -125,7 +125,7 @@ def test_past_the_cap_with_every_connection_served_a_new_one_gets_a_503(rig):
     assert metric(proxy, 'gpuwarden_proxy_failures_total{reason="too_many_connections"}') == 1
 
 
-@pytest.mark.integration
+@pytest.mark.process
 def test_slow_headers_slow_bodies_and_idle_connections_are_closed_a_steady_body_is_not(rig):
     upstream, proxy = rig("--client-timeout", "1")
     silent = open_socket(proxy.port)
@@ -161,7 +161,7 @@ def flood_head(proxy, before: bytes) -> None:
     sock.close()
 
 
-@pytest.mark.integration
+@pytest.mark.process
 def test_headers_past_64_kib_close_the_connection(rig):
     """aiohttp alone takes 128 header lines of 8 KiB each (32,768 lines in 3.8): 380 such connections held 500 MB."""
     upstream, proxy = rig()
@@ -171,7 +171,7 @@ def test_headers_past_64_kib_close_the_connection(rig):
     assert send(proxy.port, "POST", "/v1/completions", b"{}", headers)[0].status == 200
 
 
-@pytest.mark.integration
+@pytest.mark.process
 def test_a_flood_of_malformed_requests_is_one_line_a_minute(rig):
     upstream, proxy = rig()
     for _ in range(300):
@@ -255,7 +255,7 @@ def test_the_budget_refuses_what_does_not_fit_and_gives_back_what_was_held():
     assert budget.used == 0
 
 
-@pytest.mark.integration
+@pytest.mark.process
 def test_a_body_that_would_parse_too_big_is_refused_before_it_is_parsed(rig):
     """8 MB of `[{},{},...]` parses to over 200 MB in CPython: refused from its bytes alone."""
     upstream, proxy = rig("--max-body-bytes", str(8 << 20))
@@ -268,7 +268,7 @@ def test_a_body_that_would_parse_too_big_is_refused_before_it_is_parsed(rig):
     assert upstream.get_json("/debug/open")["requests"] == 0
 
 
-@pytest.mark.integration
+@pytest.mark.process
 def test_bodies_past_the_budget_get_503_with_retry_after_and_the_rest_are_served(rig):
     upstream, proxy = rig("--max-body-bytes", str(1 << 20))  # a budget of 12 MiB
     head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (1 << 20)
@@ -300,7 +300,7 @@ def test_session_ids_become_safe_folder_names():
     assert session_of({}, "openai", "::1").startswith("openai-_1-")
 
 
-@pytest.mark.integration
+@pytest.mark.process
 def test_dumps_stay_within_their_bytes_across_a_restart_and_inside_the_directory(rig, tmp_path):
     dumps = tmp_path / "dumps"
     dumps.mkdir()
@@ -329,7 +329,7 @@ def test_dumps_stay_within_their_bytes_across_a_restart_and_inside_the_directory
 
 # -- 5. header and body fidelity -----------------------------------------------------------------------------
 
-@pytest.mark.integration
+@pytest.mark.process
 def test_compressed_bodies_reach_the_engine_decoded_on_normalized_paths_and_untouched_elsewhere(rig):
     upstream, proxy = rig("--max-body-bytes", str(1 << 20))
     raw = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}'
@@ -353,7 +353,7 @@ def test_compressed_bodies_reach_the_engine_decoded_on_normalized_paths_and_unto
     assert reply.status == 415
 
 
-@pytest.mark.integration
+@pytest.mark.process
 def test_headers_the_connection_header_names_are_not_passed_on(rig):
     upstream, proxy = rig()
     reply, _ = send(proxy.port, "POST", "/v1/completions", b"{}",
@@ -365,7 +365,7 @@ def test_headers_the_connection_header_names_are_not_passed_on(rig):
     assert reply.getheader("X-Engine") == "fake" and reply.getheader("X-Up-Hop") is None
 
 
-@pytest.mark.integration
+@pytest.mark.process
 def test_numbers_out_of_range_are_refused_not_sent_as_infinity(rig):
     upstream, proxy = rig()
     body = json.dumps(claude_code_request(1))[:-1] + ', "temperature": 1e999999}'
@@ -403,7 +403,7 @@ def stream_request(chunks) -> bytes:
     return b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
 
 
-@pytest.mark.integration
+@pytest.mark.process
 def test_requests_pipelined_behind_one_being_served_wait_past_one_head(rig):
     """aiohttp parses and queues up to 32 pipelined requests of 1 MB heads behind one being served: 20 such
     connections took the proxy from 44 MB to 1.24 GB. Past 64 KiB the proxy stops reading until it has answered;
@@ -435,7 +435,7 @@ def test_requests_pipelined_behind_one_being_served_wait_past_one_head(rig):
     sock.close()
 
 
-@pytest.mark.integration
+@pytest.mark.process
 def test_blank_lines_before_a_request_do_not_end_its_head(rig):
     """aiohttp skips blank lines before a request line: "\\r\\n\\r\\n" first must not read as the head's end."""
     upstream, proxy = rig()
@@ -464,7 +464,7 @@ web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None, shutdown_t
 """
 
 
-@pytest.mark.integration
+@pytest.mark.process
 def test_a_body_gives_its_budget_back_once_the_engine_has_it():
     """The budget was held until the engine's response headers: three bodies an engine took its time to answer
     held the whole budget, and every new request got 503."""
@@ -499,7 +499,7 @@ def test_a_body_gives_its_budget_back_once_the_engine_has_it():
             p.stop()
 
 
-@pytest.mark.integration
+@pytest.mark.process
 def test_a_client_that_does_not_read_its_response_is_closed_and_the_engine_stops(rig):
     upstream, proxy = rig("--client-timeout", "1", chunk_delay=0)
     sock = socket.socket()
@@ -543,7 +543,7 @@ def test_a_rule_that_fails_sends_the_body_unchanged_and_its_dump_is_not_left_beh
     assert not list((tmp_path / "d").glob("*/*")) and dumper._bytes == 0
 
 
-@pytest.mark.integration
+@pytest.mark.process
 def test_a_body_of_the_wrong_shape_goes_through_and_its_dump_is_counted(rig, tmp_path):
     upstream, proxy = rig("--dump-dir", str(tmp_path / "d"), "--dump-max-bytes", str(1 << 20))
     raw = json.dumps({"model": "m", "messages": 5, "pad": "x" * (300 << 10)}).encode()

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent / "vllm"))
 import agent_session  # noqa: E402
 from proxy_rig import Rig  # noqa: E402
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+pytestmark = [pytest.mark.process, pytest.mark.vllm]
 TURNS = 24
 
 

@@ -335,7 +335,7 @@ def slow_request(port, seconds):
     return thread, outcome
 
 
-@pytest.mark.integration
+@pytest.mark.process
 def test_the_engine_drains_waits_for_the_reset_and_comes_back_with_the_known_answer(write, fake, daemons, tmp_path,
                                                                                     no_fakes_left):
     path, base, port, answer, channel = recovery_config(write, fake, tmp_path, "  drain_before_stop: true\n"
@@ -363,7 +363,7 @@ def test_the_engine_drains_waits_for_the_reset_and_comes_back_with_the_known_ans
     assert d.stop() == 0
 
 
-@pytest.mark.integration
+@pytest.mark.process
 def test_a_known_answer_that_differs_after_the_recovery_keeps_the_engine_stopped(write, fake, daemons, tmp_path,
                                                                                  no_fakes_left):
     path, base, port, answer, channel = recovery_config(write, fake, tmp_path, "  known_answer: true\n")

@@ -15,7 +15,7 @@ from conftest import VLLM_START_S, DaemonProcess, free_port, serving_config, sub
 from gpuwarden.gpu.sim import power
 from gpuwarden.gpu.sim.scenario import resolve_scenario
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+pytestmark = [pytest.mark.process, pytest.mark.vllm]
 # simulated seconds: the driver asks for a reset; the GPU is reset (1 s off the bus), after the drain of TOKENS
 FAULT_AT, RESET_AT = 1000, 1040
 TOKENS = 4000  # the request in flight at the fault (10-24 s of the tiny model's decode): it must finish whole

@@ -23,7 +23,7 @@ from test_faults import (  # noqa: F401 (fixtures)
 )
 from test_reload_version import venv  # noqa: F401 (fixture)
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.process
 
 UNIT_CAPS = ["setpriv", "--bounding-set", "-all,+sys_admin,+setuid,+setgid,+kill", "--no-new-privs"]
 

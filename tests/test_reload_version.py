@@ -19,7 +19,7 @@ from gpuwarden.serving.run.processes import ProcessOps
 from test_faults import fake, no_fakes_left  # noqa: F401 (fixtures)
 from test_faults import FLAGCHECK, assert_on_schedule, fault_config, metrics, own_log, status, wait_until
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.process
 
 # The engine's interpreter. For the installed-versions probe: Debian's python3 with site/ first on its path (SLOW
 # seconds late, ANSWER replaced by a failure where asked); for the flag check: an answer that accepts every flag.

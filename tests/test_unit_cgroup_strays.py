@@ -22,7 +22,7 @@ from gpuwarden.serving.run import handover
 from test_adoption import env_with_state, running_pid
 from test_faults import fake, fakes_alive, fault_config, no_fakes_left, wait_until  # noqa: F401 (fixtures)
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.process
 
 UNIT_CAPS = ["setpriv", "--bounding-set", "-all,+sys_admin,+setuid,+setgid,+kill", "--no-new-privs"]
 

@@ -18,7 +18,7 @@ import pytest
 
 from conftest import VLLM_START_S, free_port, gpuwarden_cmd, serving_config, subprocess_env
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+pytestmark = [pytest.mark.process, pytest.mark.vllm]
 
 
 def group_alive(pgid):

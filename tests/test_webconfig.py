@@ -16,7 +16,7 @@ from conftest import ROOT, free_port, gpuwarden_cmd, subprocess_env
 from gpuwarden.base.webconfig import basic_auth_header
 from test_metrics_server import scrape, trickle
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.process
 GOOD = ("prometheus", "s3cret")
 
 
