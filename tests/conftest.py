@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import tiers
+from harness import engines, tiers
 from harness.budget import Budget, tag
 from harness.workers import make_scheduler, spread
 
@@ -59,7 +59,7 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(items):
     tiers.collection_modifyitems(items)
-    tag(items)
+    tag(items, tiers.tier_of)
     spread(items)
 
 
@@ -90,13 +90,24 @@ def pytest_runtest_logreport(report):
     BUDGET.add(report)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session):
+    """The real tier past its budget fails the run (tests/harness/budget.py)."""
+    if BUDGET.over_budget() and session.exitstatus == 0:
+        session.exitstatus = 1
+
+
 def pytest_terminal_summary(terminalreporter):
-    """The seconds per test file by the real part it needs (tests/budget.py); and when a real-vLLM test failed,
-    which CPU it ran on."""
+    """The seconds per tier and test file, the real engines started, the real tier's budget
+    (tests/harness/budget.py); and when a real-vLLM test failed, which CPU it ran on."""
     if lines := BUDGET.lines():
-        terminalreporter.section("time per test file, by the real part it needs")
+        terminalreporter.section("time per tier and test file, and the real engines started")
         for line in lines:
             terminalreporter.write_line(line)
+    if over := BUDGET.over_budget():
+        terminalreporter.section("the real tier is over its budget")
+        for line in over:
+            terminalreporter.write_line(line, red=True)
     _cpu_when_vllm_failed(terminalreporter)
 
 
@@ -181,19 +192,24 @@ class DaemonProcess:
     def _read(self):
         for line in self.proc.stdout:
             self.lines.append(line.rstrip("\n"))
+            engines.seen(line)
 
     def wait_for(self, text: str | tuple[str, ...], timeout: float = 120.0, after: int = 0) -> str:
         """The first log line from index `after` on that contains text. It returns as soon as the line comes and
-        fails as soon as the daemon ends, so the timeout only bounds a daemon that hangs: a busy box took over 30 s
-        to reach a vLLM start (the engine's flag check imports vLLM)."""
+        fails as soon as the daemon ends, so the timeout only bounds a daemon that hangs."""
+        return self.lines[self.wait_index(text, timeout, after)]
+
+    def wait_index(self, text: str | tuple[str, ...], timeout: float = 120.0, after: int = 0) -> int:
+        """The index of that line in the log: lines one poll logs together keep the order the daemon decided in,
+        which a clock cannot tell apart."""
         import time
 
         texts = (text,) if isinstance(text, str) else text  # a tuple: the first line with any of them
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            for line in self.lines[after:]:
-                if any(t in line for t in texts):
-                    return line
+            for index in range(after, len(self.lines)):
+                if any(t in self.lines[index] for t in texts):
+                    return index
             if self.proc.poll() is not None and not self._reader.is_alive():
                 break
             time.sleep(0.05)

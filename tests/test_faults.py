@@ -482,6 +482,10 @@ def test_idle_connections_are_capped_and_the_daemon_keeps_serving(write, daemons
 
 
 def test_after_sigstop_the_stalled_time_does_not_count_toward_for_s(write, daemons):
+    """A wall-clock test on purpose: a real SIGSTOP of the daemon's process, which no driven clock can stand in
+    for (test_monitor.py proves the rule itself on the simulator's clock). Its bound is a lower one: the alert
+    fires no sooner than for_s after SIGCONT. A busy box can only make that later; the wait for the line bounds
+    a hang, not a speed."""
     # The GPUs turn busy at t=3 s while the daemon is stopped; at 180 MHz that is sm_clock_low (read-only).
     scenario = write("scenario.yaml", resolve_scenario("rtx-pro-4000-headless").read_text().replace(
         "  - {at_s: 0, event: load, utilization_pct: 60, memory_used_pct: 85}   # vLLM already serving",
@@ -496,7 +500,7 @@ def test_after_sigstop_the_stalled_time_does_not_count_toward_for_s(write, daemo
     time.sleep(6)
     d.proc.send_signal(signal.SIGCONT)
     resumed = time.monotonic()
-    d.wait_for("sm_clock_low firing", timeout=10)
+    d.wait_for("sm_clock_low firing", timeout=120)
     fired = time.monotonic()
     assert fired - resumed >= 2 - 0.2, f"fired {fired - resumed:.2f} s after SIGCONT: the stall counted toward for_s"
     assert d.stop() == 0

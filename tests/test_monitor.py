@@ -230,6 +230,28 @@ def test_no_flapping_around_the_threshold(write):
     assert play(monitor, clock, 30, step=0.25) == []
 
 
+def test_after_a_stall_the_stalled_time_does_not_count_toward_for_s(write):
+    """The GPUs turn busy at t=0.5, so sm_clock_low is pending when the daemon stops (SIGSTOP, a frozen host) from
+    t=1 to t=7: one reading after the stall cannot show that the condition held for for_s, so the alert fires
+    for_s after the resume, not at once. On the clock the test drives (tests/test_faults.py has the same with a
+    real SIGSTOP)."""
+    text = resolve_scenario("rtx-pro-4000-headless").read_text().replace(
+        "  - {at_s: 0, event: load, utilization_pct: 60, memory_used_pct: 85}   # vLLM already serving",
+        "  - {at_s: 0.5, event: load, utilization_pct: 60, memory_used_pct: 85}")
+    settings = "poll_interval_s: 0.5\nalerts:\n  for_s: 2\ntuning:\n  apply: false\n"
+
+    def fired(events):
+        return sorted({t for t, _, alert, phase in events if alert == "sm_clock_low" and phase == "firing"})
+
+    monitor, clock = monitor_for(write("late-load.yaml", text), settings)
+    assert play(monitor, clock, 1.0) == []
+    assert {s.phase for k, s in monitor.states.items() if k[0] == "sm_clock_low"} == {"pending"}
+    clock.advance(6.0)  # no poll from t=1.0 to t=7.0
+    after = fired(play(monitor, clock, 12.0))
+    # pending again from the readings after the stall: for_s after the resume, within a poll (without the rule: 7.5)
+    assert len(after) == 1 and 7.0 + 2 <= after[0] <= 7.0 + 2 + 0.5, after
+
+
 def test_firing_alert_survives_short_clear_periods():
     state = AlertState(RULES_BY_NAME["sm_clock_low"], 0, "GPU-x")
     settings = AlertSettings(for_s=1, clear_for_s=5, repeat_s=1000)

@@ -1,64 +1,113 @@
-"""The test budget: seconds per test file at the end of a run, grouped by the real part each test needs, so that
-what CI's time goes to can be read off one table (docs/development.md keeps it).
+"""The test budget: seconds per tier and per test file at the end of a run, the real engines started, and the real
+tier's limit (docs/development.md keeps the figures).
 
-A test's part comes from its markers and fixtures (PARTS): the real CPU vLLM, the nspawn boot, Prometheus and
-Alertmanager, Ray; "none" is everything else (simulated GPUs, fake children, the daemon as a process). Setup and
-teardown count with the test that paid them: a session-scoped engine is charged to the first test that needs it.
+A test's tier comes from tests/harness/tiers.py; within the real tier, its part from its markers and fixtures
+(PARTS). Setup and teardown count with the test that paid them: a session-scoped engine is charged to the first
+test that needs it. Engine starts are counted from the daemons' own log lines (conftest.DaemonProcess): each
+"vLLM starting (pid ...)" line of a real vLLM command is one start of the CPU vLLM, carried to xdist's controller
+in the report's user_properties.
+
+The real tier runs alone on one worker (tests/run), so its summed seconds are its wall time: past
+REAL_BUDGET_S the run fails and names its slowest tests, so that a new real-part test shares a start or a boot
+instead of adding one.
 """
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 
-# (part, markers, fixtures, test files): a test needs the part when it has one of the markers or fixtures, or
-# lives in one of the files. The first match wins: a Prometheus test that serves real vLLM counts as vLLM.
+# (part, markers, fixtures): a test needs the part when it has one of the markers or fixtures. The first match
+# wins: a Prometheus test that serves real vLLM counts as vLLM.
 PARTS = (
-    ("nspawn", {"systemd"}, set(), set()),
-    ("Ray", set(), {"ray_processes"}, set()),
-    ("vLLM", {"vllm"}, {"vllm_python", "tiny_model", "long_tiny_model", "served"}, set()),
-    ("Prometheus/Alertmanager", {"fleet"}, set(), {"test_prometheus.py", "test_fleet.py"}),
+    ("nspawn", {"systemd"}, set()),
+    ("Ray", {"ray"}, {"ray_processes"}),
+    ("vLLM", {"vllm"}, {"vllm_python", "tiny_model", "long_tiny_model", "served"}),
+    ("Prometheus/Alertmanager", {"fleet"}, set()),
 )
 KEYWORD = "budget-part:"
+TIER = "budget-tier:"
+ENGINE_STARTS = "engine_starts"
+# The real tier's seconds on the 2-core CI machine, alone (docs/development.md has the measured figures).
+REAL_BUDGET_S = float(os.environ.get("GPUWARDEN_REAL_BUDGET_S", "1200"))
 
 
-def part_of(markers: set[str], fixtures: set[str], filename: str) -> str:
-    for part, marks, needs, files in PARTS:
-        if markers & marks or fixtures & needs or filename in files:
+def part_of(markers: set[str], fixtures: set[str]) -> str:
+    for part, marks, needs in PARTS:
+        if markers & marks or fixtures & needs:
             return part
     return "none"
 
 
-def tag(items) -> None:
-    """At collection (on each xdist worker too): the part as a keyword, which the reports carry to the summary."""
+def tag(items, tier_of) -> None:
+    """At collection (on each xdist worker too): the tier and part as keywords, which the reports carry."""
     for item in items:
         markers = {mark.name for mark in item.iter_markers()}
-        part = part_of(markers, set(getattr(item, "fixturenames", ())), item.path.name)
+        tier = tier_of(item)
+        part = part_of(markers, set(getattr(item, "fixturenames", ()))) if tier == "real" else "none"
         item.keywords[KEYWORD + part] = 1
+        item.keywords[TIER + tier] = 1
+
+
+def _keyword(report, prefix: str, default: str) -> str:
+    return next((k[len(prefix):] for k in getattr(report, "keywords", {}) if k.startswith(prefix)), default)
 
 
 class Budget:
     def __init__(self) -> None:
-        self.seconds: dict[tuple[str, str], float] = defaultdict(float)
-        self.tests: dict[tuple[str, str], set[str]] = defaultdict(set)
+        self.seconds: dict[tuple[str, str, str], float] = defaultdict(float)  # (tier, part, file)
+        self.tests: dict[tuple[str, str, str], set[str]] = defaultdict(set)
+        self.per_test: dict[str, float] = defaultdict(float)
+        self.tier_of_test: dict[str, str] = {}
+        self.starts: dict[str, int] = defaultdict(int)  # test id: real engine starts
 
     def add(self, report) -> None:
-        part = next((k[len(KEYWORD):] for k in getattr(report, "keywords", {}) if k.startswith(KEYWORD)), "none")
-        key = (part, report.nodeid.split("::", 1)[0])
+        tier = _keyword(report, TIER, "unit")
+        part = _keyword(report, KEYWORD, "none")
+        key = (tier, part, report.nodeid.split("::", 1)[0])
         self.seconds[key] += report.duration
         self.tests[key].add(report.nodeid)
+        self.per_test[report.nodeid] += report.duration
+        self.tier_of_test[report.nodeid] = tier
+        for name, value in getattr(report, "user_properties", ()):
+            if name == ENGINE_STARTS:
+                self.starts[report.nodeid] += int(value)
+
+    def tier_seconds(self) -> dict[str, float]:
+        totals: dict[str, float] = defaultdict(float)
+        for (tier, _, _), seconds in self.seconds.items():
+            totals[tier] += seconds
+        return totals
 
     def lines(self) -> list[str]:
         if not self.seconds:
             return []
-        totals: dict[str, float] = defaultdict(float)
-        for (part, _), seconds in self.seconds.items():
-            totals[part] += seconds
-        width = max(len(f) for _, f in self.seconds)
-        out = [f"{'part':<24} {'file':<{width}} {'tests':>5} {'seconds':>8}"]
-        for part in sorted(totals, key=totals.get, reverse=True):
-            rows = sorted(((f, s) for (p, f), s in self.seconds.items() if p == part), key=lambda r: -r[1])
-            for path, seconds in rows:
-                out.append(f"{part:<24} {path:<{width}} {len(self.tests[(part, path)]):>5} {seconds:>8.1f}")
-            out.append(f"{part + ' total':<24} {'':<{width}} {'':>5} {totals[part]:>8.1f}")
-        out.append(f"{'all':<24} {'':<{width}} {'':>5} {sum(totals.values()):>8.1f}  (summed over workers)")
+        width = max(len(f) for _, _, f in self.seconds)
+        out = [f"{'tier':<7} {'part':<24} {'file':<{width}} {'tests':>5} {'seconds':>8}"]
+        totals = self.tier_seconds()
+        for tier in sorted(totals, key=totals.get, reverse=True):
+            rows = sorted(((p, f, s) for (t, p, f), s in self.seconds.items() if t == tier), key=lambda r: -r[2])
+            for part, path, seconds in rows[:12]:
+                out.append(f"{tier:<7} {part:<24} {path:<{width}} {len(self.tests[(tier, part, path)]):>5} "
+                           f"{seconds:>8.1f}")
+            if len(rows) > 12:
+                rest = sum(r[2] for r in rows[12:])
+                out.append(f"{tier:<7} {'':<24} {f'({len(rows) - 12} more files)':<{width}} {'':>5} {rest:>8.1f}")
+            out.append(f"{tier + ' total':<32} {'':<{width}} {'':>5} {totals[tier]:>8.1f}")
+        out.append(f"{'all':<32} {'':<{width}} {'':>5} {sum(totals.values()):>8.1f}  (summed over workers)")
+        starts = sum(self.starts.values())
+        out.append(f"real vLLM engine starts: {starts}" + (
+            " (" + ", ".join(f"{t.split('::')[-1][:48]} {n}" for t, n in
+                             sorted(self.starts.items(), key=lambda kv: -kv[1]) if n) + ")" if starts else ""))
+        return out
+
+    def over_budget(self) -> list[str]:
+        """Lines saying the real tier passed its budget, naming its slowest tests; empty while within."""
+        real = self.tier_seconds().get("real", 0.0)
+        if real <= REAL_BUDGET_S:
+            return []
+        slowest = sorted((s, t) for t, s in self.per_test.items() if self.tier_of_test.get(t) == "real")[::-1]
+        out = [f"the real tier took {real:.0f} s, past its budget of {REAL_BUDGET_S:.0f} s "
+               "(tests/harness/budget.py): share an engine start or a boot rather than add one. The slowest:"]
+        out += [f"  {s:7.1f} s  {t}" for s, t in slowest[:10]]
         return out

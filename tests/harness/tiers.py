@@ -19,11 +19,15 @@ the start; the others still depend on it).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from collections import defaultdict
 
 import pytest
+
+from harness import engines
+from harness.budget import ENGINE_STARTS
 
 # marker: what it needs (the real tier)
 REAL_PARTS = {
@@ -38,6 +42,7 @@ MARKERS = {
     **{name: f"real tier: {need}" for name, need in REAL_PARTS.items()},
     "real": "set by tests/harness/tiers.py on every test with a real part's marker (tests/run runs them last, alone)",
     "docs": "the documentation site built with MkDocs (newest pass only: .[docs])",
+    "soak": "a long run of shipped timings, not in tests/run: `pytest -p no:xdist -m soak` (benchmarks/RESULTS.md)",
 }
 
 
@@ -91,12 +96,16 @@ class Starts:
 
 
 STARTS = Starts()
+# GPUWARDEN_TIER_LEDGER=FILE: write each wrong marker there as a JSON line instead of failing the test (for a tool
+# that mends markers in bulk)
+LEDGER = os.environ.get("GPUWARDEN_TIER_LEDGER")
 
 
 def configure(config) -> None:
     for name, text in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
     STARTS.install()
+    engines.current = lambda: STARTS.current
 
 
 def collection_modifyitems(items) -> None:
@@ -113,11 +122,22 @@ def fixture_setup(fixturedef):
         STARTS.fixtures.add(fixturedef.argname)
 
 
-def verdict(item) -> str | None:
-    """Why this test's marker is wrong, or None."""
+def _function(item) -> tuple[str, str]:
+    """A test function: its parametrized cases share one marker, so the check judges them together."""
+    return (str(item.path), getattr(item, "originalname", item.name))
+
+
+def _last_cases(session) -> dict[tuple[str, str], str]:
+    """Each test function's last case in this process's collection (its cases run in that order, on one worker)."""
+    last = getattr(session, "_tier_last_cases", None)
+    if last is None:
+        last = session._tier_last_cases = {_function(i): i.nodeid for i in session.items}
+    return last
+
+
+def verdict(item, started: list[str], through: list[str]) -> str | None:
+    """Why this test function's marker is wrong, or None."""
     tier = tier_of(item)
-    started = STARTS.by_test.get(item.nodeid, [])
-    through = sorted(set(getattr(item, "fixturenames", ())) & STARTS.fixtures)
     if tier == "unit" and started:
         names = ", ".join(sorted(set(started))[:5])
         return (f"tier: this unit test started {len(started)} process(es) ({names}); a test that starts processes "
@@ -140,19 +160,39 @@ def runtest_protocol(item):
         STARTS.current = None
 
 
+FUNCTIONS: dict[tuple[str, str], dict] = defaultdict(lambda: {"started": [], "through": set(), "spoilt": False})
+
+
 def makereport(item, call, report) -> None:
-    """At teardown of a test that passed: a wrong tier marker fails it."""
-    if call.when != "teardown" or report.outcome != "passed":
+    """At the teardown of a test function's last case: a wrong tier marker fails it. A function any case of which
+    failed or was skipped is not judged."""
+    if call.when != "teardown":
         return
-    if getattr(item, "_tier_failed_earlier", False):
+    if starts := engines.take(item.nodeid):
+        report.user_properties.append((ENGINE_STARTS, starts))
+    key = _function(item)
+    seen = FUNCTIONS[key]
+    seen["started"] += STARTS.by_test.pop(item.nodeid, [])
+    seen["through"] |= set(getattr(item, "fixturenames", ())) & STARTS.fixtures
+    if report.outcome != "passed" or getattr(item, "_tier_failed_earlier", False):
+        seen["spoilt"] = True
+    if _last_cases(item.session).get(key) != item.nodeid:
         return
-    if (why := verdict(item)) is not None:
-        report.outcome = "failed"
-        report.longrepr = why
-    STARTS.by_test.pop(item.nodeid, None)
+    FUNCTIONS.pop(key)
+    if seen["spoilt"]:
+        return
+    why = verdict(item, seen["started"], sorted(seen["through"]))
+    if why is None:
+        return
+    if LEDGER:
+        with open(LEDGER, "a") as ledger:
+            ledger.write(json.dumps({"file": key[0], "function": key[1], "tier": tier_of(item),
+                                     "started": len(seen["started"]), "through": sorted(seen["through"])}) + "\n")
+        return
+    report.outcome = "failed"
+    report.longrepr = why
 
 
 def note_failure(item, call, report) -> None:
     if call.when in ("setup", "call") and report.outcome != "passed":
         item._tier_failed_earlier = True
-

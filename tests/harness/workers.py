@@ -1,54 +1,45 @@
-"""How tests/run spreads the suite over pytest-xdist's workers (`-n 4`).
+"""How tests/run orders the tests: the unit and process tiers over pytest-xdist's workers (`-n 4`), the real tier
+on one worker (tests/harness/tiers.py).
 
-Most of the suite waits (for a child, a timer, a scrape) rather than computes: the Debian 12 pass used 124 s of CPU
-in 249 s on two workers. So four workers on two cores finish sooner without starving anyone.
+Unit and process tests mostly wait (for a child, a timer, a scrape) rather than compute, so four workers on two
+cores finish sooner without starving anyone; a real engine, which spins on both cores, is not among them.
 
-Each test file stays on one worker, so that a module- or session-scoped fixture is built once. The long poles (the
-files that start real vLLM engines, boot nspawn or run the fleet) come first in the collection, so that each
-starts at once on a worker of its own while the short files fill the others. The vLLM files make two groups, not
-one per file: a CPU vLLM start compiles on both cores for a minute, and each group starts one engine at a time
-(the shared engine, conftest.served, lives on the group of the tests that use it).
+Each test file stays on one worker, so that a module- or session-scoped fixture is built once: xdist's by-scope
+scheduler with the scope read as the file (conftest's pytest_xdist_make_scheduler), in the collection's order. The
+long files come first, so that they start at once while the short files fill the other workers.
 
-The scheduler is xdist's own by-scope one with the scope read from LONG_POLES (conftest's
-pytest_xdist_make_scheduler), not `--dist loadgroup`: pytest 9 keeps a node's id where xdist 3.8's loadgroup can
-no longer append the group to it, and every test then went its own way (three starts of one module's engine).
+In the real tier, which runs in one process, the tests that share the session's engine (conftest.served) come
+last: a session fixture is torn down only when the session ends, so its engine would otherwise serve on beside
+every later test's own engine.
 """
 
 from __future__ import annotations
 
-
-# file: its group, in the order the groups start (the longest first)
-LONG_POLES = {
-    "test_vllm_e2e.py": "vllm-engines", "test_bench.py": "vllm-engines", "test_proxy_vllm.py": "vllm-engines",
-    # six engine starts of its own: after the others of its group, never a fifth engine at once beside them (in the
-    # nspawn group it loaded the box to 60 and timed-out tests beside it)
-    "test_planned_restart_vllm.py": "vllm-engines",
-    "test_multinode_vllm.py": "vllm-nodes", "test_prometheus.py": "vllm-nodes",
-    "test_recovery_vllm.py": "vllm-nodes",  # one engine start and one restart, one after the other
-    "test_fleet_timing.py": "fleet-timing",  # nine minutes of the shipped waits
-    "test_systemd_deb.py": "nspawn",
-    "test_fleet.py": "fleet",
-}
-ORDER = list(dict.fromkeys(LONG_POLES.values()))
+# the process tier's longest files (the budget's table), started first
+LONG_FILES = ("test_faults.py", "test_daemon.py", "test_benchmarks.py", "test_tune.py", "test_bench_limits.py",
+              "test_handover_safety.py", "test_adoption.py", "test_proxy_limits.py")
+SHARED_ENGINE = "served"
 
 
-def group_of(filename: str) -> str:
-    return LONG_POLES.get(filename, filename)
+def rank(item) -> tuple[int, int]:
+    if SHARED_ENGINE in getattr(item, "fixturenames", ()):
+        return (2, 0)
+    name = item.path.name
+    return (0, LONG_FILES.index(name)) if name in LONG_FILES else (1, 0)
 
 
 def spread(items) -> None:
-    """Put the long poles first (a stable sort: the rest keep their order)."""
-    items.sort(key=lambda item: ORDER.index(g) if (g := group_of(item.path.name)) in ORDER else len(ORDER))
+    """The long files first, the shared engine's users last (a stable sort: the rest keep their order)."""
+    items.sort(key=rank)
 
 
 def make_scheduler(config, log):
-    """xdist's by-scope scheduler, a scope being a group of LONG_POLES or else a file, taken in the collection's
-    order (the long poles first): no reordering by size."""
+    """xdist's by-scope scheduler, a scope being a file, taken in the collection's order: no reordering by size."""
     from xdist.scheduler import LoadScopeScheduling
 
-    class ByGroup(LoadScopeScheduling):
+    class ByFile(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return group_of(nodeid.split("::", 1)[0].rsplit("/", 1)[-1])
+            return nodeid.split("::", 1)[0]
 
     config.option.loadscopereorder = False
-    return ByGroup(config, log)
+    return ByFile(config, log)

@@ -29,6 +29,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+try:  # under pytest: the engine starts count toward the test budget (tests/harness/engines.py)
+    from harness.engines import seen as _engine_seen
+except ImportError:  # run from benchmarks/
+    def _engine_seen(line: str) -> None:
+        pass
+
 HERE = Path(__file__).resolve().parent
 PROFILE = HERE / "cpu-tiny.yaml"
 CHILD_USER = "gpuwarden-test"
@@ -197,10 +203,14 @@ serve:
     def start(self) -> None:
         self.proc = subprocess.Popen([*self.command, "run", "-c", str(self.config)], stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, env=self.env)
-        threading.Thread(target=lambda: self.lines.extend(line.rstrip("\n") for line in self.proc.stdout),
-                         daemon=True).start()
+        threading.Thread(target=self._read, daemon=True).start()
         self.wait_for("vLLM healthy after", START_S)
         self.wait_for("the proxy healthy after", 60)
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+            _engine_seen(line)
 
     def wait_for(self, text: str, timeout: float, after: int = 0) -> tuple[int, str]:
         deadline = time.monotonic() + timeout
