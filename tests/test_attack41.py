@@ -166,6 +166,7 @@ def test_a_hostile_clock_file_never_stops_nor_breaks_the_simulated_timeline(tmp_
     assert 100.0 <= now() < 101.0  # a real move still moves it
 
 
+@pytest.mark.process
 def test_doctor_on_a_channel_another_user_filled_prints_its_gpm_lines_not_a_traceback(tmp_path, nobody_channel):
     chan = nobody_channel
     conf = tmp_path / "d.yaml"
@@ -181,6 +182,7 @@ def test_doctor_on_a_channel_another_user_filled_prints_its_gpm_lines_not_a_trac
         assert "GPU0 GPM" in out.stdout and "SM " in out.stdout, out.stdout
 
 
+@pytest.mark.process
 def test_a_channel_another_user_owns_and_rewrites_leaves_the_daemon_polling_under_the_units_capabilities(
         tmp_path, daemons, nobody_channel):
     """The channel's folder is nobody's, so the daemon (root without CAP_DAC_OVERRIDE) cannot write gpus.json there
@@ -332,6 +334,7 @@ def hostile_status():
         server.server_close()
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("what,answer", BAD_FIGURES + BAD_BODIES, ids=[w for w, _ in BAD_FIGURES + BAD_BODIES])
 def test_status_from_a_foreign_server_is_one_line_naming_what_and_where(what, answer, hostile_status, tmp_path):
     server = hostile_status([answer])
@@ -383,6 +386,7 @@ def test_a_watch_whose_reader_refuses_polls_says_so_once_and_summarizes_the_rest
                                 "http://h:1/status: gpus is 'abc', not a list of GPUs"]
 
 
+@pytest.mark.process
 def test_bench_reading_a_foreign_status_never_crashes_and_says_what_it_refused(hostile_status, tmp_path):
     """bench takes the first answer for a daemon's and then polls it: every bad answer is a poll fewer, said once
     under the table, never a traceback from the poll thread or the step's end. Before: "Exception in thread
@@ -423,6 +427,7 @@ def test_bench_reading_a_foreign_status_never_crashes_and_says_what_it_refused(h
     assert len(refused) == 1 and f"127.0.0.1:{server.server_address[1]}/status" in refused[0], result["notes"]
 
 
+@pytest.mark.process
 def test_bench_against_a_status_that_trickles_ends_its_steps_on_time(hostile_status, tmp_path):
     server = hostile_status([state_of(good_gpu()), ("trickle", 30.0)])
     port = free_port()

@@ -55,6 +55,7 @@ def test_a_record_time_of_400_digits_or_past_any_clock_is_one_line_and_an_empty_
     assert len(caplog.records) == 1 and "\n" not in caplog.records[0].getMessage()
 
 
+@pytest.mark.process
 def test_gpuwarden_health_on_a_record_of_forged_times_prints_one_line_not_a_traceback(tmp_path):
     conf = tmp_path / "conf.yaml"
     conf.write_text("gpu: {backend: sim, scenario: rtx-pro-4000-headless}\nmetrics: {listen: none}\n")
@@ -71,6 +72,7 @@ def test_gpuwarden_health_on_a_record_of_forged_times_prints_one_line_not_a_trac
         assert "not read: a time is not a finite number of seconds" in out.stdout, (when, out.stdout)
 
 
+@pytest.mark.process
 def test_a_daemon_under_the_units_capabilities_starts_past_a_record_of_400_digit_times(tmp_path, daemons):
     conf = tmp_path / "conf.yaml"
     conf.write_text("gpu: {backend: sim, scenario: rtx-pro-4000-headless}\npoll_interval_s: 0.25\n"
@@ -140,6 +142,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.process
 def test_a_reset_command_that_leaves_a_helper_in_its_session_leaves_nothing_running(tmp_path):
     """Before: a command that exited 0 left its background helper (same session) running for good."""
     pidfile = tmp_path / "helper"
@@ -157,6 +160,7 @@ def test_a_reset_command_that_leaves_a_helper_in_its_session_leaves_nothing_runn
     assert not alive, "the reset command's helper outlived it"
 
 
+@pytest.mark.process
 def test_a_reset_command_that_prints_without_end_stops_at_the_write_limit_not_at_a_full_disk(tmp_path):
     """Before: 60 s of output went to a temp file without limit (GBs); now RLIMIT_FSIZE stops it at 64 MiB."""
     script = "import sys\nwhile True: sys.stdout.write('x' * 65536)"

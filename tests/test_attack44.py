@@ -146,6 +146,7 @@ def test_an_expression_of_200_characters_loads_and_201_is_refused(tmp_path):
 
 # -- the command line -----------------------------------------------------------------------------------------
 
+@pytest.mark.process
 def test_check_and_profiles_show_take_a_hostile_config_json_and_huge_flags(write, cli, child_user, monkeypatch,
                                                                            tmp_path):
     monkeypatch.setenv("STATE_DIRECTORY", str(tmp_path / "state"))
