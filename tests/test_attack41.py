@@ -32,7 +32,7 @@ from gpuwarden.bench.watch import MAX_GPUS, Watch, checked_gpus
 from gpuwarden.gpu.sim import power
 from gpuwarden.gpu.sim.backend import ManualClock
 from gpuwarden.web.status import StatusError
-from run_queue import CpuWait
+from harness.run_queue import CpuWait
 
 HERE = Path(__file__).resolve().parent
 UNIT_CAPS = ["setpriv", "--bounding-set", "-all,+sys_admin,+setuid,+setgid,+kill", "--no-new-privs"]
@@ -400,8 +400,8 @@ def test_bench_reading_a_foreign_status_never_crashes_and_says_what_it_refused(h
         answers += [answer, good]
     server = hostile_status(answers)
     port = free_port()
-    fake = subprocess.Popen([sys.executable, str(HERE / "fake_openai.py"), "--port", str(port), "--token-delay",
-                             "0.01"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    fake = subprocess.Popen([sys.executable, str(HERE / "harness" / "fake_openai.py"), "--port", str(port),
+                             "--token-delay", "0.01"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert fake.stdout.readline().strip() == "listening"
         conf = tmp_path / "b.yaml"
@@ -431,7 +431,7 @@ def test_bench_reading_a_foreign_status_never_crashes_and_says_what_it_refused(h
 def test_bench_against_a_status_that_trickles_ends_its_steps_on_time(hostile_status, tmp_path):
     server = hostile_status([state_of(good_gpu()), ("trickle", 30.0)])
     port = free_port()
-    fake = subprocess.Popen([sys.executable, str(HERE / "fake_openai.py"), "--port", str(port)],
+    fake = subprocess.Popen([sys.executable, str(HERE / "harness" / "fake_openai.py"), "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert fake.stdout.readline().strip() == "listening"
@@ -459,7 +459,7 @@ def test_bench_against_a_status_that_trickles_ends_its_steps_on_time(hostile_sta
 def test_a_finite_rate_that_scales_past_a_float_is_no_reading_not_infinity():
     """NVML's MiB/s times 2^20 overflows a double from 1.7e302 on: the finite check came before the scaling, so such a
     rate was exported as +Inf and written into /status as `Infinity` (not JSON to a strict reader)."""
-    from fake_nvml import FakeNvml, device
+    from harness.fake_nvml import FakeNvml, device
     from gpuwarden.gpu.nvml import NvmlBackend
     from test_gpm import MATMUL
 

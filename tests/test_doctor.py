@@ -214,7 +214,7 @@ def test_doctor_says_when_the_lint_rules_are_older_than_the_installed_vllm(monke
 
 
 def test_doctor_counts_one_replay_and_names_the_persistenced_command(write, monkeypatch):
-    from fake_nvml import FakeNvml, device
+    from harness.fake_nvml import FakeNvml, device
     from gpuwarden.gpu.nvml import NvmlBackend
 
     monkeypatch.setattr("gpuwarden.gpu.nvml.persistenced_state", lambda proc_root: "stopped")

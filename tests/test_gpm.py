@@ -6,7 +6,7 @@ import ctypes
 import logging
 
 import pytest
-from fake_nvml import GPU_IS_LOST, NOT_SUPPORTED, FakeNvml, device
+from harness.fake_nvml import GPU_IS_LOST, NOT_SUPPORTED, FakeNvml, device
 from gpuwarden import config
 from gpuwarden.backends import open_configured
 from gpuwarden.gpu.base import GPM_FIELDS

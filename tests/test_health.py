@@ -100,7 +100,7 @@ def test_the_host_takes_the_worst_state_and_action():
 def test_nvml_reads_the_recovery_action_in_the_batch_and_a_driver_without_it_is_asked_once(answer, expected):
     """NVML_FI_DEV_GET_GPU_RECOVERY_ACTION (230): an older driver answers NOT_SUPPORTED, or INVALID_ARGUMENT for
     an id it does not know; either way the field is None and left out of the next batches."""
-    from fake_nvml import FakeNvml, device
+    from harness.fake_nvml import FakeNvml, device
     from gpuwarden.gpu.nvml import NvmlBackend
     from gpuwarden.gpu.sim.backend import ManualClock
 

@@ -2,7 +2,7 @@
 restarted), drains first where the policy says and the GPU answers, is reset by an injected command where the
 policy allows and nobody else uses the GPU, starts again once the GPU is back with its tuning, and after such a
 recovery must give the known answer. The state machine and the policy on fake process calls; the reset command
-and the daemon with the fake engine (tests/fakechild.py) as real processes."""
+and the daemon with the fake engine (tests/harness/fakechild.py) as real processes."""
 
 import dataclasses
 import json
