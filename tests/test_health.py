@@ -112,6 +112,14 @@ def test_nvml_reads_the_recovery_action_in_the_batch_and_a_driver_without_it_is_
     assert fake.calls["field 83"] == 2  # the rest of the batch goes on
 
 
+@pytest.mark.parametrize("code", [8, 255, 2**32 - 1, 2**64, -1])
+def test_a_recovery_action_code_past_the_table_is_unhealthy_inspect_not_an_exception(code):
+    s = GpuSample(0, "GPU-0", "NVIDIA H100", "00000000:01:00.0", "9.0", health=GpuHealth(recovery_action=code))
+    v = health.judge(s, health.Inputs(), 3)
+    assert (v.state, v.action) == (health.UNHEALTHY, health.INSPECT)
+    assert str(code) in v.reasons[0]
+
+
 # -- each fault class's scenario, played through the monitor ----------------------------------------------------
 
 FAST = "poll_interval_s: 0.5\ncounters_interval_s: 1\nalerts:\n  for_s: 1\n  clear_for_s: 2\n"
