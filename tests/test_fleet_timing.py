@@ -9,7 +9,7 @@ Before the rules held a silent host's alerts, both resolved at the next scrape, 
 group_interval, 5 minutes after its first notification) sent a RESOLVED before the GpuwardenDown page, which
 comes 5 minutes (its `for:`) and 30 s (the page's group_wait) after the death. Now nothing resolves, the page
 comes, and it mutes both. About 9 minutes, nearly all of them the shipped waits: it runs on an xdist worker of
-its own beside the vLLM tests (tests/workers.py).
+its own beside the vLLM tests (tests/harness/workers.py).
 """
 
 import signal
