@@ -3,7 +3,7 @@
     python3 benchmarks/bench_limits.py [--tree DIR ...] [--duration 10] [--error-gb 1.5] [--kill-after 120]
 
 For each tree (a `daemon/` folder to run gpuwarden from; default: this checkout's), two runs of
-`gpuwarden bench` as a process of its own against tests/fake_openai.py on loopback:
+`gpuwarden bench` as a process of its own against tests/harness/fake_openai.py on loopback:
 
 - endless: every stream sends a token each 200 ms and never ends (the calibration request is served whole):
   `--concurrency 4 --duration D --warmup 0 --output-len 128`, the grace left at its default (D, at most 30 s);
@@ -29,7 +29,7 @@ from pathlib import Path
 from _common import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-FAKE = ROOT / "tests" / "fake_openai.py"
+FAKE = ROOT / "tests" / "harness" / "fake_openai.py"
 CONFIG = "gpu: {backend: sim, scenario: rtx-pro-4000-headless}\nmetrics: {listen: none}\n"
 
 

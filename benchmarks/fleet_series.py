@@ -3,7 +3,7 @@
     python3 benchmarks/fleet_series.py [--gpus 1,4,8] [--families]
 
 For each GPU count it starts `gpuwarden run` (a real process, tuned, polling once a second) on that many
-simulated RTX PRO 6000, once without and once with a serving engine (tests/fakechild.py standing in for
+simulated RTX PRO 6000, once without and once with a serving engine (tests/harness/fakechild.py standing in for
 vLLM), scrapes /metrics five times once the engine serves, and reports the series (sample lines) and the
 bytes of a scrape, with the series each GPU adds, and the series docs/fleet.md's remote-write keep list (KEEP,
 the same regex) lets through. --families adds the series of each metric family for the largest GPU count
@@ -65,7 +65,7 @@ def measure(folder: Path, gpus: int, engine: bool, fake: Path) -> tuple[int, int
   profile: generic
   model: /fake/model
   command: [/usr/bin/python3, {fake}, --mode, healthy]
-  python: {ROOT / "tests" / "fakechild-flagcheck"}
+  python: {ROOT / "tests" / "harness" / "fakechild-flagcheck"}
   port: {free_port()}
   user: {child_user()}
   stop_timeout_s: 2
@@ -110,7 +110,7 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp(prefix="gpuwarden-fleet-series-"))
     folder.chmod(0o755)
     fake = folder / "fakechild.py"
-    shutil.copy(ROOT / "tests" / "fakechild.py", fake)
+    shutil.copy(ROOT / "tests" / "harness" / "fakechild.py", fake)
     fake.chmod(0o644)
     rows, last = [], None
     try:

@@ -13,7 +13,7 @@ fraction under full load), averaged over every check. In-process, simulated time
 
 --through-server measures the same through real processes, in real time: `gpuwarden run` on the scenario (one
 daemon with tuning.power_budget_w 800, then one with tuning.power_limit_w 400 on both cards), the fake OpenAI
-server (tests/fake_openai.py --sim-gpu 0) serving on GPU 0 alone at the speed the simulator publishes for that
+server (tests/harness/fake_openai.py --sim-gpu 0) serving on GPU 0 alone at the speed the simulator publishes for that
 card's limit (GPU 1 idles), and a client holding --streams streams open for --seconds, a prefill-heavy workload
 and then a decode-heavy one. It prints the busy card's served tok/s both ways, the ratio, and the largest sum of
 the enforced limits seen in the daemon's /status and in the simulator's own settings (every 50 ms).
@@ -43,10 +43,10 @@ from gpuwarden.tune.tuning import Tuner, TuningLife
 SCENARIO = "rtx-pro-6000-server-x2"
 CHECK_S = 0.1
 ROOT = Path(__file__).resolve().parent.parent
-FAKE_SERVER = ROOT / "tests" / "fake_openai.py"
+FAKE_SERVER = ROOT / "tests" / "harness" / "fake_openai.py"
 # The fake server's cost model: a prompt token takes PREFILL_MS at full prefill speed, an output token
-# TOKEN_DELAY_S at full decode speed (tests/fake_openai.py divides by the card's published speed). Sleeps, not work:
-# the speed is the model's, not the host CPU's.
+# TOKEN_DELAY_S at full decode speed (tests/harness/fake_openai.py divides by the card's published speed). Sleeps,
+# not work: the speed is the model's, not the host CPU's.
 PREFILL_MS, TOKEN_DELAY_S = 2.0, 0.01
 # (prompt words, output tokens): a prefill-heavy request spends ~0.4 s on its prompt at full speed, a decode-heavy
 # one ~0.64 s on its 64 tokens

@@ -4,7 +4,7 @@ with four maximum-size bodies at once.
     PYTHONPATH=daemon python3 benchmarks/proxy_limits.py [--crowd 1100] [--hold 30] [--nofile 1024]
         [--daemon DIR] [--skip-crowd] [--skip-memory] [--shapes ascii,cjk,astral,dicts] [--dumps both]
 
-The fake engine (tests/fake_upstream.py) and `gpuwarden proxy` run as processes of their own, the proxy under
+The fake engine (tests/harness/fake_upstream.py) and `gpuwarden proxy` run as processes of their own, the proxy under
 RLIMIT_NOFILE = --nofile set in its own process, as the unit's LimitNOFILE= would (--daemon DIR: the package
 to run, e.g. an older checkout's daemon/, for the figures before).
 
@@ -101,7 +101,7 @@ def crowd(port, n, hold_s, report):
 def run_crowd(args, env) -> dict:
     up, px = free_port(), free_port()
     log = tempfile.NamedTemporaryFile(prefix="proxy-log-", delete=False)
-    procs = [start([sys.executable, str(ROOT / "tests" / "fake_upstream.py"), "--port", str(up)], up, env)]
+    procs = [start([sys.executable, str(ROOT / "tests" / "harness" / "fake_upstream.py"), "--port", str(up)], up, env)]
     try:
         proxy = start([sys.executable, "-m", "gpuwarden", "proxy", "-c", "none", "--upstream",
                        f"http://127.0.0.1:{up}", "--listen", f"127.0.0.1:{px}"], px, env, log, args.nofile)
@@ -177,7 +177,7 @@ def body_of(shape: str, size: int) -> bytes:
 
 def run_memory(args, env, shape: str, dumps: bool) -> dict:
     up, px = free_port(), free_port()
-    procs = [start([sys.executable, str(ROOT / "tests" / "fake_upstream.py"), "--port", str(up)], up, env)]
+    procs = [start([sys.executable, str(ROOT / "tests" / "harness" / "fake_upstream.py"), "--port", str(up)], up, env)]
     body = body_of(shape, args.max_body_bytes)
     answers, tries = [], []
     with tempfile.TemporaryDirectory() as dump_dir:

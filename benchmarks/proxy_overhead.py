@@ -2,7 +2,7 @@
 
     python3 benchmarks/proxy_overhead.py [--requests 400] [--streams 60] [--chunks 50] [--chunk-delay 0.005]
 
-A fake engine (tests/fake_upstream.py) and `gpuwarden proxy` (all rules on) run as processes of their own;
+A fake engine (tests/harness/fake_upstream.py) and `gpuwarden proxy` (all rules on) run as processes of their own;
 this client alternates, request by request, between the engine directly and the proxy, over one kept-alive
 connection to each:
 - per request: a small non-streaming chat completion (so the proxy parses and checks it), send to last byte;
@@ -57,8 +57,8 @@ def main() -> None:
     parser.add_argument("--chunk-delay", type=float, default=0.005)
     args = parser.parse_args()
     up, px = free_port(), free_port()
-    procs = [start([sys.executable, str(ROOT / "tests" / "fake_upstream.py"), "--port", str(up), "--chunk-delay",
-                    str(args.chunk_delay)], up)]
+    procs = [start([sys.executable, str(ROOT / "tests" / "harness" / "fake_upstream.py"), "--port", str(up),
+                    "--chunk-delay", str(args.chunk_delay)], up)]
     try:
         procs.append(start([sys.executable, "-m", "gpuwarden", "proxy", "-c", "none", "--upstream",
                             f"http://127.0.0.1:{up}", "--listen", f"127.0.0.1:{px}", "--rules",

@@ -2,7 +2,7 @@
 
     python3 benchmarks/soak.py [--duration 600] [--idle 1000] [--scrape-hz 10] [--smoke]
 
-A real `gpuwarden run` (simulated DGX Spark, poll 0.25 s) supervises tests/fakechild.py. Every
+A real `gpuwarden run` (simulated DGX Spark, poll 0.25 s) supervises tests/harness/fakechild.py. Every
 duration/10 seconds the child's mode changes through a conf.d drop-in and SIGHUP (trickle, 1 GB
 body, no accept, NaN, endless line, ignores SIGTERM, setsid and double-fork grandchildren, crash,
 healthy), and a crowd of --idle connections is opened on the metrics port. A scraper fetches
@@ -33,7 +33,7 @@ from _common import free_port, percentile
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from run_queue import cpu_wait_s  # noqa: E402
+from harness.run_queue import cpu_wait_s  # noqa: E402
 MODES = ["trickle", "huge", "noaccept", "nan", "flood", "ignore-term", "setsid", "doublefork", "crash", "healthy"]
 CHILD_USER = "gpuwarden-test"
 
@@ -98,8 +98,8 @@ class Crowd:
 
 # A read that blocked the loop would wait out its deadline (2 s, 5 s) on every poll that reads, asleep. A busy
 # machine (CI runs a CPU vLLM beside it on two cores) delays polls too, but keeps the daemon waiting for a CPU, which
-# the kernel counts (tests/run_queue.py): a rise of the lag's p99 past LAG_OK_S must be that wait, within the two
-# sample intervals before it, or it is the daemon's own stall.
+# the kernel counts (tests/harness/run_queue.py): a rise of the lag's p99 past LAG_OK_S must be that wait, within the
+# two sample intervals before it, or it is the daemon's own stall.
 LAG_OK_S = 1.9
 
 
@@ -131,7 +131,7 @@ def main() -> None:
     folder.chmod(0o755)
     (folder / "conf.d").mkdir()
     fake = folder / "fakechild.py"
-    shutil.copy(ROOT / "tests" / "fakechild.py", fake)
+    shutil.copy(ROOT / "tests" / "harness" / "fakechild.py", fake)
     fake.chmod(0o644)
     metrics_port, child_port = free_port(), free_port()
     config = folder / "gpuwarden.yaml"
@@ -146,7 +146,7 @@ serve:
   enabled: true
   profile: generic
   model: /fake/model
-  python: {ROOT / "tests" / "fakechild-flagcheck"}
+  python: {ROOT / "tests" / "harness" / "fakechild-flagcheck"}
   port: {child_port}
   user: {child_user()}
   startup_timeout_s: 10

@@ -6,7 +6,7 @@ SIGTERM of the daemon to every child gone, and orphans left after repeated kill 
 Runs `gpuwarden run` (a real process) on a sim GPU serving a tiny random Llama
 (tests/vllm/make_tiny_model.py) with vLLM from GPUWARDEN_VLLM_VENV
 (default /opt/gpuwarden-test/venv-vllm; install it with tests/vllm/install).
---fake-engine serves tests/fakechild.py instead: the script's own steps in seconds (CI's smoke: two vLLM starts
+--fake-engine serves tests/harness/fakechild.py instead: the script's own steps in seconds (CI's smoke: two vLLM starts
 cost CI four minutes, and test_vllm_e2e already SIGKILLs real vLLM); the figures in RESULTS.md are vLLM's.
 """
 
@@ -79,9 +79,10 @@ def vllm_engine(work: Path) -> str:
 def fake_engine(work: Path) -> str:
     """The serve keys for the tests' stand-in, copied where the child user can read it."""
     fake = work / "fakechild.py"
-    shutil.copy(ROOT / "tests" / "fakechild.py", fake)
+    shutil.copy(ROOT / "tests" / "harness" / "fakechild.py", fake)
     fake.chmod(0o644)
-    return (f"  profile: generic\n  model: /fake/model\n  python: {ROOT / 'tests' / 'fakechild-flagcheck'}\n"
+    return (f"  profile: generic\n  model: /fake/model\n"
+            f"  python: {ROOT / 'tests' / 'harness' / 'fakechild-flagcheck'}\n"
             f"  command: [/usr/bin/python3, {fake}, --mode, 'healthy,engine']\n")  # the child user may not reach our venv
 
 
@@ -90,7 +91,8 @@ def main() -> None:
     parser.add_argument("--cycles", type=int, default=20)
     parser.add_argument("--smoke", action="store_true", help="one kill cycle: checks that it runs")
     parser.add_argument("--fake-engine", action="store_true",
-                        help="serve the tests' stand-in (tests/fakechild.py), not vLLM: checks the script, not vLLM")
+                        help="serve the tests' stand-in (tests/harness/fakechild.py), not vLLM: checks the script, "
+                             "not vLLM")
     args = parser.parse_args()
     cycles = 1 if args.smoke else args.cycles
     work = Path(tempfile.mkdtemp(prefix="gpuwarden-bench-"))

@@ -2,7 +2,7 @@
 leaves its engine serving, and the daemon after it takes the engine back: same PID, its output read again,
 watched again. Only a process provably its own is adopted (start time, user and command line); one whose
 command the config no longer asks for is replaced as a reload would. Real processes throughout: the daemon
-and the fake engine (tests/fakechild.py)."""
+and the fake engine (tests/harness/fakechild.py)."""
 
 import json
 import os

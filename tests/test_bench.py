@@ -1,6 +1,6 @@
-"""`gpuwarden bench`: the roofline arithmetic, and sweeps against a fake streaming server (tests/fake_openai.py):
-every field, bad input, Ctrl-C, --compare, 1,024 concurrent streams, and the bound each step measured on a
-simulated H100 whose GPM figures follow the served workload."""
+"""`gpuwarden bench`: the roofline arithmetic, and sweeps against a fake streaming server
+(tests/harness/fake_openai.py): every field, bad input, Ctrl-C, --compare, 1,024 concurrent streams, and the bound
+each step measured on a simulated H100 whose GPM figures follow the served workload."""
 
 import json
 import signal
@@ -79,8 +79,8 @@ def test_an_unreadable_model_is_said_not_guessed(tmp_path):
 class Server:
     def __init__(self, *args):
         self.port = free_port()
-        self.proc = subprocess.Popen([sys.executable, str(HERE / "fake_openai.py"), "--port", str(self.port), *args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen([sys.executable, str(HERE / "harness" / "fake_openai.py"), "--port",
+                                      str(self.port), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert self.proc.stdout.readline().strip() == "listening"
         self.url = f"http://127.0.0.1:{self.port}"
 

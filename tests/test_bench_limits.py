@@ -1,5 +1,5 @@
-"""`gpuwarden bench` against servers that misbehave (tests/fake_openai.py's modes), as real processes: every read
-is capped, every request and step ends within its stated deadline, and --url needs no config file."""
+"""`gpuwarden bench` against servers that misbehave (tests/harness/fake_openai.py's modes), as real processes: every
+read is capped, every request and step ends within its stated deadline, and --url needs no config file."""
 
 import json
 import subprocess

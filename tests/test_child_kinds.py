@@ -1,5 +1,5 @@
 """The registry of child kinds (serving/run/kinds.py): a reload restarts only the kind whose spec changed. With
-real processes: the fake engine, the proxy, and a toy kind registered only in tests/toy_kind.py."""
+real processes: the fake engine, the proxy, and a toy kind registered only in tests/harness/toy_kind.py."""
 
 import json
 import subprocess
@@ -13,7 +13,7 @@ from test_faults import fake, fault_config  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.process
 
-TOY_KIND = Path(__file__).resolve().parent / "toy_kind.py"
+TOY_KIND = Path(__file__).resolve().parent / "harness" / "toy_kind.py"
 
 
 def test_a_reload_that_changes_one_side_kind_restarts_that_child_only(write, fake, tmp_path):

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import DEFAULT_CONFIG, free_port, gpuwarden_cmd, subprocess_env
 from gpuwarden.base.systemd import JournalFormatter, stderr_is_journal
-from run_queue import CpuWait
+from harness.run_queue import CpuWait
 
 pytestmark = pytest.mark.process  # real daemon processes: seconds each
 

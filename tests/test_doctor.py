@@ -1,17 +1,20 @@
 """`gpuwarden doctor` on every sim scenario: findings, severities and exit status."""
 
 import json
+import subprocess
 from types import SimpleNamespace
 
 import pytest
 
-from conftest import DEFAULT_CONFIG
+from conftest import DEFAULT_CONFIG, gpuwarden_cmd, subprocess_env
 from gpuwarden import config
 from gpuwarden.watch.doctor import diagnose, exit_status
 from gpuwarden.backends import open_configured
+from gpuwarden.gpu.sim import power
 from gpuwarden.gpu.sim.backend import ManualClock
 from gpuwarden.gpu.sim.scenario import builtin_scenarios, resolve_scenario
 from gpuwarden.tune.tuning import Tuner, make_plan
+from test_sim import BIG_TEXT, HOSTILE_LOADS, UNIT_CAPS, nobody_channel, plant  # noqa: F401 (the fixture)
 
 # Untuned, as every scenario boots: the headless SM120 cards stay at 180 MHz while busy (an error);
 # the DGX Spark boosts, so only its persistence mode is off (a warning).
@@ -214,7 +217,7 @@ def test_doctor_says_when_the_lint_rules_are_older_than_the_installed_vllm(monke
 
 
 def test_doctor_counts_one_replay_and_names_the_persistenced_command(write, monkeypatch):
-    from fake_nvml import FakeNvml, device
+    from harness.fake_nvml import FakeNvml, device
     from gpuwarden.gpu.nvml import NvmlBackend
 
     monkeypatch.setattr("gpuwarden.gpu.nvml.persistenced_state", lambda proc_root: "stopped")
@@ -246,3 +249,19 @@ def test_doctor_reports_a_power_limit_the_config_chose_as_a_choice():
     assert clocks.severity == "ok" and "at the power limit chosen in tuning.power_limit_w (100 W)" in clocks.message
     assert power.severity == "ok" and power.message == "100 W (allowed 70-145 W): chosen in tuning.power_limit_w"
     assert not clocks.fix and not power.fix
+
+
+@pytest.mark.process
+def test_doctor_on_a_channel_another_user_filled_prints_its_gpm_lines_not_a_traceback(tmp_path, nobody_channel):
+    chan = nobody_channel
+    conf = tmp_path / "d.yaml"
+    conf.write_text("gpu: {backend: sim, scenario: h100-nvswitch}\nmetrics: {listen: none}\n")
+    env = {**subprocess_env(), power.ENV: str(chan), "STATE_DIRECTORY": str(tmp_path / "state")}
+    for gpus, load in (('{"gpus": 5}', HOSTILE_LOADS[0]),
+                       ('{"gpus": [{"index": 0, "gpu_lock": [1000, %s]}]}' % BIG_TEXT, '{"open": 1}')):
+        plant(chan, "gpus.json", "file", gpus)
+        plant(chan, "load.json", "file", load)
+        out = subprocess.run([*UNIT_CAPS, *gpuwarden_cmd(), "doctor", "-c", str(conf)], capture_output=True,
+                             text=True, env=env, timeout=120)
+        assert "Traceback" not in out.stderr + out.stdout, out.stderr
+        assert "GPU0 GPM" in out.stdout and "SM " in out.stdout, out.stdout

@@ -1,7 +1,7 @@
 """Drain on every planned stop (issue 40): the engine is told serve.drain_s where its version takes the flag, a
 stop waits for the drain and says how it went, and a drain that never ends is killed at drain_s plus the margin.
 The unit part composes the command and runs the supervisor on fake process calls; the rest runs the daemon with
-the fake engine (tests/fakechild.py, modes drain and stuck-drain) as real processes."""
+the fake engine (tests/harness/fakechild.py, modes drain and stuck-drain) as real processes."""
 
 import dataclasses
 import signal
@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 
 from conftest import ROOT
-from run_queue import CpuWait
+from harness.run_queue import CpuWait
 from gpuwarden.serving.compose.command import build_command
 from gpuwarden.serving.compose.drain import DRAIN_MARGIN_S, Drain
 from gpuwarden.serving.compose.flags import flag_value
@@ -29,7 +29,7 @@ from gpuwarden.serving.compose.identity import Identity
 from test_faults import FLAGCHECK, Notify, fake, fault_config, metrics, no_fakes_left, wait_until  # noqa: F401 (fixtures)
 from test_serving import GENERIC, FakeGpu, FakeOps, sample, serve_config
 
-FAKE_PYTHON = ROOT / "tests" / "fakechild-python"  # answers vLLM 0.32.0 to the installed-versions probe
+FAKE_PYTHON = ROOT / "tests" / "harness" / "fakechild-python"  # answers vLLM 0.32.0 to the installed-versions probe
 
 
 def installed(vllm=None, known=True, sglang=None):

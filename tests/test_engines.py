@@ -273,7 +273,7 @@ def test_sglang_flag_check_runs_sglangs_own_parser(vllm_python, child_user, writ
 
 @pytest.mark.process
 def test_the_daemon_serves_with_sglang_as_a_real_child_and_exports_its_counters(write, daemons, fake, no_fakes_left):
-    """The whole path with a real process speaking as SGLang (tests/fakechild.py --mode sglang, which exits 2
+    """The whole path with a real process speaking as SGLang (tests/harness/fakechild.py --mode sglang, which exits 2
     without --model-path and --enable-metrics, as SGLang's parser would): the daemon builds SGLang's argv,
     finds it healthy, reads its sglang: counters into gpuwarden_serving_*{engine="sglang"}, and stops it."""
     path, base, _ = fault_config(write, fake, "sglang")

@@ -9,7 +9,7 @@ import urllib.request
 import pytest
 
 from conftest import free_port
-from fake_nvml import FakeNvml, device
+from harness.fake_nvml import FakeNvml, device
 from gpuwarden import config
 from gpuwarden.backends import open_configured
 from gpuwarden.web.exposition import make_registry

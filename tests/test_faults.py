@@ -1,4 +1,4 @@
-"""Faults between processes, with real processes: the daemon against a misbehaving child (tests/fakechild.py).
+"""Faults between processes, with real processes: the daemon against a misbehaving child (tests/harness/fakechild.py).
 
 Each test asserts that the daemon kept polling on schedule (loop lag p99 under 100 ms, read from its own
 /status), fed or stopped feeding the watchdog as it should, and left no process behind.
@@ -22,11 +22,11 @@ import pytest
 
 from conftest import ROOT, free_port, gpuwarden_cmd, subprocess_env
 from gpuwarden.gpu.sim.scenario import resolve_scenario
-from run_queue import CpuWait, cpu_wait_s
+from harness.run_queue import CpuWait, cpu_wait_s
 
 pytestmark = pytest.mark.process
-FAKE = ROOT / "tests" / "fakechild.py"
-FLAGCHECK = ROOT / "tests" / "fakechild-flagcheck"
+FAKE = ROOT / "tests" / "harness" / "fakechild.py"
+FLAGCHECK = ROOT / "tests" / "harness" / "fakechild-flagcheck"
 POLL = 0.25
 
 

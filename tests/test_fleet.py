@@ -35,8 +35,8 @@ from test_prometheus import substitute, tool
 RULES = ROOT / "etc" / "prometheus" / "gpuwarden-rules.yml"
 ALERTMANAGER = ROOT / "etc" / "alertmanager" / "gpuwarden-alertmanager.yml"
 FLEET_DASHBOARD = ROOT / "etc" / "grafana" / "gpuwarden-fleet-dashboard.json"
-FAKE = ROOT / "tests" / "fakechild.py"
-FLAGCHECK = ROOT / "tests" / "fakechild-flagcheck"
+FAKE = ROOT / "tests" / "harness" / "fakechild.py"
+FLAGCHECK = ROOT / "tests" / "harness" / "fakechild-flagcheck"
 SCALE = 6  # the test copies' durations: a rule's `for: 1m` is 10 s, a warning's group_wait of 2m is 20 s
 TIMING_KEYS = ("group_wait", "group_interval", "repeat_interval")
 PAGE, TICKET = "gpuwarden-page", "gpuwarden-ticket"

@@ -3,10 +3,11 @@ each read paired with the last (the first only primes), nothing but one line at 
 simulator's derived and scripted figures, and the families on /metrics."""
 
 import ctypes
+import json
 import logging
 
 import pytest
-from fake_nvml import GPU_IS_LOST, NOT_SUPPORTED, FakeNvml, device
+from harness.fake_nvml import GPU_IS_LOST, NOT_SUPPORTED, FakeNvml, device
 from gpuwarden import config
 from gpuwarden.backends import open_configured
 from gpuwarden.gpu.base import GPM_FIELDS
@@ -140,6 +141,23 @@ def test_a_nan_or_infinite_answer_is_no_reading():
     sample = gpu.sample(True)
     assert sample.sm_active_ratio is None and sample.tensor_active_ratio is None
     assert sample.dram_bandwidth_ratio == pytest.approx(0.16)
+
+
+def test_a_finite_rate_that_scales_past_a_float_is_no_reading_not_infinity():
+    """NVML's MiB/s times 2^20 overflows a double from 1.7e302 on: the finite check came before the scaling, so such a
+    rate was exported as +Inf and written into /status as `Infinity` (not JSON to a strict reader)."""
+    from harness.fake_nvml import FakeNvml, device
+    from gpuwarden.gpu.nvml import NvmlBackend
+    from test_gpm import MATMUL
+
+    fake = FakeNvml([device("GPU-aaa", "00000000:18:00.0", gpm={**MATMUL, 20: 1e308, 21: 1e300})])
+    gpu = NvmlBackend(nvml=fake, clock=ManualClock()).gpus()[0]
+    gpu.sample(True)
+    sample = gpu.sample(True)
+    assert sample.pcie_tx_bytes_per_s is None  # before: inf
+    assert sample.pcie_rx_bytes_per_s == pytest.approx(1e300 * 2**20)
+    assert sample.sm_active_ratio == pytest.approx(0.95)
+    json.dumps(sample.as_dict(), allow_nan=False)
 
 
 def test_closing_the_backend_frees_every_gpm_buffer_before_nvml_shuts_down():

@@ -6,7 +6,7 @@ import re
 
 import pytest
 from conftest import DEFAULT_CONFIG, ROOT
-from fake_nvml import NOT_SUPPORTED, FakeNvml, device
+from harness.fake_nvml import NOT_SUPPORTED, FakeNvml, device
 from test_gpm import MATMUL, SCRIPTED, metrics_page, sim
 from gpuwarden import config
 from gpuwarden.gpu.nvml import NvmlBackend

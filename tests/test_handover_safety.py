@@ -3,7 +3,7 @@
 The new image checks the config on disk at start and refuses it (exit 78) when lint finds an error, which
 orphaned the engine for the unit's cleanup to kill. So the old image refuses the handover when the new one
 would refuse the config, and a start that fails anyway with children to adopt leaves them to the next
-daemon, never to cleanup's kill. Real processes: the daemon, the fake engine (tests/fakechild.py) and
+daemon, never to cleanup's kill. Real processes: the daemon, the fake engine (tests/harness/fakechild.py) and
 `gpuwarden cleanup` as the unit's ExecStopPost runs it.
 """
 

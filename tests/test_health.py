@@ -100,7 +100,7 @@ def test_the_host_takes_the_worst_state_and_action():
 def test_nvml_reads_the_recovery_action_in_the_batch_and_a_driver_without_it_is_asked_once(answer, expected):
     """NVML_FI_DEV_GET_GPU_RECOVERY_ACTION (230): an older driver answers NOT_SUPPORTED, or INVALID_ARGUMENT for
     an id it does not know; either way the field is None and left out of the next batches."""
-    from fake_nvml import FakeNvml, device
+    from harness.fake_nvml import FakeNvml, device
     from gpuwarden.gpu.nvml import NvmlBackend
     from gpuwarden.gpu.sim.backend import ManualClock
 
@@ -110,6 +110,14 @@ def test_nvml_reads_the_recovery_action_in_the_batch_and_a_driver_without_it_is_
     assert first.health.recovery_action == second.health.recovery_action == expected
     assert fake.calls["field 230"] == (2 if expected is not None else 1)
     assert fake.calls["field 83"] == 2  # the rest of the batch goes on
+
+
+@pytest.mark.parametrize("code", [8, 255, 2**32 - 1, 2**64, -1])
+def test_a_recovery_action_code_past_the_table_is_unhealthy_inspect_not_an_exception(code):
+    s = GpuSample(0, "GPU-0", "NVIDIA H100", "00000000:01:00.0", "9.0", health=GpuHealth(recovery_action=code))
+    v = health.judge(s, health.Inputs(), 3)
+    assert (v.state, v.action) == (health.UNHEALTHY, health.INSPECT)
+    assert str(code) in v.reasons[0]
 
 
 # -- each fault class's scenario, played through the monitor ----------------------------------------------------

@@ -15,6 +15,7 @@ import pytest
 
 from conftest import free_port, gpuwarden_cmd, subprocess_env
 from gpuwarden.watch.health_record import HealthRecord
+from test_health_record import FORGED_TIMES, record_with_time
 
 pytestmark = pytest.mark.process
 
@@ -201,3 +202,19 @@ def test_not_reported_where_the_daemon_has_no_health_and_what_it_reports_escaped
     assert "\x1b" not in out and "\x07" not in out  # the daemon's strings never move the terminal
     status, out, _ = cli("health", "-c", conf, "--json")
     assert json.loads(out)["gpus"][0]["reasons"] == ["Xid 79\x1b]52;c;aGk=\x07", "lost"]
+
+
+def test_gpuwarden_health_on_a_record_of_forged_times_prints_one_line_not_a_traceback(tmp_path):
+    conf = tmp_path / "conf.yaml"
+    conf.write_text("gpu: {backend: sim, scenario: rtx-pro-4000-headless}\nmetrics: {listen: none}\n")
+    state = tmp_path / "state"
+    state.mkdir()
+    env = {**subprocess_env(), "STATE_DIRECTORY": str(state), "RUNTIME_DIRECTORY": str(tmp_path / "run")}
+    for when in FORGED_TIMES:
+        (state / "health.json").write_text(record_with_time(when))
+        os.chmod(state / "health.json", 0o600)
+        out = subprocess.run([*gpuwarden_cmd(), "health", "-c", str(conf)], capture_output=True, text=True,
+                             env=env, timeout=60, check=False)
+        assert "Traceback" not in out.stderr, (when, out.stderr)
+        assert out.returncode == 3, (when, out.returncode, out.stderr)  # no daemon: the record is still shown
+        assert "not read: a time is not a finite number of seconds" in out.stdout, (when, out.stdout)

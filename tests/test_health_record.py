@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import threading
 
 import pytest
 
+from conftest import free_port, gpuwarden_cmd, subprocess_env
 from gpuwarden.config import HealthPolicy
 from gpuwarden.gpu.base import GpuHealth, GpuSample
 from gpuwarden.watch import health
@@ -271,3 +273,67 @@ def test_a_save_that_cannot_write_is_one_line_and_keeps_the_counts(tmp_path, boo
     record.save()
     assert record.save_error and record.count("GPU-a", "xid79") == 1
     assert len(caplog.records) == 1 and "not written" in caplog.records[0].getMessage()
+
+
+# -- times no clock gives, read at the start and by `gpuwarden health` (test_health_cli.py) ----------------------------
+
+UNIT_CAPS = ["setpriv", "--bounding-set", "-all,+sys_admin,+setuid,+setgid,+kill", "--no-new-privs"]
+
+
+def as_the_unit() -> list[str]:
+    return UNIT_CAPS if os.geteuid() == 0 and shutil.which("setpriv") else []
+
+
+def record_with_time(when: str) -> str:
+    """A record of the daemon's shape whose one history entry has the time `when` (JSON text, as planted)."""
+    return ('{"version": 1, "gpus": {}, "history": [{"time": ' + when + ', "uuid": "GPU-a", '
+            '"event": "reboot required", "fault": "xid79", "count": 1}]}')
+
+
+FORGED_TIMES = ["1" + "0" * 400, "1e300", "-0.5", "NaN"]
+
+
+@pytest.mark.parametrize("when", FORGED_TIMES)
+def test_a_record_time_of_400_digits_or_past_any_clock_is_one_line_and_an_empty_record(tmp_path, caplog, when):
+    """A 400-digit time raised OverflowError out of load() (math.isfinite converts it to a float): a traceback
+    at the daemon's start. 1e300 passed the check and time.localtime() raised in `gpuwarden health`."""
+    path = tmp_path / "health.json"
+    path.write_text(record_with_time(when))
+    os.chmod(path, 0o600)
+    caplog.set_level(logging.INFO, logger="gpuwarden")
+    record = HealthRecord.load(path)
+    assert record.entries == [] and "a time is not a finite number of seconds" in record.problem
+    assert len(caplog.records) == 1 and "\n" not in caplog.records[0].getMessage()
+
+
+@pytest.mark.process
+def test_a_daemon_under_the_units_capabilities_starts_past_a_record_of_400_digit_times(tmp_path, daemons):
+    conf = tmp_path / "conf.yaml"
+    conf.write_text("gpu: {backend: sim, scenario: rtx-pro-4000-headless}\npoll_interval_s: 0.25\n"
+                    f"metrics: {{listen: '127.0.0.1:{free_port()}'}}\n")
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "health.json").write_text(record_with_time("1" + "0" * 400))
+    os.chmod(state / "health.json", 0o600)
+    env = {**subprocess_env(), "STATE_DIRECTORY": str(state), "RUNTIME_DIRECTORY": str(tmp_path / "run")}
+    d = daemons(conf, env=env, command=[*as_the_unit(), *gpuwarden_cmd()])
+    line = d.wait_for("ignored, starting empty", timeout=60)
+    assert "a time is not a finite number of seconds" in line
+    d.wait_for("serving /metrics", timeout=60)
+    assert d.stop() == 0
+    assert "Traceback" not in d.log
+
+
+# -- the control socket's clear ----------------------------------------------------------------------------------------
+
+def test_a_clear_whose_who_carries_terminal_escapes_reaches_the_journal_and_record_escaped(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="gpuwarden")
+    record = HealthRecord(tmp_path / "health.json", boot_id=lambda: "b1")
+    record.reboot_required("GPU-a", "xid79", 1.0)
+    who = "\x1b]52;c;cm0gLXJmIH4=\x07\x1b[2J\r<0>root\nx"
+    answer = answer_clear(record, {"op": "health_clear", "gpu": "0", "who": who}, "pid 1, uid 0", {0: "GPU-a"}, 2.0)
+    assert answer["ok"]
+    text = caplog.text + json.dumps(answer) + (tmp_path / "health.json").read_text()
+    assert "\x1b" not in text and "\x07" not in text and "\r" not in text
+    assert "\n" not in caplog.records[-1].getMessage()
+    assert HealthRecord.load(tmp_path / "health.json", boot_id=lambda: "b1").problem is None

@@ -1,7 +1,7 @@
 """A child the daemon before this one recorded, which this daemon's config no longer names (the proxy turned
 off between a crash and the restart, any side child), is stopped at the start: SIGTERM to its group, SIGKILL
 after the grace, one line in the log, and it stays in children.json until it is gone. A process that is not
-provably the recorded one is never touched. Real processes: the daemon, the fake engine (tests/fakechild.py),
+provably the recorded one is never touched. Real processes: the daemon, the fake engine (tests/harness/fakechild.py),
 the real proxy, and a stand-in side child that ignores SIGTERM."""
 
 import os

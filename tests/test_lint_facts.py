@@ -294,7 +294,7 @@ def test_profiles_show_explains_a_finding_with_its_link_and_facts(write, cli, ch
 # -- the driver, from the GPU backends -----------------------------------------------------------------------
 
 def test_nvml_gives_the_driver_and_the_cuda_it_runs_on_every_sample_read_once():
-    from fake_nvml import FakeNvml, device
+    from harness.fake_nvml import FakeNvml, device
 
     from gpuwarden.gpu.nvml import NvmlBackend
 

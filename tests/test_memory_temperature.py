@@ -3,7 +3,7 @@ simulator's reading (HBM cards only, as NVML), and its gauge on /metrics (watch/
 
 import pytest
 
-from fake_nvml import FakeNvml, device
+from harness.fake_nvml import FakeNvml, device
 from prometheus_client import generate_latest
 
 from gpuwarden import config

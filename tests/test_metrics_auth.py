@@ -141,6 +141,44 @@ def test_the_line_takes_sources_in_turns_a_failed_one_last_and_bounds_each_and_a
     asyncio.run(scenario())
 
 
+def test_a_local_crowd_on_fresh_loopback_addresses_leaves_a_scraper_from_another_address_a_place():
+    """Any local user has all of 127.0.0.0/8: a crowd guessing from a fresh 127.x.y.z each time was 16 sources
+    that never failed, the line was full, and a scraper from another address never let in before got 503 on 30
+    of 30 scrapes (/tmp/atk35/f4_many_sources.py: 32 guessers as nobody, bcrypt cost 12). 127/8 beside
+    127.0.0.1 is one source, as an IPv6 /64 is; 127.0.0.1, where a local Prometheus comes from, is its own."""
+    assert server.source_of("127.1.2.3") == server.source_of("127.0.0.2") == server.source_of("::ffff:127.9.9.9")
+    assert server.source_of("127.0.0.1") == server.source_of("::ffff:127.0.0.1") == "127.0.0.1"
+    assert server.source_of("192.0.2.2") == "192.0.2.2"
+
+    async def scenario():
+        line = server.AuthLine()
+        verdicts, gates = {}, {}
+
+        async def ask(source: str, tag: str, ok: bool):
+            async def check():
+                gates[tag] = asyncio.Event()
+                await gates[tag].wait()
+                return ok
+            verdicts[tag] = await line.check(server.source_of(source), check)
+
+        tasks = [asyncio.create_task(ask(f"127.{n // 250 + 1}.{n % 250 + 1}.9", f"guess{n}", False))
+                 for n in range(4 * server.AUTH_WAITING)]
+        for _ in range(5):
+            await asyncio.sleep(0)
+        tasks.append(asyncio.create_task(ask("192.0.2.2", "scraper", True)))
+        tasks.append(asyncio.create_task(ask("127.0.0.1", "local-scraper", True)))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert "scraper" not in verdicts and "local-scraper" not in verdicts, \
+            f"a scraper from another address found no place beside a loopback crowd: {verdicts}"
+        assert line.held.total() <= server.AUTH_PER_SOURCE + 2
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(scenario())
+
+
 # -- across a handover --------------------------------------------------------------------------------------
 def authorized_web(users=None) -> tuple[WebConfig, str]:
     hashed = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(rounds=4)).decode()

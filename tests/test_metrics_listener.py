@@ -192,7 +192,7 @@ def test_a_stored_metrics_socket_on_another_address_is_closed_and_the_port_bound
 
 
 # The engine's interpreter as the start's check runs it (installed versions, flag check): the first run waits
-# until the test has looked at the daemon, then answers as tests/fakechild-flagcheck does.
+# until the test has looked at the daemon, then answers as tests/harness/fakechild-flagcheck does.
 WAITING_PROBE = """#!/bin/sh
 if mkdir {folder}/once 2>/dev/null; then
     exec 3<> {folder}/go  # open before saying so: the test's release finds a reader (bounded, if it never comes)

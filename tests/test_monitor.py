@@ -384,7 +384,7 @@ def test_link_and_memory_health_alerts_follow_the_scenario():
 def test_the_counters_are_read_on_every_nth_poll_for_all_gpus_at_once():
     """counters_interval_s on the poll schedule: each GPU timing its own reads drifted with the polls' jitter
     (10 or 11 polls apart, on different polls per GPU)."""
-    from fake_nvml import FakeNvml, device
+    from harness.fake_nvml import FakeNvml, device
     from gpuwarden.gpu.nvml import NvmlBackend
 
     cfg = config.parse_text("poll_interval_s: 1\ncounters_interval_s: 3\nmetrics:\n  listen: none\n"

@@ -2,7 +2,7 @@
 
 import pytest
 
-from fake_nvml import (FUNCTION_NOT_FOUND, GPU_IS_LOST, INVALID_ARGUMENT, LIBRARY_NOT_FOUND, NO_PERMISSION,
+from harness.fake_nvml import (FUNCTION_NOT_FOUND, GPU_IS_LOST, INVALID_ARGUMENT, LIBRARY_NOT_FOUND, NO_PERMISSION,
                        NOT_SUPPORTED, UNKNOWN, FakeNvml, device, nvlink)
 from gpuwarden import config
 from gpuwarden.gpu import errors

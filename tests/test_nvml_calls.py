@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fake_nvml import UNKNOWN, FakeNvml, device
+from harness.fake_nvml import UNKNOWN, FakeNvml, device
 from gpuwarden.gpu.base import ClockEventReason as R
 from gpuwarden.gpu.nvml import NvmlBackend
 from gpuwarden.gpu.nvml_successors import DEPRECATED

@@ -108,7 +108,7 @@ def raw_request(port, head: bytes) -> bytes:
 @pytest.mark.process
 def test_a_forged_path_reaches_the_proxys_log_escaped_on_one_line_in_the_413_502_and_client_gone_lines(processes):
     up_port, proxy_port = free_port(), free_port()
-    upstream = processes([sys.executable, str(HERE / "fake_upstream.py"), "--port", str(up_port),
+    upstream = processes([sys.executable, str(HERE / "harness" / "fake_upstream.py"), "--port", str(up_port),
                           "--chunk-delay", "0.02"])
     up(up_port, "/v1/models")
     proxy = processes([*gpuwarden_cmd(), "proxy", "-c", "none", "--upstream", f"http://127.0.0.1:{up_port}",

@@ -1,7 +1,7 @@
 """Planned changes fail no request (issue 40, part 3): the proxy in front of the engine stays up across the engine's
 restart and stop, is told of the engine's planned stop (it holds new requests unsent while the engine drains: a
 draining vLLM 0.32 answers them 500 with its /health 200) and of its return. The supervisor's part with its OS seam
-replaced; then the daemon, the fake engine (tests/fakechild.py, drain mode) and the real proxy as processes."""
+replaced; then the daemon, the fake engine (tests/harness/fakechild.py, drain mode) and the real proxy as processes."""
 
 import http.client
 import json

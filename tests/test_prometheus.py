@@ -19,7 +19,7 @@ import yaml
 
 from conftest import CPU_TINY_PROFILE, ROOT, VLLM_START_S, free_port, gpuwarden_cmd
 from gpuwarden.gpu.sim.scenario import resolve_scenario
-from run_queue import CpuWait
+from harness.run_queue import CpuWait
 
 pytestmark = [pytest.mark.process, pytest.mark.vllm]
 RULES = ROOT / "etc" / "prometheus" / "gpuwarden-rules.yml"

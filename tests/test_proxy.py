@@ -1,5 +1,5 @@
 """The prefix-cache proxy: its rules on real request shapes, and the proxy as a real process between a client
-and a fake engine (tests/fake_upstream.py), also a real process."""
+and a fake engine (tests/harness/fake_upstream.py), also a real process."""
 
 import base64
 import copy
@@ -177,7 +177,7 @@ def rig(tmp_path):
 
     def start(*proxy_args, chunk_delay=0.05, nofile=None):
         up_port, proxy_port = free_port(), free_port()
-        upstream = Process([sys.executable, str(HERE / "fake_upstream.py"), "--port", str(up_port),
+        upstream = Process([sys.executable, str(HERE / "harness" / "fake_upstream.py"), "--port", str(up_port),
                             "--chunk-delay", str(chunk_delay)], up_port, "/v1/models")
         started.append(upstream)
         proxy = Process([*gpuwarden_cmd(), "proxy", "-c", "none", "--upstream", f"http://127.0.0.1:{up_port}",

@@ -1,5 +1,5 @@
 """Requests held at the proxy while the engine is down (issue 40, part 2): the real proxy process in front of
-tests/fake_upstream.py, stopped and started again on the same port, as a restart of the engine does."""
+tests/harness/fake_upstream.py, stopped and started again on the same port, as a restart of the engine does."""
 
 import http.client
 import json
@@ -28,8 +28,8 @@ class Rig:
 
     def engine(self, *args, chunk_delay=0.02) -> Process:
         """The fake engine on the rig's one port; "/debug/open" answers even while it says 503 (--unready-s)."""
-        p = Process([sys.executable, str(HERE / "fake_upstream.py"), "--port", str(self.up_port), "--chunk-delay",
-                     str(chunk_delay), *args], self.up_port, "/debug/open")
+        p = Process([sys.executable, str(HERE / "harness" / "fake_upstream.py"), "--port", str(self.up_port),
+                     "--chunk-delay", str(chunk_delay), *args], self.up_port, "/debug/open")
         self.started.append(p)
         return p
 

@@ -2,10 +2,12 @@
 restarted), drains first where the policy says and the GPU answers, is reset by an injected command where the
 policy allows and nobody else uses the GPU, starts again once the GPU is back with its tuning, and after such a
 recovery must give the known answer. The state machine and the policy on fake process calls; the reset command
-and the daemon with the fake engine (tests/fakechild.py) as real processes."""
+and the daemon with the fake engine (tests/harness/fakechild.py) as real processes."""
 
 import dataclasses
 import json
+import logging
+import os
 import signal
 import sys
 import threading
@@ -29,6 +31,7 @@ from gpuwarden.serving.run.runtime import ServingRuntime
 from gpuwarden.serving.run.supervisor import HELD, RUNNING, STARTING, STOPPED, STOPPING, Supervisor
 from gpuwarden.service.recovery import Recovery, ResetFailed, run_reset
 from gpuwarden.tune.tuning import Tuner, TuningLife
+from gpuwarden.watch.health import waiting
 from gpuwarden.watch.monitor import Monitor
 from gpuwarden.watch.signals.serving import vllm_fatal
 from test_drain import running
@@ -181,6 +184,48 @@ def test_a_drain_only_where_the_policy_says_and_the_gpu_still_answers():
         assert sup.state == (STOPPING if drained else HELD), (policy, lost)
 
 
+# -- a GPU that flaps lost/back every poll --------------------------------------------------------------------
+
+def flap(sup, clock, monitor, recovery, polls, lost_every=2):
+    """Poll as the daemon does (hold for what waits, poll, recovery), the GPU lost on every lost_every-th poll."""
+    gpu = monitor.backend.gpus()[0]
+    for i in range(polls):
+        recovery.hold(clock.now, list(waiting(monitor.events.needs_reset, monitor.verdicts).items()))
+        if lost_every and i % lost_every == 0:
+            gpu.reset(0.5)  # off the bus for this poll, back at the next
+        monitor.tick(clock.now)
+        recovery.tick(clock.now, waiting(monitor.events.needs_reset, monitor.verdicts))
+        sup.tick(clock.now)
+        clock.advance(1)
+        gpu.backend.clock.advance(1)
+
+
+def test_a_gpu_that_flaps_every_poll_does_not_restart_loop_the_engine_nor_flood_the_journal(caplog):
+    """Before: 40 polls of a GPU lost and back every other poll started the engine 20 times (each release reset
+    its restart budget) and wrote ~10 journal lines a flap: 200 lines."""
+    caplog.set_level(logging.INFO, logger="gpuwarden")
+    sup, ops, clock, monitor, recovery = rig()
+    flap(sup, clock, monitor, recovery, 40)
+    assert len(ops.children) <= 3, len(ops.children)  # the first start, one release, then it waits
+    assert sup.state == HELD
+    lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    flapping = [m for m in lines if "health" in m and ("unhealthy" in m or "healthy again" in m)]
+    back = [m for m in lines if "is back: planned and applied its tuning" in m]
+    assert len(flapping) <= 8, flapping
+    assert len(back) <= 2, back
+    assert any("held again" in m and "its GPU flaps" in m for m in lines)
+    # Once the GPU stays back long enough, the engine starts again by itself, once.
+    flap(sup, clock, monitor, recovery, 15, lost_every=0)
+    assert sup.state in (STARTING, RUNNING) and len(ops.children) <= 4
+
+
+def test_a_single_loss_releases_the_engine_as_soon_as_the_gpu_is_back():
+    sup, ops, clock, monitor, recovery = rig()
+    flap(sup, clock, monitor, recovery, 1, lost_every=1)  # lost once
+    flap(sup, clock, monitor, recovery, 1, lost_every=0)  # back: released at once (no flapping yet)
+    assert sup.state in (STARTING, RUNNING) and len(ops.children) == 2
+
+
 def test_the_reset_runs_only_where_allowed_and_nobody_else_uses_the_gpu(tmp_path, caplog):
     caplog.set_level("INFO")
     ran = tmp_path / "ran"
@@ -243,6 +288,34 @@ def _alive(pid):
     except OSError:
         return False
     return state != "Z"
+
+
+@pytest.mark.process
+def test_a_reset_command_that_leaves_a_helper_in_its_session_leaves_nothing_running(tmp_path):
+    """Before: a command that exited 0 left its background helper (same session) running for good."""
+    pidfile = tmp_path / "helper"
+    script = ("import subprocess, sys; p = subprocess.Popen(['sleep', '300']); "
+              f"open({str(pidfile)!r}, 'w').write(str(p.pid)); print('GPU reset ok')")
+    assert run_reset([sys.executable, "-c", script], timeout_s=20) == "GPU reset ok"
+    helper = int(pidfile.read_text())
+    for _ in range(50):
+        if not _alive(helper):
+            break
+        time.sleep(0.1)
+    alive = _alive(helper)
+    if alive:
+        os.kill(helper, 9)
+    assert not alive, "the reset command's helper outlived it"
+
+
+@pytest.mark.process
+def test_a_reset_command_that_prints_without_end_stops_at_the_write_limit_not_at_a_full_disk(tmp_path):
+    """Before: 60 s of output went to a temp file without limit (GBs); now RLIMIT_FSIZE stops it at 64 MiB."""
+    script = "import sys\nwhile True: sys.stdout.write('x' * 65536)"
+    began = time.monotonic()
+    with pytest.raises(ResetFailed, match="exit status"):
+        run_reset([sys.executable, "-c", script], timeout_s=60)
+    assert time.monotonic() - began < 30
 
 
 # -- the known answer, against a server -----------------------------------------------------------------------

@@ -24,11 +24,11 @@ def test_no_rule_or_metric_name_is_used_twice():
 
 
 def test_a_new_signal_with_a_window_is_one_module_and_its_rule_fires_and_its_row_renders(caplog):
-    # tests/toy_signal.py: RULES, ROWS and a WINDOW, handed to the monitor beside the real signals (in the daemon:
-    # named in SIGNALS); nothing in alerts.py, monitor.py or web/exposition.py knows it.
+    # tests/harness/toy_signal.py: RULES, ROWS and a WINDOW, handed to the monitor beside the real signals (in the
+    # daemon: named in SIGNALS); nothing in alerts.py, monitor.py or web/exposition.py knows it.
     import logging
 
-    import toy_signal
+    from harness import toy_signal
     from prometheus_client import generate_latest
 
     from gpuwarden import config

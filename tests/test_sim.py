@@ -1,15 +1,29 @@
-"""The simulated backend behaves the way users reported real cards do."""
+"""The simulated backend behaves the way users reported real cards do; its served-workload channel
+(gpu/sim/power.py, GPUWARDEN_SIM_STATE) takes whatever another local user writes there."""
 
+import json
+import os
 import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, free_port, gpuwarden_cmd, subprocess_env
+from gpuwarden import config
+from gpuwarden.backends import open_configured
 from gpuwarden.gpu import errors
 from gpuwarden.gpu.base import ClockEventReason as R
+from gpuwarden.gpu.sim import power
 from gpuwarden.gpu.sim.backend import ManualClock, SimBackend
 from gpuwarden.gpu.sim.scenario import builtin_scenarios, load_scenario, resolve_scenario
 from gpuwarden.base.yamlfile import ConfigError, ConfigErrors
+from harness.run_queue import CpuWait
 
 
 def sim(name, clock=None):
@@ -295,3 +309,182 @@ def test_format_md_documents_every_event_the_parser_accepts_with_its_parameters_
             assert said, f"{event}.{name}: no (range) after it"
             assert ("required" in said.group(1)) == required, f"{event}.{name}: required is {required}"
             assert f"{low:.0f}-{high:.0f}" in said.group(1), f"{event}.{name}: range {low:.0f}-{high:.0f}"
+
+
+# -- the served-workload channel, written by another local user --------------------------------------------------------
+# load.json, gpus.json and clock.json in a folder another local user owns and writes, read by the simulator in a
+# daemon that runs with the unit's capabilities (no CAP_DAC_OVERRIDE), by doctor (test_doctor.py) and by bench's
+# local GPU view.
+
+UNIT_CAPS = ["setpriv", "--bounding-set", "-all,+sys_admin,+setuid,+setgid,+kill", "--no-new-privs"]
+AS_NOBODY = ["setpriv", "--reuid", "nobody", "--regid", "nogroup", "--clear-groups"]
+BIG_TEXT = "9" * 400
+
+
+def needs_root_and_setpriv():
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root (to act as another local user) and setpriv")
+
+
+def as_nobody(script: str, *args: str) -> None:
+    """Run a small Python script as the user nobody (the local attacker), its files its own."""
+    subprocess.run([*AS_NOBODY, sys.executable, "-c", script, *args], check=True, timeout=30,
+                   env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+
+
+PLANT = """
+import os, sys
+folder, name, kind, text = sys.argv[1:5]
+path = os.path.join(folder, name)
+tmp = path + ".planting"
+if os.path.lexists(tmp):
+    os.unlink(tmp)
+if kind == "file":
+    with open(tmp, "w") as f:
+        f.write(text)
+elif kind == "fifo":
+    os.mkfifo(tmp)
+elif kind == "link":
+    os.symlink(text, tmp)
+elif kind == "dir":
+    os.mkdir(tmp)
+    if os.path.lexists(path) and not os.path.isdir(path):
+        os.unlink(path)
+if os.path.isdir(path) and not os.path.islink(path):
+    os.rmdir(path)
+os.rename(tmp, path)
+"""
+
+
+def plant(folder: Path, name: str, kind: str, text: str = "") -> None:
+    as_nobody(PLANT, str(folder), name, kind, text)
+
+
+@pytest.fixture
+def nobody_channel():
+    """A channel folder the user nobody owns (0755), in a folder every user may pass through (pytest's tmp_path
+    is root's own, 0700)."""
+    needs_root_and_setpriv()
+    outer = Path(tempfile.mkdtemp(prefix="gpuwarden-sim-channel-"))
+    try:
+        outer.chmod(0o755)
+        chan = outer / "chan"
+        chan.mkdir()
+        shutil.chown(chan, "nobody")
+        yield chan
+    finally:
+        shutil.rmtree(outer, ignore_errors=True)
+
+
+def sim_config(scenario: str = "h100-nvswitch", listen: str = "none"):
+    return config.parse_text(f"gpu:\n  backend: sim\n  scenario: {scenario}\nmetrics:\n  listen: {listen}\n")
+
+
+HOSTILE_LOADS = [
+    '{"open": 0, "at": %s}' % BIG_TEXT,  # OverflowError: int too large to convert to float, in every sample
+    '{"open": 0, "at": -%s}' % BIG_TEXT,
+    '{"open": 0, "at": NaN}', '{"open": 0, "at": Infinity}', '{"open": 0, "at": true}',
+    '{"open": 1, "prefill_share": %s}' % BIG_TEXT, '{"open": 1, "prefill_share": NaN}',
+    '{"open": 1, "prefill_share": -5}', '{"open": 1, "prefill_share": true}', '{"open": 1, "prefill_share": "x"}',
+    '{"open": 1, "prefill_share": [[0.5]]}', '{"open": %s}' % BIG_TEXT, '{"open": "1"}', '[' * 30000,
+    '{"open": 1, "at": 1e308, "prefill_share": 1e308}',
+]
+
+
+def test_the_load_file_is_read_without_arithmetic_on_what_it_says(tmp_path):
+    """Every hostile load.json reads as a load or as nothing: never an exception out of read_load (a sample's)."""
+    for text in HOSTILE_LOADS:
+        (tmp_path / "load.json").write_text(text)
+        load = power.read_load(tmp_path)  # before: OverflowError for the 400-digit "at"
+        assert load is None or (isinstance(load.busy, bool) and load.prefill_share in (None,)), (text, load)
+    # a share the workload may say is still read
+    (tmp_path / "load.json").write_text('{"open": 2, "prefill_share": 0.25}')
+    assert power.read_load(tmp_path) == power.Load(True, 0.25)
+    (tmp_path / "load.json").write_text(json.dumps({"open": 0, "at": time.monotonic()}))
+    assert power.read_load(tmp_path) == power.Load(True, None)  # gone idle a moment ago: the busy hold
+
+
+HOSTILE_GPUS = ['{"gpus": 5}', '{"gpus": "ab"}', '{"gpus": {"0": {}}}', '{"gpus": [5, null, []]}',
+                '{"gpus": [{"index": 0, "gpu_lock": [1000, %s]}]}' % BIG_TEXT,
+                '{"gpus": [{"index": 0, "gpu_lock": [1000, 1e308]}]}',
+                '{"gpus": [{"index": 0, "gpu_lock": [-5, -5]}]}', '{"gpus": [{"index": 0, "gpu_lock": [1500, 1000]}]}',
+                '{"gpus": [{"index": 0, "gpu_lock": [true, true]}]}', '{"gpus": [{"index": 0, "gpu_lock": [0, 0]}]}',
+                '{"gpus": [{"index": 0, "power_limit_w": true}]}', '{"gpus": [{"index": 0, "power_limit_w": NaN}]}',
+                '{"gpus": [{"index": [0], "power_limit_w": 500}]}']
+
+
+def test_a_hostile_settings_file_is_ignored_and_the_simulated_cards_start_as_the_driver_left_them(tmp_path,
+                                                                                                    monkeypatch):
+    monkeypatch.setenv(power.ENV, str(tmp_path))
+    for text in HOSTILE_GPUS:
+        (tmp_path / "gpus.json").write_text(text)
+        backend = open_configured(sim_config(), ManualClock())  # before: TypeError, OverflowError at the start
+        gpu = backend.gpus()[0]
+        sample = gpu.sample()
+        assert gpu.gpu_lock is None, (text, gpu.gpu_lock)  # never -5 MHz, a lock past its top, or True MHz
+        assert sample.up and sample.sm_clock_mhz > 0 and sample.power_limit_w == gpu.model.default_power_limit_w
+    # a lock the card takes still comes back, as after a daemon killed mid-sweep
+    (tmp_path / "gpus.json").write_text('{"gpus": [{"index": 0, "gpu_lock": [1000, 1500], "power_limit_w": 500}]}')
+    gpu = open_configured(sim_config(), ManualClock()).gpus()[0]
+    assert gpu.gpu_lock == (1000, 1500) and gpu.power_limit_w == 500
+
+
+HOSTILE_CLOCKS = ['{"to_s": 5, "at": %s}' % BIG_TEXT, '{"to_s": %s, "at": 1}' % BIG_TEXT, '{"to_s": Infinity, "at": 1}',
+                  '{"to_s": 5, "at": NaN}', '{"to_s": true, "at": true}', '{"to_s": 1e300, "at": -1e300}']
+
+
+def test_a_hostile_clock_file_never_stops_nor_breaks_the_simulated_timeline(tmp_path):
+    """clock.json (a test moves the timeline on, power.move_clock) is in the same folder: a 400-digit "at" raised
+    OverflowError out of every sample, Infinity put the timeline at infinity for good."""
+    now = power.movable(lambda: 10.0, tmp_path)
+    for text in HOSTILE_CLOCKS:
+        (tmp_path / "clock.json").write_text(text)
+        assert now() == 10.0, text
+    power.move_clock(tmp_path, 100.0)
+    assert 100.0 <= now() < 101.0  # a real move still moves it
+
+
+@pytest.mark.process
+def test_a_channel_another_user_owns_and_rewrites_leaves_the_daemon_polling_under_the_units_capabilities(
+        tmp_path, daemons, nobody_channel):
+    """The channel's folder is nobody's, so the daemon (root without CAP_DAC_OVERRIDE) cannot write gpus.json there
+    and reads whatever nobody puts: a lock no float holds at its start, then every hostile load.json, a FIFO, a
+    link to /dev/zero and a folder in its place. Before: the daemon did not start (OverflowError); started on a good
+    file, every poll failed from the first hostile load on ("poll failed", "not feeding the watchdog")."""
+    chan = nobody_channel
+    plant(chan, "gpus.json", "file", '{"gpus": [{"index": 0, "gpu_lock": [1000, %s]}]}' % BIG_TEXT)
+    plant(chan, "load.json", "file", HOSTILE_LOADS[0])
+    port = free_port()
+    conf = tmp_path / "g.yaml"
+    conf.write_text(f"gpu: {{backend: sim, scenario: h100-nvswitch}}\npoll_interval_s: 0.25\n"
+                    f"metrics: {{listen: '127.0.0.1:{port}'}}\n")
+    env = {**subprocess_env(), power.ENV: str(chan), "STATE_DIRECTORY": str(tmp_path / "state"),
+           "RUNTIME_DIRECTORY": str(tmp_path / "run")}
+    d = daemons(conf, env=env, command=[*UNIT_CAPS, *gpuwarden_cmd()])
+    d.wait_for("serving /metrics", timeout=60)
+    cpu = CpuWait(d.proc.pid)
+    plants = [("file", text) for text in HOSTILE_LOADS[1:]] + [("fifo", ""), ("link", "/dev/zero"), ("dir", ""),
+                                                                ("file", HOSTILE_LOADS[0])]
+    for kind, text in plants:
+        plant(chan, "load.json", kind, text)
+        time.sleep(0.3)  # more than a poll
+    for text in HOSTILE_CLOCKS:
+        plant(chan, "clock.json", "file", text)
+        time.sleep(0.3)
+    time.sleep(1.0)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=5) as reply:
+        state = json.loads(reply.read())
+    assert state["daemon"]["stale"] is False and state["daemon"]["snapshot_age_seconds"] < 2, state["daemon"]
+    gpu = state["gpus"][0]
+    assert gpu["sm_lock_mhz"] is None and 0 < gpu["sm_clock_mhz"] <= gpu["max_sm_clock_mhz"], gpu
+    waited = cpu.since()
+    assert d.stop() == 0
+    log = "\n".join(d.lines)
+    for bad in ("Traceback", "poll failed"):
+        assert bad not in log, log[-3000:]
+    # A poll the files held up past the watchdog's 2.25 s shows; one the busy box starved is excused by the
+    # daemon's wait for a CPU meanwhile (ci49: 2.8 s on a box running the newest pass beside a CPU vLLM).
+    stalls = [float(m) for m in re.findall(r"no poll published for ([0-9.]+) s: not feeding the watchdog", log)]
+    assert max(stalls, default=0.0) - waited < 2.25, f"polls stalled {stalls} s; the daemon waited {waited:.2f} s " \
+                                                      f"for a CPU"
+    assert not any(p.name.startswith(".gpus.json.") for p in chan.iterdir())  # no temp file of ours left there

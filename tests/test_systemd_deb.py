@@ -87,7 +87,7 @@ def add_checks(root, script):
     lib.mkdir(parents=True, exist_ok=True)
     # The fake OpenAI server, for the tune checks (it serves at the simulated card's speed).
     for name, mode in (("fakechild.py", 0o644), ("fakechild-flagcheck", 0o755), ("fake_openai.py", 0o644)):
-        shutil.copy(ROOT / "tests" / name, lib / name)
+        shutil.copy(ROOT / "tests" / "harness" / name, lib / name)
         (lib / name).chmod(mode)
     shutil.copy(script, root / "usr" / "local" / "bin" / "gpuwarden-e2e")
     (root / "usr" / "local" / "bin" / "gpuwarden-e2e").chmod(0o755)

@@ -64,9 +64,9 @@ class Rig:
         self.env = {**subprocess_env(), power.ENV: str(self.chan), "STATE_DIRECTORY": str(tmp / "state"),
                     "RUNTIME_DIRECTORY": str(tmp / "run")}
         self.port = free_port()
-        self.server = subprocess.Popen([sys.executable, str(HERE / "fake_openai.py"), "--port", str(self.port),
-                                        "--sim-state", str(self.chan), "--token-delay", str(TOKEN_DELAY_S),
-                                        "--prefill-ms", str(PREFILL_MS)],
+        self.server = subprocess.Popen([sys.executable, str(HERE / "harness" / "fake_openai.py"), "--port",
+                                        str(self.port), "--sim-state", str(self.chan), "--token-delay",
+                                        str(TOKEN_DELAY_S), "--prefill-ms", str(PREFILL_MS)],
                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=self.env)
         assert self.server.stdout.readline().strip() == "listening"
         self.daemon = None

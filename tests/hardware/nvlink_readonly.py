@@ -6,7 +6,7 @@ STATUS, alerts idle and under load, and the daemon's RSS with real NVML (run by 
 Everything goes through nvml_readonly.ReadOnlyNvml (a setter raises instead of reaching a card); the only
 nvidia-smi calls are queries (nvlink -s, nvlink -e, topo -m, -q). It writes OUTDIR/report.json and the raw
 outputs beside it, and prints a summary. The load is NCCL all-reduce plus matmuls from torch in child
-processes. --fake runs the same on tests/fake_nvml.py (four NVSwitch H100s), without nvidia-smi or torch, to
+processes. --fake runs the same on tests/harness/fake_nvml.py (four NVSwitch H100s), without nvidia-smi or torch, to
 check the script itself. Not collected by pytest.
 """
 
@@ -246,7 +246,7 @@ def main(out: Path, fake: bool) -> int:
     out.mkdir(parents=True, exist_ok=True)
     report: dict = {"fake": fake}
     if fake:
-        from fake_nvml import FakeNvml, device, nvlink
+        from harness.fake_nvml import FakeNvml, device, nvlink
 
         buses = [f"00000000:{b}:00.0" for b in ("18", "2A", "3A", "5D")]
         nvml = FakeNvml([device(f"GPU-{i}", bus, nvlinks=[nvlink("00000000:C0:00.0", remote_type=2)] * 18,

@@ -1,7 +1,7 @@
 """A fake OpenAI-compatible streaming server with vLLM's counters, for `gpuwarden bench` tests.
 
-    python3 tests/fake_openai.py --port P [--model M] [--token-delay S] [--reject-ignore-eos] [--fail-all] [--tokenize]
-                                 [--endless] [--error-bytes N] [--usage-event TEXT] [--models-body TEXT]
+    python3 tests/harness/fake_openai.py --port P [--model M] [--token-delay S] [--reject-ignore-eos] [--fail-all]
+                                 [--tokenize] [--endless] [--error-bytes N] [--usage-event TEXT] [--models-body TEXT]
                                  [--good-first N] [--sim-state DIR [--prefill-ms MS] [--sim-gpu N]]
 
 Prompt tokens are the prompt's words (+1); each output token is one SSE chunk after --token-delay seconds,

@@ -1,4 +1,4 @@
-"""GPM (NVML's GPU Performance Monitoring) for the fake NVML (tests/fake_nvml.py, whose FakeNvml takes these
+"""GPM (NVML's GPU Performance Monitoring) for the fake NVML (tests/harness/fake_nvml.py, whose FakeNvml takes these
 calls): the calls, structs and constants of nvidia-ml-py's pynvml that gpu/nvml_gpm.py uses.
 
 A device record's `gpm` says what the GPU answers: absent or None, nvmlGpmQueryDeviceSupport says

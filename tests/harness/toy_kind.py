@@ -2,7 +2,7 @@
 runtime that reloads twice, run by test_child_kinds.py in a process of its own (ProcessOps makes its process a
 child subreaper, which the test process must not become).
 
-    python tests/toy_kind.py CONFIG TOY_SCRIPT TOY_PORT
+    python tests/harness/toy_kind.py CONFIG TOY_SCRIPT TOY_PORT
 
 It prints one JSON object: the children's PIDs once all are healthy ("start"), after a reload that changes only
 the toy's spec ("toy"), and after one that changes only serve.proxy ("proxy"); the log goes to stderr.

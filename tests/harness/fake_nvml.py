@@ -14,7 +14,7 @@ import time
 from collections import Counter
 from types import SimpleNamespace
 
-from fake_gpm import FakeGpm
+from harness.fake_gpm import FakeGpm
 
 NOT_SUPPORTED, NO_PERMISSION, INVALID_ARGUMENT, GPU_IS_LOST = 3, 4, 2, 15
 FUNCTION_NOT_FOUND, LIBRARY_NOT_FOUND, UNKNOWN = 13, 12, 999
@@ -63,7 +63,7 @@ class FabricInfo(ctypes.Structure):
     _fields_ = [("version", ctypes.c_uint), ("status", ctypes.c_uint), ("state", ctypes.c_uint)]
 
 
-class FakeNvml(FakeGpm):  # GPM's calls: tests/fake_gpm.py
+class FakeNvml(FakeGpm):  # GPM's calls: tests/harness/fake_gpm.py
     NVMLError = NVMLError
     nvmlMemory_v2 = 0x02000028  # pynvml's version word for nvmlDeviceGetMemoryInfo_v2
     c_nvmlGpuFabricInfoV_t = FabricInfo

@@ -1,6 +1,6 @@
 """A fake engine behind the proxy, as a real process: it records what reached it and streams back.
 
-    python3 tests/fake_upstream.py --port P [--chunk-delay S] [--unready-s S]
+    python3 tests/harness/fake_upstream.py --port P [--chunk-delay S] [--unready-s S]
 
 POST any path: the raw body and headers are kept for GET /debug/last. A JSON body with "stream": true gets
 SSE events (a text delta, a tool-call delta, then [DONE]; "chunks": N for N of them) --chunk-delay apart, or with
