@@ -18,8 +18,6 @@ from conftest import subprocess_env
 from gpuwarden.serving.run import handover
 from test_faults import fake, fault_config, no_fakes_left, status, wait_until  # noqa: F401 (fixtures)
 
-pytestmark = pytest.mark.process
-
 
 def engine_of(base):
     """(state, pid) of the engine as the daemon reports it."""
@@ -40,6 +38,7 @@ def env_with_state(tmp_path):
     return dict(subprocess_env(), STATE_DIRECTORY=str(folder)), folder
 
 
+@pytest.mark.process
 def test_a_restarted_daemon_adopts_the_engine_it_left_and_watches_it_again(write, fake, daemons, tmp_path,
                                                                             no_fakes_left):
     path, base, port = fault_config(write, fake, "healthy,chatty")
@@ -69,6 +68,7 @@ def test_a_restarted_daemon_adopts_the_engine_it_left_and_watches_it_again(write
     assert handover.load(folder).children == ()  # a stop leaves nothing to adopt
 
 
+@pytest.mark.process
 def test_a_handover_re_executes_in_place_and_keeps_the_engine_and_its_output(write, fake, daemons, tmp_path,
                                                                             no_fakes_left):
     path, base, port = fault_config(write, fake, "healthy,chatty")
@@ -105,6 +105,7 @@ def test_a_handover_re_executes_in_place_and_keeps_the_engine_and_its_output(wri
     assert handover.start_ticks(pid) is None
 
 
+@pytest.mark.process
 def test_an_engine_whose_command_changed_meanwhile_is_replaced_as_a_reload_would(write, fake, daemons, tmp_path,
                                                                                no_fakes_left):
     path, base, port = fault_config(write, fake, "healthy")
@@ -122,6 +123,7 @@ def test_an_engine_whose_command_changed_meanwhile_is_replaced_as_a_reload_would
     assert second.stop() == 0
 
 
+@pytest.mark.process
 def test_only_a_provably_own_process_is_adopted(tmp_path):
     """Same PID but another start time, another user, or another command line: never adopted."""
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -144,6 +146,7 @@ def test_only_a_provably_own_process_is_adopted(tmp_path):
     assert "not a child" in handover.proven(handover.Recorded("vllm", 1, 1, 0, good.argv_sha256))
 
 
+@pytest.mark.process
 def test_a_look_alike_recorded_engine_is_not_adopted_and_not_killed(write, fake, daemons, tmp_path,
                                                                     no_fakes_left):
     """A record that points at a process with the engine's command line but another start time (a recycled
@@ -168,6 +171,7 @@ def test_a_look_alike_recorded_engine_is_not_adopted_and_not_killed(write, fake,
         look_alike.wait()
 
 
+@pytest.mark.process
 def test_cleanup_keeps_children_after_a_crash_and_ends_them_after_a_stop(tmp_path):
     """The unit's ExecStopPost: after a crash (SERVICE_RESULT=signal) the recorded child is kept for the
     restarted daemon; after a stop that timed out it is ended."""

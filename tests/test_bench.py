@@ -121,9 +121,7 @@ def bench(write, tmp_path):
     return run
 
 
-pytestmark = pytest.mark.process
-
-
+@pytest.mark.process
 def test_a_two_step_sweep_reports_every_field_and_counts_what_the_server_counted(server, bench, tmp_path):
     fake = server("--token-delay", "0.003")
     model = tmp_path / "model"
@@ -167,6 +165,7 @@ def test_a_two_step_sweep_reports_every_field_and_counts_what_the_server_counted
     assert text.returncode == 0 and "1.00" in text.stdout and "A tok/J  B tok/J" in text.stdout
 
 
+@pytest.mark.process
 def test_the_table_and_the_markdown(server, bench, tmp_path):
     fake = server()
     chart = tmp_path / "bench.png"
@@ -189,6 +188,7 @@ def test_the_table_and_the_markdown(server, bench, tmp_path):
     assert "| C | ok/sent | cut | system tok/s |" in md.stdout and "\n| 1 | 2/2 | 0 |" in md.stdout
 
 
+@pytest.mark.process
 def test_bad_input_gets_one_line_and_a_partial_result(server, bench):
     down = bench("--url", f"http://127.0.0.1:{free_port()}", "--concurrency", "1")
     assert down.returncode == 69 and down.stderr.strip().startswith("gpuwarden bench: cannot reach http://127.0.0.1:")
@@ -206,6 +206,7 @@ def test_bad_input_gets_one_line_and_a_partial_result(server, bench):
     assert ok.returncode == 0 and "the server rejects ignore_eos" in ok.stdout
 
 
+@pytest.mark.process
 def test_ctrl_c_mid_step_prints_the_partial_step_and_leaves_no_stream_open(server, tmp_path, write):
     fake = server("--token-delay", "0.05")
     conf = write("b.yaml", "gpu: {backend: sim, scenario: rtx-pro-4000-headless}\nmetrics: {listen: none}\n")
@@ -229,6 +230,7 @@ def test_ctrl_c_mid_step_prints_the_partial_step_and_leaves_no_stream_open(serve
     assert len(saved) == 1 and json.loads(saved[0].read_text())["interrupted"] is True
 
 
+@pytest.mark.process
 def test_it_holds_1024_concurrent_streams(server, bench):
     fake = server("--token-delay", "0.25")
     out = bench("--url", fake.url, "--concurrency", "1024", "--requests", "1024", "--input-len", "8",
@@ -240,6 +242,7 @@ def test_it_holds_1024_concurrent_streams(server, bench):
     assert step["engine"]["running_max"] > 900
 
 
+@pytest.mark.process
 def test_prompts_are_exactly_input_len_where_the_server_tokenizes(server, bench):
     fake = server("--tokenize", "--token-delay", "0")
     out = bench("--url", fake.url, "--concurrency", "1,2", "--requests", "8", "--input-len", "64",
@@ -280,6 +283,7 @@ def activity_cells(line: str) -> list[str]:
     return line.split()[12:16]
 
 
+@pytest.mark.process
 def test_bench_on_the_simulator_names_decode_memory_bound_and_prefill_compute_bound(sim_bench, tmp_path):
     model = tmp_path / "model"
     model.mkdir()
@@ -320,6 +324,7 @@ def test_bench_on_the_simulator_names_decode_memory_bound_and_prefill_compute_bo
     assert "; measured at C=1: compute-bound (SM " in line
 
 
+@pytest.mark.process
 def test_gpus_without_gpm_show_a_dash_and_say_why_once(server, bench, write):
     conf = write("spark.yaml", "gpu: {backend: sim, scenario: dgx-spark}\nmetrics: {listen: none}\n")
     fake = server()
@@ -339,6 +344,7 @@ def test_gpus_without_gpm_show_a_dash_and_say_why_once(server, bench, write):
 
 # -- against the real CPU vLLM ----------------------------------------------------------------------------------
 
+@pytest.mark.process
 @pytest.mark.vllm
 def test_against_the_real_cpu_vllm_under_the_daemon(served, tmp_path):
     """A 2-step sweep of the vLLM gpuwarden supervises (sim GPUs, read through the daemon's /status): every

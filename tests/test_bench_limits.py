@@ -12,7 +12,6 @@ from conftest import free_port, gpuwarden_cmd, subprocess_env
 from gpuwarden.config import DEFAULT_PATH
 from test_bench import server  # noqa: F401 (the fixture)
 
-pytestmark = pytest.mark.process
 
 MiB = 1 << 20
 # Runs its command and prints the peak RSS of it (its only child), in KiB.
@@ -46,6 +45,7 @@ def one_line(err: str) -> str:
     return err.strip()
 
 
+@pytest.mark.process
 def test_a_huge_error_body_is_read_to_its_cap_and_no_further(server, bench):
     fake = server("--error-bytes", str(300 * MiB))
     out = bench("--url", fake.url, wrap=(sys.executable, "-c", PEAK_RSS))
@@ -58,6 +58,7 @@ def test_a_huge_error_body_is_read_to_its_cap_and_no_further(server, bench):
                                        "64 KiB, not read)"
 
 
+@pytest.mark.process
 def test_a_stream_that_never_ends_is_cut_at_the_duration_plus_the_grace(server, bench):
     fake = server("--endless", "--token-delay", "0.2", "--good-first", "1")  # the calibration is served whole
     start = time.monotonic()
@@ -80,6 +81,7 @@ def test_a_stream_that_never_ends_is_cut_at_the_duration_plus_the_grace(server, 
     assert 0.75 - 0.05 <= step["duration_s"] < 0.75 + 5
 
 
+@pytest.mark.process
 def test_a_server_that_ignores_max_tokens_is_an_error_at_its_chunk_cap(server, bench):
     fake = server("--endless", "--token-delay", "0", "--good-first", "1")  # a flood of tokens, never ending
     out = bench("--url", fake.url, "--concurrency", "1", "--requests", "2", "--warmup", "0",
@@ -91,6 +93,7 @@ def test_a_server_that_ignores_max_tokens_is_an_error_at_its_chunk_cap(server, b
     assert no_stream_left(fake), "a stream was left open"
 
 
+@pytest.mark.process
 def test_a_token_every_ten_minutes_is_cut_at_the_step_or_the_request_deadline(server, bench):
     fake = server("--token-delay", "600", "--good-first", "1")
     table = bench("--url", fake.url, "--concurrency", "2", "--duration", "1", "--warmup", "0")
@@ -113,6 +116,7 @@ def test_a_token_every_ten_minutes_is_cut_at_the_step_or_the_request_deadline(se
     assert no_stream_left(fake) and no_stream_left(slow), "a stream was left open"
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("event,error", [
     ("[1]", "ValueError: an event that is not a JSON object: [1]"),
     ('{"usage": {"completion_tokens": [1]}}', "TypeError: int() argument must be a string"),
@@ -125,6 +129,7 @@ def test_a_malformed_event_is_one_line_not_a_traceback(server, bench, event, err
     assert one_line(out.stderr).startswith(f"gpuwarden bench: the first request failed: {error}")
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("body,says", [("[1]", "did not answer a list of models"),
                                        ('{"data": 5}', "did not answer a list of models"),
                                        ('{"data": [{"id": [1]}]}', "lists no model"),
@@ -136,6 +141,7 @@ def test_a_malformed_model_list_is_one_line_not_a_traceback(server, bench, body,
     assert one_line(out.stderr).startswith(f"gpuwarden bench: {fake.url}/v1/models {says}")
 
 
+@pytest.mark.process
 def test_with_url_no_config_file_is_needed(server, bench, tmp_path):
     fake = server()
     args = ("--url", fake.url, "--concurrency", "1", "--requests", "2", "--output-len", "4", "--json")

@@ -7,9 +7,8 @@ import pytest
 
 from conftest import ROOT, subprocess_env
 
-pytestmark = pytest.mark.process
 
-
+@pytest.mark.process
 @pytest.mark.parametrize("script,expect", [
     ("detection_latency.py", "| 0.25 | 1 | 1 |"),
     ("footprint.py", "/metrics with 8 GPUs, 20 sequential scrapes"),
@@ -23,6 +22,7 @@ def test_benchmark_smoke(script, expect):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.process
 def test_scrape_benchmark_smoke():
     # Against HEAD: a fresh clone has it, and older revisions may need packages this venv lacks.
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scrape.py"), "--smoke", "--before", "HEAD"],
@@ -32,6 +32,7 @@ def test_scrape_benchmark_smoke():
     assert len(rows) == 2 and all(row.split("|")[5].strip() == "0" for row in rows), proc.stdout  # none failed
 
 
+@pytest.mark.process
 def test_soak_smoke_stays_flat_and_leaves_nothing(child_user):
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--smoke"], capture_output=True,
                           text=True, env=subprocess_env(), timeout=180)
@@ -53,6 +54,7 @@ def test_a_lag_is_excused_only_by_the_wait_for_a_cpu_just_before_it():
     assert lags_not_explained_by_waiting(rows((2.5, 1.0), (2.5, 1.0), (2.5, 1.0))) == []
 
 
+@pytest.mark.process
 def test_supervisor_benchmark_smoke():
     # on the tests' stand-in engine: the script's steps in seconds (with vLLM, two starts cost CI four minutes,
     # and test_vllm_e2e SIGKILLs real vLLM and counts its orphans already)
@@ -64,6 +66,7 @@ def test_supervisor_benchmark_smoke():
     assert "every vLLM process gone after" in proc.stdout
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("script", ["sample_cost.py", "roofline.py", "nvml_cold_calls.py"])
 def test_gpu_benchmarks_say_plainly_that_they_need_a_gpu(script):
     # They measure a real card (RESULTS.md has the numbers from the lent H200); here there is none.
@@ -75,6 +78,7 @@ def test_gpu_benchmarks_say_plainly_that_they_need_a_gpu(script):
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.process
 def test_the_lint_names_nine_in_ten_registry_traps_and_no_near_miss_draws_a_finding():
     # every visible trap of the community registry through the lint in-process (under a second): the issue's bar
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "lint_registry.py"), "--check"],

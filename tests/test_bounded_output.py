@@ -37,6 +37,7 @@ def _argv(writer, stream):
     return [PYTHON, "-c", FLOOD.format(stream)]  # Python ignores SIGXFSZ: its write fails with EFBIG
 
 
+@pytest.mark.process
 @needs_python
 @pytest.mark.parametrize("via", ["popen", "helper"])  # `check --deep`'s path, and a reload's (its own group)
 @pytest.mark.parametrize("writer", ["yes", "python"])
@@ -62,6 +63,7 @@ def test_a_child_that_prints_without_end_is_stopped_at_the_limit(who, via, write
     assert done.stopped == "it wrote more than 4 MiB of output"
 
 
+@pytest.mark.process
 @needs_python
 def test_the_limit_is_on_run_bounded_children_never_on_the_engine(who):
     """The engine writes caches and may write large files: ProcessOps.spawn starts it with our own limit."""
@@ -98,6 +100,7 @@ def flooding_python(tmp_path, monkeypatch):
     return str(script)
 
 
+@pytest.mark.process
 def test_a_probe_that_floods_is_no_answer_in_one_line(flooding_python, tmp_path):
     me = Identity("me", os.geteuid(), os.getegid(), str(tmp_path), (), switch=False)
     found = installed_mod.installed(flooding_python, me, {"PATH": os.defpath}, timeout_s=TIMEOUT_S)
@@ -105,6 +108,7 @@ def test_a_probe_that_floods_is_no_answer_in_one_line(flooding_python, tmp_path)
     assert found.error == f"{flooding_python} stopped: it wrote more than 4 MiB of output"
 
 
+@pytest.mark.process
 def test_a_flag_check_that_floods_is_no_answer_in_one_line(flooding_python, tmp_path):
     me = Identity("me", os.geteuid(), os.getegid(), str(tmp_path), (), switch=False)
     serve = SimpleNamespace(python=flooding_python)

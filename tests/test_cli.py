@@ -92,6 +92,7 @@ def test_nvml_unavailable_is_one_line_exit_69(cli):
     assert status == 69 and len(err.strip().splitlines()) == 1 and err.startswith("gpuwarden: NVML")
 
 
+@pytest.mark.process
 def test_run_with_a_value_the_card_rejects_exits_78_before_touching_anything(write):
     path = write("g.yaml", "tuning:\n  power_limit_w: 160\n")
     proc = subprocess.run(gpuwarden_cmd() + ["run", "-c", str(path), "--sim", "rtx-pro-4000-headless"],
@@ -101,6 +102,7 @@ def test_run_with_a_value_the_card_rejects_exits_78_before_touching_anything(wri
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.process
 def test_console_script_is_installed():
     import sys
     from pathlib import Path
@@ -110,6 +112,7 @@ def test_console_script_is_installed():
     assert proc.returncode == 0 and proc.stdout.strip() == f"gpuwarden {__version__}"
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("serve,says", [
     ("  profile: genric\n", "serve.profile: no profile named 'genric'"),
     ("  gpus: [7]\n", "serve.gpus.0: no GPU '7' on this host"),

@@ -143,6 +143,7 @@ def test_scenario_file_errors_point_into_the_scenario(cli, write):
     assert f"{scenario}:4: gpus.0.compute_capability: expected a quoted" in err
 
 
+@pytest.mark.process
 def test_real_process_exits_78_without_traceback(write):
     path = write("gpuwarden.yaml", "tuning:\n  gpu_clocks: [3090, 2400]\n")
     for command in ("check", "plan", "apply", "run"):

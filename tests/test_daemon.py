@@ -18,8 +18,6 @@ from conftest import DEFAULT_CONFIG, free_port, gpuwarden_cmd, subprocess_env
 from gpuwarden.base.systemd import JournalFormatter, stderr_is_journal
 from harness.run_queue import CpuWait
 
-pytestmark = pytest.mark.process  # real daemon processes: seconds each
-
 
 def write_config(write, text="", name="gpuwarden.yaml"):
     port = free_port()
@@ -44,6 +42,7 @@ def value(families, metric, **labels):
     raise KeyError(f"{metric}{labels}")
 
 
+@pytest.mark.process
 def test_done_when_read_only_warns_within_2_5_s_and_metrics_agree(write, daemons):
     path, base = write_config(write, "tuning:\n  apply: false\n")
     started = time.monotonic()
@@ -65,6 +64,7 @@ def test_done_when_read_only_warns_within_2_5_s_and_metrics_agree(write, daemons
     assert d.stop() == 0
 
 
+@pytest.mark.process
 def test_done_when_applied_locks_raise_no_clock_alert(write, daemons):
     path, base = write_config(write)
     d = daemons(path, "--sim", "rtx-pro-4000-headless")
@@ -78,6 +78,7 @@ def test_done_when_applied_locks_raise_no_clock_alert(write, daemons):
     assert d.stop() == 0
 
 
+@pytest.mark.process
 def test_metrics_cover_the_contract(write, daemons):
     path, base = write_config(write, "counters_interval_s: 1\n")
     d = daemons(path, "--sim", "rtx-pro-4000-headless")
@@ -104,6 +105,7 @@ def test_metrics_cover_the_contract(write, daemons):
     d.stop()
 
 
+@pytest.mark.process
 def test_promtool_accepts_the_scrape(write, daemons, tmp_path):
     promtool = shutil.which("promtool")
     if promtool is None:
@@ -120,6 +122,7 @@ def test_promtool_accepts_the_scrape(write, daemons, tmp_path):
     d.stop()
 
 
+@pytest.mark.process
 def test_status_command_shows_the_daemons_view(write, daemons, cli):
     path, base = write_config(write, "tuning:\n  apply: false\n")
     d = daemons(path, "--sim", "rtx-pro-4000-headless")
@@ -137,6 +140,7 @@ def test_status_command_shows_the_daemons_view(write, daemons, cli):
     assert status == 3 and out.strip() == f"gpuwarden is not running (nothing answers on {base})"
 
 
+@pytest.mark.process
 def test_journal_priority_prefixes_when_stderr_is_the_journal(write, tmp_path):
     path, _ = write_config(write, "tuning:\n  apply: false\nlog_interval_s: 3600\n")
     log_file = tmp_path / "journal"
@@ -155,6 +159,7 @@ def test_journal_priority_prefixes_when_stderr_is_the_journal(write, tmp_path):
     assert not [line for line in lines if re.match(r"<[0-4]>", line) and "firing" not in line]
 
 
+@pytest.mark.process
 def test_plain_log_lines_without_journal(write):
     path, _ = write_config(write, "tuning:\n  apply: false\n")
     proc = subprocess.run(gpuwarden_cmd() + ["run", "-c", str(path), "--sim", "rtx-pro-4000-headless",
@@ -190,6 +195,7 @@ def notify_socket(tmp_path):
     sock.close()
 
 
+@pytest.mark.process
 def test_sd_notify_ready_status_watchdog_stopping(write, notify_socket):
     path, _ = write_config(write)
     sock, sock_path = notify_socket
@@ -216,6 +222,7 @@ def test_sd_notify_ready_status_watchdog_stopping(write, notify_socket):
         proc.kill()
 
 
+@pytest.mark.process
 def test_watchdog_pings_at_half_the_timeout(write, notify_socket):
     path, _ = write_config(write, "poll_interval_s: 5\n")  # the poll alone would be far too slow
     path.write_text(path.read_text().replace("poll_interval_s: 0.5\n", ""))
@@ -237,6 +244,7 @@ def test_watchdog_pings_at_half_the_timeout(write, notify_socket):
         proc.wait(10)
 
 
+@pytest.mark.process
 def test_sighup_with_a_good_config_applies_new_tuning(write, daemons):
     path, base = write_config(write)
     d = daemons(path, "--sim", "rtx-pro-4000-headless")
@@ -250,6 +258,7 @@ def test_sighup_with_a_good_config_applies_new_tuning(write, daemons):
     assert d.stop() == 0 and "Traceback" not in d.log
 
 
+@pytest.mark.process
 def test_sighup_with_a_bad_config_keeps_running(write, daemons):
     path, base = write_config(write)
     d = daemons(path, "--sim", "rtx-pro-4000-headless")
@@ -278,6 +287,7 @@ def catches(pid, sig) -> bool:
     return bool(int(fields.get("SigCgt", "0"), 16) >> (sig - 1) & 1)
 
 
+@pytest.mark.process
 def test_a_sighup_during_start_up_is_a_reload_not_death(write, daemons):
     """Before the loop exists (imports, config, NVML: seconds on a busy host), SIGHUP used to end the daemon
     with 129 and no log line. Now it is held from the entry point on and carried out as a reload once the loop
@@ -301,6 +311,7 @@ def test_a_sighup_during_start_up_is_a_reload_not_death(write, daemons):
     assert d.stop() == 0 and "Traceback" not in d.log
 
 
+@pytest.mark.process
 def test_a_storm_of_sighups_costs_at_most_one_reload_per_poll(write, daemons):
     """100 SIGHUPs with the config flipping between two tunings: reloads are coalesced to at most one per poll,
     the polls stay on schedule, and the watchdog never goes hungry."""
@@ -326,6 +337,7 @@ def test_a_storm_of_sighups_costs_at_most_one_reload_per_poll(write, daemons):
     assert d.stop() == 0 and "Traceback" not in d.log
 
 
+@pytest.mark.process
 def test_sighup_dropping_a_lock_resets_it(write, daemons):
     path, base = write_config(write)
     d = daemons(path, "--sim", "lock-lost")
@@ -339,6 +351,7 @@ def test_sighup_dropping_a_lock_resets_it(write, daemons):
     d.stop()
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_stop_signals_restore_when_configured_and_exit_0(write, daemons, sig):
     path, _ = write_config(write, "tuning:\n  restore_on_stop: true\n")
@@ -348,6 +361,7 @@ def test_stop_signals_restore_when_configured_and_exit_0(write, daemons, sig):
     assert "restore GPU 0 gpu_clocks" in d.log and "Traceback" not in d.log
 
 
+@pytest.mark.process
 def test_signals_at_start_up_leave_no_traceback(write):
     path, _ = write_config(write)
     cmd = gpuwarden_cmd() + ["run", "-c", str(path), "--sim", "rtx-pro-4000-headless"]
@@ -383,6 +397,7 @@ def notices(sock, want, unless=None):
             return data
 
 
+@pytest.mark.process
 def test_a_held_metrics_port_is_waited_for_while_the_daemon_tunes_and_runs(write, daemons, tmp_path):
     port = free_port()
     holder = subprocess.Popen(["setpriv", "--reuid", "nobody", "--regid", "nogroup", "--clear-groups",
@@ -420,6 +435,7 @@ def test_a_held_metrics_port_is_waited_for_while_the_daemon_tunes_and_runs(write
         notify.close()
 
 
+@pytest.mark.process
 def test_a_metrics_address_that_cannot_be_bound_is_one_line(write):
     path = write("g.yaml", "metrics:\n  listen: 192.0.2.1:9999\n")  # TEST-NET-1: no address of this host
     proc = subprocess.run(gpuwarden_cmd() + ["run", "-c", str(path), "--sim", "lock-lost"],
@@ -437,6 +453,7 @@ def test_default_listen_is_loopback_off_the_other_exporters_ports():
     assert host == "127.0.0.1" and port not in (9400, 9835)
 
 
+@pytest.mark.process
 def test_persistence_left_to_nvidia_persistenced_raises_no_alert(write, daemons):
     # nvidia-persistenced runs with --no-persistence-mode: persistence reads off on every GPU, for good.
     path, base = write_config(write)
@@ -477,6 +494,7 @@ def test_status_says_so_when_something_else_answers(write, cli):
                            f"http://127.0.0.1:{server.server_address[1]} (HTTP 200)")
 
 
+@pytest.mark.process
 def test_a_flapping_hardware_slowdown_alerts_through_the_daemon(write, daemons):
     path, base = write_config(write, "counters_interval_s: 1\ntuning:\n  apply: false\n")
     path.write_text(path.read_text().replace("alerts:\n  for_s: 1\n", "alerts:\n  for_s: 2\n"))
@@ -487,6 +505,7 @@ def test_a_flapping_hardware_slowdown_alerts_through_the_daemon(write, daemons):
     assert d.stop() == 0
 
 
+@pytest.mark.process
 def test_a_gpu_unreadable_at_start_is_locked_once_it_answers(write, daemons):
     path, base = write_config(write)
     d = daemons(path, "--sim", "gpu-lost-at-start")
@@ -501,6 +520,7 @@ def test_a_gpu_unreadable_at_start_is_locked_once_it_answers(write, daemons):
     assert d.stop() == 0
 
 
+@pytest.mark.process
 def test_status_finds_the_daemon_after_a_reload_changed_metrics_listen(write, daemons, tmp_path):
     runtime = tmp_path / "run"
     runtime.mkdir()

@@ -81,6 +81,7 @@ def broken_links(site: Path) -> list[str]:
     return sorted(set(broken))
 
 
+@pytest.mark.process
 def test_every_link_inside_the_built_site_lands_on_a_page_and_an_anchor(site):
     assert len(list(site.rglob("*.html"))) > 15
     broken = broken_links(site)

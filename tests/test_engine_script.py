@@ -3,6 +3,7 @@ its #! line to find the engine's interpreter (flagcheck.engine_python) at every 
 check. A FIFO planted there held the daemon's start in open() for good (no log line, no READY); a link to
 /dev/zero had readline() take 1.4 GB in 6 s. The line is read without waiting, from a regular file, capped."""
 
+import pytest
 import os
 import threading
 
@@ -43,6 +44,7 @@ def test_a_fifo_or_a_link_to_dev_zero_at_the_engines_script_is_no_interpreter_an
     assert _in_time(lambda: engine_python(serve, [str(long_line), "serve"])) == "/opt/venv/bin/python3"
 
 
+@pytest.mark.process
 def test_doctor_prints_the_engine_interpreters_text_escaped(write, fake, tmp_path):
     """The engine's interpreter is serve.user's: its stderr reaches doctor's findings (installed versions, flag
     check), which root reads on a terminal. An OSC 52 / clear-screen there was printed raw."""

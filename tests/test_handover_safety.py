@@ -19,7 +19,6 @@ from gpuwarden.serving.run import handover
 from test_adoption import env_with_state, running_pid
 from test_faults import fake, fault_config, no_fakes_left, status, wait_until  # noqa: F401 (fixtures)
 
-pytestmark = pytest.mark.process
 
 KEY_ON_COMMAND_LINE = "serve:\n  args: [--api-key, x]\n"  # lint api-key-on-command-line, an error
 
@@ -35,6 +34,7 @@ def cleanup(env, **result):
                           timeout=60)
 
 
+@pytest.mark.process
 def test_a_handover_the_new_image_would_refuse_is_refused_and_the_old_image_keeps_serving(
         write, fake, daemons, tmp_path, no_fakes_left):
     path, base, port = fault_config(write, fake, "healthy,chatty")
@@ -67,6 +67,7 @@ def test_a_handover_the_new_image_would_refuse_is_refused_and_the_old_image_keep
     assert handover.start_ticks(pid) is None
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("how", ["crash", "handover"])
 def test_a_start_that_fails_with_an_engine_to_adopt_leaves_it_serving_for_the_next_daemon(
         write, fake, daemons, tmp_path, no_fakes_left, how):
@@ -104,6 +105,7 @@ def test_a_start_that_fails_with_an_engine_to_adopt_leaves_it_serving_for_the_ne
     assert cleanup(env, SERVICE_RESULT="success", EXIT_STATUS="0").returncode == 0
 
 
+@pytest.mark.process
 def test_cleanup_keeps_what_a_failed_start_left_and_ends_what_a_stop_left(tmp_path):
     env, folder = env_with_state(tmp_path)
     argv = [sys.executable, "-c", "import time; time.sleep(60)"]
@@ -163,6 +165,7 @@ print(sorted(signal.Signals(s).name for s in waker.wait(0)))
 """
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("handover_env", [True, False])
 def test_a_sigusr2_sent_before_the_exec_is_not_a_second_handover(handover_env):
     """The new image gets the SIGUSR2s that waited (blocked) across the exec: those asked for the code it runs.
@@ -176,6 +179,7 @@ def test_a_sigusr2_sent_before_the_exec_is_not_a_second_handover(handover_env):
     assert ("already handed over" in out.stderr) == handover_env
 
 
+@pytest.mark.process
 def test_a_new_image_whose_loader_refuses_the_config_leaves_the_engine_serving(
         write, fake, daemons, tmp_path, no_fakes_left):
     """The old image checked the config with its own loader; the new release's loader may refuse it (a key it

@@ -17,8 +17,6 @@ from conftest import free_port, gpuwarden_cmd, subprocess_env
 from gpuwarden.watch.health_record import HealthRecord
 from test_health_record import FORGED_TIMES, record_with_time
 
-pytestmark = pytest.mark.process
-
 
 class Host:
     """A config on the simulated RTX PRO 4000 pair, its state and runtime folders, and the commands run on it."""
@@ -73,6 +71,7 @@ def write_record(h: Host, uuid: str, boots: int):
     record.save()
 
 
+@pytest.mark.process
 def test_health_shows_states_and_counts_and_clear_records_who_across_restarts(host):
     host.start()
     first, second = uuids(host)
@@ -104,6 +103,7 @@ def test_health_shows_states_and_counts_and_clear_records_who_across_restarts(ho
     assert "(was: xid79 x3)" in out
 
 
+@pytest.mark.process
 def test_a_gpu_named_by_uuid_or_by_its_index_now_is_cleared_and_a_bad_name_is_one_line(host):
     host.start()
     _, second = uuids(host)
@@ -125,6 +125,7 @@ def test_a_gpu_named_by_uuid_or_by_its_index_now_is_cleared_and_a_bad_name_is_on
     assert "\x1b" not in host.daemon.log
 
 
+@pytest.mark.process
 def test_clear_without_a_daemon_or_from_a_read_only_one_is_one_line_and_the_record_is_still_shown(tmp_path, daemons):
     h = Host(tmp_path, daemons)
     write_record(h, "GPU-a", 2)
@@ -140,6 +141,7 @@ def test_clear_without_a_daemon_or_from_a_read_only_one_is_one_line_and_the_reco
     assert status == 69 and "a read-only daemon opens no control socket" in err and len(err.splitlines()) == 1
 
 
+@pytest.mark.process
 def test_bad_arguments_are_one_line():
     env = subprocess_env()
     for args, said in ((["clear"], "health clear: name the GPU"), (["0"], "did you mean `gpuwarden health clear 0`")):
@@ -155,6 +157,7 @@ def test_a_caller_not_root_is_told_in_one_line(cli, monkeypatch):
          "(sudo gpuwarden health clear GPU)")]
 
 
+@pytest.mark.process
 def test_another_user_cannot_clear_through_the_socket(daemons):
     """nobody, reaching the socket's folder, is stopped by the socket's mode: the record keeps its counts."""
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
@@ -204,6 +207,7 @@ def test_not_reported_where_the_daemon_has_no_health_and_what_it_reports_escaped
     assert json.loads(out)["gpus"][0]["reasons"] == ["Xid 79\x1b]52;c;aGk=\x07", "lost"]
 
 
+@pytest.mark.process
 def test_gpuwarden_health_on_a_record_of_forged_times_prints_one_line_not_a_traceback(tmp_path):
     conf = tmp_path / "conf.yaml"
     conf.write_text("gpu: {backend: sim, scenario: rtx-pro-4000-headless}\nmetrics: {listen: none}\n")

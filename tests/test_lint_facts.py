@@ -270,6 +270,7 @@ def test_a_bad_fact_in_rules_d_stops_check_with_78_and_one_line(write, cli, chil
     assert "Traceback" not in err
 
 
+@pytest.mark.process
 def test_profiles_show_explains_a_finding_with_its_link_and_facts(write, cli, child_user, monkeypatch, tmp_path):
     """The driver comes from the simulator's scenario; the model from a local directory."""
     monkeypatch.setenv("STATE_DIRECTORY", str(tmp_path / "state"))

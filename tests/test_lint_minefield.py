@@ -109,6 +109,7 @@ def with_rule(case: dict):
     return pytest.param(case, marks=pytest.mark.xfail(reason=f"no built-in rule names trap {case['trap']} yet"))
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("case", [with_rule(c) for c in CASES["cases"]], ids=[c["trap"] for c in CASES["cases"]])
 def test_a_visible_trap_is_named_and_its_documented_fix_is_not(case, tmp_path, cli, child_user, fake_python,
                                                                monkeypatch):

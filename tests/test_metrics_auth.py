@@ -60,6 +60,7 @@ def users():
     return tuple((f"scraper{i}", hashed()) for i in range(SCRAPERS)) + (("prometheus", hashed()),)
 
 
+@pytest.mark.process
 def test_a_scraper_never_let_in_before_gets_through_a_crowd_guessing_from_another_address(serve, cert, users):
     port = serve(WebConfig("web.yml", *cert, users=users))
     context = client_context(cert)

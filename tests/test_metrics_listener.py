@@ -21,7 +21,6 @@ import pytest
 from conftest import DaemonProcess, free_port, gpuwarden_cmd, subprocess_env
 from test_faults import FLAGCHECK, fake, fault_config, no_fakes_left  # noqa: F401 (fixtures)
 
-pytestmark = pytest.mark.process  # real daemon processes: seconds each
 
 O_CLOEXEC = 0o2000000  # as /proc/PID/fdinfo shows the flags (octal)
 SQUATTER = """
@@ -95,6 +94,7 @@ def squatter():
         proc.wait(10)
 
 
+@pytest.mark.process
 def test_a_handover_keeps_the_metrics_port_from_a_local_user_looping_bind(write, daemons, squatter):
     port = free_port()
     d = daemons(config(write, port), "--sim", "lock-lost")
@@ -156,6 +156,7 @@ def notify(tmp_path):
     sock.close()
 
 
+@pytest.mark.process
 def test_a_restart_takes_the_metrics_socket_back_from_the_fd_store(write, tmp_path, notify):
     port = free_port()
     held = socket.create_server(("127.0.0.1", port))  # what the fd store kept of the daemon before
@@ -174,6 +175,7 @@ def test_a_restart_takes_the_metrics_socket_back_from_the_fd_store(write, tmp_pa
         held.close()
 
 
+@pytest.mark.process
 def test_a_stored_metrics_socket_on_another_address_is_closed_and_the_port_bound_anew(write, tmp_path, notify):
     port = free_port()
     stale = socket.create_server(("127.0.0.1", 0))  # metrics.listen changed since it was stored
@@ -203,6 +205,7 @@ echo 'GPUWARDEN-FLAGCHECK {{"ok": true, "error": null, "version": "0.0.0+fake"}}
 """
 
 
+@pytest.mark.process
 def test_the_passed_on_metrics_socket_is_close_on_exec_before_the_start_runs_the_engines_interpreter(
         write, tmp_path, notify, fake, no_fakes_left):
     """A crash restart (the fd store's socket at fd 3, inheritable as systemd passes it): the socket is taken,

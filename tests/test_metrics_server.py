@@ -90,6 +90,7 @@ def fault_counts(caplog) -> dict[str, int]:
     return counts
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("tls", [False, True], ids=["http", "https"])
 def test_clients_trickling_their_requests_hold_no_slot_that_a_scrape_needs(serve, cert, tls):
     web = WebConfig("web.yml", *cert) if tls else None
@@ -114,6 +115,7 @@ def test_clients_trickling_their_requests_hold_no_slot_that_a_scrape_needs(serve
             s.close()
 
 
+@pytest.mark.process
 def test_scrapes_over_tls_leave_no_fault_in_the_log(serve, cert, caplog):
     port = serve(WebConfig("web.yml", *cert))
     caplog.set_level(logging.INFO, logger="gpuwarden")

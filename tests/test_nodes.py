@@ -512,6 +512,7 @@ def test_the_socket_table_is_read_off_the_loop_and_once_a_probe_period(tmp_path)
         program.tick(clock.now)
 
 
+@pytest.mark.process
 def test_the_rendezvous_watch_reads_real_connections_and_ignores_a_process_that_connects_and_leaves():
     import dataclasses
     import subprocess
@@ -635,6 +636,7 @@ def test_a_running_head_reads_the_socket_table_once_a_period_while_its_health_an
     assert len(calls) == 1, calls
 
 
+@pytest.mark.process
 @pytest.mark.skipif(os.geteuid() != 0, reason="a connection of another uid needs root to start a process as nobody")
 def test_a_local_connection_of_another_user_is_no_rank_however_long_it_stays():
     import dataclasses

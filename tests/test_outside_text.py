@@ -194,6 +194,7 @@ def test_a_status_with_a_line_end_is_one_field_of_the_datagram(tmp_path):
     assert status.split(b"\n") == [b"STATUS=port 8000 held by pid 8 (user bob, \\x1b\\rSTOPPING=1)"]
 
 
+@pytest.mark.process
 def test_a_process_name_with_a_line_end_or_bytes_not_utf8_is_described_on_one_line():
     # A real process names itself, as any local user's can (prctl PR_SET_NAME, or its own comm file).
     child = subprocess.Popen([sys.executable, "-c", "import sys, time; open('/proc/self/comm', 'wb').write("

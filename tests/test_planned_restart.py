@@ -184,6 +184,7 @@ def test_a_front_without_a_handler_is_sent_nothing(tmp_path):
     assert proxy.state == RUNNING and not [s for s in ops.sent if s[1] == proxy.child.pid]
 
 
+@pytest.mark.process
 def test_the_handlers_of_a_real_process_are_read_from_proc():
     from gpuwarden.serving.run.processes import ProcessOps
 

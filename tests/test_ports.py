@@ -124,6 +124,7 @@ def check_under_the_unit(host, port, pid, uid):
     return json.loads(out.stdout)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("ours, theirs, v6only", [("127.0.0.1", "127.0.0.2", False), ("0.0.0.0", "::1", True),
                                                   ("127.0.0.1", "::", True), ("::1", "127.0.0.1", False)])
 def test_a_local_users_listener_on_another_address_leaves_the_port_ours_under_the_unit(child_user, ours, theirs,
@@ -144,6 +145,7 @@ def test_a_local_users_listener_on_another_address_leaves_the_port_ours_under_th
     assert who == f"a process of user {child_user}"
 
 
+@pytest.mark.process
 def test_a_local_user_on_the_wildcard_that_takes_the_childs_address_is_still_refused(child_user):
     needs_root_and_setpriv()
     port = free_port()

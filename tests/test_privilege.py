@@ -18,7 +18,6 @@ import pytest
 
 from conftest import free_port, gpuwarden_cmd, subprocess_env, users_locked
 
-pytestmark = pytest.mark.process
 SECRET = "sk-planted-0123456789"
 
 RECORD = '''
@@ -125,6 +124,7 @@ def assert_unprivileged(lines, uid):
         assert fields == {"uid": str(uid), "euid": str(uid), "caps": "0000000000000000", "nnp": "1"}, line
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("command", [["check", "--deep"], ["doctor"]])
 def test_checks_run_vllms_code_as_the_serving_user_without_capabilities(write, planted, command):
     planted["log"].unlink(missing_ok=True)
@@ -138,6 +138,7 @@ def test_checks_run_vllms_code_as_the_serving_user_without_capabilities(write, p
     assert SECRET not in proc.stdout + proc.stderr
 
 
+@pytest.mark.process
 def test_run_starts_the_flag_check_and_the_child_unprivileged_with_only_the_allowed_environment(write, planted,
                                                                                               daemons, tmp_path):
     planted["log"].unlink(missing_ok=True)
@@ -174,6 +175,7 @@ def test_run_starts_the_flag_check_and_the_child_unprivileged_with_only_the_allo
     assert SECRET not in d.log and SECRET not in json.dumps(state) and SECRET not in profiles.stdout
 
 
+@pytest.mark.process
 def test_secrets_in_a_file_others_can_read_are_refused(write, planted):
     path, _ = config(write, planted)
     secrets = path.parent / "vllm.env"
@@ -186,6 +188,7 @@ def test_secrets_in_a_file_others_can_read_are_refused(write, planted):
     assert SECRET not in proc.stderr
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("kind", ["directory", "symlink"])
 def test_an_env_file_that_is_a_directory_or_a_link_is_one_line_in_words(write, planted, kind):
     """A directory gave an IsADirectoryError traceback, exit 1 and a leaked fd; a link "Too many levels of
@@ -219,6 +222,7 @@ def test_reading_a_directory_as_an_env_file_leaks_no_descriptor(tmp_path):
     assert len(os.listdir("/proc/self/fd")) == before
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("kind", ["uid-0 alias", "member of sudo"])
 def test_serve_user_that_is_root_by_another_name_is_refused(write, planted, kind):
     name = "gw-toor-test" if kind == "uid-0 alias" else "gw-sudoer-test"

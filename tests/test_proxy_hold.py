@@ -18,7 +18,6 @@ from gpuwarden.serving.run.spec import HOLDING_LINES, RELEASED_LINE
 from test_proxy import HERE, Process, send
 from test_proxy_limits import closed_by_peer, metric, open_socket
 
-pytestmark = pytest.mark.process
 CHAT = "/v1/chat/completions"
 
 
@@ -134,6 +133,7 @@ def test_the_hold_settings_reach_the_proxy_child_and_are_checked(tmp_path, cli):
         assert status == 78 and err.count("\n") == 1 and "--hold-s must be 0 to 3600 s" in err, err
 
 
+@pytest.mark.process
 def test_requests_sent_while_the_engine_is_down_complete_once_it_is_back(rig):
     engine = rig.engine()
     proxy = rig.proxy("--hold-s", "60")
@@ -162,6 +162,7 @@ def test_requests_sent_while_the_engine_is_down_complete_once_it_is_back(rig):
     assert not lines(proxy, "unreachable") and not lines(proxy, "Traceback"), proxy.lines
 
 
+@pytest.mark.process
 def test_an_engine_answering_503_while_it_starts_gets_the_request_again_once_ready(rig):
     engine = rig.engine("--unready-s", "2.5")
     proxy = rig.proxy("--hold-s", "60")
@@ -172,6 +173,7 @@ def test_an_engine_answering_503_while_it_starts_gets_the_request_again_once_rea
     assert engine.get_json("/debug/open")["requests"] == 1  # and the request reached it once it was ready
 
 
+@pytest.mark.process
 def test_a_503_from_an_engine_whose_health_answers_passes_through_at_once(rig):
     engine = rig.engine()
     proxy = rig.proxy("--hold-s", "60")
@@ -183,6 +185,7 @@ def test_a_503_from_an_engine_whose_health_answers_passes_through_at_once(rig):
     assert engine.get_json("/debug/open")["requests"] == 3 and not lines(proxy, "holding requests"), proxy.lines
 
 
+@pytest.mark.process
 def test_past_hold_max_the_budget_or_hold_s_a_request_gets_503_with_retry_after(rig):
     engine = rig.engine()
     proxy = rig.proxy("--hold-s", "6", "--hold-max", "12", "--max-body-bytes", "100000")
@@ -207,6 +210,7 @@ def test_past_hold_max_the_budget_or_hold_s_a_request_gets_503_with_retry_after(
     assert metric(proxy, "gpuwarden_proxy_body_bytes") == 0 and held_now(proxy) == 0
 
 
+@pytest.mark.process
 def test_a_client_that_leaves_while_held_is_dropped_and_the_engine_never_sees_it(rig):
     engine = rig.engine()
     proxy = rig.proxy("--hold-s", "60")
@@ -224,6 +228,7 @@ def test_a_client_that_leaves_while_held_is_dropped_and_the_engine_never_sees_it
     assert lines(proxy, "engine back")[0].endswith(": 0 held requests forwarded, 0 refused, 1 gone before")
 
 
+@pytest.mark.process
 def test_hold_s_0_gives_502_at_once(rig):
     engine = rig.engine()
     proxy = rig.proxy("--hold-s", "0")
@@ -234,6 +239,7 @@ def test_hold_s_0_gives_502_at_once(rig):
     assert not lines(proxy, "holding requests") and "no hold while the engine is down" in proxy.lines[0]
 
 
+@pytest.mark.process
 def test_a_stream_in_flight_when_the_engine_goes_away_is_cut_and_never_sent_again(rig):
     engine = rig.engine()
     proxy = rig.proxy("--hold-s", "60")
@@ -255,6 +261,7 @@ def test_a_stream_in_flight_when_the_engine_goes_away_is_cut_and_never_sent_agai
 
 # -- as a hostile client would -------------------------------------------------------------------------------
 
+@pytest.mark.process
 def test_a_body_trickled_in_while_the_engine_is_down_is_closed_and_never_held(rig):
     engine = rig.engine()
     proxy = rig.proxy("--hold-s", "60", "--client-timeout", "1")
@@ -305,6 +312,7 @@ def accepted(pid, port) -> int:
     return count
 
 
+@pytest.mark.process
 def test_a_crowd_held_through_a_restart_that_never_comes_back_is_bounded_and_then_refused(rig):
     """300 clients against an engine that never returns, under a 1024-fd limit: 192 held (half the connection
     cap), the rest 503 at once; /health and /metrics still answer; at hold_s every held one gets 503, their fds and
@@ -348,6 +356,7 @@ def test_a_crowd_held_through_a_restart_that_never_comes_back_is_bounded_and_the
     print(f"crowd of 300: {held_connections} connections, fds {fds_before} -> {fds_held}, RSS {rss_before} -> {rss_held} KiB")
 
 
+@pytest.mark.process
 def test_told_of_a_planned_stop_the_proxy_holds_new_requests_unsent_until_told_the_engine_is_up(rig):
     """SIGUSR1 (the daemon: the engine drains, its /health still 200): a new request is held without reaching the
     engine; SIGUSR2 (an engine is healthy): it is sent. A 500 while told so (a draining vLLM's answer to a request
@@ -368,6 +377,7 @@ def test_told_of_a_planned_stop_the_proxy_holds_new_requests_unsent_until_told_t
     assert lines(proxy, "engine back after")[0].endswith(": 2 held requests forwarded, 0 refused"), proxy.lines
 
 
+@pytest.mark.process
 def test_told_of_a_planned_stop_the_proxy_sends_again_once_the_engine_was_seen_down_and_back(rig):
     """No SIGUSR2 (a daemon that died meanwhile): /health seen down and then up ends the hold; an engine never seen
     down within hold_s was not restarted after all."""
@@ -395,6 +405,7 @@ def test_told_of_a_planned_stop_the_proxy_sends_again_once_the_engine_was_seen_d
     assert after.status == 200 and after.took < 3
 
 
+@pytest.mark.process
 def test_held_requests_get_503_at_once_when_the_proxy_stops(rig):
     engine = rig.engine()
     proxy = rig.proxy("--hold-s", "60")
@@ -411,6 +422,7 @@ def test_held_requests_get_503_at_once_when_the_proxy_stops(rig):
     assert proxy.proc.wait(10) == 0
 
 
+@pytest.mark.process
 def test_an_engine_that_drops_every_request_while_healthy_gets_502_not_a_loop_of_retries(rig):
     """Closed before it answered, with /health up: not down, so not held (each request would be sent again every
     half second until hold_s, two lines each time); sent once more at once (a keep-alive connection the engine
@@ -425,6 +437,7 @@ def test_an_engine_that_drops_every_request_while_healthy_gets_502_not_a_loop_of
     assert not lines(proxy, "holding requests") and not lines(proxy, "engine back"), proxy.lines
 
 
+@pytest.mark.process
 def test_the_words_repeat_settles_two_that_came_together_in_either_order(rig):
     """The last word of health and a stop's word pending at once are handled in no set order; the daemon repeats
     the standing word a tick later (serving/run/fronts.py), and that one settles it: new requests are held."""
@@ -444,6 +457,7 @@ def test_the_words_repeat_settles_two_that_came_together_in_either_order(rig):
     assert engine.get_json("/debug/open")["requests"] == 5
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("hold_s, answer", [("60", 0), ("0", 1)])
 def test_the_proxy_answers_a_stops_word_once_with_the_whole_line_the_daemon_waits_for(rig, hold_s, answer):
     """The daemon sends the engine SIGTERM once the proxy said it holds (serving/run/fronts.py): one line per

@@ -226,6 +226,7 @@ def test_a_single_loss_releases_the_engine_as_soon_as_the_gpu_is_back():
     assert sup.state in (STARTING, RUNNING) and len(ops.children) == 2
 
 
+@pytest.mark.process
 def test_the_reset_runs_only_where_allowed_and_nobody_else_uses_the_gpu(tmp_path, caplog):
     caplog.set_level("INFO")
     ran = tmp_path / "ran"
@@ -251,6 +252,7 @@ def test_the_reset_runs_only_where_allowed_and_nobody_else_uses_the_gpu(tmp_path
     assert not monitor.events.needs_reset and sup.state == STARTING
 
 
+@pytest.mark.process
 def test_a_reset_that_fails_leaves_the_gpu_waiting_and_is_said_once(caplog):
     argv = lambda i: [sys.executable, "-c", "import sys; print('Unable to reset GPU: in use\\x1b[2J'); sys.exit(3)"]  # noqa: E731
     sup, ops, clock, monitor, recovery = rig(HealthPolicy(reset_gpu=True), argv)
@@ -267,6 +269,7 @@ def test_a_reset_that_fails_leaves_the_gpu_waiting_and_is_said_once(caplog):
     assert len([r for r in caplog.records if "reset failed" in r.getMessage()]) == 2
 
 
+@pytest.mark.process
 def test_the_reset_command_has_a_time_limit_and_its_group_is_killed(tmp_path):
     pidfile = tmp_path / "pid"
     script = f"import os, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); time.sleep(60)"

@@ -81,6 +81,7 @@ def test_every_command_declares_its_exit_statuses():
         assert all(meaning.strip() for _, meaning in command.exits), command.name
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("device", ["utf8", "ascii"])
 def test_groff_renders_the_man_page_without_warnings(device):
     if shutil.which("groff") is None:

@@ -164,6 +164,7 @@ def test_every_entry_is_on_both_pages(entries):
         assert f".TP\n\\fB{e.key.replace('-', chr(92) + '-')}\\fR\n" in man, e.key
 
 
+@pytest.mark.process
 def test_the_man_page_renders_without_warnings():
     if shutil.which("man") is None:
         pytest.fail("man(1) is missing: apt install man-db groff-base")

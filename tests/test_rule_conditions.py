@@ -214,6 +214,7 @@ def test_a_bad_expression_in_rules_d_stops_check_with_78_and_one_line(write, cli
     assert "Traceback" not in err
 
 
+@pytest.mark.process
 def test_profiles_show_says_the_product_and_the_gpu_memory_it_compared(write, cli, child_user, monkeypatch,
                                                                         tmp_path):
     """The memory comes from the simulator's DGX Spark scenario (124416 MiB, shared with the system)."""

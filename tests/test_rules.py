@@ -358,6 +358,7 @@ def test_a_broken_rules_d_file_is_a_file_line_error(tmp_path, text, says):
 
 # -- what is installed ---------------------------------------------------------------------------------------
 
+@pytest.mark.process
 def test_installed_is_asked_once_and_again_when_its_packages_change(tmp_path, monkeypatch):
     me = Identity("me", os.geteuid(), os.getegid(), str(tmp_path), (), switch=False)  # this test's own user
     site = tmp_path / "site"
@@ -391,6 +392,7 @@ def serving_conf(write, child_user, args="[--enforce-eager]"):
                  f"  command: [{sys.executable}, -m, vllm.entrypoints.openai.api_server]\n  args: {args}\n")
 
 
+@pytest.mark.process
 def test_a_rule_in_rules_d_shows_and_blocks_the_start_with_no_code_change(write, cli, child_user, monkeypatch,
                                                                           tmp_path):
     monkeypatch.setenv("STATE_DIRECTORY", str(tmp_path / "state"))

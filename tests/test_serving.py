@@ -640,6 +640,7 @@ def test_profiles_show_redacts_secret_looking_values(write, cli, as_json):
     assert "VLLM_LOGGING_LEVEL" in out and "INFO" in out
 
 
+@pytest.mark.process
 def test_a_user_without_a_writable_home_gets_one_under_the_state_directory(tmp_path):
     from gpuwarden.serving.compose.homes import child_home
 

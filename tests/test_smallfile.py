@@ -27,6 +27,7 @@ def test_a_write_that_fails_halfway_leaves_the_old_file_whole_and_no_temp(tmp_pa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]
 
 
+@pytest.mark.process
 def test_readers_see_the_old_file_or_the_new_never_half_while_processes_write_it(tmp_path):
     """Two processes (the shared temp name of each its own) and a thread of this one write big files in turn;
     every read is one of them whole."""

@@ -131,6 +131,7 @@ def test_write_atomic_gives_the_mode_asked_whatever_the_umask(tmp_path):
     assert (tmp_path / "url").stat().st_mode & 0o777 == 0o644
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("kind", ["fifo", "link"])
 def test_the_daemon_writes_metrics_url_past_a_fifo_or_link(write, daemons, tmp_path, kind):
     from gpuwarden.base import smallfile

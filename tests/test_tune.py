@@ -117,9 +117,6 @@ def rig(tmp_path, daemons):
         r.close()
 
 
-pytestmark = pytest.mark.process
-
-
 # -- the knee against the curve ------------------------------------------------------------------------------
 
 def expected_knee(values, input_len, output_len, keep):
@@ -153,6 +150,7 @@ def _sim_backend(limit_w):
     return backend
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("shape", ["decode", "prefill"])
 def test_tune_finds_the_curves_knee_and_draws_the_chart(rig, tmp_path, shape):
     r = rig()
@@ -208,6 +206,7 @@ def test_tune_finds_the_curves_knee_and_draws_the_chart(rig, tmp_path, shape):
         assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and chart.stat().st_size > 10_000
 
 
+@pytest.mark.process
 def test_a_plot_without_matplotlib_is_one_line(tmp_path):
     shim = tmp_path / "shim" / "matplotlib"
     shim.mkdir(parents=True)
@@ -227,6 +226,7 @@ def test_a_plot_without_matplotlib_is_one_line(tmp_path):
 
 # -- every end of a sweep ------------------------------------------------------------------------------------
 
+@pytest.mark.process
 def test_every_end_of_a_sweep_leaves_the_configured_limit(rig):
     r = rig("tuning: {power_limit_w: 650}\n")
     daemon = r.start_daemon()
@@ -303,6 +303,7 @@ def _ignored_signals(pid: int) -> int:
     return int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigIgn:")), 16)
 
 
+@pytest.mark.process
 def test_tune_started_as_a_script_starts_it_ends_at_once_when_its_daemon_dies(rig):
     # A script's background job: bash without job control starts it with SIGINT ignored, so the lease's loss
     # cannot reach the sweep through SIGINT (it took a whole step, 37 s in the case).
@@ -374,6 +375,7 @@ def _ask(s, f, message):
     return json.loads(line) if line else None
 
 
+@pytest.mark.process
 def test_the_socket_is_root_only_and_born_so(channel):
     server, _, _ = channel
     assert (server.path.stat().st_mode & 0o777) == 0o600
@@ -437,6 +439,7 @@ def test_the_channels_limits_each_end_a_connection(channel, monkeypatch):
     assert f.readline() == b""
 
 
+@pytest.mark.process
 def test_a_sweep_the_daemon_refuses_exits_1_as_its_help_says(rig):
     r = rig("tuning: {power_limit_w: 650}\n")
     r.start_daemon()
@@ -454,6 +457,7 @@ def test_a_sweep_the_daemon_refuses_exits_1_as_its_help_says(rig):
                                                               capture_output=True, text=True, env=r.env).stdout
 
 
+@pytest.mark.process
 def test_a_card_without_power_limit_constraints_is_one_line_not_a_traceback(rig):
     # DGX Spark's GB10 answers NOT_SUPPORTED for the power limit: the daemon's begin names its constraints None
     r = rig()
@@ -725,6 +729,7 @@ def test_apply_names_the_overriding_file(tmp_path, capsys):
     assert err.count("\n") == 1 and f"GPU 0 gets 650 from {tmp_path / 'conf.d' / '90-site.yaml'}" in err, err
 
 
+@pytest.mark.process
 @pytest.mark.skipif(not matplotlib_here(), reason="needs matplotlib")
 def test_a_plot_name_is_checked_before_the_sweep(tmp_path):
     from gpuwarden.bench.plot import chart_path

@@ -22,7 +22,6 @@ from gpuwarden.serving.run import handover
 from test_adoption import env_with_state, running_pid
 from test_faults import fake, fakes_alive, fault_config, no_fakes_left, wait_until  # noqa: F401 (fixtures)
 
-pytestmark = pytest.mark.process
 
 UNIT_CAPS = ["setpriv", "--bounding-set", "-all,+sys_admin,+setuid,+setgid,+kill", "--no-new-privs"]
 
@@ -128,6 +127,7 @@ def grandchild_of(script, engine, besides):
     return None
 
 
+@pytest.mark.process
 def test_after_a_crash_and_serving_off_nothing_of_the_engine_is_left_in_the_unit(write, fake, cgroups, tmp_path,
                                                                                no_fakes_left):
     unit = cgroups("gpuwarden.service")
@@ -183,6 +183,7 @@ def leftover_and_record(unit, fake, folder):
     return straggler
 
 
+@pytest.mark.process
 def test_cleanup_ends_a_leftover_of_serve_user_in_the_unit_s_cgroup_and_nothing_outside(fake, cgroups, tmp_path,
                                                                                        no_fakes_left):
     """The daemon's stop timed out (systemd SIGKILLed it): cleanup ends what it left in the unit's cgroup."""
@@ -206,6 +207,7 @@ def test_cleanup_ends_a_leftover_of_serve_user_in_the_unit_s_cgroup_and_nothing_
             proc.wait()
 
 
+@pytest.mark.process
 def test_outside_the_unit_s_cgroup_cleanup_touches_no_process_of_the_user(fake, cgroups, tmp_path, no_fakes_left):
     """A daemon run by hand sits in a session's scope: there a process of serve.user's uid may be the user's own,
     and it is left alone, as before."""

@@ -39,6 +39,7 @@ def reachable():
     shutil.rmtree(base)
 
 
+@pytest.mark.process
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv")
 def test_a_user_without_a_home_gets_its_own_and_a_dump_dir_under_the_units_capabilities(reachable):
     nobody = pwd.getpwnam("nobody")
@@ -79,6 +80,7 @@ def test_a_folder_another_user_owns_where_the_home_goes_is_refused(reachable, tm
         child_home(resolve("nobody"), create=True, environ={"STATE_DIRECTORY": str(reachable / "state")})
 
 
+@pytest.mark.process
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root (serve.user nobody)")
 def test_the_main_loop_runs_nothing_as_serve_user_for_its_home(reachable, monkeypatch):
     """A reload and SIGUSR2's check (on_loop) only check that the home made at the daemon's start is there: a

@@ -16,7 +16,6 @@ from conftest import ROOT, free_port, gpuwarden_cmd, subprocess_env
 from gpuwarden.base.webconfig import basic_auth_header
 from test_metrics_server import scrape, trickle
 
-pytestmark = pytest.mark.process
 GOOD = ("prometheus", "s3cret")
 
 
@@ -51,6 +50,7 @@ def get(url, context, auth=None):
         return exc.code, ""
 
 
+@pytest.mark.process
 def test_tls_and_basic_auth_guard_metrics_and_status(secured, daemons, cli):
     path, base, context = secured
     d = daemons(path, "--sim", "rtx-pro-4000-headless")
@@ -87,6 +87,7 @@ def test_a_bad_web_config_is_a_located_error(write, cli):
         "(make one with: htpasswd -nBC 12 \"\" | tr -d ':\\n')"]
 
 
+@pytest.mark.process
 def test_crowds_that_trickle_or_guess_passwords_leave_prometheus_its_scrapes(write, tmp_path, daemons):
     path, base, context = secure(write, tmp_path, rounds=10)  # about 70 ms a check here: guesses queue up
     port = int(base.rsplit(":", 1)[1])
