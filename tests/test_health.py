@@ -75,13 +75,13 @@ def test_a_reboot_becomes_inspect_at_the_configured_count_for_that_fault_only():
 
     def reboots(uuid, fault):
         seen.append((uuid, fault))
-        return {"xid79": 3}.get(fault, 0)
+        return {"gpu_lost": 3}.get(fault, 0)
 
     lost = verdict(sample(), reboots, needs_reset="Xid 79 (GPU has fallen off the bus): reboot the node")
     assert lost.action == "inspect" and "still after 3 reboots" in lost.reasons[0]
     other = verdict(sample(recovery_action=2), reboots)
     assert other.action == "reboot"
-    assert seen == [("GPU-0", "xid79"), ("GPU-0", "recovery_action")]
+    assert seen == [("GPU-0", "gpu_lost"), ("GPU-0", "recovery_action")]  # Xid 79 is the GPU lost: one fault
     below = judge(sample(), Inputs(needs_reset="Xid 79 (x): reboot the node"), 4, reboots)
     assert below.action == "reboot"
 
@@ -180,7 +180,7 @@ def test_xid79_gpu_fallen_off_the_bus_is_unhealthy_reboot_and_the_host_takes_it(
     assert states(snaps[15.0]) == [("healthy", "none"), ("unhealthy", "reboot")]
     assert v.reasons[0].startswith("GPU lost from the bus")
     assert v.reasons[1] == "Xid 79 (GPU has fallen off the bus): reboot the node"
-    assert v.faults == ("gpu_lost", "xid79")
+    assert v.faults == v.reboot_faults == ("gpu_lost",)  # one fall off the bus, one fault (issue 51, finding 8)
     assert (snaps[15.0].host_health.state, snaps[15.0].host_health.action) == ("unhealthy", "reboot")
     assert health_lines(caplog) == [("CRITICAL", f"GPU1 {v.uuid} health: unhealthy; action: reboot; reasons: "
                                                  + "; ".join(v.reasons))]
@@ -199,11 +199,12 @@ def test_xid79_gpu_fallen_off_the_bus_is_unhealthy_reboot_and_the_host_takes_it(
 
 
 def test_xid79_after_the_configured_reboots_asks_for_the_hardware_to_be_inspected():
-    counts = {"xid79": 3}
+    counts = {"gpu_lost": 3}
     _, snaps = play("xid79", 11, reboots=lambda uuid, fault: counts.get(fault, 0))
     v = snaps[11.0].gpus[1].health
     assert (v.state, v.action) == ("unhealthy", "inspect")
-    assert v.reasons[0] == "Xid 79 (GPU has fallen off the bus): reboot the node, still after 3 reboots"
+    assert v.reasons[1] == "Xid 79 (GPU has fallen off the bus): reboot the node, still after 3 reboots"
+    assert v.reasons[0].startswith("GPU lost from the bus") and v.reasons[0].endswith(", still after 3 reboots")
     _, snaps = play("xid79", 11, "health:\n  reboots_before_inspect: 4\n",
                     reboots=lambda uuid, fault: counts.get(fault, 0))
     assert snaps[11.0].gpus[1].health.action == "reboot"
@@ -347,9 +348,9 @@ def test_three_boots_of_xid79_count_in_the_record_and_the_third_asks_for_inspect
         monitor, snaps = play("xid79", 15, reboots=record.count)
         record_reboots(record, monitor.verdicts.values(), 1000.0)
         monitor, snaps = play("xid79", 15, reboots=record.count)  # the next polls see this boot's count
-        seen.append((record.count(snaps[15.0].gpus[1].health.uuid, "xid79"), snaps[15.0].gpus[1].health.action))
+        seen.append((record.count(snaps[15.0].gpus[1].health.uuid, "gpu_lost"), snaps[15.0].gpus[1].health.action))
     assert seen == [(1, "reboot"), (2, "reboot"), (3, "inspect"), (3, "inspect")]
-    assert HealthRecord.load(path).count(snaps[15.0].gpus[1].health.uuid, "gpu_lost") == 3  # saved, both faults
+    assert HealthRecord.load(path).counts(snaps[15.0].gpus[1].health.uuid) == {"gpu_lost": 3}  # saved, one fault
 
 
 def test_an_engine_waits_for_every_unhealthy_gpu_each_text_ending_with_its_action():
@@ -361,3 +362,104 @@ def test_an_engine_waits_for_every_unhealthy_gpu_each_text_ending_with_its_actio
     # the events' book wins where it names the GPU (its text ends with the Xid table's action)
     assert waiting({1: "Xid 48 (double-bit ECC error): reset the GPU"}, monitor.verdicts)[1].endswith("reset the GPU")
     assert waiting({}, {0: snaps[15.0].gpus[0].health}) == {}  # a healthy GPU holds nothing
+
+
+# -- one fault, one record (issue 51, finding 8) --------------------------------------------------------------
+
+def test_one_xid79_is_one_reboot_fault_in_the_record(tmp_path):
+    """Xid 79 and NVML's GPU_IS_LOST are one fall off the bus: one count a boot, not two (they were gpu_lost and
+    xid79, each counted, so one fault reached reboots_before_inspect as fast as two)."""
+    from gpuwarden.watch.health_record import HealthRecord, record_reboots
+
+    record = HealthRecord.load(tmp_path / "health.json", boot_id=lambda: "boot-1")
+    monitor, snaps = play("xid79", 15, reboots=record.count)
+    v = snaps[15.0].gpus[1].health
+    assert len(v.reasons) == 2 and v.reboot_faults == ("gpu_lost",)  # both inputs said, one fault
+    record_reboots(record, monitor.verdicts.values(), 1000.0)
+    assert record.counts(v.uuid) == {"gpu_lost": 1}
+    assert [e["fault"] for e in record.history(v.uuid)] == ["gpu_lost"]
+
+
+@pytest.mark.parametrize("why, field, fault", [
+    ("Xid 79 (GPU has fallen off the bus): reboot the node", {"up": False, "error": "GPU is lost"}, "gpu_lost"),
+    ("GPU unavailable: reboot the node", {"up": False, "error": "GPU is lost"}, "gpu_lost"),
+    ("Xid 48 (double-bit ECC error): reset the GPU", {"ecc_uncorrected": 1}, "ecc_uncorrected"),
+    ("double-bit ECC error: reset the GPU", {"ecc_uncorrected": 1}, "ecc_uncorrected"),
+    ("Xid 64 (ECC page retirement or row remap failed): inspect the hardware", {"remap_failure": True},
+     "remap_failure"),
+    ("DRAM retirement failed: inspect the hardware", {"remap_failure": True}, "remap_failure"),
+])
+def test_an_event_and_the_reading_of_the_same_fault_are_one_fault(why, field, fault):
+    up = {k: field.pop(k) for k in ("up", "error") if k in field}
+    v = verdict(sample(**up, **field), needs_reset=why)
+    assert v.faults == (fault,), v.faults
+
+
+# -- the docs' Xid table and the code: one source (issue 51, finding 4) ------------------------------------------
+
+DOCS = "docs/health.md"
+ACTION_WORDS = {"none": "none", "restart the engine": "restart_engine", "reset": "reset_gpu", "reset the GPU": "reset_gpu",
+                "reboot": "reboot", "inspect": "inspect", "inspect the hardware": "inspect"}
+
+
+def docs_table(heading: str) -> list[list[str]]:
+    """The rows of the first table under `## heading` in docs/health.md, as lists of cells (the header left out)."""
+    from conftest import ROOT
+
+    text = (ROOT / DOCS).read_text().split(f"\n## {heading}\n", 1)[1]
+    rows = [line for line in text.split("\n## ")[0].splitlines() if line.startswith("| ")]
+    return [[cell.strip() for cell in row.strip("|").split(" | ")] for row in rows[2:]]
+
+
+def docs_xids() -> list[tuple[int, str, str, str]]:
+    """The page's Xid table: (Xid, state, action, what happens to the engine on it)."""
+    return [(int(number), state, ACTION_WORDS[action], engine)
+            for number, _, state, action, engine in docs_table("Xids")]
+
+
+def test_the_xid_table_in_the_docs_is_what_the_code_generates():
+    import sys
+
+    from conftest import ROOT
+    sys.path.insert(0, str(ROOT / "docs" / "gen"))
+    import xids_ref
+
+    assert (ROOT / DOCS).read_text() == xids_ref.render(ROOT), "run: python3 docs/gen/xids_ref.py"
+    from gpuwarden.watch import xids
+    assert [n for n, *_ in docs_xids()] == sorted(xids.TABLE)
+
+
+def test_every_xid_the_inputs_table_names_has_the_state_and_action_the_code_gives_it():
+    """Before: the page said Xid 63 degraded ("it serves") and Xid 64 inspect; the code held the engine for a reset
+    on both."""
+    import re
+
+    checked = {}
+    for what, said, source in docs_table("Inputs"):
+        row = f"{what} {source}"
+        numbers = [int(n) for n in re.findall(r"\bXid (\d+)", row)]
+        listed = re.search(r"\bXid \((\d+(?:, \d+)*)", row)
+        numbers += [int(n) for n in listed.group(1).split(", ")] if listed else []
+        if not numbers:
+            continue
+        state, action = said.split(" (")[0].split(", ", 1)
+        for number in numbers:
+            checked[number] = (state, ACTION_WORDS[action])
+            assert health.xid_verdict(number) == checked[number], (number, what)
+    assert set(checked) == {13, 31, 43, 48, 63, 64, 79}
+
+
+@pytest.mark.parametrize("number, state, action, engine", docs_xids())
+def test_each_xid_of_the_docs_table_gives_its_gpu_that_state_and_action_and_holds_only_where_it_says(
+        number, state, action, engine):
+    """The event as the event thread hands it to the monitor, one poll: the verdict and the wait (watch/health.waiting,
+    what the daemon holds the engine for) are what the page's row says. The engine itself: test_recovery.py."""
+    from gpuwarden.gpu.events import GpuEvent
+
+    monitor, _ = play("dgx-spark", 0)
+    holds = monitor.record_events([GpuEvent(0, "xid", number)], 1.0)
+    snap = monitor.tick(1.0)
+    v = snap.gpus[0].health
+    assert (v.state, v.action) == (state, action), v.reasons
+    held = 0 in health.waiting(monitor.events.needs_reset, monitor.verdicts)
+    assert held == bool(holds) == engine.startswith("stopped")

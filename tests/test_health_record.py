@@ -130,6 +130,33 @@ def test_a_gpu_back_under_another_index_keeps_its_count_and_clears_by_either_nam
     assert restart(path, boots).history("GPU-gone")[-1]["who"] == "bob (pid 9, uid 0)"  # saved
 
 
+def test_a_clear_of_a_gpu_still_lost_does_not_count_this_boots_fault_again(path, boots, caplog):
+    """Issue 51, finding 8: the daemon counts what each poll's verdict says (record_reboots); a clear while the GPU
+    is still off the bus was followed by the next poll's count at once: 1 again, and the repair's history said a
+    reboot was required in the boot it was cleared in. One fault is one record: this boot's is counted already."""
+    from gpuwarden.watch.health_record import record_reboots
+
+    lost = GpuSample(0, "GPU-lost", "NVIDIA H100", "00000000:01:00.0", "9.0", up=False, error="GPU is lost",
+                     health=GpuHealth())
+    record = restart(path, boots)
+    poll = lambda now: record_reboots(record, [health.judge(lost, health.Inputs(), 3, record.count)], now)  # noqa: E731
+    poll(1.0)
+    assert record.counts("GPU-lost") == {"gpu_lost": 1}
+    caplog.set_level(logging.INFO, logger="gpuwarden")
+    answer = answer_clear(record, {"op": "health_clear", "gpu": "GPU-lost", "who": "alice"}, "pid 9, uid 0", {}, 2.0)
+    assert answer["ok"] and answer["cleared"] == {"gpu_lost": 1}
+    for now in (3.0, 4.0, 5.0):  # the GPU is still lost: the polls go on
+        poll(now)
+    assert record.count("GPU-lost", "gpu_lost") == 0 and record.counts("GPU-lost") == {}
+    assert [e["event"] for e in record.history("GPU-lost")] == ["reboot required", "cleared"]
+    again = restart(path, boots)  # the daemon restarted within the boot: the file says so too
+    record_reboots(again, [health.judge(lost, health.Inputs(), 3, again.count)], 6.0)
+    assert again.count("GPU-lost", "gpu_lost") == 0
+    boots.boot()  # rebooted, and still lost: the repair did not hold, counted from 1
+    record_reboots(again, [health.judge(lost, health.Inputs(), 3, again.count)], 7.0)
+    assert again.counts("GPU-lost") == {"gpu_lost": 1}
+
+
 @pytest.mark.parametrize("message, said", [
     ({"gpu": "3", "who": "a"}, "no GPU 3 here now"),
     ({"gpu": "GPU-nobody", "who": "a"}, "no such GPU here, and none the record knows"),
@@ -157,7 +184,8 @@ def test_every_bound_holds_and_a_full_record_fits_its_file(path, boots):
     for g in range(hr.GPUS_MAX + 10):
         record.clear(f"{g:04d}{worst}", worst, 1e6)
     assert len(record.history()) == hr.HISTORY_MAX and record.history()[-1]["event"] == "cleared"
-    assert record.gpus == {}  # every one was cleared
+    assert not any(record.counts(u) for u in record.gpus)  # every one was cleared (this boot's fault kept at 0)
+    assert len(record.gpus) <= 1
     for g in range(hr.GPUS_MAX + 10):
         for f in range(hr.FAULTS_MAX + 4):
             boots.boot()

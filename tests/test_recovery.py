@@ -184,6 +184,74 @@ def test_a_drain_only_where_the_policy_says_and_the_gpu_still_answers():
         assert sup.state == (STOPPING if drained else HELD), (policy, lost)
 
 
+# -- each Xid as the daemon handles it (issue 51, finding 4) -----------------------------------------------------
+
+def daemon_polls(sup, clock, monitor, recovery, events=(), polls=5):
+    """What the daemon does: the events' holds and every GPU that waits (handle_gpu_events), then each poll:
+    monitor, recovery, the engine's own tick."""
+    holds = monitor.record_events(list(events), clock.now)
+    recovery.hold(clock.now, holds + list(waiting(monitor.events.needs_reset, monitor.verdicts).items()))
+    for _ in range(polls):
+        monitor.tick(clock.now)
+        recovery.hold(clock.now, list(waiting(monitor.events.needs_reset, monitor.verdicts).items()))
+        recovery.tick(clock.now, waiting(monitor.events.needs_reset, monitor.verdicts))
+        sup.tick(clock.now)
+        clock.advance(1)
+
+
+def docs_xids():
+    from test_health import docs_xids
+    return docs_xids()
+
+
+@pytest.mark.parametrize("number, state, action, engine", docs_xids())
+def test_each_xid_of_the_docs_table_holds_the_engine_or_lets_it_serve_as_the_table_says(number, state, action,
+                                                                                       engine):
+    sup, ops, clock, monitor, recovery = rig()
+    daemon_polls(sup, clock, monitor, recovery, [GpuEvent(0, "xid", number)])
+    v = monitor.verdicts[0]
+    assert (v.state, v.action) == (state, action), v.reasons
+    if engine.startswith("stopped"):
+        assert sup.state == HELD and sup.problem.startswith(f"waiting for GPU0's action: {v.action_text}")
+    else:
+        assert sup.state == RUNNING and len(ops.children) == 1, sup.problem
+
+
+def test_xid63_a_row_remap_pending_lets_the_engine_serve_degraded_until_the_gpu_is_reset(caplog):
+    """NVIDIA's catalog: work continues, the remap takes effect at the next reset. Before: HELD, "reset the GPU"."""
+    caplog.set_level("INFO")
+    sup, ops, clock, monitor, recovery = rig()
+    event = GpuEvent(0, "xid", 63)
+    daemon_polls(sup, clock, monitor, recovery, [event], polls=30)
+    assert sup.state == RUNNING and len(ops.children) == 1 and not monitor.events.needs_reset
+    v = monitor.verdicts[0]
+    assert (v.state, v.action) == ("degraded", "reset_gpu")
+    assert v.reasons == ("Xid 63 (ECC page retirement or row remap recorded (takes effect at a reset)): "
+                         "reset the GPU",)
+    assert [a.alert for a in monitor.snapshot.firing() if a.alert.startswith("gpu_")] == ["gpu_xid", "gpu_degraded"]
+    line = next(r for r in caplog.records if "Xid 63" in r.getMessage() and "recovery:" in r.getMessage())
+    assert line.levelname == "WARNING" and "the GPU serves on, degraded until it is reset" in line.getMessage()
+    daemon_polls(sup, clock, monitor, recovery, [event] * 3, polls=400)  # more of them, past the 5 minutes
+    assert sup.state == RUNNING and monitor.verdicts[0].state == "degraded"  # it waits for the reset still
+    gpu = monitor.backend.gpus()[0]
+    gpu.reset(1.0)  # the maintenance window's reset: gone a second, then back
+    daemon_polls(sup, clock, monitor, recovery, polls=1)
+    gpu.backend.clock.advance(2)
+    daemon_polls(sup, clock, monitor, recovery, polls=3)
+    assert monitor.verdicts[0].state == "healthy" and not monitor.events.pending
+
+
+def test_xid64_a_row_remap_that_failed_holds_the_engine_for_an_inspection_and_never_resets_it():
+    sup, ops, clock, monitor, recovery = rig(HealthPolicy(reset_gpu=True))
+    asked = []
+    recovery.reset_argv = lambda i: asked.append(i) or ["true"]
+    daemon_polls(sup, clock, monitor, recovery, [GpuEvent(0, "xid", 64)], polls=10)
+    assert sup.state == HELD and asked == []  # a reset cannot repair it: not tried, even where the policy allows one
+    assert sup.problem == ("waiting for GPU0's action: inspect the hardware (Xid 64 (ECC page retirement or row "
+                           "remap failed))")
+    assert (monitor.verdicts[0].state, monitor.verdicts[0].action) == ("unhealthy", "inspect")
+
+
 # -- a GPU that flaps lost/back every poll --------------------------------------------------------------------
 
 def flap(sup, clock, monitor, recovery, polls, lost_every=2):
@@ -490,5 +558,5 @@ def test_a_recovery_fault_does_not_stop_the_reboot_record(tmp_path, monkeypatch)
     daemon.monitor.events.needs_reset[0] = "Xid 79 (GPU has fallen off the bus): reboot the node"
     daemon.tick(time.monotonic())
     uuid = daemon.monitor.verdicts[0].uuid
-    assert "xid79" in daemon.monitor.verdicts[0].reboot_faults
-    assert HealthRecord.load(tmp_path / NAME).count(uuid, "xid79") == 1
+    assert daemon.monitor.verdicts[0].reboot_faults == ("gpu_lost",)  # Xid 79 is the GPU lost from the bus
+    assert HealthRecord.load(tmp_path / NAME).count(uuid, "gpu_lost") == 1

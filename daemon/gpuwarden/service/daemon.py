@@ -358,7 +358,8 @@ class Daemon:
             return
         if step.kept:
             log.warning("reload: %s only change on restart; keeping the running values", ", ".join(step.kept))
-        if self.monitor.events.needs_reset:  # the operator reset the GPUs (or says they need none)
+        # The operator reset the GPUs (or says they need none): a hold's wait, or an Xid 63's that serves on.
+        if self.monitor.events.needs_reset or self.monitor.events.pending:
             log.info("reload: no GPU counts as waiting for a reset any more")
             self.monitor.gpus_were_reset()
         self.config = step.config

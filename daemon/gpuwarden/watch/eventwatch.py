@@ -77,6 +77,8 @@ class EventBook:
     counts: Counter = field(default_factory=Counter)  # (gpu, xid) -> events; kind events use xid -1
     recent: dict[int, list[tuple[float, int]]] = field(default_factory=dict)  # gpu -> [(at, xid)]
     needs_reset: dict[int, str] = field(default_factory=dict)  # gpu -> why it waits for a reset or reboot
+    # gpu -> why it waits for a reset while it serves on (Xid 63: a row remap recorded, in effect at the next reset)
+    pending: dict[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._quiet = FaultLog(log, period_s=self.repeat_s)  # one line per (GPU, event kind) a period, with a count
@@ -95,16 +97,21 @@ class EventBook:
         if xid:
             self.recent.setdefault(event.gpu, []).append((now, event.data))
         what, action, level = self._describe(event, xid)
-        reset = action in xids.NEEDS_RESET or (event.kind == "recovery_action" and event.data != 0)
+        pending = xid is not None and xid.pending
+        reset = (xid.needs_reset if xid is not None else action in xids.HOLDS) or \
+            (event.kind == "recovery_action" and event.data != 0)
         if reset:
             self.needs_reset[event.gpu] = f"{what}: {action}"
             self._field_asked.discard(event.gpu)  # a new wait: only the field read from now on clears it unseen
+        elif pending:
+            self.pending[event.gpu] = f"{what}: {action}"
         since = self._quiet.admit(key, now)  # None: within its period, counted
         if since is None:
             return self.needs_reset.get(event.gpu) if reset else None
         more = f" ({since} more since the last line)" if since else ""
         done = ("the serving engine on it is stopped and waits (HELD) until the GPU is back"
-                if reset else "its processes' own health decides (the engine restarts if it died)"
+                if reset else "the GPU serves on, degraded until it is reset (at the next maintenance window)"
+                if pending else "its processes' own health decides (the engine restarts if it died)"
                 if xid is not None and xid.app_fault else "logged and counted")
         extra = f"; processes on it: {processes(event.gpu)}" if xid is not None and xid.app_fault else ""
         gpu = f"GPU{event.gpu}" if event.gpu >= 0 else "a GPU that cannot be named"
@@ -125,8 +132,8 @@ class EventBook:
             return "double-bit ECC error", xids.RESET_GPU, logging.CRITICAL
         if event.kind == "gpu_unavailable":
             return "GPU unavailable", xids.REBOOT, logging.CRITICAL
-        if event.kind == "dram_retirement_failure":
-            return "DRAM retirement failed", xids.RESET_GPU, logging.CRITICAL
+        if event.kind == "dram_retirement_failure":  # as Xid 64: a row that cannot be retired or remapped
+            return "DRAM retirement failed", xids.INSPECT, logging.CRITICAL
         if event.kind == "nonfatal_poison":  # as Xid 94: contained, only the process that read it was stopped
             return "poisoned memory contained (the process that read it was stopped)", xids.RESTART_APP, \
                 logging.ERROR
@@ -145,11 +152,13 @@ class EventBook:
     def cleared(self, gpu: int) -> None:
         """The GPU came back (a reset or a driver reload): it no longer waits for one."""
         self.needs_reset.pop(gpu, None)
+        self.pending.pop(gpu, None)
         self._field_asked.discard(gpu)
 
     def all_reset(self) -> None:
         """The operator says every GPU was reset: none waits any more."""
         self.needs_reset.clear()
+        self.pending.clear()
         self._field_asked.clear()
 
     def reset_unseen(self, gpu: int, recovery_action: int | None) -> bool:

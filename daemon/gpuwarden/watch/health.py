@@ -41,10 +41,18 @@ RECOVERY = {
     6: (UNHEALTHY, RESET_GPU),  # BUS_RESET: "Reset the GPU's PCIe bus"
     7: (UNHEALTHY, REBOOT),  # SYSTEM_REBOOT: "Reboot the system"
 }
-# An event (eventwatch.EventBook.needs_reset) that asked for one of these, as its reason ends (xids.NEEDS_RESET
-# and the recovery actions' texts): a reboot where it says so, else a reset.
+# An event (eventwatch.EventBook.needs_reset) that asked for one of these, as its reason ends (xids.HOLDS and the
+# recovery actions' texts): an Xid's own verdict (xid_verdict); else a reboot where it says so, an inspection
+# where it says so, else a reset.
 EVENT_REBOOT = re.compile(r"\breboot\b")
 EVENT_FROM_FIELD = "the driver set a recovery action"  # the event of the field polled too: said once
+# One fault, one key, whichever input saw it: the reboot record (watch/health_record.py) counts a fault once per boot
+# by its key, so an event and the polled reading of the same fault are one fault (Xid 79 and the GPU lost from the
+# bus were two reboot faults for one fall off the bus). The keys the events' reasons would give -> the fault's key.
+SAME_FAULT = {"xid79": "gpu_lost", "GPU_unavailable": "gpu_lost",
+              "the_driver_set_a_recovery_action": "recovery_action",
+              "xid48": "ecc_uncorrected", "double-bit_ECC_error": "ecc_uncorrected",
+              "xid63": "remap_pending", "xid64": "remap_failure", "DRAM_retirement_failed": "remap_failure"}
 
 
 @dataclass(frozen=True)
@@ -52,7 +60,7 @@ class Finding:
     state: str
     action: str
     reason: str  # short, e.g. "Xid 79 (GPU has fallen off the bus)"
-    fault: str  # a stable key for the fault ("xid79", "recovery_action", "gpu_lost"): reboots are counted by it
+    fault: str  # a stable key for the fault ("gpu_lost", "recovery_action", "xid13"; SAME_FAULT): reboots count by it
 
 
 @dataclass(frozen=True)
@@ -90,6 +98,7 @@ class Inputs:
     """What the monitor read for one GPU on one poll, beside its sample."""
 
     needs_reset: str | None = None  # eventwatch.EventBook.needs_reset: why it waits for a reset or a reboot
+    pending: str | None = None  # eventwatch.EventBook.pending: why it waits for a reset while it serves (Xid 63)
     recent_xids: tuple[tuple[int, int], ...] = ()  # (xid, count) in the last eventwatch.RECENT_S
     busy: bool = False  # a link trained down counts only while busy (idle links train down to save power)
     nvlinks_seen_up: frozenset[int] = field(default_factory=frozenset)  # links seen up since the start
@@ -136,6 +145,36 @@ def host(verdicts: Iterable[Verdict]) -> Verdict:
     return Verdict(None, "", state, action, reasons)
 
 
+def xid_verdict(number: int) -> tuple[str, str]:
+    """What one Xid makes of its GPU's health, (state, action), from its row of xids.TABLE: none asks for nothing;
+    an application's fault is degraded (restart the engine) while recent; one that serves on (Xid 63) is degraded
+    until its action; any other that asks for an action is unhealthy until it is done. docs/health.md's Xid table
+    is generated from this (docs/gen/xids_ref.py); the findings below use it."""
+    xid = xids.lookup(number)
+    if xid.app_fault:
+        return DEGRADED, RESTART_ENGINE
+    action = {xids.RESET_GPU: RESET_GPU, xids.REBOOT: REBOOT, xids.INSPECT: INSPECT}.get(xid.action)
+    if action is None:
+        return HEALTHY, NONE
+    return (DEGRADED if xid.serves else UNHEALTHY), action
+
+
+def fault_of(why: str) -> str:
+    """An event's reason ("Xid 79 (...): reboot the node") as its fault's key: one fault, one key (SAME_FAULT)."""
+    number = re.match(r"Xid (\d+)", why)
+    fault = f"xid{number.group(1)}" if number else why.split(":")[0].replace(" ", "_")[:40]
+    return SAME_FAULT.get(fault, fault)
+
+
+def _event_verdict(why: str) -> tuple[str, str]:
+    """An event's (state, action) from its reason: an Xid's own verdict, else what its text asks for."""
+    number = re.match(r"Xid (\d+)", why)
+    if number:
+        return xid_verdict(int(number.group(1)))
+    asked = why.rsplit(":", 1)[-1]
+    return UNHEALTHY, REBOOT if EVENT_REBOOT.search(asked) else INSPECT if xids.INSPECT in asked else RESET_GPU
+
+
 def findings(s: GpuSample, inputs: Inputs) -> list[Finding]:
     """Every input's finding, each from its own small rule below."""
     if not s.up:  # nothing of its own is readable; NVML's GPU_IS_LOST is Xid 79's state (catalog: RESTART_BM)
@@ -159,15 +198,25 @@ def _events(s: GpuSample, inputs: Inputs) -> list[Finding]:
     why = inputs.needs_reset
     if not why or (why.startswith(EVENT_FROM_FIELD) and s.health.recovery_action):
         return []  # the polled field says the same, with its code
-    number = re.match(r"Xid (\d+)", why)
-    fault = f"xid{number.group(1)}" if number else why.split(":")[0].replace(" ", "_")[:40]
-    return [Finding(UNHEALTHY, REBOOT if EVENT_REBOOT.search(why.rsplit(":", 1)[-1]) else RESET_GPU, why, fault)]
+    state, action = _event_verdict(why)
+    return [Finding(state, action, why, fault_of(why))]
+
+
+def _pending(s: GpuSample, inputs: Inputs) -> list[Finding]:
+    """An Xid whose GPU serves on until its action (Xid 63: a row remap or page retirement recorded, in effect at the
+    next reset; NVIDIA's catalog: work may continue): degraded until the GPU is reset. Said once where the polled
+    remapped rows say the same."""
+    why = inputs.pending
+    if not why or s.health.remap_pending or s.health.retire_pending:
+        return []
+    state, action = _event_verdict(why)
+    return [Finding(state, action, why, fault_of(why))]
 
 
 def _app_xids(s: GpuSample, inputs: Inputs) -> list[Finding]:
     """The catalog's RESTART_APP bucket (13, 31, 43...): the application's fault, not the GPU's. Degraded while
     recent (eventwatch.RECENT_S); a restart of what died clears it."""
-    return [Finding(DEGRADED, RESTART_ENGINE, f"Xid {x} ({xids.lookup(x).meaning}) x{n} recently", f"xid{x}")
+    return [Finding(*xid_verdict(x), f"Xid {x} ({xids.lookup(x).meaning}) x{n} recently", f"xid{x}")
             for x, n in inputs.recent_xids if xids.lookup(x).app_fault]
 
 
@@ -212,4 +261,4 @@ def _links(s: GpuSample, inputs: Inputs) -> list[Finding]:
     return out
 
 
-RULES = (_recovery_field, _events, _memory, _fabric, _links, _app_xids)
+RULES = (_recovery_field, _events, _pending, _memory, _fabric, _links, _app_xids)

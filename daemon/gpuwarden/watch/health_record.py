@@ -95,14 +95,18 @@ class HealthRecord:
         return self.gpus.get(clean(uuid), {}).get(clean(fault), {}).get("count", 0)
 
     def counts(self, uuid: str) -> dict[str, int]:
-        """{fault: count} of one GPU."""
-        return {fault: e["count"] for fault, e in self.gpus.get(clean(uuid), {}).items()}
+        """{fault: count} of one GPU (the faults a clear left at 0 left out)."""
+        return {fault: e["count"] for fault, e in self.gpus.get(clean(uuid), {}).items() if e["count"]}
 
     def clear(self, uuid: str, who: str, now: float) -> None:
-        """A person repaired the GPU: its counts go, and the history says who cleared them and what they were."""
-        uuid, now = clean(uuid), _when(now)
+        """A person repaired the GPU: its counts go, and the history says who cleared them and what they were.
+        A fault already counted in this boot stays known at 0: one fault is one record, and a GPU cleared while
+        it is still off the bus is not counted again by the next poll, only at the next boot it is still lost in."""
+        uuid, now, boot = clean(uuid), _when(now), clean(self.boot_id())
         was = self.counts(uuid)
-        self.gpus.pop(uuid, None)
+        counted = {fault: {**e, "count": 0} for fault, e in self.gpus.pop(uuid, {}).items() if e["boot"] == boot}
+        if counted:
+            self.gpus[uuid] = counted
         self._note({"time": now, "uuid": uuid, "event": "cleared", "who": clean(who), "counts": was})
 
     def history(self, uuid: str | None = None) -> list[dict]:

@@ -265,7 +265,7 @@ class Monitor:
         windows = {kind: window.read(sample, poll) for kind, window in self.windows.items()}
         ctx = GpuContext(busy, sm_lock, mem_lock, wanted, settings,
                          self.tuning.chosen_power_limit(sample.index, sample.uuid), windows)
-        inputs = health.Inputs(poll.events.needs_reset.get(sample.index),
+        inputs = health.Inputs(poll.events.needs_reset.get(sample.index), poll.events.pending.get(sample.index),
                                tuple(poll.events.recent_xids(sample.index, poll.now)), busy,
                                ctx.window(LinkErrors).seen_up)
         return dataclasses.replace(ctx, health=health.judge(sample, inputs, self.config.health.reboots_before_inspect,

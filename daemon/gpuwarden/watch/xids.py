@@ -6,6 +6,13 @@ Bucket (Immediate Action)": RESTART_APP, RESET_GPU, RESTART_BM), for the Xids
 inference servers meet. Unlisted ones are named by number and point to the
 catalog. The driver's own recovery action (the GPU_RECOVERY_ACTION event,
 Xid 154) overrides this table when it comes.
+
+Two rows say more than their bucket, in NVIDIA's own words: Xid 63 (a row remap
+or page retirement recorded) lets work continue, the remap taking effect at the
+next reset, so its GPU serves on (degraded) until then; Xid 64 (a remap that
+failed) leaves a row that cannot be repaired in the field: the card is inspected.
+watch/health.xid_verdict says what each row makes of its GPU's health, and
+docs/health.md's Xid table is generated from both (docs/gen/xids_ref.py).
 """
 
 from __future__ import annotations
@@ -14,14 +21,18 @@ from dataclasses import dataclass
 
 CATALOG = "NVIDIA Xid catalog, docs.nvidia.com/deploy/xid-errors/analyzing-xid-catalog.html"
 NONE, RESTART_APP, RESET_GPU, REBOOT = "none", "restart the application", "reset the GPU", "reboot the node"
-NEEDS_RESET = (RESET_GPU, REBOOT)
+INSPECT = "inspect the hardware"
+# An event that asks for one of these stops the engine on its GPU, which waits (HELD) until it is done; an Xid that
+# serves (Xid.serves) waits for its action without stopping anything.
+HOLDS = (RESET_GPU, REBOOT, INSPECT)
 
 
 @dataclass(frozen=True)
 class Xid:
     number: int
     meaning: str
-    action: str  # one of NONE, RESTART_APP, RESET_GPU, REBOOT
+    action: str  # NONE, RESTART_APP, RESET_GPU, REBOOT (the catalog's buckets), or INSPECT (a card to replace)
+    serves: bool = False  # its GPU serves on until the action is done (at the next maintenance window)
 
     @property
     def app_fault(self) -> bool:
@@ -30,7 +41,13 @@ class Xid:
 
     @property
     def needs_reset(self) -> bool:
-        return self.action in NEEDS_RESET
+        """Its GPU must not serve until the action is done: the engine on it is stopped and waits (HELD)."""
+        return self.action in HOLDS and not self.serves
+
+    @property
+    def pending(self) -> bool:
+        """Its GPU serves on, degraded, and waits for the action (Xid 63: the remap takes effect at a reset)."""
+        return self.action in HOLDS and self.serves
 
 
 TABLE = {x.number: x for x in (
@@ -42,8 +59,8 @@ TABLE = {x.number: x for x in (
     Xid(48, "double-bit ECC error", RESET_GPU),
     Xid(61, "internal micro-controller breakpoint", RESET_GPU),
     Xid(62, "internal micro-controller halt", RESET_GPU),
-    Xid(63, "ECC page retirement or row remap recorded (takes effect at a reset)", RESET_GPU),
-    Xid(64, "ECC page retirement or row remap failed", RESET_GPU),
+    Xid(63, "ECC page retirement or row remap recorded (takes effect at a reset)", RESET_GPU, serves=True),
+    Xid(64, "ECC page retirement or row remap failed", INSPECT),
     Xid(74, "NVLink error", RESET_GPU),
     Xid(79, "GPU has fallen off the bus", REBOOT),
     Xid(92, "high single-bit ECC error rate", NONE),
