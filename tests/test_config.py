@@ -199,3 +199,96 @@ def test_per_gpu_override_precedence():
     assert cfg.tuning.for_gpu(0, "GPU-other").power_limit_w == 110
     assert cfg.tuning.for_gpu(1, "GPU-other").power_limit_w == 100
     assert cfg.tuning.override_source(0, "GPU-other", "power_limit_w") == ("tuning", "gpus", "0", "power_limit_w")
+
+
+# -- two listeners on one address and port (issue 51, finding 5) --------------------------------------------------
+
+SERVING = "serve:\n  enabled: true\n  model: /m\n"
+APART = ("another port, or another address: 127.0.0.1 and 127.0.0.2 are two, 0.0.0.0 and :: are every address of "
+         "the port")
+
+
+@pytest.mark.parametrize("text, line, key, said", [
+    # the issue's two: serve.proxy.listen equal to metrics.listen, serve.port equal to the metrics port
+    ("metrics:\n  listen: 127.0.0.1:9000\n" + SERVING + "  proxy: {enabled: true, listen: '127.0.0.1:9000'}\n", 6,
+     "serve.proxy.listen", "127.0.0.1:9000 (the proxy) collides with metrics.listen 127.0.0.1:9000 (the metrics "
+     "endpoint; g.yaml:2)"),
+    ("metrics:\n  listen: 127.0.0.1:9847\n" + SERVING + "  port: 9847\n", 6, "serve.port",
+     "127.0.0.1:9847 (the engine's API, on serve.host) collides with metrics.listen 127.0.0.1:9847 (the metrics "
+     "endpoint; g.yaml:2)"),
+    # metrics.listen left at its default: named as the default
+    (SERVING + "  port: 9847\n", 4, "serve.port", "127.0.0.1:9847 (the engine's API, on serve.host) collides with "
+     "metrics.listen 127.0.0.1:9847 (the metrics endpoint; the default)"),
+    # a wildcard takes the port on every address, IPv4's and IPv6's alike
+    ("metrics:\n  listen: 0.0.0.0:8000\n" + SERVING, 2, "metrics.listen", "0.0.0.0:8000 (the metrics endpoint) "
+     "collides with serve.port 127.0.0.1:8000 (the engine's API, on serve.host; the default)"),
+    ("metrics:\n  listen: '[::]:8000'\n" + SERVING + "  host: 10.0.0.5\n", 6, "serve.port", "10.0.0.5:8000 (the "
+     "engine's API, on serve.host) collides with metrics.listen [::]:8000 (the metrics endpoint; g.yaml:2)"),
+    ("metrics:\n  listen: '[::1]:8000'\n" + SERVING + "  host: '::'\n", 6, "serve.port", "[::]:8000 (the engine's "
+     "API, on serve.host) collides with metrics.listen [::1]:8000 (the metrics endpoint; g.yaml:2)"),
+    # one address however it is spelled; a listener left at its default: the line is at the one the file sets
+    ("metrics:\n  listen: '[::ffff:127.0.0.1]:8001'\n" + SERVING + "  proxy: {enabled: true}\n", 2,
+     "metrics.listen", "[::ffff:127.0.0.1]:8001 (the metrics endpoint) collides with serve.proxy.listen "
+     "127.0.0.1:8001 (the proxy; the default)"),
+    # the head's rendezvous (vLLM's --master-port, Ray's GCS) listens on every address of its port
+    ("metrics:\n  listen: 127.0.0.2:29500\n" + SERVING + "  nodes: {rank: 0, head: 10.0.0.1}\n", 2,
+     "metrics.listen", "127.0.0.2:29500 (the metrics endpoint) collides with serve.nodes.port *:29500 (the head's "
+     "rendezvous, on every address; the default)"),
+    (SERVING + "  port: 8123\n  nodes:\n    rank: 0\n    head: 10.0.0.1\n    port: 8123\n", 8, "serve.nodes.port",
+     "*:8123 (the head's rendezvous, on every address) collides with serve.port 127.0.0.1:8123 (the engine's API, "
+     "on serve.host; g.yaml:4)"),
+    (SERVING + "  proxy: {enabled: true, listen: '127.0.0.1:8000'}\n", 4, "serve.proxy.listen", "127.0.0.1:8000 "
+     "(the proxy) collides with serve.port 127.0.0.1:8000 (the engine's API, on serve.host; the default)"),
+    # a name is never looked up: it may be any address of its port
+    (SERVING + "  host: localhost\n  proxy: {enabled: true, listen: '127.0.0.1:8000'}\n", 5, "serve.proxy.listen",
+     "127.0.0.1:8000 (the proxy) collides with serve.port localhost:8000 (the engine's API, on serve.host; "
+     "g.yaml:4)"),
+])
+def test_two_listeners_on_one_address_and_port_are_one_line_naming_both_keys_and_files(text, line, key, said):
+    from gpuwarden.base.yamlfile import InvalidConfig
+
+    with pytest.raises(InvalidConfig) as caught:
+        config.parse_text(text, "g.yaml")
+    assert [str(e) for e in caught.value.errors] == [f"g.yaml:{line}: {key}: {said}: two listeners cannot share "
+                                                     f"one address and port ({APART})"]
+
+
+@pytest.mark.parametrize("text", [
+    "metrics:\n  listen: 127.0.0.2:8000\n" + SERVING,  # an address is part of a port
+    "metrics:\n  listen: '[::1]:8000'\n" + SERVING,
+    "metrics:\n  listen: 127.0.0.1:8001\n" + SERVING + "  proxy: {listen: '127.0.0.1:8001'}\n",  # the proxy is off
+    "metrics:\n  listen: 127.0.0.1:8000\nserve:\n  model: /m\n",  # serving is off: nothing listens on serve.port
+    "metrics:\n  listen: none\n" + SERVING + "  port: 9847\n",
+    SERVING + "  proxy: {enabled: true, listen: '127.0.0.2:8000'}\n",
+])
+def test_listeners_apart_by_address_or_not_listening_at_all_are_fine(text):
+    config.parse_text(text, "g.yaml")
+
+
+def test_check_refuses_a_collision_across_files_with_exit_78(cli, write):
+    main = write("gpuwarden.yaml", "metrics:\n  listen: 127.0.0.1:9000\n")
+    dropin = write("conf.d/50-proxy.yaml", SERVING + "  proxy:\n    enabled: true\n    listen: 0.0.0.0:9000\n")
+    status, out, err = cli("check", "-c", main)
+    assert status == 78 and out == ""
+    assert err.splitlines() == [f"{dropin}:6: serve.proxy.listen: 0.0.0.0:9000 (the proxy) collides with "
+                                f"metrics.listen 127.0.0.1:9000 (the metrics endpoint; {main}:2): two listeners "
+                                f"cannot share one address and port ({APART})"]
+
+
+def test_a_reload_to_a_collision_is_refused_and_the_daemon_keeps_its_config(write, tmp_path, monkeypatch, caplog):
+    """The daemon's start and reload read the config through the same config.load as check."""
+    from gpuwarden.backends import open_configured
+    from gpuwarden.gpu.sim.backend import ManualClock
+    from gpuwarden.service.daemon import Daemon
+
+    monkeypatch.setenv("STATE_DIRECTORY", str(tmp_path))
+    path = write("gpuwarden.yaml", "gpu: {backend: sim, scenario: rtx-pro-4000-headless}\nmetrics: {listen: none}\n"
+                                   "tuning: {apply: false}\n")
+    cfg = config.load(path)
+    daemon = Daemon(cfg, open_configured(cfg, ManualClock()), reload=lambda: config.load(path))
+    path.write_text(path.read_text().replace("listen: none", "listen: '127.0.0.1:8000'") + SERVING)
+    caplog.set_level("INFO")
+    daemon.reload()
+    assert daemon.config is cfg
+    assert f"reload failed, still running the previous config: {path}:2: metrics.listen: 127.0.0.1:8000 (the " \
+           "metrics endpoint) collides with serve.port" in caplog.text

@@ -573,10 +573,18 @@ def test_nodes_addresses_are_numeric_canonical_and_one_line_each_when_not():
             "is not one node's address (the address this node is reached at, e.g. 10.0.0.2)"), bad
     assert errors(base + "    rank: 0\n    hosts: [10.0.0.1, 10.0.0.1]\n") == [
         "c.yaml:7: serve.nodes.hosts.1: 10.0.0.1 is also entry 0 (one address per node)"]
-    assert errors(base + "    rank: 0\n    head: 10.0.0.1\n    port: 8123\n") == [
-        "c.yaml:8: serve.nodes.port: port 8123 is serve.port, the engine's API (another port, e.g. 29500)"]
-    assert errors("serve:\n  model: /m\n  nodes:\n    rank: 0\n    head: 10.0.0.1\n    port: 8000\n")[0].endswith(
-        "port 8000 is serve.port, the engine's API (another port, e.g. 29500)")
+    # the head's rendezvous listens on every address of its port: never serve.port (tests/test_config.py: every
+    # listener against every other, while serving)
+    assert errors(base.replace("model: /m", "enabled: true\n  model: /m") + "    rank: 0\n    head: 10.0.0.1\n"
+                  "    port: 8123\n") == [
+        "c.yaml:9: serve.nodes.port: *:8123 (the head's rendezvous, on every address) collides with serve.port "
+        "127.0.0.1:8123 (the engine's API, on serve.host; c.yaml:4): two listeners cannot share one address and port "
+        "(another port, or another address: 127.0.0.1 and 127.0.0.2 are two, 0.0.0.0 and :: are every address of "
+        "the port)"]
+    assert errors("serve:\n  enabled: true\n  model: /m\n  nodes:\n    rank: 0\n    head: 10.0.0.1\n"
+                  "    port: 8000\n")[0].startswith(
+        "c.yaml:7: serve.nodes.port: *:8000 (the head's rendezvous, on every address) collides with serve.port "
+        "127.0.0.1:8000 (the engine's API, on serve.host; the default)")
 
 
 def test_the_head_compares_the_kernels_addresses_with_canonical_hosts():

@@ -120,12 +120,12 @@ def test_config_section_is_validated_with_file_and_line(tmp_path):
     from gpuwarden.base.yamlfile import InvalidConfig
 
     with pytest.raises(InvalidConfig) as caught:
-        parse_text("serve:\n  proxy:\n    listen: 127.0.0.1:8000\n    remove_patterns: ['(']\n    sort: yes\n",
-                   str(tmp_path / "g.yaml"))
+        parse_text("serve:\n  enabled: true\n  model: /m\n  proxy:\n    enabled: true\n    listen: 127.0.0.1:8000\n"
+                   "    remove_patterns: ['(']\n    sort: yes\n", str(tmp_path / "g.yaml"))
     text = "\n".join(str(e) for e in caught.value.errors)
-    assert "g.yaml:3: serve.proxy.listen: port 8000 is the engine's own serve.port" in text
-    assert "g.yaml:4: serve.proxy.remove_patterns.0: not a regular expression" in text
-    assert "g.yaml:5: serve.proxy.sort: unknown key" in text
+    assert "g.yaml:6: serve.proxy.listen: 127.0.0.1:8000 (the proxy) collides with serve.port 127.0.0.1:8000" in text
+    assert "g.yaml:7: serve.proxy.remove_patterns.0: not a regular expression" in text
+    assert "g.yaml:8: serve.proxy.sort: unknown key" in text
     ok = parse_text("serve:\n  proxy: {enabled: true, listen: '0.0.0.0:9001', dump_dir: d}\n", str(tmp_path / "g.yaml"))
     assert ok.serve.proxy.listen == ("0.0.0.0", 9001) and ok.serve.proxy.dump_dir == tmp_path / "d"
     assert parse_text("serve: {}", "x.yaml").serve.proxy.enabled is False

@@ -320,6 +320,7 @@ def _validate(doc: Document, files: tuple[str, ...]) -> Config:
     metrics = MetricsConfig(_listen(r, ("metrics", "listen")), _web_config(r, Path(doc.file).parent))
     r.mapping(("metrics",), ("listen", "web_config"))
     serve = _serve_section(r, Path(doc.file).parent)
+    _listeners_apart(r, listeners(metrics, serve))
     r.raise_if_errors()
     return Config(gpu=gpu, poll_interval_s=float(poll), counters_interval_s=float(counters),
                   log_interval_s=float(log_interval), tuning=tuning, alerts=alerts, health=health, metrics=metrics,
@@ -394,8 +395,8 @@ def _serve_section(r: Reader, base_dir: Path) -> ServeConfig:
         restart_on_stall=r.boolean(base + ("restart_on_stall",), d.restart_on_stall),
         profiles_dir=base_dir / "profiles.d",
         rules_dir=base_dir / "rules.d",
-        proxy=_proxy_section(r, base_dir, port=r.get(base + ("port",))),
-        nodes=_nodes_section(r, serve_port=r.get(base + ("port",))),
+        proxy=_proxy_section(r, base_dir),
+        nodes=_nodes_section(r),
     )
 
 
@@ -435,7 +436,7 @@ def _node_address(r: Reader, path: Path_, value: Any) -> str:
     return address
 
 
-def _nodes_section(r: Reader, serve_port: Any = None) -> NodesConfig | None:
+def _nodes_section(r: Reader) -> NodesConfig | None:
     base = ("serve", "nodes")
     if r.get(base) is MISSING:
         return None
@@ -464,9 +465,7 @@ def _nodes_section(r: Reader, serve_port: Any = None) -> NodesConfig | None:
             r.fail(base + ("head",), "the head's address is not set", "head: ADDRESS, or hosts: [HEAD, ...]")
     else:  # numeric, as hosts: it goes into argv (--master-addr) and into a PromQL label matcher in the rules
         head = _node_address(r, base + ("head",), head)
-    port = r.number(base + ("port",), d.port, 1, 65535, integer=True)
-    if port == (serve_port if isinstance(serve_port, int) else ServeConfig.port):
-        r.fail(base + ("port",), f"port {port} is serve.port, the engine's API", "another port, e.g. 29500")
+    port = r.number(base + ("port",), d.port, 1, 65535, integer=True)  # apart from the other listeners: listeners()
     interface = r.string(base + ("interface",), "none")
     return NodesConfig(count=count, rank=rank, hosts=hosts, head=head,
                        port=port,
@@ -474,7 +473,7 @@ def _nodes_section(r: Reader, serve_port: Any = None) -> NodesConfig | None:
                        interface=None if str(interface).lower() in NONE_WORDS else interface)
 
 
-def _proxy_section(r: Reader, base_dir: Path, port: Any) -> ProxyConfig:
+def _proxy_section(r: Reader, base_dir: Path) -> ProxyConfig:
     base = ("serve", "proxy")
     d = ProxyConfig()
     r.mapping(base, [f.name for f in dataclasses.fields(ProxyConfig)])
@@ -483,8 +482,6 @@ def _proxy_section(r: Reader, base_dir: Path, port: Any) -> ProxyConfig:
     if listen is None:
         r.fail(base + ("listen",), "the proxy needs an address to listen on", "HOST:PORT such as 127.0.0.1:8001")
         listen = d.listen
-    if listen[1] == (port if isinstance(port, int) else ServeConfig.port):
-        r.fail(base + ("listen",), f"port {listen[1]} is the engine's own serve.port", "another port, e.g. 8001")
     patterns = tuple(_string_list(r, base + ("remove_patterns",), ()))
     for i, pattern in enumerate(patterns):
         try:
@@ -508,6 +505,80 @@ def _proxy_section(r: Reader, base_dir: Path, port: Any) -> ProxyConfig:
         hold_s=r.number(base + ("hold_s",), d.hold_s, 0, 3600),
         hold_max=r.number(base + ("hold_max",), d.hold_max, 1, 4096, integer=True),
     )
+
+
+@dataclass(frozen=True)
+class Listener:
+    """A socket the daemon or one of its children listens on, as the config sets it."""
+
+    key: str  # the key that sets its port
+    paths: tuple[Path_, ...]  # the keys that set its address and port, the one an error points at first
+    what: str
+    host: str  # "*": every address of the port
+    port: int
+
+    @property
+    def address(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    def takes(self, other: Listener) -> bool:
+        """Would the two contend for one socket? An address is part of a port: 127.0.0.1:P and 127.0.0.2:P are two
+        sockets; a wildcard (0.0.0.0, ::, every address) takes P on every address, IPv4's and IPv6's (a dual-stack
+        :: holds 0.0.0.0 too); a name is never looked up, so it may be any address of its port."""
+        if self.port != other.port:
+            return False
+        mine, theirs = _bound_address(self.host), _bound_address(other.host)
+        return mine in (None, "*") or theirs in (None, "*") or mine == theirs
+
+
+def _bound_address(host: str) -> str | None:
+    """The canonical address ("*" for every one), or None for a name."""
+    if host == "*":
+        return "*"
+    address = node_address(host.split("%")[0])
+    return "*" if address is not None and ipaddress.ip_address(address).is_unspecified else address
+
+
+def listeners(metrics: MetricsConfig, serve: ServeConfig) -> list[Listener]:
+    """Everything the config makes listen on TCP: the metrics endpoint, and while serving, the engine's API, the
+    proxy, and the head's rendezvous of a multi-node engine (vLLM's --master-port, Ray's GCS: bound on every
+    address, and the file is the head's too)."""
+    out = []
+    if metrics.listen is not None:
+        out.append(Listener("metrics.listen", (("metrics", "listen"),), "the metrics endpoint", *metrics.listen))
+    if serve.enabled:
+        out.append(Listener("serve.port", (("serve", "port"), ("serve", "host")), "the engine's API, on serve.host",
+                            serve.host, serve.port))
+        if serve.proxy.enabled:
+            out.append(Listener("serve.proxy.listen", (("serve", "proxy", "listen"),), "the proxy",
+                                *serve.proxy.listen))
+        if serve.nodes is not None:
+            out.append(Listener("serve.nodes.port", (("serve", "nodes", "port"),),
+                                "the head's rendezvous, on every address", "*", serve.nodes.port))
+    return out
+
+
+def _listeners_apart(r: Reader, found: list[Listener]) -> None:
+    """Two listeners on one address and port: one line, at the later one's key where the config sets it (else at
+    the earlier's), naming the other and where it is set."""
+    def set_at(listener: Listener) -> Path_ | None:
+        return next((path for path in listener.paths if path in r.doc.where), None)
+
+    def where(listener: Listener) -> str | None:
+        path = set_at(listener)
+        return None if path is None else "{}:{}".format(*r.doc.where[path])
+
+    for i, first in enumerate(found):
+        for later in found[i + 1:]:
+            if not first.takes(later):
+                continue
+            at, other = (later, first) if set_at(later) is not None or set_at(first) is None else (first, later)
+            file, line = r.doc.locate(set_at(at) or at.paths[0])
+            r.errors.append(ConfigError(
+                file, line, at.key, f"{at.address} ({at.what}) collides with {other.key} {other.address} "
+                f"({other.what}; {where(other) or 'the default'}): two listeners cannot share one address and port",
+                "another port, or another address: 127.0.0.1 and 127.0.0.2 are two, 0.0.0.0 and :: are every "
+                "address of the port"))
 
 
 def _string_list(r: Reader, path: Path_, default: tuple[str, ...]) -> list[str]:
