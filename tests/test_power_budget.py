@@ -73,14 +73,14 @@ def test_demand_reads_the_cap_the_idle_and_the_draw(tmp_path):
 
 # -- the mover and the run ----------------------------------------------------------------------------------
 
-def _backend(tmp_path, scenario, budget_w, timeline=None):
+def _backend(tmp_path, scenario, budget_w, timeline=None, tuning=""):
     path = resolve_scenario(scenario)
     if timeline is not None:
         text = path.read_text()
         path = tmp_path / f"{scenario}.yaml"
         path.write_text(text[:text.index("timeline:")] + "timeline:\n" + timeline)
     cfg = config.parse_text(f"gpu: {{backend: sim, scenario: {path}}}\nmetrics: {{listen: none}}\n"
-                            f"tuning: {{power_budget_w: {budget_w}, gpu_clocks: none}}\n")
+                            f"tuning: {{power_budget_w: {budget_w}, gpu_clocks: none{tuning}}}\n")
     clock = ManualClock()
     return open_configured(cfg, clock), cfg, clock
 
@@ -188,6 +188,76 @@ def test_four_cards_a_gpu_lost_the_static_fallback_fits(tmp_path):
     assert [g.power_limit_w for g in backend.gpus()] == [600, 600, 150, 150]
 
 
+@pytest.mark.parametrize("lost_s", [(30, 60), (32, 33.5)])
+def test_a_lost_card_counts_at_its_maximum_so_its_return_never_passes_the_budget(tmp_path, lost_s):
+    """Issue 51, finding 7: GPU 3 lost kept its static share (375 W) and came back at the driver's default 600 W
+    beside the others' 3 x 375 W: 1,725 W of limits on 1,500 W until the next move (about 0.6 s). The limits are
+    summed at every poll before the budget looks too: the instant the card answers again. A card lost for 1.5 s (a
+    reset) must not wait for the 5 s period: the others make its room at once."""
+    lost, back = lost_s
+    timeline = ("  - {at_s: 0, event: load, gpus: [0, 1], utilization_pct: 100, memory_used_pct: 80}\n"
+                "  - {at_s: 0, event: load, gpus: [2, 3], utilization_pct: 0, memory_used_pct: 80}\n"
+                f"  - {{at_s: {lost}, event: gpu_lost, gpus: [3], until_s: {back}}}\n")
+    backend, cfg, clock = _backend(tmp_path, X4, 1500, timeline)
+    life = TuningLife(backend, cfg, Tuner(backend))
+    gpus, seen = backend.gpus(), []
+    for _ in range(900):  # 90 s
+        clock.advance(0.1)
+        samples = [g.sample() for g in gpus]
+        seen.append((clock(), sum(g.power_limit_w for g in gpus), sum(g.power_limit_w for g in gpus[:3])))
+        life.budget_tick(samples, clock())
+        seen.append((clock(), sum(g.power_limit_w for g in gpus), sum(g.power_limit_w for g in gpus[:3])))
+    assert seen[0][1] == 2400  # the driver's defaults, where the budget starts
+    assert max(total for _, total, _ in seen[1:]) <= 1500
+    during = [others for t, _, others in seen if lost + 1.1 < t < back]
+    assert during and max(during) <= 1500 - 600  # the others leave GPU 3 its maximum while it is lost
+    assert life.budget.enforced[3] == 150 and [g.power_limit_w for g in gpus] == [600, 600, 150, 150]
+
+
+def test_where_the_others_minimums_leave_less_than_a_lost_cards_maximum_it_gets_the_rest_and_a_line_says_so(
+        tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="gpuwarden")
+    worst, life = _play(tmp_path, 10, budget_w=700,
+                        hook=lambda n, s: [s[0], dataclasses.replace(s[1], up=False, power_limit_w=None)])
+    assert life.budget.alloc == {0: 150, 1: 550} and life.budget.enforced[1] == 550
+    lines = [r.getMessage() for r in caplog.records if "power budget" in r.getMessage()]
+    assert lines == ["power budget: GPU 1 lost: holding a static split that fits 700 W until every GPU answers "
+                     "again; GPU 1 counted at 550 W of its 600 W maximum: the other GPUs' minimums leave no more, so "
+                     "its return at a higher limit passes the budget until the next move"]
+
+
+def test_a_stop_restores_the_original_limits_only_while_their_sum_fits_the_budget(tmp_path, caplog):
+    """Issue 51, finding 6: restore_on_stop put every card's original limit back after each stop: 4 x 600 W on a
+    1,500 W budget. Now the lowers first, then each raise in GPU order while the sum fits; one line for the rest."""
+    steady = ("  - {at_s: 0, event: load, gpus: [0, 1], utilization_pct: 100, memory_used_pct: 80}\n"
+              "  - {at_s: 0, event: load, gpus: [2, 3], utilization_pct: 0}\n")
+    for originals, after, line in (
+            ((600, 600, 600, 600), [600, 600, 150, 150], "restore: GPU 2, 3 power limits left at the power budget's "
+             "150, 150 W: their original limits (600, 600 W) would take the sum of the limits to 2400 W, past "
+             "tuning.power_budget_w 1500 W"),
+            ((400, 400, 400, 600), [400, 400, 400, 150], "restore: GPU 3 power limit left at the power budget's 150 W: "
+             "its original limit (600 W) would take the sum of the limits to 1800 W, past tuning.power_budget_w "
+             "1500 W"),
+            ((300, 300, 300, 300), [300, 300, 300, 300], None)):
+        caplog.clear()
+        backend, cfg, clock = _backend(tmp_path, X4, 1500, steady, tuning=", restore_on_stop: true")
+        for gpu, watts in zip(backend.gpus(), originals):
+            gpu.set_power_limit_w(watts)  # what the daemon finds at its start
+        life = TuningLife(backend, cfg, Tuner(backend))
+        for _ in range(100):
+            clock.advance(0.1)
+            life.budget_tick([g.sample() for g in backend.gpus()], clock())
+        assert [g.power_limit_w for g in backend.gpus()] == [600, 600, 150, 150]
+        caplog.set_level(logging.INFO, logger="gpuwarden")
+        sums: list[float] = []
+        _recording(backend, sums)
+        life.restore()
+        assert [g.power_limit_w for g in backend.gpus()] == after, originals
+        assert max(sums, default=0) <= 1500  # the lowers first: no instant of the stop passes the budget either
+        said = [r.getMessage() for r in caplog.records if "left at the power budget" in r.getMessage()]
+        assert said == ([line] if line else []), originals
+
+
 # -- the mover against NVML answers that lie ------------------------------------------------------------------
 
 def _lying(gpu, **fields):
@@ -200,10 +270,10 @@ def _lying(gpu, **fields):
     gpu.sample = sample
 
 
-def _play(tmp_path, seconds, hook=None, setup=None):
+def _play(tmp_path, seconds, hook=None, setup=None, budget_w=800):
     """The budget's daemon on two 600 W cards under 800 W, polled every 100 ms; the largest enforced sum seen after
     the first few polls (the driver's defaults, 600 + 600 W, are where it starts)."""
-    backend, cfg, clock = _backend(tmp_path, X2, 800)
+    backend, cfg, clock = _backend(tmp_path, X2, budget_w)
     life = TuningLife(backend, cfg, Tuner(backend))
     if setup is not None:
         setup(backend)
@@ -302,6 +372,11 @@ def test_plan_shows_the_split(cli, tmp_path):
     status, out, _ = cli("plan", "-c", path)
     assert status == 0
     assert "power budget 800 W, split by demand now: GPU 0 600 W, GPU 1 150 W (sum 750 of 800 W)" in out
+    assert "restore_on_stop" not in out
+    path.write_text(path.read_text() + "  restore_on_stop: true\n")
+    status, out, _ = cli("plan", "-c", path)
+    assert status == 0 and "tuning.restore_on_stop with the budget: at a stop each card's original power limit comes " \
+        "back only while the sum of the limits fits the budget; the others keep the budget's split" in out
 
 
 # -- tune's sweeps under a budget (tune/sweeps.py) -------------------------------------------------------------

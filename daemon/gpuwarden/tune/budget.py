@@ -5,11 +5,14 @@ The split is pure data (split, static_split): each card's NVML constraints, its 
 out. The mover (PowerBudget) runs on the daemon's loop every MOVE_EVERY_S: it lowers the cards that give watts
 first, reads each back (the limit NVML enforces), and only then raises the others, each raise no more than the
 readings leave room for. A card lost, or a limit that does not read back, ends the moving: a static split that
-fits (budget x weight, minimums first) is set instead, and said once.
+fits (budget x weight, minimums first) is set instead, and said once. A lost card counts at its maximum limit until
+it answers (lost_at_most): it may come back at any limit up to that (a reset or a driver reload leaves the
+default), and the sum of the limits must fit the budget the moment it does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Iterable
@@ -78,9 +81,29 @@ def split(cards: list[Card], budget_w: float) -> dict[int, float]:
     return _fill(cards, budget_w, lambda c: c.demand_w)
 
 
-def static_split(cards: list[Card], budget_w: float) -> dict[int, float]:
-    """The fallback: no demand read, budget x weight within each card's constraints, minimums first."""
-    return _fill(cards, budget_w, lambda c: c.max_w)
+def static_split(cards: list[Card], budget_w: float, lost: Iterable[int] = ()) -> dict[int, float]:
+    """The fallback: no demand read, budget x weight within each card's constraints, minimums first; the lost cards
+    counted at their maximum limits (lost_at_most)."""
+    return _fill(lost_at_most(cards, lost, budget_w)[0], budget_w, lambda c: c.max_w)
+
+
+def lost_at_most(cards: list[Card], lost: Iterable[int], budget_w: float) -> tuple[list[Card], str | None]:
+    """The cards with each lost one held (fixed_w) at its maximum limit, the most it can come back at (a reset or a
+    driver reload leaves its default), so that the others are split over what is left and the sum of the limits
+    fits the budget when it answers. Where the others' minimums leave less than the lost cards' maximums, those
+    get what is left, shared by their maximums (never below their minimums), and the text says so; else None."""
+    lost = set(lost)
+    held = [c for c in cards if c.index in lost and c.fixed_w is None]
+    if not held:
+        return cards, None
+    room = budget_w - minimum_w(c for c in cards if c not in held)
+    need = sum(c.max_w for c in held)
+    share = 1.0 if need <= room else max(0.0, room) / need
+    counted = {c.index: max(c.min_w, float(int(c.max_w * share + 1e-6))) for c in held}
+    short = None if share >= 1.0 else "; ".join(
+        f"GPU {c.index} counted at {counted[c.index]:g} W of its {c.max_w:g} W maximum" for c in held) + \
+        ": the other GPUs' minimums leave no more, so its return at a higher limit passes the budget until the next move"
+    return [dataclasses.replace(c, fixed_w=counted[c.index]) if c.index in counted else c for c in cards], short
 
 
 def _fill(cards: list[Card], budget_w: float, want: Callable[[Card], float]) -> dict[int, float]:
@@ -229,7 +252,9 @@ class PowerBudget:
         self._read(gpus, samples, cards)
         try:
             if lost or self._read_back_failed:
-                self._fall_back(f"GPU {', '.join(map(str, lost))} lost" if lost else None)
+                cards, short = lost_at_most(cards, lost, self.budget_w)
+                self.enforced.update({c.index: c.fixed_w for c in cards if c.index in lost})  # until it answers
+                self._fall_back(f"GPU {', '.join(map(str, lost))} lost" if lost else None, short)
                 target = static_split(cards, self.budget_w)
             else:
                 self._resume()
@@ -267,7 +292,9 @@ class PowerBudget:
 
     def _urgent(self, cards: list[Card], samples: dict[int, GpuSample], lost: list[int], fixed: dict) -> bool:
         limits = [w for s in samples.values() if s.up and (w := watts(s.power_limit_w)) is not None]
-        if sum(limits) > self.budget_w + WATT / 2:
+        # a card just lost counts at once at what it may come back at: a reset takes a second, not the period
+        counted = sum(c.fixed_w for c in lost_at_most(cards, lost, self.budget_w)[0] if c.index in lost)
+        if sum(limits) + counted > self.budget_w + WATT / 2:
             return True
         if lost or self._read_back_failed:
             return False
@@ -277,12 +304,13 @@ class PowerBudget:
             return False
         return any(w - self.alloc.get(i, w) >= URGENT_W for i, w in target.items() if i not in fixed)
 
-    def _fall_back(self, why: str | None) -> None:
+    def _fall_back(self, why: str | None, short: str | None = None) -> None:
         if why is None or self.fallback == why:
             return
         self.fallback = why
         self._say(logging.WARNING, f"power budget: {why}: holding a static split that fits {self.budget_w:g} W "
-                  f"until {'a reload' if self._read_back_failed else 'every GPU answers again'}")
+                  f"until {'a reload' if self._read_back_failed else 'every GPU answers again'}"
+                  + (f"; {short}" if short else ""))
 
     def _resume(self) -> None:
         if self.fallback is not None:
@@ -332,9 +360,11 @@ class PowerBudget:
         if refused is not None:
             return refused
         cards, lost = cards_of(gpus, samples, self.weight, swept, self.ranges)
-        target = (static_split if lost or self._read_back_failed else split)(cards, self.budget_w)
+        target = static_split(cards, self.budget_w, lost) if lost or self._read_back_failed else \
+            split(cards, self.budget_w)
         self.alloc = target
         self._read(gpus, samples, cards)
+        self.enforced.update({i: target[i] for i in lost if i in target})  # a lost card at its maximum until it answers
         others = [g for g in gpus if g.index not in swept and g.index not in lost and g.index not in self._deaf]
         lowers = {g.index: min(target[g.index], self.enforced.get(g.index, target[g.index])) for g in others
                   if g.index in target}  # only lowers now: the step takes the room, the next poll shares the rest

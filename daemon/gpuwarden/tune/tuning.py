@@ -137,10 +137,13 @@ def _budget_notes(config: Configured, gpus: list[Gpu], problems: list[ConfigErro
         return []
     if not cards:
         return [f"power budget {t.power_budget_w:g} W: no GPU reports power-limit constraints, nothing to split"]
-    alloc = (budget.static_split if lost else budget.split)(cards, t.power_budget_w)
+    alloc = budget.static_split(cards, t.power_budget_w, lost) if lost else budget.split(cards, t.power_budget_w)
     how = "a static split (GPU " + ", ".join(map(str, lost)) + " lost)" if lost else "by demand now"
+    restore = ["tuning.restore_on_stop with the budget: at a stop each card's original power limit comes back only "
+               "while the sum of the limits fits the budget; the others keep the budget's split"] \
+        if t.restore_on_stop else []
     return [f"power budget {t.power_budget_w:g} W, split {how}: {budget.describe(alloc, t.power_budget_w)}; "
-            f"it follows the demand every {budget.MOVE_EVERY_S:g} s"]
+            f"it follows the demand every {budget.MOVE_EVERY_S:g} s", *restore]
 
 
 def _check_override_keys(config: Configured, gpus: list[Gpu], problems: list[ConfigError]) -> None:
@@ -251,15 +254,19 @@ class Tuner:
         samples = {g.index: g.sample() for g in self.backend.gpus()}
         return [_verify(action, samples[action.gpu]) for action in plan.actions if action.target is not None]
 
-    def restore(self, only: set[tuple[int, str]] | None = None) -> list[Outcome]:
-        """Put back what apply changed (or only these (gpu, setting) pairs); forget what was restored.
-        Settings go back in reverse table order: the power limit, the locks, then persistence mode."""
+    def restore(self, only: set[tuple[int, str]] | None = None, leave: set[tuple[int, str]] = frozenset(),
+                lowers_first: bool = False) -> list[Outcome]:
+        """Put back what apply changed (or only these (gpu, setting) pairs, less those to leave as they are);
+        forget what was restored. Settings go back in reverse table order: the power limit, the locks, then
+        persistence mode; GPU by GPU, and with lowers_first (a power budget) the GPUs whose power limit goes down
+        before those whose limit goes up, so that the sum of the limits never passes what it ends at."""
         outcomes = []
-        for index, state in sorted(self.original.items()):
+        order = (lambda item: (self._raises_power(*item), item[0])) if lowers_first else (lambda item: item[0])
+        for index, state in sorted(self.original.items(), key=order):
             gpu = self._gpu(index)
             for tunable in reversed(tunables.TUNABLES):
                 todo, value = tunable.undo(state.values.get(tunable.key), tunable.key in state.locked)
-                if not todo or (only is not None and (index, tunable.key) not in only):
+                if not todo or (only is not None and (index, tunable.key) not in only) or (index, tunable.key) in leave:
                     continue
                 action = Action(index, gpu.uuid, tunable.key, None, value, True, "restore")
                 try:
@@ -273,6 +280,18 @@ class Tuner:
         if outcomes:
             self._save()
         return outcomes
+
+    def original_power_limits(self) -> dict[int, float]:
+        """The power limits restore would put back, by GPU."""
+        return {i: s.values["power_limit_w"] for i, s in self.original.items()
+                if s.values.get("power_limit_w") is not None}
+
+    def _raises_power(self, index: int, state: OriginalState) -> bool:
+        original = state.values.get("power_limit_w")
+        if original is None:
+            return False
+        current = _enforced_limit(self._gpu(index))
+        return current is None or original > current
 
 
 def _verify(action: Action, sample: GpuSample) -> Outcome:
@@ -411,14 +430,44 @@ class TuningLife:
             for g in plan.gpus))
 
     def restore(self) -> None:
-        """At stop, with restore_on_stop: the originals back."""
+        """At stop, with restore_on_stop: the originals back; with a power budget, a card's original power limit
+        only while the sum of the limits still fits the budget (over_budget)."""
         if not (self.tuned and self.config.tuning.apply and self.config.tuning.restore_on_stop):
             return
         try:
-            for outcome in self.tuner.restore():
+            leave = {(i, "power_limit_w") for i in self.over_budget()}
+            for outcome in self.tuner.restore(leave=leave, lowers_first=self.budget is not None):
                 (log.info if outcome.ok else log.error)("restore %s", outcome.describe())
         except Exception as exc:
             log.error("restore failed: %s: %s", type(exc).__name__, exc)
+
+    def over_budget(self) -> list[int]:
+        """With tuning.power_budget_w, the GPUs whose original power limit stays off at the stop: the originals that
+        lower a card go back, then those that raise one, in GPU order, each only while the sum of the limits fits
+        the budget (4 x 600 W of originals on a 1,500 W budget passed it after every stop). The rest keep the
+        budget's split, said in one line."""
+        if self.budget is None:
+            return []
+        originals = self.tuner.original_power_limits()
+        limits = {}
+        for gpu in self.backend.gpus():  # a card that cannot be read counts as the budget counted it last
+            limits[gpu.index] = budget.watts(_enforced_limit(gpu))
+            if limits[gpu.index] is None:
+                limits[gpu.index] = self.budget.enforced.get(gpu.index, self.budget.budget_w)
+        after, left = dict(limits), []
+        for index in sorted(originals, key=lambda i: (originals[i] > limits.get(i, 0.0), i)):
+            if sum({**after, index: originals[index]}.values()) <= self.budget.budget_w + budget.WATT / 2:
+                after[index] = originals[index]
+            else:
+                left.append(index)
+        if left:
+            many = len(left) > 1
+            log.log(NOTICE, "restore: GPU %s power limit%s left at the power budget's %s W: %s original limit%s (%s W) "
+                    "would take the sum of the limits to %g W, past tuning.power_budget_w %g W",
+                    ", ".join(map(str, left)), "s" if many else "", ", ".join(f"{limits[i]:g}" for i in left),
+                    "their" if many else "its", "s" if many else "", ", ".join(f"{originals[i]:g}" for i in left),
+                    sum({**limits, **originals}.values()), self.budget.budget_w)
+        return left
 
     def _use(self, plan: Plan, config: Configured) -> None:
         self.plan = plan
