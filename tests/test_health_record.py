@@ -149,6 +149,8 @@ def test_a_clear_of_a_gpu_still_lost_does_not_count_this_boots_fault_again(path,
         poll(now)
     assert record.count("GPU-lost", "gpu_lost") == 0 and record.counts("GPU-lost") == {}
     assert [e["event"] for e in record.history("GPU-lost")] == ["reboot required", "cleared"]
+    from gpuwarden.cli.health import render
+    assert f"No reboots recorded in {path}." in render(False, None, [], record)  # `gpuwarden health`
     again = restart(path, boots)  # the daemon restarted within the boot: the file says so too
     record_reboots(again, [health.judge(lost, health.Inputs(), 3, again.count)], 6.0)
     assert again.count("GPU-lost", "gpu_lost") == 0

@@ -205,7 +205,8 @@ def render(answered: bool, host: dict | None, gpus: list[dict], record: HealthRe
     lines.append("")
     if record.problem:
         lines.append(f"Record {record.path}: not read: {record.problem}")
-    lines.append("Reboots recorded (per GPU and fault, one a boot):" if record.gpus else
+    counted = any(record.counts(uuid) for uuid in record.gpus)  # a clear leaves this boot's faults known at 0
+    lines.append("Reboots recorded (per GPU and fault, one a boot):" if counted else
                  f"No reboots recorded in {record.path}.")
     for uuid in sorted(record.gpus):
         for fault, n in sorted(record.counts(uuid).items()):
