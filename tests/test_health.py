@@ -398,8 +398,8 @@ def test_an_event_and_the_reading_of_the_same_fault_are_one_fault(why, field, fa
 # -- the docs' Xid table and the code: one source (issue 51, finding 4) ------------------------------------------
 
 DOCS = "docs/health.md"
-ACTION_WORDS = {"none": "none", "restart the engine": "restart_engine", "reset": "reset_gpu", "reset the GPU": "reset_gpu",
-                "reboot": "reboot", "inspect": "inspect", "inspect the hardware": "inspect"}
+ACTION_WORDS = {"none": "none", "restart the engine": "restart_engine", "reset": "reset_gpu",
+                "reset the GPU": "reset_gpu", "reboot": "reboot", "inspect": "inspect", "inspect the hardware": "inspect"}
 
 
 def docs_table(heading: str) -> list[list[str]]:

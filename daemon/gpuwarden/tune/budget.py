@@ -102,7 +102,8 @@ def lost_at_most(cards: list[Card], lost: Iterable[int], budget_w: float) -> tup
     counted = {c.index: max(c.min_w, float(int(c.max_w * share + 1e-6))) for c in held}
     short = None if share >= 1.0 else "; ".join(
         f"GPU {c.index} counted at {counted[c.index]:g} W of its {c.max_w:g} W maximum" for c in held) + \
-        ": the other GPUs' minimums leave no more, so its return at a higher limit passes the budget until the next move"
+        (": the other GPUs' minimums leave no more, so its return at a higher limit passes the budget until the "
+         "next move")
     return [dataclasses.replace(c, fixed_w=counted[c.index]) if c.index in counted else c for c in cards], short
 
 
