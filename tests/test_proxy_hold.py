@@ -425,15 +425,16 @@ def test_held_requests_get_503_at_once_when_the_proxy_stops(rig):
 @pytest.mark.process
 def test_an_engine_that_drops_every_request_while_healthy_gets_502_not_a_loop_of_retries(rig):
     """Closed before it answered, with /health up: not down, so not held (each request would be sent again every
-    half second until hold_s, two lines each time); sent once more at once (a keep-alive connection the engine
-    closed as it was reused), then 502."""
+    half second until hold_s, two lines each time); sent once more at once only where it went on a pooled
+    connection (a keep-alive connection the engine closed as it was reused: casualties.RESEND), then 502."""
     engine = rig.engine()
     proxy = rig.proxy("--hold-s", "60")
     calls = [Call(proxy.port, b"{}", path="/drop") for _ in range(5)]
     for c in calls:
         c.join(10)
     assert all(c.status == 502 and c.took < 5 for c in calls), [(c.status, c.took, c.error) for c in calls]
-    assert engine.get_json("/debug/open")["requests"] == 10  # each sent twice, never more
+    # each sent once, or twice where its first try went on a pooled connection (the scrape's), never more
+    assert 5 <= engine.get_json("/debug/open")["requests"] <= 10
     assert not lines(proxy, "holding requests") and not lines(proxy, "engine back"), proxy.lines
 
 

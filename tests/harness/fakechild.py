@@ -26,6 +26,10 @@ Modes:
   stuck-drain  as drain, but its requests never finish and SIGTERM never ends it: a drain that never ends
   answer       POST /v1/completions answers a completion whose text is what --answer-file holds when asked (the
                known-answer check: a test changes the file to make a restarted engine compute something else)
+  killer       /v1/... reads its body: one with QOD-NOW in it (or in its path) ends the process at once, unanswered
+               (a query of death); QOD-MIDSTREAM gets a stream's head and one event first, then the same end; QOD-SLOW closes the
+               connection unanswered and ends the process 2 s later, its /health 200 meanwhile (an engine whose death
+               takes its time); any other body gets a small chat completion, 200 (the prompt is never printed)
 """
 
 from __future__ import annotations
@@ -82,6 +86,9 @@ def answer(conn: socket.socket, modes: set[str], started: float) -> None:
                 body = json.dumps({"object": "text_completion", "choices": [{"index": 0, "text": f.read()}]}).encode()
             conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
             return
+        if path.startswith("/v1/") and "killer" in modes:
+            killer(conn, request)
+            return
         if path.startswith("/v1/") and modes & DRAINERS:
             slow_request(conn, path, modes)
             return
@@ -108,6 +115,34 @@ def answer(conn: socket.socket, modes: set[str], started: float) -> None:
                 time.sleep(1)
             return
         conn.sendall(head + body)
+
+
+def killer(conn: socket.socket, request: bytes) -> None:
+    """killer mode: the body read whole (Content-Length); a query of death ends the process (exit status 4)."""
+    head, _, body = request.partition(b"\r\n\r\n")
+    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")[1:]
+                   if line.lower().startswith(b"content-length:")), 0)
+    while len(body) < length:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return
+        body += chunk
+    body = head.split(b"\r\n", 1)[0] + b"\n" + body  # the request line: a GET's path may carry the marker too
+    if b"QOD-MIDSTREAM" in body:
+        event = b'data: {"choices": [{"index": 0, "delta": {"content": "Hel"}}]}\n\n'  # chunked, as uvicorn streams
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
+                     b"Connection: close\r\n\r\n%x\r\n%s\r\n" % (len(event), event))
+        time.sleep(0.3)
+    elif b"QOD-SLOW" in body:
+        conn.close()
+        time.sleep(2)
+    if b"QOD-" in body:
+        print("ERROR fakechild: a request ended me (a query of death)", flush=True)
+        os._exit(4)
+    answer_body = json.dumps({"object": "chat.completion", "choices": [{"index": 0, "message": {
+        "role": "assistant", "content": "fine"}}]}).encode()
+    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+                 b"Connection: close\r\n\r\n%s" % (len(answer_body), answer_body))
 
 
 def slow_request(conn: socket.socket, path: str, modes: set[str]) -> None:

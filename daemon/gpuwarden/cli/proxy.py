@@ -30,10 +30,12 @@ connection that waits, or sends its headers, longer than --client-timeout, or it
 that, is closed; bodies over --max-body-bytes get 413; bodies and their parses hold at most 12 x --max-body-bytes
 of memory at once (503 with Retry-After past it); each kind of client fault is logged once a minute, with a count.
 
-While the engine is down (refusing connections, or answering 503 while it drains or starts), a request no byte of
-whose answer has reached its client is held, and sent again once the engine's /health answers: for at most
---hold-s seconds, at most --hold-max requests at once (and half the connection cap), its body within the budget
-above; past any of these, 503 with Retry-After at once. --hold-s 0: no hold, 502 at once.
+While the engine is down (refusing connections, or answering 503 while it drains or starts), a request the engine
+never had is held, and sent once the engine's /health answers: for at most --hold-s seconds, at most --hold-max
+requests at once (and half the connection cap), its body within the budget above; past any of these, 503 with
+Retry-After at once. --hold-s 0: no hold, 502 at once. A request in flight when the engine ended is never sent
+again (it may be what ended it): 502 at once, or its stream cut. Told by the daemon that the engine is FATAL or
+held (SIGRTMIN), every request gets 503 with Retry-After at once until it says an engine is healthy (SIGUSR2).
 
 `gpuwarden proxy diff A B` shows where two dumped turns (--dump-dir) first differ: the cache buster."""
 

@@ -33,11 +33,11 @@ WIDE_ESCAPE = re.compile(rb"\\u[dD][89abAB]")  # an escaped surrogate pair: the 
 
 
 class Refusal(Exception):
-    """A request the proxy answers itself: status, a metrics reason and a one-line message."""
+    """A request the proxy answers itself: status, a metrics reason and a one-line message; a 503's Retry-After."""
 
-    def __init__(self, status: int, reason: str, message: str):
+    def __init__(self, status: int, reason: str, message: str, retry_after: int = 1):
         super().__init__(message)
-        self.status, self.reason = status, reason
+        self.status, self.reason, self.retry_after = status, reason, retry_after
 
 
 class Budget:

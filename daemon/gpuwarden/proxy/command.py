@@ -62,7 +62,7 @@ def cmd_proxy(args: argparse.Namespace, load_config) -> int:
 
 
 def serve(upstream, listen, rules, engine, dumper, max_body, client_timeout_s, faults, hold) -> int:
-    from ..serving.run.spec import STOPPING_SIGNAL, UP_SIGNAL
+    from ..serving.run.spec import DOWN_SIGNAL, STOPPING_SIGNAL, UP_SIGNAL
     from .listener import Connections, connection_cap, run
     from .server import Proxy, ProxyMetrics
 
@@ -79,9 +79,10 @@ def serve(upstream, listen, rules, engine, dumper, max_body, client_timeout_s, f
     log.info("proxy on http://%s:%d for %s; rules: %s%s; at most %d connections%s", *listen, upstream,
              ", ".join(enabled) or "none", f"; dumps in {dumper.directory}" if dumper else "", conns.cap, held)
     try:
-        # A stop cuts streams still open after 2 s; the daemon's word of the engine's planned stop and of its
-        # return (serving/run/spec.py) reach the hold.
-        told = {STOPPING_SIGNAL: proxy.hold.engine_stopping, UP_SIGNAL: proxy.hold.engine_up}
+        # A stop cuts streams still open after 2 s; the daemon's word of the engine's planned stop, of its return
+        # and of an end it does not restart from (serving/run/spec.py) reach the hold.
+        told = {STOPPING_SIGNAL: proxy.hold.engine_stopping, UP_SIGNAL: proxy.hold.engine_up,
+                DOWN_SIGNAL: proxy.hold.engine_not_restarting}
         asyncio.run(run(proxy.app(), listen[0], listen[1], conns, signals=told))
     except OSError as exc:
         print(f"gpuwarden proxy: cannot listen on {listen[0]}:{listen[1]}: {exc.strerror or exc}", file=sys.stderr)

@@ -10,6 +10,13 @@ engine that was never seen down within hold_s of the word was not restarted afte
 The proxy answers the word with a line the daemon waits for before the engine's SIGTERM (HOLDING_LINES), so that
 no request goes to an engine already shutting down.
 
+A crash the daemon does not restart from (FATAL until SIGHUP, or HELD for its GPU) is told too (DOWN_SIGNAL): every
+held request and every new one is answered 503 with Retry-After (NOT_RESTARTING_RETRY_S) at once, and nothing is sent
+to the engine's port (no engine of ours holds it), until the daemon says an engine is healthy again.
+
+Only a request the engine never saw is held (server.py, casualties.py): one in flight when the engine ended may be
+what ended it, and is answered at once instead.
+
 One watcher for all held requests reads /health every HEALTH_EVERY_S while any is held, and sees clients that left
 (dropped, their budget given back, within a tick). Bounds: `hold_s` from a request's first hold, `hold_max` at
 once, and the body budget (body.py), where held bodies count; past any, 503 with Retry-After at once. The journal
@@ -34,7 +41,9 @@ HEALTH_EVERY_S = 0.5
 # An outage no held request waits for any more ends (said once) after this long, or hold_s if longer: a client that
 # comes and goes costs two lines at most this often.
 QUIET_S = 10.0
-UP, GONE, CLOSING = "up", "gone", "closing"
+UP, GONE, CLOSING, NOT_RESTARTING = "up", "gone", "closing", "not restarting"
+# A client's wait after a 503 while the engine is not restarted: an operator's SIGHUP or a GPU's reset, not seconds.
+NOT_RESTARTING_RETRY_S = 30
 
 
 class Hold:
@@ -53,6 +62,7 @@ class Hold:
         self._seen_down = False  # since that word, /health was seen down: the next answer is a new engine
         self._answered_off = False  # without a hold, the word was answered (until the word that the engine is up)
         self.closing = False  # the proxy stops: a request held now, or later, is refused at once
+        self.not_restarting = False  # the daemon's word: the engine is down for good (FATAL, HELD), until it is up
 
     @property
     def on(self) -> bool:
@@ -82,9 +92,29 @@ class Hold:
         after it, and the daemon then waits for the stop's word repeated (serving/run/fronts.py)."""
         if self.planned or self._answered_off:
             log.info("%s", RELEASED_LINE.removeprefix("INFO "))
-        self.planned_since, self._answered_off = None, False
+        if self.not_restarting:
+            log.info("proxy: told the engine is healthy again: requests go to it")
+        self.planned_since, self._answered_off, self.not_restarting = None, False, False
         if self.down_since is not None:
             self._end(UP)
+
+    def engine_not_restarting(self) -> None:
+        """The daemon's word (DOWN_SIGNAL) that the engine is down and not restarted until someone acts (FATAL,
+        HELD): the held requests are answered 503 now, and so is every new one until an engine is healthy."""
+        if self.closing or self.not_restarting:  # each word comes twice (serving/run/fronts.py)
+            return
+        self.not_restarting, self.planned_since, self._answered_off = True, None, False
+        log.warning("proxy: told the engine is not restarting (FATAL, or held for its GPU): answering 503 at once, "
+                    "Retry-After %d s, until it is healthy again", NOT_RESTARTING_RETRY_S)
+        for future in self.waiting:
+            if not future.done():
+                future.set_result(NOT_RESTARTING)
+
+    def refuse_if_not_restarting(self) -> None:
+        """Refusal (503, Retry-After NOT_RESTARTING_RETRY_S) while the daemon says the engine is not restarting."""
+        if self.not_restarting:
+            self._refuse("engine_not_restarting", "the engine is down and not restarting until its operator acts "
+                         "(gpuwarden says FATAL or held): retry later", NOT_RESTARTING_RETRY_S)
 
     def close(self) -> None:
         """The proxy stops: every held request is answered 503 at once, and so is any held later."""
@@ -93,17 +123,23 @@ class Hold:
             if not future.done():
                 future.set_result(CLOSING)
 
-    async def engine_down(self) -> bool:
+    async def engine_down(self, since: float | None = None) -> bool:
         """An engine answered 503, or closed the connection before it answered: whether it is down (draining,
         starting, gone; hold the request) rather than answering so itself with its /health up (pass its answer on,
         or 502). Asked of /health at most once a tick, whatever the crowd: an engine that says 503, or drops every
-        request, while healthy costs no outage, no lines, no loop of retries."""
+        request, while healthy costs no outage, no lines, no loop of retries. since: only a look begun then or later
+        counts (a connection that broke at `since`: an answer from before says nothing of the engine's end)."""
         if self.down_since is not None:
             return True
-        now = self.clock()
-        if self._probe is None or (self._probe.done() and now - self._probed_at >= HEALTH_EVERY_S):
+        while True:
+            now, probe = self.clock(), self._probe
+            if probe is not None and (self._probed_at >= since if since is not None
+                                      else not probe.done() or now - self._probed_at < HEALTH_EVERY_S):
+                return not await asyncio.shield(probe)  # a client that leaves does not cancel it for the others
+            if probe is not None and not probe.done():  # begun before `since`: then the next look, shared too
+                await asyncio.wait([probe])
+                continue
             self._probe, self._probed_at = asyncio.ensure_future(self.engine_answers()), now
-        return not await asyncio.shield(self._probe)  # a client that leaves does not cancel it for the others
 
     async def wait(self, request: web.BaseRequest, since: float) -> None:
         """Wait until the engine answers again (then return: send the request again). Refusal (503) past hold_s
@@ -112,6 +148,7 @@ class Hold:
         now = self.clock()
         if self.closing:
             self._refuse("proxy_stopping", "the proxy is stopping: retry later")
+        self.refuse_if_not_restarting()
         self._begin(now)
         if now - since >= self.hold_s:
             self._refuse("held_too_long", f"the engine did not come back within {self.hold_s:g} s (the proxy's "
@@ -140,10 +177,12 @@ class Hold:
             raise ConnectionResetError("the client left while its request was held")
         if outcome == CLOSING:
             self._refuse("proxy_stopping", "the proxy is stopping: retry later")
+        if outcome == NOT_RESTARTING:
+            self.refuse_if_not_restarting()
 
-    def _refuse(self, reason: str, message: str) -> None:
+    def _refuse(self, reason: str, message: str, retry_after: int = 1) -> None:
         self.refused += 1
-        raise Refusal(503, reason, message)
+        raise Refusal(503, reason, message, retry_after)
 
     def _begin(self, now: float) -> None:
         if self.down_since is not None:

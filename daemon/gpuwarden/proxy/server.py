@@ -10,7 +10,8 @@ it (so the engine sees the same kind of body either way); to any other path it g
 
 The limits on what clients send: listener.py (connections and their deadlines), body.py (body size, the memory
 of bodies and parses at once), faults.py (one line a minute for each kind of fault). While the engine is down,
-requests wait in hold.py, within limits of their own.
+requests the engine never saw wait in hold.py, within limits of their own; one in flight when the engine ended is
+answered at once and never sent again (casualties.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import functools
 import json
 import logging
 import time
+from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
@@ -29,14 +31,14 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..base.faultlog import FaultLog
-from ..base.httpget import HttpError, read_capped
-from ..serving.probe.metrics import parse
 from .body import Budget, Held, Refusal, decode, loads, parse_cost, read
+from .casualties import ENDED, HOLD, RESEND, Casualties, after_failure
 from .dump import Dumper, session_of
 from .faults import proxy_faults
 from .hold import Hold
 from .listener import Connections
 from .normalize import Rules, apply
+from .scrape import scrape_forever
 
 log = logging.getLogger("gpuwarden.proxy")
 
@@ -46,10 +48,9 @@ HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authoriza
 # The memory of bodies and their parses at once, in maximum-size bodies: one of BMP text (CJK: 1 + 7 x its size,
 # 9 x dumped; body.parse_cost) or two of ASCII (1 + 4 x) fit; the worst case stays under 512 MiB at 32 MiB.
 BUDGET_BODIES = 12
-# The engine's /metrics every 15 s, every 2 s while it cannot be read (starting, restarting): its counters
-# appear soon after it does.
-SCRAPE_EVERY_S, SCRAPE_RETRY_S, SCRAPE_DEADLINE_S, SCRAPE_MAX_BYTES = 15.0, 2.0, 5.0, 8 << 20
 OFF_LOOP_BYTES = 256 << 10
+ENDED_MESSAGE = ("the engine ended while serving this request; it is not sent again (a request in flight when the "
+                 "engine ends may be what ended it)")
 
 
 class ProxyMetrics:
@@ -113,7 +114,39 @@ async def _sent(held: Held, lend: bool):
         held.release()
 
 
-RESEND = object()  # _send_once: send the request once more, at once
+@dataclass
+class Tries:
+    """One request's tries at the engine."""
+
+    seen: bool = False  # a try's connection was open: the engine may have read it, so it is never held from then on
+    resent: bool = False  # sent once more at once already (casualties.RESEND)
+    opened: bool = False  # the latest try had a connection open, whatever ended it (the session's trace says so)
+    reused: bool = False  # ... a pooled one
+    sent_at: float = 0.0  # when the latest try began, on the hold's clock
+
+
+async def _opened(session, context, params) -> None:
+    """The session's trace: a try got a connection, new or pooled (aiohttp 3.9 and later resend a request with no
+    body by themselves once when its connection breaks, so a refused connect can follow a try the engine saw)."""
+    if isinstance(context.trace_request_ctx, Tries):
+        context.trace_request_ctx.opened = True
+        context.trace_request_ctx.reused |= isinstance(params, aiohttp.TraceConnectionReuseconnParams)
+
+
+def engine_session(limit: int, read_timeout_s: float) -> aiohttp.ClientSession:
+    """The session to the engine: no automatic headers and no decompression, so what the client and the engine send
+    passes as it is; limit connections at once (0: no limit); each try's connection traced (Tries), and no resend
+    of aiohttp's own (3.9 and later resend a request without a body once): casualties.py decides."""
+    trace = aiohttp.TraceConfig()
+    trace.on_connection_reuseconn.append(_opened)
+    trace.on_connection_create_end.append(_opened)
+    session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=10, sock_read=read_timeout_s),
+                                    auto_decompress=False, connector=aiohttp.TCPConnector(limit=limit),
+                                    trace_configs=[trace],
+                                    skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"))
+    if hasattr(session, "_retry_connection"):
+        session._retry_connection = False
+    return session
 
 
 async def answers(session: aiohttp.ClientSession, url: str) -> bool:
@@ -157,6 +190,7 @@ class Proxy:
             metrics.now["gpuwarden_proxy_connections"] = ("Client connections open now", lambda: len(conns.open))
             metrics.now["gpuwarden_proxy_connections_max"] = ("At most this many client connections at once",
                                                               lambda: conns.cap)
+        self.casualties = Casualties(self.hold.clock)
         self.session: aiohttp.ClientSession | None = None
         self._scraper: asyncio.Task | None = None
 
@@ -172,15 +206,10 @@ class Proxy:
         return app
 
     async def _start(self, app) -> None:
-        timeout = aiohttp.ClientTimeout(total=None, connect=10, sock_read=self.read_timeout_s)
-        # No automatic headers and no decompression: what the client and the engine send passes as it is. At
-        # most one upstream connection per client connection (and the scrape's): the fd limit counts both.
-        limit = self.conns.cap + 4 if self.conns else 0
-        self.session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False,
-                                             connector=aiohttp.TCPConnector(limit=limit),
-                                             skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding",
-                                                                "Content-Type"))
-        self._scraper = asyncio.get_running_loop().create_task(self._scrape_forever())
+        # At most one upstream connection per client connection (and the scrape's): the fd limit counts both.
+        self.session = engine_session(self.conns.cap + 4 if self.conns else 0, self.read_timeout_s)
+        self._scraper = asyncio.get_running_loop().create_task(scrape_forever(self.session, self.upstream,
+                                                                              self.metrics_path, self.metrics))
 
     async def _closing(self, app) -> None:
         self.hold.close()  # held requests get their 503 while the connections are still open
@@ -202,30 +231,6 @@ class Proxy:
     async def own_metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.metrics.registry),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
-
-    # -- the engine's prefix-cache counters, beside ours ---------------------------------------------------
-    async def _scrape_forever(self) -> None:
-        while True:
-            await self._scrape_once()
-            await asyncio.sleep(SCRAPE_EVERY_S if self.metrics.engine_up else SCRAPE_RETRY_S)
-
-    async def _scrape_once(self) -> None:
-        try:
-            async with self.session.get(self.upstream + self.metrics_path,
-                                        timeout=aiohttp.ClientTimeout(total=SCRAPE_DEADLINE_S)) as reply:
-                if reply.status != 200:
-                    raise ValueError(f"answered {reply.status}")
-                body = await read_capped(reply.content, SCRAPE_MAX_BYTES, self.metrics_path)
-            text = body.decode("utf-8", "replace")
-            # Parsing 50 KB takes milliseconds: off the loop, so no stream waits for it.
-            self.metrics.engine = await asyncio.get_running_loop().run_in_executor(None, parse, text)
-            if not self.metrics.engine_up:
-                log.info("proxy: reading the engine's prefix-cache counters from %s", self.upstream + self.metrics_path)
-            self.metrics.engine_up = 1
-        except (aiohttp.ClientError, asyncio.TimeoutError, HttpError, ValueError, OSError) as exc:
-            if self.metrics.engine_up:  # once per outage, not once per retry
-                log.warning("proxy: the engine's %s cannot be read: %s", self.metrics_path, exc or type(exc).__name__)
-            self.metrics.engine_up, self.metrics.engine = 0, None
 
     # -- the proxy ---------------------------------------------------------------------------------------
     async def forward(self, request: web.Request) -> web.StreamResponse:
@@ -267,24 +272,29 @@ class Proxy:
 
     async def _send(self, request: web.Request, headers: CIMultiDict, held: Held, label: str,
                     began: float) -> web.StreamResponse:
-        """Send the request upstream and relay the answer; while the engine is down (refused, reset before it
-        answered, or answering 503; any 5xx while it drains for a planned stop) and no byte of the answer has
-        reached the client, hold it (hold.py) and send it again once the engine is back, while its body is still
-        here (body.py may have given it up). While the engine drains for a planned stop, a request is held unsent."""
-        first_held, resent = None, False
+        """Send the request upstream and relay the answer; while the engine is down (it refused the connection, or
+        answered 503; any 5xx while it drains for a planned stop) and it never had the request, hold it (hold.py) and
+        send it again once the engine is back, while its body is still here (body.py may have given it up). A request
+        in flight when the engine ended is answered 502 at once, never sent again (casualties.py). While the engine
+        drains for a planned stop, a request is held unsent; while the daemon says it is not restarting, 503."""
+        first_held, tries = None, Tries()
         while True:
+            try:
+                self.hold.refuse_if_not_restarting()
+            except Refusal as exc:
+                return self._refuse(request, label, exc.status, exc.reason, str(exc), exc.retry_after)
             if not self.hold.planned:
-                response = await self._send_once(request, headers, held, label, began, resend=not resent)
-                if response is RESEND:
-                    resent = True
-                    continue
+                response = await self._send_once(request, headers, held, label, began, tries)
+                if response is RESEND:  # at once, whatever the word: it is never held (it was seen)
+                    tries.resent = True
+                    response = await self._send_once(request, headers, held, label, began, tries)
                 if response is not None:
                     return response
             first_held = time.monotonic() if first_held is None else first_held
             try:
                 await self.hold.wait(request, first_held)
             except Refusal as exc:
-                return self._refuse(request, label, exc.status, exc.reason, str(exc))
+                return self._refuse(request, label, exc.status, exc.reason, str(exc), exc.retry_after)
             except asyncio.CancelledError:  # aiohttp 3.8 cancels the handler of a client that left
                 self.metrics.failures.labels("client_gone").inc()
                 raise
@@ -293,41 +303,54 @@ class Proxy:
                 return web.Response(status=400)  # nobody reads it: the connection is closed
 
     async def _send_once(self, request: web.Request, headers: CIMultiDict, held: Held, label: str,
-                         began: float, resend: bool) -> web.StreamResponse | object | None:
-        """One try: the answer relayed, or a refusal; None: the engine is down and the request is to be held;
-        RESEND: the engine closed the connection unanswered while healthy, to be sent once more at once."""
+                         began: float, tries: Tries) -> web.StreamResponse | str | None:
+        """One try: the answer relayed, or a refusal; None: the engine is down and never had the request, which is
+        to be held; RESEND: a pooled connection closed unanswered while the engine is healthy, to be sent once more
+        at once (casualties.after_failure decides)."""
+        tries.opened, tries.reused, tries.sent_at = False, False, self.hold.clock()
         try:
             data = _sent(held, self.hold.on) if held.body is not None else None
             async with self.session.request(request.method, self.upstream + request.path_qs, data=data,
-                                            headers=headers, allow_redirects=False) as up:
+                                            headers=headers, allow_redirects=False, trace_request_ctx=tries) as up:
                 # vLLM answers a request that reached it after its planned stop began 500 ("cannot schedule new
-                # futures after shutdown"): while the daemon says it drains, any 5xx holds.
+                # futures after shutdown"): while the daemon says it drains, any 5xx holds. The engine answered, so
+                # it did not end on this request; one that an engine may have ended on (seen) is never held.
                 failed = up.status == 503 or (up.status >= 500 and self.hold.planned)
-                down = failed and self.hold.on and await self.hold.engine_down()
+                down = failed and self.hold.on and not tries.seen and await self.hold.engine_down()
                 if not (down and held.reclaim()):
                     held.release()  # from here on, never sent again
                     self.metrics.upstream.labels(label).observe(time.monotonic() - began)
-                    return await self._relay(request, up, label)
+                    return await self._relay(request, up, label, tries)
         except asyncio.TimeoutError:
             return self._refuse(request, label, 504, "upstream_timeout",
                                 f"upstream {self.upstream} sent nothing for {self.read_timeout_s:g} s")
         except aiohttp.ClientConnectionError as exc:
-            down = isinstance(exc, (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError))
-            # Refused: held. Cut before it answered: held only where its /health says it is down (or it drains for
-            # a planned stop); an engine that drops every request while healthy gets 502, not a loop of retries.
-            hold = self.hold.on and (isinstance(exc, aiohttp.ClientConnectorError) or await self.hold.engine_down())
-            # A pooled connection the engine closed as it was reused (its keep-alive timer, on a loaded box: one
-            # stream in CI's 5-reload run) says nothing of the engine: once more at once, never again after that.
-            if not hold and resend and isinstance(exc, aiohttp.ServerDisconnectedError) and held.reclaim():
-                return RESEND
-            if not (hold and held.reclaim()):
-                if down:
-                    return self._refuse(request, label, 502, "upstream_down",
-                                        f"upstream {self.upstream} unreachable: {exc}")
-                return self._refuse(request, label, 502, "upstream_error", f"upstream {self.upstream}: {exc}")
+            # Refused at connect: the engine never saw it. Any other failure came with the connection open: the
+            # engine may have read the request, and if it then ended, the request may be what ended it.
+            connected = tries.opened or not isinstance(exc, aiohttp.ClientConnectorError)
+            asked = connected or tries.seen  # a refused connect of a request never seen is held, however the engine is
+            down = asked and await self.hold.engine_down(since=self.hold.clock())
+            verdict = after_failure(connected=connected, seen=tries.seen, reused=tries.reused, resent=tries.resent,
+                                    engine_down=down, hold_on=self.hold.on)
+            tries.seen = asked
+            if verdict in (HOLD, RESEND) and held.reclaim():
+                return None if verdict == HOLD else RESEND
+            held.release()  # never sent again
+            if verdict == ENDED:
+                self._ended(request, tries)
+                return self._refuse(request, label, 502, "engine_ended", ENDED_MESSAGE)
+            if not connected:
+                return self._refuse(request, label, 502, "upstream_down",
+                                    f"upstream {self.upstream} unreachable: {exc}")
+            return self._refuse(request, label, 502, "upstream_error", f"upstream {self.upstream}: {exc}")
         except aiohttp.ClientError as exc:
             return self._refuse(request, label, 502, "upstream_error", f"upstream {self.upstream}: {exc}")
         return None
+
+    def _ended(self, request: web.Request, tries: Tries) -> None:
+        """Into the book of ends (casualties.py): address and path, never what it sent. A planned stop's is nobody's."""
+        if not self.hold.planned:
+            self.casualties.note(request.remote or "unknown", tries.sent_at, f"{request.method} {request.path}")
 
     async def _read(self, request: web.Request, held: Held) -> bytearray:
         """The whole body, within --max-body-bytes and the budget; then the request is whole (listener.py)."""
@@ -377,7 +400,8 @@ class Proxy:
             if turn is not None:
                 turn.close(dict(applied))
 
-    async def _relay(self, request: web.Request, up: aiohttp.ClientResponse, label: str) -> web.StreamResponse:
+    async def _relay(self, request: web.Request, up: aiohttp.ClientResponse, label: str,
+                     tries: Tries) -> web.StreamResponse:
         response = web.StreamResponse(status=up.status, reason=up.reason)
         response.headers.extend(forwarded(up.headers))
         if up.content_length is not None:
@@ -403,16 +427,20 @@ class Proxy:
             if isinstance(exc, asyncio.CancelledError):
                 raise
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:  # caught here: the response has begun
+            broke_at = self.hold.clock()
             self.metrics.failures.labels("upstream_broke").inc()
             self.faults.note("responses cut by the engine", f"upstream broke off {request.method} {request.path} "
-                             f"after {sent} bytes: {exc or type(exc).__name__}")
+                             f"from {request.remote} after {sent} bytes: {exc or type(exc).__name__}")
             if request.transport is not None:
                 request.transport.close()  # the client must see a cut stream, not a finished one
+            if isinstance(exc, aiohttp.ClientError) and await self.hold.engine_down(since=broke_at):
+                self._ended(request, tries)
         finally:
             self.metrics.bytes_out.inc(sent)
         return response
 
-    def _refuse(self, request: web.Request, label: str, status: int, reason: str, message: str) -> web.Response:
+    def _refuse(self, request: web.Request, label: str, status: int, reason: str, message: str,
+                retry_after: int = 1) -> web.Response:
         self.metrics.failures.labels(reason).inc()
         self.metrics.requests.labels(label, str(status)).inc()
         self.faults.note(f"{reason} refusals ({status})", f"{request.method} {request.path} from {request.remote}: "
@@ -422,7 +450,8 @@ class Proxy:
                                                "message": message}}
         else:
             body = {"error": {"message": message, "type": "proxy_error", "code": status}}
-        response = web.json_response(body, status=status, headers={"Retry-After": "1"} if status == 503 else None)
+        response = web.json_response(body, status=status,
+                                     headers={"Retry-After": str(retry_after)} if status == 503 else None)
         if not request.content.is_eof():
             response.force_close()  # the rest of the body is not read: the connection cannot carry another request
         return response

@@ -1,6 +1,8 @@
 """The word to the children in front of the engine (ChildSpec.fronts_engine: the proxy): that the engine begins a
 planned stop (STOPPING_SIGNAL: it drains, its /health still answering while vLLM answers new requests 500, so the
-proxy holds them unsent), and that an engine is healthy (UP_SIGNAL: the proxy sends what it holds).
+proxy holds them unsent), that an engine is healthy (UP_SIGNAL: the proxy sends what it holds), and that the engine is
+down and not restarted (DOWN_SIGNAL: FATAL until SIGHUP, or HELD for its GPU; the proxy answers 503 at once instead of
+holding requests for hold_s, and sends nothing to a port no engine of ours holds).
 
 The engine's SIGTERM waits for the fronts told of its stop to answer (one of HOLDING_LINES in their output, not
 taken back by RELEASED_LINE since) or to be gone, HEAR_S at most: a request a front forwards after the SIGTERM
@@ -20,7 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from .spec import STOPPING_SIGNAL, UP_SIGNAL
+from .spec import DOWN_SIGNAL, STOPPING_SIGNAL, UP_SIGNAL
 
 log = logging.getLogger("gpuwarden")
 TIMES = 2  # each word to each front: once at once, once on the next tick
@@ -66,12 +68,13 @@ class FrontWord:
     def stop_waiting(self) -> None:
         self._until = None
 
-    def update(self, running: bool, stopping: bool, fronts: Iterable) -> None:
+    def update(self, running: bool, stopping: bool, fronts: Iterable, down: bool = False) -> None:
         """Each tick: the standing word, to the fronts not told it twice (a new front process counts anew). While
-        the engine's SIGTERM waits for the answer, the word is its stop."""
+        the engine's SIGTERM waits for the answer, the word is its stop; down: the engine is not restarted (FATAL,
+        HELD)."""
         running, stopping = running and not self.waiting, stopping or self.waiting
         self.planned = self.planned and stopping
-        word = UP_SIGNAL if running else STOPPING_SIGNAL if self.planned else None
+        word = UP_SIGNAL if running else STOPPING_SIGNAL if self.planned else DOWN_SIGNAL if down else None
         if word is not None:
             self._tell(fronts, word)
 

@@ -49,6 +49,9 @@ class Timing:
 # engine begins a planned stop (it drains: its /health still answers, and vLLM answers 500 to new requests), and an
 # engine is healthy. Sent only to a front that is RUNNING and handles it (serving/run/supervisor.py).
 STOPPING_SIGNAL, UP_SIGNAL = signal.SIGUSR1, signal.SIGUSR2
+# ... and that the engine is down and not restarted until someone acts (FATAL: SIGHUP; HELD: its GPU's action): the
+# proxy answers new and held requests 503 with Retry-After at once, and sends nothing, until told an engine is healthy.
+DOWN_SIGNAL = signal.SIGRTMIN
 # A front's answer to STOPPING_SIGNAL, a whole line of its output ("LEVEL message"): it holds new requests, or has no
 # hold, so the engine's SIGTERM may go (serving/run/fronts.py). Anything else it prints is no answer.
 HOLDING_LINES = ("INFO proxy: the engine stops for a planned restart: holding new requests while it drains",

@@ -531,7 +531,8 @@ class Supervisor:
         return [p for p in self.programs.values() if p.spec.fronts_engine and p is not self.main]
 
     def _tell_fronts(self) -> None:
-        self.word.update(self.main.state == RUNNING, self.main.state == STOPPING, self._fronts())
+        self.word.update(self.main.state == RUNNING, self.main.state == STOPPING, self._fronts(),
+                         down=self.main.state in (FATAL, HELD))
 
     def reset(self, now: float) -> None:
         self._each(lambda p: p.reset(now))
