@@ -35,6 +35,7 @@ from gpuwarden.base.yamlfile import InvalidConfig  # noqa: E402
 from gpuwarden.gpu.sim.scenario import builtin_scenarios  # noqa: E402
 from gpuwarden.service.daemon import SIDE_KINDS  # noqa: E402
 from gpuwarden.serving.compose import engines  # noqa: E402
+from gpuwarden.serving.compose.flagcheck import TIMEOUT_S as FLAGCHECK_S  # noqa: E402
 from gpuwarden.service.reload import RESTART_ONLY  # noqa: E402
 from gpuwarden.tune import tunables  # noqa: E402
 from roff import ManPage, Roff, bold, join, release  # noqa: E402
@@ -55,8 +56,14 @@ RELOADS = (
     (REPLANS, ("the tuning is planned again and applied at once: what the new config no longer wants is put back, "
                "what it wants is set. Nothing restarts.")),
     (ENGINE, ("where serving runs, the engine (and the children beside it, such as the proxy) stops and starts "
-              "again with the new config, which is checked first (lint, flags): a config that would not start is "
-              "refused and the running engine serves on.")),
+              "again with the new config, which is checked first as a start checks it: lint, and where the engine's "
+              "command, environment or user changes (or another version is installed under it), the engine's own "
+              "parser on its flags (as `gpuwarden check --deep` runs it: as serve.user, off the daemon's loop, at "
+              f"most {FLAGCHECK_S:g} s; the engine serves meanwhile, and the reload takes effect once the parser "
+              "has answered). A config that would not start "
+              "is refused in one line (`reload failed, still running the previous config: FILE:LINE: serve.args: "
+              "vLLM rejects the flags: ...`) and the running engine serves on. A handover (SIGUSR2) checks the same "
+              "way before it re-executes.")),
     ("restarts the proxy only", "the engine serves on; only the proxy is stopped and started with its new settings."),
     (RESTART, ("a reload keeps the running value and logs that it only changes on restart "
                "(systemctl restart gpuwarden).")),

@@ -2,7 +2,9 @@
 
     python fakechild.py --mode MODE[,MODE...] [the engine's flags ... --host H --port P]
 
-It takes what gpuwarden appends (--model ..., --host, --port) and ignores the rest.
+It takes what gpuwarden appends (--model ..., --host, --port) and ignores the rest, but for a flag that starts with
+--no-such-: it refuses that one as vLLM's parser refuses an unknown flag (one line on stderr, exit 2), as
+tests/harness/fakechild-flagcheck does.
 Modes:
   healthy      /health 200 and a small vLLM /metrics whose counters grow (the default)
   sglang       speaks as SGLang: needs --model-path and --enable-metrics (else exits 2, as its parser
@@ -232,7 +234,11 @@ def main() -> None:
     parser.add_argument("--enable-metrics", action="store_true")
     parser.add_argument("--shutdown-timeout", type=int, default=0)  # vLLM's drain (0.18 and later)
     parser.add_argument("--answer-file", default="")
-    args, _ = parser.parse_known_args()
+    args, rest = parser.parse_known_args()
+    refused = [flag for flag in rest if flag.startswith("--no-such-")]
+    if refused:
+        print(f"vllm serve: error: unrecognized arguments: {' '.join(refused)}", file=sys.stderr, flush=True)
+        sys.exit(2)
     ANSWER_FILE[0] = args.answer_file
     modes = set(args.mode.split(","))
     if "sglang" in modes:

@@ -9,8 +9,14 @@ from __future__ import annotations
 import logging
 import os
 
+from ..base import earlysignals
+from ..base.systemd import Notifier
+from ..base.yamlfile import ConfigErrors
+from ..serving.compose.flagcheck import check_flags
+from ..serving.compose.prepare import flag_problem
 from ..serving.run import handover
 from ..serving.run.runtime import ServingRuntime
+from ..serving.run.spec import other_drain
 
 log = logging.getLogger("gpuwarden")
 
@@ -25,6 +31,41 @@ def engine_survives(serving: ServingRuntime, engine: str) -> bool:
     if record is None or record.stopping:
         return False
     return any(handover.proven(child) is None for child in record.children if child.name == engine)
+
+
+def hand_over(serving: ServingRuntime, notifier: Notifier) -> None:
+    """SIGUSR2, checked: the running children's pipes made inheritable and their record written for the new image,
+    said in one line, systemd told, and the signals held until the new image takes them."""
+    record = serving.handover_record()
+    running = ", ".join(f"{c.name} pid {c.pid}" for c in record.children) or "no child"
+    log.info("SIGUSR2: handing over to the installed gpuwarden (same pid %d; %s kept running)", os.getpid(), running)
+    notifier.reloading()
+    # From here to the new image's earlysignals.hold(), signals wait (blocked; the mask survives execv):
+    # the old image restores its default handlers as it winds down, and SIGHUP's default ends a process.
+    earlysignals.block_for_exec()
+
+
+def check_replacement(serving: ServingRuntime, launch, adopting: bool) -> None:
+    """An adopting start after a crash of the daemon, where the config asks for another engine command than the one
+    the engine it adopts runs (a drop-in edited without a reload): ServingRuntime.start replaces the engine as a reload
+    would, so the engine's own parser checks the flags first, as a reload's does (here, before the loop runs, as at
+    any start); a refusal fails the start (ConfigErrors), which leaves the engine serving for the next daemon
+    (leave_children). After a handover the old image checked them (service/reload.Waiting); a start that adopts
+    nothing, or the same command, runs no check here."""
+    if not adopting or launch is None or HANDOVER_ENV in os.environ or launch.command.engine.flag_probe is None:
+        return
+    record = handover.load(serving.state_dir)
+    entry = next((c for c in record.children if c.name == launch.engine.name), None) if record else None
+    other = other_drain(launch.engine, launch.command, launch.config.serve)
+    same = {handover.argv_digest(spec.argv) for spec in (launch.engine, other) if spec is not None}
+    if entry is None or handover.proven(entry) is not None or entry.argv_sha256 in same:
+        return
+    flags = check_flags(launch.config.serve, launch.command, launch.engine.identity)
+    problem = flag_problem(launch.config, launch.command, flags)
+    if problem is not None:
+        raise ConfigErrors([problem])
+    log.info("%s %s accepts the flags it is restarted with (checked with %s)", launch.command.engine.title,
+             flags.version, flags.python)
 
 
 def leave_children(serving: ServingRuntime, adopting: bool) -> None:

@@ -34,7 +34,7 @@ from .event_thread import start_event_thread
 from .heartbeat import Heartbeat
 from .metrics_port import MetricsPort
 from .recovery import Recovery
-from .reload import handover_refused, plan_reload, refusal
+from .reload import Reload, Waiting
 from ..tune.sweeps import Sweeps
 from ..web.exposition import Exposition
 from ..watch.eventwatch import EventWatcher
@@ -102,6 +102,7 @@ class Daemon:
         self.wake: Callable[[], None] | None = None  # run() sets it: wakes the loop as a signal does
         self.heartbeat = Heartbeat(self.notifier, lambda: self.config.poll_interval_s)
         self.reload_asked = False  # a SIGHUP came: the next tick reloads
+        self.waiting = Waiting(self.serving)  # a reload or a handover waiting for the engine's parser
         self.handing_over = False  # a SIGUSR2 came: the loop ends and the installed code takes over (re-exec)
         self.adopting = False  # start() found children to take over (a handover, or an engine a crash left)
         self.stopping = False
@@ -135,6 +136,7 @@ class Daemon:
         # image's loop) read them: one verdict for both, or a pip install under the running engine made the new
         # image refuse what the old one let through (exit 78). The running engine is not what they describe.
         plan, launch = self.check(self.config, deep=not self.adopting, on_loop=self.adopting)
+        adoption.check_replacement(self.serving, launch, self.adopting)  # the engine's parser, where it is replaced
         for note in plan.notes:
             log.info("%s", note)
         log.info("before tuning: %s", " | ".join(describe_sample(g.sample()) for g in self.backend.gpus()))
@@ -185,12 +187,14 @@ class Daemon:
     def tick(self, now: float, lag: float = 0.0) -> None:
         """One poll: a reload if one was asked for, advance serving (its faults stay there), then sample and
         publish the GPUs."""
-        if self.reload_asked and not self.serving.rereading:
-            self.reload_asked = False
-            try:
+        try:  # a SIGHUP planned; carried out once nothing is left to check (the engine's parser: the engine serves on)
+            if self.reload_asked and not self.serving.rereading:
+                self.reload_asked = False
                 self.reload()
-            except Exception as exc:  # reload() keeps what runs on a bad config; this is a bug's last net
-                self._error_once(f"reload: {type(exc).__name__}: {exc}")
+            elif (step := self.waiting.reload_ready()) is not None:
+                self.apply(step)
+        except Exception as exc:  # reload() keeps what runs on a bad config; this is a bug's last net
+            self._error_once(f"reload: {type(exc).__name__}: {exc}")
         try:
             self.sweeps.tick()  # a sweep whose lease ran out: its setting back
         except Exception as exc:
@@ -250,6 +254,7 @@ class Daemon:
         if self.stopping:
             return
         self.stopping = True
+        self.waiting.drop()
         self.notifier.stopping()
         running = not self.serving.stopped
         wait = self.serving.stop(now)  # the longest wait for SIGKILL: the engine's drain and its margin included
@@ -306,24 +311,20 @@ class Daemon:
         self.begin_stop(now)
 
     def handle_usr2(self) -> None:
-        """Hand over to the installed code (an upgrade): the loop ends, and cli re-executes this same process,
-        whose children stay its children; the new image adopts them (serving/run/handover.py)."""
+        """Hand over to the installed code (an upgrade): the loop ends, cli re-executes this process, and the new image
+        adopts its children (serving/run/handover.py); once checked whole (Waiting: then run() calls hand_over)."""
         if self.handing_over:  # more of them in one wake-up of the loop: one handover, said once
             return
         if self.stopping:
             log.warning("SIGUSR2 received while stopping: no handover")
             return
-        if self.reload_config is not None and \
-                handover_refused(lambda: self.check(self.reload_config(), deep=False, on_loop=True)):
-            return
-        record = self.serving.handover_record()
-        running = ", ".join(f"{c.name} pid {c.pid}" for c in record.children) or "no child"
-        log.info("SIGUSR2: handing over to the installed gpuwarden (same pid %d; %s kept running)", os.getpid(),
-                 running)
-        self.notifier.reloading()
-        # From here to the new image's earlysignals.hold(), signals wait (blocked; the mask survives execv):
-        # the old image restores its default handlers as it winds down, and SIGHUP's default ends a process.
-        earlysignals.block_for_exec()
+        load = self.reload_config
+        if self.waiting.handover_asked(load and (lambda: self.check(load(), deep=False, on_loop=True)[1])):
+            self.hand_over()
+
+    def hand_over(self) -> None:
+        """Set the handover going (adoption.hand_over): the loop ends, and cli re-executes this process."""
+        adoption.hand_over(self.serving, self.notifier)
         self.handing_over = True
 
     def handle_int(self) -> None:
@@ -340,22 +341,22 @@ class Daemon:
         self.reload_asked = True
 
     def reload(self) -> None:
-        """Reload: load, validate and prepare everything first; on any error keep running what runs."""
+        """Reload: load, validate and prepare everything first, the engine's own parser included where the engine
+        starts anew (off the loop: Waiting); on any error keep running what runs. Carried out (apply) at once where
+        nothing is left to check, else by the tick once the parser has answered; asked again where the installed
+        versions are read first."""
         if self.reload_config is None:
             log.warning("SIGHUP received, but this daemon has no config file to reload")
             return
         if self.stopping:
             log.warning("SIGHUP received while stopping: ignored")
             return
-        try:
-            new = self.reload_config()
-            if self.serving.reread_installed(new):
-                self.reload_asked = True  # again once they are read; the loop polls on meanwhile
-                return
-            step = plan_reload(new, self.config, self.tuning, self.serving)
-        except Exception as exc:  # InvalidConfig; RecursionError, MemoryError, a bug: still keep what runs
-            log.error("reload failed, still running the previous config: %s", refusal(exc))
-            return
+        self.reload_asked = self.waiting.reload_asked(self.reload_config, self.config, self.tuning)
+        if (step := self.waiting.reload_ready()) is not None:
+            self.apply(step)
+
+    def apply(self, step: Reload) -> None:
+        """Carry out a reload that passed every check."""
         if step.kept:
             log.warning("reload: %s only change on restart; keeping the running values", ", ".join(step.kept))
         # The operator reset the GPUs (or says they need none): a hold's wait, or an Xid 63's that serves on.
@@ -463,6 +464,12 @@ def run(daemon: Daemon, duration_s: float | None = None, clock: Callable[[], flo
                 stamp = next_tick if lag < poll else now
                 daemon.tick(stamp, lag=lag)
                 next_tick = stamp + poll
+                try:  # a SIGUSR2 that waited for the engine's parser (or a restart under way), now settled
+                    if daemon.waiting.handover_ready():
+                        daemon.hand_over()
+                        continue  # the loop ends, as after handle_usr2
+                except Exception as exc:  # a bug's last net: no handover, the daemon runs on
+                    daemon._error_once(f"SIGUSR2: {type(exc).__name__}: {exc}")
             waits = [next_tick - clock()]
             if daemon.heartbeat.fresh(clock()):  # a stale daemon sends no pings, so it must not wake up for them
                 waits.append(daemon.notifier.next_watchdog_in(clock()))

@@ -11,7 +11,7 @@ import json
 import re
 import shutil
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,9 +19,11 @@ from ...base import smallfile
 from ...config import ServeConfig
 from .command import ServeCommand
 from .engines import FLAGCHECK_MARK
-from .identity import Identity, run_bounded
+from .identity import Identity, popen, run_bounded
 
 MARK = FLAGCHECK_MARK
+TIMEOUT_S = 600.0  # the engine's import, on a busy host: a minute and more; then the check is killed, its group whole
+ERROR_MAX = 1000  # characters of the parser's reason kept: it reaches a log line, and serve.user's code wrote it
 
 
 @dataclass(frozen=True)
@@ -57,9 +59,11 @@ def engine_python(serve: ServeConfig, command: Sequence[str]) -> str | None:
     return None
 
 
-def check_flags(serve: ServeConfig, command: ServeCommand, identity: Identity, timeout_s: float = 600) -> FlagCheck:
+def check_flags(serve: ServeConfig, command: ServeCommand, identity: Identity, timeout_s: float = TIMEOUT_S,
+                spawn: Callable[..., subprocess.Popen] = popen) -> FlagCheck:
     """Run the engine's parser on the command's flags, started exactly as the child is (identity.popen:
-    serve.user, no capabilities, no_new_privs, the child's environment)."""
+    serve.user, no capabilities, no_new_privs, the child's environment; spawn: popen's stand-in, the daemon's
+    ProcessOps.helper from a worker thread), within timeout_s and run_bounded's bounds on its output."""
     engine, prefix = command.engine, command.argv[:command.prefix]
     title, env = engine.title, command.env
     python = engine_python(serve, prefix)
@@ -67,7 +71,8 @@ def check_flags(serve: ServeConfig, command: ServeCommand, identity: Identity, t
         return FlagCheck(False, f"cannot find {title}'s Python from the command {list(prefix)} "
                                 "(set serve.python)", None, "")
     try:
-        done = run_bounded(identity, [python, "-c", engine.flag_probe, json.dumps(command.flags)], env, timeout_s)
+        done = run_bounded(identity, [python, "-c", engine.flag_probe, json.dumps(command.flags)], env, timeout_s,
+                           spawn)
     except FileNotFoundError:
         return FlagCheck(False, f"{title}'s Python {python} does not exist (set serve.python)", None, python)
     except (OSError, ValueError, subprocess.SubprocessError) as exc:
@@ -77,12 +82,32 @@ def check_flags(serve: ServeConfig, command: ServeCommand, identity: Identity, t
     if done.returncode is None:
         return FlagCheck(False, f"{title}'s flag check did not finish within {timeout_s:g} s", None, python)
     out, err = done.stdout, done.stderr
-    result = next((json.loads(line[len(MARK):]) for line in out.splitlines() if line.startswith(MARK)), None)
+    result = _answer(out)
     if result is None:
         last = (err.strip().splitlines() or ["no output"])[-1]
-        return FlagCheck(False, f"{title}'s flag check failed to run: {last}", None, python)
-    error = result["error"]
-    if not result["ok"] and error is None:
+        return FlagCheck(False, f"{title}'s flag check failed to run: {_cut(last)}", None, python)
+    ok, error = result.get("ok") is True, result.get("error")
+    if not ok and not isinstance(error, str):
         error = next((line.split("error: ", 1)[1] for line in reversed(err.splitlines())
                       if "error: " in line), f"{title}'s parser rejected the arguments")
-    return FlagCheck(bool(result["ok"]), error, result.get("version"), python)
+    version = result.get("version")
+    return FlagCheck(ok, _cut(error) if isinstance(error, str) else None,
+                     _cut(version, 64) if isinstance(version, str) else None, python)
+
+
+def _answer(out: str) -> dict | None:
+    """The probe's answer: its first line that starts with the mark and holds a JSON object; None where none does
+    (serve.user's interpreter printed something else, or a forged line)."""
+    for line in out.splitlines():
+        if line.startswith(MARK):
+            try:
+                found = json.loads(line[len(MARK):])
+            except ValueError:
+                continue
+            if isinstance(found, dict):
+                return found
+    return None
+
+
+def _cut(text: str, limit: int = ERROR_MAX) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"

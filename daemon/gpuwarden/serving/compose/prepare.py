@@ -61,12 +61,21 @@ class PreparedServe:
                                       "fix it, or set serve.allow_lint_errors: true")
                          for f in self.findings if f.severity == ERROR]
         if self.flags is not None and not self.flags.ok:
-            problems.append(config.error(where, f"{title} rejects the flags: {self.flags.error}"))
+            problems.append(flag_problem(config, self.command, self.flags))
         missing = executable_problem(self.command.argv[0], self.command.env.get("PATH", os.defpath))
         if missing:
             problems.append(config.error(("serve", "command"), missing,
                                          f"an absolute path to {title}'s executable or Python"))
         return problems
+
+
+def flag_problem(config: Config, command: ServeCommand, flags: FlagCheck) -> ConfigError | None:
+    """The engine's parser refusing the command's flags, as a config error at what set them (serve.args, else
+    serve.profile): what a start, `check --deep`, a reload and a handover say. None: it accepts them."""
+    if flags.ok:
+        return None
+    where = ("serve", "args") if config.serve.args else ("serve", "profile")
+    return config.error(where, f"{command.engine.title} rejects the flags: {flags.error}")
 
 
 def executable_problem(program: str, path: str) -> str | None:

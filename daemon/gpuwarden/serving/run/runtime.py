@@ -27,6 +27,7 @@ from ..compose.command import ServeCommand
 from ..probe.metrics import MetricsReader, ServingStats
 from ..compose.prepare import installed_for, prepare_serve
 from . import handover
+from .deepcheck import DeepCheck, due
 from .kinds import ENGINE_PART, ChildKind, EngineParts, same_engine, side_specs
 from .holding import waiting_for
 from .leftovers import Leftovers
@@ -108,6 +109,7 @@ class ServingRuntime:
         self.reader: MetricsReader | None = None  # the engine's /metrics
         self.stall_watch: StallWatch | None = None  # is the engine making progress
         self._reread = self.ops.background("installed")  # a reload's read of the engine's installed versions
+        self.deep = DeepCheck(self.ops)  # the engine's own parser on what a reload or a handover would start
         self.drains: Counter = Counter()  # the engine's planned stops by outcome, across its restarts (drains.py)
 
     def prepare(self, config: Config, deep: bool, on_loop: bool = False) -> Launch:
@@ -122,6 +124,11 @@ class ServingRuntime:
     def ready(self) -> bool:
         """Start-up is over for serving: the engine is healthy, FATAL or HELD (so `systemctl start` returns)."""
         return self.engine is None or self.engine.state in (RUNNING, FATAL, HELD)
+
+    @property
+    def replacing(self) -> bool:
+        """A restart of the engine is under way: it stops, or the launch after it waits for its stop."""
+        return self.pending is not None or (self.engine is not None and self.engine.state == STOPPING)
 
     @property
     def stopped(self) -> bool:
@@ -304,7 +311,8 @@ class ServingRuntime:
 
     def plan_reload(self, config: Config) -> Callable[[float], None] | None:
         """Check what a reloaded config asks of serving, and return the step that carries it out (None: no
-        change). Raises ConfigErrors (nothing is stopped then). The engine's part unchanged: only the side kinds
+        change; a Restart where the engine's part restarts, whose `check` the engine's own parser must accept
+        first). Raises ConfigErrors (nothing is stopped then). The engine's part unchanged: only the side kinds
         whose spec changed restart (serve.proxy changed: the proxy), and the engine keeps serving. Another engine
         version installed under the running one: all restart, as for a changed section, so that the engine runs
         (and gpuwarden_serving_info says) the installed version."""
@@ -322,13 +330,7 @@ class ServingRuntime:
             return None
         if old is None and not new.enabled and self.pending is None:
             return None
-        launch = self.prepare(config, deep=False, on_loop=True) if new.enabled else None
-
-        def step(now: float) -> None:
-            if upgraded is not None:
-                log.warning("%s", upgraded)
-            self._replace_all(launch, now)
-        return step
+        return Restart(self, self.prepare(config, deep=False, on_loop=True) if new.enabled else None, upgraded)
 
     def _replace_sides(self, config: Config, wanted: dict[str, ChildSpec], changed: list[ChildKind],
                        now: float) -> None:
@@ -385,6 +387,26 @@ class ServingRuntime:
         if self.children is not None:
             self.children.kill_now(now)
         self.leftovers.kill_now(now)  # a second stop request: no more grace
+
+
+@dataclass(frozen=True)
+class Restart:
+    """A reload's step that stops the engine's part and starts launch (None: serving off) once it has stopped;
+    upgraded: why, where the installed version changed under the running engine (said as it is carried out)."""
+
+    runtime: ServingRuntime
+    launch: Launch | None
+    upgraded: str | None = None
+
+    @property
+    def check(self) -> Launch | None:
+        """The launch whose flags the engine's own parser must accept before this step (deepcheck.due), or None."""
+        return self.launch if due(self.launch, self.runtime, self.upgraded is not None) else None
+
+    def __call__(self, now: float) -> None:
+        if self.upgraded is not None:
+            log.warning("%s", self.upgraded)
+        self.runtime._replace_all(self.launch, now)
 
 
 def _upgraded(config: Config, launch: Launch, engine: Program) -> str | None:
