@@ -1,9 +1,10 @@
 """Two gpuwarden daemons on this one machine as two nodes of one engine. First, one vLLM engine (tensor parallel 2 across
 --nnodes 2, on vLLM's own multi-node mode), each on its own loopback address (127.0.0.2 head, 127.0.0.3
 worker), its own ports, state and home. One scenario, because every vLLM start costs minutes on CI's 2 cores:
-the worker comes up 30 s after the head waits for it, completions come back through the head, each node's engine is
-SIGKILLed in turn and the whole engine comes back without a command, and the stops leave no engine process on either
-node.
+the worker comes up 15 s after the head waits for it, completions come back through the head, the worker's engine is
+SIGKILLed and the whole engine comes back without a command, and the head's stop ends the worker's part too and
+leaves no engine process on either node. Two starts of the two-rank engine: the worker's wait for a lost head and the
+head's restart of its part are the unit tests' (tests/test_nodes.py), and the worker sees the head go at the stop.
 
 Then the same supervision on Ray: real Ray nodes (`ray start --head` / `ray start --address` as each node's
 children) under a Ray driver that serves (tests/vllm/ray_server.py: vLLM's CPU build cannot run on Ray).
@@ -30,7 +31,7 @@ from test_vllm_e2e import group_alive
 pytestmark = [pytest.mark.process, pytest.mark.vllm]
 
 HEAD, WORKER = "127.0.0.2", "127.0.0.3"
-LATE_S = 30  # the worker's daemon starts this long after the head waits for it in its rendezvous
+LATE_S = 15  # the worker's daemon starts this long after the head waits for it in its rendezvous
 START_S = 900  # a two-rank start on a busy 2-core machine (import, compile, rendezvous): generous
 
 
@@ -110,7 +111,7 @@ def complete(port, model):
         return json.load(reply)["choices"][0]["text"]
 
 
-def test_two_nodes_serve_one_model_lose_each_rank_in_turn_and_come_back(write, daemons, vllm_python, tiny_model,
+def test_two_nodes_serve_one_model_lose_a_rank_and_come_back(write, daemons, vllm_python, tiny_model,
                                                                         child_user):
     t0 = time.monotonic()
     base = Path(tempfile.mkdtemp(prefix="gpuwarden-nodes-"))
@@ -168,17 +169,6 @@ def test_two_nodes_serve_one_model_lose_each_rank_in_turn_and_come_back(write, d
         assert complete(api_port, tiny_model)
         print(f"worker's engine SIGKILLed: serving again after {time.monotonic() - t1:.0f} s")
 
-        # SIGKILL the head's engine: the worker loses rank 0, waits for the head, and the engine comes back.
-        t2 = time.monotonic()
-        hm, wm = len(h.lines), len(w.lines)
-        os.kill(head_pid, signal.SIGKILL)
-        h.wait_for("vLLM rank 0 of 2 exited with signal SIGKILL", timeout=30, after=hm)
-        w.wait_for("vLLM rank 1 of 2 lost rank 0 (the head)", timeout=60, after=wm)
-        head_pid = started_pid(h, "vLLM rank 0 of 2", hm)
-        worker_pid = started_pid(w, "vLLM rank 1 of 2", wm)
-        h.wait_for("vLLM rank 0 of 2 healthy after", timeout=START_S, after=hm)
-        assert complete(api_port, tiny_model)
-        print(f"head's engine SIGKILLed: serving again after {time.monotonic() - t2:.0f} s")
         assert "FATAL" not in h.log and "FATAL" not in w.log
         assert "Traceback (most recent call last)" not in "\n".join(
             row for d in (h, w) for row in d.lines if "vllm: " not in row)

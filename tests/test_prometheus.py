@@ -21,7 +21,6 @@ from conftest import CPU_TINY_PROFILE, ROOT, VLLM_START_S, free_port, gpuwarden_
 from gpuwarden.gpu.sim.scenario import resolve_scenario
 from harness.run_queue import CpuWait
 
-pytestmark = [pytest.mark.process, pytest.mark.vllm]
 RULES = ROOT / "etc" / "prometheus" / "gpuwarden-rules.yml"
 DASHBOARD = ROOT / "etc" / "grafana" / "gpuwarden-dashboard.json"
 RULE_TESTS = ROOT / "tests" / "prometheus" / "gpuwarden-rules.test.yml"
@@ -38,6 +37,7 @@ def tool(name, package="prometheus"):
     return path
 
 
+@pytest.mark.process
 def test_promtool_checks_and_unit_tests_the_rules():
     promtool = tool("promtool")
     check = subprocess.run([promtool, "check", "rules", str(RULES)], capture_output=True, text=True, timeout=60)
@@ -132,6 +132,7 @@ def alerts(base):
         return json.load(reply)["data"]["alerts"]
 
 
+@pytest.mark.vllm
 def test_real_prometheus_fires_the_clock_alert_and_every_query_has_data(write, daemons, vllm_python, tiny_model,
                                                                        child_user, tmp_path):
     prometheus = tool("prometheus")

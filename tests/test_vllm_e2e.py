@@ -207,17 +207,17 @@ def health_code(port):
         return repr(exc)
 
 
-def generate_in_background(port, model, max_tokens, count):
+def generate_in_background(port, model, max_tokens, count, key=None):
     """count completions on threads; their answers (or errors) land in the returned list."""
     import threading
 
     results = []
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
 
     def one():
         body = json.dumps({"model": str(model), "prompt": "the gpu runs", "max_tokens": max_tokens,
                            "ignore_eos": True}).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
-                                         {"Content-Type": "application/json"})
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body, headers)
         try:
             with urllib.request.urlopen(request, timeout=120) as reply:
                 results.append(reply.status)
@@ -229,16 +229,29 @@ def generate_in_background(port, model, max_tokens, count):
     return results
 
 
-def test_a_frozen_engine_is_caught_while_health_says_200_restarted_and_the_idle_probe_catches_it_too(
+def test_a_keyed_engine_idle_is_probed_with_its_key_frozen_is_caught_while_health_says_200_and_restarted(
         write, daemons, vllm_python, long_tiny_model, child_user):
+    """One engine start for three promises (a vLLM start costs a minute or more of both cores):
+    - idle, with VLLM_API_KEY set from serve.env_file as docs/serving/vllm.md says to give it, the idle probe
+      authenticates (issue 24: it posted without credentials, vLLM answered 401, and the daemon restarted a healthy
+      engine every few probes until FATAL): ten probes, one due every 3 s, no stall, no restart, the key in no log;
+      keyed work still works while a request without the key is refused;
+    - busy, its EngineCore frozen (SIGSTOP) while /health still says 200: vllm_stalled fires and the engine is
+      restarted, every process of the frozen group gone;
+    - idle again and frozen: the idle probe finds it and the engine is restarted.
+    The stall's timing is test_stall.py's, on a clock the test drives: here the alert fires no sooner than
+    stall_after_s, and the waits bound a hang."""
     # stall_after and the probe's timeout: longer than a busy two-core box takes to compile the graph of a new batch
     # shape (the warm-up below: a fresh clone's run on four workers saw 31 s with 8 running and no token, which the
     # daemon rightly counts as a stall); the freezes below are for good.
     stall_after, poll, probe_timeout = 60.0, 0.5, 15
+    key = "gw-test-key-3141"
+    secrets = write("vllm.env", f"VLLM_API_KEY={key}\n")
+    secrets.chmod(0o600)
     port = free_port()
     path = serving_config(write, vllm_python, long_tiny_model, child_user, port,
                           extra_args=["--max-model-len", "16384"],
-                          extra=f"  stall_after_s: {stall_after:g}\n  probe_after_s: 3\n"
+                          extra=f"  env_file: {secrets}\n  stall_after_s: {stall_after:g}\n  probe_after_s: 3\n"
                                 f"  probe_timeout_s: {probe_timeout}\n")
     base = "http://" + path.read_text().split("listen: ")[1].split()[0]
     d = daemons(path)
@@ -246,18 +259,40 @@ def test_a_frozen_engine_is_caught_while_health_says_200_restarted_and_the_idle_
     first = int(started.split("(pid ")[1].split(",")[0])
     d.wait_for("vLLM healthy after", timeout=VLLM_START_S)
 
+    # Idle, keyed: ten of the daemon's probes, each answered 200 (vLLM logs each POST).
+    mark = len(d.lines)
+    deadline = time.monotonic() + 300  # for a wedged engine: ten probes take ~30 s
+    while len(probes := [line for line in d.lines[mark:] if "POST /v1/completions" in line]) < 10:
+        assert d.proc.poll() is None and time.monotonic() < deadline, probes  # idle: only the daemon's probes
+        time.sleep(0.5)
+    assert all(" 200" in line for line in probes), probes[-3:]
+    serving = status(base)["serving"]
+    assert serving["state"] == "RUNNING" and serving["restarts"] == 0 and serving.get("stalls", 0) == 0, serving
+    assert "vLLM stalled" not in d.log and "cannot authenticate" not in d.log and key not in d.log
+    metrics = urllib.request.urlopen(base + "/metrics", timeout=15).read().decode()
+    assert 'gpuwarden_serving_stalls_total{child="vllm"} 0.0' in metrics
+    assert 'version="0.32.0"' in next(line for line in metrics.splitlines()
+                                     if line.startswith("gpuwarden_serving_info{"))  # the installed vLLM's
+    body = json.dumps({"model": str(long_tiny_model), "prompt": "the gpu runs", "max_tokens": 5}).encode()
+    keyed = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                   {"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+    with urllib.request.urlopen(keyed, timeout=60) as reply:
+        assert json.load(reply)["choices"][0]["text"]
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        complete(port, long_tiny_model)
+    assert refused.value.code == 401
+
     # A batch of eight first: torch compiles the CPU graph for a new batch shape, seconds in which vLLM counts
     # eight running requests and no token (a real stall by the counters, and no part of this test).
-    # A busy two-core host (CI runs other work beside this) takes minutes over that compile: the deadlines
-    # here are for a wedged engine, not a slow one.
-    warm = generate_in_background(port, long_tiny_model, 20, 8)
+    # The deadlines here are for a wedged engine, not a slow one.
+    warm = generate_in_background(port, long_tiny_model, 20, 8, key)
     deadline = time.monotonic() + 300
     while len(warm) < 8:
         assert time.monotonic() < deadline, f"the warm-up batch never finished: {warm}"
         time.sleep(0.2)
     assert warm == [200] * 8, f"the warm-up batch failed: {warm}"
     # Eight generations that run for minutes; once vLLM counts tokens for them, freeze its engine.
-    long = generate_in_background(port, long_tiny_model, 16000, 8)
+    long = generate_in_background(port, long_tiny_model, 16000, 8, key)
     deadline = time.monotonic() + 240
     while not ((stats := status_or_none(base).get("serving_stats") or {}).get("requests_running") or 0) >= 1 \
             or not stats.get("generation_tokens_per_s"):
@@ -271,15 +306,15 @@ def test_a_frozen_engine_is_caught_while_health_says_200_restarted_and_the_idle_
     frozen_at = time.monotonic()
     assert health_code(port) == 200, "vLLM's /health says 200 while its engine is frozen"
     while not firing(base, "vllm_stalled"):
-        assert time.monotonic() - frozen_at < stall_after + 15, "vllm_stalled did not fire"
+        assert time.monotonic() - frozen_at < VLLM_START_S, "vllm_stalled did not fire"
         time.sleep(0.1)
     fired_after = time.monotonic() - frozen_at
     print(f"vllm_stalled fired {fired_after:.1f} s after SIGSTOP (stall_after_s {stall_after:g}, poll {poll:g})")
-    assert stall_after - 2 * poll <= fired_after <= stall_after + 2 * poll + 1.0
+    assert fired_after >= stall_after - 2 * poll  # a busy box can only make it later
     alert = firing(base, "vllm_stalled")[0]
     assert alert["severity"] == "critical" and "running" in alert["observed"] and "GPU0 util" in alert["observed"]
-    d.wait_for("vLLM stalled, restarting it", after=mark, timeout=10)
-    d.wait_for("processes of the previous vLLM are gone", after=mark, timeout=20)
+    d.wait_for("vLLM stalled, restarting it", after=mark, timeout=60)
+    d.wait_for("processes of the previous vLLM are gone", after=mark, timeout=120)
     assert group_alive(first) == [], "no process of the frozen group survives"
     restarted = d.wait_for("vLLM starting (pid", after=mark)
     second = int(restarted.split("(pid ")[1].split(",")[0])
@@ -288,54 +323,13 @@ def test_a_frozen_engine_is_caught_while_health_says_200_restarted_and_the_idle_
         base + "/metrics", timeout=15).read().decode()
 
     # Idle: nothing runs, so vLLM's gauges say 0; freeze the engine, send one request, and the probe finds it.
-    time.sleep(1)
     core = engine_core(second)
     mark = len(d.lines)
     os.kill(core, signal.SIGSTOP)
-    generate_in_background(port, long_tiny_model, 5, 1)
-    d.wait_for("the stall probe (a one-token completion", after=mark, timeout=3 + probe_timeout + 10)
-    d.wait_for("vLLM stalled, restarting it", after=mark, timeout=5)
-    d.wait_for("processes of the previous vLLM are gone", after=mark, timeout=20)
+    generate_in_background(port, long_tiny_model, 5, 1, key)
+    d.wait_for("the stall probe (a one-token completion", after=mark, timeout=VLLM_START_S)
+    d.wait_for("vLLM stalled, restarting it", after=mark, timeout=60)
+    d.wait_for("processes of the previous vLLM are gone", after=mark, timeout=120)
     assert group_alive(second) == []
     d.wait_for("vLLM starting (pid", after=mark)  # its start was shown healthy above: a minute saved
-    assert d.stop() == 0
-
-
-def test_an_idle_server_that_requires_a_key_is_probed_with_it_and_never_restarted(write, daemons, vllm_python,
-                                                                                   tiny_model, child_user):
-    """Issue 24: the idle probe posted without credentials, vLLM answered 401 (VLLM_API_KEY set), and the daemon
-    restarted a healthy engine every few probes until FATAL. The key comes from serve.env_file, as docs/serving/vllm.md
-    says to give it; idle for ten probes, one due every 3 s (one failed probe is a stall, so each of them
-    would have restarted it): no stall, no restart, and keyed work still works while a request without the
-    key is refused."""
-    key = "gw-test-key-3141"
-    secrets = write("vllm.env", f"VLLM_API_KEY={key}\n")
-    secrets.chmod(0o600)
-    port = free_port()
-    path = serving_config(write, vllm_python, tiny_model, child_user, port,
-                          extra=f"  env_file: {secrets}\n  probe_after_s: 3\n  probe_timeout_s: 30\n")
-    base = "http://" + path.read_text().split("listen: ")[1].split()[0]
-    d = daemons(path)
-    d.wait_for("vLLM healthy after", timeout=VLLM_START_S)
-    mark = len(d.lines)
-    deadline = time.monotonic() + 300  # for a wedged engine: ten probes take ~30 s
-    while len(probes := [line for line in d.lines[mark:] if "POST /v1/completions" in line]) < 10:  # vLLM's log
-        assert d.proc.poll() is None and time.monotonic() < deadline, probes  # idle: only the daemon's probes
-        time.sleep(0.5)
-    assert all(" 200" in line for line in probes), probes[-3:]
-    serving = status(base)["serving"]
-    assert serving["state"] == "RUNNING" and serving["restarts"] == 0 and serving.get("stalls", 0) == 0, serving
-    assert "vLLM stalled" not in d.log and "cannot authenticate" not in d.log and key not in d.log
-    metrics = urllib.request.urlopen(base + "/metrics", timeout=15).read().decode()
-    assert 'gpuwarden_serving_stalls_total{child="vllm"} 0.0' in metrics
-    assert 'version="0.32.0"' in next(line for line in metrics.splitlines()
-                                     if line.startswith("gpuwarden_serving_info{"))  # the installed vLLM's
-    body = json.dumps({"model": str(tiny_model), "prompt": "the gpu runs", "max_tokens": 5}).encode()
-    keyed = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
-                                   {"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
-    with urllib.request.urlopen(keyed, timeout=60) as reply:
-        assert json.load(reply)["choices"][0]["text"]
-    with pytest.raises(urllib.error.HTTPError) as refused:
-        complete(port, tiny_model)
-    assert refused.value.code == 401
     assert d.stop() == 0

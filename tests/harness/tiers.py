@@ -11,7 +11,8 @@ The check: every process start in the pytest process (subprocess.Popen, os.fork,
 them: asyncio's subprocesses, multiprocessing) is counted against the test being set up, run or torn down. After
 a test that passed:
 - an unmarked test that started a process fails: mark it `process` (or its real part);
-- a marked test that started none, and needs no fixture that started one, fails: it is a unit test.
+- a test marked `process` that started none, and needs no fixture that started one, fails: it is a unit test. (A
+  real part's marker says what the test needs, which can be files alone: the installed vLLM's metadata.)
 
 A session- or module-scoped fixture's processes count for every test that needs the fixture (its first user pays
 the start; the others still depend on it).
@@ -145,8 +146,8 @@ def verdict(item, started: list[str], through: list[str]) -> str | None:
     if tier == "unit" and through:
         return (f"tier: this unit test needs fixtures that start processes ({', '.join(through)}); mark it "
                 "`process` (or its real part's marker)")
-    if tier != "unit" and not started and not through:
-        return (f"tier: marked {tier} but started no process and needs no fixture that does: it is a unit test, "
+    if tier == PROCESS and not started and not through:
+        return ("tier: marked process but started no process and needs no fixture that does: it is a unit test, "
                 "drop the marker (pytestmark included)")
     return None
 
