@@ -34,7 +34,7 @@ from .event_thread import start_event_thread
 from .heartbeat import Heartbeat
 from .metrics_port import MetricsPort
 from .recovery import Recovery
-from .reload import Reload, Waiting
+from .reload import Reload, Waiting, carry_out
 from ..tune.sweeps import Sweeps
 from ..web.exposition import Exposition
 from ..watch.eventwatch import EventWatcher
@@ -356,23 +356,9 @@ class Daemon:
             self.apply(step)
 
     def apply(self, step: Reload) -> None:
-        """Carry out a reload that passed every check."""
-        if step.kept:
-            log.warning("reload: %s only change on restart; keeping the running values", ", ".join(step.kept))
-        # The operator reset the GPUs (or says they need none): a hold's wait, or an Xid 63's that serves on.
-        if self.monitor.events.needs_reset or self.monitor.events.pending:
-            log.info("reload: no GPU counts as waiting for a reset any more")
-            self.monitor.gpus_were_reset()
+        """Carry out a reload that passed every check (reload.carry_out), from this poll on."""
         self.config = step.config
-        self.monitor.reconfigure(step.config)
-        self.recovery.configure(step.config.health)
-        self.tuning.reload(step.config, step.tuning)
-        now = self.clock()
-        if step.serving_step is not None:
-            step.serving_step(now)
-        else:
-            self.serving.reset(now)
-        log.info("config reloaded from %s", ", ".join(step.config.files))
+        carry_out(step, self.monitor, self.recovery, self.tuning, self.serving, self.clock())
 
 
 def _finite(value):

@@ -46,6 +46,25 @@ def plan_reload(new: Config, running: Config, tuning: TuningLife, serving: Servi
     return Reload(new, plan, step, kept, getattr(step, "check", None))
 
 
+def carry_out(step: Reload, monitor, recovery, tuning: TuningLife, serving: ServingRuntime, now: float) -> None:
+    """A reload that passed every check, carried out on the daemon's parts: the monitor's rules and its GPUs' waits,
+    the health actions, the tuning, and serving (its planned step, or a reset of its backoff)."""
+    if step.kept:
+        log.warning("reload: %s only change on restart; keeping the running values", ", ".join(step.kept))
+    # The operator reset the GPUs (or says they need none): a hold's wait, or an Xid 63's that serves on.
+    if monitor.events.needs_reset or monitor.events.pending:
+        log.info("reload: no GPU counts as waiting for a reset any more")
+        monitor.gpus_were_reset()
+    monitor.reconfigure(step.config)
+    recovery.configure(step.config.health)
+    tuning.reload(step.config, step.tuning)
+    if step.serving_step is not None:
+        step.serving_step(now)
+    else:
+        serving.reset(now)
+    log.info("config reloaded from %s", ", ".join(step.config.files))
+
+
 def refusal(exc: Exception) -> str:
     """Why a config was refused, in one line: its first problem (and how many more), or what went wrong checking
     it (RecursionError, MemoryError, a bug)."""
