@@ -121,6 +121,17 @@ def _cpu_when_vllm_failed(terminalreporter):
         terminalreporter.write_line(cpu_report())
 
 
+@pytest.fixture(autouse=True)
+def _no_probe_remembered_across_tests():
+    """The installed-versions probe is remembered per interpreter for the life of a process (compose/installed.py):
+    each test starts without it, so a test starts the same processes whichever tests ran before it on its worker
+    (the tier check counts them: tests/harness/tiers.py)."""
+    from gpuwarden.serving.compose import installed
+
+    installed._memory.clear()
+    yield
+
+
 @pytest.fixture
 def write(tmp_path):
     """Write a file under tmp_path and return its path."""

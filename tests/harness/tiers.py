@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import threading
 from collections import defaultdict
 
 import pytest
@@ -62,11 +63,13 @@ class Starts:
         self.by_test: dict[str, list[str]] = defaultdict(list)
         self.fixtures: set[str] = set()  # fixtures whose setup started a process
         self.current: str | None = None
+        self.older: set[int] = set()  # threads other than the main one that were alive when the test began
         self._installed = False
 
     def note(self, what: str) -> None:
         self.total += 1
-        if self.current is not None:
+        # a thread an earlier test left running (a daemon's reader, a server) is not this test's doing
+        if self.current is not None and threading.get_ident() not in self.older:
             self.by_test[self.current].append(what)
 
     def install(self) -> None:
@@ -155,6 +158,7 @@ def verdict(item, started: list[str], through: list[str]) -> str | None:
 def runtest_protocol(item):
     """Around a test's whole run (a hookwrapper's body): its starts are counted under its id."""
     STARTS.current = item.nodeid
+    STARTS.older = {t.ident for t in threading.enumerate() if t is not threading.main_thread()}
     try:
         yield
     finally:
