@@ -114,7 +114,7 @@ def test_log_levels(name):
 def test_metric_names_map_to_the_generic_stats(name, monkeypatch):
     engine = engine_for(name)
     texts = iter([scrape(engine, 100, 3), scrape(engine, 400, 5)])
-    monkeypatch.setattr("gpuwarden.serving.probe.metrics.fetch", lambda url: parse(next(texts)))
+    monkeypatch.setattr("gpuwarden.serving.probe.metrics.fetch", lambda url, owner=None: parse(next(texts)))
     clock = ManualClock(0)
     reader = MetricsReader("http://x" + engine.metrics_path, engine.metric_names, clock, Inline(clock))
     reader.read(0)
@@ -130,9 +130,9 @@ class RecordingOps(FakeOps):
         super().__init__(clock)
         self.urls = []
 
-    def health(self, url):
+    def health(self, url, owner=None):
         self.urls.append(url)
-        return super().health(url)
+        return super().health(url, owner)
 
 
 @pytest.mark.parametrize("name", ENGINES)

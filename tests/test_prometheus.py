@@ -173,8 +173,10 @@ serve:
     }))
     d = daemons(config_b)
     # The proxy in front of host B's vLLM, scraped as docs/fleet.md says, for the dashboard's prefix-cache row.
+    # The engine runs as child_user, the proxy as us: it sends only to a socket of --engine-user (proxy/upstream.py).
     proxy = subprocess.Popen([*gpuwarden_cmd(), "proxy", "-c", "none", "--upstream", f"http://127.0.0.1:{engine_port}",
-                              "--listen", f"127.0.0.1:{proxy_port}", "--rules", "date_line"],
+                              "--listen", f"127.0.0.1:{proxy_port}", "--rules", "date_line",
+                              "--engine-user", child_user],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     host_a = daemons(config_a)
     host_c = daemons(config_c)

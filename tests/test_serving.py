@@ -227,7 +227,7 @@ def test_metrics_rates_and_the_kv_cache_rename(monkeypatch):
                   SCRAPE.format(gen=334, prompt=48, kv="gpu_cache_usage_perc")])
     clock = ManualClock(10)
     reader = MetricsReader("http://x/metrics", VLLM.metric_names, clock, Inline(clock))
-    monkeypatch.setattr("gpuwarden.serving.probe.metrics.fetch", lambda url: parse(next(texts)))
+    monkeypatch.setattr("gpuwarden.serving.probe.metrics.fetch", lambda url, owner=None: parse(next(texts)))
     first = reader.read(10.0)
     assert first.generation_tokens_per_s is None and first.kv_cache_usage_ratio == 0.25
     clock.advance(1)
@@ -293,7 +293,7 @@ class FakeOps:
     def uid_of(self, pid):
         return self.uids.get(pid)
 
-    def health(self, url):
+    def health(self, url, owner=None):
         from gpuwarden.base.httpget import HttpError, Reply
 
         if self.spawn_error is not None:

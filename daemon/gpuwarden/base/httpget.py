@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from . import httphead
+from . import httphead, sockowner
 
 MAX_HEADER_BYTES = 64 * 1024
 MAX_LENGTH_DIGITS = 18  # a Content-Length of more digits is past any cap here (an exabyte)
@@ -35,21 +35,23 @@ class Reply:
 
 
 def get(url: str, deadline_s: float, max_bytes: int, headers: dict[str, str] | None = None,
-        context: ssl.SSLContext | None = None) -> Reply:
+        context: ssl.SSLContext | None = None, owner: int | None = None) -> Reply:
     """GET url, done within deadline_s seconds in total and at most max_bytes of body; else HttpError.
-    https:// needs the context to verify the server with."""
-    return request("GET", url, deadline_s, max_bytes, headers, context)
+    https:// needs the context to verify the server with; owner: as request()'s."""
+    return request("GET", url, deadline_s, max_bytes, headers, context, owner=owner)
 
 
 def post_json(url: str, body: bytes, deadline_s: float, max_bytes: int,
-              headers: dict[str, str] | None = None) -> Reply:
-    """POST a JSON body to a plain-http url, with get()'s total deadline and size cap."""
+              headers: dict[str, str] | None = None, owner: int | None = None) -> Reply:
+    """POST a JSON body to a plain-http url, with get()'s total deadline and size cap; owner: as request()'s."""
     return request("POST", url, deadline_s, max_bytes, {"Content-Type": "application/json", **(headers or {})},
-                   None, body)
+                   None, body, owner)
 
 
 def request(method: str, url: str, deadline_s: float, max_bytes: int, headers: dict[str, str] | None = None,
-            context: ssl.SSLContext | None = None, body: bytes = b"") -> Reply:
+            context: ssl.SSLContext | None = None, body: bytes = b"", owner: int | None = None) -> Reply:
+    """owner: a uid; nothing is written unless the socket that took the connection is one of its on this host
+    (base/sockowner.py: a local user who binds the engine's port while it restarts gets no API key)."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname or (parts.scheme == "https") != bool(context):
         raise HttpError(f"cannot read {url!r} (http://, or https:// with a TLS context)")
@@ -65,6 +67,10 @@ def request(method: str, url: str, deadline_s: float, max_bytes: int, headers: d
 
     try:
         with socket.create_connection((host, port), timeout=remaining()) as raw:
+            why = None if owner is None else sockowner.why_not(raw, owner)
+            if why is not None:
+                sockowner.reset_on_close(raw)
+                raise HttpError(f"{url}: {why}")
             sock = context.wrap_socket(raw, server_hostname=host) if context else raw
             local_port = sock.getsockname()[1]
             name = f"[{host}]" if ":" in host else host

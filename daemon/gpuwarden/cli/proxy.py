@@ -37,6 +37,10 @@ Retry-After at once. --hold-s 0: no hold, 502 at once. A request in flight when 
 again (it may be what ended it): 502 at once, or its stream cut. Told by the daemon that the engine is FATAL or
 held (SIGRTMIN), every request gets 503 with Retry-After at once until it says an engine is healthy (SIGUSR2).
 
+The proxy sends the engine nothing over a connection that another user's socket took (a local user who binds the
+engine's port while it restarts): each new connection's far end must be a socket of --engine-user, checked before
+a byte is written; another's is closed unwritten, and the request is held as if the engine refused it.
+
 `gpuwarden proxy diff A B` shows where two dumped turns (--dump-dir) first differ: the cache buster."""
 
 
@@ -44,6 +48,9 @@ def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--upstream", help="the engine, e.g. http://127.0.0.1:8000 (default: serve.host:serve.port)")
     p.add_argument("--listen", help="HOST:PORT to serve on (default: serve.proxy.listen, 127.0.0.1:8001)")
     p.add_argument("--engine", help="the engine's name, for its metric names (default: serve.engine)")
+    p.add_argument("--engine-user", metavar="USER", help="the user the engine runs as: a byte goes only over a "
+                   "connection taken by a socket of this host that this user owns (a name or uid; any: no check, "
+                   "for an engine on another host; default: the proxy's own user, as under the daemon)")
     p.add_argument("--rules", help="the rules to apply, comma-separated, or none (default: serve.proxy's)")
     p.add_argument("--remove-pattern", action="append", metavar="REGEX", help="also remove this from system "
                    "text (repeatable; adds to serve.proxy.remove_patterns)")

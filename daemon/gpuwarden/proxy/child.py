@@ -60,7 +60,9 @@ def proxy_spec(config: Config, identity: Identity) -> ChildSpec | None:
     env = child_env(os.environ, sys.executable)
     env["PYTHONPATH"] = PACKAGE_PARENT
     timing = Timing.of(config.serve, startup_timeout_s=min(60.0, config.serve.startup_timeout_s))
-    return ChildSpec(PROXY, "the proxy", proxy_argv(config), env, identity, p.listen[0], p.listen[1], "/health",
+    # The engine's user, which the proxy runs as too: only its socket is sent a byte (upstream.py).
+    argv = (*proxy_argv(config), "--engine-user", str(identity.uid))
+    return ChildSpec(PROXY, "the proxy", argv, env, identity, p.listen[0], p.listen[1], "/health",
                      timing, log_level, fronts_engine=True)
 
 

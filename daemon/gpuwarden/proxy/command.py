@@ -11,11 +11,13 @@ from pathlib import Path
 
 from ..config import ProxyConfig, parse_address
 from ..serving.compose.engines import engine_for
+from ..base.sockowner import named
 from ..base.systemd import LineFormatter
 from . import diff
 from .dump import Dumper
 from .faults import LOUD_LOGGERS, proxy_faults
 from .normalize import RULES, SWITCHES, Rules
+from .upstream import engine_uid
 
 DUMP_MAX_BYTES = 1 << 30
 CLIENT_TIMEOUT_S = 15.0  # above the 4-5 s keep-alive clients keep themselves (Node's undici, httpx)
@@ -33,6 +35,7 @@ def cmd_proxy(args: argparse.Namespace, load_config) -> int:
     try:
         rules = _rules(args.rules, settings, args.remove_pattern or [])
         listen = _listen(args.listen) if args.listen else settings.listen
+        owner = engine_uid(args.engine_user)
     except ValueError as exc:
         return _usage(f"proxy: {exc}")
     upstream = args.upstream or (config.serve.url if config else "http://127.0.0.1:8000")
@@ -58,10 +61,11 @@ def cmd_proxy(args: argparse.Namespace, load_config) -> int:
     logging.basicConfig(level=logging.INFO, handlers=[handler])
     faults = proxy_faults()
     dumper = Dumper(dump_dir, keep, args.dump_max_bytes, faults.note) if dump_dir else None
-    return serve(upstream, listen, rules, engine, dumper, max_body, args.client_timeout, faults, (hold_s, hold_max))
+    return serve(upstream, listen, rules, engine, dumper, max_body, args.client_timeout, faults, (hold_s, hold_max),
+                 owner)
 
 
-def serve(upstream, listen, rules, engine, dumper, max_body, client_timeout_s, faults, hold) -> int:
+def serve(upstream, listen, rules, engine, dumper, max_body, client_timeout_s, faults, hold, owner) -> int:
     from ..serving.run.spec import DOWN_SIGNAL, STOPPING_SIGNAL, UP_SIGNAL
     from .listener import Connections, connection_cap, run
     from .server import Proxy, ProxyMetrics
@@ -72,11 +76,12 @@ def serve(upstream, listen, rules, engine, dumper, max_body, client_timeout_s, f
     conns = Connections(connection_cap(), client_timeout_s, faults,
                         lambda reason: metrics.failures.labels(reason).inc())
     proxy = Proxy(upstream, rules, metrics, dumper, max_body, metrics_path=engine.metrics_path, faults=faults,
-                  conns=conns, hold_s=hold[0], hold_max=hold[1], health_path=engine.health_path)
+                  conns=conns, hold_s=hold[0], hold_max=hold[1], health_path=engine.health_path, engine_uid=owner)
     enabled = [name for name in RULES if getattr(rules, name)]
     held = (f"; requests held up to {proxy.hold.hold_s:g} s, {proxy.hold.hold_max} at most, while the engine is "
             "down" if proxy.hold.on else "; no hold while the engine is down")
-    log.info("proxy on http://%s:%d for %s; rules: %s%s; at most %d connections%s", *listen, upstream,
+    whose = "any socket" if owner is None else f"only a socket of {named(owner)}"
+    log.info("proxy on http://%s:%d for %s (%s); rules: %s%s; at most %d connections%s", *listen, upstream, whose,
              ", ".join(enabled) or "none", f"; dumps in {dumper.directory}" if dumper else "", conns.cap, held)
     try:
         # A stop cuts streams still open after 2 s; the daemon's word of the engine's planned stop, of its return

@@ -20,6 +20,7 @@ import asyncio
 import functools
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -39,6 +40,7 @@ from .hold import Hold
 from .listener import Connections
 from .normalize import Rules, apply
 from .scrape import scrape_forever
+from .upstream import EngineConnector
 
 log = logging.getLogger("gpuwarden.proxy")
 
@@ -49,6 +51,7 @@ HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authoriza
 # 9 x dumped; body.parse_cost) or two of ASCII (1 + 4 x) fit; the worst case stays under 512 MiB at 32 MiB.
 BUDGET_BODIES = 12
 OFF_LOOP_BYTES = 256 << 10
+SELF = -1  # Proxy(engine_uid=SELF): the proxy's own uid
 ENDED_MESSAGE = ("the engine ended while serving this request; it is not sent again (a request in flight when the "
                  "engine ends may be what ended it)")
 
@@ -133,15 +136,18 @@ async def _opened(session, context, params) -> None:
         context.trace_request_ctx.reused |= isinstance(params, aiohttp.TraceConnectionReuseconnParams)
 
 
-def engine_session(limit: int, read_timeout_s: float) -> aiohttp.ClientSession:
+def engine_session(limit: int, read_timeout_s: float, uid: int | None,
+                   faults: FaultLog | None = None) -> aiohttp.ClientSession:
     """The session to the engine: no automatic headers and no decompression, so what the client and the engine send
-    passes as it is; limit connections at once (0: no limit); each try's connection traced (Tries), and no resend
-    of aiohttp's own (3.9 and later resend a request without a body once): casualties.py decides."""
+    passes as it is; limit connections at once (0: no limit); only to a socket of uid (upstream.py; None: any);
+    each try's connection traced (Tries), and no resend of aiohttp's own (3.9 and later resend a request without a
+    body once): casualties.py decides."""
     trace = aiohttp.TraceConfig()
     trace.on_connection_reuseconn.append(_opened)
     trace.on_connection_create_end.append(_opened)
+    connector = EngineConnector(uid=uid, faults=faults, limit=limit)
     session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=10, sock_read=read_timeout_s),
-                                    auto_decompress=False, connector=aiohttp.TCPConnector(limit=limit),
+                                    auto_decompress=False, connector=connector,
                                     trace_configs=[trace],
                                     skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"))
     if hasattr(session, "_retry_connection"):
@@ -168,8 +174,11 @@ class Proxy:
     def __init__(self, upstream: str, rules: Rules, metrics: ProxyMetrics, dumper: Dumper | None = None,
                  max_body_bytes: int = 32 << 20, read_timeout_s: float = 600.0, metrics_path: str = "/metrics",
                  faults: FaultLog | None = None, conns: Connections | None = None, hold_s: float = 0.0,
-                 hold_max: int = 256, health_path: str = "/health"):
+                 hold_max: int = 256, health_path: str = "/health", engine_uid: int | None = SELF):
+        """engine_uid: the engine's user, the only one whose socket is sent a byte (SELF: the proxy's own; None:
+        anyone's, an engine on another host)."""
         self.upstream = upstream.rstrip("/")
+        self.engine_uid = os.geteuid() if engine_uid == SELF else engine_uid
         self.rules, self.metrics, self.dumper = rules, metrics, dumper
         self.max_body_bytes, self.read_timeout_s, self.metrics_path = max_body_bytes, read_timeout_s, metrics_path
         self.faults, self.conns = faults or proxy_faults(), conns
@@ -207,7 +216,8 @@ class Proxy:
 
     async def _start(self, app) -> None:
         # At most one upstream connection per client connection (and the scrape's): the fd limit counts both.
-        self.session = engine_session(self.conns.cap + 4 if self.conns else 0, self.read_timeout_s)
+        self.session = engine_session(self.conns.cap + 4 if self.conns else 0, self.read_timeout_s, self.engine_uid,
+                                      self.faults)
         self._scraper = asyncio.get_running_loop().create_task(scrape_forever(self.session, self.upstream,
                                                                               self.metrics_path, self.metrics))
 

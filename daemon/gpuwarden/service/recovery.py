@@ -236,7 +236,7 @@ class Recovery:
             return  # a restart that was no recovery (a crash, a reload): nothing to compare
         kind, serve, command = launch.command.engine, launch.config.serve, launch.command
         if self._check.start(known.ask, serve.url + kind.completions_path, kind.served_model(serve, command.argv),
-                             kind.api_key(command.argv, command.env)):
+                             kind.api_key(command.argv, command.env), known.TIMEOUT_S, engine.spec.identity.uid):
             self._asked = (key, recovering)
         else:  # an earlier engine's check still runs: its answer is not this one's; asked again at the next tick
             self._recovering, self._was_running = recovering, False

@@ -28,12 +28,12 @@ class NoAnswer(httpget.HttpError):
     """The engine gave no usable answer (an error code, a body that is not a completion): no verdict."""
 
 
-def ask(url: str, model: str, key: str | None = None, timeout_s: float = TIMEOUT_S) -> str:
-    """The engine's completion of PROMPT at temperature 0 (TOKENS tokens), as text; NoAnswer or
-    httpget.HttpError (no answer in time, or too big) otherwise."""
+def ask(url: str, model: str, key: str | None = None, timeout_s: float = TIMEOUT_S, owner: int | None = None) -> str:
+    """The engine's completion of PROMPT at temperature 0 (TOKENS tokens), as text, asked only of a socket of owner
+    (the engine's uid: httpget.request); NoAnswer or httpget.HttpError (no answer in time, or too big) otherwise."""
     body = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0}).encode()
     headers = {"Authorization": f"Bearer {key}"} if key else None
-    reply = httpget.post_json(url, body, timeout_s, ANSWER_MAX_BYTES, headers)
+    reply = httpget.post_json(url, body, timeout_s, ANSWER_MAX_BYTES, headers, owner)
     if reply.code != 200:
         raise NoAnswer(f"{url} answered {reply.code}")
     try:

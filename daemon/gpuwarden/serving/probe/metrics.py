@@ -49,17 +49,19 @@ def parse(text: str) -> dict[str, float]:
     return totals
 
 
-def fetch(url: str) -> dict[str, float]:
-    """One bounded read of /metrics, parsed (on the worker thread). Raises httpget.HttpError or ValueError."""
-    reply = httpget.get(url, DEADLINE_S, MAX_BYTES)
+def fetch(url: str, owner: int | None = None) -> dict[str, float]:
+    """One bounded read of /metrics, parsed (on the worker thread), from a socket of owner only (the engine's uid;
+    httpget.request). Raises httpget.HttpError or ValueError."""
+    reply = httpget.get(url, DEADLINE_S, MAX_BYTES, owner=owner)
     if reply.code != 200:
         raise httpget.HttpError(f"{url} answered {reply.code}")
     return parse(reply.body.decode("utf-8", "replace"))
 
 
 class MetricsReader:
-    def __init__(self, url: str, names: MetricNames, clock: Callable[[], float], background: Background | None = None):
-        self.url = url
+    def __init__(self, url: str, names: MetricNames, clock: Callable[[], float], background: Background | None = None,
+                 owner: int | None = None):
+        self.url, self.owner = url, owner
         self.names = names
         self.job = background or Background("serving-metrics", clock)
         self._last: tuple[float, dict[str, float]] | None = None
@@ -72,7 +74,7 @@ class MetricsReader:
 
     def read(self, now: float) -> ServingStats | None:
         """The latest stats (None while none or after a failed read); starts the next read in the background."""
-        self.job.start(fetch, self.url)
+        self.job.start(fetch, self.url, self.owner)
         outcome = self.job.take()
         if outcome is None:
             return self._latest

@@ -52,12 +52,13 @@ class NotAuthorized(httpget.HttpError):
     """The engine refused the probe's credentials: it answered, so it is alive."""
 
 
-def probe(url: str, model: str, timeout_s: float, key: str | None = None) -> None:
-    """A one-token completion, authenticated as clients are when the engine asks for a key; raises
-    NotAuthorized on 401/403 and httpget.HttpError unless it comes back 200 in time."""
+def probe(url: str, model: str, timeout_s: float, key: str | None = None, owner: int | None = None) -> None:
+    """A one-token completion, authenticated as clients are when the engine asks for a key, and sent only to a
+    socket of owner (the engine's uid: httpget.request); raises NotAuthorized on 401/403 and httpget.HttpError
+    unless it comes back 200 in time."""
     body = json.dumps({"model": model, "prompt": "ok", "max_tokens": 1, "temperature": 0}).encode()
     headers = {"Authorization": f"Bearer {key}"} if key else None
-    reply = httpget.post_json(url, body, timeout_s, PROBE_MAX_BYTES, headers)
+    reply = httpget.post_json(url, body, timeout_s, PROBE_MAX_BYTES, headers, owner)
     if reply.code in (401, 403):
         raise NotAuthorized(f"{url} answered {reply.code}")
     if reply.code != 200:
@@ -67,12 +68,13 @@ def probe(url: str, model: str, timeout_s: float, key: str | None = None) -> Non
 class StallWatch:
     def __init__(self, stall_after_s: float, probe_after_s: float, probe_timeout_s: float, probe_url: str,
                  model: str, clock: Callable[[], float], background: Background | None = None,
-                 key: str | None = None):
+                 key: str | None = None, owner: int | None = None):
         self.stall_after_s = stall_after_s
         self.probe_after_s = probe_after_s  # 0: no probe
         self.probe_timeout_s = probe_timeout_s
         self.probe_url, self.model = probe_url, model
         self.key = key  # the engine's API key, when it asks for one (never logged)
+        self.owner = owner  # the engine's uid: the probe goes only to its socket
         self.unauthorized_said = False
         self.job = background or Background("stall-probe", clock)
         self.probes = 0  # sent so far
@@ -124,5 +126,5 @@ class StallWatch:
                     f"completion, serve.probe_timeout_s {self.probe_timeout_s:g}) failed: {outcome.error}")
         if self.probe_after_s > 0 and not self.job.busy and now - self._moved_at >= self.probe_after_s:
             self.probes += 1
-            self.job.start(probe, self.probe_url, self.model, self.probe_timeout_s, self.key)
+            self.job.start(probe, self.probe_url, self.model, self.probe_timeout_s, self.key, self.owner)
         return None

@@ -24,7 +24,7 @@ def judge(spec: ChildSpec, probe: Background, ops: ProcessOps, child: Child, sta
         if why is None:
             return True, ""
         return False, waiting(why) if spec.peer else f"port {spec.port} does not answer: {why}"
-    probe.start(ops.health, spec.url + spec.health_path)
+    probe.start(ops.health, spec.url + spec.health_path, spec.identity.uid)  # only to a socket of the child's user
     outcome = probe.take()
     if outcome is None or outcome.started_at < started:
         return None, ""

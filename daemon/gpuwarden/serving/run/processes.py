@@ -232,8 +232,9 @@ class ProcessOps:
 
         return Background(name, time.monotonic)
 
-    def health(self, url: str) -> httpget.Reply:
-        return httpget.get(url, HEALTH_DEADLINE_S, HEALTH_MAX_BYTES)
+    def health(self, url: str, owner: int | None = None) -> httpget.Reply:
+        """GET url; with owner, written only to a socket of that uid (base/sockowner.py)."""
+        return httpget.get(url, HEALTH_DEADLINE_S, HEALTH_MAX_BYTES, owner=owner)
 
     def reachable(self, host: str, port: int) -> str | None:
         """None if host:port accepts a TCP connection (2 s at most); else why not."""

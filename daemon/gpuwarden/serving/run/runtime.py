@@ -191,11 +191,13 @@ class ServingRuntime:
 
     def _make_watchers(self, launch: Launch) -> None:
         engine, serve = launch.command.engine, launch.config.serve
-        self.reader = MetricsReader(serve.url + engine.metrics_path, engine.metric_names, self.clock)
+        owner = launch.engine.identity.uid  # the engine's user: every probe writes only to its socket
+        self.reader = MetricsReader(serve.url + engine.metrics_path, engine.metric_names, self.clock, owner=owner)
         self.stall_watch = StallWatch(serve.stall_after_s, serve.probe_after_s, serve.probe_timeout_s,
                                       serve.url + engine.completions_path,
                                       engine.served_model(serve, launch.command.argv), self.clock,
-                                      key=engine.api_key(launch.command.argv, launch.command.env))
+                                      key=engine.api_key(launch.command.argv, launch.command.env),
+                                      owner=owner)
 
     # -- the record of running children (serving/run/handover.py) ---------------------------------
     def _record(self, now: float) -> None:

@@ -1,0 +1,90 @@
+"""The proxy's connections to the engine: only to a socket of the engine's user (issue 51, finding 2).
+
+A local user who binds the engine's port while it restarts (a crash, a reload, an upgrade: minutes with a real vLLM)
+and answers /health 200 would get every request the proxy holds or sends, API keys and prompts included. So each
+new connection to the engine is checked after connect() and before a byte is written: the socket that took it must
+be a socket of this host owned by the engine's user (base/sockowner.py: sock_diag, 14 µs a connection; a
+kept-alive connection is not checked again, it cannot change hands). Another uid's socket is closed with a reset,
+unwritten, and the try counts as refused at connect: the request was never seen, so it is held (hold.py) until the
+engine's /health answers over a connection that passes, or refused 503 at hold_s. The hold's /health and the
+scrape of /metrics go through the same check, so a squatter's answers count for nothing. A squatter of the engine's
+own uid passes: that user can stop or replace the engine anyway.
+
+Why not the engine on a Unix socket (vLLM's --uds, in 0.32): every other client of the engine's port (the daemon's
+/health, /metrics, stall and known-answer probes, bench, users who skip the proxy, SGLang, a multi-node head) would
+move with it; the check changes only gpuwarden's own clients: this connector and httpget's owner= (docs/proxy.md).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import pwd
+
+import aiohttp
+
+from ..base import sockowner
+from ..base.faultlog import FaultLog
+
+ANY = "any"  # --engine-user any: no check (an engine on another host)
+
+
+def engine_uid(user: str | None) -> int | None:
+    """--engine-user: a user name or uid; any: None (no check); none given: the proxy's own uid, which the daemon's
+    proxy shares with the engine (serve.user). ValueError for a name that is no user."""
+    if user is None:
+        return os.geteuid()
+    if user == ANY:
+        return None
+    if user.isdigit() and user.isascii():
+        return int(user)
+    try:
+        return pwd.getpwnam(user).pw_uid
+    except KeyError:
+        raise ValueError(f"--engine-user {user!r} is no user (a name, a uid, or {ANY})") from None
+
+
+class NotTheEngine(ConnectionRefusedError):
+    """The socket that took the connection is not the engine user's: closed unwritten, as if refused."""
+
+
+class EngineConnector(aiohttp.TCPConnector):
+    """aiohttp's connector, with each new connection's far end checked before aiohttp writes to it (uid None: no
+    check). A connection another uid's socket took is closed and the host's next address tried, if any (aiohttp 3.8
+    tries them one by one; 3.10 and later hand all over at once); past the last, ClientConnectorError, as for a
+    refused connect: the proxy holds the request (never seen)."""
+
+    def __init__(self, *, uid: int | None, faults: FaultLog | None = None, **kwargs):
+        super().__init__(**kwargs)
+        self.uid, self.faults, self.refused = uid, faults, 0
+
+    async def _wrap_create_connection(self, *args, **kwargs):
+        infos = kwargs.get("addr_infos")  # aiohttp 3.10 and later: every address of the host at once (3.8: one)
+        while True:
+            transport, protocol = await super()._wrap_create_connection(*args, **kwargs)
+            if self.uid is None:
+                return transport, protocol
+            why = self.not_the_engine(transport)
+            if why is None:
+                return transport, protocol
+            peer = transport.get_extra_info("peername")
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                sockowner.reset_on_close(sock)
+            transport.abort()  # unwritten: the socket that took the connection never reads a byte of ours
+            self.refused += 1
+            if self.faults is not None:
+                self.faults.note("connections to a socket not the engine's", why, logging.WARNING)
+            if infos and peer:  # the host's other addresses next ("localhost": [::1] squatted, 127.0.0.1 the engine's)
+                infos[:] = [info for info in infos if info[4][:2] != peer[:2]]
+                if infos:
+                    continue
+            raise aiohttp.ClientConnectorError(kwargs["req"].connection_key, NotTheEngine(errno.ECONNREFUSED, why))
+
+    def not_the_engine(self, transport) -> str | None:
+        """None when the far end of this new connection is the engine user's socket; else why not, in one line."""
+        sock = transport.get_extra_info("socket")
+        if sock is None:
+            return "the engine's connection has no socket to check: nothing sent"
+        return sockowner.why_not(sock, self.uid, f" (an engine elsewhere needs --engine-user {ANY})")
