@@ -28,8 +28,9 @@ PARTS = (
 KEYWORD = "budget-part:"
 TIER = "budget-tier:"
 ENGINE_STARTS = "engine_starts"
-# The real tier's seconds on the 2-core CI machine, alone (docs/development.md has the measured figures).
-REAL_BUDGET_S = float(os.environ.get("GPUWARDEN_REAL_BUDGET_S", "1200"))
+# The real tier's seconds on the 2-core CI machine, alone: 1,719 s measured in a fresh clone's run (docs/development.md),
+# with 10 % to spare. A new real-part test that passes it shares a start instead of adding one.
+REAL_BUDGET_S = float(os.environ.get("GPUWARDEN_REAL_BUDGET_S", "1900"))
 
 
 def part_of(markers: set[str], fixtures: set[str]) -> str:
