@@ -88,6 +88,18 @@ def _as_recorded(launch: Launch, adoptable: handover.Record | None) -> ChildSpec
     return launch.engine
 
 
+def watchers(launch: Launch, clock) -> tuple[MetricsReader, StallWatch]:
+    """The engine's /metrics reader and its stall watch for a launch: each probe authenticates as users do and
+    writes only to a socket the engine's user owns."""
+    engine, serve = launch.command.engine, launch.config.serve
+    owner = launch.engine.identity.uid  # the engine's user: every probe writes only to its socket
+    reader = MetricsReader(serve.url + engine.metrics_path, engine.metric_names, clock, owner=owner)
+    stall_watch = StallWatch(serve.stall_after_s, serve.probe_after_s, serve.probe_timeout_s,
+                             serve.url + engine.completions_path, engine.served_model(serve, launch.command.argv),
+                             clock, key=engine.api_key(launch.command.argv, launch.command.env), owner=owner)
+    return reader, stall_watch
+
+
 class ServingRuntime:
     def __init__(self, backend: GpuBackend, sides: Sequence[ChildKind] = (), ops: ProcessOps | None = None,
                  clock: Callable[[], float] = time.monotonic, state_dir: Path | None = None,
@@ -149,7 +161,7 @@ class ServingRuntime:
         programs = [Program(_as_recorded(launch, adoptable), self.ops, self.clock, self.drains),
                     *(kept.get(spec.name) or Program(spec, self.ops, self.clock) for spec in launch.sides)]
         self.children = Supervisor(programs)
-        self._make_watchers(launch)
+        self.reader, self.stall_watch = watchers(launch, self.clock)
         named = {p.name: p for p in programs}
         fds = dict(fds or {})  # each pipe is taken once
         changed, stale = False, set()  # stale: adopted children whose command or user changed since their start
@@ -188,16 +200,6 @@ class ServingRuntime:
     def _sweep(self, record: handover.Record | None, grace: float | None, now: float) -> None:
         live = [p.child.pid for p in (self.children.programs.values() if self.children else ()) if p.child]
         self.leftovers.sweep(record, grace, now, live)
-
-    def _make_watchers(self, launch: Launch) -> None:
-        engine, serve = launch.command.engine, launch.config.serve
-        owner = launch.engine.identity.uid  # the engine's user: every probe writes only to its socket
-        self.reader = MetricsReader(serve.url + engine.metrics_path, engine.metric_names, self.clock, owner=owner)
-        self.stall_watch = StallWatch(serve.stall_after_s, serve.probe_after_s, serve.probe_timeout_s,
-                                      serve.url + engine.completions_path,
-                                      engine.served_model(serve, launch.command.argv), self.clock,
-                                      key=engine.api_key(launch.command.argv, launch.command.env),
-                                      owner=owner)
 
     # -- the record of running children (serving/run/handover.py) ---------------------------------
     def _record(self, now: float) -> None:
