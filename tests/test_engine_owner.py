@@ -384,15 +384,9 @@ def test_under_the_daemon_a_squatter_who_takes_the_port_while_the_engine_restart
     daemon says the start is blocked. A request with an API key sent meanwhile is held, never sent to the squatter;
     once the squatter is gone the restarted engine answers it. Nothing of gpuwarden's (the proxy, the daemon's own
     /health and /metrics reads) writes a byte to the squatter. Before this check the squatter got the request."""
-    from test_query_of_death import SECRET, Call, healthy, served_config
+    from test_query_of_death import SECRET, Call, healthy, serving_behind_the_proxy
 
-    path, _, port, proxy_port = served_config(write, fake, "killer")
-    command, env = proxy_daemon
-    d = daemons(path, command=command, env=env)
-    first = healthy(d)
-    d.wait_for("the proxy healthy after", timeout=60)
-    status, _, data, error = Call(proxy_port, "fine, thanks").result()
-    assert status == 200, (status, data, error)
+    d, first, path, port, proxy_port = serving_behind_the_proxy(write, fake, daemons, proxy_daemon)
     squatter = squatters(port)  # it loops on bind() until the engine's socket is gone
     time.sleep(0.5)
     engine = ports.holders(set(ports.listening_sockets(port, host="127.0.0.1")))

@@ -205,6 +205,19 @@ def healthy(d, after=0):
     return d.wait_index("vLLM healthy after", timeout=60, after=after)
 
 
+def serving_behind_the_proxy(write, fake, daemons, proxy_daemon, mode="killer"):
+    """A daemon serving the fake engine in mode behind its proxy, an ordinary request answered 200 through it:
+    (the daemon, its first healthy line's index, its config, the engine's port, the proxy's port)."""
+    path, _, port, proxy_port = served_config(write, fake, mode)
+    command, env = proxy_daemon
+    d = daemons(path, command=command, env=env)
+    first = healthy(d)
+    d.wait_for("the proxy healthy after", timeout=60)
+    status, _, data, error = Call(proxy_port, "fine, thanks").result()
+    assert status == 200, (status, data, error)
+    return d, first, path, port, proxy_port
+
+
 def exits(d) -> int:
     """The engine's ends by a query of death, healthy or still starting (the proxy may see it healthy first)."""
     return sum(("vLLM exited with exit status 4" in line or "vLLM died while starting with exit status 4" in line)
@@ -231,13 +244,7 @@ def test_a_query_of_death_crashes_the_engine_once_and_its_client_gets_502_at_onc
     """The killer's request is answered 502 as soon as the engine ends, never held for the next engine (hold_s is
     300 s): the engine is restarted once and serves the next request. The same client's second killer ends the
     second engine, and the journal names the client by its address, never the prompt nor the API key."""
-    path, base, port, proxy_port = served_config(write, fake, "killer")
-    command, env = proxy_daemon
-    d = daemons(path, command=command, env=env)
-    first = healthy(d)
-    d.wait_for("the proxy healthy after", timeout=60)
-    status, _, data, error = Call(proxy_port, "fine, thanks").result()
-    assert status == 200, (status, data, error)
+    d, first, path, port, proxy_port = serving_behind_the_proxy(write, fake, daemons, proxy_daemon)
     killer = Call(proxy_port, "please QOD-NOW now")
     status, _, data, error = killer.result()
     assert status == 502, (status, data, error)
