@@ -16,7 +16,7 @@ from gpuwarden import config
 from gpuwarden.web.exposition import make_registry
 from gpuwarden.gpu.base import GpuSample
 from gpuwarden.gpu.sim.backend import ManualClock
-from gpuwarden.serving.compose.command import build_command
+from gpuwarden.serving.compose.command import build_command, entry_length
 from gpuwarden.serving.compose.engines import Engine, engine_for, lint, names
 from gpuwarden.serving.compose.flags import flag_value
 from gpuwarden.serving.compose.identity import Identity
@@ -86,10 +86,20 @@ def test_argv_has_the_command_model_required_profile_and_user_args_in_that_order
     assert cmd.flags[:2] == [engine.model_flag, "/m/Model-8B"]
     assert all(arg in cmd.flags for arg in engine.required_args)
     assert cmd.argv[-6:] == ("--extra", "1", "--host", "127.0.0.1", "--port", "8123")
-    # A serve.command of its own is the prefix, whatever its length.
+    # A serve.command of its own: its entry point is the prefix; a flag after it is one the engine's parser reads.
     own = build_command(serve(name, "  command: [/opt/e/bin/python, -m, e.serve, --quiet]\n").serve, profile,
                         [sample()], {"PATH": "/bin"})
-    assert own.prefix == 4 and own.flags[:2] == [engine.model_flag, "/m/Model-8B"]
+    assert own.prefix == 3 and own.flags[:3] == ["--quiet", engine.model_flag, "/m/Model-8B"]
+
+
+@pytest.mark.parametrize("command, entry", [
+    (["vllm", "serve"], 2), (["vllm", "serve", "--no-such-cmdflag"], 2), (["/opt/e/bin/vllm"], 1),
+    (["python3", "-m", "vllm.entrypoints.openai.api_server", "--quiet"], 3),
+    (["/usr/bin/python3", "-u", "-X", "dev", "-m", "sglang.launch_server", "--x", "1"], 6),
+    (["/usr/bin/python3", "/t/fakechild.py", "--mode", "killer"], 2), (["python3.12", "-mvllm", "--x"], 2),
+    (["/opt/e/bin/serve.py", "--mode", "killer"], 1), (["python3"], 1)])
+def test_the_entry_point_of_serve_command_ends_where_the_engines_flags_begin(command, entry):
+    assert entry_length(command) == entry
 
 
 @pytest.mark.parametrize("name", ENGINES)

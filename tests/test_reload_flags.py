@@ -238,3 +238,39 @@ def test_a_restart_after_a_crash_with_flags_the_parser_refuses_leaves_the_engine
     second.wait_for("adopted after a restart of the daemon", timeout=WAIT_S)
     assert running_pid(base) == pid
     assert second.stop() == 0
+
+
+def _command_dropin(fake, *flags):
+    """A drop-in whose serve.command gives flags of its own after the fake engine's entry point (its script)."""
+    return f"serve:\n  command: [{fake['python']}, {fake['script']}, --mode, killer, {', '.join(flags)}]\n"
+
+
+def test_check_deep_runs_the_parser_on_the_flags_serve_command_gives_too(write, fake, cli):
+    """The words after the engine's entry point in serve.command are flags its parser reads: `check --deep` checks
+    them, and a refused one fails the check at serve.command, naming it."""
+    path, _, _ = fault_config(write, fake, "healthy")
+    write("conf.d/flags.yaml", _command_dropin(fake, "--no-such-cmdflag"))
+    status, _, err = cli("check", "--deep", "-c", path)
+    assert status == 78, err
+    assert "serve.command: vLLM rejects the flags: unrecognized arguments: --no-such-cmdflag" in err, err
+    write("conf.d/flags.yaml", _command_dropin(fake, "--max-num-seqs", "'8'"))
+    status, out, err = cli("check", "--deep", "-c", path)
+    assert status == 0 and "accepts" in out, (out, err)
+
+
+def test_a_reload_with_a_refused_flag_in_serve_command_keeps_the_engine_serving(write, fake, daemons, no_fakes_left):
+    """A drop-in that moves a flag the parser refuses into serve.command (another command: the engine would start
+    anew) is refused as one in serve.args is, before anything is stopped: the same engine process serves on."""
+    path, base, _ = fault_config(write, fake, "healthy,chatty")
+    d = daemons(path)
+    pid = running_pid(base)
+    dropin = write("conf.d/flags.yaml", _command_dropin(fake, "--no-such-cmdflag"))
+    mark = len(d.lines)
+    d.proc.send_signal(signal.SIGHUP)
+    refused = d.wait_index("reload failed, still running the previous config", after=mark, timeout=WAIT_S)
+    line = d.lines[refused]
+    assert f"{dropin}:2: serve.command: vLLM rejects the flags: unrecognized arguments: --no-such-cmdflag" in line, line
+    d.wait_for("vllm: INFO fakechild tick", after=refused + 1, timeout=WAIT_S)
+    assert running_pid(base) == pid and parent_of(pid) == d.proc.pid, "the engine is still the daemon's child"
+    assert not _lines_after(d, mark, "vLLM stopping") and not _lines_after(d, mark, "config reloaded")
+    assert d.stop() == 0 and "Traceback" not in d.log

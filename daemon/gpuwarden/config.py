@@ -132,7 +132,7 @@ class ServeConfig:
     engine: str = "vllm"  # a module of serving/compose/engines/
     profile: str = "auto"
     model: str = ""
-    command: tuple[str, ...] = ()  # the argv prefix; empty: the engine's own (vllm serve)
+    command: tuple[str, ...] = ()  # the entry point, then flags; empty: the engine's own (vllm serve)
     python: str | None = None  # the engine's interpreter for the flag check; None: derived from command
     host: str = "127.0.0.1"
     port: int = 8000
@@ -337,7 +337,7 @@ def _serve_section(r: Reader, base_dir: Path) -> ServeConfig:
         r.fail(base + ("enabled",), "serving is enabled but serve.model is not set", "a model path or name")
     command = tuple(_string_list(r, base + ("command",), d.command))
     if not command and r.get(base + ("command",)) is not MISSING:
-        r.fail(base + ("command",), "the command is empty", "an argv prefix such as [vllm, serve], or leave it out")
+        r.fail(base + ("command",), "the command is empty", "an entry point such as [vllm, serve], or leave it out")
     python = r.string(base + ("python",), "auto")
     user = r.string(base + ("user",), d.user)
     if user == "root":

@@ -84,7 +84,7 @@ SHAPES = {
     "alerts.memory_clock_min_mhz": _THRESHOLD,
     **{f"{base}{t.key}": ("clock lock", ("auto, " if t.auto else "") + "max, none, or " + _CLOCK)
        for t in tunables.TUNABLES if isinstance(t, tunables.ClockLock) for base in ("tuning.", f"tuning.gpus.{ID}.")},
-    "serve.command": ("list of strings", "an argv prefix, not empty"),
+    "serve.command": ("list of strings", "an entry point, then flags of its own; not empty"),
     "serve.args": ("list of strings", "quote numbers: [\"--max-num-seqs\", \"8\"]"),
     "serve.gpus": ("list", "all, or GPU indices (PCI order) or UUIDs"),
     "serve.proxy.remove_patterns": ("list of strings", "Python regular expressions"),

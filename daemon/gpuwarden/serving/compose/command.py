@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -26,18 +27,46 @@ CHILD_PATH = "/usr/local/bin:/usr/bin:/bin"  # after the directory of the child'
 class ServeCommand(Composed):
     gpus: tuple[GpuSample, ...]
     engine: Engine
-    prefix: int  # how many leading words of argv are the command (serve.command or the engine's)
+    prefix: int  # how many leading words of argv are the engine's entry point (entry_length of the command)
     role: Role | None = None  # this node's part of a multi-node engine (None: one host)
     drain: Drain = Drain(0)  # how a SIGTERM lets its requests in flight finish (serving/compose/drain.py)
 
     @property
     def flags(self) -> list[str]:
-        """The arguments after the command prefix: what the engine's own parser reads."""
+        """The arguments after the entry point, those in serve.command included: what the engine's own parser
+        reads, so what its flag check and the lint see."""
         return list(self.argv[self.prefix:])
 
     @property
     def memory_fraction(self) -> float:
         return self.engine.memory_fraction(self.argv)
+
+
+PYTHON_RE = re.compile(r"python[0-9.]*$")
+PYTHON_VALUED = ("-W", "-X", "--check-hash-based-pycs")  # the interpreter's options that take the next word
+
+
+def entry_length(command: Sequence[str]) -> int:
+    """How many leading words of a command are the engine's entry point; the words after it are flags the engine
+    parses. A Python interpreter: through `-m MODULE`, `-c CODE` or the script, its own options before them
+    included (python3 -u -m vllm.entrypoints.openai.api_server); any other program: itself and the words up to the
+    first that starts with - (vllm serve; /opt/e/bin/serve.py)."""
+    if not command:
+        return 0
+    if PYTHON_RE.match(os.path.basename(command[0])):
+        i = 1
+        while i < len(command):
+            word = command[i]
+            if word in ("-m", "-c"):
+                return min(i + 2, len(command))
+            if word.startswith(("-m", "-c")) or word == "-" or not word.startswith("-"):
+                return i + 1  # -mMODULE, stdin, or the script
+            i += 2 if word in PYTHON_VALUED else 1
+        return len(command)
+    i = 1
+    while i < len(command) and not command[i].startswith("-"):
+        i += 1
+    return i
 
 
 def engine_of(config: Config) -> Engine:
@@ -94,7 +123,7 @@ def build_command(serve: ServeConfig, profile: Profile, gpus: Sequence[GpuSample
     env.update(secrets or {})
     env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # so CUDA's indices are ours
     env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g.index) for g in gpus)
-    return ServeCommand(argv, env, profile, tuple(gpus), engine, len(command), role)
+    return ServeCommand(argv, env, profile, tuple(gpus), engine, entry_length(command), role)
 
 
 def profile_error(config: Config, wanted: str, known: Sequence[str]) -> ConfigError:

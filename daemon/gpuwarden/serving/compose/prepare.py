@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
@@ -70,11 +71,16 @@ class PreparedServe:
 
 
 def flag_problem(config: Config, command: ServeCommand, flags: FlagCheck) -> ConfigError | None:
-    """The engine's parser refusing the command's flags, as a config error at what set them (serve.args, else
-    serve.profile): what a start, `check --deep`, a reload and a handover say. None: it accepts them."""
+    """The engine's parser refusing the command's flags, as a config error at what set them (serve.command where
+    the parser names a flag it gives after its entry point, else serve.args, else serve.profile): what a start,
+    `check --deep`, a reload and a handover say. None: it accepts them."""
     if flags.ok:
         return None
     where = ("serve", "args") if config.serve.args else ("serve", "profile")
+    own = command.argv[command.prefix:len(config.serve.command)]  # the flags serve.command itself gives
+    if any(word.startswith("-") and re.search(rf"(?<![\w-]){re.escape(word.split('=', 1)[0])}(?![\w-])",
+                                              flags.error or "") for word in own):
+        where = ("serve", "command")  # the parser names one of them
     return config.error(where, f"{command.engine.title} rejects the flags: {flags.error}")
 
 
