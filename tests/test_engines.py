@@ -97,7 +97,8 @@ def test_argv_has_the_command_model_required_profile_and_user_args_in_that_order
     (["python3", "-m", "vllm.entrypoints.openai.api_server", "--quiet"], 3),
     (["/usr/bin/python3", "-u", "-X", "dev", "-m", "sglang.launch_server", "--x", "1"], 6),
     (["/usr/bin/python3", "/t/fakechild.py", "--mode", "killer"], 2), (["python3.12", "-mvllm", "--x"], 2),
-    (["/opt/e/bin/serve.py", "--mode", "killer"], 1), (["python3"], 1)])
+    (["/opt/e/bin/serve.py", "--mode", "killer"], 1), (["python3"], 1),
+    (["/opt/v/bin/python", "/t/vllm_cli.py", "serve", "--nnodes", "2"], 3)])
 def test_the_entry_point_of_serve_command_ends_where_the_engines_flags_begin(command, entry):
     assert entry_length(command) == entry
 

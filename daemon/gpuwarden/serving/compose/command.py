@@ -49,21 +49,24 @@ PYTHON_VALUED = ("-W", "-X", "--check-hash-based-pycs")  # the interpreter's opt
 def entry_length(command: Sequence[str]) -> int:
     """How many leading words of a command are the engine's entry point; the words after it are flags the engine
     parses. A Python interpreter: through `-m MODULE`, `-c CODE` or the script, its own options before them
-    included (python3 -u -m vllm.entrypoints.openai.api_server); any other program: itself and the words up to the
-    first that starts with - (vllm serve; /opt/e/bin/serve.py)."""
+    included (python3 -u -m vllm.entrypoints.openai.api_server), and the subcommands after a script
+    (python3 vllm_cli.py serve); any other program: itself and the words up to the first that starts with -
+    (vllm serve; /opt/e/bin/serve.py)."""
     if not command:
         return 0
+    i = 1
     if PYTHON_RE.match(os.path.basename(command[0])):
-        i = 1
         while i < len(command):
             word = command[i]
             if word in ("-m", "-c"):
                 return min(i + 2, len(command))
-            if word.startswith(("-m", "-c")) or word == "-" or not word.startswith("-"):
-                return i + 1  # -mMODULE, stdin, or the script
+            if word.startswith(("-m", "-c")) or word == "-":
+                return i + 1  # -mMODULE, or stdin
+            if not word.startswith("-"):
+                break  # the script: it and its subcommands, as for any program
             i += 2 if word in PYTHON_VALUED else 1
-        return len(command)
-    i = 1
+        else:
+            return len(command)
     while i < len(command) and not command[i].startswith("-"):
         i += 1
     return i
