@@ -15,6 +15,7 @@ import pytest
 
 from harness import engines, tiers
 from harness.budget import Budget, tag
+from harness.ports import free_port  # noqa: F401 (the tests import it from here)
 from harness.workers import make_scheduler, spread
 
 # A test run started in the background of a non-interactive shell (`cmd &`, as a CI runner or a script may) has
@@ -178,12 +179,6 @@ def matplotlib_here() -> bool:
     return True
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class DaemonProcess:
