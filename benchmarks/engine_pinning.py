@@ -134,7 +134,7 @@ def main() -> None:
     last = (os.cpu_count() or 1) - 1
     model = Path(tempfile.mkdtemp(prefix="pin-model-"))
     try:
-        subprocess.run([str(python), str(ROOT / "tests" / "vllm" / "make_tiny_model.py"), str(model), "4096"],
+        subprocess.run([str(python), str(ROOT / "tests" / "vllm" / "make_tiny_model.py"), str(model)],
                        check=True, capture_output=True, timeout=300)
         rows = [phase("no engine", python, model, args.seconds, None, False),
                 phase("engine unpinned", python, model, args.seconds, None, True),

@@ -79,7 +79,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         os.chmod(tmp, 0o755)  # the engine's user reads the model
         model = Path(tmp) / "tiny"
-        subprocess.run([str(python), str(ROOT / "tests" / "vllm" / "make_tiny_model.py"), str(model), "4096"],
+        subprocess.run([str(python), str(ROOT / "tests" / "vllm" / "make_tiny_model.py"), str(model)],
                        check=True, capture_output=True, timeout=300)
         for path in [model, *model.iterdir()]:
             path.chmod(0o755 if path.is_dir() else 0o644)

@@ -31,7 +31,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "tiny"
-        subprocess.run([str(python), str(ROOT / "tests" / "vllm" / "make_tiny_model.py"), str(model), "16384"],
+        subprocess.run([str(python), str(ROOT / "tests" / "vllm" / "make_tiny_model.py"), str(model)],
                        check=True, capture_output=True, timeout=300)
         env = {**os.environ, "PYTHONPATH": str(ROOT / "daemon")}
         for rules_name, rules in (("all rules", FULL_RULES), ("defaults (date_line off)", ())):

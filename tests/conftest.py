@@ -298,15 +298,11 @@ def _make_tiny_model(vllm_python, *extra: str) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model(vllm_python):
+    """The one model every real-vLLM test serves, with the one context (the cpu-tiny profile's --max-model-len):
+    vLLM compiles its graph once per model and context and caches it per user (a minute of both cores at the
+    first start, seconds after it), so tests that differ in neither share the compile. 16,384 tokens: eight
+    generations of it outlast a frozen-engine test."""
     folder = _make_tiny_model(vllm_python)
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
-
-
-@pytest.fixture(scope="session")
-def long_tiny_model(vllm_python):
-    """The tiny model with a 16,384-token context: eight generations of it outlast a frozen-engine test."""
-    folder = _make_tiny_model(vllm_python, "16384")
     yield folder
     shutil.rmtree(folder, ignore_errors=True)
 
@@ -364,7 +360,7 @@ def served(vllm_python, tiny_model, child_user):
         return path
 
     port = free_port()
-    path = serving_config(write, vllm_python, tiny_model, user, port, ["--max-model-len", "512"])
+    path = serving_config(write, vllm_python, tiny_model, user, port)
     d = DaemonProcess(path, env=dict(subprocess_env(), STATE_DIRECTORY=str(state)))
     try:
         d.wait_for("vLLM healthy after", timeout=VLLM_START_S)

@@ -32,9 +32,9 @@ def run(rig: Rig, reloads: int) -> list:
 
 
 def test_a_reload_fails_no_request_through_the_proxy_and_drains_what_runs_on_the_engine(vllm_python,
-                                                                                         long_tiny_model, tmp_path):
+                                                                                         tiny_model, tmp_path):
     tmp_path.chmod(0o755)
-    rig = Rig(vllm_python, long_tiny_model, tmp_path, **LIGHT)
+    rig = Rig(vllm_python, tiny_model, tmp_path, **LIGHT)
     reloads = run(rig, 1)
     proxied = [o for o in rig.outcomes if o.client.startswith("proxy")]
     failed = [o for o in proxied if not o.ok]

@@ -20,8 +20,8 @@ TURNS = 24
 
 
 @pytest.fixture(scope="module")
-def rig(vllm_python, long_tiny_model, tmp_path_factory):
-    rig = Rig(vllm_python, long_tiny_model, tmp_path_factory.mktemp("proxy-rig"), env=subprocess_env())
+def rig(vllm_python, tiny_model, tmp_path_factory):
+    rig = Rig(vllm_python, tiny_model, tmp_path_factory.mktemp("proxy-rig"), env=subprocess_env())
     yield rig
     rig.stop()
 

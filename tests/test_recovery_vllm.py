@@ -27,7 +27,7 @@ def status(base):
 
 
 def test_an_unhealthy_gpu_drains_and_holds_the_engine_and_a_reset_brings_it_back_with_the_known_answer(
-        vllm_python, long_tiny_model, child_user, tmp_path):
+        vllm_python, tiny_model, child_user, tmp_path):
     tmp_path.chmod(0o755)
     channel = tmp_path / "channel"
     channel.mkdir()
@@ -43,7 +43,7 @@ def test_an_unhealthy_gpu_drains_and_holds_the_engine_and_a_reset_brings_it_back
         return path
 
     port = free_port()
-    path = serving_config(write, vllm_python, long_tiny_model, child_user, port, ["--max-model-len", "4096"],
+    path = serving_config(write, vllm_python, tiny_model, child_user, port,
                           extra="  drain_s: 90\nhealth:\n  drain_before_stop: true\n  known_answer: true\n")
     path.write_text(path.read_text().replace("scenario: dgx-spark", f"scenario: {scenario}"))
     base = "http://" + path.read_text().split("listen: ")[1].split()[0]
@@ -57,7 +57,7 @@ def test_an_unhealthy_gpu_drains_and_holds_the_engine_and_a_reset_brings_it_back
             """A stream: its first chunk tells this test that it runs (the engine's /metrics, asked before, was
             answered late on a starved box, after the request had ended: ci47, ci50); its usage, that it finished
             whole."""
-            body = json.dumps({"model": str(long_tiny_model), "prompt": "hello", "max_tokens": TOKENS,
+            body = json.dumps({"model": str(tiny_model), "prompt": "hello", "max_tokens": TOKENS,
                                "temperature": 0, "ignore_eos": True, "stream": True,
                                "stream_options": {"include_usage": True}}).encode()
             request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,

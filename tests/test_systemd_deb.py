@@ -183,7 +183,7 @@ def test_boots_tunes_alerts_stops_fails_cleanly_and_survives_a_stall(installed_r
 
 
 def test_serving_ready_only_when_vllm_is_healthy_and_stop_leaves_nothing(installed_root, tmp_path, vllm_python,
-                                                                        long_tiny_model, newer_deb):
+                                                                        tiny_model, newer_deb):
     root = tmp_path / "root"
     subprocess.run(["cp", "-a", "--reflink=auto", str(installed_root), str(root)], check=True)
     shutil.copy(newer_deb, root / "var" / "cache" / "gpuwarden-new.deb")
@@ -199,7 +199,7 @@ def test_serving_ready_only_when_vllm_is_healthy_and_stop_leaves_nothing(install
     folder.mkdir()
     venv = vllm_python.parent.parent
     proc = nspawn(root, boot=True, timeout=1200,
-                  binds=[f"{folder}:/results", f"{venv}:{venv}", f"{long_tiny_model}:/srv/tiny-model"])
+                  binds=[f"{folder}:/results", f"{venv}:{venv}", f"{tiny_model}:/srv/tiny-model"])
     got = results(folder)
     full = (folder / "journal.txt").read_text() if (folder / "journal.txt").exists() else proc.stdout[-3000:]
     # For the messages: what systemd said of the unit (a restart, a watchdog, an exit) first, then the tail.

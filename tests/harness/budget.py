@@ -22,7 +22,7 @@ from collections import defaultdict
 PARTS = (
     ("nspawn", {"systemd"}, set()),
     ("Ray", {"ray"}, {"ray_processes"}),
-    ("vLLM", {"vllm"}, {"vllm_python", "tiny_model", "long_tiny_model", "served"}),
+    ("vLLM", {"vllm"}, {"vllm_python", "tiny_model", "served"}),
     ("Prometheus/Alertmanager", {"fleet"}, set()),
 )
 KEYWORD = "budget-part:"

@@ -2,8 +2,10 @@
 
     VENV/bin/python tests/vllm/make_tiny_model.py OUT_DIR [MAX_POSITIONS]
 
-MAX_POSITIONS (default 512) is its context: the stall test needs generations
-long enough (16,384) to still run when it freezes the engine.
+MAX_POSITIONS (default 16384) is its context, the cpu-tiny profile's
+--max-model-len: the stall test needs generations long enough to still run when
+it freezes the engine, and every test and benchmark serves the same model with
+the same context so that vLLM's compiled graph, cached per user, is compiled once.
 
 Run with vLLM's interpreter (it has torch, transformers and tokenizers). hidden
 256 with 4 heads gives head_dim 64: the CPU attention backend rejects 16.
@@ -18,7 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 TEXT = ["the gpu runs at the locked clock", "vllm serves the tiny model", "hello world, this is a test"] * 50
 
 
-def main(out: Path, positions: int = 512) -> None:
+def main(out: Path, positions: int = 16384) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -35,4 +37,4 @@ def main(out: Path, positions: int = 512) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 512)
+    main(Path(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 16384)

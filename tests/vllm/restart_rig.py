@@ -174,7 +174,7 @@ class Rig:
         self.clients: list[Client] = []
 
     def write_config(self) -> None:
-        args = json.dumps(["--max-model-len", "4096", *FLAGS[self.flags % 2]])
+        args = json.dumps(FLAGS[self.flags % 2])
         self.config.write_text(f"""poll_interval_s: 0.5
 metrics:
   listen: 127.0.0.1:{self.metrics_port}
