@@ -32,3 +32,18 @@ def test_a_block_with_no_free_port_says_so():
         port = held.getsockname()[1]
         with pytest.raises(RuntimeError, match=f"no free port in {port}-{port}"):
             Ports(range(port, port + 1)).take()
+
+
+def test_a_run_starts_where_it_is_told_and_wraps_around():
+    ports = Ports(range(40000, 40004), first=2)
+    assert [ports.take() for _ in range(4)] == [40002, 40003, 40000, 40001] or not all(
+        _bindable(p) for p in range(40000, 40004))
+
+
+def _bindable(port):
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True

@@ -6,12 +6,14 @@ stops its server: with four xdist workers, another worker's test can then be giv
 there, and a proxy still pointed at the stopped engine reaches a stranger's. Blocks per worker keep the workers
 apart; never handing a port out twice keeps a worker's tests apart; staying below the ephemeral range keeps the
 ports the kernel picks for outgoing connections (and for servers bound to port 0) out of the way. A port something
-else holds is skipped (the bind check), as is one in TIME_WAIT.
+else holds is skipped (the bind check), as is one in TIME_WAIT; another test run at the same time starts elsewhere
+in the block.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import socket
 import threading
 
@@ -40,10 +42,11 @@ def block(worker: str | None, workers: str | None, low: int = LOWEST, high: int 
 
 
 class Ports:
-    """Hands out the ports of one block in turn, each checked free by a bind; after the last, the first again."""
+    """Hands out the ports of one block in turn from `first` (an index into it), each checked free by a bind;
+    after the last, the first again."""
 
-    def __init__(self, ports: range):
-        self.ports, self.next, self.lock = ports, 0, threading.Lock()
+    def __init__(self, ports: range, first: int = 0):
+        self.ports, self.next, self.lock = ports, first, threading.Lock()
 
     def take(self) -> int:
         with self.lock:
@@ -71,5 +74,8 @@ def free_port() -> int:
     """A port no other test of this run was given, and free now."""
     global _PORTS
     if _PORTS is None:
-        _PORTS = Ports(block(os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT")))
+        ports = block(os.environ.get("PYTEST_XDIST_WORKER"), os.environ.get("PYTEST_XDIST_WORKER_COUNT"))
+        # Two test runs at once (a developer's, a benchmark's) would walk the same block in the same order from its
+        # start: each run starts at a random place in it.
+        _PORTS = Ports(ports, random.randrange(len(ports)))
     return _PORTS.take()
