@@ -1,6 +1,7 @@
 """Config validation: a corpus of bad configs, each must exit 78 naming FILE:LINE and key."""
 
 import dataclasses
+import json
 import subprocess
 
 import pytest
@@ -292,3 +293,27 @@ def test_a_reload_to_a_collision_is_refused_and_the_daemon_keeps_its_config(writ
     assert daemon.config is cfg
     assert f"reload failed, still running the previous config: {path}:2: metrics.listen: 127.0.0.1:8000 (the " \
            "metrics endpoint) collides with serve.port" in caplog.text
+
+
+def test_check_warns_where_refuse_after_ends_is_not_below_the_crash_loop(write, cli):
+    """A proxy that refuses a client only at crash_loop_failures ends or later lets one client take the engine to
+    FATAL: the user's choice, so a warning naming the key, and the check passes."""
+    def check(serve: str, *args: str):
+        path = write("g.yaml", f"gpu: {{backend: sim, scenario: dgx-spark}}\nserve:\n{serve}")
+        return cli("check", "-c", path, *args)
+
+    status, out, err = check("  crash_loop_failures: 5\n  proxy:\n    enabled: true\n    refuse_after_ends: 5\n")
+    warnings = [line for line in out.splitlines() if line.startswith("warning:")]
+    assert status == 0 and "config OK" in out and len(warnings) == 1, out
+    assert "g.yaml:6: serve.proxy.refuse_after_ends: 5 is not below serve.crash_loop_failures (5)" in warnings[0]
+    assert "(1 to 4 refuses it first)" in warnings[0]
+    status, out, _ = check("  crash_loop_failures: 5\n  proxy:\n    enabled: true\n    refuse_after_ends: 5\n",
+                           "--json")
+    found = json.loads(out)["warnings"]
+    assert status == 0 and [w["key"] for w in found] == ["serve.proxy.refuse_after_ends"] and found[0]["line"] == 6
+    for fine in ("  proxy:\n    enabled: true\n",  # the default, 2, below 5
+                 "  crash_loop_failures: 3\n  proxy:\n    enabled: true\n    refuse_after_ends: 2\n",
+                 "  proxy:\n    enabled: true\n    refuse_after_ends: 0\n",  # never refuses: a choice said as such
+                 "  proxy:\n    enabled: false\n    refuse_after_ends: 9\n"):  # no proxy runs
+        status, out, _ = check(fine)
+        assert status == 0 and "warning" not in out, (fine, out)

@@ -16,7 +16,9 @@ import pytest
 
 from conftest import free_port
 from gpuwarden.proxy.body import Refusal
-from gpuwarden.proxy.casualties import BROKE, ENDED, HOLD, RESEND, UNREACHABLE, Casualties, after_failure
+from gpuwarden.proxy.casualties import (BROKE, ENDED, HOLD, NO_ADDRESS, RESEND, UNREACHABLE, Casualties,
+                                        after_failure, client_of)
+from gpuwarden.proxy.refusals import error_body, error_response
 from gpuwarden.proxy.hold import NOT_RESTARTING_RETRY_S, Hold
 from gpuwarden.serving.run.spec import DOWN_SIGNAL, UP_SIGNAL
 from gpuwarden.serving.run.supervisor import FATAL, HELD, RUNNING
@@ -84,6 +86,139 @@ def test_the_book_of_clients_is_bounded():
         for c in range(10):
             book.ended(f"10.0.{n}.{c}", sent_at=clock.now - 1)
     assert len(book._clients) <= 4 and len(book._ends) == 3
+
+
+# -- a client in flight at N of the engine's ends is refused for the rest of the window (no process) ---------------
+
+def refusal(book, client):
+    try:
+        book.refuse(client)
+    except Refusal as exc:
+        return exc
+    return None
+
+
+def test_a_client_in_flight_at_n_ends_is_refused_with_retry_after_until_the_window_lets_it_go(caplog):
+    clock = Clock()
+    book = Casualties(clock, window_s=600, refuse_after=2, wall=lambda: 0.0)
+    assert book.ended("10.0.0.7", sent_at=990) is None  # its first end, and another client's
+    book.note("10.0.0.8", sent_at=995, what="POST /v1/messages")
+    assert refusal(book, "10.0.0.7") is None and refusal(book, "10.0.0.8") is None
+    clock.now = 1100.0
+    with caplog.at_level("WARNING", logger="gpuwarden.proxy"):
+        book.note("10.0.0.7", sent_at=1090, what="POST /v1/chat/completions")  # its second: refused from now on
+        book.note("10.0.0.7", sent_at=1091, what="POST /v1/chat/completions")  # the same end: no line more
+    refused = refusal(book, "10.0.0.7")
+    assert refused.status == 429 and refused.reason == "client_refused"
+    assert refused.retry_after == 501  # its oldest counted end (1000) leaves the window at 1600
+    assert book.until("10.0.0.7") == 1600.0
+    assert "in flight at 2 of the engine's ends in the last 600 s" in str(refused)
+    assert refusal(book, "10.0.0.8") is None  # in flight at one end only: served
+    lines = [r.getMessage() for r in caplog.records if "refusing client" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("proxy: refusing client 10.0.0.7 for 500 s, until 1970-"), lines
+    assert "2 of the engine's ends in the last 600 s" in lines[0]
+    clock.now = 1599.5
+    assert refusal(book, "10.0.0.7").retry_after == 1
+    clock.now = 1600.0
+    assert refusal(book, "10.0.0.7").retry_after == 1  # still in the window at its very edge
+    clock.now = 1600.5  # the end of 1000 has left the window: served again, at one end
+    assert refusal(book, "10.0.0.7") is None
+    caplog.clear()
+    clock.now = 1700.0  # one more end: two within the window (1100, 1700) again, a new refusal and its own line
+    with caplog.at_level("WARNING", logger="gpuwarden.proxy"):
+        book.note("10.0.0.7", sent_at=1690, what="POST /v1/chat/completions")
+    assert refusal(book, "10.0.0.7").retry_after == 1  # until 1100 + 600 = 1700
+    assert sum("refusing client 10.0.0.7" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_later_end_while_refused_makes_it_longer_without_a_second_line(caplog):
+    clock = Clock()
+    book = Casualties(clock, window_s=600, refuse_after=2)
+    with caplog.at_level("WARNING", logger="gpuwarden.proxy"):
+        for at in (1000.0, 1100.0, 1200.0):  # a stream still running when it was refused, caught by a third end
+            clock.now = at
+            book.note("10.0.0.7", sent_at=at - 1, what="POST /v1/messages")
+    assert refusal(book, "10.0.0.7").retry_after == 501  # until the second newest (1100) leaves: 1700
+    assert sum("refusing client" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_refuse_after_one_and_zero():
+    clock = Clock()
+    once = Casualties(clock, window_s=600, refuse_after=1)
+    never = Casualties(clock, window_s=600, refuse_after=0)
+    for n in range(10):
+        clock.now += 10
+        for book in (once, never):
+            book.ended("10.0.0.7", sent_at=clock.now - 1)
+        assert refusal(once, "10.0.0.7").retry_after == 601
+        assert refusal(never, "10.0.0.7") is None  # 0: never, however many ends
+    clock.now += 10
+    assert never.ended("10.0.0.7", sent_at=clock.now - 1) == (11, 11)  # still named in the journal
+
+
+def test_the_refused_are_bounded_with_the_book():
+    clock = Clock()
+    book = Casualties(clock, window_s=600, max_clients=4, refuse_after=2)
+    for clients in (range(10), range(6, 10)):  # ten at the first end, the four the book kept at the second too
+        clock.now += 10
+        for c in clients:
+            book.ended(f"10.0.0.{c}", sent_at=clock.now - 1)
+    assert len(book._clients) == 4
+    everyone = [f"10.0.0.{c}" for c in range(10)]
+    assert [c for c in everyone if refusal(book, c)] == everyone[6:]  # at two ends: refused
+    for c in range(4):  # four others at an end push the refused out: one client with many addresses is not stopped
+        book.ended(f"10.0.2.{c}", sent_at=clock.now - 1)
+    assert len(book._clients) == 4 and not any(refusal(book, c) for c in everyone)
+    clock.now += 601
+    book.ended("10.0.1.1", sent_at=clock.now - 1)  # an end forgets what left the window
+    assert list(book._clients) == ["10.0.1.1"]
+
+
+def test_the_client_is_the_peer_address_never_a_header():
+    class Peer:
+        def __init__(self, remote):
+            self.remote, self.headers = remote, {"X-Forwarded-For": "10.9.9.9", "X-Real-IP": "10.9.9.8"}
+
+    assert client_of(Peer("10.0.0.7")) == "10.0.0.7" and client_of(Peer("::ffff:10.0.0.7")) == "10.0.0.7"
+    # one client would be many: an IPv6 host's /64, and a local user's 2**24 loopback addresses beside 127.0.0.1
+    assert client_of(Peer("2001:db8:1:2::7")) == client_of(Peer("2001:db8:1:2:ffff::1")) == "2001:db8:1:2::/64"
+    assert client_of(Peer("127.0.0.3")) == client_of(Peer("127.9.9.9")) == "127.0.0.0/8"
+    assert client_of(Peer("127.0.0.1")) == "127.0.0.1"
+    assert client_of(Peer("")) == client_of(Peer(None)) == NO_ADDRESS  # a Unix socket: one client, all of them
+
+
+def test_a_refusal_is_answered_in_the_apis_own_error_shape_with_retry_after():
+    anthropic = error_body("anthropic", 429, "refused")
+    assert anthropic == {"type": "error", "error": {"type": "rate_limit_error", "message": "refused"}}
+    assert error_body("openai", 429, "refused") == {"error": {"message": "refused", "type": "proxy_error",
+                                                             "code": 429}}
+    assert error_body("anthropic", 502, "x")["error"]["type"] == "api_error"
+    assert error_body("anthropic", 413, "x")["error"]["type"] == "invalid_request_error"
+    assert error_response("openai", 429, "refused", 412).headers["Retry-After"] == "412"
+    assert error_response("other", 503, "x", 30).headers["Retry-After"] == "30"
+    assert "Retry-After" not in error_response("openai", 502, "x").headers
+
+
+def test_refuse_after_ends_reaches_the_proxy_child_with_the_crash_loop_window_and_is_checked(tmp_path, cli):
+    from gpuwarden.base.yamlfile import InvalidConfig
+    from gpuwarden.config import parse_text
+    from gpuwarden.proxy.child import proxy_argv
+
+    def option(argv, name):
+        return argv[argv.index(name) + 1]
+
+    argv = proxy_argv(parse_text("serve:\n  crash_loop_window_s: 1800\n  proxy: {refuse_after_ends: 3}\n",
+                                 str(tmp_path / "g.yaml")))
+    assert option(argv, "--refuse-after-ends") == "3" and option(argv, "--ends-window-s") == "1800"
+    default = proxy_argv(parse_text("serve: {}\n", str(tmp_path / "g.yaml")))
+    assert option(default, "--refuse-after-ends") == "2" and option(default, "--ends-window-s") == "600"
+    with pytest.raises(InvalidConfig) as caught:
+        parse_text("serve:\n  proxy:\n    refuse_after_ends: -1\n", str(tmp_path / "g.yaml"))
+    text = "\n".join(str(e) for e in caught.value.errors)
+    assert len(caught.value.errors) == 1 and "g.yaml:3: serve.proxy.refuse_after_ends" in text, text
+    for args in (("--refuse-after-ends", "-1"), ("--refuse-after-ends", "1001"), ("--ends-window-s", "0")):
+        status, out, err = cli("proxy", "-c", "none", *args)
+        assert status == 78 and err.count("\n") == 1 and "--refuse-after-ends must be 0 to 1000" in err, err
 
 
 class Histogram:
@@ -155,11 +290,11 @@ def test_the_daemon_tells_the_proxy_when_the_engine_is_fatal_or_held_and_when_it
 
 # -- the daemon, the fake engine and the real proxy ------------------------------------------------------------
 
-def served_config(write, fake, mode, serve_extra="", hold_s=300):
+def served_config(write, fake, mode, serve_extra="", hold_s=300, proxy_extra=""):
     path, base, port = fault_config(write, fake, mode, serve_extra=serve_extra)
     proxy_port = free_port()
     path.write_text(path.read_text() + f"  proxy: {{enabled: true, listen: '127.0.0.1:{proxy_port}', "
-                                       f"hold_s: {hold_s}}}\n")
+                                       f"hold_s: {hold_s}{proxy_extra}}}\n")
     return path, base, port, proxy_port
 
 
@@ -256,12 +391,13 @@ def test_a_query_of_death_crashes_the_engine_once_and_its_client_gets_502_at_onc
     assert proxy_metric(proxy_port, "gpuwarden_proxy_held_seconds_count") == 0  # the killer was never held
     log = "\n".join(d.lines)
     assert exits(d) == 1, log
-    # the same client, again: the second engine ends, the client is named
+    # the same client, again: the second engine ends, the client is named (and refused from now on:
+    # test_a_client_whose_requests_end_the_engine_again_and_again_is_refused_429_and_serving_never_goes_fatal)
     status, _, data, error = Call(proxy_port, "and QOD-NOW again").result()
     assert status == 502, (status, data, error)
     d.wait_for("client 127.0.0.1 had requests in flight at 2 of the engine's 2 ends", timeout=30)
     healthy(d, second + 1)
-    status, _, data, error = Call(proxy_port, "fine, thanks").result()
+    status, _, data, error = Call(proxy_port, "fine, thanks", source="127.0.0.2").result()
     assert status == 200, (status, data, error)
     log = "\n".join(d.lines)
     assert exits(d) == 2 and "FATAL" not in log, log
@@ -295,7 +431,10 @@ def test_no_killer_is_sent_again_mid_stream_slow_bodiless_gone_or_from_two_clien
     """The attacks on the rule: a killer that crashes the engine after its stream began, one whose engine dies 2 s
     after closing the connection, a GET with no body (aiohttp resends those by itself), one whose client left at once,
     and two killers from two clients at once: each crashes at most one engine, and none is held for the next."""
-    path, base, port, proxy_port = served_config(write, fake, "killer", serve_extra="  crash_loop_failures: 20\n")
+    # the rule that nothing the engine had is sent again, alone: one client sends every killer here, and is not
+    # refused for its ends (refuse_after_ends 0)
+    path, base, port, proxy_port = served_config(write, fake, "killer", serve_extra="  crash_loop_failures: 20\n",
+                                                 proxy_extra=", refuse_after_ends: 0")
     command, env = proxy_daemon
     d = daemons(path, command=command, env=env)
     healthy(d)
@@ -346,4 +485,53 @@ def test_no_killer_is_sent_again_mid_stream_slow_bodiless_gone_or_from_two_clien
     settled(d, proxy_port, exits(d))
     assert exits(d) - before in (1, 2), d.log
     assert "FATAL" not in d.log and "QOD" not in d.log
+    assert d.stop() == 0
+
+
+def refused_count(port):
+    """The proxy's requests refused for their client's ends (gpuwarden_proxy_failures_total{reason=client_refused})."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith('gpuwarden_proxy_failures_total{reason="client_refused"}'))
+
+
+@pytest.mark.process
+def test_a_client_whose_requests_end_the_engine_again_and_again_is_refused_429_and_serving_never_goes_fatal(
+        write, fake, daemons, proxy_daemon, no_fakes_left):
+    """The attack: one client sends its query of death again and again, a new request each time (the rule that a
+    request the engine had is never sent again does not stop that), toward the daemon's crash loop (5 ends within
+    600 s: FATAL for everyone). With refuse_after_ends 2 it ends the engine twice; from then on each of its requests,
+    killer or not, gets 429 at once with Retry-After, and no byte of it reaches the engine (the engine never ends a
+    third time); another client is served throughout; the daemon never reaches FATAL; the journal says the refusal
+    once, by the client's address, never the prompt nor the key."""
+    d, first, path, port, proxy_port = serving_behind_the_proxy(write, fake, daemons, proxy_daemon)
+    # the killer from 127.0.0.3 (all of 127.0.0.0/8 beside 127.0.0.1 is one client: a local user has every one of
+    # those addresses); the other client from 127.0.0.1
+    killer, other, tries = "127.0.0.3", "127.0.0.1", 6  # six tries: past the daemon's five, were they all let through
+    answers = []
+    for n in range(tries):
+        call = Call(proxy_port, f"try {n}: QOD-NOW", source=killer)
+        answers.append(call.result() + (call.took,))
+        if answers[-1][0] == 502:  # an engine ended on it: the next one goes to the next engine (held meanwhile)
+            assert exits(d) <= 2, d.log
+    statuses = [status for status, *_ in answers]
+    assert statuses == [502, 502] + [429] * (tries - 2), answers
+    for status, retry_after, data, error, took in answers[2:]:
+        message = json.loads(data)["error"]["message"]
+        assert "in flight at 2 of the engine's ends in the last 600 s" in message, message
+        assert 1 <= int(retry_after) <= 601, retry_after
+        assert took < 30, took  # at once: not held for an engine (hold_s is 300 s); a bound on a hang, not a speed
+    # any request of the killer's is refused, not only its killer; one from another client is served, by an engine
+    # that the refused requests never reached
+    status, retry_after, data, error = Call(proxy_port, "fine, thanks", source=killer).result()
+    assert status == 429 and int(retry_after) >= 1, (status, data, error)
+    settled(d, proxy_port, 2)  # an ordinary request answered 200, nothing held, no third end
+    status, _, data, error = Call(proxy_port, "fine, thanks", source=other).result()
+    assert status == 200 and json.loads(data)["choices"][0]["message"]["content"] == "fine", (status, data, error)
+    assert refused_count(proxy_port) == tries - 2 + 1
+    log = d.log
+    assert exits(d) == 2 and "FATAL" not in log, log
+    named = [i for i, line in enumerate(d.lines) if "proxy: refusing client 127.0.0.0/8 for " in line]
+    assert len(named) == 1 and "in flight at 2 of the engine's ends in the last 600 s" in d.lines[named[0]], log
+    assert "QOD" not in log and SECRET not in log  # no prompt, no header in the journal
     assert d.stop() == 0

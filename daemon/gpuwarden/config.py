@@ -93,6 +93,7 @@ class ProxyConfig:
     client_timeout_s: float = 15.0  # a request's head and body (plus 1 s per 16 KiB), and an idle connection
     hold_s: float = 300.0  # the longest a request waits for the engine to come back (a big model restarts in minutes)
     hold_max: int = 256  # requests held at once
+    refuse_after_ends: int = 2  # a client in flight at this many ends within crash_loop_window_s: 429 (0: never)
 
     @property
     def address(self) -> str:
@@ -258,6 +259,21 @@ def load(path: str | Path = DEFAULT_PATH) -> Config:
 def parse_text(text: str, name: str = "<config>") -> Config:
     """Validate config text (used by tests and `check` on stdin-like input)."""
     return _validate(_mapping_or_error(yamlfile.parse(text, name)), (name,))
+
+
+def config_warnings(config: Config) -> list[ConfigError]:
+    """Settings the config accepts that undo what another is for: the user's choice, so `check` prints each as a
+    warning, one line naming the key, and nothing refuses to start."""
+    found = []
+    serve, proxy = config.serve, config.serve.proxy
+    if proxy.enabled and proxy.refuse_after_ends >= serve.crash_loop_failures:
+        found.append(config.error(
+            ("serve", "proxy", "refuse_after_ends"),
+            f"{proxy.refuse_after_ends} is not below serve.crash_loop_failures ({serve.crash_loop_failures}): one "
+            "client whose requests end the engine can take it to FATAL (no engine for anyone until SIGHUP) before "
+            "the proxy refuses it", f"1 to {serve.crash_loop_failures - 1} refuses it first"
+            if serve.crash_loop_failures > 1 else None))
+    return found
 
 
 def _load_mapping(file: Path, dropin: bool = False) -> Document:
@@ -504,6 +520,7 @@ def _proxy_section(r: Reader, base_dir: Path) -> ProxyConfig:
         client_timeout_s=r.number(base + ("client_timeout_s",), d.client_timeout_s, 0.1, 3600),
         hold_s=r.number(base + ("hold_s",), d.hold_s, 0, 3600),
         hold_max=r.number(base + ("hold_max",), d.hold_max, 1, 4096, integer=True),
+        refuse_after_ends=r.number(base + ("refuse_after_ends",), d.refuse_after_ends, 0, 1000, integer=True),
     )
 
 

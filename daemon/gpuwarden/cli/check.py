@@ -11,7 +11,7 @@ import sys
 from ..backends import open_configured
 from ..base.safetext import visible
 from ..base.yamlfile import ConfigErrors
-from ..config import EX_CONFIG, Config
+from ..config import EX_CONFIG, Config, config_warnings
 from ..gpu import errors
 from ..serving.compose.secrets import redact_argv
 from ..tune.tuning import make_plan
@@ -28,6 +28,10 @@ def arguments(p: argparse.ArgumentParser) -> None:
 
 def cmd_check(args: argparse.Namespace) -> int:
     config = load_config(args)
+    advice = config_warnings(config)
+    if not args.json:
+        for line in advice:
+            print(visible(f"warning: {line}"))
     serving = None
     try:
         backend = open_configured(config)
@@ -44,7 +48,8 @@ def cmd_check(args: argparse.Namespace) -> int:
             backend.close()
     if args.json:
         print(json.dumps({"ok": True, "files": list(config.files), "gpus_checked": gpus,
-                          "gpu_checks_skipped": skipped, "serve": serving}, indent=2))
+                          "gpu_checks_skipped": skipped, "warnings": [w.as_dict() for w in advice],
+                          "serve": serving}, indent=2))
     else:
         print(f"config OK: {', '.join(config.files)}")
         print(f"GPU checks skipped: {skipped}" if skipped else f"tuning values OK on {gpus} GPU(s)")

@@ -36,6 +36,10 @@ requests at once (and half the connection cap), its body within the budget above
 Retry-After at once. --hold-s 0: no hold, 502 at once. A request in flight when the engine ended is never sent
 again (it may be what ended it): 502 at once, or its stream cut. Told by the daemon that the engine is FATAL or
 held (SIGRTMIN), every request gets 503 with Retry-After at once until it says an engine is healthy (SIGUSR2).
+A client (its TCP peer address; an IPv6 /64, and 127.0.0.0/8 beside 127.0.0.1, as one; never X-Forwarded-For)
+whose requests were in flight at --refuse-after-ends of the engine's ends within --ends-window-s is refused for the
+rest of that window: 429 with Retry-After at once, nothing sent to the engine, so that one client's query of death,
+sent again and again as new requests, cannot take the engine to FATAL.
 
 The proxy sends the engine nothing over a connection that another user's socket took (a local user who binds the
 engine's port while it restarts): each new connection's far end must be a socket of --engine-user, checked before
@@ -66,6 +70,11 @@ def arguments(p: argparse.ArgumentParser) -> None:
                    "none, 502 at once (default: serve.proxy.hold_s, 300)")
     p.add_argument("--hold-max", type=int, help="requests held at once while the engine is down (default: "
                    "serve.proxy.hold_max, 256)")
+    p.add_argument("--refuse-after-ends", type=int, metavar="N", help="refuse a client (429 at once) whose requests "
+                   "were in flight at N of the engine's ends within --ends-window-s, for the rest of it; 0: never "
+                   "(default: serve.proxy.refuse_after_ends, 2)")
+    p.add_argument("--ends-window-s", type=float, metavar="S", help="the window over which the engine's ends are "
+                   "counted for each client (default: serve.crash_loop_window_s, 600)")
     p.add_argument("action", nargs="?", choices=("run", "diff"), default="run", help="run (default) or diff")
     p.add_argument("dumps", nargs="*", type=Path, help="diff: two dump files, or one session folder (its last two "
                    "turns)")

@@ -8,6 +8,17 @@ The journal names the client whose requests were in flight at two or more of the
 daemon's crash_loop_window_s by default): its address, the request's method and path, never its body nor its headers
 (prompts, API keys). Casualties keeps that book: ends told apart by when each request was sent (one sent after an end
 was seen went to a later engine), a line per end and client at most, MAX_CLIENTS clients at most.
+
+Naming alone left the killer free: a new request each time is no request sent again, and five crashes within the
+daemon's window are FATAL for everyone. So a client whose requests were in flight at refuse_after ends within the
+window (serve.proxy.refuse_after_ends, 2: below the daemon's crash_loop_failures, 5) is refused for the rest of it:
+429 at once, with Retry-After the seconds until it is at fewer ends again, nothing sent to the engine (refuse(),
+asked before a request's body is read and before each try, a held request's included). One line names the refusal,
+once per client and window. The client is the TCP peer's address, grouped as the metrics server groups password
+checks (client_of: an IPv6 /64 is one client, and so is 127.0.0.0/8 beside 127.0.0.1, where a local user has 2**24
+addresses); X-Forwarded-For is anyone's to write and is never read. A request without a peer address (a Unix
+socket; the proxy listens on TCP only today) is the client NO_ADDRESS, all such requests together: refusing them all
+for a window costs less than FATAL for everyone until an operator acts.
 """
 
 from __future__ import annotations
@@ -16,11 +27,16 @@ import logging
 import time
 from collections import OrderedDict, deque
 
+from ..base.peers import source_of
+from .body import Refusal
+
 log = logging.getLogger("gpuwarden.proxy")
 
 WINDOW_S = 600.0
 MAX_CLIENTS = 1024
 MAX_ENDS = 1024  # ends remembered within the window (the daemon restarts an engine a few times a window at most)
+REFUSE_AFTER_ENDS = 2  # serve.proxy.refuse_after_ends: below the daemon's crash_loop_failures (5)
+NO_ADDRESS = "(no peer address)"  # the client of a request whose connection has no peer address (a Unix socket)
 
 # What becomes of a request whose try failed before a byte of its answer reached the client:
 HOLD = "hold"  # the engine never saw it (refused at connect): held for the engine's return
@@ -47,12 +63,33 @@ def after_failure(*, connected: bool, seen: bool, reused: bool, resent: bool, en
     return BROKE
 
 
+def client_of(request) -> str:
+    """The client a request counts for: its TCP peer's address (an aiohttp request's remote), an IPv6 one by its /64
+    and 127.0.0.0/8 beside 127.0.0.1 as one (base/peers.py: one client would be many otherwise); never a header."""
+    return source_of(request.remote) if request.remote else NO_ADDRESS
+
+
+class Client:
+    """One client's ends within the window: (the end's number, when it was seen), oldest first; and until when its
+    refusal was told (the clock's)."""
+
+    __slots__ = ("ends", "told_until")
+
+    def __init__(self):
+        self.ends: deque[tuple[int, float]] = deque(maxlen=MAX_ENDS)
+        self.told_until = float("-inf")
+
+
 class Casualties:
-    def __init__(self, clock=time.monotonic, window_s: float = WINDOW_S, max_clients: int = MAX_CLIENTS):
+    def __init__(self, clock=time.monotonic, window_s: float = WINDOW_S, max_clients: int = MAX_CLIENTS,
+                 refuse_after: int = REFUSE_AFTER_ENDS, wall=time.time):
+        """refuse_after: a client at this many ends within window_s is refused until it is at fewer (0: never);
+        wall: the time of day, for the line's "until"."""
         self.clock, self.window_s, self.max_clients = clock, window_s, max_clients
+        self.refuse_after, self.wall = refuse_after, wall
         self.count = 0  # the engine's ends seen with a request in flight, since the proxy started
         self._ends: deque[tuple[int, float]] = deque(maxlen=MAX_ENDS)  # (number, when seen) within the window
-        self._clients: OrderedDict[str, deque[tuple[int, float]]] = OrderedDict()  # client -> its ends (number, when)
+        self._clients: OrderedDict[str, Client] = OrderedDict()  # the newest end last
 
     def ended(self, client: str, sent_at: float) -> tuple[int, int] | None:
         """A request of client's, sent at sent_at (the clock's), was in flight when the engine ended. (the client's
@@ -64,29 +101,64 @@ class Casualties:
             self.count += 1
             self._ends.append((self.count, now))
         end = self._ends[-1][0]
-        mine = self._clients.pop(client, None) or deque(maxlen=MAX_ENDS)
+        mine = self._clients.pop(client, None) or Client()
         self._clients[client] = mine  # the newest last: the oldest is the first to go
         while len(self._clients) > self.max_clients:
             self._clients.popitem(last=False)
-        if mine and mine[-1][0] == end:
+        if mine.ends and mine.ends[-1][0] == end:
             return None  # another of its requests at the same end: said already
-        mine.append((end, now))
-        return (len(mine), len(self._ends)) if len(mine) >= 2 else None
+        mine.ends.append((end, now))
+        return (len(mine.ends), len(self._ends)) if len(mine.ends) >= 2 else None
 
     def note(self, client: str, sent_at: float, what: str) -> None:
         """ended(), and the line that names the client where it is its second or later end: what is the request's
-        method and path."""
+        method and path; and the line that says it is refused from now on, where this end begins its refusal."""
         named = self.ended(client, sent_at)
         if named is not None:
             log.warning("proxy: client %s had requests in flight at %d of the engine's %d ends in the last %g s (the "
                         "latest: %s): its requests may be what ends the engine (a query of death); none was sent "
                         "again", client, *named, self.window_s, what)
+        self._tell(client)
+
+    def until(self, client: str) -> float | None:
+        """When (the clock's) the client is at fewer than refuse_after ends within the window again; None: it is
+        not refused now. Its own record alone is read: asked of every request."""
+        mine = self._clients.get(client)
+        if not self.refuse_after or mine is None or len(mine.ends) < self.refuse_after:
+            return None
+        until = mine.ends[-self.refuse_after][1] + self.window_s  # its Nth newest end leaves the window then
+        return until if self.clock() <= until else None
+
+    def refuse(self, client: str) -> None:
+        """Refusal (429, Retry-After the whole seconds until it is served again) where the client is refused now."""
+        until = self.until(client)
+        if until is None:
+            return
+        raise Refusal(429, "client_refused", f"refused: this client's requests were in flight at {self.refuse_after} "
+                      f"of the engine's ends in the last {self.window_s:g} s (a request that ends the engine, sent "
+                      "again and again, would take serving down for everyone); nothing was sent to the engine",
+                      int(until - self.clock()) + 1)
+
+    def _tell(self, client: str) -> None:
+        """The refusal's line, once per client and window: when its end makes it refused, unless said already."""
+        until, mine = self.until(client), self._clients.get(client)
+        if until is None or mine is None or until <= mine.told_until:
+            return
+        if self.clock() > mine.told_until:  # a new refusal, not one that a later end made longer
+            left = until - self.clock()
+            log.warning("proxy: refusing client %s for %.0f s, until %s: its requests were in flight at %d of the "
+                        "engine's ends in the last %g s (refuse_after_ends %d); each of its requests gets 429 at "
+                        "once, nothing sent to the engine", client, left,
+                        time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.wall() + left)), self.refuse_after,
+                        self.window_s, self.refuse_after)
+        mine.told_until = until
 
     def _forget(self, now: float) -> None:
         while self._ends and now - self._ends[0][1] > self.window_s:
             self._ends.popleft()
-        for client in [c for c, ends in self._clients.items() if not ends or now - ends[-1][1] > self.window_s]:
+        for client in [c for c, mine in self._clients.items()
+                       if not mine.ends or now - mine.ends[-1][1] > self.window_s]:
             del self._clients[client]
-        for ends in self._clients.values():
-            while ends and now - ends[0][1] > self.window_s:
-                ends.popleft()
+        for mine in self._clients.values():
+            while mine.ends and now - mine.ends[0][1] > self.window_s:
+                mine.ends.popleft()

@@ -14,6 +14,7 @@ from ..serving.compose.engines import engine_for
 from ..base.sockowner import named
 from ..base.systemd import LineFormatter
 from . import diff
+from .casualties import WINDOW_S
 from .dump import Dumper
 from .faults import LOUD_LOGGERS, proxy_faults
 from .normalize import RULES, SWITCHES, Rules
@@ -49,11 +50,16 @@ def cmd_proxy(args: argparse.Namespace, load_config) -> int:
     max_body = settings.max_body_bytes if args.max_body_bytes is None else args.max_body_bytes
     hold_s = settings.hold_s if args.hold_s is None else args.hold_s
     hold_max = settings.hold_max if args.hold_max is None else args.hold_max
+    refuse_after = settings.refuse_after_ends if args.refuse_after_ends is None else args.refuse_after_ends
+    window_s = (config.serve.crash_loop_window_s if config else WINDOW_S) if args.ends_window_s is None \
+        else args.ends_window_s
     if keep < 2 or max_body < 1024 or args.dump_max_bytes < 1 << 20 or not 0.1 <= args.client_timeout <= 3600:
         return _usage("proxy: --dump-keep must be at least 2, --max-body-bytes at least 1024, --dump-max-bytes at "
                       "least 1048576, and --client-timeout 0.1 to 3600 s")
     if not 0 <= hold_s <= 3600 or not 1 <= hold_max <= 4096:
         return _usage("proxy: --hold-s must be 0 to 3600 s and --hold-max 1 to 4096")
+    if not 0 <= refuse_after <= 1000 or not 1 <= window_s <= 86400:
+        return _usage("proxy: --refuse-after-ends must be 0 to 1000 and --ends-window-s 1 to 86400 s")
     # One line per record, control characters escaped: the lines quote clients' request paths, and reach the
     # daemon's journal as the child's output (or the proxy's own journal when it runs alone).
     handler = logging.StreamHandler(sys.stderr)
@@ -62,10 +68,10 @@ def cmd_proxy(args: argparse.Namespace, load_config) -> int:
     faults = proxy_faults()
     dumper = Dumper(dump_dir, keep, args.dump_max_bytes, faults.note) if dump_dir else None
     return serve(upstream, listen, rules, engine, dumper, max_body, args.client_timeout, faults, (hold_s, hold_max),
-                 owner)
+                 owner, (refuse_after, window_s))
 
 
-def serve(upstream, listen, rules, engine, dumper, max_body, client_timeout_s, faults, hold, owner) -> int:
+def serve(upstream, listen, rules, engine, dumper, max_body, client_timeout_s, faults, hold, owner, ends) -> int:
     from ..serving.run.spec import DOWN_SIGNAL, STOPPING_SIGNAL, UP_SIGNAL
     from .listener import Connections, connection_cap, run
     from .server import Proxy, ProxyMetrics
@@ -76,13 +82,17 @@ def serve(upstream, listen, rules, engine, dumper, max_body, client_timeout_s, f
     conns = Connections(connection_cap(), client_timeout_s, faults,
                         lambda reason: metrics.failures.labels(reason).inc())
     proxy = Proxy(upstream, rules, metrics, dumper, max_body, metrics_path=engine.metrics_path, faults=faults,
-                  conns=conns, hold_s=hold[0], hold_max=hold[1], health_path=engine.health_path, engine_uid=owner)
+                  conns=conns, hold_s=hold[0], hold_max=hold[1], health_path=engine.health_path, engine_uid=owner,
+                  ends=ends)
     enabled = [name for name in RULES if getattr(rules, name)]
     held = (f"; requests held up to {proxy.hold.hold_s:g} s, {proxy.hold.hold_max} at most, while the engine is "
             "down" if proxy.hold.on else "; no hold while the engine is down")
     whose = "any socket" if owner is None else f"only a socket of {named(owner)}"
-    log.info("proxy on http://%s:%d for %s (%s); rules: %s%s; at most %d connections%s", *listen, upstream, whose,
-             ", ".join(enabled) or "none", f"; dumps in {dumper.directory}" if dumper else "", conns.cap, held)
+    refused = (f"; a client in flight at {ends[0]} of the engine's ends within {ends[1]:g} s refused" if ends[0]
+               else "; no client refused for the engine's ends")
+    log.info("proxy on http://%s:%d for %s (%s); rules: %s%s; at most %d connections%s%s", *listen, upstream, whose,
+             ", ".join(enabled) or "none", f"; dumps in {dumper.directory}" if dumper else "", conns.cap, held,
+             refused)
     try:
         # A stop cuts streams still open after 2 s; the daemon's word of the engine's planned stop, of its return
         # and of an end it does not restart from (serving/run/spec.py) reach the hold.

@@ -11,7 +11,9 @@ it (so the engine sees the same kind of body either way); to any other path it g
 The limits on what clients send: listener.py (connections and their deadlines), body.py (body size, the memory
 of bodies and parses at once), faults.py (one line a minute for each kind of fault). While the engine is down,
 requests the engine never saw wait in hold.py, within limits of their own; one in flight when the engine ended is
-answered at once and never sent again (casualties.py).
+answered at once and never sent again, and a client whose requests were in flight at refuse_after_ends of its ends
+is refused, 429 at once, for the rest of the window (casualties.py). The answers the proxy gives itself take each
+API's error shape (refusals.py).
 """
 
 from __future__ import annotations
@@ -33,12 +35,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..base.faultlog import FaultLog
 from .body import Budget, Held, Refusal, decode, loads, parse_cost, read
-from .casualties import ENDED, HOLD, RESEND, Casualties, after_failure
+from .casualties import ENDED, HOLD, REFUSE_AFTER_ENDS, RESEND, WINDOW_S, Casualties, after_failure, client_of
 from .dump import Dumper, session_of
 from .faults import proxy_faults
 from .hold import Hold
 from .listener import Connections
 from .normalize import Rules, apply
+from .refusals import error_response
 from .scrape import scrape_forever
 from .upstream import EngineConnector
 
@@ -174,9 +177,11 @@ class Proxy:
     def __init__(self, upstream: str, rules: Rules, metrics: ProxyMetrics, dumper: Dumper | None = None,
                  max_body_bytes: int = 32 << 20, read_timeout_s: float = 600.0, metrics_path: str = "/metrics",
                  faults: FaultLog | None = None, conns: Connections | None = None, hold_s: float = 0.0,
-                 hold_max: int = 256, health_path: str = "/health", engine_uid: int | None = SELF):
+                 hold_max: int = 256, health_path: str = "/health", engine_uid: int | None = SELF,
+                 ends: tuple[int, float] = (REFUSE_AFTER_ENDS, WINDOW_S)):
         """engine_uid: the engine's user, the only one whose socket is sent a byte (SELF: the proxy's own; None:
-        anyone's, an engine on another host)."""
+        anyone's, an engine on another host); ends: a client in flight at this many of the engine's ends (0: never)
+        within this many seconds is refused (casualties.py)."""
         self.upstream = upstream.rstrip("/")
         self.engine_uid = os.geteuid() if engine_uid == SELF else engine_uid
         self.rules, self.metrics, self.dumper = rules, metrics, dumper
@@ -199,7 +204,7 @@ class Proxy:
             metrics.now["gpuwarden_proxy_connections"] = ("Client connections open now", lambda: len(conns.open))
             metrics.now["gpuwarden_proxy_connections_max"] = ("At most this many client connections at once",
                                                               lambda: conns.cap)
-        self.casualties = Casualties(self.hold.clock)
+        self.casualties = Casualties(self.hold.clock, window_s=ends[1], refuse_after=ends[0])
         self.session: aiohttp.ClientSession | None = None
         self._scraper: asyncio.Task | None = None
 
@@ -250,6 +255,7 @@ class Proxy:
         held = self.budget.hold()
         try:
             try:
+                self.casualties.refuse(client_of(request))  # before a byte of its body is read
                 body = await self._read(request, held)
                 headers = forwarded(request.headers)
                 if api is not None:
@@ -265,7 +271,7 @@ class Proxy:
                     del prepare  # the body as received goes with it
                     held.give(max(0, held.bytes - len(body)))  # the parse is done: only the bytes to send stay held
             except Refusal as exc:
-                return self._refuse(request, label, exc.status, exc.reason, str(exc))
+                return self._refuse(request, label, exc.status, exc.reason, str(exc), exc.retry_after)
             except (ConnectionError, HttpProcessingError) as exc:  # the client left, or broke, mid-body
                 self.metrics.failures.labels("client_gone").inc()
                 self.faults.note("bodies cut short by the client", f"{request.method} {request.path} from "
@@ -285,11 +291,13 @@ class Proxy:
         """Send the request upstream and relay the answer; while the engine is down (it refused the connection, or
         answered 503; any 5xx while it drains for a planned stop) and it never had the request, hold it (hold.py) and
         send it again once the engine is back, while its body is still here (body.py may have given it up). A request
-        in flight when the engine ended is answered 502 at once, never sent again (casualties.py). While the engine
-        drains for a planned stop, a request is held unsent; while the daemon says it is not restarting, 503."""
+        in flight when the engine ended is answered 502 at once, never sent again (casualties.py), and before each
+        try a client refused meanwhile gets 429. While the engine drains for a planned stop, a request is held unsent;
+        while the daemon says it is not restarting, 503."""
         first_held, tries = None, Tries()
         while True:
             try:
+                self.casualties.refuse(client_of(request))
                 self.hold.refuse_if_not_restarting()
             except Refusal as exc:
                 return self._refuse(request, label, exc.status, exc.reason, str(exc), exc.retry_after)
@@ -360,7 +368,7 @@ class Proxy:
     def _ended(self, request: web.Request, tries: Tries) -> None:
         """Into the book of ends (casualties.py): address and path, never what it sent. A planned stop's is nobody's."""
         if not self.hold.planned:
-            self.casualties.note(request.remote or "unknown", tries.sent_at, f"{request.method} {request.path}")
+            self.casualties.note(client_of(request), tries.sent_at, f"{request.method} {request.path}")
 
     async def _read(self, request: web.Request, held: Held) -> bytearray:
         """The whole body, within --max-body-bytes and the budget; then the request is whole (listener.py)."""
@@ -455,13 +463,7 @@ class Proxy:
         self.metrics.requests.labels(label, str(status)).inc()
         self.faults.note(f"{reason} refusals ({status})", f"{request.method} {request.path} from {request.remote}: "
                          f"{status} {message}")
-        if label == "anthropic":  # each API's own error shape, so the client shows the message
-            body = {"type": "error", "error": {"type": "api_error" if status >= 500 else "invalid_request_error",
-                                               "message": message}}
-        else:
-            body = {"error": {"message": message, "type": "proxy_error", "code": status}}
-        response = web.json_response(body, status=status,
-                                     headers={"Retry-After": str(retry_after)} if status == 503 else None)
+        response = error_response(label, status, message, retry_after)
         if not request.content.is_eof():
             response.force_close()  # the rest of the body is not read: the connection cannot carry another request
         return response

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import json
 import logging
 import socket
@@ -23,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..base import httphead
 from ..base.faultlog import FaultLog
+from ..base.peers import source_of
 from ..base.webconfig import REALM, WebConfig
 from .exposition import Exposition
 
@@ -83,23 +83,6 @@ def _addresses(listen: tuple[str, int], family: int) -> set[tuple[str, int]]:
                                                            socket.AI_PASSIVE)}
     except (socket.gaierror, UnicodeError):
         return set()
-
-
-def source_of(peer: str) -> str:
-    """Whom a password check is counted against: the client's address, an IPv6 one by its /64 (what one
-    host, or one customer of a provider, is usually given: 2**64 addresses would be 2**64 sources), and the rest
-    of 127.0.0.0/8 beside 127.0.0.1 (where a local Prometheus comes from) as one: any local user may connect
-    from each of its 2**24 addresses (a crowd guessing from a fresh one each time filled the line with
-    sources that never failed, and kept out a scraper from any other address: 0 of 30 scrapes)."""
-    try:
-        address = ipaddress.ip_address(peer)
-    except ValueError:
-        return peer
-    if address.version == 6 and address.ipv4_mapped is None:
-        return str(ipaddress.ip_network((address, 64), strict=False))
-    address = getattr(address, "ipv4_mapped", None) or address
-    text = str(address)
-    return "127.0.0.0/8" if address.is_loopback and text != "127.0.0.1" else text
 
 
 class AuthLine:
