@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import re
+import socket
 import sys
 from pathlib import Path
 
@@ -62,10 +63,11 @@ def cmd_proxy(args: argparse.Namespace, load_config) -> int:
     faults = proxy_faults()
     dumper = Dumper(dump_dir, keep, args.dump_max_bytes, faults.note) if dump_dir else None
     return serve(upstream, listen, rules, engine, dumper, max_body, args.client_timeout, faults, (hold_s, hold_max),
-                 owner)
+                 owner, args.listen_fd)
 
 
-def serve(upstream, listen, rules, engine, dumper, max_body, client_timeout_s, faults, hold, owner) -> int:
+def serve(upstream, listen, rules, engine, dumper, max_body, client_timeout_s, faults, hold, owner,
+          listen_fd=None) -> int:
     from ..serving.run.spec import DOWN_SIGNAL, STOPPING_SIGNAL, UP_SIGNAL
     from .listener import Connections, connection_cap, run
     from .server import Proxy, ProxyMetrics
@@ -88,7 +90,8 @@ def serve(upstream, listen, rules, engine, dumper, max_body, client_timeout_s, f
         # and of an end it does not restart from (serving/run/spec.py) reach the hold.
         told = {STOPPING_SIGNAL: proxy.hold.engine_stopping, UP_SIGNAL: proxy.hold.engine_up,
                 DOWN_SIGNAL: proxy.hold.engine_not_restarting}
-        asyncio.run(run(proxy.app(), listen[0], listen[1], conns, signals=told))
+        sock = None if listen_fd is None else socket.socket(fileno=listen_fd)  # the daemon's, kept by it
+        asyncio.run(run(proxy.app(), listen[0], listen[1], conns, signals=told, sock=sock))
     except OSError as exc:
         print(f"gpuwarden proxy: cannot listen on {listen[0]}:{listen[1]}: {exc.strerror or exc}", file=sys.stderr)
         return 71

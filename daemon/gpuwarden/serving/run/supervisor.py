@@ -221,7 +221,12 @@ class Program(Holding):
         self.error_lines.clear()
         spec = self.spec
         try:
-            child = self.ops.spawn(spec.argv, dict(spec.env), self.identity, self.on_line)
+            if spec.listener:  # the daemon's kept socket (bound by preflight): the child serves on it
+                fd = self.ops.listen(spec.listener, spec.host, spec.port)
+                child = self.ops.spawn((*spec.argv, "--listen-fd", str(fd)), dict(spec.env), self.identity,
+                                       self.on_line, pass_fds=(fd,))
+            else:
+                child = self.ops.spawn(spec.argv, dict(spec.env), self.identity, self.on_line)
         except (OSError, ValueError, TypeError) as exc:  # missing binary, unreadable venv, NUL byte, ...
             self._failed(now, f"{self.title} could not be started: {_describe_error(exc)}")
             return
