@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from conftest import free_port
-from gpuwarden.base.keptlistener import KeptListener
+from gpuwarden.base.keptlistener import CHILD_ENV, KeptListener
 
 
 def test_the_kept_socket_listens_at_once_and_a_bind_of_another_user_cannot_share_it():
@@ -55,3 +55,29 @@ def test_a_stored_fd_that_is_not_a_listener_is_closed_and_dropped_from_the_store
     assert kept.sock is None and stored == [("proxy", None)]
     with pytest.raises(OSError):
         os.fstat(fd)
+
+
+def test_the_proxy_gets_the_kept_socket_in_its_environment_and_its_argv_stays_what_adoption_checks(tmp_path):
+    """The fd number changes from one daemon to the next (after a crash systemd gives the socket back at fd 3 or
+    later), so it is not on the proxy's command line: the argv the record of children holds, which the next daemon
+    compares with /proc/PID/cmdline before it adopts the proxy, is the spec's (before, every handover and crash
+    restart killed the running proxy as "another command line" and started a new one)."""
+    from test_planned_restart import engine_and_proxy
+
+    _, _, proxy, ops, _ = engine_and_proxy(tmp_path)
+    argv, env, _ = ops.children[-1]
+    assert proxy.spec.listener == "proxy" and argv == proxy.spec.argv
+    assert env[CHILD_ENV] == "99" and "--listen-fd" not in argv  # FakeOps.listen's fd
+
+
+def test_the_proxy_takes_the_fd_from_its_environment_once_and_refuses_a_bad_one(monkeypatch):
+    from gpuwarden.proxy.command import _listen_fd
+
+    monkeypatch.setenv(CHILD_ENV, "7")
+    assert _listen_fd(None) == 7 and CHILD_ENV not in os.environ  # nothing it starts inherits the word
+    assert _listen_fd(None) is None and _listen_fd(5) == 5
+    monkeypatch.setenv(CHILD_ENV, "7x")
+    with pytest.raises(ValueError, match="not a file descriptor"):
+        _listen_fd(None)
+    with pytest.raises(ValueError, match="stdin, stdout and stderr"):
+        _listen_fd(1)

@@ -1,7 +1,10 @@
 """A listening socket the daemon binds and keeps for its whole life, by name, and hands to each child that serves on
-it as an inherited fd (the proxy: `--listen-fd N`). The port is then never free between two children (a crash, a
-restart, a reload that restarts the child), so no local user can bind it in the window and take the clients'
-requests; connections that come meanwhile wait in the backlog for the next child.
+it as an inherited fd, its number in the child's environment (CHILD_ENV; the proxy reads it as `--listen-fd`'s
+default). The port is then never free between two children (a crash, a restart, a reload that restarts the child),
+so no local user can bind it in the window and take the clients' requests; connections that come meanwhile wait in
+the backlog for the next child. The number is not on the child's command line: that is the child's identity for the
+daemon after this one (serving/run/handover.py compares it with /proc/PID/cmdline before adopting), and the number
+differs from one daemon to the next (after a crash systemd hands the socket back at fd 3 or later).
 
 Across a re-exec (a handover) the fd is inherited (GPUWARDEN_<NAME>_FD); after a crash systemd's fd store holds it
 (FDNAME=<name>), as for the metrics listener (service/metrics_port.py). A new address is a new socket: the old
@@ -16,6 +19,7 @@ import socket
 from collections.abc import Callable
 
 BACKLOG = 64  # as the proxy's own listener (proxy/listener.py)
+CHILD_ENV = "GPUWARDEN_LISTEN_FD"  # in a child's environment: the fd of the kept listener it serves on
 
 
 def _env(name: str) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import re
 import socket
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from ..config import ProxyConfig, parse_address
 from ..serving.compose.engines import engine_for
+from ..base.keptlistener import CHILD_ENV
 from ..base.sockowner import named
 from ..base.systemd import LineFormatter
 from . import diff
@@ -37,6 +39,7 @@ def cmd_proxy(args: argparse.Namespace, load_config) -> int:
         rules = _rules(args.rules, settings, args.remove_pattern or [])
         listen = _listen(args.listen) if args.listen else settings.listen
         owner = engine_uid(args.engine_user)
+        listen_fd = _listen_fd(args.listen_fd)
     except ValueError as exc:
         return _usage(f"proxy: {exc}")
     upstream = args.upstream or (config.serve.url if config else "http://127.0.0.1:8000")
@@ -63,7 +66,20 @@ def cmd_proxy(args: argparse.Namespace, load_config) -> int:
     faults = proxy_faults()
     dumper = Dumper(dump_dir, keep, args.dump_max_bytes, faults.note) if dump_dir else None
     return serve(upstream, listen, rules, engine, dumper, max_body, args.client_timeout, faults, (hold_s, hold_max),
-                 owner, args.listen_fd)
+                 owner, listen_fd)
+
+
+def _listen_fd(given: int | None) -> int | None:
+    """The inherited listening socket to serve on: --listen-fd, else the daemon's (CHILD_ENV, out of the environment
+    once read); None: bind --listen."""
+    passed = os.environ.pop(CHILD_ENV, "")
+    if given is None and passed:
+        if not passed.isdigit():
+            raise ValueError(f"{CHILD_ENV}={passed!r} is not a file descriptor")
+        given = int(passed)
+    if given is not None and given < 3:
+        raise ValueError(f"--listen-fd {given} is one of stdin, stdout and stderr, not a listening socket")
+    return given
 
 
 def serve(upstream, listen, rules, engine, dumper, max_body, client_timeout_s, faults, hold, owner,

@@ -100,7 +100,8 @@ class ChildSpec:
     # (STOPPING_SIGNAL: hold new requests, the engine drains) and of each engine that is healthy (UP_SIGNAL).
     fronts_engine: bool = False
     # The name of a listener the daemon binds and keeps (base/keptlistener.py: the proxy's), passed to each child
-    # as an inherited fd (`--listen-fd N`): the port is never free between two children. "": it binds its own.
+    # as an inherited fd (its number in the environment, keptlistener.CHILD_ENV): the port is never free between two
+    # children. "": it binds its own.
     listener: str = ""
 
     @property
