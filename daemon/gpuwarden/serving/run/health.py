@@ -26,10 +26,11 @@ def judge(spec: ChildSpec, probe: Background, ops: ProcessOps, child: Child, sta
         if why is None:
             return True, ""
         return False, waiting(why) if spec.peer else f"port {spec.port} does not answer: {why}"
-    # Only to a socket of the child's user; the daemon's kept listener (spec.listener) is the daemon's own, and its
-    # connections are owned by the daemon's user (a child adopted from a daemon that kept none: its own).
+    # Only to a socket of the child's user. On the daemon's kept listener (spec.listener) a connection the child has
+    # not accepted yet is the listener's, the daemon's user's; accept() makes it the child's (a child adopted from a
+    # daemon that kept none listens on its own socket: the child's user's alone).
     kept = spec.listener and LISTENERS[spec.listener].address() == (spec.host, spec.port)
-    owner = os.geteuid() if kept else spec.identity.uid
+    owner = (spec.identity.uid, os.geteuid()) if kept else spec.identity.uid
     probe.start(ops.health, spec.url + spec.health_path, owner)
     outcome = probe.take()
     if outcome is None or outcome.started_at < started:

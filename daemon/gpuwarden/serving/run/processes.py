@@ -233,8 +233,8 @@ class ProcessOps:
 
         return Background(name, time.monotonic)
 
-    def health(self, url: str, owner: int | None = None) -> httpget.Reply:
-        """GET url; with owner, written only to a socket of that uid (base/sockowner.py)."""
+    def health(self, url: str, owner: int | tuple[int, ...] | None = None) -> httpget.Reply:
+        """GET url; with owner, written only to a socket of that uid, or of one of those uids (base/sockowner.py)."""
         return httpget.get(url, HEALTH_DEADLINE_S, HEALTH_MAX_BYTES, owner=owner)
 
     def reachable(self, host: str, port: int) -> str | None:
