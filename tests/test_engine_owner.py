@@ -244,6 +244,7 @@ class Squatter:
 
     def __init__(self, port, host="127.0.0.1"):
         self.conns, self.data, self.bound = 0, b"", threading.Event()
+        self.trying, self.refused = threading.Event(), set()  # its bind() loop runs; the errnos it failed with
         self.proc = subprocess.Popen(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups",
                                       "/usr/bin/python3", str(SQUATTER), "--port", str(port), "--host", host],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -252,7 +253,11 @@ class Squatter:
 
     def _read(self):
         for text in self.proc.stdout:
-            if text.startswith("BOUND"):
+            if text.startswith("TRYING"):
+                self.trying.set()
+            elif text.startswith("REFUSED "):
+                self.refused.add(text.split()[1])
+            elif text.startswith("BOUND"):
                 self.bound.set()
             elif text.startswith("CONN"):
                 self.conns += 1
@@ -260,6 +265,10 @@ class Squatter:
                 self.data += base64.b64decode(text[5:])
             else:
                 self.data += text.encode()  # anything else it says (a traceback) shows in the assertion
+
+    def wait_trying(self, within_s=30):
+        """Its loop runs: from here on it tries the port every millisecond (a bound for a hang)."""
+        assert self.trying.wait(within_s), f"the squatter never began: {self.data!r}"
 
     def wait_bound(self, within_s=30):
         assert self.bound.wait(within_s), f"the squatter never got the port: {self.data!r}"

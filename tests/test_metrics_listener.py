@@ -119,19 +119,33 @@ def test_a_handover_keeps_the_metrics_port_from_a_local_user_looping_bind(write,
 
 
 class StoredDaemon(DaemonProcess):
-    """`gpuwarden run` as systemd starts it after a crash: the fd store's sockets from fd 3 on, named in
-    LISTEN_FDNAMES, LISTEN_PID its own pid (a small exec wrapper sets it and puts the socket at fd 3)."""
+    """`gpuwarden run` as systemd starts it after a crash: the fd store's fds from fd 3 on, named in LISTEN_FDNAMES,
+    LISTEN_PID its own pid (a small exec wrapper sets it and puts the fds at 3, 4, ...). sock: the socket stored as
+    metrics, or {name: fd} of every fd stored, in order."""
 
-    WRAPPER = ("import os, sys; fd = int(sys.argv[1]); os.dup2(fd, 3); os.close(fd) if fd != 3 else None; "
-               "os.environ['LISTEN_PID'] = str(os.getpid()); os.execv(sys.executable, [sys.executable, *sys.argv[2:]])")
+    WRAPPER = """
+import fcntl, os, sys
+fds = [int(fd) for fd in sys.argv[1].split(",")]
+high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 100) for fd in fds]  # out of the way of 3, 4, ...
+for fd in fds:
+    os.close(fd)
+for n, fd in enumerate(high):
+    os.dup2(fd, 3 + n)
+    os.close(fd)
+os.environ["LISTEN_PID"] = str(os.getpid())
+os.execv(sys.executable, [sys.executable, *sys.argv[2:]])
+"""
 
-    def __init__(self, config_path, sock, notify_path, args=("--sim", "lock-lost")):
+    def __init__(self, config_path, sock, notify_path, args=("--sim", "lock-lost"), command=None, env=None):
         self.lines = []
-        env = dict(subprocess_env(), LISTEN_FDS="1", LISTEN_FDNAMES="metrics", NOTIFY_SOCKET=notify_path)
-        self.proc = subprocess.Popen([sys.executable, "-c", self.WRAPPER, str(sock.fileno()), *gpuwarden_cmd()[1:],
-                                      "run", "-c", str(config_path), *args],
+        fds = sock if isinstance(sock, dict) else {"metrics": sock.fileno()}
+        command = command or gpuwarden_cmd()  # an interpreter and its arguments
+        env = dict(env or subprocess_env(), LISTEN_FDS=str(len(fds)), LISTEN_FDNAMES=":".join(fds),
+                   NOTIFY_SOCKET=notify_path)
+        self.proc = subprocess.Popen([command[0], "-c", self.WRAPPER, ",".join(map(str, fds.values())),
+                                      *command[1:], "run", "-c", str(config_path), *args],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                     pass_fds=(sock.fileno(),))
+                                     pass_fds=tuple(fds.values()))
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 

@@ -1,5 +1,6 @@
 """Profiles, lint rules, the argv/env builder, the vLLM metrics reader and the supervisor's state machine."""
 
+import errno
 import os
 import pwd
 import signal
@@ -262,7 +263,7 @@ class FakeOps:
         self.sent = []  # every signal, to a group (killpg) or a process (kill), in order
         self.deaf = set()  # pids with no handler for any signal (catches)
 
-    def spawn(self, argv, env, user, on_line):
+    def spawn(self, argv, env, user, on_line, pass_fds=()):
         if self.spawn_error is not None:
             raise self.spawn_error
         pid = 1000 + 10 * len(self.children)
@@ -305,6 +306,11 @@ class FakeOps:
 
     def port_free(self, host, port):
         return self.port_is_free
+
+    def listen(self, name, host, port):  # the daemon's kept listener (the proxy's): held by another while not free
+        if not self.port_is_free:
+            raise OSError(errno.EADDRINUSE, "Address already in use")
+        return 99
 
     def owns_port(self, host, port, group, uid):
         self.owner_asked = (host, port)

@@ -2,6 +2,23 @@
 
 Needs root; tests/systemd/make-rootfs installs debootstrap and systemd-nspawn and caches the
 rootfs. As root a missing part is a failure; a run without root skips, saying why.
+
+Debian 13 (trixie, systemd 257, Python 3.13) is a check run by hand, not in CI's run
+(benchmarks/RESULTS.md has its last result):
+
+    GPUWARDEN_ROOTFS_SUITE=trixie .venv/bin/python -m pytest -p no:xdist -q tests/test_systemd_deb.py -m systemd
+
+GPUWARDEN_ROOTFS_SUITE picks the suite make-rootfs debootstraps (default bookworm) and the cache
+/var/cache/gpuwarden-test/SUITE-rootfs; GPUWARDEN_ROOTFS points at another rootfs. One thing differs
+there, in the rig: the vLLM venv (bind-mounted at its own path) is the host's, whose bin/python3 is
+/usr/bin/python3, and in the container that is the container's own python3: Debian 12's 3.11 is the
+venv's, Debian 13's 3.13 is not (and the CPU wheels of torch and vLLM here are for 3.11 only). Where
+the rootfs lacks the venv's python3.X, vllm_binds() binds the host's interpreter, stdlib and headers
+(inductor compiles against Python.h) read-only at the same paths and shadows the venv's bin/ with a
+copy whose python3 is that interpreter. The daemon itself runs on the container's python3 and Debian's
+packages. The container gets the cgroup hierarchy nspawn picks for the host (v1 on a host without a
+unified one); SYSTEMD_NSPAWN_UNIFIED_HIERARCHY=1 in the environment gives it cgroup v2, as a Debian 13
+host has.
 """
 
 import json
@@ -19,7 +36,8 @@ from conftest import CPU_TINY_PROFILE, ROOT
 pytestmark = [pytest.mark.process, pytest.mark.systemd]
 HERE = ROOT / "tests" / "systemd"
 API_KEY = "sk-e2e-credential-5f1c"
-ROOTFS_CACHE = Path(os.environ.get("GPUWARDEN_ROOTFS", "/var/cache/gpuwarden-test/bookworm-rootfs"))
+SUITE = os.environ.get("GPUWARDEN_ROOTFS_SUITE", "bookworm")
+ROOTFS_CACHE = Path(os.environ.get("GPUWARDEN_ROOTFS", f"/var/cache/gpuwarden-test/{SUITE}-rootfs"))
 
 
 def require(condition, why):
@@ -54,10 +72,10 @@ def newer_deb(deb):
     return path
 
 
-def nspawn(root, *args, timeout=600, boot=False, binds=()):
+def nspawn(root, *args, timeout=600, boot=False, binds=(), ro_binds=()):
     Path("/run/systemd/nspawn").mkdir(parents=True, exist_ok=True)
     cmd = ["systemd-nspawn", "-q", "-D", str(root), "--register=no", "--keep-unit",
-           *[f"--bind={b}" for b in binds], *(["-b"] if boot else []), *args]
+           *[f"--bind={b}" for b in binds], *[f"--bind-ro={b}" for b in ro_binds], *(["-b"] if boot else []), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
@@ -65,8 +83,8 @@ def nspawn(root, *args, timeout=600, boot=False, binds=()):
 def installed_root(deb, tmp_path_factory):
     """A copy of the cached rootfs with the .deb installed by apt (dependencies from Debian)."""
     require(os.geteuid() == 0, "the nspawn boot needs root (tests/systemd/make-rootfs installs nspawn and debootstrap)")
-    proc = subprocess.run(["bash", str(HERE / "make-rootfs"), str(ROOTFS_CACHE)], capture_output=True, text=True,
-                          timeout=900)
+    proc = subprocess.run(["bash", str(HERE / "make-rootfs"), str(ROOTFS_CACHE), SUITE], capture_output=True,
+                          text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr
     root = tmp_path_factory.mktemp("nspawn") / "root"
     subprocess.run(["cp", "-a", "--reflink=auto", str(ROOTFS_CACHE), str(root)], check=True)
@@ -96,6 +114,25 @@ def add_checks(root, script):
     wants = root / "etc" / "systemd" / "system" / "multi-user.target.wants"
     wants.mkdir(parents=True, exist_ok=True)
     (wants / "gpuwarden-e2e.service").symlink_to("/etc/systemd/system/gpuwarden-e2e.service")
+
+
+def vllm_binds(root, venv, scratch):
+    """What the container needs to run the host's vLLM venv: nothing where the rootfs has the venv's
+    python3.X (Debian 12); else (Debian 13: 3.13) the host's interpreter, its stdlib and headers, and a
+    copy of the venv's bin/ whose python3 is that interpreter, for nspawn's --bind-ro (mounted parents
+    first, so the copy shadows the venv's bin/)."""
+    cfg = dict(line.split(" = ", 1) for line in (venv / "pyvenv.cfg").read_text().splitlines() if " = " in line)
+    name = "python" + ".".join(cfg["version"].split(".")[:2])  # python3.11
+    if (root / "usr" / "bin" / name).exists():
+        return []
+    exe = Path(cfg["executable"])  # /usr/bin/python3.11
+    parts = [exe, Path("/usr/lib") / name, Path("/usr/include") / name, *Path("/usr/include").glob(f"*/{name}")]
+    for part in parts:
+        assert part.exists(), f"{part}: the host's {name} (python3-dev) for the venv in a rootfs without it"
+    shutil.copytree(venv / "bin", scratch, symlinks=True)
+    (scratch / "python3").unlink()
+    (scratch / "python3").symlink_to(exe)
+    return [f"{part}:{part}" for part in parts] + [f"{scratch}:{venv / 'bin'}"]
 
 
 def results(folder):
@@ -199,7 +236,8 @@ def test_serving_ready_only_when_vllm_is_healthy_and_stop_leaves_nothing(install
     folder.mkdir()
     venv = vllm_python.parent.parent
     proc = nspawn(root, boot=True, timeout=1200,
-                  binds=[f"{folder}:/results", f"{venv}:{venv}", f"{tiny_model}:/srv/tiny-model"])
+                  binds=[f"{folder}:/results", f"{venv}:{venv}", f"{tiny_model}:/srv/tiny-model"],
+                  ro_binds=vllm_binds(root, venv, tmp_path / "venv-bin"))
     got = results(folder)
     full = (folder / "journal.txt").read_text() if (folder / "journal.txt").exists() else proc.stdout[-3000:]
     # For the messages: what systemd said of the unit (a restart, a watchdog, an exit) first, then the tail.

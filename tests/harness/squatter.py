@@ -2,8 +2,9 @@
 
     python squatter.py --port P [--host 127.0.0.1]
 
-It tries bind() on HOST:PORT with SO_REUSEADDR every millisecond until it gets the port (the engine's socket is
-gone: a crash, a restart), says `BOUND` on stdout, and then answers every request 200 (`/health` included) while it
+It says `TRYING` once its loop runs, then tries bind() on HOST:PORT with SO_REUSEADDR every millisecond until it gets
+the port (the engine's socket is gone: a crash, a restart), saying `REFUSED <errno name>` the first time a bind fails
+with each errno; once bound it says `BOUND` on stdout, and then answers every request 200 (`/health` included) while it
 records on stdout each connection (`CONN`) and every byte it is sent (`DATA <base64>`). It runs until killed.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import errno
 import socket
 import sys
 import threading
@@ -50,6 +52,8 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     args = parser.parse_args()
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    refused = set()
+    say("TRYING")
     while True:
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -57,8 +61,11 @@ def main() -> None:
             sock.bind((args.host, args.port))
             sock.listen(64)
             break
-        except OSError:
+        except OSError as exc:
             sock.close()
+            if exc.errno not in refused:
+                refused.add(exc.errno)
+                say(f"REFUSED {errno.errorcode.get(exc.errno, exc.errno)}")
             time.sleep(0.001)
     say("BOUND")
     while True:

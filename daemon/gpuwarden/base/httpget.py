@@ -35,7 +35,7 @@ class Reply:
 
 
 def get(url: str, deadline_s: float, max_bytes: int, headers: dict[str, str] | None = None,
-        context: ssl.SSLContext | None = None, owner: int | None = None) -> Reply:
+        context: ssl.SSLContext | None = None, owner: int | tuple[int, ...] | None = None) -> Reply:
     """GET url, done within deadline_s seconds in total and at most max_bytes of body; else HttpError.
     https:// needs the context to verify the server with; owner: as request()'s."""
     return request("GET", url, deadline_s, max_bytes, headers, context, owner=owner)
@@ -49,9 +49,10 @@ def post_json(url: str, body: bytes, deadline_s: float, max_bytes: int,
 
 
 def request(method: str, url: str, deadline_s: float, max_bytes: int, headers: dict[str, str] | None = None,
-            context: ssl.SSLContext | None = None, body: bytes = b"", owner: int | None = None) -> Reply:
-    """owner: a uid; nothing is written unless the socket that took the connection is one of its on this host
-    (base/sockowner.py: a local user who binds the engine's port while it restarts gets no API key)."""
+            context: ssl.SSLContext | None = None, body: bytes = b"", owner: int | tuple[int, ...] | None = None
+            ) -> Reply:
+    """owner: a uid (or uids); nothing is written unless the socket that took the connection is one of its on this
+    host (base/sockowner.py: a local user who binds the engine's port while it restarts gets no API key)."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname or (parts.scheme == "https") != bool(context):
         raise HttpError(f"cannot read {url!r} (http://, or https:// with a TLS context)")

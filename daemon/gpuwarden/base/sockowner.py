@@ -50,21 +50,24 @@ def owner(near: tuple, far: tuple, proc: str = "/proc") -> int | None:
     return found[1] if found is not None and found[0] in (ESTABLISHED, SYN_RECV) else None
 
 
-def why_not(sock: socket.socket, uid: int, elsewhere: str = "") -> str | None:
-    """None when the far end of sock's new connection is a socket of uid on this host; else why not, one line that
-    names the owner (elsewhere: what to add where no socket of this host took it)."""
+def why_not(sock: socket.socket, uid: int | tuple[int, ...], elsewhere: str = "") -> str | None:
+    """None when the far end of sock's new connection is a socket of uid (or of one of the uids) on this host; else
+    why not, one line that names the owner (elsewhere: what to add where no socket of this host took it). More than
+    one uid: a listener one process made and another accepts on (the daemon's kept listener, base/keptlistener.py):
+    a connection still queued is its maker's, accept() makes it the accepter's."""
+    uids = (uid,) if isinstance(uid, int) else uid
     try:
         near, far = sock.getsockname(), sock.getpeername()
     except OSError as exc:
         return f"the connection cannot be checked ({exc.strerror or exc}): nothing sent"
     found = owner(near, far)
-    if found == uid:
+    if found in uids:
         return None
     where = f"[{far[0]}]:{far[1]}" if ":" in far[0] else f"{far[0]}:{far[1]}"
     if found is None:
         return f"{where} was taken by no open socket of this host{elsewhere}: nothing sent"
-    return (f"{where} is answered by a socket of {named(found)}, not of the engine's {named(uid)} (a local user "
-            "holds the engine's port): nothing sent to it")
+    return (f"{where} is answered by a socket of {named(found)}, not of the engine's "
+            f"{' or '.join(map(named, uids))} (a local user holds the engine's port): nothing sent to it")
 
 
 def reset_on_close(sock: socket.socket) -> None:

@@ -51,6 +51,9 @@ a byte is written; another's is closed unwritten, and the request is held as if 
 def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--upstream", help="the engine, e.g. http://127.0.0.1:8000 (default: serve.host:serve.port)")
     p.add_argument("--listen", help="HOST:PORT to serve on (default: serve.proxy.listen, 127.0.0.1:8001)")
+    p.add_argument("--listen-fd", type=int, metavar="FD", help="serve on this inherited listening socket, bound "
+                   "to --listen (default: $GPUWARDEN_LISTEN_FD, as the daemon passes the socket it keeps for the "
+                   "proxy's port, so that the port is never free between two proxies)")
     p.add_argument("--engine", help="the engine's name, for its metric names (default: serve.engine)")
     p.add_argument("--engine-user", metavar="USER", help="the user the engine runs as: a byte goes only over a "
                    "connection taken by a socket of this host that this user owns (a name or uid; any: no check, "

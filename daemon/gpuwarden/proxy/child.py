@@ -65,7 +65,7 @@ def proxy_spec(config: Config, identity: Identity) -> ChildSpec | None:
     # The engine's user, which the proxy runs as too: only its socket is sent a byte (upstream.py).
     argv = (*proxy_argv(config), "--engine-user", str(identity.uid))
     return ChildSpec(PROXY, "the proxy", argv, env, identity, p.listen[0], p.listen[1], "/health",
-                     timing, log_level, fronts_engine=True)
+                     timing, log_level, fronts_engine=True, listener=PROXY)
 
 
 # Its entry in the registry of child kinds (serving/run/kinds.py): a side child that serve.proxy alone configures,

@@ -5,12 +5,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import re
+import socket
 import sys
 from pathlib import Path
 
 from ..config import ProxyConfig, parse_address
 from ..serving.compose.engines import engine_for
+from ..base.keptlistener import CHILD_ENV
 from ..base.sockowner import named
 from ..base.systemd import LineFormatter
 from . import diff
@@ -37,6 +40,7 @@ def cmd_proxy(args: argparse.Namespace, load_config) -> int:
         rules = _rules(args.rules, settings, args.remove_pattern or [])
         listen = _listen(args.listen) if args.listen else settings.listen
         owner = engine_uid(args.engine_user)
+        listen_fd = _listen_fd(args.listen_fd)
     except ValueError as exc:
         return _usage(f"proxy: {exc}")
     upstream = args.upstream or (config.serve.url if config else "http://127.0.0.1:8000")
@@ -68,10 +72,24 @@ def cmd_proxy(args: argparse.Namespace, load_config) -> int:
     faults = proxy_faults()
     dumper = Dumper(dump_dir, keep, args.dump_max_bytes, faults.note) if dump_dir else None
     return serve(upstream, listen, rules, engine, dumper, max_body, args.client_timeout, faults, (hold_s, hold_max),
-                 owner, (refuse_after, window_s))
+                 owner, (refuse_after, window_s), listen_fd)
 
 
-def serve(upstream, listen, rules, engine, dumper, max_body, client_timeout_s, faults, hold, owner, ends) -> int:
+def _listen_fd(given: int | None) -> int | None:
+    """The inherited listening socket to serve on: --listen-fd, else the daemon's (CHILD_ENV, out of the environment
+    once read); None: bind --listen."""
+    passed = os.environ.pop(CHILD_ENV, "")
+    if given is None and passed:
+        if not passed.isdigit():
+            raise ValueError(f"{CHILD_ENV}={passed!r} is not a file descriptor")
+        given = int(passed)
+    if given is not None and given < 3:
+        raise ValueError(f"--listen-fd {given} is one of stdin, stdout and stderr, not a listening socket")
+    return given
+
+
+def serve(upstream, listen, rules, engine, dumper, max_body, client_timeout_s, faults, hold, owner, ends,
+          listen_fd=None) -> int:
     from ..serving.run.spec import DOWN_SIGNAL, STOPPING_SIGNAL, UP_SIGNAL
     from .listener import Connections, connection_cap, run
     from .server import Proxy, ProxyMetrics
@@ -98,7 +116,8 @@ def serve(upstream, listen, rules, engine, dumper, max_body, client_timeout_s, f
         # and of an end it does not restart from (serving/run/spec.py) reach the hold.
         told = {STOPPING_SIGNAL: proxy.hold.engine_stopping, UP_SIGNAL: proxy.hold.engine_up,
                 DOWN_SIGNAL: proxy.hold.engine_not_restarting}
-        asyncio.run(run(proxy.app(), listen[0], listen[1], conns, signals=told))
+        sock = None if listen_fd is None else socket.socket(fileno=listen_fd)  # the daemon's, kept by it
+        asyncio.run(run(proxy.app(), listen[0], listen[1], conns, signals=told, sock=sock))
     except OSError as exc:
         print(f"gpuwarden proxy: cannot listen on {listen[0]}:{listen[1]}: {exc.strerror or exc}", file=sys.stderr)
         return 71

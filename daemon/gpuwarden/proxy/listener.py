@@ -260,10 +260,10 @@ class Connections:
 
 
 async def run(app: web.Application, host: str, port: int, conns: Connections, shutdown_s: float = 2.0,
-              signals: dict[int, Callable[[], None]] | None = None) -> None:
-    """Serve app on host:port until SIGTERM or SIGINT; then streams still open after shutdown_s are cut.
-    signals: other signals' handlers, in place before the first connection. OSError when the address cannot be
-    bound."""
+              signals: dict[int, Callable[[], None]] | None = None, sock=None) -> None:
+    """Serve app on host:port (or on sock, a listening socket passed in: the daemon's) until SIGTERM or SIGINT;
+    then streams still open after shutdown_s are cut. signals: other signals' handlers, in place before the first
+    connection. OSError when the address cannot be bound."""
     # auto_decompress off: a compressed body reaches the proxy as sent (server.py decides, with a size cap).
     # aiohttp's own keep-alive timer only backs ours up (ours closes first, and counts why).
     runner = web.AppRunner(app, access_log=None, keepalive_timeout=conns.timeout_s + 5, auto_decompress=False)
@@ -276,7 +276,8 @@ async def run(app: web.Application, host: str, port: int, conns: Connections, sh
         loop.add_signal_handler(sig, handler)
     server = runner.server
     try:
-        listener = await loop.create_server(lambda: conns.protocol(server), host, port, backlog=BACKLOG)
+        where = {"sock": sock} if sock is not None else {"host": host, "port": port}
+        listener = await loop.create_server(lambda: conns.protocol(server), backlog=BACKLOG, **where)
     except OSError:
         await runner.cleanup()
         raise

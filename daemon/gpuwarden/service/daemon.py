@@ -27,12 +27,13 @@ from .. import __version__
 from ..base import earlysignals, webconfig
 from ..base.faultlog import FaultLog
 from ..config import Config
-from . import adoption, metrics_port
+from . import adoption, metrics_port, proxy_port
 from .adoption import HANDOVER_ENV
 from .control import ControlServer, open_control
 from .event_thread import start_event_thread
 from .heartbeat import Heartbeat
 from .metrics_port import MetricsPort
+from .proxy_port import ProxyPort
 from .recovery import Recovery
 from .reload import Reload, Waiting, carry_out
 from ..tune.sweeps import Sweeps
@@ -68,6 +69,7 @@ def reexec() -> None:
     flush_logs(2.0)
     earlysignals.block_for_exec()  # (again: reexec() is also called on its own)
     metrics_port.let_inherit()  # the port stays ours across the exec: Daemon.finish kept it open
+    proxy_port.let_inherit()  # the proxy's too: Daemon.finish kept it open
     webconfig.let_inherit()  # the scrapers let in stay let in: Daemon.finish handed them over
     os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 
@@ -91,6 +93,7 @@ class Daemon:
         self.exposition = Exposition(lambda: self.monitor.snapshot, clock)
         self.metrics = MetricsPort(config.metrics, self.exposition, self.status_document, self.notifier,
                                    self._error_once)
+        self.proxy_port = ProxyPort(self.notifier)  # the proxy's listener, kept across its restarts
         # The children and what watches them; the proxy is a side child the runtime asks for by config. Under
         # the unit (StateDirectory=) the running children are recorded, so that the daemon after this one
         # takes them over (serving/run/handover.py); a daemon run by hand adopts nothing.
@@ -132,6 +135,7 @@ class Daemon:
         # A check that raises after this leaves them to finish() (run), which closes the listener.
         stored = handover.stored_fds()  # once: it takes LISTEN_FDS out of the environment
         self.metrics.open(stored.get("metrics"), now)
+        self.proxy_port.open(stored.get("proxy"), self.config)
         # Adopting, the installed versions and model facts come from the cache, as the handover's check (on the old
         # image's loop) read them: one verdict for both, or a pip install under the running engine made the new
         # image refuse what the old one let through (exit 78). The running engine is not what they describe.
@@ -281,6 +285,7 @@ class Daemon:
         if not self.handing_over:
             self.tuning.restore()
         self.metrics.close(self.handing_over, self.stopping)
+        self.proxy_port.close(self.handing_over, self.stopping)
         self.exposition.close()
 
     def status_document(self) -> dict:
@@ -359,6 +364,7 @@ class Daemon:
         """Carry out a reload that passed every check (reload.carry_out), from this poll on."""
         self.config = step.config
         carry_out(step, self.monitor, self.recovery, self.tuning, self.serving, self.clock())
+        self.proxy_port.follow(self.config)  # no proxy any more: its port let go
 
 
 def _finite(value):

@@ -4,9 +4,11 @@ peer it needs (a headless part's head) or its own port accepts a connection."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 from ...base.background import Background
+from ...base.keptlistener import LISTENERS
 from .processes import Child, ProcessOps
 from .spec import ChildSpec
 
@@ -24,7 +26,12 @@ def judge(spec: ChildSpec, probe: Background, ops: ProcessOps, child: Child, sta
         if why is None:
             return True, ""
         return False, waiting(why) if spec.peer else f"port {spec.port} does not answer: {why}"
-    probe.start(ops.health, spec.url + spec.health_path, spec.identity.uid)  # only to a socket of the child's user
+    # Only to a socket of the child's user. On the daemon's kept listener (spec.listener) a connection the child has
+    # not accepted yet is the listener's, the daemon's user's; accept() makes it the child's (a child adopted from a
+    # daemon that kept none listens on its own socket: the child's user's alone).
+    kept = spec.listener and LISTENERS[spec.listener].address() == (spec.host, spec.port)
+    owner = (spec.identity.uid, os.geteuid()) if kept else spec.identity.uid
+    probe.start(ops.health, spec.url + spec.health_path, owner)
     outcome = probe.take()
     if outcome is None or outcome.started_at < started:
         return None, ""

@@ -5,6 +5,7 @@ free for it. Program (serving/run/supervisor.py) asks; a start that must wait sa
 
 from __future__ import annotations
 
+import errno
 import logging
 import signal
 from collections.abc import Sequence
@@ -94,7 +95,15 @@ def kill_leftovers_on(gpus: Sequence[Gpu], spec: ChildSpec, ops: ProcessOps) -> 
 def taken(gpus: Sequence[Gpu], spec: ChildSpec, ops: ProcessOps) -> str | None:
     """Why the child's port or GPUs are not free for it (another listener, another user's compute processes,
     too little free memory for its share); None: they are."""
-    if spec.port and not ops.port_free(spec.host, spec.port):
+    if spec.listener:  # the daemon's own socket, kept: bound here the first time, ours from then on
+        try:
+            ops.listen(spec.listener, spec.host, spec.port)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                return f"{spec.title} cannot listen on {spec.host}:{spec.port}: {exc.strerror or exc}"
+            return (f"port {spec.port} on {spec.host} is in use by "
+                    f"{ops.who_listens(spec.host, spec.port)}; {spec.title} needs it")
+    elif spec.port and not ops.port_free(spec.host, spec.port):
         return (f"port {spec.port} on {spec.host} is in use by "
                 f"{ops.who_listens(spec.host, spec.port)}; {spec.title} needs it")
     want = spec.memory_fraction

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from ...base import httpget
 from ...base.background import Background
+from ...base.keptlistener import LISTENERS
 from . import handover, ports
 from ..compose import nodes
 from ..compose.identity import Identity, popen
@@ -86,11 +87,11 @@ class ProcessOps:
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
 
     def spawn(self, argv: tuple[str, ...], env: dict[str, str], identity: Identity,
-              on_line: Callable[[str], None]) -> Child:
+              on_line: Callable[[str], None], pass_fds: tuple[int, ...] = ()) -> Child:
         """Start the child in its own session, as identity (identity.popen: serve.user, no capabilities,
         no_new_privs). Raises OSError, ValueError or SubprocessError when it cannot."""
         process = popen(identity, argv, env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                        stderr=subprocess.STDOUT, start_new_session=True)
+                        stderr=subprocess.STDOUT, start_new_session=True, pass_fds=pass_fds)
         self._spawned[process.pid] = process
         # The descriptor is read before the reader starts: a child that writes a line and exits at once lets the
         # reader reach EOF and close the stream first (ci41: "I/O operation on closed file").
@@ -232,8 +233,8 @@ class ProcessOps:
 
         return Background(name, time.monotonic)
 
-    def health(self, url: str, owner: int | None = None) -> httpget.Reply:
-        """GET url; with owner, written only to a socket of that uid (base/sockowner.py)."""
+    def health(self, url: str, owner: int | tuple[int, ...] | None = None) -> httpget.Reply:
+        """GET url; with owner, written only to a socket of that uid, or of one of those uids (base/sockowner.py)."""
         return httpget.get(url, HEALTH_DEADLINE_S, HEALTH_MAX_BYTES, owner=owner)
 
     def reachable(self, host: str, port: int) -> str | None:
@@ -255,6 +256,9 @@ class ProcessOps:
         sockets = ports.listening_sockets(port, host=host)
         if not sockets:
             return False
+        kept = next((k.inode() for k in LISTENERS.values() if k.address() == (host, port)), None)
+        if kept is not None:  # the daemon's own socket, which the child inherited: it alone takes host:port
+            return set(sockets) == {kept}
         try:
             return bool(ports.holders(set(sockets), group))
         except ports.Unseen:
@@ -262,6 +266,11 @@ class ProcessOps:
 
     def who_listens(self, host: str, port: int) -> str:
         return ports.who_listens(port, host=host)
+
+    def listen(self, name: str, host: str, port: int) -> int:
+        """The fd of the daemon's kept listener name on host:port (base/keptlistener.py), bound if it is not yet.
+        Raises OSError (EADDRINUSE: another process holds the port)."""
+        return LISTENERS[name].bind(host, port)
 
 
 def cgroup2(pid: int | str, proc: str = "/proc") -> str | None:

@@ -99,6 +99,10 @@ class ChildSpec:
     # engine's drain reaches clients through it; while it runs, it is told of the engine's planned stops
     # (STOPPING_SIGNAL: hold new requests, the engine drains) and of each engine that is healthy (UP_SIGNAL).
     fronts_engine: bool = False
+    # The name of a listener the daemon binds and keeps (base/keptlistener.py: the proxy's), passed to each child
+    # as an inherited fd (its number in the environment, keptlistener.CHILD_ENV): the port is never free between two
+    # children. "": it binds its own.
+    listener: str = ""
 
     @property
     def url(self) -> str:

@@ -32,6 +32,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from ...base.keptlistener import CHILD_ENV
 from ..compose.secrets import redact_argv
 from .backoff import Backoff
 from .drains import DrainLog
@@ -221,7 +222,13 @@ class Program(Holding):
         self.error_lines.clear()
         spec = self.spec
         try:
-            child = self.ops.spawn(spec.argv, dict(spec.env), self.identity, self.on_line)
+            if spec.listener:  # the daemon's kept socket (bound by preflight): the child serves on it. Its number
+                # goes in the environment: the argv stays the spec's, which the record for adoption holds.
+                fd = self.ops.listen(spec.listener, spec.host, spec.port)
+                child = self.ops.spawn(spec.argv, {**spec.env, CHILD_ENV: str(fd)}, self.identity, self.on_line,
+                                       pass_fds=(fd,))
+            else:
+                child = self.ops.spawn(spec.argv, dict(spec.env), self.identity, self.on_line)
         except (OSError, ValueError, TypeError) as exc:  # missing binary, unreadable venv, NUL byte, ...
             self._failed(now, f"{self.title} could not be started: {_describe_error(exc)}")
             return

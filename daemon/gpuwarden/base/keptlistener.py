@@ -1,0 +1,101 @@
+"""A listening socket the daemon binds and keeps for its whole life, by name, and hands to each child that serves on
+it as an inherited fd, its number in the child's environment (CHILD_ENV; the proxy reads it as `--listen-fd`'s
+default). The port is then never free between two children (a crash, a restart, a reload that restarts the child),
+so no local user can bind it in the window and take the clients' requests; connections that come meanwhile wait in
+the backlog for the next child. The number is not on the child's command line: that is the child's identity for the
+daemon after this one (serving/run/handover.py compares it with /proc/PID/cmdline before adopting), and the number
+differs from one daemon to the next (after a crash systemd hands the socket back at fd 3 or later).
+
+Across a re-exec (a handover) the fd is inherited (GPUWARDEN_<NAME>_FD); after a crash systemd's fd store holds it
+(FDNAME=<name>), as for the metrics listener (service/metrics_port.py). A new address is a new socket: the old
+one is closed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from collections.abc import Callable
+
+BACKLOG = 64  # as the proxy's own listener (proxy/listener.py)
+CHILD_ENV = "GPUWARDEN_LISTEN_FD"  # in a child's environment: the fd of the kept listener it serves on
+
+
+def _env(name: str) -> str:
+    return f"GPUWARDEN_{name.upper()}_FD"
+
+
+class KeptListener:
+    def __init__(self, name: str):
+        self.name = name
+        self.sock: socket.socket | None = None
+        self.keep_fd: Callable[[str, int | None], None] = lambda name, fd: None
+
+    def take(self, stored: int | None, keep_fd: Callable[[str, int | None], None]) -> None:
+        """At the daemon's start: the socket the daemon before this one passed on (a re-exec's inherited fd, else
+        systemd's fd store), kept until a child asks for another address (bind)."""
+        self.keep_fd = keep_fd
+        passed = os.environ.pop(_env(self.name), "")
+        fd = int(passed) if passed.isdigit() else stored
+        if fd is None:
+            return
+        try:
+            sock = socket.socket(fileno=fd)
+            if sock.type != socket.SOCK_STREAM or not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                raise OSError("not a listening socket")
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            self.keep_fd(self.name, None)
+            return
+        os.set_inheritable(fd, False)
+        self.sock = sock
+
+    def bind(self, host: str, port: int) -> int:
+        """The fd of the socket listening on host:port: the one kept, else a new one (bound and listening at once,
+        the old one closed) put in the fd store. Raises OSError (EADDRINUSE: another process holds it)."""
+        if self.address() == (host, port):
+            return self.sock.fileno()
+        self.close(stopping=True)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+            sock.listen(BACKLOG)  # listening at once: a bound socket that does not listen can be shared
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
+        self.keep_fd(self.name, sock.fileno())
+        return sock.fileno()
+
+    def address(self) -> tuple[str, int] | None:
+        return self.sock.getsockname()[:2] if self.sock is not None else None
+
+    def inode(self) -> int | None:
+        return os.fstat(self.sock.fileno()).st_ino if self.sock is not None else None
+
+    def hand_over(self) -> None:
+        """A handover: the socket stays open, and let_inherit passes it across the exec."""
+        if self.sock is not None:
+            os.environ[_env(self.name)] = str(self.sock.detach())
+            self.sock = None
+
+    def let_inherit(self) -> None:
+        if os.environ.get(_env(self.name), "").isdigit():
+            os.set_inheritable(int(os.environ[_env(self.name)]), True)
+
+    def close(self, stopping: bool) -> None:
+        """Let the port go: asked to stop (or a new address), also out of systemd's store; after an error the
+        store keeps it for the restart."""
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+            if stopping:
+                self.keep_fd(self.name, None)
+
+
+# The proxy's listener (serve.proxy.listen): its ChildSpec names it (listener="proxy").
+LISTENERS = {"proxy": KeptListener("proxy")}

@@ -1,0 +1,42 @@
+"""The proxy's port on a daemon: the listener the daemon keeps for its proxies (base/keptlistener.py), taken over from
+the daemon before this one (a re-exec's inherited fd, else systemd's fd store), let go where the config runs no
+proxy, and at a handover passed on across the exec, as the metrics port (service/metrics_port.py)."""
+
+from __future__ import annotations
+
+from ..base.keptlistener import LISTENERS
+from ..base.systemd import Notifier
+from ..config import Config
+from ..proxy.child import PROXY
+
+
+def let_inherit() -> None:
+    """Just before the exec of a handover: the socket ProxyPort.close kept open goes across it."""
+    LISTENERS[PROXY].let_inherit()
+
+
+class ProxyPort:
+    def __init__(self, notifier: Notifier):
+        self.notifier = notifier
+        self.kept = LISTENERS[PROXY]
+
+    def open(self, stored: int | None, config: Config) -> None:
+        """At the start, before anything is started: the socket the daemon before this one kept (close-on-exec
+        from here on), unless this config runs no proxy."""
+        self.kept.take(stored, self.notifier.keep_fd)
+        self.follow(config)
+
+    def follow(self, config: Config) -> None:
+        """A config that runs no proxy (serving or the proxy off) lets the port go: no connection waits unanswered in
+        its backlog, and systemd's store lets it go too. One that runs a proxy binds it at the proxy's start
+        (serving/run/preflight.py), a new address there closing the old."""
+        if not (config.serve.enabled and config.serve.proxy.enabled):
+            self.kept.close(stopping=True)
+
+    def close(self, handing_over: bool, stopping: bool) -> None:
+        """The daemon's end: a handover passes the socket on (reexec, let_inherit); a stop lets it go, out of the
+        store too; after an error the store keeps it for the restart."""
+        if handing_over:
+            self.kept.hand_over()
+        else:
+            self.kept.close(stopping)

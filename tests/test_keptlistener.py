@@ -1,0 +1,83 @@
+"""The daemon's kept listener (base/keptlistener.py): bound once and listening at once, the same socket for each
+child, passed across a handover and taken back from the fd store, a new address a new socket."""
+
+import os
+import socket
+
+import pytest
+
+from conftest import free_port
+from gpuwarden.base.keptlistener import CHILD_ENV, KeptListener
+
+
+def test_the_kept_socket_listens_at_once_and_a_bind_of_another_user_cannot_share_it():
+    stored = []
+    kept = KeptListener("proxy")
+    kept.take(None, lambda name, fd: stored.append((name, fd)))
+    port = free_port()
+    fd = kept.bind("127.0.0.1", port)
+    assert kept.bind("127.0.0.1", port) == fd and stored == [("proxy", fd)]  # the same socket for each child
+    assert not os.get_inheritable(fd)  # passed to a child only by pass_fds
+    other = socket.socket()
+    other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    with other, pytest.raises(OSError):
+        other.bind(("127.0.0.1", port))  # a squatter's loop never gets it
+    kept.close(stopping=True)
+    assert stored[-1] == ("proxy", None)
+
+
+def test_a_handover_passes_the_socket_on_and_a_new_address_is_a_new_socket():
+    stored = []
+    kept = KeptListener("proxy")
+    kept.take(None, lambda name, fd: stored.append((name, fd)))
+    port = free_port()
+    inode = os.fstat(kept.bind("127.0.0.1", port)).st_ino
+    kept.hand_over()
+    assert os.environ["GPUWARDEN_PROXY_FD"].isdigit()
+    after = KeptListener("proxy")  # the image after the exec
+    after.take(None, lambda name, fd: stored.append((name, fd)))
+    assert "GPUWARDEN_PROXY_FD" not in os.environ and after.inode() == inode
+    assert after.address() == ("127.0.0.1", port)
+    moved = free_port()
+    after.bind("127.0.0.1", moved)  # a reload that changes serve.proxy.listen
+    assert after.address() == ("127.0.0.1", moved) and after.inode() != inode
+    with socket.socket() as probe:  # the old port is let go
+        probe.bind(("127.0.0.1", port))
+    after.close(stopping=True)
+
+
+def test_a_stored_fd_that_is_not_a_listener_is_closed_and_dropped_from_the_store():
+    stored = []
+    sock = socket.socket()
+    fd = sock.detach()
+    kept = KeptListener("proxy")
+    kept.take(fd, lambda name, fd: stored.append((name, fd)))
+    assert kept.sock is None and stored == [("proxy", None)]
+    with pytest.raises(OSError):
+        os.fstat(fd)
+
+
+def test_the_proxy_gets_the_kept_socket_in_its_environment_and_its_argv_stays_what_adoption_checks(tmp_path):
+    """The fd number changes from one daemon to the next (after a crash systemd gives the socket back at fd 3 or
+    later), so it is not on the proxy's command line: the argv the record of children holds, which the next daemon
+    compares with /proc/PID/cmdline before it adopts the proxy, is the spec's (before, every handover and crash
+    restart killed the running proxy as "another command line" and started a new one)."""
+    from test_planned_restart import engine_and_proxy
+
+    _, _, proxy, ops, _ = engine_and_proxy(tmp_path)
+    argv, env, _ = ops.children[-1]
+    assert proxy.spec.listener == "proxy" and argv == proxy.spec.argv
+    assert env[CHILD_ENV] == "99" and "--listen-fd" not in argv  # FakeOps.listen's fd
+
+
+def test_the_proxy_takes_the_fd_from_its_environment_once_and_refuses_a_bad_one(monkeypatch):
+    from gpuwarden.proxy.command import _listen_fd
+
+    monkeypatch.setenv(CHILD_ENV, "7")
+    assert _listen_fd(None) == 7 and CHILD_ENV not in os.environ  # nothing it starts inherits the word
+    assert _listen_fd(None) is None and _listen_fd(5) == 5
+    monkeypatch.setenv(CHILD_ENV, "7x")
+    with pytest.raises(ValueError, match="not a file descriptor"):
+        _listen_fd(None)
+    with pytest.raises(ValueError, match="stdin, stdout and stderr"):
+        _listen_fd(1)
