@@ -14,7 +14,6 @@ from collections import Counter
 import pytest
 
 from conftest import ROOT
-from harness.run_queue import CpuWait
 from gpuwarden.serving.compose.command import build_command
 from gpuwarden.serving.compose.drain import DRAIN_MARGIN_S, Drain
 from gpuwarden.serving.compose.flags import flag_value
@@ -278,14 +277,14 @@ def test_a_stop_whose_drain_never_ends_is_killed_at_drain_s_plus_the_margin(writ
     d.wait_for("vLLM healthy after", timeout=30)
     threads, outcomes = ask(port, 2, seconds=3)
     in_flight(base, 2)
-    began, cpu = time.monotonic(), CpuWait(d.proc.pid)
+    mark, began = len(d.lines), time.monotonic()
     d.proc.send_signal(signal.SIGTERM)  # systemctl stop
-    assert cpu.wait_exit(d.proc, 30) == 0
-    took = time.monotonic() - began
-    # the upper bound excuses the daemon's wait for a CPU (ci47: 16.2 s on a box the CPU vLLM starved)
-    assert 2 + DRAIN_MARGIN_S <= took < 2 + DRAIN_MARGIN_S + 4 + cpu.last - cpu.start, (took, cpu.last - cpu.start)
-    d.wait_for("draining vLLM: 2 requests in flight, up to 2 s")
-    d.wait_for("vLLM drain timed out: 2 requests aborted")
+    assert d.proc.wait(60) == 0  # a bound on a hang
+    # Not before drain_s and the margin (a busy box only makes it later); when exactly is proven on the clock the
+    # test drives (test_a_drain_that_never_ends_is_killed_at_drain_s_plus_the_margin above).
+    assert time.monotonic() - began >= 2 + DRAIN_MARGIN_S
+    told = d.wait_index("draining vLLM: 2 requests in flight, up to 2 s", after=mark)
+    d.wait_for("vLLM drain timed out: 2 requests aborted", after=told + 1)
     assert "drained in" not in "\n".join(d.lines)
     for thread in threads:
         thread.join(10)

@@ -1,18 +1,25 @@
 """Faults between processes, with real processes: the daemon against a misbehaving child (tests/harness/fakechild.py).
 
-Each test asserts that the daemon kept polling on schedule (loop lag p99 under 100 ms, read from its own
-/status), fed or stopped feeding the watchdog as it should, and left no process behind.
+Each test asserts outcome and order, not seconds: that the daemon kept polling (its /status's poll count goes on),
+fed or stopped feeding the watchdog as it should, and left no process behind. That the loop never waits on a child
+is proven in the unit tier on the clock the test drives: the engine's /metrics read off the loop
+(test_serving.py::test_a_read_that_hangs_never_holds_up_the_poll_that_asked_for_it), the watchdog's cadence
+(test_service_parts.py::test_the_loop_pings_the_watchdog_at_half_its_timeout_between_polls_and_reloads_at_the_next_poll),
+the log queue (test_service_parts.py::test_a_log_sink_nobody_reads_never_blocks_the_loop_that_logs).
 """
 
+import fcntl
 import json
 import os
 import pwd
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
+import termios
 import threading
 import time
 import urllib.request
@@ -22,7 +29,6 @@ import pytest
 
 from conftest import ROOT, free_port, gpuwarden_cmd, subprocess_env
 from gpuwarden.gpu.sim.scenario import resolve_scenario
-from harness.run_queue import CpuWait, cpu_wait_s
 
 pytestmark = pytest.mark.process
 FAKE = ROOT / "tests" / "harness" / "fakechild.py"
@@ -159,31 +165,20 @@ class Notify:
         return dict(subprocess_env(), NOTIFY_SOCKET=self.path, WATCHDOG_USEC=str(int(watchdog_s * 1e6)))
 
 
-def assert_on_schedule(base, seconds):
-    """Polls kept their schedule: the median poll on time, none as late as a blocked /health read, none missed.
-    A read that blocked the loop would wait out its deadline (2 s for /metrics, read every poll: the median
-    shows it; 5 s for /health), asleep. A busy machine (CI runs a CPU vLLM beside the tests on two cores) keeps
-    the daemon waiting for a CPU instead: ci37 saw 7 polls in 4 s with every poll a few ms long. That wait is
-    read from the kernel (run_queue) and the polls are counted over the time the daemon could run."""
-    first = wait_until(lambda: (lambda st: st if "sequence" in st else None)(status(base)), timeout=10)
-    cpu = CpuWait(first["daemon"]["pid"])
-    time.sleep(seconds)
-    last = status(base)
-    waited = min(seconds, cpu.since())
-    lag = last["loop_lag"]
-    # The window of lags reaches back before `first`, to the daemon's start on a young daemon: its worst is excused
-    # by the daemon's CPU wait since its start (ci51: 9.3 s, starved, with 0.13 s since `first`).
-    lifelong = cpu_wait_s(first["daemon"]["pid"])
-    assert lag["p50_seconds"] < 0.25 + waited and lag["max_seconds"] < 4.5 + lifelong, (lag, waited, lifelong)
-    expected = (seconds - waited) / POLL
-    done = last["sequence"] - first["sequence"]
-    assert done >= 0.8 * expected - 1, (f"{done} polls in {seconds} s, expected about {expected:.0f} "
-                                        f"(the daemon waited {waited:.2f} s for a CPU)")
-    # stale: no poll published within the heartbeat's max(3 polls, a poll + 2 s); ci41 read it stale on a box
-    # whose wait for a CPU the daemon shared
-    age = last["daemon"]["snapshot_age_seconds"]
-    assert not last["daemon"]["stale"] or age < max(3 * POLL, POLL + 2.0) + waited, (age, waited)
-    return last
+def polls_published(base):
+    """The daemon's count of polls published (/status's sequence), or None while /status does not answer."""
+    try:
+        return status(base)["sequence"]
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def assert_polls_go_on(base, polls):
+    """The daemon publishes `polls` more polls, counted in its own /status: the loop goes on. How soon is no
+    question here (a busy box makes it later); the timeout bounds a loop that stopped."""
+    first = wait_until(lambda: polls_published(base), timeout=60)
+    wait_until(lambda: (polls_published(base) or 0) >= first + polls, timeout=60)
+    return status(base)
 
 
 def own_log(d):
@@ -191,13 +186,9 @@ def own_log(d):
     return "\n".join(line for line in d.lines if "vllm: " not in line)
 
 
-def assert_fed(notify, since, until, watchdog_s=1.0, cpu=None):
-    """The watchdog's pings came in time. cpu (a run_queue.CpuWait begun at since): the daemon's wait for a CPU
-    meanwhile is the machine's, not the loop's (ci40: a gap of 0.92 s on a box running the suite's newest pass)."""
-    pings = notify.pings(since)
-    gaps = [b - a for a, b in zip([since, *pings], [*pings, until])]
-    waited = cpu.since() if cpu else 0.0
-    assert max(gaps) < watchdog_s * 0.9 + waited, f"watchdog gaps {gaps} (the daemon waited {waited:.2f} s for a CPU)"
+def assert_fed(notify, since, pings=2):
+    """The watchdog is still fed: `pings` WATCHDOG=1 since `since` (the timeout bounds a daemon that stopped)."""
+    wait_until(lambda: len(notify.pings(since)) >= pings, timeout=60)
 
 
 @pytest.mark.parametrize("mode", ["trickle", "huge", "nan"])
@@ -206,16 +197,17 @@ def test_a_hostile_metrics_endpoint_never_stalls_the_loop(write, fake, daemons, 
     notify = Notify(tmp_path)
     d = daemons(path, env=notify.env())
     d.wait_for("vLLM healthy after", timeout=30)
-    began, cpu = time.monotonic(), CpuWait(d.proc.pid)
-    last = assert_on_schedule(base, 4)
-    assert_fed(notify, began, time.monotonic(), cpu=cpu)
+    began = time.monotonic()
+    last = assert_polls_go_on(base, 16)  # a 2 s read's deadline twice over, at the schedule's pace
+    assert_fed(notify, began)
     assert last["serving"]["state"] == "RUNNING"
     assert last["vllm"] is None or last["vllm"]["requests_running"] is None, "a NaN or an unread body is no value"
     rss_kib = int(next(line.split()[1] for line in Path(f"/proc/{d.proc.pid}/status").read_text().splitlines()
                        if line.startswith("VmRSS:")))
     assert rss_kib < 200 * 1024, f"RSS {rss_kib} KiB: a 1 GB body must not be held"
-    started = time.monotonic()
-    assert d.stop() == 0 and time.monotonic() - started < 5, "SIGTERM is handled at once"
+    mark = len(d.lines)
+    assert d.stop(timeout=60) == 0
+    d.wait_for("SIGTERM received, stopping", after=mark)  # handled by the loop, not after a read
     assert "Traceback" not in own_log(d)
 
 
@@ -224,11 +216,11 @@ def test_a_child_that_binds_but_never_accepts_costs_the_loop_nothing(write, fake
     notify = Notify(tmp_path)
     d = daemons(path, env=notify.env())
     d.wait_for("vLLM starting (pid")
-    began, cpu = time.monotonic(), CpuWait(d.proc.pid)
-    last = assert_on_schedule(base, 4)
+    began = time.monotonic()
+    last = assert_polls_go_on(base, 16)
     assert last["serving"]["state"] == "STARTING"
     assert not [m for _, m in notify.drain() if m.startswith("READY=1")], "not ready before healthy"
-    assert_fed(notify, began, time.monotonic(), cpu=cpu)
+    assert_fed(notify, began)
     assert d.stop() == 0 and "Traceback" not in own_log(d)
 
 
@@ -238,7 +230,7 @@ def test_an_endless_line_is_cut_and_memory_stays_flat(write, fake, daemons, no_f
     line = d.wait_for("[line cut:", timeout=60)
     assert len(line) < 20_000 and "more bytes dropped" in line
     d.wait_for("vLLM healthy after", timeout=30)
-    assert_on_schedule(base, 2)
+    assert_polls_go_on(base, 8)
     rss_kib = int(next(row.split()[1] for row in Path(f"/proc/{d.proc.pid}/status").read_text().splitlines()
                        if row.startswith("VmRSS:")))
     assert rss_kib < 150 * 1024, f"RSS {rss_kib} KiB after a 200 MB line"
@@ -251,16 +243,18 @@ def test_a_child_that_ignores_sigterm_is_killed_after_the_timeout_while_the_loop
     notify = Notify(tmp_path)
     d = daemons(path, env=notify.env())
     d.wait_for("vLLM healthy after", timeout=30)
-    notify.drain()
-    began, cpu = time.monotonic(), CpuWait(d.proc.pid)
+    mark, began = len(d.lines), time.monotonic()
     d.proc.send_signal(signal.SIGTERM)
-    assert cpu.wait_exit(d.proc, 15) == 0
-    took = time.monotonic() - began
-    assert 3 <= took < 6 + cpu.since(), (took, cpu.since())  # ci40: 6.27 s on a busy box
-    assert "SIGKILL to 1 processes" in d.log
-    assert_fed(notify, began, began + 3, cpu=cpu)  # the drain did not stop the pings
+    assert d.proc.wait(60) == 0  # a bound on a hang
+    # not before stop_timeout_s (a busy box only makes it later); when exactly is proven on the clock the test
+    # drives (test_serving.py::test_stop_is_a_timed_state_sigterm_then_sigkill_to_the_group)
+    assert time.monotonic() - began >= 3
+    stopping = d.wait_index("SIGTERM received, stopping", after=mark)
+    d.wait_for("SIGKILL to 1 processes", after=stopping)
     messages = [m for _, m in notify.drain()]
     assert "STOPPING=1" in messages and "EXTEND_TIMEOUT_USEC=33000000" in messages
+    # the stop did not stop the pings: systemd heard WATCHDOG=1 after STOPPING=1, in the order they were sent
+    assert "WATCHDOG=1" in messages[messages.index("STOPPING=1"):], messages
 
 
 def test_a_second_sigterm_does_not_wait_for_the_drain(write, fake, daemons, no_fakes_left):
@@ -321,10 +315,10 @@ def test_a_missing_binary_backs_off_to_fatal_and_the_gpus_are_still_polled(write
     firing = wait_until(lambda: [a for a in status(base)["alerts_firing"] if a["alert"] == "vllm_fatal"], timeout=5)
     assert firing[0]["gpu"] is None and firing[0]["severity"] == "critical"
     assert 'gpuwarden_alert_transitions_total{alert="vllm_fatal",gpu="all",to="firing"} 1.0' in metrics(base)
-    began, cpu = time.monotonic(), CpuWait(d.proc.pid)
-    last = assert_on_schedule(base, 2)
+    began = time.monotonic()
+    last = assert_polls_go_on(base, 8)
     assert last["serving"]["state"] == "FATAL"
-    assert_fed(notify, began, time.monotonic(), cpu=cpu)
+    assert_fed(notify, began)
     assert d.stop() == 0 and "Traceback" not in own_log(d)
 
 
@@ -385,7 +379,7 @@ def test_a_squatter_of_another_user_gets_no_ready_no_metrics_and_one_error_line(
         d = daemons(path, env=notify.env())
         line = d.wait_for("vllm_start_blocked firing", timeout=20)
         assert f"port {port} on 127.0.0.1 is in use by pid {squatter.pid} (user nobody, python" in line
-        assert_on_schedule(base, 3)
+        assert_polls_go_on(base, 12)
         assert d.log.count("vllm_start_blocked firing") == 1 and d.log.count("INFO vLLM start waits") == 1
         assert not [m for _, m in notify.drain() if m.startswith("READY=1")]
         text = metrics(base)
@@ -407,6 +401,11 @@ def _port_free(port):
     return True
 
 
+def unread_bytes(pipe):
+    """The bytes waiting in a pipe that nobody has read yet (FIONREAD)."""
+    return struct.unpack("i", fcntl.ioctl(pipe.fileno(), termios.FIONREAD, b"\0" * 4))[0]
+
+
 def test_a_stderr_nobody_reads_does_not_stop_the_loop_or_sigterm(write, tmp_path):
     port = free_port()
     path = write("g.yaml", f"poll_interval_s: 0.05\nlog_interval_s: 0\nmetrics:\n  listen: 127.0.0.1:{port}\n"
@@ -415,21 +414,17 @@ def test_a_stderr_nobody_reads_does_not_stop_the_loop_or_sigterm(write, tmp_path
     # stderr is a pipe we never read: after 64 KiB every write would block.
     proc = subprocess.Popen(gpuwarden_cmd() + ["run", "-c", str(path), "--sim", "rtx-pro-4000-headless"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=notify.env(0.5))
-    lifelong = CpuWait(proc.pid)
     try:
-        time.sleep(4)  # ~80 polls, each logging two GPUs: far more than the pipe holds
-        base = f"http://127.0.0.1:{port}"
-        began, cpu = time.monotonic(), CpuWait(proc.pid)
-        state = status(base)
-        # A loop blocked on a full pipe lags without end and goes stale; a busy box's scheduling adds tenths (0.12 s
-        # with CI's four workers beside six other jobs), and a starved one what the daemon waited for a CPU (ci48:
-        # 10.6 s beside a decoding CPU vLLM).
-        lag = state["loop_lag"]["p99_seconds"]
-        assert lag < 0.5 + lifelong.since() and not state["daemon"]["stale"], (lag, lifelong.since())
-        time.sleep(1)
-        assert_fed(notify, began, time.monotonic(), watchdog_s=0.5, cpu=cpu)
+        # Order, not seconds: first the pipe is full (every write to it blocks from now on), then the loop still
+        # publishes polls and feeds the watchdog, and SIGTERM still ends it.
+        capacity = fcntl.fcntl(proc.stderr.fileno(), fcntl.F_GETPIPE_SZ)
+        wait_until(lambda: unread_bytes(proc.stderr) > capacity - 4096 or proc.poll() is not None, timeout=60)
+        assert proc.poll() is None
+        full = time.monotonic()
+        assert_polls_go_on(f"http://127.0.0.1:{port}", 20)
+        assert_fed(notify, full)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(10) == 0
+        assert proc.wait(60) == 0
     finally:
         proc.kill()
         proc.wait(5)
@@ -457,7 +452,6 @@ def test_idle_connections_are_capped_and_the_daemon_keeps_serving(write, daemons
     d.wait_for("serving /metrics")
     base = f"http://127.0.0.1:{port}"
     idle = []
-    began, cpu = time.monotonic(), CpuWait(d.proc.pid)
     try:
         for _ in range(1100):
             s = socket.socket()
@@ -467,14 +461,13 @@ def test_idle_connections_are_capped_and_the_daemon_keeps_serving(write, daemons
         time.sleep(2)
         fds = len(os.listdir(f"/proc/{d.proc.pid}/fd"))
         assert fds < 150, f"{fds} fds open in the daemon with 1,100 idle connections"
-        assert_fed(notify, began, time.monotonic(), cpu=cpu)  # the loop polls on through the crowd
+        assert_fed(notify, time.monotonic())  # the loop polls on through the crowd: pings after it was in place
     finally:
         for s in idle:
             s.close()
     time.sleep(0.5)
     assert "gpuwarden_gpu_up" in metrics(base), "serves again once the crowd is gone"
-    state = status(base)
-    assert state["loop_lag"]["p99_seconds"] < 0.1 + cpu.since() and not state["daemon"]["stale"]
+    assert_polls_go_on(base, 4)
     d.proc.send_signal(signal.SIGHUP)
     d.wait_for("config reloaded")
     assert d.stop() == 0 and "Traceback" not in own_log(d)

@@ -237,6 +237,34 @@ def test_metrics_rates_and_the_kv_cache_rename(monkeypatch):
     assert (second.requests_running, second.requests_waiting, second.kv_cache_usage_ratio) == (3, 1, 0.25)
 
 
+def test_a_read_that_hangs_never_holds_up_the_poll_that_asked_for_it(monkeypatch):
+    """The engine's /metrics is read on a worker thread (base/background.py): while a read hangs (a trickling,
+    silent or huge answer, until its deadline), every poll returns at once with the last stats and starts no
+    second read; the answer is taken by the first poll after it came. tests/test_faults.py runs such engines."""
+    import threading
+
+    from gpuwarden.base.background import Background
+
+    clock = ManualClock(10)
+    answer, calls = threading.Event(), []
+
+    def fetch(url, owner=None):
+        calls.append(url)
+        assert answer.wait(60), "the test never let the read finish"
+        return parse(SCRAPE.format(gen=100, prompt=10, kv="kv_cache_usage_perc"))
+
+    monkeypatch.setattr("gpuwarden.serving.probe.metrics.fetch", fetch)
+    reader = MetricsReader("http://x/metrics", VLLM.metric_names, clock, Background("serving-metrics", clock))
+    for _ in range(20):  # 20 polls while the read hangs: each returns, none starts another read
+        assert reader.read(clock.now) is None
+        clock.advance(0.25)
+    assert calls == ["http://x/metrics"] and reader.job.busy
+    answer.set()
+    reader.job._thread.join(60)
+    stats = reader.read(clock.now)
+    assert (stats.requests_running, stats.kv_cache_usage_ratio) == (3, 0.25)
+
+
 def test_unreachable_metrics_is_none():
     clock = ManualClock(0)
     assert MetricsReader("http://127.0.0.1:9/metrics", VLLM.metric_names, clock, Inline(clock)).read(0) is None

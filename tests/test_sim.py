@@ -23,7 +23,6 @@ from gpuwarden.gpu.sim import power
 from gpuwarden.gpu.sim.backend import ManualClock, SimBackend
 from gpuwarden.gpu.sim.scenario import builtin_scenarios, load_scenario, resolve_scenario
 from gpuwarden.base.yamlfile import ConfigError, ConfigErrors
-from harness.run_queue import CpuWait
 
 
 def sim(name, clock=None):
@@ -444,6 +443,23 @@ def test_a_hostile_clock_file_never_stops_nor_breaks_the_simulated_timeline(tmp_
     assert 100.0 <= now() < 101.0  # a real move still moves it
 
 
+@pytest.mark.parametrize("kind", ["fifo", "link", "dir"])
+def test_a_channel_file_that_is_no_file_reads_as_nothing_at_once(tmp_path, kind):
+    """load.json and clock.json are read by every sample, on the daemon's loop: a FIFO with no writer, a link to
+    /dev/zero (endless) or a folder in their place reads as nothing and never waits (base/smallfile.py). If a read
+    waited, this test would hang where the process test below only sees polls stop."""
+    for name in ("load.json", "clock.json"):
+        path = tmp_path / name
+        if kind == "fifo":
+            os.mkfifo(path)
+        elif kind == "link":
+            os.symlink("/dev/zero", path)
+        else:
+            path.mkdir()
+    assert power.read_load(tmp_path) is None
+    assert power.movable(lambda: 10.0, tmp_path)() == 10.0
+
+
 @pytest.mark.process
 def test_a_channel_another_user_owns_and_rewrites_leaves_the_daemon_polling_under_the_units_capabilities(
         tmp_path, daemons, nobody_channel):
@@ -462,29 +478,34 @@ def test_a_channel_another_user_owns_and_rewrites_leaves_the_daemon_polling_unde
            "RUNTIME_DIRECTORY": str(tmp_path / "run")}
     d = daemons(conf, env=env, command=[*UNIT_CAPS, *gpuwarden_cmd()])
     d.wait_for("serving /metrics", timeout=60)
-    cpu = CpuWait(d.proc.pid)
-    plants = [("file", text) for text in HOSTILE_LOADS[1:]] + [("fifo", ""), ("link", "/dev/zero"), ("dir", ""),
-                                                                ("file", HOSTILE_LOADS[0])]
-    for kind, text in plants:
-        plant(chan, "load.json", kind, text)
-        time.sleep(0.3)  # more than a poll
-    for text in HOSTILE_CLOCKS:
-        plant(chan, "clock.json", "file", text)
-        time.sleep(0.3)
-    time.sleep(1.0)
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=5) as reply:
+    base = f"http://127.0.0.1:{port}"
+
+    def sequence():
+        with urllib.request.urlopen(f"{base}/status", timeout=5) as reply:
+            return json.loads(reply.read())["sequence"]
+
+    def polled_after_planting():
+        """Two more polls published: at least one began after the plant, and read it (no timing: a count)."""
+        planted = sequence()
+        deadline = time.monotonic() + 60  # a bound on a hang: a read that waited for ever stops the polls
+        while sequence() < planted + 2:
+            assert time.monotonic() < deadline and d.proc.poll() is None, "polls stopped after a plant"
+            time.sleep(0.05)
+
+    plants = [("load.json", "file", text) for text in HOSTILE_LOADS[1:]] + \
+        [("load.json", "fifo", ""), ("load.json", "link", "/dev/zero"), ("load.json", "dir", ""),
+         ("load.json", "file", HOSTILE_LOADS[0])] + [("clock.json", "file", text) for text in HOSTILE_CLOCKS]
+    for name, kind, text in plants:
+        plant(chan, name, kind, text)
+        polled_after_planting()
+    with urllib.request.urlopen(f"{base}/status", timeout=5) as reply:
         state = json.loads(reply.read())
-    assert state["daemon"]["stale"] is False and state["daemon"]["snapshot_age_seconds"] < 2, state["daemon"]
     gpu = state["gpus"][0]
     assert gpu["sm_lock_mhz"] is None and 0 < gpu["sm_clock_mhz"] <= gpu["max_sm_clock_mhz"], gpu
-    waited = cpu.since()
     assert d.stop() == 0
     log = "\n".join(d.lines)
+    # No poll failed on what it read. How long a poll may take is not timed here: that no read of the channel
+    # waits is proven in the unit tier (test_a_channel_file_that_is_no_file_reads_as_nothing_at_once).
     for bad in ("Traceback", "poll failed"):
         assert bad not in log, log[-3000:]
-    # A poll the files held up past the watchdog's 2.25 s shows; one the busy box starved is excused by the
-    # daemon's wait for a CPU meanwhile (ci49: 2.8 s on a box running the newest pass beside a CPU vLLM).
-    stalls = [float(m) for m in re.findall(r"no poll published for ([0-9.]+) s: not feeding the watchdog", log)]
-    assert max(stalls, default=0.0) - waited < 2.25, f"polls stalled {stalls} s; the daemon waited {waited:.2f} s " \
-                                                      f"for a CPU"
     assert not any(p.name.startswith(".gpus.json.") for p in chan.iterdir())  # no temp file of ours left there

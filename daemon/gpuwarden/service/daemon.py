@@ -429,9 +429,11 @@ class SignalWaker:
         os.close(self.write_fd)
 
 
-def run(daemon: Daemon, duration_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
-    """The main loop: poll on a fixed period, feed the watchdog while polls are fresh, until stopped."""
-    waker = SignalWaker()
+def run(daemon: Daemon, duration_s: float | None = None, clock: Callable[[], float] = time.monotonic,
+        waker: SignalWaker | None = None) -> None:
+    """The main loop: poll on a fixed period, feed the watchdog while polls are fresh, until stopped. waker: what
+    the loop waits on between steps (a test's, on the clock it drives); by default the signals' pipe."""
+    waker = waker or SignalWaker()
     daemon.wake = waker.wake
     try:
         start = clock()
