@@ -8,7 +8,8 @@ import pytest
 from harness.ports import Ports, block
 
 
-def test_the_workers_blocks_are_disjoint_and_below_the_ephemeral_range():
+def test_the_workers_blocks_are_disjoint_and_below_the_ephemeral_range_and_above_rays_worker_ports():
+    assert block(None, None).start == 20000  # Ray's workers take 10002-19999
     blocks = [block(f"gw{i}", "4", 10000, 32768) for i in range(4)]
     assert [b.start for b in blocks] == [10000, 15692, 21384, 27076] and all(len(b) == 5692 for b in blocks)
     assert blocks[-1].stop <= 32768

@@ -17,7 +17,9 @@ import random
 import socket
 import threading
 
-LOWEST = 10000  # below: well-known and registered services a test box may run (Prometheus's 9090, ...)
+# Below: services a test box runs (Prometheus's 9090, Alertmanager's 9093-9094, Ray's client server 10001) and
+# Ray's worker ports (10002-19999 by default): Ray refuses a head whose port lies among them.
+LOWEST = 20000
 
 
 def _ephemeral_low() -> int:
