@@ -528,18 +528,18 @@ def test_rules_pass_bodies_of_the_wrong_shape_through():
 
 
 def test_a_rule_that_fails_sends_the_body_unchanged_and_its_dump_is_not_left_behind(tmp_path, monkeypatch):
-    from gpuwarden.proxy import server
+    from gpuwarden.proxy import prepare, server
     from gpuwarden.proxy.dump import Dumper
 
     def broken(body, api, rules):
         raise TypeError("a shape no rule expected")
 
-    monkeypatch.setattr(server, "apply", broken)
+    monkeypatch.setattr(prepare, "apply", broken)
     dumper = Dumper(tmp_path / "d", keep=10, max_bytes=1 << 20)
     proxy = server.Proxy("http://127.0.0.1:1", Rules(), server.ProxyMetrics((None, None)), dumper=dumper)
     raw = b'{"model": "m", "messages": 5}'
     held = proxy.budget.hold()
-    assert proxy._normalize("openai", bytearray(raw), "", held, "127.0.0.1", "/v1/chat/completions") == raw
+    assert proxy.prepare("openai", bytearray(raw), "", held, "127.0.0.1", "/v1/chat/completions") == raw
     assert not list((tmp_path / "d").glob("*/*")) and dumper._bytes == 0
 
 

@@ -1,8 +1,8 @@
 """A query of death (issue 51): a request that crashes the engine is never sent to the next engine, and a FATAL engine
 is answered 503 at once. The proxy's choice after a failed try and its book of the engine's ends with their clients
-(proxy/casualties.py), the hold told the engine is not restarting (proxy/hold.py), the daemon's word of it
-(serving/run/fronts.py); then the daemon, the fake engine (tests/harness/fakechild.py, killer and crash modes) and the
-real proxy as processes."""
+(proxy/casualties.py), an answer that failed just before an end counted as in flight at it (proxy/ends.py), the hold
+told the engine is not restarting (proxy/hold.py), the daemon's word of it (serving/run/fronts.py); then the daemon,
+the fake engine (tests/harness/fakechild.py, killer and crash modes) and the real proxy as processes."""
 
 import asyncio
 import http.client
@@ -16,8 +16,10 @@ import pytest
 
 from conftest import free_port
 from gpuwarden.proxy.body import Refusal
-from gpuwarden.proxy.casualties import (BROKE, ENDED, HOLD, NO_ADDRESS, RESEND, UNREACHABLE, Casualties,
-                                        after_failure, client_of)
+from gpuwarden.proxy import ends as ends_module
+from gpuwarden.proxy.casualties import (ANSWERS_MAX, BROKE, END_AFTER_5XX_S, ENDED, HOLD, NO_ADDRESS, RESEND,
+                                        TAIL_BYTES, UNREACHABLE, Casualties, after_failure, client_of, failed, tail_of)
+from gpuwarden.proxy.ends import Ends
 from gpuwarden.proxy.refusals import error_body, error_response
 from gpuwarden.proxy.hold import NOT_RESTARTING_RETRY_S, Hold
 from gpuwarden.serving.run.spec import DOWN_SIGNAL, UP_SIGNAL
@@ -185,6 +187,139 @@ def test_the_client_is_the_peer_address_never_a_header():
     assert client_of(Peer("127.0.0.3")) == client_of(Peer("127.9.9.9")) == "127.0.0.0/8"
     assert client_of(Peer("127.0.0.1")) == "127.0.0.1"
     assert client_of(Peer("")) == client_of(Peer(None)) == NO_ADDRESS  # a Unix socket: one client, all of them
+
+
+# -- an answer that failed just before the engine ended: in flight at that end (no process) --------------------------
+# vLLM 0.32 answers the requests in flight when its EngineCore dies 500 (a stream: an error event, then [DONE]), and
+# only then ends: the killer's client gets an answer, never a cut.
+
+CHAT_500 = ("POST " + CHAT, 500)
+VLLM_ERROR_EVENT = (b'data: {"error": {"message": "EngineCore encountered an issue. See stack trace (above) for the '
+                    b'root cause.", "type": "InternalServerError", "param": null, "code": 500}}\n\n')
+
+
+def test_a_5xx_answer_followed_by_an_end_within_the_bound_is_in_flight_at_it(caplog):
+    clock = Clock()
+    book = Casualties(clock, window_s=600, refuse_after=2, wall=lambda: 0.0)
+    assert book.answered("10.0.0.7", 999.0, *CHAT_500) and book.answers_pending
+    assert not book.end_open
+    clock.now += END_AFTER_5XX_S  # seen down at the bound's very edge: counted
+    assert book.engine_seen_down() == 1 and book.end_open and not book.answers_pending
+    assert [end for end, _ in book._clients["10.0.0.7"].ends] == [1] and refusal(book, "10.0.0.7") is None
+    assert book.engine_seen_down() == 0  # counted once: its answer is gone from the book
+    book.engine_seen_up()
+    assert not book.end_open
+    clock.now = 1100.0  # the next engine answers its next request 500 (a stream's error event) and is seen down
+    assert book.answered("10.0.0.7", 1099.0, "POST /v1/messages", 200, b"event: message_start\ndata: {}\n\n"
+                         b'event: error\ndata: {"type":"error","error":{"type":"internal_error","message":"x"}}\n\n')
+    clock.now = 1100.5
+    with caplog.at_level("WARNING", logger="gpuwarden.proxy"):
+        assert book.engine_seen_down() == 1
+    refused = refusal(book, "10.0.0.7")
+    assert refused.status == 429 and refused.retry_after == 510  # its first end (seen at 1010) leaves at 1610
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("client 10.0.0.7 had requests in flight at 2 of the engine's 2 ends" in line
+               and "POST /v1/messages" in line for line in lines), lines
+    assert sum("refusing client 10.0.0.7" in line for line in lines) == 1
+
+
+def test_a_5xx_answer_the_engine_outlived_past_the_bound_counts_nobody():
+    clock = Clock()
+    book = Casualties(clock, window_s=600, refuse_after=1)
+    book.answered("10.0.0.7", 999.0, *CHAT_500)
+    clock.now += END_AFTER_5XX_S + 0.5  # the engine still answered its /health meanwhile, or was not looked at
+    assert not book.answers_pending
+    assert book.engine_seen_down() == 0 and "10.0.0.7" not in book._clients and refusal(book, "10.0.0.7") is None
+    assert not book.end_open  # no end counted nobody: none opened either
+
+
+def test_an_answer_that_did_not_fail_is_never_in_flight_at_an_end():
+    clock = Clock()
+    book = Casualties(clock, window_s=600, refuse_after=1)
+    events = b'data: {"choices": [{"index": 0, "delta": {"content": "Hel"}}]}\n\ndata: [DONE]\n\n'
+    # the model's text quoting an error event: JSON-escaped within a data line, never an event of its own
+    quoted = (b'data: {"choices": [{"index": 0, "delta": {"content": "data: {\\"error\\": {\\"code\\": 500}}\\n'
+              b'event: error"}}]}\n\ndata: [DONE]\n\n')
+    for status, tail in ((200, b""), (200, events), (200, quoted), (201, b""), (404, b""), (429, b""),
+                         (503, b""),  # an engine starting, draining or busy: the hold's, not an end's
+                         (200, b'data: {"error": {"message": "bad", "type": "BadRequestError", "code": 400}}\n\n')):
+        assert not book.answered("10.0.0.7", 999.0, "POST " + CHAT, status, tail), (status, tail)
+    assert not book.answers_pending and book.engine_seen_down() == 0 and not book._clients
+    assert failed(500) and failed(502) and failed(504) and failed(200, VLLM_ERROR_EVENT + b"data: [DONE]\n\n")
+
+
+def test_the_book_of_failed_answers_is_capped():
+    clock = Clock()
+    book = Casualties(clock, window_s=600, refuse_after=2)
+    for n in range(ANSWERS_MAX + 10):
+        book.answered(f"10.{n // 256}.{n % 256}.1", 999.0, *CHAT_500)
+    assert len(book._answers) == ANSWERS_MAX
+    assert book.engine_seen_down() == ANSWERS_MAX
+    assert "10.0.0.1" not in book._clients and "10.0.10.1" in book._clients  # the oldest ten went first
+
+
+def test_a_streams_tail_is_bounded_and_finds_the_error_at_its_end_however_it_is_cut():
+    event = b'data: {"choices": [{"index": 0, "delta": {"content": "' + b"x" * 300 + b'"}}]}\n\n'
+    tail = b""
+    for _ in range(2000):  # 700 KB of stream: only the last TAIL_BYTES or fewer kept
+        tail = tail_of(tail, event)
+        assert len(tail) <= TAIL_BYTES
+    assert not failed(200, tail)
+    ending = VLLM_ERROR_EVENT + b"data: [DONE]\n\n"
+    for cut in (1, 7, 50, len(ending) - 3):  # the error event split across chunks anywhere
+        cut_tail = tail_of(tail_of(tail, ending[:cut]), ending[cut:])
+        assert failed(200, cut_tail) and len(cut_tail) <= TAIL_BYTES
+    assert failed(200, tail_of(tail, event * 20 + ending))  # in a chunk larger than the tail
+
+
+class FakeHold:
+    """The hold's look at /health, scripted: each look answers the next of `looks` (True: down)."""
+
+    def __init__(self, looks, clock):
+        self.looks, self.clock, self.planned, self.asked = list(looks), clock, False, 0
+
+    async def engine_down(self, since=None):
+        self.asked += 1
+        return self.looks.pop(0)
+
+
+class Peer:
+    def __init__(self, remote):
+        self.remote, self.method, self.path = remote, "POST", CHAT
+
+
+def test_after_a_failed_answer_the_end_is_looked_for_and_after_an_end_a_request_waits_for_health(monkeypatch):
+    monkeypatch.setattr(ends_module, "HEALTH_EVERY_S", 0)  # the looks' pace is the hold's; here, one after another
+
+    async def scenario():
+        clock = Clock()
+        book = Casualties(clock, window_s=600, refuse_after=2)
+        hold = FakeHold([False, False, True], clock)  # healthy twice after the 500, then down: an end
+        ends = Ends(book, hold)
+        assert await ends.may_send() and hold.asked == 0  # no end seen: sent without a look
+        ends.answered(Peer("10.0.0.7"), 999.0, 200)  # a 200 is nothing to look for
+        assert ends._watcher is None
+        ends.answered(Peer("10.0.0.7"), 999.0, 500)
+        await ends._watcher
+        assert hold.asked == 3 and book.end_open and [e for e, _ in book._clients["10.0.0.7"].ends] == [1]
+        # an end is open: the dying server would answer a retry 500 (and count it at a second end of one death);
+        # it waits for /health: down, then up
+        hold.looks, hold.asked = [True, False], 0
+        assert not await ends.may_send() and book.end_open
+        assert await ends.may_send() and not book.end_open and hold.asked == 2
+        assert await ends.may_send() and hold.asked == 2  # seen up: no look more
+        # told of a planned stop meanwhile: a 500 then (vLLM draining) is nobody's, nor an end seen after it
+        hold.planned = True
+        ends.answered(Peer("10.0.0.8"), 1000.0, 500)
+        assert ends._watcher.done() and not book.answers_pending
+        hold.planned, hold.looks = False, [True]
+        ends.answered(Peer("10.0.0.8"), 1000.0, 500)
+        hold.planned = True  # the word comes while the look is under way
+        await ends._watcher
+        assert "10.0.0.8" not in book._clients and not book.answers_pending
+        await ends.stop()
+
+    asyncio.run(scenario())
 
 
 def test_a_refusal_is_answered_in_the_apis_own_error_shape_with_retry_after():
@@ -533,5 +668,44 @@ def test_a_client_whose_requests_end_the_engine_again_and_again_is_refused_429_a
     assert exits(d) == 2 and "FATAL" not in log, log
     named = [i for i, line in enumerate(d.lines) if "proxy: refusing client 127.0.0.0/8 for " in line]
     assert len(named) == 1 and "in flight at 2 of the engine's ends in the last 600 s" in d.lines[named[0]], log
+    assert "QOD" not in log and SECRET not in log  # no prompt, no header in the journal
+    assert d.stop() == 0
+
+
+@pytest.mark.process
+def test_a_killer_that_the_engine_answers_500_before_it_ends_is_refused_429_and_serving_never_goes_fatal(
+        write, fake, daemons, proxy_daemon, no_fakes_left):
+    """vLLM 0.32 does not cut the connection when its EngineCore dies: it answers the request in flight 500 (a stream:
+    its error event, then [DONE]), says 503 at /health, and ends a moment later (the fake's QOD-500 and QOD-500-STREAM
+    do the same). The killer's client got an answer, never a cut, so it was never counted and drove the engine to
+    FATAL. Now: its killer ends the engine once as a plain request, once more as a stream after the engine is back,
+    and from then on each of its requests gets 429 at once and reaches no engine (no third end); the daemon never
+    reaches FATAL; another client is then served."""
+    d, first, path, port, proxy_port = serving_behind_the_proxy(write, fake, daemons, proxy_daemon)
+    killer, other = "127.0.0.3", "127.0.0.1"
+    status, _, data, error = Call(proxy_port, "QOD-500 once", source=killer).result()
+    assert status == 500, (status, data, error)
+    assert json.loads(data)["error"]["type"] == "InternalServerError"  # vLLM's own answer, passed on as it is
+    second = healthy(d, first + 1)  # it ended, and is back
+    assert exits(d) == 1, d.log
+    # the engine back: the killer again, as a stream, the first to reach this engine (the proxy sends a request after
+    # an end only once /health answers, so this one went to the new engine, not to the dying one)
+    status, _, data, error = Call(proxy_port, "QOD-500-STREAM twice", source=killer, stream=True).result()
+    assert status == 200 and b'"code": 500' in data and data.endswith(b"data: [DONE]\n\n"), (status, data, error)
+    healthy(d, second + 1)
+    assert exits(d) == 2, d.log
+    d.wait_for("proxy: refusing client 127.0.0.0/8 for ", timeout=30)
+    answers = [Call(proxy_port, prompt, source=killer, stream=stream).result()
+               for prompt, stream in (("QOD-500 again", False), ("QOD-500-STREAM again", True),
+                                      ("fine, thanks", False))]  # any request of the killer's, not only its killer
+    for status, retry_after, data, error in answers:
+        assert status == 429 and 1 <= int(retry_after) <= 601, (status, retry_after, data, error)
+        assert "in flight at 2 of the engine's ends in the last 600 s" in json.loads(data)["error"]["message"]
+    status, _, data, error = Call(proxy_port, "fine, thanks", source=other).result()
+    assert status == 200 and json.loads(data)["choices"][0]["message"]["content"] == "fine", (status, data, error)
+    assert refused_count(proxy_port) == 3
+    log = d.log
+    assert exits(d) == 2 and "FATAL" not in log, log  # the refused never reached an engine: no third end
+    assert sum("proxy: refusing client 127.0.0.0/8 for " in line for line in d.lines) == 1, log
     assert "QOD" not in log and SECRET not in log  # no prompt, no header in the journal
     assert d.stop() == 0

@@ -29,9 +29,13 @@ Modes:
   answer       POST /v1/completions answers a completion whose text is what --answer-file holds when asked (the
                known-answer check: a test changes the file to make a restarted engine compute something else)
   killer       /v1/... reads its body: one with QOD-NOW in it (or in its path) ends the process at once, unanswered
-               (a query of death); QOD-MIDSTREAM gets a stream's head and one event first, then the same end; QOD-SLOW closes the
-               connection unanswered and ends the process 2 s later, its /health 200 meanwhile (an engine whose death
-               takes its time); any other body gets a small chat completion, 200 (the prompt is never printed)
+               (a query of death); QOD-MIDSTREAM gets a stream's head and one event first, then the same end;
+               QOD-SLOW closes the connection unanswered and ends the process 2 s later, its /health 200 meanwhile
+               (an engine whose death takes its time); any other body gets a small chat completion, 200 (the prompt
+               is never printed).
+               QOD-500 ends it as vLLM 0.32 ends when its EngineCore dies: the request is answered 500 with vLLM's
+               error body, /health answers 503 and every request 500 from then on, and the process ends (status 4)
+               1 s later; QOD-500-STREAM the same, as a stream: its head, one event, vLLM's error event, [DONE]
 """
 
 from __future__ import annotations
@@ -59,6 +63,11 @@ ANSWER_FILE = [""]  # answer mode: where the completion's text is read
 IN_FLIGHT = [0]  # the slow requests being answered (drain modes)
 IN_FLIGHT_LOCK = threading.Lock()
 DRAINING = threading.Event()  # SIGTERM came
+DEAD = threading.Event()  # killer mode: its engine died on a QOD-500 request; the server answers 500 until it ends
+# vLLM 0.32's answer once its EngineCore is dead: EngineDeadError's message through create_error_response, the same
+# JSON as a stream's last event (entrypoints/serve/exception_handling/error_response.py)
+ENGINE_DEAD = json.dumps({"error": {"message": "EngineCore encountered an issue. See stack trace (above) for the root "
+                                               "cause.", "type": "InternalServerError", "param": None, "code": 500}})
 
 
 SGLANG_METRICS = """# TYPE sglang:generation_tokens_total counter
@@ -81,7 +90,8 @@ def answer(conn: socket.socket, modes: set[str], started: float) -> None:
             request += chunk
         path = request.split(b" ", 2)[1].decode()
         if path == "/health":
-            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            status = b"503 Service Unavailable" if DEAD.is_set() else b"200 OK"  # vLLM: 503 once its engine died
+            conn.sendall(b"HTTP/1.1 %s\r\nContent-Length: 0\r\nConnection: close\r\n\r\n" % status)
             return
         if path == "/v1/completions" and "answer" in modes:
             with open(ANSWER_FILE[0], encoding="utf-8") as f:
@@ -130,6 +140,9 @@ def killer(conn: socket.socket, request: bytes) -> None:
             return
         body += chunk
     body = head.split(b"\r\n", 1)[0] + b"\n" + body  # the request line: a GET's path may carry the marker too
+    if DEAD.is_set() or b"QOD-500" in body:
+        answered_then_died(conn, stream=b"QOD-500-STREAM" in body and not DEAD.is_set())
+        return
     if b"QOD-MIDSTREAM" in body:
         event = b'data: {"choices": [{"index": 0, "delta": {"content": "Hel"}}]}\n\n'  # chunked, as uvicorn streams
         conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
@@ -145,6 +158,27 @@ def killer(conn: socket.socket, request: bytes) -> None:
         "role": "assistant", "content": "fine"}}]}).encode()
     conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
                  b"Connection: close\r\n\r\n%s" % (len(answer_body), answer_body))
+
+
+def answered_then_died(conn: socket.socket, stream: bool) -> None:
+    """As vLLM 0.32's API server when its EngineCore dies: the request in flight answered 500 with the engine-dead
+    error (a stream: the error as its last event, then [DONE]), and every one after it (add_request raises
+    EngineDeadError), /health 503, and the process ends a moment later (its server stops: 1 s here)."""
+    first = not DEAD.is_set()
+    DEAD.set()
+    if stream:
+        events = [b'data: {"choices": [{"index": 0, "delta": {"content": "Hel"}}]}\n\n',
+                  b"data: %s\n\n" % ENGINE_DEAD.encode(), b"data: [DONE]\n\n"]
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
+                     b"Connection: close\r\n\r\n" + b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events)
+                     + b"0\r\n\r\n")
+    else:
+        body = ENGINE_DEAD.encode()
+        conn.sendall(b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/json\r\nContent-Length: %d"
+                     b"\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+    if first:
+        print("ERROR fakechild: a request ended my engine (a query of death): answered 500, ending", flush=True)
+        threading.Timer(1.0, os._exit, (4,)).start()
 
 
 def slow_request(conn: socket.socket, path: str, modes: set[str]) -> None:

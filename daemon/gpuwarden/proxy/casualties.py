@@ -19,11 +19,21 @@ checks (client_of: an IPv6 /64 is one client, and so is 127.0.0.0/8 beside 127.0
 addresses); X-Forwarded-For is anyone's to write and is never read. A request without a peer address (a Unix
 socket; the proxy listens on TCP only today) is the client NO_ADDRESS, all such requests together: refusing them all
 for a window costs less than FATAL for everyone until an operator acts.
+
+A request the engine answered with a 5xx is in flight at an end too where the engine is seen down within
+END_AFTER_5XX_S of that answer (answered(), engine_seen_down()): vLLM 0.32 does not cut the connection when its
+EngineCore dies, its API server answers the requests in flight 500 (a stream: an error event, then [DONE]) and then
+ends, so the killer's client got an answer, never a cut, and was never counted. The book keeps (client, when sent,
+method and path, when answered) for the latest ANSWERS_MAX such answers, never a body or a header. vLLM's server goes
+on answering 500 to new requests for a moment after its engine died, so from an end until the engine is seen healthy
+again (end_open) the proxy sends a request only after a look at /health answers (proxy/ends.py): a retry is held for
+the next engine rather than answered 500 by the dying one and counted at a second end of the same death.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections import OrderedDict, deque
 
@@ -37,6 +47,22 @@ MAX_CLIENTS = 1024
 MAX_ENDS = 1024  # ends remembered within the window (the daemon restarts an engine a few times a window at most)
 REFUSE_AFTER_ENDS = 2  # serve.proxy.refuse_after_ends: below the daemon's crash_loop_failures (5)
 NO_ADDRESS = "(no peer address)"  # the client of a request whose connection has no peer address (a Unix socket)
+# How long after a 5xx answer the engine may be seen down for the answer to count as in flight at that end. vLLM 0.32's
+# API server, its EngineCore dead, answers /health 503 at once (entrypoints/serve/instrumentator/health.py), answers
+# the requests in flight 500 and then ends: at once after a plain 500 (terminate_if_errored in its exception handler),
+# within its watchdog's 5 s after a stream's error event (entrypoints/launchers/launcher.py, watchdog_loop). 10 s is
+# that watchdog twice over, for a loaded box; an engine that ends later than that after a 5xx is not taken to have
+# ended on the request it answered (a healthy engine that answers some request 500 and ends minutes later for another
+# reason counts nobody for it).
+END_AFTER_5XX_S = 10.0
+ANSWERS_MAX = 1024  # 5xx answers remembered: (client, sent, method and path, answered), never a body nor a header
+# What marks a stream that vLLM ended with an error (its status 200 was sent before the engine died): OpenAI's shape
+# with a 5xx code (chat_completion/serving.py: create_streaming_error_response) or, on /v1/messages, Anthropic's error
+# event (anthropic/serving.py: internal_error). The model's text cannot forge either: it is JSON-escaped within a data
+# line, so a line never begins with it, nor does '{"' follow 'data: ' inside it.
+STREAM_ERROR = re.compile(rb'^(?:data: ?\{"error": ?\{[^\n]*"code": ?5\d\d\b'
+                          rb'|event: ?error\r?\ndata: ?\{[^\n]*"(?:internal_error|api_error)")', re.MULTILINE)
+TAIL_BYTES = 4096  # the end of a stream looked at for that error: one event's worth, the rest never kept
 
 # What becomes of a request whose try failed before a byte of its answer reached the client:
 HOLD = "hold"  # the engine never saw it (refused at connect): held for the engine's return
@@ -61,6 +87,23 @@ def after_failure(*, connected: bool, seen: bool, reused: bool, resent: bool, en
     if connected and reused and not seen and not resent:
         return RESEND
     return BROKE
+
+
+def failed(status: int, tail: bytes = b"") -> bool:
+    """Whether the engine's answer is one a dying engine gives: a 5xx other than 503 (an engine starting, draining or
+    busy says 503, and is held for: hold.py), or a stream whose tail (its last TAIL_BYTES, tail_of) holds an error."""
+    return (status >= 500 and status != 503) or STREAM_ERROR.search(tail) is not None
+
+
+def tail_of(tail: bytes, chunk: bytes) -> bytes:
+    """A stream's last TAIL_BYTES or fewer once chunk is added, from a line's start: a tail cut mid-line loses that
+    partial line (STREAM_ERROR matches at a line's start, and a string's start is one)."""
+    tail = tail + chunk[-TAIL_BYTES:]
+    if len(tail) > TAIL_BYTES:
+        tail = tail[-TAIL_BYTES:]
+        cut = tail.find(b"\n")
+        tail = tail[cut + 1:] if cut >= 0 else b""
+    return tail
 
 
 def client_of(request) -> str:
@@ -90,6 +133,8 @@ class Casualties:
         self.count = 0  # the engine's ends seen with a request in flight, since the proxy started
         self._ends: deque[tuple[int, float]] = deque(maxlen=MAX_ENDS)  # (number, when seen) within the window
         self._clients: OrderedDict[str, Client] = OrderedDict()  # the newest end last
+        self._answers: deque[tuple[str, float, str, float]] = deque(maxlen=ANSWERS_MAX)  # answered(): 5xx
+        self.end_open = False  # an end was seen, and the engine not seen healthy since (engine_seen_up)
 
     def ended(self, client: str, sent_at: float) -> tuple[int, int] | None:
         """A request of client's, sent at sent_at (the clock's), was in flight when the engine ended. (the client's
@@ -97,6 +142,7 @@ class Casualties:
         else None."""
         now = self.clock()
         self._forget(now)
+        self.end_open = True
         if not self._ends or sent_at > self._ends[-1][1]:  # sent after the last end was seen: a new end
             self.count += 1
             self._ends.append((self.count, now))
@@ -119,6 +165,41 @@ class Casualties:
                         "latest: %s): its requests may be what ends the engine (a query of death); none was sent "
                         "again", client, *named, self.window_s, what)
         self._tell(client)
+
+    def answered(self, client: str, sent_at: float, what: str, status: int, tail: bytes = b"") -> bool:
+        """The engine answered a request of client's, sent at sent_at: with status, and for a stream its tail
+        (tail_of). Whether it failed (failed()) and is kept, to count as in flight at an end seen within
+        END_AFTER_5XX_S of now (engine_seen_down): what is its method and path."""
+        if not failed(status, tail):
+            return False
+        self._answers.append((client, sent_at, what, self.clock()))
+        return True
+
+    @property
+    def answers_pending(self) -> bool:
+        """Whether a failed answer is recent enough that an end seen now would count it."""
+        return bool(self._answers) and self.clock() - self._answers[-1][3] <= END_AFTER_5XX_S
+
+    def engine_seen_down(self) -> int:
+        """The engine's /health did not answer after a failed answer: an end. Each failed answer of the last
+        END_AFTER_5XX_S counts as a request in flight at it (note(): named, and refused, as a request cut by it); the
+        older ones are forgotten. How many counted."""
+        now, counted = self.clock(), 0
+        answers, self._answers = self._answers, deque(maxlen=ANSWERS_MAX)
+        for client, sent_at, what, answered_at in answers:
+            if now - answered_at <= END_AFTER_5XX_S:
+                self.note(client, sent_at, what)
+                counted += 1
+        return counted
+
+    def engine_seen_up(self) -> None:
+        """The engine's /health answered 200: a request sent from now on goes to an engine that serves, and an end
+        it meets is a new one."""
+        self.end_open = False
+
+    def forget_answers(self) -> None:
+        """A planned stop begins: its end is nobody's, whatever the engine answered before it."""
+        self._answers.clear()
 
     def until(self, client: str) -> float | None:
         """When (the clock's) the client is at fewer than refuse_after ends within the window again; None: it is

@@ -8,19 +8,19 @@ tool-call deltas, errors and status codes reach the client as the engine sent th
 body to a normalized path goes upstream decompressed, without its Content-Encoding, whether or not a rule changed
 it (so the engine sees the same kind of body either way); to any other path it goes as it came.
 
-The limits on what clients send: listener.py (connections and their deadlines), body.py (body size, the memory
-of bodies and parses at once), faults.py (one line a minute for each kind of fault). While the engine is down,
-requests the engine never saw wait in hold.py, within limits of their own; one in flight when the engine ended is
-answered at once and never sent again, and a client whose requests were in flight at refuse_after_ends of its ends
-is refused, 429 at once, for the rest of the window (casualties.py). The answers the proxy gives itself take each
-API's error shape (refusals.py).
+The body of a normalized path is prepared in prepare.py. The limits on what clients send: listener.py (connections
+and their deadlines), body.py (body size, the memory of bodies and parses at once), faults.py (one line a minute for
+each kind of fault). While the engine is down, requests the engine never saw wait in hold.py, within limits of their
+own; one in flight when the engine ended is answered at once and never sent again, and a client whose requests were
+in flight at refuse_after_ends of its ends is refused, 429 at once, for the rest of the window (casualties.py; an
+answer that failed just before an end counts as in flight at it, and after an end a request waits for the engine's
+/health: ends.py). The answers the proxy gives itself take each API's error shape (refusals.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import os
 import time
@@ -34,13 +34,16 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..base.faultlog import FaultLog
-from .body import Budget, Held, Refusal, decode, loads, parse_cost, read
-from .casualties import ENDED, HOLD, REFUSE_AFTER_ENDS, RESEND, WINDOW_S, Casualties, after_failure, client_of
-from .dump import Dumper, session_of
+from .body import Budget, Held, Refusal, read
+from .casualties import (ENDED, HOLD, REFUSE_AFTER_ENDS, RESEND, WINDOW_S, Casualties, after_failure, client_of,
+                         tail_of)
+from .dump import Dumper
+from .ends import Ends
 from .faults import proxy_faults
 from .hold import Hold
 from .listener import Connections
-from .normalize import Rules, apply
+from .normalize import Rules
+from .prepare import Prepare
 from .refusals import error_response
 from .scrape import scrape_forever
 from .upstream import EngineConnector
@@ -188,6 +191,7 @@ class Proxy:
         self.max_body_bytes, self.read_timeout_s, self.metrics_path = max_body_bytes, read_timeout_s, metrics_path
         self.faults, self.conns = faults or proxy_faults(), conns
         self.budget = Budget(BUDGET_BODIES * max_body_bytes)
+        self.prepare = Prepare(rules, metrics.normalized, dumper, self.faults, max_body_bytes)
         self.health_path = health_path
         # Held requests keep their client connections: at most half the cap, so that /health, /metrics and new
         # requests still get in (and are answered 503 at once past hold_max).
@@ -205,6 +209,7 @@ class Proxy:
             metrics.now["gpuwarden_proxy_connections_max"] = ("At most this many client connections at once",
                                                               lambda: conns.cap)
         self.casualties = Casualties(self.hold.clock, window_s=ends[1], refuse_after=ends[0])
+        self.ends = Ends(self.casualties, self.hold)
         self.session: aiohttp.ClientSession | None = None
         self._scraper: asyncio.Task | None = None
 
@@ -231,6 +236,7 @@ class Proxy:
 
     async def _stop(self, app) -> None:
         await self.hold.stop()
+        await self.ends.stop()
         if self._scraper is not None:
             self._scraper.cancel()
             await asyncio.gather(self._scraper, return_exceptions=True)
@@ -260,7 +266,7 @@ class Proxy:
                 headers = forwarded(request.headers)
                 if api is not None:
                     coding = ",".join(headers.popall("Content-Encoding", ()))
-                    prepare = functools.partial(self._normalize, api, body, coding, held, request.remote,
+                    prepare = functools.partial(self.prepare, api, body, coding, held, request.remote,
                                                 request.path)
                     # A big body (a long session is megabytes of JSON) or a dump to disk: off the loop, so the
                     # streams in flight do not wait for it.
@@ -293,7 +299,8 @@ class Proxy:
         send it again once the engine is back, while its body is still here (body.py may have given it up). A request
         in flight when the engine ended is answered 502 at once, never sent again (casualties.py), and before each
         try a client refused meanwhile gets 429. While the engine drains for a planned stop, a request is held unsent;
-        while the daemon says it is not restarting, 503."""
+        while the daemon says it is not restarting, 503; after an end, until the engine's /health answers, held unsent
+        (ends.py), or 502 without a hold."""
         first_held, tries = None, Tries()
         while True:
             try:
@@ -302,12 +309,16 @@ class Proxy:
             except Refusal as exc:
                 return self._refuse(request, label, exc.status, exc.reason, str(exc), exc.retry_after)
             if not self.hold.planned:
-                response = await self._send_once(request, headers, held, label, began, tries)
-                if response is RESEND:  # at once, whatever the word: it is never held (it was seen)
-                    tries.resent = True
+                if await self.ends.may_send():
                     response = await self._send_once(request, headers, held, label, began, tries)
-                if response is not None:
-                    return response
+                    if response is RESEND:  # at once, whatever the word: it is never held (it was seen)
+                        tries.resent = True
+                        response = await self._send_once(request, headers, held, label, began, tries)
+                    if response is not None:
+                        return response
+                elif not self.hold.on:
+                    return self._refuse(request, label, 502, "upstream_down", f"upstream {self.upstream} is down: "
+                                        "the engine ended and its /health does not answer yet")
             first_held = time.monotonic() if first_held is None else first_held
             try:
                 await self.hold.wait(request, first_held)
@@ -355,7 +366,7 @@ class Proxy:
                 return None if verdict == HOLD else RESEND
             held.release()  # never sent again
             if verdict == ENDED:
-                self._ended(request, tries)
+                self.ends.cut(request, tries.sent_at)
                 return self._refuse(request, label, 502, "engine_ended", ENDED_MESSAGE)
             if not connected:
                 return self._refuse(request, label, 502, "upstream_down",
@@ -364,11 +375,6 @@ class Proxy:
         except aiohttp.ClientError as exc:
             return self._refuse(request, label, 502, "upstream_error", f"upstream {self.upstream}: {exc}")
         return None
-
-    def _ended(self, request: web.Request, tries: Tries) -> None:
-        """Into the book of ends (casualties.py): address and path, never what it sent. A planned stop's is nobody's."""
-        if not self.hold.planned:
-            self.casualties.note(client_of(request), tries.sent_at, f"{request.method} {request.path}")
 
     async def _read(self, request: web.Request, held: Held) -> bytearray:
         """The whole body, within --max-body-bytes and the budget; then the request is whole (listener.py)."""
@@ -380,44 +386,6 @@ class Proxy:
             self.conns.serving(request)
         return body
 
-    def _normalize(self, api: str, body: bytearray, coding: str, held: Held, peer: str | None,
-                   path: str) -> bytes | bytearray:
-        """The body to send upstream: decoded, parsed, the rules applied, counted and dumped; or Refusal."""
-        plain = decode(body, coding, self.max_body_bytes, held)
-        held.take(parse_cost(plain, self.dumper is not None), "parsing this body")
-        try:
-            parsed = loads(plain)
-        except (ValueError, RecursionError) as exc:  # RecursionError: nesting deeper than Python's limit
-            raise Refusal(400, "bad_json", f"body is not JSON: {str(exc)[:200]}") from None
-        if not isinstance(parsed, dict):
-            raise Refusal(400, "bad_json", "body is JSON but not an object")
-        turn = self.dumper.open(session_of(parsed, api, peer), path) if self.dumper is not None else None
-        applied: dict = {}
-        try:  # the dump is closed (kept within its budget, or removed) on every path
-            if turn is not None:
-                turn.part("received", parsed)  # before the rules change it in place
-            try:
-                applied = apply(parsed, api, self.rules)
-            except Exception as exc:  # a shape no rule expected: the body goes on as it came
-                self.faults.note("bodies the rules could not read", f"{path} from {peer}: a rule failed on the "
-                                 f"body ({type(exc).__name__}: {str(exc)[:200]}); sent unchanged")
-                if turn is not None:
-                    turn.failed = "a rule failed on the body"
-                return plain
-            for rule, n in applied.items():
-                self.metrics.normalized.labels(rule).inc(n)
-            if applied:
-                try:
-                    plain = json.dumps(parsed, ensure_ascii=False, separators=(",", ":")).encode()
-                except UnicodeEncodeError:  # a lone surrogate from a \ud800 escape: keep it escaped
-                    plain = json.dumps(parsed, separators=(",", ":")).encode()
-            if turn is not None:
-                turn.part("sent", parsed)
-            return plain
-        finally:
-            if turn is not None:
-                turn.close(dict(applied))
-
     async def _relay(self, request: web.Request, up: aiohttp.ClientResponse, label: str,
                      tries: Tries) -> web.StreamResponse:
         response = web.StreamResponse(status=up.status, reason=up.reason)
@@ -428,13 +396,17 @@ class Proxy:
         self.metrics.requests.labels(label, str(up.status)).inc()
         if streaming:
             self.metrics.streams.labels(label).inc()
-        sent = 0
+        else:  # a stream's answer is told at its end, where an error event may be (ends.py)
+            self.ends.answered(request, tries.sent_at, up.status)
+        sent, tail = 0, b""
         try:
             await response.prepare(request)
             async for chunk in up.content.iter_any():
                 await response.write(chunk)
                 sent += len(chunk)
                 self.metrics.chunks.inc()
+                if streaming:
+                    tail = tail_of(tail, chunk)
             await response.write_eof()
         except (ConnectionResetError, asyncio.CancelledError) as exc:
             # The client went away: leaving the `async with` closes the upstream connection, so the engine
@@ -452,9 +424,11 @@ class Proxy:
             if request.transport is not None:
                 request.transport.close()  # the client must see a cut stream, not a finished one
             if isinstance(exc, aiohttp.ClientError) and await self.hold.engine_down(since=broke_at):
-                self._ended(request, tries)
+                self.ends.cut(request, tries.sent_at)
         finally:
             self.metrics.bytes_out.inc(sent)
+            if streaming:  # ended, cut or left: what it said last (no more of it is kept)
+                self.ends.answered(request, tries.sent_at, up.status, tail)
         return response
 
     def _refuse(self, request: web.Request, label: str, status: int, reason: str, message: str,

@@ -1,0 +1,59 @@
+"""The body the proxy sends upstream for a normalized path (server.NORMALIZED): decoded, parsed within the body
+budget (body.py), the rules applied (normalize.py), each change counted, and the turn dumped (dump.py)."""
+
+from __future__ import annotations
+
+import json
+
+from prometheus_client import Counter
+
+from ..base.faultlog import FaultLog
+from .body import Held, Refusal, decode, loads, parse_cost
+from .dump import Dumper, session_of
+from .normalize import Rules, apply
+
+
+class Prepare:
+    def __init__(self, rules: Rules, normalized: Counter, dumper: Dumper | None, faults: FaultLog,
+                 max_body_bytes: int):
+        """normalized: the changes each rule made, by rule."""
+        self.rules, self.normalized, self.dumper, self.faults = rules, normalized, dumper, faults
+        self.max_body_bytes = max_body_bytes
+
+    def __call__(self, api: str, body: bytearray, coding: str, held: Held, peer: str | None,
+                 path: str) -> bytes | bytearray:
+        """The body to send upstream: decoded, parsed, the rules applied, counted and dumped; or Refusal."""
+        plain = decode(body, coding, self.max_body_bytes, held)
+        held.take(parse_cost(plain, self.dumper is not None), "parsing this body")
+        try:
+            parsed = loads(plain)
+        except (ValueError, RecursionError) as exc:  # RecursionError: nesting deeper than Python's limit
+            raise Refusal(400, "bad_json", f"body is not JSON: {str(exc)[:200]}") from None
+        if not isinstance(parsed, dict):
+            raise Refusal(400, "bad_json", "body is JSON but not an object")
+        turn = self.dumper.open(session_of(parsed, api, peer), path) if self.dumper is not None else None
+        applied: dict = {}
+        try:  # the dump is closed (kept within its budget, or removed) on every path
+            if turn is not None:
+                turn.part("received", parsed)  # before the rules change it in place
+            try:
+                applied = apply(parsed, api, self.rules)
+            except Exception as exc:  # a shape no rule expected: the body goes on as it came
+                self.faults.note("bodies the rules could not read", f"{path} from {peer}: a rule failed on the "
+                                 f"body ({type(exc).__name__}: {str(exc)[:200]}); sent unchanged")
+                if turn is not None:
+                    turn.failed = "a rule failed on the body"
+                return plain
+            for rule, n in applied.items():
+                self.normalized.labels(rule).inc(n)
+            if applied:
+                try:
+                    plain = json.dumps(parsed, ensure_ascii=False, separators=(",", ":")).encode()
+                except UnicodeEncodeError:  # a lone surrogate from a \ud800 escape: keep it escaped
+                    plain = json.dumps(parsed, separators=(",", ":")).encode()
+            if turn is not None:
+                turn.part("sent", parsed)
+            return plain
+        finally:
+            if turn is not None:
+                turn.close(dict(applied))
