@@ -17,7 +17,7 @@ from conftest import subprocess_env
 from gpuwarden.serving.compose.identity import Identity
 from gpuwarden.serving.run.processes import ProcessOps
 from test_faults import fake, no_fakes_left  # noqa: F401 (fixtures)
-from test_faults import FLAGCHECK, assert_on_schedule, fault_config, metrics, own_log, status, wait_until
+from test_faults import FLAGCHECK, assert_polls_go_on, fault_config, metrics, own_log, status, wait_until
 
 pytestmark = pytest.mark.process
 
@@ -118,7 +118,7 @@ def test_a_reload_after_an_in_place_upgrade_restarts_the_engine_on_the_installed
     venv.install("0.32.1")
     mark = _mark(d)
     d.proc.send_signal(signal.SIGHUP)
-    assert_on_schedule(base, 4)
+    assert_polls_go_on(base, 16)
     line = d.wait_for("is installed, the engine runs", after=mark, timeout=20)
     assert line.endswith("WARNING reload: vLLM 0.32.1 is installed, the engine runs 0.32.0: restarting it on the "
                          "installed version"), line
