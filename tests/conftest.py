@@ -251,6 +251,17 @@ class DaemonProcess:
 
 
 @pytest.fixture
+def passable_state():
+    """A state directory serve.user may pass to its engine's socket (serving/compose/enginesock.py), as
+    /var/lib/gpuwarden (0755) is: pytest's own tmp_path sits in a folder only root may enter. Short, so that the
+    socket's path fits a Unix socket's 107 bytes."""
+    state = Path(tempfile.mkdtemp(prefix="gw-state-"))
+    state.chmod(0o755)
+    yield state
+    shutil.rmtree(state, ignore_errors=True)
+
+
+@pytest.fixture
 def daemons():
     """Start daemons; every one still running at the end of the test is killed."""
     started: list[DaemonProcess] = []

@@ -16,13 +16,13 @@ pytestmark = pytest.mark.process
 TOY_KIND = Path(__file__).resolve().parent / "harness" / "toy_kind.py"
 
 
-def test_a_reload_that_changes_one_side_kind_restarts_that_child_only(write, fake, tmp_path):
+def test_a_reload_that_changes_one_side_kind_restarts_that_child_only(write, fake, tmp_path, passable_state):
     proxy_port, toy_port = free_port(), free_port()
     proxy = f"  proxy: {{enabled: true, listen: '127.0.0.1:{proxy_port}'}}\n"
     path, _, _ = fault_config(write, fake, "healthy", extra=proxy)
     out = subprocess.run([sys.executable, str(TOY_KIND), str(path), str(fake["script"]), str(toy_port)],
                          capture_output=True, text=True, timeout=240,
-                         env={**subprocess_env(), "STATE_DIRECTORY": str(tmp_path / "state")})
+                         env={**subprocess_env(), "STATE_DIRECTORY": str(passable_state)})
     assert out.returncode == 0, out.stderr[-4000:]
     seen = json.loads(out.stdout)
     start, toy, proxy = seen["start"], seen["toy"], seen["proxy"]

@@ -395,7 +395,10 @@ def test_under_the_daemon_a_squatter_who_takes_the_port_while_the_engine_restart
     /health and /metrics reads) writes a byte to the squatter. Before this check the squatter got the request."""
     from test_query_of_death import SECRET, Call, healthy, serving_behind_the_proxy
 
-    d, first, path, port, proxy_port = serving_behind_the_proxy(write, fake, daemons, proxy_daemon)
+    # on TCP as asked (serve.engine_listen: tcp; behind the proxy vLLM's default is a Unix socket, which no one can
+    # squat: tests/test_engine_socket.py)
+    d, first, path, port, proxy_port = serving_behind_the_proxy(write, fake, daemons, proxy_daemon,
+                                                                serve_extra="engine_listen: tcp")
     squatter = squatters(port)  # it loops on bind() until the engine's socket is gone
     time.sleep(0.5)
     engine = ports.holders(set(ports.listening_sockets(port, host="127.0.0.1")))

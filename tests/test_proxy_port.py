@@ -230,12 +230,11 @@ def test_a_reload_that_restarts_the_proxy_keeps_its_port_the_daemons_and_the_nex
 
 @pytest.mark.process
 def test_a_handover_carries_the_proxys_socket_across_the_exec_and_the_new_image_starts_its_next_proxy_on_it(
-        write, fake, daemons, proxy_daemon, no_fakes_left, squatters, tmp_path):
+        write, fake, daemons, proxy_daemon, no_fakes_left, squatters, tmp_path, passable_state):
     """SIGUSR2: the daemon re-executes itself; the proxy is adopted (same pid), and the daemon's own fd of the
     proxy's socket crosses the exec (the same inode before and after, close-on-exec again in the new image). Then the
     proxy is killed: the new image holds the port through the gap and starts the next proxy on that socket."""
-    state = tmp_path / "state"
-    state.mkdir()
+    state = passable_state  # the engine's socket in it (serving/compose/enginesock.py): serve.user passes it
     d, _, port, inode = behind_the_proxy(write, fake, daemons, proxy_daemon, STATE_DIRECTORY=str(state))
     squatter = looping_squatter(squatters, port)
     proxy, daemon_pid = proxy_pid(d), d.proc.pid
@@ -306,14 +305,13 @@ class Notify:
 
 @pytest.mark.process
 def test_a_crash_restart_takes_the_proxys_socket_back_from_the_fd_store_and_starts_the_next_proxy_on_it(
-        write, fake, daemons, proxy_daemon, no_fakes_left, squatters, tmp_path):
+        write, fake, daemons, proxy_daemon, no_fakes_left, squatters, tmp_path, passable_state):
     """The daemon puts the proxy's listening socket in systemd's store (FDSTORE=1, FDNAME=proxy, the fd attached);
     it crashes (SIGKILL: its proxy and engine serve on); the next daemon, given what the store holds as systemd gives
     it (from fd 3 on, named in LISTEN_FDNAMES, LISTEN_FDS, LISTEN_PID its pid: the proxy's and the metrics socket,
     the children's output pipes), adopts the proxy and takes the socket instead of binding one: when the proxy is
     killed it holds the port through the gap and starts the next proxy on it."""
-    state = tmp_path / "state"
-    state.mkdir()
+    state = passable_state  # the engine's socket in it (serving/compose/enginesock.py): serve.user passes it
     notify = Notify(tmp_path / "notify.sock")
     later = inode = None
     try:

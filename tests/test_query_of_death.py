@@ -475,10 +475,10 @@ def healthy(d, after=0):
     return d.wait_index("vLLM healthy after", timeout=60, after=after)
 
 
-def serving_behind_the_proxy(write, fake, daemons, proxy_daemon, mode="killer"):
+def serving_behind_the_proxy(write, fake, daemons, proxy_daemon, mode="killer", serve_extra=""):
     """A daemon serving the fake engine in mode behind its proxy, an ordinary request answered 200 through it:
     (the daemon, its first healthy line's index, its config, the engine's port, the proxy's port)."""
-    path, _, port, proxy_port = served_config(write, fake, mode)
+    path, _, port, proxy_port = served_config(write, fake, mode, serve_extra=serve_extra)
     command, env = proxy_daemon
     d = daemons(path, command=command, env=env)
     first = healthy(d)

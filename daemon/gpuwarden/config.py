@@ -58,6 +58,7 @@ class HealthPolicy:
     reboots_before_inspect: int = 3  # reboots for one fault on one GPU before the action is "inspect the hardware"
 
 
+ENGINE_LISTEN = ("auto", "tcp", "unix")  # serve.engine_listen
 DEFAULT_LISTEN = ("127.0.0.1", 9847)  # dcgm-exporter uses 9400, nvidia_gpu_exporter 9835
 
 
@@ -137,6 +138,9 @@ class ServeConfig:
     python: str | None = None  # the engine's interpreter for the flag check; None: derived from command
     host: str = "127.0.0.1"
     port: int = 8000
+    # Where the engine listens: tcp (serve.host:serve.port), unix (a socket only root and serve.user can reach:
+    # serving/compose/enginesock.py), or auto: unix where the proxy is in front and the engine can, else tcp.
+    engine_listen: str = "auto"
     user: str = "gpuwarden"
     gpus: tuple[str, ...] | None = None  # indices or UUIDs; None: all
     args: tuple[str, ...] = ()
@@ -391,6 +395,7 @@ def _serve_section(r: Reader, base_dir: Path) -> ServeConfig:
         python=None if python == "auto" else python,
         host=r.string(base + ("host",), d.host),
         port=r.number(base + ("port",), d.port, 1, 65535, integer=True),
+        engine_listen=r.string(base + ("engine_listen",), d.engine_listen, ENGINE_LISTEN),
         user=user, gpus=gpus, args=args,
         env=tuple((k, str(v)) for k, v in env.items()), env_file=env_file,
         allow_lint_errors=r.boolean(base + ("allow_lint_errors",), d.allow_lint_errors),
@@ -563,7 +568,7 @@ def listeners(metrics: MetricsConfig, serve: ServeConfig) -> list[Listener]:
     out = []
     if metrics.listen is not None:
         out.append(Listener("metrics.listen", (("metrics", "listen"),), "the metrics endpoint", *metrics.listen))
-    if serve.enabled:
+    if serve.enabled and serve.engine_listen != "unix":  # on a Unix socket it listens on no port
         out.append(Listener("serve.port", (("serve", "port"), ("serve", "host")), "the engine's API, on serve.host",
                             serve.host, serve.port))
         if serve.proxy.enabled:

@@ -1,8 +1,9 @@
 """A misbehaving stand-in for vLLM, run as a real process by the fault tests and the soak benchmark.
 
-    python fakechild.py --mode MODE[,MODE...] [the engine's flags ... --host H --port P]
+    python fakechild.py --mode MODE[,MODE...] [the engine's flags ... --host H --port P | --uds PATH]
 
-It takes what gpuwarden appends (--model ..., --host, --port) and ignores the rest, but for a flag that starts with
+It takes what gpuwarden appends (--model ..., --host, --port, or --uds: then it binds that Unix socket and no TCP
+port, as vLLM 0.32 does) and ignores the rest, but for a flag that starts with
 --no-such-: it refuses that one as vLLM's parser refuses an unknown flag (one line on stderr, exit 2), as
 tests/harness/fakechild-flagcheck does.
 Modes:
@@ -227,11 +228,15 @@ def drain_at_sigterm(timeout: int, modes: set[str]) -> None:
     signal.signal(signal.SIGTERM, on_term)
 
 
-def serve(host: str, port: int, modes: set[str]) -> None:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind((host, port))
+def serve(host: str, port: int, modes: set[str], uds: str | None = None) -> None:
+    if uds:  # vLLM's create_server_unix_socket: bind the path (a file already there: EADDRINUSE)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(uds)
+    else:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
     listener.listen(8)
     started = time.monotonic()
     if "noaccept" in modes:
@@ -264,6 +269,7 @@ def main() -> None:
     parser.add_argument("--mode", default="healthy")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--uds")  # vLLM's: listen on this Unix socket, --host and --port ignored
     parser.add_argument("--model-path")
     parser.add_argument("--enable-metrics", action="store_true")
     parser.add_argument("--shutdown-timeout", type=int, default=0)  # vLLM's drain (0.18 and later)
@@ -285,7 +291,8 @@ def main() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if modes & DRAINERS:
         drain_at_sigterm(args.shutdown_timeout, modes)
-    print(f"INFO fakechild pid {os.getpid()} modes {sorted(modes)} on {args.host}:{args.port}", flush=True)
+    where = f"unix:{args.uds}" if args.uds else f"{args.host}:{args.port}"
+    print(f"INFO fakechild pid {os.getpid()} modes {sorted(modes)} on {where}", flush=True)
     leave_the_group(modes)
     if "flood" in modes:
         line = b"y" * (1 << 20)
@@ -303,7 +310,7 @@ def main() -> None:
         sys.exit(3)
     if "chatty" in modes:
         threading.Thread(target=tick, daemon=True).start()
-    serve(args.host, args.port, modes)
+    serve(args.host, args.port, modes, args.uds)
 
 
 def tick() -> None:

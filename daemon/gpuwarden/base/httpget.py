@@ -9,6 +9,7 @@ for as long as it likes. Everything we read from another process (the engine's
 
 from __future__ import annotations
 
+import pwd
 import re
 import socket
 import ssl
@@ -16,7 +17,7 @@ import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from . import httphead, sockowner
+from . import httphead, sockowner, unixsock
 
 MAX_HEADER_BYTES = 64 * 1024
 MAX_LENGTH_DIGITS = 18  # a Content-Length of more digits is past any cap here (an exabyte)
@@ -54,31 +55,35 @@ def request(method: str, url: str, deadline_s: float, max_bytes: int, headers: d
     """owner: a uid (or uids); nothing is written unless the socket that took the connection is one of its on this
     host (base/sockowner.py: a local user who binds the engine's port while it restarts gets no API key)."""
     parts = urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname or (parts.scheme == "https") != bool(context):
-        raise HttpError(f"cannot read {url!r} (http://, or https:// with a TLS context)")
-    host, port = parts.hostname, parts.port or (443 if context else 80)
+    unix = unixsock.path_of(url)
+    if unix is None and (parts.scheme not in ("http", "https") or not parts.hostname
+                         or (parts.scheme == "https") != bool(context)):
+        raise HttpError(f"cannot read {url!r} (http://, http+unix:// or https:// with a TLS context)")
+    host, port = ("localhost", None) if unix else (parts.hostname, parts.port or (443 if context else 80))
     path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     end = time.monotonic() + deadline_s
+    shown = unixsock.shown(url)
 
     def remaining() -> float:
         left = end - time.monotonic()
         if left <= 0:
-            raise HttpError(f"no complete answer from {url} within {deadline_s:g} s")
+            raise HttpError(f"no complete answer from {shown} within {deadline_s:g} s")
         return left
 
     try:
-        with socket.create_connection((host, port), timeout=remaining()) as raw:
+        with _connect(unix, host, port, remaining(), owner) as raw:
             why = None if owner is None else sockowner.why_not(raw, owner)
             if why is not None:
                 sockowner.reset_on_close(raw)
-                raise HttpError(f"{url}: {why}")
+                raise HttpError(f"{shown}: {why}")
             sock = context.wrap_socket(raw, server_hostname=host) if context else raw
-            local_port = sock.getsockname()[1]
+            local_port = 0 if unix else sock.getsockname()[1]
             name = f"[{host}]" if ":" in host else host
+            name = name if unix else f"{name}:{port}"
             extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
             if body:
                 extra += f"Content-Length: {len(body)}\r\n"
-            head = f"{method} {path} HTTP/1.1\r\nHost: {name}:{port}\r\nConnection: close\r\n" \
+            head = f"{method} {path} HTTP/1.1\r\nHost: {name}\r\nConnection: close\r\n" \
                    f"Accept-Encoding: identity\r\n{extra}\r\n"
             sock.settimeout(remaining())
             sock.sendall(_encode_head(head) + body)
@@ -93,22 +98,41 @@ def request(method: str, url: str, deadline_s: float, max_bytes: int, headers: d
                 searched = max(0, len(data) - 3)
                 data += chunk
                 if len(data) > limit:
-                    raise HttpError(f"the answer from {url} is larger than {max_bytes} bytes")
+                    raise HttpError(f"the answer from {shown} is larger than {max_bytes} bytes")
                 if head_end < 0:
                     head_end = data.find(httphead.END, searched)
                     if head_end < 0:
                         continue
-                    length = _content_length(_response(bytes(data[:head_end]), url)[1])
+                    length = _content_length(_response(bytes(data[:head_end]), shown)[1])
                     if length is not None and length > max_bytes:
-                        raise HttpError(f"the answer from {url} is larger than {max_bytes} bytes ({length})")
+                        raise HttpError(f"the answer from {shown} is larger than {max_bytes} bytes ({length})")
                 if length is not None and len(data) - head_end - 4 >= length:
                     break
     except HttpError:
         raise
     except (OSError, ValueError) as exc:  # refused, reset, timed out, unresolvable
-        raise HttpError(f"{url}: {exc.strerror if isinstance(exc, OSError) and exc.strerror else exc}") from None
-    status, body = _parse(bytes(data), url, max_bytes)
+        raise HttpError(f"{shown}: {exc.strerror if isinstance(exc, OSError) and exc.strerror else exc}") from None
+    status, body = _parse(bytes(data), shown, max_bytes)
     return Reply(status, body, local_port)
+
+
+def _connect(unix: str | None, host: str, port: int | None, timeout: float,
+             owner: int | tuple[int, ...] | None) -> socket.socket:
+    """A connection to the server: over TCP, or to the Unix socket at unix as its owner (the first uid of owner,
+    with that user's group: base/unixsock.py; the socket and its directory are the owner's)."""
+    if unix is None:
+        return socket.create_connection((host, port), timeout=timeout)
+    uid = owner if isinstance(owner, int) or owner is None else owner[0]
+    return unixsock.connect(unix, timeout, uid, _group_of(uid))
+
+
+def _group_of(uid: int | None) -> int | None:
+    if uid is None:
+        return None
+    try:
+        return pwd.getpwuid(uid).pw_gid
+    except KeyError:
+        return None
 
 
 async def read_capped(content, max_bytes: int, what: str) -> bytes:

@@ -22,6 +22,8 @@ import socket
 import struct
 import sys
 
+from . import unixsock
+
 ESTABLISHED, SYN_RECV = 1, 3
 SOCK_DIAG_BY_FAMILY, NETLINK_SOCK_DIAG, NLM_F_REQUEST, NLMSG_ERROR = 20, 4, 1, 2
 NO_COOKIE = 0xFFFFFFFF
@@ -56,6 +58,13 @@ def why_not(sock: socket.socket, uid: int | tuple[int, ...], elsewhere: str = ""
     one uid: a listener one process made and another accepts on (the daemon's kept listener, base/keptlistener.py):
     a connection still queued is its maker's, accept() makes it the accepter's."""
     uids = (uid,) if isinstance(uid, int) else uid
+    if sock.family == socket.AF_UNIX:  # the kernel's word for the connection: who listened (SO_PEERCRED)
+        found = unixsock.peer_uid(sock)
+        if found in uids:
+            return None
+        return (f"unix:{sock.getpeername() or '?'} is answered by "
+                f"{'no process it can name' if found is None else 'a socket of ' + named(found)}, not of the "
+                f"engine's {' or '.join(map(named, uids))}: nothing sent to it")
     try:
         near, far = sock.getsockname(), sock.getpeername()
     except OSError as exc:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from .. import __version__
+from ..serving.compose.enginesock import configured_url
 from ..config import Config
 from ..base.safetext import visible_lines
 from ..base.statedir import state_dir
@@ -94,9 +95,10 @@ def cmd_bench(args: argparse.Namespace, config: Config) -> int:
     except (ValueError, ImportError) as exc:
         print_error(f"gpuwarden bench: {exc}")
         return EX_USAGE
-    base = (args.url or config.serve.url).rstrip("/").removesuffix("/v1")
+    engine_base = configured_url(config.serve)  # its port, or its Unix socket (serving/compose/enginesock.py)
+    base = (args.url or engine_base).rstrip("/").removesuffix("/v1")
     model_dir, tp, kv_dtype, names = _serving_facts(config)
-    if base != config.serve.url:
+    if base != engine_base:
         model_dir, tp = None, 1  # another server: its model and TP are not the config's
     model_dir, tp = args.model_path or model_dir, args.tp or tp
     read_gpus, gpu_source, gpu_note = _gpu_reader(config)

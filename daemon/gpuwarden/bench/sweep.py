@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 
 import aiohttp
 
+from ..base import unixsock
 from ..base.httpget import HttpError, read_capped
 from .bound import step_activity
 from .client import RequestResult, stream
@@ -231,11 +232,14 @@ async def run(sweep: Sweep, watch: Watch, progress: Callable[[int, int, int | No
               before_step: Callable[[int], None] | None = None) -> Sweep:
     """before_step(i), when given, runs before step i is timed (tune sets the GPUs' setting there)."""
     settings = sweep.settings
-    connector = aiohttp.TCPConnector(limit=0)  # no pool cap: a thousand streams need a thousand connections
+    # no pool cap: a thousand streams need a thousand connections; an engine on a Unix socket (an http+unix URL:
+    # serving/compose/enginesock.py) is asked by plain http:// paths over it
+    unix = unixsock.path_of(settings.base_url)
+    connector = aiohttp.UnixConnector(unix, limit=0) if unix else aiohttp.TCPConnector(limit=0)
     # Each request's total deadline is stream()'s (Settings.limit); the session times only the connect.
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        base = settings.base_url.rstrip("/")
+        base = "http://localhost" if unix else settings.base_url.rstrip("/")
         served = await _models(session, base)
         wanted = settings.workload.model
         if wanted and wanted not in served:

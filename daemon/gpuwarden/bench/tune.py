@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from .. import __version__
+from ..serving.compose.enginesock import configured_url
 from ..config import Config
 from ..tune.channel import ChannelLost, ControlError, SweepClient, Unreachable, socket_path
 from ..base.safetext import visible_lines
@@ -166,7 +167,7 @@ def cmd_tune(args: argparse.Namespace, config: Config) -> int:
         print_error(f"gpuwarden tune: {exc}")
         return EX_USAGE
     setting, unit = ("gpu_clocks", "MHz") if args.clocks else ("power_limit_w", "W")
-    base = (args.url or config.serve.url).rstrip("/").removesuffix("/v1")
+    base = (args.url or configured_url(config.serve)).rstrip("/").removesuffix("/v1")
     read_gpus, gpu_source, note = _gpu_reader(config)
     if read_gpus is None or not gpu_source.startswith("the daemon"):
         print_error(f"gpuwarden tune: no daemon answers at {config.metrics.url}: tune needs the running daemon "

@@ -43,13 +43,16 @@ sent again and again as new requests, cannot take the engine to FATAL.
 
 The proxy sends the engine nothing over a connection that another user's socket took (a local user who binds the
 engine's port while it restarts): each new connection's far end must be a socket of --engine-user, checked before
-a byte is written; another's is closed unwritten, and the request is held as if the engine refused it.
+a byte is written; another's is closed unwritten, and the request is held as if the engine refused it. Under the
+daemon with vLLM the engine listens on a Unix socket in a folder only root and serve.user's group can write
+(serve.engine_listen), so there is no port to bind, and the socket's listener is checked the same way.
 
 `gpuwarden proxy diff A B` shows where two dumped turns (--dump-dir) first differ: the cache buster."""
 
 
 def arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--upstream", help="the engine, e.g. http://127.0.0.1:8000 (default: serve.host:serve.port)")
+    p.add_argument("--upstream", help="the engine, e.g. http://127.0.0.1:8000, or http+unix://%%2Fpath%%2Fapi.sock "
+                   "for a Unix socket (default: where the config's engine listens: serve.engine_listen)")
     p.add_argument("--listen", help="HOST:PORT to serve on (default: serve.proxy.listen, 127.0.0.1:8001)")
     p.add_argument("--listen-fd", type=int, metavar="FD", help="serve on this inherited listening socket, bound "
                    "to --listen (default: $GPUWARDEN_LISTEN_FD, as the daemon passes the socket it keeps for the "

@@ -3,7 +3,8 @@ command line, run as serve.user like the engine.
 
 A process of its own, not a task in the daemon: a proxy fault (a hostile body, a bug, memory) then ends that
 process, which the supervisor restarts with backoff, and never the GPU poll; its requests never wait on the
-daemon's loop either. It listens on its own port and reaches the engine on serve.host:serve.port.
+daemon's loop either. It listens on its own port and reaches the engine on its Unix socket, or serve.host:serve.port
+(serving/compose/enginesock.py).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import sys
 from pathlib import Path
 
 from ..config import Config
-from ..serving.compose.command import child_env
+from ..serving.compose.command import child_env, engine_of
+from ..serving.compose.enginesock import engine_url
 from ..serving.compose.homes import let_group_in
 from ..serving.compose.identity import Identity
 from ..serving.run.kinds import ChildKind
@@ -38,7 +40,7 @@ def log_level(line: str) -> int | None:
 def proxy_argv(config: Config) -> tuple[str, ...]:
     p, serve = config.serve.proxy, config.serve
     rules = [name for name in SWITCHES if getattr(p, name)]
-    argv = [*COMMAND, "-c", "none", "--upstream", serve.url, "--listen", p.address,
+    argv = [*COMMAND, "-c", "none", "--upstream", engine_url(serve, engine_of(config)), "--listen", p.address,
             "--engine", serve.engine, "--rules", ",".join(rules) or "none", "--max-body-bytes", str(p.max_body_bytes),
             "--client-timeout", f"{p.client_timeout_s:g}", "--hold-s", f"{p.hold_s:g}", "--hold-max", str(p.hold_max),
             # the engine's ends are counted over the daemon's crash-loop window: fewer within it than its failures

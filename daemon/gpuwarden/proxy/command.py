@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..config import ProxyConfig, parse_address
 from ..serving.compose.engines import engine_for
+from ..serving.compose.enginesock import engine_url
 from ..base.keptlistener import CHILD_ENV
 from ..base.sockowner import named
 from ..base.systemd import LineFormatter
@@ -43,12 +44,16 @@ def cmd_proxy(args: argparse.Namespace, load_config) -> int:
         listen_fd = _listen_fd(args.listen_fd)
     except ValueError as exc:
         return _usage(f"proxy: {exc}")
-    upstream = args.upstream or (config.serve.url if config else "http://127.0.0.1:8000")
-    if not re.match(r"^https?://[^/\s]+/?$", upstream):
-        return _usage(f"proxy: --upstream {upstream!r} is not a base URL such as http://127.0.0.1:8000")
     engine = engine_for(args.engine or (config.serve.engine if config else "vllm"))
     if engine is None:
         return _usage(f"proxy: no serving engine named '{args.engine}'")
+    try:
+        upstream = args.upstream or (engine_url(config.serve, engine) if config else "http://127.0.0.1:8000")
+    except ValueError as exc:
+        return _usage(f"proxy: serve.engine_listen: {exc}")
+    if not (re.match(r"^https?://[^/\s]+/?$", upstream) or re.match(r"^http\+unix://%2F[^/\s]+/?$", upstream)):
+        return _usage(f"proxy: --upstream {upstream!r} is not a base URL such as http://127.0.0.1:8000 (or "
+                      "http+unix://%2Fpath%2Fto%2Fsocket for a Unix socket)")
     dump_dir = args.dump_dir or settings.dump_dir
     keep = settings.dump_keep if args.dump_keep is None else args.dump_keep
     max_body = settings.max_body_bytes if args.max_body_bytes is None else args.max_body_bytes

@@ -33,6 +33,7 @@ from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ..base import unixsock
 from ..base.faultlog import FaultLog
 from .body import Budget, Held, Refusal, read
 from .casualties import (ENDED, HOLD, REFUSE_AFTER_ENDS, RESEND, WINDOW_S, Casualties, after_failure, client_of,
@@ -46,7 +47,7 @@ from .normalize import Rules
 from .prepare import Prepare
 from .refusals import error_response
 from .scrape import scrape_forever
-from .upstream import EngineConnector
+from .upstream import EngineConnector, EngineUnixConnector
 
 log = logging.getLogger("gpuwarden.proxy")
 
@@ -143,15 +144,16 @@ async def _opened(session, context, params) -> None:
 
 
 def engine_session(limit: int, read_timeout_s: float, uid: int | None,
-                   faults: FaultLog | None = None) -> aiohttp.ClientSession:
+                   faults: FaultLog | None = None, socket: str | None = None) -> aiohttp.ClientSession:
     """The session to the engine: no automatic headers and no decompression, so what the client and the engine send
     passes as it is; limit connections at once (0: no limit); only to a socket of uid (upstream.py; None: any);
     each try's connection traced (Tries), and no resend of aiohttp's own (3.9 and later resend a request without a
-    body once): casualties.py decides."""
+    body once): casualties.py decides. socket: the engine's Unix socket, where it listens on one."""
     trace = aiohttp.TraceConfig()
     trace.on_connection_reuseconn.append(_opened)
     trace.on_connection_create_end.append(_opened)
-    connector = EngineConnector(uid=uid, faults=faults, limit=limit)
+    connector = EngineUnixConnector(socket, uid=uid, faults=faults, limit=limit) if socket else \
+        EngineConnector(uid=uid, faults=faults, limit=limit)
     session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, connect=10, sock_read=read_timeout_s),
                                     auto_decompress=False, connector=connector,
                                     trace_configs=[trace],
@@ -185,7 +187,9 @@ class Proxy:
         """engine_uid: the engine's user, the only one whose socket is sent a byte (SELF: the proxy's own; None:
         anyone's, an engine on another host); ends: a client in flight at this many of the engine's ends (0: never)
         within this many seconds is refused (casualties.py)."""
-        self.upstream = upstream.rstrip("/")
+        # An engine on a Unix socket (an http+unix URL: base/unixsock.py) is asked by plain http:// paths over it.
+        self.socket, self.shown = unixsock.path_of(upstream), unixsock.shown(upstream.rstrip("/"))
+        self.upstream = "http://localhost" if self.socket else upstream.rstrip("/")
         self.engine_uid = os.geteuid() if engine_uid == SELF else engine_uid
         self.rules, self.metrics, self.dumper = rules, metrics, dumper
         self.max_body_bytes, self.read_timeout_s, self.metrics_path = max_body_bytes, read_timeout_s, metrics_path
@@ -227,7 +231,7 @@ class Proxy:
     async def _start(self, app) -> None:
         # At most one upstream connection per client connection (and the scrape's): the fd limit counts both.
         self.session = engine_session(self.conns.cap + 4 if self.conns else 0, self.read_timeout_s, self.engine_uid,
-                                      self.faults)
+                                      self.faults, self.socket)
         self._scraper = asyncio.get_running_loop().create_task(scrape_forever(self.session, self.upstream,
                                                                               self.metrics_path, self.metrics))
 
@@ -317,7 +321,7 @@ class Proxy:
                     if response is not None:
                         return response
                 elif not self.hold.on:
-                    return self._refuse(request, label, 502, "upstream_down", f"upstream {self.upstream} is down: "
+                    return self._refuse(request, label, 502, "upstream_down", f"upstream {self.shown} is down: "
                                         "the engine ended and its /health does not answer yet")
             first_held = time.monotonic() if first_held is None else first_held
             try:
@@ -352,7 +356,7 @@ class Proxy:
                     return await self._relay(request, up, label, tries)
         except asyncio.TimeoutError:
             return self._refuse(request, label, 504, "upstream_timeout",
-                                f"upstream {self.upstream} sent nothing for {self.read_timeout_s:g} s")
+                                f"upstream {self.shown} sent nothing for {self.read_timeout_s:g} s")
         except aiohttp.ClientConnectionError as exc:
             # Refused at connect: the engine never saw it. Any other failure came with the connection open: the
             # engine may have read the request, and if it then ended, the request may be what ended it.
@@ -370,10 +374,10 @@ class Proxy:
                 return self._refuse(request, label, 502, "engine_ended", ENDED_MESSAGE)
             if not connected:
                 return self._refuse(request, label, 502, "upstream_down",
-                                    f"upstream {self.upstream} unreachable: {exc}")
-            return self._refuse(request, label, 502, "upstream_error", f"upstream {self.upstream}: {exc}")
+                                    f"upstream {self.shown} unreachable: {exc}")
+            return self._refuse(request, label, 502, "upstream_error", f"upstream {self.shown}: {exc}")
         except aiohttp.ClientError as exc:
-            return self._refuse(request, label, 502, "upstream_error", f"upstream {self.upstream}: {exc}")
+            return self._refuse(request, label, 502, "upstream_error", f"upstream {self.shown}: {exc}")
         return None
 
     async def _read(self, request: web.Request, held: Held) -> bytearray:

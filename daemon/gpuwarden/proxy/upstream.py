@@ -10,9 +10,9 @@ engine's /health answers over a connection that passes, or refused 503 at hold_s
 scrape of /metrics go through the same check, so a squatter's answers count for nothing. A squatter of the engine's
 own uid passes: that user can stop or replace the engine anyway.
 
-Why not the engine on a Unix socket (vLLM's --uds, in 0.32): every other client of the engine's port (the daemon's
-/health, /metrics, stall and known-answer probes, bench, users who skip the proxy, SGLang, a multi-node head) would
-move with it; the check changes only gpuwarden's own clients: this connector and httpget's owner= (docs/proxy.md).
+Under the daemon with vLLM the engine listens on a Unix socket instead (serving/compose/enginesock.py: no port for
+anyone to bind); then EngineUnixConnector reaches it, and the kernel names who listens there (SO_PEERCRED), checked
+the same way. The TCP check stays for SGLang (no such flag), serve.engine_listen: tcp and a standalone proxy.
 """
 
 from __future__ import annotations
@@ -83,8 +83,35 @@ class EngineConnector(aiohttp.TCPConnector):
             raise aiohttp.ClientConnectorError(kwargs["req"].connection_key, NotTheEngine(errno.ECONNREFUSED, why))
 
     def not_the_engine(self, transport) -> str | None:
-        """None when the far end of this new connection is the engine user's socket; else why not, in one line."""
-        sock = transport.get_extra_info("socket")
-        if sock is None:
-            return "the engine's connection has no socket to check: nothing sent"
-        return sockowner.why_not(sock, self.uid, f" (an engine elsewhere needs --engine-user {ANY})")
+        return _why_not(transport, self.uid)
+
+
+class EngineUnixConnector(aiohttp.UnixConnector):
+    """aiohttp's connector to a Unix socket (the engine's, serving/compose/enginesock.py), each new connection's
+    listener checked before aiohttp writes to it: a process of uid (SO_PEERCRED; None: no check). Another's is
+    closed unwritten, and the try counts as refused at connect, as EngineConnector's."""
+
+    def __init__(self, path: str, *, uid: int | None, faults: FaultLog | None = None, **kwargs):
+        super().__init__(path, **kwargs)
+        self.uid, self.faults, self.refused = uid, faults, 0
+
+    async def _create_connection(self, req, *args, **kwargs):
+        proto = await super()._create_connection(req, *args, **kwargs)
+        transport = proto.transport
+        why = None if self.uid is None or transport is None else _why_not(transport, self.uid)
+        if why is None:
+            return proto
+        transport.abort()
+        self.refused += 1
+        if self.faults is not None:
+            self.faults.note("connections to a socket not the engine's", why, logging.WARNING)
+        raise aiohttp.ClientConnectorError(req.connection_key, NotTheEngine(errno.ECONNREFUSED, why))
+
+
+def _why_not(transport, uid: int) -> str | None:
+    """None when the far end of this new connection is the engine user's socket; else why not, in one line."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return "the engine's connection has no socket to check: nothing sent"
+    return sockowner.why_not(sock, uid, f" (an engine elsewhere needs --engine-user {ANY})")
+

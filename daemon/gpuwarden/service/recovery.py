@@ -228,14 +228,14 @@ class Recovery:
         done = self._check.take()
         if done is not None and self._asked is not None:
             self._judge(now, done, *self._asked)
-        if not (turned and self.policy.known_answer and launch is not None and engine.spec.port):
+        if not (turned and self.policy.known_answer and launch is not None and engine.spec.listens):
             return
         key = (engine.spec.model, argv_digest(engine.spec.argv))
         recovering, self._recovering = self._recovering, False
         if key in self.answers and not recovering:
             return  # a restart that was no recovery (a crash, a reload): nothing to compare
         kind, serve, command = launch.command.engine, launch.config.serve, launch.command
-        if self._check.start(known.ask, serve.url + kind.completions_path, kind.served_model(serve, command.argv),
+        if self._check.start(known.ask, engine.spec.url + kind.completions_path, kind.served_model(serve, command.argv),
                              kind.api_key(command.argv, command.env), known.TIMEOUT_S, engine.spec.identity.uid):
             self._asked = (key, recovering)
         else:  # an earlier engine's check still runs: its answer is not this one's; asked again at the next tick

@@ -190,10 +190,11 @@ def _installed(installed, engine, written_against: dict[str, str]) -> list[Diagn
 def _metric_names(config: Config, engine) -> list[Diagnosis]:
     """The metric names gpuwarden reads, against the running engine's /metrics (nothing when it is not up)."""
     from ..base.httpget import HttpError
+    from ..serving.compose.enginesock import configured_url
     from ..serving.probe.metrics import fetch
 
     try:
-        served = fetch(config.serve.url + engine.metrics_path)
+        served = fetch(configured_url(config.serve) + engine.metrics_path)  # its port or its socket
     except (HttpError, OSError, ValueError):  # not running, or not reachable from here: nothing to compare
         return []
     missing = engine.metric_names.missing(served)

@@ -16,6 +16,7 @@ from ...gpu.base import GpuBackend, GpuSample
 from ...base.yamlfile import ConfigError, ConfigErrors
 from .command import ServeCommand, build_command, chosen_gpus, engine_of, profile_error
 from .flagcheck import FlagCheck, check_flags
+from .enginesock import conflict_finding, engine_socket, make_socket_dir, socket_dir
 from .homes import HomeError, child_home
 from .identity import Identity, IdentityError, popen, resolve
 from ...base.statedir import state_dir
@@ -146,6 +147,10 @@ def compose(config: Config, gpus: Sequence[GpuSample], profile_name: str | None 
     rules = rules_for(config.serve.rules_dir)
     role = role_of(config)
     try:
+        engine_socket(config.serve, engine)
+    except ValueError as exc:
+        raise config.error(("serve", "engine_listen"), str(exc), "serve.engine_listen: tcp (or auto)") from None
+    try:
         command = build_command(config.serve, profile, gpus, base_env, secrets, home, engine, role)
     except ValueError as exc:  # the engine has no multi-node mode
         raise config.error(("serve", "nodes"), str(exc), "serve.engine: vllm, or no serve.nodes") from None
@@ -157,7 +162,8 @@ def compose(config: Config, gpus: Sequence[GpuSample], profile_name: str | None 
     model = model_facts(config.serve.model, read=ask)
     outcomes = tuple(evaluate_lint(LintContext.of(command, config.serve.model, found, model), rules))
     findings = tuple(o.finding for o in outcomes if o.finding is not None)
-    own = tuple(f for f in (drain.finding, hold_finding(config.serve, drain.seconds)) if f is not None)
+    own = tuple(f for f in (drain.finding, hold_finding(config.serve, drain.seconds),
+                            conflict_finding(config.serve, engine, config.serve.args)) if f is not None)
     return Composed(command, findings + own, outcomes, found, rules)
 
 
@@ -174,6 +180,20 @@ def installed_for(config: Config, command: ServeCommand, ask: bool = True,
     return installed(python, identity, env, state_dir(), ask=ask, spawn=spawn)
 
 
+def _socket_dir(config: Config, identity: Identity, create: bool) -> None:
+    """The engine socket's folder, where it listens on one: made at the daemon's start (create), checked else."""
+    try:
+        if engine_socket(config.serve, engine_of(config)) is None:
+            return
+        make_socket_dir(identity, create)
+    except ValueError:
+        return  # compose says so, at serve.engine_listen
+    except OSError as exc:
+        raise config.error(("serve", "engine_listen"), f"the engine's socket folder {socket_dir()}: "
+                           f"{exc.strerror or exc}", "let serve.user pass the state directory (0755, as systemd makes it), "
+                           "restart the daemon where it was made since, or serve.engine_listen: tcp") from None
+
+
 def prepare_serve(config: Config, backend: GpuBackend, deep: bool, create_home: bool = False,
                   on_loop: bool = False) -> PreparedServe:
     """compose() for this host's GPUs as serve.user, with its secrets and home; with deep, the engine's own
@@ -188,6 +208,7 @@ def prepare_serve(config: Config, backend: GpuBackend, deep: bool, create_home: 
         home, home_note = child_home(identity, create=create_home, on_loop=on_loop)
     except HomeError as exc:
         raise config.error(("serve", "user"), str(exc)) from None
+    _socket_dir(config, identity, create_home)
     gpus = chosen_gpus(config, [gpu.sample() for gpu in backend.gpus()])
     composed = compose(config, gpus, secrets=secrets, home=home, ask=not on_loop)
     command = composed.command

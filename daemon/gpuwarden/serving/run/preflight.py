@@ -11,6 +11,7 @@ import signal
 from collections.abc import Sequence
 
 from ...gpu.base import Gpu
+from ..compose.enginesock import clear_stale
 from .policy import Policy
 from .processes import Child, ProcessOps
 from .spec import ChildSpec
@@ -103,6 +104,10 @@ def taken(gpus: Sequence[Gpu], spec: ChildSpec, ops: ProcessOps) -> str | None:
                 return f"{spec.title} cannot listen on {spec.host}:{spec.port}: {exc.strerror or exc}"
             return (f"port {spec.port} on {spec.host} is in use by "
                     f"{ops.who_listens(spec.host, spec.port)}; {spec.title} needs it")
+    elif spec.socket:  # no port to take: its folder is root's and serve.user's group's; a crash's socket removed
+        why = clear_stale(spec.socket)
+        if why is not None:
+            return f"{why}; {spec.title} needs it"
     elif spec.port and not ops.port_free(spec.host, spec.port):
         return (f"port {spec.port} on {spec.host} is in use by "
                 f"{ops.who_listens(spec.host, spec.port)}; {spec.title} needs it")

@@ -93,9 +93,10 @@ def watchers(launch: Launch, clock) -> tuple[MetricsReader, StallWatch]:
     writes only to a socket the engine's user owns."""
     engine, serve = launch.command.engine, launch.config.serve
     owner = launch.engine.identity.uid  # the engine's user: every probe writes only to its socket
-    reader = MetricsReader(serve.url + engine.metrics_path, engine.metric_names, clock, owner=owner)
+    url = launch.engine.url  # its port, or its Unix socket (serving/compose/enginesock.py)
+    reader = MetricsReader(url + engine.metrics_path, engine.metric_names, clock, owner=owner)
     stall_watch = StallWatch(serve.stall_after_s, serve.probe_after_s, serve.probe_timeout_s,
-                             serve.url + engine.completions_path, engine.served_model(serve, launch.command.argv),
+                             url + engine.completions_path, engine.served_model(serve, launch.command.argv),
                              clock, key=engine.api_key(launch.command.argv, launch.command.env), owner=owner)
     return reader, stall_watch
 
@@ -261,7 +262,7 @@ class ServingRuntime:
             self._record(now)
         stats = None
         # A headless part of a multi-node engine serves no API: the head reads the metrics and watches progress.
-        if engine.state == RUNNING and engine.spec.port:
+        if engine.state == RUNNING and engine.spec.listens:
             if not was_running:
                 self.reader.reset()  # a new child: its counters restart at zero
                 self.stall_watch.reset(now)
@@ -270,7 +271,7 @@ class ServingRuntime:
             progress = Progress(stats.tokens_total, stats.requests_running, stats.requests_waiting) \
                 if stats else None
             engine.note_stall(now, self.stall_watch.update(now, progress), self.launch.config.serve.restart_on_stall)
-        elif engine.state == STOPPING and engine.drain.active and engine.spec.port:
+        elif engine.state == STOPPING and engine.drain.active and engine.spec.listens:
             engine.drain.note(self.reader.read(now))  # what the drain has left, for its last line; not published
         return self.children.views(), stats
 

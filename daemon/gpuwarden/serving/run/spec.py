@@ -16,10 +16,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ...base import unixsock
 from ...config import ServeConfig
 from ...gpu.base import Gpu
 from ..compose.command import ServeCommand
 from ..compose.drain import DRAIN_MARGIN_S
+from ..compose.enginesock import engine_socket
 from ..compose.flagcheck import engine_python
 from ..compose.identity import Identity
 from .policy import Policy
@@ -103,11 +105,26 @@ class ChildSpec:
     # as an inherited fd (its number in the environment, keptlistener.CHILD_ENV): the port is never free between two
     # children. "": it binds its own.
     listener: str = ""
+    # The Unix socket it listens on instead of host:port (the engine behind the proxy: serving/compose/enginesock.py;
+    # port is then 0, and nothing listens on TCP); "": none.
+    socket: str = ""
 
     @property
     def url(self) -> str:
+        if self.socket:
+            return unixsock.url(self.socket)
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
+
+    @property
+    def listens(self) -> bool:
+        """Whether it serves HTTP anywhere (a headless node of a multi-node engine does not)."""
+        return bool(self.port or self.socket)
+
+    @property
+    def where(self) -> str:
+        """Where it listens, in messages: unix:PATH or port P on HOST."""
+        return f"unix:{self.socket}" if self.socket else f"port {self.port} on {self.host}"
 
 
 def engine_spec(serve: ServeConfig, command: ServeCommand, identity: Identity, gpus: Sequence[Gpu],
@@ -116,6 +133,8 @@ def engine_spec(serve: ServeConfig, command: ServeCommand, identity: Identity, g
     the head of a multi-node engine it serves no API: it listens nowhere, and its health is the head's."""
     engine, role = command.engine, command.role
     title, port, health, peer = engine.title, serve.port, engine.health_path, None
+    socket = engine_socket(serve, engine) if role is None else None
+    port = 0 if socket else port
     drain = command.drain.seconds
     if role is not None:
         title = f"{engine.title} rank {role.rank} of {role.nodes.count}"
@@ -126,7 +145,7 @@ def engine_spec(serve: ServeConfig, command: ServeCommand, identity: Identity, g
                      command.memory_fraction, serve.model, command.profile.name, version or "", peer,
                      role.name if role else "", role.rank if role else None, role.nodes.count if role else 1,
                      role.nodes.address if role else "", role.nodes.port if role and role.nodes.backend == "mp" else 0,
-                     role.nodes.hosts if role else (), RankWatch if role else None, drain)
+                     role.nodes.hosts if role else (), RankWatch if role else None, drain, socket=socket or "")
 
 
 def _timing(serve: ServeConfig, drain: float) -> Timing:

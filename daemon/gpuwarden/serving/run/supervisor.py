@@ -32,6 +32,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from ...base import unixsock
 from ...base.keptlistener import CHILD_ENV
 from ..compose.secrets import redact_argv
 from .backoff import Backoff
@@ -262,8 +263,8 @@ class Program(Holding):
             if code is not None:
                 died = "died while starting" if self.state == STARTING else "exited"
                 reason = f"{self.title} {died} with {_describe_exit(code)}"
-                if self.state == STARTING and self.spec.port and any(map(PORT_TAKEN.search, self.error_lines)):
-                    self._lost_port(now, f"{reason}: port {self.spec.port} on {self.spec.host} was taken by "
+                if self.state == STARTING and self.spec.listens and any(map(PORT_TAKEN.search, self.error_lines)):
+                    self._lost_port(now, f"{reason}: {self.spec.where} was taken by "
                                          "another process after our check, before it could bind")
                 else:
                     self._failed(now, reason, code)
@@ -283,7 +284,7 @@ class Program(Holding):
         if healthy:
             self.time_to_healthy_s = now - started
             self.stalled = None  # a stall ends with a healthy new child
-            where = self.spec.url if self.spec.port else "its node, the head answering"
+            where = unixsock.shown(self.spec.url) if self.spec.listens else "its node, the head answering"
             self._transition(RUNNING, f"{self.title} healthy after {self.time_to_healthy_s:.1f} s on "
                                       f"{where}", since=now, child=self.child, started=started,
                              started_wall=self.phase.started_wall, next_probe=now + timing.liveness_interval_s)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ....config import ServeConfig
+from ..enginesock import listen_args
 from ..flags import flag_value
 from ..installed import UNKNOWN, Installed
 from ..lint import CHECKS as SHARED_CHECKS
@@ -69,6 +70,7 @@ class Engine:
     memory_flag: str  # the fraction of each GPU's memory it takes
     default_memory_fraction: float
     tp_flags: tuple[str, ...]
+    uds_flag: str | None = None  # the flag that makes it listen on a Unix socket instead of TCP; None: it has none
     health_path = "/health"
     metrics_path = "/metrics"
     completions_path = "/v1/completions"  # OpenAI's, for the stall probe's one-token completion
@@ -92,9 +94,10 @@ class Engine:
 
     def argv(self, serve: ServeConfig, profile: Profile, role: Any = None) -> tuple[str, ...]:
         # Later flags win in argparse, so the user's args override the profile's, and a node's role
-        # (serving/compose/nodes.Role) overrides both. A node that serves no API gets no --host/--port.
+        # (serving/compose/nodes.Role) overrides both. A node that serves no API gets no --host/--port;
+        # behind the proxy, the engine gets its Unix socket instead (serving/compose/enginesock.py).
         nodes = tuple(self.node_args(role)) if role is not None else ()
-        listen = () if role is not None and not role.head else ("--host", serve.host, "--port", str(serve.port))
+        listen = () if role is not None and not role.head else listen_args(serve, self)
         return (*self.command(serve), self.model_flag, serve.model, *self.required_args, *profile.args,
                 *serve.args, *listen, *nodes)
 

@@ -315,6 +315,9 @@ class Vllm(Engine):
     model_flag = "--model"
     memory_flag, default_memory_fraction = "--gpu-memory-utilization", 0.9  # vLLM's own default
     tp_flags = ("--tensor-parallel-size", "-tp")
+    # --uds PATH: it binds that Unix socket and ignores --host and --port (0.32: FrontendArgs.uds in
+    # vllm/entrypoints/launchers/cli_args.py; launcher.setup_server binds it with create_server_unix_socket)
+    uds_flag = "--uds"
     # vLLM renamed gpu_cache_usage_perc to kv_cache_usage_perc; both are read, the new name first.
     metric_names = MetricNames("vllm:generation_tokens_total", "vllm:prompt_tokens_total",
                                "vllm:num_requests_running", "vllm:num_requests_waiting",
