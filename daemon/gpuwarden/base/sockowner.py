@@ -62,9 +62,14 @@ def why_not(sock: socket.socket, uid: int | tuple[int, ...], elsewhere: str = ""
         found = unixsock.peer_uid(sock)
         if found in uids:
             return None
-        return (f"unix:{sock.getpeername() or '?'} is answered by "
-                f"{'no process it can name' if found is None else 'a socket of ' + named(found)}, not of the "
-                f"engine's {' or '.join(map(named, uids))}: nothing sent to it")
+        try:
+            where = f"unix:{sock.getpeername() or '?'}"
+        except OSError as exc:  # the listener went away meanwhile (an engine that ends): nobody to name
+            return f"the connection cannot be checked ({exc.strerror or exc}): nothing sent"
+        if found is None:
+            return f"{where} cannot be checked (no SO_PEERCRED): nothing sent"
+        return (f"{where} is answered by a socket of {named(found)}, not of the engine's "
+                f"{' or '.join(map(named, uids))}: nothing sent to it")
     try:
         near, far = sock.getsockname(), sock.getpeername()
     except OSError as exc:
