@@ -145,36 +145,29 @@ def _native_nr(p, arch):
         p.op(RET_K, SECCOMP_RET_ALLOW)
 
 
-def prog_address_families(arch, nr, trap):
+def _argument_in(arch, syscall, arg, allowed, errno, trap):
+    """syscall allowed only when its argument arg (its high word 0) is one of allowed; else errno."""
     p = Prog()
     _native_nr(p, arch)
-    p.op(JEQ_K, nr["socket"], jf="allow")
-    p.op(LD_W_ABS, off_arg(0, high=True))
+    p.op(JEQ_K, syscall, jf="allow")
+    p.op(LD_W_ABS, off_arg(arg, high=True))
     p.op(JEQ_K, 0, jf="refuse")
-    p.op(LD_W_ABS, off_arg(0))
-    for af in ALLOWED_FAMILIES:
-        p.op(JEQ_K, af, jt="allow")
+    p.op(LD_W_ABS, off_arg(arg))
+    for value in allowed:
+        p.op(JEQ_K, value, jt="allow")
     p.label("refuse")
-    p.op(RET_K, ret_refuse(EAFNOSUPPORT, trap))
+    p.op(RET_K, ret_refuse(errno, trap))
     p.label("allow")
     p.op(RET_K, SECCOMP_RET_ALLOW)
     return p
+
+
+def prog_address_families(arch, nr, trap):
+    return _argument_in(arch, nr["socket"], 0, ALLOWED_FAMILIES, EAFNOSUPPORT, trap)
 
 
 def prog_realtime(arch, nr, trap):
-    p = Prog()
-    _native_nr(p, arch)
-    p.op(JEQ_K, nr["sched_setscheduler"], jf="allow")
-    p.op(LD_W_ABS, off_arg(1, high=True))
-    p.op(JEQ_K, 0, jf="refuse")
-    p.op(LD_W_ABS, off_arg(1))
-    for policy in (0, 3, 5):  # SCHED_OTHER, SCHED_BATCH, SCHED_IDLE
-        p.op(JEQ_K, policy, jt="allow")
-    p.label("refuse")
-    p.op(RET_K, ret_refuse(EPERM, trap))
-    p.label("allow")
-    p.op(RET_K, SECCOMP_RET_ALLOW)
-    return p
+    return _argument_in(arch, nr["sched_setscheduler"], 1, (0, 3, 5), EPERM, trap)  # SCHED_OTHER, BATCH, IDLE
 
 
 def prog_namespaces(arch, nr, trap):
@@ -198,19 +191,7 @@ def prog_namespaces(arch, nr, trap):
 
 
 def prog_personality(arch, nr, trap):
-    p = Prog()
-    _native_nr(p, arch)
-    p.op(JEQ_K, nr["personality"], jf="allow")
-    p.op(LD_W_ABS, off_arg(0, high=True))
-    p.op(JEQ_K, 0, jf="refuse")
-    p.op(LD_W_ABS, off_arg(0))
-    p.op(JEQ_K, 0, jt="allow")  # PER_LINUX
-    p.op(JEQ_K, 0xFFFFFFFF, jt="allow")  # the query
-    p.label("refuse")
-    p.op(RET_K, ret_refuse(EPERM, trap))
-    p.label("allow")
-    p.op(RET_K, SECCOMP_RET_ALLOW)
-    return p
+    return _argument_in(arch, nr["personality"], 0, (0, 0xFFFFFFFF), EPERM, trap)  # PER_LINUX, the query
 
 
 def prog_suid_sgid(arch, nr, trap):

@@ -360,6 +360,13 @@ def served(vllm_python, tiny_model, child_user):
             subprocess.run(["userdel", "-f", user], capture_output=True)
             subprocess.run(["useradd", "-r", "-M", "-s", "/usr/sbin/nologin", user], check=True)
         assert not Path(pwd.getpwnam(user).pw_dir).exists()
+        # torch's inductor writes its precompiled headers under /tmp/torchinductor_USER whatever
+        # TORCHINDUCTOR_CACHE_DIR says; one an earlier run's user of this name left (useradd may give the name
+        # another uid) is that uid's, and vLLM dies at start-up on its PermissionError. The unit's PrivateTmp
+        # keeps a real host clear of this.
+        stale = Path(tempfile.gettempdir()) / f"torchinductor_{user}"
+        if stale.exists() and stale.stat().st_uid != pwd.getpwnam(user).pw_uid:
+            shutil.rmtree(stale)
     state = folder / "state"
     state.mkdir()
     state.chmod(0o755)

@@ -8,6 +8,7 @@ import asyncio
 import http.client
 import json
 import socket
+import struct
 import threading
 import time
 import urllib.request
@@ -15,6 +16,7 @@ import urllib.request
 import pytest
 
 from conftest import free_port
+from gpuwarden.base.peers import THIS_HOST
 from gpuwarden.proxy.body import Refusal
 from gpuwarden.proxy import ends as ends_module
 from gpuwarden.proxy.casualties import (ANSWERS_MAX, BROKE, END_AFTER_5XX_S, ENDED, HOLD, NO_ADDRESS, RESEND,
@@ -182,10 +184,9 @@ def test_the_client_is_the_peer_address_never_a_header():
             self.remote, self.headers = remote, {"X-Forwarded-For": "10.9.9.9", "X-Real-IP": "10.9.9.8"}
 
     assert client_of(Peer("10.0.0.7")) == "10.0.0.7" and client_of(Peer("::ffff:10.0.0.7")) == "10.0.0.7"
-    # one client would be many: an IPv6 host's /64, and a local user's 2**24 loopback addresses beside 127.0.0.1
+    # one client would be many: an IPv6 host's /64, and a local user's addresses (all of this host's: peers.host_of)
     assert client_of(Peer("2001:db8:1:2::7")) == client_of(Peer("2001:db8:1:2:ffff::1")) == "2001:db8:1:2::/64"
-    assert client_of(Peer("127.0.0.3")) == client_of(Peer("127.9.9.9")) == "127.0.0.0/8"
-    assert client_of(Peer("127.0.0.1")) == "127.0.0.1"
+    assert client_of(Peer("127.0.0.3")) == client_of(Peer("127.9.9.9")) == client_of(Peer("127.0.0.1")) == THIS_HOST
     assert client_of(Peer("")) == client_of(Peer(None)) == NO_ADDRESS  # a Unix socket: one client, all of them
 
 
@@ -494,15 +495,16 @@ def exits(d) -> int:
                for line in d.lines)
 
 
-def settled(d, proxy_port, crashes):
+def settled(d, proxy_port, crashes, engine_port=None):
     """The engine is back after `crashes` ends in all: healthy again, an ordinary request answered 200, nothing held
-    now (a killer held for the next engine would be), and no end more."""
+    now (a killer held for the next engine would be), and no end more. engine_port: the ordinary request goes to the
+    engine itself, not through the proxy (which refuses this host: every local address is one client)."""
     wait = time.monotonic() + 60
     while exits(d) < crashes and time.monotonic() < wait:
         time.sleep(0.1)
     assert exits(d) == crashes, d.log
     healthy(d, max(i for i, line in enumerate(d.lines) if "with exit status 4" in line))
-    status, _, data, error = Call(proxy_port, "fine, thanks").result()
+    status, _, data, error = Call(engine_port or proxy_port, "fine, thanks").result()
     assert status == 200, (status, data, error)
     time.sleep(1.5)  # three of the hold's looks at /health: a held request would have gone to this engine by now
     assert proxy_metric(proxy_port, "gpuwarden_proxy_held_requests") == 0 and exits(d) == crashes, d.log
@@ -530,10 +532,10 @@ def test_a_query_of_death_crashes_the_engine_once_and_its_client_gets_502_at_onc
     # test_a_client_whose_requests_end_the_engine_again_and_again_is_refused_429_and_serving_never_goes_fatal)
     status, _, data, error = Call(proxy_port, "and QOD-NOW again").result()
     assert status == 502, (status, data, error)
-    d.wait_for("client 127.0.0.1 had requests in flight at 2 of the engine's 2 ends", timeout=30)
+    d.wait_for("client this host had requests in flight at 2 of the engine's 2 ends", timeout=30)
     healthy(d, second + 1)
     status, _, data, error = Call(proxy_port, "fine, thanks", source="127.0.0.2").result()
-    assert status == 200, (status, data, error)
+    assert status == 429, (status, data, error)  # another local address: the same client, this host
     log = "\n".join(d.lines)
     assert exits(d) == 2 and "FATAL" not in log, log
     assert "QOD" not in log and SECRET not in log  # no prompt, no header in the journal
@@ -637,11 +639,11 @@ def test_a_client_whose_requests_end_the_engine_again_and_again_is_refused_429_a
     request the engine had is never sent again does not stop that), toward the daemon's crash loop (5 ends within
     600 s: FATAL for everyone). With refuse_after_ends 2 it ends the engine twice; from then on each of its requests,
     killer or not, gets 429 at once with Retry-After, and no byte of it reaches the engine (the engine never ends a
-    third time); another client is served throughout; the daemon never reaches FATAL; the journal says the refusal
-    once, by the client's address, never the prompt nor the key."""
+    third time); the daemon never reaches FATAL; the journal says the refusal once, by the client, never the prompt
+    nor the key. Every address of this host's own is one client ("this host"): another local address is refused too
+    (the known limit, docs/proxy.md; a remote client's is its own, test_query_of_death_suspects.py)."""
     d, first, path, port, proxy_port = serving_behind_the_proxy(write, fake, daemons, proxy_daemon)
-    # the killer from 127.0.0.3 (all of 127.0.0.0/8 beside 127.0.0.1 is one client: a local user has every one of
-    # those addresses); the other client from 127.0.0.1
+    # the killer from 127.0.0.3; 127.0.0.1 is the same client (a local user may take any address of this host's)
     killer, other, tries = "127.0.0.3", "127.0.0.1", 6  # six tries: past the daemon's five, were they all let through
     answers = []
     for n in range(tries):
@@ -660,13 +662,13 @@ def test_a_client_whose_requests_end_the_engine_again_and_again_is_refused_429_a
     # that the refused requests never reached
     status, retry_after, data, error = Call(proxy_port, "fine, thanks", source=killer).result()
     assert status == 429 and int(retry_after) >= 1, (status, data, error)
-    settled(d, proxy_port, 2)  # an ordinary request answered 200, nothing held, no third end
+    settled(d, proxy_port, 2, engine_port=port)  # the engine serves, nothing held, no third end
     status, _, data, error = Call(proxy_port, "fine, thanks", source=other).result()
-    assert status == 200 and json.loads(data)["choices"][0]["message"]["content"] == "fine", (status, data, error)
-    assert refused_count(proxy_port) == tries - 2 + 1
+    assert status == 429, (status, data, error)
+    assert refused_count(proxy_port) == tries - 2 + 2
     log = d.log
     assert exits(d) == 2 and "FATAL" not in log, log
-    named = [i for i, line in enumerate(d.lines) if "proxy: refusing client 127.0.0.0/8 for " in line]
+    named = [i for i, line in enumerate(d.lines) if "proxy: refusing client this host for " in line]
     assert len(named) == 1 and "in flight at 2 of the engine's ends in the last 600 s" in d.lines[named[0]], log
     assert "QOD" not in log and SECRET not in log  # no prompt, no header in the journal
     assert d.stop() == 0
@@ -680,7 +682,7 @@ def test_a_killer_that_the_engine_answers_500_before_it_ends_is_refused_429_and_
     do the same). The killer's client got an answer, never a cut, so it was never counted and drove the engine to
     FATAL. Now: its killer ends the engine once as a plain request, once more as a stream after the engine is back,
     and from then on each of its requests gets 429 at once and reaches no engine (no third end); the daemon never
-    reaches FATAL; another client is then served."""
+    reaches FATAL; another local address is the same client, refused too."""
     d, first, path, port, proxy_port = serving_behind_the_proxy(write, fake, daemons, proxy_daemon)
     killer, other = "127.0.0.3", "127.0.0.1"
     status, _, data, error = Call(proxy_port, "QOD-500 once", source=killer).result()
@@ -694,7 +696,7 @@ def test_a_killer_that_the_engine_answers_500_before_it_ends_is_refused_429_and_
     assert status == 200 and b'"code": 500' in data and data.endswith(b"data: [DONE]\n\n"), (status, data, error)
     healthy(d, second + 1)
     assert exits(d) == 2, d.log
-    d.wait_for("proxy: refusing client 127.0.0.0/8 for ", timeout=30)
+    d.wait_for("proxy: refusing client this host for ", timeout=30)
     answers = [Call(proxy_port, prompt, source=killer, stream=stream).result()
                for prompt, stream in (("QOD-500 again", False), ("QOD-500-STREAM again", True),
                                       ("fine, thanks", False))]  # any request of the killer's, not only its killer
@@ -702,10 +704,76 @@ def test_a_killer_that_the_engine_answers_500_before_it_ends_is_refused_429_and_
         assert status == 429 and 1 <= int(retry_after) <= 601, (status, retry_after, data, error)
         assert "in flight at 2 of the engine's ends in the last 600 s" in json.loads(data)["error"]["message"]
     status, _, data, error = Call(proxy_port, "fine, thanks", source=other).result()
-    assert status == 200 and json.loads(data)["choices"][0]["message"]["content"] == "fine", (status, data, error)
-    assert refused_count(proxy_port) == 3
+    assert status == 429, (status, data, error)
+    assert refused_count(proxy_port) == 4
     log = d.log
     assert exits(d) == 2 and "FATAL" not in log, log  # the refused never reached an engine: no third end
-    assert sum("proxy: refusing client 127.0.0.0/8 for " in line for line in d.lines) == 1, log
+    assert sum("proxy: refusing client this host for " in line for line in d.lines) == 1, log
     assert "QOD" not in log and SECRET not in log  # no prompt, no header in the journal
+    assert d.stop() == 0
+
+
+# -- the attacks that went around the refusal (a client that left at once, QOD-SLOW, several local addresses) -------
+
+def send_and_leave(proxy_port, prompt, source="127.0.0.1"):
+    """A killer sent whole, then the connection reset at once (SO_LINGER 0): the client never reads a byte."""
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": prompt}]}).encode()
+    sock = socket.socket()
+    sock.bind((source, 0))
+    sock.connect(("127.0.0.1", proxy_port))
+    sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (CHAT.encode(), len(body), body))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+def until_refused(d, proxy_port, kill, sources, tries=6):
+    """Each try: an ordinary request from the next of sources first (429: refused, the end of it), then kill(source)
+    and the engine's end it makes, waited for; the statuses of the ordinary requests, in order. The engine ends at
+    most refuse_after_ends (2) times, whatever the way the killer fails."""
+    statuses = []
+    for n in range(tries):
+        source = sources[n % len(sources)]
+        status, _, data, error = Call(proxy_port, "fine, thanks", source=source).result()
+        statuses.append(status)
+        if status == 429:
+            break
+        assert status == 200, (status, data, error)
+        before = exits(d)
+        kill(source)
+        wait = time.monotonic() + 60  # a bound on a hang: the end it makes is waited for
+        while exits(d) == before and time.monotonic() < wait:
+            time.sleep(0.1)
+        assert exits(d) == before + 1 and exits(d) <= 2, d.log
+        healthy(d, max(i for i, line in enumerate(d.lines) if "with exit status 4" in line))
+    return statuses
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("attack", ["stream-500-and-leave", "slow", "from-127.0.0.1-and-127.0.0.2"])
+def test_a_killer_that_fails_any_way_or_from_any_local_address_is_refused_before_fatal(
+        attack, write, fake, daemons, proxy_daemon, no_fakes_left):
+    """The attacker's findings 1-3: a streaming killer (vLLM's 500 error event) whose client resets at once, so the
+    proxy never reads the event; QOD-SLOW, closed unanswered while /health still answers and the engine dead 2 s
+    later (after_failure's BROKE); QOD-NOW from 127.0.0.1 and 127.0.0.2 in turn. Each is a suspect counted at the end
+    that follows (or one client, this host): the engine ends twice (refuse_after_ends 2), the killer then gets 429,
+    and the daemon never reaches FATAL (5 ends)."""
+    d, first, path, port, proxy_port = serving_behind_the_proxy(write, fake, daemons, proxy_daemon)
+    if attack == "stream-500-and-leave":
+        statuses = until_refused(d, proxy_port, lambda src: send_and_leave(proxy_port, "QOD-500-STREAM", src),
+                                 ["127.0.0.1"])
+    elif attack == "slow":
+        statuses = until_refused(d, proxy_port, lambda src: Call(proxy_port, "QOD-SLOW", source=src).result(),
+                                 ["127.0.0.1"])
+    else:
+        statuses = until_refused(d, proxy_port, lambda src: Call(proxy_port, "QOD-NOW", source=src).result(),
+                                 ["127.0.0.1", "127.0.0.2"])
+    assert statuses == [200, 200, 429], (statuses, d.log)
+    for source in ("127.0.0.1", "127.0.0.2", "127.0.0.9"):  # every local address: one client, this host
+        status, retry_after, data, error = Call(proxy_port, "QOD-NOW", source=source).result()
+        assert status == 429 and 1 <= int(retry_after) <= 601, (source, status, data, error)
+    settled(d, proxy_port, 2, engine_port=port)  # the engine serves, nothing held, no third end
+    log = d.log
+    assert exits(d) == 2 and "FATAL" not in log, log
+    assert sum("proxy: refusing client this host for " in line for line in d.lines) == 1, log
+    assert "QOD" not in log and SECRET not in log
     assert d.stop() == 0

@@ -503,6 +503,12 @@ def _proxy_section(r: Reader, base_dir: Path) -> ProxyConfig:
     if listen is None:
         r.fail(base + ("listen",), "the proxy needs an address to listen on", "HOST:PORT such as 127.0.0.1:8001")
         listen = d.listen
+    elif _not_canonical(listen[0]):  # compared with the kept socket's getsockname() (base/keptlistener.py)
+        r.fail(base + ("listen",), f"'{r.get(base + ('listen',))}' is not a numeric IP address in canonical form",
+               f"an IP literal such as 127.0.0.1:{listen[1]} or [::1]:{listen[1]}" + (
+                   f", i.e. {_bracket(_canonical(listen[0]))}:{listen[1]}" if _canonical(listen[0]) else
+                   "; the proxy takes no host name"))
+        listen = d.listen
     patterns = tuple(_string_list(r, base + ("remove_patterns",), ()))
     for i, pattern in enumerate(patterns):
         try:
@@ -692,6 +698,21 @@ def _listen(r: Reader, path: Path_, default: tuple[str, int] = DEFAULT_LISTEN,
         r.fail(path, f"'{value}' is not a valid HOST:PORT", allowed)
         return default
     return address
+
+
+def _canonical(host: str) -> str | None:
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        return None
+
+
+def _not_canonical(host: str) -> bool:
+    return _canonical(host) != host
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 def parse_address(value: str) -> tuple[str, int] | None:

@@ -79,7 +79,7 @@ _THRESHOLD = ("clock threshold",
               f"MHz (1-{tunables.MAX_MHZ}), or a percentage of the locked (else max) clock such as \"50%\"")
 SHAPES = {
     "metrics.listen": ("address", "HOST:PORT (an IPv6 host in brackets), or none: no HTTP endpoint"),
-    "serve.proxy.listen": ("address", "HOST:PORT (an IPv6 host in brackets)"),
+    "serve.proxy.listen": ("address", "IP:PORT, the IP numeric and canonical (an IPv6 address in brackets)"),
     "alerts.sm_clock_min_mhz": _THRESHOLD,
     "alerts.memory_clock_min_mhz": _THRESHOLD,
     **{f"{base}{t.key}": ("clock lock", ("auto, " if t.auto else "") + "max, none, or " + _CLOCK)

@@ -47,15 +47,16 @@ class Ports:
     """Hands out the ports of one block in turn from `first` (an index into it), each checked free by a bind;
     after the last, the first again."""
 
-    def __init__(self, ports: range, first: int = 0):
+    def __init__(self, ports: range, first: int = 0, free=None):
         self.ports, self.next, self.lock = ports, first, threading.Lock()
+        self.free = free or _free  # whether a port is free now: a test gives its own answer
 
     def take(self) -> int:
         with self.lock:
             for _ in range(len(self.ports)):
                 port = self.ports[self.next % len(self.ports)]
                 self.next += 1
-                if _free(port):
+                if self.free(port):
                     return port
         raise RuntimeError(f"no free port in {self.ports.start}-{self.ports.stop - 1}")
 

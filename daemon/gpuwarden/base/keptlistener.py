@@ -14,12 +14,37 @@ one is closed.
 from __future__ import annotations
 
 import contextlib
+import errno
+import ipaddress
+import logging
 import os
 import socket
 from collections.abc import Callable
 
+log = logging.getLogger("gpuwarden")
+
 BACKLOG = 64  # as the proxy's own listener (proxy/listener.py)
 CHILD_ENV = "GPUWARDEN_LISTEN_FD"  # in a child's environment: the fd of the kept listener it serves on
+# The body of the proxy's fixed 503 at its connection cap (proxy/listener.py): only a running proxy's event loop
+# writes it, so the daemon's liveness probe takes it as alive (serving/run/health.py): a full proxy is not a dead one.
+CAP_REFUSED = b"the proxy has too many open connections, all being served: retry\n"
+
+
+def _numeric(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def canonical(host: str) -> str:
+    """host as getsockname() spells it: a numeric address in its canonical form ('::1' for '0::1'); a host that is
+    no IP literal as it is (the config refuses those for serve.proxy.listen)."""
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        return host
 
 
 def _env(name: str) -> str:
@@ -54,10 +79,20 @@ class KeptListener:
 
     def bind(self, host: str, port: int) -> int:
         """The fd of the socket listening on host:port: the one kept, else a new one (bound and listening at once,
-        the old one closed) put in the fd store. Raises OSError (EADDRINUSE: another process holds it)."""
-        if self.address() == (host, port):
-            return self.sock.fileno()
+        the old one closed) put in the fd store. Raises OSError (EADDRINUSE: another process holds it; EINVAL: host
+        is no IP literal, the kept socket untouched: a spelling unlike getsockname()'s must never close the socket
+        while the port is wanted, since the close is the window a local user binds in; the config refuses those)."""
+        if not _numeric(host):
+            raise OSError(errno.EINVAL, f"{host!r} is not a numeric IP address")
+        if self.holds(host, port):
+            if self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                return self.sock.fileno()
+            # A child that shares the fd can shutdown() it: it then no longer listens, and another user may bind
+            # the port (SO_REUSEADDR). Bound anew.
+            log.warning("the kept %s listener on %s:%d no longer listens (a child shut it down?); binding it anew",
+                        self.name, host, port)
         self.close(stopping=True)
+        host = canonical(host)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -73,6 +108,11 @@ class KeptListener:
 
     def address(self) -> tuple[str, int] | None:
         return self.sock.getsockname()[:2] if self.sock is not None else None
+
+    def holds(self, host: str, port: int) -> bool:
+        """True if the kept socket is bound to host:port, host compared in canonical form (canonical)."""
+        address = self.address()
+        return address is not None and address == (canonical(host), port)
 
     def inode(self) -> int | None:
         return os.fstat(self.sock.fileno()).st_ino if self.sock is not None else None

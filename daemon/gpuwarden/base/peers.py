@@ -6,6 +6,8 @@ let one client be many: an IPv6 host is usually given a /64, and a local user ma
 from __future__ import annotations
 
 import ipaddress
+import socket
+import time
 
 
 def source_of(peer: str) -> str:
@@ -25,3 +27,46 @@ def source_of(peer: str) -> str:
     address = getattr(address, "ipv4_mapped", None) or address
     text = str(address)
     return "127.0.0.0/8" if address.is_loopback and text != "127.0.0.1" else text
+
+
+THIS_HOST = "this host"  # every address of this host's own, as one client (host_of)
+_OWN_MAX = 1024  # addresses whose answer is kept (host_of)
+_OWN_FOR_S = 60.0  # how long an answer is kept: an address added to or taken off an interface is seen within this
+_own: dict[str, tuple[bool, float]] = {}
+
+
+def own_address(address: str, clock=time.monotonic) -> bool:
+    """Whether address is one of this host's own: all of 127.0.0.0/8 and ::1, and any address that an interface of
+    this host has (binding a socket to it succeeds only then). The answer is kept for _OWN_FOR_S, _OWN_MAX at most."""
+    ip = ipaddress.ip_address(address)
+    if ip.is_loopback:
+        return True
+    now = clock()
+    kept = _own.get(address)
+    if kept is not None and now - kept[1] <= _OWN_FOR_S:
+        return kept[0]
+    try:
+        with socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.bind((address, 0))
+        own = True
+    except OSError:
+        own = False
+    if len(_own) >= _OWN_MAX:
+        _own.clear()
+    _own[address] = (own, now)
+    return own
+
+
+def host_of(peer: str) -> str:
+    """Whom a TCP peer counts as where one local user must not be several clients (the proxy's book of the engine's
+    ends): THIS_HOST for any address of this host's own (a local user may connect from 127.0.0.1, any of
+    127.0.0.0/8, ::1 or any address an interface has, and is one user whichever it takes; all local users are one
+    client: a known limit), else source_of's."""
+    try:
+        address = ipaddress.ip_address(peer)
+    except ValueError:
+        return peer
+    address = getattr(address, "ipv4_mapped", None) or address
+    if own_address(str(address)):
+        return THIS_HOST
+    return source_of(peer)

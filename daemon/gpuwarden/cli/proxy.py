@@ -81,6 +81,9 @@ def arguments(p: argparse.ArgumentParser) -> None:
                    "(default: serve.proxy.refuse_after_ends, 2)")
     p.add_argument("--ends-window-s", type=float, metavar="S", help="the window over which the engine's ends are "
                    "counted for each client (default: serve.crash_loop_window_s, 600)")
+    p.add_argument("--crash-loop-failures", type=int, metavar="N", help="the daemon's crash_loop_failures: once "
+                   "N - 1 of the engine's ends are within --ends-window-s, a client in flight at any of them is "
+                   "refused (default: serve.crash_loop_failures, 5)")
     p.add_argument("action", nargs="?", choices=("run", "diff"), default="run", help="run (default) or diff")
     p.add_argument("dumps", nargs="*", type=Path, help="diff: two dump files, or one session folder (its last two "
                    "turns)")

@@ -37,7 +37,7 @@ import re
 import time
 from collections import OrderedDict, deque
 
-from ..base.peers import source_of
+from ..base.peers import host_of
 from .body import Refusal
 
 log = logging.getLogger("gpuwarden.proxy")
@@ -45,6 +45,7 @@ log = logging.getLogger("gpuwarden.proxy")
 WINDOW_S = 600.0
 MAX_CLIENTS = 1024
 MAX_ENDS = 1024  # ends remembered within the window (the daemon restarts an engine a few times a window at most)
+CRASH_LOOP_FAILURES = 5  # the daemon's serve.crash_loop_failures: the brake's (Casualties.until)
 REFUSE_AFTER_ENDS = 2  # serve.proxy.refuse_after_ends: below the daemon's crash_loop_failures (5)
 NO_ADDRESS = "(no peer address)"  # the client of a request whose connection has no peer address (a Unix socket)
 # How long after a 5xx answer the engine may be seen down for the answer to count as in flight at that end. vLLM 0.32's
@@ -107,9 +108,10 @@ def tail_of(tail: bytes, chunk: bytes) -> bytes:
 
 
 def client_of(request) -> str:
-    """The client a request counts for: its TCP peer's address (an aiohttp request's remote), an IPv6 one by its /64
-    and 127.0.0.0/8 beside 127.0.0.1 as one (base/peers.py: one client would be many otherwise); never a header."""
-    return source_of(request.remote) if request.remote else NO_ADDRESS
+    """The client a request counts for: its TCP peer's address (an aiohttp request's remote), an IPv6 one by its /64,
+    and every address of this host's own (127.0.0.0/8, ::1, an interface's) as one, "this host" (base/peers.host_of:
+    one local user would be many clients otherwise); never a header."""
+    return host_of(request.remote) if request.remote else NO_ADDRESS
 
 
 class Client:
@@ -125,11 +127,14 @@ class Client:
 
 class Casualties:
     def __init__(self, clock=time.monotonic, window_s: float = WINDOW_S, max_clients: int = MAX_CLIENTS,
-                 refuse_after: int = REFUSE_AFTER_ENDS, wall=time.time):
+                 refuse_after: int = REFUSE_AFTER_ENDS, wall=time.time, failures: int = CRASH_LOOP_FAILURES):
         """refuse_after: a client at this many ends within window_s is refused until it is at fewer (0: never);
-        wall: the time of day, for the line's "until"."""
+        wall: the time of day, for the line's "until"; failures: the daemon's crash_loop_failures, for the brake
+        (once failures - 1 ends are within the window, a client at any of them is refused: the last end before
+        FATAL never comes from a known suspect; none below 2, nor where refuse_after is 0)."""
         self.clock, self.window_s, self.max_clients = clock, window_s, max_clients
         self.refuse_after, self.wall = refuse_after, wall
+        self.brake = failures - 1 if refuse_after and failures >= 2 else 0
         self.count = 0  # the engine's ends seen with a request in flight, since the proxy started
         self._ends: deque[tuple[int, float]] = deque(maxlen=MAX_ENDS)  # (number, when seen) within the window
         self._clients: OrderedDict[str, Client] = OrderedDict()  # the newest end last
@@ -156,21 +161,35 @@ class Casualties:
         mine.ends.append((end, now))
         return (len(mine.ends), len(self._ends)) if len(mine.ends) >= 2 else None
 
+    @property
+    def braking(self) -> bool:
+        """Whether the brake holds now: failures - 1 ends within the window (until())."""
+        return bool(self.brake) and len(self._ends) >= self.brake and \
+            self.clock() - self._ends[-self.brake][1] <= self.window_s
+
     def note(self, client: str, sent_at: float, what: str) -> None:
         """ended(), and the line that names the client where it is its second or later end: what is the request's
         method and path; and the line that says it is refused from now on, where this end begins its refusal."""
+        braking = self.braking
         named = self.ended(client, sent_at)
+        if self.braking and not braking:
+            log.warning("proxy: the engine's ends with requests in flight in the last %g s are %d, one fewer than the "
+                        "daemon stops it for good at: every client in flight at any of them is refused (429) until "
+                        "they are fewer", self.window_s, len(self._ends))
         if named is not None:
             log.warning("proxy: client %s had requests in flight at %d of the engine's %d ends in the last %g s (the "
                         "latest: %s): its requests may be what ends the engine (a query of death); none was sent "
                         "again", client, *named, self.window_s, what)
         self._tell(client)
 
-    def answered(self, client: str, sent_at: float, what: str, status: int, tail: bytes = b"") -> bool:
+    def answered(self, client: str, sent_at: float, what: str, status: int, tail: bytes = b"",
+                 suspect: bool = False) -> bool:
         """The engine answered a request of client's, sent at sent_at: with status, and for a stream its tail
         (tail_of). Whether it failed (failed()) and is kept, to count as in flight at an end seen within
-        END_AFTER_5XX_S of now (engine_seen_down): what is its method and path."""
-        if not failed(status, tail):
+        END_AFTER_5XX_S of now (engine_seen_down): what is its method and path. suspect: the request did not end
+        cleanly whatever its status and tail (its client left, the engine broke it off or closed it unanswered while
+        it still answered /health: after_failure's BROKE): kept the same."""
+        if not suspect and not failed(status, tail):
             return False
         self._answers.append((client, sent_at, what, self.clock()))
         return True
@@ -205,19 +224,27 @@ class Casualties:
         """When (the clock's) the client is at fewer than refuse_after ends within the window again; None: it is
         not refused now. Its own record alone is read: asked of every request."""
         mine = self._clients.get(client)
-        if not self.refuse_after or mine is None or len(mine.ends) < self.refuse_after:
+        if not self.refuse_after or mine is None or not mine.ends:
             return None
-        until = mine.ends[-self.refuse_after][1] + self.window_s  # its Nth newest end leaves the window then
-        return until if self.clock() <= until else None
+        now, until = self.clock(), float("-inf")
+        if len(mine.ends) >= self.refuse_after:
+            until = mine.ends[-self.refuse_after][1] + self.window_s  # its Nth newest end leaves the window then
+        if self.brake and len(self._ends) >= self.brake:
+            # The brake: the window holds failures - 1 ends, one more is FATAL; a client at any of them is refused
+            # while both hold (its newest end, and the (failures - 1)th newest of all, within the window).
+            until = max(until, min(mine.ends[-1][1], self._ends[-self.brake][1]) + self.window_s)
+        return until if now <= until else None
 
     def refuse(self, client: str) -> None:
         """Refusal (429, Retry-After the whole seconds until it is served again) where the client is refused now."""
         until = self.until(client)
         if until is None:
             return
+        brake = (f", or at one of them once they are {self.brake}, one fewer than the daemon stops the engine for "
+                 "good at" if self.brake else "")
         raise Refusal(429, "client_refused", f"refused: this client's requests were in flight at {self.refuse_after} "
-                      f"of the engine's ends in the last {self.window_s:g} s (a request that ends the engine, sent "
-                      "again and again, would take serving down for everyone); nothing was sent to the engine",
+                      f"of the engine's ends in the last {self.window_s:g} s{brake} (a request that ends the engine, "
+                      "sent again and again, would take serving down for everyone); nothing was sent to the engine",
                       int(until - self.clock()) + 1)
 
     def _tell(self, client: str) -> None:

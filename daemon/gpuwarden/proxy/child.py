@@ -44,7 +44,8 @@ def proxy_argv(config: Config) -> tuple[str, ...]:
             "--engine", serve.engine, "--rules", ",".join(rules) or "none", "--max-body-bytes", str(p.max_body_bytes),
             "--client-timeout", f"{p.client_timeout_s:g}", "--hold-s", f"{p.hold_s:g}", "--hold-max", str(p.hold_max),
             # the engine's ends are counted over the daemon's crash-loop window: fewer within it than its failures
-            "--refuse-after-ends", str(p.refuse_after_ends), "--ends-window-s", f"{serve.crash_loop_window_s:g}"]
+            "--refuse-after-ends", str(p.refuse_after_ends), "--ends-window-s", f"{serve.crash_loop_window_s:g}",
+            "--crash-loop-failures", str(serve.crash_loop_failures)]
     for pattern in p.remove_patterns:
         argv += ["--remove-pattern", pattern]
     if p.dump_dir is not None:

@@ -18,7 +18,7 @@ from ..base.keptlistener import CHILD_ENV
 from ..base.sockowner import named
 from ..base.systemd import LineFormatter
 from . import diff
-from .casualties import WINDOW_S
+from .casualties import CRASH_LOOP_FAILURES, WINDOW_S
 from .dump import Dumper
 from .faults import LOUD_LOGGERS, proxy_faults
 from .normalize import RULES, SWITCHES, Rules
@@ -67,8 +67,11 @@ def cmd_proxy(args: argparse.Namespace, load_config) -> int:
                       "least 1048576, and --client-timeout 0.1 to 3600 s")
     if not 0 <= hold_s <= 3600 or not 1 <= hold_max <= 4096:
         return _usage("proxy: --hold-s must be 0 to 3600 s and --hold-max 1 to 4096")
-    if not 0 <= refuse_after <= 1000 or not 1 <= window_s <= 86400:
-        return _usage("proxy: --refuse-after-ends must be 0 to 1000 and --ends-window-s 1 to 86400 s")
+    failures = (config.serve.crash_loop_failures if config else CRASH_LOOP_FAILURES) \
+        if args.crash_loop_failures is None else args.crash_loop_failures
+    if not 0 <= refuse_after <= 1000 or not 1 <= window_s <= 86400 or not 1 <= failures <= 1000:
+        return _usage("proxy: --refuse-after-ends must be 0 to 1000, --ends-window-s 1 to 86400 s and "
+                      "--crash-loop-failures 1 to 1000")
     # One line per record, control characters escaped: the lines quote clients' request paths, and reach the
     # daemon's journal as the child's output (or the proxy's own journal when it runs alone).
     handler = logging.StreamHandler(sys.stderr)
@@ -77,7 +80,7 @@ def cmd_proxy(args: argparse.Namespace, load_config) -> int:
     faults = proxy_faults()
     dumper = Dumper(dump_dir, keep, args.dump_max_bytes, faults.note) if dump_dir else None
     return serve(upstream, listen, rules, engine, dumper, max_body, args.client_timeout, faults, (hold_s, hold_max),
-                 owner, (refuse_after, window_s), listen_fd)
+                 owner, (refuse_after, window_s, failures), listen_fd)
 
 
 def _listen_fd(given: int | None) -> int | None:

@@ -6,7 +6,9 @@ here: vLLM 0.32 answers the requests in flight when its EngineCore dies 500 (v1/
 handler hands EngineDeadError to each; the API server's handler, entrypoints/serve/exception_handling/handlers/
 vllm_error.py engine_error_handler, answers it 500 and asks the server to stop), a stream that began gets an error
 event and [DONE] (its watchdog stops the server within 5 s: entrypoints/launchers/launcher.py watchdog_loop), and
-only then does the process end. So after a failed answer (casualties.failed: a 5xx but 503, or a stream ending in an
+only then does the process end. So after a failed answer, or any request that did not end cleanly (a suspect: its
+client left mid-answer, before the error event was read; the engine broke it off, or closed it unanswered while its
+/health still answered, a moment before it ended) (casualties.failed: a 5xx but 503, or a stream ending in an
 error) the engine's /health is looked at every HEALTH_EVERY_S, the hold's shared look, while the answer is within
 END_AFTER_5XX_S: not answering (vLLM says 503 once its engine is dead), it is an end, and the request is in flight
 at it. The daemon does not tell the proxy of an end it restarts from (DOWN_SIGNAL is only FATAL or HELD), so the
@@ -39,15 +41,23 @@ class Ends:
         if not self.hold.planned:
             self.casualties.note(client_of(request), sent_at, f"{request.method} {request.path}")
 
-    def answered(self, request: web.BaseRequest, sent_at: float, status: int, tail: bytes = b"") -> None:
+    def answered(self, request: web.BaseRequest, sent_at: float, status: int, tail: bytes = b"",
+                 suspect: bool = False) -> None:
         """The engine answered a request sent at sent_at with status (a stream: its tail, casualties.tail_of). A
         failed answer is kept, and the engine watched for its end, unless it drains for a planned stop (vLLM then
-        answers new requests 500)."""
+        answers new requests 500). suspect: the request did not end cleanly, whatever its answer (its client left,
+        the engine broke it off or closed it unanswered): kept and watched the same."""
         if self.hold.planned:
             return
-        if self.casualties.answered(client_of(request), sent_at, f"{request.method} {request.path}", status, tail):
+        if self.casualties.answered(client_of(request), sent_at, f"{request.method} {request.path}", status, tail,
+                                    suspect):
             if self._watcher is None or self._watcher.done():
                 self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    def suspect(self, request: web.BaseRequest, sent_at: float) -> None:
+        """A request sent at sent_at that the engine may have read did not end cleanly and had no answer (closed
+        unanswered while /health answered: BROKE; timed out): a suspect, watched for an end as a failed answer."""
+        self.answered(request, sent_at, 0, suspect=True)
 
     async def may_send(self) -> bool:
         """Whether a request may go to the engine now: no end seen since it was last seen healthy, or a look at its

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from aiohttp import web
 
 from ..base.faultlog import FaultLog
+from ..base.keptlistener import CAP_REFUSED
 
 BACKLOG = 64  # also how many connections asyncio accepts in one pass of the loop
 # Descriptors kept for everything that is not a client or upstream connection: stdio, the listener, epoll, dump
@@ -43,7 +44,7 @@ MIN_BODY_RATE = 16 << 10  # bytes a second a body must average, after its first 
 # sending 100 such lines held 500 MB. Clients send a few KiB.
 MAX_HEAD_BYTES = 64 << 10
 WAITING, HEADERS, BODY, SERVING = "waiting", "headers", "body", "serving"
-REFUSED = b"the proxy has too many open connections, all being served: retry\n"
+REFUSED = CAP_REFUSED  # the daemon's liveness probe takes this 503 as alive (serving/run/health.py)
 REFUSAL = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nRetry-After: 1\r\nConnection: close\r\n"
            b"Content-Length: %d\r\n\r\n%s" % (len(REFUSED), REFUSED))
 

@@ -36,8 +36,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from ..base import unixsock
 from ..base.faultlog import FaultLog
 from .body import Budget, Held, Refusal, read
-from .casualties import (ENDED, HOLD, REFUSE_AFTER_ENDS, RESEND, WINDOW_S, Casualties, after_failure, client_of,
-                         tail_of)
+from .casualties import (CRASH_LOOP_FAILURES, ENDED, HOLD, REFUSE_AFTER_ENDS, RESEND, WINDOW_S, Casualties,
+                         after_failure, client_of, tail_of)
 from .dump import Dumper
 from .ends import Ends
 from .faults import proxy_faults
@@ -183,10 +183,11 @@ class Proxy:
                  max_body_bytes: int = 32 << 20, read_timeout_s: float = 600.0, metrics_path: str = "/metrics",
                  faults: FaultLog | None = None, conns: Connections | None = None, hold_s: float = 0.0,
                  hold_max: int = 256, health_path: str = "/health", engine_uid: int | None = SELF,
-                 ends: tuple[int, float] = (REFUSE_AFTER_ENDS, WINDOW_S)):
+                 ends: tuple[int, float] | tuple[int, float, int] = (REFUSE_AFTER_ENDS, WINDOW_S)):
         """engine_uid: the engine's user, the only one whose socket is sent a byte (SELF: the proxy's own; None:
         anyone's, an engine on another host); ends: a client in flight at this many of the engine's ends (0: never)
-        within this many seconds is refused (casualties.py)."""
+        within this many seconds is refused, and optionally the daemon's crash_loop_failures, for the brake
+        (casualties.py)."""
         # An engine on a Unix socket (an http+unix URL: base/unixsock.py) is asked by plain http:// paths over it.
         self.socket, self.shown = unixsock.path_of(upstream), unixsock.shown(upstream.rstrip("/"))
         self.upstream = "http://localhost" if self.socket else upstream.rstrip("/")
@@ -212,7 +213,8 @@ class Proxy:
             metrics.now["gpuwarden_proxy_connections"] = ("Client connections open now", lambda: len(conns.open))
             metrics.now["gpuwarden_proxy_connections_max"] = ("At most this many client connections at once",
                                                               lambda: conns.cap)
-        self.casualties = Casualties(self.hold.clock, window_s=ends[1], refuse_after=ends[0])
+        self.casualties = Casualties(self.hold.clock, window_s=ends[1], refuse_after=ends[0],
+                                     failures=ends[2] if len(ends) > 2 else CRASH_LOOP_FAILURES)
         self.ends = Ends(self.casualties, self.hold)
         self.session: aiohttp.ClientSession | None = None
         self._scraper: asyncio.Task | None = None
@@ -354,7 +356,12 @@ class Proxy:
                     held.release()  # from here on, never sent again
                     self.metrics.upstream.labels(label).observe(time.monotonic() - began)
                     return await self._relay(request, up, label, tries)
+        except asyncio.CancelledError:  # the client left (aiohttp cancels its handler where told to)
+            if tries.opened or tries.seen:
+                self.ends.suspect(request, tries.sent_at)
+            raise
         except asyncio.TimeoutError:
+            self.ends.suspect(request, tries.sent_at)
             return self._refuse(request, label, 504, "upstream_timeout",
                                 f"upstream {self.shown} sent nothing for {self.read_timeout_s:g} s")
         except aiohttp.ClientConnectionError as exc:
@@ -375,8 +382,10 @@ class Proxy:
             if not connected:
                 return self._refuse(request, label, 502, "upstream_down",
                                     f"upstream {self.shown} unreachable: {exc}")
+            self.ends.suspect(request, tries.sent_at)  # BROKE: the engine may end a moment later (a query of death)
             return self._refuse(request, label, 502, "upstream_error", f"upstream {self.shown}: {exc}")
         except aiohttp.ClientError as exc:
+            self.ends.suspect(request, tries.sent_at)
             return self._refuse(request, label, 502, "upstream_error", f"upstream {self.shown}: {exc}")
         return None
 
@@ -402,7 +411,7 @@ class Proxy:
             self.metrics.streams.labels(label).inc()
         else:  # a stream's answer is told at its end, where an error event may be (ends.py)
             self.ends.answered(request, tries.sent_at, up.status)
-        sent, tail = 0, b""
+        sent, tail, clean = 0, b"", False
         try:
             await response.prepare(request)
             async for chunk in up.content.iter_any():
@@ -412,6 +421,7 @@ class Proxy:
                 if streaming:
                     tail = tail_of(tail, chunk)
             await response.write_eof()
+            clean = True
         except (ConnectionResetError, asyncio.CancelledError) as exc:
             # The client went away: leaving the `async with` closes the upstream connection, so the engine
             # sees the disconnect and stops generating.
@@ -431,8 +441,10 @@ class Proxy:
                 self.ends.cut(request, tries.sent_at)
         finally:
             self.metrics.bytes_out.inc(sent)
-            if streaming:  # ended, cut or left: what it said last (no more of it is kept)
-                self.ends.answered(request, tries.sent_at, up.status, tail)
+            # Ended, cut or left: what a stream said last (no more of it is kept). One that did not end cleanly is a
+            # suspect whatever it said: a client that left at once never let the error event reach the tail.
+            if streaming or not clean:
+                self.ends.answered(request, tries.sent_at, up.status, tail, suspect=not clean)
         return response
 
     def _refuse(self, request: web.Request, label: str, status: int, reason: str, message: str,

@@ -8,7 +8,7 @@ import os
 from collections.abc import Callable
 
 from ...base.background import Background
-from ...base.keptlistener import LISTENERS
+from ...base.keptlistener import CAP_REFUSED, LISTENERS
 from .processes import Child, ProcessOps
 from .spec import ChildSpec
 
@@ -29,7 +29,7 @@ def judge(spec: ChildSpec, probe: Background, ops: ProcessOps, child: Child, sta
     # Only to a socket of the child's user. On the daemon's kept listener (spec.listener) a connection the child has
     # not accepted yet is the listener's, the daemon's user's; accept() makes it the child's (a child adopted from a
     # daemon that kept none listens on its own socket: the child's user's alone).
-    kept = spec.listener and LISTENERS[spec.listener].address() == (spec.host, spec.port)
+    kept = spec.listener and LISTENERS[spec.listener].holds(spec.host, spec.port)
     owner = (spec.identity.uid, os.geteuid()) if kept else spec.identity.uid
     probe.start(ops.health, spec.url + spec.health_path, owner)
     outcome = probe.take()
@@ -37,7 +37,10 @@ def judge(spec: ChildSpec, probe: Background, ops: ProcessOps, child: Child, sta
         return None, ""
     if outcome.error is not None:
         return False, str(outcome.error)
-    if outcome.value.code != 200:
+    # The proxy's fixed 503 at its connection cap is written by its running event loop: a full proxy, alive (a
+    # restart would cut every stream in flight and forget the refused clients). The port's owner is checked below.
+    full = spec.listener and outcome.value.code == 503 and outcome.value.body == CAP_REFUSED
+    if outcome.value.code != 200 and not full:
         return False, f"/health answered {outcome.value.code}"
     group = ops.group_pids(child.pgid)
     if spec.port and not ops.owns_port(spec.host, spec.port, group, spec.identity.uid):

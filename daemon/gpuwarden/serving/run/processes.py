@@ -256,7 +256,7 @@ class ProcessOps:
         sockets = ports.listening_sockets(port, host=host)
         if not sockets:
             return False
-        kept = next((k.inode() for k in LISTENERS.values() if k.address() == (host, port)), None)
+        kept = next((k.inode() for k in LISTENERS.values() if k.holds(host, port)), None)
         if kept is not None:  # the daemon's own socket, which the child inherited: it alone takes host:port
             return set(sockets) == {kept}
         try:

@@ -1,0 +1,159 @@
+"""The proxy's suspects (proxy/casualties.py, proxy/ends.py): a request that did not end cleanly (its client left
+before the error event was read, the engine broke it off or closed it unanswered while /health still answered) counts
+at an end seen shortly after, whatever the way it failed; every address of this host's own is one client
+(base/peers.host_of); and the brake: once the window holds crash_loop_failures - 1 ends, a client in flight at any of
+them is refused. No process: a driven clock; the processes are in test_query_of_death.py."""
+
+import asyncio
+import socket
+
+import pytest
+
+from gpuwarden.base import peers
+from gpuwarden.base.peers import THIS_HOST, host_of, own_address
+from gpuwarden.proxy import ends as ends_module
+from gpuwarden.proxy.body import Refusal
+from gpuwarden.proxy.casualties import ANSWERS_MAX, END_AFTER_5XX_S, Casualties
+from gpuwarden.proxy.ends import Ends
+
+CHAT = "POST /v1/chat/completions"
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def refusal(book, client):
+    try:
+        book.refuse(client)
+    except Refusal as exc:
+        return exc
+    return None
+
+
+def test_a_suspect_whatever_its_status_counts_at_an_end_seen_within_the_bound_and_only_then():
+    clock = Clock()
+    book = Casualties(clock, window_s=600, refuse_after=2)
+    # a stream of status 200 whose client left before its error event was read: no tail, yet a suspect
+    assert not book.answered("10.0.0.7", 999.0, CHAT, 200, b"")
+    assert book.answered("10.0.0.7", 999.0, CHAT, 200, b"", suspect=True) and book.answers_pending
+    clock.now += END_AFTER_5XX_S
+    assert book.engine_seen_down() == 1 and [e for e, _ in book._clients["10.0.0.7"].ends] == [1]
+    book.engine_seen_up()
+    clock.now = 1100.0  # BROKE: closed unanswered (no status) while /health answered; the engine ends a moment later
+    assert book.answered("10.0.0.7", 1099.0, CHAT, 0, suspect=True)
+    clock.now = 1101.0
+    assert book.engine_seen_down() == 1 and refusal(book, "10.0.0.7").status == 429
+    # a suspect the engine outlived past the bound counts nobody
+    book.answered("10.0.0.8", 1101.0, CHAT, 0, suspect=True)
+    clock.now += END_AFTER_5XX_S + 0.5
+    assert not book.answers_pending and book.engine_seen_down() == 0 and "10.0.0.8" not in book._clients
+
+
+def test_the_suspects_share_the_capped_book_of_failed_answers():
+    book = Casualties(Clock(), window_s=600, refuse_after=2)
+    for n in range(ANSWERS_MAX + 5):
+        book.answered(f"10.0.{n // 256}.{n % 256}", 999.0, CHAT, 200, suspect=True)
+    assert len(book._answers) == ANSWERS_MAX and all(len(entry) == 4 for entry in book._answers)
+
+
+class FakeHold:
+    def __init__(self, looks, clock):
+        self.looks, self.clock, self.planned, self.asked = list(looks), clock, False, 0
+
+    async def engine_down(self, since=None):
+        self.asked += 1
+        return self.looks.pop(0)
+
+
+class Peer:
+    def __init__(self, remote):
+        self.remote, self.method, self.path = remote, "POST", "/v1/chat/completions"
+
+
+def test_a_suspect_starts_the_watcher_that_finds_the_end_a_moment_later(monkeypatch):
+    monkeypatch.setattr(ends_module, "HEALTH_EVERY_S", 0)
+
+    async def scenario():
+        clock = Clock()
+        book = Casualties(clock, window_s=600, refuse_after=2)
+        hold = FakeHold([False, True], clock)  # /health still answers just after the close (BROKE), then down
+        ends = Ends(book, hold)
+        ends.suspect(Peer("10.0.0.7"), 999.0)
+        await ends._watcher
+        assert hold.asked == 2 and [e for e, _ in book._clients["10.0.0.7"].ends] == [1]
+        hold.planned = True  # a planned stop's end is nobody's, suspects included
+        ends.suspect(Peer("10.0.0.9"), 1000.0)
+        assert ends._watcher.done() and "10.0.0.9" not in book._clients
+        await ends.stop()
+
+    asyncio.run(scenario())
+
+
+def test_once_the_window_holds_failures_less_one_ends_a_client_at_any_of_them_is_refused(caplog):
+    clock = Clock()
+    book = Casualties(clock, window_s=600, refuse_after=2, failures=5, wall=lambda: 0.0)
+    with caplog.at_level("WARNING", logger="gpuwarden.proxy"):
+        for n, client in enumerate(("10.0.0.1", "10.0.0.2", "10.0.0.3")):
+            clock.now = 1000.0 + 10 * n
+            book.note(client, clock.now - 1, CHAT)
+            assert refusal(book, client) is None  # one end each, 3 in the window: not yet
+        clock.now = 1030.0
+        book.note("10.0.0.4", 1029.0, CHAT)  # the 4th: one more is FATAL
+    for client in ("10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4"):
+        refused = refusal(book, client)
+        assert refused.status == 429 and "one fewer than the daemon stops the engine for good" in str(refused)
+    assert refusal(book, "10.0.0.1").retry_after == 571  # until its own end (at 1000) leaves the window, at 1600
+    assert refusal(book, "10.0.0.4").retry_after == 571  # until the 4th newest end (at 1000) leaves: 3 are left
+    assert refusal(book, "10.0.0.5") is None  # in flight at none of them: served
+    assert sum("one fewer than the daemon stops it for good" in r.getMessage() for r in caplog.records) == 1
+    clock.now = 1600.5  # the first end left the window: 3 ends, the brake is off
+    assert refusal(book, "10.0.0.4") is None and refusal(book, "10.0.0.2") is None
+
+
+def test_no_brake_where_refusals_are_off_or_the_daemon_stops_at_the_first_failure():
+    for refuse_after, failures in ((0, 5), (1, 1)):
+        clock = Clock()
+        book = Casualties(clock, window_s=600, refuse_after=refuse_after, failures=failures)
+        assert book.brake == 0
+    clock = Clock()
+    book = Casualties(clock, window_s=600, refuse_after=0, failures=5)
+    for n in range(6):
+        clock.now += 10
+        book.note(f"10.0.0.{n}", clock.now - 1, CHAT)
+    assert all(refusal(book, f"10.0.0.{n}") is None for n in range(6))
+
+
+def test_every_address_of_this_host_is_one_client_and_the_answers_are_bounded(monkeypatch):
+    assert host_of("127.0.0.1") == host_of("127.0.0.2") == host_of("127.255.0.9") == host_of("::1") == THIS_HOST
+    assert host_of("::ffff:127.0.0.5") == THIS_HOST
+    assert host_of("192.0.2.77") == "192.0.2.77"  # TEST-NET: no host's own
+    assert host_of("2001:db8:1:2::7") == "2001:db8:1:2::/64"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # no packet: the route's source address, an interface's own
+            own = probe.getsockname()[0]
+        except OSError:
+            own = None
+    if own is not None and not own.startswith("127."):
+        assert host_of(own) == THIS_HOST  # e.g. eth0's: a local user may bind it as its source
+    monkeypatch.setattr(peers, "_OWN_MAX", 4)
+    monkeypatch.setattr(peers, "_own", {})
+    for n in range(20):
+        own_address(f"192.0.2.{n}")
+        assert len(peers._own) <= 4
+    clock = Clock()
+    assert not own_address("192.0.2.200", clock)
+    peers._own["192.0.2.200"] = (True, clock.now)  # as if an interface had it when last asked
+    assert own_address("192.0.2.200", clock)
+    clock.now += peers._OWN_FOR_S + 1  # asked again after the bound: the host's word now
+    assert not own_address("192.0.2.200", clock)
+
+
+@pytest.mark.parametrize("peer", ["not-an-address", ""])
+def test_what_is_no_address_is_itself(peer):
+    assert host_of(peer) == peer
