@@ -18,6 +18,7 @@ import pytest
 
 from gpuwarden import config
 from gpuwarden.base.background import Outcome
+from gpuwarden.base import httpget
 from gpuwarden.base.httpget import Reply
 from gpuwarden.base.keptlistener import CAP_REFUSED, KeptListener, canonical
 from gpuwarden.base.yamlfile import InvalidConfig
@@ -148,3 +149,50 @@ def test_the_proxys_cap_503_is_alive_and_any_other_503_is_not():
     # the port's owner is still checked: a squatter that writes the same 503 is not the proxy
     assert judged(503, CAP_REFUSED, owns=False) == (
         False, "port 8001 is answered by pid 9 (user mallory), not by the proxy's process group")
+
+
+def judged_unasked(reply, kept=True, monkeypatch=None):
+    """The probe wrote nothing: the far end was closed before its owner could be named (httpget.Unasked), having
+    written reply (None: nothing whole)."""
+    monkeypatch.setitem(health.LISTENERS, "proxy", SimpleNamespace(holds=lambda host, port: kept))
+    spec = SimpleNamespace(health_path="/health", listener="proxy", host="127.0.0.1", port=8001,
+                           identity=SimpleNamespace(uid=1000), url="http://127.0.0.1:8001", title="the proxy")
+    why = "http://127.0.0.1:8001: 127.0.0.1:8001 was taken by no open socket of this host: nothing sent"
+    probe = Probe(Outcome(error=httpget.Unasked(why, reply), started_at=2.0))
+    return health.judge(spec, probe, Ops(), SimpleNamespace(pgid=7), 1.0, lambda why: why)
+
+
+def test_the_caps_503_written_before_the_probe_could_name_its_closed_end_is_alive_on_the_kept_listener_only(
+        monkeypatch):
+    """A full proxy writes its 503 unasked and closes at once: the probe found the far end closed, wrote nothing,
+    and read the 503 it had been sent (a busy box, process test test_proxy_full.py)."""
+    why = "http://127.0.0.1:8001: 127.0.0.1:8001 was taken by no open socket of this host: nothing sent"
+    assert judged_unasked(Reply(503, CAP_REFUSED, 0), monkeypatch=monkeypatch) == (True, "")
+    assert judged_unasked(Reply(503, CAP_REFUSED, 0), kept=False, monkeypatch=monkeypatch) == (False, why)
+    assert judged_unasked(None, monkeypatch=monkeypatch) == (False, why)
+    # an answer nobody asked for is never a healthy /health: only the cap's own 503 is taken
+    assert judged_unasked(Reply(200, b"ok", 0), monkeypatch=monkeypatch) == (False, why)
+    assert judged_unasked(Reply(503, b"overloaded\n", 0), monkeypatch=monkeypatch) == (False, why)
+
+
+def test_what_a_closed_end_wrote_is_read_whole_without_a_byte_written():
+    for end in (True, False):
+        near, far = socket.socketpair()
+        with near, far:
+            far.sendall(listener.REFUSAL)
+            if end:
+                far.shutdown(socket.SHUT_WR)
+                reply = httpget._written_before_asked(near, 1024, "x")
+                assert (reply.code, reply.body) == (503, CAP_REFUSED)
+            else:  # no end yet: nothing is waited for
+                assert httpget._written_before_asked(near, 1024, "x") is None
+    near, far = socket.socketpair()
+    with near, far:
+        far.sendall(listener.REFUSAL[:20])
+        far.shutdown(socket.SHUT_WR)
+        assert httpget._written_before_asked(near, 1024, "x") is None  # not a whole answer
+        far.setblocking(False)
+        try:
+            assert far.recv(1) == b""  # and nothing was written to it
+        except BlockingIOError:
+            pass

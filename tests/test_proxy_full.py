@@ -8,7 +8,6 @@ findings 4 and 5). Real processes: the daemon on the simulator, its proxy (as se
   it, and the daemon killed its own proxy as untrusted and re-bound the kept socket at each start. It is a config
   error now, one line, exit 78, before anything listens."""
 
-import re
 import socket
 import subprocess
 import time
@@ -18,7 +17,7 @@ import pytest
 from conftest import gpuwarden_cmd
 from gpuwarden.base.keptlistener import CAP_REFUSED
 from gpuwarden.proxy.listener import connection_cap
-from test_faults import fake, metrics, no_fakes_left, status  # noqa: F401 (fixtures)
+from test_faults import fake, no_fakes_left, status  # noqa: F401 (fixtures)
 from test_proxy_port import listening_inodes, proxy_pid
 from test_query_of_death import served_config
 
@@ -73,9 +72,10 @@ def still_open(sock):
         sock.setblocking(True)
 
 
-def running(engine_port):
-    text = metrics(f"http://127.0.0.1:{engine_port}")
-    return int(float(re.search(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", text, re.M).group(1)))
+def running(base):
+    """The requests the engine serves, as the daemon last read them (behind the proxy the engine listens on a Unix
+    socket of the state directory, serving/compose/enginesock.py: the daemon's /status is the way to its count)."""
+    return (status(base).get("vllm") or {}).get("requests_running") or 0
 
 
 def proxy_probes(base):
@@ -85,7 +85,7 @@ def proxy_probes(base):
 @pytest.mark.process
 def test_a_proxy_full_of_slow_streams_is_alive_for_the_daemon_and_its_streams_go_on(
         write, fake, daemons, proxy_daemon, no_fakes_left):
-    path, base, engine_port, port = served_config(write, fake, "drain")
+    path, base, _, port = served_config(write, fake, "drain")
     command, env = proxy_daemon
     d = daemons(path, command=["prlimit", f"--nofile={NOFILE}:{NOFILE}", "--", *command], env=env)
     d.wait_for("the proxy healthy after", timeout=60)
@@ -94,7 +94,7 @@ def test_a_proxy_full_of_slow_streams_is_alive_for_the_daemon_and_its_streams_go
     cap = connection_cap(NOFILE)
     streams = [slow_request(port) for _ in range(cap)]
     try:
-        until(lambda: fill(streams, port) and running(engine_port) >= cap,
+        until(lambda: fill(streams, port) and running(base) >= cap,
               "every slot holds a request the engine is serving")
         assert full(port), "one connection more gets the cap's 503: so does every probe of the daemon's"
         full_from = proxy_probes(base)

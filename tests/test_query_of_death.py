@@ -426,6 +426,11 @@ def test_the_daemon_tells_the_proxy_when_the_engine_is_fatal_or_held_and_when_it
 
 # -- the daemon, the fake engine and the real proxy ------------------------------------------------------------
 
+# Behind the proxy the engine listens on a Unix socket (serving/compose/enginesock.py); a test that then calls the
+# engine itself from this host, which the proxy refuses once it is one client of the engine's ends, asks for TCP.
+ENGINE_ON_TCP = "  engine_listen: tcp\n"
+
+
 def served_config(write, fake, mode, serve_extra="", hold_s=300, proxy_extra=""):
     path, base, port = fault_config(write, fake, mode, serve_extra=serve_extra)
     proxy_port = free_port()
@@ -642,7 +647,9 @@ def test_a_client_whose_requests_end_the_engine_again_and_again_is_refused_429_a
     third time); the daemon never reaches FATAL; the journal says the refusal once, by the client, never the prompt
     nor the key. Every address of this host's own is one client ("this host"): another local address is refused too
     (the known limit, docs/proxy.md; a remote client's is its own, test_query_of_death_suspects.py)."""
-    d, first, path, port, proxy_port = serving_behind_the_proxy(write, fake, daemons, proxy_daemon)
+    # The engine on TCP: the ordinary request at the end goes to it straight, the proxy refusing this host.
+    d, first, path, port, proxy_port = serving_behind_the_proxy(write, fake, daemons, proxy_daemon,
+                                                                serve_extra=ENGINE_ON_TCP)
     # the killer from 127.0.0.3; 127.0.0.1 is the same client (a local user may take any address of this host's)
     killer, other, tries = "127.0.0.3", "127.0.0.1", 6  # six tries: past the daemon's five, were they all let through
     answers = []
@@ -757,7 +764,8 @@ def test_a_killer_that_fails_any_way_or_from_any_local_address_is_refused_before
     later (after_failure's BROKE); QOD-NOW from 127.0.0.1 and 127.0.0.2 in turn. Each is a suspect counted at the end
     that follows (or one client, this host): the engine ends twice (refuse_after_ends 2), the killer then gets 429,
     and the daemon never reaches FATAL (5 ends)."""
-    d, first, path, port, proxy_port = serving_behind_the_proxy(write, fake, daemons, proxy_daemon)
+    d, first, path, port, proxy_port = serving_behind_the_proxy(write, fake, daemons, proxy_daemon,
+                                                                serve_extra=ENGINE_ON_TCP)  # as above
     if attack == "stream-500-and-leave":
         statuses = until_refused(d, proxy_port, lambda src: send_and_leave(proxy_port, "QOD-500-STREAM", src),
                                  ["127.0.0.1"])

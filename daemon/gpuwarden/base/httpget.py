@@ -28,6 +28,17 @@ class HttpError(Exception):
     """The read failed or broke a limit; the message is one line."""
 
 
+class Unasked(HttpError):
+    """Nothing was written: the socket that took the connection is not the owner's, or is closed already (a server
+    that answers before it is asked, as the proxy's connection cap does, and closes, leaves no owner to name). What
+    it wrote before its end, complete, is the reply (None: nothing complete); the caller decides whether an answer
+    nobody asked for means anything (serving/run/health.py takes the cap's fixed 503 from the kept listener)."""
+
+    def __init__(self, message: str, reply: Reply | None):
+        super().__init__(message)
+        self.reply = reply
+
+
 @dataclass(frozen=True)
 class Reply:
     code: int  # the HTTP status code
@@ -74,8 +85,9 @@ def request(method: str, url: str, deadline_s: float, max_bytes: int, headers: d
         with _connect(unix, host, port, remaining(), owner) as raw:
             why = None if owner is None else sockowner.why_not(raw, owner)
             if why is not None:
+                reply = _written_before_asked(raw, max_bytes, shown)
                 sockowner.reset_on_close(raw)
-                raise HttpError(f"{shown}: {why}")
+                raise Unasked(f"{shown}: {why}", reply)
             sock = context.wrap_socket(raw, server_hostname=host) if context else raw
             local_port = 0 if unix else sock.getsockname()[1]
             name = f"[{host}]" if ":" in host else host
@@ -114,6 +126,22 @@ def request(method: str, url: str, deadline_s: float, max_bytes: int, headers: d
         raise HttpError(f"{shown}: {exc.strerror if isinstance(exc, OSError) and exc.strerror else exc}") from None
     status, body = _parse(bytes(data), shown, max_bytes)
     return Reply(status, body, local_port)
+
+
+def _written_before_asked(sock: socket.socket, max_bytes: int, shown: str) -> Reply | None:
+    """What the far end wrote and then closed on, already in our receive queue: read without waiting and without a
+    byte written; None unless it is a whole answer followed by the end."""
+    data = bytearray()
+    try:
+        while len(data) <= MAX_HEADER_BYTES + max_bytes:
+            chunk = sock.recv(65536, socket.MSG_DONTWAIT)
+            if not chunk:  # the end: what came before it is all there is
+                status, body = _parse(bytes(data), shown, max_bytes)
+                return Reply(status, body, sock.getsockname()[1] if sock.family != socket.AF_UNIX else 0)
+            data += chunk
+    except (OSError, HttpError):  # nothing more yet (EAGAIN), reset, or not a whole answer
+        return None
+    return None
 
 
 def _connect(unix: str | None, host: str, port: int | None, timeout: float,

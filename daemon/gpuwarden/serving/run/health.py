@@ -35,13 +35,19 @@ def judge(spec: ChildSpec, probe: Background, ops: ProcessOps, child: Child, sta
     outcome = probe.take()
     if outcome is None or outcome.started_at < started:
         return None, ""
-    if outcome.error is not None:
-        return False, str(outcome.error)
     # The proxy's fixed 503 at its connection cap is written by its running event loop: a full proxy, alive (a
-    # restart would cut every stream in flight and forget the refused clients). The port's owner is checked below.
-    full = spec.listener and outcome.value.code == 503 and outcome.value.body == CAP_REFUSED
-    if outcome.value.code != 200 and not full:
-        return False, f"/health answered {outcome.value.code}"
+    # restart would cut every stream in flight and forget the refused clients). The cap writes it unasked and
+    # closes at once, so the probe may find the far end closed before it could name its owner, and writes nothing
+    # (httpget.Unasked): on the kept listener, which no one else can hold, that written 503 is the same answer. The
+    # port's owner is checked below.
+    reply = outcome.value if outcome.error is None else getattr(outcome.error, "reply", None) if kept else None
+    if reply is None:
+        return False, str(outcome.error)
+    full = spec.listener and reply.code == 503 and reply.body == CAP_REFUSED
+    if outcome.error is not None and not full:
+        return False, str(outcome.error)
+    if reply.code != 200 and not full:
+        return False, f"/health answered {reply.code}"
     group = ops.group_pids(child.pgid)
     if spec.port and not ops.owns_port(spec.host, spec.port, group, spec.identity.uid):
         return False, (f"port {spec.port} is answered by {ops.who_listens(spec.host, spec.port)}, "
