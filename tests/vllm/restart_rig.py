@@ -79,10 +79,31 @@ class Outcome:
     what: str  # "200", or the status and error, or the failure
 
 
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTP to the engine's Unix socket: behind the proxy vLLM listens on one (--uds) and on no TCP port
+    (serving/compose/enginesock.py)."""
+
+    def __init__(self, path: str, timeout: float):
+        super().__init__("localhost", timeout=timeout)
+        self.path = path
+
+    def connect(self):
+        import socket
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.path)
+
+
+def connection(where: int | str, timeout: float) -> http.client.HTTPConnection:
+    """To 127.0.0.1:where (a port), or to the Unix socket at where (a path)."""
+    return UnixHTTPConnection(where, timeout) if isinstance(where, str) else \
+        http.client.HTTPConnection("127.0.0.1", where, timeout=timeout)
+
+
 class Client(threading.Thread):
     """One client: requests one after another until stopped, each judged whole."""
 
-    def __init__(self, name: str, port: int, stream: bool, max_tokens: int, outcomes: list, stop: threading.Event,
+    def __init__(self, name: str, port: int | str, stream: bool, max_tokens: int, outcomes: list, stop: threading.Event,
                  model: str = "tiny", pause_s: float = 0.0):
         super().__init__(daemon=True)
         self.name_, self.port, self.stream, self.max_tokens, self.model = name, port, stream, max_tokens, model
@@ -103,7 +124,7 @@ class Client(threading.Thread):
                 self.max_tokens, "ignore_eos": True, "temperature": 0, "stream": self.stream}
         if self.stream:
             body["stream_options"] = {"include_usage": True}
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
+        conn = connection(self.port, 600)
         try:
             conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
             reply = conn.getresponse()
@@ -160,6 +181,7 @@ class Rig:
         self.workdir, self.drain_s, self.hold_s = workdir, drain_s, hold_s
         self.long_tokens, self.pause_s = long_tokens, pause_s
         self.port, self.proxy_port, self.metrics_port = free_port(), free_port(), free_port()
+        self.engine: int | str = self.port  # where the engine listens, once it is healthy (start)
         self.user = user if os.geteuid() == 0 else pwd.getpwuid(os.geteuid()).pw_name
         (workdir / "profiles.d").mkdir(parents=True, exist_ok=True)
         (workdir / "profiles.d" / "cpu-tiny.yaml").write_text(PROFILE.read_text())
@@ -204,8 +226,11 @@ serve:
         self.proc = subprocess.Popen([*self.command, "run", "-c", str(self.config)], stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, env=self.env)
         threading.Thread(target=self._read, daemon=True).start()
-        self.wait_for("vLLM healthy after", START_S)
+        _, healthy = self.wait_for("vLLM healthy after", START_S)
         self.wait_for("the proxy healthy after", 60)
+        # where the engine listens: behind the proxy, its Unix socket ("... on unix:PATH"), else its port
+        where = re.search(r" on unix:(\S+)", healthy)
+        self.engine = where.group(1) if where else self.port
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -243,8 +268,8 @@ serve:
     def start_clients(self) -> None:
         long = self.long_tokens
         mix = [("proxy stream", self.proxy_port, True, SHORT), ("proxy plain", self.proxy_port, False, SHORT),
-               ("proxy stream long", self.proxy_port, True, long), ("direct plain long", self.port, False, long),
-               ("direct plain", self.port, False, SHORT)]
+               ("proxy stream long", self.proxy_port, True, long), ("direct plain long", self.engine, False, long),
+               ("direct plain", self.engine, False, SHORT)]
         self.clients = [Client(name, port, stream, tokens, self.outcomes, self._stop_clients, str(self.model),
                                self.pause_s) for name, port, stream, tokens in mix]
         for client in self.clients:
@@ -257,7 +282,7 @@ serve:
 
     def engine_running(self) -> int:
         """vLLM's running requests, from its own /metrics."""
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+        conn = connection(self.engine, 5)
         try:
             conn.request("GET", "/metrics")
             text = conn.getresponse().read().decode()
