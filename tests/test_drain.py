@@ -261,7 +261,10 @@ def test_a_reload_that_restarts_the_engine_drains_it_and_its_requests_finish(wri
     took = float(d.wait_for("vLLM drained in", after=mark, timeout=15).split("drained in ")[1].split(" s")[0])
     for thread in threads:
         thread.join(10)
-    assert outcomes == ['200 {"done": true}'] * 2 and took < 10
+    # drained, not cut at drain_s: the daemon says which ("drained in", never "drain timed out"); how long it took
+    # is the box's business
+    assert outcomes == ['200 {"done": true}'] * 2 and took >= 0
+    assert "drain timed out" not in "\n".join(d.lines[mark:])
     d.wait_for("vLLM healthy after", after=mark, timeout=30)
     wait_until(lambda: 'gpuwarden_serving_drains_total{outcome="drained"} 1.0' in metrics(base), 10)
     assert "SIGKILL to" not in "\n".join(d.lines[mark:])
@@ -301,8 +304,8 @@ def test_drain_s_0_keeps_the_abort_of_before(write, fake, daemons, no_fakes_left
     assert "--shutdown-timeout" not in d.wait_for("vLLM starting")
     threads, outcomes = ask(port, 1, seconds=5)
     in_flight(base, 1)
-    began = time.monotonic()
-    assert d.stop() == 0 and time.monotonic() - began < 3
+    # No drain: the request in flight (5 s long) is aborted, not waited for: the outcome below, not a stopwatch
+    assert d.stop() == 0
     threads[0].join(10)
     assert outcomes[0].startswith("failed"), outcomes
     assert "draining vLLM" not in "\n".join(d.lines)

@@ -41,6 +41,18 @@ def test_a_proxy_address_that_is_not_a_canonical_ip_literal_is_one_config_line(v
         f"g.yaml:4: serve.proxy.listen: '{value}' is not a numeric IP address in canonical form ({hint})"]
 
 
+@pytest.mark.parametrize("value", ["[::ffff:127.0.0.1]:8001", "[::ffff:7f00:1]:8001", "[::FFFF:127.0.0.1]:8001"])
+def test_an_ipv4_mapped_proxy_address_however_spelled_is_one_config_line_naming_the_ipv4_one(value):
+    """The attacker's F2 (2026-12-02): check suggested '[::ffff:7f00:1]' for '[::ffff:127.0.0.1]' and took it; the
+    kernel names that socket '::ffff:127.0.0.1', the kept socket never matched it, and the daemon killed its proxy
+    as untrusted every few seconds and freed the port at each start."""
+    with pytest.raises(InvalidConfig) as caught:
+        config.parse_text(SERVING + f"  proxy: {{enabled: true, listen: '{value}'}}\n", "g.yaml")
+    assert [str(e) for e in caught.value.errors] == [
+        f"g.yaml:4: serve.proxy.listen: '{value}' is an IPv4-mapped IPv6 address (the IPv4 address itself, "
+        f"127.0.0.1:8001)"]
+
+
 @pytest.mark.parametrize("value", ["127.0.0.1:8001", "[::1]:8001", "0.0.0.0:8001", "[::]:8001"])
 def test_a_canonical_ip_literal_is_taken(value):
     cfg = config.parse_text(SERVING + f"  proxy: {{enabled: true, listen: '{value}'}}\n", "g.yaml")

@@ -503,6 +503,12 @@ def _proxy_section(r: Reader, base_dir: Path) -> ProxyConfig:
     if listen is None:
         r.fail(base + ("listen",), "the proxy needs an address to listen on", "HOST:PORT such as 127.0.0.1:8001")
         listen = d.listen
+    elif (mapped := _ipv4_mapped(listen[0])) is not None:
+        # The kernel names such a socket '::ffff:127.0.0.1', Python's ipaddress (before 3.13) '::ffff:7f00:1': no
+        # one spelling to compare the kept socket by, and an IPv6 socket at all where an IPv4 one is meant.
+        r.fail(base + ("listen",), f"'{r.get(base + ('listen',))}' is an IPv4-mapped IPv6 address",
+               f"the IPv4 address itself, {mapped}:{listen[1]}")
+        listen = d.listen
     elif _not_canonical(listen[0]):  # compared with the kept socket's getsockname() (base/keptlistener.py)
         r.fail(base + ("listen",), f"'{r.get(base + ('listen',))}' is not a numeric IP address in canonical form",
                f"an IP literal such as 127.0.0.1:{listen[1]} or [::1]:{listen[1]}" + (
@@ -705,6 +711,16 @@ def _canonical(host: str) -> str | None:
         return str(ipaddress.ip_address(host))
     except ValueError:
         return None
+
+
+def _ipv4_mapped(host: str) -> str | None:
+    """The IPv4 address an IPv4-mapped IPv6 address (::ffff:a.b.c.d, however spelled) stands for, else None."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    mapped = getattr(address, "ipv4_mapped", None)
+    return str(mapped) if mapped is not None else None
 
 
 def _not_canonical(host: str) -> bool:
