@@ -94,7 +94,9 @@ def test_a_suspect_starts_the_watcher_that_finds_the_end_a_moment_later(monkeypa
     asyncio.run(scenario())
 
 
-def test_once_the_window_holds_failures_less_one_ends_a_client_at_any_of_them_is_refused(caplog):
+def test_once_the_window_holds_failures_less_one_ends_every_client_is_refused_until_the_oldest_leaves(caplog):
+    """A client at one of the ends and a client at none of them alike (the attacker's F1: a killer from a fresh
+    address made the fifth end, FATAL): 429 for a client at its own refuse_after ends, 503 for everyone else."""
     clock = Clock()
     book = Casualties(clock, window_s=600, refuse_after=2, failures=5, wall=lambda: 0.0)
     with caplog.at_level("WARNING", logger="gpuwarden.proxy"):
@@ -104,15 +106,29 @@ def test_once_the_window_holds_failures_less_one_ends_a_client_at_any_of_them_is
             assert refusal(book, client) is None  # one end each, 3 in the window: not yet
         clock.now = 1030.0
         book.note("10.0.0.4", 1029.0, CHAT)  # the 4th: one more is FATAL
-    for client in ("10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4"):
-        refused = refusal(book, client)
-        assert refused.status == 429 and "one fewer than the daemon stops the engine for good" in str(refused)
-    assert refusal(book, "10.0.0.1").retry_after == 571  # until its own end (at 1000) leaves the window, at 1600
-    assert refusal(book, "10.0.0.4").retry_after == 571  # until the 4th newest end (at 1000) leaves: 3 are left
-    assert refusal(book, "10.0.0.5") is None  # in flight at none of them: served
-    assert sum("one fewer than the daemon stops it for good" in r.getMessage() for r in caplog.records) == 1
+    for client in ("10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4", "10.0.0.5", "2001:db8:9::/64"):
+        refused = refusal(book, client)  # at one end each, or at none (.5 and the /64): all alike
+        assert refused.status == 503 and refused.reason == "serving_braked", (client, refused)
+        assert "one fewer than the daemon stops it for good" in str(refused)
+        assert refused.retry_after == 571  # until the 4th newest end (at 1000) leaves the window, at 1600
+    said = [r.getMessage() for r in caplog.records if "one fewer than the daemon stops it for good" in r.getMessage()]
+    assert len(said) == 1 and "every request is refused" in said[0] and "in 570 s" in said[0], said
+    assert not [r for r in caplog.records if "refusing client" in r.getMessage()]  # no client's own refusal
     clock.now = 1600.5  # the first end left the window: 3 ends, the brake is off
-    assert refusal(book, "10.0.0.4") is None and refusal(book, "10.0.0.2") is None
+    assert refusal(book, "10.0.0.4") is None and refusal(book, "10.0.0.5") is None
+
+
+def test_a_client_at_its_own_ends_during_the_brake_gets_429_until_the_later_of_both():
+    clock = Clock()
+    book = Casualties(clock, window_s=600, refuse_after=2, failures=5, wall=lambda: 0.0)
+    for n, client in enumerate(("10.0.0.2", "10.0.0.1", "10.0.0.1", "10.0.0.3")):
+        clock.now = 1000.0 + 100 * n
+        book.note(client, clock.now - 1, CHAT)
+    refused = refusal(book, "10.0.0.1")  # its own 2 ends (1100, 1200): until 1700; the brake's until 1600
+    assert refused.status == 429 and refused.reason == "client_refused" and refused.retry_after == 401
+    assert refusal(book, "10.0.0.9").status == 503 and refusal(book, "10.0.0.9").retry_after == 301
+    clock.now = 1600.5  # the brake is off; 10.0.0.1's own refusal holds
+    assert refusal(book, "10.0.0.9") is None and refusal(book, "10.0.0.1").status == 429
 
 
 def test_no_brake_where_refusals_are_off_or_the_daemon_stops_at_the_first_failure():

@@ -174,8 +174,9 @@ class Casualties:
         named = self.ended(client, sent_at)
         if self.braking and not braking:
             log.warning("proxy: the engine's ends with requests in flight in the last %g s are %d, one fewer than the "
-                        "daemon stops it for good at: every client in flight at any of them is refused (429) until "
-                        "they are fewer", self.window_s, len(self._ends))
+                        "daemon stops it for good at: every request is refused (503, or 429 for a client at its own "
+                        "ends) until they are fewer, in %.0f s", self.window_s, len(self._ends),
+                        self.brake_until() - self.clock())
         if named is not None:
             log.warning("proxy: client %s had requests in flight at %d of the engine's %d ends in the last %g s (the "
                         "latest: %s): its requests may be what ends the engine (a query of death); none was sent "
@@ -220,36 +221,49 @@ class Casualties:
         """A planned stop begins: its end is nobody's, whatever the engine answered before it."""
         self._answers.clear()
 
-    def until(self, client: str) -> float | None:
+    def own_until(self, client: str) -> float | None:
         """When (the clock's) the client is at fewer than refuse_after ends within the window again; None: it is
-        not refused now. Its own record alone is read: asked of every request."""
+        not refused for its own ends now."""
         mine = self._clients.get(client)
-        if not self.refuse_after or mine is None or not mine.ends:
+        if not self.refuse_after or mine is None or len(mine.ends) < self.refuse_after:
             return None
-        now, until = self.clock(), float("-inf")
-        if len(mine.ends) >= self.refuse_after:
-            until = mine.ends[-self.refuse_after][1] + self.window_s  # its Nth newest end leaves the window then
-        if self.brake and len(self._ends) >= self.brake:
-            # The brake: the window holds failures - 1 ends, one more is FATAL; a client at any of them is refused
-            # while both hold (its newest end, and the (failures - 1)th newest of all, within the window).
-            until = max(until, min(mine.ends[-1][1], self._ends[-self.brake][1]) + self.window_s)
-        return until if now <= until else None
+        until = mine.ends[-self.refuse_after][1] + self.window_s  # its Nth newest end leaves the window then
+        return until if self.clock() <= until else None
+
+    def brake_until(self) -> float | None:
+        """While the brake holds (failures - 1 ends within the window: one more is FATAL), when the oldest of them
+        leaves it; else None. Every client is refused meanwhile, one at none of the ends too: a killer from a
+        fresh address (an IPv6 /64 is one client, and a home line has 256 of them) would otherwise end the engine
+        the last time (the attacker's F1, 2026-12-02: two ends each from two addresses, then one from a third,
+        FATAL). A pause that ends by itself within the window, against FATAL until an operator acts."""
+        if not self.braking:
+            return None
+        return self._ends[-self.brake][1] + self.window_s
+
+    def until(self, client: str) -> float | None:
+        """When (the clock's) the client is served again; None: it is not refused now. Asked of every request."""
+        found = [t for t in (self.own_until(client), self.brake_until()) if t is not None]
+        return max(found) if found else None
 
     def refuse(self, client: str) -> None:
-        """Refusal (429, Retry-After the whole seconds until it is served again) where the client is refused now."""
-        until = self.until(client)
-        if until is None:
+        """Refusal where the client is refused now, Retry-After the whole seconds until it is served again: 429 for
+        its own ends, else 503 while the brake holds."""
+        own, brake = self.own_until(client), self.brake_until()
+        if own is None and brake is None:
             return
-        brake = (f", or at one of them once they are {self.brake}, one fewer than the daemon stops the engine for "
-                 "good at" if self.brake else "")
-        raise Refusal(429, "client_refused", f"refused: this client's requests were in flight at {self.refuse_after} "
-                      f"of the engine's ends in the last {self.window_s:g} s{brake} (a request that ends the engine, "
-                      "sent again and again, would take serving down for everyone); nothing was sent to the engine",
-                      int(until - self.clock()) + 1)
+        after = int(max(t for t in (own, brake) if t is not None) - self.clock()) + 1
+        if own is not None:
+            raise Refusal(429, "client_refused", f"refused: this client's requests were in flight at "
+                          f"{self.refuse_after} of the engine's ends in the last {self.window_s:g} s (a request that "
+                          "ends the engine, sent again and again, would take serving down for everyone); nothing was "
+                          "sent to the engine", after)
+        raise Refusal(503, "serving_braked", f"serving is paused: the engine ended {self.brake} times in the last "
+                      f"{self.window_s:g} s with requests in flight, one fewer than the daemon stops it for good at; "
+                      "no request is sent to it until the oldest of those ends leaves that window", after)
 
     def _tell(self, client: str) -> None:
         """The refusal's line, once per client and window: when its end makes it refused, unless said already."""
-        until, mine = self.until(client), self._clients.get(client)
+        until, mine = self.own_until(client), self._clients.get(client)  # the brake has its own line (note)
         if until is None or mine is None or until <= mine.told_until:
             return
         if self.clock() > mine.told_until:  # a new refusal, not one that a later end made longer
