@@ -25,7 +25,8 @@ from gpuwarden.base import httpget, sockowner, unixsock
 from gpuwarden.base.yamlfile import InvalidConfig
 from gpuwarden.config import ProxyConfig, ServeConfig, parse_text
 from gpuwarden.proxy.upstream import EngineUnixConnector, NotTheEngine
-from gpuwarden.serving.compose.enginesock import conflict_finding, engine_socket, engine_url
+from gpuwarden.serving.compose import enginesock
+from gpuwarden.serving.compose.enginesock import conflict_finding, engine_socket, engine_url, fallback_finding
 from gpuwarden.serving.compose.engines import engine_for
 from gpuwarden.serving.compose.profiles import Profile
 from gpuwarden.serving.run import ports
@@ -42,6 +43,49 @@ def serve(listen="auto", proxy=True, **changes):
 
 
 # -- the setting and the argv (no process) ---------------------------------------------------------------------------
+
+def passwd(*users):
+    """Injected user and group tables: (name, primary gid) pairs, and group 100's listed members."""
+    entries = [pwd.struct_passwd((name, "x", 1000 + i, gid, "", "/", "/bin/sh")) for i, (name, gid) in enumerate(users)]
+    by_name = {e.pw_name: e for e in entries}
+
+    def getgrgid(gid):
+        if gid != 100:
+            raise KeyError(gid)
+        return type("G", (), {"gr_mem": ["carol"]})()
+    return dict(getpwnam=lambda n: by_name[n], getgrgid=getgrgid, getpwall=lambda: entries)
+
+
+def test_a_primary_group_shared_with_another_user_is_named_and_only_as_root():
+    """The attacker's F3 (2026-12-02): Debian's adduser --system puts a user in the shared nogroup; a member of the
+    socket folder's group unlinked the live engine's socket and bound its own, and serving stayed down."""
+    tables = passwd(("srv", 65534), ("mallory", 65534), ("alice", 200), ("svc", 100), ("bob", 300))
+    assert enginesock.group_shared("srv", root=True, **tables) == ["mallory"]
+    assert enginesock.group_shared("svc", root=True, **tables) == ["carol"]  # a listed member
+    assert enginesock.group_shared("alice", root=True, **tables) == []
+    assert enginesock.group_shared("srv", root=False, **tables) == []  # not root: the folder is the user's own, 0700
+    assert enginesock.group_shared("nosuch", root=True, **tables) == []  # identity.resolve says so
+
+
+def test_a_socket_that_cannot_be_had_is_a_warning_for_auto_and_an_error_for_unix(monkeypatch):
+    """The attacker's F5: auto fell back to TCP without a word, and unix with the proxy off left the engine on a
+    socket no client reaches; both passed check."""
+    monkeypatch.setattr(enginesock, "group_shared", lambda user, **_: ["mallory"] if user == "srv" else [])
+    shared = serve(user="srv")
+    assert engine_socket(shared, VLLM, STATE) is None  # auto: TCP...
+    found = fallback_finding(shared, VLLM, STATE)  # ...said
+    assert found.rule == "engine-listen-tcp-fallback" and "also mallory's" in found.message, found
+    assert "127.0.0.1:8000" in found.message and "give serve.user a group of its own" in found.fix
+    with pytest.raises(ValueError, match="serve.user srv's primary group is also mallory's"):
+        engine_socket(serve("unix", user="srv"), VLLM, STATE)
+    long = {"STATE_DIRECTORY": "/" + "x" * 100}
+    assert "longer than a Unix socket's 107 bytes" in fallback_finding(serve(user="ok"), VLLM, long).message
+    lonely = fallback_finding(serve("unix", proxy=False, user="ok"), VLLM, STATE)
+    assert lonely.rule == "engine-listen-unix-without-proxy" and "no client but gpuwarden" in lonely.message
+    for quiet in (serve(user="ok"), serve("tcp", user="srv"), serve(proxy=False, user="srv")):
+        assert fallback_finding(quiet, VLLM, STATE) is None, quiet  # a socket, or TCP by choice
+    assert fallback_finding(serve(user="ok"), SGLANG, STATE) is None  # SGLang has no flag: TCP by its nature
+
 
 def test_engine_listen_reads_auto_tcp_or_unix_and_names_the_line_of_anything_else(tmp_path):
     for value in ("auto", "tcp", "unix"):
@@ -205,7 +249,7 @@ def test_behind_the_proxy_the_engine_has_no_port_so_a_squatter_blocks_nothing_ac
     assert _tcp_listeners_of(pid) == [], "the engine listens on TCP"
     folder = (state / "engine").stat()  # root's, serve.user's group's, nobody else's
     assert sock.is_socket() and sock.stat().st_uid == pwd.getpwnam(fake["user"]).pw_uid
-    assert folder.st_uid == 0 and folder.st_gid == pwd.getpwnam(fake["user"]).pw_gid and folder.st_mode & 0o777 == 0o770
+    assert folder.st_uid == 0 and folder.st_gid == pwd.getpwnam(fake["user"]).pw_gid and folder.st_mode & 0o7777 == 0o1770
     deadline = time.monotonic() + 60  # a bound for a hang: the daemon's /metrics read over the socket fills it
     while not ((status(base).get("vllm") or {}).get("requests_running") is not None) and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -18,7 +18,9 @@ names it by engine_url: an http+unix URL for the socket (base/unixsock.py), or s
 from __future__ import annotations
 
 import errno
+import grp
 import os
+import pwd
 import stat
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -42,20 +44,71 @@ def socket_dir(environ: Mapping[str, str] = os.environ) -> Path:
 def engine_socket(serve: ServeConfig, engine, environ: Mapping[str, str] = os.environ) -> str | None:
     """The path of the socket the engine listens on, or None where it listens on serve.host:serve.port.
     ValueError (one line) where serve.engine_listen asks for a socket the engine cannot have."""
+    path, why_not = _socket_or_why_not(serve, engine, environ)
+    if path is None and why_not and serve.engine_listen == "unix":
+        raise ValueError(why_not)
+    return path
+
+
+def _socket_or_why_not(serve: ServeConfig, engine, environ: Mapping[str, str]) -> tuple[str | None, str]:
+    """(the socket's path, "") where the engine listens on one; (None, why not) where auto or unix would have it
+    but cannot; (None, "") where it is TCP by choice (tcp, or auto without the proxy, or an engine without the
+    flag, or a multi-node head)."""
     mode = serve.engine_listen
     flag = getattr(engine, "uds_flag", None)
     if mode == "tcp" or (mode == "auto" and not (serve.proxy.enabled and flag and serve.nodes is None)):
-        return None
+        return None, ""
     if flag is None:
-        raise ValueError(f"{engine.title} has no flag to listen on a Unix socket")
+        return None, f"{engine.title} has no flag to listen on a Unix socket"
     if serve.nodes is not None:
-        raise ValueError("a multi-node engine's head listens on TCP (its ranks and Ray reach it there)")
+        return None, "a multi-node engine's head listens on TCP (its ranks and Ray reach it there)"
     path = str(socket_dir(environ) / f"{serve.port}.sock")  # named by serve.port: one per daemon of the host
     if len(os.fsencode(path)) > MAX_PATH:
-        if mode == "auto":
-            return None
-        raise ValueError(f"the socket's path {path} is longer than a Unix socket's {MAX_PATH} bytes")
-    return path
+        return None, f"the socket's path {path} is longer than a Unix socket's {MAX_PATH} bytes"
+    if others := group_shared(serve.user):
+        return None, (f"serve.user {serve.user}'s primary group is also {', '.join(others)}'s: they could take the "
+                      "engine's socket path while the engine restarts (the socket's folder is that group's)")
+    return path, ""
+
+
+def group_shared(user: str | None, getpwnam=pwd.getpwnam, getgrgid=grp.getgrgid, getpwall=pwd.getpwall,
+                 root: bool | None = None) -> list[str]:
+    """The other users of serve.user's primary group (its listed members, and users whose primary group it is),
+    where the daemon runs as root and so makes the socket's folder that group's; [] otherwise. At most 5 named."""
+    if not (os.geteuid() == 0 if root is None else root) or not user:
+        return []
+    try:
+        entry = getpwnam(user)
+    except KeyError:
+        return []  # identity.resolve says so
+    others = set()
+    try:
+        others.update(getgrgid(entry.pw_gid).gr_mem)
+    except KeyError:
+        pass
+    others.update(p.pw_name for p in getpwall() if p.pw_gid == entry.pw_gid)
+    others.discard(user)
+    return sorted(others)[:5]
+
+
+def fallback_finding(serve: ServeConfig, engine, environ: Mapping[str, str] = os.environ) -> LintFinding | None:
+    """Where the engine listens on TCP although auto would put it on a socket behind the proxy (the socket cannot
+    be had: a local user can again hold serve.port while it restarts), or on a socket no one but gpuwarden reaches
+    (unix without the proxy): one warning, not a silent choice."""
+    path, why_not = _socket_or_why_not(serve, engine, environ)
+    if path is None and why_not and serve.engine_listen == "auto":
+        return LintFinding(WARNING, "engine-listen-tcp-fallback",
+                           f"{engine.title} listens on {serve.host}:{serve.port}, not on a Unix socket behind the "
+                           f"proxy: {why_not}; a local user who binds that port while it restarts keeps it from "
+                           "starting", "serve.engine_listen: auto",
+                           "give serve.user a group of its own (or a shorter state directory), or choose "
+                           "serve.engine_listen: tcp to say so", facts=(why_not,))
+    if path is not None and not serve.proxy.enabled:
+        return LintFinding(WARNING, "engine-listen-unix-without-proxy",
+                           f"{engine.title} listens on the Unix socket {path} and the proxy is off: no client but "
+                           "gpuwarden's own commands reaches it", "serve.engine_listen: unix",
+                           "serve.proxy.enabled: true, or serve.engine_listen: auto", facts=(path,))
+    return None
 
 
 def engine_url(serve: ServeConfig, engine, environ: Mapping[str, str] = os.environ) -> str:
@@ -99,7 +152,7 @@ def conflict_finding(serve: ServeConfig, engine, user_args: Sequence[str]) -> Li
 
 
 def make_socket_dir(identity: Identity, create: bool, environ: Mapping[str, str] = os.environ) -> None:
-    """The socket's folder: root's, in serve.user's group only, 0770 (as root), or the user's own 0700 (run as
+    """The socket's folder: root's, in serve.user's group only, 1770 (as root), or the user's own 0700 (run as
     that user). create False (the main loop) only checks that it is there. Raises OSError."""
     folder = socket_dir(environ)
     if not create:
@@ -116,7 +169,9 @@ def make_socket_dir(identity: Identity, create: bool, environ: Mapping[str, str]
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
         raise OSError(errno.EEXIST, f"{folder} is there and is not {'root' if identity.switch else 'our'}'s folder")
     if identity.switch:
-        let_group_in(folder, identity, 0o770)
+        # sticky: a member of the group may not unlink or rename the engine's socket (serve.user's), nor the
+        # daemon's, which owns the folder, a socket left behind
+        let_group_in(folder, identity, 0o1770)
         _passable(folder.parent, identity)
     else:
         os.chmod(folder, 0o700)

@@ -16,7 +16,7 @@ from ...gpu.base import GpuBackend, GpuSample
 from ...base.yamlfile import ConfigError, ConfigErrors
 from .command import ServeCommand, build_command, chosen_gpus, engine_of, profile_error
 from .flagcheck import FlagCheck, check_flags
-from .enginesock import conflict_finding, engine_socket, make_socket_dir, socket_dir
+from .enginesock import conflict_finding, engine_socket, fallback_finding, make_socket_dir, socket_dir
 from .homes import HomeError, child_home
 from .identity import Identity, IdentityError, popen, resolve
 from ...base.statedir import state_dir
@@ -163,7 +163,8 @@ def compose(config: Config, gpus: Sequence[GpuSample], profile_name: str | None 
     outcomes = tuple(evaluate_lint(LintContext.of(command, config.serve.model, found, model), rules))
     findings = tuple(o.finding for o in outcomes if o.finding is not None)
     own = tuple(f for f in (drain.finding, hold_finding(config.serve, drain.seconds),
-                            conflict_finding(config.serve, engine, config.serve.args)) if f is not None)
+                            conflict_finding(config.serve, engine, config.serve.args),
+                            fallback_finding(config.serve, engine)) if f is not None)
     return Composed(command, findings + own, outcomes, found, rules)
 
 
