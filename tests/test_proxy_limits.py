@@ -20,6 +20,7 @@ from gpuwarden.proxy.dump import session_of
 from gpuwarden.proxy.faults import proxy_faults as FaultLog
 from gpuwarden.proxy.listener import connection_cap
 from gpuwarden.proxy.normalize import Rules, apply
+from gpuwarden.proxy.server import OFF_LOOP_BYTES, off_loop
 
 
 def metric(proxy, name) -> float | None:
@@ -60,6 +61,14 @@ HALF_SENT = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1
 
 
 # -- 2. connections ------------------------------------------------------------------------------------------
+
+def test_a_compressed_body_however_small_is_made_ready_off_the_loop():
+    """The attacker's F4 (2026-12-02): 32 KB of gzip inflated to 32 MiB on the event loop, the decision having been
+    taken on the compressed size."""
+    assert off_loop(32 << 10, "gzip", False) and off_loop(10, "deflate", False) and off_loop(10, " GZIP ", False)
+    assert not off_loop(32 << 10, "", False) and not off_loop(32 << 10, "identity", False)
+    assert off_loop(OFF_LOOP_BYTES + 1, "", False) and off_loop(10, "", True)
+
 
 def test_the_connection_cap_leaves_room_in_the_fd_limit():
     for nofile in (400, 1024, 4096, 8448):
