@@ -240,7 +240,7 @@ def test_behind_the_proxy_the_engine_has_no_port_so_a_squatter_blocks_nothing_ac
     d = daemons(path, command=command, env=dict(env, STATE_DIRECTORY=str(state)))
     first = healthy(d)
     sock = state / "engine" / f"{port}.sock"
-    assert f"vLLM healthy after" in d.lines[first] and f"on unix:{sock}" in d.lines[first], d.lines[first]
+    assert "vLLM healthy after" in d.lines[first] and f"on unix:{sock}" in d.lines[first], d.lines[first]
     d.wait_for("the proxy healthy after", timeout=60)
     status_, _, data, error = Call(proxy_port, "fine, thanks").result()
     assert status_ == 200, (status_, data, error)
@@ -249,7 +249,8 @@ def test_behind_the_proxy_the_engine_has_no_port_so_a_squatter_blocks_nothing_ac
     assert _tcp_listeners_of(pid) == [], "the engine listens on TCP"
     folder = (state / "engine").stat()  # root's, serve.user's group's, nobody else's
     assert sock.is_socket() and sock.stat().st_uid == pwd.getpwnam(fake["user"]).pw_uid
-    assert folder.st_uid == 0 and folder.st_gid == pwd.getpwnam(fake["user"]).pw_gid and folder.st_mode & 0o7777 == 0o1770
+    assert folder.st_uid == 0 and folder.st_gid == pwd.getpwnam(fake["user"]).pw_gid
+    assert folder.st_mode & 0o7777 == 0o1770  # sticky: the group may not unlink serve.user's socket
     deadline = time.monotonic() + 60  # a bound for a hang: the daemon's /metrics read over the socket fills it
     while not ((status(base).get("vllm") or {}).get("requests_running") is not None) and time.monotonic() < deadline:
         time.sleep(0.2)
