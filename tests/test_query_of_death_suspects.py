@@ -170,6 +170,49 @@ def test_every_address_of_this_host_is_one_client_and_the_answers_are_bounded(mo
     assert not own_address("192.0.2.200", clock)
 
 
+FIB_TRIE = """Main:
+  +-- 0.0.0.0/0 3 0 5
+     |-- 0.0.0.0
+        /0 universe UNICAST
+     +-- 127.0.0.0/8 2 0 2
+        +-- 127.0.0.0/31 1 0 0
+           |-- 127.0.0.0
+              /8 host LOCAL
+        |-- 127.255.255.255
+           /32 link BROADCAST
+     +-- 10.1.0.0/24 2 0 2
+           |-- 10.1.0.0
+              /24 link UNICAST
+           |-- 10.1.0.7
+              /32 host LOCAL
+        |-- 10.1.0.255
+           /32 link BROADCAST
+"""
+IF_INET6 = """00000000000000000000000000000001 01 80 10 80       lo
+20010db8000000010000000000000005 04 40 00 82     eth0
+"""
+
+
+def test_this_hosts_addresses_are_the_kernels_local_routes_whatever_a_bind_would_say(tmp_path, monkeypatch):
+    """With net.ipv4.ip_nonlocal_bind (keepalived's hosts) any address can be bound, and the bind test made every
+    remote client 'this host' (the attacker's note of 2026-12-02): the local routes are asked first."""
+    (tmp_path / "fib").write_text(FIB_TRIE)
+    (tmp_path / "inet6").write_text(IF_INET6)
+    found = peers.local_networks(str(tmp_path / "fib"), str(tmp_path / "inet6"))
+    assert [str(n) for n in found] == ["127.0.0.0/8", "10.1.0.7/32", "::1/128", "2001:db8:0:1::5/128"]
+    monkeypatch.setattr(peers, "_own", {})
+    monkeypatch.setattr(peers, "_bound", lambda ip: True)  # as on a host that lets any address be bound
+    assert own_address("10.1.0.7", networks=lambda: found) and own_address("2001:db8:0:1::5", networks=lambda: found)
+    assert not own_address("10.1.0.8", networks=lambda: found)  # the bind would pass: a remote client all the same
+    assert not own_address("2001:db8:0:1::6", networks=lambda: found)
+    assert not own_address("10.1.0.255", networks=lambda: found)  # broadcast is no host's own
+    monkeypatch.setattr(peers, "_own", {})
+    assert own_address("10.1.0.8", networks=lambda: None)  # no tables to read: the bind test, as before
+    (tmp_path / "big").write_bytes(b"x" * (peers._TABLE_MAX + 1))
+    assert peers.local_networks(str(tmp_path / "big"), str(tmp_path / "inet6")) is None
+    assert peers.local_networks(str(tmp_path / "missing"), str(tmp_path / "inet6")) is None
+
+
 @pytest.mark.parametrize("peer", ["not-an-address", ""])
 def test_what_is_no_address_is_itself(peer):
     assert host_of(peer) == peer

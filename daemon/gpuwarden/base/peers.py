@@ -33,11 +33,62 @@ THIS_HOST = "this host"  # every address of this host's own, as one client (host
 _OWN_MAX = 1024  # addresses whose answer is kept (host_of)
 _OWN_FOR_S = 60.0  # how long an answer is kept: an address added to or taken off an interface is seen within this
 _own: dict[str, tuple[bool, float]] = {}
+_tables: list = [None, None]  # local_networks' answer and when it was read
 
 
-def own_address(address: str, clock=time.monotonic) -> bool:
-    """Whether address is one of this host's own: all of 127.0.0.0/8 and ::1, and any address that an interface of
-    this host has (binding a socket to it succeeds only then). The answer is kept for _OWN_FOR_S, _OWN_MAX at most."""
+_TABLE_MAX = 4 << 20  # bytes of /proc/net/fib_trie read at most (a host with a full routing table: the bind test)
+FIB_TRIE, IF_INET6 = "/proc/net/fib_trie", "/proc/net/if_inet6"
+
+
+def local_networks(fib_trie: str = FIB_TRIE, if_inet6: str = IF_INET6) -> list | None:
+    """This host's own addresses, as the kernel's local routes name them: the 'host LOCAL' entries of the IPv4
+    tables (127.0.0.0/8 among them) and every interface's IPv6 address; None where either cannot be read whole."""
+    found = []
+    try:
+        with open(fib_trie, "rb") as f:
+            text = f.read(_TABLE_MAX + 1)
+        with open(if_inet6, "rb") as f:
+            inet6 = f.read(_TABLE_MAX + 1)
+    except OSError:
+        return None
+    if len(text) > _TABLE_MAX or len(inet6) > _TABLE_MAX:
+        return None
+    last = None
+    for line in text.decode("ascii", "replace").splitlines():
+        line = line.strip()
+        if line.startswith(("|-- ", "+-- ")):
+            last = line[4:].split()[0]
+        elif line.endswith("host LOCAL") and last and line.startswith("/"):
+            try:
+                found.append(ipaddress.ip_network(f"{last}/{line[1:].split()[0]}", strict=False))
+            except ValueError:
+                continue
+    for line in inet6.decode("ascii", "replace").splitlines():
+        word = line.split()[0] if line.split() else ""
+        if len(word) == 32:
+            try:
+                found.append(ipaddress.ip_network(ipaddress.IPv6Address(bytes.fromhex(word))))
+            except ValueError:
+                continue
+    return found
+
+
+def _bound(ip) -> bool:
+    """Whether a socket may bind the address: only an address of this host's own, unless the host lets any be bound
+    (net.ipv4.ip_nonlocal_bind, keepalived's hosts: then every remote address passed, the attacker's note of
+    2026-12-02), which local_networks, asked first, does not depend on."""
+    try:
+        with socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.bind((str(ip), 0))
+        return True
+    except OSError:
+        return False
+
+
+def own_address(address: str, clock=time.monotonic, networks=local_networks) -> bool:
+    """Whether address is one of this host's own: all of 127.0.0.0/8 and ::1, and any address the kernel's local
+    routes name (an interface's: local_networks; the bind test where they cannot be read). The answer is kept for
+    _OWN_FOR_S, _OWN_MAX at most."""
     ip = ipaddress.ip_address(address)
     if ip.is_loopback:
         return True
@@ -45,12 +96,13 @@ def own_address(address: str, clock=time.monotonic) -> bool:
     kept = _own.get(address)
     if kept is not None and now - kept[1] <= _OWN_FOR_S:
         return kept[0]
-    try:
-        with socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.bind((address, 0))
-        own = True
-    except OSError:
-        own = False
+    if networks is local_networks:  # read once per _OWN_FOR_S, not per address (a routing table may be megabytes)
+        if _tables[1] is None or now - _tables[1] > _OWN_FOR_S:
+            _tables[:] = [local_networks(), now]
+        local = _tables[0]
+    else:
+        local = networks()
+    own = _bound(ip) if local is None else any(ip.version == n.version and ip in n for n in local)
     if len(_own) >= _OWN_MAX:
         _own.clear()
     _own[address] = (own, now)
