@@ -262,6 +262,11 @@ def test_serving_ready_only_when_vllm_is_healthy_and_stop_leaves_nothing(install
     assert got["proxy_state"] == "1"
     assert got["proxy_back"] == "200" and got["proxy_restart_logged"] == "1", journal
     assert got["state_after_proxy_kill"] == "active" and got["health_after_proxy_kill"] == "200"
+    # systemctl restart: systemd's store kept the proxy's socket through it (a job was queued), the new daemon's
+    # proxy serves on it, and a local user's bind loop never held the port meanwhile (before: the stop let it go).
+    assert got["restart_state"] == "active" and got["restart_proxy_new"] == "yes", journal
+    assert got["restart_proxy_health"] == "200" and got["restart_proxy_completion"] == "1", journal
+    assert got["restart_squatter_held"] == "0", journal
     # An upgrade under a steady stream (direct and through the proxy): the same engine, proxy and daemon
     # processes, the new version, no failed request; then the new daemon restarts a killed engine.
     assert got["upgrade_version"] == NEWER.split("-")[0], journal
@@ -284,7 +289,9 @@ def test_serving_ready_only_when_vllm_is_healthy_and_stop_leaves_nothing(install
     assert got["stop_in_flight"] == "2", journal
     # Both streamed their first tokens before the stop (stop_in_flight), so both were in flight at it; the drain
     # line's count is the daemon's last /metrics read, which may come before they started.
-    assert got["stop_drained_logged"] == "1" and got["stop_draining_line"].startswith("draining vLLM: ") and \
+    # two drains in the boot: the restart's stop above (nothing in flight), then this one
+    assert got["stop_drained_logged"] == "2" and got["stop_draining_line"].startswith("draining vLLM: ") and \
         got["stop_draining_line"].endswith("up to 60 s"), journal
     assert full.index("vLLM drained in") < full.index("the proxy stopping"), journal
     assert got["stop_result"] == "success" and got["leftover"] == "0"
+    assert int(got["stop_squatter_held"]) >= 1, got  # the control: after a stop the same bind loop holds the port

@@ -285,7 +285,7 @@ class Daemon:
         if not self.handing_over:
             self.tuning.restore()
         self.metrics.close(self.handing_over, self.stopping)
-        self.proxy_port.close(self.handing_over, self.stopping)
+        self.proxy_port.close(self.handing_over)
         self.exposition.close()
 
     def status_document(self) -> dict:

@@ -33,10 +33,13 @@ class ProxyPort:
         if not (config.serve.enabled and config.serve.proxy.enabled):
             self.kept.close(stopping=True)
 
-    def close(self, handing_over: bool, stopping: bool) -> None:
-        """The daemon's end: a handover passes the socket on (reexec, let_inherit); a stop lets it go, out of the
-        store too; after an error the store keeps it for the restart."""
+    def close(self, handing_over: bool) -> None:
+        """The daemon's end: a handover passes the socket on (reexec, let_inherit); else the daemon's copy is closed
+        and systemd's store keeps its own. systemd releases a unit's store only once it is inactive with no job
+        queued (unit_submit_to_release_resources_queue): a `systemctl restart` or an automatic restart gives the
+        next daemon the same socket, and the port is never free between the two (a local user's bind loop took it
+        there before, and with it the clients' API keys); a `systemctl stop` lets it go."""
         if handing_over:
             self.kept.hand_over()
         else:
-            self.kept.close(stopping)
+            self.kept.close(stopping=False)
