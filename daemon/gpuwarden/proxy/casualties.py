@@ -248,11 +248,11 @@ class Casualties:
     def refuse(self, client: str) -> None:
         """Refusal where the client is refused now, Retry-After the whole seconds until it is served again: 429 for
         its own ends, else 503 while the brake holds."""
-        own, brake = self.own_until(client), self.brake_until()
-        if own is None and brake is None:
+        until = self.until(client)
+        if until is None:
             return
-        after = int(max(t for t in (own, brake) if t is not None) - self.clock()) + 1
-        if own is not None:
+        after = int(until - self.clock()) + 1
+        if self.own_until(client) is not None:
             raise Refusal(429, "client_refused", f"refused: this client's requests were in flight at "
                           f"{self.refuse_after} of the engine's ends in the last {self.window_s:g} s (a request that "
                           "ends the engine, sent again and again, would take serving down for everyone); nothing was "
