@@ -162,18 +162,24 @@ def test_the_daemons_proxy_is_told_the_engines_user(tmp_path):
     assert argv[argv.index("--engine-user") + 1] == "998"
 
 
+async def recording_server(seen: list) -> web.AppRunner:
+    """An aiohttp server (set up, no site yet) that answers every request 200 and records its path in seen."""
+
+    async def anything(request):
+        seen.append(request.path)
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", anything)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    return runner
+
+
 def test_the_connector_writes_nothing_to_a_socket_of_another_uid_and_says_whose_it_is():
     async def scenario():
         seen = []
-
-        async def anything(request):
-            seen.append(request.path)
-            return web.Response(text="ok")
-
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", anything)
-        runner = web.AppRunner(app)
-        await runner.setup()
+        runner = await recording_server(seen)
         port = free_port()
         site = web.TCPSite(runner, "127.0.0.1", port)
         await site.start()

@@ -30,7 +30,7 @@ from gpuwarden.serving.compose.enginesock import conflict_finding, engine_socket
 from gpuwarden.serving.compose.engines import engine_for
 from gpuwarden.serving.compose.profiles import Profile
 from gpuwarden.serving.run import ports
-from test_engine_owner import squatters  # noqa: F401 (fixture)
+from test_engine_owner import recording_server, squatters  # noqa: F401 (squatters: a fixture)
 from test_faults import fake, no_fakes_left, status  # noqa: F401 (fixtures)
 
 VLLM, SGLANG = engine_for("vllm"), engine_for("sglang")
@@ -185,15 +185,7 @@ def test_the_proxys_unix_connector_writes_nothing_to_a_socket_of_another_uid(tmp
 
     async def scenario():
         seen = []
-
-        async def anything(request):
-            seen.append(request.path)
-            return web.Response(text="ok")
-
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", anything)
-        runner = web.AppRunner(app)
-        await runner.setup()
+        runner = await recording_server(seen)
         await web.UnixSite(runner, path).start()
         try:
             for uid, expected in ((os.geteuid(), 200), (os.geteuid() + 1, None)):
