@@ -58,6 +58,10 @@ def pytest_configure(config):
     tiers.configure(config)
 
 
+def pytest_sessionstart(session):
+    add_child_user()  # before any test: see add_child_user
+
+
 def pytest_collection_modifyitems(items):
     tiers.collection_modifyitems(items)
     tag(items, tiers.tier_of)
@@ -412,17 +416,26 @@ def proxy_daemon(child_user):
         shutil.rmtree(copy, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
-def child_user():
-    """An unprivileged user for vLLM when the tests run as root (as in CI); else we are that user."""
+def add_child_user() -> None:
+    """As root, add CHILD_USER if it is missing. Called at the session's start, before any test, so that the
+    `useradd` of a fresh machine is no test's process (the tier check would fail the unit test that first asked
+    for `child_user`, and only on a fresh machine)."""
     if os.geteuid() != 0:
-        return pwd.getpwuid(os.geteuid()).pw_name
-    with users_locked():  # each xdist worker runs this session fixture: one adds the user
+        return
+    with users_locked():  # each xdist worker starts a session: one adds the user
         try:
             pwd.getpwnam(CHILD_USER)
         except KeyError:
             subprocess.run(["useradd", "--system", "--create-home", "--home-dir", f"/var/lib/{CHILD_USER}",
                             "--shell", "/usr/sbin/nologin", CHILD_USER], check=True)
+
+
+@pytest.fixture(scope="session")
+def child_user():
+    """An unprivileged user for vLLM when the tests run as root (as in CI); else we are that user."""
+    if os.geteuid() != 0:
+        return pwd.getpwuid(os.geteuid()).pw_name
+    add_child_user()  # added at the session's start; again only if a test removed it meanwhile
     return CHILD_USER
 
 

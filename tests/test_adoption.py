@@ -100,9 +100,17 @@ def test_a_handover_re_executes_in_place_and_keeps_the_engine_and_its_output(wri
     time.sleep(1)
     assert d.proc.poll() is None and running_pid(base) == pid
     path.write_text(good)
+    # The re-executed daemon watches the engine it kept: killed, it is noticed and restarted as any engine is.
+    # (The nspawn boot's real vLLM is restarted by `systemctl restart` after its upgrade instead.)
+    mark = len(d.lines)
+    os.kill(pid, signal.SIGKILL)
+    d.wait_for("vLLM exited with signal SIGKILL", after=mark, timeout=20)
+    d.wait_for("vLLM starting (pid", after=mark, timeout=30)
+    new = running_pid(base)
+    assert new != pid
     # The re-executed daemon still stops its engine: nothing is left.
     assert d.stop() == 0
-    assert handover.start_ticks(pid) is None
+    assert handover.start_ticks(new) is None
 
 
 @pytest.mark.process
