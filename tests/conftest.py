@@ -127,13 +127,16 @@ def _cpu_when_vllm_failed(terminalreporter):
 
 
 @pytest.fixture(autouse=True)
-def _no_probe_remembered_across_tests():
-    """The installed-versions probe is remembered per interpreter for the life of a process (compose/installed.py):
-    each test starts without it, so a test starts the same processes whichever tests ran before it on its worker
-    (the tier check counts them: tests/harness/tiers.py)."""
-    from gpuwarden.serving.compose import installed
+def _no_probe_remembered_across_tests(tmp_path, monkeypatch):
+    """The installed-versions probe is remembered per interpreter for the life of a process, and in a file under the
+    state directory (compose/installed.py): each test starts without either, so a test starts the same processes
+    whichever tests ran before it, on its worker or on this machine (the tier check counts them:
+    tests/harness/tiers.py). An in-process command's state directory is the test's own; a daemon the test starts
+    keeps the one its environment names."""
+    from gpuwarden.serving.compose import installed, prepare
 
     installed._memory.clear()
+    monkeypatch.setattr(prepare, "state_dir", lambda: tmp_path / "probe-state")
     yield
 
 

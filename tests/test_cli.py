@@ -112,6 +112,8 @@ def test_console_script_is_installed():
     assert proc.returncode == 0 and proc.stdout.strip() == f"gpuwarden {__version__}"
 
 
+# process: check asks the engine's interpreter (/usr/bin/python3) what it has installed, as the engine's user
+@pytest.mark.process
 @pytest.mark.parametrize("serve,says", [
     ("  profile: genric\n", "serve.profile: no profile named 'genric'"),
     ("  gpus: [7]\n", "serve.gpus.0: no GPU '7' on this host"),
