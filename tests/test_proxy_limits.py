@@ -114,6 +114,53 @@ def test_a_crowd_of_half_sent_bodies_past_the_fd_limit_leaves_the_proxy_serving(
 
 
 @pytest.mark.process
+def test_requests_whose_clients_left_free_their_connections_to_the_engine_and_others_are_served(rig):
+    """A client that sends a request and leaves ends it: its handler is cancelled (listener.Connection.connection_lost) and its
+    connection to the engine closed, so the engine stops working for nobody. Before, with aiohttp 3.9 and later (the
+    attacker's F1 of 2026-12-02), such requests held their connections to the engine until it answered, past the
+    connection cap, which counts client connections only: the proxy's pool full, every new request waited 10 s for
+    a 504 and was counted a suspect, and the look at /health timed out into an end of the engine that never was.
+    Twice the pool here (the cap is 8 at 100 fds, the pool 12); a bound only for a hang."""
+    upstream, proxy = rig(nofile=100)
+    for n in range(24):
+        sock = socket.create_connection(("127.0.0.1", proxy.port), timeout=5)
+        sock.sendall(b"POST /slow?s=600 HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+        deadline = time.monotonic() + 60
+        while upstream.get_json("/debug/open")["requests"] < n + 1 and time.monotonic() < deadline:
+            time.sleep(0.02)  # the engine has it: then the client leaves
+        sock.close()
+        assert upstream.get_json("/debug/open")["requests"] == n + 1, f"request {n} never reached the engine"
+    deadline = time.monotonic() + 60
+    while upstream.get_json("/debug/open")["open"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    seen = upstream.get_json("/debug/open")
+    assert seen["requests"] == 24 and seen["open"] == 0, seen
+    reply, data = send(proxy.port, "POST", "/v1/chat/completions", b'{"model": "tiny"}')
+    assert reply.status == 200 and json.loads(data)["echo_bytes"] == 17
+    text = "\n".join(proxy.lines)
+    assert "requests in flight at" not in text and "refusing client" not in text, text[-3000:]
+    assert "every request is refused" not in text, text[-3000:]
+
+
+@pytest.mark.process
+def test_a_pattern_slower_than_linear_costs_a_request_its_time_and_never_the_proxy(rig):
+    """The attacker's F2 (2026-12-02): with `remove_patterns: ['\\s+$']`, one request of 150,000 spaces and an x held
+    the proxy's loop until the daemon killed it, and five made it FATAL. Each such request now costs at most its
+    patterns' time (normalize.PATTERNS_S, off the loop), goes to the engine as it came, and is one fault line."""
+    upstream, proxy = rig("--remove-pattern", r"\s+$")
+    body = json.dumps({"model": "tiny", "messages": [{"role": "system", "content": " " * 150_000 + "x"},
+                                                    {"role": "user", "content": "hi"}]}).encode()
+    pid = proxy.proc.pid
+    for _ in range(5):
+        reply, data = send(proxy.port, "POST", "/v1/chat/completions", body)
+        assert reply.status == 200 and json.loads(data)["echo_bytes"] == len(body)  # as it came
+        assert send(proxy.port, "GET", "/health")[0].status == 200
+    assert last_upstream(upstream)[0] == body and proxy.proc.poll() is None and proxy.proc.pid == pid
+    late = [line for line in proxy.lines if "remove_patterns took more than" in line]
+    assert len(late) == 1 and "took more than 0.25 s on 1 system text(s)" in late[0], proxy.lines  # once a minute
+
+
+@pytest.mark.process
 def test_past_the_cap_with_every_connection_served_a_new_one_gets_a_503(rig):
     upstream, proxy = rig(nofile=100, chunk_delay=0.02)  # the smallest cap: 8
     streams = []

@@ -28,8 +28,8 @@ from gpuwarden.serving.run.spec import DOWN_SIGNAL, UP_SIGNAL
 from gpuwarden.serving.run.supervisor import FATAL, HELD, RUNNING
 from test_faults import fake, fault_config, no_fakes_left  # noqa: F401 (fixtures)
 from test_planned_restart import engine_and_proxy
+from harness.book import CHAT, Clock, FakeHold, Peer, refusal
 
-CHAT = "/v1/chat/completions"
 SECRET = "sk-test-4f1d2b0e9c"  # an API key the journal must never show
 
 
@@ -54,14 +54,6 @@ def test_a_request_the_engine_may_have_seen_is_never_held_for_the_next_engine():
     assert verdict(True, reused=True, engine_down=False) == RESEND
     assert verdict(True, engine_down=False) == BROKE
     assert verdict(True, seen=True, reused=True, resent=True, engine_down=False) == BROKE
-
-
-class Clock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self):
-        return self.now
 
 
 def test_a_client_in_flight_at_two_of_the_engines_ends_is_named_once_per_end():
@@ -93,14 +85,6 @@ def test_the_book_of_clients_is_bounded():
 
 
 # -- a client in flight at N of the engine's ends is refused for the rest of the window (no process) ---------------
-
-def refusal(book, client):
-    try:
-        book.refuse(client)
-    except Refusal as exc:
-        return exc
-    return None
-
 
 def test_a_client_in_flight_at_n_ends_is_refused_with_retry_after_until_the_window_lets_it_go(caplog):
     clock = Clock()
@@ -273,29 +257,13 @@ def test_a_streams_tail_is_bounded_and_finds_the_error_at_its_end_however_it_is_
     assert failed(200, tail_of(tail, event * 20 + ending))  # in a chunk larger than the tail
 
 
-class FakeHold:
-    """The hold's look at /health, scripted: each look answers the next of `looks` (True: down)."""
-
-    def __init__(self, looks, clock):
-        self.looks, self.clock, self.planned, self.asked = list(looks), clock, False, 0
-
-    async def engine_down(self, since=None):
-        self.asked += 1
-        return self.looks.pop(0)
-
-
-class Peer:
-    def __init__(self, remote):
-        self.remote, self.method, self.path = remote, "POST", CHAT
-
-
 def test_after_a_failed_answer_the_end_is_looked_for_and_after_an_end_a_request_waits_for_health(monkeypatch):
     monkeypatch.setattr(ends_module, "HEALTH_EVERY_S", 0)  # the looks' pace is the hold's; here, one after another
 
     async def scenario():
         clock = Clock()
         book = Casualties(clock, window_s=600, refuse_after=2)
-        hold = FakeHold([False, False, True], clock)  # healthy twice after the 500, then down: an end
+        hold = FakeHold([True, True, False], clock)  # healthy twice after the 500, then down: an end
         ends = Ends(book, hold)
         assert await ends.may_send() and hold.asked == 0  # no end seen: sent without a look
         ends.answered(Peer("10.0.0.7"), 999.0, 200)  # a 200 is nothing to look for
@@ -305,7 +273,7 @@ def test_after_a_failed_answer_the_end_is_looked_for_and_after_an_end_a_request_
         assert hold.asked == 3 and book.end_open and [e for e, _ in book._clients["10.0.0.7"].ends] == [1]
         # an end is open: the dying server would answer a retry 500 (and count it at a second end of one death);
         # it waits for /health: down, then up
-        hold.looks, hold.asked = [True, False], 0
+        hold.looks, hold.asked = [False, True], 0
         assert not await ends.may_send() and book.end_open
         assert await ends.may_send() and not book.end_open and hold.asked == 2
         assert await ends.may_send() and hold.asked == 2  # seen up: no look more
@@ -313,7 +281,7 @@ def test_after_a_failed_answer_the_end_is_looked_for_and_after_an_end_a_request_
         hold.planned = True
         ends.answered(Peer("10.0.0.8"), 1000.0, 500)
         assert ends._watcher.done() and not book.answers_pending
-        hold.planned, hold.looks = False, [True]
+        hold.planned, hold.looks = False, [False]
         ends.answered(Peer("10.0.0.8"), 1000.0, 500)
         hold.planned = True  # the word comes while the look is under way
         await ends._watcher
@@ -722,15 +690,26 @@ def test_a_killer_that_the_engine_answers_500_before_it_ends_is_refused_429_and_
 
 # -- the attacks that went around the refusal (a client that left at once, QOD-SLOW, several local addresses) -------
 
-def send_and_leave(proxy_port, prompt, source="127.0.0.1"):
-    """A killer sent whole, then the connection reset at once (SO_LINGER 0): the client never reads a byte."""
+def send_and_leave(proxy_port, prompt, source="127.0.0.1", reached=None):
+    """A killer sent whole, then the connection reset (SO_LINGER 0) once reached() says the engine has it (at once
+    without reached): the client never reads a byte. A client that leaves before the proxy forwards its request
+    ends it unsent (listener.Connection.connection_lost), so the attack waits for the engine to have it, as an attacker would."""
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": prompt}]}).encode()
     sock = socket.socket()
     sock.bind((source, 0))
     sock.connect(("127.0.0.1", proxy_port))
     sock.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (CHAT.encode(), len(body), body))
+    deadline = time.monotonic() + 60  # a bound on a hang
+    while reached is not None and not reached() and time.monotonic() < deadline:
+        time.sleep(0.01)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     sock.close()
+
+
+def engine_answered_its_killer(d):
+    """reached() for send_and_leave: the fake engine's line as a killer reaches it, counted from now."""
+    before = sum("a request ended my engine" in line for line in d.lines)
+    return lambda: sum("a request ended my engine" in line for line in d.lines) > before
 
 
 def until_refused(d, proxy_port, kill, sources, tries=6):
@@ -767,7 +746,8 @@ def test_a_killer_that_fails_any_way_or_from_any_local_address_is_refused_before
     d, first, path, port, proxy_port = serving_behind_the_proxy(write, fake, daemons, proxy_daemon,
                                                                 serve_extra=ENGINE_ON_TCP)  # as above
     if attack == "stream-500-and-leave":
-        statuses = until_refused(d, proxy_port, lambda src: send_and_leave(proxy_port, "QOD-500-STREAM", src),
+        statuses = until_refused(d, proxy_port, lambda src: send_and_leave(proxy_port, "QOD-500-STREAM", src,
+                                                                           engine_answered_its_killer(d)),
                                  ["127.0.0.1"])
     elif attack == "slow":
         statuses = until_refused(d, proxy_port, lambda src: Call(proxy_port, "QOD-SLOW", source=src).result(),

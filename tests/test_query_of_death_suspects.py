@@ -12,27 +12,11 @@ import pytest
 from gpuwarden.base import peers
 from gpuwarden.base.peers import THIS_HOST, host_of, own_address
 from gpuwarden.proxy import ends as ends_module
-from gpuwarden.proxy.body import Refusal
 from gpuwarden.proxy.casualties import ANSWERS_MAX, END_AFTER_5XX_S, Casualties
 from gpuwarden.proxy.ends import Ends
+from harness.book import Clock, FakeHold, Peer, refusal
 
 CHAT = "POST /v1/chat/completions"
-
-
-class Clock:
-    def __init__(self):
-        self.now = 1000.0
-
-    def __call__(self):
-        return self.now
-
-
-def refusal(book, client):
-    try:
-        book.refuse(client)
-    except Refusal as exc:
-        return exc
-    return None
 
 
 def test_a_suspect_whatever_its_status_counts_at_an_end_seen_within_the_bound_and_only_then():
@@ -61,27 +45,13 @@ def test_the_suspects_share_the_capped_book_of_failed_answers():
     assert len(book._answers) == ANSWERS_MAX and all(len(entry) == 4 for entry in book._answers)
 
 
-class FakeHold:
-    def __init__(self, looks, clock):
-        self.looks, self.clock, self.planned, self.asked = list(looks), clock, False, 0
-
-    async def engine_down(self, since=None):
-        self.asked += 1
-        return self.looks.pop(0)
-
-
-class Peer:
-    def __init__(self, remote):
-        self.remote, self.method, self.path = remote, "POST", "/v1/chat/completions"
-
-
 def test_a_suspect_starts_the_watcher_that_finds_the_end_a_moment_later(monkeypatch):
     monkeypatch.setattr(ends_module, "HEALTH_EVERY_S", 0)
 
     async def scenario():
         clock = Clock()
         book = Casualties(clock, window_s=600, refuse_after=2)
-        hold = FakeHold([False, True], clock)  # /health still answers just after the close (BROKE), then down
+        hold = FakeHold([True, False], clock)  # /health still answers just after the close (BROKE), then down
         ends = Ends(book, hold)
         ends.suspect(Peer("10.0.0.7"), 999.0)
         await ends._watcher
@@ -216,3 +186,95 @@ def test_this_hosts_addresses_are_the_kernels_local_routes_whatever_a_bind_would
 @pytest.mark.parametrize("peer", ["not-an-address", ""])
 def test_what_is_no_address_is_itself(peer):
     assert host_of(peer) == peer
+
+
+def test_a_look_with_no_answer_in_time_is_no_end_however_often(monkeypatch):
+    """The attacker's F1 (2026-12-02): looks at /health that waited for a pool of connections the clients had filled
+    timed out, and each was taken for an end of the engine; four such put the brake on for everyone while the engine
+    never ended. A look with no answer in time is no verdict: the watch goes on until the suspects are too old to
+    count, and only a look that is refused, closed or answered other than 200 is an end."""
+    monkeypatch.setattr(ends_module, "HEALTH_EVERY_S", 0)
+
+    async def scenario():
+        clock = Clock()
+        book = Casualties(clock, window_s=600, refuse_after=2)
+        hold = FakeHold([None] * 1000, clock, step=1.0)  # each look: no answer, a second later
+        ends = Ends(book, hold)
+        for round in range(4):
+            ends.suspect(Peer("10.0.0.7"), clock.now)
+            ends.suspect(Peer("10.0.0.8"), clock.now)
+            await ends._watcher
+            assert not book.answers_pending, round  # watched until the suspects are past END_AFTER_5XX_S
+        assert book.count == 0 and not book.braking and hold.asked >= 4 * END_AFTER_5XX_S
+        assert refusal(book, "10.0.0.7") is None and refusal(book, "10.0.0.9") is None
+        hold.looks = [False]  # the engine's /health refused or said 503: that is an end, as before
+        ends.suspect(Peer("10.0.0.7"), clock.now)
+        await ends._watcher
+        assert book.count == 1 and [e for e, _ in book._clients["10.0.0.7"].ends] == [1]
+        await ends.stop()
+
+    asyncio.run(scenario())
+
+
+def test_the_hold_takes_no_answer_in_time_as_down_for_a_request_and_as_no_end_for_the_book():
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from gpuwarden.proxy.hold import Hold
+
+    async def scenario():
+        answers = [None, False, True, None]
+
+        async def engine_answers():
+            return answers.pop(0)
+
+        clock = Clock()
+        hold = Hold(300, 10, engine_answers, Histogram("held", "held", registry=CollectorRegistry()), clock=clock)
+        assert not await hold.engine_ended(since=clock())  # no answer in time: no end
+        clock.now += 1
+        assert await hold.engine_ended(since=clock())  # refused, closed or not 200: an end
+        clock.now += 1
+        assert not await hold.engine_down(since=clock())  # 200: a request goes to it
+        clock.now += 1
+        assert await hold.engine_down(since=clock())  # no answer in time: a request waits for it
+        assert answers == []
+
+    asyncio.run(scenario())
+
+
+def test_a_look_at_health_answers_true_false_or_none_for_no_answer_in_time(monkeypatch):
+    """server.answers on real sockets of this process: a listener that never answers is None within LOOK_S, a port
+    nobody listens on is False, a 200 is True."""
+    from aiohttp import web
+
+    from gpuwarden.proxy import server
+
+    monkeypatch.setattr(server, "LOOK_S", 0.3)
+
+    async def scenario():
+        mute = socket.socket()
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(8)  # connects, never accepted: no answer
+        closed = socket.socket()
+        closed.bind(("127.0.0.1", 0))  # bound, not listening: refused
+        async def health(request):
+            return web.Response(text="")
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.SockSite(runner, socket.create_server(("127.0.0.1", 0)))
+        await site.start()
+        port = site._sock.getsockname()[1]
+        session = server.engine_session(2, 600.0, None)
+        try:
+            assert await server.answers(session, f"http://127.0.0.1:{mute.getsockname()[1]}/health") is None
+            assert await server.answers(session, f"http://127.0.0.1:{closed.getsockname()[1]}/health") is False
+            assert await server.answers(session, f"http://127.0.0.1:{port}/health") is True
+        finally:
+            await session.close()
+            await runner.cleanup()
+            mute.close()
+            closed.close()
+
+    asyncio.run(scenario())

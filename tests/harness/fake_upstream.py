@@ -6,7 +6,7 @@ POST any path: the raw body and headers are kept for GET /debug/last. A JSON bod
 SSE events (a text delta, a tool-call delta, then [DONE]; "chunks": N for N of them) --chunk-delay apart, or with
 "endless": true events
 until the client leaves. POST /fail answers 500 with a JSON error, POST /busy 503 with Retry-After: 7, POST /drop
-closes the connection unanswered. A request
+closes the connection unanswered, POST /slow?s=N answers after N seconds or ends when its connection closes (counted open meanwhile). A request
 with an X-Reply-Hop header gets a reply whose Connection header names a hop-by-hop header of its own (X-Up-Hop).
 GET /v1/models lists one model; GET /metrics has vLLM's prefix-cache counters; GET /debug/open counts streams open
 now. GET /health answers 200, and for the first --unready-s seconds it and every request answer 503, as a vLLM
@@ -57,6 +57,17 @@ def make_app(args) -> web.Application:
             return web.Response()
         if request.path == "/busy":  # a 503 of its own, its /health up
             return web.json_response({"error": {"message": "busy"}}, status=503, headers={"Retry-After": "7"})
+        if request.path == "/slow":  # a long answer not streamed (a big max_tokens): ?s=N seconds, open meanwhile,
+            state["open"] += 1  # or until the connection closes, as vLLM aborts a request whose client left
+            try:
+                until = time.monotonic() + float(request.query.get("s", "60"))
+                while time.monotonic() < until:
+                    if request.transport is None or request.transport.is_closing():
+                        return web.Response(status=499)  # nobody reads it
+                    await asyncio.sleep(0.05)
+            finally:
+                state["open"] -= 1
+            return web.json_response({"id": "x", "slow": True})
         try:
             parsed = json.loads(body) if body else {}
         except ValueError:

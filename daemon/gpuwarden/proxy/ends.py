@@ -10,8 +10,8 @@ only then does the process end. So after a failed answer, or any request that di
 client left mid-answer, before the error event was read; the engine broke it off, or closed it unanswered while its
 /health still answered, a moment before it ended) (casualties.failed: a 5xx but 503, or a stream ending in an
 error) the engine's /health is looked at every HEALTH_EVERY_S, the hold's shared look, while the answer is within
-END_AFTER_5XX_S: not answering (vLLM says 503 once its engine is dead), it is an end, and the request is in flight
-at it. The daemon does not tell the proxy of an end it restarts from (DOWN_SIGNAL is only FATAL or HELD), so the
+END_AFTER_5XX_S: refused, or answered other than 200 (vLLM says 503 once its engine is dead), it is an end, and the
+request is in flight at it. A look with no answer in time is no end (hold.engine_ended). The daemon does not tell the proxy of an end it restarts from (DOWN_SIGNAL is only FATAL or HELD), so the
 proxy looks itself; one watcher at a time, whatever the crowd.
 
 From an end until the engine's /health is seen answering again (Casualties.end_open), a request is sent only after
@@ -71,14 +71,15 @@ class Ends:
 
     async def _watch(self) -> None:
         while self.casualties.answers_pending:
-            down = await self.hold.engine_down(since=self.hold.clock())
+            answered = await self.hold.look(since=self.hold.clock())
             if self.hold.planned:  # the daemon's word came meanwhile: this end is a planned stop's
                 self.casualties.forget_answers()
                 return
-            if down:
+            if answered is False:  # refused, closed or not 200: an end (no answer in time is none: hold.engine_ended)
                 self.casualties.engine_seen_down()
                 return
-            self.casualties.engine_seen_up()
+            if answered:
+                self.casualties.engine_seen_up()
             await asyncio.sleep(HEALTH_EVERY_S)
 
     async def stop(self) -> None:

@@ -47,9 +47,10 @@ NOT_RESTARTING_RETRY_S = 30
 
 
 class Hold:
-    def __init__(self, hold_s: float, hold_max: int, engine_answers: Callable[[], Awaitable[bool]],
+    def __init__(self, hold_s: float, hold_max: int, engine_answers: Callable[[], Awaitable[bool | None]],
                  held_seconds: Histogram, clock=time.monotonic):
-        """engine_answers: whether the engine's /health answers 200 now, within a short deadline."""
+        """engine_answers: whether the engine's /health answers 200 now, within a short deadline (None: it did not
+        answer in time; server.answers)."""
         self.hold_s, self.hold_max, self.engine_answers = hold_s, hold_max, engine_answers
         self.held_seconds, self.clock = held_seconds, clock
         self.waiting: dict[asyncio.Future, web.BaseRequest] = {}
@@ -128,14 +129,29 @@ class Hold:
         starting, gone; hold the request) rather than answering so itself with its /health up (pass its answer on,
         or 502). Asked of /health at most once a tick, whatever the crowd: an engine that says 503, or drops every
         request, while healthy costs no outage, no lines, no loop of retries. since: only a look begun then or later
-        counts (a connection that broke at `since`: an answer from before says nothing of the engine's end)."""
+        counts (a connection that broke at `since`: an answer from before says nothing of the engine's end). A look
+        with no answer in time is down here: the request waits rather than going to an engine that does not answer."""
         if self.down_since is not None:
             return True
+        return not await self.look(since)
+
+    async def engine_ended(self, since: float) -> bool:
+        """Whether the engine is gone (an end, for the book of ends: casualties.py): a look begun at since or later
+        was refused, closed unanswered, or answered other than 200 (vLLM's /health says 503 once its engine died).
+        A look with no answer in time is no verdict, and no end: an engine busy with a crowd, or a pool of
+        connections to it that clients fill, must not make the proxy count ends that never were (the attacker's
+        F1 of 2026-12-02: fake ends from timed-out looks put the brake on for everyone)."""
+        return await self.look(since) is False
+
+    async def look(self, since: float | None = None) -> bool | None:
+        """The engine's /health, looked at once for every asker at a time (engine_answers: True, False, or None
+        for no answer in time). since: only a look begun then or later; None: a look of this tick, or one under
+        way."""
         while True:
             now, probe = self.clock(), self._probe
             if probe is not None and (self._probed_at >= since if since is not None
                                       else not probe.done() or now - self._probed_at < HEALTH_EVERY_S):
-                return not await asyncio.shield(probe)  # a client that leaves does not cancel it for the others
+                return await asyncio.shield(probe)  # a client that leaves does not cancel it for the others
             if probe is not None and not probe.done():  # begun before `since`: then the next look, shared too
                 await asyncio.wait([probe])
                 continue
@@ -166,7 +182,7 @@ class Hold:
                 return
             self._refuse("held_too_long", f"the engine did not come back within {self.hold_s:g} s (the proxy's "
                          "hold_s): retry later")
-        except asyncio.CancelledError:  # aiohttp 3.8 cancels the handler of a client that left
+        except asyncio.CancelledError:  # the handler of a client that left is cancelled (listener.Connection)
             self.gone += 1
             raise
         finally:

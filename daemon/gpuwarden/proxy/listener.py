@@ -117,8 +117,17 @@ class Connection(asyncio.Protocol):
         return self.handler.eof_received()
 
     def connection_lost(self, exc) -> None:
+        """The client left: its request ends with it. aiohttp's task serving this connection is cancelled, so the
+        request's connection to the engine closes and the engine stops working for nobody (aiohttp 3.8 never
+        cancels it, 3.9 and later only where told). Without it, requests sent whole by clients that closed at once
+        held connections to the engine past the connection cap, which counts client connections only (the
+        attacker's F1 of 2026-12-02: 390 connections to the engine, 1 client connection; the pool full, new requests
+        waited 10 s for a 504)."""
         self.conns.closed(self)
+        task = getattr(self.handler, "_task_handler", None)  # aiohttp's own attribute, in 3.8 as in 3.14
         self.handler.connection_lost(exc)
+        if isinstance(task, asyncio.Task) and not task.done():
+            task.cancel()
 
     def pause_writing(self) -> None:
         self.conns.stalled[self] = self.conns.clock()  # the client is not reading what it is sent

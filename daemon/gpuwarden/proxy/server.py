@@ -58,13 +58,17 @@ HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authoriza
 # 9 x dumped; body.parse_cost) or two of ASCII (1 + 4 x) fit; the worst case stays under 512 MiB at 32 MiB.
 BUDGET_BODIES = 12
 OFF_LOOP_BYTES = 256 << 10
+LOOK_S = 2.0  # a look at the engine's /health: an answer within this, or none (answers)
+LOOKS_AT_ONCE = 2  # the looks' own connections: one look at a time (hold.look), and one closing
 
 
-def off_loop(size: int, coding: str, dumping: bool) -> bool:
+def off_loop(size: int, coding: str, dumping: bool, patterns: bool = False) -> bool:
     """Whether a body is made ready on a worker thread, so that the streams in flight do not wait for it: a big one
     (a long session is megabytes of JSON), a dump to disk, or any compressed one (32 KB of gzip is up to
-    --max-body-bytes once inflated: twelve such clients held every stream 2.4 s on the loop, the attacker's F4)."""
-    return size > OFF_LOOP_BYTES or dumping or coding.strip().lower() not in ("", "identity")
+    --max-body-bytes once inflated: twelve such clients held every stream 2.4 s on the loop, the attacker's F4), or
+    any where the operator's patterns run (up to normalize.PATTERNS_S each, the GIL let go meanwhile)."""
+    return size > OFF_LOOP_BYTES or dumping or patterns or coding.strip().lower() not in ("", "identity")
+
 SELF = -1  # Proxy(engine_uid=SELF): the proxy's own uid
 ENDED_MESSAGE = ("the engine ended while serving this request; it is not sent again (a request in flight when the "
                  "engine ends may be what ended it)")
@@ -170,12 +174,16 @@ def engine_session(limit: int, read_timeout_s: float, uid: int | None,
     return session
 
 
-async def answers(session: aiohttp.ClientSession, url: str) -> bool:
-    """Whether the engine's /health answers 200 now (hold.py's one watcher asks, every half second)."""
+async def answers(session: aiohttp.ClientSession, url: str) -> bool | None:
+    """Whether the engine's /health answers 200 now (hold.py's one watcher asks, every half second): True; False:
+    it answered otherwise, or refused or closed the connection; None: no answer within LOOK_S (a busy engine, or a
+    frozen one: the daemon's stall check judges those), which is no end of it (hold.engine_ended)."""
     try:
-        async with session.get(url, timeout=aiohttp.ClientTimeout(total=2.0)) as reply:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=LOOK_S)) as reply:
             return reply.status == 200
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+    except asyncio.TimeoutError:  # before ClientError: aiohttp's timeouts are both
+        return None
+    except (aiohttp.ClientError, OSError):
         return False
 
 
@@ -208,7 +216,9 @@ class Proxy:
         # Held requests keep their client connections: at most half the cap, so that /health, /metrics and new
         # requests still get in (and are answered 503 at once past hold_max).
         hold_max = min(hold_max, max(1, conns.cap // 2)) if conns is not None else hold_max
-        self.hold = Hold(hold_s, hold_max, lambda: answers(self.session, self.upstream + self.health_path),
+        # The looks at /health go on a session of their own: the clients' pool full (streams, or requests whose
+        # clients left while the engine answers them) would otherwise make a look wait for a slot and time out.
+        self.hold = Hold(hold_s, hold_max, lambda: answers(self.looks, self.upstream + self.health_path),
                          metrics.held)
         metrics.now["gpuwarden_proxy_held_requests"] = ("Requests waiting now for the engine to come back",
                                                         lambda: len(self.hold.waiting))
@@ -224,6 +234,7 @@ class Proxy:
                                      failures=ends[2] if len(ends) > 2 else CRASH_LOOP_FAILURES)
         self.ends = Ends(self.casualties, self.hold)
         self.session: aiohttp.ClientSession | None = None
+        self.looks: aiohttp.ClientSession | None = None  # the hold's and the ends' looks at /health, apart
         self._scraper: asyncio.Task | None = None
 
     def app(self) -> web.Application:
@@ -241,6 +252,7 @@ class Proxy:
         # At most one upstream connection per client connection (and the scrape's): the fd limit counts both.
         self.session = engine_session(self.conns.cap + 4 if self.conns else 0, self.read_timeout_s, self.engine_uid,
                                       self.faults, self.socket)
+        self.looks = engine_session(LOOKS_AT_ONCE, LOOK_S, self.engine_uid, self.faults, self.socket)
         self._scraper = asyncio.get_running_loop().create_task(scrape_forever(self.session, self.upstream,
                                                                               self.metrics_path, self.metrics))
 
@@ -253,8 +265,9 @@ class Proxy:
         if self._scraper is not None:
             self._scraper.cancel()
             await asyncio.gather(self._scraper, return_exceptions=True)
-        if self.session is not None:
-            await self.session.close()
+        for session in (self.session, self.looks):
+            if session is not None:
+                await session.close()
 
     async def health(self, request: web.Request) -> web.Response:
         """The proxy's own liveness, for the supervisor: 200 while it answers, whether or not the engine does
@@ -281,7 +294,7 @@ class Proxy:
                     coding = ",".join(headers.popall("Content-Encoding", ()))
                     prepare = functools.partial(self.prepare, api, body, coding, held, request.remote,
                                                 request.path)
-                    if off_loop(len(body), coding, self.dumper is not None):
+                    if off_loop(len(body), coding, self.dumper is not None, bool(self.rules.remove_patterns)):
                         body = await asyncio.get_running_loop().run_in_executor(None, prepare)
                     else:
                         body = prepare()
@@ -335,7 +348,7 @@ class Proxy:
                 await self.hold.wait(request, first_held)
             except Refusal as exc:
                 return self._refuse(request, label, exc.status, exc.reason, str(exc), exc.retry_after)
-            except asyncio.CancelledError:  # aiohttp 3.8 cancels the handler of a client that left
+            except asyncio.CancelledError:  # the handler of a client that left is cancelled (listener.Connection)
                 self.metrics.failures.labels("client_gone").inc()
                 raise
             except ConnectionResetError:
@@ -366,6 +379,10 @@ class Proxy:
                 self.ends.suspect(request, tries.sent_at)
             raise
         except asyncio.TimeoutError:
+            if not tries.opened:  # no connection within the connect timeout: every one to the engine is busy
+                held.release()  # never sent: the client may send it again
+                return self._refuse(request, label, 503, "upstream_busy", f"every connection to upstream "
+                                    f"{self.shown} is busy ({self.session.connector.limit} at once): retry later")
             self.ends.suspect(request, tries.sent_at)
             return self._refuse(request, label, 504, "upstream_timeout",
                                 f"upstream {self.shown} sent nothing for {self.read_timeout_s:g} s")
@@ -374,7 +391,7 @@ class Proxy:
             # engine may have read the request, and if it then ended, the request may be what ended it.
             connected = tries.opened or not isinstance(exc, aiohttp.ClientConnectorError)
             asked = connected or tries.seen  # a refused connect of a request never seen is held, however the engine is
-            down = asked and await self.hold.engine_down(since=self.hold.clock())
+            down = asked and await self.hold.engine_ended(since=self.hold.clock())
             verdict = after_failure(connected=connected, seen=tries.seen, reused=tries.reused, resent=tries.resent,
                                     engine_down=down, hold_on=self.hold.on)
             tries.seen = asked
@@ -442,7 +459,7 @@ class Proxy:
                              f"from {request.remote} after {sent} bytes: {exc or type(exc).__name__}")
             if request.transport is not None:
                 request.transport.close()  # the client must see a cut stream, not a finished one
-            if isinstance(exc, aiohttp.ClientError) and await self.hold.engine_down(since=broke_at):
+            if isinstance(exc, aiohttp.ClientError) and await self.hold.engine_ended(since=broke_at):
                 self.ends.cut(request, tries.sent_at)
         finally:
             self.metrics.bytes_out.inc(sent)
