@@ -83,17 +83,38 @@ def test_each_rule_can_be_switched_off():
 
 
 def test_openai_shape_user_pattern_and_tools_by_function_name():
-    import re
+    from gpuwarden.base.timedregex import compile_pattern
 
     body = {"model": "tiny", "messages": [
         {"role": "system", "content": "[2026-11-26T13:05:09.123Z] session start\nYou are a coding agent."},
         {"role": "user", "content": "hi"}],
         "tools": [{"type": "function", "function": {"name": n, "parameters": {}}} for n in ("write", "read")]}
-    rules = Rules(remove_patterns=(re.compile(r"^\[\d{4}-\d\d-\d\dT[\d:.]+Z\] [^\n]*\n", re.MULTILINE),))
+    rules = Rules(remove_patterns=(compile_pattern(r"^\[\d{4}-\d\d-\d\dT[\d:.]+Z\] [^\n]*\n"),))
     assert apply(body, "openai", rules) == Counter(remove_patterns=1, sort_tools=1)
     assert body["messages"][0]["content"] == "You are a coding agent."
     assert body["messages"][1]["content"] == "hi"  # user text is never touched
     assert [t["function"]["name"] for t in body["tools"]] == ["read", "write"]
+
+
+def test_a_pattern_slower_than_linear_runs_out_of_its_time_and_the_text_goes_as_it_came():
+    """The attacker's F2 (2026-12-02): `\\s+$` is quadratic on a long run of spaces (45 s on 150 KB with Python's
+    re). The operator's patterns share normalize.PATTERNS_S a request; past it the system texts go as they came,
+    counted under PATTERNS_LATE, and the other rules still apply."""
+    from gpuwarden.base.timedregex import compile_pattern
+    from gpuwarden.proxy.normalize import PATTERNS_LATE
+
+    evil = " " * 150_000 + "x"
+    body = {"model": "tiny", "messages": [
+        {"role": "system", "content": evil}, {"role": "system", "content": "Today's date is 2026-12-02.\nhi  "},
+        {"role": "user", "content": "hi"}],
+        "tools": [{"type": "function", "function": {"name": n, "parameters": {}}} for n in ("write", "read")]}
+    rules = Rules(date_line=True, remove_patterns=(compile_pattern(r"\s+$"),))
+    assert apply(body, "openai", rules) == Counter({PATTERNS_LATE: 2, "date_line": 1, "sort_tools": 1})
+    assert body["messages"][0]["content"] == evil and body["messages"][1]["content"] == "hi  "
+    # the same pattern on an ordinary system text: done, well within the time
+    body = {"model": "tiny", "messages": [{"role": "system", "content": "You are a coding agent.  \nBe brief. "}]}
+    assert apply(body, "openai", rules) == Counter(remove_patterns=2)
+    assert body["messages"][0]["content"] == "You are a coding agent.\nBe brief."
 
 
 def test_a_request_without_busters_is_not_changed():

@@ -17,6 +17,7 @@ from ..serving.compose.enginesock import engine_url
 from ..base.keptlistener import CHILD_ENV
 from ..base.sockowner import named
 from ..base.systemd import LineFormatter
+from ..base.timedregex import compile_pattern
 from . import diff
 from .casualties import CRASH_LOOP_FAILURES, WINDOW_S
 from .dump import Dumper
@@ -143,8 +144,8 @@ def _rules(names: str | None, settings: ProxyConfig, extra: list[str]) -> Rules:
     patterns = []
     for pattern in (*settings.remove_patterns, *extra):
         try:
-            patterns.append(re.compile(pattern, re.MULTILINE))
-        except (re.error, OverflowError, RecursionError) as exc:  # a{4294967295}, 1,000 nested groups
+            patterns.append(compile_pattern(pattern))
+        except ValueError as exc:  # a{4294967295}, 1,000 nested groups
             raise ValueError(f"--remove-pattern {pattern!r} is not a regular expression: {exc}") from None
     return Rules(**flags, remove_patterns=tuple(patterns))
 

@@ -8,21 +8,30 @@ The rules target prefix-cache busters that clients put where the chat template r
 - sort_tools: tools in a new order on every MCP reconnect, rendered at the top by GLM and Qwen templates;
 - date_line: `Today's date is YYYY-MM-DD.`, which changes at midnight (off by default: a model that is told
   the date loses it);
-- remove_patterns: the operator's regexes, removed from system text, for clients not listed here.
+- remove_patterns: the operator's regexes, removed from system text, for clients not listed here. They share
+  PATTERNS_S of matching a request (base/timedregex: a pattern can be quadratic or worse on what a client sends);
+  past it the rest of that request's system text is sent as it came, and `apply` counts it under PATTERNS_LATE.
 A body that none of them changes is forwarded byte for byte (server.py): `apply` says whether anything changed.
 """
 
 from __future__ import annotations
 
 import re
+import time
 from collections import Counter
 from dataclasses import dataclass, field
+
+from ..base.timedregex import Pattern, remove_within
 
 BILLING_PREFIX = "x-anthropic-billing-header:"
 BILLING_LINE = re.compile(r"^x-anthropic-billing-header:[^\n]*\n?", re.MULTILINE)
 DATE_LINE = re.compile(r"^[ \t]*Today's date is \d{4}-\d{2}-\d{2}\.?[ \t]*\n?", re.MULTILINE)
 SWITCHES = ("billing_header", "cache_control", "sort_tools", "date_line")  # the rules that are on or off
 RULES = (*SWITCHES, "remove_patterns")
+# The operator's patterns' time for one request, all its system texts together: a linear pattern takes microseconds
+# on a long system prompt; `\s+$` took 0.8 s on 20 KB of spaces and 45 s on 150 KB.
+PATTERNS_S = 0.25
+PATTERNS_LATE = "remove_patterns_late"  # apply()'s count of system texts the patterns ran out of time on
 
 
 @dataclass(frozen=True)
@@ -31,16 +40,18 @@ class Rules:
     cache_control: bool = True
     sort_tools: bool = True
     date_line: bool = False
-    remove_patterns: tuple[re.Pattern, ...] = field(default=())
+    remove_patterns: tuple[Pattern, ...] = field(default=())  # base/timedregex.compile_pattern's
 
 
-def apply(body: dict, api: str, rules: Rules) -> Counter:
-    """Normalize body in place ("anthropic": /v1/messages, "openai": chat completions); rule -> changes made."""
+def apply(body: dict, api: str, rules: Rules, clock=time.monotonic) -> Counter:
+    """Normalize body in place ("anthropic": /v1/messages, "openai": chat completions); rule -> changes made, and
+    PATTERNS_LATE -> the system texts the operator's patterns ran out of their PATTERNS_S on."""
     applied: Counter = Counter()
+    texts = _Texts(rules, applied, clock() + PATTERNS_S, clock)
     if api == "anthropic":
-        _anthropic_system(body, rules, applied)
+        _anthropic_system(body, rules, texts)
     else:
-        _openai_system(body, rules, applied)
+        _openai_system(body, texts)
     if rules.cache_control:
         for key in ("system", "messages", "tools"):
             if isinstance(body.get(key), list):
@@ -63,24 +74,24 @@ def _tool_name(tool) -> str:
     return ""  # not a tool we can name: sorts first, keeps its relative order (the sort is stable)
 
 
-def _anthropic_system(body: dict, rules: Rules, applied: Counter) -> None:
+def _anthropic_system(body: dict, rules: Rules, texts: _Texts) -> None:
     system = body.get("system")
     if isinstance(system, str):
-        body["system"] = _text(system, rules, applied)
+        body["system"] = texts(system)
     elif isinstance(system, list):
         kept = []
         for block in system:
             text = block.get("text") if isinstance(block, dict) else None
             if rules.billing_header and isinstance(text, str) and text.startswith(BILLING_PREFIX):
-                applied["billing_header"] += 1
+                texts.applied["billing_header"] += 1
                 continue
             if isinstance(text, str):
-                block["text"] = _text(text, rules, applied)
+                block["text"] = texts(text)
             kept.append(block)
         body["system"] = kept
 
 
-def _openai_system(body: dict, rules: Rules, applied: Counter) -> None:
+def _openai_system(body: dict, texts: _Texts) -> None:
     messages = body.get("messages")
     if not isinstance(messages, list):  # not the API's shape: the engine answers it, unchanged
         return
@@ -89,22 +100,35 @@ def _openai_system(body: dict, rules: Rules, applied: Counter) -> None:
             continue
         content = message.get("content")
         if isinstance(content, str):
-            message["content"] = _text(content, rules, applied)
+            message["content"] = texts(content)
         elif isinstance(content, list):
             for part in content:
                 if isinstance(part, dict) and isinstance(part.get("text"), str):
-                    part["text"] = _text(part["text"], rules, applied)
+                    part["text"] = texts(part["text"])
 
 
-def _text(text: str, rules: Rules, applied: Counter) -> str:
-    """A system text with the billing line, the date line and the operator's patterns removed, as enabled."""
-    for name, pattern in (("billing_header", BILLING_LINE if rules.billing_header else None),
-                          ("date_line", DATE_LINE if rules.date_line else None),
-                          *(("remove_patterns", p) for p in rules.remove_patterns)):
-        if pattern is not None:
-            text, n = pattern.subn("", text)
-            applied[name] += n
-    return text
+class _Texts:
+    """One request's system texts, each with the billing line, the date line and the operator's patterns removed,
+    as enabled; the patterns within the request's deadline (PATTERNS_S in all)."""
+
+    def __init__(self, rules: Rules, applied: Counter, deadline: float, clock):
+        self.rules, self.applied, self.deadline, self.clock = rules, applied, deadline, clock
+
+    def __call__(self, text: str) -> str:
+        for name, pattern in (("billing_header", BILLING_LINE if self.rules.billing_header else None),
+                              ("date_line", DATE_LINE if self.rules.date_line else None)):
+            if pattern is not None:  # ours: linear in the text
+                text, n = pattern.subn("", text)
+                self.applied[name] += n
+        for pattern in self.rules.remove_patterns:
+            done = remove_within(pattern, text, self.deadline - self.clock())
+            if done is None:  # out of time: this text as it is now, the rest of the request's untouched
+                self.applied[PATTERNS_LATE] += 1
+                self.deadline = float("-inf")
+                break
+            text, n = done
+            self.applied["remove_patterns"] += n
+        return text
 
 
 def _strip_cache_control(items: list) -> int:
