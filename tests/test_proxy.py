@@ -101,7 +101,7 @@ def test_a_pattern_slower_than_linear_runs_out_of_its_time_and_the_text_goes_as_
     re). The operator's patterns share normalize.PATTERNS_S a request; past it the system texts go as they came,
     counted under PATTERNS_LATE, and the other rules still apply."""
     from gpuwarden.base.timedregex import compile_pattern
-    from gpuwarden.proxy.normalize import PATTERNS_LATE
+    from gpuwarden.proxy.normalize import PATTERNS_LATE, PATTERNS_TEXT_MAX
 
     evil = " " * 150_000 + "x"
     body = {"model": "tiny", "messages": [
@@ -115,6 +115,11 @@ def test_a_pattern_slower_than_linear_runs_out_of_its_time_and_the_text_goes_as_
     body = {"model": "tiny", "messages": [{"role": "system", "content": "You are a coding agent.  \nBe brief. "}]}
     assert apply(body, "openai", rules) == Counter(remove_patterns=2)
     assert body["messages"][0]["content"] == "You are a coding agent.\nBe brief."
+    # a system text past PATTERNS_TEXT_MAX goes as it came, however fast the pattern (one greedy scan is one step
+    # of regex's time limit: 30 M spaces took 8.7 s of CPU past it)
+    long = "a  \n" * (PATTERNS_TEXT_MAX // 4 + 1)
+    body = {"model": "tiny", "messages": [{"role": "system", "content": long}]}
+    assert apply(body, "openai", rules) == Counter({PATTERNS_LATE: 1}) and body["messages"][0]["content"] == long
 
 
 def test_a_request_without_busters_is_not_changed():
@@ -135,6 +140,29 @@ def test_diff_names_the_shuffled_tools_and_the_nonce():
     assert "cch=90001" in text and "cch=90002" in text
     apply(a, "anthropic", ALL), apply(b, "anthropic", ALL)
     assert "first difference in messages[" in diff.first_difference(a, b)
+
+
+def test_a_pattern_that_would_compile_to_gigabytes_is_refused_in_one_line_before_it_is_compiled(tmp_path, cli):
+    """The attacker's finding 2 of 2026-12-02, after F2's fix: `(?:a{100000}){100000}` in a drop-in took the daemon
+    to 9.1 GB in 20 s at a reload (`regex` compiles a counted repeat as copies), and `check` ended in a MemoryError
+    traceback. Counted repeats are read from the pattern's text first (timedregex.repeats), and a pattern is at most
+    MAX_CHARS long."""
+    from gpuwarden.base.timedregex import MAX_CHARS, MAX_REPEATS, compile_pattern, repeats
+
+    assert [repeats(p) for p in ("a{3}", "(?:a{3}b){4}", "(?:(?:a{10}){10}){10}", r"\{5\}", "[{]{9}", "x{2,}",
+                                 r"^\[\d{4}-\d\d-\d\dT[\d:.]+Z\] ", "a(b{3})c{2}")] == [3, 12, 1000, 1, 9, 2, 4, 3]
+    assert repeats("(?:a{100000}){100000}") > MAX_REPEATS and repeats("a{65535}") <= MAX_REPEATS
+    compile_pattern("a{65535}")
+    for bad, says in (("(?:a{100000}){100000}", "more than the 100,000"), ("a" * (MAX_CHARS + 1), "characters")):
+        with pytest.raises(ValueError, match=says):
+            compile_pattern(bad)
+    path = tmp_path / "g.yaml"
+    path.write_text("gpu: {backend: sim, scenario: dgx-spark}\nserve:\n  proxy:\n"
+                    "    remove_patterns: ['(?:a{100000}){100000}']\n")
+    status, _, err = cli("check", "-c", path)
+    assert status == 78 and "Traceback" not in err, err
+    assert "g.yaml:4: serve.proxy.remove_patterns.0: not a regular expression: its counted repeats nest to " \
+           "10,000,000,000 copies" in err, err
 
 
 def test_config_section_is_validated_with_file_and_line(tmp_path):
@@ -196,10 +224,10 @@ class Process:
 def rig(tmp_path):
     started = []
 
-    def start(*proxy_args, chunk_delay=0.05, nofile=None):
+    def start(*proxy_args, chunk_delay=0.05, nofile=None, rcvbuf=0):
         up_port, proxy_port = free_port(), free_port()
         upstream = Process([sys.executable, str(HERE / "harness" / "fake_upstream.py"), "--port", str(up_port),
-                            "--chunk-delay", str(chunk_delay)], up_port, "/v1/models")
+                            "--chunk-delay", str(chunk_delay), "--rcvbuf", str(rcvbuf)], up_port, "/v1/models")
         started.append(upstream)
         proxy = Process([*gpuwarden_cmd(), "proxy", "-c", "none", "--upstream", f"http://127.0.0.1:{up_port}",
                          "--listen", f"127.0.0.1:{proxy_port}", *proxy_args], proxy_port, nofile=nofile)

@@ -6,6 +6,7 @@ import gzip
 import http.client
 import json
 import logging
+import os
 import socket
 import sys
 import time
@@ -143,6 +144,37 @@ def test_requests_whose_clients_left_free_their_connections_to_the_engine_and_ot
 
 
 @pytest.mark.process
+def test_a_client_that_leaves_a_body_the_engine_does_not_read_leaves_no_connection_behind(rig):
+    """The attacker's finding 1 of 2026-12-02, after F1's fix: a request whose client left was ended, but its
+    connection to the engine, closed with body bytes still unsent, waited to write them for as long as the engine did
+    not read (asyncio's close), its descriptor counted by nothing: 1,000 such clients in 22 s took the proxy to its
+    fd limit, its looks at /health failed for want of descriptors and counted as ends. Such a connection is reset now
+    (upstream.DropsUnsent): the proxy's descriptors come back to what they were. A bound only for a hang."""
+    upstream, proxy = rig(nofile=100, rcvbuf=4096)  # the engine's window stays small: the rest waits at the proxy
+    fds = lambda: len(os.listdir(f"/proc/{proxy.proc.pid}/fd"))  # noqa: E731
+    send(proxy.port, "POST", "/v1/chat/completions", b'{"model": "tiny"}')  # the pool's first connection
+    before, asked = fds(), upstream.get_json("/debug/open")["requests"]
+    body = b"x" * (8 << 20)  # past what the kernel holds for the proxy (tcp_wmem's 4 MiB at most)
+    for n in range(asked, asked + 12):
+        sock = socket.create_connection(("127.0.0.1", proxy.port), timeout=5)
+        sock.sendall(b"POST /deaf HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body))
+        sock.sendall(body)  # the proxy reads it whole, then sends it on: the engine reads almost none
+        deadline = time.monotonic() + 60
+        while upstream.get_json("/debug/open")["requests"] < n + 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        sock.close()
+        assert upstream.get_json("/debug/open")["requests"] == n + 1, f"request {n} never reached the engine"
+    deadline = time.monotonic() + 60
+    while fds() > before + 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert fds() <= before + 2, (before, fds(), sorted(os.listdir(f"/proc/{proxy.proc.pid}/fd")))
+    reply, data = send(proxy.port, "POST", "/v1/chat/completions", b'{"model": "tiny"}')
+    assert reply.status == 200 and json.loads(data)["echo_bytes"] == 17
+    text = "\n".join(proxy.lines)
+    assert "requests in flight at" not in text and "refusing client" not in text, text[-3000:]
+
+
+@pytest.mark.process
 def test_a_pattern_slower_than_linear_costs_a_request_its_time_and_never_the_proxy(rig):
     """The attacker's F2 (2026-12-02): with `remove_patterns: ['\\s+$']`, one request of 150,000 spaces and an x held
     the proxy's loop until the daemon killed it, and five made it FATAL. Each such request now costs at most its
@@ -157,7 +189,7 @@ def test_a_pattern_slower_than_linear_costs_a_request_its_time_and_never_the_pro
         assert send(proxy.port, "GET", "/health")[0].status == 200
     assert last_upstream(upstream)[0] == body and proxy.proc.poll() is None and proxy.proc.pid == pid
     late = [line for line in proxy.lines if "remove_patterns took more than" in line]
-    assert len(late) == 1 and "took more than 0.25 s on 1 system text(s)" in late[0], proxy.lines  # once a minute
+    assert len(late) == 1 and "on 1 system text(s)" in late[0], proxy.lines  # once a minute
 
 
 @pytest.mark.process

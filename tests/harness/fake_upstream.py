@@ -1,12 +1,13 @@
 """A fake engine behind the proxy, as a real process: it records what reached it and streams back.
 
-    python3 tests/harness/fake_upstream.py --port P [--chunk-delay S] [--unready-s S]
+    python3 tests/harness/fake_upstream.py --port P [--chunk-delay S] [--unready-s S] [--rcvbuf BYTES]
 
 POST any path: the raw body and headers are kept for GET /debug/last. A JSON body with "stream": true gets
 SSE events (a text delta, a tool-call delta, then [DONE]; "chunks": N for N of them) --chunk-delay apart, or with
 "endless": true events
 until the client leaves. POST /fail answers 500 with a JSON error, POST /busy 503 with Retry-After: 7, POST /drop
-closes the connection unanswered, POST /slow?s=N answers after N seconds or ends when its connection closes (counted open meanwhile). A request
+closes the connection unanswered, POST /slow?s=N answers after N seconds or ends when its connection closes (counted open meanwhile), POST /deaf never reads
+its body nor answers. A request
 with an X-Reply-Hop header gets a reply whose Connection header names a hop-by-hop header of its own (X-Up-Hop).
 GET /v1/models lists one model; GET /metrics has vLLM's prefix-cache counters; GET /debug/open counts streams open
 now. GET /health answers 200, and for the first --unready-s seconds it and every request answer 503, as a vLLM
@@ -18,11 +19,13 @@ import asyncio
 import base64
 import json
 import signal
+import socket
 import time
 
 from aiohttp import web
 
 state = {"last": None, "open": 0, "requests": 0}
+STOPPING = asyncio.Event()  # SIGTERM: /deaf lets go
 EVENTS = [
     {"choices": [{"index": 0, "delta": {"content": "Hel"}}]},
     {"choices": [{"index": 0, "delta": {"content": "lo"}}]},
@@ -46,6 +49,10 @@ def make_app(args) -> web.Application:
         return web.Response(text="")
 
     async def record(request):
+        if request.path == "/deaf":  # takes a request and never reads its body, nor answers, until it stops
+            state["requests"] += 1
+            await STOPPING.wait()
+            return web.Response(status=503)
         body = await request.read()
         state["requests"] += 1
         state["last"] = {"path": request.path_qs, "method": request.method, "body": base64.b64encode(body).decode(),
@@ -121,17 +128,24 @@ if __name__ == "__main__":
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--chunk-delay", type=float, default=0.05)
     parser.add_argument("--unready-s", type=float, default=0.0)
+    parser.add_argument("--rcvbuf", type=int, default=0, help="SO_RCVBUF of its connections (0: the kernel's)")
     args = parser.parse_args()
 
     async def serve():
         # auto_decompress off: a compressed body is recorded as it arrived, so a test sees what the proxy sent
         runner = web.AppRunner(make_app(args), access_log=None, auto_decompress=False)
         await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", args.port).start()
-        stop = asyncio.Event()
+        if args.rcvbuf:  # a small receive window that does not grow: what the engine does not read stays with the sender
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, args.rcvbuf)
+            sock.bind(("127.0.0.1", args.port))
+            await web.SockSite(runner, sock).start()
+        else:
+            await web.TCPSite(runner, "127.0.0.1", args.port).start()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-        await stop.wait()
+            asyncio.get_running_loop().add_signal_handler(sig, STOPPING.set)
+        await STOPPING.wait()
         await runner.cleanup()
 
     asyncio.run(serve())

@@ -10,7 +10,8 @@ The rules target prefix-cache busters that clients put where the chat template r
   the date loses it);
 - remove_patterns: the operator's regexes, removed from system text, for clients not listed here. They share
   PATTERNS_S of matching a request (base/timedregex: a pattern can be quadratic or worse on what a client sends);
-  past it the rest of that request's system text is sent as it came, and `apply` counts it under PATTERNS_LATE.
+  past it, or on a text past PATTERNS_TEXT_MAX, the rest of that request's system text is sent as it came, and
+  `apply` counts it under PATTERNS_LATE.
 A body that none of them changes is forwarded byte for byte (server.py): `apply` says whether anything changed.
 """
 
@@ -31,6 +32,10 @@ RULES = (*SWITCHES, "remove_patterns")
 # The operator's patterns' time for one request, all its system texts together: a linear pattern takes microseconds
 # on a long system prompt; `\s+$` took 0.8 s on 20 KB of spaces and 45 s on 150 KB.
 PATTERNS_S = 0.25
+# A system text longer than this goes as it came: `regex` checks its time limit between steps of a scan, and one
+# greedy scan of a long run is one step (\s+$ on 30 M spaces: 8.7 s of CPU past a 0.25 s limit; the attacker's
+# finding 3 of 2026-12-02). Long system prompts are tens of KB.
+PATTERNS_TEXT_MAX = 256 << 10
 PATTERNS_LATE = "remove_patterns_late"  # apply()'s count of system texts the patterns ran out of time on
 
 
@@ -121,7 +126,8 @@ class _Texts:
                 text, n = pattern.subn("", text)
                 self.applied[name] += n
         for pattern in self.rules.remove_patterns:
-            done = remove_within(pattern, text, self.deadline - self.clock())
+            done = remove_within(pattern, text, self.deadline - self.clock()) if len(text) <= PATTERNS_TEXT_MAX \
+                else None
             if done is None:  # out of time: this text as it is now, the rest of the request's untouched
                 self.applied[PATTERNS_LATE] += 1
                 self.deadline = float("-inf")

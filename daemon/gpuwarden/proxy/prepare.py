@@ -10,7 +10,7 @@ from prometheus_client import Counter
 from ..base.faultlog import FaultLog
 from .body import Held, Refusal, decode, loads, parse_cost
 from .dump import Dumper, session_of
-from .normalize import PATTERNS_LATE, PATTERNS_S, Rules, apply
+from .normalize import PATTERNS_LATE, PATTERNS_S, PATTERNS_TEXT_MAX, Rules, apply
 
 
 class Prepare:
@@ -47,9 +47,9 @@ class Prepare:
             late = applied.pop(PATTERNS_LATE, 0)
             if late:
                 self.faults.note("system texts the patterns ran out of time on", f"{path} from {peer}: "
-                                 f"serve.proxy.remove_patterns took more than {PATTERNS_S:g} s on {late} system "
-                                 "text(s) of this request (a pattern slower than linear on what this client sent?); "
-                                 "those were sent as they came")
+                                 f"serve.proxy.remove_patterns took more than {PATTERNS_S:g} s, or met a system text "
+                                 f"over {PATTERNS_TEXT_MAX >> 10} KiB, on {late} system text(s) of this request (a "
+                                 "pattern slower than linear on what this client sent?); those were sent as they came")
             for rule, n in applied.items():
                 self.normalized.labels(rule).inc(n)
             if applied:

@@ -20,6 +20,7 @@ answer that failed just before an end counts as in flight at it, and after an en
 from __future__ import annotations
 
 import asyncio
+import errno
 import functools
 import logging
 import os
@@ -60,6 +61,7 @@ BUDGET_BODIES = 12
 OFF_LOOP_BYTES = 256 << 10
 LOOK_S = 2.0  # a look at the engine's /health: an answer within this, or none (answers)
 LOOKS_AT_ONCE = 2  # the looks' own connections: one look at a time (hold.look), and one closing
+OWN_LACK = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}  # a look that failed for the proxy's want
 
 
 def off_loop(size: int, coding: str, dumping: bool, patterns: bool = False) -> bool:
@@ -183,8 +185,11 @@ async def answers(session: aiohttp.ClientSession, url: str) -> bool | None:
             return reply.status == 200
     except asyncio.TimeoutError:  # before ClientError: aiohttp's timeouts are both
         return None
-    except (aiohttp.ClientError, OSError):
-        return False
+    except (aiohttp.ClientError, OSError) as exc:
+        # The proxy's own lack of descriptors or memory says nothing of the engine (the attacker's finding 1 of
+        # 2026-12-02 took the proxy to its fd limit, and each failed look counted as an end).
+        cause = getattr(exc, "os_error", exc)
+        return None if getattr(cause, "errno", None) in OWN_LACK else False
 
 
 def forwarded(headers) -> CIMultiDict:
