@@ -143,26 +143,32 @@ def test_diff_names_the_shuffled_tools_and_the_nonce():
 
 
 def test_a_pattern_that_would_compile_to_gigabytes_is_refused_in_one_line_before_it_is_compiled(tmp_path, cli):
-    """The attacker's finding 2 of 2026-12-02, after F2's fix: `(?:a{100000}){100000}` in a drop-in took the daemon
-    to 9.1 GB in 20 s at a reload (`regex` compiles a counted repeat as copies), and `check` ended in a MemoryError
-    traceback. Counted repeats are read from the pattern's text first (timedregex.repeats), and a pattern is at most
-    MAX_CHARS long."""
-    from gpuwarden.base.timedregex import MAX_CHARS, MAX_REPEATS, compile_pattern, repeats
+    """The attackers' findings 2 and 4 of 2026-12-02: `(?:a{100000}){100000}` in a drop-in took the daemon to 9.1 GB
+    in 20 s at a reload (`regex` compiles a counted repeat as copies), and `check` ended in a MemoryError traceback;
+    then repeats side by side ("[ab]{99999}" 90 times over) in three patterns passed a bound on nesting alone and took
+    it to 7 GB. The copies are counted from the patterns' text first (timedregex.repeats), all patterns together,
+    and a pattern is at most MAX_CHARS long."""
+    from gpuwarden.base.timedregex import (MAX_CHARS, MAX_REPEATS, PatternError, compile_pattern, compile_patterns,
+                                           repeats)
 
-    assert [repeats(p) for p in ("a{3}", "(?:a{3}b){4}", "(?:(?:a{10}){10}){10}", r"\{5\}", "[{]{9}", "x{2,}",
-                                 r"^\[\d{4}-\d\d-\d\dT[\d:.]+Z\] ", "a(b{3})c{2}")] == [3, 12, 1000, 1, 9, 2, 4, 3]
-    assert repeats("(?:a{100000}){100000}") > MAX_REPEATS and repeats("a{65535}") <= MAX_REPEATS
+    assert [repeats(p) for p in ("a{3}", "(a{3}b){4}", "a{5}b{5}", "((a{10}){10}){10}", "[{]{9}", "x{2,}",
+                                 "a(b{3})c{2}", "abc", "")] == [3, 16, 10, 1000, 9, 2, 6, 3, 0]
+    assert repeats("(?:a{100000}){100000}") > MAX_REPEATS and repeats("[ab]{99999}" * 90) > MAX_REPEATS
+    assert repeats(r"^\[\d{4}-\d\d-\d\dT[\d:.]+Z\] [^\n]*\n") < 100  # an ordinary one
     compile_pattern("a{65535}")
-    for bad, says in (("(?:a{100000}){100000}", "more than the 100,000"), ("a" * (MAX_CHARS + 1), "characters")):
+    for bad, says in (("(?:a{100000}){100000}", "more than the 100,000"), ("[ab]{99999}" * 9, "more than the"),
+                      ("a" * (MAX_CHARS + 1), "characters")):
         with pytest.raises(ValueError, match=says):
             compile_pattern(bad)
+    with pytest.raises(PatternError, match=r"20,000 copies \(with the 90,000 of the patterns before it\)") as caught:
+        compile_patterns(["a{60000}", "b{30000}", "c{20000}"])  # each alone would pass
+    assert caught.value.index == 2
     path = tmp_path / "g.yaml"
     path.write_text("gpu: {backend: sim, scenario: dgx-spark}\nserve:\n  proxy:\n"
                     "    remove_patterns: ['(?:a{100000}){100000}']\n")
     status, _, err = cli("check", "-c", path)
     assert status == 78 and "Traceback" not in err, err
-    assert "g.yaml:4: serve.proxy.remove_patterns.0: not a regular expression: its counted repeats nest to " \
-           "10,000,000,000 copies" in err, err
+    assert "g.yaml:4: serve.proxy.remove_patterns.0: not a regular expression: its counted repeats make " in err, err
 
 
 def test_config_section_is_validated_with_file_and_line(tmp_path):

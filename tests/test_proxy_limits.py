@@ -116,7 +116,8 @@ def test_a_crowd_of_half_sent_bodies_past_the_fd_limit_leaves_the_proxy_serving(
 
 @pytest.mark.process
 def test_requests_whose_clients_left_free_their_connections_to_the_engine_and_others_are_served(rig):
-    """A client that sends a request and leaves ends it: its handler is cancelled (listener.Connection.connection_lost) and its
+    """A client that sends a request and leaves ends it: its handler is cancelled
+    (listener.Connection.connection_lost) and its
     connection to the engine closed, so the engine stops working for nobody. Before, with aiohttp 3.9 and later (the
     attacker's F1 of 2026-12-02), such requests held their connections to the engine until it answered, past the
     connection cap, which counts client connections only: the proxy's pool full, every new request waited 10 s for

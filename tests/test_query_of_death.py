@@ -693,7 +693,8 @@ def test_a_killer_that_the_engine_answers_500_before_it_ends_is_refused_429_and_
 def send_and_leave(proxy_port, prompt, source="127.0.0.1", reached=None):
     """A killer sent whole, then the connection reset (SO_LINGER 0) once reached() says the engine has it (at once
     without reached): the client never reads a byte. A client that leaves before the proxy forwards its request
-    ends it unsent (listener.Connection.connection_lost), so the attack waits for the engine to have it, as an attacker would."""
+    ends it unsent (listener.Connection.connection_lost), so the attack waits for the engine to have it, as an
+    attacker would."""
     body = json.dumps({"model": "m", "messages": [{"role": "user", "content": prompt}]}).encode()
     sock = socket.socket()
     sock.bind((source, 0))

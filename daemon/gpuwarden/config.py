@@ -20,7 +20,7 @@ from .tune.wanted import TuningConfig, parse_tuning
 from .base import webconfig, yamlfile
 from .base.schema import MISSING, NONE_WORDS, Reader, type_name
 from .gpu.throttle import Threshold
-from .base.timedregex import compile_pattern
+from .base.timedregex import PatternError, compile_patterns
 from .base.webconfig import WebConfig
 from .base.yamlfile import ConfigError, Document, Path_
 
@@ -516,12 +516,11 @@ def _proxy_section(r: Reader, base_dir: Path) -> ProxyConfig:
                    "; the proxy takes no host name"))
         listen = d.listen
     patterns = tuple(_string_list(r, base + ("remove_patterns",), ()))
-    for i, pattern in enumerate(patterns):
-        try:
-            compile_pattern(pattern)  # as the proxy compiles it (base/timedregex: each match within a time limit)
-        except ValueError as exc:  # a{4294967295}, 1,000 nested groups
-            r.fail(base + ("remove_patterns", str(i)), f"not a regular expression: {exc}",
-                   r"a Python regex, e.g. '^Timestamp: [^\n]*\n'")
+    try:
+        compile_patterns(patterns)  # as the proxy compiles them (base/timedregex: each match within a time limit)
+    except PatternError as exc:  # a{4294967295}, 1,000 nested groups, copies past MAX_REPEATS in all
+        r.fail(base + ("remove_patterns", str(exc.index)), f"not a regular expression: {exc}",
+               r"a Python regex, e.g. '^Timestamp: [^\n]*\n'")
     dump_dir = r.string(base + ("dump_dir",), "none")
     flag = r.boolean
     return ProxyConfig(

@@ -6,7 +6,8 @@ POST any path: the raw body and headers are kept for GET /debug/last. A JSON bod
 SSE events (a text delta, a tool-call delta, then [DONE]; "chunks": N for N of them) --chunk-delay apart, or with
 "endless": true events
 until the client leaves. POST /fail answers 500 with a JSON error, POST /busy 503 with Retry-After: 7, POST /drop
-closes the connection unanswered, POST /slow?s=N answers after N seconds or ends when its connection closes (counted open meanwhile), POST /deaf never reads
+closes the connection unanswered, POST /slow?s=N answers after N seconds or ends when its connection closes
+(counted open meanwhile), POST /deaf never reads
 its body nor answers. A request
 with an X-Reply-Hop header gets a reply whose Connection header names a hop-by-hop header of its own (X-Up-Hop).
 GET /v1/models lists one model; GET /metrics has vLLM's prefix-cache counters; GET /debug/open counts streams open
@@ -135,7 +136,7 @@ if __name__ == "__main__":
         # auto_decompress off: a compressed body is recorded as it arrived, so a test sees what the proxy sent
         runner = web.AppRunner(make_app(args), access_log=None, auto_decompress=False)
         await runner.setup()
-        if args.rcvbuf:  # a small receive window that does not grow: what the engine does not read stays with the sender
+        if args.rcvbuf:  # a small receive window that does not grow: what it does not read stays with the sender
             sock = socket.socket()
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, args.rcvbuf)

@@ -13,23 +13,43 @@ import regex
 
 Pattern = regex.Pattern
 MAX_CHARS = 1000  # a pattern's length
-# The largest product of counted repeats nested in one another ({m}, {m,n}, {m,}): `regex` compiles a counted repeat
-# by copying what it repeats, about 230 bytes a copy, so (?:a{100000}){100000} in a drop-in took the daemon to 9.1 GB
-# in 20 s at a reload (the attacker's finding 2 of 2026-12-02, after F2's fix). 100,000: 23 MiB at most.
+# The copies counted repeats make ({m}, {m,n}, {m,}: repeats()), in one pattern and in all of a config's together:
+# `regex` compiles a counted repeat by copying what it repeats, about 230 bytes a copy, so (?:a{100000}){100000} in a
+# drop-in took the daemon to 9.1 GB in 20 s at a reload (the attacker's finding 2 of 2026-12-02). 100,000: 23 MiB.
 MAX_REPEATS = 100_000
 _COUNT = re.compile(r"\{(\d+)(,(\d*))?\}")
 
 
-def compile_pattern(text: str) -> regex.Pattern:
+def compile_patterns(texts) -> list[regex.Pattern]:
+    """Each of texts compiled (compile_pattern), their copies together at most MAX_REPEATS; PatternError naming the
+    first that is refused and why."""
+    out, spent = [], 0
+    for index, text in enumerate(texts):
+        try:
+            out.append(compile_pattern(text, spent))
+        except ValueError as exc:
+            raise PatternError(index, str(exc)) from None
+        spent += repeats(text)
+    return out
+
+
+class PatternError(ValueError):
+    def __init__(self, index: int, why: str):
+        super().__init__(why)
+        self.index = index
+
+
+def compile_pattern(text: str, spent: int = 0) -> regex.Pattern:
     """text as a pattern, each line of a text its own (MULTILINE), as Python's `re` would read it; ValueError with
     the reason where it is no regular expression (a{4294967295}, 1,000 nested groups included), is longer than
-    MAX_CHARS, or repeats more than MAX_REPEATS times (repeats())."""
+    MAX_CHARS, or makes more than MAX_REPEATS copies with the `spent` of patterns compiled with it (repeats())."""
     if len(text) > MAX_CHARS:
         raise ValueError(f"{len(text)} characters, more than the {MAX_CHARS} a pattern may have")
     copies = repeats(text)
-    if copies > MAX_REPEATS:
-        raise ValueError(f"its counted repeats nest to {copies:,} copies, more than the {MAX_REPEATS:,} a pattern may "
-                         "make (each is compiled as a copy)")
+    if spent + copies > MAX_REPEATS:
+        before = f" (with the {spent:,} of the patterns before it)" if spent else ""
+        raise ValueError(f"its counted repeats make {copies:,} copies{before}, more than the {MAX_REPEATS:,} the "
+                         "patterns may make together (each is compiled as a copy)")
     try:
         return regex.compile(text, regex.MULTILINE | regex.VERSION0)
     except (regex.error, OverflowError, RecursionError, ValueError, MemoryError) as exc:
@@ -37,13 +57,26 @@ def compile_pattern(text: str) -> regex.Pattern:
 
 
 def repeats(text: str) -> int:
-    """The largest product of counted repeats nested in one another, read from the pattern's text: a{3} is 3,
-    (?:a{3}b){4} is 12, {m,} counts m. An escape, a class ([...]) and anything else is one item that repeats once."""
-    stack = [1]  # per open group: the largest product of an item within it
-    last, i = 1, 0  # the product of the item just read
+    """How many copies the pattern's counted repeats make, read from its text: each item counts its repeat's
+    bound (a{3} is 3, {m,} counts m), a group the sum of its items times its own, and the pattern the sum of all:
+    (a{3}b){4} is 16, a{5}b{5} is 10. An escape, a class ([...]) and any other character is one item that repeats
+    once (so a group's ?: counts 2: a pattern's length bounds what such counting adds). The sum, not the deepest
+    product: "[ab]{99999}" 90 times over passed a product's bound, and three such patterns took the daemon to 7 GB
+    at a reload (the attacker's finding 4 of 2026-12-02, after finding 2's fix)."""
+    stack = [0]  # per open group: the sum of its items so far
+    last, i = 0, 0  # the copies of the item just read (0: none yet)
     while i < len(text):
         c = text[i]
         count = _COUNT.match(text, i) if c == "{" else None
+        if count is not None:
+            low, high = int(count[1]), count[3]
+            times = max(low, int(high) if high else low, 1)
+            stack[-1] += last * (times - 1)  # the item counted once already
+            last *= times
+            i = count.end()
+            if stack[-1] > MAX_REPEATS * MAX_REPEATS:  # enough to refuse it; no need to count on
+                return stack[-1]
+            continue
         if c == "\\":
             i, last = i + 2, 1
         elif c == "[":
@@ -53,22 +86,16 @@ def repeats(text: str) -> int:
                 j += 2 if text[j] == "\\" else 1
             i, last = j + 1, 1
         elif c == "(":
-            stack.append(1)
-            i, last = i + 1, 1
+            stack.append(0)
+            i += 1
             continue
         elif c == ")" and len(stack) > 1:
-            last = stack.pop()
+            last = max(stack.pop(), 1)
             i += 1
-        elif count is not None:
-            low, high = int(count[1]), count[3]
-            last *= max(low, int(high) if high else low, 1)
-            i = count.end()
-            if last > MAX_REPEATS * MAX_REPEATS:  # enough to refuse it; no need to count on
-                return last
         else:
             i, last = i + 1, 1
-        stack[-1] = max(stack[-1], last)
-    return max(stack)
+        stack[-1] += last
+    return sum(stack)
 
 
 def remove_within(pattern: regex.Pattern, text: str, seconds: float) -> tuple[str, int] | None:

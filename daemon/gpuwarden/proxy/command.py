@@ -17,7 +17,7 @@ from ..serving.compose.enginesock import engine_url
 from ..base.keptlistener import CHILD_ENV
 from ..base.sockowner import named
 from ..base.systemd import LineFormatter
-from ..base.timedregex import compile_pattern
+from ..base.timedregex import PatternError, compile_patterns
 from . import diff
 from .casualties import CRASH_LOOP_FAILURES, WINDOW_S
 from .dump import Dumper
@@ -141,12 +141,11 @@ def _rules(names: str | None, settings: ProxyConfig, extra: list[str]) -> Rules:
         if unknown:
             raise ValueError(f"unknown rule(s) {', '.join(sorted(unknown))} in --rules; known: {', '.join(flags)}")
         flags = {n: n in chosen for n in flags}
-    patterns = []
-    for pattern in (*settings.remove_patterns, *extra):
-        try:
-            patterns.append(compile_pattern(pattern))
-        except ValueError as exc:  # a{4294967295}, 1,000 nested groups
-            raise ValueError(f"--remove-pattern {pattern!r} is not a regular expression: {exc}") from None
+    texts = (*settings.remove_patterns, *extra)
+    try:
+        patterns = compile_patterns(texts)
+    except PatternError as exc:  # a{4294967295}, 1,000 nested groups, copies past MAX_REPEATS in all
+        raise ValueError(f"--remove-pattern {texts[exc.index]!r} is not a regular expression: {exc}") from None
     return Rules(**flags, remove_patterns=tuple(patterns))
 
 

@@ -11,7 +11,8 @@ client left mid-answer, before the error event was read; the engine broke it off
 /health still answered, a moment before it ended) (casualties.failed: a 5xx but 503, or a stream ending in an
 error) the engine's /health is looked at every HEALTH_EVERY_S, the hold's shared look, while the answer is within
 END_AFTER_5XX_S: refused, or answered other than 200 (vLLM says 503 once its engine is dead), it is an end, and the
-request is in flight at it. A look with no answer in time is no end (hold.engine_ended). The daemon does not tell the proxy of an end it restarts from (DOWN_SIGNAL is only FATAL or HELD), so the
+request is in flight at it. A look with no answer in time is no end (hold.engine_ended). The daemon does not tell
+the proxy of an end it restarts from (DOWN_SIGNAL is only FATAL or HELD), so the
 proxy looks itself; one watcher at a time, whatever the crowd.
 
 From an end until the engine's /health is seen answering again (Casualties.end_open), a request is sent only after
