@@ -68,6 +68,43 @@ def test_a_handover_the_new_image_would_refuse_is_refused_and_the_old_image_keep
 
 
 @pytest.mark.process
+def test_a_handover_to_a_metrics_address_the_new_image_cannot_listen_on_is_refused_and_the_engine_serves_on(
+        write, fake, daemons, tmp_path, no_fakes_left):
+    """The attacker's finding 3 of 2026-12-02: `check` took a metrics.listen that is no address of this host, the
+    new image's start could not bind it and ended, and the engine and proxy served on unsupervised (under the unit,
+    a restart every 5 s that failed the same way). A handover now tries the new address first (a SIGHUP keeps the
+    running one: a restart-only setting)."""
+    path, base, port = fault_config(write, fake, "healthy,chatty")
+    env, folder = env_with_state(tmp_path)
+    d = daemons(path, env=env)
+    pid = running_pid(base)
+    began = status(base)["daemon"]["started_at"]
+    dropin = write("conf.d/metrics.yaml", "metrics:\n  listen: 192.0.2.1:9999\n")  # TEST-NET-1: not this host's
+    mark = len(d.lines)
+    d.proc.send_signal(signal.SIGUSR2)
+    line = d.wait_for("SIGUSR2: no handover", after=mark, timeout=10)
+    assert "metrics.listen: 192.0.2.1:9999 cannot be listened on here: Cannot assign requested address" in line, line
+    assert "keeps running" in line and d.proc.poll() is None
+    assert status(base)["daemon"]["started_at"] == began and running_pid(base) == pid
+    dropin.unlink()
+    mark = len(d.lines)
+    d.proc.send_signal(signal.SIGUSR2)
+    d.wait_for("adopted after an upgrade (re-exec, same daemon pid)", after=mark, timeout=30)
+    assert running_pid(base) == pid
+    assert d.stop() == 0
+
+
+def test_bind_refusal_names_an_address_that_cannot_be_listened_on_and_passes_one_that_is_only_taken():
+    import socket
+
+    from gpuwarden.service.metrics_port import bind_refusal
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        assert bind_refusal("127.0.0.1", taken.getsockname()[1]) is None  # held by another: a start waits for it
+    assert bind_refusal("192.0.2.1", 9999) == "Cannot assign requested address"
+
+
+@pytest.mark.process
 @pytest.mark.parametrize("how", ["crash", "handover"])
 def test_a_start_that_fails_with_an_engine_to_adopt_leaves_it_serving_for_the_next_daemon(
         write, fake, daemons, tmp_path, no_fakes_left, how):

@@ -32,7 +32,7 @@ from .adoption import HANDOVER_ENV
 from .control import ControlServer, open_control
 from .event_thread import start_event_thread
 from .heartbeat import Heartbeat
-from .metrics_port import MetricsPort
+from .metrics_port import MetricsPort, bind_refusal
 from .proxy_port import ProxyPort
 from .recovery import Recovery
 from .reload import Reload, Waiting, carry_out
@@ -161,6 +161,20 @@ class Daemon:
         plan = self.tuning.check(config)
         launch = self.serving.prepare(config, deep=deep, on_loop=on_loop) if config.serve.enabled else None
         return plan, launch
+
+    def check_handover(self, config: Config):
+        """check() of the config on disk as the new image's start runs it (adopting: not deep, from the cache), and
+        the metrics address it would bind where that changed: one the new image cannot listen on at all would end
+        it (StartupError), its children left unsupervised, so it is a refusal here (a restart-only setting: a reload
+        keeps the running one). The serving launch, or None."""
+        launch = self.check(config, deep=False, on_loop=True)[1]
+        listen = config.metrics.listen
+        if listen is not None and listen != self.metrics.settings.listen:
+            why = bind_refusal(*listen)
+            if why is not None:
+                raise config.error(("metrics", "listen"), f"{listen[0]}:{listen[1]} cannot be listened on here: {why} "
+                                   "(the new image would end at its start)")
+        return launch
 
     def leave_children(self) -> None:
         """start() failed with children to adopt: they serve on, unsupervised, for the next daemon to adopt."""
@@ -324,7 +338,7 @@ class Daemon:
             log.warning("SIGUSR2 received while stopping: no handover")
             return
         load = self.reload_config
-        if self.waiting.handover_asked(load and (lambda: self.check(load(), deep=False, on_loop=True)[1])):
+        if self.waiting.handover_asked(load and (lambda: self.check_handover(load()))):
             self.hand_over()
 
     def hand_over(self) -> None:

@@ -9,6 +9,7 @@ import contextlib
 import errno
 import logging
 import os
+import socket
 from collections.abc import Callable
 
 from ..base import smallfile
@@ -37,6 +38,23 @@ def let_inherit() -> None:
     """Just before the exec of a handover: the listener MetricsPort.close kept open goes across it."""
     if os.environ.get(METRICS_FD_ENV, "").isdigit():  # finish() kept it open; inheritable only now, for the exec
         os.set_inheritable(int(os.environ[METRICS_FD_ENV]), True)
+
+
+def bind_refusal(host: str, port: int) -> str | None:
+    """Why host:port cannot be listened on here at all, or None: bound and let go at once (a port another process
+    holds is None too: a start waits for it). For a handover, before the exec: the new image's start raises
+    StartupError where this is not None, and the daemon would end, its children left unsupervised (the attacker's
+    finding 3 of 2026-12-02: an address not of this host, a port below 1024 without CAP_NET_BIND_SERVICE)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+    except socket.gaierror as exc:
+        return exc.strerror or str(exc)
+    except OSError as exc:
+        return None if exc.errno == errno.EADDRINUSE else (os.strerror(exc.errno) if exc.errno else str(exc))
+    return None
 
 
 class MetricsPort:
