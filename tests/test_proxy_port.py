@@ -24,6 +24,7 @@ import time
 
 import pytest
 
+from gpuwarden.serving.run import handover
 from conftest import free_port
 from gpuwarden.base import sockowner
 from gpuwarden.serving.run import ports
@@ -256,6 +257,31 @@ def test_a_handover_carries_the_proxys_socket_across_the_exec_and_the_new_image_
     squatter_never_got_it(squatter)
     assert d.stop() == 0
     assert holders(inode) == set() and listening_inodes(port) == []
+
+
+@pytest.mark.process
+def test_a_handover_with_only_serve_proxy_changed_on_disk_replaces_the_proxy_and_the_engine_serves_on(
+        write, fake, daemons, proxy_daemon, no_fakes_left, passable_state):
+    """The attacker's finding 1 of 2026-12-02 (on 3568284): hold_s edited, then SIGUSR2 (an upgrade's postinst sends
+    it): the new image found the adopted proxy's command changed and replaced every child, the engine too (a request
+    in flight got 502; a real vLLM loads for minutes). Now only the proxy is replaced, as a SIGHUP does it."""
+    d, path, port, inode = behind_the_proxy(write, fake, daemons, proxy_daemon, STATE_DIRECTORY=str(passable_state))
+    engine = int(re.findall(r"vLLM starting \(pid (\d+)", d.log)[-1])
+    proxy = proxy_pid(d)
+    path.write_text(path.read_text().replace("hold_s: 300", "hold_s: 123"))
+    mark = len(d.lines)
+    d.proc.send_signal(signal.SIGUSR2)
+    d.wait_for("vLLM adopted after an upgrade", after=mark, timeout=60)
+    d.wait_for("the proxy's command or user changed since it was started: replacing it", after=mark, timeout=60)
+    d.wait_for("the proxy healthy after", after=mark, timeout=60)
+    new = proxy_pid(d, after=mark)
+    assert new != proxy and "--hold-s 123" in open(f"/proc/{new}/cmdline").read().replace("\0", " ")
+    after = "\n".join(d.lines[mark:])
+    assert "vLLM starting (pid" not in after and "vLLM's command or user changed" not in after, after
+    assert handover.start_ticks(engine) is not None, "the same engine serves on"
+    status, _, data, error = Call(port, "fine, thanks").result()
+    assert status == 200, (status, data, error)
+    assert d.stop() == 0
 
 
 class Notify:
