@@ -32,7 +32,7 @@ from .adoption import HANDOVER_ENV
 from .control import ControlServer, open_control
 from .event_thread import start_event_thread
 from .heartbeat import Heartbeat
-from .metrics_port import MetricsPort, bind_refusal
+from .metrics_port import MetricsPort, refuse_unbindable
 from .proxy_port import ProxyPort
 from .recovery import Recovery
 from .reload import Reload, Waiting, carry_out
@@ -164,17 +164,9 @@ class Daemon:
 
     def check_handover(self, config: Config):
         """check() of the config on disk as the new image's start runs it (adopting: not deep, from the cache), and
-        the metrics address it would bind where that changed: one the new image cannot listen on at all would end
-        it (StartupError), its children left unsupervised, so it is a refusal here (a restart-only setting: a reload
-        keeps the running one). The serving launch, or None."""
-        launch = self.check(config, deep=False, on_loop=True)[1]
-        listen = config.metrics.listen
-        if listen is not None and listen != self.metrics.settings.listen:
-            why = bind_refusal(*listen)
-            if why is not None:
-                raise config.error(("metrics", "listen"), f"{listen[0]}:{listen[1]} cannot be listened on here: {why} "
-                                   "(the new image would end at its start)")
-        return launch
+        the metrics address it would bind (metrics_port.refuse_unbindable). The serving launch, or None."""
+        refuse_unbindable(config, self.metrics.settings.listen)
+        return self.check(config, deep=False, on_loop=True)[1]
 
     def leave_children(self) -> None:
         """start() failed with children to adopt: they serve on, unsupervised, for the next daemon to adopt."""

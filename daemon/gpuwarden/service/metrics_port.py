@@ -15,7 +15,7 @@ from collections.abc import Callable
 from ..base import smallfile
 from ..base.statedir import listen_file
 from ..base.systemd import Notifier
-from ..config import MetricsConfig
+from ..config import Config, MetricsConfig
 from ..serving.run import ports
 from ..web.exposition import Exposition
 from ..web.server import MetricsServer, take_listener
@@ -55,6 +55,18 @@ def bind_refusal(host: str, port: int) -> str | None:
     except OSError as exc:
         return None if exc.errno == errno.EADDRINUSE else (os.strerror(exc.errno) if exc.errno else str(exc))
     return None
+
+
+def refuse_unbindable(config: Config, running: tuple[str, int] | None) -> None:
+    """For a handover, the config on disk's metrics.listen where it differs from the running one: an address the new
+    image cannot listen on at all would end it at its start (StartupError), its children left unsupervised, so it is
+    a refusal here (ConfigError). A restart-only setting: a reload keeps the running one."""
+    listen = config.metrics.listen
+    if listen is not None and listen != running:
+        why = bind_refusal(*listen)
+        if why is not None:
+            raise config.error(("metrics", "listen"), f"{listen[0]}:{listen[1]} cannot be listened on here: {why} "
+                               "(the new image would end at its start)")
 
 
 class MetricsPort:
