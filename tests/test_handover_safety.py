@@ -57,14 +57,19 @@ def test_a_handover_the_new_image_would_refuse_is_refused_and_the_old_image_keep
     assert d.proc.poll() is None
     assert status(base)["daemon"]["started_at"] == began, "the same image (a re-exec starts anew)"
     assert running_pid(base) == pid and parent_of(pid) == d.proc.pid, "the engine is still the daemon's child"
-    # Fixed on disk, the handover goes ahead.
+    fixed_on_disk_it_hands_over(d, dropin, base, pid)
+    assert handover.start_ticks(pid) is None
+
+
+def fixed_on_disk_it_hands_over(d, dropin, base, pid):
+    """The drop-in that made the handover refused removed: the next SIGUSR2 hands over, the same engine adopted, and
+    the daemon stops cleanly."""
     dropin.unlink()
     mark = len(d.lines)
     d.proc.send_signal(signal.SIGUSR2)
     d.wait_for("adopted after an upgrade (re-exec, same daemon pid)", after=mark, timeout=30)
     assert running_pid(base) == pid
     assert d.stop() == 0
-    assert handover.start_ticks(pid) is None
 
 
 @pytest.mark.process
@@ -86,12 +91,7 @@ def test_a_handover_to_a_metrics_address_the_new_image_cannot_listen_on_is_refus
     assert "metrics.listen: 192.0.2.1:9999 cannot be listened on here: Cannot assign requested address" in line, line
     assert "keeps running" in line and d.proc.poll() is None
     assert status(base)["daemon"]["started_at"] == began and running_pid(base) == pid
-    dropin.unlink()
-    mark = len(d.lines)
-    d.proc.send_signal(signal.SIGUSR2)
-    d.wait_for("adopted after an upgrade (re-exec, same daemon pid)", after=mark, timeout=30)
-    assert running_pid(base) == pid
-    assert d.stop() == 0
+    fixed_on_disk_it_hands_over(d, dropin, base, pid)
 
 
 def test_bind_refusal_names_an_address_that_cannot_be_listened_on_and_passes_one_that_is_only_taken():
