@@ -114,6 +114,75 @@ def test_a_handover_re_executes_in_place_and_keeps_the_engine_and_its_output(wri
 
 
 @pytest.mark.process
+def test_a_handover_while_the_engine_loads_waits_for_its_health_and_never_probes_its_liveness(
+        write, fake, daemons, tmp_path, no_fakes_left):
+    """An upgrade's SIGUSR2 while the engine still loads its model (a boot, a reload): the new image adopts it
+    as STARTING, as it was, and waits for its health; the proxy is not told it is up, and no liveness probe
+    (one failure is enough here) ends the load. Adopted as RUNNING, it was killed by liveness a few seconds on."""
+    path, base, port = fault_config(write, fake, "loading,chatty", serve_extra="  liveness_failures: 1\n")
+    env, folder = env_with_state(tmp_path)
+    d = daemons(path, env=env)
+    d.wait_for("vLLM starting (pid", timeout=30)
+    pid = wait_until(lambda: (lambda s, p: p if s == "STARTING" and p else None)(*engine_of(base)), timeout=30)
+    assert [(c.pid, c.starting) for c in handover.load(folder).children] == [(pid, True)]
+    mark = len(d.lines)
+    d.proc.send_signal(signal.SIGUSR2)
+    line = d.wait_for("adopted after an upgrade (re-exec, same daemon pid)", after=mark, timeout=30)
+    assert f"pid {pid}, up " in line and "still starting" in line
+    assert engine_of(base) == ("STARTING", pid)
+    d.wait_for("vllm: INFO fakechild tick", after=len(d.lines), timeout=10)  # the new image reads its output
+    os.kill(pid, signal.SIGUSR1)  # the model loaded
+    d.wait_for("vLLM healthy after", after=mark, timeout=30)
+    assert running_pid(base) == pid
+    after = "\n".join(d.lines[mark:])
+    assert "liveness probe failed" not in after and "vLLM starting (pid" not in after
+    wait_until(lambda: [(c.pid, c.starting) for c in handover.load(folder).children] == [(pid, False)], timeout=10)
+    assert d.stop() == 0
+
+
+def test_an_engine_adopted_while_starting_counts_its_start_up_from_its_own_start():
+    """The supervisor on fake process calls and a clock the test drives: adopted STARTING, 30 s after its
+    start, with startup_timeout_s 60 and two failed liveness probes enough to end a RUNNING one: unhealthy
+    answers for 25 s more do not end it; healthy, it is RUNNING, 57 s from its start. Another adopted the same
+    way fails at 60 s from its start, not from its adoption."""
+    from gpuwarden.serving.run.processes import Child
+    from gpuwarden.serving.run.supervisor import BACKOFF, RUNNING, STARTING
+    from test_serving import supervisor
+
+    for ends_healthy in (True, False):
+        sup, ops, clock = supervisor()
+        ops.groups[4242] = [4242]  # its process group, which answers on its port
+        sup.adopt(Child(4242, 4242), clock.now, time.time() - 30, "an upgrade", starting=True)
+        assert sup.state == STARTING
+        for _ in range(5):
+            clock.advance(5)
+            sup.tick(clock.now)
+            assert sup.state == STARTING
+        ops.health_ok = ends_healthy
+        clock.advance(2 if ends_healthy else 6)
+        sup.tick(clock.now)
+        if ends_healthy:
+            assert sup.state == RUNNING and 56 < sup.time_to_healthy_s < 58
+        else:
+            assert sup.state == BACKOFF and "startup_timeout_s 60" in sup.problem
+    sup, ops, clock = supervisor()  # a RUNNING one (a record without "starting"): probed at once
+    sup.adopt(Child(4242, 4242), clock.now, time.time() - 30, "an upgrade")
+    assert sup.state == RUNNING and sup.phase.next_probe == clock.now
+
+
+def test_the_record_says_which_children_were_still_starting(tmp_path):
+    """Only a JSON true is "starting"; an older daemon's record, without the key, is RUNNING children."""
+    folder = tmp_path / "state"
+    handover.save(folder, handover.Record((handover.Recorded("vllm", 10, 1, 0, "x", None, True),
+                                           handover.Recorded("proxy", 11, 1, 0, "y"))))
+    assert [c.starting for c in handover.load(folder).children] == [True, False]
+    for value in ("", ', "starting": "yes"', ', "starting": 1'):
+        (folder / handover.RECORD).write_text('{"children": [{"name": "vllm", "pid": 10, "start_ticks": 1, '
+                                              f'"uid": 0, "argv_sha256": "x"{value}}}]}}')
+        assert handover.load(folder).children[0].starting is False
+
+
+@pytest.mark.process
 def test_an_engine_whose_command_changed_meanwhile_is_replaced_as_a_reload_would(write, fake, daemons, tmp_path,
                                                                                no_fakes_left):
     path, base, port = fault_config(write, fake, "healthy")

@@ -13,6 +13,7 @@ Modes:
   trickle      /metrics answers one byte a second
   huge         /metrics sends a 1 GB body
   noaccept     binds and listens, never accepts (vLLM while it loads a model)
+  loading      as noaccept until SIGUSR1 (the model loaded, when the test says so), then serves as healthy
   nan          /metrics says NaN and +Inf for the request gauges
   flood        prints one 200 MB line with no newline, then serves as healthy
   ignore-term  ignores SIGTERM
@@ -64,6 +65,7 @@ ANSWER_FILE = [""]  # answer mode: where the completion's text is read
 IN_FLIGHT = [0]  # the slow requests being answered (drain modes)
 IN_FLIGHT_LOCK = threading.Lock()
 DRAINING = threading.Event()  # SIGTERM came
+LOADED = threading.Event()  # loading mode: set by SIGUSR1
 DEAD = threading.Event()  # killer mode: its engine died on a QOD-500 request; the server answers 500 until it ends
 # vLLM 0.32's answer once its EngineCore is dead: EngineDeadError's message through create_error_response, the same
 # JSON as a stream's last event (entrypoints/serve/exception_handling/error_response.py)
@@ -242,6 +244,8 @@ def serve(host: str, port: int, modes: set[str], uds: str | None = None) -> None
     if "noaccept" in modes:
         while True:
             time.sleep(3600)
+    while "loading" in modes and not LOADED.is_set():
+        time.sleep(0.05)
     while True:
         conn, _ = listener.accept()
         threading.Thread(target=answer, args=(conn, modes, started), daemon=True).start()
@@ -289,6 +293,8 @@ def main() -> None:
         print(time.strftime("[%Y-%m-%d %H:%M:%S TP0] ") + f"Load weight begin. model {args.model_path}", flush=True)
     if "ignore-term" in modes:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if "loading" in modes:  # before its first line: a test that saw it may signal at once
+        signal.signal(signal.SIGUSR1, lambda *_: LOADED.set())
     if modes & DRAINERS:
         drain_at_sigterm(args.shutdown_timeout, modes)
     where = f"unix:{args.uds}" if args.uds else f"{args.host}:{args.port}"

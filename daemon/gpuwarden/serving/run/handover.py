@@ -43,6 +43,9 @@ class Recorded:
     uid: int
     argv_sha256: str  # of the NUL-joined argv, as /proc/PID/cmdline shows it
     fd: int | None = None  # the output pipe's read end in the process that wrote the record (re-exec only)
+    # Not healthy yet when recorded (STARTING): the daemon that adopts it waits for its health from its start on,
+    # as the one that started it did. A record without it (an older daemon's) means RUNNING.
+    starting: bool = False
 
 
 @dataclass(frozen=True)
@@ -165,7 +168,8 @@ def load(state_dir: Path | None) -> Record | None:
             return None
         doc = json.loads(raw)
         children = tuple(Recorded(str(c["name"]), int(c["pid"]), int(c["start_ticks"]), int(c["uid"]),
-                                  str(c["argv_sha256"]), None if c.get("fd") is None else int(c["fd"]))
+                                  str(c["argv_sha256"]), None if c.get("fd") is None else int(c["fd"]),
+                                  c.get("starting") is True)
                          for c in doc["children"])
         return Record(children, bool(doc.get("stopping", False)), bool(doc.get("keep", False)))
     except smallfile.Unreadable as exc:

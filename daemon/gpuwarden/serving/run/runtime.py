@@ -175,7 +175,7 @@ class ServingRuntime:
             child = self.ops.adopt(entry, fd, program.on_line)
             if child is None:
                 continue
-            program.adopt(child, now, handover.started_wall(entry.start_ticks), how)
+            program.adopt(child, now, handover.started_wall(entry.start_ticks), how, entry.starting)
             if (entry.argv_sha256, entry.uid) != (handover.argv_digest(program.spec.argv), program.identity.uid):
                 log.info("%s's command or user changed since it was started: replacing it, as a reload would",
                          program.title)
@@ -218,7 +218,8 @@ class ServingRuntime:
             child = program.child
             if child is not None and child.start_ticks is not None:
                 running.append(handover.Recorded(program.name, child.pid, child.start_ticks, program.identity.uid,
-                                                 handover.argv_digest(program.spec.argv), child.output_fd))
+                                                 handover.argv_digest(program.spec.argv), child.output_fd,
+                                                 program.state == STARTING))
         running += self.leftovers.recorded  # not adopted, but theirs to end until gone
         self.leftovers.uids.update(c.uid for c in running)
         record = handover.Record(tuple(running), self._stopping)

@@ -41,9 +41,10 @@ from .health import judge
 from .output import ChildOutput
 from .policy import PREFLIGHT_RETRY_S, Policy
 from .preflight import Remains, preflight
-from .processes import KILL_WAIT_S, UNSEEN_EXIT, Child, ProcessOps
+from .processes import UNSEEN_EXIT, Child, ProcessOps
 from .fronts import HEAR_S, FrontWord
 from .holding import Holding
+from .stopping import Stopping
 from .spec import ChildSpec
 from .states import BACKOFF, EXITED, FATAL, HELD, RUNNING, STARTING, STATES, STOPPED, STOPPING  # noqa: F401 (theirs)
 
@@ -138,7 +139,7 @@ def _of_phase(name: str) -> property:
     return property(lambda program: getattr(program.phase, name))
 
 
-class Program(Holding):
+class Program(Holding, Stopping):
     """One supervised child: runs a ChildSpec (serving/run/spec.py), whatever kind of child it describes; a
     kind that needs more than the states (the multi-node rank watch) plugs its policy in (serving/run/policy.py)."""
 
@@ -240,11 +241,18 @@ class Program(Holding):
                                    + " ".join(redact_argv(spec.argv)), since=now, child=child, started=now,
                          started_wall=time.time())
 
-    def adopt(self, child: Child, now: float, started_wall: float, how: str) -> None:
-        """Take over a running child an earlier daemon started (serving/run/handover.py proved it ours):
-        RUNNING at once, its liveness probe due now, so its health, metrics and stalls are watched from this
-        poll on. One line says so, with its PID and uptime."""
+    def adopt(self, child: Child, now: float, started_wall: float, how: str, starting: bool = False) -> None:
+        """Take over a running child an earlier daemon started (serving/run/handover.py proved it ours). One that
+        was RUNNING is RUNNING at once, its liveness probe due now, so its health, metrics and stalls are watched
+        from this poll on. One that was still STARTING (a model loading) stays STARTING: its health is awaited
+        and startup_timeout_s counts from its own start, as for the daemon that started it; liveness probes
+        would kill it before it could load. One line says so, with its PID and uptime."""
         up = max(0.0, time.time() - started_wall)
+        if starting:
+            self._transition(STARTING, f"{self.title} adopted after {how}: pid {child.pid}, up {_duration(up)}, "
+                                       "still starting: waiting for its health", since=now, child=child,
+                             started=now - up, started_wall=started_wall)
+            return
         # Through STARTING, as every child: it was started, only not by this daemon.
         self._transition(STARTING, since=now, child=child, started=now, started_wall=started_wall)
         self._transition(RUNNING, f"{self.title} adopted after {how}: pid {child.pid}, up {_duration(up)}, "
@@ -366,67 +374,6 @@ class Program(Holding):
         # The detail, at err: the alert vllm_fatal is the one crit line, with the fix.
         self._transition(FATAL, f"{self.title} FATAL, not restarting until SIGHUP: {reason}; its last error lines: "
                                 f"{last}", logging.ERROR, problem=reason)
-
-    # -- stopping: a timed state ------------------------------------------------------
-    def stop(self, now: float) -> None:
-        """Begin a planned stop: SIGTERM now (to the group; an engine that drains, to its leader), SIGKILL once
-        stop_timeout_s (for an engine that drains, at least its drain and a margin: serving/run/spec.py) has
-        passed (in tick)."""
-        self._held_for = None  # a stop asked for now is a stop, not the end of a hold's drain
-        if self.state == STOPPING:
-            return
-        child = self.child
-        if child is None:
-            self._transition(STOPPED)
-            return
-        count, serving = len(self.ops.group_pids(child.pgid)), self.state == RUNNING
-        # An engine that drains gets SIGTERM at its leader (the API server) alone, which ends its processes after the
-        # drain: vLLM 0.32's worker signalled itself exits at once, and the requests in flight die (EngineDeadError).
-        leader_only = bool(self.spec.drain_s)
-        _sigterm(self.ops, child, leader_only)
-        timeout = self.spec.timing.stop_timeout_s
-        to = "its leader (its drain)" if leader_only else f"its {count} processes"
-        self._transition(STOPPING, f"{self.title} stopping: SIGTERM to {to}, SIGKILL after {timeout:g} s", since=now,
-                         child=child, kill_at=now + timeout, stop_count=count, started_wall=self.phase.started_wall,
-                         leader_only=leader_only)
-        self.drain.began(serving)
-
-    def kill_now(self, now: float) -> None:
-        """A second stop request: do not wait for the drain."""
-        if self.state == STOPPING and not self.phase.killed:
-            log.warning("%s stop: asked again, SIGKILL now", self.title)
-            self._within(kill_at=now, cut=True)
-            self._stopping(now)
-
-    @property
-    def stopped(self) -> bool:
-        return self.state == STOPPED
-
-    def _stopping(self, now: float) -> None:
-        phase = self.phase
-        self.ops.poll(phase.child)  # reap the leader
-        alive = self.ops.group_pids(phase.child.pgid)
-        if alive and phase.leader_only and phase.child.pid not in alive:  # the leader is done: the rest follow it
-            self.ops.killpg(phase.child.pgid, signal.SIGTERM)
-            self._within(leader_only=False)
-        if alive and now < phase.kill_at:
-            return
-        if alive and not phase.killed:
-            log.warning("%s did not stop within %g s: SIGKILL to %d processes", self.title, now - phase.since,
-                        len(alive))
-            self.ops.killpg(phase.child.pgid, signal.SIGKILL)
-            self._within(killed=True, kill_at=now + KILL_WAIT_S)
-            self.drain.killed(phase.cut)
-            return
-        if alive:
-            log.error("processes %s of %s's group survived SIGKILL for %g s", alive, self.title, KILL_WAIT_S)
-            self.remains.dying.update(alive)
-        self.ops.poll(phase.child)
-        self.remains.kill_escaped()
-        self.drain.ended(now - phase.since, phase.killed)
-        self._transition(STOPPED, f"{self.title} stopped after {now - phase.since:.1f} s ({phase.stop_count} "
-                                  "processes in its group at the stop)")
-        self._stopped_for_hold()
 
     def reset(self, now: float) -> None:
         """SIGHUP: leave FATAL (or HELD: the operator says the GPU is done) and try again from scratch."""
@@ -552,13 +499,6 @@ class Supervisor:
 
     def views(self) -> tuple[ServingView, ...]:
         return tuple(p.view() for p in self.programs.values())
-
-
-def _sigterm(ops: ProcessOps, child: Child, leader_only: bool) -> None:
-    if leader_only:
-        ops.kill(child.pid, signal.SIGTERM)
-    else:
-        ops.killpg(child.pgid, signal.SIGTERM)
 
 
 def _duration(seconds: float) -> str:
