@@ -2,6 +2,7 @@
 the line and the two layers, before it turns into a cycle or drags the config into the GPU code."""
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "daemon" / "gpuwarden"
@@ -118,3 +119,60 @@ def test_no_class_is_over_300_lines():
                 long.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {node.name}, "
                             f"{node.end_lineno - node.lineno + 1} lines")
     assert not long, "classes over 300 lines (split by job):\n" + "\n".join(long)
+
+
+MAP = PACKAGE.parent.parent / "docs" / "architecture.md"
+
+
+def map_rows(text: str) -> dict[str, str]:
+    """The map's table: each wing it names (`serving/run/`, `config.py`) -> the text of its row."""
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].isdigit():
+            rows.update((wing, cells[2]) for wing in re.findall(r"`([^`]+)`", cells[1]))
+    return rows
+
+
+def unmapped(rows: dict[str, str], modules: list[str]) -> list[str]:
+    """The modules (paths under daemon/gpuwarden/) no row names. A wing's row names a module by its name in
+    backquotes (`monitor`, `supervisor.Program`, `monitor(...)`) or a folder it is in (`signals/`); a package's
+    __init__ is its folder's face, named with the folder."""
+    missing = []
+    for rel in modules:
+        wing = max((w for w in rows if rel == w or rel.startswith(w) and w.endswith("/")), key=len, default=None)
+        if wing is None:
+            missing.append(f"{rel}: no wing of the map holds it")
+            continue
+        if rel == wing:
+            continue
+        parts = rel[len(wing):].split("/")
+        named = set(re.findall(r"`([^`]+)`", rows[wing]))
+        folders = {"/".join(parts[:i]) + "/" for i in range(1, len(parts))}
+        stem = parts[-1].removesuffix(".py")
+        if parts[-1] == "__init__.py" and (len(parts) == 1 or folders & named):
+            continue
+        if folders & named or any(re.fullmatch(rf"{re.escape(stem)}(\.\w+|\(.*\))?", n) for n in named):
+            continue
+        missing.append(f"{rel}: the row of {wing} does not name `{stem}`")
+    return missing
+
+
+def test_every_module_is_on_the_map():
+    """docs/architecture.md is true: each module is named in its wing's row, so a newcomer finds its home (and a
+    new module is placed on purpose, not left out)."""
+    modules = sorted(p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py") if p != PACKAGE / "__init__.py")
+    rows = map_rows(MAP.read_text())
+    missing = unmapped(rows, [m for m in modules if m != "serving/__init__.py"])  # serving/: its rooms are the wings
+    assert not missing, "modules docs/architecture.md does not name:\n" + "\n".join(missing)
+
+
+def test_the_map_check_sees_a_module_left_out():
+    rows = map_rows("| 6 | `serving/run/` | the state machine (`supervisor.Program`), its checks (`checks/`) |\n"
+                    "| 1 | `gpu/` | the backend (`nvml`) |\n")
+    assert unmapped(rows, ["serving/run/supervisor.py", "serving/run/checks/a.py", "serving/run/__init__.py",
+                           "gpu/nvml.py"]) == []
+    assert unmapped(rows, ["serving/run/stopping.py", "gpu/nvml_more.py", "web/server.py"]) == [
+        "serving/run/stopping.py: the row of serving/run/ does not name `stopping`",
+        "gpu/nvml_more.py: the row of gpu/ does not name `nvml_more`",
+        "web/server.py: no wing of the map holds it"]

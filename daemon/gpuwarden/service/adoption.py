@@ -27,7 +27,7 @@ LEFT_SERVING = ("this daemon could not start: %s keeps serving unsupervised (no 
 
 def engine_survives(serving: ServingRuntime, engine: str) -> bool:
     """The record an earlier daemon left names an engine that still runs, provably ours (to be adopted)."""
-    record = handover.load(serving.state_dir)
+    record = handover.load(serving.recorder.state_dir)
     if record is None or record.stopping:
         return False
     return any(handover.proven(child) is None for child in record.children if child.name == engine)
@@ -54,7 +54,7 @@ def check_replacement(serving: ServingRuntime, launch, adopting: bool) -> None:
     nothing, or the same command, runs no check here."""
     if not adopting or launch is None or HANDOVER_ENV in os.environ or launch.command.engine.flag_probe is None:
         return
-    record = handover.load(serving.state_dir)
+    record = handover.load(serving.recorder.state_dir)
     entry = next((c for c in record.children if c.name == launch.engine.name), None) if record else None
     other = other_drain(launch.engine, launch.command, launch.config.serve)
     same = {handover.argv_digest(spec.argv) for spec in (launch.engine, other) if spec is not None}
@@ -72,7 +72,7 @@ def leave_children(serving: ServingRuntime, adopting: bool) -> None:
     """The start failed with children to adopt: they serve on, unsupervised, for the next daemon to adopt.
     The record is kept as it is, marked keep, so that cleanup (ExecStopPost) does not end them after an
     exit it would otherwise read as a stop (78, a config error, which the unit does not restart)."""
-    running = handover.keep(serving.state_dir) if adopting else None
+    running = handover.keep(serving.recorder.state_dir) if adopting else None
     if running is not None:
         log.critical(LEFT_SERVING, running)
 
@@ -81,7 +81,7 @@ def start_serving(serving: ServingRuntime, launch, now: float, stored: dict[str,
     """Start the children (launch None: serving is off), or take over those an earlier daemon left running:
     after a re-exec (an upgrade) their output pipes were inherited; after a crash systemd's fd store kept
     them."""
-    record = handover.load(serving.state_dir)
+    record = handover.load(serving.recorder.state_dir)
     reexec = os.environ.pop(HANDOVER_ENV, None) is not None
     if reexec and record is not None:  # this process's own fds, kept open across execv
         fds = {f"child-{c.name}": c.fd for c in record.children if c.fd is not None}

@@ -22,7 +22,7 @@ import logging
 import os
 import signal
 import stat
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -144,6 +144,46 @@ def save(state_dir: Path | None, record: Record) -> None:
         smallfile.write_atomic(path, data.encode())
     except OSError as exc:
         log.warning("the record of the children was not saved to %s: %s", path, exc.strerror or exc)
+
+
+class Recorder:
+    """The record on disk kept true to what runs: rewritten when the running children change (a start, an end, a
+    child that turns healthy), and their output pipes kept in systemd's fd store (keep_fd), so that a daemon
+    started after this one (re-exec or crash) can take them over. It owns the file and the pipes' place in the
+    store; it never signals or judges a child."""
+
+    def __init__(self, state_dir: Path | None, keep_fd: Callable[[str, int | None], None] | None):
+        self.state_dir = state_dir  # where the record lives (None: no adoption)
+        self.keep_fd = keep_fd  # hands a child's output pipe to systemd's fd store (None: drop it)
+        self.recorded: Record | None = None  # what the record on disk says now
+
+    def update(self, running: Sequence[Recorded], stopping: bool) -> None:
+        record = Record(tuple(running), stopping)
+        if record == self.recorded:
+            return
+        if self.recorded is None and record == Record(()) and not self.on_disk():
+            self.recorded = record  # nothing runs and nothing was recorded (serving off): no file to write
+            return
+        old = {c.name: c for c in (self.recorded.children if self.recorded else ())}
+        if self.keep_fd is not None:
+            for entry in record.children:
+                if old.get(entry.name) != entry and entry.fd is not None:
+                    self.keep_fd(f"child-{entry.name}", entry.fd)
+            for name in set(old) - {c.name for c in record.children}:
+                self.keep_fd(f"child-{name}", None)
+        save(self.state_dir, record)
+        self.recorded = record
+
+    def on_disk(self) -> bool:
+        """A record is there (even one not read: a stale one is replaced by what runs now)."""
+        return self.state_dir is not None and os.path.lexists(self.state_dir / RECORD)
+
+    def for_exec(self) -> Record:
+        """The record as it stands, its pipes made inheritable: what a re-executed image needs."""
+        for entry in self.recorded.children:
+            if entry.fd is not None:
+                os.set_inheritable(entry.fd, True)
+        return self.recorded
 
 
 def keep(state_dir: Path | None) -> str | None:

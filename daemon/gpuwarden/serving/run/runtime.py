@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -109,9 +108,7 @@ class ServingRuntime:
         self.sides = tuple(sides)  # the side kinds of the registry, beside the engine's part (kinds.ENGINE_PART)
         self.ops = ops or ProcessOps()  # one for every child: it knows which processes we started
         self.clock = clock
-        self.state_dir = state_dir  # where the record of running children lives (None: no adoption)
-        self.keep_fd = keep_fd  # hands a child's output pipe to systemd's fd store (None: drop it)
-        self._recorded: handover.Record | None = None  # what the record on disk says now
+        self.recorder = handover.Recorder(state_dir, keep_fd)  # the record of running children, for adoption
         self._stopping = False  # stop() came: whatever outlives this daemon is a leftover, not to adopt
         self.leftovers = Leftovers(self.ops)  # what an earlier daemon left that this one does not run
         self._busy = False  # something ran at the last tick: nothing running now calls for a look
@@ -211,8 +208,7 @@ class ServingRuntime:
 
     # -- the record of running children (serving/run/handover.py) ---------------------------------
     def _record(self, now: float) -> None:
-        """Rewrite the record when the running children changed, and keep their output pipes in systemd's
-        fd store, so that a daemon started after this one (re-exec or crash) can take them over."""
+        """What runs now, for the record: the children, and what an earlier daemon left that this one still ends."""
         running = []
         for program in (self.children.programs.values() if self.children is not None else ()):
             child = program.child
@@ -222,33 +218,12 @@ class ServingRuntime:
                                                  program.state == STARTING))
         running += self.leftovers.recorded  # not adopted, but theirs to end until gone
         self.leftovers.uids.update(c.uid for c in running)
-        record = handover.Record(tuple(running), self._stopping)
-        if record == self._recorded:
-            return
-        if self._recorded is None and record == handover.Record(()) and not self._on_disk():
-            self._recorded = record  # nothing runs and nothing was recorded (serving off): no file to write
-            return
-        old = {c.name: c for c in (self._recorded.children if self._recorded else ())}
-        if self.keep_fd is not None:
-            for entry in running:
-                if old.get(entry.name) != entry and entry.fd is not None:
-                    self.keep_fd(f"child-{entry.name}", entry.fd)
-            for name in set(old) - {c.name for c in running}:
-                self.keep_fd(f"child-{name}", None)
-        handover.save(self.state_dir, record)
-        self._recorded = record
-
-    def _on_disk(self) -> bool:
-        """A record is there (even one not read: a stale one is replaced by what runs now)."""
-        return self.state_dir is not None and os.path.lexists(self.state_dir / handover.RECORD)
+        self.recorder.update(running, self._stopping)
 
     def handover_record(self) -> handover.Record:
         """What a re-executed daemon needs: the running children, their pipes inheritable."""
         self._record(self.clock())
-        for entry in self._recorded.children:
-            if entry.fd is not None:
-                os.set_inheritable(entry.fd, True)
-        return self._recorded
+        return self.recorder.for_exec()
 
     def tick(self, now: float) -> tuple[tuple[ServingView, ...] | None, ServingStats | None]:
         """Advance the children, read the engine's metrics and judge its progress: (views, stats)."""
