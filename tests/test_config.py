@@ -289,7 +289,7 @@ def test_a_reload_to_a_collision_is_refused_and_the_daemon_keeps_its_config(writ
     daemon = Daemon(cfg, open_configured(cfg, ManualClock()), reload=lambda: config.load(path))
     path.write_text(path.read_text().replace("listen: none", "listen: '127.0.0.1:8000'") + SERVING)
     caplog.set_level("INFO")
-    daemon.reload()
+    daemon.changes.reload()
     assert daemon.config is cfg
     assert f"reload failed, still running the previous config: {path}:2: metrics.listen: 127.0.0.1:8000 (the " \
            "metrics endpoint) collides with serve.port" in caplog.text

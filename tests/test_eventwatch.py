@@ -199,5 +199,5 @@ def test_a_gpu_waiting_for_a_reset_holds_an_engine_started_later_until_a_reload_
     sup.start(clock.now)  # started after the event, on that GPU
     daemon.handle_gpu_events()
     assert sup.state == HELD and "waiting for GPU0's action: reboot the node (Xid 79" in sup.view().problem
-    daemon.reload()  # the operator rebooted or reset it: SIGHUP leaves HELD and starts again
+    daemon.changes.reload()  # the operator rebooted or reset it: SIGHUP leaves HELD and starts again
     assert not daemon.monitor.events.needs_reset and sup.state == "STARTING"

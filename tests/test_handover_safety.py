@@ -179,12 +179,12 @@ def test_more_sigusr2_in_one_wake_up_hand_over_once(caplog):
     daemon = Daemon(cfg, open_configured(cfg), reload=lambda: cfg)
     try:
         with caplog.at_level("INFO", logger="gpuwarden"):
-            daemon.handle_usr2()
-            daemon.handle_usr2()
+            daemon.changes.handle_usr2()
+            daemon.changes.handle_usr2()
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, earlysignals.SIGNALS)  # handle_usr2 blocked them for the exec
         daemon.backend.close()
-    assert daemon.handing_over
+    assert daemon.changes.handing_over
     assert sum("handing over" in r.getMessage() for r in caplog.records) == 1
 
 

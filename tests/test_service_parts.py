@@ -238,7 +238,7 @@ def test_a_sighup_held_during_start_up_is_the_loops_first_signal_and_asks_for_a_
         daemon.dispatch(signal.SIGHUP)
     finally:
         daemon.backend.close()
-    assert daemon.reload_asked and not daemon.stopping
+    assert daemon.changes.reload_asked and not daemon.stopping
 
 
 def test_a_log_sink_nobody_reads_never_blocks_the_loop_that_logs():

@@ -50,7 +50,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     finally:
         backend.close()
         logs.close()
-    if daemon is not None and daemon.handing_over:
+    if daemon is not None and daemon.changes.handing_over:
         reexec()  # does not return
     return EX_OK
 

@@ -32,10 +32,10 @@ from .adoption import HANDOVER_ENV
 from .control import ControlServer, open_control
 from .event_thread import start_event_thread
 from .heartbeat import Heartbeat
-from .metrics_port import MetricsPort, refuse_unbindable
+from .changes import Changes
+from .metrics_port import MetricsPort
 from .proxy_port import ProxyPort
 from .recovery import Recovery
-from .reload import Reload, Waiting, carry_out
 from ..tune.sweeps import Sweeps
 from ..web.exposition import Exposition
 from ..watch.eventwatch import EventWatcher
@@ -75,6 +75,11 @@ def reexec() -> None:
 
 
 class Daemon:
+    """The daemon's one object: it builds the parts (the tuning's life, the monitor, the serving runtime, recovery,
+    the metrics and proxy ports, the reload and handover), starts them in order, runs one poll (tick) through each
+    with its faults kept in its own room, and stops them. It owns the running config and the stop; it never blocks
+    the loop (a child is read off it, a stop is a timed state) and never works inside a signal handler."""
+
     def __init__(self, config: Config, backend: GpuBackend, reload: Callable[[], Config] | None = None,
                  notifier: Notifier | None = None, ops: ProcessOps | None = None,
                  clock: Callable[[], float] = time.monotonic):
@@ -104,9 +109,7 @@ class Daemon:
         self.watcher: EventWatcher | None = None  # Xid and fatal events, on their own thread
         self.wake: Callable[[], None] | None = None  # run() sets it: wakes the loop as a signal does
         self.heartbeat = Heartbeat(self.notifier, lambda: self.config.poll_interval_s)
-        self.reload_asked = False  # a SIGHUP came: the next tick reloads
-        self.waiting = Waiting(self.serving)  # a reload or a handover waiting for the engine's parser
-        self.handing_over = False  # a SIGUSR2 came: the loop ends and the installed code takes over (re-exec)
+        self.changes = Changes(self)  # a reload (SIGHUP) and a handover (SIGUSR2), each checked whole first
         self.adopting = False  # start() found children to take over (a handover, or an engine a crash left)
         self.stopping = False
         self.started_at = time.time()
@@ -162,12 +165,6 @@ class Daemon:
         launch = self.serving.prepare(config, deep=deep, on_loop=on_loop) if config.serve.enabled else None
         return plan, launch
 
-    def check_handover(self, config: Config):
-        """check() of the config on disk as the new image's start runs it (adopting: not deep, from the cache), and
-        the metrics address it would bind (metrics_port.refuse_unbindable). The serving launch, or None."""
-        refuse_unbindable(config, self.metrics.settings.listen)
-        return self.check(config, deep=False, on_loop=True)[1]
-
     def leave_children(self) -> None:
         """start() failed with children to adopt: they serve on, unsupervised, for the next daemon to adopt."""
         adoption.leave_children(self.serving, self.adopting)
@@ -197,12 +194,8 @@ class Daemon:
     def tick(self, now: float, lag: float = 0.0) -> None:
         """One poll: a reload if one was asked for, advance serving (its faults stay there), then sample and
         publish the GPUs."""
-        try:  # a SIGHUP planned; carried out once nothing is left to check (the engine's parser: the engine serves on)
-            if self.reload_asked and not self.serving.rereading:
-                self.reload_asked = False
-                self.reload()
-            elif (step := self.waiting.reload_ready()) is not None:
-                self.apply(step)
+        try:
+            self.changes.tick()
         except Exception as exc:  # reload() keeps what runs on a bad config; this is a bug's last net
             self._error_once(f"reload: {type(exc).__name__}: {exc}")
         try:
@@ -264,7 +257,7 @@ class Daemon:
         if self.stopping:
             return
         self.stopping = True
-        self.waiting.drop()
+        self.changes.waiting.drop()
         self.notifier.stopping()
         running = not self.serving.stopped
         wait = self.serving.stop(now)  # the longest wait for SIGKILL: the engine's drain and its margin included
@@ -286,12 +279,13 @@ class Daemon:
         if self.control is not None:
             self.control.stop()
             self.control = None
-        if self.sweeps.lease is not None and not self.handing_over:
+        handing_over = self.changes.handing_over
+        if self.sweeps.lease is not None and not handing_over:
             self.sweeps.end("the daemon stops")  # before the restore below, which may put back less
-        if not self.handing_over:
+        if not handing_over:
             self.tuning.restore()
-        self.metrics.close(self.handing_over, self.stopping)
-        self.proxy_port.close(self.handing_over)
+        self.metrics.close(handing_over, self.stopping)
+        self.proxy_port.close(handing_over)
         self.exposition.close()
 
     def status_document(self) -> dict:
@@ -310,7 +304,8 @@ class Daemon:
         if signum == EVENTS_WAKE:
             self.handle_gpu_events()
             return
-        getattr(self, "handle_" + signal.Signals(signum).name[3:].lower())()
+        name = "handle_" + signal.Signals(signum).name[3:].lower()
+        (getattr(self.changes, name, None) or getattr(self, name))()  # SIGHUP and SIGUSR2: a change, checked first
 
     def handle_term(self) -> None:
         now = self.clock()
@@ -321,23 +316,6 @@ class Daemon:
         log.info("SIGTERM received, stopping")
         self.begin_stop(now)
 
-    def handle_usr2(self) -> None:
-        """Hand over to the installed code (an upgrade): the loop ends, cli re-executes this process, and the new image
-        adopts its children (serving/run/handover.py); once checked whole (Waiting: then run() calls hand_over)."""
-        if self.handing_over:  # more of them in one wake-up of the loop: one handover, said once
-            return
-        if self.stopping:
-            log.warning("SIGUSR2 received while stopping: no handover")
-            return
-        load = self.reload_config
-        if self.waiting.handover_asked(load and (lambda: self.check_handover(load()))):
-            self.hand_over()
-
-    def hand_over(self) -> None:
-        """Set the handover going (adoption.hand_over): the loop ends, and cli re-executes this process."""
-        adoption.hand_over(self.serving, self.notifier)
-        self.handing_over = True
-
     def handle_int(self) -> None:
         now = self.clock()
         if self.stopping and not self.serving.stopped:
@@ -345,33 +323,6 @@ class Daemon:
             return
         log.info("SIGINT received, stopping")
         self.begin_stop(now)
-
-    def handle_hup(self) -> None:
-        """A reload is asked for; the next poll carries it out, so that any number of SIGHUPs in a row cost at
-        most one reload per poll and the loop keeps its schedule (and the watchdog its food)."""
-        self.reload_asked = True
-
-    def reload(self) -> None:
-        """Reload: load, validate and prepare everything first, the engine's own parser included where the engine
-        starts anew (off the loop: Waiting); on any error keep running what runs. Carried out (apply) at once where
-        nothing is left to check, else by the tick once the parser has answered; asked again where the installed
-        versions are read first."""
-        if self.reload_config is None:
-            log.warning("SIGHUP received, but this daemon has no config file to reload")
-            return
-        if self.stopping:
-            log.warning("SIGHUP received while stopping: ignored")
-            return
-        self.reload_asked = self.waiting.reload_asked(self.reload_config, self.config, self.tuning)
-        if (step := self.waiting.reload_ready()) is not None:
-            self.apply(step)
-
-    def apply(self, step: Reload) -> None:
-        """Carry out a reload that passed every check (reload.carry_out), from this poll on."""
-        self.config = step.config
-        carry_out(step, self.monitor, self.recovery, self.tuning, self.serving, self.clock())
-        self.proxy_port.follow(self.config)  # no proxy any more: its port let go
-
 
 def _finite(value):
     """The same structure with NaN and infinities as None: /status must be valid JSON."""
@@ -450,7 +401,7 @@ def run(daemon: Daemon, duration_s: float | None = None, clock: Callable[[], flo
             raise
         poll = daemon.config.poll_interval_s
         next_tick = start + poll
-        while not daemon.stop_done and not daemon.handing_over:
+        while not daemon.stop_done and not daemon.changes.handing_over:
             now = clock()
             daemon.heartbeat.feed_watchdog(now)
             if duration_s is not None and now - start >= duration_s and not daemon.stopping:
@@ -465,8 +416,8 @@ def run(daemon: Daemon, duration_s: float | None = None, clock: Callable[[], flo
                 daemon.tick(stamp, lag=lag)
                 next_tick = stamp + poll
                 try:  # a SIGUSR2 that waited for the engine's parser (or a restart under way), now settled
-                    if daemon.waiting.handover_ready():
-                        daemon.hand_over()
+                    if daemon.changes.waiting.handover_ready():
+                        daemon.changes.hand_over()
                         continue  # the loop ends, as after handle_usr2
                 except Exception as exc:  # a bug's last net: no handover, the daemon runs on
                     daemon._error_once(f"SIGUSR2: {type(exc).__name__}: {exc}")
@@ -480,4 +431,4 @@ def run(daemon: Daemon, duration_s: float | None = None, clock: Callable[[], flo
             poll = daemon.config.poll_interval_s
     finally:
         daemon.finish()
-        waker.close(restore=not daemon.handing_over)
+        waker.close(restore=not daemon.changes.handing_over)

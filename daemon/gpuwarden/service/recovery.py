@@ -94,6 +94,12 @@ def _write_limit(most: int) -> Callable[[], None]:
 
 
 class Recovery:
+    """What the daemon does by itself for a GPU that must not serve: hold the engine on it (a drain first where the
+    GPU still answers), a reset where the policy allows and nothing else runs on the card, the engine started
+    again once the GPU is back, and the known-answer check after. It owns the resets under way and the known
+    answer; it never resets a GPU the policy does not allow, and never waits on the loop (a reset runs on a worker
+    thread, with a deadline)."""
+
     def __init__(self, serving: ServingRuntime, tuning: TuningLife, backend: GpuBackend, clock: Callable[[], float],
                  policy: HealthPolicy = HealthPolicy(), reset_argv: Callable[[int], list[str]] = nvidia_smi_reset,
                  reset_timeout_s: float = RESET_TIMEOUT_S):

@@ -207,6 +207,11 @@ FLAP_CHANGES, FLAP_S = 6, 60.0
 
 
 class Monitor:
+    """One poll of the GPUs: sample each, keep each signal's window, evaluate the rules and the health verdicts,
+    record the events the event thread queued, and publish the Snapshot everything else reads. It owns the alert
+    states, the windows, the events' book and the latest snapshot; it never changes a GPU setting (it tells the
+    tuning's life what it sees) and never touches a child."""
+
     def __init__(self, config: Config, backend: GpuBackend, tuning: TuningLife,
                  wall: Callable[[], float] = time.time, signals: Iterable[ModuleType] = SIGNALS,
                  reboots: Callable[[str, str], int] = health.no_reboots):

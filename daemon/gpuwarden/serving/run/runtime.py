@@ -101,6 +101,11 @@ def watchers(launch: Launch, clock) -> tuple[MetricsReader, StallWatch]:
 
 
 class ServingRuntime:
+    """Serving on a running daemon: the launch that runs, its Supervisor of Programs, the launch that waits for
+    them to stop (a reload), the engine's metrics reader and stall watch, and the record of what runs (Recorder).
+    It owns the children; it never blocks the loop (a stop is a timed state, the engine's parser and its /health
+    are asked off it) and never starts a child the checks of prepare_launch have not passed."""
+
     def __init__(self, backend: GpuBackend, sides: Sequence[ChildKind] = (), ops: ProcessOps | None = None,
                  clock: Callable[[], float] = time.monotonic, state_dir: Path | None = None,
                  keep_fd: Callable[[str, int | None], None] | None = None):

@@ -2,7 +2,7 @@
 backoff, no orphans.
 
 Modelled on supervisor's process.py: each Program is one child with its own
-state machine (STOPPED, STARTING, RUNNING, BACKOFF, STOPPING, EXITED and FATAL),
+state machine (STOPPED, STARTING, RUNNING, BACKOFF, STOPPING, EXITED, FATAL and HELD),
 "died while starting" told apart from "died later", and every OS call behind
 one seam (processes.ProcessOps) that tests replace. Every state change goes
 through _transition(), which checks it against ALLOWED_FROM, logs it and counts
