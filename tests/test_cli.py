@@ -169,7 +169,8 @@ def test_every_module_in_cli_is_a_command_and_help_lists_each(capsys):
 
 HELLO = '''"""A toy command: the recipe's one file."""
 
-from .common import EX_OK, load_config
+from ..base.exits import EX_OK
+from .common import load_config
 from .registry import Command
 
 

@@ -25,7 +25,6 @@ from .base.webconfig import WebConfig
 from .base.yamlfile import ConfigError, Document, Path_
 
 DEFAULT_PATH = Path("/etc/gpuwarden/gpuwarden.yaml")
-EX_CONFIG = 78  # sysexits.h; the unit's RestartPreventExitStatus
 
 @dataclass(frozen=True)
 class GpuBackendConfig:

@@ -17,10 +17,10 @@ from ..config import Config
 from ..base.safetext import visible_lines
 from ..base.statedir import state_dir
 from ..base.systemd import print_error
+from ..base.exits import EX_CONFIG, EX_FAIL, EX_INTERRUPTED, EX_NOT_RUNNING, EX_OK
 from .options import concurrency_steps, out_of_range
 from .watch import Watch, checked_gpus
 
-EX_STEP_FAILED, EX_USAGE, EX_INTERRUPTED = 1, 78, 130
 DEFAULT_GRACE_MAX_S = 30.0
 
 
@@ -78,9 +78,9 @@ def cmd_bench(args: argparse.Namespace, config: Config) -> int:
             a, b = (load(ref, saved_dir) for ref in args.compare)
         except ValueError as exc:
             print_error(f"gpuwarden bench: {exc}")
-            return 3
+            return EX_NOT_RUNNING
         print(visible_lines(render_compare(a, b, *args.compare)))
-        return 0
+        return EX_OK
     try:
         steps = concurrency_steps(args.concurrency)
         if out_of_range(args, ("input_len", "output_len", "requests", "duration", "warmup", "engine_interval", "idle",
@@ -94,7 +94,7 @@ def cmd_bench(args: argparse.Namespace, config: Config) -> int:
             args.plot = chart_path(args.plot)  # before the steps: a bad name is one line now, not after them
     except (ValueError, ImportError) as exc:
         print_error(f"gpuwarden bench: {exc}")
-        return EX_USAGE
+        return EX_CONFIG
     engine_base = configured_url(config.serve)  # its port, or its Unix socket (serving/compose/enginesock.py)
     base = (args.url or engine_base).rstrip("/").removesuffix("/v1")
     model_dir, tp, kv_dtype, names = _serving_facts(config)
@@ -123,7 +123,7 @@ def cmd_bench(args: argparse.Namespace, config: Config) -> int:
         print_error(f"gpuwarden bench: {exc}")
         if not sweep.steps:
             return exc.exit_code
-        code = EX_STEP_FAILED
+        code = EX_FAIL
     except KeyboardInterrupt:
         sweep.interrupted = True
     progress.clear()
@@ -153,12 +153,12 @@ def cmd_bench(args: argparse.Namespace, config: Config) -> int:
             print(f"chart: {args.plot}", file=sys.stderr)
         except (OSError, ValueError) as exc:
             print_error(f"gpuwarden bench: --plot {args.plot}: {getattr(exc, 'strerror', None) or exc}")
-            code = code or EX_STEP_FAILED
+            code = code or EX_FAIL
     if sweep.interrupted:
         print("gpuwarden bench: interrupted; the result above is partial", file=sys.stderr)
         return EX_INTERRUPTED
     if any(s["ok"] == 0 for s in sweep.steps):
-        return EX_STEP_FAILED
+        return EX_FAIL
     return code
 
 

@@ -24,6 +24,7 @@ import aiohttp
 
 from ..base import unixsock
 from ..base.httpget import HttpError, read_capped
+from ..base.exits import EX_CONFIG, EX_FAIL, EX_UNAVAILABLE
 from .bound import step_activity
 from .client import RequestResult, stream
 from .energy import gpu_watts, step_energy
@@ -40,7 +41,7 @@ class BenchError(Exception):
     """One line for the user, and the exit status: the server is down or not OpenAI-compatible (69), the model
     unknown (78), or the first request failed (1)."""
 
-    def __init__(self, message: str, exit_code: int = 69):
+    def __init__(self, message: str, exit_code: int = EX_UNAVAILABLE):
         super().__init__(message)
         self.exit_code = exit_code
 
@@ -141,7 +142,7 @@ async def _calibrate(session: aiohttp.ClientSession, url: str, workload: Workloa
         notes.append("the server rejects ignore_eos: outputs may end before --output-len")
         first = await stream(session, url, workload.payload(-1, max_tokens=1, words=words), *settings.limit())
     if not first.ok:
-        raise BenchError(f"the first request failed: {first.error}", exit_code=1)
+        raise BenchError(f"the first request failed: {first.error}", exit_code=EX_FAIL)
     if first.prompt_tokens:
         workload = replace(workload, tokens_per_word=first.prompt_tokens / (words + MARK_WORDS))
         exact = await _word_sizes(session, url.rsplit("/v1/", 1)[0], workload, first.prompt_tokens, words)
@@ -244,7 +245,7 @@ async def run(sweep: Sweep, watch: Watch, progress: Callable[[int, int, int | No
         wanted = settings.workload.model
         if wanted and wanted not in served:
             raise BenchError(f"model {wanted!r} is not served at {base}; it serves: {', '.join(served) or 'nothing'}",
-                             exit_code=78)
+                             exit_code=EX_CONFIG)
         if not served:
             raise BenchError(f"{base}/v1/models lists no model")
         sweep.model = wanted or served[0]

@@ -24,12 +24,12 @@ from ..config import Config
 from ..tune.channel import ChannelLost, ControlError, SweepClient, Unreachable, socket_path
 from ..base.safetext import visible_lines
 from ..base.systemd import print_error
+from ..base.exits import EX_CONFIG, EX_FAIL, EX_INTERRUPTED, EX_NOPERM, EX_UNAVAILABLE
 from .command import _gpu_reader, _raise_fd_limit, _serving_facts
 from .options import comma_numbers, out_of_range
 from .report import energy_notes
 from .watch import Watch
 
-EX_FAILED, EX_UNAVAILABLE, EX_NOPERM, EX_USAGE, EX_INTERRUPTED = 1, 69, 77, 78, 130
 
 
 def _values(text: str) -> list[float]:
@@ -165,7 +165,7 @@ def cmd_tune(args: argparse.Namespace, config: Config) -> int:
             args.plot = chart_path(args.plot)  # before the sweep: a bad name is one line now, not after it
     except (ValueError, PlotUnavailable) as exc:
         print_error(f"gpuwarden tune: {exc}")
-        return EX_USAGE
+        return EX_CONFIG
     setting, unit = ("gpu_clocks", "MHz") if args.clocks else ("power_limit_w", "W")
     base = (args.url or configured_url(config.serve)).rstrip("/").removesuffix("/v1")
     read_gpus, gpu_source, note = _gpu_reader(config)
@@ -180,7 +180,7 @@ def cmd_tune(args: argparse.Namespace, config: Config) -> int:
         return EX_NOPERM if "permission denied" in str(exc) else EX_UNAVAILABLE
     except ControlError as exc:  # the daemon answered, and refused the sweep (or went away while answering)
         print_error(f"gpuwarden tune: {exc}")
-        return EX_FAILED
+        return EX_FAIL
     restored: list[str] = []
     code = 0
     sweep = None
@@ -213,15 +213,15 @@ def cmd_tune(args: argparse.Namespace, config: Config) -> int:
     except ChannelLost as exc:  # the daemon gone while tune asked it something
         if sweep is None:
             print_error(f"gpuwarden tune: {exc}")
-            return EX_FAILED
+            return EX_FAIL
         client.lost = client.lost or str(exc)
     except ControlError as exc:  # a step the daemon refused: the steps before it stand
         if sweep is not None:
             progress.clear()
         print_error(f"gpuwarden tune: {exc}")
         if sweep is None:
-            return EX_FAILED
-        code = EX_FAILED
+            return EX_FAIL
+        code = EX_FAIL
     finally:
         try:
             restored = client.end()
@@ -251,12 +251,12 @@ def cmd_tune(args: argparse.Namespace, config: Config) -> int:
             print(f"chart: {args.plot}", file=sys.stderr)
         except (PlotUnavailable, OSError, ValueError) as exc:
             print_error(f"gpuwarden tune: --plot {args.plot}: {getattr(exc, 'strerror', None) or exc}")
-            code = code or EX_FAILED
+            code = code or EX_FAIL
     if client.lost is not None:
         print_error(f"gpuwarden tune: {client.lost}: the sweep lost its lease mid-step (the daemon puts the "
                     "configured setting back: at once, at the lease's end, or at its next start); the steps above "
                     "are partial")
-        return EX_FAILED
+        return EX_FAIL
     if sweep.interrupted:
         print("gpuwarden tune: interrupted; the steps above are partial", file=sys.stderr)
         return EX_INTERRUPTED
@@ -279,7 +279,7 @@ def _apply(lines: str, config_path: Path, pid: int, setting: str, value: float, 
         dropin.write_text("# written by `gpuwarden tune --apply`: the knee of its sweep\n" + lines)
     except OSError as exc:
         print_error(f"gpuwarden tune: --apply: {dropin}: {exc.strerror or exc}")
-        return EX_FAILED
+        return EX_FAIL
     try:
         merged = config_mod.load(config_path)
         wanted = (int(value), int(value)) if setting == "gpu_clocks" else float(value)
@@ -296,13 +296,13 @@ def _apply(lines: str, config_path: Path, pid: int, setting: str, value: float, 
         dropin.unlink(missing_ok=True)
         print_error(f"gpuwarden tune: --apply: not applied, and {dropin} removed again: the knee would not take "
                     "effect: " + "; ".join(overridden))
-        return EX_FAILED
+        return EX_FAIL
     try:
         os.kill(pid, signal.SIGHUP)
     except OSError as exc:
         print_error(f"gpuwarden tune: --apply: wrote {dropin}, but the reload (SIGHUP to pid {pid}) failed: "
                     f"{exc.strerror or exc}")
-        return EX_FAILED
+        return EX_FAIL
     print(f"applied: wrote {dropin} and reloaded the daemon (pid {pid}); `gpuwarden status` shows the setting",
           file=sys.stderr)
     return 0

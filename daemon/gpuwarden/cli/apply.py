@@ -6,11 +6,11 @@ import argparse
 
 from ..backends import open_configured
 from ..base.systemd import print_error
-from ..config import EX_CONFIG
 from ..gpu import errors
 from ..tune.originals import originals_store
 from ..tune.tuning import Outcome, Tuner, make_plan
-from .common import EX_FAIL, EX_NOPERM, EX_OK, EX_UNAVAILABLE, load_config
+from ..base.exits import EX_CONFIG, EX_FAIL, EX_NOPERM, EX_OK, EX_UNAVAILABLE
+from .common import load_config
 from .registry import Command
 
 

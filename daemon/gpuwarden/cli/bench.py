@@ -9,8 +9,8 @@ from pathlib import Path
 from .. import config as configmod
 from ..bench import command as bench_command
 from ..config import Config
-from ..config import EX_CONFIG
-from .common import EX_FAIL, EX_INTERRUPTED, EX_NOT_RUNNING, EX_OK, EX_UNAVAILABLE, load_config
+from ..base.exits import EX_CONFIG, EX_FAIL, EX_INTERRUPTED, EX_NOT_RUNNING, EX_OK, EX_UNAVAILABLE
+from .common import load_config
 from .registry import Command
 
 HELP = """\

@@ -11,11 +11,12 @@ import sys
 from ..backends import open_configured
 from ..base.safetext import visible
 from ..base.yamlfile import ConfigErrors
-from ..config import EX_CONFIG, Config, config_warnings
+from ..config import Config, config_warnings
 from ..gpu import errors
 from ..serving.compose.secrets import redact_argv
 from ..tune.tuning import make_plan
-from .common import EX_OK, load_config
+from ..base.exits import EX_CONFIG, EX_OK
+from .common import load_config
 from .registry import Command
 
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..config import EX_CONFIG
-from .common import EX_OK
 from .registry import Command
+from ..base.exits import EX_CONFIG, EX_OK
 
 
 def cmd_cleanup(args: argparse.Namespace) -> int:

@@ -11,9 +11,6 @@ from ..base.yamlfile import ConfigError
 from ..config import Config
 from ..gpu.sim.scenario import builtin_scenarios, resolve_scenario, unknown_scenario
 
-EX_OK, EX_FAIL, EX_UNAVAILABLE, EX_NOPERM = 0, 1, 69, 77  # sysexits.h where one fits
-EX_NOT_RUNNING = 3  # as `systemctl status` says of an inactive unit
-EX_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
 
 
 def add_common(parser: argparse.ArgumentParser, default_config, default_sim) -> None:

@@ -6,9 +6,9 @@ import argparse
 import json
 
 from ..backends import open_configured
-from ..config import EX_CONFIG
 from .common import load_config
 from .registry import Command
+from ..base.exits import EX_CONFIG
 
 
 def arguments(p: argparse.ArgumentParser) -> None:

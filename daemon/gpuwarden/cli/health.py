@@ -20,12 +20,12 @@ import time
 from ..base.safetext import visible
 from ..base.statedir import state_dir
 from ..base.systemd import print_error
-from ..config import EX_CONFIG
 from ..service.control import HEALTH_CLEAR
 from ..tune.channel import socket_path
 from ..watch.health_record import NAME, WHO_MAX, HealthRecord
-from .common import EX_FAIL, EX_NOPERM, EX_NOT_RUNNING, EX_OK, EX_UNAVAILABLE, load_config
+from .common import load_config
 from .registry import Command
+from ..base.exits import EX_CONFIG, EX_FAIL, EX_NOPERM, EX_NOT_RUNNING, EX_OK, EX_UNAVAILABLE
 
 ANSWER_S = 30.0  # the daemon answers on its loop, within a poll; a daemon that takes longer is wedged
 ANSWER_MAX = 64 * 1024

@@ -10,10 +10,9 @@ import sys
 from ..base import earlysignals
 from ..base.systemd import print_error
 from ..base.yamlfile import InvalidConfig
-from ..config import EX_CONFIG
 from ..gpu import errors
-from .common import EX_FAIL, EX_INTERRUPTED, EX_UNAVAILABLE
 from .registry import build_parser, find_commands
+from ..base.exits import EX_CONFIG, EX_FAIL, EX_INTERRUPTED, EX_UNAVAILABLE
 
 
 def open_standard_fds() -> None:

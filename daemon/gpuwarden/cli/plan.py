@@ -9,9 +9,9 @@ from ..backends import open_configured
 from ..config import Config
 from ..tune import tunables
 from ..tune.tuning import Plan, make_plan
-from ..config import EX_CONFIG
-from .common import EX_OK, EX_UNAVAILABLE, load_config
+from .common import load_config
 from .registry import Command
+from ..base.exits import EX_CONFIG, EX_OK, EX_UNAVAILABLE
 
 
 def arguments(p: argparse.ArgumentParser) -> None:

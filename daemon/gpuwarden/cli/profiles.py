@@ -8,11 +8,12 @@ import json
 import shlex
 
 from ..backends import open_configured
-from ..config import EX_CONFIG, Config
+from ..config import Config
 from ..gpu import errors
 from ..serving.compose.secrets import redact_argv, redact_env
-from .common import EX_OK, load_config
+from .common import load_config
 from .registry import Command
+from ..base.exits import EX_CONFIG, EX_OK
 
 
 def arguments(p: argparse.ArgumentParser) -> None:

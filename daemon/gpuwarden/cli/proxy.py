@@ -7,9 +7,9 @@ from pathlib import Path
 
 from ..proxy import command as proxy_command
 from ..proxy.command import CLIENT_TIMEOUT_S, DUMP_MAX_BYTES
-from ..config import EX_CONFIG
-from .common import EX_FAIL, EX_OK, load_config
+from .common import load_config
 from .registry import Command
+from ..base.exits import EX_CONFIG, EX_FAIL, EX_OK, EX_OSERR
 
 HELP = """\
 Runs the prefix-cache normalizing proxy in front of the serving engine: /v1/messages (Anthropic) and
@@ -97,5 +97,5 @@ COMMAND = Command("proxy", help="the prefix-cache normalizing proxy; `proxy diff
                   run=cmd_proxy, arguments=arguments, description=HELP, order=110,
                   exits=((EX_OK, "stopped by SIGTERM or SIGINT; diff: the report is printed"),
                          (EX_FAIL, "diff: a dump cannot be read"),
-                         (71, "cannot listen on the address (EX_OSERR)"),  # proxy/command.py's serve()
+                         (EX_OSERR, "cannot listen on the address (EX_OSERR)"),  # proxy/command.py's serve()
                          (EX_CONFIG, "bad arguments or configuration")))

@@ -40,7 +40,7 @@ class Command:
     order: int = 1000  # its place in `gpuwarden --help`, lowest first (then by name)
     keeps_held_signals: bool = False  # only the daemon's loop takes the signals held since start (earlysignals.py)
     # Every status it can end with and what each means, for the man page and docs/reference/commands.md (not --help).
-    # Include what main() turns an exception into (common.py's EX_*) where this command can raise it.
+    # Include what main() turns an exception into (base/exits.py's EX_*) where this command can raise it.
     exits: tuple[tuple[int, str], ...] = ((0, "done"),)
 
 

@@ -8,9 +8,9 @@ import os
 from ..backends import open_configured
 from ..base.systemd import print_error
 from ..base.yamlfile import InvalidConfig
-from ..config import EX_CONFIG
-from .common import EX_FAIL, EX_OK, EX_UNAVAILABLE, load_config
+from .common import load_config
 from .registry import Command
+from ..base.exits import EX_CONFIG, EX_FAIL, EX_OK, EX_UNAVAILABLE
 
 
 def arguments(p: argparse.ArgumentParser) -> None:

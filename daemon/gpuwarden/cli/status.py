@@ -7,9 +7,9 @@ import json
 import os
 
 from ..base.systemd import print_error
-from ..config import EX_CONFIG
-from .common import EX_NOT_RUNNING, EX_OK, load_config
+from .common import load_config
 from .registry import Command
+from ..base.exits import EX_CONFIG, EX_NOT_RUNNING, EX_OK
 
 
 def arguments(p: argparse.ArgumentParser) -> None:

@@ -6,9 +6,9 @@ import argparse
 from pathlib import Path
 
 from ..bench import tune as bench_tune
-from ..config import EX_CONFIG
-from .common import EX_FAIL, EX_INTERRUPTED, EX_NOPERM, EX_OK, EX_UNAVAILABLE, load_config
+from .common import load_config
 from .registry import Command
+from ..base.exits import EX_CONFIG, EX_FAIL, EX_INTERRUPTED, EX_NOPERM, EX_OK, EX_UNAVAILABLE
 
 HELP = """\
 Finds the power limit (or locked SM clock) that serves the most tokens per joule while keeping a share of the

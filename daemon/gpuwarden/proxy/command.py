@@ -24,6 +24,7 @@ from .dump import Dumper
 from .faults import LOUD_LOGGERS, proxy_faults
 from .normalize import RULES, SWITCHES, Rules
 from .upstream import engine_uid
+from ..base.exits import EX_CONFIG, EX_FAIL, EX_OK, EX_OSERR
 
 DUMP_MAX_BYTES = 1 << 30
 CLIENT_TIMEOUT_S = 15.0  # above the 4-5 s keep-alive clients keep themselves (Node's undici, httpx)
@@ -129,8 +130,8 @@ def serve(upstream, listen, rules, engine, dumper, max_body, client_timeout_s, f
         asyncio.run(run(proxy.app(), listen[0], listen[1], conns, signals=told, sock=sock))
     except OSError as exc:
         print(f"gpuwarden proxy: cannot listen on {listen[0]}:{listen[1]}: {exc.strerror or exc}", file=sys.stderr)
-        return 71
-    return 0
+        return EX_OSERR
+    return EX_OK
 
 
 def _rules(names: str | None, settings: ProxyConfig, extra: list[str]) -> Rules:
@@ -167,10 +168,10 @@ def _diff(paths: list[Path]) -> int:
         print(diff.report(*paths))
     except (ValueError, OSError) as exc:
         print(f"gpuwarden proxy diff: {exc}", file=sys.stderr)
-        return 1
-    return 0
+        return EX_FAIL
+    return EX_OK
 
 
 def _usage(message: str) -> int:
     print(f"gpuwarden {message}", file=sys.stderr)
-    return 78
+    return EX_CONFIG
