@@ -3,6 +3,7 @@
 each step measured on a simulated H100 whose GPM figures follow the served workload."""
 
 import json
+import os
 import signal
 import struct
 import subprocess
@@ -69,9 +70,30 @@ def test_an_unreadable_model_is_said_not_guessed(tmp_path):
     with pytest.raises(ModelUnreadable, match="holds no \\*.safetensors files"):
         model_bytes(tmp_path)
     (tmp_path / "x.safetensors").write_bytes(b"\xff" * 8)
-    with pytest.raises(ModelUnreadable, match="is not a safetensors header"):
+    with pytest.raises(ModelUnreadable, match="a header of 18446744073709551615 bytes is more than is read"):
         model_bytes(tmp_path)
     assert kv_bytes_per_token(tmp_path / "config.json", None)[0] is None
+
+
+def test_the_roofline_reads_a_model_as_the_lint_does_bounded_and_inside_it(tmp_path):
+    """bench's roofline goes through serving/compose/model.py's reads: a config.json that links out of the model, a
+    FIFO in its place, a header whose tensor has no offsets, counts of 10**400 or true: each said, none read."""
+    write_safetensors(tmp_path / "m.safetensors", {"w": ("BF16", [4], 8)})
+    (tmp_path.parent / "elsewhere.json").write_text(json.dumps({"num_hidden_layers": 1}))
+    (tmp_path / "config.json").symlink_to(tmp_path.parent / "elsewhere.json")
+    assert "links outside the model directory" in kv_bytes_per_token(tmp_path / "config.json", None)[1]
+    (tmp_path / "config.json").unlink()
+    os.mkfifo(tmp_path / "config.json")
+    assert "is not a regular file" in kv_bytes_per_token(tmp_path / "config.json", None)[1]
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").write_text('{"num_hidden_layers": 1e400, "num_attention_heads": true, '
+                                          '"num_key_value_heads": 2, "head_dim": 64}')
+    assert kv_bytes_per_token(tmp_path / "config.json", None) == (
+        None, f"no KV size: {tmp_path / 'config.json'} lacks num_hidden_layers, num_key_value_heads or head_dim")
+    raw = json.dumps({"w": {"dtype": "BF16", "shape": [4]}}).encode()
+    (tmp_path / "m.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)
+    with pytest.raises(ModelUnreadable, match="tensor 'w' has no data_offsets"):
+        model_bytes(tmp_path)
 
 
 # -- sweeps against the fake server ------------------------------------------------------------------------------

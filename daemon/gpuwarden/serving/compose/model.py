@@ -9,8 +9,8 @@ inside the model (or, for a Hugging Face cache snapshot, inside its repository: 
 a size cap per file and in all, a cap on directory entries and shards, and JSON no deeper than MAX_DEPTH.
 What cannot be read is said (ModelFacts.why), never guessed. A remote model id has no facts here.
 
-The safetensors header format (8-byte length, then JSON) is also read by bench/roofline.py for weight bytes;
-that reader is unbounded and sits in a higher layer, so this one is the one to share.
+These bounded reads (read_json, headers, entries_of, roots_of) are the one reader of a model directory: bench's
+roofline reads weight bytes and the KV size per token through them too.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 MAX_JSON_BYTES = 4 * 2**20  # config.json files run to tens of KiB; a long quantization ignore list to a few hundred
@@ -139,7 +140,7 @@ def _stamp(path: Path) -> tuple:
 
 # -- bounded reads -------------------------------------------------------------------------------------------
 
-def _roots(path: Path) -> tuple[str, ...]:
+def roots_of(path: Path) -> tuple[str, ...]:
     """Where the model's files may live: the directory, and for a Hugging Face cache snapshot
     (models--org--name/snapshots/REV) the repository directory, whose blobs/ its links point into."""
     real = os.path.realpath(path)
@@ -214,8 +215,8 @@ def _parse_json(raw: bytes, what: str) -> Any:
 # -- the facts -----------------------------------------------------------------------------------------------
 
 def _read(path: Path, model: str, stamp: tuple) -> ModelFacts:
-    roots = _roots(path)
-    names = _names(path)
+    roots = roots_of(path)
+    names = entries_of(path)
     if "config.json" not in names:
         raise ModelUnreadable(f"{model} has no config.json")
     config = read_json(path / "config.json", roots)
@@ -267,7 +268,7 @@ def _read(path: Path, model: str, stamp: tuple) -> ModelFacts:
     )
 
 
-def _names(path: Path) -> set[str]:
+def entries_of(path: Path) -> set[str]:
     names = set()
     try:
         with os.scandir(path) as entries:
@@ -343,15 +344,20 @@ def _params(path: Path, names: set[str], roots: tuple[str, ...], bits: int | Non
         return None, "no *.safetensors files"
     if len(shards) > MAX_SHARDS:
         return None, f"more than {MAX_SHARDS} *.safetensors files"
-    total, budget = 0, MAX_HEADERS_TOTAL
     try:
-        for name in shards:
-            header = _header(path / name, roots, budget)
-            budget -= header[1]
-            total += _elements(header[0], bits, name)
+        total = sum(_elements(header, bits, name) for name, header in headers(path, shards, roots))
     except ModelUnreadable as exc:
         return None, str(exc)
     return total / 1e9, f"{len(shards)} safetensors header(s)"
+
+
+def headers(path: Path, shards: list[str], roots: tuple[str, ...]) -> Iterator[tuple[str, dict]]:
+    """(name, header) of each safetensors file named, within MAX_HEADER_BYTES each and MAX_HEADERS_TOTAL in all."""
+    budget = MAX_HEADERS_TOTAL
+    for name in shards:
+        header, length = _header(path / name, roots, budget)
+        budget -= length
+        yield name, header
 
 
 def _header(file: Path, roots: tuple[str, ...], budget: int) -> tuple[dict, int]:
