@@ -14,21 +14,18 @@ import argparse
 import json
 import os
 import pwd
-import socket
 import time
 
 from ..base.safetext import visible
 from ..base.statedir import state_dir
 from ..base.systemd import print_error
 from ..service.control import HEALTH_CLEAR
-from ..tune.channel import socket_path
+from ..tune.channel import Connection, ControlError, socket_path
 from ..watch.health_record import NAME, WHO_MAX, HealthRecord
 from .common import load_config
 from .registry import Command
 from ..base.exits import EX_CONFIG, EX_FAIL, EX_NOPERM, EX_NOT_RUNNING, EX_OK, EX_UNAVAILABLE
 
-ANSWER_S = 30.0  # the daemon answers on its loop, within a poll; a daemon that takes longer is wedged
-ANSWER_MAX = 64 * 1024
 
 HELP = """\
 Without arguments: each GPU's health as the running daemon judges it (healthy, degraded: serving but act soon,
@@ -92,8 +89,12 @@ def _clear(gpu: str | None) -> int:
                     "(sudo gpuwarden health clear GPU)")
         return EX_NOPERM
     try:
-        answer = ask(socket_path(), {"op": HEALTH_CLEAR, "gpu": gpu, "who": invoking_user()})
-    except OSError as exc:
+        connection = Connection(socket_path())
+        try:
+            answer = connection.ask({"op": HEALTH_CLEAR, "gpu": gpu, "who": invoking_user()})
+        finally:
+            connection.close()
+    except ControlError as exc:
         print_error(f"gpuwarden: {exc}")
         return EX_UNAVAILABLE
     if not answer.get("ok"):
@@ -106,38 +107,6 @@ def _clear(gpu: str | None) -> int:
     if answer.get("warning"):
         print_error(f"gpuwarden: warning: {answer['warning']}")
     return EX_OK
-
-
-def ask(path, message: dict) -> dict:
-    """One request on the control socket and its answer line; OSError with a sentence for the user."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        try:
-            sock.settimeout(ANSWER_S)
-            sock.connect(str(path))
-        except (FileNotFoundError, ConnectionRefusedError):
-            raise OSError(f"no daemon answers on {path}: is it running (`systemctl status gpuwarden`), with "
-                          "tuning.apply on? (a read-only daemon opens no control socket)") from None
-        except OSError as exc:
-            raise OSError(f"cannot connect to {path}: {exc.strerror or exc}") from None
-        deadline = time.monotonic() + ANSWER_S  # the whole answer by then, however it trickles
-        try:
-            sock.sendall(json.dumps(message).encode() + b"\n")
-            line = b""
-            while not line.endswith(b"\n") and len(line) <= ANSWER_MAX:
-                sock.settimeout(max(0.01, deadline - time.monotonic()))
-                chunk = sock.recv(4096)
-                if not chunk:
-                    break
-                line += chunk
-        except OSError as exc:
-            raise OSError(f"the daemon's control socket failed: {exc.strerror or exc}") from None
-    try:
-        answer = json.loads(line)
-    except (ValueError, RecursionError):
-        answer = None
-    if not isinstance(answer, dict):
-        raise OSError(f"{path} did not answer with one JSON object (is it gpuwarden's?)")
-    return answer
 
 
 def _show(args: argparse.Namespace) -> int:

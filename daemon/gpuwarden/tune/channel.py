@@ -1,6 +1,7 @@
 """The control channel's wire, what both ends speak: `gpuwarden tune` (SweepClient, here) asks the running daemon
 to set each step of a sweep, under a lease, and the daemon puts the configured setting back however the sweep
-ends. The daemon's end: the lease and the putting back in tune/sweeps.py, the socket in service/control.py.
+ends; `gpuwarden health clear` asks it to record a repair. The daemon's end: the lease and the putting back in
+tune/sweeps.py, the socket in service/control.py. Every client connects and asks through Connection.
 
 The wire: a unix stream socket in the runtime directory, mode 0600 (created under umask 0177, so never wider),
 and each peer's SO_PEERCRED uid checked (root, or the daemon's own user). One JSON object per line, one answer
@@ -29,6 +30,8 @@ CONNECTIONS_MAX = 4
 HELLO_S = 10.0  # a connection says begin within this
 LEASE_MIN_S, LEASE_MAX_S = 1.0, 300.0
 ANSWER_S = 60.0  # the most the main loop may take to answer one message (the setters and their read-back)
+ANSWER_WAIT_S = ANSWER_S + 5  # what a client waits for a whole answer line, however it trickles
+ANSWER_MAX = 64 * 1024  # an answer line: a sweep's limits and UUIDs, a repair's counts, are a few KiB at most
 SET_MIN_S = 0.5  # a lease's sets at most this often: a real sweep sets once a step, seconds apart; each set and
 # its read-back costs the main loop ~25 ms a GPU, so a flood of them would starve the polls (and the watchdog)
 
@@ -67,24 +70,71 @@ def peer_of(conn: socket.socket) -> tuple[int, int]:
     return uid, pid
 
 
+# -- a client's connection (tune, health clear) ------------------------------------------------------------
+
+class Connection:
+    """A client's connection to the daemon's control socket: one JSON line out, one answer line back, whole within
+    ANSWER_WAIT_S however it trickles, at most ANSWER_MAX bytes, one JSON object. Every failure is a ControlError
+    with a sentence for the user: Unreachable before the connection, ChannelLost after."""
+
+    def __init__(self, path: Path):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.sock.settimeout(ANSWER_WAIT_S)
+            self.sock.connect(str(path))
+        except (FileNotFoundError, ConnectionRefusedError):
+            self.sock.close()
+            raise Unreachable(f"no daemon answers on {path}: is it running (`systemctl status gpuwarden`), with "
+                              "tuning.apply on? (a read-only daemon opens no control socket)") from None
+        except PermissionError:
+            self.sock.close()
+            raise Unreachable(f"{path}: permission denied: the control channel is root's (run it as root)") from None
+        except OSError as exc:
+            self.sock.close()
+            raise Unreachable(f"cannot connect to {path}: {exc.strerror or exc}") from None
+        self.path = path
+        self._buffer = b""
+
+    def ask(self, message: dict) -> dict:
+        deadline = time.monotonic() + ANSWER_WAIT_S
+        try:
+            self.sock.sendall(json.dumps(message).encode() + b"\n")
+            while b"\n" not in self._buffer[:ANSWER_MAX + 1]:
+                if len(self._buffer) > ANSWER_MAX:
+                    break
+                self.sock.settimeout(max(0.01, deadline - time.monotonic()))
+                chunk = self.sock.recv(65536)
+                if not chunk:
+                    raise ChannelLost("the daemon closed the control channel (did it stop?)")
+                self._buffer += chunk
+        except TimeoutError:
+            raise ChannelLost(f"the daemon did not answer within {ANSWER_WAIT_S:g} s (is its main loop stuck?)") \
+                from None
+        except OSError as exc:
+            raise ChannelLost(f"the daemon's control channel failed: {exc.strerror or exc}") from None
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        if len(line) > ANSWER_MAX:
+            raise ChannelLost(f"{self.path} answered more than {ANSWER_MAX} bytes in a line (is it gpuwarden's?)")
+        try:
+            answer = json.loads(line)
+        except (ValueError, RecursionError):
+            answer = None
+        if not isinstance(answer, dict):
+            raise ChannelLost(f"{self.path} did not answer with one JSON object (is it gpuwarden's?)")
+        return answer
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 # -- the client: `gpuwarden tune` ----------------------------------------------------------------------------
 
 class SweepClient:
     """A sweep's lease, renewed by a thread every third of it while the steps run."""
 
     def __init__(self, path: Path, setting: str, gpus: list[int] | None, lease_s: float, force: bool):
-        try:
-            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            self.sock.settimeout(ANSWER_S + 5)
-            self.sock.connect(str(path))
-        except FileNotFoundError:
-            raise Unreachable(f"no control socket at {path}: is the daemon running (`systemctl status gpuwarden`)?")\
-                from None
-        except PermissionError:
-            raise Unreachable(f"{path}: permission denied: the control channel is root's (run tune as root)") from None
-        except OSError as exc:
-            raise Unreachable(f"cannot connect to {path}: {exc.strerror or exc}") from None
-        self.reader = self.sock.makefile("rb")
+        self.connection = Connection(path)
+        self.sock = self.connection.sock
         self.daemon_pid = peer_of(self.sock)[1]  # the kernel's word on who listens: the pid --apply reloads
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -99,15 +149,8 @@ class SweepClient:
         self._renewer.start()
 
     def ask(self, message: dict) -> dict:
-        with self._lock:
-            try:
-                self.sock.sendall(json.dumps(message).encode() + b"\n")
-                line = self.reader.readline(1 << 20)
-            except OSError as exc:
-                raise ChannelLost(f"the daemon's control channel failed: {exc.strerror or exc}") from None
-        if not line:
-            raise ChannelLost("the daemon closed the control channel (did it stop?)")
-        answer = json.loads(line)
+        with self._lock:  # the renew thread asks on the same connection
+            answer = self.connection.ask(message)
         if not answer.get("ok"):
             raise ControlError(answer.get("error", "refused"))
         return answer
