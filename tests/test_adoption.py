@@ -165,21 +165,45 @@ def test_an_engine_adopted_while_starting_counts_its_start_up_from_its_own_start
             assert sup.state == RUNNING and 56 < sup.time_to_healthy_s < 58
         else:
             assert sup.state == BACKOFF and "startup_timeout_s 60" in sup.problem
-    sup, ops, clock = supervisor()  # a RUNNING one (a record without "starting"): probed at once
+    sup, ops, clock = supervisor()  # one recorded RUNNING: probed at once
     sup.adopt(Child(4242, 4242), clock.now, time.time() - 30, "an upgrade")
     assert sup.state == RUNNING and sup.phase.next_probe == clock.now
 
 
 def test_the_record_says_which_children_were_still_starting(tmp_path):
-    """Only a JSON true is "starting"; an older daemon's record, without the key, is RUNNING children."""
+    """A JSON true or false says whether it was still starting; anything else (an older daemon's record, without the
+    key; "yes"; 1) is not known (None), which adopt() treats as starting."""
     folder = tmp_path / "state"
     handover.save(folder, handover.Record((handover.Recorded("vllm", 10, 1, 0, "x", None, True),
-                                           handover.Recorded("proxy", 11, 1, 0, "y"))))
-    assert [c.starting for c in handover.load(folder).children] == [True, False]
-    for value in ("", ', "starting": "yes"', ', "starting": 1'):
+                                           handover.Recorded("proxy", 11, 1, 0, "y", None, False),
+                                           handover.Recorded("side", 12, 1, 0, "z"))))
+    assert [c.starting for c in handover.load(folder).children] == [True, False, None]
+    for value in ("", ', "starting": "yes"', ', "starting": 1', ', "starting": null'):
         (folder / handover.RECORD).write_text('{"children": [{"name": "vllm", "pid": 10, "start_ticks": 1, '
                                               f'"uid": 0, "argv_sha256": "x"{value}}}]}}')
-        assert handover.load(folder).children[0].starting is False
+        assert handover.load(folder).children[0].starting is None
+
+
+def test_an_engine_whose_state_an_older_record_does_not_say_is_awaited_from_its_adoption():
+    """The upgrade to this release reads a record without "starting": the engine may be loading (attacker 6's
+    finding 2), so it is STARTING, startup_timeout_s 60 counted from the adoption (it has been up 3 h: from its start
+    it would be cut at once); unhealthy for 55 s it stays, healthy it is RUNNING."""
+    from gpuwarden.serving.run.processes import Child
+    from gpuwarden.serving.run.supervisor import RUNNING, STARTING
+    from test_serving import supervisor
+
+    sup, ops, clock = supervisor()
+    ops.groups[4242] = [4242]
+    sup.adopt(Child(4242, 4242), clock.now, time.time() - 3 * 3600, "an upgrade", starting=None)
+    for _ in range(11):
+        clock.advance(5)
+        sup.tick(clock.now)
+        assert sup.state == STARTING
+    ops.health_ok = True
+    clock.advance(1)
+    sup.tick(clock.now)
+    sup.tick(clock.now)
+    assert sup.state == RUNNING and sup.time_to_healthy_s == 56
 
 
 @pytest.mark.process

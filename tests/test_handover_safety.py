@@ -94,6 +94,50 @@ def test_a_handover_to_a_metrics_address_the_new_image_cannot_listen_on_is_refus
     fixed_on_disk_it_hands_over(d, dropin, base, pid)
 
 
+@pytest.mark.process
+@pytest.mark.parametrize("edit, said", [
+    ("gpu:\n  scenario: dgx-sparkk\n", "gpu.scenario: no scenario named 'dgx-sparkk'"),
+    ("gpu:\n  backend: nvml\n", "gpu.backend: nvml: the new image could not open it: NVML does not initialise in a "
+                               "new process"),
+])
+def test_a_handover_to_a_gpu_backend_the_new_image_cannot_open_is_refused_and_the_engine_serves_on(
+        write, fake, daemons, tmp_path, no_fakes_left, edit, said):
+    """Attacker 6's finding 1: the new image opens the GPU backend the config on disk names before anything else
+    (cli/run.py), and the handover's check did not: a scenario typo ended it with exit 78 (cleanup then killed the
+    engine), NVML that cannot initialise in a new process (a driver's userspace upgraded beside its kernel module;
+    here: no NVML at all) with 69, the engine unsupervised. Now the check opens it first, NVML in a new process."""
+    path, base, port = fault_config(write, fake, "healthy,chatty")
+    env, folder = env_with_state(tmp_path)
+    d = daemons(path, env=env)
+    pid = running_pid(base)
+    began = status(base)["daemon"]["started_at"]
+    dropin = write("conf.d/gpu.yaml", edit)
+    mark = len(d.lines)
+    d.proc.send_signal(signal.SIGUSR2)
+    line = d.wait_for("SIGUSR2: no handover", after=mark, timeout=30)
+    assert said in line and "keeps running" in line, line
+    assert d.proc.poll() is None
+    assert status(base)["daemon"]["started_at"] == began and running_pid(base) == pid
+    fixed_on_disk_it_hands_over(d, dropin, base, pid)
+
+
+@pytest.mark.process
+def test_would_open_says_what_a_new_process_met_opening_nvml_in_one_line(tmp_path):
+    """backends.would_open's probe, here a stand-in that fails as nvmlInit does after a driver's userspace upgrade:
+    its last line, cut to 300 characters, and its exit status."""
+    from gpuwarden import config
+    from gpuwarden.backends import would_open
+    from gpuwarden.gpu.errors import Unavailable
+
+    cfg = config.parse_text("gpu:\n  backend: nvml\nmetrics:\n  listen: none\n")
+    fails = [sys.executable, "-c", "print('noise'); print('Driver/library version mismatch' + 'x' * 400); "
+                                   "raise SystemExit(1)"]
+    with pytest.raises(Unavailable, match=r"NVML does not initialise in a new process: Driver/library version "
+                                          r"mismatchx{269} \(exit status 1\)$"):
+        would_open(cfg, probe=fails)
+    would_open(cfg, probe=[sys.executable, "-c", "pass"])  # a probe that initialises: nothing raised
+
+
 def test_bind_refusal_names_an_address_that_cannot_be_listened_on_and_passes_one_that_is_only_taken():
     import socket
 

@@ -8,6 +8,7 @@ import os
 from ..backends import open_configured
 from ..base.systemd import print_error
 from ..base.yamlfile import InvalidConfig
+from ..gpu.errors import GpuError
 from .common import load_config
 from .registry import Command
 from ..base.exits import EX_CONFIG, EX_FAIL, EX_OK, EX_UNAVAILABLE
@@ -27,9 +28,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     try:
         config = load_config(args)
-    except InvalidConfig:
-        # A re-exec: the old image checked this config with its own loader, and this release's refuses it. The
-        # children it handed over serve on for the next daemon (Daemon.leave_children), not for cleanup's kill.
+        backend = open_configured(config)
+    except (InvalidConfig, GpuError):
+        # A re-exec: the old image checked this config with its own loader and opened its backend in a new process
+        # (changes.Changes.check_handover), and this release refuses it, or its GPUs went away since. The children
+        # it handed over serve on for the next daemon (Daemon.leave_children), not for cleanup's kill.
         if HANDOVER_ENV in os.environ and os.environ.get("STATE_DIRECTORY"):
             from ..serving.run import handover
             from ..base.statedir import state_dir
@@ -38,7 +41,6 @@ def cmd_run(args: argparse.Namespace) -> int:
                 print_error("gpuwarden: " + LEFT_SERVING % running)
         raise
     logs = setup_logging()
-    backend = open_configured(config)
     daemon = None
     try:
         daemon = Daemon(config, backend, reload=lambda: load_config(args))

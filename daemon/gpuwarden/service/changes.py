@@ -9,7 +9,9 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from ..backends import would_open
 from ..config import Config
+from ..gpu.errors import GpuError
 from . import adoption
 from .metrics_port import refuse_unbindable
 from .reload import Reload, Waiting, carry_out
@@ -42,10 +44,17 @@ class Changes:
 
     def check_handover(self, config: Config):
         """The daemon's check() of the config on disk as the new image's start runs it (adopting: not deep, from the
-        cache), and the metrics address it would bind (metrics_port.refuse_unbindable). The serving launch, or
-        None."""
+        cache), the metrics address it would bind (metrics_port.refuse_unbindable), and the GPU backend it opens
+        first (backends.would_open: NVML in a new process, on the loop, within its deadline). The serving launch,
+        or None."""
         refuse_unbindable(config, self.daemon.metrics.settings.listen)
-        return self.daemon.check(config, deep=False, on_loop=True)[1]
+        launch = self.daemon.check(config, deep=False, on_loop=True)[1]
+        try:  # what the new image opens before anything else (cli/run.py): its GPU backend, in a new process
+            would_open(config)
+        except GpuError as exc:
+            raise config.error(("gpu", "backend"), f"{config.gpu.backend}: the new image could not open it: {exc}") \
+                from None
+        return launch
 
     def handle_usr2(self) -> None:
         """Hand over to the installed code (an upgrade): the loop ends, cli re-executes this process, and the new image

@@ -44,8 +44,8 @@ class Recorded:
     argv_sha256: str  # of the NUL-joined argv, as /proc/PID/cmdline shows it
     fd: int | None = None  # the output pipe's read end in the process that wrote the record (re-exec only)
     # Not healthy yet when recorded (STARTING): the daemon that adopts it waits for its health from its start on,
-    # as the one that started it did. A record without it (an older daemon's) means RUNNING.
-    starting: bool = False
+    # as the one that started it did. None: not known (an older daemon's record), so its health is awaited too.
+    starting: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -209,7 +209,7 @@ def load(state_dir: Path | None) -> Record | None:
         doc = json.loads(raw)
         children = tuple(Recorded(str(c["name"]), int(c["pid"]), int(c["start_ticks"]), int(c["uid"]),
                                   str(c["argv_sha256"]), None if c.get("fd") is None else int(c["fd"]),
-                                  c.get("starting") is True)
+                                  c.get("starting") if isinstance(c.get("starting"), bool) else None)
                          for c in doc["children"])
         return Record(children, bool(doc.get("stopping", False)), bool(doc.get("keep", False)))
     except smallfile.Unreadable as exc:

@@ -241,17 +241,20 @@ class Program(Holding, Stopping):
                                    + " ".join(redact_argv(spec.argv)), since=now, child=child, started=now,
                          started_wall=time.time())
 
-    def adopt(self, child: Child, now: float, started_wall: float, how: str, starting: bool = False) -> None:
+    def adopt(self, child: Child, now: float, started_wall: float, how: str, starting: bool | None = False) -> None:
         """Take over a running child an earlier daemon started (serving/run/handover.py proved it ours). One that
         was RUNNING is RUNNING at once, its liveness probe due now, so its health, metrics and stalls are watched
         from this poll on. One that was still STARTING (a model loading) stays STARTING: its health is awaited
         and startup_timeout_s counts from its own start, as for the daemon that started it; liveness probes
-        would kill it before it could load. One line says so, with its PID and uptime."""
+        would kill it before it could load. One whose state was not recorded (starting None: an older daemon's
+        record) is STARTING too, startup_timeout_s counted from now: a serving one is RUNNING at its first
+        answer, a loading one is not cut short. One line says so, with its PID and uptime."""
         up = max(0.0, time.time() - started_wall)
-        if starting:
+        if starting is not False:
+            state = "still starting" if starting else "its state not recorded (an older gpuwarden's record)"
             self._transition(STARTING, f"{self.title} adopted after {how}: pid {child.pid}, up {_duration(up)}, "
-                                       "still starting: waiting for its health", since=now, child=child,
-                             started=now - up, started_wall=started_wall)
+                                       f"{state}: waiting for its health", since=now, child=child,
+                             started=now - up if starting else now, started_wall=started_wall)
             return
         # Through STARTING, as every child: it was started, only not by this daemon.
         self._transition(STARTING, since=now, child=child, started=now, started_wall=started_wall)
