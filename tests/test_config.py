@@ -317,3 +317,27 @@ def test_check_warns_where_refuse_after_ends_is_not_below_the_crash_loop(write, 
                  "  proxy:\n    enabled: false\n    refuse_after_ends: 9\n"):  # no proxy runs
         status, out, _ = check(fine)
         assert status == 0 and "warning" not in out, (fine, out)
+
+
+def test_the_config_and_its_dropins_are_read_within_one_budget_and_a_count(write):
+    """Attacker 6's finding 4: each file was capped at 1 MiB and their number not at all, and the YAML parser costs
+    ~15 s a MiB on the daemon's loop (a reload, a handover's check): two 1 MiB drop-ins passed the 30 s watchdog.
+    The main file and its drop-ins now share MAX_CONFIG_BYTES, and there are at most MAX_DROPINS of them."""
+    from gpuwarden import config
+
+    path = write("gpuwarden.yaml", "poll_interval_s: 1\n")
+    filler = "# " + "x" * (100 * 1024) + "\n"  # each fits alone
+    for name in ("10-a", "20-b"):
+        write(f"conf.d/{name}.yaml", filler)
+    assert config.load(path).poll_interval_s == 1  # 200 KiB in all: read
+    third = write("conf.d/30-c.yaml", filler)
+    with pytest.raises(config.ConfigError) as refused:
+        config.load(path)
+    assert str(refused.value) == (f"{third}:1: (file): larger than {(config.MAX_CONFIG_BYTES - 2 * len(filler) - 19) // 1024}"
+                                  " KiB (the config and its drop-ins are 256 KiB at most in all (a config is a few KiB))")
+    for name in ("10-a", "20-b", "30-c"):
+        (path.parent / "conf.d" / f"{name}.yaml").unlink()
+    for i in range(config.MAX_DROPINS + 1):
+        write(f"conf.d/{i:03}.yaml", "")
+    with pytest.raises(config.ConfigError, match=r"conf.d:1: \(file\): 101 drop-ins, more than 100"):
+        config.load(path)

@@ -31,7 +31,7 @@ CASES = {
     "5000-digit integer": ("\n\npoll_interval_s: 1" + "0" * 4999 + "\n", 3, "a number with 5000 digits"),
     "alias bomb, 7 levels": (bomb(7), 5, "a4: aliases expand to more than 100000 values"),
     "alias bomb, 9 levels": (bomb(9), 5, "a4: aliases expand to more than 100000 values"),
-    "50 MB file": ("# " + "x" * (50 * 1024 * 1024) + "\n", 1, "(file): larger than 1024 KiB"),
+    "50 MB file": ("# " + "x" * (50 * 1024 * 1024) + "\n", 1, "(file): larger than 256 KiB"),
     "a NUL byte": ("poll_interval_s: 1\x00\n", 1, "(yaml): invalid YAML: "),
     "a top-level list": ("# a list, not a mapping\n\n- a\n- b\n", 3, "(top level): expected a mapping of settings"),
 }

@@ -25,6 +25,10 @@ from .base.webconfig import WebConfig
 from .base.yamlfile import ConfigError, Document, Path_
 
 DEFAULT_PATH = Path("/etc/gpuwarden/gpuwarden.yaml")
+# What one load reads, the main file and its drop-ins together: the YAML parser costs about 15 s a MiB of CPU, and a
+# reload's or a handover's load runs on the daemon's loop, whose watchdog is 30 s. The example file is 15 KiB.
+MAX_CONFIG_BYTES = 256 * 1024
+MAX_DROPINS = 100
 
 @dataclass(frozen=True)
 class GpuBackendConfig:
@@ -252,9 +256,13 @@ def load(path: str | Path = DEFAULT_PATH) -> Config:
     """Read, merge and validate; raise ConfigErrors listing every problem."""
     path = Path(path)
     files = [path, *dropin_files(path)]
-    doc = None
+    if len(files) - 1 > MAX_DROPINS:
+        raise ConfigError(str(path.parent / "conf.d"), 1, "(file)", f"{len(files) - 1} drop-ins, more than "
+                          f"{MAX_DROPINS}", "merge them: a drop-in is a few settings")
+    doc, left = None, MAX_CONFIG_BYTES
     for file in files:
-        part = _load_mapping(file, dropin=file != path)
+        part, size = _load_mapping(file, dropin=file != path, max_bytes=left)
+        left -= size
         doc = part if doc is None else yamlfile.merge(doc, part)
     return _validate(doc, tuple(str(f) for f in files))
 
@@ -279,8 +287,11 @@ def config_warnings(config: Config) -> list[ConfigError]:
     return found
 
 
-def _load_mapping(file: Path, dropin: bool = False) -> Document:
-    return _mapping_or_error(yamlfile.load(file, empty_ok=dropin))  # a drop-in of only comments is fine
+def _load_mapping(file: Path, dropin: bool, max_bytes: int) -> tuple[Document, int]:
+    """The file's mapping (a drop-in of only comments is fine) and its size in bytes."""
+    text = yamlfile.read_text(file, max_bytes, f"the config and its drop-ins are {MAX_CONFIG_BYTES // 1024} KiB "
+                                               "at most in all (a config is a few KiB)")
+    return _mapping_or_error(yamlfile.parse(text, str(file), empty_ok=dropin)), len(text.encode())
 
 
 def _mapping_or_error(doc: Document) -> Document:

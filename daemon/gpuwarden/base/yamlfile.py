@@ -91,13 +91,14 @@ class Document:
         return ConfigError(file, line, key_name(path), message, allowed)
 
 
-def read_text(file: str | Path) -> str:
-    """A regular file's UTF-8 text, at most MAX_BYTES; ConfigError for anything else."""
+def read_text(file: str | Path, max_bytes: int = MAX_BYTES, why: str = "a config file is a few KiB") -> str:
+    """A regular file's UTF-8 text, at most max_bytes (why: what the error's fix says of the cap); ConfigError for
+    anything else."""
     name = str(file)
     try:
-        data = smallfile.read(file, MAX_BYTES, follow=True)  # a FIFO is refused, never waited on
+        data = smallfile.read(file, max_bytes, follow=True)  # a FIFO is refused, never waited on
     except smallfile.Unreadable as exc:
-        raise ConfigError(name, 1, "(file)", *_unreadable(exc)) from None
+        raise ConfigError(name, 1, "(file)", *_unreadable(exc, max_bytes, why)) from None
     if data is None:
         raise ConfigError(name, 1, "(file)", "file not found", "give an existing file, e.g. with --config")
     try:
@@ -106,7 +107,7 @@ def read_text(file: str | Path) -> str:
         raise ConfigError(name, 1, "(file)", f"not UTF-8 text ({exc.reason})") from None
 
 
-def _unreadable(exc: smallfile.Unreadable) -> tuple[str, str | None]:
+def _unreadable(exc: smallfile.Unreadable, max_bytes: int, why: str) -> tuple[str, str | None]:
     """What is wrong with a config file smallfile would not read, and the fix."""
     if exc.errno == errno.EISDIR or exc.st is not None and stat.S_ISDIR(exc.st.st_mode):
         return "is a directory, not a file", None
@@ -116,7 +117,7 @@ def _unreadable(exc: smallfile.Unreadable) -> tuple[str, str | None]:
         return f"cannot read: {exc}", None
     if not stat.S_ISREG(exc.st.st_mode):
         return "not a regular file (a FIFO, a device or a socket is never read)", None
-    return f"larger than {MAX_BYTES // 1024} KiB", "a config file is a few KiB"
+    return f"larger than {max_bytes // 1024} KiB", why
 
 
 def load(file: str | Path, empty_ok: bool = False) -> Document:
