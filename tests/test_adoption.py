@@ -174,10 +174,13 @@ def test_the_record_says_which_children_were_still_starting(tmp_path):
     """A JSON true or false says whether it was still starting; anything else (an older daemon's record, without the
     key; "yes"; 1) is not known (None), which adopt() treats as starting."""
     folder = tmp_path / "state"
-    handover.save(folder, handover.Record((handover.Recorded("vllm", 10, 1, 0, "x", None, True),
+    handover.save(folder, handover.Record((handover.Recorded("vllm", 10, 1, 0, "x", None, True, "e" * 64),
                                            handover.Recorded("proxy", 11, 1, 0, "y", None, False),
                                            handover.Recorded("side", 12, 1, 0, "z"))))
-    assert [c.starting for c in handover.load(folder).children] == [True, False, None]
+    assert [(c.starting, c.env_sha256) for c in handover.load(folder).children] == [
+        (True, "e" * 64), (False, None), (None, None)]
+    assert handover.env_digest({"A": "1", "B": "2"}) == handover.env_digest({"B": "2", "A": "1"}) != \
+        handover.env_digest({"A": "1", "B": "3"})
     for value in ("", ', "starting": "yes"', ', "starting": 1', ', "starting": null'):
         (folder / handover.RECORD).write_text('{"children": [{"name": "vllm", "pid": 10, "start_ticks": 1, '
                                               f'"uid": 0, "argv_sha256": "x"{value}}}]}}')
@@ -217,11 +220,33 @@ def test_an_engine_whose_command_changed_meanwhile_is_replaced_as_a_reload_would
     first.proc.wait(10)
     path.write_text(path.read_text().replace('--mode, "healthy"', '--mode, "healthy,chatty"'))
     second = daemons(path, env=env)
-    second.wait_for("vLLM's command or user changed since it was started: replacing it", timeout=30)
+    second.wait_for("vLLM's command, environment or user changed since it was started: replacing it", timeout=30)
     second.wait_for("vLLM starting (pid", timeout=30)
     new = running_pid(base)
     assert new != pid and handover.start_ticks(pid) is None
     assert second.stop() == 0
+
+
+@pytest.mark.process
+def test_a_handover_with_serve_env_changed_on_disk_replaces_the_engine_with_the_new_environment(
+        write, fake, daemons, tmp_path, no_fakes_left):
+    """Attacker 6's finding 3: serve.env edited, then SIGUSR2: the new image adopted the engine (same argv, same
+    user) and took the new config for what ran, so no SIGHUP after ever gave it the variable. The record now holds
+    a digest of the environment it was started with."""
+    path, base, port = fault_config(write, fake, "healthy,chatty")
+    env, folder = env_with_state(tmp_path)
+    d = daemons(path, env=env)
+    pid = running_pid(base)
+    assert handover.load(folder).children[0].env_sha256 is not None
+    path.write_text(path.read_text().replace("serve:\n", "serve:\n  env: {FOO_MARK: new-value}\n", 1))
+    mark = len(d.lines)
+    d.proc.send_signal(signal.SIGUSR2)
+    d.wait_for("vLLM's command, environment or user changed since it was started: replacing it", after=mark,
+               timeout=60)
+    new = wait_until(lambda: (lambda p: p if p != pid else None)(running_pid(base)), timeout=60)
+    with open(f"/proc/{new}/environ", "rb") as f:
+        assert b"FOO_MARK=new-value" in f.read().split(b"\0")
+    assert d.stop() == 0
 
 
 @pytest.mark.process

@@ -272,12 +272,12 @@ def test_a_handover_with_only_serve_proxy_changed_on_disk_replaces_the_proxy_and
     mark = len(d.lines)
     d.proc.send_signal(signal.SIGUSR2)
     d.wait_for("vLLM adopted after an upgrade", after=mark, timeout=60)
-    d.wait_for("the proxy's command or user changed since it was started: replacing it", after=mark, timeout=60)
+    d.wait_for("the proxy's command, environment or user changed since it was started: replacing it", after=mark, timeout=60)
     d.wait_for("the proxy healthy after", after=mark, timeout=60)
     new = proxy_pid(d, after=mark)
     assert new != proxy and "--hold-s 123" in open(f"/proc/{new}/cmdline").read().replace("\0", " ")
     after = "\n".join(d.lines[mark:])
-    assert "vLLM starting (pid" not in after and "vLLM's command or user changed" not in after, after
+    assert "vLLM starting (pid" not in after and "vLLM's command, environment or user changed" not in after, after
     assert handover.start_ticks(engine) is not None, "the same engine serves on"
     status, _, data, error = Call(port, "fine, thanks").result()
     assert status == 200, (status, data, error)

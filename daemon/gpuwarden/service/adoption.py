@@ -46,8 +46,8 @@ def hand_over(serving: ServingRuntime, notifier: Notifier) -> None:
 
 
 def check_replacement(serving: ServingRuntime, launch, adopting: bool) -> None:
-    """An adopting start after a crash of the daemon, where the config asks for another engine command than the one
-    the engine it adopts runs (a drop-in edited without a reload): ServingRuntime.start replaces the engine as a reload
+    """An adopting start after a crash of the daemon, where the config asks for another engine command or environment
+    than the engine it adopts runs with (a drop-in edited without a reload): ServingRuntime.start replaces the engine as a reload
     would, so the engine's own parser checks the flags first, as a reload's does (here, before the loop runs, as at
     any start); a refusal fails the start (ConfigErrors), which leaves the engine serving for the next daemon
     (leave_children). After a handover the old image checked them (service/reload.Waiting); a start that adopts
@@ -58,7 +58,8 @@ def check_replacement(serving: ServingRuntime, launch, adopting: bool) -> None:
     entry = next((c for c in record.children if c.name == launch.engine.name), None) if record else None
     other = other_drain(launch.engine, launch.command, launch.config.serve)
     same = {handover.argv_digest(spec.argv) for spec in (launch.engine, other) if spec is not None}
-    if entry is None or handover.proven(entry) is not None or entry.argv_sha256 in same:
+    if entry is None or handover.proven(entry) is not None or \
+            entry.argv_sha256 in same and entry.env_sha256 in (None, handover.env_digest(launch.engine.env)):
         return
     flags = check_flags(launch.config.serve, launch.command, launch.engine.identity)
     problem = flag_problem(launch.config, launch.command, flags)

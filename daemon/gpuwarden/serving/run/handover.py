@@ -46,6 +46,10 @@ class Recorded:
     # Not healthy yet when recorded (STARTING): the daemon that adopts it waits for its health from its start on,
     # as the one that started it did. None: not known (an older daemon's record), so its health is awaited too.
     starting: bool | None = None
+    # Of the environment it was started with (env_digest): a handover whose config gives the child another one
+    # (serve.env, serve.gpus' CUDA_VISIBLE_DEVICES, the credentials) replaces it. None: not recorded (an older
+    # daemon's record), not compared.
+    env_sha256: str | None = None
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,12 @@ class Record:
 
 def argv_digest(argv: Sequence[str]) -> str:
     return hashlib.sha256("\0".join(argv).encode("utf-8", "surrogateescape")).hexdigest()
+
+
+def env_digest(env: Mapping[str, str]) -> str:
+    """Of an environment, in any order (the record is root's, 0600: a secret's value is in it only digested)."""
+    return hashlib.sha256("\0".join(f"{k}={v}" for k, v in sorted(env.items())).encode("utf-8", "surrogateescape")
+                          ).hexdigest()
 
 
 def start_ticks(pid: int) -> int | None:
@@ -209,7 +219,8 @@ def load(state_dir: Path | None) -> Record | None:
         doc = json.loads(raw)
         children = tuple(Recorded(str(c["name"]), int(c["pid"]), int(c["start_ticks"]), int(c["uid"]),
                                   str(c["argv_sha256"]), None if c.get("fd") is None else int(c["fd"]),
-                                  c.get("starting") if isinstance(c.get("starting"), bool) else None)
+                                  c.get("starting") if isinstance(c.get("starting"), bool) else None,
+                                  c["env_sha256"] if isinstance(c.get("env_sha256"), str) else None)
                          for c in doc["children"])
         return Record(children, bool(doc.get("stopping", False)), bool(doc.get("keep", False)))
     except smallfile.Unreadable as exc:

@@ -167,7 +167,7 @@ class ServingRuntime:
         self.reader, self.stall_watch = watchers(launch, self.clock)
         named = {p.name: p for p in programs}
         fds = dict(fds or {})  # each pipe is taken once
-        changed, stale = False, set()  # stale: adopted children whose command or user changed since their start
+        changed, stale = False, set()  # stale: adopted children whose command, environment or user changed since their start
         for entry in adoptable.children if adoptable is not None else ():
             program = named.pop(entry.name, None)
             fd = fds.pop(f"child-{entry.name}", None)
@@ -178,9 +178,10 @@ class ServingRuntime:
             if child is None:
                 continue
             program.adopt(child, now, handover.started_wall(entry.start_ticks), how, entry.starting)
-            if (entry.argv_sha256, entry.uid) != (handover.argv_digest(program.spec.argv), program.identity.uid):
-                log.info("%s's command or user changed since it was started: replacing it, as a reload would",
-                         program.title)
+            if (entry.argv_sha256, entry.uid) != (handover.argv_digest(program.spec.argv), program.identity.uid) \
+                    or entry.env_sha256 not in (None, handover.env_digest(program.spec.env)):
+                log.info("%s's command, environment or user changed since it was started: replacing it, as a reload "
+                         "would", program.title)
                 changed = True
                 stale.add(program.name)
         self.children.start(now)  # the programs not adopted
@@ -220,7 +221,7 @@ class ServingRuntime:
             if child is not None and child.start_ticks is not None:
                 running.append(handover.Recorded(program.name, child.pid, child.start_ticks, program.identity.uid,
                                                  handover.argv_digest(program.spec.argv), child.output_fd,
-                                                 program.state == STARTING))
+                                                 program.state == STARTING, handover.env_digest(program.spec.env)))
         running += self.leftovers.recorded  # not adopted, but theirs to end until gone
         self.leftovers.uids.update(c.uid for c in running)
         self.recorder.update(running, self._stopping)
