@@ -16,13 +16,17 @@ add an entry, not list the others nor remove one that is not its own).
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import stat
 import subprocess
+import time
 from pathlib import Path
 
 from ...base.statedir import state_dir
 from .identity import Identity, popen
+
+log = logging.getLogger("gpuwarden")
 
 MAKE_TIMEOUT_S = 10.0  # mkdir and chgrp on a local disk: far less
 TOOLS_PATH = {"PATH": "/usr/bin:/bin"}
@@ -110,12 +114,28 @@ def _make_own(identity: Identity, top: Path, inside: list[Path]) -> None:
         try:
             st = os.lstat(top)
         except FileNotFoundError:
+            st = None
+        if st is not None and (not stat.S_ISDIR(st.st_mode) or st.st_uid != identity.uid):
+            # A link or a file serve.user put there (its group may add entries to home/), or another's folder:
+            # moved aside, never followed, by root, whose folder home/ is. Refusing failed the whole daemon's
+            # start (exit 78, no restart): one local user took down tuning and monitoring with serving.
+            aside = top.with_name(f".{top.name}.not-a-home.{time.time_ns()}")
+            os.rename(top, aside)
+            log.warning("%s was not %s's own folder (%s): moved aside to %s; its home is made anew", top,
+                        identity.name, _kind(st), aside.name)
+            st = None
+        if st is None:
             let_group_in(top.parent, identity, 0o1730)
-        else:
-            if not stat.S_ISDIR(st.st_mode) or st.st_uid != identity.uid:
-                raise OSError(errno.EEXIST, f"{top} is there and is not {identity.name}'s folder")
     _run(popen(identity, ["mkdir", "-p", "--", str(top), *map(str, inside)], TOOLS_PATH, umask=0o077,
                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+
+
+def _kind(st: os.stat_result) -> str:
+    if stat.S_ISLNK(st.st_mode):
+        return "a symbolic link"
+    if stat.S_ISDIR(st.st_mode):
+        return f"a folder of uid {st.st_uid}"
+    return "a file" if stat.S_ISREG(st.st_mode) else "not a folder"
 
 
 def let_group_in(folder: Path, identity: Identity, mode: int) -> None:
