@@ -171,6 +171,21 @@ def test_a_pattern_that_would_compile_to_gigabytes_is_refused_in_one_line_before
     assert "g.yaml:4: serve.proxy.remove_patterns.0: not a regular expression: its counted repeats make " in err, err
 
 
+def test_the_verbose_flag_is_refused_and_spaces_in_braces_still_count():
+    """Attacker 6's finding 6: under (?x) `regex` takes "{99999 }" (a space, a newline, even a #-comment inside the
+    braces) as a counted repeat, which repeats() did not count: 40 of "[ab]{99999 }" took the daemon and the proxy to
+    1.5 GB each at a reload. The verbose flag is refused, however it is set inline; spaces in braces count anyway
+    (where they are literal text, counting them costs nothing but a refusal of an absurd pattern)."""
+    from gpuwarden.base.timedregex import compile_pattern, repeats
+
+    for verbose in ("(?x)[ab]{99999 }", "(?ix)a", "(?x-i:a{5})", "b(?x)c"):
+        with pytest.raises(ValueError, match=r"the verbose flag \(\?x\) is not taken here"):
+            compile_pattern(verbose)
+    assert repeats("a{ 99999 }") == 99999 and repeats("a{5 , 6}") == 6
+    for fine in ("(?i)abc", "(?P<x>a)", "(?<=x)a", "(?#x)a", r"\(?x"):
+        compile_pattern(fine)
+
+
 def test_config_section_is_validated_with_file_and_line(tmp_path):
     from gpuwarden.base.yamlfile import InvalidConfig
 

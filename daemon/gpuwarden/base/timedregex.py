@@ -17,7 +17,11 @@ MAX_CHARS = 1000  # a pattern's length
 # `regex` compiles a counted repeat by copying what it repeats, about 230 bytes a copy, so (?:a{100000}){100000} in a
 # drop-in took the daemon to 9.1 GB in 20 s at a reload (the attacker's finding 2 of 2026-12-02). 100,000: 23 MiB.
 MAX_REPEATS = 100_000
-_COUNT = re.compile(r"\{(\d+)(,(\d*))?\}")
+_COUNT = re.compile(r"\{\s*(\d+)\s*(,\s*(\d*)\s*)?\}")  # spaces too: counted more, never less
+# The verbose flag, inline ((?x), (?ix), (?x-i:...)): `regex` then takes spaces, newlines and #-comments inside a
+# counted repeat's braces ("{99999 }", "{9#c\n9}"), which no reading of the text before compiling can follow: in
+# 40 patterns of "[ab]{99999 }" the daemon and the proxy each took 1.5 GB (attacker 6's finding 6 of 2026-12-02).
+_FLAGS = re.compile(r"\(\?([-A-Za-z0-9]*)[:)]")  # an inline flags group, scoped or not
 
 
 def compile_patterns(texts) -> list[regex.Pattern]:
@@ -45,6 +49,9 @@ def compile_pattern(text: str, spent: int = 0) -> regex.Pattern:
     MAX_CHARS, or makes more than MAX_REPEATS copies with the `spent` of patterns compiled with it (repeats())."""
     if len(text) > MAX_CHARS:
         raise ValueError(f"{len(text)} characters, more than the {MAX_CHARS} a pattern may have")
+    if _verbose(text):
+        raise ValueError("the verbose flag (?x) is not taken here: write the pattern without it (its spaces and "
+                         "comments would hide how many copies its counted repeats make)")
     copies = repeats(text)
     if spent + copies > MAX_REPEATS:
         before = f" (with the {spent:,} of the patterns before it)" if spent else ""
@@ -80,11 +87,7 @@ def repeats(text: str) -> int:
         if c == "\\":
             i, last = i + 2, 1
         elif c == "[":
-            j = i + 1 + (text[i + 1:i + 2] == "^")
-            j += text[j:j + 1] == "]"  # a ] first is a member
-            while j < len(text) and text[j] != "]":
-                j += 2 if text[j] == "\\" else 1
-            i, last = j + 1, 1
+            i, last = _class_end(text, i), 1
         elif c == "(":
             stack.append(0)
             i += 1
@@ -96,6 +99,31 @@ def repeats(text: str) -> int:
             i, last = i + 1, 1
         stack[-1] += last
     return sum(stack)
+
+
+def _verbose(text: str) -> bool:
+    """Whether an inline flags group sets x (VERBOSE); escapes and classes read as repeats() reads them."""
+    i = 0
+    while i < len(text):
+        c = text[i]
+        if c == "\\":
+            i += 2
+        elif c == "[":
+            i = _class_end(text, i)
+        elif c == "(" and (flags := _FLAGS.match(text, i)) is not None and "x" in flags[1].split("-")[0]:
+            return True
+        else:
+            i += 1
+    return False
+
+
+def _class_end(text: str, i: int) -> int:
+    """Past the class that opens at text[i] ("["): a ^ and a ] first are members, an escape is one."""
+    j = i + 1 + (text[i + 1:i + 2] == "^")
+    j += text[j:j + 1] == "]"
+    while j < len(text) and text[j] != "]":
+        j += 2 if text[j] == "\\" else 1
+    return j + 1
 
 
 def remove_within(pattern: regex.Pattern, text: str, seconds: float) -> tuple[str, int] | None:
