@@ -176,3 +176,63 @@ def test_the_map_check_sees_a_module_left_out():
         "serving/run/stopping.py: the row of serving/run/ does not name `stopping`",
         "gpu/nvml_more.py: the row of gpu/ does not name `nvml_more`",
         "web/server.py: no wing of the map holds it"]
+
+
+def _defined(node: ast.ClassDef) -> set[str]:
+    """What a class itself defines: its methods and class attributes, and every self.X it assigns."""
+    names = {b.name for b in node.body if isinstance(b, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    for sub in ast.walk(node):
+        targets = sub.targets if isinstance(sub, ast.Assign) else [sub.target] \
+            if isinstance(sub, (ast.AnnAssign, ast.AugAssign)) else []
+        for target in targets:
+            names |= {t.id for t in ast.walk(target) if isinstance(t, ast.Name) and sub in node.body}
+            names |= {t.attr for t in ast.walk(target)
+                      if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+    return names
+
+
+def reaching(sources: dict[str, str]) -> list[str]:
+    """self._X read in a class that neither defines X nor inherits it from a class of these sources: a mixin
+    reaching into its host's privates."""
+    classes: dict[str, list[ast.ClassDef]] = {}
+    for source in sources.values():
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ClassDef):
+                classes.setdefault(node.name, []).append(node)
+
+    def known(node: ast.ClassDef, seen: frozenset = frozenset()) -> set[str]:
+        names = _defined(node)
+        for base in node.bases:
+            for parent in classes.get(base.id if isinstance(base, ast.Name) else "", []):
+                if parent not in seen:
+                    names |= known(parent, seen | {node})
+        return names
+
+    found = []
+    for where, source in sources.items():
+        for node in ast.walk(ast.parse(source)):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            names = known(node)
+            found += [f"{where}:{a.lineno}: {node.name} reads self.{a.attr}, which it neither defines nor inherits"
+                      for a in ast.walk(node) if isinstance(a, ast.Attribute) and isinstance(a.value, ast.Name)
+                      and a.value.id == "self" and a.attr.startswith("_") and not a.attr.startswith("__")
+                      and a.attr not in names]
+    return sorted(set(found))
+
+
+def test_no_class_reaches_into_a_private_of_another():
+    """A class's parts are composed, not mixed in: a mixin that calls its host's _transition (Program's Holding did)
+    couples the two through names neither declares."""
+    sources = {str(p.relative_to(PACKAGE)): p.read_text() for p in sorted(PACKAGE.rglob("*.py"))}
+    found = reaching(sources)
+    assert not found, "\n".join(found)
+
+
+def test_the_reach_check_sees_a_mixin_calling_its_hosts_private():
+    mixin = "class Holding:\n    def hold(self):\n        self._transition('HELD')\n"
+    host = "class Program(Holding):\n    def _transition(self, new):\n        self._state = new\n"
+    assert reaching({"m.py": mixin, "h.py": host}) == [
+        "m.py:3: Holding reads self._transition, which it neither defines nor inherits"]
+    part = "class Holding:\n    def __init__(self, p):\n        self._p = p\n    def hold(self):\n        self._p.enter()\n"
+    assert reaching({"m.py": part, "h.py": host}) == []

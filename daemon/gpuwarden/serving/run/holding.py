@@ -11,8 +11,12 @@ in flight can finish, and the group is killed at once.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from .states import FATAL, HELD, RUNNING, STOPPED, STOPPING
+
+if TYPE_CHECKING:
+    from .supervisor import Program
 
 log = logging.getLogger("gpuwarden")
 
@@ -26,42 +30,52 @@ def waiting_for(gpu: int, why: str) -> str:
 
 
 class Holding:
-    """Program's hold and release (serving/run/supervisor.py); every state change goes through its _transition."""
+    """Program's hold and release: it owns the reason of a hold whose drain runs; it never restarts a child but at
+    release(), and moves the program only through its enter() and within()."""
 
-    _held_for: str | None = None  # a hold's drain runs: HELD with this reason once the child has stopped
+    def __init__(self, program: Program):
+        self.program = program
+        self.held_for: str | None = None  # a hold's drain runs: HELD with this reason once the child has stopped
 
     def hold(self, now: float, reason: str, drain: bool = False) -> None:
         """End the child (drain: a planned stop first, when it serves and its engine drains) and wait in HELD
         with reason as its problem (the STATUS line and /status say it), until release() or SIGHUP (reset)."""
-        if self.state == HELD:
-            if reason != self.problem:
-                self._within(problem=reason)
+        p = self.program
+        if p.state == HELD:
+            if reason != p.problem:
+                p.within(problem=reason)
             return
-        if self.state in (FATAL, STOPPED, STOPPING):
+        if p.state in (FATAL, STOPPED, STOPPING):
             return  # FATAL: its own fault, said already; a planned stop (or this hold's drain) runs
-        if drain and self.state == RUNNING and self.spec.drain_s:
-            log.warning("%s held: %s; draining it first (up to %g s)", self.title, reason, self.spec.drain_s)
-            self.stop(now)
-            self._held_for = reason
+        if drain and p.state == RUNNING and p.spec.drain_s:
+            log.warning("%s held: %s; draining it first (up to %g s)", p.title, reason, p.spec.drain_s)
+            p.stop(now)
+            self.held_for = reason
             return
-        if self.child is not None:  # in BACKOFF there is none: the HELD line says it all
-            self._end_child(f"{self.title} stopped: {reason}")
-        self._enter_hold(reason)
+        if p.child is not None:  # in BACKOFF there is none: the HELD line says it all
+            p.end_child(f"{p.title} stopped: {reason}")
+        self._enter(reason)
 
-    def _stopped_for_hold(self) -> None:
-        """The child stopped: HELD if a hold's drain stopped it (a stop asked since cleared _held_for)."""
-        reason, self._held_for = self._held_for, None
+    def forget(self) -> None:
+        """A stop asked for now: it ends in STOPPED, not in a hold."""
+        self.held_for = None
+
+    def stopped(self) -> None:
+        """The child stopped: HELD if a hold's drain stopped it (a stop asked since cleared held_for)."""
+        reason, self.held_for = self.held_for, None
         if reason is not None:
-            self._enter_hold(reason)
+            self._enter(reason)
 
-    def _enter_hold(self, reason: str) -> None:
-        self._transition(HELD, f"{self.title} held, not restarting: {reason}", logging.WARNING, problem=reason)
+    def _enter(self, reason: str) -> None:
+        p = self.program
+        p.enter(HELD, f"{p.title} held, not restarting: {reason}", logging.WARNING, problem=reason)
 
     def release(self, now: float, why: str) -> bool:
         """The GPU is back: start again from scratch, the restart budget whole. False: it was not held."""
-        if self.state != HELD:
+        p = self.program
+        if p.state != HELD:
             return False
-        self.backoff.reset()
-        self._transition(STOPPED, f"{self.title} released: {why}; starting it again", logging.WARNING)
-        self.start(now)
+        p.backoff.reset()
+        p.enter(STOPPED, f"{p.title} released: {why}; starting it again", logging.WARNING)
+        p.start(now)
         return True

@@ -1,7 +1,7 @@
 """The hooks a child kind's policy plugs into Program (serving/run/supervisor.py), as supervisord keeps policy
 out of its state machine: Program runs any child through the same states, and a kind that needs more (the
 multi-node rank watch: serving/run/ranks.py) says so in its ChildSpec (`policy`). A policy never changes the
-state itself; it asks its program (end_part, note_problem), whose _transition checks every change against
+state itself; it asks its program (end_part, note_problem), whose enter() checks every change against
 ALLOWED_FROM.
 """
 

@@ -5,13 +5,13 @@ Modelled on supervisor's process.py: each Program is one child with its own
 state machine (STOPPED, STARTING, RUNNING, BACKOFF, STOPPING, EXITED, FATAL and HELD),
 "died while starting" told apart from "died later", and every OS call behind
 one seam (processes.ProcessOps) that tests replace. Every state change goes
-through _transition(), which checks it against ALLOWED_FROM, logs it and counts
+through enter(), which checks it against ALLOWED_FROM, logs it and counts
 it (the count is published in the view and exported). Nothing here blocks the
 loop: STOPPING is a timed state that tick() advances (SIGTERM, stop_timeout_s,
 then SIGKILL), and /health is read on a worker thread with a total deadline.
 The Supervisor runs one or more Programs side by side. Policy stays out of the state
 machine: what a kind needs beyond it (the multi-node rank watch) plugs in as its spec's
-policy (serving/run/policy.py, ranks.py), and changes state only through _transition.
+policy (serving/run/policy.py, ranks.py), and changes state only through enter().
 
 The child runs in its own session, so its process group holds the API server
 and every engine/worker process it forks; that group is what gets SIGTERM
@@ -113,7 +113,7 @@ class ServingView:
 
 @dataclass(frozen=True)
 class Phase:
-    """The state and everything that lives and dies with it. Only _transition() makes a new Phase; within a
+    """The state and everything that lives and dies with it. Only enter() makes a new Phase; within a
     state, _within() changes the fields that state owns (a probe failure counted, the next probe's time)."""
 
     state: str
@@ -135,11 +135,11 @@ class Phase:
 
 
 def _of_phase(name: str) -> property:
-    """A field of the program's current phase, read-only: only _transition and _within change the phase."""
+    """A field of the program's current phase, read-only: only enter and within change the phase."""
     return property(lambda program: getattr(program.phase, name))
 
 
-class Program(Holding, Stopping):
+class Program:
     """One supervised child: runs a ChildSpec (serving/run/spec.py), whatever kind of child it describes; a
     kind that needs more than the states (the multi-node rank watch) plugs its policy in (serving/run/policy.py)."""
 
@@ -165,6 +165,8 @@ class Program(Holding, Stopping):
         self.remains = Remains(self.ops, self.title)  # what is left of the groups before: a start waits for it
         self.policy: Policy = spec.policy(self) if spec.policy is not None else Policy()
         self.drain = DrainLog(self.title, spec.drain_s, drains)  # what a planned stop let finish (drains.py)
+        self.stopping = Stopping(self)  # its planned stop, a timed state (stopping.py)
+        self.holding = Holding(self)  # its hold for a GPU's action, and the release (holding.py)
 
     # -- the state, read through the phase ----------------------------------------------
     state = _of_phase("state")  # str
@@ -181,7 +183,7 @@ class Program(Holding, Stopping):
         self.policy.links = background
 
     # -- the one way to change state ---------------------------------------------------
-    def _transition(self, new: str, message: str | None = None, level: int = logging.INFO, **fields) -> None:
+    def enter(self, new: str, message: str | None = None, level: int = logging.INFO, **fields) -> None:
         """Enter state new with the fields it owns (every other field of the old phase ends with it)."""
         old = self.state
         if old not in ALLOWED_FROM[new]:
@@ -192,23 +194,23 @@ class Program(Holding, Stopping):
         if message:
             log.log(level, "%s", message)
 
-    def _within(self, **fields) -> None:
+    def within(self, **fields) -> None:
         """Change fields the current state owns, staying in it."""
         self.phase = dataclasses.replace(self.phase, **fields)
 
     # -- what a policy may do (serving/run/policy.py) -----------------------------------
     def note_problem(self, problem: str | None) -> None:
         """Why a child that starts is not healthy yet (a head's missing ranks), staying in its state."""
-        self._within(problem=problem)
+        self.within(problem=problem)
 
     def end_part(self, now: float, reason: str, problem: str, wait: float, blocked: bool = True,
                  message: str | None = None) -> None:
         """End the child for a cause outside it (its port taken, a rank or the head lost) and start again after
         wait: no failure is counted, no restart budget spent."""
         try:
-            self._end_child(reason)
+            self.end_child(reason)
         finally:
-            self._transition(BACKOFF, message, logging.WARNING, since=now, problem=problem, blocked=blocked,
+            self.enter(BACKOFF, message, logging.WARNING, since=now, problem=problem, blocked=blocked,
                              retry_at=now + wait)
 
     # -- life cycle -------------------------------------------------------------------
@@ -219,7 +221,7 @@ class Program(Holding, Stopping):
         if blocked:
             if blocked != self.problem:  # the alert vllm_start_blocked warns, with reminders; this is the detail
                 log.info("%s start waits: %s", self.title, blocked)
-            self._transition(BACKOFF, since=now, problem=blocked, blocked=True, retry_at=now + PREFLIGHT_RETRY_S)
+            self.enter(BACKOFF, since=now, problem=blocked, blocked=True, retry_at=now + PREFLIGHT_RETRY_S)
             return
         self.error_lines.clear()
         spec = self.spec
@@ -237,7 +239,7 @@ class Program(Holding, Stopping):
         self._probe.discard()
         self.policy.spawned()
         profile = f", profile {spec.profile}" if spec.profile else ""
-        self._transition(STARTING, f"{self.title} starting (pid {child.pid}{profile}, user {self.identity.name}): "
+        self.enter(STARTING, f"{self.title} starting (pid {child.pid}{profile}, user {self.identity.name}): "
                                    + " ".join(redact_argv(spec.argv)), since=now, child=child, started=now,
                          started_wall=time.time())
 
@@ -252,13 +254,13 @@ class Program(Holding, Stopping):
         up = max(0.0, time.time() - started_wall)
         if starting is not False:
             state = "still starting" if starting else "its state not recorded (an older gpuwarden's record)"
-            self._transition(STARTING, f"{self.title} adopted after {how}: pid {child.pid}, up {_duration(up)}, "
+            self.enter(STARTING, f"{self.title} adopted after {how}: pid {child.pid}, up {_duration(up)}, "
                                        f"{state}: waiting for its health", since=now, child=child,
                              started=now - up if starting else now, started_wall=started_wall)
             return
         # Through STARTING, as every child: it was started, only not by this daemon.
-        self._transition(STARTING, since=now, child=child, started=now, started_wall=started_wall)
-        self._transition(RUNNING, f"{self.title} adopted after {how}: pid {child.pid}, up {_duration(up)}, "
+        self.enter(STARTING, since=now, child=child, started=now, started_wall=started_wall)
+        self.enter(RUNNING, f"{self.title} adopted after {how}: pid {child.pid}, up {_duration(up)}, "
                                   "still serving", since=now, child=child, started=now, started_wall=started_wall,
                          next_probe=now)
 
@@ -268,7 +270,7 @@ class Program(Holding, Stopping):
         if self.state == BACKOFF and now >= self.phase.retry_at:
             self.start(now)
         elif self.state == STOPPING:
-            self._stopping(now)
+            self.stopping.tick(now)
         elif self.state in (STARTING, RUNNING):
             code = self.ops.poll(self.child)
             if code is not None:
@@ -296,7 +298,7 @@ class Program(Holding, Stopping):
             self.time_to_healthy_s = now - started
             self.stalled = None  # a stall ends with a healthy new child
             where = unixsock.shown(self.spec.url) if self.spec.listens else "its node, the head answering"
-            self._transition(RUNNING, f"{self.title} healthy after {self.time_to_healthy_s:.1f} s on "
+            self.enter(RUNNING, f"{self.title} healthy after {self.time_to_healthy_s:.1f} s on "
                                       f"{where}", since=now, child=self.child, started=started,
                              started_wall=self.phase.started_wall, next_probe=now + timing.liveness_interval_s)
         elif healthy is False and f"not by {self.title}'s process group" in why:
@@ -315,10 +317,10 @@ class Program(Holding, Stopping):
         if healthy is None:
             return  # still waiting for this probe's answer
         if healthy:
-            self._within(next_probe=now + timing.liveness_interval_s, probe_failures=0, probes=self.phase.probes + 1)
+            self.within(next_probe=now + timing.liveness_interval_s, probe_failures=0, probes=self.phase.probes + 1)
             return
         failures = self.phase.probe_failures + 1
-        self._within(next_probe=now + timing.liveness_interval_s, probe_failures=failures,
+        self.within(next_probe=now + timing.liveness_interval_s, probe_failures=failures,
                      probes=self.phase.probes + 1)
         log.warning("%s liveness probe failed (%d of %d): %s", self.title, failures, timing.liveness_failures, why)
         if failures >= timing.liveness_failures and not self.policy.liveness_lost(now, why):
@@ -344,7 +346,7 @@ class Program(Holding, Stopping):
         timing = self.spec.timing
         self.policy.failed(now)
         try:
-            self._end_child(reason)
+            self.end_child(reason)
         finally:
             delay = self.backoff.failed(now, timing)
             if delay is None:
@@ -352,7 +354,7 @@ class Program(Holding, Stopping):
                             f"last: {reason}")
             else:
                 self.restarts += 1
-                self._transition(BACKOFF, f"{self.title} restarts in {delay:g} s (restart {self.restarts})",
+                self.enter(BACKOFF, f"{self.title} restarts in {delay:g} s (restart {self.restarts})",
                                  logging.WARNING, since=now, problem=reason, retry_at=now + delay)
 
     def _lost_port(self, now: float, reason: str) -> None:
@@ -362,27 +364,48 @@ class Program(Holding, Stopping):
         drove a healthy engine to FATAL within 10 s of a start: a crash, a reload, a boot."""
         self.end_part(now, reason, reason, PREFLIGHT_RETRY_S)
 
-    def _end_child(self, reason: str) -> None:
+    def end_child(self, reason: str) -> None:
         """Log why, and if a child is there: EXITED, and its group killed."""
         if self.child is None:
             log.error("%s", reason)
             return
         child = self.child
-        self._transition(EXITED)  # first: a kill that raises must still end in BACKOFF, never stay RUNNING
+        self.enter(EXITED)  # first: a kill that raises must still end in BACKOFF, never stay RUNNING
         left = self.remains.kill_group(child)
         log.error("%s; %s", reason, f"killed {left} leftover processes of its group" if left else "no process left")
 
     def _fatal(self, reason: str) -> None:
         last = " | ".join(self.error_lines) or "none captured"
         # The detail, at err: the alert vllm_fatal is the one crit line, with the fix.
-        self._transition(FATAL, f"{self.title} FATAL, not restarting until SIGHUP: {reason}; its last error lines: "
+        self.enter(FATAL, f"{self.title} FATAL, not restarting until SIGHUP: {reason}; its last error lines: "
                                 f"{last}", logging.ERROR, problem=reason)
+
+    # -- stopping and holding: its parts (stopping.py, holding.py) ---------------------------------------
+    def stop(self, now: float) -> None:
+        """Begin a planned stop (Stopping.begin): SIGTERM now, SIGKILL once stop_timeout_s has passed (in tick)."""
+        self.stopping.begin(now)
+
+    def kill_now(self, now: float) -> None:
+        """A second stop request: do not wait for the drain."""
+        self.stopping.kill_now(now)
+
+    @property
+    def stopped(self) -> bool:
+        return self.state == STOPPED
+
+    def hold(self, now: float, reason: str, drain: bool = False) -> None:
+        """End the child and wait in HELD for its GPU (Holding.hold)."""
+        self.holding.hold(now, reason, drain)
+
+    def release(self, now: float, why: str) -> bool:
+        """The GPU is back: start again (Holding.release); False: it was not held."""
+        return self.holding.release(now, why)
 
     def reset(self, now: float) -> None:
         """SIGHUP: leave FATAL (or HELD: the operator says the GPU is done) and try again from scratch."""
         if self.state in (FATAL, HELD):
             self.backoff.reset()
-            self._transition(STOPPED)
+            self.enter(STOPPED)
             self.start(now)
 
     def view(self) -> ServingView:
