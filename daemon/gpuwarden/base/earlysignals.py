@@ -2,7 +2,7 @@
 
 Python starts with SIGHUP, SIGTERM and SIGUSR2 at their default action (end the process) and SIGINT raising
 KeyboardInterrupt. The daemon's own handlers come once its loop exists, after imports, the config and
-NVML: seconds on a busy host. A `systemctl reload` or a logrotate in that window used to kill it with
+NVML: seconds on a busy host. A `systemctl reload` or a logrotate in that window would kill it with
 status 129 and no log line. So the entry points call hold() first: until the loop takes over, the three
 signals are only written down. take() hands them to the loop, which then deals with them in order;
 release() gives a command that is not the daemon its default signals back, and delivers what was held.

@@ -75,8 +75,8 @@ def local_networks(fib_trie: str = FIB_TRIE, if_inet6: str = IF_INET6) -> list |
 
 def _bound(ip) -> bool:
     """Whether a socket may bind the address: only an address of this host's own, unless the host lets any be bound
-    (net.ipv4.ip_nonlocal_bind, keepalived's hosts: then every remote address passed, the attacker's note of
-    2026-12-02), which local_networks, asked first, does not depend on."""
+    (net.ipv4.ip_nonlocal_bind, keepalived's hosts: then a bind alone would pass every remote address), which
+    local_networks, asked first, does not depend on."""
     try:
         with socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET, socket.SOCK_DGRAM) as probe:
             probe.bind((str(ip), 0))

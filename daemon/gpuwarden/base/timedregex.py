@@ -1,9 +1,8 @@
 """The operator's regular expressions that run on what clients send (`serve.proxy.remove_patterns`), compiled with
 the `regex` module (Debian: python3-regex): its matching takes a time limit and, run on a worker thread, lets other
-threads run meanwhile. Python's own `re` has neither, and an innocent-looking pattern can be quadratic or worse: the
-attacker's F2 of 2026-12-02 sent `\\s+$` a system text of 150,000 spaces and an x, which held the proxy's loop (and
-the GIL, off the loop too) for about 45 s; three such requests and the daemon killed the proxy, five and it was
-FATAL for everyone. One home for compiling them (config, `gpuwarden proxy`) and for running them (proxy/normalize)."""
+threads run meanwhile. Python's own `re` has neither, and an innocent-looking pattern can be quadratic or worse:
+`\\s+$` on a system text of 150,000 spaces and an x holds the loop (and the GIL, off the loop too) for about 45 s,
+long enough for the daemon to take the proxy for dead. One home for compiling them (config, `gpuwarden proxy`) and for running them (proxy/normalize)."""
 
 from __future__ import annotations
 
@@ -15,12 +14,12 @@ Pattern = regex.Pattern
 MAX_CHARS = 1000  # a pattern's length
 # The copies counted repeats make ({m}, {m,n}, {m,}: repeats()), in one pattern and in all of a config's together:
 # `regex` compiles a counted repeat by copying what it repeats, about 230 bytes a copy, so (?:a{100000}){100000} in a
-# drop-in took the daemon to 9.1 GB in 20 s at a reload (the attacker's finding 2 of 2026-12-02). 100,000: 23 MiB.
+# drop-in would take the daemon past 9 GB at a reload. 100,000: 23 MiB.
 MAX_REPEATS = 100_000
 _COUNT = re.compile(r"\{\s*(\d+)\s*(,\s*(\d*)\s*)?\}")  # spaces too: counted more, never less
 # The verbose flag, inline ((?x), (?ix), (?x-i:...)): `regex` then takes spaces, newlines and #-comments inside a
-# counted repeat's braces ("{99999 }", "{9#c\n9}"), which no reading of the text before compiling can follow: in
-# 40 patterns of "[ab]{99999 }" the daemon and the proxy each took 1.5 GB (attacker 6's finding 6 of 2026-12-02).
+# counted repeat's braces ("{99999 }", "{9#c\n9}"), which no reading of the text before compiling can follow (40
+# patterns of "[ab]{99999 }" cost the daemon and the proxy 1.5 GB each).
 _FLAGS = re.compile(r"\(\?([-A-Za-z0-9]*)[:)]")  # an inline flags group, scoped or not
 
 
@@ -68,8 +67,7 @@ def repeats(text: str) -> int:
     bound (a{3} is 3, {m,} counts m), a group the sum of its items times its own, and the pattern the sum of all:
     (a{3}b){4} is 16, a{5}b{5} is 10. An escape, a class ([...]) and any other character is one item that repeats
     once (so a group's ?: counts 2: a pattern's length bounds what such counting adds). The sum, not the deepest
-    product: "[ab]{99999}" 90 times over passed a product's bound, and three such patterns took the daemon to 7 GB
-    at a reload (the attacker's finding 4 of 2026-12-02, after finding 2's fix)."""
+    product: "[ab]{99999}" 90 times over passes a bound on the product, and three such patterns cost 7 GB."""
     stack = [0]  # per open group: the sum of its items so far
     last, i = 0, 0  # the copies of the item just read (0: none yet)
     while i < len(text):

@@ -1,9 +1,9 @@
 """What bound a step: the GPUs' memory, their compute, or neither (the host), from GPM's SM, tensor and DRAM
 activity over the step's own seconds (watch.summarize_gpu's means).
 
-"Utilization" reads 100 % for all three (issue 41): a decode that waits on DRAM, a prefill that fills the tensor
+"Utilization" reads 100 % for all three: a decode that waits on DRAM, a prefill that fills the tensor
 cores and an engine whose GPU waits on its CPU scheduler. GPM tells them apart. Readings that set the thresholds
-(issue 41, an H200): a bf16 matmul 95 % SM, 93 % tensor, 16 % DRAM; a device-to-device copy 98 % SM, 0 tensor,
+(a real H200): a bf16 matmul 95 % SM, 93 % tensor, 16 % DRAM; a device-to-device copy 98 % SM, 0 tensor,
 87 % DRAM; a sleep kernel 0.8 % SM at 99.5 % utilization.
 """
 

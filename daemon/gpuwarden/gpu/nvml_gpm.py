@@ -1,6 +1,6 @@
 """GPM, NVML's GPU Performance Monitoring (Hopper and newer): how much of the GPU worked, not only whether some
 kernel ran. "Utilization" reads 99.5 % for a kernel that sleeps on one SM; GPM's SM activity reads 0.8 % (a
-lent H200, driver 580.159.04, nvidia-ml-py 13.615: issue 41).
+lent H200, driver 580.159.04, nvidia-ml-py 13.615).
 
 NVML's calls, as nvidia-ml-py (module pynvml) spells them:
   nvmlGpmQueryDeviceSupport(handle) -> c_nvmlGpmSupport_t (.isSupportedDevice)

@@ -1,5 +1,5 @@
-"""Requests in flight when the engine ended (issue 51). A query of death, a request that crashes the engine, held and
-sent to each new engine, crashed every one of them until the daemon gave up (FATAL): one client's request took
+"""Requests in flight when the engine ended. A query of death, a request that crashes the engine, held and sent to
+each new engine, would crash every one of them until the daemon gave up (FATAL): one client's request would take
 serving down for everyone. So only a request the engine never saw may wait for the next engine (hold.py): one whose
 connection to the engine was open when the engine ended is answered at once (502, or its stream cut where it is) and
 never sent again; after_failure() is that choice.
@@ -234,8 +234,7 @@ class Casualties:
         """While the brake holds (failures - 1 ends within the window: one more is FATAL), when the oldest of them
         leaves it; else None. Every client is refused meanwhile, one at none of the ends too: a killer from a
         fresh address (an IPv6 /64 is one client, and a home line has 256 of them) would otherwise end the engine
-        the last time (the attacker's F1, 2026-12-02: two ends each from two addresses, then one from a third,
-        FATAL). A pause that ends by itself within the window, against FATAL until an operator acts."""
+        the last time (two ends each from two addresses, then one from a third: FATAL). A pause that ends by itself within the window, against FATAL until an operator acts."""
         if not self.braking:
             return None
         return self._ends[-self.brake][1] + self.window_s

@@ -1,4 +1,4 @@
-"""Requests held while the engine is down (issue 40): a planned restart (a reload, a new version), a crash or a
+"""Requests held while the engine is down: a planned restart (a reload, a new version), a crash or a
 stall takes the engine away for seconds or minutes; a request that finds it refusing connections, or answering 503
 (draining, starting), before a byte of the answer reached its client, waits here and is sent again once the engine
 answers its /health.
@@ -139,8 +139,8 @@ class Hold:
         """Whether the engine is gone (an end, for the book of ends: casualties.py): a look begun at since or later
         was refused, closed unanswered, or answered other than 200 (vLLM's /health says 503 once its engine died).
         A look with no answer in time is no verdict, and no end: an engine busy with a crowd, or a pool of
-        connections to it that clients fill, must not make the proxy count ends that never were (the attacker's
-        F1 of 2026-12-02: fake ends from timed-out looks put the brake on for everyone)."""
+        connections to it that clients fill, must not make the proxy count ends that never were (ends from
+        timed-out looks would put the brake on for everyone)."""
         return await self.look(since) is False
 
     async def look(self, since: float | None = None) -> bool | None:

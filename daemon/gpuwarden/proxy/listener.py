@@ -120,9 +120,8 @@ class Connection(asyncio.Protocol):
         """The client left: its request ends with it. aiohttp's task serving this connection is cancelled, so the
         request's connection to the engine closes and the engine stops working for nobody (aiohttp 3.8 never
         cancels it, 3.9 and later only where told). Without it, requests sent whole by clients that closed at once
-        held connections to the engine past the connection cap, which counts client connections only (the
-        attacker's F1 of 2026-12-02: 390 connections to the engine, 1 client connection; the pool full, new requests
-        waited 10 s for a 504)."""
+        would hold connections to the engine past the connection cap, which counts client connections only (390
+        connections to the engine for 1 client connection: the pool full, new requests waited 10 s for a 504)."""
         self.conns.closed(self)
         task = getattr(self.handler, "_task_handler", None)  # aiohttp's own attribute, in 3.8 as in 3.14
         self.handler.connection_lost(exc)

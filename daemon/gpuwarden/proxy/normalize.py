@@ -33,8 +33,8 @@ RULES = (*SWITCHES, "remove_patterns")
 # on a long system prompt; `\s+$` took 0.8 s on 20 KB of spaces and 45 s on 150 KB.
 PATTERNS_S = 0.25
 # A system text longer than this goes as it came: `regex` checks its time limit between steps of a scan, and one
-# greedy scan of a long run is one step (\s+$ on 30 M spaces: 8.7 s of CPU past a 0.25 s limit; the attacker's
-# finding 3 of 2026-12-02). Long system prompts are tens of KB.
+# greedy scan of a long run is one step (\s+$ on 30 M spaces: 8.7 s of CPU past a 0.25 s limit). Long system
+# prompts are tens of KB.
 PATTERNS_TEXT_MAX = 256 << 10
 PATTERNS_LATE = "remove_patterns_late"  # apply()'s count of system texts the patterns ran out of time on
 

@@ -67,7 +67,7 @@ OWN_LACK = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}  # a look t
 def off_loop(size: int, coding: str, dumping: bool, patterns: bool = False) -> bool:
     """Whether a body is made ready on a worker thread, so that the streams in flight do not wait for it: a big one
     (a long session is megabytes of JSON), a dump to disk, or any compressed one (32 KB of gzip is up to
-    --max-body-bytes once inflated: twelve such clients held every stream 2.4 s on the loop, the attacker's F4), or
+    --max-body-bytes once inflated: twelve such clients would hold every stream 2.4 s on the loop), or
     any where the operator's patterns run (up to normalize.PATTERNS_S each, the GIL let go meanwhile)."""
     return size > OFF_LOOP_BYTES or dumping or patterns or coding.strip().lower() not in ("", "identity")
 
@@ -186,8 +186,8 @@ async def answers(session: aiohttp.ClientSession, url: str) -> bool | None:
     except asyncio.TimeoutError:  # before ClientError: aiohttp's timeouts are both
         return None
     except (aiohttp.ClientError, OSError) as exc:
-        # The proxy's own lack of descriptors or memory says nothing of the engine (the attacker's finding 1 of
-        # 2026-12-02 took the proxy to its fd limit, and each failed look counted as an end).
+        # The proxy's own lack of descriptors or memory says nothing of the engine: a proxy at its fd limit must not
+        # count each failed look as an end.
         cause = getattr(exc, "os_error", exc)
         return None if getattr(cause, "errno", None) in OWN_LACK else False
 

@@ -1,4 +1,4 @@
-"""The proxy's connections to the engine: only to a socket of the engine's user (issue 51, finding 2).
+"""The proxy's connections to the engine: only to a socket of the engine's user.
 
 A local user who binds the engine's port while it restarts (a crash, a reload, an upgrade: minutes with a real vLLM)
 and answers /health 200 would get every request the proxy holds or sends, API keys and prompts included. So each
@@ -55,9 +55,8 @@ class DropsUnsent(ResponseHandler):
     """A connection to the engine that, closed with bytes still unsent, lets them go at once (a reset) instead of
     waiting to write them: asyncio's close() writes what it buffered first, so a request whose client left while the
     engine did not read its body kept its connection, its descriptor and its bytes for as long as the engine did not
-    read, counted by nothing (the pool slot, the client's place under the cap and the body's budget all given back).
-    The attacker's finding 1 of 2026-12-02 (after F1's fix): 1,000 clients that sent 512 KB and left took the proxy to
-    its descriptor limit in 22 s. A connection closed with nothing left to write closes as before."""
+    read, counted by nothing (the pool slot, the client's place under the cap and the body's budget all given back):
+    1,000 clients that send 512 KB and leave would take the proxy to its descriptor limit in 22 s. A connection closed with nothing left to write closes as before."""
 
     def close(self) -> None:
         transport = self.transport

@@ -43,8 +43,8 @@ def let_inherit() -> None:
 def bind_refusal(host: str, port: int) -> str | None:
     """Why host:port cannot be listened on here at all, or None: bound and let go at once (a port another process
     holds is None too: a start waits for it). For a handover, before the exec: the new image's start raises
-    StartupError where this is not None, and the daemon would end, its children left unsupervised (the attacker's
-    finding 3 of 2026-12-02: an address not of this host, a port below 1024 without CAP_NET_BIND_SERVICE)."""
+    StartupError where this is not None (an address not of this host, a port below 1024 without
+    CAP_NET_BIND_SERVICE), and the daemon would end, its children left unsupervised."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         with socket.socket(family, kind, proto) as sock:

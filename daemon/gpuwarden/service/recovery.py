@@ -1,4 +1,4 @@
-"""What the daemon does by itself when a GPU must not serve (config health:, issue 42), beyond stopping the engine.
+"""What the daemon does by itself when a GPU must not serve (config health:), beyond stopping the engine.
 
 By default an engine on a GPU that needs a reset or a reboot waits in HELD (serving/run/holding.py) and starts again
 once that GPU is back: the monitor sees it answer again, re-applies its tuning and clears the wait (the events'

@@ -170,7 +170,7 @@ class SweepClient:
     def _on_lost(self, signum: int, frame: object) -> None:
         # Left installed after end(): a late signal must find this handler, never SIGUSR1's default (it kills).
         if self.lost is not None and not self._stop.is_set() and not self._raised:
-            self._raised = True  # once: a second SIGUSR1 (from outside) during the sweep's cleanup was a traceback
+            self._raised = True  # once: a second SIGUSR1 (from outside) during the sweep's cleanup is no traceback
             raise LeaseLost(self.lost)  # the sweep ends as on Ctrl-C, and tune says the lease was lost
 
     def set(self, value: float) -> dict:

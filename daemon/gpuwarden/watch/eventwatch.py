@@ -163,9 +163,9 @@ class EventBook:
 
     def reset_unseen(self, gpu: int, recovery_action: int | None) -> bool:
         """A GPU that waits for the reset its driver asked for in the polled recovery-action field, and whose field,
-        read asking while it waited, reads none again: it was reset between two polls (ci48: a busy box starved the
-        daemon through the reset's second off the bus, and the engine stayed HELD for good). A wait from an Xid, whose
-        field never asked, is not cleared this way."""
+        read asking while it waited, reads none again: it was reset between two polls (a starved daemon can miss the
+        second the GPU is off the bus, and without this the engine would stay HELD for good). A wait from an Xid,
+        whose field never asked, is not cleared this way."""
         if gpu not in self.needs_reset or recovery_action is None:
             return False
         if recovery_action:

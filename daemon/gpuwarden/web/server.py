@@ -90,8 +90,8 @@ class AuthLine:
     guessing passwords from one place cannot keep out a scraper whose password is not remembered yet:
     Prometheus started during the attack, or a scraper checked anew after a change of web.yml.
 
-    One line for everyone (issue 35) was full whenever a crowd was: a scraper not yet remembered got 503 on
-    30 of 30 tries. Here:
+    One line for everyone is full whenever a crowd is: a scraper not yet remembered would get 503 on every try.
+    So:
     - a source has at most AUTH_PER_SOURCE checks running or waiting; past it, *that source* gets 503 at once;
     - the sources take turns (round-robin), a check each;
     - a source whose last check failed waits behind every source that has not failed (new ones, and those

@@ -4,7 +4,7 @@ derived from the load, so that the demo shows them.
 Derived, where the served workload says what share of its busy time is prefill (sim/power.py's channel): a mix of
 two profiles, each at full load and scaled by the utilization. Decode reads every weight for a token or a few, so
 it is memory-bound: DRAM bandwidth high, tensor cores mostly waiting on it, SMs busy but stalled. Prefill multiplies
-whole prompts at once, so it is compute-bound: tensor cores and SMs near full, DRAM a fraction (issue 41's H200
+whole prompts at once, so it is compute-bound: tensor cores and SMs near full, DRAM a fraction (a real H200's
 readings: a bf16 matmul 95 % SM, 93 % tensor, 16 % DRAM; a device-to-device copy 98 % SM, 87 % DRAM).
 
 Derived without a share (a scenario's load, or a server that does not say): the engine is active for the

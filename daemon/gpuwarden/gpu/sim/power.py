@@ -1,7 +1,7 @@
 """How fast a simulated card serves at a given SM clock, and the small file channel that lets a served workload
 (the test's fake OpenAI server, the demo) see the simulated cards' settings and tell them when it is busy.
 
-The curve follows the published power sweeps (issue 29): memory-bound decode keeps its speed down to about two
+The curve follows the published power sweeps: memory-bound decode keeps its speed down to about two
 thirds of the card's TDP (the max power limit) and falls in proportion below; compute-bound prefill slows roughly
 with the clock all the way (speed = clock fraction ** PREFILL_EXPONENT). The clock fraction is what the card runs
 at under load: a locked clock, or the clock a binding power limit lets it keep (sim/backend.py's power model), so
@@ -35,8 +35,8 @@ PREFILL_EXPONENT = 0.85  # prefill: "roughly proportional" to the clock
 MAX_FILE_BYTES = 64 * 1024
 # A card stays loaded this long after its last stream closed. A client re-sends within milliseconds, and a real
 # card's power reading does not fall to idle in that gap (its power readings are averaged over a window); without
-# the hold a sample that landed between two rounds of requests read idle draw mid-step (CI: one poll of three at
-# 70 W made a 700 W step look like 483 W and moved tune's knee).
+# the hold a sample that lands between two rounds of requests reads idle draw mid-step (one poll of three at 70 W
+# makes a 700 W step look like 483 W, and moves tune's knee).
 BUSY_HOLD_S = 0.5
 MAX_LOCK_MHZ = 10_000  # a clock lock read back from gpus.json: no GPU clocks near it
 MAX_LOAD_GPUS = 64  # load.json's "gpus": the entries read and the indices taken (the scenarios hold a few cards)

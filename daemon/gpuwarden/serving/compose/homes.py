@@ -117,8 +117,8 @@ def _make_own(identity: Identity, top: Path, inside: list[Path]) -> None:
             st = None
         if st is not None and (not stat.S_ISDIR(st.st_mode) or st.st_uid != identity.uid):
             # A link or a file serve.user put there (its group may add entries to home/), or another's folder:
-            # moved aside, never followed, by root, whose folder home/ is. Refusing failed the whole daemon's
-            # start (exit 78, no restart): one local user took down tuning and monitoring with serving.
+            # moved aside, never followed, by root, whose folder home/ is. Refusing would fail the whole daemon's
+            # start (exit 78, not restarted): tuning and monitoring down with serving, by one local user.
             aside = top.with_name(f".{top.name}.not-a-home.{time.time_ns()}")
             os.rename(top, aside)
             log.warning("%s was not %s's own folder (%s): moved aside to %s; its home is made anew", top,

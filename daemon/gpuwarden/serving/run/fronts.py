@@ -6,12 +6,12 @@ holding requests for hold_s, and sends nothing to a port no engine of ours holds
 
 The engine's SIGTERM waits for the fronts told of its stop to answer (one of HOLDING_LINES in their output, not
 taken back by RELEASED_LINE since) or to be gone, HEAR_S at most: a request a front forwards after the SIGTERM
-meets vLLM 0.32 shutting down, which answers it 200 with no tokens (ci47 saw it when both went in one tick and the
-busy box ran the proxy late). A front whose output the daemon does not read (adopted after an upgrade) or that never
+meets vLLM 0.32 shutting down, which answers it 200 with no tokens (a busy box can run the proxy late, after both
+went in one tick). A front whose output the daemon does not read (adopted after an upgrade) or that never
 answers costs a stop HEAR_S. An engine that ends meanwhile is stopped at once, not restarted (supervisor.py).
 
-Two signals pending at once are handled in no set order (the attacker of issue 40 saw a stop's word overtaken by
-the last word of health in 13 of 60 rounds), so each word goes to each front twice, a tick apart, and the proxy
+Two signals pending at once are handled in no set order (a stop's word can be overtaken by the last word of health),
+so each word goes to each front twice, a tick apart, and the proxy
 takes a word it already follows as a no-op. A front that starts (or restarts) while the word stands is told it
 once it is RUNNING. Only a front that is RUNNING and handles the signal is sent it: by default both end a process
 (one not yet listening, or a proxy of an older gpuwarden adopted after an upgrade).

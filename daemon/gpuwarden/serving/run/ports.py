@@ -25,7 +25,7 @@ LISTEN = "0A"
 # API port adds one): 500,000 unrelated lines cost a read and a substring scan. Lines that mention the port
 # (each one split and parsed; a local user can open thousands, as connections between their own sockets on
 # that port number): an engine holds one per rank's process, so 10,000 is far past any real one, and what a
-# read then costs stays small (the attacker's 499,999 such lines took 2.5 s CPU and 87 MiB a read).
+# read then costs stays small (499,999 such lines cost 2.5 s of CPU and 87 MiB a read).
 MAX_LINES = 500_000  # a table
 MAX_PORT_LINES = 10_000  # a table, for peers()
 

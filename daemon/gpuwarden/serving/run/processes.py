@@ -94,7 +94,7 @@ class ProcessOps:
                         stderr=subprocess.STDOUT, start_new_session=True, pass_fds=pass_fds)
         self._spawned[process.pid] = process
         # The descriptor is read before the reader starts: a child that writes a line and exits at once lets the
-        # reader reach EOF and close the stream first (ci41: "I/O operation on closed file").
+        # reader reach EOF and close the stream first ("I/O operation on closed file").
         output = process.stdout.fileno()
         threading.Thread(target=forward_lines, args=(process.stdout, on_line), daemon=True,
                          name=f"child-output-{process.pid}").start()

@@ -188,8 +188,8 @@ class ServingRuntime:
         sides = {spec.name: spec for spec in launch.sides}
         if changed and stale <= set(sides):
             # Only side children changed (serve.proxy edited before an upgrade's SIGUSR2): they are replaced, the
-            # engine serves on, as a SIGHUP would do it (_replace_sides). Replacing all stopped the engine too: a
-            # request in flight got 502 and a real vLLM loaded anew (the attacker's finding 1 of 2026-12-02).
+            # engine serves on, as a SIGHUP would do it (_replace_sides); replacing all would cut the requests in
+            # flight and make a real vLLM load anew.
             for name in sorted(stale):
                 self.children.replace(name, Program(sides[name], self.ops, self.clock), now)
         elif changed:

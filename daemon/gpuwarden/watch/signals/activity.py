@@ -19,7 +19,7 @@ from ..rows import gpu_row
 
 KERNELS_BUSY_MIN = 0.80  # GPM's graphics-engine activity: kernels ran this share of the interval, or more
 # SM activity below this is a GPU that waits while it reads busy: a kernel that sleeps or spins on one SM read
-# 0.8 % on a real H200 (issue 41), a bf16 matmul 95 %, a device-to-device copy 98 %. Decode at batch 1 of a
+# 0.8 % on a real H200, a bf16 matmul 95 %, a device-to-device copy 98 %. Decode at batch 1 of a
 # small model keeps a few SMs busy, and is one of the causes this names.
 SM_IDLE_MAX = 0.10
 BUSY_BUT_IDLE_FOR_S = 60.0  # six GPM reads at the default counters_interval_s: a pattern, not a pause
