@@ -13,25 +13,16 @@ import uuid as uuidlib
 from collections.abc import Callable
 
 from .. import errors
-from ..base import ClockEventReason as R
 from ..base import (NVLINK_ERRORS, VIOLATION_POLICIES, Gpu, GpuBackend, GpuBoard, GpuCapabilities, GpuHealth, GpuSample, NvLink)
 from ..events import GpuEvent
 from . import gpm
+from .physics import VIOLATION_OF, operating_point
 from . import power as channel_io
 from .scenario import PCIE_MAX, Event, GpuModel, Scenario
 
 MIB = 1024 * 1024
 RESET_S = 1.0  # a scripted gpu_reset's default time off the bus
 MEMORY_ABOVE_DIE_C = 4  # the simulated HBM's sensor: the die's temperature plus this (no heat model of its own)
-# Default SM clock under each slowdown, as a fraction of the max clock.
-SLOWDOWN_FRACTION = {"thermal_slowdown": 0.7, "hw_thermal_slowdown": 0.5, "hw_slowdown": 0.5}
-SLOWDOWN_REASON = {"clock_collapse": R.NONE, "thermal_slowdown": R.SwThermalSlowdown,
-                   "hw_thermal_slowdown": R.HwThermalSlowdown, "hw_slowdown": R.HwSlowdown,
-                   "power_brake": R.HwPowerBrakeSlowdown}
-# Which violation counter each reason feeds.
-VIOLATION_OF = {R.SwPowerCap: "power", R.SwThermalSlowdown: "thermal", R.HwThermalSlowdown: "thermal",
-                R.HwSlowdown: "board_limit", R.HwPowerBrakeSlowdown: "board_limit",
-                R.GpuIdle: "low_utilization"}
 
 
 class ManualClock:
@@ -238,7 +229,7 @@ class SimGpu(Gpu):
     def integrate(self, dt: float) -> None:
         if self.lost:
             return
-        _, _, power, _, reasons = self._operating_point()
+        _, _, power, _, reasons = operating_point(self)
         self.energy_j += power * dt
         if "pcie_link" in self.conditions and self.utilization:
             self.pcie_replays += 10 * dt  # a link that trains down under load retries
@@ -250,60 +241,12 @@ class SimGpu(Gpu):
             if reason in reasons:
                 self.violations[counter] += dt
 
-    # -- the physics ------------------------------------------------------------
-    def _floor_clock(self, mhz: float) -> int:
-        """The highest supported graphics clock at or below mhz."""
-        clocks = self.model.graphics_clocks_mhz
-        return next((c for c in clocks if c <= mhz + 1e-6), clocks[-1])
-
-    def _draw(self, sm_mhz: float) -> float:
-        m = self.model
-        return m.idle_power_w + self.utilization / 100 * (m.full_load_power_w - m.idle_power_w) * (
-            sm_mhz / m.graphics_clock_max_mhz)
-
-    def _operating_point(self) -> tuple[int, int, float, float, R]:
-        """(sm MHz, memory MHz, watts, celsius, reasons) for the current state."""
-        m = self.model
-        busy = self.utilization > 0
-        reasons = R.NONE
-        if self.gpu_lock:
-            sm = self.gpu_lock[1]
-            if sm < m.graphics_clock_max_mhz:
-                reasons |= R.ApplicationsClocksSetting
-        elif busy and m.boost_under_load:
-            sm = m.graphics_clock_max_mhz
-        else:
-            sm = m.idle_sm_clock_mhz
-        if not busy and not self.gpu_lock:
-            reasons |= R.GpuIdle
-        limit = min(self.power_limit_w, self.conditions.get("power_cap", {}).get("watts", float("inf")))
-        if busy and self._draw(sm) > limit:
-            per_mhz = (self._draw(m.graphics_clock_max_mhz) - m.idle_power_w) / m.graphics_clock_max_mhz
-            sm = min(sm, self._floor_clock((limit - m.idle_power_w) / per_mhz))
-            reasons |= R.SwPowerCap
-        for kind, reason in SLOWDOWN_REASON.items():
-            if kind in self.conditions:
-                default = SLOWDOWN_FRACTION.get(kind, 0) * m.graphics_clock_max_mhz or m.idle_sm_clock_mhz
-                sm = min(sm, self._floor_clock(self.conditions[kind].get("sm_clock_mhz", default)))
-                reasons |= reason
-        if self.memory_lock:
-            mem = self.memory_lock[1]
-        elif self.gpu_lock or (busy and m.boost_under_load):
-            mem = m.memory_clocks_mhz[-1]
-        else:
-            mem = m.idle_memory_clock_mhz
-        power = self._draw(sm)
-        temp = m.idle_temperature_c + (power - m.idle_power_w) * m.celsius_per_watt
-        for kind in ("thermal_slowdown", "hw_thermal_slowdown"):
-            temp = self.conditions.get(kind, {}).get("temperature_c", temp)
-        return sm, mem, power, temp, reasons
-
     def published(self) -> dict:
         """What the served workload reads (sim/power.py): the settings, and the clock fraction under full load."""
         m, utilization = self.model, self.utilization
         self.utilization = 100.0
         try:
-            sm = self._operating_point()[0]
+            sm = operating_point(self)[0]
         finally:
             self.utilization = utilization
         return {"index": self.index, "power_limit_w": self.power_limit_w,
@@ -320,7 +263,7 @@ class SimGpu(Gpu):
             return GpuSample(self.index, self.uuid, self.name, self.pci_bus_id, self.model.compute_capability,
                              up=False, timestamp=now, error=f"GPU {self.index} ({self.uuid}) is lost")
         m, ns = self.model, self.model.not_supported
-        sm, mem, power, temp, reasons = self._operating_point()
+        sm, mem, power, temp, reasons = operating_point(self)
         limits = "power_limit" not in ns
         total = m.memory_total_mib * MIB
         return GpuSample(
