@@ -97,8 +97,8 @@ def test_a_handover_to_a_metrics_address_the_new_image_cannot_listen_on_is_refus
 @pytest.mark.process
 @pytest.mark.parametrize("edit, said", [
     ("gpu:\n  scenario: dgx-sparkk\n", "gpu.scenario: no scenario named 'dgx-sparkk'"),
-    ("gpu:\n  backend: nvml\n", "gpu.backend: nvml: the new image could not open it: NVML does not initialise in a "
-                               "new process"),
+    ("gpu:\n  backend: nvml\n", "gpu.backend: nvml: the new image could not open it: NVML does not open in a new "
+                               "process"),
 ])
 def test_a_handover_to_a_gpu_backend_the_new_image_cannot_open_is_refused_and_the_engine_serves_on(
         write, fake, daemons, tmp_path, no_fakes_left, edit, said):
@@ -132,7 +132,7 @@ def test_would_open_says_what_a_new_process_met_opening_nvml_in_one_line(tmp_pat
     cfg = config.parse_text("gpu:\n  backend: nvml\nmetrics:\n  listen: none\n")
     fails = [sys.executable, "-c", "print('noise'); print('Driver/library version mismatch' + 'x' * 400); "
                                    "raise SystemExit(1)"]
-    with pytest.raises(Unavailable, match=r"NVML does not initialise in a new process: Driver/library version "
+    with pytest.raises(Unavailable, match=r"NVML does not open in a new process: Driver/library version "
                                           r"mismatchx{269} \(exit status 1\)$"):
         would_open(cfg, probe=fails)
     would_open(cfg, probe=[sys.executable, "-c", "pass"])  # a probe that initialises: nothing raised

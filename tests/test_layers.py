@@ -218,6 +218,11 @@ def reaching(sources: dict[str, str]) -> list[str]:
                       for a in ast.walk(node) if isinstance(a, ast.Attribute) and isinstance(a.value, ast.Name)
                       and a.value.id == "self" and a.attr.startswith("_") and not a.attr.startswith("__")
                       and a.attr not in names]
+            # a part that holds another object and reaches into its privates (self.runtime._replace_all)
+            found += [f"{where}:{a.lineno}: {node.name} reads {ast.unparse(a)}, a private of another object"
+                      for a in ast.walk(node) if isinstance(a, ast.Attribute) and a.attr.startswith("_")
+                      and not a.attr.startswith("__") and isinstance(a.value, ast.Attribute)
+                      and isinstance(a.value.value, ast.Name) and a.value.value.id == "self"]
     return sorted(set(found))
 
 
@@ -236,3 +241,6 @@ def test_the_reach_check_sees_a_mixin_calling_its_hosts_private():
         "m.py:3: Holding reads self._transition, which it neither defines nor inherits"]
     part = "class Holding:\n    def __init__(self, p):\n        self._p = p\n    def hold(self):\n        self._p.enter()\n"
     assert reaching({"m.py": part, "h.py": host}) == []
+    reaching_part = "class Restart:\n    def go(self):\n        self.runtime._replace_all()\n"
+    assert reaching({"r.py": reaching_part}) == [
+        "r.py:3: Restart reads self.runtime._replace_all, a private of another object"]

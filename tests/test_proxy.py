@@ -175,13 +175,16 @@ def test_the_verbose_flag_is_refused_and_spaces_in_braces_still_count():
     """Attacker 6's finding 6: under (?x) `regex` takes "{99999 }" (a space, a newline, even a #-comment inside the
     braces) as a counted repeat, which repeats() did not count: 40 of "[ab]{99999 }" took the daemon and the proxy to
     1.5 GB each at a reload. The verbose flag is refused, however it is set inline; spaces in braces count anyway
-    (where they are literal text, counting them costs nothing but a refusal of an absurd pattern)."""
+    (where they are literal text, counting them costs nothing but a refusal of an absurd pattern). The review's B1:
+    a "[" in a (?#...) comment was read as a class, which hid the flag and the repeats after it."""
     from gpuwarden.base.timedregex import compile_pattern, repeats
 
-    for verbose in ("(?x)[ab]{99999 }", "(?ix)a", "(?x-i:a{5})", "b(?x)c"):
+    for verbose in ("(?x)[ab]{99999 }", "(?ix)a", "(?x-i:a{5})", "b(?x)c", "(?#[)(?x)[ab]{9#c\n9999}"):
         with pytest.raises(ValueError, match=r"the verbose flag \(\?x\) is not taken here"):
             compile_pattern(verbose)
     assert repeats("a{ 99999 }") == 99999 and repeats("a{5 , 6}") == 6
+    # a comment is read as `regex` reads it, to its first ")": a "[" in it opens no class that hides what follows
+    assert repeats("(?#[)(?:a{99999}){99999}(?#])") > 10**9 and repeats("(?#x)a{3}") == 3
     for fine in ("(?i)abc", "(?P<x>a)", "(?<=x)a", "(?#x)a", r"\(?x"):
         compile_pattern(fine)
 

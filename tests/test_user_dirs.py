@@ -71,12 +71,11 @@ def test_a_user_without_a_home_gets_its_own_and_a_dump_dir_under_the_units_capab
 
 @pytest.mark.process
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
-@pytest.mark.parametrize("squat", ["link", "folder"])
-def test_what_is_not_the_users_own_folder_where_its_home_goes_is_moved_aside_and_the_home_made(
-        reachable, tmp_path, caplog, squat):
-    """Attacker 6's finding 5: serve.user may add entries to home/ (its group's, 1730), so it could put a link where
-    its home goes; every start then refused it, and the daemon with it (exit 78, not restarted). Root moves it
-    aside (never following it) and the user makes its home anew; a folder of another's is moved the same way."""
+@pytest.mark.parametrize("squat", ["link", "file"])
+def test_what_serve_user_puts_where_its_home_goes_is_moved_aside_and_the_home_made(reachable, tmp_path, caplog, squat):
+    """Attacker 6's finding 5: serve.user may add entries to home/ (its group's, 1730), so it could put a link or a
+    file where its home goes; every start then refused it, and the daemon with it (exit 78, not restarted). Root
+    moves it aside (never following it) and the user makes its home anew."""
     from gpuwarden.serving.compose.homes import child_home
     from gpuwarden.serving.compose.identity import resolve
 
@@ -85,15 +84,28 @@ def test_what_is_not_the_users_own_folder_where_its_home_goes_is_moved_aside_and
     target = tmp_path / "elsewhere"
     target.mkdir()
     home.parent.mkdir(parents=True)
-    home.symlink_to(target) if squat == "link" else home.mkdir()  # the folder: root's, not nobody's own
+    home.symlink_to(target) if squat == "link" else home.write_text("x")
     with caplog.at_level("WARNING", logger="gpuwarden"):
         env, why = child_home(nobody, create=True, environ={"STATE_DIRECTORY": str(reachable / "state")})
     st = home.lstat()
     assert stat.S_ISDIR(st.st_mode) and st.st_uid == nobody.uid and env["HOME"] == str(home)
     [line] = [r.getMessage() for r in caplog.records if "moved aside" in r.getMessage()]
-    assert ("a symbolic link" if squat == "link" else "a folder of uid 0") in line
+    assert ("a symbolic link" if squat == "link" else "a file") in line
     assert list(target.iterdir()) == [], "the link was never followed"
     assert [p.name.startswith(".nobody.not-a-home.") for p in home.parent.iterdir() if p != home] == [True]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+def test_a_folder_another_user_owns_where_the_home_goes_is_refused(reachable, tmp_path):
+    """A folder of another uid (serve.user made anew under another uid: its old caches and models in it) is not
+    serve.user's to plant nor ours to move: refused, in one line."""
+    from gpuwarden.serving.compose.homes import HomeError, child_home
+    from gpuwarden.serving.compose.identity import resolve
+
+    squatted = reachable / "state" / "home" / "nobody"
+    squatted.mkdir(parents=True)  # root's: not nobody's own
+    with pytest.raises(HomeError, match="is there and is a folder of uid 0, not nobody's"):
+        child_home(resolve("nobody"), create=True, environ={"STATE_DIRECTORY": str(reachable / "state")})
 
 
 @pytest.mark.process

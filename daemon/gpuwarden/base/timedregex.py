@@ -86,6 +86,9 @@ def repeats(text: str) -> int:
             i, last = i + 2, 1
         elif c == "[":
             i, last = _class_end(text, i), 1
+        elif text.startswith("(?#", i):  # a comment: nothing in it is read, up to the first ")" (as `regex` does)
+            i = _comment_end(text, i)
+            continue
         elif c == "(":
             stack.append(0)
             i += 1
@@ -100,7 +103,7 @@ def repeats(text: str) -> int:
 
 
 def _verbose(text: str) -> bool:
-    """Whether an inline flags group sets x (VERBOSE); escapes and classes read as repeats() reads them."""
+    """Whether an inline flags group sets x (VERBOSE); escapes, classes and comments read as repeats() reads them."""
     i = 0
     while i < len(text):
         c = text[i]
@@ -108,11 +111,19 @@ def _verbose(text: str) -> bool:
             i += 2
         elif c == "[":
             i = _class_end(text, i)
+        elif text.startswith("(?#", i):
+            i = _comment_end(text, i)
         elif c == "(" and (flags := _FLAGS.match(text, i)) is not None and "x" in flags[1].split("-")[0]:
             return True
         else:
             i += 1
     return False
+
+
+def _comment_end(text: str, i: int) -> int:
+    """Past the comment that opens at text[i] ("(?#"): its first ")" ends it, whatever precedes it."""
+    end = text.find(")", i + 3)
+    return len(text) if end < 0 else end + 1
 
 
 def _class_end(text: str, i: int) -> int:

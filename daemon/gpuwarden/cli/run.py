@@ -28,19 +28,16 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     try:
         config = load_config(args)
-        backend = open_configured(config)
-    except (InvalidConfig, GpuError):
-        # A re-exec: the old image checked this config with its own loader and opened its backend in a new process
-        # (changes.Changes.check_handover), and this release refuses it, or its GPUs went away since. The children
-        # it handed over serve on for the next daemon (Daemon.leave_children), not for cleanup's kill.
-        if HANDOVER_ENV in os.environ and os.environ.get("STATE_DIRECTORY"):
-            from ..serving.run import handover
-            from ..base.statedir import state_dir
-
-            if (running := handover.keep(state_dir())) is not None:
-                print_error("gpuwarden: " + LEFT_SERVING % running)
+    except InvalidConfig:
+        _keep_handed_over(HANDOVER_ENV, LEFT_SERVING)
         raise
     logs = setup_logging()
+    try:
+        backend = open_configured(config)
+    except (InvalidConfig, GpuError):
+        logs.close()
+        _keep_handed_over(HANDOVER_ENV, LEFT_SERVING)
+        raise
     daemon = None
     try:
         daemon = Daemon(config, backend, reload=lambda: load_config(args))
@@ -55,6 +52,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     if daemon is not None and daemon.changes.handing_over:
         reexec()  # does not return
     return EX_OK
+
+
+def _keep_handed_over(handover_env: str, left_serving: str) -> None:
+    """A re-exec whose start ends before the daemon exists: the old image checked this config with its own loader and
+    opened its backend in a new process (changes.Changes.check_handover), and this release refuses it, or its GPUs
+    went away since. The children it handed over serve on for the next daemon (Daemon.leave_children), not for
+    cleanup's kill."""
+    if handover_env in os.environ and os.environ.get("STATE_DIRECTORY"):
+        from ..serving.run import handover
+        from ..base.statedir import state_dir
+
+        if (running := handover.keep(state_dir())) is not None:
+            print_error("gpuwarden: " + left_serving % running)
 
 
 COMMAND = Command("run", help="the daemon: apply the tuning, then monitor every poll_interval_s and serve metrics "

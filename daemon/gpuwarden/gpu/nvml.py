@@ -250,9 +250,9 @@ class NvmlGpu(NvmlSettings, Gpu):
                            is not None)
         self.remote = {}
         for link in self.links:
-            self._find_remote(link)
+            self.find_remote(link)
 
-    def _find_remote(self, link: int) -> None:
+    def find_remote(self, link: int) -> None:
         """The far end of a link, as long as it is up enough to say."""
         pci = self._read("nvmlDeviceGetNvLinkRemotePciInfo", link)
         if pci is not None:

@@ -158,7 +158,7 @@ class NvmlCounters:
         # A link NVML did not answer for this time is not a link down: no alert on a failed read.
         state_name = NVLINK_STATES.get(int(state), "unknown") if state is not None else "unknown"
         if link not in self.gpu.remote and state_name == "up":
-            self.gpu._find_remote(link)  # it came up since: now it can say where it goes
+            self.gpu.find_remote(link)  # it came up since: now it can say where it goes
         bus, kind = self.gpu.remote.get(link, (None, None))
         peer = self.gpu.peer_names.get(bus) or ("NVSwitch" if kind == NVLINK_SWITCH else bus)
         counts = {}

@@ -46,25 +46,25 @@ class Budget:
 
     def __init__(self, limit: int):
         self.limit, self.used, self.lent = limit, 0, 0
-        self._lock = threading.Lock()
-        self._lenders: OrderedDict[Held, None] = OrderedDict()  # the oldest lent first
+        self.lock = threading.Lock()
+        self.lenders: OrderedDict[Held, None] = OrderedDict()  # the oldest lent first
 
     def hold(self) -> Held:
         return Held(self)
 
-    def _take(self, held: Held, n: int) -> bool:
-        with self._lock:
-            while self.used + self.lent + n > self.limit and self._lenders:
-                self._drop(next(iter(self._lenders)))  # a retry that may never be needed yields to a new body
+    def take(self, held: Held, n: int) -> bool:
+        with self.lock:
+            while self.used + self.lent + n > self.limit and self.lenders:
+                self.drop(next(iter(self.lenders)))  # a retry that may never be needed yields to a new body
             if self.used + self.lent + n > self.limit:
                 return False
             self.used += n
             held.bytes += n
             return True
 
-    def _drop(self, held: Held) -> None:
+    def drop(self, held: Held) -> None:
         """Under the lock: a lent body given up (its request can no longer be retried) and its bytes freed."""
-        del self._lenders[held]
+        del self.lenders[held]
         self.lent -= held.bytes
         held.bytes, held.body, held.dropped = 0, None, True
 
@@ -81,14 +81,14 @@ class Held:
         if self.bytes + n > self.budget.limit:  # this request alone would never fit
             raise Refusal(413, "too_costly", f"{what} would take {(self.bytes + n) >> 20} MiB of memory; the proxy "
                           f"holds at most {self.budget.limit >> 20} MiB of request bodies and their parses at once")
-        if not self.budget._take(self, n):
+        if not self.budget.take(self, n):
             raise Refusal(503, "busy", f"the proxy is holding {self.budget.limit >> 20} MiB of request bodies now; "
                           f"{what} does not fit: retry")
 
     def give(self, n: int) -> None:
-        with self.budget._lock:
-            if self in self.budget._lenders:
-                return  # lent: given up through release() or _drop() only
+        with self.budget.lock:
+            if self in self.budget.lenders:
+                return  # lent: given up through release() or drop() only
             n = min(n, self.bytes)
             self.bytes -= n
             self.budget.used -= n
@@ -99,26 +99,26 @@ class Held:
 
     def lend(self) -> None:
         """The body is with the engine: its share stays, lent, until the engine answers or a new body needs it."""
-        with self.budget._lock:
-            if self.body is not None and self not in self.budget._lenders:
-                self.budget._lenders[self] = None
+        with self.budget.lock:
+            if self.body is not None and self not in self.budget.lenders:
+                self.budget.lenders[self] = None
                 self.budget.used -= self.bytes
                 self.budget.lent += self.bytes
 
     def reclaim(self) -> bool:
         """Held again for a retry: whether the body is still here (False: it was given up, no retry)."""
-        with self.budget._lock:
-            if self in self.budget._lenders:
-                del self.budget._lenders[self]
+        with self.budget.lock:
+            if self in self.budget.lenders:
+                del self.budget.lenders[self]
                 self.budget.lent -= self.bytes
                 self.budget.used += self.bytes
             return not self.dropped
 
     def release(self) -> None:
         """All given back, the body too: the request is never sent again."""
-        with self.budget._lock:
-            if self in self.budget._lenders:
-                self.budget._drop(self)
+        with self.budget.lock:
+            if self in self.budget.lenders:
+                self.budget.drop(self)
             self.budget.used -= self.bytes
             self.bytes, self.body, self.dropped = 0, None, True
 

@@ -69,7 +69,7 @@ class Dumper:
             turn.failed = str(exc)
         return turn
 
-    def _kept(self, name: Path, size: int) -> None:
+    def kept(self, name: Path, size: int) -> None:
         with self._lock:
             self._files.append((name, size))
             self._bytes += size
@@ -150,5 +150,5 @@ class Turn:
                 pass
             self.dumper.report("failed dumps", f"dump to {self.dumper.directory} not kept: {self.failed}")
             return None
-        self.dumper._kept(self.name, self.size)
+        self.dumper.kept(self.name, self.size)
         return self.name

@@ -78,7 +78,10 @@ class Connection:
     with a sentence for the user: Unreachable before the connection, ChannelLost after."""
 
     def __init__(self, path: Path):
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        except OSError as exc:  # out of descriptors
+            raise Unreachable(f"cannot connect to {path}: {exc.strerror or exc}") from None
         try:
             self.sock.settimeout(ANSWER_WAIT_S)
             self.sock.connect(str(path))
@@ -98,6 +101,7 @@ class Connection:
     def ask(self, message: dict) -> dict:
         deadline = time.monotonic() + ANSWER_WAIT_S
         try:
+            self.sock.settimeout(ANSWER_WAIT_S)  # the last answer's read may have left a short one
             self.sock.sendall(json.dumps(message).encode() + b"\n")
             while b"\n" not in self._buffer[:ANSWER_MAX + 1]:
                 if len(self._buffer) > ANSWER_MAX:

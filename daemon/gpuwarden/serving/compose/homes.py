@@ -115,8 +115,12 @@ def _make_own(identity: Identity, top: Path, inside: list[Path]) -> None:
             st = os.lstat(top)
         except FileNotFoundError:
             st = None
-        if st is not None and (not stat.S_ISDIR(st.st_mode) or st.st_uid != identity.uid):
-            # A link or a file serve.user put there (its group may add entries to home/), or another's folder:
+        if st is not None and stat.S_ISDIR(st.st_mode) and st.st_uid != identity.uid:
+            # A folder of another uid (serve.user made anew with another uid, whose old home holds its caches and
+            # models): not this user's to take, nor ours to move; an operator's to settle.
+            raise OSError(errno.EEXIST, f"{top} is there and is a folder of uid {st.st_uid}, not {identity.name}'s")
+        if st is not None and not stat.S_ISDIR(st.st_mode):
+            # A link or a file serve.user put there (its group may add entries to home/, not folders of another):
             # moved aside, never followed, by root, whose folder home/ is. Refusing would fail the whole daemon's
             # start (exit 78, not restarted): tuning and monitoring down with serving, by one local user.
             aside = top.with_name(f".{top.name}.not-a-home.{time.time_ns()}")

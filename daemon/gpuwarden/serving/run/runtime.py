@@ -193,7 +193,7 @@ class ServingRuntime:
             for name in sorted(stale):
                 self.children.replace(name, Program(sides[name], self.ops, self.clock), now)
         elif changed:
-            self._replace_all(launch, now, stale=stale)
+            self.replace_all(launch, now, stale=stale)
         self._record(now)
         if adoptable is not None and adoptable.children:
             self._sweep(adoptable, launch.config.serve.stop_timeout_s, now)
@@ -339,7 +339,7 @@ class ServingRuntime:
         sides = (*running.values(), *(spec for name, spec in wanted.items() if name not in running))
         self.launch = dataclasses.replace(self.launch, config=config, sides=sides)
 
-    def _replace_all(self, launch: Launch | None, now: float, stale: set[str] = frozenset()) -> None:
+    def replace_all(self, launch: Launch | None, now: float, stale: set[str] = frozenset()) -> None:
         """Stop the children; the launch's start once they have stopped. A side child whose spec the launch keeps
         as it is (the proxy, serve.proxy unchanged) runs on into the launch: it holds requests meanwhile. stale: an
         adopted child whose running command differs from its spec, never kept."""
@@ -400,7 +400,7 @@ class Restart:
     def __call__(self, now: float) -> None:
         if self.upgraded is not None:
             log.warning("%s", self.upgraded)
-        self.runtime._replace_all(self.launch, now)
+        self.runtime.replace_all(self.launch, now)
 
 
 def _upgraded(config: Config, launch: Launch, engine: Program) -> str | None:

@@ -114,7 +114,7 @@ class ServingView:
 @dataclass(frozen=True)
 class Phase:
     """The state and everything that lives and dies with it. Only enter() makes a new Phase; within a
-    state, _within() changes the fields that state owns (a probe failure counted, the next probe's time)."""
+    state, within() changes the fields that state owns (a probe failure counted, the next probe's time)."""
 
     state: str
     since: float = 0.0
