@@ -5,12 +5,16 @@ replaced; then the daemon, the fake engine (tests/harness/fakechild.py, drain mo
 
 import http.client
 import json
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
+
+from pathlib import Path
 
 import pytest
 
@@ -18,11 +22,14 @@ from conftest import free_port
 from gpuwarden.config import parse_text
 from gpuwarden.proxy.child import PROXY, proxy_spec
 from gpuwarden.serving.run.fronts import HEAR_S
-from gpuwarden.serving.run.spec import HOLDING_LINES, RELEASED_LINE, STOPPING_SIGNAL, UP_SIGNAL
+from gpuwarden.serving.run.spec import STOPPING_SIGNAL, UP_SIGNAL
 from gpuwarden.serving.run.supervisor import RUNNING, STOPPED, STOPPING, Program, Supervisor
 from test_drain import drain_config, in_flight
 from test_faults import fake, no_fakes_left, wait_until  # noqa: F401 (fixtures)
 from test_serving import running_supervisor
+
+
+HOLDING, NO_HOLD, RELEASED = (b'{"v": 1, "word": "%s"}\n' % w for w in (b"holding", b"no-hold", b"released"))
 
 
 def engine_and_proxy(tmp_path):
@@ -46,11 +53,12 @@ def test_the_proxy_is_told_before_the_engines_sigterm_and_stops_only_once_the_en
     both.tick(clock.now)  # the word once more a tick later (two signals pending at once come in no set order)
     assert [(pid, sig) for _, pid, sig in ops.sent] == [(proxy.child.pid, STOPPING_SIGNAL)] * 2, ops.sent
     assert engine.state == RUNNING
-    proxy.on_line("INFO proxy: the engine stops for a planned restart: holding new requests while it drain")
-    proxy.on_line("INFO proxy: a client said: " + HOLDING_LINES[0])  # not its answer: not the whole line
+    # Its log lines are no answer, whatever they say; nor is a word line out of shape or of another version.
+    proxy.on_line("INFO proxy: the engine stops for a planned restart: holding new requests while it drains")
+    ops.say(proxy.child.pid, b'{"v": 2, "word": "holding"}\n{"word": "holding"}\n["holding"]\n{"v": 1, "word": "hold')
     both.tick(clock.now)
     assert engine.state == RUNNING
-    proxy.on_line(HOLDING_LINES[0])
+    ops.say(proxy.child.pid, b'ing"}\n' + HOLDING)  # the cut line's end makes no word either
     both.tick(clock.now)
     assert ops.sent[-1][1:] == (engine.child.pid, signal.SIGTERM), ops.sent
     assert [sig for _, pid, sig in ops.sent if pid == proxy.child.pid] == [STOPPING_SIGNAL] * 2
@@ -97,11 +105,10 @@ def test_an_answer_the_proxy_takes_back_is_no_answer_until_the_repeated_word_is_
     the proxy slowed): the proxy answers, then takes it back; the SIGTERM waits for the repeat's answer."""
     both, engine, proxy, ops, clock = engine_and_proxy(tmp_path)
     both.stop(clock.now)
-    proxy.on_line(HOLDING_LINES[0])
-    proxy.on_line(RELEASED_LINE)
+    ops.say(proxy.child.pid, HOLDING + RELEASED)
     both.tick(clock.now)  # the word's repeat goes out; no SIGTERM yet
     assert engine.state == RUNNING and [s[2] for s in ops.sent if s[1] == proxy.child.pid][-1] == STOPPING_SIGNAL
-    proxy.on_line(HOLDING_LINES[0])
+    ops.say(proxy.child.pid, HOLDING)
     both.tick(clock.now)
     assert engine.state == STOPPING
 
@@ -133,7 +140,7 @@ def test_a_stop_that_keeps_the_proxy_leaves_it_running_and_the_rest_reads_stoppe
     both, engine, proxy, ops, clock = engine_and_proxy(tmp_path)
     both.stop(clock.now, keep=frozenset({PROXY}))
     assert ("process", proxy.child.pid, STOPPING_SIGNAL) in ops.sent
-    proxy.on_line(HOLDING_LINES[1])  # a proxy without a hold answers too
+    ops.say(proxy.child.pid, NO_HOLD)  # a proxy without a hold answers too
     both.tick(clock.now)
     ops.groups[engine.child.pgid] = []
     clock.advance(1)
@@ -286,11 +293,51 @@ def test_a_reload_that_restarts_the_engine_fails_no_request_through_the_proxy(wr
     assert proxy_metric(proxy_port, "gpuwarden_proxy_held_seconds_count") >= 1  # some were held, and answered
     log = "\n".join(d.lines)
     assert log.count("the proxy starting") == 1 and "the proxy stopping" not in log  # one process throughout
-    after = d.lines[mark:]  # the engine's SIGTERM went once the proxy said it holds, not at HEAR_S
-    said = next(i for i, line in enumerate(after) if line.endswith(HOLDING_LINES[0]))
+    after = d.lines[mark:]  # the engine's SIGTERM went once the proxy said it holds (its word), not at HEAR_S
+    said = next(i for i, line in enumerate(after) if "proxy: the engine stops for a planned restart: holding" in line)
     assert said < next(i for i, line in enumerate(after) if "vLLM stopping: SIGTERM" in line), after
     assert "did not say" not in log
     assert d.stop() == 0
+
+
+@pytest.mark.process
+def test_the_proxys_word_survives_a_change_of_its_log_wording(write, fake, daemons, proxy_daemon, no_fakes_left):
+    """The proxy's log lines are for people. Every line its hold logs reworded (a copy of the package whose
+    proxy/hold.py says other words), a reload that restarts the engine still sends its SIGTERM once the proxy has
+    answered on its word pipe, never after HEAR_S with "did not say" (as when the daemon matched those lines)."""
+    import gpuwarden
+
+    path, base, port, proxy_port = with_proxy(write, fake)
+    command, env = proxy_daemon
+    copy = Path(tempfile.mkdtemp(prefix="gpuwarden-reworded-"))
+    try:
+        copy.chmod(0o755)  # serve.user runs the proxy from it
+        shutil.copytree(Path(gpuwarden.__file__).parent, copy / "gpuwarden",
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        hold = copy / "gpuwarden" / "proxy" / "hold.py"
+        text = hold.read_text()
+        for old_words, new_words in (("the engine stops for a planned restart", "STOP HEARD, WORDS CHANGED"),
+                                     ("the planned stop's word ends", "STOP OVER, WORDS CHANGED"),
+                                     ("holding new requests while it drains", "keeping requests back")):
+            assert old_words in text, old_words
+            text = text.replace(old_words, new_words)
+        hold.write_text(text)
+        for item in copy.rglob("*"):
+            item.chmod(0o755 if item.is_dir() else 0o644)
+        d = daemons(path, command=command, env=dict(env, PYTHONPATH=str(copy)))
+        d.wait_for("vLLM healthy after", timeout=30)
+        d.wait_for("the proxy healthy after", timeout=30)
+        mark = len(d.lines)
+        path.write_text(path.read_text().replace("  drain_s: 10\n", '  drain_s: 10\n  args: [--max-num-seqs, "4"]\n'))
+        d.proc.send_signal(signal.SIGHUP)
+        d.wait_for("proxy: STOP HEARD, WORDS CHANGED: keeping requests back", after=mark, timeout=30)
+        d.wait_for("vLLM stopping: SIGTERM", after=mark, timeout=30)
+        d.wait_for("vLLM healthy after", after=mark, timeout=60)
+        after = "\n".join(d.lines[mark:])
+        assert "did not say" not in after and "the engine stops for a planned restart" not in after, after
+        assert d.stop() == 0
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
 
 
 @pytest.mark.process

@@ -207,13 +207,23 @@ def test_config_section_is_validated_with_file_and_line(tmp_path):
 # -- the proxy as a process ----------------------------------------------------------------------------------
 
 class Process:
-    def __init__(self, argv, port, health="/health", nofile=None):
+    def __init__(self, argv, port, health="/health", nofile=None, word=False):
         self.port = port
         self.lines: list[str] = []
         # nofile: the process's own fd limit, as a unit's LimitNOFILE= would set it
         limit = (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))) if nofile else None
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env=subprocess_env(), preexec_fn=limit)
+        env, fds, self.word = subprocess_env(), (), None
+        if word:  # a word pipe, as the daemon gives a front (serving/run/word.py): self.word reads it
+            from gpuwarden.serving.run.word import WORD_ENV, WordReader, make_pipe
+
+            read, write = make_pipe()
+            env, fds, self.word = dict(env, **{WORD_ENV: str(write)}), (write,), WordReader(read)
+        try:
+            self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                         env=env, preexec_fn=limit, pass_fds=fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
         threading.Thread(target=lambda: [self.lines.append(line.rstrip()) for line in self.proc.stdout],
                          daemon=True).start()
         deadline = time.monotonic() + 60  # a bound for a hang: at load 14 a start took over 30 s

@@ -14,7 +14,6 @@ import pytest
 
 from conftest import free_port, gpuwarden_cmd
 from gpuwarden.proxy.body import Budget, Refusal
-from gpuwarden.serving.run.spec import HOLDING_LINES, RELEASED_LINE
 from test_proxy import HERE, Process, send
 from test_proxy_limits import closed_by_peer, metric, open_socket
 
@@ -32,10 +31,10 @@ class Rig:
         self.started.append(p)
         return p
 
-    def proxy(self, *args, nofile=None) -> Process:
+    def proxy(self, *args, nofile=None, word=False) -> Process:
         port = free_port()
         p = Process([*gpuwarden_cmd(), "proxy", "-c", "none", "--upstream", f"http://127.0.0.1:{self.up_port}",
-                     "--listen", f"127.0.0.1:{port}", *args], port, nofile=nofile)
+                     "--listen", f"127.0.0.1:{port}", *args], port, nofile=nofile, word=word)
         self.started.append(p)
         return p
 
@@ -464,30 +463,33 @@ def test_the_words_repeat_settles_two_that_came_together_in_either_order(rig):
 
 @pytest.mark.process
 @pytest.mark.parametrize("hold_s, answer", [("60", 0), ("0", 1)])
-def test_the_proxy_answers_a_stops_word_once_with_the_whole_line_the_daemon_waits_for(rig, hold_s, answer):
-    """The daemon sends the engine SIGTERM once the proxy said it holds (serving/run/fronts.py): one line per
-    stop, with or without a hold, however often the word comes (a storm of words is no flood of lines), and one
-    line that takes it back when told the engine is up."""
+def test_the_proxy_answers_a_stops_word_once_on_its_word_pipe(rig, hold_s, answer):
+    """The daemon sends the engine SIGTERM once the proxy said it holds (serving/run/fronts.py), on its word pipe
+    (serving/run/word.py), not in its log: one answer per stop, with or without a hold, however often the word comes
+    (a storm of words is no flood of answers), and one released when told the engine is up."""
     rig.engine()
-    proxy = rig.proxy("--hold-s", hold_s)
+    proxy = rig.proxy("--hold-s", hold_s, word=True)
+    word = proxy.word
 
-    def said():
-        return lines(proxy, "the engine stops for a planned restart")
+    def heard():
+        word.read()
+        return word.answers, word.released
 
     def storm():
         for _ in range(20):
             proxy.proc.send_signal(signal.SIGUSR1)
 
     storm()
-    wait_until(lambda: len(said()) == 1, 30, "the answer")
+    wait_until(lambda: heard() == (1, False), 30, "the answer")
     proxy.proc.send_signal(signal.SIGUSR2)  # the engine is back: the answer is taken back, the next stop answered anew
-    wait_until(lambda: lines(proxy, "the planned stop's word ends") == [RELEASED_LINE], 30, "the answer taken back")
-    wait_until(lambda: proxy.proc.send_signal(signal.SIGUSR1) or len(said()) == 2, 30, "the next stop's answer")
+    wait_until(lambda: heard() == (1, True), 30, "the answer taken back")
+    wait_until(lambda: proxy.proc.send_signal(signal.SIGUSR1) or heard() == (2, False), 30, "the next stop's answer")
     storm()
-    time.sleep(0.5)  # time for a line too many
-    assert said() == [HOLDING_LINES[answer]] * 2, said()
+    time.sleep(0.5)  # time for an answer too many
+    assert heard() == (2, False)
     proxy.proc.send_signal(signal.SIGUSR2)
     proxy.proc.send_signal(signal.SIGUSR2)  # the repeat takes back nothing more
-    wait_until(lambda: len(lines(proxy, "the planned stop's word ends")) == 2, 30, "the second taken back")
-    time.sleep(0.5)
-    assert lines(proxy, "the planned stop's word ends") == [RELEASED_LINE] * 2
+    wait_until(lambda: heard() == (2, True), 30, "the second taken back")
+    # and its log says it too, for people, in words the daemon does not read
+    said = lines(proxy, "the engine stops for a planned restart")
+    assert len(said) == 2 and ("no hold" in said[0]) == (answer == 1), said

@@ -290,15 +290,25 @@ class FakeOps:
         self.signals, self.uids, self.killed = [], {}, []
         self.sent = []  # every signal, to a group (killpg) or a process (kill), in order
         self.deaf = set()  # pids with no handler for any signal (catches)
+        self.word_ends = {}  # pid -> the write end of its word pipe (serving/run/word.py), as the child holds it
 
     def spawn(self, argv, env, user, on_line, pass_fds=()):
         if self.spawn_error is not None:
             raise self.spawn_error
         pid = 1000 + 10 * len(self.children)
         self.children.append((argv, env, user))
+        from gpuwarden.serving.run.word import WORD_ENV
+
+        if WORD_ENV in env:  # the child's copy of its end, which outlives the daemon's close of its own
+            assert int(env[WORD_ENV]) in pass_fds
+            self.word_ends[pid] = os.dup(int(env[WORD_ENV]))
         self.groups[pid] = [pid, pid + 1, pid + 2]  # API server, EngineCore, Worker
         on_line("INFO 11-26 [api_server.py:1] starting")
         return Child(pid, pid)
+
+    def say(self, pid, line: bytes):
+        """What the child writes on its word pipe (a word is one JSON line: word.say's)."""
+        os.write(self.word_ends[pid], line)
 
     def poll(self, child):
         return self.exit.get(child.pid)

@@ -7,8 +7,8 @@ A planned stop is told by the daemon (SIGUSR1: serving/run/supervisor.py): the e
 answering while it refuses new requests (vLLM 0.32 answers them 500), so from then on a new request is held without
 being sent, until the daemon says an engine is healthy (SIGUSR2) or /health is seen down and then up again. An
 engine that was never seen down within hold_s of the word was not restarted after all: requests go to it again.
-The proxy answers the word with a line the daemon waits for before the engine's SIGTERM (HOLDING_LINES), so that
-no request goes to an engine already shutting down.
+The proxy answers the word on its word pipe (serving/run/word.py), and the daemon waits for that answer before the
+engine's SIGTERM, so that no request goes to an engine already shutting down.
 
 A crash the daemon does not restart from (FATAL until SIGHUP, or HELD for its GPU) is told too (DOWN_SIGNAL): every
 held request and every new one is answered 503 with Retry-After (NOT_RESTARTING_RETRY_S) at once, and nothing is sent
@@ -33,7 +33,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from prometheus_client import Histogram
 
-from ..serving.run.spec import HOLDING_LINES, RELEASED_LINE
+from ..serving.run import word
 from .body import Refusal
 
 log = logging.getLogger("gpuwarden.proxy")
@@ -76,23 +76,27 @@ class Hold:
 
     def engine_stopping(self) -> None:
         """The daemon's word (SIGUSR1) that the engine begins a planned stop: hold every new request from now. The
-        line logged is the answer the daemon waits for before it sends the engine SIGTERM (HOLDING_LINES)."""
+        answer on the word pipe (serving/run/word.py) is what the daemon waits for before it sends the engine
+        SIGTERM; the line logged is for people."""
         if self.closing or self.planned or self._answered_off:  # each word comes twice (serving/run/fronts.py)
             return
         if not self.on:  # no hold: the answer alone, once until the engine is back
             self._answered_off = True
-            log.info("%s", HOLDING_LINES[1].removeprefix("INFO "))
+            word.say(word.NO_HOLD)
+            log.info("proxy: the engine stops for a planned restart: no hold (--hold-s 0), requests go on to it")
             return
         self.planned_since, self._seen_down = self.clock(), False
-        log.info("%s", HOLDING_LINES[0].removeprefix("INFO "))
+        word.say(word.HOLDING)
+        log.info("proxy: the engine stops for a planned restart: holding new requests while it drains")
         self._begin(self.planned_since)
 
     def engine_up(self) -> None:
         """The daemon's word (SIGUSR2) that an engine is healthy: the held requests go to it now. A stop's word
-        answered before is taken back in a line (RELEASED_LINE): this word can come just before it and be handled
-        after it, and the daemon then waits for the stop's word repeated (serving/run/fronts.py)."""
+        answered before is taken back (word.RELEASED): this word can come just before it and be handled after it,
+        and the daemon then waits for the stop's word repeated (serving/run/fronts.py)."""
         if self.planned or self._answered_off:
-            log.info("%s", RELEASED_LINE.removeprefix("INFO "))
+            word.say(word.RELEASED)
+            log.info("proxy: told the engine is up: the planned stop's word ends")
         if self.not_restarting:
             log.info("proxy: told the engine is healthy again: requests go to it")
         self.planned_since, self._answered_off, self.not_restarting = None, False, False

@@ -85,7 +85,8 @@ def start_serving(serving: ServingRuntime, launch, now: float, stored: dict[str,
     record = handover.load(serving.recorder.state_dir)
     reexec = os.environ.pop(HANDOVER_ENV, None) is not None
     if reexec and record is not None:  # this process's own fds, kept open across execv
-        fds = {f"child-{c.name}": c.fd for c in record.children if c.fd is not None}
+        fds = {f"{kind}-{c.name}": fd for c in record.children
+               for kind, fd in (("child", c.fd), ("word", c.word_fd)) if fd is not None}
     else:
         fds = stored
     if record is not None and record.stopping and not reexec:

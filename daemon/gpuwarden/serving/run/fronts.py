@@ -4,11 +4,11 @@ proxy holds them unsent), that an engine is healthy (UP_SIGNAL: the proxy sends 
 down and not restarted (DOWN_SIGNAL: FATAL until SIGHUP, or HELD for its GPU; the proxy answers 503 at once instead of
 holding requests for hold_s, and sends nothing to a port no engine of ours holds).
 
-The engine's SIGTERM waits for the fronts told of its stop to answer (one of HOLDING_LINES in their output, not
-taken back by RELEASED_LINE since) or to be gone, HEAR_S at most: a request a front forwards after the SIGTERM
+The engine's SIGTERM waits for the fronts told of its stop to answer (holding or no-hold on their word pipe,
+word.py, not taken back by released since) or to be gone, HEAR_S at most: a request a front forwards after the SIGTERM
 meets vLLM 0.32 shutting down, which answers it 200 with no tokens (a busy box can run the proxy late, after both
-went in one tick). A front whose output the daemon does not read (adopted after an upgrade) or that never
-answers costs a stop HEAR_S. An engine that ends meanwhile is stopped at once, not restarted (supervisor.py).
+went in one tick). A front whose word pipe the daemon has not (adopted without one kept) or that never answers
+costs a stop HEAR_S. An engine that ends meanwhile is stopped at once, not restarted (supervisor.py).
 
 Two signals pending at once are handled in no set order (a stop's word can be overtaken by the last word of health),
 so each word goes to each front twice, a tick apart, and the proxy
@@ -46,7 +46,7 @@ class FrontWord:
         answer (a front was told)."""
         self.planned = True
         told = self._tell(fronts, STOPPING_SIGNAL)
-        self._asked = {front.name: (front.child.pid, front.output.answers) for front in told}
+        self._asked = {front.name: (front.child.pid, _answers(front)) for front in told}
         self._until = now + HEAR_S if told else None
         return bool(told)
 
@@ -57,7 +57,7 @@ class FrontWord:
             return True
         running = {front.name: front for front in fronts if front.state == "RUNNING"}
         silent = [name for name, (pid, before) in self._asked.items() if name in running
-                  and running[name].child.pid == pid and not _holds(running[name].output, before)]
+                  and running[name].child.pid == pid and not _holds(running[name].word, before)]
         if silent and now < self._until:
             return False
         if silent:
@@ -94,7 +94,12 @@ class FrontWord:
         return told
 
 
-def _holds(output, before: int) -> bool:
+def _answers(front) -> int:
+    return front.word.answers if front.word is not None else 0
+
+
+def _holds(word, before: int) -> bool:
     """The front answered since the word (more answers than before), and no word that the engine is up, handled
-    after the stop's, took it back (RELEASED_LINE): the word's repeat a tick later is answered anew."""
-    return output.answers > before and not output.released
+    after the stop's, took it back (word.RELEASED): the word's repeat a tick later is answered anew. No word pipe:
+    no answer."""
+    return word is not None and word.answers > before and not word.released

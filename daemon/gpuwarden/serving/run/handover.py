@@ -50,6 +50,7 @@ class Recorded:
     # (serve.env, serve.gpus' CUDA_VISIBLE_DEVICES, the credentials) replaces it. None: not recorded (an older
     # daemon's record), not compared.
     env_sha256: str | None = None
+    word_fd: int | None = None  # a front's word pipe's read end (serving/run/word.py), as fd above (re-exec only)
 
 
 @dataclass(frozen=True)
@@ -177,10 +178,14 @@ class Recorder:
         old = {c.name: c for c in (self.recorded.children if self.recorded else ())}
         if self.keep_fd is not None:
             for entry in record.children:
-                if old.get(entry.name) != entry and entry.fd is not None:
-                    self.keep_fd(f"child-{entry.name}", entry.fd)
+                if old.get(entry.name) != entry:
+                    for kind, fd in (("child", entry.fd), ("word", entry.word_fd)):
+                        if fd is not None:
+                            self.keep_fd(f"{kind}-{entry.name}", fd)
             for name in set(old) - {c.name for c in record.children}:
                 self.keep_fd(f"child-{name}", None)
+                if old[name].word_fd is not None:
+                    self.keep_fd(f"word-{name}", None)
         save(self.state_dir, record)
         self.recorded = record
 
@@ -191,8 +196,9 @@ class Recorder:
     def for_exec(self) -> Record:
         """The record as it stands, its pipes made inheritable: what a re-executed image needs."""
         for entry in self.recorded.children:
-            if entry.fd is not None:
-                os.set_inheritable(entry.fd, True)
+            for fd in (entry.fd, entry.word_fd):
+                if fd is not None:
+                    os.set_inheritable(fd, True)
         return self.recorded
 
 
@@ -220,7 +226,8 @@ def load(state_dir: Path | None) -> Record | None:
         children = tuple(Recorded(str(c["name"]), int(c["pid"]), int(c["start_ticks"]), int(c["uid"]),
                                   str(c["argv_sha256"]), None if c.get("fd") is None else int(c["fd"]),
                                   c.get("starting") if isinstance(c.get("starting"), bool) else None,
-                                  c["env_sha256"] if isinstance(c.get("env_sha256"), str) else None)
+                                  c["env_sha256"] if isinstance(c.get("env_sha256"), str) else None,
+                                  None if c.get("word_fd") is None else int(c["word_fd"]))
                          for c in doc["children"])
         return Record(children, bool(doc.get("stopping", False)), bool(doc.get("keep", False)))
     except smallfile.Unreadable as exc:

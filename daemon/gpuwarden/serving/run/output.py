@@ -1,6 +1,6 @@
 """A child's output, line by line: logged at the level the child gave it (the child's kind knows its format:
-ChildSpec.log_level), and its last error lines kept for the FATAL line and for telling a lost port; a front's
-answers to the engine's stop counted."""
+ChildSpec.log_level), and its last error lines kept for the FATAL line and for telling a lost port. Text for
+people: the daemon reads no word of a child's from it (a front's answers come on its word pipe: word.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ import re
 from collections import deque
 from collections.abc import Callable
 
-from .spec import HOLDING_LINES, RELEASED_LINE
-
 log = logging.getLogger("gpuwarden")
 
 
@@ -18,16 +16,9 @@ class ChildOutput:
     def __init__(self, name: str, level_of: Callable[[str], int | None]):
         self.name, self.level_of = name, level_of
         self.error_lines: deque[str] = deque(maxlen=10)
-        self.answers = 0  # whole lines that answer the engine's stop (a front's: serving/run/fronts.py)
-        self.released = False  # the last of those lines, or of RELEASED_LINE, was RELEASED_LINE
         self._last_level = logging.INFO
 
     def on_line(self, line: str) -> None:
-        if line in HOLDING_LINES:
-            self.released = False
-            self.answers += 1
-        elif line == RELEASED_LINE:
-            self.released = True
         level = self.level_of(line)
         if level is not None:
             self._last_level = level

@@ -59,6 +59,7 @@ class Child:
     process: subprocess.Popen | None = None  # None: adopted from an earlier daemon (serving/run/handover.py)
     start_ticks: int | None = None  # /proc's starttime: what proves a PID is still this child
     output_fd: int | None = None  # the read end of its output pipe, kept across a handover
+    word_fd: int | None = None  # a front's word pipe's read end (word.py), kept across a handover
 
 
 class _Group(subprocess.Popen):

@@ -33,6 +33,7 @@ from .leftovers import Leftovers
 from .processes import ProcessOps
 from .spec import ChildSpec, other_drain
 from ..probe.stall import Progress, StallWatch
+from .word import close_word, kept_word
 from .supervisor import BACKOFF, FATAL, HELD, RUNNING, STARTING, STOPPING, Program, ServingView, Supervisor
 
 log = logging.getLogger("gpuwarden")
@@ -171,12 +172,22 @@ class ServingRuntime:
         for entry in adoptable.children if adoptable is not None else ():
             program = named.pop(entry.name, None)
             fd = fds.pop(f"child-{entry.name}", None)
+            word_fd = kept_word(fds.pop(f"word-{entry.name}", None), entry)
             if program is None:
+                close_word(word_fd)
                 self.leftovers.stop(entry, fd, now, launch.config.serve.stop_timeout_s, "not in this config")
                 continue
             child = self.ops.adopt(entry, fd, program.on_line)
             if child is None:
+                close_word(word_fd)
                 continue
+            if program.spec.fronts_engine:
+                if word_fd is None:  # an older gpuwarden's front, or a pipe not kept: said, and waited for at most
+                    log.info("%s (pid %d): adopted without its word pipe: its answers to a planned stop are not "
+                             "heard until it restarts (a stop waits HEAR_S for it)", program.title, child.pid)
+                program.listen_to(child, word_fd)
+            else:
+                close_word(word_fd)
             program.adopt(child, now, handover.started_wall(entry.start_ticks), how, entry.starting)
             if (entry.argv_sha256, entry.uid) != (handover.argv_digest(program.spec.argv), program.identity.uid) \
                     or entry.env_sha256 not in (None, handover.env_digest(program.spec.env)):
@@ -221,7 +232,8 @@ class ServingRuntime:
             if child is not None and child.start_ticks is not None:
                 running.append(handover.Recorded(program.name, child.pid, child.start_ticks, program.identity.uid,
                                                  handover.argv_digest(program.spec.argv), child.output_fd,
-                                                 program.state == STARTING, handover.env_digest(program.spec.env)))
+                                                 program.state == STARTING, handover.env_digest(program.spec.env),
+                                                 child.word_fd))
         running += self.leftovers.recorded  # not adopted, but theirs to end until gone
         self.leftovers.uids.update(c.uid for c in running)
         self.recorder.update(running, self._stopping)

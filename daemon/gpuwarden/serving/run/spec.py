@@ -54,13 +54,7 @@ STOPPING_SIGNAL, UP_SIGNAL = signal.SIGUSR1, signal.SIGUSR2
 # ... and that the engine is down and not restarted until someone acts (FATAL: SIGHUP; HELD: its GPU's action): the
 # proxy answers new and held requests 503 with Retry-After at once, and sends nothing, until told an engine is healthy.
 DOWN_SIGNAL = signal.SIGRTMIN
-# A front's answer to STOPPING_SIGNAL, a whole line of its output ("LEVEL message"): it holds new requests, or has no
-# hold, so the engine's SIGTERM may go (serving/run/fronts.py). Anything else it prints is no answer.
-HOLDING_LINES = ("INFO proxy: the engine stops for a planned restart: holding new requests while it drains",
-                 "INFO proxy: the engine stops for a planned restart: no hold (--hold-s 0), requests go on to it")
-# ... and its word that an answer no longer stands: told the engine is up (UP_SIGNAL), which it can handle after
-# a stop's word sent just after it (two signals pending at once come in no set order).
-RELEASED_LINE = "INFO proxy: told the engine is up: the planned stop's word ends"
+# A front answers STOPPING_SIGNAL on its word pipe (serving/run/word.py), not in its output.
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import re
 import signal
 import time
@@ -44,6 +45,7 @@ from .preflight import Remains, preflight
 from .processes import UNSEEN_EXIT, Child, ProcessOps
 from .fronts import HEAR_S, FrontWord
 from .holding import Holding
+from .word import WORD_ENV, WordReader, make_pipe
 from .stopping import Stopping
 from .spec import ChildSpec
 from .states import BACKOFF, EXITED, FATAL, HELD, RUNNING, STARTING, STATES, STOPPED, STOPPING  # noqa: F401 (theirs)
@@ -167,6 +169,7 @@ class Program:
         self.drain = DrainLog(self.title, spec.drain_s, drains)  # what a planned stop let finish (drains.py)
         self.stopping = Stopping(self)  # its planned stop, a timed state (stopping.py)
         self.holding = Holding(self)  # its hold for a GPU's action, and the release (holding.py)
+        self.word: WordReader | None = None  # a front's word back (its answers to the engine's stop: word.py)
 
     # -- the state, read through the phase ----------------------------------------------
     state = _of_phase("state")  # str
@@ -225,23 +228,40 @@ class Program:
             return
         self.error_lines.clear()
         spec = self.spec
+        env, fds, ends = dict(spec.env), (), None
         try:
-            if spec.listener:  # the daemon's kept socket (bound by preflight): the child serves on it. Its number
-                # goes in the environment: the argv stays the spec's, which the record for adoption holds.
+            # Numbers in the environment, not the argv: the argv stays the spec's, which the record for adoption holds.
+            if spec.listener:  # the daemon's kept socket (bound by preflight): the child serves on it
                 fd = self.ops.listen(spec.listener, spec.host, spec.port)
-                child = self.ops.spawn(spec.argv, {**spec.env, CHILD_ENV: str(fd)}, self.identity, self.on_line,
-                                       pass_fds=(fd,))
-            else:
-                child = self.ops.spawn(spec.argv, dict(spec.env), self.identity, self.on_line)
+                env[CHILD_ENV], fds = str(fd), (fd,)
+            if spec.fronts_engine:  # its word back to the daemon, on a pipe of its own (word.py)
+                ends = make_pipe()
+                env[WORD_ENV], fds = str(ends[1]), (*fds, ends[1])
+            try:
+                child = self.ops.spawn(spec.argv, env, self.identity, self.on_line, pass_fds=fds)
+            finally:
+                if ends is not None:
+                    os.close(ends[1])  # the child's end: the daemon keeps only the one it reads
         except (OSError, ValueError, TypeError) as exc:  # missing binary, unreadable venv, NUL byte, ...
+            if ends is not None:
+                os.close(ends[0])
             self._failed(now, f"{self.title} could not be started: {_describe_error(exc)}")
             return
+        self.listen_to(child, ends[0] if ends is not None else None)
         self._probe.discard()
         self.policy.spawned()
         profile = f", profile {spec.profile}" if spec.profile else ""
         self.enter(STARTING, f"{self.title} starting (pid {child.pid}{profile}, user {self.identity.name}): "
                                    + " ".join(redact_argv(spec.argv)), since=now, child=child, started=now,
                          started_wall=time.time())
+
+    def listen_to(self, child: Child, word_fd: int | None) -> None:
+        """The child's word pipe (word.py), read each tick from now on; None: it has none (not a front, or adopted
+        without one kept: its answers are not heard, and a stop waits HEAR_S for it)."""
+        if self.word is not None:
+            self.word.close()
+        child.word_fd = word_fd
+        self.word = WordReader(word_fd) if word_fd is not None else None
 
     def adopt(self, child: Child, now: float, started_wall: float, how: str, starting: bool | None = False) -> None:
         """Take over a running child an earlier daemon started (serving/run/handover.py proved it ours). One that
@@ -265,6 +285,8 @@ class Program:
                          next_probe=now)
 
     def tick(self, now: float) -> None:
+        if self.word is not None:
+            self.word.read()
         if self.state != STOPPING:
             self.remains.confirm_gone()
         if self.state == BACKOFF and now >= self.phase.retry_at:
