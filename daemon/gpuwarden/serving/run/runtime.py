@@ -33,6 +33,7 @@ from .leftovers import Leftovers
 from .processes import ProcessOps
 from .spec import ChildSpec, other_drain
 from ..probe.stall import Progress, StallWatch
+from .takeover import take_over
 from .word import close_word, kept_word
 from .supervisor import BACKOFF, FATAL, HELD, RUNNING, STARTING, STOPPING, Program, ServingView, Supervisor
 
@@ -168,33 +169,16 @@ class ServingRuntime:
         self.reader, self.stall_watch = watchers(launch, self.clock)
         named = {p.name: p for p in programs}
         fds = dict(fds or {})  # each pipe is taken once
-        changed, stale = False, set()  # stale: adopted children whose command, environment or user changed since their start
+        stale = set()  # adopted children whose command, environment or user changed since their start
         for entry in adoptable.children if adoptable is not None else ():
             program = named.pop(entry.name, None)
-            fd = fds.pop(f"child-{entry.name}", None)
-            word_fd = kept_word(fds.pop(f"word-{entry.name}", None), entry)
+            fd, word_fd = fds.pop(f"child-{entry.name}", None), kept_word(fds.pop(f"word-{entry.name}", None))
             if program is None:
                 close_word(word_fd)
                 self.leftovers.stop(entry, fd, now, launch.config.serve.stop_timeout_s, "not in this config")
-                continue
-            child = self.ops.adopt(entry, fd, program.on_line)
-            if child is None:
-                close_word(word_fd)
-                continue
-            if program.spec.fronts_engine:
-                if word_fd is None:  # an older gpuwarden's front, or a pipe not kept: said, and waited for at most
-                    log.info("%s (pid %d): adopted without its word pipe: its answers to a planned stop are not "
-                             "heard until it restarts (a stop waits HEAR_S for it)", program.title, child.pid)
-                program.listen_to(child, word_fd)
-            else:
-                close_word(word_fd)
-            program.adopt(child, now, handover.started_wall(entry.start_ticks), how, entry.starting)
-            if (entry.argv_sha256, entry.uid) != (handover.argv_digest(program.spec.argv), program.identity.uid) \
-                    or entry.env_sha256 not in (None, handover.env_digest(program.spec.env)):
-                log.info("%s's command, environment or user changed since it was started: replacing it, as a reload "
-                         "would", program.title)
-                changed = True
+            elif take_over(program, entry, fd, word_fd, now, how) is False:
                 stale.add(program.name)
+        changed = bool(stale)
         self.children.start(now)  # the programs not adopted
         sides = {spec.name: spec for spec in launch.sides}
         if changed and stale <= set(sides):

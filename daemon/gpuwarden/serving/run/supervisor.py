@@ -228,26 +228,12 @@ class Program:
             return
         self.error_lines.clear()
         spec = self.spec
-        env, fds, ends = dict(spec.env), (), None
         try:
-            # Numbers in the environment, not the argv: the argv stays the spec's, which the record for adoption holds.
-            if spec.listener:  # the daemon's kept socket (bound by preflight): the child serves on it
-                fd = self.ops.listen(spec.listener, spec.host, spec.port)
-                env[CHILD_ENV], fds = str(fd), (fd,)
-            if spec.fronts_engine:  # its word back to the daemon, on a pipe of its own (word.py)
-                ends = make_pipe()
-                env[WORD_ENV], fds = str(ends[1]), (*fds, ends[1])
-            try:
-                child = self.ops.spawn(spec.argv, env, self.identity, self.on_line, pass_fds=fds)
-            finally:
-                if ends is not None:
-                    os.close(ends[1])  # the child's end: the daemon keeps only the one it reads
+            child, word_fd = _spawn(spec, self.ops, self.identity, self.on_line)
         except (OSError, ValueError, TypeError) as exc:  # missing binary, unreadable venv, NUL byte, ...
-            if ends is not None:
-                os.close(ends[0])
             self._failed(now, f"{self.title} could not be started: {_describe_error(exc)}")
             return
-        self.listen_to(child, ends[0] if ends is not None else None)
+        self.listen_to(child, word_fd)
         self._probe.discard()
         self.policy.spawned()
         profile = f", profile {spec.profile}" if spec.profile else ""
@@ -547,6 +533,29 @@ class Supervisor:
 
     def views(self) -> tuple[ServingView, ...]:
         return tuple(p.view() for p in self.programs.values())
+
+
+def _spawn(spec: ChildSpec, ops: ProcessOps, identity, on_line) -> tuple[Child, int | None]:
+    """Start spec's child: (the child, its word pipe's read end or None). Numbers go in the environment, not the
+    argv: the argv stays the spec's, which the record for adoption holds. Raises what ops.spawn raises, nothing left
+    open."""
+    env, fds, ends = dict(spec.env), (), None
+    if spec.listener:  # the daemon's kept socket (bound by preflight): the child serves on it
+        fd = ops.listen(spec.listener, spec.host, spec.port)
+        env[CHILD_ENV], fds = str(fd), (fd,)
+    if spec.fronts_engine:  # its word back to the daemon, on a pipe of its own (word.py)
+        ends = make_pipe()
+        env[WORD_ENV], fds = str(ends[1]), (*fds, ends[1])
+    try:
+        child = ops.spawn(spec.argv, env, identity, on_line, pass_fds=fds)
+    except BaseException:
+        if ends is not None:
+            os.close(ends[0])
+        raise
+    finally:
+        if ends is not None:
+            os.close(ends[1])  # the child's end: the daemon keeps only the one it reads
+    return child, ends[0] if ends is not None else None
 
 
 def _duration(seconds: float) -> str:

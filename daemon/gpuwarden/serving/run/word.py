@@ -38,7 +38,7 @@ def say(word: str, environ: Mapping[str, str] = os.environ) -> bool:
         return False
 
 
-def kept_word(fd: int | None, entry) -> int | None:
+def kept_word(fd: int | None) -> int | None:
     """A word pipe's read end a handover kept (inherited, or from systemd's fd store), if it is one: a FIFO past the
     standard streams, made non-blocking and close-on-exec; else None (one that is not a pipe said)."""
     if fd is None:
@@ -49,8 +49,8 @@ def kept_word(fd: int | None, entry) -> int | None:
         os.set_blocking(fd, False)
         os.set_inheritable(fd, False)
     except OSError as exc:
-        log.warning("%s (pid %d): its word pipe was not kept (%s): its answers are not heard until it restarts",
-                    entry.name, entry.pid, exc.strerror)
+        log.warning("a word pipe handed over is not one (%s): that front's answers are not heard until it restarts",
+                    exc.strerror)
         return None
     return fd
 
