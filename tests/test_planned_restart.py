@@ -301,6 +301,29 @@ def test_a_reload_that_restarts_the_engine_fails_no_request_through_the_proxy(wr
 
 
 @pytest.mark.process
+def test_the_proxys_word_pipe_is_kept_across_a_handover(write, fake, daemons, proxy_daemon, passable_state,
+                                                        no_fakes_left):
+    """A re-exec (SIGUSR2) keeps the proxy's word pipe as it keeps its output pipe: after it, a reload that restarts
+    the engine still waits for the proxy's word and gets it (no "did not say", no pipe said lost)."""
+    path, base, port, proxy_port = with_proxy(write, fake)
+    command, env = proxy_daemon
+    d = daemons(path, command=command, env=dict(env, STATE_DIRECTORY=str(passable_state)))
+    d.wait_for("vLLM healthy after", timeout=30)
+    d.wait_for("the proxy healthy after", timeout=30)
+    mark = len(d.lines)
+    d.proc.send_signal(signal.SIGUSR2)
+    d.wait_for("the proxy adopted after an upgrade (re-exec, same daemon pid)", after=mark, timeout=60)
+    path.write_text(path.read_text().replace("  drain_s: 10\n", '  drain_s: 10\n  args: [--max-num-seqs, "4"]\n'))
+    d.proc.send_signal(signal.SIGHUP)
+    d.wait_for("proxy: the engine stops for a planned restart: holding", after=mark, timeout=30)
+    d.wait_for("vLLM stopping: SIGTERM", after=mark, timeout=30)
+    d.wait_for("vLLM healthy after", after=mark, timeout=60)
+    after = "\n".join(d.lines[mark:])
+    assert "did not say" not in after and "without its word pipe" not in after, after
+    assert d.stop() == 0
+
+
+@pytest.mark.process
 def test_the_proxys_word_survives_a_change_of_its_log_wording(write, fake, daemons, proxy_daemon, no_fakes_left):
     """The proxy's log lines are for people. Every line its hold logs reworded (a copy of the package whose
     proxy/hold.py says other words), a reload that restarts the engine still sends its SIGTERM once the proxy has
