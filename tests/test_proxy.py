@@ -182,10 +182,16 @@ def test_the_verbose_flag_is_refused_and_spaces_in_braces_still_count():
     for verbose in ("(?x)[ab]{99999 }", "(?ix)a", "(?x-i:a{5})", "b(?x)c", "(?#[)(?x)[ab]{9#c\n9999}"):
         with pytest.raises(ValueError, match=r"the verbose flag \(\?x\) is not taken here"):
             compile_pattern(verbose)
+    # Attacker 7's finding 3: `regex` reads an escaped ")" as part of a comment, which ended the scanner's comment
+    # early, and a "[" after it hid 514 MB of repeats. Comments are refused; the scanner reads escapes in them too.
+    for commented in (r"(?#\)[)(?:\w{1000}){2000}(?#])", "a(?#note)b"):
+        with pytest.raises(ValueError, match=r"an inline comment \(\?#\.\.\.\) is not taken here"):
+            compile_pattern(commented)
+    assert repeats(r"(?#\)[)(?:\w{1000}){2000}(?#])") > 2_000_000
     assert repeats("a{ 99999 }") == 99999 and repeats("a{5 , 6}") == 6
     # a comment is read as `regex` reads it, to its first ")": a "[" in it opens no class that hides what follows
     assert repeats("(?#[)(?:a{99999}){99999}(?#])") > 10**9 and repeats("(?#x)a{3}") == 3
-    for fine in ("(?i)abc", "(?P<x>a)", "(?<=x)a", "(?#x)a", r"\(?x"):
+    for fine in ("(?i)abc", "(?P<x>a)", "(?<=x)a", r"[(?#]a", r"\(?x"):
         compile_pattern(fine)
 
 

@@ -51,6 +51,9 @@ def compile_pattern(text: str, spent: int = 0) -> regex.Pattern:
     if _verbose(text):
         raise ValueError("the verbose flag (?x) is not taken here: write the pattern without it (its spaces and "
                          "comments would hide how many copies its counted repeats make)")
+    if _commented(text):
+        raise ValueError("an inline comment (?#...) is not taken here: write the pattern without it (where it "
+                         "ends is read differently by regular-expression engines, which could hide its repeats)")
     copies = repeats(text)
     if spent + copies > MAX_REPEATS:
         before = f" (with the {spent:,} of the patterns before it)" if spent else ""
@@ -120,10 +123,27 @@ def _verbose(text: str) -> bool:
     return False
 
 
+def _commented(text: str) -> bool:
+    """Whether an inline comment opens outside a class and an escape."""
+    i = 0
+    while i < len(text):
+        if text[i] == "\\":
+            i += 2
+        elif text[i] == "[":
+            i = _class_end(text, i)
+        elif text.startswith("(?#", i):
+            return True
+        else:
+            i += 1
+    return False
+
+
 def _comment_end(text: str, i: int) -> int:
-    """Past the comment that opens at text[i] ("(?#"): its first ")" ends it, whatever precedes it."""
-    end = text.find(")", i + 3)
-    return len(text) if end < 0 else end + 1
+    """Past the comment that opens at text[i] ("(?#"): its first ")" not escaped ends it, as `regex` reads one."""
+    j = i + 3
+    while j < len(text) and text[j] != ")":
+        j += 2 if text[j] == "\\" else 1
+    return min(j + 1, len(text))
 
 
 def _class_end(text: str, i: int) -> int:
