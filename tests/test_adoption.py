@@ -129,6 +129,7 @@ def test_a_handover_while_the_engine_loads_waits_for_its_health_and_never_probes
     d.proc.send_signal(signal.SIGUSR2)
     line = d.wait_for("adopted after an upgrade (re-exec, same daemon pid)", after=mark, timeout=30)
     assert f"pid {pid}, up " in line and "still starting" in line
+    wait_until(lambda: engine_of(base)[0], timeout=30)  # the new image's first snapshot (its /status had none yet)
     assert engine_of(base) == ("STARTING", pid)
     d.wait_for("vllm: INFO fakechild tick", after=len(d.lines), timeout=10)  # the new image reads its output
     os.kill(pid, signal.SIGUSR1)  # the model loaded
