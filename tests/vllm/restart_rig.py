@@ -246,8 +246,11 @@ serve:
             if self.proc.poll() is not None:
                 break
             time.sleep(0.1)
-        raise AssertionError(f"{text!r} not logged within {timeout:g} s; the log's end:\n" +
-                             "\n".join(self.lines[-60:]))
+        # The daemon's own lines since `after` first: the engine's statistics every 10 s fill the log's end, and a
+        # reload that never comes to a restart says why in them (the parser's check, a refusal, the word).
+        own = [line for line in self.lines[after:] if " vllm: " not in line and " GPU0 " not in line][-60:]
+        raise AssertionError(f"{text!r} not logged within {timeout:g} s; the daemon's own lines since:\n" +
+                             "\n".join(own) + "\n... and the log's end:\n" + "\n".join(self.lines[-20:]))
 
     def stop(self) -> int:
         self.stop_clients()
