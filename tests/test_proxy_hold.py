@@ -490,6 +490,8 @@ def test_the_proxy_answers_a_stops_word_once_on_its_word_pipe(rig, hold_s, answe
     proxy.proc.send_signal(signal.SIGUSR2)
     proxy.proc.send_signal(signal.SIGUSR2)  # the repeat takes back nothing more
     wait_until(lambda: heard() == (2, True), 30, "the second taken back")
-    # and its log says it too, for people, in words the daemon does not read
+    # and its log says it too, for people, in words the daemon does not read (its log comes on another stream, read
+    # by another thread: it may come after the word)
+    wait_until(lambda: len(lines(proxy, "the engine stops for a planned restart")) >= 2, 30, "the answers logged")
     said = lines(proxy, "the engine stops for a planned restart")
     assert len(said) == 2 and ("no hold" in said[0]) == (answer == 1), said
