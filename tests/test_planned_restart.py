@@ -300,6 +300,16 @@ def test_a_reload_that_restarts_the_engine_fails_no_request_through_the_proxy(wr
     assert d.stop() == 0
 
 
+def reload_restarting_the_engine(d, path, mark, held_line):
+    """A reload whose new flags restart the engine: the proxy says it holds (held_line in the daemon's log), then the
+    engine's SIGTERM, then the new engine healthy."""
+    path.write_text(path.read_text().replace("  drain_s: 10\n", '  drain_s: 10\n  args: [--max-num-seqs, "4"]\n'))
+    d.proc.send_signal(signal.SIGHUP)
+    d.wait_for(held_line, after=mark, timeout=30)
+    d.wait_for("vLLM stopping: SIGTERM", after=mark, timeout=30)
+    d.wait_for("vLLM healthy after", after=mark, timeout=60)
+
+
 @pytest.mark.process
 def test_the_proxys_word_pipe_is_kept_across_a_handover(write, fake, daemons, proxy_daemon, passable_state,
                                                         no_fakes_left):
@@ -313,11 +323,7 @@ def test_the_proxys_word_pipe_is_kept_across_a_handover(write, fake, daemons, pr
     mark = len(d.lines)
     d.proc.send_signal(signal.SIGUSR2)
     d.wait_for("the proxy adopted after an upgrade (re-exec, same daemon pid)", after=mark, timeout=60)
-    path.write_text(path.read_text().replace("  drain_s: 10\n", '  drain_s: 10\n  args: [--max-num-seqs, "4"]\n'))
-    d.proc.send_signal(signal.SIGHUP)
-    d.wait_for("proxy: the engine stops for a planned restart: holding", after=mark, timeout=30)
-    d.wait_for("vLLM stopping: SIGTERM", after=mark, timeout=30)
-    d.wait_for("vLLM healthy after", after=mark, timeout=60)
+    reload_restarting_the_engine(d, path, mark, "proxy: the engine stops for a planned restart: holding")
     after = "\n".join(d.lines[mark:])
     assert "did not say" not in after and "without its word pipe" not in after, after
     assert d.stop() == 0
@@ -351,11 +357,7 @@ def test_the_proxys_word_survives_a_change_of_its_log_wording(write, fake, daemo
         d.wait_for("vLLM healthy after", timeout=30)
         d.wait_for("the proxy healthy after", timeout=30)
         mark = len(d.lines)
-        path.write_text(path.read_text().replace("  drain_s: 10\n", '  drain_s: 10\n  args: [--max-num-seqs, "4"]\n'))
-        d.proc.send_signal(signal.SIGHUP)
-        d.wait_for("proxy: STOP HEARD, WORDS CHANGED: keeping requests back", after=mark, timeout=30)
-        d.wait_for("vLLM stopping: SIGTERM", after=mark, timeout=30)
-        d.wait_for("vLLM healthy after", after=mark, timeout=60)
+        reload_restarting_the_engine(d, path, mark, "proxy: STOP HEARD, WORDS CHANGED: keeping requests back")
         after = "\n".join(d.lines[mark:])
         assert "did not say" not in after and "the engine stops for a planned restart" not in after, after
         assert d.stop() == 0
