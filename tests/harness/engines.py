@@ -8,16 +8,20 @@ the count goes to the test running at that moment (tests/harness/tiers.py), and 
 
 from __future__ import annotations
 
+import os
 import re
 from collections import defaultdict
 
-REAL_START = re.compile(r" starting \(pid \d+[^)]*\): \S+ (-m vllm\.entrypoints\.|\S*vllm_cli\.py serve)")
+REAL_START = re.compile(r" starting \(pid \d+[^)]*\): (\S+) (-m vllm\.entrypoints\.|\S*vllm_cli\.py serve)")
+# Only the CPU vLLM's own interpreter (tests/run's GPUWARDEN_VLLM_VENV) runs the real one: a planted fake `vllm`
+# package on the same entry point (tests/test_privilege.py) is no engine start.
+VENV = os.environ.get("GPUWARDEN_VLLM_VENV", "/opt/gpuwarden-test/venv-vllm").rstrip("/") + "/"
 COUNTS: dict[str | None, int] = defaultdict(int)
 current = None  # set by the tier plugin: a callable giving the running test's id
 
 
 def seen(line: str) -> None:
-    if REAL_START.search(line):
+    if (found := REAL_START.search(line)) and found.group(1).startswith(VENV):
         COUNTS[current() if current else None] += 1
 
 

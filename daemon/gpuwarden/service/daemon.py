@@ -225,7 +225,7 @@ class Daemon:
         except Exception as exc:
             self._error_once(f"health record: {type(exc).__name__}: {exc}")
         self.heartbeat.published(snapshot.published_at)
-        if self.server is not None:
+        if self.metrics.renders:
             self.exposition.published()
         status = snapshot.summary_line(numbers=False)  # the state, not this poll's readings
         status += self.metrics.held_note()  # while another process holds the port

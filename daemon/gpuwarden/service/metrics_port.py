@@ -120,6 +120,12 @@ class MetricsPort:
             return
         self.notifier.keep_fd("metrics", self.server.listener.fileno())  # systemd ignores one it holds already
 
+    @property
+    def renders(self) -> bool:
+        """Whether each poll's snapshot is rendered for /metrics: while served, and while the port is held too, so
+        that the first scrape once it is free reads the GPUs (the last poll's body), not an empty registry."""
+        return self.server is not None or self.held_since is not None
+
     def serve(self, now: float) -> None:
         """Start the metrics server made by _bind, write the URL for `gpuwarden status`, and say so."""
         if self.server is None:
