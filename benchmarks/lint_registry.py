@@ -6,16 +6,19 @@ its recall over the traps judged visible before the start, and its false finding
 The traps, their classification and the launches are tests/minefield_cases.yaml (its comments say how each case is
 built). Every case's launch goes through compose(), as `gpuwarden profiles show` runs it, in-process: the engine's
 argv from the config (profile generic or sglang-generic), the simulated GPUs of the case's scenario, the installed
-versions given as the installed-versions probe would answer them (no engine Python is asked), and a local model's
-config.json and headers written to a temporary directory and read by the same reader as a real one.
+versions given as the installed-versions probe would answer them (no engine Python is asked), and the model's
+config.json and headers written where the registry's launch reads them: in the serving user's Hugging Face cache
+(HF_HOME) under the registry's id, or a local directory where the launch names one; read by the same reader as a
+real one.
 
 It prints the registry version the cases were judged against; the counts of visible, not-visible and out-of-scope
 traps; recall (visible traps whose own launch draws a finding naming the trap, over the visible traps) with every
-miss; the near misses (the launch with one of the trap's documented workarounds, otherwise the same) that draw any
-finding, with the rule, and those whose finding names their own trap.
+miss; the near misses (the launch with one of the trap's documented workarounds, otherwise the same) that draw a
+warning or an error, with the rule, and those whose finding names their own trap. A finding at info level (rules not
+judged for want of a fact: a model in no cache) is no flag; their count is printed.
 
 --smoke runs the first few cases only (for CI) and fails only on a crash; --check exits 1 when recall is below
-0.9 or any near miss draws a finding. Without either, it measures and exits 0.
+0.9 or any near miss draws a warning or an error. Without either, it measures and exits 0.
 """
 
 from __future__ import annotations
@@ -56,6 +59,36 @@ def write_model(folder: Path, spec: dict) -> Path:
     return folder
 
 
+def write_hub(home: Path, repo_id: str, spec: dict) -> Path:
+    """The model of spec in a Hugging Face cache under home (an HF_HOME), as huggingface_hub lays one out: the
+    snapshot's files links into blobs/, refs/main naming the snapshot. Returns home."""
+    commit = "5" * 40
+    repo = home / "hub" / ("models--" + repo_id.replace("/", "--"))
+    written = write_model(repo / "blobs-src", spec)
+    (repo / "blobs").mkdir()
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    for file in sorted(written.iterdir()):
+        blob = repo / "blobs" / f"{commit[:8]}-{file.name}"
+        file.rename(blob)
+        (repo / "snapshots" / commit / file.name).symlink_to(f"../../blobs/{blob.name}")
+    written.rmdir()
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    return home
+
+
+def model_of(run: dict, tmp: Path) -> tuple[str, dict]:
+    """(serve.model, serve.env) of a launch: the registry's Hugging Face id with the model in the serving user's
+    cache (HF_HOME) where the case gives one, else a local directory where the trap's launch used one, else the
+    model as named (the engine would download it: its config.json facts are unknown)."""
+    env = {k: str(v) for k, v in run.get("env", {}).items()}
+    if "model_dir" not in run:
+        return run.get("model"), env
+    if "hf_id" in run:
+        return run["hf_id"], {**env, "HF_HOME": str(write_hub(tmp / "hf", run["hf_id"], run["model_dir"]))}
+    return str(write_model(tmp / "model", run["model_dir"])), env
+
+
 def scenario_path(case: dict, tmp: Path) -> Path:
     """The case's built-in scenario, or one written from its gpus: (name, count, compute capability, driver and,
     where the trap depends on it, memory)."""
@@ -93,12 +126,9 @@ def sides(case: dict) -> list[tuple[str, dict]]:
 def findings(case: dict, run: dict, tmp: Path) -> list[dict]:
     """The lint's findings on one launch, as `profiles show --json` lists them."""
     engine = case.get("engine", "vllm")
-    model = run.get("model")
-    if "model_dir" in run:
-        model = str(write_model(tmp / "model", run["model_dir"]))
+    model, env = model_of(run, tmp)
     serve = {"enabled": True, "engine": engine, "profile": "sglang-generic" if engine == "sglang" else "generic",
-             "model": model, "args": [str(a) for a in run.get("args", [])],
-             "env": {k: str(v) for k, v in run.get("env", {}).items()}}
+             "model": model, "args": [str(a) for a in run.get("args", [])], "env": env}
     cfg = config.parse_text(yaml.safe_dump({"tuning": {"apply": False}, "serve": serve}), name=f"{case['trap']}.yaml")
     gpus = [gpu.sample() for gpu in SimBackend(load_scenario(scenario_path(case, tmp))).gpus()]
     versions = {"vllm": None, "flashinfer": None, "torch": None, "sglang": None, **run["versions"]}
@@ -109,7 +139,7 @@ def findings(case: dict, run: dict, tmp: Path) -> list[dict]:
 
 def measure(doc: dict, limit: int | None = None, verbose: bool = False) -> dict:
     cases = doc["cases"][:limit] if limit else doc["cases"]
-    named, missed, noisy, own = [], [], [], []
+    named, missed, noisy, own, unjudged = [], [], [], [], 0
     with tempfile.TemporaryDirectory(prefix="gpuwarden-lint-registry-") as tmp:
         for n, case in enumerate(cases):
             for side, run in sides(case):
@@ -122,15 +152,17 @@ def measure(doc: dict, limit: int | None = None, verbose: bool = False) -> dict:
                 if side == "trap":
                     (named if any(case["trap"] in f["traps"] for f in got) else missed).append(case["trap"])
                     continue
-                if got:
-                    noisy.append((case["trap"], side, [f"{f['rule']} ({f['severity']})" for f in got]))
+                unjudged += any(f["severity"] == "info" for f in got)
+                flagged = [f for f in got if f["severity"] != "info"]
+                if flagged:
+                    noisy.append((case["trap"], side, [f"{f['rule']} ({f['severity']})" for f in flagged]))
                 if any(case["trap"] in f["traps"] for f in got):
                     own.append((case["trap"], side))
     traps = sorted({c["trap"] for c in cases}, key=int)
     hit = sorted(set(named) - set(missed), key=int)  # a trap with several launches counts when each draws it
     near = sum(len(sides(c)) - 1 for c in cases)
     return {"traps": traps, "hit": hit, "missed": sorted(set(traps) - set(hit), key=int), "near_misses": near,
-            "noisy": noisy, "own": own, "recall": len(hit) / len(traps) if traps else 0.0}
+            "noisy": noisy, "own": own, "unjudged": unjudged, "recall": len(hit) / len(traps) if traps else 0.0}
 
 
 def report(doc: dict, result: dict, smoke: bool) -> None:
@@ -146,8 +178,9 @@ def report(doc: dict, result: dict, smoke: bool) -> None:
     print(f"recall: {len(result['hit'])}/{len(result['traps'])} = {result['recall']:.2f} "
           f"(bar {RECALL_BAR})")
     print(f"missed ({len(result['missed'])}): {', '.join(result['missed']) or 'none'}")
-    print(f"near misses: {result['near_misses']}; drawing any finding: {len(result['noisy'])}; "
-          f"naming their own trap: {len(result['own'])}")
+    print(f"near misses: {result['near_misses']}; drawing a warning or an error: {len(result['noisy'])}; "
+          f"naming their own trap: {len(result['own'])}; with rules not judged for want of a fact (info): "
+          f"{result['unjudged']}")
     for trap, side, rules in result["noisy"]:
         mark = " <- names its own trap" if (trap, side) in result["own"] else ""
         print(f"  trap {trap} {side}: {', '.join(rules)}{mark}")
@@ -158,7 +191,7 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help=f"the first {SMOKE_CASES} cases only; fail only on "
                                                               "a crash")
     parser.add_argument("--check", action="store_true", help=f"exit 1 when recall < {RECALL_BAR} or any near miss "
-                                                             "draws a finding")
+                                                             "draws a warning or an error")
     parser.add_argument("--cases", type=Path, default=CASES, help="the cases file (default: %(default)s)")
     parser.add_argument("--verbose", action="store_true", help="every launch's findings and the traps they name")
     args = parser.parse_args()

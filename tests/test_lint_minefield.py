@@ -2,9 +2,10 @@
 visible before the start, `gpuwarden profiles show --json --sim SCENARIO` on its own launch names the trap, and
 on each launch with one of the registry's documented fixes (its near misses) does not. The engine's versions
 are package metadata in a fake interpreter environment (dist-info directories, torch/version.py), read by the
-same probe as a real one, run as the engine's user; a model whose trap is in its files is a local directory the
-test writes. benchmarks/lint_registry.py measures the same cases in-process (recall, and near misses drawing any
-finding at all)."""
+same probe as a real one, run as the engine's user; a model whose trap is in its files is written where the
+registry's launch reads it: under its Hugging Face id in the serving user's cache (HF_HOME), or a local
+directory. benchmarks/lint_registry.py measures the same cases in-process (recall, and near misses drawing a
+warning or an error)."""
 
 import json
 import os
@@ -20,7 +21,7 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "benchmarks"))
-from lint_registry import scenario_path, sides, write_model  # noqa: E402  (the benchmark's, one home for both)
+from lint_registry import model_of, scenario_path, sides  # noqa: E402  (the benchmark's, one home for both)
 CASES = yaml.safe_load((HERE / "minefield_cases.yaml").read_text())
 DISTRIBUTIONS = {"vllm": "vllm", "flashinfer": "flashinfer-python", "torch": "torch", "sglang": "sglang"}
 COMMANDS = {"vllm": ["-m", "vllm.entrypoints.openai.api_server"], "sglang": ["-m", "sglang.launch_server"]}
@@ -81,13 +82,11 @@ def show(case: dict, run: dict, tmp_path: Path, cli, child_user, fake_python, si
     benchmarks/lint_registry.py's sides() merges a fix over its case (the one place that does)."""
     engine = case.get("engine", "vllm")
     python = fake_python(run["versions"], run.get("torch_cuda"))
-    model = run.get("model")
-    if "model_dir" in run:
-        model = str(write_model(tmp_path / side / "model", run["model_dir"]))
+    model, env = model_of(run, tmp_path / side)
     scenario = case.get("scenario") or str(scenario_path(case, tmp_path))
     serve = {"enabled": True, "engine": engine, "profile": f"{'sglang-' if engine == 'sglang' else ''}generic",
              "model": model, "user": child_user, "python": python, "command": [python, *COMMANDS[engine]],
-             "args": run.get("args", []), "env": run.get("env", {})}
+             "args": run.get("args", []), "env": env}
     conf = tmp_path / f"{side}.yaml"
     conf.write_text(yaml.safe_dump({"tuning": {"apply": False}, "serve": serve}))
     status, out, err = cli("profiles", "show", "--json", "--sim", scenario, "-c", conf)

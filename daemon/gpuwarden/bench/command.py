@@ -59,12 +59,25 @@ def _serving_facts(config: Config) -> tuple[Path | None, int, str | None, object
     """(model dir, TP size, KV cache dtype, metric names) from the serving config, where it says."""
     from ..serving.compose.engines import engine_for
     from ..serving.compose.flags import flag_value
+    from ..serving.compose.hfcache import locate
 
     engine = engine_for(config.serve.engine)
-    model = Path(config.serve.model) if config.serve.model and Path(config.serve.model).is_dir() else None
     args = list(config.serve.args)
+    model = Path(config.serve.model) if config.serve.model and Path(config.serve.model).is_dir() else None
+    if model is None and config.serve.model:  # a Hugging Face id: the snapshot the engine reads, in its user's cache
+        model = locate(config.serve.model, args, {**_user_env(config.serve.user), **dict(config.serve.env)}).path
     tp = engine.tensor_parallel_size(args) if engine else 1
     return model, tp, flag_value(args, "--kv-cache-dtype"), engine.metric_names if engine else None
+
+
+def _user_env(user: str | None) -> dict[str, str]:
+    """HOME, USER and LOGNAME of serve.user, as the engine gets them; {} where it cannot be resolved here."""
+    from ..serving.compose.identity import IdentityError, resolve
+
+    try:
+        return resolve(user).env()
+    except IdentityError:
+        return {}
 
 
 def cmd_bench(args: argparse.Namespace, config: Config) -> int:

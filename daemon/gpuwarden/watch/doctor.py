@@ -365,7 +365,8 @@ def _serving(config: Config, backend: GpuBackend, deep: bool) -> tuple[list[Diag
     if prepared.home_note:
         found.append(Diagnosis(INFO, f"{title} home", prepared.home_note))
     for lint in prepared.findings:
-        found.append(Diagnosis(ERROR if lint.severity == "error" else WARNING, f"{title} lint {lint.rule}",
+        severity = {"error": ERROR, "info": INFO}.get(lint.severity, WARNING)
+        found.append(Diagnosis(severity, f"{title} lint {lint.rule}",
                                f"{lint.message} [source: {lint.source}]", lint.fix))
     if prepared.command.role is not None:
         from ..serving.compose.nodes import preflight

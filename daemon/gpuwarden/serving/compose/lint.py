@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
@@ -20,7 +21,7 @@ from ...gpu.iommu import iommu_state
 from ...base.schema import Reader
 from . import facts as F
 
-ERROR, WARNING = "error", "warning"
+ERROR, WARNING, INFO = "error", "warning", "info"
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,32 @@ def model_size(ctx: Any) -> tuple[float | None, str]:
         return mf.params_b, f"{mf.params_b:.1f}B parameters ({mf.params_note})"
     size = model_billions(ctx.model)
     return size, (f"{size:g}B by its name" if size is not None else "size unknown")
+
+
+# Where an unknown fact's finding says how to make it known, by what the fact is (facts.Unknown's words).
+UNKNOWN_FIXES = (
+    ("the model's", "give serve.model as the model's folder, or have the id in the serving user's Hugging Face "
+                    "cache (the engine's first start downloads it; check again after)"),
+    ("the parameter count", "a model folder with its *.safetensors files"),
+    ("the engine's", "an engine interpreter that answers (serve.python), as serve.user"),
+    ("the driver", "check on the GPU host"), ("the CUDA", "check on the GPU host"), ("the GPUs'", "check on the GPU host"),
+)
+
+
+def unknown_facts(outcomes: Sequence[Any]) -> list[LintFinding]:
+    """One finding at info level per fact that rules were skipped for, naming the fact, where it was looked for,
+    and the rules: a launch whose rules could not all be judged is never shown as clean."""
+    skipped: dict[str, list[str]] = {}
+    for outcome in outcomes:
+        if outcome.status == "skipped" and outcome.unknown:
+            skipped.setdefault(outcome.unknown, []).append(outcome.rule.id)
+    out = []
+    for fact, rules in skipped.items():
+        shown = ", ".join(rules[:8]) + (f" and {len(rules) - 8} more" if len(rules) > 8 else "")
+        fix = next((text for start, text in UNKNOWN_FIXES if fact.startswith(start)), "")
+        out.append(LintFinding(INFO, "fact-unknown", f"{len(rules)} rule(s) not judged ({shown}), for want of {fact}",
+                               "gpuwarden's lint", fix))
+    return out
 
 
 # -- checks for any engine (ctx: rules.LintContext) --------------------------------------------------------

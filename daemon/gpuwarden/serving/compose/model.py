@@ -23,8 +23,10 @@ import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
+
+from . import hfcache
 
 MAX_JSON_BYTES = 4 * 2**20  # config.json files run to tens of KiB; a long quantization ignore list to a few hundred
 MAX_DEPTH = 32  # nesting of config.json (a real one is 4 or 5 deep)
@@ -103,17 +105,32 @@ def local_dir(model: str) -> Path | None:
     return Path(model).expanduser()
 
 
-def model_facts(model: str, read: bool = True) -> ModelFacts:
-    """The facts of the model serve.model names, from the cache while the directory is unchanged, else read
-    (read False: the daemon's loop, which never waits on a file system: the cache or nothing)."""
-    path = local_dir(model)
+def launch_facts(model: str, flags: Sequence[str], env: Mapping[str, str], read: bool = True) -> ModelFacts:
+    """The facts of the model a launch loads: serve.model's directory, or for a Hugging Face id the snapshot the
+    engine will read in its user's cache (hfcache.locate: env is the engine's environment, flags its flags); what
+    is not found says where it looked."""
+    if local_dir(model) is not None:
+        return model_facts(model, read)
+    found = hfcache.locate(model, flags, env)
+    if found.path is None:
+        where = f" (looked for {found.where})" if found.where else ""
+        return not_read(model, f"{found.why}{where}")
+    return model_facts(model, read, path=found.path)
+
+
+def model_facts(model: str, read: bool = True, path: Path | None = None) -> ModelFacts:
+    """The facts of the model serve.model names (or of path, the folder it was found in), from the cache while the
+    directory is unchanged, else read (read False: the daemon's loop, which never waits on a file system: the cache
+    or nothing)."""
+    path = path or local_dir(model)
     if path is None:
         return not_read(model, f"{model} is not a local directory (a remote id: its config.json is not read)")
+    key = f"{model}\0{path}"
     try:
         stamp = _stamp(path)
     except OSError as exc:
         return not_read(model, f"{model}: {exc.strerror or exc}")
-    cached = _memory.get(model)
+    cached = _memory.get(key)
     if cached is not None and cached.stamp == stamp:
         return cached
     if not read:
@@ -122,7 +139,7 @@ def model_facts(model: str, read: bool = True) -> ModelFacts:
         found = _read(path, model, stamp)
     except ModelUnreadable as exc:
         found = ModelFacts(model, False, str(exc), stamp=stamp)
-    _memory[model] = found
+    _memory[key] = found
     return found
 
 

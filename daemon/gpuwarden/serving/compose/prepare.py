@@ -24,8 +24,8 @@ from .drain import hold_finding, plan_drain
 from .engines import evaluate_lint, rules_for
 from .flagcheck import engine_python
 from .installed import Installed, installed
-from .lint import ERROR, LintFinding
-from .model import model_facts
+from .lint import ERROR, LintFinding, unknown_facts
+from .model import launch_facts
 from .nodes import role_of
 from .rules import LintContext, Outcome, Rules
 from .profiles import Profile, load_profiles, select_profile
@@ -159,13 +159,23 @@ def compose(config: Config, gpus: Sequence[GpuSample], profile_name: str | None 
     # The drain flag, where the installed version has it: the last flags, after the user's and the node's.
     drain = plan_drain(engine, config.serve, command.flags, found)
     command = dataclasses.replace(command, argv=(*command.argv, *drain.args), drain=drain)
-    model = model_facts(config.serve.model, read=ask)
+    model = launch_facts(config.serve.model, command.flags, _engine_env(config, command), read=ask)
     outcomes = tuple(evaluate_lint(LintContext.of(command, config.serve.model, found, model), rules))
     findings = tuple(o.finding for o in outcomes if o.finding is not None)
     own = tuple(f for f in (drain.finding, hold_finding(config.serve, drain.seconds),
                             conflict_finding(config.serve, engine, config.serve.args),
                             fallback_finding(config.serve, engine)) if f is not None)
-    return Composed(command, findings + own, outcomes, found, rules)
+    return Composed(command, findings + own + tuple(unknown_facts(outcomes)), outcomes, found, rules)
+
+
+def _engine_env(config: Config, command: ServeCommand) -> dict[str, str]:
+    """The environment the engine will see, for where it reads its model: HOME, USER and LOGNAME come at spawn
+    (serve.user's), unless the command sets them (a home made for it)."""
+    try:
+        base = child_identity(config).env()
+    except ConfigError:
+        base = {}
+    return {**base, **command.env}
 
 
 def installed_for(config: Config, command: ServeCommand, ask: bool = True,

@@ -185,6 +185,7 @@ class Outcome:
     status: str  # "applied", "skipped" or "clear" (could apply, matched nothing)
     reason: str = ""
     finding: LintFinding | None = None
+    unknown: str = ""  # skipped for want of this fact (facts.Unknown's words): lint.unknown_facts makes it a finding
 
     def line(self) -> str:
         if self.status == "applied":
@@ -414,7 +415,7 @@ def _evaluate(rule: Rule, ctx: LintContext, checks: Mapping[str, Check]) -> Outc
         matched = _matches(rule.match, ctx)
         values: Mapping[str, Any] | None = checks[rule.check](ctx) if matched is not None and rule.check else {}
     except F.Unknown as exc:
-        return Outcome(rule, "skipped", f"needs {exc}")
+        return Outcome(rule, "skipped", f"needs {exc}", unknown=str(exc))
     except (ValueError, ArithmeticError) as exc:
         # A check reading serve.args' value its own way (int() of --max-num-seqs '9' * 5000 raises past 4,300
         # digits) skips, saying so: the lint runs on the daemon's start, which an odd flag must not stop with a

@@ -23,6 +23,7 @@ from ...config import Config
 from ...gpu.base import GpuBackend
 from ...base.yamlfile import ConfigErrors
 from ..compose.command import ServeCommand
+from ..compose.lint import INFO
 from ..probe.metrics import MetricsReader, ServingStats
 from ..compose.prepare import installed_for, prepare_serve
 from . import handover
@@ -61,8 +62,8 @@ def prepare_launch(config: Config, backend: GpuBackend, sides: Sequence[ChildKin
         log.info("%s's user %s", title, prepared.home_note)
     if prepared.installed is not None:
         log.info("%s: %s", title, prepared.installed.describe())
-    for finding in prepared.findings:
-        log.warning("%s lint %s", title, finding)
+    for finding in prepared.findings:  # a fact the lint could not read is said, not warned of
+        log.log(logging.INFO if finding.severity == INFO else logging.WARNING, "%s lint %s", title, finding)
     if prepared.command.drain.note:  # how a stop treats the requests in flight, where not as serve.drain_s says
         log.log(prepared.command.drain.level, "%s", prepared.command.drain.note)
     problems = prepared.blocking(config)
