@@ -35,7 +35,7 @@ import yaml
 from gpuwarden import config
 from gpuwarden.gpu.sim.backend import SimBackend
 from gpuwarden.gpu.sim.scenario import load_scenario, resolve_scenario
-from gpuwarden.serving.compose.installed import Installed
+from gpuwarden.serving.lint.packages import Installed
 from gpuwarden.serving.compose.prepare import compose
 
 ROOT = Path(__file__).resolve().parent.parent

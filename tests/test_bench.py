@@ -76,7 +76,7 @@ def test_an_unreadable_model_is_said_not_guessed(tmp_path):
 
 
 def test_the_roofline_reads_a_model_as_the_lint_does_bounded_and_inside_it(tmp_path):
-    """bench's roofline goes through serving/compose/model.py's reads: a config.json that links out of the model, a
+    """bench's roofline goes through serving/lint/model.py's reads: a config.json that links out of the model, a
     FIFO in its place, a header whose tensor has no offsets, counts of 10**400 or true: each said, none read."""
     write_safetensors(tmp_path / "m.safetensors", {"w": ("BF16", [4], 8)})
     (tmp_path.parent / "elsewhere.json").write_text(json.dumps({"num_hidden_layers": 1}))

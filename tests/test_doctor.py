@@ -166,7 +166,7 @@ def test_an_nvlink_host_with_a_translating_iommu_gets_no_advice_to_turn_p2p_off(
     assert findings["GPU2 NVLink"].message == ("18 of 18 links up at 26562 MB/s to GPU0, GPU1, GPU3; errors since "
                                                "the driver loaded: replay 0, recovery 0, crc 0")
     # One pair over PCIe in the same group: the advice comes back, naming that pair.
-    from gpuwarden.serving.compose.lint import iommu_translating
+    from gpuwarden.serving.lint.checks import iommu_translating
 
     ctx = SimpleNamespace(iommu="translating", tp_size=4, peer_paths=((0, 1, "nvlink"), (2, 3, "host_bridge")))
     assert iommu_translating(ctx)["facts"] == ["the IOMMU translates DMA", "GPU2-GPU3 over a PCIe host bridge"]
@@ -205,7 +205,7 @@ def test_doctor_says_when_the_lint_rules_are_older_than_the_installed_vllm(monke
     from gpuwarden.watch.doctor import _installed
     from gpuwarden.serving.compose.engines import rules_for
     from gpuwarden.serving.compose.engines.vllm import ENGINE
-    from gpuwarden.serving.compose.installed import Installed
+    from gpuwarden.serving.lint.packages import Installed
 
     written = rules_for(None).written_against
     newer = Installed("/py", True, {"vllm": "0.34.1", "flashinfer": None, "torch": "2.14.0", "sglang": None})

@@ -16,8 +16,8 @@ import pytest
 from conftest import ROOT
 from gpuwarden.serving.compose.command import build_command
 from gpuwarden.serving.compose.drain import DRAIN_MARGIN_S, Drain
-from gpuwarden.serving.compose.flags import flag_value
-from gpuwarden.serving.compose.installed import Installed
+from gpuwarden.serving.lint.flags import flag_value
+from gpuwarden.serving.lint.packages import Installed
 from gpuwarden.serving.compose.prepare import compose
 from gpuwarden.serving.run.drains import ABORTED, DRAINED, TIMED_OUT
 from gpuwarden.serving.run.spec import engine_spec

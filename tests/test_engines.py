@@ -18,7 +18,7 @@ from gpuwarden.gpu.base import GpuSample
 from gpuwarden.gpu.sim.backend import ManualClock
 from gpuwarden.serving.compose.command import build_command, entry_length
 from gpuwarden.serving.compose.engines import Engine, engine_for, lint, names
-from gpuwarden.serving.compose.flags import flag_value
+from gpuwarden.serving.lint.flags import flag_value
 from gpuwarden.serving.compose.identity import Identity
 from gpuwarden.serving.probe.metrics import MetricsReader, parse
 from gpuwarden.serving.compose.prepare import compose

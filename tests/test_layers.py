@@ -14,7 +14,8 @@ LAYERS = [
     {"gpu"},  # the GPU backends and what their readings mean (throttle): they know nothing of the config
     {"tune"},  # the settings table, plan and Tuner, the tuning life, originals, the sweeps' lease
     {"config"},  # YAML in, frozen dataclasses out; the tuning section is tune's
-    {"serving.compose", "backends"},  # the serving command, lint, the child's user; the backend a config names
+    {"serving.lint"},  # the lint: findings, rules, facts, the model's facts, the flags as the engines read them
+    {"serving.compose", "backends"},  # the serving command, the child's user; the backend a config names
     {"serving.probe"},  # the engine's metrics and its progress
     {"serving.run"},  # the children: specs, supervisor, processes, the serving runtime
     {"watch"},  # one poll: signals, rules, events, the snapshot; the preflight
@@ -27,7 +28,7 @@ LAYERS = [
 RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
 
 
-SERVING_ROOMS = ("compose", "probe", "run")  # serving/ by job, each a unit of its own
+SERVING_ROOMS = ("lint", "compose", "probe", "run")  # serving/ by job, each a unit of its own
 
 
 def unit_of(module: str) -> str:

@@ -1,4 +1,4 @@
-"""The facts the lint rules read beyond the argv's words (serving/compose/facts.py, serving/compose/model.py):
+"""The facts the lint rules read beyond the argv's words (serving/lint/facts.py, serving/lint/model.py):
 JSON flags and numbers, the host's driver and nodes, and a local model directory read within bounds; rules.d
 gets FILE:LINE for a fact or condition it cannot use; findings carry the facts they matched on and their link."""
 
@@ -10,8 +10,8 @@ import threading
 
 import pytest
 
-from gpuwarden.serving.compose import facts as F
-from gpuwarden.serving.compose import model as M
+from gpuwarden.serving.lint import facts as F
+from gpuwarden.serving.lint import model as M
 from gpuwarden.serving.compose.engines import evaluate_lint, rules_for
 from gpuwarden.base.yamlfile import ConfigErrors
 from test_rules import context, outcome_of, serving_conf
@@ -52,7 +52,7 @@ def test_a_json_flag_that_is_not_a_small_shallow_object_has_no_fields(raw):
 
 
 def test_a_boolean_flag_is_what_its_last_spelling_says():
-    from gpuwarden.serving.compose.flags import switch
+    from gpuwarden.serving.lint.flags import switch
 
     assert switch(["--enable-prefix-caching"], "--enable-prefix-caching") is True
     assert switch(["--enable-prefix-caching", "--no-enable-prefix-caching"], "--enable-prefix-caching") is False

@@ -1,4 +1,4 @@
-"""The lint reads the model the engine will load (serving/compose/hfcache.py): a Hugging Face id is found in the
+"""The lint reads the model the engine will load (serving/lint/hfcache.py): a Hugging Face id is found in the
 serving user's cache, at the revision the launch asks for, as huggingface_hub finds it (design/hf-cache-facts.md);
 nothing is downloaded; what cannot be found or is refused says where it looked, and a rule skipped for want of a
 fact is a finding of its own at info level, so a launch with skips is never shown as clean."""
@@ -13,9 +13,9 @@ import yaml
 from gpuwarden import config
 from gpuwarden.gpu.sim.backend import SimBackend
 from gpuwarden.gpu.sim.scenario import load_scenario, resolve_scenario
-from gpuwarden.serving.compose import hfcache
-from gpuwarden.serving.compose import model as M
-from gpuwarden.serving.compose.installed import Installed
+from gpuwarden.serving.lint import hfcache
+from gpuwarden.serving.lint import model as M
+from gpuwarden.serving.lint.packages import Installed
 from gpuwarden.serving.compose.prepare import compose
 
 MAIN, PINNED = "a" * 40, "b" * 40

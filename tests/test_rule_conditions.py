@@ -12,10 +12,10 @@ from types import SimpleNamespace
 import pytest
 
 from gpuwarden.base.yamlfile import ConfigErrors
-from gpuwarden.serving.compose import facts as F
-from gpuwarden.serving.compose import model as M
+from gpuwarden.serving.lint import facts as F
+from gpuwarden.serving.lint import model as M
 from gpuwarden.serving.compose.engines import evaluate_lint, rules_for
-from gpuwarden.serving.compose.rules import LintContext
+from gpuwarden.serving.lint.rules import LintContext
 from test_rules import context, serving_conf
 
 SPEC4 = ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 4}']

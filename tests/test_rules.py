@@ -12,13 +12,14 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from gpuwarden.serving.compose.engines import builtin_rules, engine_for, evaluate_lint, rules_for
-from gpuwarden.serving.compose.installed import Installed, installed
+from gpuwarden.serving.compose.installed import installed
+from gpuwarden.serving.lint.packages import Installed
 from gpuwarden.serving.compose.identity import Identity
-from gpuwarden.serving.compose.lint import version_in
-from gpuwarden.serving.compose.model import ModelFacts
-from gpuwarden.serving.compose.model import model_facts as read_model
+from gpuwarden.serving.lint.findings import version_in
+from gpuwarden.serving.lint.model import ModelFacts
+from gpuwarden.serving.lint.model import model_facts as read_model
 from gpuwarden.serving.compose.profiles import load_profiles
-from gpuwarden.serving.compose.rules import LintContext
+from gpuwarden.serving.lint.rules import LintContext
 from gpuwarden.base.yamlfile import ConfigErrors
 
 HERE = Path(__file__).resolve().parent
@@ -256,7 +257,7 @@ CORPUS = yaml.safe_load((HERE / "lint_corpus.yaml").read_text())
 
 @pytest.mark.parametrize("case", CORPUS, ids=[c["name"] for c in CORPUS])
 def test_corpus_of_real_launch_commands(case, monkeypatch):
-    monkeypatch.setattr("gpuwarden.serving.compose.lint.iommu_state", lambda: case.get("iommu", "off"))
+    monkeypatch.setattr("gpuwarden.serving.lint.checks.iommu_state", lambda: case.get("iommu", "off"))
     ctx = context(args=case.get("args", ()), env=case.get("env"), model=case["model"], cc=case["cc"],
                   gpus=case.get("gpus", 1), versions=case["versions"], env_names=case.get("env_names"),
                   profile=case.get("profile"))
@@ -274,9 +275,9 @@ def test_corpus_covers_the_seeds_and_at_least_five_vllm_issues():
 def test_tp_over_a_translating_iommu(monkeypatch):
     rule = next(r for r in RULES if r.id == "tp-pcie-iommu")
     ctx = context(args=["--tensor-parallel-size", "2"], gpus=2)
-    monkeypatch.setattr("gpuwarden.serving.compose.lint.iommu_state", lambda: "passthrough")
+    monkeypatch.setattr("gpuwarden.serving.lint.checks.iommu_state", lambda: "passthrough")
     assert outcome_of(rule, ctx).status == "clear"
-    monkeypatch.setattr("gpuwarden.serving.compose.lint.iommu_state", lambda: "translating")
+    monkeypatch.setattr("gpuwarden.serving.lint.checks.iommu_state", lambda: "translating")
     assert "tensor parallelism 2" in outcome_of(rule, ctx).finding.message
     assert outcome_of(rule, context(gpus=2)).status == "clear"  # no tensor parallelism
 
@@ -322,7 +323,7 @@ def test_a_rule_template_is_checked_when_loaded_and_rendered_without_format(tmp_
 
 
 def test_a_template_renders_names_and_braces_only():
-    from gpuwarden.serving.compose.rules import render
+    from gpuwarden.serving.lint.rules import render
 
     assert render("{model} {{x}} {unknown}", {"model": "M", "x": "no"}) == "M {x} {unknown}"
     assert render("{model}", {"model": "{other}"}) == "{other}"  # a value is never expanded again

@@ -13,7 +13,7 @@ from gpuwarden.gpu.base import GpuSample
 from gpuwarden.gpu.sim.backend import ManualClock
 from gpuwarden.gpu.sim.scenario import builtin_scenarios
 from gpuwarden.serving.compose.command import build_command, chosen_gpus
-from gpuwarden.serving.compose.flags import flag_value
+from gpuwarden.serving.lint.flags import flag_value
 from gpuwarden.serving.compose.engines import lint
 from gpuwarden.serving.compose.profiles import load_profiles, select_profile
 from gpuwarden.serving.compose.identity import Identity
@@ -176,7 +176,7 @@ GENERIC = PROFILES["generic"]
 # -- lint (every rule's own cases are its examples in the rules file: tests/test_rules.py) ---------------
 
 def test_known_bad_vllm_version_is_an_error():
-    from gpuwarden.serving.compose.installed import Installed
+    from gpuwarden.serving.lint.packages import Installed
 
     small = PROFILES["sm120-small-dense"]
 

@@ -58,8 +58,8 @@ def _gpu_reader(config: Config):
 def _serving_facts(config: Config) -> tuple[Path | None, int, str | None, object]:
     """(model dir, TP size, KV cache dtype, metric names) from the serving config, where it says."""
     from ..serving.compose.engines import engine_for
-    from ..serving.compose.flags import flag_value
-    from ..serving.compose.hfcache import locate
+    from ..serving.lint.flags import flag_value
+    from ..serving.lint.hfcache import locate
 
     engine = engine_for(config.serve.engine)
     args = list(config.serve.args)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..serving.compose.model import ModelUnreadable, entries_of, headers, read_json, roots_of
+from ..serving.lint.model import ModelUnreadable, entries_of, headers, read_json, roots_of
 
 KV_BYTES = {"fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_ds_mla": 1, "bfloat16": 2, "float16": 2, "half": 2,
             "bf16": 2, "fp16": 2, "float32": 4, "float": 4}
@@ -40,7 +40,7 @@ def tensor_bytes(header: dict, name: str) -> int:
 
 
 def model_bytes(model_dir: Path, kv_cache_dtype: str | None = None) -> ModelBytes:
-    """Weights and KV bytes per token of a local model directory, read as the lint reads one (serving/compose/model.py:
+    """Weights and KV bytes per token of a local model directory, read as the lint reads one (serving/lint/model.py:
     every file a regular one inside the model, each size capped); ModelUnreadable says why not."""
     if not model_dir.is_dir():
         raise ModelUnreadable(f"{model_dir} is not a directory this user can read")

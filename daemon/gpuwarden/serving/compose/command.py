@@ -14,7 +14,8 @@ from ...base.yamlfile import ConfigError
 from .drain import Drain
 from .engines import Engine, engine_for
 from .nodes import Role
-from .profiles import Composed, Profile
+from ..lint.rules import Composed
+from .profiles import Profile
 
 # What the child inherits from our environment: the locale and the CUDA/NCCL/NVIDIA settings, nothing else
 # (not our credentials, our unit's notify socket, our PATH with /root in it, or a secret in the unit's env).

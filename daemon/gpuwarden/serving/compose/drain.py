@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from packaging.specifiers import SpecifierSet
 
 from ...config import ServeConfig
-from .flags import flag_value
-from .installed import Installed
-from .lint import WARNING, LintFinding, version_in
+from ..lint.flags import flag_value
+from ..lint.packages import Installed
+from ..lint.findings import WARNING, LintFinding, version_in
 
 # Beyond the drain, before SIGKILL: the engine's own teardown once its last request finished (vLLM's engine core
 # and workers give back the GPUs' memory).

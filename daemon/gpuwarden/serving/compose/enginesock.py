@@ -28,10 +28,10 @@ from pathlib import Path
 from ...base import unixsock
 from ...base.statedir import state_dir
 from ...config import ServeConfig
-from .flags import names_flag
+from ..lint.flags import names_flag
 from .homes import let_group_in
 from .identity import Identity
-from .lint import WARNING, LintFinding
+from ..lint.findings import WARNING, LintFinding
 
 FOLDER = "engine"
 MAX_PATH = 107  # sun_path's 108 bytes, with the NUL

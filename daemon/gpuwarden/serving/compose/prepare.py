@@ -23,11 +23,12 @@ from ...base.statedir import state_dir
 from .drain import hold_finding, plan_drain
 from .engines import evaluate_lint, rules_for
 from .flagcheck import engine_python
-from .installed import Installed, installed
-from .lint import ERROR, LintFinding, unknown_facts
-from .model import launch_facts
+from ..lint.packages import Installed
+from .installed import installed
+from ..lint.findings import ERROR, LintFinding, unknown_facts
+from ..lint.model import launch_facts
 from .nodes import role_of
-from .rules import LintContext, Outcome, Rules
+from ..lint.rules import LintContext, Outcome, Rules
 from .profiles import Profile, load_profiles, select_profile
 from .secrets import SecretFileError, credentials_file, read_env_file
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from ...base import yamlfile
 from ...gpu.base import GpuSample
 from ...base.schema import MISSING, Reader, type_name
 from ...base.yamlfile import ConfigError, ConfigErrors, InvalidConfig
-from .lint import read_specifier
+from ..lint.findings import read_specifier
 
 BUILTIN_DIR = Path(__file__).resolve().parent / "profiles"
 GIB = 1024 ** 3
@@ -75,16 +74,6 @@ class Profile:
                          "known_bad": [{"version": b.version, "reason": b.reason} for b in self.known_bad]},
                 "args": list(self.args), "env": dict(self.env), "tuning_hints": dict(self.tuning_hints),
                 "notes": [{"text": t, "source": s} for t, s in self.notes]}
-
-
-@dataclass(frozen=True)
-class Composed:
-    """A command line as a profile composed it: argv (the command, then the engine's flags) and the environment.
-    The final command (command.ServeCommand) and what a lint rule looks at (rules.LintContext) are each one."""
-
-    argv: tuple[str, ...]
-    env: Mapping[str, str]
-    profile: Profile
 
 
 def load_profile(file: Path) -> Profile:

@@ -18,14 +18,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ...base import smallfile
-from .flags import names_flag
+from ..lint.flags import is_secret, is_secret_flag
 
 CREDENTIAL = "vllm.env"
 MAX_BYTES = 64 * 1024
 REDACTED = "<redacted>"
-SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL|AUTH", re.I)
-SECRET_FLAGS = ("--api-key", "--hf-token", "--ssl-keyfile-password")
-NOT_SECRET = ("--ssl-keyfile",)  # a flag of its own (a path), also a prefix of --ssl-keyfile-password
 NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -37,22 +34,11 @@ class SecretFileError(Exception):
         super().__init__(message)
 
 
-def is_secret(name: str) -> bool:
-    return bool(SECRET_NAME.search(name))
-
-
 USERINFO = re.compile(r"(?<=://)[^/@\s]*:[^/@\s]*@")  # scheme://user:password@host, in any variable
 
 
 def redact_env(env: Mapping[str, str]) -> dict[str, str]:
     return {k: (REDACTED if is_secret(k) and v else USERINFO.sub(REDACTED + "@", v)) for k, v in env.items()}
-
-
-def is_secret_flag(arg: str) -> bool:
-    """Whether the word arg names a secret flag in any spelling the engines' parsers take: --api_key,
-    --api-key=X, or a prefix argparse would complete (--api-ke); serving/compose/flags.py says why prefixes count here."""
-    return (arg.startswith("--") and not any(names_flag(arg, flag) for flag in NOT_SECRET)
-            and any(names_flag(arg, flag, prefix=True) for flag in SECRET_FLAGS))
 
 
 def redact_argv(argv: Sequence[str]) -> list[str]:

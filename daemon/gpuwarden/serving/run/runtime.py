@@ -23,7 +23,7 @@ from ...config import Config
 from ...gpu.base import GpuBackend
 from ...base.yamlfile import ConfigErrors
 from ..compose.command import ServeCommand
-from ..compose.lint import INFO
+from ..lint.findings import INFO
 from ..probe.metrics import MetricsReader, ServingStats
 from ..compose.prepare import installed_for, prepare_serve
 from . import handover

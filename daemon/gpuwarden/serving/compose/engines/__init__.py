@@ -3,7 +3,7 @@
 An engine is one module here that defines ENGINE, an Engine: its default
 command, how its argv is built from the serve config and the profile, where its
 flags start, its memory fraction and tensor-parallel size, how to read the level
-of its log lines, the checks its lint rules name (serving/compose/rules/builtin.yaml),
+of its log lines, the checks its lint rules name (serving/lint/rules/builtin.yaml),
 and (optionally) its own flag parser run in its interpreter, and its health and
 metrics endpoints with the names of the metrics that map to the generic serving
 stats. serve.engine names the module
@@ -25,12 +25,12 @@ from typing import Any
 
 from ....config import ServeConfig
 from ..enginesock import listen_args
-from ..flags import flag_value
-from ..installed import UNKNOWN, Installed
-from ..lint import CHECKS as SHARED_CHECKS
-from ..lint import LintFinding
+from ...lint.flags import flag_value
+from ...lint.packages import UNKNOWN, Installed
+from ...lint.checks import CHECKS as SHARED_CHECKS
+from ...lint.findings import LintFinding
 from ..profiles import Profile
-from ..rules import LintContext, Outcome, Rules, evaluate, load_rules
+from ...lint.rules import LintContext, Outcome, Rules, evaluate, load_rules
 
 NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 FLAGCHECK_MARK = "GPUWARDEN-FLAGCHECK "  # the line of the probe's output that carries its answer
@@ -75,14 +75,14 @@ class Engine:
     metrics_path = "/metrics"
     completions_path = "/v1/completions"  # OpenAI's, for the stall probe's one-token completion
     served_name_flag = "--served-model-name"  # the model name requests must use, when not the model path
-    api_key_flag = "--api-key"  # the key clients must present (read as its parser does: serving/compose/flags.py)
+    api_key_flag = "--api-key"  # the key clients must present (read as its parser does: serving/lint/flags.py)
     api_key_env: str | None = None  # the variable that gives it where the flag does not
     metric_names: MetricNames
     required_args: tuple[str, ...] = ()  # always passed, e.g. what makes it serve /metrics
     # Python run in the engine's interpreter with the flags as JSON in argv[1]; prints FLAGCHECK_MARK and
     # {"ok", "error", "version"} as JSON. None: the engine has no parser gpuwarden can run.
     flag_probe: str | None = None
-    checks: Mapping = {}  # name -> check(LintContext): the rules' check: entries for this engine (serving/compose/rules.py)
+    checks: Mapping = {}  # name -> check(LintContext): the rules' check: entries for this engine (serving/lint/rules.py)
     # How it lets the requests in flight finish at SIGTERM (serving/compose/drain.py): the flag that says for how
     # long, and the versions that have it (PEP 440); or it drains by itself, with no bound of its own; or neither.
     drain_flag: str | None = None

@@ -14,7 +14,7 @@ import logging
 import re
 from typing import Any
 
-from ..flags import flag_value
+from ...lint.flags import flag_value
 from . import Engine, MetricNames, flag_probe
 
 LONG_CONTEXT = 65536  # decode fell to 3-5 tok/s from 64K of context with the SM120 sparse-decode patch
@@ -35,7 +35,7 @@ parser.parse_args(json.loads(sys.argv[1]))
 """)
 
 
-# -- checks for the rules that are not plain data (serving/compose/rules/builtin.yaml names them) ----------------------
+# -- checks for the rules that are not plain data (serving/lint/rules/builtin.yaml names them) ----------------------
 
 def sglang_triton_backends(ctx: Any) -> dict | None:
     missing = [f for f in ("--fp8-gemm-backend", "--moe-runner-backend") if flag_value(ctx.argv, f) != "triton"]

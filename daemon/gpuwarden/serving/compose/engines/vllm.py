@@ -8,9 +8,10 @@ from typing import Any
 
 from packaging.specifiers import SpecifierSet
 
-from ..facts import as_bool, as_number, show
-from ..flags import flag_value, has_flag, switch
-from ..lint import model_size, version_in
+from ...lint.facts import as_bool, as_number, show
+from ...lint.flags import flag_value, has_flag, switch
+from ...lint.checks import model_size
+from ...lint.findings import version_in
 from . import Engine, MetricNames, flag_probe
 
 SMALL_MODEL_B = 8.0  # billions of parameters at or below which ngram speculation costs more than it gains
@@ -50,7 +51,7 @@ validate_parsed_serve_args(parser.parse_args(json.loads(sys.argv[1])))
 """)
 
 
-# -- checks for the rules that are not plain data (serving/compose/rules/builtin.yaml names them) ----------------------
+# -- checks for the rules that are not plain data (serving/lint/rules/builtin.yaml names them) ----------------------
 
 def kv_cache_fp8_e5m2(ctx: Any) -> dict | None:
     seqs = flag_value(ctx.argv, "--max-num-seqs")

@@ -4,11 +4,12 @@ engine does not take never gets past its own parser, so reading it as the dashed
 
 argparse also takes any unique prefix of a long flag (`--api-ke KEY`). Which prefixes are unique depends on
 every flag the parser has, which only the engine's own parser knows, so prefixes are read only where taking
-too much is safe: for secrets (serving/compose/secrets.py), a word that could be a prefix is treated as one.
+too much is safe: for secrets (is_secret_flag, below), a word that could be a prefix is treated as one.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 
@@ -54,3 +55,21 @@ def switch(argv: Sequence[str], name: str) -> bool | None:
         if word in (name, negative):
             found = word == name
     return found
+
+
+# Secret-looking names and flags: the lint's rules on them, and the redaction of what gpuwarden prints
+# (compose/secrets.py), read them the same way.
+SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL|AUTH", re.I)
+SECRET_FLAGS = ("--api-key", "--hf-token", "--ssl-keyfile-password")
+NOT_SECRET = ("--ssl-keyfile",)  # a flag of its own (a path), also a prefix of --ssl-keyfile-password
+
+
+def is_secret(name: str) -> bool:
+    return bool(SECRET_NAME.search(name))
+
+
+def is_secret_flag(arg: str) -> bool:
+    """Whether the word arg names a secret flag in any spelling the engines' parsers take: --api_key,
+    --api-key=X, or a prefix argparse would complete (--api-ke); serving/lint/flags.py says why prefixes count here."""
+    return (arg.startswith("--") and not any(names_flag(arg, flag) for flag in NOT_SECRET)
+            and any(names_flag(arg, flag, prefix=True) for flag in SECRET_FLAGS))

@@ -1,14 +1,14 @@
-"""Lint rules as data: serving/compose/rules/builtin.yaml, then /etc/gpuwarden/rules.d/*.yaml adding rules or
+"""Lint rules as data: serving/lint/rules/builtin.yaml, then /etc/gpuwarden/rules.d/*.yaml adding rules or
 overriding them by id (a key given replaces the built-in's; `severity: off` turns one off).
 
 A rule says when it can apply (compute capability and the installed vLLM, FlashInfer, torch or SGLang,
 as PEP 440 specifiers; a VLLM_* variable the installed vLLM still reads) and what it matches in the
 command (flags present or absent, flag values, variables set or not, the command, the model name, the
-tensor-parallel size, the GPU count) and in the facts of serving/compose/facts.py (`values`: a JSON flag's
+tensor-parallel size, the GPU count) and in the facts of serving/lint/facts.py (`values`: a JSON flag's
 fields, numbers compared, the model's config.json, the host's driver, nodes and GPU memory; a product of
 numeric facts, `--speculative-config.num_speculative_tokens * --max-num-seqs: ">=64"`, and a comparison with
 another fact, `--max-model-len: ">model.sliding_window"`, each checked when the rules are loaded). Rules that
-cannot be said as data name a `check:` instead, a function the engine module (or serving/compose/lint.py)
+cannot be said as data name a `check:` instead, a function the engine module (or serving/lint/checks.py)
 registers; they keep every other field. Each evaluation says, per rule, whether it applied (and the facts it
 matched on), was skipped and why, or matched nothing: `profiles show` prints it. An installed version that is unknown
 (the probe could not run) never blocks: such a rule still applies, as a warning that says so. A fact that
@@ -32,11 +32,10 @@ from ...base.schema import Reader, type_name
 from ...base.yamlfile import ConfigError, ConfigErrors, InvalidConfig
 from . import facts as F
 from .flags import flag_value, has_flag
-from .installed import PACKAGES, Installed
-from .lint import ERROR, WARNING, LintFinding, read_specifier, version_in
+from .packages import PACKAGES, Installed
+from .findings import ERROR, WARNING, LintFinding, read_specifier, version_in
 from .model import ModelFacts, not_read
-from .profiles import Composed
-from .secrets import SECRET_FLAGS, is_secret, is_secret_flag
+from .flags import SECRET_FLAGS, is_secret, is_secret_flag
 
 BUILTIN = Path(__file__).resolve().parent / "rules" / "builtin.yaml"
 OFF = "off"
@@ -49,6 +48,16 @@ MATCH_KEYS = ("flags_present", "flags_absent", "flag_values", "flag_not", "env_s
               "model", "tp_size", "gpu_count", "values", "values_not", "defaults")
 UNREAD = not_read("", "not read")
 NEW_RULE_NEEDS = ("severity", "message", "fix", "source")
+
+
+@dataclass(frozen=True)
+class Composed:
+    """A command line as a profile composed it: argv (the command, then the engine's flags) and the environment.
+    The final command (command.ServeCommand) and what a lint rule looks at (rules.LintContext) are each one."""
+
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+    profile: Any  # compose/profiles.Profile: the lint reads its name, notes and versions, and imports no composer
 
 
 @dataclass(frozen=True)
@@ -96,7 +105,7 @@ class LintContext(Composed):
         return len(self.compute_capabilities)
 
     def fact(self, name: str) -> tuple[Any, str]:
-        """(value, how it reads in a finding) of a fact of serving/compose/facts.py; facts.Unknown says why not."""
+        """(value, how it reads in a finding) of a fact of serving/lint/facts.py; facts.Unknown says why not."""
         kind, _, key = name.partition(".")
         if name.startswith("-"):
             value = F.flag_fact(self.flags, name)
@@ -356,7 +365,7 @@ def _numeric_defaults(r: Reader, path: tuple[str, ...], match: Mapping[str, Any]
 
 
 def _fact_name(r: Reader, path: tuple[str, ...], name: str) -> bool:
-    """Whether name is a fact serving/compose/facts.py knows; a FILE:LINE error when not."""
+    """Whether name is a fact serving/lint/facts.py knows; a FILE:LINE error when not."""
     problem = F.fact_problem(name)
     if problem:
         r.fail(path, problem, F.FACT_HINT)
@@ -520,7 +529,7 @@ def _matches(match: Mapping[str, Any], ctx: LintContext) -> list[str] | None:
     """The facts the match holds on, in words; None when it does not hold. facts.Unknown: a fact it needs
     cannot be read here."""
     flags, seen = ctx.flags, []
-    # A secret flag is present in any spelling its parser takes, prefixes included (serving/compose/flags.py).
+    # A secret flag is present in any spelling its parser takes, prefixes included (serving/lint/flags.py).
     if not all(has_flag(flags, f, prefix=f in SECRET_FLAGS) for f in match.get("flags_present", ())):
         return None
     seen += match.get("flags_present", ())

@@ -4,7 +4,7 @@ A fact has a name:
 - a flag, `--max-num-seqs`, or a field of a JSON-valued flag, `--speculative-config.method` or
   `--compilation-config.pass_config.fuse_gemm_comms` (vLLM also takes the dotted spelling on its command line,
   `--speculative-config.method=mtp`, which wins over the JSON as it does in vLLM);
-- `model.NAME`: a field of serving/compose/model.ModelFacts, read from a local model's config.json;
+- `model.NAME`: a field of serving/lint/model.ModelFacts, read from a local model's config.json;
 - `host.NAME`: gpus (on this host), unified (memory the GPU shares with the system), nodes (the parallel group
   spans several hosts: --nnodes, --data-parallel-size beyond --data-parallel-size-local, a tensor x pipeline
   group larger than this host's GPUs), driver, driver_cuda (the newest CUDA the driver runs), gpu_memory_gib
@@ -18,7 +18,7 @@ Arithmetic, bounded (MAX_FACTORS, MAX_EXPRESSION): where a rule names a fact it 
 facts and numbers, `--speculative-config.num_speculative_tokens * --max-num-seqs`, and a comparison's right
 side may be one, `>=0.9*model.max_position_embeddings`. A fact that cannot be known (a remote model's config,
 a host without a readable driver, a flag absent with no default in the rule) makes the rule skip, with the
-reason: serving/compose/rules.py.
+reason: serving/lint/rules.py.
 """
 
 from __future__ import annotations
