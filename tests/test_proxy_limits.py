@@ -220,6 +220,10 @@ def test_slow_headers_slow_bodies_and_idle_connections_are_closed_a_steady_body_
     silent = open_socket(proxy.port)
     slow_headers = open_socket(proxy.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
     slow_body = open_socket(proxy.port, HALF_SENT)
+    # the attacker's burst (2026-12-02): a body sent at once to its last byte, then nothing: the bytes sent earn no
+    # pause (its average-rate deadline is 65 s away), the stall closes it after the 1 s timeout
+    burst = open_socket(proxy.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+                        % (1 << 20) + b"x" * ((1 << 20) - 1))
     kept_alive = open_socket(proxy.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
     assert kept_alive.recv(65536).startswith(b"HTTP/1.1 200")
     body = json.dumps({"model": "tiny", "pad": "x" * (100 << 10)}).encode()
@@ -230,14 +234,15 @@ def test_slow_headers_slow_bodies_and_idle_connections_are_closed_a_steady_body_
         time.sleep(0.5)
     steady.settimeout(30)
     assert steady.recv(65536).startswith(b"HTTP/1.1 200 OK")
-    for sock in (silent, slow_headers, slow_body, kept_alive):  # 1 s, swept every second: long gone by now
-        assert closed_by_peer(sock, 10)
+    for sock in (silent, slow_headers, slow_body, kept_alive, burst):  # 1 s, swept every second: long gone by now
+        assert closed_by_peer(sock, 30)
         sock.close()
     steady.close()
     for kind in ("idle", "slow_headers", "slow_body"):
         assert sum(f"connections closed ({kind})" in line for line in proxy.lines) <= 1
-        assert metric(proxy, f'gpuwarden_proxy_failures_total{{reason="{kind}"}}') == 1
-    assert any("its body came slower than 16 KiB/s" in line for line in proxy.lines), proxy.lines
+    assert [metric(proxy, f'gpuwarden_proxy_failures_total{{reason="{kind}"}}') for kind in
+            ("idle", "slow_headers", "slow_body")] == [1, 1, 2]
+    assert any("its body stopped coming for 1 s" in line for line in proxy.lines), proxy.lines
 
 
 def flood_head(proxy, before: bytes) -> None:
@@ -324,6 +329,32 @@ def test_the_parse_cost_bounds_what_a_parse_takes():
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
         assert peak < parse_cost(body) < 60 * len(body)
+
+
+def test_one_client_uses_at_most_its_share_of_the_budget_and_others_still_fit():
+    """The attacker's critical finding (2026-12-02): twelve bodies of one client, each sent to its last byte and held
+    open, took the whole budget and every other client's body got 503 for half an hour."""
+    budget = Budget(1000)
+    assert budget.share == 250
+    a1, a2 = budget.hold("10.0.0.1"), budget.hold("10.0.0.1")
+    a1.take(200, "a1")
+    with pytest.raises(Refusal) as share:
+        a2.take(100, "a2")  # one client: 300 past its 250
+    assert share.value.status == 503 and "this client's requests hold" in str(share.value)
+    others = [budget.hold(f"10.0.0.{n}") for n in (2, 3, 4)]
+    for held in others:
+        held.take(250, "another client's")  # each its own share, beside the first client's
+    assert budget.used == 950 and budget.by_client["10.0.0.1"] == 200
+    with pytest.raises(Refusal) as full:
+        budget.hold("10.0.0.5").take(100, "a fifth")
+    assert full.value.status == 503 and "the proxy is holding" in str(full.value)
+    a1.keep(b"x" * 200)
+    a1.lend()  # with the engine: a lent body is no client's share, and yields to anyone's
+    a2.take(100, "a2")
+    assert a1.body is None and budget.by_client["10.0.0.1"] == 100 and budget.used == 850
+    for held in (a1, a2, *others):
+        held.release()
+    assert (budget.used, budget.lent, budget.by_client) == (0, 0, {})
 
 
 def test_the_budget_refuses_what_does_not_fit_and_gives_back_what_was_held():

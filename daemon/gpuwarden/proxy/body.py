@@ -40,27 +40,50 @@ class Refusal(Exception):
         self.status, self.reason, self.retry_after = status, reason, retry_after
 
 
+SHARE_PARTS = 4  # one client holds at most this fraction of the budget in what its requests use
+
+
 class Budget:
     """Bytes of request bodies and their parses that may be in memory at once (thread-safe: parses run on the
-    executor). `used` is what requests hold; `lent` what bodies already sent keep for a retry, given up first."""
+    executor). `used` is what requests hold; `lent` what bodies already sent keep for a retry, given up first.
+    One client (casualties.client_of: an address, an IPv6 /64, this host's own addresses as one) uses at most
+    `share` of it: twelve bodies sent to their last byte and then held open by one client took all of it, and
+    every other client's body got 503 for as long as they stayed (listener.py closes a stalled body now, too)."""
 
     def __init__(self, limit: int):
         self.limit, self.used, self.lent = limit, 0, 0
+        self.share = max(1, limit // SHARE_PARTS)
         self.lock = threading.Lock()
         self.lenders: OrderedDict[Held, None] = OrderedDict()  # the oldest lent first
+        self.by_client: dict[str, int] = {}  # what each client's requests use now (not lent)
 
-    def hold(self) -> Held:
-        return Held(self)
+    def hold(self, client: str = "") -> Held:
+        return Held(self, client)
 
-    def take(self, held: Held, n: int) -> bool:
+    def take(self, held: Held, n: int) -> str | None:
+        """None: taken; else why not ("all": the budget is full; "client": held's client has its share)."""
         with self.lock:
+            mine = self.by_client.get(held.client, 0)
+            if held.client and mine + n > self.share:
+                return "client"
             while self.used + self.lent + n > self.limit and self.lenders:
                 self.drop(next(iter(self.lenders)))  # a retry that may never be needed yields to a new body
             if self.used + self.lent + n > self.limit:
-                return False
+                return "all"
             self.used += n
             held.bytes += n
-            return True
+            self._mine(held, n)
+            return None
+
+    def _mine(self, held: Held, n: int) -> None:
+        """Under the lock: n more (or fewer) bytes used by held's client."""
+        if not held.client:
+            return
+        left = self.by_client.get(held.client, 0) + n
+        if left > 0:
+            self.by_client[held.client] = left
+        else:
+            self.by_client.pop(held.client, None)
 
     def drop(self, held: Held) -> None:
         """Under the lock: a lent body given up (its request can no longer be retried) and its bytes freed."""
@@ -72,8 +95,8 @@ class Budget:
 class Held:
     """One request's share of the budget, and its body while it may be sent again."""
 
-    def __init__(self, budget: Budget):
-        self.budget, self.bytes = budget, 0
+    def __init__(self, budget: Budget, client: str = ""):
+        self.budget, self.bytes, self.client = budget, 0, client
         self.body: bytes | bytearray | None = None  # kept (keep()) for a retry; None once given up
         self.dropped = False  # released, or its kept body given up for a new one's room: no retry
 
@@ -81,7 +104,11 @@ class Held:
         if self.bytes + n > self.budget.limit:  # this request alone would never fit
             raise Refusal(413, "too_costly", f"{what} would take {(self.bytes + n) >> 20} MiB of memory; the proxy "
                           f"holds at most {self.budget.limit >> 20} MiB of request bodies and their parses at once")
-        if not self.budget.take(self, n):
+        why = self.budget.take(self, n)
+        if why == "client":
+            raise Refusal(503, "busy", f"this client's requests hold {self.budget.share >> 20} MiB of request bodies "
+                          f"now, its share of the proxy's {self.budget.limit >> 20} MiB; {what} does not fit: retry")
+        if why is not None:
             raise Refusal(503, "busy", f"the proxy is holding {self.budget.limit >> 20} MiB of request bodies now; "
                           f"{what} does not fit: retry")
 
@@ -92,6 +119,7 @@ class Held:
             n = min(n, self.bytes)
             self.bytes -= n
             self.budget.used -= n
+            self.budget._mine(self, -n)
 
     def keep(self, body: bytes | bytearray) -> None:
         """Keep the body to send (its share is the bytes still held) until the engine has answered."""
@@ -104,6 +132,7 @@ class Held:
                 self.budget.lenders[self] = None
                 self.budget.used -= self.bytes
                 self.budget.lent += self.bytes
+                self.budget._mine(self, -self.bytes)  # lent bytes yield to anyone's: no client's share
 
     def reclaim(self) -> bool:
         """Held again for a retry: whether the body is still here (False: it was given up, no retry)."""
@@ -112,6 +141,7 @@ class Held:
                 del self.budget.lenders[self]
                 self.budget.lent -= self.bytes
                 self.budget.used += self.bytes
+                self.budget._mine(self, self.bytes)
             return not self.dropped
 
     def release(self) -> None:
@@ -120,6 +150,7 @@ class Held:
             if self in self.budget.lenders:
                 self.budget.drop(self)
             self.budget.used -= self.bytes
+            self.budget._mine(self, -self.bytes)
             self.bytes, self.body, self.dropped = 0, None, True
 
 

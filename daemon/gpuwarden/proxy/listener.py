@@ -7,7 +7,8 @@ descriptor for /health, the engine or accept(). Here:
 - at most `cap` client connections are open, half of what RLIMIT_NOFILE leaves after a reserve, since each may
   hold an upstream connection too (the client session is capped at the same number);
 - a connection waits, sends its headers and sends its body within deadlines (`timeout_s`, and for the body
-  `timeout_s` plus one second per MIN_BODY_RATE bytes received), else it is closed;
+  `timeout_s` plus one second per MIN_BODY_RATE bytes received, and never `timeout_s` without a byte), else it
+  is closed;
 - a request's head is at most MAX_HEAD_BYTES, blank lines before it included; what arrives while a request is
   served (pipelined requests) is read up to MAX_HEAD_BYTES, then reading waits until the response is done;
 - a response the client does not read (the socket's buffer full, so a write cannot drain) for `timeout_s`
@@ -65,6 +66,7 @@ class Connection(asyncio.Protocol):
         self.conns, self.handler = conns, handler
         self.transport: asyncio.Transport | None = None
         self.phase, self.since, self.received, self.served = WAITING, conns.clock(), 0, 0
+        self.progress = self.since  # when a byte of the body last came
         self.closing = False
         self.tail = b""  # the last bytes of the headers so far, to find their end across reads
         self.begun = False  # a byte of the head other than the blank lines before it (aiohttp skips those)
@@ -81,6 +83,7 @@ class Connection(asyncio.Protocol):
             return
         if self.phase in (BODY, SERVING):
             self.received += len(data)
+            self.progress = self.conns.clock()
         if self.phase == SERVING and self.received > MAX_HEAD_BYTES and not self.paused:
             # What a client sends while its request is served is the next request (pipelined): aiohttp would
             # parse and queue up to 32 of them, heads and all. Past one head's worth, the rest waits in the
@@ -137,8 +140,9 @@ class Connection(asyncio.Protocol):
         self.handler.resume_writing()
 
     def deadline(self, timeout_s: float) -> float | None:
-        if self.phase == BODY:
-            return self.since + timeout_s + self.received / MIN_BODY_RATE
+        if self.phase == BODY:  # its average rate, and never a stall as long as timeout_s (bytes sent before
+            # earn no pause: a burst to the last byte, then silence, held the body budget for half an hour)
+            return min(self.since + timeout_s + self.received / MIN_BODY_RATE, self.progress + timeout_s)
         return None if self.phase == SERVING else self.since + timeout_s
 
 
@@ -200,6 +204,7 @@ class Connections:
     # -- the phases of a request -------------------------------------------------------------------------
     def enter(self, conn: Connection, phase: str) -> None:
         conn.phase, conn.since, conn.received, conn.tail, conn.begun = phase, self.clock(), 0, b"", False
+        conn.progress = conn.since
         if phase != SERVING:
             conn.resume()
         self.idle.pop(conn, None)
@@ -254,6 +259,9 @@ class Connections:
                 self._close(conn)  # a keep-alive that idled out: no fault
             elif conn.phase == HEADERS:
                 self.fault(conn, "slow_headers", f"its request's headers took over {t:g} s")
+            elif conn.phase == BODY and now - conn.progress >= t:
+                self.fault(conn, "slow_body", f"its body stopped coming for {t:g} s ({conn.received} bytes in "
+                                              f"{now - conn.since:.0f} s)")
             elif conn.phase == BODY:
                 self.fault(conn, "slow_body", f"its body came slower than {MIN_BODY_RATE >> 10} KiB/s after {t:g} s "
                                               f"({conn.received} bytes in {now - conn.since:.0f} s)")

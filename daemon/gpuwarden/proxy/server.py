@@ -289,10 +289,10 @@ class Proxy:
         began = time.monotonic()
         api = NORMALIZED.get(request.path) if request.method == "POST" else None
         label = api or "other"
-        held = self.budget.hold()
+        held = self.budget.hold(client_of(request))
         try:
             try:
-                self.casualties.refuse(client_of(request))  # before a byte of its body is read
+                self.casualties.refuse(held.client)  # before a byte of its body is read
                 body = await self._read(request, held)
                 headers = forwarded(request.headers)
                 if api is not None:
