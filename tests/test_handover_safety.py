@@ -148,6 +148,28 @@ def test_bind_refusal_names_an_address_that_cannot_be_listened_on_and_passes_one
     assert bind_refusal("192.0.2.1", 9999) == "Cannot assign requested address"
 
 
+def test_a_name_with_only_ipv6_addresses_is_refused_as_the_new_image_would_fail_to_bind_it(monkeypatch):
+    """Attacker 8's finding 2: the check resolved a name in any family and bound its first (IPv6) address, while the
+    new image's server resolves a name as IPv4 only: the handover passed, and the new image ended at its start."""
+    import socket
+
+    from gpuwarden.service.metrics_port import bind_refusal
+    from gpuwarden.web.server import family_of
+
+    real = socket.getaddrinfo
+
+    def resolve(host, port, family=0, kind=0, *rest):
+        if host == "v6only.test":  # an AAAA record, no A record
+            if family == socket.AF_INET:
+                raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+            return [(socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", port, 0, 0))]
+        return real(host, port, family, kind, *rest)
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    assert family_of("v6only.test") == socket.AF_INET and family_of("::1") == socket.AF_INET6
+    assert bind_refusal("v6only.test", 9999) == "Name or service not known"
+
+
 @pytest.mark.process
 @pytest.mark.parametrize("how", ["crash", "handover"])
 def test_a_start_that_fails_with_an_engine_to_adopt_leaves_it_serving_for_the_next_daemon(

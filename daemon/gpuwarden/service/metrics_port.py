@@ -18,7 +18,7 @@ from ..base.systemd import Notifier
 from ..config import Config, MetricsConfig
 from ..serving.run import ports
 from ..web.exposition import Exposition
-from ..web.server import MetricsServer, take_listener
+from ..web.server import MetricsServer, family_of, take_listener
 
 log = logging.getLogger("gpuwarden")
 
@@ -46,7 +46,7 @@ def bind_refusal(host: str, port: int) -> str | None:
     StartupError where this is not None (an address not of this host, a port below 1024 without
     CAP_NET_BIND_SERVICE), and the daemon would end, its children left unsupervised."""
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, family_of(host), socket.SOCK_STREAM)[0]
         with socket.socket(family, kind, proto) as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind(address)
@@ -103,8 +103,10 @@ class MetricsPort:
             self.server = MetricsServer((host, port), self.exposition, self.status_document, self.settings.web,
                                         listener)
         except OSError as exc:
-            # strerror alone: create_server's adds "(while attempting to bind on address ...)"
-            reason = os.strerror(exc.errno) if exc.errno else str(exc)
+            # strerror alone: create_server's adds "(while attempting to bind on address ...)"; a name that does
+            # not resolve is a gaierror, whose errno is no errno ("Unknown error -2")
+            reason = exc.strerror if isinstance(exc, socket.gaierror) and exc.strerror else \
+                os.strerror(exc.errno) if exc.errno else str(exc)
             if exc.errno != errno.EADDRINUSE:
                 raise StartupError(f"cannot serve metrics on {host}:{port}: {reason} "
                                    "(change metrics.listen, or set it to none)") from None

@@ -199,6 +199,13 @@ class AuthLine:
                 return
 
 
+def family_of(host: str) -> socket.AddressFamily:
+    """The address family metrics.listen's host is bound in: IPv6 for an address with a colon, else IPv4 (a name is
+    resolved to its IPv4 addresses only). The one rule for the bind here and for a handover's check of it
+    (service/metrics_port.bind_refusal): a name with only IPv6 addresses passed the check and ended the new image."""
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
 class MetricsServer:
     """`/metrics` for Prometheus and `/status` for `gpuwarden status`, from an event loop on its own thread.
 
@@ -217,8 +224,7 @@ class MetricsServer:
         bound here: a port in use is an OSError at start-up, before anything is tuned."""
         host, port = listen
         self.tls = web.ssl_context() if web is not None and web.tls else None
-        self.listener = listener or socket.create_server((host, port), backlog=LISTEN_BACKLOG,
-                                                         family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self.listener = listener or socket.create_server((host, port), backlog=LISTEN_BACKLOG, family=family_of(host))
         self.listener.setblocking(False)
         self._keep_listener = False  # stop(keep_listener=True): a handover, the socket goes on to the new image
         self.exposition = exposition
