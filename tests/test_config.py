@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import shutil
 import subprocess
 
 import pytest
@@ -341,3 +342,42 @@ def test_the_config_and_its_dropins_are_read_within_one_budget_and_a_count(write
         write(f"conf.d/{i:03}.yaml", "")
     with pytest.raises(config.ConfigError, match=r"conf.d:1: \(file\): 101 drop-ins, more than 100"):
         config.load(path)
+
+
+def test_a_dropin_replacing_lists_keeps_only_its_own_locations_and_merges_in_one_pass():
+    """Attacker 8's finding 4: merge scanned every location of the config for each replaced path (N x M): 56 KB of a
+    config and a drop-in held a reload 14.5 s. Now one pass: what a replaced subtree held is dropped, the rest kept."""
+    from gpuwarden.base.yamlfile import merge, parse
+
+    n = 20_000
+    base = parse("x: [" + ",".join(["0"] * n) + "]\nkept: {a: 1}\nserve: {args: [a, b]}\n", "base.yaml")
+    over = parse("y: [" + ",".join(["1"] * n) + "]\nserve: {args: c}\n", "over.yaml")
+    merged = merge(base, over)
+    assert merged.value["serve"] == {"args": "c"} and len(merged.value["x"]) == n == len(merged.value["y"])
+    assert ("serve", "args", "0") not in merged.where and ("serve", "args") in merged.where
+    assert ("x", str(n - 1)) in merged.where and ("y", "0") in merged.where and ("kept", "a") in merged.where
+
+
+@pytest.mark.parametrize("folder", ["profiles.d", "rules.d"])
+def test_profiles_d_and_rules_d_are_read_within_a_count_and_a_size_in_all(tmp_path, folder):
+    """Attacker 8's finding 3: rules.d and profiles.d had no budget, and a handover's check parses them on the loop
+    (1 MiB held it 20 s, a watchdog ping 29.6 s after the one before)."""
+    from gpuwarden.base.yamlfile import MAX_DIR_BYTES, MAX_DIR_FILES, InvalidConfig
+    from gpuwarden.serving.compose.engines import rules_for
+    from gpuwarden.serving.compose.profiles import load_profiles
+
+    load = load_profiles if folder == "profiles.d" else rules_for
+    where = tmp_path / folder
+    where.mkdir()
+    for i in range(MAX_DIR_FILES + 1):
+        (where / f"{i:03d}.yaml").write_text("# nothing\n")
+    with pytest.raises(InvalidConfig) as many:
+        load(where)
+    assert f"{MAX_DIR_FILES + 1} " in str(many.value.errors[0]) and len(many.value.errors) == 1
+    shutil.rmtree(where)
+    where.mkdir()
+    for i in range(3):  # each within the 1 MiB a file may be, together past what a folder may be
+        (where / f"{i}.yaml").write_text("# " + "x" * (MAX_DIR_BYTES // 2) + "\n")
+    with pytest.raises(InvalidConfig) as big:
+        load(where)
+    assert any("2.yaml" in str(e) and "256 KiB at most in all" in str(e) for e in big.value.errors), big.value.errors

@@ -117,3 +117,4 @@ def test_a_conf_d_that_cannot_be_listed_is_an_error_not_skipped(child_user):
         assert said == f"{folder / 'conf.d'}:1: (file): permission denied: its drop-ins cannot be checked (run as root)"
     finally:
         shutil.rmtree(folder)
+

@@ -76,8 +76,8 @@ class Profile:
                 "notes": [{"text": t, "source": s} for t, s in self.notes]}
 
 
-def load_profile(file: Path) -> Profile:
-    doc = yamlfile.load(file)
+def load_profile(file: Path, budget: yamlfile.DirBudget | None = None) -> Profile:
+    doc = budget.load(file) if budget is not None else yamlfile.load(file)
     if not isinstance(doc.value, dict):
         raise ConfigError(doc.file, 1, "(top level)", f"expected a profile mapping, got {type_name(doc.value)}")
     r = Reader(doc)
@@ -151,13 +151,13 @@ def _builtin(file: Path) -> Profile:
 def load_profiles(user_dir: Path | None) -> dict[str, Profile]:
     """Built-in profiles, then user profiles overriding them by name. Raises ConfigErrors."""
     files = sorted(BUILTIN_DIR.glob("*.yaml"))
-    if user_dir is not None and user_dir.is_dir():
-        files += sorted(user_dir.glob("*.yaml"))
+    budget = yamlfile.DirBudget(user_dir, "profile") if user_dir is not None and user_dir.is_dir() else None
+    files += budget.files() if budget is not None else []
     profiles: dict[str, Profile] = {}
     problems: list[ConfigError] = []
     for file in files:
         try:
-            profile = _builtin(file) if file.parent == BUILTIN_DIR else load_profile(file)
+            profile = _builtin(file) if file.parent == BUILTIN_DIR else load_profile(file, budget)
         except InvalidConfig as exc:
             problems.extend(exc.errors)
             continue

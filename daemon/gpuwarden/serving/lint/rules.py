@@ -207,13 +207,14 @@ class Outcome:
 def load_rules(user_dir: Path | None, checks: Mapping[str, set[str]]) -> Rules:
     """The built-in rules, then rules.d's by file name. checks: engine -> the check names it registers (and
     "any" -> the shared ones). Raises ConfigErrors (FILE:LINE) for every problem in every file."""
-    files = [BUILTIN] + (sorted(user_dir.glob("*.yaml")) if user_dir is not None and user_dir.is_dir() else [])
+    budget = yamlfile.DirBudget(user_dir, "rules.d") if user_dir is not None and user_dir.is_dir() else None
+    files = [BUILTIN] + (budget.files() if budget is not None else [])
     merged: dict[str, dict] = {}
     written_against: dict[str, str] = {}
     problems: list[ConfigError] = []
     for file in files:
         try:
-            entries, against = _builtin() if file == BUILTIN else _read_file(file)
+            entries, against = _builtin() if file == BUILTIN else _read_file(file, budget)
         except InvalidConfig as exc:
             problems.extend(exc.errors)
             continue
@@ -249,8 +250,8 @@ def _builtin() -> tuple[list, dict[str, str]]:
     return _read_file(BUILTIN)
 
 
-def _read_file(file: Path) -> tuple[list, dict[str, str]]:
-    doc = yamlfile.load(file)
+def _read_file(file: Path, budget: yamlfile.DirBudget | None = None) -> tuple[list, dict[str, str]]:
+    doc = budget.load(file) if budget is not None else yamlfile.load(file)
     if not isinstance(doc.value, dict):
         raise ConfigError(doc.file, 1, "(top level)", f"expected a mapping with rules:, got {type_name(doc.value)}")
     r = Reader(doc)
