@@ -143,3 +143,28 @@ def test_the_main_loop_runs_nothing_as_serve_user_for_its_home(reachable, monkey
         assert launch.engine.env["HOME"] == str(reachable / "state" / "home" / "nobody")
     finally:
         backend.close()
+
+
+@pytest.mark.process
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (serve.user nobody)")
+def test_a_folder_let_into_the_group_is_the_one_checked_never_what_a_link_put_in_its_place_names(reachable):
+    """Attacker 8's finding 5: let_group_in checked the folder by lstat, then ran chgrp and chmod by name, both
+    following links: serve.user swapped a link to a root-only file in between, which became root:its group 0770."""
+    from gpuwarden.serving.compose.homes import let_group_in
+    from gpuwarden.serving.compose.identity import resolve
+
+    user = resolve("nobody")
+    secret = reachable / "root-only"
+    secret.write_text("ROOT-ONLY")
+    secret.chmod(0o600)
+    folder = reachable / "dumps"
+    folder.mkdir()
+    let_group_in(folder, user, 0o770)
+    st = os.stat(folder)
+    assert (st.st_gid, stat.S_IMODE(st.st_mode)) == (user.gid, 0o770)
+    folder.rmdir()
+    folder.symlink_to(secret)  # what the swap leaves at the name
+    with pytest.raises(OSError):
+        let_group_in(folder, user, 0o770)
+    st = os.stat(secret)
+    assert (st.st_gid, stat.S_IMODE(st.st_mode)) == (0, 0o600)

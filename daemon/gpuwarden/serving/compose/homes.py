@@ -144,15 +144,23 @@ def _kind(st: os.stat_result) -> str:
 
 def let_group_in(folder: Path, identity: Identity, mode: int) -> None:
     """root's folder into identity's group, with mode. The owner may give its file to a group it is in without
-    CAP_CHOWN, so chgrp runs as root with that one group. Raises OSError."""
-    st = os.lstat(folder)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-        raise OSError(errno.EPERM, f"{folder} is not root's folder")
-    if st.st_gid != identity.gid:
-        _run(subprocess.Popen(["chgrp", "--", str(identity.gid), str(folder)], env=TOOLS_PATH, cwd="/",
-                              extra_groups=[identity.gid], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE))
-    os.chmod(folder, mode)
+    CAP_CHOWN, so chgrp runs as root with that one group. Everything is done on the folder opened once, without
+    following a link: a path checked and then changed by name let serve.user, where it may rename entries beside
+    the folder, swap in a link to a root-only file between the check and the chgrp (attacker 8's finding 5).
+    Raises OSError."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            raise OSError(errno.EPERM, f"{folder} is not root's folder")
+        if st.st_gid != identity.gid:
+            # the opened folder itself, through the fd the tool inherits (its /proc/self/fd link names that inode)
+            _run(subprocess.Popen(["chgrp", "--dereference", "--", str(identity.gid), f"/proc/self/fd/{fd}"],
+                                  env=TOOLS_PATH, cwd="/", pass_fds=(fd,), extra_groups=[identity.gid],
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
 
 
 def _run(proc: subprocess.Popen) -> None:
