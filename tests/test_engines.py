@@ -125,7 +125,8 @@ def test_log_levels(name):
 def test_metric_names_map_to_the_generic_stats(name, monkeypatch):
     engine = engine_for(name)
     texts = iter([scrape(engine, 100, 3), scrape(engine, 400, 5)])
-    monkeypatch.setattr("gpuwarden.serving.probe.metrics.fetch", lambda url, owner=None: parse(next(texts)))
+    monkeypatch.setattr("gpuwarden.serving.probe.metrics.fetch",
+                        lambda url, owner=None, wanted=None: parse(next(texts), wanted))
     clock = ManualClock(0)
     reader = MetricsReader("http://x" + engine.metrics_path, engine.metric_names, clock, Inline(clock))
     reader.read(0)

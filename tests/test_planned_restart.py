@@ -408,3 +408,28 @@ def test_a_reload_keeps_only_a_proxy_that_runs_or_is_on_its_way(tmp_path):
     assert _unchanged_sides(both, types.SimpleNamespace(sides=()), (PROXY_KIND,)) == {}  # turned off: not kept
     proxy.stop(clock.now)
     assert proxy.state == STOPPING and _unchanged_sides(both, launch, (PROXY_KIND,)) == {}
+
+
+def test_a_word_pipe_full_of_lines_that_are_no_word_costs_a_tick_few_parses(monkeypatch):
+    """Attacker 8's finding 7: 64 KiB of newlines on the word pipe were 65,536 json.loads failures a tick (0.21 s of
+    the loop's CPU). Only a line that can be a JSON object is parsed, and WORDS_MAX of them a tick."""
+    import os
+
+    from gpuwarden.serving.run import word as W
+
+    parsed = []
+    real = W.json.loads
+    monkeypatch.setattr(W.json, "loads", lambda text: parsed.append(text) or real(text))
+    read, write = W.make_pipe()
+    try:
+        reader = W.WordReader(read)
+        good = json.dumps({"v": W.VERSION, "word": W.HOLDING}).encode() + b"\n"
+        os.write(write, b"\n" * 30_000 + b"1\n" * 10_000 + good)
+        reader.read()
+        assert reader.answers == 1 and parsed == [good.strip()]
+        os.write(write, b"{}\n" * 1000 + good)
+        reader.read()
+        assert reader.answers == 1 and len(parsed) == 1 + W.WORDS_MAX  # the rest of a flood's objects: unread
+    finally:
+        os.close(read)
+        os.close(write)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from ..gpu.base import ClockEventReason
 from ..base.httpget import HttpError
-from ..serving.probe.metrics import fetch
+from ..serving.probe.metrics import fetch, read_names
 from ..web.status import StatusError, is_share, shown
 from ..gpu.throttle import HELD_DOWN, LOCK_TOLERANCE_MHZ
 from .bound import FIELDS
@@ -101,7 +101,7 @@ class Watch:
         self._polls = Polls()
         self._start_counters: dict[str, float] | None = None
         self._count = 0
-        self._wanted = engine_names(names)
+        self._wanted = read_names(names)
         self._asked = 0  # answers asked of read_gpus over the whole run, and those it refused (a StatusError)
         self._refused = 0
         self._first_refusal: str | None = None
@@ -112,10 +112,9 @@ class Watch:
         if self.metrics_url is None:
             return None
         try:
-            scraped = fetch(self.metrics_url)
+            return fetch(self.metrics_url, wanted=self._wanted)
         except (HttpError, OSError, ValueError):  # restarting, or not ours to read: the step says "not reported"
             return None
-        return {name: scraped[name] for name in self._wanted if name in scraped}
 
     def _poll(self) -> None:
         # Polls fall inside the step: the first one an interval after it began, none after it ended.
@@ -165,17 +164,6 @@ class Watch:
         end = self._scrape()
         return ([summarize_gpu(index, polls) for index, polls in sorted(self._polls.gpus.items())],
                 summarize_engine(self.names, self._start_counters, end, self._polls.engine))
-
-
-def engine_names(names) -> set[str]:
-    """Every /metrics name summarize_engine reads."""
-    if names is None:
-        return set()
-    histograms = [f"{name}_{part}" for name in (names.ttft_histogram, names.latency_histogram) if name
-                  for part in ("sum", "count")]
-    return {names.generation_tokens, names.prompt_tokens, names.requests_running, names.requests_waiting,
-            *names.kv_cache_usage, *(n for n in (names.prefix_cache_queries, names.prefix_cache_hits) if n),
-            *histograms}
 
 
 def _mean(values: list[float]) -> float | None:

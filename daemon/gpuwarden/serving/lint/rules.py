@@ -526,12 +526,19 @@ def _flag_text(flag: str, value: str | None) -> str:
     return f"{flag} set" if is_secret_flag(flag) else f"{flag} {value}"
 
 
+def _secret_present(flags: Sequence[str], flag: str) -> bool:
+    """A secret flag in any spelling its parser takes, a prefix included, but never another flag of its own that is
+    a prefix of it (--ssl-keyfile, a path, before --ssl-keyfile-password): flags.is_secret_flag's reading."""
+    return any(is_secret_flag(word) and has_flag([word], flag, prefix=True) for word in flags)
+
+
 def _matches(match: Mapping[str, Any], ctx: LintContext) -> list[str] | None:
     """The facts the match holds on, in words; None when it does not hold. facts.Unknown: a fact it needs
     cannot be read here."""
     flags, seen = ctx.flags, []
     # A secret flag is present in any spelling its parser takes, prefixes included (serving/lint/flags.py).
-    if not all(has_flag(flags, f, prefix=f in SECRET_FLAGS) for f in match.get("flags_present", ())):
+    if not all(_secret_present(flags, f) if f in SECRET_FLAGS else has_flag(flags, f)
+               for f in match.get("flags_present", ())):
         return None
     seen += match.get("flags_present", ())
     if any(has_flag(flags, f) for f in match.get("flags_absent", ())):
