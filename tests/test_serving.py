@@ -279,6 +279,11 @@ def test_only_the_names_read_are_parsed_however_many_the_engine_sends():
     assert len(full) > 40_000 and set(kept) <= wanted
     assert kept == {name: value for name, value in full.items() if name in wanted} and kept
     assert "junk_0" not in kept and parse("", wanted) == {}
+    from gpuwarden.serving.probe.metrics import MAX_SAMPLES
+
+    flood = "".join(f'vllm:num_requests_running{{x="{i}"}} 1\n' for i in range(MAX_SAMPLES + 1))
+    with pytest.raises(ValueError, match="more than"):  # a read name under endless label sets: no answer
+        parse(flood, wanted)
 
 
 def test_unreachable_metrics_is_none():
