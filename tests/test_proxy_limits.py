@@ -334,13 +334,16 @@ def test_the_parse_cost_bounds_what_a_parse_takes():
 def test_one_client_uses_at_most_its_share_of_the_budget_and_others_still_fit():
     """The attacker's critical finding (2026-12-02): twelve bodies of one client, each sent to its last byte and held
     open, took the whole budget and every other client's body got 503 for half an hour."""
-    budget = Budget(1000)
-    assert budget.share == 250
+    budget = Budget(1000, 250)
+    assert budget.share == 250 and Budget(1000).share == 1000  # no share given: one client may use it all
     a1, a2 = budget.hold("10.0.0.1"), budget.hold("10.0.0.1")
     a1.take(200, "a1")
     with pytest.raises(Refusal) as share:
         a2.take(100, "a2")  # one client: 300 past its 250
     assert share.value.status == 503 and "this client's requests hold" in str(share.value)
+    with pytest.raises(Refusal) as never:
+        budget.hold("10.0.0.9").take(251, "alone")  # past any client's share: it never fits, 413
+    assert never.value.status == 413
     others = [budget.hold(f"10.0.0.{n}") for n in (2, 3, 4)]
     for held in others:
         held.take(250, "another client's")  # each its own share, beside the first client's
@@ -390,16 +393,21 @@ def test_a_body_that_would_parse_too_big_is_refused_before_it_is_parsed(rig):
 
 @pytest.mark.process
 def test_bodies_past_the_budget_get_503_with_retry_after_and_the_rest_are_served(rig):
-    upstream, proxy = rig("--max-body-bytes", str(1 << 20))  # a budget of 12 MiB
+    """A budget of 12 MiB, of which one client (this host's addresses are one) uses at most 10: the two left are
+    the other clients' (the attacker's critical finding of 2026-12-02: one client held it all). A long client
+    timeout: the held bodies wait for their last byte by design here, not because a client stalled."""
+    upstream, proxy = rig("--max-body-bytes", str(1 << 20), "--client-timeout", "600")
     head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (1 << 20)
-    holding = [open_socket(proxy.port, head + b"x" * ((1 << 20) - 1)) for _ in range(12)]
+    holding = [open_socket(proxy.port, head + b"x" * ((1 << 20) - 1)) for _ in range(10)]
     deadline = time.monotonic() + 30
-    while (metric(proxy, "gpuwarden_proxy_body_bytes") or 0) < 12 * ((1 << 20) - 1) and time.monotonic() < deadline:
+    while (metric(proxy, "gpuwarden_proxy_body_bytes") or 0) < 10 * ((1 << 20) - 1) and time.monotonic() < deadline:
         time.sleep(0.05)
-    reply, data = send(proxy.port, "POST", "/v1/chat/completions", json.dumps({"model": "tiny"}).encode())
+    reply, data = send(proxy.port, "POST", "/v1/chat/completions", json.dumps({"model": "tiny", "x": "y" * 4096}
+                                                                              ).encode())
     assert reply.status == 503 and reply.getheader("Retry-After") == "1"
-    assert metric(proxy, "gpuwarden_proxy_body_bytes") == 12 * ((1 << 20) - 1)
-    assert "retry" in json.loads(data)["error"]["message"]
+    assert metric(proxy, "gpuwarden_proxy_body_bytes") == 10 * ((1 << 20) - 1)
+    message = json.loads(data)["error"]["message"]
+    assert "retry" in message and "this client's requests hold 10 MiB" in message, message
     for sock in holding:  # the last byte: each is whole, sent on, and its share given back
         sock.sendall(b"x")
         sock.settimeout(30)

@@ -169,6 +169,8 @@ def parse(text: str, name: str, empty_ok: bool = False) -> Document:
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = mark.line + 1 if mark else 1
+        if "maximum nesting depth" in str(exc.problem):  # libyaml's own limit, met while it scans ahead of ours
+            raise ConfigError(name, line, "(yaml)", f"nested more than {MAX_DEPTH} levels deep") from None
         raise ConfigError(name, line, "(yaml)", f"invalid YAML: {_one_line(exc.problem or exc.context)}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(name, 1, "(yaml)", f"invalid YAML: {_one_line(exc)}") from None

@@ -40,19 +40,17 @@ class Refusal(Exception):
         self.status, self.reason, self.retry_after = status, reason, retry_after
 
 
-SHARE_PARTS = 4  # one client holds at most this fraction of the budget in what its requests use
-
-
 class Budget:
     """Bytes of request bodies and their parses that may be in memory at once (thread-safe: parses run on the
     executor). `used` is what requests hold; `lent` what bodies already sent keep for a retry, given up first.
     One client (casualties.client_of: an address, an IPv6 /64, this host's own addresses as one) uses at most
-    `share` of it: twelve bodies sent to their last byte and then held open by one client took all of it, and
-    every other client's body got 503 for as long as they stayed (listener.py closes a stalled body now, too)."""
+    `share` of it, so that others always find room: twelve bodies sent to their last byte and then held open by one
+    client took all of it, and every other client's body got 503 for as long as they stayed (listener.py closes a
+    stalled body now, too)."""
 
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, share: int | None = None):
         self.limit, self.used, self.lent = limit, 0, 0
-        self.share = max(1, limit // SHARE_PARTS)
+        self.share = min(limit, share) if share is not None else limit
         self.lock = threading.Lock()
         self.lenders: OrderedDict[Held, None] = OrderedDict()  # the oldest lent first
         self.by_client: dict[str, int] = {}  # what each client's requests use now (not lent)
@@ -72,10 +70,10 @@ class Budget:
                 return "all"
             self.used += n
             held.bytes += n
-            self._mine(held, n)
+            self.charge(held, n)
             return None
 
-    def _mine(self, held: Held, n: int) -> None:
+    def charge(self, held: Held, n: int) -> None:
         """Under the lock: n more (or fewer) bytes used by held's client."""
         if not held.client:
             return
@@ -92,6 +90,10 @@ class Budget:
         held.bytes, held.body, held.dropped = 0, None, True
 
 
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
 class Held:
     """One request's share of the budget, and its body while it may be sent again."""
 
@@ -101,13 +103,15 @@ class Held:
         self.dropped = False  # released, or its kept body given up for a new one's room: no retry
 
     def take(self, n: int, what: str) -> None:
-        if self.bytes + n > self.budget.limit:  # this request alone would never fit
-            raise Refusal(413, "too_costly", f"{what} would take {(self.bytes + n) >> 20} MiB of memory; the proxy "
-                          f"holds at most {self.budget.limit >> 20} MiB of request bodies and their parses at once")
+        most = self.budget.share if self.client else self.budget.limit
+        if self.bytes + n > most:  # this request alone would never fit
+            raise Refusal(413, "too_costly", f"{what} would take {_size(self.bytes + n)} of memory; the proxy "
+                          f"holds at most {_size(most)} of one client's request bodies and their parses at once")
         why = self.budget.take(self, n)
         if why == "client":
-            raise Refusal(503, "busy", f"this client's requests hold {self.budget.share >> 20} MiB of request bodies "
-                          f"now, its share of the proxy's {self.budget.limit >> 20} MiB; {what} does not fit: retry")
+            raise Refusal(503, "busy", f"this client's requests hold {_size(self.budget.share)} of request bodies "
+                          f"now, the most one client may of the proxy's {_size(self.budget.limit)}; {what} does not "
+                          "fit: retry")
         if why is not None:
             raise Refusal(503, "busy", f"the proxy is holding {self.budget.limit >> 20} MiB of request bodies now; "
                           f"{what} does not fit: retry")
@@ -119,7 +123,7 @@ class Held:
             n = min(n, self.bytes)
             self.bytes -= n
             self.budget.used -= n
-            self.budget._mine(self, -n)
+            self.budget.charge(self, -n)
 
     def keep(self, body: bytes | bytearray) -> None:
         """Keep the body to send (its share is the bytes still held) until the engine has answered."""
@@ -132,7 +136,7 @@ class Held:
                 self.budget.lenders[self] = None
                 self.budget.used -= self.bytes
                 self.budget.lent += self.bytes
-                self.budget._mine(self, -self.bytes)  # lent bytes yield to anyone's: no client's share
+                self.budget.charge(self, -self.bytes)  # lent bytes yield to anyone's: no client's share
 
     def reclaim(self) -> bool:
         """Held again for a retry: whether the body is still here (False: it was given up, no retry)."""
@@ -141,7 +145,7 @@ class Held:
                 del self.budget.lenders[self]
                 self.budget.lent -= self.bytes
                 self.budget.used += self.bytes
-                self.budget._mine(self, self.bytes)
+                self.budget.charge(self, self.bytes)
             return not self.dropped
 
     def release(self) -> None:
@@ -150,7 +154,7 @@ class Held:
             if self in self.budget.lenders:
                 self.budget.drop(self)
             self.budget.used -= self.bytes
-            self.budget._mine(self, -self.bytes)
+            self.budget.charge(self, -self.bytes)
             self.bytes, self.body, self.dropped = 0, None, True
 
 

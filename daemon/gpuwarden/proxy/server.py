@@ -58,6 +58,7 @@ HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authoriza
 # The memory of bodies and their parses at once, in maximum-size bodies: one of BMP text (CJK: 1 + 7 x its size,
 # 9 x dumped; body.parse_cost) or two of ASCII (1 + 4 x) fit; the worst case stays under 512 MiB at 32 MiB.
 BUDGET_BODIES = 12
+RESERVE_BODIES = 2  # of them, always left to the other clients: one client's requests use at most the rest
 OFF_LOOP_BYTES = 256 << 10
 LOOK_S = 2.0  # a look at the engine's /health: an answer within this, or none (answers)
 LOOKS_AT_ONCE = 2  # the looks' own connections: one look at a time (hold.look), and one closing
@@ -215,7 +216,7 @@ class Proxy:
         self.rules, self.metrics, self.dumper = rules, metrics, dumper
         self.max_body_bytes, self.read_timeout_s, self.metrics_path = max_body_bytes, read_timeout_s, metrics_path
         self.faults, self.conns = faults or proxy_faults(), conns
-        self.budget = Budget(BUDGET_BODIES * max_body_bytes)
+        self.budget = Budget(BUDGET_BODIES * max_body_bytes, (BUDGET_BODIES - RESERVE_BODIES) * max_body_bytes)
         self.prepare = Prepare(rules, metrics.normalized, dumper, self.faults, max_body_bytes)
         self.health_path = health_path
         # Held requests keep their client connections: at most half the cap, so that /health, /metrics and new
