@@ -197,3 +197,85 @@ def test_without_a_cache_variable_the_serving_users_home_decides(monkeypatch):
     text = " ".join(str(f) for f in launch.findings if f.rule == "fact-unknown")
     home = __import__("pwd").getpwnam("nobody").pw_dir
     assert f"in {home}/.cache/huggingface/hub (from HOME)" in text, text
+
+
+# -- every model-fact rule, through an id ------------------------------------------------------------------------
+
+# The files a checkpoint would ship for each rule's first firing example's model facts (its `model_facts:` in
+# serving/lint/rules/builtin.yaml); the test reads them back through the id and checks they give those facts.
+CHECKPOINTS = {
+    "ngram-small-model": {"config.json": {"model_type": "qwen3"},
+                          "model.safetensors": {"w": {"dtype": "BF16", "shape": [64000, 62500], "data_offsets": [0, 0]}}},
+    "fp4-moe-marlin-gb10": {"config.json": {"model_type": "hy_v3", "num_experts": 192, "quantization_config": {
+        "quant_method": "compressed-tensors", "config_groups": {"group_0": {"weights": {"num_bits": 4}}}}}},
+    "no-generation-config": {"config.json": {"model_type": "qwen3_5"}},
+    "hybrid-fp4-ignore-list": {"config.json": {"model_type": "qwen3_next", "quantization_config": {
+        "quant_method": "modelopt", "quant_algo": "NVFP4", "ignore": ["lm_head"]}}},
+    "hybrid-prefix-caching": {"config.json": {"model_type": "nemotron_h"}},
+    "context-beyond-training": {"config.json": {"model_type": "deepseek_v4", "max_position_embeddings": 1048576,
+                                                "rope_scaling": {"factor": 16.0,
+                                                                 "original_max_position_embeddings": 65536}}},
+    "rope-extended-context": {"config.json": {"model_type": "qwen2", "max_position_embeddings": 32768, "rope_scaling": {
+        "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}},
+    "checkpoint-reasoning-parser": {"config.json": {"model_type": "nemotron_h"}, "nano_v3_reasoning_parser.py": "",
+                                    "generation_config.json": {}},
+    "mtp-one-draft-token": {"config.json": {"model_type": "deepseek_v3", "num_nextn_predict_layers": 1}},
+    "indexer-spec-overhang": {"config.json": {"model_type": "glm_moe_dsa", "index_topk": 2048,
+                                              "num_nextn_predict_layers": 1, "max_position_embeddings": 202752}},
+    "mtp-excluded-from-quant": {"config.json": {"model_type": "deepseek_v4", "quantization_config": {
+        "quant_method": "modelopt", "ignore": ["mtp.*", "lm_head"]}}},
+    "qwen3-sliding-window-off": {"config.json": {"model_type": "qwen3", "sliding_window": 2048,
+                                                 "num_hidden_layers": 5}},
+}
+
+
+def model_fact_rules():
+    from gpuwarden.serving.compose.engines import builtin_rules
+
+    out = []
+    for rule in builtin_rules().rules:
+        example = next((e for e in rule.examples if "model_facts" in e and e["fires"] != "none"), None)
+        if example is not None:
+            out.append((rule, example))
+    return out
+
+
+def test_the_checkpoints_below_cover_every_rule_that_reads_the_models_files():
+    assert {rule.id for rule, _ in model_fact_rules()} == set(CHECKPOINTS)
+
+
+@pytest.mark.parametrize("rule,example", model_fact_rules(), ids=[r.id for r, _ in model_fact_rules()])
+def test_each_model_fact_rule_fires_through_a_hugging_face_id_in_the_users_cache(rule, example, tmp_path):
+    import dataclasses
+    import struct
+
+    from test_rules import context, outcome_of
+
+    files = CHECKPOINTS[rule.id]
+    repo_id = "org/" + example["model"].rsplit("/", 1)[-1]
+    snapshot = {}
+    for name, content in files.items():
+        if name.endswith(".safetensors"):
+            header = json.dumps(content).encode()
+            snapshot[name] = (struct.pack("<Q", len(header)) + header).decode("latin-1")
+        else:
+            snapshot[name] = content
+    repo = hub(tmp_path / "hub", repo_id, {MAIN: {k: v for k, v in snapshot.items() if not k.endswith(".safetensors")}},
+               {"main": MAIN})
+    for name, raw in snapshot.items():  # a header only: binary, written as such
+        if name.endswith(".safetensors"):
+            (repo / "blobs" / name).write_bytes(raw.encode("latin-1"))
+            (repo / "snapshots" / MAIN / name).symlink_to(f"../../blobs/{name}")
+    flags = [str(a) for a in example.get("args", [])]
+    facts = M.launch_facts(repo_id, flags, {"HF_HUB_CACHE": str(tmp_path / "hub")})
+    assert facts.known, facts.why
+    for field, value in example["model_facts"].items():  # the files say what the example's facts say
+        got = getattr(facts, field)
+        assert (tuple(got) if isinstance(got, (list, tuple)) else got) == \
+            (tuple(value) if isinstance(value, list) else value), (field, got)
+    settings = {k: v for k, v in example.items() if k not in ("fires", "case", "model_facts")}
+    settings.setdefault("engine", rule.engine if rule.engine != "any" else "vllm")
+    settings["model"] = repo_id
+    ctx = dataclasses.replace(context(**settings, model_facts={}), model_facts=facts)
+    outcome = outcome_of(rule, ctx)
+    assert outcome.finding is not None and outcome.finding.severity == example["fires"], outcome.line()
