@@ -205,7 +205,8 @@ def test_without_a_cache_variable_the_serving_users_home_decides(monkeypatch):
 # serving/lint/rules/builtin.yaml); the test reads them back through the id and checks they give those facts.
 CHECKPOINTS = {
     "ngram-small-model": {"config.json": {"model_type": "qwen3"},
-                          "model.safetensors": {"w": {"dtype": "BF16", "shape": [64000, 62500], "data_offsets": [0, 0]}}},
+                          "model.safetensors": {"w": {"dtype": "BF16", "shape": [64000, 62500],
+                                                      "data_offsets": [0, 0]}}},
     "fp4-moe-marlin-gb10": {"config.json": {"model_type": "hy_v3", "num_experts": 192, "quantization_config": {
         "quant_method": "compressed-tensors", "config_groups": {"group_0": {"weights": {"num_bits": 4}}}}}},
     "no-generation-config": {"config.json": {"model_type": "qwen3_5"}},

@@ -13,10 +13,11 @@ descriptor for /health, the engine or accept(). Here:
   served (pipelined requests) is read up to MAX_HEAD_BYTES, then reading waits until the response is done;
 - a response the client does not read (the socket's buffer full, so a write cannot drain) for `timeout_s`
   closes the connection, and with it the upstream request;
-- at the cap, a new connection closes the open one that has waited longest without a request being served (a
-  keep-alive, headers or a body still coming): a crowd that holds connections open only pushes out its own,
-  while a request that arrives whole is served. When every open connection is being served, the new one gets a
-  fixed 503 and is closed, without reading.
+- at the cap, a new connection closes one that waits on its client (a keep-alive, headers or a body still
+  coming), as base/conncap.to_close chooses for the metrics server too: from the place that holds the most, a
+  served keep-alive first, else the one waiting longest: a crowd that holds connections open only pushes out its
+  own, while a request that arrives whole is served. When every open connection is being served, the new one gets
+  a fixed 503 and is closed, without reading.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ from collections.abc import Callable
 
 from aiohttp import web
 
+from ..base.conncap import to_close
 from ..base.faultlog import FaultLog
+from ..base.peers import source_of
 from ..base.keptlistener import CAP_REFUSED
 
 BACKLOG = 64  # also how many connections asyncio accepts in one pass of the loop
@@ -68,12 +71,15 @@ class Connection(asyncio.Protocol):
         self.phase, self.since, self.received, self.served = WAITING, conns.clock(), 0, 0
         self.progress = self.since  # when a byte of the body last came
         self.closing = False
+        self.source = ""  # whom it counts for at the cap (base/conncap.py), once connected
         self.tail = b""  # the last bytes of the headers so far, to find their end across reads
         self.begun = False  # a byte of the head other than the blank lines before it (aiohttp skips those)
         self.paused = False  # reading paused by us: a pipelined request past MAX_HEAD_BYTES while serving
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        peer = transport.get_extra_info("peername")
+        self.source = source_of(peer[0]) if isinstance(peer, tuple) and peer else "unknown"
         self.handler.connection_made(transport)
         if self.closing:  # closed at the cap before asyncio handed it over
             transport.abort()
@@ -175,11 +181,13 @@ class Connections:
                                  "a new one refused with 503 (the cap is half the fd limit left after a reserve)")
                 self.count("too_many_connections")
                 return Refused()
-            oldest = next(iter(self.idle))
-            self.faults.note("connections closed at the cap", f"{self.cap} connections open: closed the one that "
-                             f"waited longest ({oldest.phase}, {self.clock() - oldest.since:.1f} s)", logging.INFO)
+            closed = to_close((conn.source for conn in self.open.values()), list(self.idle), lambda c: c.source,
+                              lambda c: c.phase == WAITING and c.served > 0)
+            self.faults.note("connections closed at the cap", f"{self.cap} connections open: closed one that waited "
+                             f"on its client, from the place with the most ({closed.phase}, "
+                             f"{self.clock() - closed.since:.1f} s)", logging.INFO)
             self.count("evicted")
-            self._close(oldest)
+            self._close(closed)
         # Counted from here, not from connection_made: asyncio calls that a loop pass later, and a burst of
         # accepts in between must see every connection made so far.
         conn = Connection(self, server())

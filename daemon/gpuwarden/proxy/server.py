@@ -38,7 +38,7 @@ from ..base import unixsock
 from ..base.faultlog import FaultLog
 from .body import Budget, Held, Refusal, read
 from .casualties import (CRASH_LOOP_FAILURES, ENDED, HOLD, REFUSE_AFTER_ENDS, RESEND, WINDOW_S, Casualties,
-                         after_failure, client_of, tail_of)
+                         after_failure, client_of)
 from .dump import Dumper
 from .ends import Ends
 from .faults import proxy_faults
@@ -47,14 +47,13 @@ from .listener import Connections
 from .normalize import Rules
 from .prepare import Prepare
 from .refusals import error_response
+from .relay import Relay, forwarded
 from .scrape import scrape_forever
 from .upstream import EngineConnector, EngineUnixConnector
 
 log = logging.getLogger("gpuwarden.proxy")
 
 NORMALIZED = {"/v1/messages": "anthropic", "/v1/chat/completions": "openai"}
-HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-              "transfer-encoding", "upgrade", "proxy-connection", "host", "content-length"}
 # The memory of bodies and their parses at once, in maximum-size bodies: one of BMP text (CJK: 1 + 7 x its size,
 # 9 x dumped; body.parse_cost) or two of ASCII (1 + 4 x) fit; the worst case stays under 512 MiB at 32 MiB.
 BUDGET_BODIES = 12
@@ -193,12 +192,6 @@ async def answers(session: aiohttp.ClientSession, url: str) -> bool | None:
         return None if getattr(cause, "errno", None) in OWN_LACK else False
 
 
-def forwarded(headers) -> CIMultiDict:
-    """The end-to-end headers: without the hop-by-hop ones, nor those the Connection header names as such."""
-    named = {token.strip().lower() for value in headers.getall("Connection", ()) for token in value.split(",")}
-    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in HOP_BY_HOP and k.lower() not in named)
-
-
 class Proxy:
     def __init__(self, upstream: str, rules: Rules, metrics: ProxyMetrics, dumper: Dumper | None = None,
                  max_body_bytes: int = 32 << 20, read_timeout_s: float = 600.0, metrics_path: str = "/metrics",
@@ -239,6 +232,7 @@ class Proxy:
         self.casualties = Casualties(self.hold.clock, window_s=ends[1], refuse_after=ends[0],
                                      failures=ends[2] if len(ends) > 2 else CRASH_LOOP_FAILURES)
         self.ends = Ends(self.casualties, self.hold)
+        self.relay = Relay(self.metrics, self.ends, self.hold, self.faults)
         self.session: aiohttp.ClientSession | None = None
         self.looks: aiohttp.ClientSession | None = None  # the hold's and the ends' looks at /health, apart
         self._scraper: asyncio.Task | None = None
@@ -379,7 +373,7 @@ class Proxy:
                 if not (down and held.reclaim()):
                     held.release()  # from here on, never sent again
                     self.metrics.upstream.labels(label).observe(time.monotonic() - began)
-                    return await self._relay(request, up, label, tries)
+                    return await self.relay.answer(request, up, label, tries)
         except asyncio.CancelledError:  # the client left (aiohttp cancels its handler where told to)
             if tries.opened or tries.seen:
                 self.ends.suspect(request, tries.sent_at)
@@ -426,54 +420,6 @@ class Proxy:
         if self.conns is not None:
             self.conns.serving(request)
         return body
-
-    async def _relay(self, request: web.Request, up: aiohttp.ClientResponse, label: str,
-                     tries: Tries) -> web.StreamResponse:
-        response = web.StreamResponse(status=up.status, reason=up.reason)
-        response.headers.extend(forwarded(up.headers))
-        if up.content_length is not None:
-            response.content_length = up.content_length
-        streaming = up.headers.get("Content-Type", "").startswith("text/event-stream")
-        self.metrics.requests.labels(label, str(up.status)).inc()
-        if streaming:
-            self.metrics.streams.labels(label).inc()
-        else:  # a stream's answer is told at its end, where an error event may be (ends.py)
-            self.ends.answered(request, tries.sent_at, up.status)
-        sent, tail, clean = 0, b"", False
-        try:
-            await response.prepare(request)
-            async for chunk in up.content.iter_any():
-                await response.write(chunk)
-                sent += len(chunk)
-                self.metrics.chunks.inc()
-                if streaming:
-                    tail = tail_of(tail, chunk)
-            await response.write_eof()
-            clean = True
-        except (ConnectionResetError, asyncio.CancelledError) as exc:
-            # The client went away: leaving the `async with` closes the upstream connection, so the engine
-            # sees the disconnect and stops generating.
-            self.metrics.failures.labels("client_gone").inc()
-            self.faults.note("clients gone mid-response", f"client {request.remote} left {request.method} "
-                             f"{request.path} after {sent} bytes", logging.INFO)
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:  # caught here: the response has begun
-            broke_at = self.hold.clock()
-            self.metrics.failures.labels("upstream_broke").inc()
-            self.faults.note("responses cut by the engine", f"upstream broke off {request.method} {request.path} "
-                             f"from {request.remote} after {sent} bytes: {exc or type(exc).__name__}")
-            if request.transport is not None:
-                request.transport.close()  # the client must see a cut stream, not a finished one
-            if isinstance(exc, aiohttp.ClientError) and await self.hold.engine_ended(since=broke_at):
-                self.ends.cut(request, tries.sent_at)
-        finally:
-            self.metrics.bytes_out.inc(sent)
-            # Ended, cut or left: what a stream said last (no more of it is kept). One that did not end cleanly is a
-            # suspect whatever it said: a client that left at once never let the error event reach the tail.
-            if streaming or not clean:
-                self.ends.answered(request, tries.sent_at, up.status, tail, suspect=not clean)
-        return response
 
     def _refuse(self, request: web.Request, label: str, status: int, reason: str, message: str,
                 retry_after: int = 1) -> web.Response:

@@ -21,6 +21,7 @@ from http import HTTPStatus
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..base import httphead
+from ..base.conncap import to_close
 from ..base.faultlog import FaultLog
 from ..base.peers import source_of
 from ..base.webconfig import REALM, WebConfig
@@ -311,14 +312,13 @@ class MetricsServer:
         self.connections[task] = connection
 
     def _drop_one_waiting(self) -> bool:
-        """Drop a connection that waits on its client: from the address that holds the most, one that has its
-        reply if there is one, else the oldest. A crowd from one place makes room for everyone else, whether
-        it trickles requests or lets replies sit, and a request under way is the last thing it loses."""
-        held = Counter(connection.peer for connection in self.connections.values())
+        """Drop a connection that waits on its client, as base/conncap.to_close chooses (the proxy's rule too)."""
         waiting = [(task, c) for task, c in self.connections.items() if c.phase != "answer"]
-        if not waiting:
+        found = to_close((source_of(c.peer) for c in self.connections.values()), waiting,
+                         lambda item: source_of(item[1].peer), lambda item: item[1].phase == "reply")
+        if found is None:
             return False
-        task, connection = max(waiting, key=lambda item: (held[item[1].peer], item[1].phase == "reply"))
+        task, connection = found
         del self.connections[task]
         task.cancel()
         self.faults.note("dropped to make room", connection.peer)

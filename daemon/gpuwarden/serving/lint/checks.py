@@ -1,6 +1,7 @@
-"""The checks every engine shares. The rules themselves are data (serving/lint/rules/builtin.yaml, serving/lint/rules.py).
-A rule that cannot be said as data names a check: a function of the LintContext that returns the values its message
-needs, or None when it does not fire. Engines register their own (Engine.checks); the ones here apply to any engine.
+"""The checks every engine shares. The rules themselves are data (serving/lint/rules/builtin.yaml,
+serving/lint/rules.py). A rule that cannot be said as data names a check: a function of the LintContext that returns
+the values its message needs, or None when it does not fire. Engines register their own (Engine.checks); the ones here
+apply to any engine.
 """
 
 from __future__ import annotations

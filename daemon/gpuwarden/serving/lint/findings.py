@@ -63,7 +63,8 @@ UNKNOWN_FIXES = (
                     "cache (the engine's first start downloads it; check again after)"),
     ("the parameter count", "a model folder with its *.safetensors files"),
     ("the engine's", "an engine interpreter that answers (serve.python), as serve.user"),
-    ("the driver", "check on the GPU host"), ("the CUDA", "check on the GPU host"), ("the GPUs'", "check on the GPU host"),
+    ("the driver", "check on the GPU host"), ("the CUDA", "check on the GPU host"),
+    ("the GPUs'", "check on the GPU host"),
 )
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from packaging.specifiers import SpecifierSet
 
+from ...lint import facts as F
 from ...lint.facts import as_bool, as_number, show
 from ...lint.flags import flag_value, has_flag, switch
 from ...lint.checks import model_size
@@ -298,12 +299,32 @@ def tool_parser_family(ctx: Any) -> dict | None:
     return {"parser": parser, "facts": [f"model {ctx.model}", f"--tool-call-parser {parser}"]}
 
 
+SLEEP_WHEN_IDLE = "VLLM_SLEEP_WHEN_IDLE"
+OWN_RULE = {SLEEP_WHEN_IDLE}  # variables a rule of their own says more of than engine-ignores-env
+
+
+def sleep_when_idle_gone(ctx: Any) -> dict | None:
+    """VLLM_SLEEP_WHEN_IDLE set on a vLLM whose envs.py no longer defines it (vllm#28053 removed it; its message
+    queue readers now block after a second idle by themselves): it saves nothing, and nothing else in the image is
+    idling the GPUs either. facts.Unknown where the installed vLLM's envs.py was not read."""
+    if not ctx.env.get(SLEEP_WHEN_IDLE):
+        return None
+    if not ctx.installed.known or ctx.installed.env_names is None:
+        raise F.Unknown(f"whether the installed vLLM reads {SLEEP_WHEN_IDLE} (its envs.py was not read)")
+    if SLEEP_WHEN_IDLE in ctx.installed.env_names:
+        return None
+    version = ctx.installed.version("vllm")
+    return {"version": version, "facts": [f"{SLEEP_WHEN_IDLE}={ctx.env[SLEEP_WHEN_IDLE]}",
+                                          f"vLLM {version}'s envs.py does not define it"]}
+
+
 def ignored_vllm_env(ctx: Any) -> dict | None:
     """VLLM_* variables the installed vLLM's envs.py does not define: nothing reads them."""
     if ctx.installed.env_names is None:
         return None
     names = sorted(n for n in ctx.env if n.startswith("VLLM_") and n not in ctx.installed.env_names
-                   and n != "VLLM_API_KEY")  # read by the API server's argument defaults, not envs.py
+                   and n != "VLLM_API_KEY"  # read by the API server's argument defaults, not envs.py
+                   and n not in OWN_RULE)
     if not names:
         return None
     return {"names": ", ".join(names), "them": "them" if len(names) > 1 else "it",
@@ -339,7 +360,7 @@ class Vllm(Engine):
               "checkpoint_reasoning_parser": checkpoint_reasoning_parser, "mtp_one_draft": mtp_one_draft,
               "mtp_excluded_from_quant": mtp_excluded_from_quant, "tool_parser_family": tool_parser_family,
               "rope_extended_context": rope_extended_context, "indexer_spec_overhang": indexer_spec_overhang,
-              "dsv4_mtp_sm12x_hang": dsv4_mtp_sm12x_hang}
+              "dsv4_mtp_sm12x_hang": dsv4_mtp_sm12x_hang, "sleep_when_idle_gone": sleep_when_idle_gone}
 
     def node_args(self, role: Any) -> list[str]:
         """vLLM's own multi-node mode on its multiprocessing executor (vllm/engine/arg_utils.py:1143-1146:
