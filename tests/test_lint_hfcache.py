@@ -5,6 +5,7 @@ fact is a finding of its own at info level, so a launch with skips is never show
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -97,7 +98,7 @@ def test_hf_config_path_is_where_the_config_comes_from(cache):
 
 @pytest.mark.parametrize("model,flags,env,says", [
     ("Qwen/Qwen3-8B", ["--revision", "v9"], {}, "refs/v9: no such file"),
-    ("Qwen/Qwen3-8B", ["--revision", "c" * 40], {}, "is not in the cache"),
+    ("Qwen/Qwen3-8B", ["--revision", "c" * 40], {}, "is not in "),
     ("Other/Model", [], {}, "is in no cache the engine reads"),
     ("Qwen/../../etc", [], {}, "neither a local directory nor a Hugging Face id"),
     ("Qwen--x/y", [], {}, "neither a local directory nor a Hugging Face id"),
@@ -131,6 +132,39 @@ def test_a_ref_or_snapshot_that_leads_out_of_the_cache_is_refused_in_one_line(ca
     (repo / "snapshots" / MAIN / "config.json").symlink_to(elsewhere / "snap" / "config.json")
     escaped = M.launch_facts("Qwen/Qwen3-8B", [], env)
     assert not escaped.known and "outside the model directory" in escaped.why and "\n" not in escaped.why
+
+
+def test_a_refs_folder_linked_elsewhere_is_not_read_and_what_a_ref_holds_is_never_printed(cache, tmp_path):
+    """Attacker 9's F3 (a): refs/ linked to a root-only folder was read as root (O_NOFOLLOW guards the last name
+    only), and the hash it held was printed in the lint's message."""
+    repo = cache / "hub" / "models--Qwen--Qwen3-8B"
+    secret = tmp_path / "root-only"
+    secret.mkdir(mode=0o700)
+    (secret / "main").write_text("d" * 40)
+    shutil.rmtree(repo / "refs")
+    (repo / "refs").symlink_to(secret)
+    facts = M.launch_facts("Qwen/Qwen3-8B", [], {"HF_HOME": str(cache)})
+    assert not facts.known and "not inside" in facts.why and "d" * 40 not in facts.why, facts.why
+    (repo / "refs").unlink()
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("e" * 40)  # a ref of the repository's own, naming no snapshot here
+    facts = M.launch_facts("Qwen/Qwen3-8B", [], {"HF_HOME": str(cache)})
+    assert not facts.known and "e" * 40 not in facts.why and "the one main names" in facts.why, facts.why
+
+
+def test_a_snapshot_swapped_for_a_link_after_it_was_checked_is_not_read_out_of_the_repository(cache, tmp_path):
+    """Attacker 9's F3 (b): a folder on the way swapped for a link between the check and the open let the lint
+    read a root-only file. The reads stay within the real paths locate checked, on what each open found."""
+    found = hfcache.locate("Qwen/Qwen3-8B", [], {"HF_HOME": str(cache)})
+    assert found.path is not None and found.roots
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "config.json").write_text(json.dumps({"model_type": "qwen3", "sliding_window": 31337}))
+    moved = found.path.with_name("moved")
+    found.path.rename(moved)  # what serve.user does, with the snapshot's name now a link out
+    found.path.symlink_to(elsewhere)
+    facts = M.model_facts("Qwen/Qwen3-8B", path=found.path, roots=found.roots)
+    assert not facts.known and "moved outside the model directory" in facts.why, facts.why
 
 
 # -- through the lint, as `profiles show` and `check` compose a launch ----------------------------------------
@@ -280,3 +314,19 @@ def test_each_model_fact_rule_fires_through_a_hugging_face_id_in_the_users_cache
     ctx = dataclasses.replace(context(**settings, model_facts={}), model_facts=facts)
     outcome = outcome_of(rule, ctx)
     assert outcome.finding is not None and outcome.finding.severity == example["fires"], outcome.line()
+
+
+def test_profiles_show_escapes_what_a_models_files_and_links_say(tmp_path, cli, monkeypatch):
+    """Attacker 9's F4: `profiles show` printed the findings raw, and they quote serve.user's link targets: a name
+    with ESC sequences retitled the admin's terminal and forged a line. `check` and --json escaped them already."""
+    monkeypatch.setenv("STATE_DIRECTORY", str(tmp_path / "state"))
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").symlink_to(tmp_path / "x\x1b]0;OWNED\x07\x1b[2J\nerror: FORGED")
+    conf = tmp_path / "g.yaml"
+    conf.write_text(yaml.safe_dump({"tuning": {"apply": False}, "gpu": {"backend": "sim", "scenario": "dgx-spark"},
+                                    "serve": {"enabled": True, "model": str(model), "profile": "generic"}}))
+    status, out, err = cli("profiles", "show", "generic", "-c", conf)
+    assert status == 0, err
+    assert "\x1b" not in out and "\x07" not in out and "\nerror: FORGED" not in out, out
+    assert "\\x1b" in out or "\\u001b" in out or "\\033" in out, out  # said, escaped

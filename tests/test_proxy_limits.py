@@ -2,6 +2,7 @@
 fidelity. The proxy and the fake engine run as real processes (the rig of test_proxy.py); the clients here are
 raw sockets that misbehave on purpose."""
 
+import contextlib
 import gzip
 import http.client
 import json
@@ -220,29 +221,34 @@ def test_slow_headers_slow_bodies_and_idle_connections_are_closed_a_steady_body_
     silent = open_socket(proxy.port)
     slow_headers = open_socket(proxy.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
     slow_body = open_socket(proxy.port, HALF_SENT)
-    # the attacker's burst (2026-12-02): a body sent at once to its last byte, then nothing: the bytes sent earn no
-    # pause (its average-rate deadline is 65 s away), the stall closes it after the 1 s timeout
-    burst = open_socket(proxy.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
-                        % (1 << 20) + b"x" * ((1 << 20) - 1))
+    # the attackers' bursts (2026-12-02): a body sent at once to near its end, then nothing, or a byte now and then:
+    # the bytes sent earn no pause (an average-rate deadline was 65 s away); each window of 1 s must bring 16 KiB
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (1 << 20)
+    burst = open_socket(proxy.port, head + b"x" * ((1 << 20) - 1))
+    trickle = open_socket(proxy.port, head + b"x" * ((1 << 20) - 100))
     kept_alive = open_socket(proxy.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
     assert kept_alive.recv(65536).startswith(b"HTTP/1.1 200")
     body = json.dumps({"model": "tiny", "pad": "x" * (100 << 10)}).encode()
     steady = open_socket(proxy.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
                          % len(body))
+    trickled = 0
     for at in range(0, len(body), 20 << 10):  # 40 KiB/s, over 2.5 s: past the 1 s deadline, above 16 KiB/s
         steady.sendall(body[at:at + (20 << 10)])
+        with contextlib.suppress(OSError):  # a byte every half second: closed once a window brings too little
+            trickle.sendall(b"x")
+            trickled += 1
         time.sleep(0.5)
     steady.settimeout(30)
     assert steady.recv(65536).startswith(b"HTTP/1.1 200 OK")
-    for sock in (silent, slow_headers, slow_body, kept_alive, burst):  # 1 s, swept every second: long gone by now
+    for sock in (silent, slow_headers, slow_body, kept_alive, burst, trickle):  # 1 s, swept every second
         assert closed_by_peer(sock, 30)
         sock.close()
     steady.close()
     for kind in ("idle", "slow_headers", "slow_body"):
         assert sum(f"connections closed ({kind})" in line for line in proxy.lines) <= 1
     assert [metric(proxy, f'gpuwarden_proxy_failures_total{{reason="{kind}"}}') for kind in
-            ("idle", "slow_headers", "slow_body")] == [1, 1, 2]
-    assert any("its body stopped coming for 1 s" in line for line in proxy.lines), proxy.lines
+            ("idle", "slow_headers", "slow_body")] == [1, 1, 3]
+    assert any("its body came slower than 16 KiB/s over 1 s" in line for line in proxy.lines), proxy.lines
 
 
 def flood_head(proxy, before: bytes) -> None:

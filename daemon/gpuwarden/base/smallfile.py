@@ -35,12 +35,22 @@ class Unreadable(Exception):
         self.errno, self.st = errno, st
 
 
+def opened_path(fd: int) -> str:
+    """The path of what fd is open on, as the kernel names it now ("" where it cannot say)."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return ""
+
+
 def read(path: Path | str, max_bytes: int, follow: bool = False,
-         check: Callable[[os.stat_result], None] | None = None, head: bool = False) -> bytes | None:
+         check: Callable[[os.stat_result], None] | None = None, head: bool = False,
+         inside: str | None = None) -> bytes | None:
     """The file's bytes; None when there is no file; Unreadable, in words, for anything else. follow: a link is
     read through (where the path is the user's own choice, as a config file's). check: called with the open file's
     status before a byte is read, to refuse it by raising. head: the first max_bytes bytes of a longer file,
-    instead of Unreadable."""
+    instead of Unreadable. inside: a real folder the file opened must be in (what was opened, not what the path
+    named before: a folder on the way may be another user's to swap for a link)."""
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
     try:
         fd = os.open(path, flags)
@@ -49,6 +59,8 @@ def read(path: Path | str, max_bytes: int, follow: bool = False,
     except OSError as exc:
         raise Unreadable(exc.strerror or str(exc), exc.errno) from None
     try:
+        if inside is not None and not opened_path(fd).startswith(inside.rstrip("/") + "/"):
+            raise Unreadable(f"not inside {inside}")
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise Unreadable("not a regular file", st=st)

@@ -8,6 +8,7 @@ import json
 import shlex
 
 from ..backends import open_configured
+from ..base.safetext import visible, visible_lines
 from ..config import Config
 from ..gpu import errors
 from ..serving.compose.secrets import redact_argv, redact_env
@@ -35,7 +36,7 @@ def cmd_profiles(args: argparse.Namespace) -> int:
         for p in ([] if args.json else sorted(profiles.values(), key=lambda p: (p.engine, p.name))):
             ccs = ",".join(p.compute_capabilities) or "any"
             count = f"{p.gpu_count[0]}" if p.gpu_count[0] == p.gpu_count[1] else f"{p.gpu_count[0]}-{p.gpu_count[1]}"
-            print(f"{p.name:34s} {p.engine:7s} cc {ccs:9s} {count:>5s} GPU(s)  {p.description}")
+            print(visible(f"{p.name:34s} {p.engine:7s} cc {ccs:9s} {count:>5s} GPU(s)  {p.description}"))
         return EX_OK
     gpus = _gpus_for_profiles(config)
     wanted = args.name or config.serve.profile
@@ -58,7 +59,8 @@ def cmd_profiles(args: argparse.Namespace) -> int:
                           "rules": [{"id": o.rule.id, "status": o.status, "reason": o.reason}
                                     for o in composed.outcomes]}, indent=2))
         return EX_OK
-    print(render_profile(profile, composed))
+    # the findings quote serve.user's files and links (a model's, its cache's): escaped, as `check` prints them
+    print(visible_lines(render_profile(profile, composed)))
     return EX_OK
 
 
@@ -99,11 +101,11 @@ def render_profile(profile, composed) -> str:
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in redact_env(command.env).items())
     lines.append(f"  {env} {shlex.join(redact_argv(command.argv))}")
     lines.append("lint:" if findings else "lint: no findings")
-    lines.extend(f"  {f}" for f in findings)
+    lines.extend(f"  {visible(str(f))}" for f in findings)  # one line each, whatever a file's name holds
     if composed.outcomes:
         clear = [o for o in composed.outcomes if o.status == "clear"]
         lines.append(f"rules ({len(composed.outcomes)}; {len(clear)} matched nothing):")
-        lines.extend(f"  {o.line()}" for o in composed.outcomes if o.status != "clear")
+        lines.extend(f"  {visible(o.line())}" for o in composed.outcomes if o.status != "clear")
     for text, source in profile.notes:
         lines.append(f"note: {text} [source: {source}]")
     return "\n".join(lines)

@@ -6,9 +6,8 @@ request's headers or body, minutes of keep-alive. Under the unit's 1024-fd limit
 descriptor for /health, the engine or accept(). Here:
 - at most `cap` client connections are open, half of what RLIMIT_NOFILE leaves after a reserve, since each may
   hold an upstream connection too (the client session is capped at the same number);
-- a connection waits, sends its headers and sends its body within deadlines (`timeout_s`, and for the body
-  `timeout_s` plus one second per MIN_BODY_RATE bytes received, and never `timeout_s` without a byte), else it
-  is closed;
+- a connection waits, sends its headers and sends its body within deadlines (`timeout_s`; for the body, every
+  `timeout_s` must bring MIN_BODY_RATE x `timeout_s` bytes or its end), else it is closed;
 - a request's head is at most MAX_HEAD_BYTES, blank lines before it included; what arrives while a request is
   served (pipelined requests) is read up to MAX_HEAD_BYTES, then reading waits until the response is done;
 - a response the client does not read (the socket's buffer full, so a write cannot drain) for `timeout_s`
@@ -43,7 +42,7 @@ BACKLOG = 64  # also how many connections asyncio accepts in one pass of the loo
 # at the cap but not yet released (the close lands on the next pass).
 RESERVE_FDS = 64 + 3 * BACKLOG
 MAX_CONNECTIONS = 4096  # each costs memory too: the cap does not grow with a huge fd limit
-MIN_BODY_RATE = 16 << 10  # bytes a second a body must average, after its first timeout_s
+MIN_BODY_RATE = 16 << 10  # bytes a second a body must bring, over each timeout_s
 # A request's headers, all together: aiohttp alone allows 128 lines of 8 KiB (32,768 in 3.8), and 380 connections
 # sending 100 such lines held 500 MB. Clients send a few KiB.
 MAX_HEAD_BYTES = 64 << 10
@@ -69,7 +68,9 @@ class Connection(asyncio.Protocol):
         self.conns, self.handler = conns, handler
         self.transport: asyncio.Transport | None = None
         self.phase, self.since, self.received, self.served = WAITING, conns.clock(), 0, 0
-        self.progress = self.since  # when a byte of the body last came
+        # The body's current window: since when, and its bytes so far. Each window of timeout_s must bring
+        # MIN_BODY_RATE x timeout_s bytes (or the body's end); once it has, the next begins.
+        self.window, self.window_bytes = self.since, 0
         self.closing = False
         self.source = ""  # whom it counts for at the cap (base/conncap.py), once connected
         self.tail = b""  # the last bytes of the headers so far, to find their end across reads
@@ -89,7 +90,9 @@ class Connection(asyncio.Protocol):
             return
         if self.phase in (BODY, SERVING):
             self.received += len(data)
-            self.progress = self.conns.clock()
+            self.window_bytes += len(data)
+            if self.window_bytes >= MIN_BODY_RATE * self.conns.timeout_s:
+                self.window, self.window_bytes = self.conns.clock(), 0
         if self.phase == SERVING and self.received > MAX_HEAD_BYTES and not self.paused:
             # What a client sends while its request is served is the next request (pipelined): aiohttp would
             # parse and queue up to 32 of them, heads and all. Past one head's worth, the rest waits in the
@@ -146,9 +149,9 @@ class Connection(asyncio.Protocol):
         self.handler.resume_writing()
 
     def deadline(self, timeout_s: float) -> float | None:
-        if self.phase == BODY:  # its average rate, and never a stall as long as timeout_s (bytes sent before
-            # earn no pause: a burst to the last byte, then silence, held the body budget for half an hour)
-            return min(self.since + timeout_s + self.received / MIN_BODY_RATE, self.progress + timeout_s)
+        if self.phase == BODY:  # a rate in every window, not on average since the start: bytes sent before earn
+            # no pause (a burst, then a byte every 10 s, held the body budget for half an hour, twice over)
+            return self.window + timeout_s
         return None if self.phase == SERVING else self.since + timeout_s
 
 
@@ -212,7 +215,7 @@ class Connections:
     # -- the phases of a request -------------------------------------------------------------------------
     def enter(self, conn: Connection, phase: str) -> None:
         conn.phase, conn.since, conn.received, conn.tail, conn.begun = phase, self.clock(), 0, b"", False
-        conn.progress = conn.since
+        conn.window, conn.window_bytes = conn.since, 0
         if phase != SERVING:
             conn.resume()
         self.idle.pop(conn, None)
@@ -267,12 +270,10 @@ class Connections:
                 self._close(conn)  # a keep-alive that idled out: no fault
             elif conn.phase == HEADERS:
                 self.fault(conn, "slow_headers", f"its request's headers took over {t:g} s")
-            elif conn.phase == BODY and now - conn.progress >= t:
-                self.fault(conn, "slow_body", f"its body stopped coming for {t:g} s ({conn.received} bytes in "
-                                              f"{now - conn.since:.0f} s)")
             elif conn.phase == BODY:
-                self.fault(conn, "slow_body", f"its body came slower than {MIN_BODY_RATE >> 10} KiB/s after {t:g} s "
-                                              f"({conn.received} bytes in {now - conn.since:.0f} s)")
+                self.fault(conn, "slow_body", f"its body came slower than {MIN_BODY_RATE >> 10} KiB/s over {t:g} s "
+                                              f"({conn.window_bytes} bytes in the last {now - conn.window:.0f} s, "
+                                              f"{conn.received} in {now - conn.since:.0f} s)")
             else:
                 self.fault(conn, "idle", f"it sent nothing in {t:g} s")
 

@@ -54,6 +54,7 @@ class Found:
     path: Path | None
     why: str = ""
     where: str = ""
+    roots: tuple[str, ...] = ()  # the snapshot's and the repository's real paths, as checked: every read stays in them
 
 
 def is_repo_id(model: str) -> bool:
@@ -122,10 +123,14 @@ def locate(model: str, flags: Sequence[str], env: Mapping[str, str]) -> Found:
     except OSError as exc:
         return Found(None, f"{target} is in no cache the engine reads: {repo}: {exc.strerror or exc}", where)
     commit = revision
+    real_repo = os.path.realpath(repo)
     if COMMIT.fullmatch(revision) is None:
         ref = os.path.join(repo, "refs", revision)
+        # Read only inside the repository, checked on what was opened: refs/ (or refs/pr/) linked to a root-only
+        # folder was read as root and its content printed (attacker 9's F3). The content is never printed: what
+        # does not name a snapshot here is said without it.
         try:
-            raw = smallfile.read(ref, REF_MAX)
+            raw = smallfile.read(ref, REF_MAX, inside=real_repo)
         except smallfile.Unreadable as exc:
             return Found(None, f"{ref}: {exc}", where)
         text = raw.decode("ascii", "replace").strip() if raw is not None else ""
@@ -133,9 +138,10 @@ def locate(model: str, flags: Sequence[str], env: Mapping[str, str]) -> Found:
             return Found(None, f"{ref}: {'no such file' if raw is None else 'holds no commit hash'}", where)
         commit = text
     snapshot = os.path.join(repo, "snapshots", commit)
-    real_repo = os.path.realpath(repo)
     if not os.path.isdir(snapshot):
-        return Found(None, f"the snapshot {snapshot} is not in the cache", where)
-    if not os.path.realpath(snapshot).startswith(real_repo.rstrip("/") + "/"):
+        shown = commit if commit == revision else f"the one {revision} names"
+        return Found(None, f"the snapshot {shown} is not in {repo}/snapshots", where)
+    real_snapshot = os.path.realpath(snapshot)
+    if not real_snapshot.startswith(real_repo.rstrip("/") + "/"):
         return Found(None, f"the snapshot {snapshot} links outside its repository's folder", where)
-    return Found(Path(snapshot), "", where)
+    return Found(Path(snapshot), "", where, (real_snapshot, real_repo))

@@ -26,14 +26,17 @@ from pathlib import Path
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from ...base import smallfile
 from . import hfcache
 
 MAX_JSON_BYTES = 4 * 2**20  # config.json files run to tens of KiB; a long quantization ignore list to a few hundred
 MAX_DEPTH = 32  # nesting of config.json (a real one is 4 or 5 deep)
 MAX_ENTRIES = 10_000  # directory entries looked at
 MAX_SHARDS = 4096  # *.safetensors files whose headers are read
-MAX_HEADER_BYTES = 32 * 2**20  # one safetensors header (the format allows 100 MB; real ones are under 1 MiB)
-MAX_HEADERS_TOTAL = 128 * 2**20  # all headers together
+# One safetensors header (the format allows 100 MB; real ones are under 1 MiB) and all of them: bytes of JSON that
+# can be a list a 3 bytes (`[[],[],...]`): 32 MiB of it cost 11 s of CPU and 1.7 GB at a start (attacker 9's F5).
+MAX_HEADER_BYTES = 4 * 2**20
+MAX_HEADERS_TOTAL = 32 * 2**20  # all headers together (DeepSeek-V3's 163 shards: about 16 MB)
 # config.json is another user's file: a number beyond MAX_NUMBER (JSON takes 10**400, NaN, Infinity) is no layer
 # count or window, and would overflow the float a rule's comparison or product reads it as; a name or list item
 # longer than MAX_NAME is no architecture or module name (those run to ~100 characters), and a rule's regular
@@ -115,10 +118,11 @@ def launch_facts(model: str, flags: Sequence[str], env: Mapping[str, str], read:
     if found.path is None:
         where = f" (looked for {found.where})" if found.where else ""
         return not_read(model, f"{found.why}{where}")
-    return model_facts(model, read, path=found.path)
+    return model_facts(model, read, path=found.path, roots=found.roots)
 
 
-def model_facts(model: str, read: bool = True, path: Path | None = None) -> ModelFacts:
+def model_facts(model: str, read: bool = True, path: Path | None = None,
+                roots: tuple[str, ...] = ()) -> ModelFacts:
     """The facts of the model serve.model names (or of path, the folder it was found in), from the cache while the
     directory is unchanged, else read (read False: the daemon's loop, which never waits on a file system: the cache
     or nothing)."""
@@ -136,7 +140,7 @@ def model_facts(model: str, read: bool = True, path: Path | None = None) -> Mode
     if not read:
         return not_read(model, f"{model} is read when the daemon starts or is checked, not on a reload")
     try:
-        found = _read(path, model, stamp)
+        found = _read(path, model, stamp, roots)
     except ModelUnreadable as exc:
         found = ModelFacts(model, False, str(exc), stamp=stamp)
     _memory[key] = found
@@ -167,16 +171,25 @@ def roots_of(path: Path) -> tuple[str, ...]:
     return (real,)
 
 
+def inside(real: str, roots: tuple[str, ...]) -> bool:
+    return any(real == r or real.startswith(r.rstrip("/") + "/") for r in roots)
+
+
 def _open_regular(file: Path, roots: tuple[str, ...]) -> tuple[int, int]:
     """(fd, size) of a regular file inside roots; ModelUnreadable otherwise. O_NONBLOCK: a FIFO put where a file
     should be does not hang the open, and is refused by the fstat."""
     real = os.path.realpath(file)
-    if not any(real == r or real.startswith(r.rstrip("/") + "/") for r in roots):
+    if not inside(real, roots):
         raise ModelUnreadable(f"{file} links outside the model directory ({real})")
     try:
         fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
         raise ModelUnreadable(f"{file}: {exc.strerror}") from None
+    # What was opened, checked again: a folder above it swapped for a link between the check and the open (the
+    # model is another user's to rename in) opened a root-only file in 2 of 12 tries (attacker 9's F3).
+    if not inside(smallfile.opened_path(fd), roots):
+        os.close(fd)
+        raise ModelUnreadable(f"{file} moved outside the model directory while it was read")
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
@@ -231,9 +244,11 @@ def _parse_json(raw: bytes, what: str) -> Any:
 
 # -- the facts -----------------------------------------------------------------------------------------------
 
-def _read(path: Path, model: str, stamp: tuple) -> ModelFacts:
-    roots = roots_of(path)
-    names = entries_of(path)
+def _read(path: Path, model: str, stamp: tuple, roots: tuple[str, ...] = ()) -> ModelFacts:
+    """roots: where every file read must be (a Hugging Face snapshot's, as hfcache.locate checked them: a folder
+    swapped for a link since is not followed out of them); else the folder's own (roots_of)."""
+    roots = roots or roots_of(path)
+    names = entries_of(path, roots)
     if "config.json" not in names:
         raise ModelUnreadable(f"{model} has no config.json")
     config = read_json(path / "config.json", roots)
@@ -285,16 +300,25 @@ def _read(path: Path, model: str, stamp: tuple) -> ModelFacts:
     )
 
 
-def entries_of(path: Path) -> set[str]:
+def entries_of(path: Path, roots: tuple[str, ...] = ()) -> set[str]:
+    """The folder's entry names (at most MAX_ENTRIES); with roots, only where the folder opened is inside them."""
     names = set()
     try:
-        with os.scandir(path) as entries:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ModelUnreadable(f"{path}: {exc.strerror}") from None
+    try:
+        if roots and not inside(smallfile.opened_path(fd), roots):
+            raise ModelUnreadable(f"{path} moved outside the model directory while it was read")
+        with os.scandir(fd) as entries:
             for i, entry in enumerate(entries):
                 if i >= MAX_ENTRIES:
                     raise ModelUnreadable(f"{path} has more than {MAX_ENTRIES} entries")
                 names.add(entry.name)
     except OSError as exc:
         raise ModelUnreadable(f"{path}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
     return names
 
 
