@@ -18,6 +18,7 @@ import re
 import threading
 import zlib
 from collections import OrderedDict
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -158,8 +159,10 @@ class Held:
             self.bytes, self.body, self.dropped = 0, None, True
 
 
-async def read(request: web.BaseRequest, limit: int, held: Held) -> bytearray:
-    """The whole body, each piece taken from the budget as it arrives; Refusal past limit or the budget."""
+async def read(request: web.BaseRequest, limit: int, held: Held,
+               progress: Callable[[int], None] | None = None) -> bytearray:
+    """The whole body, each piece taken from the budget as it arrives (and told to progress: the listener's
+    deadline counts the body's own bytes); Refusal past limit or the budget."""
     body = bytearray()
     while True:
         if request.transport is None:  # gone before we read (newer aiohttp then raises a bare RuntimeError)
@@ -171,6 +174,8 @@ async def read(request: web.BaseRequest, limit: int, held: Held) -> bytearray:
             raise Refusal(413, "too_large", f"request body over {limit} bytes (the proxy's --max-body-bytes)")
         held.take(len(chunk), "this body")
         body += chunk
+        if progress is not None:
+            progress(len(chunk))
 
 
 def decode(body: bytes, coding: str, limit: int, held: Held) -> bytes:

@@ -90,9 +90,6 @@ class Connection(asyncio.Protocol):
             return
         if self.phase in (BODY, SERVING):
             self.received += len(data)
-            self.window_bytes += len(data)
-            if self.window_bytes >= MIN_BODY_RATE * self.conns.timeout_s:
-                self.window, self.window_bytes = self.conns.clock(), 0
         if self.phase == SERVING and self.received > MAX_HEAD_BYTES and not self.paused:
             # What a client sends while its request is served is the next request (pipelined): aiohttp would
             # parse and queue up to 32 of them, heads and all. Past one head's worth, the rest waits in the
@@ -100,6 +97,14 @@ class Connection(asyncio.Protocol):
             self.paused = True
             self.transport.pause_reading()
         self.handler.data_received(data)
+
+    def body_read(self, n: int) -> None:
+        """n bytes of the body itself came (the handler's read, decoded): what the window counts. Bytes on the
+        wire are not the body: a chunked body's framing (a chunk-size line of endless zeros, an extension) met
+        every window's quota with no byte of body (attacker 10's F1)."""
+        self.window_bytes += n
+        if self.window_bytes >= MIN_BODY_RATE * self.conns.timeout_s:
+            self.window, self.window_bytes = self.conns.clock(), 0
 
     def resume(self) -> None:
         if self.paused:
@@ -224,6 +229,12 @@ class Connections:
 
     def of(self, request: web.BaseRequest) -> Connection | None:
         return self.open.get(request.protocol)
+
+    def body_read(self, request: web.BaseRequest, n: int) -> None:
+        """n bytes of request's body read by its handler (Connection.body_read)."""
+        conn = self.of(request)
+        if conn is not None:
+            conn.body_read(n)
 
     def serving(self, request: web.BaseRequest) -> None:
         """The request is whole (headers and body): no deadline of ours from here on, and never closed at the

@@ -13,6 +13,26 @@ from .dump import Dumper, session_of
 from .normalize import PATTERNS_LATE, PATTERNS_S, PATTERNS_TEXT_MAX, Rules, apply
 
 
+# The parse runs on a worker thread, but CPython's JSON scanner holds the GIL for all of it, so the event loop waits
+# for every parse: 63 KB of gzip inflating to 32 MB of numbers (3.6 million values) held it half a second, and a
+# client sending those at 90 KB/s stopped it 57 % of the time (attacker 10's F2). A body whose parse would cost more
+# than its bytes justify goes on unparsed: one with more values than a chat request ever has, or a compressed one
+# that inflates past a ratio a chat request never does. Both only lose the rules, never the request.
+MAX_PARSE_VALUES = 250_000  # commas, quotes and brackets: a 200K-token agent session has tens of thousands
+MAX_RATIO = 20  # a compressed body past 1 MiB decoded, inflated more than this many times
+RATIO_FLOOR = 1 << 20
+
+
+def unparsed(body: bytes | bytearray, plain: bytes | bytearray) -> str | None:
+    """Why the body is not parsed (nor the rules applied), or None."""
+    values = plain.count(b",") + plain.count(b'"') + plain.count(b"{") + plain.count(b"[")
+    if values > MAX_PARSE_VALUES:
+        return f"{values} JSON values and separators, more than {MAX_PARSE_VALUES}"
+    if plain is not body and len(plain) > RATIO_FLOOR and len(plain) > MAX_RATIO * len(body):
+        return f"{len(body)} compressed bytes inflated to {len(plain)}, more than {MAX_RATIO} times"
+    return None
+
+
 class Prepare:
     def __init__(self, rules: Rules, normalized: Counter, dumper: Dumper | None, faults: FaultLog,
                  max_body_bytes: int):
@@ -24,6 +44,10 @@ class Prepare:
                  path: str) -> bytes | bytearray:
         """The body to send upstream: decoded, parsed, the rules applied, counted and dumped; or Refusal."""
         plain = decode(body, coding, self.max_body_bytes, held)
+        why = unparsed(body, plain)
+        if why is not None:  # sent on as it came (decompressed), unchanged: the rules are not worth the loop
+            self.faults.note("bodies sent without the rules", f"{path} from {peer}: {why}; sent unchanged")
+            return plain
         held.take(parse_cost(plain, self.dumper is not None), "parsing this body")
         try:
             parsed = loads(plain)

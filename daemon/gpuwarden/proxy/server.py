@@ -416,7 +416,8 @@ class Proxy:
         if request.content_length is not None and request.content_length > self.max_body_bytes:
             raise Refusal(413, "too_large", f"request body over {self.max_body_bytes} bytes (the proxy's "
                           "--max-body-bytes)")  # refused before a byte of it is read
-        body = await read(request, self.max_body_bytes, held)
+        progress = (lambda n: self.conns.body_read(request, n)) if self.conns is not None else None
+        body = await read(request, self.max_body_bytes, held, progress)
         if self.conns is not None:
             self.conns.serving(request)
         return body

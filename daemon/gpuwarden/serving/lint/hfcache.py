@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import pwd
 import re
-import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,31 +116,35 @@ def locate(model: str, flags: Sequence[str], env: Mapping[str, str]) -> Found:
                            "working folder decides it")
     repo = os.path.join(cache, "models--" + target.replace("/", "--"))
     where = f"{target} at revision {revision} in {cache} (from {chose})"
-    try:
-        if not stat.S_ISDIR(os.stat(repo).st_mode):
-            return Found(None, f"{repo} is not a folder", where)
-    except OSError as exc:
-        return Found(None, f"{target} is in no cache the engine reads: {repo}: {exc.strerror or exc}", where)
-    commit = revision
+    # Every path is resolved and held inside the cache (then the repository) before anything is opened or stat'ed
+    # as root there: a link to a root-only path answered with different words where it existed (attacker 10's
+    # F3, an oracle of existence); what is missing and what leads elsewhere now read alike.
     real_repo = os.path.realpath(repo)
+    if not _under(real_repo, os.path.realpath(cache)) or not os.path.isdir(real_repo):
+        return Found(None, f"{target} is in no cache the engine reads: no folder {repo}", where)
+    commit = revision
     if COMMIT.fullmatch(revision) is None:
         ref = os.path.join(repo, "refs", revision)
-        # Read only inside the repository, checked on what was opened: refs/ (or refs/pr/) linked to a root-only
-        # folder was read as root and its content printed (attacker 9's F3). The content is never printed: what
-        # does not name a snapshot here is said without it.
+        # Read only inside the repository, checked before and on what was opened (refs/ linked to a root-only
+        # folder was read as root, attacker 9's F3); the content is never printed.
+        if not _under(os.path.realpath(ref), real_repo):
+            return Found(None, f"{ref}: no such file in the repository's folder", where)
         try:
             raw = smallfile.read(ref, REF_MAX, inside=real_repo)
         except smallfile.Unreadable as exc:
             return Found(None, f"{ref}: {exc}", where)
         text = raw.decode("ascii", "replace").strip() if raw is not None else ""
         if raw is None or COMMIT.fullmatch(text) is None:
-            return Found(None, f"{ref}: {'no such file' if raw is None else 'holds no commit hash'}", where)
+            return Found(None, f"{ref}: {'no such file in the repository' if raw is None else 'holds no commit hash'}",
+                         where)
         commit = text
     snapshot = os.path.join(repo, "snapshots", commit)
-    if not os.path.isdir(snapshot):
+    real_snapshot = os.path.realpath(snapshot)
+    if not _under(real_snapshot, real_repo) or not os.path.isdir(real_snapshot):
         shown = commit if commit == revision else f"the one {revision} names"
         return Found(None, f"the snapshot {shown} is not in {repo}/snapshots", where)
-    real_snapshot = os.path.realpath(snapshot)
-    if not real_snapshot.startswith(real_repo.rstrip("/") + "/"):
-        return Found(None, f"the snapshot {snapshot} links outside its repository's folder", where)
     return Found(Path(snapshot), "", where, (real_snapshot, real_repo))
+
+
+def _under(real: str, folder: str) -> bool:
+    return real.startswith(folder.rstrip("/") + "/")

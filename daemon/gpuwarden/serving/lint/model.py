@@ -37,6 +37,7 @@ MAX_SHARDS = 4096  # *.safetensors files whose headers are read
 # can be a list a 3 bytes (`[[],[],...]`): 32 MiB of it cost 11 s of CPU and 1.7 GB at a start (attacker 9's F5).
 MAX_HEADER_BYTES = 4 * 2**20
 MAX_HEADERS_TOTAL = 32 * 2**20  # all headers together (DeepSeek-V3's 163 shards: about 16 MB)
+MAX_HEADER_TOKENS = 2_000_000  # brackets and commas in all headers (DeepSeek-V3's ~94,000 tensors: about 750,000)
 # config.json is another user's file: a number beyond MAX_NUMBER (JSON takes 10**400, NaN, Infinity) is no layer
 # count or window, and would overflow the float a rule's comparison or product reads it as; a name or list item
 # longer than MAX_NAME is no architecture or module name (those run to ~100 characters), and a rule's regular
@@ -393,15 +394,16 @@ def _params(path: Path, names: set[str], roots: tuple[str, ...], bits: int | Non
 
 
 def headers(path: Path, shards: list[str], roots: tuple[str, ...]) -> Iterator[tuple[str, dict]]:
-    """(name, header) of each safetensors file named, within MAX_HEADER_BYTES each and MAX_HEADERS_TOTAL in all."""
-    budget = MAX_HEADERS_TOTAL
+    """(name, header) of each safetensors file named, within MAX_HEADER_BYTES each and MAX_HEADERS_TOTAL in all,
+    and MAX_HEADER_TOKENS JSON values and separators in all (counted before a byte is parsed)."""
+    budget, tokens = MAX_HEADERS_TOTAL, [MAX_HEADER_TOKENS]
     for name in shards:
-        header, length = _header(path / name, roots, budget)
+        header, length = _header(path / name, roots, budget, tokens)
         budget -= length
         yield name, header
 
 
-def _header(file: Path, roots: tuple[str, ...], budget: int) -> tuple[dict, int]:
+def _header(file: Path, roots: tuple[str, ...], budget: int, tokens: list[int]) -> tuple[dict, int]:
     fd, size = _open_regular(file, roots)
     try:
         raw = _read_capped(fd, 8)
@@ -410,7 +412,13 @@ def _header(file: Path, roots: tuple[str, ...], budget: int) -> tuple[dict, int]
         (length,) = struct.unpack("<Q", raw)
         if length > min(MAX_HEADER_BYTES, budget) or length > size - 8:
             raise ModelUnreadable(f"{file}: a header of {length} bytes is more than is read")
-        header = _parse_json(_read_capped(fd, length), f"{file}'s header")
+        raw = _read_capped(fd, length)
+        # bytes bound the memory; the parse's CPU goes with the values: 32 MiB of `[[],[],...]` in eight 4 MiB
+        # headers still cost 12 s (attacker 10's F4). A tensor's entry is about 8 of them.
+        tokens[0] -= raw.count(b"[") + raw.count(b"{") + raw.count(b",")
+        if tokens[0] < 0:
+            raise ModelUnreadable(f"{file}: the headers hold more than {MAX_HEADER_TOKENS} JSON values in all")
+        header = _parse_json(raw, f"{file}'s header")
     finally:
         os.close(fd)
     if not isinstance(header, dict):
