@@ -322,3 +322,18 @@ def test_the_simulator_gives_its_scenarios_driver():
     sample = backend.gpus()[0].sample()
     assert (sample.driver_version, sample.cuda_driver_version, sample.memory_unified) == ("580.95.05", None, True)
     assert F.driver_cuda(sample.driver_version, sample.cuda_driver_version) == ("13.0", "driver branch 580")
+
+
+def test_headers_are_counted_in_values_before_they_are_parsed(tmp_path):
+    """Attacker 10's F4: headers within the byte caps, made of `[[],[],...]`, still cost 12 s of CPU to parse: the
+    brackets and commas of all headers together are counted first, and past MAX_HEADER_TOKENS none is parsed."""
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    per = M.MAX_HEADER_TOKENS // 2 + 1  # two such headers pass the budget
+    header = ('{"__metadata__": [' + "[]," * (per // 2) + "[]]}").encode()
+    assert len(header) < M.MAX_HEADER_BYTES
+    for name in ("a.safetensors", "b.safetensors"):
+        (folder / name).write_bytes(struct.pack("<Q", len(header)) + header)
+    facts = M.model_facts(str(folder))
+    assert facts.known and facts.params_b is None and "JSON values in all" in facts.params_note, facts.params_note
