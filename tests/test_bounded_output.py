@@ -117,3 +117,29 @@ def test_a_flag_check_that_floods_is_no_answer_in_one_line(flooding_python, tmp_
     checked = flagcheck.check_flags(serve, command, me, timeout_s=TIMEOUT_S)
     assert not checked.ok
     assert checked.error == "vLLM's flag check stopped: it wrote more than 4 MiB of output"
+
+
+def test_a_helper_that_cannot_die_is_killed_and_left_never_waited_on_for_ever(monkeypatch):
+    """A flag check stuck in the kernel (sched_setaffinity, SIGKILL pending for good: seen twice in the real tier
+    under load, fresh13 and fresh16) held its reload for ever: run_bounded waited without a deadline after the kill.
+    Now it waits KILLED_WAIT_S and answers that the helper is stuck; the caller's check ends with that reason."""
+    import subprocess
+
+    from gpuwarden.serving.compose import identity as identity_mod
+
+    monkeypatch.setattr(identity_mod, "KILLED_WAIT_S", 0.01)
+    killed = []
+
+    class Stuck:
+        pid = 4242
+
+        def wait(self, timeout=None):
+            raise subprocess.TimeoutExpired("python", timeout)
+
+        def kill(self):
+            killed.append(True)
+
+    nobody = Identity("nobody", 65534, 65534, "/", (), switch=False)
+    done = run_bounded(nobody, ["python", "-c", "pass"], {}, 0.01, lambda *a, **k: Stuck())
+    assert killed == [True] and done.returncode is None
+    assert done.stopped and "stuck in the kernel" in done.stopped and "4242" in done.stopped

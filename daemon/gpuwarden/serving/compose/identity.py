@@ -135,6 +135,9 @@ class Finished:
     stopped: str | None = None  # why its answer is none whatever it says: it wrote as much as it may
 
 
+KILLED_WAIT_S = 10.0  # how long a killed helper is waited for before it is left to end by itself
+
+
 def run_bounded(identity: Identity, argv: Sequence[str], env: Mapping[str, str], timeout_s: float,
                 spawn: Callable[..., subprocess.Popen] = popen, max_write_bytes: int = MAX_WRITE_BYTES) -> Finished:
     """popen (or spawn, popen's stand-in: the daemon's, from a worker thread), waited for at most timeout_s (then
@@ -145,16 +148,26 @@ def run_bounded(identity: Identity, argv: Sequence[str], env: Mapping[str, str],
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         proc = spawn(identity, argv, env, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
                      max_file_bytes=max_write_bytes)
+        stuck = False
         try:
             code = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             proc.kill()
-            proc.wait()
+            # Killed, and waited for only so long: a process stuck in the kernel cannot die (a flag check sat in
+            # sched_setaffinity with SIGKILL pending for good, under load on this CI's VM), and waiting for it
+            # held a reload for ever. It is left to end when the kernel lets it (the daemon reaps its children).
+            try:
+                proc.wait(KILLED_WAIT_S)
+            except subprocess.TimeoutExpired:
+                stuck = True
             code = None
         # A stream at the limit was cut short: whatever it holds is not the child's whole answer.
         limit = _file_limit(max_write_bytes)
         full = max(os.fstat(out.fileno()).st_size, os.fstat(err.fileno()).st_size) >= limit
         stopped = f"it wrote more than {_size(limit)} of output" if full else None
+        if stuck:
+            stopped = (f"it did not finish within {timeout_s:g} s, nor end within {KILLED_WAIT_S:g} s of SIGKILL (pid "
+                       f"{proc.pid}, stuck in the kernel)")
         out.seek(0)
         stdout = out.read(MAX_OUTPUT_BYTES)
         err.seek(max(0, err.seek(0, os.SEEK_END) - MAX_OUTPUT_BYTES))
