@@ -35,6 +35,11 @@ class Unreadable(Exception):
         self.errno, self.st = errno, st
 
 
+def under(real: str, folder: str) -> bool:
+    """Whether the real path is strictly inside folder (a real path too)."""
+    return real.startswith(folder.rstrip("/") + "/")
+
+
 def opened_path(fd: int) -> str:
     """The path of what fd is open on, as the kernel names it now ("" where it cannot say)."""
     try:
@@ -59,7 +64,7 @@ def read(path: Path | str, max_bytes: int, follow: bool = False,
     except OSError as exc:
         raise Unreadable(exc.strerror or str(exc), exc.errno) from None
     try:
-        if inside is not None and not opened_path(fd).startswith(inside.rstrip("/") + "/"):
+        if inside is not None and not under(opened_path(fd), inside):
             raise Unreadable(f"not inside {inside}")
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):

@@ -120,14 +120,14 @@ def locate(model: str, flags: Sequence[str], env: Mapping[str, str]) -> Found:
     # as root there: a link to a root-only path answered with different words where it existed (attacker 10's
     # F3, an oracle of existence); what is missing and what leads elsewhere now read alike.
     real_repo = os.path.realpath(repo)
-    if not _under(real_repo, os.path.realpath(cache)) or not os.path.isdir(real_repo):
+    if not smallfile.under(real_repo, os.path.realpath(cache)) or not os.path.isdir(real_repo):
         return Found(None, f"{target} is in no cache the engine reads: no folder {repo}", where)
     commit = revision
     if COMMIT.fullmatch(revision) is None:
         ref = os.path.join(repo, "refs", revision)
         # Read only inside the repository, checked before and on what was opened (refs/ linked to a root-only
         # folder was read as root, attacker 9's F3); the content is never printed.
-        if not _under(os.path.realpath(ref), real_repo):
+        if not smallfile.under(os.path.realpath(ref), real_repo):
             return Found(None, f"{ref}: no such file in the repository's folder", where)
         try:
             raw = smallfile.read(ref, REF_MAX, inside=real_repo)
@@ -140,11 +140,8 @@ def locate(model: str, flags: Sequence[str], env: Mapping[str, str]) -> Found:
         commit = text
     snapshot = os.path.join(repo, "snapshots", commit)
     real_snapshot = os.path.realpath(snapshot)
-    if not _under(real_snapshot, real_repo) or not os.path.isdir(real_snapshot):
+    if not smallfile.under(real_snapshot, real_repo) or not os.path.isdir(real_snapshot):
         shown = commit if commit == revision else f"the one {revision} names"
         return Found(None, f"the snapshot {shown} is not in {repo}/snapshots", where)
     return Found(Path(snapshot), "", where, (real_snapshot, real_repo))
 
-
-def _under(real: str, folder: str) -> bool:
-    return real.startswith(folder.rstrip("/") + "/")

@@ -173,7 +173,7 @@ def roots_of(path: Path) -> tuple[str, ...]:
 
 
 def inside(real: str, roots: tuple[str, ...]) -> bool:
-    return any(real == r or real.startswith(r.rstrip("/") + "/") for r in roots)
+    return any(real == r or smallfile.under(real, r) for r in roots)
 
 
 def _open_regular(file: Path, roots: tuple[str, ...]) -> tuple[int, int]:
