@@ -8,6 +8,7 @@ import resource
 import shutil
 import signal
 import threading
+import time
 from functools import partial
 from types import SimpleNamespace
 
@@ -143,3 +144,28 @@ def test_a_helper_that_cannot_die_is_killed_and_left_never_waited_on_for_ever(mo
     done = run_bounded(nobody, ["python", "-c", "pass"], {}, 0.01, lambda *a, **k: Stuck())
     assert killed == [True] and done.returncode is None
     assert done.stopped and "stuck in the kernel" in done.stopped and "4242" in done.stopped
+
+
+def test_a_flood_of_lines_reaches_on_line_within_the_budget_and_every_line_is_forwarded_or_counted():
+    """Attacker 11's F3 (forward_lines): past LINES_BURST, LINES_PER_S a second; the rest read a block at a time and
+    counted in lines that say so, so that every line written is one of the two; the pipe is read to its end."""
+    from gpuwarden.serving.run.processes import LINES_BURST, LINES_PER_S, forward_lines
+
+    total = 100_000
+    read, write = os.pipe()
+    stream = os.fdopen(read, "rb")
+
+    def writer():
+        with os.fdopen(write, "wb") as out:
+            for n in range(total):
+                out.write(b"line %d\n" % n)
+
+    began = time.monotonic()
+    threading.Thread(target=writer, daemon=True).start()
+    got = []
+    forward_lines(stream, got.append)
+    dropped = [int(line.split()[1]) for line in got if "lines of output dropped" in line]
+    forwarded = len(got) - len(dropped)
+    assert dropped and forwarded <= LINES_BURST + LINES_PER_S * (time.monotonic() - began) + 1, forwarded
+    assert forwarded + sum(dropped) == total
+    assert got[0] == "line 0"

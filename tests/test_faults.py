@@ -12,6 +12,7 @@ import fcntl
 import json
 import os
 import pwd
+import re
 import shutil
 import signal
 import socket
@@ -536,3 +537,45 @@ def test_without_cap_sys_ptrace_the_child_is_still_recognised_by_its_socket_owne
     finally:
         proc.terminate()
         proc.wait(15)
+
+
+def test_a_child_that_prints_lines_without_pause_reaches_the_log_within_its_budget_and_the_rest_is_counted(
+        write, fake, daemons, no_fakes_left):
+    """Attacker 11's F3: serve.user's engine printing 23,600 lines a second had every one logged, 87 % of a core of
+    the daemon and its loop held 0.4 s a poll (and journald's own rate limit would then drop the daemon's alerts).
+    Past LINES_BURST, at most LINES_PER_S lines a second reach the log; the rest is read and counted, never
+    split, in lines that say how many were dropped; every line the child wrote is in one or the other."""
+    from gpuwarden.serving.run.processes import LINES_BURST, LINES_PER_S
+
+    path, base, _ = fault_config(write, fake, "lines")
+    began = time.monotonic()
+    d = daemons(path)
+    d.wait_for("vLLM healthy after", timeout=60)
+    deadline = time.monotonic() + 120  # a bound on a hang: the child's lines are read in a few seconds
+    while not any("lines of output dropped" in line for line in d.lines[-50:]) or \
+            sum(_dropped(line) for line in d.lines) + _flood_lines(d.lines) < fake_lines():
+        assert time.monotonic() < deadline, (sum(_dropped(line) for line in d.lines), _flood_lines(d.lines))
+        time.sleep(0.2)
+    forwarded = _flood_lines(d.lines)
+    assert forwarded <= LINES_BURST + LINES_PER_S * (time.monotonic() - began) + 2, forwarded
+    assert sum(_dropped(line) for line in d.lines) + forwarded == fake_lines() + 1  # the last, "lines done", too
+    assert_polls_go_on(base, 4)
+    assert d.stop() == 0
+
+
+def fake_lines():
+    from harness.fakechild import LINES
+
+    return LINES
+
+
+def _dropped(line):
+    match = re.search(r"\[gpuwarden: (\d+) lines of output dropped", line)
+    return int(match.group(1)) if match else 0
+
+
+def _flood_lines(lines):
+    """The child's lines after its start line that reached the log (it prints nothing else in this mode): flood
+    lines, and the pieces of one that a dropped block cut (a block ends where it ends)."""
+    start = next(i for i, line in enumerate(lines) if "INFO fakechild pid" in line)
+    return sum(1 for line in lines[start + 1:] if "vllm: " in line and "lines of output dropped" not in line)

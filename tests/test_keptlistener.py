@@ -81,3 +81,34 @@ def test_the_proxy_takes_the_fd_from_its_environment_once_and_refuses_a_bad_one(
         _listen_fd(None)
     with pytest.raises(ValueError, match="stdin, stdout and stderr"):
         _listen_fd(1)
+
+
+def test_a_staged_address_listens_before_anything_stops_and_the_next_bind_takes_that_very_socket():
+    """A reload's new proxy address (attacker 11's F1): bound and listening while the proxy on the old one serves
+    on, so a local user cannot bind it between the check and the next proxy's start; the next bind takes the staged
+    socket (the same inode); a staged address nobody takes goes at a stop; one that cannot be had raises at once."""
+    stored = []
+    kept = KeptListener("proxy")
+    kept.take(None, lambda name, fd: stored.append((name, fd)))
+    old_port, new_port = free_port(), free_port()
+    old_fd = kept.bind("127.0.0.1", old_port)
+    kept.stage("127.0.0.1", new_port)
+    staged = kept.staged.fileno()
+    other = socket.socket()
+    other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    with other, pytest.raises(OSError):
+        other.bind(("127.0.0.1", new_port))  # taken already, before any proxy stops
+    assert kept.holds("127.0.0.1", old_port) and os.fstat(old_fd).st_ino  # the running proxy's socket stays
+    staged_inode = os.fstat(staged).st_ino
+    fd = kept.bind("127.0.0.1", new_port)
+    assert os.fstat(fd).st_ino == staged_inode and kept.staged is None and stored[-1] == ("proxy", fd)
+    kept.stage("127.0.0.1", new_port)  # the address kept: nothing staged
+    assert kept.staged is None
+    with pytest.raises(OSError):  # TEST-NET-1: no address of this host
+        kept.stage("192.0.2.1", new_port)
+    kept.stage("127.0.0.1", old_port)
+    kept.close(stopping=True)
+    assert kept.staged is None
+    probe = socket.socket()
+    with probe:
+        probe.bind(("127.0.0.1", old_port))  # let go at the stop

@@ -145,7 +145,8 @@ class Ops:
 
 def judged(code, body, listener_name="proxy", owns=True):
     spec = SimpleNamespace(health_path="/health", listener=listener_name, host="127.0.0.1", port=8001,
-                           identity=SimpleNamespace(uid=1000), url="http://127.0.0.1:8001", title="the proxy")
+                           identity=SimpleNamespace(uid=1000), url="http://127.0.0.1:8001", title="the proxy",
+                           launcher=None)
     probe = Probe(Outcome(value=Reply(code, body, 40000), started_at=2.0))
     return health.judge(spec, probe, Ops(owns), SimpleNamespace(pgid=7), 1.0, lambda why: why)
 
@@ -168,7 +169,8 @@ def judged_unasked(reply, kept=True, monkeypatch=None):
     written reply (None: nothing whole)."""
     monkeypatch.setitem(health.LISTENERS, "proxy", SimpleNamespace(holds=lambda host, port: kept))
     spec = SimpleNamespace(health_path="/health", listener="proxy", host="127.0.0.1", port=8001,
-                           identity=SimpleNamespace(uid=1000), url="http://127.0.0.1:8001", title="the proxy")
+                           identity=SimpleNamespace(uid=1000), url="http://127.0.0.1:8001", title="the proxy",
+                           launcher=None)
     why = "http://127.0.0.1:8001: 127.0.0.1:8001 was taken by no open socket of this host: nothing sent"
     probe = Probe(Outcome(error=httpget.Unasked(why, reply), started_at=2.0))
     return health.judge(spec, probe, Ops(), SimpleNamespace(pgid=7), 1.0, lambda why: why)

@@ -442,3 +442,63 @@ def test_a_connection_to_a_kept_listener_is_its_makers_until_accepted_and_the_ac
             os.close(fd)
         client.close()
         listener.close()
+
+
+@pytest.mark.process
+def test_a_reload_or_handover_to_an_address_it_cannot_have_is_refused_and_what_runs_serves_on(
+        write, fake, daemons, proxy_daemon, no_fakes_left, passable_state):
+    """Attacker 11's F1 and F2: a reload to a serve.proxy.listen that is not this host's (a typo) or whose port
+    another process holds stopped the running proxy, and its successor waited for good, serving down with no alert;
+    a reload of the engine to a TCP port another process holds stopped the engine first. Now each is refused in one
+    line before anything stops (the proxy's new address bound and kept at once: KeptListener.stage), the same
+    proxy and engine serve on, and so does a handover with the same config on disk. A reload to a free address
+    then moves the proxy there."""
+    d, path, port, inode = behind_the_proxy(write, fake, daemons, proxy_daemon,
+                                            STATE_DIRECTORY=str(passable_state))
+    proxy, engine = proxy_pid(d), running_engine(d)
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    taken = held.getsockname()[1]
+    original = path.read_text()
+    cases = [(f"'127.0.0.1:{port}'", "'192.0.2.1:%d'" % port, "serve.proxy.listen: 192.0.2.1:%d cannot be listened on: "
+              "Cannot assign requested address" % port),
+             (f"'127.0.0.1:{port}'", f"'127.0.0.1:{taken}'", f"serve.proxy.listen: 127.0.0.1:{taken} cannot be "
+              "listened on: in use by"),
+             ("  enabled: true\n", f"  enabled: true\n  engine_listen: tcp\n", None)]
+    for old, new, said in cases:
+        if said is None:  # the engine moved to TCP, on the held port
+            text = re.sub(r"\n  port: \d+\n", f"\n  port: {taken}\n", original).replace(old, new, 1)
+            said = f"serve.port: port {taken} on 127.0.0.1 is in use by"
+        else:
+            text = original.replace(old, new)
+        assert text != original
+        path.write_text(text)
+        mark = len(d.lines)
+        d.proc.send_signal(signal.SIGHUP)
+        line = d.wait_for("reload failed, still running the previous config", after=mark, timeout=30)
+        assert said in line and "serves on" in line, (said, line)
+        mark = len(d.lines)
+        d.proc.send_signal(signal.SIGUSR2)
+        line = d.wait_for("SIGUSR2: no handover", after=mark, timeout=30)
+        assert said in line, (said, line)
+        assert proxy_pid(d) == proxy and running_engine(d) == engine and d.proc.poll() is None
+        assert listening_inodes(port) == [inode] and holders(inode) == {d.proc.pid, proxy}
+        status, _, data, error = Call(port, "fine, thanks").result()
+        assert status == 200, (status, data, error)
+    held.close()
+    moved = free_port()
+    path.write_text(original.replace(f"'127.0.0.1:{port}'", f"'127.0.0.1:{moved}'"))
+    mark = len(d.lines)
+    d.proc.send_signal(signal.SIGHUP)
+    d.wait_for("the proxy healthy after", after=mark, timeout=60)
+    status, _, data, error = Call(moved, "fine, thanks").result()
+    assert status == 200 and running_engine(d) == engine, (status, data, error)
+    assert d.stop() == 0
+
+
+def running_engine(d):
+    """The pid of the engine the daemon started last, from its log."""
+    pids = re.findall(r"vLLM starting \(pid (\d+)", d.log)
+    assert pids, d.log
+    return int(pids[-1])

@@ -29,7 +29,8 @@ UNKNOWN = "zz_not_a_key"
 # override of every per-GPU setting, an explicit command.
 FULL = {
     "serve": {"enabled": True, "model": "m", "command": ["vllm", "serve"], "proxy": {"enabled": True},
-              "nodes": {"count": 2, "hosts": ["10.0.0.1", "10.0.0.2"], "rank": 0, "interface": "eth1"}},
+              "nodes": {"count": 2, "hosts": ["10.0.0.1", "10.0.0.2"], "rank": 0, "interface": "eth1"},
+              "container": {"image": "localhost/vllm-cpu:v0.32"}},
     "tuning": {"gpus": {"0": {t.key: t.config_value(t.default) for t in tunables.TUNABLES}}},
 }
 # Mappings whose keys are the user's (a variable name, a GPU): one entry for the mapping, none per key.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import os
+import re
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,6 +110,40 @@ class ProxyConfig:
 NODE_BACKENDS = ("mp", "ray")  # vLLM's own multi-node mode (--nnodes/--node-rank/--headless), or a Ray cluster
 
 
+CONTAINER_RUNTIMES = {"podman": "/run/podman/podman.sock", "docker": "/run/docker.sock"}  # runtime: its socket
+# An image reference as podman and Docker take one: [registry[:port]/]path[:tag][@sha256:digest], nothing else
+# (no space, no option-like leading dash).
+IMAGE_RE = re.compile(r"[a-z0-9][a-z0-9._-]*(?::[0-9]+)?(?:/[a-z0-9][a-z0-9._-]*)*(?::[A-Za-z0-9_][A-Za-z0-9._-]{0,127})?"
+                      r"(?:@sha256:[0-9a-f]{64})?")
+MOUNT_PATH_RE = re.compile(r"/[A-Za-z0-9._@+/-]*")  # absolute, no ':' or ',' (the runtimes' own separators)
+
+
+@dataclass(frozen=True)
+class Mount:
+    host: str
+    container: str
+    read_only: bool = True
+
+    def text(self) -> str:
+        return f"{self.host}:{self.container}:{'ro' if self.read_only else 'rw'}"
+
+
+@dataclass(frozen=True)
+class ContainerConfig:
+    """serve.container: the engine runs from a local image through the runtime's API (serving/compose/container.py);
+    serve.command is then the command inside the image."""
+
+    image: str = ""
+    runtime: str = "podman"
+    socket: str = ""  # the runtime's API socket; not given: the runtime's usual one (CONTAINER_RUNTIMES)
+    mounts: tuple[Mount, ...] = ()
+    pull: bool = False  # pull the image when it is missing (else a missing image is a config error at check)
+
+    @property
+    def api_socket(self) -> str:
+        return self.socket or CONTAINER_RUNTIMES[self.runtime]
+
+
 @dataclass(frozen=True)
 class NodesConfig:
     """serve.nodes: one engine across hosts. The same file on every node, but for rank (or hosts, where each
@@ -170,6 +205,7 @@ class ServeConfig:
     rules_dir: Path | None = None  # rules.d beside the config file: lint rules added or overridden by id
     proxy: ProxyConfig = ProxyConfig()
     nodes: NodesConfig | None = None  # None: one host
+    container: ContainerConfig | None = None  # None: the engine is a process from a Python environment here
 
     @property
     def url(self) -> str:
@@ -309,6 +345,12 @@ def _serve_dict(s: ServeConfig) -> dict:
     out.update(command=list(s.command), args=list(s.args), env=dict(s.env),
                gpus="all" if s.gpus is None else list(s.gpus), python=s.python or "auto",
                env_file="none" if s.env_file is None else str(s.env_file), proxy=_proxy_dict(s.proxy))
+    if s.container is None:
+        del out["container"]
+    else:
+        c = s.container
+        out["container"] = {"image": c.image, "runtime": c.runtime, "socket": c.api_socket, "pull": c.pull,
+                            "mounts": [m.text() for m in c.mounts]}
     if s.nodes is None:
         del out["nodes"]
     else:
@@ -428,7 +470,53 @@ def _serve_section(r: Reader, base_dir: Path) -> ServeConfig:
         rules_dir=base_dir / "rules.d",
         proxy=_proxy_section(r, base_dir),
         nodes=_nodes_section(r),
+        container=_container_section(r),
     )
+
+
+def _container_section(r: Reader) -> ContainerConfig | None:
+    base = ("serve", "container")
+    if r.get(base) is MISSING:
+        return None
+    d = ContainerConfig()
+    r.mapping(base, [f.name for f in dataclasses.fields(ContainerConfig)], required=("image",))
+    image = r.string(base + ("image",), "")
+    if image and (not isinstance(image, str) or not IMAGE_RE.fullmatch(image)):
+        r.fail(base + ("image",), f"not an image reference: {image!r}",
+               "a local image such as localhost/vllm-cpu:v0.32 or docker.io/vllm/vllm-openai:v0.32.0")
+    runtime = r.string(base + ("runtime",), d.runtime, tuple(CONTAINER_RUNTIMES))
+    socket_path = r.string(base + ("socket",), "")
+    if socket_path and (not isinstance(socket_path, str) or not MOUNT_PATH_RE.fullmatch(socket_path)):
+        r.fail(base + ("socket",), f"not an absolute path: {socket_path!r}",
+               "the runtime's API socket, such as /run/podman/podman.sock")
+    mounts = []
+    for i, text in enumerate(_string_list(r, base + ("mounts",), ())):
+        mount = _mount(text)
+        if isinstance(mount, str):
+            r.fail(base + ("mounts", str(i)), mount, "HOST:CONTAINER, or HOST:CONTAINER:ro (the default) or :rw, "
+                   "both absolute paths")
+        elif any(m.container == mount.container for m in mounts):
+            r.fail(base + ("mounts", str(i)), f"{mount.container} is mounted twice", "one mount per path inside")
+        else:
+            mounts.append(mount)
+    socket_path = socket_path if isinstance(socket_path, str) and socket_path else CONTAINER_RUNTIMES.get(runtime, "")
+    return ContainerConfig(image=image if isinstance(image, str) else "", runtime=runtime, socket=socket_path,
+                           mounts=tuple(mounts),
+                           pull=r.boolean(base + ("pull",), d.pull))
+
+
+def _mount(text: str) -> Mount | str:
+    """HOST:CONTAINER[:ro|:rw] as a Mount, or why not."""
+    parts = text.split(":")
+    mode = "ro"
+    if len(parts) == 3:
+        mode = parts.pop()
+    if len(parts) != 2 or mode not in ("ro", "rw"):
+        return f"not HOST:CONTAINER[:ro|:rw]: {text!r}"
+    for part in parts:
+        if not MOUNT_PATH_RE.fullmatch(part) or "/../" in part + "/" or part.endswith("/.."):
+            return f"{part!r} is not an absolute path of letters, digits and ._@+-/ (no '..')"
+    return Mount(parts[0], parts[1], mode == "ro")
 
 
 def node_address(text: Any) -> str | None:

@@ -90,6 +90,8 @@ SHAPES = {
     "serve.proxy.remove_patterns": ("list of strings", "Python regular expressions"),
     "serve.nodes.hosts": ("list of IP addresses", "count numeric addresses, head first; a name is never looked up"),
     "serve.nodes.head": ("IP address", "a numeric address; a name is never looked up"),
+    "serve.container.mounts": ("list of strings", "HOST:CONTAINER, HOST:CONTAINER:ro (the default) or "
+                               "HOST:CONTAINER:rw; both absolute paths of letters, digits and ._@+-/"),
 }
 # Defaults the walk cannot see: derived from other keys, or "not set".
 DEFAULTS = {
@@ -98,6 +100,9 @@ DEFAULTS = {
     "serve.nodes.rank": "this host's place in hosts",
     "serve.nodes.hosts": "[]",
     "serve.nodes.head": "hosts[0]",
+    "serve.container.image": "unset (required)",
+    "serve.container.socket": "the runtime's: /run/podman/podman.sock, /run/docker.sock",
+    "serve.container.mounts": "[] (the model's folder is mounted read-only at its own path)",
     "tls_server_config.cert_file": "unset",
     "tls_server_config.key_file": "unset",
     "basic_auth_users": "{}",
@@ -115,6 +120,8 @@ RANGES = {
     "serve.env_file": "a root-only file, or none",
     "serve.proxy.dump_dir": "a folder, or none",
     "serve.nodes.interface": "a network interface, or none",
+    "serve.container.image": "an image reference: [REGISTRY/]PATH[:TAG][@sha256:DIGEST]",
+    "serve.container.socket": "an absolute path",
     "serve.env": "variable name to a string value",
     "tuning.gpus": "GPU index or UUID to its settings",
     "basic_auth_users": "user name to bcrypt hash",
@@ -125,6 +132,13 @@ RANGES = {
 MEANINGS = {
     **{f"tuning.gpus.{ID}.{t.key}": f"tuning.{t.key} for this GPU alone." for t in tunables.TUNABLES},
     "serve.nodes.count": "How many nodes the one engine spans, this one included.",
+    "serve.container.image": "The image the engine runs from (serve.command is then the command inside it); a local "
+                             "image: nothing is pulled unless pull says so.",
+    "serve.container.runtime": "podman (its libpod API: CDI GPUs) or docker (DeviceRequests, its --gpus).",
+    "serve.container.socket": "The runtime's API socket (root's): the daemon's shim talks to it, no CLI is run.",
+    "serve.container.mounts": "Host folders the engine sees, read-only unless :rw (a Hugging Face cache, compiled "
+                              "kernels).",
+    "serve.container.pull": "Pull the image at a start where the runtime does not have it.",
     "serve.nodes.rank": "This node's rank (0 is the head, which serves the API). Set it, or leave it out and give "
                         "hosts: each node finds its rank among its own addresses.",
     "serve.nodes.head": "The head's address (its rendezvous port is serve.nodes.port): with rank, instead of hosts.",
@@ -160,6 +174,9 @@ EXAMPLES = {
     "serve.proxy.dump_dir": "/var/lib/gpuwarden/proxy-dumps",
     "serve.proxy.remove_patterns": "['^Timestamp: [^\\n]*\\n']",
     "serve.nodes.head": "10.0.0.1",
+    "serve.container.image": "localhost/vllm-cpu:v0.32",
+    "serve.container.socket": "/run/podman/podman.sock",
+    "serve.container.mounts": "[\"/srv/hf-cache:/hf\", \"/srv/build:/dsv4:ro\"]",
     "tls_server_config.cert_file": "tls/server.crt",
     "tls_server_config.key_file": "tls/server.key",
     "basic_auth_users": "{prometheus: $2b$12$...}",
@@ -168,7 +185,8 @@ EXAMPLES = {
 # What makes every conditional key read: multi-node serving, the proxy, and a per-GPU override of every setting.
 ENABLING = {
     "serve": {"enabled": True, "model": "m", "proxy": {"enabled": True},
-              "nodes": {"count": 2, "hosts": ["10.0.0.1", "10.0.0.2"], "rank": 0}},
+              "nodes": {"count": 2, "hosts": ["10.0.0.1", "10.0.0.2"], "rank": 0},
+              "container": {"image": "localhost/vllm-cpu:v0.32"}},
     "tuning": {"gpus": {"0": {t.key: t.config_value(t.default) for t in tunables.TUNABLES}}},
 }
 WEB_ENABLING = {"tls_server_config": {"cert_file": "c", "key_file": "k"}, "basic_auth_users": {}}

@@ -16,6 +16,7 @@ Modes:
   loading      as noaccept until SIGUSR1 (the model loaded, when the test says so), then serves as healthy
   nan          /metrics says NaN and +Inf for the request gauges
   flood        prints one 200 MB line with no newline, then serves as healthy
+  lines        prints LINES short lines as fast as it can, then "INFO fakechild lines done", serving as healthy
   ignore-term  ignores SIGTERM
   setsid       forks a grandchild that calls setsid() and sleeps: it leaves the process group
   doublefork   forks a child that forks a grandchild and exits at once
@@ -306,6 +307,12 @@ def main() -> None:
             sys.stdout.buffer.write(line)
         sys.stdout.buffer.write(b"\n")
         sys.stdout.flush()
+    if "lines" in modes:
+        out = sys.stdout.buffer
+        for n in range(LINES):
+            out.write(b"INFO fakechild flood-line %d\n" % n)
+        out.write(b"INFO fakechild lines done\n")
+        out.flush()
     if "controls" in modes:  # an engine may echo a request's path or a prompt: bytes journald and terminals act on
         sys.stdout.buffer.write(b"WARNING fakechild said: a\x00<0>gpuwarden: GPU0 gpu_needs_reset FORGED\r"
                                 b"\x1b[2J\x1b]52;c;Zm9yZ2Vk\x07 end\n")
@@ -317,6 +324,9 @@ def main() -> None:
     if "chatty" in modes:
         threading.Thread(target=tick, daemon=True).start()
     serve(args.host, args.port, modes, args.uds)
+
+
+LINES = 200_000  # the lines mode's output: ~6 MB
 
 
 def tick() -> None:

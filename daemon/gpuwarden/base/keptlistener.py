@@ -55,6 +55,9 @@ class KeptListener:
     def __init__(self, name: str):
         self.name = name
         self.sock: socket.socket | None = None
+        # A reload's new address, bound and listening before anything stops (stage): the next bind() to it takes
+        # it, so the port is never free between the check and the new child's start.
+        self.staged: socket.socket | None = None
         self.keep_fd: Callable[[str, int | None], None] = lambda name, fd: None
 
     def take(self, stored: int | None, keep_fd: Callable[[str, int | None], None]) -> None:
@@ -91,20 +94,32 @@ class KeptListener:
             # the port (SO_REUSEADDR). Bound anew.
             log.warning("the kept %s listener on %s:%d no longer listens (a child shut it down?); binding it anew",
                         self.name, host, port)
+        staged, self.staged = self.staged, None
         self.close(stopping=True)
-        host = canonical(host)
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, port))
-            sock.listen(BACKLOG)  # listening at once: a bound socket that does not listen can be shared
-        except OSError:
-            sock.close()
-            raise
+        if staged is not None and staged.getsockname()[:2] == (canonical(host), port):
+            sock = staged
+        else:
+            if staged is not None:
+                staged.close()
+            sock = _listening(host, port)
         self.sock = sock
         self.keep_fd(self.name, sock.fileno())
         return sock.fileno()
+
+    def stage(self, host: str, port: int) -> None:
+        """A reload's new address, bound and listening now, while the child on the old one serves on: the reload is
+        refused where this raises (OSError: EADDRINUSE, another process holds it; EADDRNOTAVAIL, not this host's),
+        and the next bind() to it takes it. Nothing is staged for the address already kept."""
+        if not _numeric(host):
+            raise OSError(errno.EINVAL, f"{host!r} is not a numeric IP address")
+        if self.holds(host, port):
+            return
+        if self.staged is not None:
+            if self.staged.getsockname()[:2] == (canonical(host), port):
+                return
+            self.staged.close()
+            self.staged = None
+        self.staged = _listening(host, port)
 
     def address(self) -> tuple[str, int] | None:
         return self.sock.getsockname()[:2] if self.sock is not None else None
@@ -129,12 +144,30 @@ class KeptListener:
 
     def close(self, stopping: bool) -> None:
         """Let the port go: asked to stop (or a new address), also out of systemd's store; after an error the
-        store keeps it for the restart."""
+        store keeps it for the restart. A staged address goes at a stop."""
+        if stopping and self.staged is not None:
+            self.staged.close()
+            self.staged = None
         if self.sock is not None:
             self.sock.close()
             self.sock = None
             if stopping:
                 self.keep_fd(self.name, None)
+
+
+def _listening(host: str, port: int) -> socket.socket:
+    """A new socket bound to host:port and listening at once (a bound socket that does not listen can be shared).
+    Raises OSError."""
+    host = canonical(host)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(BACKLOG)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 # The proxy's listener (serve.proxy.listen): its ChildSpec names it (listener="proxy").

@@ -14,6 +14,7 @@ from ..config import Config
 from ..gpu.errors import GpuError
 from . import adoption
 from .metrics_port import refuse_unbindable
+from .proxy_port import refuse_unlistenable
 from .reload import Reload, Waiting, carry_out
 
 if TYPE_CHECKING:
@@ -48,7 +49,9 @@ class Changes:
         first (backends.would_open: NVML in a new process, on the loop, within its deadline). The serving launch,
         or None."""
         refuse_unbindable(config, self.daemon.metrics.settings.listen)
+        refuse_unlistenable(config, handover=True)
         launch = self.daemon.check(config, deep=False, on_loop=True)[1]
+        self.daemon.serving.refuse_taken_port(config, launch)
         try:  # what the new image opens before anything else (cli/run.py): its GPU backend, in a new process
             would_open(config)
         except GpuError as exc:

@@ -4,10 +4,44 @@ proxy, and at a handover passed on across the exec, as the metrics port (service
 
 from __future__ import annotations
 
+import errno
+
 from ..base.keptlistener import LISTENERS
 from ..base.systemd import Notifier
 from ..config import Config
 from ..proxy.child import PROXY
+from ..serving.run import ports
+from .metrics_port import bind_refusal
+
+
+def refuse_unlistenable(config: Config, handover: bool) -> None:
+    """Before a reload or a handover changes anything: the proxy's address of the new config, where it is not the
+    one kept, must be one the proxy can listen on now, else the change is refused (ConfigError) and the running proxy
+    serves on; before, the running proxy was stopped first and its successor waited for an address it could not
+    have (not this host's, or a local user's), serving down with no alert. A reload binds it now and keeps it
+    (KeptListener.stage: the next proxy takes that socket, so nobody can bind the port in between); a handover only
+    tries it (the new image binds it), which leaves a local user the moment between the check and its start."""
+    serve = config.serve
+    if not (serve.enabled and serve.proxy.enabled):
+        return
+    host, port = serve.proxy.listen
+    kept = LISTENERS[PROXY]
+    if kept.holds(host, port):
+        return
+    if handover:
+        why = bind_refusal(host, port)
+        if why is None and not ports.port_free(host, port):
+            why = f"in use by {ports.who_listens(port, host=host)}"
+    else:
+        try:
+            kept.stage(host, port)
+            why = None
+        except OSError as exc:
+            why = (f"in use by {ports.who_listens(port, host=host)}" if exc.errno == errno.EADDRINUSE
+                   else exc.strerror or str(exc))
+    if why is not None:
+        raise config.error(("serve", "proxy", "listen"), f"{serve.proxy.address} cannot be listened on: {why}; the "
+                           "running proxy serves on", "an address of this host whose port nobody else holds")
 
 
 def let_inherit() -> None:

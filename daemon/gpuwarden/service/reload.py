@@ -16,6 +16,7 @@ from ..base.yamlfile import InvalidConfig
 from ..config import Config
 from ..serving.run.deepcheck import due
 from ..serving.run.runtime import Launch, ServingRuntime
+from .proxy_port import refuse_unlistenable
 from ..tune.tuning import Plan, TuningLife
 
 log = logging.getLogger("gpuwarden")
@@ -40,6 +41,7 @@ def plan_reload(new: Config, running: Config, tuning: TuningLife, serving: Servi
     kept = [key for key in RESTART_ONLY if getattr(new, key) != getattr(running, key)]
     new = dataclasses.replace(new, **{key: getattr(running, key) for key in kept})
     plan = tuning.check(new)
+    refuse_unlistenable(new, handover=False)
     # lint, with the installed versions from the cache (read again before this, off the loop, where they changed):
     # nothing here waits on the engine's interpreter; its parser runs later, off the loop (Reload.check)
     step = serving.plan_reload(new)

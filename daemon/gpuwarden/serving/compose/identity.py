@@ -45,6 +45,7 @@ class Identity:
     home: str
     groups: tuple[int, ...]  # the supplementary groups the process gets
     switch: bool  # False: we are not root, so the process runs as ourselves
+    drop_caps: bool = False  # the process keeps our uid but no capability (the container engine's shim)
 
     def popen_kwargs(self) -> dict:
         """What subprocess needs to start a process as this identity."""
@@ -78,6 +79,15 @@ def resolve(user: str) -> Identity:
     return Identity(user, entry.pw_uid, entry.pw_gid, entry.pw_dir, groups, switch=True)
 
 
+def shim_identity() -> Identity:
+    """Who the container engine's shim (cli/container_run.py) runs as: ourselves, root under the unit, without a
+    capability and with no_new_privs. Root's uid is what reaches the runtime's root-only API socket (no
+    CAP_DAC_OVERRIDE needed: it is root's own); nothing else of root's is needed, and the engine itself runs inside
+    the container as serve.user."""
+    me = pwd.getpwuid(os.geteuid())
+    return Identity(me.pw_name, me.pw_uid, me.pw_gid, me.pw_dir, (), switch=False, drop_caps=True)
+
+
 def _group_name(gid: int) -> str:
     try:
         return grp.getgrgid(gid).gr_name
@@ -94,6 +104,26 @@ def _no_new_privs() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
 
 
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+_capset = ctypes.CDLL(None, use_errno=True).capset
+CAP_VERSION_3 = 0x20080522  # _LINUX_CAPABILITY_VERSION_3: two 32-bit words of each set
+
+
+def _no_caps() -> None:
+    """Every capability set emptied (the ambient set follows the permitted one). With no_new_privs, an exec as
+    root then gains none back: the kernel keeps the new permitted set within the old one."""
+    header, data = _CapHeader(CAP_VERSION_3, 0), (_CapData * 2)()
+    if _capset(ctypes.byref(header), data) != 0:
+        raise OSError(ctypes.get_errno(), "capset() failed")
+
+
 def _file_limit(max_file_bytes: int) -> int:
     """The file size limit a child asked to stay under max_file_bytes gets: never above the hard limit we have
     ourselves (lowering it needs no capability; raising it would fail the start)."""
@@ -101,16 +131,20 @@ def _file_limit(max_file_bytes: int) -> int:
     return max_file_bytes if hard == resource.RLIM_INFINITY else min(max_file_bytes, hard)
 
 
-def _preexec(max_file_bytes: int | None) -> Callable[[], None]:
-    """What the child runs between fork and exec: no_new_privs, and the file size limit where one is asked for,
-    soft and hard alike, so that the child cannot raise it again. Computed here, in the parent."""
-    if max_file_bytes is None:
+def _preexec(max_file_bytes: int | None, drop_caps: bool = False) -> Callable[[], None]:
+    """What the child runs between fork and exec: no_new_privs, no capability where drop_caps asks, and the file
+    size limit where one is asked for, soft and hard alike, so that the child cannot raise it again. Computed here,
+    in the parent."""
+    if max_file_bytes is None and not drop_caps:
         return _no_new_privs
-    limit = _file_limit(max_file_bytes)
+    limit = None if max_file_bytes is None else _file_limit(max_file_bytes)
 
     def start() -> None:
         _no_new_privs()
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+        if drop_caps:
+            _no_caps()
+        if limit is not None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
     return start
 
 
@@ -124,7 +158,7 @@ def popen(identity: Identity, argv: Sequence[str], env: Mapping[str, str],
     what it starts) writes grows past this (RLIMIT_FSIZE; None: no limit, as for the engine). Raises OSError,
     ValueError or SubprocessError."""
     return (kind or subprocess.Popen)(list(argv), env={**identity.env(), **env}, cwd="/", close_fds=True,
-                preexec_fn=_preexec(max_file_bytes), **identity.popen_kwargs(), **kwargs)
+                preexec_fn=_preexec(max_file_bytes, identity.drop_caps), **identity.popen_kwargs(), **kwargs)
 
 
 @dataclass(frozen=True)

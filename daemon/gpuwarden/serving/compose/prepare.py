@@ -65,7 +65,9 @@ class PreparedServe:
                          for f in self.findings if f.severity == ERROR]
         if self.flags is not None and not self.flags.ok:
             problems.append(flag_problem(config, self.command, self.flags))
-        missing = executable_problem(self.command.argv[0], self.command.env.get("PATH", os.defpath))
+        # a container's command is the image's, not this host's (the shim says when the image has none)
+        missing = None if config.serve.container else executable_problem(self.command.argv[0],
+                                                                         self.command.env.get("PATH", os.defpath))
         if missing:
             problems.append(config.error(("serve", "command"), missing,
                                          f"an absolute path to {title}'s executable or Python"))
@@ -146,6 +148,9 @@ def compose(config: Config, gpus: Sequence[GpuSample], profile_name: str | None 
     profile = pick_profile(config, load_profiles(config.serve.profiles_dir), profile_name or config.serve.profile,
                            gpus)
     rules = rules_for(config.serve.rules_dir)
+    if config.serve.container is not None and config.serve.nodes is not None:
+        raise config.error(("serve", "container"), "an engine in a container serves from one host (not yet with "
+                           "serve.nodes)", "leave out serve.nodes, or serve.container")
     role = role_of(config)
     try:
         engine_socket(config.serve, engine)
@@ -183,6 +188,9 @@ def installed_for(config: Config, command: ServeCommand, ask: bool = True,
                   spawn: Callable[..., subprocess.Popen] = popen) -> Installed:
     """What the engine's interpreter has installed, asked as serve.user (started with spawn; cached while it is
     unchanged; with ask False, only the cache)."""
+    if config.serve.container is not None:
+        return Installed("", False, error=f"the engine is in the image {config.serve.container.image}, whose "
+                                          "versions are not read yet")
     python = engine_python(config.serve, command.argv[:command.prefix])
     try:
         identity = child_identity(config)
@@ -226,7 +234,7 @@ def prepare_serve(config: Config, backend: GpuBackend, deep: bool, create_home: 
     command = composed.command
     prepared = PreparedServe(command, identity, composed.findings, None, home_note, composed.installed,
                              composed.rules)
-    if not deep or command.engine.flag_probe is None or prepared.blocking(config):
-        return prepared  # lint already blocks: no need to wait for the engine's import
+    if not deep or command.engine.flag_probe is None or prepared.blocking(config) or config.serve.container:
+        return prepared  # lint already blocks: no need to wait for the engine's import (a container's: not yet)
     flags = check_flags(config.serve, command, identity)
     return PreparedServe(command, identity, composed.findings, flags, home_note, composed.installed, composed.rules)

@@ -48,6 +48,8 @@ def due(launch, runtime, upgraded: bool = False) -> bool:
     start: a replacement under way), or another version is installed under it. Nothing runs: due, as at a start."""
     if launch is None or launch.command.engine.flag_probe is None:
         return False
+    if launch.engine.launcher is not None:  # a container's engine: its parser is in the image, not run from here yet
+        return False
     if upgraded:
         return True
     specs = [p.spec for p in (runtime.engine,) if p is not None] + \

@@ -48,7 +48,9 @@ def judge(spec: ChildSpec, probe: Background, ops: ProcessOps, child: Child, sta
         return False, str(outcome.error)
     if reply.code != 200 and not full:
         return False, f"/health answered {reply.code}"
-    group = ops.group_pids(child.pgid)
+    # A container's engine is outside the shim's group (the runtime's conmon started it): its port is judged by
+    # the owner of the listening socket alone, serve.user's uid, as under the unit where /proc/PID/fd is unseen.
+    group = ops.group_pids(child.pgid) if spec.launcher is None else None
     if spec.port and not ops.owns_port(spec.host, spec.port, group, spec.identity.uid):
         return False, (f"port {spec.port} is answered by {ops.who_listens(spec.host, spec.port)}, "
                        f"not by {spec.title}'s process group")

@@ -22,6 +22,7 @@ from ...gpu.base import Gpu
 from ..compose.command import ServeCommand
 from ..compose.identity import Identity
 from .spec import ChildSpec, engine_spec, ray_spec
+from .containers import container_spec
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,8 @@ def main_spec(config: Config, parts: EngineParts) -> ChildSpec:
     """This node's main child: the engine; under Ray, on the head the engine that starts once the Ray head
     answers and finds the cluster at RAY_ADDRESS, on another node its Ray node (no vLLM there)."""
     engine = engine_spec(config.serve, parts.command, parts.identity, parts.gpus, parts.version)
+    if config.serve.container is not None:  # one host only: config refuses serve.nodes beside it
+        return container_spec(engine, config.serve.container, config.gpu.backend == "sim")
     role = parts.command.role
     if role is None or role.nodes.backend != "ray":
         return engine

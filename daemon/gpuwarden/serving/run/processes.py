@@ -23,6 +23,7 @@ import signal
 import stat
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -248,22 +249,23 @@ class ProcessOps:
     def port_free(self, host: str, port: int) -> bool:
         return ports.port_free(host, port)
 
-    def owns_port(self, host: str, port: int, group: Iterable[int], uid: int) -> bool:
+    def owns_port(self, host: str, port: int, group: Iterable[int] | None, uid: int) -> bool:
         """True if the socket listening on host:port belongs to these processes. Only the listeners that take
         host's connections count (ports.covering): a local user may listen on the same port number on another
         address (127.0.0.2, or [::1] with IPV6_V6ONLY beside 0.0.0.0), and that is never evidence about ours.
         Under the unit, root lacks CAP_SYS_PTRACE and cannot read another uid's /proc/PID/fd: then the
-        socket's owner uid (in /proc/net/tcp) must be the child's, and no other listener may take host:port."""
+        socket's owner uid (in /proc/net/tcp) must be the child's, and no other listener may take host:port. So too
+        where group is None: a container's engine, whose processes are the runtime's, not in the child's group."""
         sockets = ports.listening_sockets(port, host=host)
         if not sockets:
             return False
         kept = next((k.inode() for k in LISTENERS.values() if k.holds(host, port)), None)
         if kept is not None:  # the daemon's own socket, which the child inherited: it alone takes host:port
             return set(sockets) == {kept}
-        try:
-            return bool(ports.holders(set(sockets), group))
-        except ports.Unseen:
-            return set(sockets.values()) == {uid}
+        if group is not None:
+            with contextlib.suppress(ports.Unseen):
+                return bool(ports.holders(set(sockets), group))
+        return set(sockets.values()) == {uid}
 
     def who_listens(self, host: str, port: int) -> str:
         return ports.who_listens(port, host=host)
@@ -449,11 +451,37 @@ def _stat(pid: int) -> tuple[int, int] | None:
     return None if fields[0] == b"Z" else (int(fields[1]), int(fields[2]))
 
 
-def forward_lines(stream, on_line: Callable[[str], None], limit: int = MAX_LINE_BYTES) -> None:
+# How many lines of a child's output reach the log: LINES_PER_S on average, LINES_BURST at once (a start's
+# banner, a traceback). Past that its output is read a block at a time and dropped unsplit, counted, until half the
+# burst has come back (or the child is quiet that long: its flood is over), and one line says how many were dropped:
+# serve.user's engine printing 23,600 lines a second held 87 % of a core of the daemon and its loop 0.4 s a poll
+# (attacker 11), and journald's own limit (10,000 lines in 30 s a unit) would then have dropped the daemon's alerts
+# with the engine's lines. A flood costs the log a burst and a line every RESUME / LINES_PER_S seconds.
+LINES_PER_S = 200.0
+LINES_BURST = 2000.0
+RESUME = LINES_BURST / 2
+DROP_READ = 64 * 1024
+
+
+def forward_lines(stream, on_line: Callable[[str], None], limit: int = MAX_LINE_BYTES,
+                  clock: Callable[[], float] = time.monotonic) -> None:
     """Hand the child's output to on_line a line at a time; a line longer than limit is cut there and the
-    rest of it skipped, so an endless line can neither balloon our memory nor one log record."""
+    rest of it skipped, so an endless line can neither balloon our memory nor one log record. Past the line
+    budget (LINES_PER_S, LINES_BURST) lines are dropped and counted (_drop)."""
+    tokens, last = LINES_BURST, clock()
     with contextlib.suppress(OSError, ValueError):
-        while raw := stream.readline(limit):
+        while True:
+            now = clock()
+            tokens, last = min(LINES_BURST, tokens + (now - last) * LINES_PER_S), now
+            if tokens < 1:
+                more, tokens, last = _drop(stream, on_line, tokens, clock)
+                if not more:
+                    break
+                continue
+            raw = stream.readline(limit)
+            if not raw:
+                break
+            tokens -= 1
             if raw.endswith(b"\n") or len(raw) < limit:
                 on_line(raw.decode("utf-8", "replace").rstrip())
                 continue
@@ -464,4 +492,26 @@ def forward_lines(stream, on_line: Callable[[str], None], limit: int = MAX_LINE_
             on_line(raw.decode("utf-8", "replace") + f" [line cut: {skipped} more bytes dropped]")
     with contextlib.suppress(OSError):
         stream.close()
+
+
+def _drop(stream, on_line: Callable[[str], None], tokens: float,
+          clock: Callable[[], float]) -> tuple[bool, float, float]:
+    """Read and count what the child writes until the budget holds RESUME lines again, or the child was quiet
+    until then; one line says how many were dropped. (False at the end of its output, the budget, its time.) What
+    the stream buffered comes first; then the pipe itself, each read waited for no longer than the budget's
+    refill (select), so that a flood that stopped is said at once and its pipe read line by line again."""
+    dropped, fd = 0, stream.fileno()
+    block = getattr(stream, "read1", stream.read)(DROP_READ)  # the buffer, else what the pipe holds
+    last = clock()
+    while block:
+        dropped += block.count(b"\n")
+        now = clock()
+        tokens, last = min(LINES_BURST, tokens + (now - last) * LINES_PER_S), now
+        if tokens >= RESUME or not select.select([fd], [], [], (RESUME - tokens) / LINES_PER_S)[0]:
+            break
+        block = os.read(fd, DROP_READ)
+    if dropped:
+        on_line(f"[gpuwarden: {dropped} lines of output dropped: more than {LINES_PER_S:g} a second]")
+    now = clock()
+    return bool(block), min(LINES_BURST, tokens + (now - last) * LINES_PER_S), now
 

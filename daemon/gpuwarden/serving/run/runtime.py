@@ -215,7 +215,7 @@ class ServingRuntime:
         for program in (self.children.programs.values() if self.children is not None else ()):
             child = program.child
             if child is not None and child.start_ticks is not None:
-                running.append(handover.Recorded(program.name, child.pid, child.start_ticks, program.identity.uid,
+                running.append(handover.Recorded(program.name, child.pid, child.start_ticks, program.spec.runs_as.uid,
                                                  handover.argv_digest(program.spec.argv), child.output_fd,
                                                  program.state == STARTING, handover.env_digest(program.spec.env),
                                                  child.word_fd))
@@ -321,7 +321,26 @@ class ServingRuntime:
             return None
         if old is None and not new.enabled and self.pending is None:
             return None
-        return Restart(self, self.prepare(config, deep=False, on_loop=True) if new.enabled else None, upgraded)
+        launch = self.prepare(config, deep=False, on_loop=True) if new.enabled else None
+        self.refuse_taken_port(config, launch)
+        return Restart(self, launch, upgraded)
+
+    def refuse_taken_port(self, config: Config, launch: Launch | None) -> None:
+        """Before a reload or a handover stops the engine: a new engine's TCP port (one the running engine does not
+        listen on) that another process holds refuses the change (ConfigError), and the running engine serves on;
+        before, it was stopped first and its successor waited for a local user to let go. Between this look and
+        the new engine's bind (its predecessor's drain) a local user can still take the port: the start then waits
+        as at boot (vllm_start_blocked); behind the proxy the engine has no port (serving/compose/enginesock.py)."""
+        spec = launch.engine if launch is not None else None
+        if spec is None or not spec.port or spec.socket or spec.listener:
+            return
+        running = self.engine.spec if self.engine is not None else None
+        if running is None or (not running.socket and (running.host, running.port) == (spec.host, spec.port)):
+            return  # nothing serves that a refusal would keep, or the port is the running engine's
+        if not self.ops.port_free(spec.host, spec.port):
+            raise config.error(("serve", "port"), f"port {spec.port} on {spec.host} is in use by "
+                               f"{self.ops.who_listens(spec.host, spec.port)}; the running engine serves on",
+                               "a port nobody else holds")
 
     def _replace_sides(self, config: Config, wanted: dict[str, ChildSpec], changed: list[ChildKind],
                        now: float) -> None:

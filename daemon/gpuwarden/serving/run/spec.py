@@ -102,6 +102,14 @@ class ChildSpec:
     # The Unix socket it listens on instead of host:port (the engine behind the proxy: serving/compose/enginesock.py;
     # port is then 0, and nothing listens on TCP); "": none.
     socket: str = ""
+    # Who the process runs as where that is not identity (the container engine's shim: root without capabilities,
+    # serving/compose/identity.shim_identity); identity is then the user its port and sockets belong to (the engine
+    # inside the container runs as serve.user). None: identity.
+    launcher: Identity | None = None
+
+    @property
+    def runs_as(self) -> Identity:
+        return self.launcher or self.identity
 
     @property
     def url(self) -> str:

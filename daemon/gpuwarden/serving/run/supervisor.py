@@ -229,7 +229,7 @@ class Program:
         self.error_lines.clear()
         spec = self.spec
         try:
-            child, word_fd = _spawn(spec, self.ops, self.identity, self.on_line)
+            child, word_fd = _spawn(spec, self.ops, spec.runs_as, self.on_line)
         except (OSError, ValueError, TypeError) as exc:  # missing binary, unreadable venv, NUL byte, ...
             self._failed(now, f"{self.title} could not be started: {_describe_error(exc)}")
             return
@@ -237,7 +237,7 @@ class Program:
         self._probe.discard()
         self.policy.spawned()
         profile = f", profile {spec.profile}" if spec.profile else ""
-        self.enter(STARTING, f"{self.title} starting (pid {child.pid}{profile}, user {self.identity.name}): "
+        self.enter(STARTING, f"{self.title} starting (pid {child.pid}{profile}, user {self.identity.name}{_launcher(spec)}): "
                                    + " ".join(redact_argv(spec.argv)), since=now, child=child, started=now,
                          started_wall=time.time())
 
@@ -533,6 +533,11 @@ class Supervisor:
 
     def views(self) -> tuple[ServingView, ...]:
         return tuple(p.view() for p in self.programs.values())
+
+
+def _launcher(spec: ChildSpec) -> str:
+    """Who runs it where that is not the user its port belongs to: the container engine's shim."""
+    return "" if spec.launcher is None else f", run by {spec.launcher.name} without capabilities"
 
 
 def _spawn(spec: ChildSpec, ops: ProcessOps, identity, on_line) -> tuple[Child, int | None]:

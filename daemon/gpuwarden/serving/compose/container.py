@@ -1,0 +1,160 @@
+"""The engine from a container image (serve.container): what the container is, and the create request each runtime
+takes for it. Only data: the shim (`gpuwarden container-run`, cli/container_run.py) sends it through the runtime's
+API (serving/run/containers.py), and the daemon runs the shim as the engine's child, so that the supervisor's
+guarantees (readiness, backoff, stall, drain, adoption, output) are a process's (design/container-engine.md).
+
+The request, whatever the runtime: the engine's command with an explicit entrypoint (the community's images change
+theirs: vllm/vllm-openai went from `python3 -m vllm.entrypoints.openai.api_server` to `vllm serve`), serve.user's
+uid and gid, every capability dropped, no-new-privileges, the host's network (the engine's port is judged as a
+process's), the mounts read-only unless said otherwise (the model's directory always), the GPUs, a stop timeout of
+the drain (podman 4.3.1's Docker-compatible create gives 0 s without one: no drain), logs in a file driver (journald's
+cannot be followed), and labels naming this host and the child, by which a leftover is found and removed. The
+environment's values (serve.env_file's secrets among them) never go on a command line: the shim's argv names them,
+its environment holds them.
+
+Podman goes through its libpod endpoint, the only one that takes CDI device names on 4.3.1 (its compat create drops
+DeviceRequests and mangles a CDI name in Devices into a path); Docker takes `DeviceRequest`s (its `--gpus`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+
+from ...base.statedir import state_dir
+from ...config import ContainerConfig, Mount
+
+LABEL_HOST = "io.gpuwarden.host"  # this host's machine ID: another host's containers on a shared runtime are not ours
+LABEL_CHILD = "io.gpuwarden.child"  # the child's name (vllm, sglang)
+# the state directory of the gpuwarden that made it: two daemons of one host (each its own port and state) never
+# remove each other's
+LABEL_OWNER = "io.gpuwarden.state"
+CONTAINER_HOME = "/tmp"  # HOME inside, where the command sets none: serve.user's home is a host path
+# What the shim passes through from its own environment to no container: the shim's own.
+SHIM_ENV = ("PATH", "LANG", "PYTHONPATH", "GPUWARDEN_CONTAINER_FD")
+MACHINE_ID = "/etc/machine-id"
+
+
+def host_id(path: str = MACHINE_ID) -> str:
+    """This host's machine ID (systemd's), which labels its containers; "unknown" where it cannot be read."""
+    try:
+        with open(path, encoding="ascii", errors="replace") as f:
+            text = f.read(64).strip()
+    except OSError:
+        return "unknown"
+    return text if text.isalnum() else "unknown"
+
+
+@dataclass(frozen=True)
+class ContainerLaunch:
+    """One engine container: everything the shim needs but the environment's values."""
+
+    runtime: str  # podman or docker
+    socket: str  # the runtime's API socket
+    image: str
+    pull: bool
+    name: str  # the container's name: gpuwarden-CHILD-PORT
+    argv: tuple[str, ...]  # the command inside; argv[0] is the entrypoint
+    env_names: tuple[str, ...]  # the environment's names, whose values the shim has
+    user: str  # uid:gid
+    groups: tuple[int, ...]  # supplementary gids (the GPU device groups)
+    mounts: tuple[Mount, ...]
+    gpus: tuple[str, ...]  # GPU indices, as the host's NVML counts them; () on the simulator
+    labels: tuple[tuple[str, str], ...]
+    stop_timeout_s: int  # the runtime's stop waits this long after SIGTERM before SIGKILL: the drain
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> ContainerLaunch:
+        """Raises ValueError (a word a shim cannot read: another version's, or no launch at all)."""
+        raw = json.loads(text)
+        if not isinstance(raw, dict) or set(raw) != set(cls.__dataclass_fields__):
+            raise ValueError("not a container launch of this version")
+        raw["mounts"] = tuple(Mount(**m) for m in raw["mounts"])
+        raw["labels"] = tuple((str(k), str(v)) for k, v in raw["labels"])
+        for key in ("argv", "env_names", "groups", "gpus"):
+            raw[key] = tuple(raw[key])
+        return cls(**raw)
+
+
+def launch_of(container: ContainerConfig, child: str, port: int, argv: tuple[str, ...], env: Mapping[str, str],
+              uid: int, gid: int, groups: tuple[int, ...], model: str, gpus: tuple[str, ...], stop_timeout_s: int,
+              machine: str | None = None, owner: str | None = None) -> ContainerLaunch:
+    """The container of an engine composed as argv and env, run as uid:gid. A model that is a directory here is
+    mounted read-only at the same path (where no mount names that path already)."""
+    mounts = list(container.mounts)
+    if model.startswith("/") and os.path.isdir(model) and not any(m.container == model for m in mounts):
+        mounts.append(Mount(model, model, True))
+    labels = ((LABEL_HOST, machine or host_id()), (LABEL_CHILD, child), (LABEL_OWNER, owner or str(state_dir())))
+    return ContainerLaunch(container.runtime, container.api_socket, container.image, container.pull,
+                           f"gpuwarden-{child}-{port}", tuple(argv), tuple(sorted(inside_env(env))),
+                           f"{uid}:{gid}", tuple(groups), tuple(mounts), tuple(gpus), labels, stop_timeout_s)
+
+
+def inside_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The engine's environment as the container gets it: the host's PATH and CUDA_VISIBLE_DEVICES mean nothing
+    inside (the image has its PATH; the runtime gives the container its GPUs, numbered from 0), HOME is set."""
+    out = {k: v for k, v in env.items() if k not in ("PATH", "CUDA_VISIBLE_DEVICES", "USER", "LOGNAME")}
+    out.setdefault("HOME", CONTAINER_HOME)
+    return out
+
+
+def libpod_body(launch: ContainerLaunch, env: Mapping[str, str]) -> dict:
+    """podman's libpod create (`POST /v4.0.0/libpod/containers/create`: a SpecGenerator, pkg/specgen/specgen.go)."""
+    return {
+        "name": launch.name,
+        "image": launch.image,
+        "entrypoint": list(launch.argv[:1]),
+        "command": list(launch.argv[1:]),
+        "env": dict(env),
+        "user": launch.user,
+        "groups": [str(g) for g in launch.groups],
+        "labels": dict(launch.labels),
+        "netns": {"nsmode": "host"},
+        "cap_drop": ["ALL"],
+        "no_new_privileges": True,
+        "privileged": False,
+        "mounts": [{"destination": m.container, "source": m.host, "type": "bind",
+                    "options": ["rbind", "ro" if m.read_only else "rw"]} for m in launch.mounts],
+        "devices": [{"path": f"nvidia.com/gpu={g}"} for g in launch.gpus],
+        "stop_timeout": launch.stop_timeout_s,
+        "stop_signal": int(signal.SIGTERM),  # an integer here (syscall.Signal)
+        "log_configuration": {"driver": "k8s-file"},
+        "remove": False,
+    }
+
+
+def docker_create(launch: ContainerLaunch, env: Mapping[str, str]) -> dict:
+    """The keywords of docker-py's `APIClient.create_container` (and of its `create_host_config`, under
+    host_config) for dockerd: GPUs as a DeviceRequest, which dockerd's nvidia driver (or its CDI driver, from
+    Docker 25) serves; podman 4.3.1 would drop it, hence libpod there."""
+    host = {
+        "network_mode": "host",
+        "cap_drop": ["ALL"],
+        "security_opt": ["no-new-privileges"],
+        "privileged": False,
+        "binds": [m.text() for m in launch.mounts],
+        "group_add": [str(g) for g in launch.groups],
+        "log_config": {"type": "json-file", "config": {}},
+        "auto_remove": False,
+    }
+    if launch.gpus:
+        host["device_requests"] = [{"driver": "", "count": 0, "device_ids": list(launch.gpus),
+                                    "capabilities": [["gpu"]], "options": {}}]
+    return {
+        "image": launch.image,
+        "name": launch.name,
+        "entrypoint": list(launch.argv[:1]),
+        "command": list(launch.argv[1:]),
+        "environment": dict(env),
+        "user": launch.user,
+        "labels": dict(launch.labels),
+        "stop_signal": "SIGTERM",
+        "stop_timeout": launch.stop_timeout_s,
+        "use_config_proxy": False,  # not ~/.docker/config.json's proxies: the same container wherever it starts
+        "host_config": host,
+    }

@@ -1,0 +1,150 @@
+"""The engine from a container image, as data (issue 53): serve.container's keys, the container a composed engine
+becomes (serving/compose/container.py), the create request of each runtime (podman's libpod, Docker's
+create_container: their differences), and the engine's spec with the shim as its child (serving/run/containers.py).
+No runtime here: tests/test_container_podman.py runs them on real podman."""
+
+import json
+import os
+import signal
+import sys
+
+import pytest
+
+from gpuwarden import config as configmod
+from gpuwarden.base.yamlfile import ConfigErrors
+from gpuwarden.config import ContainerConfig, Mount, ServeConfig
+from gpuwarden.serving.compose.container import (LABEL_CHILD, LABEL_HOST, LABEL_OWNER, ContainerLaunch,
+                                                 docker_create, inside_env, launch_of, libpod_body)
+from gpuwarden.serving.compose.identity import Identity
+from gpuwarden.serving.run.containers import ContainerPolicy, container_spec, launch_in, shim_argv
+from gpuwarden.serving.run.spec import Timing, engine_spec
+
+
+def parse(text):
+    return configmod.parse_text(text)
+
+
+def test_serve_container_reads_its_keys_with_defaults_and_says_each_bad_one_in_a_line():
+    c = parse("serve:\n  container:\n    image: localhost/vllm-cpu:v0.32\n    mounts: [/srv/a:/a, '/srv/b:/b:rw']\n"
+              ).serve.container
+    assert c == ContainerConfig("localhost/vllm-cpu:v0.32", "podman", "/run/podman/podman.sock", (Mount("/srv/a", "/a", True),
+                                                                          Mount("/srv/b", "/b", False)), False)
+    assert c.api_socket == "/run/podman/podman.sock"
+    assert parse("serve:\n  container: {image: x, runtime: docker}\n").serve.container.api_socket == "/run/docker.sock"
+    assert parse("serve: {}\n").serve.container is None
+    with pytest.raises(ConfigErrors) as bad:
+        parse("serve:\n  container:\n    image: '-x y'\n    runtime: lxc\n    socket: run/p.sock\n"
+              "    mounts: [a:/b, '/x:/y:zz', '/../x:/y', '/a:/c', '/b:/c', '/a,b:/d']\n    pulls: 1\n")
+    said = [str(e) for e in bad.value.errors]
+    for part in ("serve.container.image: not an image reference: '-x y'", "serve.container.runtime: 'lxc'",
+                 "serve.container.socket: not an absolute path", "serve.container.mounts.0: 'a' is not an absolute",
+                 "serve.container.mounts.1: not HOST:CONTAINER[:ro|:rw]", "serve.container.mounts.2: '/../x'",
+                 "serve.container.mounts.4: /c is mounted twice", "serve.container.mounts.5: '/a,b'",
+                 "serve.container.pulls: unknown key"):
+        assert any(part in line for line in said), (part, said)
+    assert len(said) == 9 and all("\n" not in line for line in said)
+    with pytest.raises(ConfigErrors) as missing:
+        parse("serve:\n  container: {runtime: podman}\n")
+    assert "serve.container: missing required key 'image'" in str(missing.value)
+
+
+def test_the_effective_config_writes_the_container_back_as_it_reads_it():
+    config = parse("serve:\n  container:\n    image: localhost/e:1\n    mounts: [/m:/m]\n    pull: true\n")
+    written = configmod.Config.as_dict(config)["serve"]["container"]
+    assert written == {"image": "localhost/e:1", "runtime": "podman", "socket": "/run/podman/podman.sock",
+                       "pull": True, "mounts": ["/m:/m:ro"]}
+    import yaml
+    assert parse(yaml.safe_dump({"serve": {"container": written}})).serve.container == config.serve.container
+
+
+def launch(tmp_path, gpus=("0", "1"), **changes):
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    container = ContainerConfig("localhost/vllm-cpu:v0.32", changes.pop("runtime", "podman"), "",
+                                (Mount("/srv/hf", "/hf", True), Mount("/srv/out", "/out", False)))
+    env = {"VLLM_API_KEY": "secret-key", "PATH": "/opt/venv/bin:/usr/bin", "CUDA_VISIBLE_DEVICES": "2,3",
+           "HF_HOME": "/hf"}
+    return launch_of(container, "vllm", 8000, ("vllm", "serve", "--model", str(model)), inside_env(env), 999, 995,
+                     (44, 105), str(model), gpus, 70, machine="abc123", owner="/var/lib/gpuwarden")
+
+
+def test_a_launch_names_its_container_labels_it_mounts_the_model_read_only_and_carries_no_secret(tmp_path):
+    one = launch(tmp_path)
+    assert one.name == "gpuwarden-vllm-8000" and one.user == "999:995" and one.stop_timeout_s == 70
+    assert dict(one.labels) == {LABEL_HOST: "abc123", LABEL_CHILD: "vllm", LABEL_OWNER: "/var/lib/gpuwarden"}
+    model = str(tmp_path / "model")
+    assert one.mounts[-1] == Mount(model, model, True)  # the model's folder, read-only, at its own path
+    # the names only: the values (the API key) never reach the shim's argv
+    assert one.env_names == ("HF_HOME", "HOME", "VLLM_API_KEY") and "secret-key" not in one.to_json()
+    assert ContainerLaunch.from_json(one.to_json()) == one
+    for bad in ("{}", "[]", json.dumps({**json.loads(one.to_json()), "extra": 1}), "not json"):
+        with pytest.raises(ValueError):
+            ContainerLaunch.from_json(bad)
+
+
+def test_the_engines_environment_inside_has_no_host_path_nor_host_gpu_numbers_and_a_home():
+    inside = inside_env({"PATH": "/x", "CUDA_VISIBLE_DEVICES": "3", "USER": "u", "LOGNAME": "u", "A": "1"})
+    assert inside == {"A": "1", "HOME": "/tmp"}
+    assert inside_env({"HOME": "/home/me"})["HOME"] == "/home/me"
+
+
+def test_podman_gets_the_libpod_body_with_cdi_gpus_and_every_privilege_dropped(tmp_path):
+    one = launch(tmp_path)
+    body = libpod_body(one, {"VLLM_API_KEY": "k"})
+    assert body["entrypoint"] == ["vllm"] and body["command"][:1] == ["serve"]  # not the image's own entrypoint
+    assert body["user"] == "999:995" and body["groups"] == ["44", "105"]
+    assert body["cap_drop"] == ["ALL"] and body["no_new_privileges"] is True and body["privileged"] is False
+    assert body["netns"] == {"nsmode": "host"} and body["env"] == {"VLLM_API_KEY": "k"}
+    assert body["devices"] == [{"path": "nvidia.com/gpu=0"}, {"path": "nvidia.com/gpu=1"}]
+    assert body["stop_timeout"] == 70 and body["stop_signal"] == int(signal.SIGTERM)  # an integer in libpod
+    assert body["log_configuration"] == {"driver": "k8s-file"}  # followable: journald's is not, on 4.3.1
+    assert {"destination": "/hf", "source": "/srv/hf", "type": "bind", "options": ["rbind", "ro"]} in body["mounts"]
+    assert {"destination": "/out", "source": "/srv/out", "type": "bind", "options": ["rbind", "rw"]} in body["mounts"]
+    assert libpod_body(launch(tmp_path, gpus=()), {})["devices"] == []  # the simulator: no GPU to give
+
+
+def test_docker_gets_a_device_request_and_the_same_privileges_dropped(tmp_path):
+    """Docker's differences: GPUs as a DeviceRequest (its --gpus; podman 4.3.1's compat create drops those, so
+    podman never gets this body), the stop signal by name, binds as strings, json-file logs."""
+    kwargs = docker_create(launch(tmp_path, runtime="docker"), {"K": "v"})
+    host = kwargs["host_config"]
+    assert host["device_requests"] == [{"driver": "", "count": 0, "device_ids": ["0", "1"],
+                                        "capabilities": [["gpu"]], "options": {}}]
+    assert host["cap_drop"] == ["ALL"] and host["security_opt"] == ["no-new-privileges"]
+    assert host["network_mode"] == "host" and host["privileged"] is False and host["group_add"] == ["44", "105"]
+    assert "/srv/hf:/hf:ro" in host["binds"] and "/srv/out:/out:rw" in host["binds"]
+    assert host["log_config"]["type"] == "json-file" and host["auto_remove"] is False
+    assert kwargs["stop_signal"] == "SIGTERM" and kwargs["stop_timeout"] == 70
+    assert kwargs["use_config_proxy"] is False and kwargs["environment"] == {"K": "v"}
+    assert "device_requests" not in docker_create(launch(tmp_path, gpus=(), runtime="docker"), {})["host_config"]
+    docker = pytest.importorskip("docker")  # docker-py itself takes these keywords
+    client = docker.APIClient(base_url="unix:///nonexistent.sock", version="1.41")
+    built = client.create_host_config(**host)
+    assert built["DeviceRequests"][0]["DeviceIDs"] == ["0", "1"] and built["CapDrop"] == ["ALL"]
+
+
+def me():
+    return Identity("serve", 999, 995, "/home/serve", (44,), switch=True)
+
+
+def test_the_container_engines_child_is_the_shim_run_as_root_without_capabilities_and_its_port_is_serve_users(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/opt/gpuwarden")
+    serve = ServeConfig(enabled=True, model=str(tmp_path), port=8123, drain_s=30, stop_timeout_s=20,
+                        container=ContainerConfig("localhost/e:1"))
+    from test_drain import composed
+
+    command = composed(vllm="0.32.0").command
+    plain = engine_spec(serve, command, me(), [])
+    spec = container_spec(plain, serve.container, simulated=True)
+    found = launch_in(spec.argv)
+    assert spec.argv == shim_argv(found) and spec.argv[0] == sys.executable
+    assert found.argv == plain.argv and found.gpus == () and found.user == "999:995"
+    assert found.stop_timeout_s == plain.drain_s + 10  # the drain and its margin, then the runtime's SIGKILL
+    assert spec.timing.stop_timeout_s >= found.stop_timeout_s + 15  # the shim's own SIGKILL only after that
+    assert spec.identity == me() and spec.launcher.uid == os.geteuid() and spec.launcher.drop_caps
+    assert spec.runs_as is spec.launcher and spec.policy is ContainerPolicy
+    assert spec.env["PATH"] == "/usr/local/bin:/usr/bin:/bin" and spec.env["PYTHONPATH"] == "/opt/gpuwarden"
+    assert "CUDA_VISIBLE_DEVICES" not in spec.env and set(found.env_names) <= set(spec.env)
+    assert launch_in(("python3", "-m", "vllm")) is None and launch_in((*spec.argv[:-1], "{}")) is None
+    assert isinstance(spec.timing, Timing)
