@@ -27,8 +27,8 @@ LEFT_OVER = 125  # podman's and Docker's own status for "the runtime failed": th
 
 
 def cmd_container_run(args: argparse.Namespace) -> int:
-    from ..serving.compose.container import LABEL_OWNER, ContainerLaunch, host_id
-    from ..serving.run.containers import Runtime, RuntimeFault
+    from ..base.containerapi import Runtime, RuntimeFault
+    from ..serving.compose.container import LABEL_HOST, LABEL_OWNER, ContainerLaunch, create, host_id
 
     try:
         launch = ContainerLaunch.from_json(args.launch)
@@ -47,8 +47,8 @@ def cmd_container_run(args: argparse.Namespace) -> int:
     cid = None
     try:
         owner = dict(launch.labels).get(LABEL_OWNER)
-        for found in runtime.labelled(host_id()):
-            if found.name == launch.name and found.owner == owner:
+        for found in runtime.labelled(LABEL_HOST, host_id()):
+            if found.name == launch.name and found.labels.get(LABEL_OWNER) == owner:
                 runtime.remove(found.id)
                 print(f"gpuwarden container-run: removed container {found.id[:12]} ({found.name}, {found.state}), "
                       "left by an earlier run", flush=True)
@@ -61,7 +61,7 @@ def cmd_container_run(args: argparse.Namespace) -> int:
             runtime.pull(launch.image)
         if stop.is_set():
             return 0
-        cid = runtime.create(launch, env)
+        cid = create(runtime, launch, env)
         runtime.start(cid)
         print(f"gpuwarden container-run: container {cid[:12]} ({launch.name}) of {launch.image} started", flush=True)
         return _follow(runtime, cid, launch.stop_timeout_s, stop)
@@ -79,7 +79,7 @@ def cmd_container_run(args: argparse.Namespace) -> int:
 def _follow(runtime, cid: str, stop_timeout_s: int, stop: threading.Event) -> int:
     """The container's output to ours until it ends; a stop asked meanwhile is the runtime's, with the drain's
     timeout. Its exit status."""
-    from ..serving.run.containers import RuntimeFault
+    from ..base.containerapi import RuntimeFault
 
     stream = runtime.logs(cid)
     out = threading.Thread(target=_copy, args=(stream,), daemon=True, name="container-output")

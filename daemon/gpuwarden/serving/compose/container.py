@@ -20,11 +20,15 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from ...base.statedir import state_dir
 from ...config import ContainerConfig, Mount
+from ..lint.packages import Installed
+from . import installed as installed_mod
 
 LABEL_HOST = "io.gpuwarden.host"  # this host's machine ID: another host's containers on a shared runtime are not ours
 LABEL_CHILD = "io.gpuwarden.child"  # the child's name (vllm, sglang)
@@ -158,3 +162,71 @@ def docker_create(launch: ContainerLaunch, env: Mapping[str, str]) -> dict:
         "use_config_proxy": False,  # not ~/.docker/config.json's proxies: the same container wherever it starts
         "host_config": host,
     }
+
+
+def create(runtime, launch: ContainerLaunch, env: Mapping[str, str], network: bool = True) -> str:
+    """The container made by runtime (base/containerapi.Runtime): podman's libpod create, dockerd's create; its ID.
+    network False: none at all (a probe)."""
+    if launch.runtime == "podman":
+        body = libpod_body(launch, env)
+        if not network:
+            body["netns"] = {"nsmode": "none"}
+        return runtime.create_libpod(body)
+    kwargs = docker_create(launch, env)
+    if not network:
+        kwargs["host_config"]["network_mode"] = "none"
+    return runtime.create_docker(kwargs)
+
+
+PROBE_S = 60.0  # the image's versions: a short-lived container of it, its Python importing nothing of the engine
+PROBE_OUTPUT_MAX = 1024 * 1024
+PROBE_CHILD = "probe"
+PROBE_ENV = ("PYTHONPATH", "HOME", "LANG", "CUDA_HOME")  # of the engine's environment, as the probe on a host gets
+
+
+def image_installed(container: ContainerConfig, uid: int, gid: int, python: str | None, state: Path | None,
+                    ask: bool = True, env: Mapping[str, str] | None = None, machine: str | None = None) -> Installed:
+    """What the image has installed (vLLM, FlashInfer, torch and its CUDA, SGLang), read once per image ID by the
+    installed-versions probe in a container of the image (serve.python inside it, else python3; the configured
+    mounts, read-only: an engine's venv may be one): as uid:gid, no network, no capability, no GPU, removed after;
+    cached under the image's name with its ID. ask False (the daemon's loop): the cache only, never the
+    runtime (a reload reads it again off the loop first: ServingRuntime.reread_installed)."""
+    from ...base.containerapi import Runtime, RuntimeFault  # noqa: PLC0415 (docker-py: only for a container)
+
+    key = f"image {container.image}"
+    cached = installed_mod.remembered(state, key)
+    if not ask:
+        return cached or Installed(key, False, error=f"{key} is read at the next reload or restart")
+    try:
+        runtime = Runtime(container.runtime, container.api_socket)
+    except RuntimeFault as exc:
+        return Installed(key, False, error=str(exc))
+    try:
+        image_id = runtime.image_id(container.image)
+        if image_id is None:
+            return Installed(key, False, error=f"{container.runtime} has no image {container.image} (pull it, or set "
+                                               "serve.container.pull: true)")
+        if cached is not None and cached.stamp == (image_id,):
+            return cached
+        launch = ContainerLaunch(container.runtime, container.api_socket, container.image, False,
+                                 f"gpuwarden-{PROBE_CHILD}-{os.getpid()}-{time.monotonic_ns() % 10**9}",
+                                 (python or "python3", "-c", installed_mod.PROBE), (), f"{uid}:{gid}", (),
+                                 tuple(Mount(m.host, m.container, True) for m in container.mounts),
+                                 (), ((LABEL_HOST, machine or host_id()), (LABEL_CHILD, PROBE_CHILD),
+                                      (LABEL_OWNER, str(state_dir()))), 0)
+        probe_env = {"HOME": CONTAINER_HOME, **{k: v for k, v in (env or {}).items() if k in PROBE_ENV}}
+        cid = create(runtime, launch, probe_env, network=False)
+        try:
+            runtime.start(cid)
+            try:
+                status = runtime.wait(cid, PROBE_S)
+            except RuntimeFault:
+                return Installed(key, False, error=f"{key} did not answer within {PROBE_S:g} s")
+            out = runtime.output(cid)[:PROBE_OUTPUT_MAX].decode("utf-8", "replace")
+        finally:
+            runtime.remove(cid)
+        return installed_mod.answer(key, out, out, status, state, stamp=(image_id,))
+    except RuntimeFault as exc:
+        return Installed(key, False, error=str(exc))
+    finally:
+        runtime.close()

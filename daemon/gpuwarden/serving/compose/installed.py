@@ -120,7 +120,8 @@ def _cache_file(state_dir: Path | None, python: str) -> Path | None:
     return state_dir / "installed" / (python.strip("/").replace("/", "_") + ".json")
 
 
-def _from_cache(state_dir: Path | None, python: str) -> Installed | None:
+def remembered(state_dir: Path | None, python: str) -> Installed | None:
+    """The cached answer for python, whatever its stamp says (an image's: the caller compares its ID)."""
     found = _memory.get(python)
     if found is None:
         path = _cache_file(state_dir, python)
@@ -136,6 +137,11 @@ def _from_cache(state_dir: Path | None, python: str) -> Installed | None:
                                   None, tuple(raw["dirs"]), tuple(raw["stamp"]), _toolkit(raw["toolkit"]))
             except (KeyError, TypeError):
                 found = None
+    return found
+
+
+def _from_cache(state_dir: Path | None, python: str) -> Installed | None:
+    found = remembered(state_dir, python)
     if found is not None and found.stamp == _stamp(python, found.dirs):
         return found
     return None
@@ -179,16 +185,23 @@ def installed(python: str | None, identity: Identity, env: Mapping[str, str], st
         return Installed(python, False, error=f"{python} stopped: {done.stopped}")
     if done.returncode is None:
         return Installed(python, False, error=f"{python} did not answer within {timeout_s:g} s")
-    line = next((line[len(MARK):] for line in done.stdout.splitlines() if line.startswith(MARK)), None)
+    return answer(python, done.stdout, done.stderr, done.returncode, state_dir)
+
+
+def answer(python: str, stdout: str, stderr: str, returncode: int | None, state_dir: Path | None,
+           stamp: tuple | None = None) -> Installed:
+    """The probe's answer as it printed it, cached (stamp: what the cache is good for, else the interpreter's and
+    its folders' times); what it failed with, else."""
+    line = next((line[len(MARK):] for line in stdout.splitlines() if line.startswith(MARK)), None)
     if line is None:
-        last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        last = (stderr.strip().splitlines() or [f"exit status {returncode}"])[-1]
         return Installed(python, False, error=f"{python} failed to answer: {last}")
     try:
         raw = json.loads(line)
         dirs = tuple(raw["dirs"])
         found = Installed(python, True, raw["versions"], raw["torch_cuda"],
                           frozenset(raw["env_names"]) if raw["env_names"] is not None else None, None, dirs,
-                          _stamp(python, dirs), _toolkit(raw["toolkit"]))
+                          stamp if stamp is not None else _stamp(python, dirs), _toolkit(raw["toolkit"]))
         _check(found)
     except (ValueError, KeyError, TypeError, RecursionError) as exc:
         why = exc if isinstance(exc, ValueError) and not isinstance(exc, json.JSONDecodeError) else type(exc).__name__

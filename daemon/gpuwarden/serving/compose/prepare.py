@@ -15,6 +15,7 @@ from ...config import Config
 from ...gpu.base import GpuBackend, GpuSample
 from ...base.yamlfile import ConfigError, ConfigErrors
 from .command import ServeCommand, build_command, chosen_gpus, engine_of, profile_error
+from .container import image_installed, inside_env
 from .flagcheck import FlagCheck, check_flags
 from .enginesock import conflict_finding, engine_socket, fallback_finding, make_socket_dir, socket_dir
 from .homes import HomeError, child_home
@@ -189,8 +190,12 @@ def installed_for(config: Config, command: ServeCommand, ask: bool = True,
     """What the engine's interpreter has installed, asked as serve.user (started with spawn; cached while it is
     unchanged; with ask False, only the cache)."""
     if config.serve.container is not None:
-        return Installed("", False, error=f"the engine is in the image {config.serve.container.image}, whose "
-                                          "versions are not read yet")
+        try:
+            identity = child_identity(config)
+        except ConfigError as exc:
+            return Installed(f"image {config.serve.container.image}", False, error=exc.message)
+        return image_installed(config.serve.container, identity.uid, identity.gid, config.serve.python, state_dir(),
+                               ask=ask, env=inside_env(command.env))
     python = engine_python(config.serve, command.argv[:command.prefix])
     try:
         identity = child_identity(config)
