@@ -144,7 +144,9 @@ def test_the_container_engines_child_is_the_shim_run_as_root_without_capabilitie
     assert spec.timing.stop_timeout_s >= found.stop_timeout_s + 15  # the shim's own SIGKILL only after that
     assert spec.identity == me() and spec.launcher.uid == os.geteuid() and spec.launcher.drop_caps
     assert spec.runs_as is spec.launcher and spec.policy is ContainerPolicy
+    # the shim's own PATH and PYTHONPATH; the engine's environment behind a prefix, never the shim's
     assert spec.env["PATH"] == "/usr/local/bin:/usr/bin:/bin" and spec.env["PYTHONPATH"] == "/opt/gpuwarden"
-    assert "CUDA_VISIBLE_DEVICES" not in spec.env and set(found.env_names) <= set(spec.env)
+    assert {f"GPUWARDEN_ENGINE_ENV_{name}" for name in found.env_names} <= set(spec.env)
+    assert not any(k.endswith("CUDA_VISIBLE_DEVICES") for k in spec.env)
     assert launch_in(("python3", "-m", "vllm")) is None and launch_in((*spec.argv[:-1], "{}")) is None
     assert isinstance(spec.timing, Timing)

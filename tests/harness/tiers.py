@@ -3,7 +3,7 @@
 - unit: no marker. No process: a test of this tier runs in the pytest process alone.
 - process: `@pytest.mark.process`. It starts processes (the daemon, the proxy, the fake engine, promtool) on the
   simulator; nothing in it needs a real part.
-- real: a marker of REAL_PARTS (`vllm`, `systemd`, `fleet`, `ray`). It needs a real part (the CPU vLLM, an nspawn
+- real: a marker of REAL_PARTS (`vllm`, `systemd`, `fleet`, `ray`, `podman`). It needs a real part (the CPU vLLM, an nspawn
   boot, Prometheus and Alertmanager as servers, Ray). tests/run runs this tier after the others, on one worker, so
   that a real engine never shares the box with a test that times something.
 
@@ -37,6 +37,7 @@ REAL_PARTS = {
     "systemd": "the .deb booted under systemd-nspawn (root)",
     "fleet": "Prometheus and Alertmanager as servers (Debian's packages)",
     "ray": "the real ray package, its head and worker processes",
+    "podman": "Debian's podman and runc, its API served on a socket of the tests' own (tests/harness/podman_rig.py)",
 }
 PROCESS = "process"
 MARKERS = {

@@ -65,6 +65,11 @@ def runnable_daemon(python: Path, user: str) -> tuple[list[str], dict, Path | No
     folder = Path(tempfile.mkdtemp(prefix="gpuwarden-package-"))
     folder.chmod(0o755)
     shutil.copytree(Path(gpuwarden.__file__).parent, folder / "gpuwarden", ignore=shutil.ignore_patterns("__pycache__"))
+    try:  # docker-py, for serve.container (the vLLM venv has requests and urllib3, which it needs)
+        import docker
+        shutil.copytree(Path(docker.__file__).parent, folder / "docker", ignore=shutil.ignore_patterns("__pycache__"))
+    except ImportError:
+        pass
     for path in folder.rglob("*"):
         path.chmod(0o755 if path.is_dir() else 0o644)
     return [str(python), "-m", "gpuwarden"], dict(env, PYTHONPATH=str(folder)), folder

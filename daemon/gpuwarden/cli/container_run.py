@@ -10,7 +10,7 @@ the runtime's API and stands for it (design/container-engine.md):
 
 It runs as root without capabilities (serving/compose/identity.shim_identity): root's uid reaches the runtime's
 root-only socket, and nothing else is needed. Its argv is the launch without the environment's values, which come
-from its own environment."""
+from its own environment, each name behind ENV_PREFIX (the engine's PATH is not the shim's)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ LEFT_OVER = 125  # podman's and Docker's own status for "the runtime failed": th
 
 def cmd_container_run(args: argparse.Namespace) -> int:
     from ..base.containerapi import Runtime, RuntimeFault
-    from ..serving.compose.container import LABEL_HOST, LABEL_OWNER, ContainerLaunch, create, host_id
+    from ..serving.compose.container import ENV_PREFIX, LABEL_HOST, LABEL_OWNER, ContainerLaunch, create, host_id
 
     try:
         launch = ContainerLaunch.from_json(args.launch)
@@ -38,7 +38,7 @@ def cmd_container_run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    env = {name: os.environ[name] for name in launch.env_names if name in os.environ}
+    env = {name: os.environ[ENV_PREFIX + name] for name in launch.env_names if ENV_PREFIX + name in os.environ}
     try:
         runtime = Runtime(launch.runtime, launch.socket)
     except RuntimeFault as exc:

@@ -36,8 +36,9 @@ LABEL_CHILD = "io.gpuwarden.child"  # the child's name (vllm, sglang)
 # remove each other's
 LABEL_OWNER = "io.gpuwarden.state"
 CONTAINER_HOME = "/tmp"  # HOME inside, where the command sets none: serve.user's home is a host path
-# What the shim passes through from its own environment to no container: the shim's own.
-SHIM_ENV = ("PATH", "LANG", "PYTHONPATH", "GPUWARDEN_CONTAINER_FD")
+# The engine's environment in the shim's: each name behind this prefix, so that the engine's own PATH or PYTHONPATH
+# (inside the image) never becomes the shim's (on this host), nor the shim's the engine's.
+ENV_PREFIX = "GPUWARDEN_ENGINE_ENV_"
 MACHINE_ID = "/etc/machine-id"
 
 

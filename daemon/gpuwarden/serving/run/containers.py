@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from ...base.background import Background
 from ...base.containerapi import Runtime
 from ...config import ContainerConfig
-from ..compose.container import LABEL_HOST, LABEL_OWNER, ContainerLaunch, host_id, inside_env, launch_of
+from ..compose.container import ENV_PREFIX, LABEL_HOST, LABEL_OWNER, ContainerLaunch, host_id, inside_env, launch_of
 from ..compose.drain import DRAIN_MARGIN_S
 from ..compose.identity import shim_identity
 from .policy import Policy
@@ -120,9 +120,10 @@ def container_spec(spec: ChildSpec, container: ContainerConfig, simulated: bool,
     env = inside_env(spec.env)
     launch = launch_of(container, spec.name, spec.port, spec.argv, env, identity.uid, identity.gid,
                        identity.groups, spec.model, gpus, stop_s)
-    shim_env = {**env, "PATH": SHIM_PATH}
-    if environ.get("PYTHONPATH") and "PYTHONPATH" not in env:  # the daemon's own, where it runs from a checkout
-        shim_env["PYTHONPATH"] = environ["PYTHONPATH"]
+    shim_env = {"PATH": SHIM_PATH, **{ENV_PREFIX + k: v for k, v in env.items()}}
+    for name in ("PYTHONPATH", "LANG"):  # the daemon's own (PYTHONPATH where it runs from a checkout)
+        if environ.get(name):
+            shim_env[name] = environ[name]
     timing = dataclasses.replace(spec.timing, stop_timeout_s=max(spec.timing.stop_timeout_s, stop_s + SHIM_MARGIN_S))
     return dataclasses.replace(spec, argv=shim_argv(launch), env=shim_env, launcher=shim_identity(), timing=timing,
                                policy=ContainerPolicy)

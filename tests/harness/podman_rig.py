@@ -1,0 +1,100 @@
+"""Real podman for the container engine's tests (tests/test_container_podman.py): Debian 12's podman 4.3.1 with runc
+(crun fails on this machine on setrlimit and the hybrid cgroup mount) and a containers.conf of the tests' own with
+`default_ulimits = []`; its API (Docker's and libpod's) served by `podman system service` on a socket of the tests'
+own, as `podman.socket` serves /run/podman/podman.sock on a host; a local image imported from the Debian 12 rootfs
+the nspawn tests build (tests/systemd/make-rootfs), no registry. The fake engine (tests/harness/fakechild.py, which
+needs only the standard library) is mounted into each container, and a vLLM 0.32.0 dist-info beside it, so that the
+image's installed-versions probe hears the version the drain flag needs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+IMAGE = "localhost/gpuwarden-test-bookworm:1"
+ROOTFS = Path("/var/cache/gpuwarden-test/bookworm-rootfs")
+CONTAINERS_CONF = '[containers]\ndefault_ulimits = []\n\n[engine]\nruntime = "runc"\n'
+INSTALL = "apt install podman runc python3-docker (tests/run installs them)"
+
+
+class PodmanUnavailable(Exception):
+    pass
+
+
+class Podman:
+    """`podman system service` on folder/podman.sock, started and stopped by its own process group."""
+
+    def __init__(self, folder: Path):
+        for tool in ("podman", "runc"):
+            if subprocess.run(["sh", "-c", f"command -v {tool}"], capture_output=True).returncode != 0:
+                raise PodmanUnavailable(f"{tool} is missing: {INSTALL}")
+        conf = folder / "containers.conf"
+        conf.write_text(CONTAINERS_CONF)
+        self.env = {**os.environ, "CONTAINERS_CONF": str(conf)}
+        self.socket = folder / "podman.sock"
+        self.log = folder / "podman.log"
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(["podman", "system", "service", "--time=0", f"unix://{self.socket}"],
+                                         env=self.env, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while not self.socket.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise PodmanUnavailable(f"podman system service did not listen: {self.log.read_text()[-2000:]}")
+            time.sleep(0.1)
+        import docker
+
+        self.api = docker.APIClient(base_url=f"unix://{self.socket}", version="auto", timeout=60)
+
+    def cli(self, *args: str, **kwargs) -> subprocess.CompletedProcess:
+        return subprocess.run(["podman", *args], env=self.env, capture_output=True, text=True, timeout=600, **kwargs)
+
+    def image(self) -> str:
+        """The tests' image, imported once from the nspawn tests' rootfs (built if missing)."""
+        if self.cli("image", "exists", IMAGE).returncode == 0:
+            return IMAGE
+        if not (ROOTFS / "usr" / "bin" / "python3").exists():
+            subprocess.run(["bash", str(ROOT / "tests" / "systemd" / "make-rootfs")], check=True, timeout=1800)
+        tar = subprocess.Popen(["tar", "-C", str(ROOTFS), "-c", "."], stdout=subprocess.PIPE)
+        done = self.cli("import", "-", IMAGE, stdin=tar.stdout)
+        tar.wait(600)
+        if done.returncode != 0:
+            raise PodmanUnavailable(f"podman import failed: {done.stderr[-2000:]}")
+        return IMAGE
+
+    def labelled(self, label: str, value: str) -> list[dict]:
+        """The containers with that label, running or not, as the runtime lists them."""
+        return [c for c in self.api.containers(all=True, filters={"label": [f"{label}={value}"]})
+                if (c.get("Labels") or {}).get(label) == value]
+
+    def pid_of(self, cid: str) -> int:
+        """The host PID of the container's first process."""
+        return int(self.api.inspect_container(cid)["State"]["Pid"])
+
+    def remove_labelled(self, label: str, value: str) -> None:
+        for c in self.labelled(label, value):
+            self.api.remove_container(c["Id"], force=True)
+
+    def stop(self) -> None:
+        self.api.close()
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+def fake_vllm_dist(folder: Path) -> Path:
+    """A folder holding vLLM 0.32.0's dist-info alone: on PYTHONPATH inside the container, importlib.metadata finds
+    that version (the image's installed-versions probe), and nothing can be imported from it."""
+    info = folder / "fakevllm" / "vllm-0.32.0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0\n")
+    (info / "top_level.txt").write_text("vllm\n")
+    folder.joinpath("fakevllm").chmod(0o755)
+    return info.parent

@@ -1,0 +1,186 @@
+"""The engine from a container image on real podman (issue 53): Debian 12's podman 4.3.1 serving its API on a socket
+of the test's own (tests/harness/podman_rig.py), a local image from `podman import`, the fake engine inside it, and
+the daemon under the unit's capability set. Nothing of podman is mocked.
+
+One daemon's life shares the container starts (a few seconds each): a stray an earlier run left is removed at the
+start; the engine serves from its container as serve.user without capabilities; a crash of the engine brings a new
+container after the backoff; a SIGKILL of the daemon leaves the same container serving, and the next daemon adopts it;
+the stop drains it and leaves no labelled container."""
+
+import json
+import os
+import pwd
+import signal
+import threading
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import free_port, gpuwarden_cmd, subprocess_env
+from gpuwarden.serving.compose.container import LABEL_CHILD, LABEL_HOST, LABEL_OWNER, host_id
+from harness.podman_rig import Podman, PodmanUnavailable, fake_vllm_dist
+
+pytestmark = pytest.mark.podman
+ROOT = Path(__file__).resolve().parent.parent
+UNIT_CAPS = ["setpriv", "--bounding-set", "-all,+sys_admin,+setuid,+setgid,+kill", "--no-new-privs"]
+
+
+@pytest.fixture(scope="module")
+def podman(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("podman")
+    try:
+        rig = Podman(folder)
+    except PodmanUnavailable as exc:
+        pytest.fail(str(exc))  # a real part that is missing is a failure
+    try:
+        rig.image()
+        yield rig
+    finally:
+        rig.stop()
+
+
+def health(port):
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as reply:
+            return reply.status
+    except OSError:
+        return None
+
+
+def status_of(pid):
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return {k: v.strip() for k, v in fields.items()}
+
+
+def serving(podman, write, tmp_path, child_user, proxy_port=None, base_env=None):
+    """A config serving the fake engine from the tests' image, its state folder of its own (the containers' owner
+    label): (state, env, owner, port, path)."""
+    state = tmp_path / "state"
+    state.mkdir()
+    state.chmod(0o755)
+    env = dict(base_env or subprocess_env(), STATE_DIRECTORY=str(state))
+    port = free_port()
+    dist = fake_vllm_dist(tmp_path)
+    proxy = f"  proxy: {{enabled: true, listen: '127.0.0.1:{proxy_port}', hold_s: 60}}\n" if proxy_port else ""
+    path = write("gpuwarden.yaml", f"""poll_interval_s: 0.5
+metrics:
+  listen: 127.0.0.1:{free_port()}
+gpu:
+  backend: sim
+  scenario: dgx-spark
+serve:
+  enabled: true
+  profile: generic
+  model: /fake/model
+  command: [python3, /gw-harness/fakechild.py, --mode, drain]
+  port: {port}
+  user: {child_user}
+  env: {{PYTHONPATH: /opt/fakevllm}}
+  drain_s: 5
+  startup_timeout_s: 120
+  stop_timeout_s: 10
+  liveness_interval_s: 1
+  backoff_max_s: 1
+  container:
+    image: {podman.image()}
+    socket: {podman.socket}
+    mounts: [{ROOT / 'tests' / 'harness'}:/gw-harness, {dist}:/opt/fakevllm]
+{proxy}""")
+    return state, env, str(state), port, path
+
+
+def test_a_container_engine_serves_is_back_after_a_crash_is_adopted_after_a_daemon_sigkill_and_leaves_nothing(
+        podman, write, daemons, tmp_path, child_user):
+    state, env, owner, port, path = serving(podman, write, tmp_path, child_user)
+    # A stray an earlier run of this gpuwarden left under another name (an older serve.port): removed at the start.
+    stray = podman.api.create_container(podman.image(), command=["sleep", "600"], name=f"gpuwarden-vllm-{port}-old",
+                                        labels={LABEL_HOST: host_id(), LABEL_CHILD: "vllm", LABEL_OWNER: owner})["Id"]
+    podman.api.start(stray)
+    try:
+        d = daemons(path, env=env, command=[*UNIT_CAPS, *gpuwarden_cmd()])
+        d.wait_for("vLLM healthy after", timeout=180)
+        assert "vLLM 0.32.0" in d.wait_for("in image " + podman.image(), timeout=5)  # read from the image
+        d.wait_for(f"removed container {stray[:12]} (gpuwarden-vllm-{port}-old", timeout=60)
+        (first,) = podman.labelled(LABEL_OWNER, owner)
+        assert first["Names"] == [f"/gpuwarden-vllm-{port}"] and first["State"] == "running"
+        assert health(port) == 200
+        engine = status_of(podman.pid_of(first["Id"]))
+        assert engine["Uid"].split()[0] == str(pwd.getpwnam(child_user).pw_uid)
+        assert engine["CapEff"] == engine["CapPrm"] == "0000000000000000" and engine["NoNewPrivs"] == "1"
+        shim = int(d.wait_for("vLLM starting (pid", timeout=1).split("(pid ")[1].split(",")[0])
+        assert status_of(shim)["CapEff"] == "0000000000000000" and status_of(shim)["Uid"].split()[0] == "0"
+        assert "--shutdown-timeout" in " ".join(json.loads(Path(f"/proc/{shim}/cmdline").read_bytes()
+                                                          .split(b"\0")[-2])["argv"])  # the drain, as for a process
+
+        # The engine inside dies: the container ends, the shim with it, and after the backoff a new container serves.
+        mark = len(d.lines)
+        os.kill(podman.pid_of(first["Id"]), signal.SIGKILL)
+        d.wait_for("vLLM exited", after=mark, timeout=60)
+        d.wait_for("vLLM restarts in", after=mark, timeout=30)
+        d.wait_for("vLLM healthy after", after=mark, timeout=180)
+        (second,) = podman.labelled(LABEL_OWNER, owner)
+        assert second["Id"] != first["Id"] and health(port) == 200
+
+        # The daemon is SIGKILLed: the container serves on, and the next daemon adopts the same one.
+        d.proc.kill()
+        d.proc.wait(10)
+        assert health(port) == 200
+        d2 = daemons(path, env=env, command=[*UNIT_CAPS, *gpuwarden_cmd()])
+        d2.wait_for("adopted after a restart of the daemon", timeout=60)
+        (same,) = podman.labelled(LABEL_OWNER, owner)
+        assert same["Id"] == second["Id"] and same["State"] == "running" and health(port) == 200
+        assert "vLLM starting (pid" not in "\n".join(d2.lines)
+
+        # The stop: the engine drains through the runtime's stop, and no container of this gpuwarden is left.
+        assert d2.stop() == 0
+        assert "vLLM drained in" in "\n".join(d2.lines)
+        assert podman.labelled(LABEL_OWNER, owner) == []
+        assert "Traceback" not in "\n".join(d.lines + d2.lines)
+    finally:
+        podman.remove_labelled(LABEL_OWNER, owner)
+
+
+def test_a_reload_that_changes_the_image_drains_the_old_container_and_fails_no_request_through_the_proxy(
+        podman, write, daemons, tmp_path, child_user, proxy_daemon):
+    """The reload's restart of a process engine, for a container: the proxy is told first and holds new requests,
+    the old container drains those in flight (the runtime's stop, with the drain's timeout), the new image's
+    container serves the held ones; a steady client through the proxy sees no failed request."""
+    from test_planned_restart import Clients
+
+    second = podman.image().replace(":1", ":2")
+    assert podman.cli("tag", podman.image(), second).returncode == 0
+    proxy_port = free_port()
+    command, base_env = proxy_daemon
+    state, env, owner, port, path = serving(podman, write, tmp_path, child_user, proxy_port, base_env)
+    try:
+        d = daemons(path, env=env, command=[*UNIT_CAPS, *command])
+        d.wait_for("vLLM healthy after", timeout=180)
+        d.wait_for("the proxy healthy after", timeout=60)
+        (old,) = podman.labelled(LABEL_OWNER, owner)
+        slow = Clients(proxy_port)
+        slow.stop()  # none: only its one() for the two in flight
+        long = [threading.Thread(target=slow.one, args=(3,), daemon=True) for _ in range(2)]
+        for thread in long:
+            thread.start()
+        steady = Clients(proxy_port)
+        mark = len(d.lines)
+        path.write_text(path.read_text().replace(f"image: {podman.image()}", f"image: {second}"))
+        d.proc.send_signal(signal.SIGHUP)
+        d.wait_for("proxy: the engine stops for a planned restart", after=mark, timeout=60)
+        d.wait_for("vLLM drained in", after=mark, timeout=60)
+        d.wait_for("vLLM healthy after", after=mark, timeout=180)
+        d.wait_for("proxy: engine back after", after=mark, timeout=60)
+        outcomes = steady.stop()
+        for thread in long:
+            thread.join(30)
+        statuses = [status for status, _, _ in outcomes + slow.outcomes]
+        assert statuses and set(statuses) == {200}, [o for o in outcomes + slow.outcomes if o[0] != 200][:5]
+        assert len(slow.outcomes) == 2
+        (new,) = podman.labelled(LABEL_OWNER, owner)
+        assert new["Id"] != old["Id"] and new["Image"].endswith(":2") or second in new["Image"], new
+        assert d.stop() == 0
+        assert podman.labelled(LABEL_OWNER, owner) == []
+    finally:
+        podman.remove_labelled(LABEL_OWNER, owner)
+        podman.cli("untag", second)
