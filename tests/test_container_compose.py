@@ -52,7 +52,7 @@ def test_the_effective_config_writes_the_container_back_as_it_reads_it():
     config = parse("serve:\n  container:\n    image: localhost/e:1\n    mounts: [/m:/m]\n    pull: true\n")
     written = configmod.Config.as_dict(config)["serve"]["container"]
     assert written == {"image": "localhost/e:1", "runtime": "podman", "socket": "/run/podman/podman.sock",
-                       "pull": True, "mounts": ["/m:/m:ro"]}
+                       "pull": True, "mounts": ["/m:/m:ro"], "shm_gib": 16}
     import yaml
     assert parse(yaml.safe_dump({"serve": {"container": written}})).serve.container == config.serve.container
 
@@ -98,6 +98,7 @@ def test_podman_gets_the_libpod_body_with_cdi_gpus_and_every_privilege_dropped(t
     assert body["devices"] == [{"path": "nvidia.com/gpu=0"}, {"path": "nvidia.com/gpu=1"}]
     assert body["stop_timeout"] == 70 and body["stop_signal"] == int(signal.SIGTERM)  # an integer in libpod
     assert body["log_configuration"] == {"driver": "k8s-file"}  # followable: journald's is not, on 4.3.1
+    assert body["shm_size"] == 16 << 30  # the runtimes' 64 MiB breaks NCCL between the GPUs of one container
     assert {"destination": "/hf", "source": "/srv/hf", "type": "bind", "options": ["rbind", "ro"]} in body["mounts"]
     assert {"destination": "/out", "source": "/srv/out", "type": "bind", "options": ["rbind", "rw"]} in body["mounts"]
     assert libpod_body(launch(tmp_path, gpus=()), {})["devices"] == []  # the simulator: no GPU to give
@@ -113,7 +114,7 @@ def test_docker_gets_a_device_request_and_the_same_privileges_dropped(tmp_path):
     assert host["cap_drop"] == ["ALL"] and host["security_opt"] == ["no-new-privileges"]
     assert host["network_mode"] == "host" and host["privileged"] is False and host["group_add"] == ["44", "105"]
     assert "/srv/hf:/hf:ro" in host["binds"] and "/srv/out:/out:rw" in host["binds"]
-    assert host["log_config"]["type"] == "json-file" and host["auto_remove"] is False
+    assert host["log_config"]["type"] == "json-file" and host["auto_remove"] is False and host["shm_size"] == 16 << 30
     assert kwargs["stop_signal"] == "SIGTERM" and kwargs["stop_timeout"] == 70
     assert kwargs["use_config_proxy"] is False and kwargs["environment"] == {"K": "v"}
     assert "device_requests" not in docker_create(launch(tmp_path, gpus=(), runtime="docker"), {})["host_config"]

@@ -11,6 +11,7 @@ import json
 import os
 import pwd
 import signal
+import subprocess
 import threading
 import urllib.request
 from pathlib import Path
@@ -137,6 +138,15 @@ def test_a_container_engine_serves_is_back_after_a_crash_is_adopted_after_a_daem
         assert "vLLM drained in" in "\n".join(d2.lines)
         assert podman.labelled(LABEL_OWNER, owner) == []
         assert "Traceback" not in "\n".join(d.lines + d2.lines)
+
+        # What a stop left (a shim killed at its stop timeout): the unit's ExecStopPost removes it.
+        left = podman.api.create_container(podman.image(), command=["sleep", "600"], name=f"gpuwarden-vllm-{port}",
+                                           labels={LABEL_HOST: host_id(), LABEL_CHILD: "vllm",
+                                                   LABEL_OWNER: owner})["Id"]
+        stop = subprocess.run([*gpuwarden_cmd(), "cleanup", "-c", str(path)], env=dict(env, SERVICE_RESULT="success"),
+                              capture_output=True, text=True, timeout=60)
+        assert stop.returncode == 0 and f"removed container {left[:12]} (gpuwarden-vllm-{port}" in stop.stdout, stop
+        assert podman.labelled(LABEL_OWNER, owner) == []
     finally:
         podman.remove_labelled(LABEL_OWNER, owner)
 

@@ -138,6 +138,9 @@ class ContainerConfig:
     socket: str = ""  # the runtime's API socket; not given: the runtime's usual one (CONTAINER_RUNTIMES)
     mounts: tuple[Mount, ...] = ()
     pull: bool = False  # pull the image when it is missing (else a missing image is a config error at check)
+    # /dev/shm's size inside: NCCL between the GPUs of one container and PyTorch's DataLoader use it, and the
+    # runtimes' 64 MiB breaks tensor parallelism (the seed's `docker run --shm-size=64g`); a limit, not a reservation
+    shm_gib: int = 16
 
     @property
     def api_socket(self) -> str:
@@ -350,7 +353,7 @@ def _serve_dict(s: ServeConfig) -> dict:
     else:
         c = s.container
         out["container"] = {"image": c.image, "runtime": c.runtime, "socket": c.api_socket, "pull": c.pull,
-                            "mounts": [m.text() for m in c.mounts]}
+                            "mounts": [m.text() for m in c.mounts], "shm_gib": c.shm_gib}
     if s.nodes is None:
         del out["nodes"]
     else:
@@ -502,7 +505,8 @@ def _container_section(r: Reader) -> ContainerConfig | None:
     socket_path = socket_path if isinstance(socket_path, str) and socket_path else CONTAINER_RUNTIMES.get(runtime, "")
     return ContainerConfig(image=image if isinstance(image, str) else "", runtime=runtime, socket=socket_path,
                            mounts=tuple(mounts),
-                           pull=r.boolean(base + ("pull",), d.pull))
+                           pull=r.boolean(base + ("pull",), d.pull),
+                           shm_gib=r.number(base + ("shm_gib",), d.shm_gib, 1, 4096, integer=True, unit=" GiB"))
 
 
 def _mount(text: str) -> Mount | str:

@@ -139,6 +139,8 @@ MEANINGS = {
     "serve.container.mounts": "Host folders the engine sees, read-only unless :rw (a Hugging Face cache, compiled "
                               "kernels).",
     "serve.container.pull": "Pull the image at a start where the runtime does not have it.",
+    "serve.container.shm_gib": "The size of /dev/shm inside (a limit, not a reservation): NCCL between the GPUs of "
+                               "one container needs more than the runtimes' 64 MiB.",
     "serve.nodes.rank": "This node's rank (0 is the head, which serves the API). Set it, or leave it out and give "
                         "hosts: each node finds its rank among its own addresses.",
     "serve.nodes.head": "The head's address (its rendezvous port is serve.nodes.port): with rank, instead of hosts.",

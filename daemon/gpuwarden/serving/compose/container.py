@@ -69,6 +69,7 @@ class ContainerLaunch:
     gpus: tuple[str, ...]  # GPU indices, as the host's NVML counts them; () on the simulator
     labels: tuple[tuple[str, str], ...]
     stop_timeout_s: int  # the runtime's stop waits this long after SIGTERM before SIGKILL: the drain
+    shm_bytes: int = 16 << 30  # /dev/shm's size inside
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"), sort_keys=True)
@@ -97,7 +98,8 @@ def launch_of(container: ContainerConfig, child: str, port: int, argv: tuple[str
     labels = ((LABEL_HOST, machine or host_id()), (LABEL_CHILD, child), (LABEL_OWNER, owner or str(state_dir())))
     return ContainerLaunch(container.runtime, container.api_socket, container.image, container.pull,
                            f"gpuwarden-{child}-{port}", tuple(argv), tuple(sorted(inside_env(env))),
-                           f"{uid}:{gid}", tuple(groups), tuple(mounts), tuple(gpus), labels, stop_timeout_s)
+                           f"{uid}:{gid}", tuple(groups), tuple(mounts), tuple(gpus), labels, stop_timeout_s,
+                           container.shm_gib << 30)
 
 
 def inside_env(env: Mapping[str, str]) -> dict[str, str]:
@@ -129,6 +131,7 @@ def libpod_body(launch: ContainerLaunch, env: Mapping[str, str]) -> dict:
         "stop_timeout": launch.stop_timeout_s,
         "stop_signal": int(signal.SIGTERM),  # an integer here (syscall.Signal)
         "log_configuration": {"driver": "k8s-file"},
+        "shm_size": launch.shm_bytes,
         "remove": False,
     }
 
@@ -145,6 +148,7 @@ def docker_create(launch: ContainerLaunch, env: Mapping[str, str]) -> dict:
         "binds": [m.text() for m in launch.mounts],
         "group_add": [str(g) for g in launch.groups],
         "log_config": {"type": "json-file", "config": {}},
+        "shm_size": launch.shm_bytes,
         "auto_remove": False,
     }
     if launch.gpus:
