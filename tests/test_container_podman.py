@@ -20,7 +20,7 @@ import pytest
 
 from conftest import free_port, gpuwarden_cmd, subprocess_env
 from gpuwarden.serving.compose.container import LABEL_CHILD, LABEL_HOST, LABEL_OWNER, host_id
-from harness.podman_rig import Podman, PodmanUnavailable, fake_vllm_dist
+from harness.podman_rig import IMAGE, Podman, PodmanUnavailable, fake_vllm_dist
 
 pytestmark = pytest.mark.podman
 ROOT = Path(__file__).resolve().parent.parent
@@ -194,3 +194,24 @@ def test_a_reload_that_changes_the_image_drains_the_old_container_and_fails_no_r
     finally:
         podman.remove_labelled(LABEL_OWNER, owner)
         podman.cli("untag", second)
+
+
+@pytest.mark.parametrize("edit, said", [
+    (lambda text, podman: text.replace("/opt/fakevllm]", "/opt/fakevllm, /nonexistent/hf:/hf]"),
+     "serve.container.mounts.2: /nonexistent/hf does not exist"),
+    (lambda text, podman: text.replace(f"socket: {podman.socket}", "socket: /run/nothing-here.sock"),
+     "serve.container.image: podman's API socket /run/nothing-here.sock: No such file or directory"),
+    (lambda text, podman: text.replace(f"image: {podman.image()}", "image: localhost/no-such-image:1"),
+     "serve.container.image: podman has no image localhost/no-such-image:1"),
+    (lambda text, podman: text.replace("env: {PYTHONPATH: /opt/fakevllm}", "env: {}"),
+     f"serve.container.image: {IMAGE} has no vllm for its python3"),
+], ids=["mount", "socket", "image", "engine"])
+def test_check_says_what_a_container_engine_lacks_in_one_line_with_exit_78(podman, write, tmp_path, child_user, edit,
+                                                                          said):
+    _, env, owner, _, path = serving(podman, write, tmp_path, child_user)
+    path.write_text(edit(path.read_text(), podman))
+    done = subprocess.run([*UNIT_CAPS, *gpuwarden_cmd(), "check", "-c", str(path)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    errors = [line for line in done.stderr.splitlines() if "serve.container" in line]
+    assert done.returncode == 78 and len(errors) == 1 and said in errors[0], (said, done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr and podman.labelled(LABEL_OWNER, owner) == []  # the probe's removed

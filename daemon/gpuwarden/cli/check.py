@@ -65,6 +65,11 @@ def _serve_check(config: Config, backend, deep: bool, as_json: bool) -> dict:
 
     prepared = prepare_serve(config, backend, deep=deep)
     problems = prepared.blocking(config)
+    if config.serve.container is not None:
+        from ..serving.compose.container import container_problems
+
+        problems += container_problems(config, prepared.command.engine.name, prepared.installed,
+                                       config.gpu.backend == "sim")
     nodes = _nodes_check(config, prepared.command, as_json)
     problems += [config.error(("serve", "nodes", "interface"), message, fix)
                  for severity, check, message, fix in nodes if severity == "error"]

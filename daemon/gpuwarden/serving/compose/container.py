@@ -216,7 +216,8 @@ def image_installed(container: ContainerConfig, uid: int, gid: int, python: str 
         launch = ContainerLaunch(container.runtime, container.api_socket, container.image, False,
                                  f"gpuwarden-{PROBE_CHILD}-{os.getpid()}-{time.monotonic_ns() % 10**9}",
                                  (python or "python3", "-c", installed_mod.PROBE), (), f"{uid}:{gid}", (),
-                                 tuple(Mount(m.host, m.container, True) for m in container.mounts),
+                                 tuple(Mount(m.host, m.container, True) for m in container.mounts
+                                       if os.path.exists(m.host)),  # a missing one is check's line of its own
                                  (), ((LABEL_HOST, machine or host_id()), (LABEL_CHILD, PROBE_CHILD),
                                       (LABEL_OWNER, str(state_dir()))), 0)
         probe_env = {"HOME": CONTAINER_HOME, **{k: v for k, v in (env or {}).items() if k in PROBE_ENV}}
@@ -235,3 +236,53 @@ def image_installed(container: ContainerConfig, uid: int, gid: int, python: str 
         return Installed(key, False, error=str(exc))
     finally:
         runtime.close()
+
+
+CDI_DIRS = ("/etc/cdi", "/var/run/cdi")  # where podman and dockerd read CDI specs
+CDI_KIND = "nvidia.com/gpu"
+CDI_FIX = "nvidia-ctk cdi generate --output=/etc/cdi/nvidia.yaml (NVIDIA Container Toolkit)"
+
+
+def cdi_spec(dirs: tuple[str, ...] = CDI_DIRS) -> str | None:
+    """The first CDI spec for NVIDIA's GPUs (kind nvidia.com/gpu) in dirs, None where there is none."""
+    from ...base import smallfile  # noqa: PLC0415
+
+    for folder in dirs:
+        try:
+            names = sorted(os.listdir(folder))[:256]
+        except OSError:
+            continue
+        for name in names:
+            if not name.endswith((".yaml", ".yml", ".json")):
+                continue
+            try:
+                data = smallfile.read(Path(folder, name), 4 * 1024 * 1024)
+            except (smallfile.Unreadable, OSError):
+                continue
+            if data is not None and CDI_KIND in data.decode("utf-8", "replace"):
+                return str(Path(folder, name))
+    return None
+
+
+def container_problems(config, engine_module: str, found: Installed, simulated: bool) -> list:
+    """What `check` refuses in serve.container (ConfigErrors to raise), each with its fix: a mount's source that
+    does not exist, a runtime that cannot be asked or has no such image, an image without the engine, GPUs with no
+    CDI spec for podman. `run` starts anyway: the shim then fails with the same reason, and FATAL says it."""
+    c = config.serve.container
+    problems = []
+    for i, mount in enumerate(c.mounts):
+        if not os.path.exists(mount.host):
+            problems.append(config.error(("serve", "container", "mounts", str(i)), f"{mount.host} does not exist",
+                                         "create it, or fix the path"))
+    if not found.known:
+        problems.append(config.error(("serve", "container", "image"), found.error or "not read",
+                                     "start the runtime's API socket, pull the image, or fix serve.container"))
+    elif found.version(engine_module) is None:
+        python = config.serve.python or "python3"
+        problems.append(config.error(("serve", "container", "image"), f"{c.image} has no {engine_module} for its "
+                                     f"{python}", "an image with the engine, or serve.python: the interpreter in "
+                                     "the image that has it"))
+    if not simulated and c.runtime == "podman" and cdi_spec() is None:
+        problems.append(config.error(("serve", "container", "runtime"), "no CDI spec for NVIDIA's GPUs in "
+                                     f"{' or '.join(CDI_DIRS)}: podman cannot give the container its GPUs", CDI_FIX))
+    return problems
