@@ -512,3 +512,49 @@ def test_an_upstream_that_dies_mid_stream_cuts_the_clients_stream(rig):
     assert any(line.startswith("WARNING proxy: upstream broke off POST /v1/chat/completions") for line in proxy.lines)
     assert not any("Traceback" in line for line in proxy.lines), proxy.lines
     assert send(proxy.port, "GET", "/health")[0].status == 200
+
+
+@pytest.mark.process
+def test_given_the_engines_key_the_proxy_asks_it_on_every_path_that_vllm_leaves_open(rig, monkeypatch):
+    """vLLM 0.32 asks its key only under /v1, /v2, /inference and /cohere (its middleware's GUARDED_PREFIX): POST
+    /invocations (SageMaker's route: a completion or a chat, by its body), /tokenize, /pooling, /score answered
+    anyone (attacker 11's note). Given the key (the daemon passes the engine's: proxy/child.engine_key), the proxy
+    asks it on every path but /ping, /version and its own /health and /metrics; a request without it, or with
+    another, is 401 and never reaches the engine."""
+    monkeypatch.setenv("GPUWARDEN_PROXY_API_KEY", "k-7d2e")
+    upstream, proxy = rig()
+
+    def seen():
+        return upstream.get_json("/debug/open")["requests"]
+
+    before = seen()
+    body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 2}).encode()
+    for method, path in (("POST", "/invocations"), ("POST", "/tokenize"), ("POST", "/v1/completions"),
+                         ("GET", "/v1/models")):
+        for given in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic k-7d2e"},
+                      {"Authorization": "Bearer k-7d2e "}):
+            reply, data = send(proxy.port, method, path, body if method == "POST" else b"",
+                               {"Content-Type": "application/json", **given})
+            assert reply.status == 401 and b"API key" in data, (method, path, given, reply.status)
+    assert seen() == before, "a refused request reached the engine"
+    reply, _ = send(proxy.port, "POST", "/invocations", body, {"Content-Type": "application/json",
+                                                               "Authorization": "Bearer k-7d2e"})
+    assert reply.status == 200 and seen() == before + 1
+    for path in ("/ping", "/version", "/health", "/metrics"):
+        assert send(proxy.port, "GET", path)[0].status == 200, path
+
+
+def test_the_proxy_is_given_the_vllm_engines_key_and_no_other_engines(tmp_path):
+    from gpuwarden.proxy.child import proxy_spec
+    from gpuwarden.serving.compose.identity import resolve
+
+    secrets = tmp_path / "vllm.env"
+    secrets.write_text("VLLM_API_KEY=k-from-file\n")
+    secrets.chmod(0o600)
+    me = resolve("nobody")
+    for engine, key in (("vllm", "k-from-file"), ("sglang", None)):
+        cfg = parse_text(f"serve:\n  model: /m\n  engine: {engine}\n  env_file: {secrets}\n  proxy: {{enabled: true}}\n",
+                         str(tmp_path / "g.yaml"))
+        assert proxy_spec(cfg, me).env.get("GPUWARDEN_PROXY_API_KEY") == key, engine
+    plain = parse_text("serve:\n  model: /m\n  proxy: {enabled: true}\n", str(tmp_path / "g.yaml"))
+    assert "GPUWARDEN_PROXY_API_KEY" not in proxy_spec(plain, me).env

@@ -15,6 +15,7 @@ import re
 import sys
 from pathlib import Path
 
+from ..base.yamlfile import InvalidConfig
 from ..config import Config
 from ..serving.compose.command import child_env, engine_of
 from ..serving.compose.enginesock import engine_url
@@ -22,6 +23,7 @@ from ..serving.compose.homes import let_group_in
 from ..serving.compose.identity import Identity
 from ..serving.run.kinds import ChildKind
 from ..serving.run.spec import ChildSpec, Timing
+from .keys import ENV as KEY_ENV
 from .normalize import SWITCHES
 
 log = logging.getLogger(__name__)
@@ -64,11 +66,28 @@ def proxy_spec(config: Config, identity: Identity) -> ChildSpec | None:
         prepare_dump_dir(p.dump_dir, identity)
     env = child_env(os.environ, sys.executable)
     env["PYTHONPATH"] = PACKAGE_PARENT
+    key = engine_key(config)
+    if key:  # the proxy asks it on every path: vLLM asks it under /v1 alone (proxy/keys.py)
+        env[KEY_ENV] = key
     timing = Timing.of(config.serve, startup_timeout_s=min(60.0, config.serve.startup_timeout_s))
     # The engine's user, which the proxy runs as too: only its socket is sent a byte (upstream.py).
     argv = (*proxy_argv(config), "--engine-user", str(identity.uid))
     return ChildSpec(PROXY, "the proxy", argv, env, identity, p.listen[0], p.listen[1], "/health",
                      timing, log_level, fronts_engine=True, listener=PROXY)
+
+
+def engine_key(config: Config) -> str | None:
+    """The vLLM engine's API key, as the engine gets it (serve.env, the credential, serve.env_file); None: none, or
+    another engine (vLLM's own check is the one known to skip paths)."""
+    if config.serve.engine != "vllm":
+        return None
+    from ..serving.compose.prepare import child_secrets  # noqa: PLC0415 (the secret files, read where they are)
+
+    try:
+        secrets = child_secrets(config)
+    except InvalidConfig:
+        secrets = {}  # the engine's start says so, in its own line
+    return secrets.get("VLLM_API_KEY") or dict(config.serve.env).get("VLLM_API_KEY") or None
 
 
 # Its entry in the registry of child kinds (serving/run/kinds.py): a side child that serve.proxy alone configures,

@@ -14,6 +14,7 @@ from pathlib import Path
 from ..config import ProxyConfig, parse_address
 from ..serving.compose.engines import engine_for
 from ..serving.compose.enginesock import engine_url
+from .keys import ENV as KEY_ENV
 from ..base.keptlistener import CHILD_ENV
 from ..base.sockowner import named
 from ..base.systemd import LineFormatter
@@ -81,8 +82,9 @@ def cmd_proxy(args: argparse.Namespace, load_config) -> int:
     logging.basicConfig(level=logging.INFO, handlers=[handler])
     faults = proxy_faults()
     dumper = Dumper(dump_dir, keep, args.dump_max_bytes, faults.note) if dump_dir else None
+    key = os.environ.pop(KEY_ENV, "") or None  # the engine's API key, where the daemon passed it (proxy/keys.py)
     return serve(upstream, listen, rules, engine, dumper, max_body, args.client_timeout, faults, (hold_s, hold_max),
-                 owner, (refuse_after, window_s, failures), listen_fd)
+                 owner, (refuse_after, window_s, failures), listen_fd, key)
 
 
 def _listen_fd(given: int | None) -> int | None:
@@ -99,7 +101,7 @@ def _listen_fd(given: int | None) -> int | None:
 
 
 def serve(upstream, listen, rules, engine, dumper, max_body, client_timeout_s, faults, hold, owner, ends,
-          listen_fd=None) -> int:
+          listen_fd=None, api_key=None) -> int:
     from ..serving.run.spec import DOWN_SIGNAL, STOPPING_SIGNAL, UP_SIGNAL
     from .listener import Connections, connection_cap, run
     from .server import Proxy, ProxyMetrics
@@ -111,16 +113,17 @@ def serve(upstream, listen, rules, engine, dumper, max_body, client_timeout_s, f
                         lambda reason: metrics.failures.labels(reason).inc())
     proxy = Proxy(upstream, rules, metrics, dumper, max_body, metrics_path=engine.metrics_path, faults=faults,
                   conns=conns, hold_s=hold[0], hold_max=hold[1], health_path=engine.health_path, engine_uid=owner,
-                  ends=ends)
+                  ends=ends, api_key=api_key)
     enabled = [name for name in RULES if getattr(rules, name)]
     held = (f"; requests held up to {proxy.hold.hold_s:g} s, {proxy.hold.hold_max} at most, while the engine is "
             "down" if proxy.hold.on else "; no hold while the engine is down")
     whose = "any socket" if owner is None else f"only a socket of {named(owner)}"
     refused = (f"; a client in flight at {ends[0]} of the engine's ends within {ends[1]:g} s refused" if ends[0]
                else "; no client refused for the engine's ends")
-    log.info("proxy on http://%s:%d for %s (%s); rules: %s%s; at most %d connections%s%s", *listen, upstream, whose,
+    keyed = "; the engine's API key asked on every path" if api_key else ""
+    log.info("proxy on http://%s:%d for %s (%s); rules: %s%s; at most %d connections%s%s%s", *listen, upstream, whose,
              ", ".join(enabled) or "none", f"; dumps in {dumper.directory}" if dumper else "", conns.cap, held,
-             refused)
+             refused, keyed)
     try:
         # A stop cuts streams still open after 2 s; the daemon's word of the engine's planned stop, of its return
         # and of an end it does not restart from (serving/run/spec.py) reach the hold.

@@ -43,6 +43,7 @@ from .dump import Dumper
 from .ends import Ends
 from .faults import proxy_faults
 from .hold import Hold
+from .keys import ApiKey
 from .listener import Connections
 from .normalize import Rules
 from .prepare import Prepare
@@ -197,11 +198,12 @@ class Proxy:
                  max_body_bytes: int = 32 << 20, read_timeout_s: float = 600.0, metrics_path: str = "/metrics",
                  faults: FaultLog | None = None, conns: Connections | None = None, hold_s: float = 0.0,
                  hold_max: int = 256, health_path: str = "/health", engine_uid: int | None = SELF,
-                 ends: tuple[int, float] | tuple[int, float, int] = (REFUSE_AFTER_ENDS, WINDOW_S)):
+                 ends: tuple[int, float] | tuple[int, float, int] = (REFUSE_AFTER_ENDS, WINDOW_S),
+                 api_key: str | None = None):
         """engine_uid: the engine's user, the only one whose socket is sent a byte (SELF: the proxy's own; None:
         anyone's, an engine on another host); ends: a client in flight at this many of the engine's ends (0: never)
         within this many seconds is refused, and optionally the daemon's crash_loop_failures, for the brake
-        (casualties.py)."""
+        (casualties.py); api_key: the engine's key, which every request but KEYLESS_PATHS must carry (keys.py)."""
         # An engine on a Unix socket (an http+unix URL: base/unixsock.py) is asked by plain http:// paths over it.
         self.socket, self.shown = unixsock.path_of(upstream), unixsock.shown(upstream.rstrip("/"))
         self.upstream = "http://localhost" if self.socket else upstream.rstrip("/")
@@ -212,6 +214,7 @@ class Proxy:
         self.budget = Budget(BUDGET_BODIES * max_body_bytes, (BUDGET_BODIES - RESERVE_BODIES) * max_body_bytes)
         self.prepare = Prepare(rules, metrics.normalized, dumper, self.faults, max_body_bytes)
         self.health_path = health_path
+        self.key = ApiKey(api_key) if api_key else None
         # Held requests keep their client connections: at most half the cap, so that /health, /metrics and new
         # requests still get in (and are answered 503 at once past hold_max).
         hold_max = min(hold_max, max(1, conns.cap // 2)) if conns is not None else hold_max
@@ -284,6 +287,9 @@ class Proxy:
         began = time.monotonic()
         api = NORMALIZED.get(request.path) if request.method == "POST" else None
         label = api or "other"
+        if self.key is not None and not self.key.lets_in(request.method, request.path, request.headers):
+            return self._refuse(request, label, 401, "unauthorized", "the engine's API key is needed (Authorization: "
+                                "Bearer KEY)")
         held = self.budget.hold(client_of(request))
         try:
             try:
