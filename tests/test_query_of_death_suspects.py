@@ -241,6 +241,43 @@ def test_the_hold_takes_no_answer_in_time_as_down_for_a_request_and_as_no_end_fo
     asyncio.run(scenario())
 
 
+def test_a_planned_stops_hold_ends_only_once_the_engine_was_seen_down_never_on_a_look_with_no_answer(monkeypatch):
+    """Told of a planned stop (SIGUSR1), the proxy holds until the engine has been seen down and answers again. A look
+    with no answer in time (None: a busy box) is no verdict: before, it counted as down, and the draining engine's
+    next 200 ended the hold, sending the held requests to the engine that was stopping (fresh19's flake of
+    test_proxy_hold::test_the_proxy_answers_a_stops_word_once_on_its_word_pipe: no RELEASED, the plan already over)."""
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from gpuwarden.proxy import hold as hold_module
+    from gpuwarden.proxy.hold import Hold
+
+    monkeypatch.setattr(hold_module, "HEALTH_EVERY_S", 0)
+
+    async def scenario():
+        looks = [True, None, True, None, True, False, True]
+        seen = []
+
+        async def engine_answers():
+            if looks:
+                seen.append(looks[0])
+                return looks.pop(0)
+            await asyncio.sleep(3600)  # a look past the last: the hold did not end at it
+
+        clock = Clock()
+        hold = Hold(300, 10, engine_answers, Histogram("held", "held", registry=CollectorRegistry()), clock=clock)
+        hold.engine_stopping()
+        assert hold.planned and hold.down_since is not None
+        for _ in range(200):
+            await asyncio.sleep(0)
+            if hold.down_since is None:
+                break
+        assert hold.down_since is None and not hold.planned, "ended once the engine was seen down and back"
+        assert seen == [True, None, True, None, True, False, True], seen  # not before the refusal, whatever the Nones
+        hold.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_look_at_health_answers_true_false_or_none_for_no_answer_in_time(monkeypatch):
     """server.answers on real sockets of this process: a listener that never answers is None within LOOK_S, a port
     nobody listens on is False, a 200 is True."""

@@ -223,7 +223,10 @@ class Hold:
                     continue  # the old engine still drains
                 self._lapse()
                 return
-            self._seen_down = self._seen_down or not answers
+            # Only a refusal, a close or a status not 200 is the engine seen down: a look with no answer in time is no
+            # verdict (a busy box timed one out while the old engine drained, and the next 200, the draining engine's,
+            # then ended the planned stop's hold: its held requests went to the engine that was stopping).
+            self._seen_down = self._seen_down or answers is False
             if answers:
                 self.planned_since = None
                 self._end(UP)
