@@ -358,6 +358,23 @@ NOHOME_USER = "gw-nohome-test"
 
 
 @pytest.fixture(scope="session")
+def podman(tmp_path_factory):
+    """Debian's podman serving its API on a socket of the tests' own, with the tests' image imported
+    (tests/harness/podman_rig.py); stopped at the session's end. A real part: missing, it fails the test."""
+    from harness.podman_rig import Podman, PodmanUnavailable
+
+    try:
+        rig = Podman(tmp_path_factory.mktemp("podman"))
+    except PodmanUnavailable as exc:
+        pytest.fail(str(exc))
+    try:
+        rig.image()
+        yield rig
+    finally:
+        rig.stop()
+
+
+@pytest.fixture(scope="session")
 def served(vllm_python, tiny_model, child_user):
     """One daemon serving the tiny model with the real CPU vLLM, healthy, for the tests that only use or watch an
     engine (a vLLM start costs 60-90 s on two cores): bench against vLLM's counters, and a system user without a

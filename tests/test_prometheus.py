@@ -133,15 +133,18 @@ def alerts(base):
 
 
 @pytest.mark.vllm
+@pytest.mark.podman
 def test_real_prometheus_fires_the_clock_alert_and_every_query_has_data(write, daemons, vllm_python, tiny_model,
-                                                                       child_user, tmp_path):
+                                                                       child_user, tmp_path, podman):
     prometheus = tool("prometheus")
     scenario = write("scenario.yaml", resolve_scenario("rtx-pro-4000-headless").read_text()
                      .replace("memory_used_pct: 85", "memory_used_pct: 10"))  # room for vLLM's preflight
     write("profiles.d/cpu-tiny.yaml", CPU_TINY_PROFILE.read_text())
     # Host A watches read-only (its clocks stay at 180 MHz: the alert); host B tunes, locks memory too,
     # and serves; host C has NVLink and NVSwitch (four H100s): so every series the rules and the dashboard
-    # read exists.
+    # read exists. Host B's vLLM runs from a container image (serve.container, on the tests' podman: issue 53),
+    # its venv mounted read-only, and answers a completion through the proxy: the real engine in a container, in
+    # CI, without an engine start of its own (this test waits a minute for the alert anyway).
     port_a, port_b, prom_port, engine_port, proxy_port = free_port(), free_port(), free_port(), free_port(), free_port()
     port_c = free_port()
     common = f"poll_interval_s: 0.5\nalerts:\n  for_s: 1\ngpu:\n  backend: sim\n  scenario: {scenario}\n"
@@ -161,6 +164,10 @@ serve:
   user: {child_user}
   startup_timeout_s: {VLLM_START_S}
   stop_timeout_s: 20
+  container:
+    image: {podman.image()}
+    socket: {podman.socket}
+    mounts: ["{vllm_python.parent.parent}:{vllm_python.parent.parent}"]
 """)
     config_c = write("c.yaml", f"poll_interval_s: 0.5\ngpu:\n  backend: sim\n  scenario: h100-nvswitch\n"
                               f"tuning:\n  apply: false\nmetrics:\n  listen: 127.0.0.1:{port_c}\n")

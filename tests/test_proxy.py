@@ -532,7 +532,7 @@ def test_given_the_engines_key_the_proxy_asks_it_on_every_path_that_vllm_leaves_
     for method, path in (("POST", "/invocations"), ("POST", "/tokenize"), ("POST", "/v1/completions"),
                          ("GET", "/v1/models")):
         for given in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic k-7d2e"},
-                      {"Authorization": "Bearer k-7d2e "}):
+                      {"Authorization": "Bearer k-7d2e-and-more"}, {"Authorization": "k-7d2e"}):
             reply, data = send(proxy.port, method, path, body if method == "POST" else b"",
                                {"Content-Type": "application/json", **given})
             assert reply.status == 401 and b"API key" in data, (method, path, given, reply.status)

@@ -2,7 +2,8 @@
 (crun fails on this machine on setrlimit and the hybrid cgroup mount) and a containers.conf of the tests' own with
 `default_ulimits = []`; its API (Docker's and libpod's) served by `podman system service` on a socket of the tests'
 own, as `podman.socket` serves /run/podman/podman.sock on a host; a local image imported from the Debian 12 rootfs
-the nspawn tests build (tests/systemd/make-rootfs), no registry. The fake engine (tests/harness/fakechild.py, which
+the nspawn tests build (tests/systemd/make-rootfs), no registry, with the host's libnuma (vLLM's CPU build needs it;
+the nspawn test installs Debian's libnuma1 into its copy of the rootfs). The fake engine (tests/harness/fakechild.py, which
 needs only the standard library) is mounted into each container, and a vLLM 0.32.0 dist-info beside it, so that the
 image's installed-versions probe hears the version the drain flag needs."""
 
@@ -11,11 +12,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-IMAGE = "localhost/gpuwarden-test-bookworm:1"
+IMAGE = "localhost/gpuwarden-test-bookworm:2"  # :2 has libnuma
 ROOTFS = Path("/var/cache/gpuwarden-test/bookworm-rootfs")
 CONTAINERS_CONF = '[containers]\ndefault_ulimits = []\n\n[engine]\nruntime = "runc"\n'
 INSTALL = "apt install podman runc python3-docker (tests/run installs them)"
@@ -58,9 +60,14 @@ class Podman:
             return IMAGE
         if not (ROOTFS / "usr" / "bin" / "python3").exists():
             subprocess.run(["bash", str(ROOT / "tests" / "systemd" / "make-rootfs")], check=True, timeout=1800)
-        tar = subprocess.Popen(["tar", "-C", str(ROOTFS), "-c", "."], stdout=subprocess.PIPE)
-        done = self.cli("import", "-", IMAGE, stdin=tar.stdout)
-        tar.wait(600)
+        numa = sorted(p.relative_to("/") for p in Path("/usr/lib/x86_64-linux-gnu").glob("libnuma.so.1*"))
+        if not numa:
+            raise PodmanUnavailable("the host has no libnuma.so.1 for the image (apt install libnuma1)")
+        with tempfile.TemporaryDirectory() as scratch:
+            tar = Path(scratch) / "rootfs.tar"
+            subprocess.run(["tar", "-C", str(ROOTFS), "-cf", str(tar), "."], check=True, timeout=600)
+            subprocess.run(["tar", "-C", "/", "-rf", str(tar), *map(str, numa)], check=True, timeout=60)
+            done = self.cli("import", str(tar), IMAGE)
         if done.returncode != 0:
             raise PodmanUnavailable(f"podman import failed: {done.stderr[-2000:]}")
         return IMAGE
