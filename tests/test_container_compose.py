@@ -97,10 +97,12 @@ def test_podman_gets_the_libpod_body_with_cdi_gpus_and_every_privilege_dropped(t
     assert body["netns"] == {"nsmode": "host"} and body["env"] == {"VLLM_API_KEY": "k"}
     assert body["devices"] == [{"path": "nvidia.com/gpu=0"}, {"path": "nvidia.com/gpu=1"}]
     assert body["stop_timeout"] == 70 and body["stop_signal"] == int(signal.SIGTERM)  # an integer in libpod
-    assert body["log_configuration"] == {"driver": "k8s-file"}  # followable: journald's is not, on 4.3.1
+    # followable (journald's is not, on 4.3.1), and its file capped: an engine that floods filled root's disk through it
+    assert body["log_configuration"] == {"driver": "k8s-file", "size": 64 << 20}
     assert body["shm_size"] == 16 << 30  # the runtimes' 64 MiB breaks NCCL between the GPUs of one container
-    assert {"destination": "/hf", "source": "/srv/hf", "type": "bind", "options": ["rbind", "ro"]} in body["mounts"]
-    assert {"destination": "/out", "source": "/srv/out", "type": "bind", "options": ["rbind", "rw"]} in body["mounts"]
+    # bind, not rbind: a file system mounted below a read-only mount's source was writable through it (attacker 12)
+    assert {"destination": "/hf", "source": "/srv/hf", "type": "bind", "options": ["bind", "ro"]} in body["mounts"]
+    assert {"destination": "/out", "source": "/srv/out", "type": "bind", "options": ["bind", "rw"]} in body["mounts"]
     assert libpod_body(launch(tmp_path, gpus=()), {})["devices"] == []  # the simulator: no GPU to give
 
 
@@ -114,7 +116,8 @@ def test_docker_gets_a_device_request_and_the_same_privileges_dropped(tmp_path):
     assert host["cap_drop"] == ["ALL"] and host["security_opt"] == ["no-new-privileges"]
     assert host["network_mode"] == "host" and host["privileged"] is False and host["group_add"] == ["44", "105"]
     assert "/srv/hf:/hf:ro" in host["binds"] and "/srv/out:/out:rw" in host["binds"]
-    assert host["log_config"]["type"] == "json-file" and host["auto_remove"] is False and host["shm_size"] == 16 << 30
+    assert host["log_config"] == {"type": "json-file", "config": {"max-size": str(64 << 20), "max-file": "1"}}
+    assert host["auto_remove"] is False and host["shm_size"] == 16 << 30
     assert kwargs["stop_signal"] == "SIGTERM" and kwargs["stop_timeout"] == 70
     assert kwargs["use_config_proxy"] is False and kwargs["environment"] == {"K": "v"}
     assert "device_requests" not in docker_create(launch(tmp_path, gpus=(), runtime="docker"), {})["host_config"]

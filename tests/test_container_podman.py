@@ -13,6 +13,7 @@ import pwd
 import signal
 import subprocess
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -118,7 +119,25 @@ def test_a_container_engine_serves_is_back_after_a_crash_is_adopted_after_a_daem
         (same,) = podman.labelled(LABEL_OWNER, owner)
         assert same["Id"] == second["Id"] and same["State"] == "running" and health(port) == 200, \
             (same["State"], "\n".join(d2.lines[-30:]))
-        assert "vLLM starting (pid" not in "\n".join(d2.lines)
+        time.sleep(3)  # a few polls: the adopted engine stays (attacker 12's F1: it was replaced at once)
+        assert "vLLM starting (pid" not in "\n".join(d2.lines) and "replacing it" not in "\n".join(d2.lines)
+        (same,) = podman.labelled(LABEL_OWNER, owner)
+        assert same["Id"] == second["Id"] and same["State"] == "running"
+
+        # A reload to an image the runtime does not have, or a mount that does not exist, is refused before anything
+        # stops (attacker 12's F5: a typo stopped the healthy container and ended FATAL).
+        original = path.read_text()
+        for edit, said in ((original.replace(f"image: {podman.image()}", "image: localhost/no-such-image:1"),
+                            "podman has no image localhost/no-such-image:1"),
+                           (original.replace("/opt/fakevllm]", "/opt/fakevllm, /nonexistent/hf:/hf]"),
+                            "/nonexistent/hf does not exist")):
+            path.write_text(edit)
+            mark = len(d2.lines)
+            d2.proc.send_signal(signal.SIGHUP)
+            assert said in d2.wait_for("reload failed, still running the previous config", after=mark, timeout=120)
+            (same,) = podman.labelled(LABEL_OWNER, owner)
+            assert same["Id"] == second["Id"] and same["State"] == "running" and health(port) == 200
+        path.write_text(original)
 
         # The stop: the engine drains through the runtime's stop, and no container of this gpuwarden is left.
         assert d2.stop() == 0

@@ -486,6 +486,18 @@ def test_a_reload_or_handover_to_an_address_it_cannot_have_is_refused_and_what_r
         assert listening_inodes(port) == [inode] and holders(inode) == {d.proc.pid, proxy}
         status, _, data, error = Call(port, "fine, thanks").result()
         assert status == 200, (status, data, error)
+    # A reload that binds a new proxy address and is then refused for the engine's port lets that address go (attacker
+    # 12's F9: it stayed bound, nobody serving on it).
+    staged = free_port()
+    path.write_text(re.sub(r"\n  port: \d+\n", f"\n  port: {taken}\n", original)
+                    .replace("  enabled: true\n", "  enabled: true\n  engine_listen: tcp\n", 1)
+                    .replace(f"'127.0.0.1:{port}'", f"'127.0.0.1:{staged}'"))
+    mark = len(d.lines)
+    d.proc.send_signal(signal.SIGHUP)
+    assert f"port {taken} on 127.0.0.1 is in use by" in d.wait_for("reload failed, still running", after=mark, timeout=30)
+    probe = socket.socket()
+    with probe:
+        probe.bind(("127.0.0.1", staged))  # free again
     held.close()
     moved = free_port()
     path.write_text(original.replace(f"'127.0.0.1:{port}'", f"'127.0.0.1:{moved}'"))

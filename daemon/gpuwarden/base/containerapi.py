@@ -138,12 +138,22 @@ class Runtime:
         except self._errors as exc:
             raise self._fault(f"removing {cid[:12]}", exc) from None
 
-    def output(self, cid: str) -> bytes:
-        """What it has written so far (a probe's answer, once it ended)."""
+    def output(self, cid: str, max_bytes: int) -> bytes:
+        """What it has written so far (a probe's answer, once it ended), max_bytes at most: read as a stream and
+        closed there (docker-py's plain read takes the whole log into memory first)."""
+        got = bytearray()
         try:
-            return self.api.logs(cid, stdout=True, stderr=True, stream=False)
+            stream = self.api.logs(cid, stdout=True, stderr=True, stream=True, follow=False)
+            try:
+                for chunk in stream:
+                    got += chunk[:max_bytes - len(got)]
+                    if len(got) >= max_bytes:
+                        break
+            finally:
+                stream.close()
         except self._errors as exc:
             raise self._fault(f"reading the output of {cid[:12]}", exc) from None
+        return bytes(got)
 
     def labelled(self, label: str, value: str) -> list[Found]:
         """Every container whose label is value, running or not."""

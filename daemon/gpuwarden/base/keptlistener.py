@@ -121,6 +121,13 @@ class KeptListener:
             self.staged = None
         self.staged = _listening(host, port)
 
+    def unstage(self) -> None:
+        """A reload that staged an address and was refused (or replaced by another): the address goes, or it would
+        stay bound with nobody serving on it (attacker 12's F9)."""
+        if self.staged is not None:
+            self.staged.close()
+            self.staged = None
+
     def address(self) -> tuple[str, int] | None:
         return self.sock.getsockname()[:2] if self.sock is not None else None
 

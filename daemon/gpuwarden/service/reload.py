@@ -16,6 +16,8 @@ from ..base.yamlfile import InvalidConfig
 from ..config import Config
 from ..serving.run.deepcheck import due
 from ..serving.run.runtime import Launch, ServingRuntime
+from ..base.keptlistener import LISTENERS
+from ..proxy.child import PROXY
 from .proxy_port import refuse_unlistenable
 from ..tune.tuning import Plan, TuningLife
 
@@ -127,6 +129,7 @@ class Waiting:
                 log.info("reload: %s's parser checks the new flags before anything stops (%s serves meanwhile)",
                          title, title)
         except Exception as exc:  # InvalidConfig; RecursionError, MemoryError, a bug: still keep what runs
+            LISTENERS[PROXY].unstage()  # a new proxy address it bound goes with it
             log.error("reload failed, still running the previous config: %s", refusal(exc))
         self._settled()
         return False

@@ -35,7 +35,10 @@ LABEL_CHILD = "io.gpuwarden.child"  # the child's name (vllm, sglang)
 # the state directory of the gpuwarden that made it: two daemons of one host (each its own port and state) never
 # remove each other's
 LABEL_OWNER = "io.gpuwarden.state"
-CONTAINER_HOME = "/tmp"  # HOME inside, where the command sets none: serve.user's home is a host path
+CONTAINER_HOME = "/tmp"
+# The runtime's log file of a container (the shim follows it): an engine printing without pause filled root's disk
+# at 145 MiB/s through it (attacker 12's F2); past this the runtime starts the file anew.
+LOG_MAX_BYTES = 64 << 20  # HOME inside, where the command sets none: serve.user's home is a host path
 # The engine's environment in the shim's: each name behind this prefix, so that the engine's own PATH or PYTHONPATH
 # (inside the image) never becomes the shim's (on this host), nor the shim's the engine's.
 ENV_PREFIX = "GPUWARDEN_ENGINE_ENV_"
@@ -126,11 +129,11 @@ def libpod_body(launch: ContainerLaunch, env: Mapping[str, str]) -> dict:
         "no_new_privileges": True,
         "privileged": False,
         "mounts": [{"destination": m.container, "source": m.host, "type": "bind",
-                    "options": ["rbind", "ro" if m.read_only else "rw"]} for m in launch.mounts],
+                    "options": ["bind", "ro" if m.read_only else "rw"]} for m in launch.mounts],
         "devices": [{"path": f"nvidia.com/gpu={g}"} for g in launch.gpus],
         "stop_timeout": launch.stop_timeout_s,
         "stop_signal": int(signal.SIGTERM),  # an integer here (syscall.Signal)
-        "log_configuration": {"driver": "k8s-file"},
+        "log_configuration": {"driver": "k8s-file", "size": LOG_MAX_BYTES},
         "shm_size": launch.shm_bytes,
         "remove": False,
     }
@@ -147,7 +150,7 @@ def docker_create(launch: ContainerLaunch, env: Mapping[str, str]) -> dict:
         "privileged": False,
         "binds": [m.text() for m in launch.mounts],
         "group_add": [str(g) for g in launch.groups],
-        "log_config": {"type": "json-file", "config": {}},
+        "log_config": {"type": "json-file", "config": {"max-size": str(LOG_MAX_BYTES), "max-file": "1"}},
         "shm_size": launch.shm_bytes,
         "auto_remove": False,
     }
@@ -196,12 +199,45 @@ def image_installed(container: ContainerConfig, uid: int, gid: int, python: str 
     mounts, read-only: an engine's venv may be one): as uid:gid, no network, no capability, no GPU, removed after;
     cached under the image's name with its ID. ask False (the daemon's loop): the cache only, never the
     runtime (a reload reads it again off the loop first: ServingRuntime.reread_installed)."""
-    from ...base.containerapi import Runtime, RuntimeFault  # noqa: PLC0415 (docker-py: only for a container)
-
     key = f"image {container.image}"
     cached = installed_mod.remembered(state, key)
-    if not ask:
-        return cached or Installed(key, False, error=f"{key} is read at the next reload or restart")
+    if not ask:  # the cache, or what the last read met (a reload refuses that: ServingRuntime.refuse_container)
+        return cached or _faults.get(key) or Installed(key, False, error=f"{key} {NOT_READ}")
+    found = _read_image(container, uid, gid, python, state, env, machine, key, cached)
+    if found.known:
+        _faults.pop(key, None)
+    else:
+        _faults[key] = found
+    return found
+
+
+NOT_READ = "is read at the next reload or restart"
+_faults: dict[str, Installed] = {}  # per image name, the last read that failed (this process's)
+PROBE_DEADLINE_S = PROBE_S + 60  # the probe, and every call around it: a runtime that trickles its answers
+
+
+def _read_image(container: ContainerConfig, uid: int, gid: int, python: str | None, state: Path | None,
+                env: Mapping[str, str] | None, machine: str | None, key: str, cached: Installed | None) -> Installed:
+    """image_installed's read, with one deadline for all of it (a runtime answering a byte every 10 s held a start
+    past 90 s, each call's timeout being per read: attacker 12's F8): past it, no answer, and the read is left to
+    end on its thread (the runtime's own timeouts end it)."""
+    import threading  # noqa: PLC0415
+
+    done: list[Installed] = []
+    worker = threading.Thread(target=lambda: done.append(_ask_image(container, uid, gid, python, state, env, machine,
+                                                                    key, cached)),
+                              name="image-versions", daemon=True)
+    worker.start()
+    worker.join(PROBE_DEADLINE_S)
+    if not done:
+        return Installed(key, False, error=f"{container.runtime} did not answer within {PROBE_DEADLINE_S:g} s")
+    return done[0]
+
+
+def _ask_image(container: ContainerConfig, uid: int, gid: int, python: str | None, state: Path | None,
+               env: Mapping[str, str] | None, machine: str | None, key: str, cached: Installed | None) -> Installed:
+    from ...base.containerapi import Runtime, RuntimeFault  # noqa: PLC0415 (docker-py: only for a container)
+
     try:
         runtime = Runtime(container.runtime, container.api_socket)
     except RuntimeFault as exc:
@@ -228,7 +264,7 @@ def image_installed(container: ContainerConfig, uid: int, gid: int, python: str 
                 status = runtime.wait(cid, PROBE_S)
             except RuntimeFault:
                 return Installed(key, False, error=f"{key} did not answer within {PROBE_S:g} s")
-            out = runtime.output(cid)[:PROBE_OUTPUT_MAX].decode("utf-8", "replace")
+            out = runtime.output(cid, PROBE_OUTPUT_MAX).decode("utf-8", "replace")
         finally:
             runtime.remove(cid)
         return installed_mod.answer(key, out, out, status, state, stamp=(image_id,))
@@ -274,7 +310,9 @@ def container_problems(config, engine_module: str, found: Installed, simulated: 
         if not os.path.exists(mount.host):
             problems.append(config.error(("serve", "container", "mounts", str(i)), f"{mount.host} does not exist",
                                          "create it, or fix the path"))
-    if not found.known:
+    if not found.known and NOT_READ in (found.error or ""):
+        pass  # on the daemon's loop, a read still to come: nothing known against it
+    elif not found.known:
         problems.append(config.error(("serve", "container", "image"), found.error or "not read",
                                      "start the runtime's API socket, pull the image, or fix serve.container"))
     elif found.version(engine_module) is None:

@@ -23,6 +23,7 @@ from ...config import Config
 from ...gpu.base import GpuBackend
 from ...base.yamlfile import ConfigErrors
 from ..compose.command import ServeCommand
+from ..compose.container import container_problems
 from ..lint.findings import INFO
 from ..probe.metrics import MetricsReader, ServingStats
 from ..compose.prepare import installed_for, prepare_serve
@@ -323,6 +324,7 @@ class ServingRuntime:
             return None
         launch = self.prepare(config, deep=False, on_loop=True) if new.enabled else None
         self.refuse_taken_port(config, launch)
+        refuse_container(config, launch)
         return Restart(self, launch, upgraded)
 
     def refuse_taken_port(self, config: Config, launch: Launch | None) -> None:
@@ -441,3 +443,16 @@ def _unchanged_sides(children: Supervisor | None, launch: Launch | None, sides: 
     # Only one that runs or is on its way (a STOPPING one would end, a FATAL one never come back, in the launch)
     return {name: program for name, program in children.programs.items()
             if name in names and wanted.get(name) == program.spec and program.state in (STARTING, RUNNING, BACKOFF)}
+
+
+def refuse_container(config: Config, launch: Launch | None) -> None:
+    """A reload to a container engine that `check` refuses (an image the runtime does not have, a mount's source
+    that does not exist, an image without the engine) is refused (ConfigErrors) before the running engine stops:
+    before, a typo in the image's name stopped a healthy container and ended FATAL (attacker 12's F5). On the loop:
+    what the reload's read of the image met before it (installed_for, from its memory), the mounts looked at."""
+    if launch is None or config.serve.container is None:
+        return
+    found = installed_for(config, launch.command, ask=False)
+    problems = container_problems(config, launch.command.engine.name, found, config.gpu.backend == "sim")
+    if problems:
+        raise ConfigErrors(problems)

@@ -30,7 +30,7 @@ def take_over(program: Program, entry: handover.Recorded, fd: int | None, word_f
     else:
         close_word(word_fd)
     program.adopt(child, now, handover.started_wall(entry.start_ticks), how, entry.starting)
-    if (entry.argv_sha256, entry.uid) != (handover.argv_digest(program.spec.argv), program.identity.uid) \
+    if (entry.argv_sha256, entry.uid) != (handover.argv_digest(program.spec.argv), program.spec.runs_as.uid) \
             or entry.env_sha256 not in (None, handover.env_digest(program.spec.env)):
         log.info("%s's command, environment or user changed since it was started: replacing it, as a reload would",
                  program.title)
