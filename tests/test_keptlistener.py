@@ -112,3 +112,30 @@ def test_a_staged_address_listens_before_anything_stops_and_the_next_bind_takes_
     probe = socket.socket()
     with probe:
         probe.bind(("127.0.0.1", old_port))  # let go at the stop
+
+
+def test_a_reload_to_another_address_of_the_kept_port_is_no_refusal(monkeypatch):
+    """Attacker 13's fourth: the proxy moved from 127.0.0.1:P to 0.0.0.0:P was refused by every reload, the daemon's
+    own socket named as the holder. Where the kept socket alone holds the port, the move goes on (the next proxy's
+    bind closes it first)."""
+    from gpuwarden.base import keptlistener
+    from gpuwarden.config import parse_text
+    from gpuwarden.service.proxy_port import refuse_unlistenable
+
+    kept = KeptListener("proxy")
+    monkeypatch.setitem(keptlistener.LISTENERS, "proxy", kept)
+    kept.take(None, lambda name, fd: None)
+    port = free_port()
+    kept.bind("127.0.0.1", port)
+    cfg = parse_text(f"serve:\n  enabled: true\n  model: /m\n  proxy: {{enabled: true, listen: '0.0.0.0:{port}'}}\n")
+    refuse_unlistenable(cfg, handover=False)
+    refuse_unlistenable(cfg, handover=True)
+    other = socket.socket()
+    other.bind(("127.0.0.2", 0))
+    other.listen()
+    taken = other.getsockname()[1]
+    with other:
+        cfg = parse_text(f"serve:\n  enabled: true\n  model: /m\n  proxy: {{enabled: true, listen: '0.0.0.0:{taken}'}}\n")
+        with pytest.raises(Exception, match="in use by"):
+            refuse_unlistenable(cfg, handover=False)
+    kept.close(stopping=True)

@@ -558,3 +558,53 @@ def test_the_proxy_is_given_the_vllm_engines_key_and_no_other_engines(tmp_path):
         assert proxy_spec(cfg, me).env.get("GPUWARDEN_PROXY_API_KEY") == key, engine
     plain = parse_text("serve:\n  model: /m\n  proxy: {enabled: true}\n", str(tmp_path / "g.yaml"))
     assert "GPUWARDEN_PROXY_API_KEY" not in proxy_spec(plain, me).env
+
+
+def test_a_key_rotated_or_taken_out_of_the_secrets_file_restarts_the_engine_with_the_proxy(tmp_path):
+    """Attacker 13's first: a key rotated in serve.env_file and a SIGHUP restarted the proxy alone (its key read from
+    the file again) while the engine kept the old one: every client refused. Now a reload whose secrets differ from
+    what the running engine got restarts the engine too (ServingRuntime.plan_reload), as a handover does."""
+    from gpuwarden.serving.run.runtime import secrets_changed
+
+    secrets = tmp_path / "vllm.env"
+    secrets.write_text("VLLM_API_KEY=k-one\n")
+    secrets.chmod(0o600)
+    cfg = parse_text(f"serve:\n  model: /m\n  env_file: {secrets}\n", str(tmp_path / "g.yaml"))
+    running = {"VLLM_API_KEY": "k-one", "PATH": "/bin"}
+    assert not secrets_changed(cfg, running)
+    secrets.write_text("VLLM_API_KEY=k-two\n")
+    assert secrets_changed(cfg, running)
+    secrets.write_text("OTHER=1\n")
+    assert secrets_changed(cfg, {**running, "OTHER": "1"})  # the key taken out: the engine still has it
+    plain = parse_text("serve:\n  model: /m\n", str(tmp_path / "g.yaml"))
+    assert not secrets_changed(plain, {"PATH": "/bin"})
+
+
+def test_a_key_given_on_vllms_command_line_or_in_its_config_file_reaches_the_proxy(tmp_path):
+    """Attacker 13's second: `api-key` in the file vLLM's --config names set the engine's key, and the proxy, told
+    none, asked none (POST /invocations answered without it)."""
+    from gpuwarden.proxy.child import proxy_spec
+    from gpuwarden.serving.compose.identity import resolve
+
+    me = resolve("nobody")
+    flags = tmp_path / "vllm-flags.yaml"
+    flags.write_text("api-key: k-in-file\nmax-model-len: 4096\n")
+    for args, key in ((f"[--config, {flags}]", "k-in-file"), (f"['--config={flags}']", "k-in-file"),
+                      ("[--api-key, k-on-argv]", "k-on-argv"), ("[--max-num-seqs, '4']", None),
+                      ("[--config, /nonexistent.yaml]", None)):
+        cfg = parse_text(f"serve:\n  model: /m\n  args: {args}\n  proxy: {{enabled: true}}\n", str(tmp_path / "g.yaml"))
+        assert proxy_spec(cfg, me).env.get("GPUWARDEN_PROXY_API_KEY") == key, args
+
+
+def test_only_a_bodiless_options_passes_without_the_key():
+    """Attacker 13's third: keyless OPTIONS requests of 32 MiB took the body budget while the engine was down. A CORS
+    preflight has no body; one with a body needs the key."""
+    from gpuwarden.proxy.keys import ApiKey
+
+    key = ApiKey("k")
+    assert key.lets_in("OPTIONS", "/v1/chat/completions", {})
+    assert key.lets_in("OPTIONS", "/v1/chat/completions", {"Content-Length": "0"})
+    assert not key.lets_in("OPTIONS", "/v1/chat/completions", {"Content-Length": "33554432"})
+    assert not key.lets_in("OPTIONS", "/invocations", {"Transfer-Encoding": "chunked"})
+    assert key.lets_in("POST", "/invocations", {"Authorization": "Bearer k"}) and key.lets_in("GET", "/ping", {})
+    assert not key.lets_in("POST", "/invocations", {"Authorization": "bearer wrong"})

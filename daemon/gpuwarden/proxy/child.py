@@ -87,7 +87,39 @@ def engine_key(config: Config) -> str | None:
         secrets = child_secrets(config)
     except InvalidConfig:
         secrets = {}  # the engine's start says so, in its own line
-    return secrets.get("VLLM_API_KEY") or dict(config.serve.env).get("VLLM_API_KEY") or None
+    return secrets.get("VLLM_API_KEY") or dict(config.serve.env).get("VLLM_API_KEY") or argv_key(config) or None
+
+
+def argv_key(config: Config) -> str | None:
+    """A key given to vLLM in its arguments: --api-key (the lint's error: a key on a command line), or `api-key` in
+    the YAML file --config names (vLLM reads its flags from it; attacker 13: the proxy, not told, asked none). A file
+    that cannot be read here gives none."""
+    import yaml  # noqa: PLC0415
+
+    from ..base import smallfile  # noqa: PLC0415
+
+    words = [*config.serve.command, *config.serve.args]
+    found = None
+    for i, word in enumerate(words):
+        flag, _, value = word.partition("=")
+        if flag not in ("--api-key", "--config"):
+            continue
+        value = value or (words[i + 1] if i + 1 < len(words) else "")
+        if flag == "--api-key":
+            found = value or found
+            continue
+        try:
+            data = smallfile.read(value, 1 << 20, follow=True) if value.startswith("/") else None
+            doc = yaml.safe_load(data) if data else None
+        except (smallfile.Unreadable, OSError, yaml.YAMLError):
+            doc = None
+        if isinstance(doc, dict):
+            key = doc.get("api-key", doc.get("api_key"))
+            if isinstance(key, str) and key:
+                found = key
+            elif isinstance(key, list) and key and all(isinstance(k, str) for k in key):
+                found = key[0]  # vLLM takes several; the proxy asks the first
+    return found
 
 
 # Its entry in the registry of child kinds (serving/run/kinds.py): a side child that serve.proxy alone configures,

@@ -21,8 +21,13 @@ class ApiKey:
 
     def lets_in(self, method: str, path: str, headers: Mapping[str, str]) -> bool:
         """Whether a request may go on: it carries the key as vLLM asks it (Authorization: Bearer KEY), or needs
-        none (OPTIONS, as vLLM's CORS preflight; the keyless paths)."""
-        if method == "OPTIONS" or path in KEYLESS_PATHS:
+        none (a CORS preflight, an OPTIONS without a body, as vLLM lets it by; the keyless paths). An OPTIONS with a
+        body needs the key: keyless ones of 32 MiB each took the body budget while the engine was down (attacker
+        13)."""
+        if path in KEYLESS_PATHS:
+            return True
+        if method == "OPTIONS" and headers.get("Content-Length", "0") in ("", "0") \
+                and "Transfer-Encoding" not in headers:
             return True
         scheme, _, given = (headers.get("Authorization") or "").partition(" ")
         if scheme.lower() != "bearer":

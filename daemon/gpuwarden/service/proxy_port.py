@@ -14,6 +14,13 @@ from ..serving.run import ports
 from .metrics_port import bind_refusal
 
 
+def _only_ours(kept, port: int) -> bool:
+    """Whether every socket listening on port is the daemon's kept one."""
+    inode = kept.inode()
+    listening = ports.listening_sockets(port)
+    return inode is not None and bool(listening) and set(listening) == {inode}
+
+
 def refuse_unlistenable(config: Config, handover: bool) -> None:
     """Before a reload or a handover changes anything: the proxy's address of the new config, where it is not the
     one kept, must be one the proxy can listen on now, else the change is refused (ConfigError) and the running proxy
@@ -30,7 +37,7 @@ def refuse_unlistenable(config: Config, handover: bool) -> None:
         return
     if handover:
         why = bind_refusal(host, port)
-        if why is None and not ports.port_free(host, port):
+        if why is None and not ports.port_free(host, port) and not _only_ours(kept, port):
             why = f"in use by {ports.who_listens(port, host=host)}"
     else:
         try:
@@ -39,6 +46,11 @@ def refuse_unlistenable(config: Config, handover: bool) -> None:
         except OSError as exc:
             why = (f"in use by {ports.who_listens(port, host=host)}" if exc.errno == errno.EADDRINUSE
                    else exc.strerror or str(exc))
+            if exc.errno == errno.EADDRINUSE and _only_ours(kept, port):
+                # The same port on another address (127.0.0.1 to 0.0.0.0): our own socket is in the way, and it is
+                # closed when the next proxy binds the new one (attacker 13: refused for good, our pid named as the
+                # holder). The moment between the close and the bind is a local user's to take.
+                why = None
     if why is not None:
         raise config.error(("serve", "proxy", "listen"), f"{serve.proxy.address} cannot be listened on: {why}; the "
                            "running proxy serves on", "an address of this host whose port nobody else holds")
