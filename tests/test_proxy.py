@@ -608,3 +608,34 @@ def test_only_a_bodiless_options_passes_without_the_key():
     assert not key.lets_in("OPTIONS", "/invocations", {"Transfer-Encoding": "chunked"})
     assert key.lets_in("POST", "/invocations", {"Authorization": "Bearer k"}) and key.lets_in("GET", "/ping", {})
     assert not key.lets_in("POST", "/invocations", {"Authorization": "bearer wrong"})
+
+
+def test_a_reload_that_changes_only_the_key_restarts_the_engine_and_the_proxy(tmp_path):
+    """Attacker 14: with the key rotated in serve.env_file (the config's text unchanged), the reload's plan was
+    'nothing changed' and the old key kept working; a key rotated in vLLM's --config file restarted the proxy alone.
+    key_rotated compares the engine's key and secrets with what the running engine and proxy were given."""
+    from types import SimpleNamespace
+
+    from gpuwarden.serving.run.runtime import key_rotated
+
+    secrets = tmp_path / "vllm.env"
+    secrets.write_text("VLLM_API_KEY=k-one\n")
+    secrets.chmod(0o600)
+    flags = tmp_path / "flags.yaml"
+    flags.write_text("max-model-len: 4096\n")
+    cfg = parse_text(f"serve:\n  model: /m\n  env_file: {secrets}\n  args: [--config, {flags}]\n"
+                     "  proxy: {enabled: true}\n", str(tmp_path / "g.yaml"))
+    proxy = SimpleNamespace(fronts_engine=True, env={"GPUWARDEN_PROXY_API_KEY": "k-one"})
+    launch = SimpleNamespace(sides=(proxy,), command=SimpleNamespace(env={"VLLM_API_KEY": "k-one"}))
+    assert not key_rotated(cfg, launch)
+    secrets.write_text("VLLM_API_KEY=k-two\n")
+    assert key_rotated(cfg, launch)  # the file's key: the engine's environment differs
+    secrets.write_text("OTHER=1\n")
+    flags.write_text("api-key: k-in-flags\n")
+    launch.command.env = {"OTHER": "1"}
+    proxy.env = {}
+    assert key_rotated(cfg, launch)  # now in vLLM's --config: the proxy was given none
+    proxy.env = {"GPUWARDEN_PROXY_API_KEY": "k-in-flags"}
+    assert not key_rotated(cfg, launch)
+    flags.write_text("api-key: k-rotated\n")
+    assert key_rotated(cfg, launch)

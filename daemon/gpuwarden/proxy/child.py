@@ -15,7 +15,6 @@ import re
 import sys
 from pathlib import Path
 
-from ..base.yamlfile import InvalidConfig
 from ..config import Config
 from ..serving.compose.command import child_env, engine_of
 from ..serving.compose.enginesock import engine_url
@@ -23,6 +22,7 @@ from ..serving.compose.homes import let_group_in
 from ..serving.compose.identity import Identity
 from ..serving.run.kinds import ChildKind
 from ..serving.run.spec import ChildSpec, Timing
+from ..serving.compose.apikey import engine_key
 from .keys import ENV as KEY_ENV
 from .normalize import SWITCHES
 
@@ -74,52 +74,6 @@ def proxy_spec(config: Config, identity: Identity) -> ChildSpec | None:
     argv = (*proxy_argv(config), "--engine-user", str(identity.uid))
     return ChildSpec(PROXY, "the proxy", argv, env, identity, p.listen[0], p.listen[1], "/health",
                      timing, log_level, fronts_engine=True, listener=PROXY)
-
-
-def engine_key(config: Config) -> str | None:
-    """The vLLM engine's API key, as the engine gets it (serve.env, the credential, serve.env_file); None: none, or
-    another engine (vLLM's own check is the one known to skip paths)."""
-    if config.serve.engine != "vllm":
-        return None
-    from ..serving.compose.prepare import child_secrets  # noqa: PLC0415 (the secret files, read where they are)
-
-    try:
-        secrets = child_secrets(config)
-    except InvalidConfig:
-        secrets = {}  # the engine's start says so, in its own line
-    return secrets.get("VLLM_API_KEY") or dict(config.serve.env).get("VLLM_API_KEY") or argv_key(config) or None
-
-
-def argv_key(config: Config) -> str | None:
-    """A key given to vLLM in its arguments: --api-key (the lint's error: a key on a command line), or `api-key` in
-    the YAML file --config names (vLLM reads its flags from it; attacker 13: the proxy, not told, asked none). A file
-    that cannot be read here gives none."""
-    import yaml  # noqa: PLC0415
-
-    from ..base import smallfile  # noqa: PLC0415
-
-    words = [*config.serve.command, *config.serve.args]
-    found = None
-    for i, word in enumerate(words):
-        flag, _, value = word.partition("=")
-        if flag not in ("--api-key", "--config"):
-            continue
-        value = value or (words[i + 1] if i + 1 < len(words) else "")
-        if flag == "--api-key":
-            found = value or found
-            continue
-        try:
-            data = smallfile.read(value, 1 << 20, follow=True) if value.startswith("/") else None
-            doc = yaml.safe_load(data) if data else None
-        except (smallfile.Unreadable, OSError, yaml.YAMLError):
-            doc = None
-        if isinstance(doc, dict):
-            key = doc.get("api-key", doc.get("api_key"))
-            if isinstance(key, str) and key:
-                found = key
-            elif isinstance(key, list) and key and all(isinstance(k, str) for k in key):
-                found = key[0]  # vLLM takes several; the proxy asks the first
-    return found
 
 
 # Its entry in the registry of child kinds (serving/run/kinds.py): a side child that serve.proxy alone configures,

@@ -11,7 +11,9 @@ import hashlib
 import secrets
 from collections.abc import Mapping
 
-ENV = "GPUWARDEN_PROXY_API_KEY"  # the proxy's environment (the daemon passes serve.user's engine key: proxy/child.py)
+from ..serving.compose.apikey import KEY_ENV as ENV  # the daemon passes the engine's key there (proxy/child.py)
+
+__all__ = ["ENV", "KEYLESS_PATHS", "ApiKey"]
 KEYLESS_PATHS = frozenset({"/ping", "/version"})  # liveness and version, which give nothing away
 
 

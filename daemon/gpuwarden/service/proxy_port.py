@@ -37,8 +37,9 @@ def refuse_unlistenable(config: Config, handover: bool) -> None:
         return
     if handover:
         why = bind_refusal(host, port)
-        if why is None and not ports.port_free(host, port) and not _only_ours(kept, port):
-            why = f"in use by {ports.who_listens(port, host=host)}"
+        if why is None and not ports.port_free(host, port):
+            why = ("the proxy's own socket holds this port on another address: restart the daemon to move it"
+                   if _only_ours(kept, port) else f"in use by {ports.who_listens(port, host=host)}")
     else:
         try:
             kept.stage(host, port)
@@ -47,10 +48,10 @@ def refuse_unlistenable(config: Config, handover: bool) -> None:
             why = (f"in use by {ports.who_listens(port, host=host)}" if exc.errno == errno.EADDRINUSE
                    else exc.strerror or str(exc))
             if exc.errno == errno.EADDRINUSE and _only_ours(kept, port):
-                # The same port on another address (127.0.0.1 to 0.0.0.0): our own socket is in the way, and it is
-                # closed when the next proxy binds the new one (attacker 13: refused for good, our pid named as the
-                # holder). The moment between the close and the bind is a local user's to take.
-                why = None
+                # The same port on another address (127.0.0.1 to 0.0.0.0): our own socket is in the way. Moving it
+                # would close it before the new bind, and a local user's bind loop took the port in that gap and
+                # read clients' keys (attacker 14): a restart moves it, with systemd's store holding the socket.
+                why = "the proxy's own socket holds this port on another address: restart the daemon to move it"
     if why is not None:
         raise config.error(("serve", "proxy", "listen"), f"{serve.proxy.address} cannot be listened on: {why}; the "
                            "running proxy serves on", "an address of this host whose port nobody else holds")

@@ -21,12 +21,13 @@ from pathlib import Path
 
 from ...config import Config
 from ...gpu.base import GpuBackend
-from ...base.yamlfile import ConfigError, ConfigErrors
+from ...base.yamlfile import ConfigErrors
 from ..compose.command import ServeCommand
 from ..compose.container import container_problems
 from ..lint.findings import INFO
 from ..probe.metrics import MetricsReader, ServingStats
-from ..compose.prepare import child_secrets, installed_for, prepare_serve
+from ..compose.apikey import KEY_ENV, engine_key, secrets_changed
+from ..compose.prepare import installed_for, prepare_serve
 from . import handover
 from .deepcheck import DeepCheck, due
 from .kinds import ENGINE_PART, ChildKind, EngineParts, same_engine, side_specs
@@ -313,13 +314,14 @@ class ServingRuntime:
         upgraded = None
         if old is not None and new.enabled and self.pending is None:
             upgraded = _upgraded(config, self.launch, self.engine)
+        rotated = old is not None and new.enabled and self.launch is not None and key_rotated(config, self.launch)
         if old is not None and self.pending is None and upgraded is None and same_engine(old, new, self.sides) \
-                and not secrets_changed(config, self.launch.command.env):
+                and not rotated:
             wanted = side_specs(config, self.engine.identity, self.sides)
             running = {spec.name: spec for spec in self.launch.sides}
             changed = [kind for kind in self.sides if wanted.get(kind.name) != running.get(kind.name)]
             return (lambda now: self._replace_sides(config, wanted, changed, now)) if changed else None
-        if old is not None and new == old and upgraded is None:
+        if old is not None and new == old and upgraded is None and not rotated:
             return None
         if old is None and not new.enabled and self.pending is None:
             return None
@@ -459,17 +461,10 @@ def refuse_container(config: Config, launch: Launch | None) -> None:
         raise ConfigErrors(problems)
 
 
-def secrets_changed(config: Config, running: Mapping[str, str]) -> bool:
-    """Whether the engine's secrets (the credential, serve.env_file) differ from those the running engine got: a key
-    rotated in serve.env_file then restarts the engine with the proxy, as a handover does, instead of the proxy alone
-    on the new key and the engine on the old (attacker 13: every client refused). A secrets file that cannot be read
-    now changes nothing here (the start says so)."""
-    try:
-        secrets = child_secrets(config)
-    except ConfigError:
-        return False
-    if any(running.get(name) != value for name, value in secrets.items()):
-        return True
-    # a key taken out of the file: the engine still has it, and the proxy would ask none
-    return "VLLM_API_KEY" in running and "VLLM_API_KEY" not in secrets and \
-        "VLLM_API_KEY" not in dict(config.serve.env)
+def key_rotated(config: Config, launch: Launch) -> bool:
+    """The engine's secrets or its API key differ from those it runs with: a key rotated in serve.env_file, or in
+    vLLM's --config file, restarts the engine with the proxy (attackers 13 and 14: the proxy alone restarted on the
+    new key, or nothing did, and the old key kept working)."""
+    proxy = next((spec for spec in launch.sides if spec.fronts_engine), None)
+    given = proxy.env.get(KEY_ENV) if proxy is not None else None
+    return secrets_changed(config, launch.command.env) or (proxy is not None and engine_key(config) != given)

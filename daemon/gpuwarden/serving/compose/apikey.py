@@ -1,0 +1,75 @@
+"""The engine's API key, wherever the config gives it, and whether a reload changed the engine's secrets: the proxy
+asks the key on every path (proxy/keys.py), so it must be given the very key the engine runs with, and a reload that
+changes it must restart both."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from ...base.yamlfile import ConfigError, InvalidConfig
+from ...config import Config
+from .prepare import child_secrets
+
+KEY_ENV = "GPUWARDEN_PROXY_API_KEY"  # in the proxy's environment (proxy/keys.py reads it)
+
+
+def engine_key(config: Config) -> str | None:
+    """The vLLM engine's API key, as the engine gets it (serve.env, the credential, serve.env_file); None: none, or
+    another engine (vLLM's own check is the one known to skip paths)."""
+    if config.serve.engine != "vllm":
+        return None
+    try:
+        secrets = child_secrets(config)
+    except InvalidConfig:
+        secrets = {}  # the engine's start says so, in its own line
+    return secrets.get("VLLM_API_KEY") or dict(config.serve.env).get("VLLM_API_KEY") or argv_key(config) or None
+
+
+def argv_key(config: Config) -> str | None:
+    """A key given to vLLM in its arguments: --api-key (the lint's error: a key on a command line), or `api-key` in
+    the YAML file --config names (vLLM reads its flags from it; attacker 13: the proxy, not told, asked none). A file
+    that cannot be read here gives none."""
+    import yaml  # noqa: PLC0415
+
+    from ...base import smallfile  # noqa: PLC0415
+
+    words = [*config.serve.command, *config.serve.args]
+    found = None
+    for i, word in enumerate(words):
+        flag, _, value = word.partition("=")
+        if flag not in ("--api-key", "--config"):
+            continue
+        value = value or (words[i + 1] if i + 1 < len(words) else "")
+        if flag == "--api-key":
+            found = value or found
+            continue
+        try:
+            # relative: to the engine's working directory, / (identity.popen)
+            data = smallfile.read(os.path.join("/", value), 1 << 20, follow=True) if value else None
+            doc = yaml.safe_load(data) if data else None
+        except (smallfile.Unreadable, OSError, yaml.YAMLError):
+            doc = None
+        if isinstance(doc, dict):
+            key = doc.get("api-key", doc.get("api_key"))
+            if isinstance(key, str) and key:
+                found = key
+            elif isinstance(key, list) and key and all(isinstance(k, str) for k in key):
+                found = key[0]  # vLLM takes several; the proxy asks the first
+    return found
+
+
+def secrets_changed(config: Config, running: Mapping[str, str]) -> bool:
+    """Whether the engine's secrets (the credential, serve.env_file) differ from those the running engine got: a key
+    rotated in serve.env_file then restarts the engine with the proxy, as a handover does, instead of the proxy alone
+    on the new key and the engine on the old (attacker 13: every client refused). A secrets file that cannot be read
+    now changes nothing here (the start says so)."""
+    try:
+        secrets = child_secrets(config)
+    except ConfigError:
+        return False
+    if any(running.get(name) != value for name, value in secrets.items()):
+        return True
+    # a key taken out of the file: the engine still has it, and the proxy would ask none
+    return "VLLM_API_KEY" in running and "VLLM_API_KEY" not in secrets and \
+        "VLLM_API_KEY" not in dict(config.serve.env)
