@@ -293,9 +293,10 @@ def test_a_reload_that_restarts_the_engine_fails_no_request_through_the_proxy(wr
     assert proxy_metric(proxy_port, "gpuwarden_proxy_held_seconds_count") >= 1  # some were held, and answered
     log = "\n".join(d.lines)
     assert log.count("the proxy starting") == 1 and "the proxy stopping" not in log  # one process throughout
-    after = d.lines[mark:]  # the engine's SIGTERM went once the proxy said it holds (its word), not at HEAR_S
-    said = next(i for i, line in enumerate(after) if "proxy: the engine stops for a planned restart: holding" in line)
-    assert said < next(i for i, line in enumerate(after) if "vLLM stopping: SIGTERM" in line), after
+    # The engine's SIGTERM went once the proxy said it holds (its word), not at HEAR_S: no "did not say". The proxy's
+    # own line about it comes on its output, read by another thread than the word pipe, so under load it can come after
+    # the daemon's SIGTERM line (the flake hunt of 2026-12-03 saw that in 1 of 3 runs): it is there, in any order.
+    assert any("proxy: the engine stops for a planned restart: holding" in line for line in d.lines[mark:])
     assert "did not say" not in log
     assert d.stop() == 0
 
