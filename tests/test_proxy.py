@@ -639,3 +639,28 @@ def test_a_reload_that_changes_only_the_key_restarts_the_engine_and_the_proxy(tm
     assert not key_rotated(cfg, launch)
     flags.write_text("api-key: k-rotated\n")
     assert key_rotated(cfg, launch)
+
+
+def test_a_key_in_vllms_config_file_is_a_digest_in_the_engines_spec_so_a_rotation_replaces_it(tmp_path):
+    """Attacker 14: a key rotated in vLLM's --config file and a SIGUSR2 handover adopted the engine on the old key
+    (its command line and environment unchanged) and replaced the proxy on the new one. The engine's spec carries a
+    digest of such a key (never the key): rotated, the spec differs, and the handover replaces the engine too."""
+    from types import SimpleNamespace
+
+    from test_drain import composed
+
+    from gpuwarden.serving.run.kinds import KEY_DIGEST_ENV, main_spec
+
+    flags = tmp_path / "flags.yaml"
+    flags.write_text("api-key: k-one\n")
+    cfg = parse_text(f"serve:\n  model: /m\n  args: [--config, {flags}]\n", str(tmp_path / "g.yaml"))
+    from gpuwarden.serving.compose.identity import resolve
+
+    parts = SimpleNamespace(command=composed().command, identity=resolve("nobody"), gpus=(), version="0.32.0")
+    one = main_spec(cfg, parts)
+    assert len(one.env[KEY_DIGEST_ENV]) == 16 and "k-one" not in str(one.env)
+    flags.write_text("api-key: k-two\n")
+    two = main_spec(cfg, parts)
+    assert two.env[KEY_DIGEST_ENV] != one.env[KEY_DIGEST_ENV] and two != one
+    plain = parse_text("serve:\n  model: /m\n", str(tmp_path / "g.yaml"))
+    assert KEY_DIGEST_ENV not in main_spec(plain, parts).env  # a key from the environment adds nothing

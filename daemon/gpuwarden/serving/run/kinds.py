@@ -14,6 +14,7 @@ part is ENGINE_PART here.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ from ...gpu.base import Gpu
 from ..compose.command import ServeCommand
 from ..compose.identity import Identity
 from .spec import ChildSpec, engine_spec, ray_spec
+from ..compose.apikey import argv_key
 from .containers import container_spec
 
 
@@ -57,6 +59,7 @@ def main_spec(config: Config, parts: EngineParts) -> ChildSpec:
     """This node's main child: the engine; under Ray, on the head the engine that starts once the Ray head
     answers and finds the cluster at RAY_ADDRESS, on another node its Ray node (no vLLM there)."""
     engine = engine_spec(config.serve, parts.command, parts.identity, parts.gpus, parts.version)
+    engine = with_key_digest(engine, config)
     if config.serve.container is not None:  # one host only: config refuses serve.nodes beside it
         return container_spec(engine, config.serve.container, config.gpu.backend == "sim")
     role = parts.command.role
@@ -68,6 +71,22 @@ def main_spec(config: Config, parts: EngineParts) -> ChildSpec:
     # what the node serves, for gpuwarden_serving_info: ServingNodesDiffer compares it with the head's
     node = ray_spec(config.serve, parts.command, parts.identity)
     return dataclasses.replace(node, model=engine.model, profile=engine.profile, version=engine.version)
+
+
+KEY_DIGEST_ENV = "GPUWARDEN_ENGINE_KEY_SHA256"
+
+
+def with_key_digest(spec: ChildSpec, config: Config) -> ChildSpec:
+    """A key vLLM reads from its own --config file (or --api-key) is in neither its environment nor, once the file
+    changes, its command line: the engine's spec carries a digest of it, so that a rotated key makes the engine's spec
+    another (a handover replaces it with the proxy, whose key changed too; attacker 14: the engine adopted on the old
+    key, the proxy on the new, every client refused). A key from the environment (the credential, serve.env_file)
+    is in the engine's environment already: nothing is added."""
+    key = argv_key(config) if config.serve.engine == "vllm" else None
+    if not key:
+        return spec
+    digest = hashlib.sha256(key.encode("utf-8")).hexdigest()[:16]
+    return dataclasses.replace(spec, env={**spec.env, KEY_DIGEST_ENV: digest})
 
 
 def ray_head(config: Config, parts: EngineParts) -> ChildSpec | None:
