@@ -590,8 +590,7 @@ def test_a_key_given_on_vllms_command_line_or_in_its_config_file_reaches_the_pro
     flags = tmp_path / "vllm-flags.yaml"
     flags.write_text("api-key: k-in-file\nmax-model-len: 4096\n")
     for args, key in ((f"[--config, {flags}]", "k-in-file"), (f"['--config={flags}']", "k-in-file"),
-                      ("[--api-key, k-on-argv]", "k-on-argv"), ("[--max-num-seqs, '4']", None),
-                      ("[--config, /nonexistent.yaml]", None)):
+                      ("[--api-key, k-on-argv]", "k-on-argv"), ("[--max-num-seqs, '4']", None)):
         cfg = parse_text(f"serve:\n  model: /m\n  args: {args}\n  proxy: {{enabled: true}}\n", str(tmp_path / "g.yaml"))
         assert proxy_spec(cfg, me).env.get("GPUWARDEN_PROXY_API_KEY") == key, args
 
@@ -664,3 +663,30 @@ def test_a_key_in_vllms_config_file_is_a_digest_in_the_engines_spec_so_a_rotatio
     assert two.env[KEY_DIGEST_ENV] != one.env[KEY_DIGEST_ENV] and two != one
     plain = parse_text("serve:\n  model: /m\n", str(tmp_path / "g.yaml"))
     assert KEY_DIGEST_ENV not in main_spec(plain, parts).env  # a key from the environment adds nothing
+
+
+def test_a_config_file_the_daemon_cannot_read_is_refused_and_a_numeric_key_is_read_as_vllm_reads_it(tmp_path):
+    """Attacker 15: a --config file root cannot read (serve.user's own, 0600, under the unit) or cannot parse gave the
+    proxy no key in front of a keyed vLLM; `api-key: 20261203`, a number to YAML, was no key either. Now an unread
+    file refuses the config in one line (the start, the reload, check: prepare.blocking), and a number is its text."""
+    from gpuwarden.proxy.child import proxy_spec
+    from gpuwarden.serving.compose.apikey import KeyUnknown, argv_key
+    from gpuwarden.serving.compose.identity import resolve
+
+    flags = tmp_path / "flags.yaml"
+    flags.write_text("api-key: 20261203\n")
+
+    def cfg(args):
+        return parse_text(f"serve:\n  model: /m\n  args: {args}\n  proxy: {{enabled: true}}\n", str(tmp_path / "g.yaml"))
+
+    assert argv_key(cfg(f"[--config, {flags}]")) == "20261203"
+    flags.write_text("api-key: [12345, k2]\n")
+    assert argv_key(cfg(f"[--config, {flags}]")) == "12345"
+    for text in ("api-key: [unclosed\n", "- a list\n"):
+        flags.write_text(text)
+        with pytest.raises(KeyUnknown, match="the API key it may set is unknown to the proxy"):
+            argv_key(cfg(f"[--config, {flags}]"))
+        with pytest.raises(Exception, match="serve.args: vLLM's --config file"):
+            proxy_spec(cfg(f"[--config, {flags}]"), resolve("nobody"))
+    with pytest.raises(KeyUnknown):
+        argv_key(cfg("[--config, /nonexistent/flags.yaml]"))

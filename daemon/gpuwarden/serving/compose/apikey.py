@@ -26,10 +26,15 @@ def engine_key(config: Config) -> str | None:
     return secrets.get("VLLM_API_KEY") or dict(config.serve.env).get("VLLM_API_KEY") or argv_key(config) or None
 
 
+class KeyUnknown(Exception):
+    """vLLM's --config file cannot be read here, so the key it may set is unknown; the message is one line."""
+
+
 def argv_key(config: Config) -> str | None:
     """A key given to vLLM in its arguments: --api-key (the lint's error: a key on a command line), or `api-key` in
-    the YAML file --config names (vLLM reads its flags from it; attacker 13: the proxy, not told, asked none). A file
-    that cannot be read here gives none."""
+    the YAML file --config names (vLLM reads its flags from it; attacker 13: the proxy, not told, asked none), read
+    as vLLM reads it (a number is its text). Raises KeyUnknown where such a file cannot be read or parsed here (one of
+    serve.user's own, 0600, is unreadable to root under the unit; attacker 15: the proxy then asked no key)."""
     import yaml  # noqa: PLC0415
 
     from ...base import smallfile  # noqa: PLC0415
@@ -44,19 +49,28 @@ def argv_key(config: Config) -> str | None:
         if flag == "--api-key":
             found = value or found
             continue
+        path = os.path.join("/", value)  # relative: to the engine's working directory, / (identity.popen)
         try:
-            # relative: to the engine's working directory, / (identity.popen)
-            data = smallfile.read(os.path.join("/", value), 1 << 20, follow=True) if value else None
-            doc = yaml.safe_load(data) if data else None
-        except (smallfile.Unreadable, OSError, yaml.YAMLError):
-            doc = None
-        if isinstance(doc, dict):
-            key = doc.get("api-key", doc.get("api_key"))
-            if isinstance(key, str) and key:
-                found = key
-            elif isinstance(key, list) and key and all(isinstance(k, str) for k in key):
-                found = key[0]  # vLLM takes several; the proxy asks the first
+            data = smallfile.read(path, 1 << 20, follow=True)
+            doc = yaml.safe_load(data) if data is not None else None
+        except (smallfile.Unreadable, OSError, yaml.YAMLError, RecursionError) as exc:
+            raise KeyUnknown(f"vLLM's --config file {path} cannot be read here ({type(exc).__name__}: "
+                             f"{str(exc)[:200]}): the API key it may set is unknown to the proxy") from None
+        if data is None:
+            raise KeyUnknown(f"vLLM's --config file {path} does not exist here: the API key it may set is unknown to "
+                             "the proxy")
+        if not isinstance(doc, (dict, type(None))):
+            raise KeyUnknown(f"vLLM's --config file {path} is not a mapping of flags here: the API key it may set "
+                             "is unknown to the proxy")
+        key = (doc or {}).get("api-key", (doc or {}).get("api_key"))
+        if isinstance(key, list) and key:
+            key = key[0]  # vLLM takes several; the proxy asks the first
+        if isinstance(key, (str, int, float)) and not isinstance(key, bool) and str(key):
+            found = str(key)
     return found
+
+
+KEY_FIX = "give the key in VLLM_API_KEY (serve.env_file or the systemd credential), or let root read the file"
 
 
 def secrets_changed(config: Config, running: Mapping[str, str]) -> bool:

@@ -66,6 +66,13 @@ class PreparedServe:
                          for f in self.findings if f.severity == ERROR]
         if self.flags is not None and not self.flags.ok:
             problems.append(flag_problem(config, self.command, self.flags))
+        if config.serve.proxy.enabled and config.serve.engine == "vllm":  # the proxy must know the engine's key
+            from .apikey import KEY_FIX, KeyUnknown, argv_key  # noqa: PLC0415 (apikey imports this module)
+
+            try:
+                argv_key(config)
+            except KeyUnknown as exc:
+                problems.append(config.error(("serve", "args"), str(exc), KEY_FIX))
         # a container's command is the image's, not this host's (the shim says when the image has none)
         missing = None if config.serve.container else executable_problem(self.command.argv[0],
                                                                          self.command.env.get("PATH", os.defpath))

@@ -23,7 +23,7 @@ from ...gpu.base import Gpu
 from ..compose.command import ServeCommand
 from ..compose.identity import Identity
 from .spec import ChildSpec, engine_spec, ray_spec
-from ..compose.apikey import argv_key
+from ..compose.apikey import KeyUnknown, argv_key
 from .containers import container_spec
 
 
@@ -82,7 +82,10 @@ def with_key_digest(spec: ChildSpec, config: Config) -> ChildSpec:
     another (a handover replaces it with the proxy, whose key changed too; attacker 14: the engine adopted on the old
     key, the proxy on the new, every client refused). A key from the environment (the credential, serve.env_file)
     is in the engine's environment already: nothing is added."""
-    key = argv_key(config) if config.serve.engine == "vllm" else None
+    try:
+        key = argv_key(config) if config.serve.engine == "vllm" else None
+    except KeyUnknown:
+        key = None  # with the proxy on, the start refuses it first (prepare.blocking); without, no key is asked
     if not key:
         return spec
     digest = hashlib.sha256(key.encode("utf-8")).hexdigest()[:16]

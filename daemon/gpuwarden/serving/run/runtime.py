@@ -26,7 +26,7 @@ from ..compose.command import ServeCommand
 from ..compose.container import container_problems
 from ..lint.findings import INFO
 from ..probe.metrics import MetricsReader, ServingStats
-from ..compose.apikey import KEY_ENV, engine_key, secrets_changed
+from ..compose.apikey import KEY_ENV, KeyUnknown, engine_key, secrets_changed
 from ..compose.prepare import installed_for, prepare_serve
 from . import handover
 from .deepcheck import DeepCheck, due
@@ -467,4 +467,8 @@ def key_rotated(config: Config, launch: Launch) -> bool:
     new key, or nothing did, and the old key kept working)."""
     proxy = next((spec for spec in launch.sides if spec.fronts_engine), None)
     given = proxy.env.get(KEY_ENV) if proxy is not None else None
-    return secrets_changed(config, launch.command.env) or (proxy is not None and engine_key(config) != given)
+    try:
+        key = engine_key(config)
+    except KeyUnknown:
+        return True  # the reload's prepare refuses the config, in one line
+    return secrets_changed(config, launch.command.env) or (proxy is not None and key != given)
