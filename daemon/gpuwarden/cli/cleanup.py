@@ -53,10 +53,9 @@ def remove_containers(args: argparse.Namespace) -> None:
     killed at its stop timeout, a runtime that did not answer in time), removed, one line each. A config that cannot
     be read, or a runtime that cannot be asked, is one line too: cleanup never fails the unit's stop."""
     from ..base.containerapi import Runtime, RuntimeFault
-    from ..base.statedir import state_dir
     from ..base.yamlfile import InvalidConfig
     from ..config import load
-    from ..serving.compose.container import LABEL_HOST, LABEL_OWNER, host_id
+    from ..serving.compose.container import owned
 
     try:
         container = load(args.config).serve.container
@@ -65,14 +64,12 @@ def remove_containers(args: argparse.Namespace) -> None:
         return
     if container is None:
         return
-    owner = str(state_dir())
     try:
         runtime = Runtime(container.runtime, container.api_socket)
         try:
-            for found in runtime.labelled(LABEL_HOST, host_id()):
-                if found.labels.get(LABEL_OWNER) == owner:
-                    runtime.remove(found.id)
-                    print(f"gpuwarden: removed container {found.id[:12]} ({found.name}, {found.state}) the stop left")
+            for found in owned(runtime):
+                runtime.remove(found.id)
+                print(f"gpuwarden: removed container {found.id[:12]} ({found.name}, {found.state}) the stop left")
         finally:
             runtime.close()
     except RuntimeFault as exc:

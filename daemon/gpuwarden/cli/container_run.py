@@ -28,7 +28,7 @@ LEFT_OVER = 125  # podman's and Docker's own status for "the runtime failed": th
 
 def cmd_container_run(args: argparse.Namespace) -> int:
     from ..base.containerapi import Runtime, RuntimeFault
-    from ..serving.compose.container import ENV_PREFIX, LABEL_HOST, LABEL_OWNER, ContainerLaunch, create, host_id
+    from ..serving.compose.container import ENV_PREFIX, LABEL_OWNER, ContainerLaunch, create, owned
 
     try:
         launch = ContainerLaunch.from_json(args.launch)
@@ -46,9 +46,8 @@ def cmd_container_run(args: argparse.Namespace) -> int:
         return EX_UNAVAILABLE
     cid = None
     try:
-        owner = dict(launch.labels).get(LABEL_OWNER)
-        for found in runtime.labelled(LABEL_HOST, host_id()):
-            if found.name == launch.name and found.labels.get(LABEL_OWNER) == owner:
+        for found in owned(runtime, dict(launch.labels).get(LABEL_OWNER)):
+            if found.name == launch.name:
                 runtime.remove(found.id)
                 print(f"gpuwarden container-run: removed container {found.id[:12]} ({found.name}, {found.state}), "
                       "left by an earlier run", flush=True)

@@ -17,6 +17,7 @@ DeviceRequests and mangles a CDI name in Devices into a path); Docker takes `Dev
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -45,6 +46,7 @@ ENV_PREFIX = "GPUWARDEN_ENGINE_ENV_"
 MACHINE_ID = "/etc/machine-id"
 
 
+@functools.lru_cache(maxsize=4)
 def host_id(path: str = MACHINE_ID) -> str:
     """This host's machine ID (systemd's), which labels its containers; "unknown" where it cannot be read."""
     try:
@@ -170,6 +172,14 @@ def docker_create(launch: ContainerLaunch, env: Mapping[str, str]) -> dict:
         "use_config_proxy": False,  # not ~/.docker/config.json's proxies: the same container wherever it starts
         "host_config": host,
     }
+
+
+def owned(runtime, owner: str | None = None) -> list:
+    """The containers of this gpuwarden the runtime holds (base/containerapi.Found): this host's (machine ID), of this
+    state directory (owner; None: this process's). The shim's, the policy's and ExecStopPost's one test of whose a
+    container is: two daemons of one host never touch each other's."""
+    owner = str(state_dir()) if owner is None else owner
+    return [found for found in runtime.labelled(LABEL_HOST, host_id()) if found.labels.get(LABEL_OWNER) == owner]
 
 
 def create(runtime, launch: ContainerLaunch, env: Mapping[str, str], network: bool = True) -> str:

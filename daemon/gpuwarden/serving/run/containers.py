@@ -14,7 +14,8 @@ from collections.abc import Mapping
 from ...base.background import Background
 from ...base.containerapi import Runtime
 from ...config import ContainerConfig
-from ..compose.container import ENV_PREFIX, LABEL_HOST, LABEL_OWNER, ContainerLaunch, host_id, inside_env, launch_of
+from ..compose.command import CHILD_PATH
+from ..compose.container import ENV_PREFIX, LABEL_OWNER, ContainerLaunch, inside_env, launch_of, owned
 from ..compose.drain import DRAIN_MARGIN_S
 from ..compose.identity import shim_identity
 from .policy import Policy
@@ -73,8 +74,8 @@ def sweep(launch: ContainerLaunch, own_name: bool) -> int:
     owner = dict(launch.labels).get(LABEL_OWNER)
     try:
         removed = 0
-        for found in runtime.labelled(LABEL_HOST, host_id()):
-            if found.labels.get(LABEL_OWNER) != owner or (found.name == launch.name) != own_name:
+        for found in owned(runtime, owner):
+            if (found.name == launch.name) != own_name:
                 continue
             runtime.remove(found.id)
             log.warning("removed container %s (%s, %s): an earlier engine of this gpuwarden left it", found.id[:12],
@@ -104,7 +105,6 @@ def launch_in(argv: tuple[str, ...]) -> ContainerLaunch | None:
 
 
 SHIM_MARGIN_S = 15.0  # past the runtime's own stop: its API round trips and the removal
-SHIM_PATH = "/usr/local/bin:/usr/bin:/bin"
 
 
 def container_spec(spec: ChildSpec, container: ContainerConfig, simulated: bool,
@@ -120,7 +120,7 @@ def container_spec(spec: ChildSpec, container: ContainerConfig, simulated: bool,
     env = inside_env(spec.env)
     launch = launch_of(container, spec.name, spec.port, spec.argv, env, identity.uid, identity.gid,
                        identity.groups, spec.model, gpus, stop_s)
-    shim_env = {"PATH": SHIM_PATH, **{ENV_PREFIX + k: v for k, v in env.items()}}
+    shim_env = {"PATH": CHILD_PATH, **{ENV_PREFIX + k: v for k, v in env.items()}}
     for name in ("PYTHONPATH", "LANG"):  # the daemon's own (PYTHONPATH where it runs from a checkout)
         if environ.get(name):
             shim_env[name] = environ[name]

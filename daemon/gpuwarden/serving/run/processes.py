@@ -471,8 +471,7 @@ def forward_lines(stream, on_line: Callable[[str], None], limit: int = MAX_LINE_
     tokens, last = LINES_BURST, clock()
     with contextlib.suppress(OSError, ValueError):
         while True:
-            now = clock()
-            tokens, last = min(LINES_BURST, tokens + (now - last) * LINES_PER_S), now
+            tokens, last = _refill(tokens, last, clock())
             if tokens < 1:
                 more, tokens, last = _drop(stream, on_line, tokens, clock)
                 if not more:
@@ -505,13 +504,16 @@ def _drop(stream, on_line: Callable[[str], None], tokens: float,
     last = clock()
     while block:
         dropped += block.count(b"\n")
-        now = clock()
-        tokens, last = min(LINES_BURST, tokens + (now - last) * LINES_PER_S), now
+        tokens, last = _refill(tokens, last, clock())
         if tokens >= RESUME or not select.select([fd], [], [], (RESUME - tokens) / LINES_PER_S)[0]:
             break
         block = os.read(fd, DROP_READ)
     if dropped:
         on_line(f"[gpuwarden: {dropped} lines of output dropped: more than {LINES_PER_S:g} a second]")
-    now = clock()
-    return bool(block), min(LINES_BURST, tokens + (now - last) * LINES_PER_S), now
+    return (bool(block), *_refill(tokens, last, clock()))
+
+
+def _refill(tokens: float, last: float, now: float) -> tuple[float, float]:
+    """The line budget at now: LINES_PER_S more lines a second since last, LINES_BURST at most."""
+    return min(LINES_BURST, tokens + (now - last) * LINES_PER_S), now
 
