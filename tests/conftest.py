@@ -102,7 +102,7 @@ def pytest_runtest_logreport(report):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session):
-    """The real tier past its budget fails the run (tests/harness/budget.py)."""
+    """The real tier past its budget of engine starts fails the run (tests/harness/budget.py)."""
     if BUDGET.over_budget() and session.exitstatus == 0:
         session.exitstatus = 1
 

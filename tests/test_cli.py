@@ -118,6 +118,8 @@ def test_console_script_is_installed():
     ("  profile: genric\n", "serve.profile: no profile named 'genric'"),
     ("  gpus: [7]\n", "serve.gpus.0: no GPU '7' on this host"),
     ("  args: [--api-key, secret]\n", "lint api-key-on-command-line"),
+    ("  allow_lint_errors: true\n  args: [--api_key=secret]\n  proxy: {enabled: true}\n",
+     "serve.args: with the proxy on, vLLM's flags give it an API key"),
     ("  command: [/nonexistent/vllm, serve]\n", "serve.command: /nonexistent/vllm does not exist"),
 ])
 def test_check_finds_what_run_would_refuse(write, cli, child_user, serve, says):

@@ -580,21 +580,6 @@ def test_a_key_rotated_or_taken_out_of_the_secrets_file_restarts_the_engine_with
     assert not secrets_changed(plain, {"PATH": "/bin"})
 
 
-def test_a_key_given_on_vllms_command_line_or_in_its_config_file_reaches_the_proxy(tmp_path):
-    """Attacker 13's second: `api-key` in the file vLLM's --config names set the engine's key, and the proxy, told
-    none, asked none (POST /invocations answered without it)."""
-    from gpuwarden.proxy.child import proxy_spec
-    from gpuwarden.serving.compose.identity import resolve
-
-    me = resolve("nobody")
-    flags = tmp_path / "vllm-flags.yaml"
-    flags.write_text("api-key: k-in-file\nmax-model-len: 4096\n")
-    for args, key in ((f"[--config, {flags}]", "k-in-file"), (f"['--config={flags}']", "k-in-file"),
-                      ("[--api-key, k-on-argv]", "k-on-argv"), ("[--max-num-seqs, '4']", None)):
-        cfg = parse_text(f"serve:\n  model: /m\n  args: {args}\n  proxy: {{enabled: true}}\n", str(tmp_path / "g.yaml"))
-        assert proxy_spec(cfg, me).env.get("GPUWARDEN_PROXY_API_KEY") == key, args
-
-
 def test_only_a_bodiless_options_passes_without_the_key():
     """Attacker 13's third: keyless OPTIONS requests of 32 MiB took the body budget while the engine was down. A CORS
     preflight has no body; one with a body needs the key."""
@@ -611,8 +596,7 @@ def test_only_a_bodiless_options_passes_without_the_key():
 
 def test_a_reload_that_changes_only_the_key_restarts_the_engine_and_the_proxy(tmp_path):
     """Attacker 14: with the key rotated in serve.env_file (the config's text unchanged), the reload's plan was
-    'nothing changed' and the old key kept working; a key rotated in vLLM's --config file restarted the proxy alone.
-    key_rotated compares the engine's key and secrets with what the running engine and proxy were given."""
+    'nothing changed' and the old key kept working. key_rotated compares the engine's key and secrets with what the running engine and proxy were given."""
     from types import SimpleNamespace
 
     from gpuwarden.serving.run.runtime import key_rotated
@@ -630,14 +614,12 @@ def test_a_reload_that_changes_only_the_key_restarts_the_engine_and_the_proxy(tm
     secrets.write_text("VLLM_API_KEY=k-two\n")
     assert key_rotated(cfg, launch)  # the file's key: the engine's environment differs
     secrets.write_text("OTHER=1\n")
-    flags.write_text("api-key: k-in-flags\n")
     launch.command.env = {"OTHER": "1"}
     proxy.env = {}
-    assert key_rotated(cfg, launch)  # now in vLLM's --config: the proxy was given none
-    proxy.env = {"GPUWARDEN_PROXY_API_KEY": "k-in-flags"}
-    assert not key_rotated(cfg, launch)
-    flags.write_text("api-key: k-rotated\n")
-    assert key_rotated(cfg, launch)
+    assert not key_rotated(cfg, launch)  # no key anywhere, none given
+    env = parse_text(f"serve:\n  model: /m\n  env: {{VLLM_API_KEY: k-env}}\n  env_file: {secrets}\n"
+                     "  proxy: {enabled: true}\n", str(tmp_path / "g.yaml"))
+    assert key_rotated(env, launch)  # serve.env's key: the proxy was given none
 
 
 def test_a_key_in_vllms_config_file_is_a_digest_in_the_engines_spec_so_a_rotation_replaces_it(tmp_path):
@@ -665,28 +647,35 @@ def test_a_key_in_vllms_config_file_is_a_digest_in_the_engines_spec_so_a_rotatio
     assert KEY_DIGEST_ENV not in main_spec(plain, parts).env  # a key from the environment adds nothing
 
 
-def test_a_config_file_the_daemon_cannot_read_is_refused_and_a_numeric_key_is_read_as_vllm_reads_it(tmp_path):
-    """Attacker 15: a --config file root cannot read (serve.user's own, 0600, under the unit) or cannot parse gave the
-    proxy no key in front of a keyed vLLM; `api-key: 20261203`, a number to YAML, was no key either. Now an unread
-    file refuses the config in one line (the start, the reload, check: prepare.blocking), and a number is its text."""
+def test_a_key_in_vllms_flags_or_a_config_file_the_daemon_cannot_read_is_refused_with_the_proxy_on(tmp_path):
+    """Attackers 13 and 15: a key in vLLM's --config file (or --api-key) is read by vLLM again at each start, so
+    an edit without a reload, then a crash, split the keys (the proxy asking none, vLLM's unguarded paths open); a
+    file root cannot read gave the proxy no key in front of a keyed vLLM. With the proxy on, both are refused in
+    one line (the start, the reload, check: prepare.blocking; each later start waits: serving/run/preflight), and
+    the proxy asks the environment's key alone."""
     from gpuwarden.proxy.child import proxy_spec
-    from gpuwarden.serving.compose.apikey import KeyUnknown, argv_key
+    from gpuwarden.serving.compose.apikey import FLAGS_FIX, KEY_FIX, flags_key, flags_key_problem
     from gpuwarden.serving.compose.identity import resolve
 
     flags = tmp_path / "flags.yaml"
     flags.write_text("api-key: 20261203\n")
-
-    def cfg(args):
-        return parse_text(f"serve:\n  model: /m\n  args: {args}\n  proxy: {{enabled: true}}\n", str(tmp_path / "g.yaml"))
-
-    assert argv_key(cfg(f"[--config, {flags}]")) == "20261203"
+    assert flags_key(["--config", str(flags)]) == "20261203"  # a number is its text, as vLLM reads it
     flags.write_text("api-key: [12345, k2]\n")
-    assert argv_key(cfg(f"[--config, {flags}]")) == "12345"
+    assert flags_key([f"--config={flags}"]) == "12345"
+    for words in (["--config", str(flags)], ["--api_key", "k"], ["--api-ke=k"], ["--api-key", "a", "b"]):
+        assert flags_key_problem(words) == ("with the proxy on, vLLM's flags give it an API key (--api-key, or "
+                                            "api-key in its --config file), which the proxy cannot follow",
+                                            FLAGS_FIX), words
+    flags.write_text("max-model-len: 4096\n")
+    assert flags_key_problem(["--config", str(flags), "--api-server-count", "2"]) is None
     for text in ("api-key: [unclosed\n", "- a list\n"):
         flags.write_text(text)
-        with pytest.raises(KeyUnknown, match="the API key it may set is unknown to the proxy"):
-            argv_key(cfg(f"[--config, {flags}]"))
-        with pytest.raises(Exception, match="serve.args: vLLM's --config file"):
-            proxy_spec(cfg(f"[--config, {flags}]"), resolve("nobody"))
-    with pytest.raises(KeyUnknown):
-        argv_key(cfg("[--config, /nonexistent/flags.yaml]"))
+        what, fix = flags_key_problem(["--config", str(flags)])
+        assert "the API key it may set is unknown to the proxy" in what and fix == KEY_FIX
+    what, _ = flags_key_problem(["--config", "/nonexistent/flags.yaml"])
+    assert what == ("vLLM's --config file /nonexistent/flags.yaml does not exist here: the API key it may set is "
+                    "unknown to the proxy")
+    flags.write_text("api-key: in-flags\n")
+    cfg = parse_text(f"serve:\n  model: /m\n  env: {{VLLM_API_KEY: k-env}}\n  args: [--config, {flags}]\n"
+                     "  proxy: {enabled: true}\n", str(tmp_path / "g.yaml"))
+    assert proxy_spec(cfg, resolve("nobody")).env["GPUWARDEN_PROXY_API_KEY"] == "k-env"  # never the flags'

@@ -627,6 +627,42 @@ def test_a_squatter_on_the_port_is_never_taken_for_vllm(caplog):
     assert sup.state == BACKOFF and "not by vLLM's process group" in sup.problem
 
 
+def test_an_engine_behind_the_proxy_whose_config_file_gained_a_key_waits_to_start_and_starts_once_mended(
+        tmp_path, caplog):
+    """Attacker 15: vLLM reads its --config file again at each start, so a key written there without a reload reached
+    the engine at its next crash's restart, and the proxy, given the environment's key or none, split from it (every
+    client refused, or vLLM's unguarded paths open). Behind the proxy each start reads the file first: one with a key
+    waits, says why once, counts no failure and goes on once the file is mended."""
+    import dataclasses
+
+    from gpuwarden.serving.run.supervisor import PREFLIGHT_RETRY_S
+
+    caplog.set_level("INFO")
+    flags = tmp_path / "flags.yaml"
+    flags.write_text("max-num-seqs: 4\n")
+    sup, ops, clock = supervisor(crash_loop_failures=2)
+    sup.spec = dataclasses.replace(sup.spec, argv=(*sup.spec.argv, "--config", str(flags)), keyless_flags=True)
+    ops.health_ok = True
+    sup.start(clock.now)
+    sup.tick(clock.now)
+    assert sup.state == RUNNING and len(ops.children) == 1
+    flags.write_text("max-num-seqs: 4\napi-key: k-behind-the-proxy\n")  # edited, not reloaded
+    ops.exit[sup.child.pid] = 1  # then the engine crashes
+    for _ in range(6):
+        clock.advance(PREFLIGHT_RETRY_S + 30)
+        sup.tick(clock.now)
+    assert sup.state == BACKOFF and sup.blocked and len(ops.children) == 1, sup.state
+    assert sup.problem == ("with the proxy on, vLLM's flags give it an API key (--api-key, or api-key in its --config "
+                           "file), which the proxy cannot follow: give it as VLLM_API_KEY in serve.env_file or the "
+                           "systemd credential instead, and reload")
+    assert caplog.text.count("vLLM start waits") == 1 and "k-behind-the-proxy" not in caplog.text
+    flags.write_text("max-num-seqs: 4\n")
+    clock.advance(PREFLIGHT_RETRY_S)
+    sup.tick(clock.now)
+    sup.tick(clock.now)
+    assert sup.state == RUNNING and len(ops.children) == 2, "never FATAL: a wait counts no failure"
+
+
 def test_a_start_that_loses_its_port_to_a_local_user_waits_and_never_counts_to_fatal():
     """A local user who binds the engine's own address and port at each start, after our preflight found it
     free and before the engine binds (seconds of imports for vLLM), answering /health or not: each start was a

@@ -7,9 +7,9 @@ test that needs it. Engine starts are counted from the daemons' own log lines (c
 "vLLM starting (pid ...)" line of a real vLLM command is one start of the CPU vLLM, carried to xdist's controller
 in the report's user_properties.
 
-The real tier runs alone on one worker (tests/run), so its summed seconds are its wall time: past
-REAL_BUDGET_S the run fails and names its slowest tests, so that a new real-part test shares a start or a boot
-instead of adding one.
+The real tier runs alone on one worker (tests/run), so its summed seconds are its wall time; past
+REAL_STARTS_MAX engine starts the run fails and names the tests that started them, so that a new real-part test
+shares a start instead of adding one.
 """
 
 from __future__ import annotations
@@ -28,10 +28,12 @@ PARTS = (
 KEYWORD = "budget-part:"
 TIER = "budget-tier:"
 ENGINE_STARTS = "engine_starts"
-# The real tier's seconds on the 2-core machine, alone: 1,498 s in a fresh clone's run of 7bf18ff (the nspawn boot's
-# systemctl restart check added 110 s; docs/development.md), with 15 % to spare (CI's machine ran the real tier 10 %
-# slower than this one). A new real-part test that passes it shares a start instead of adding one.
-REAL_BUDGET_S = float(os.environ.get("GPUWARDEN_REAL_BUDGET_S", "1750"))
+# The real tier's budget is counted, not timed: the CPU vLLM's engine starts (about 30 s of both cores each, the
+# most of the tier's time) that the daemons of one whole run log. A run past it fails and names the tests that
+# started engines, so that a new real-part test shares a start instead of adding one. The tier's seconds are
+# printed beside the count (a fresh clone's figures: docs/development.md), never failed on: a slow or busy box
+# would fail a run whose tests all passed (CI's machine ran the tier 22 % slower than this one, on b167952).
+REAL_STARTS_MAX = int(os.environ.get("GPUWARDEN_REAL_STARTS_MAX", "15"))
 
 
 def part_of(markers: set[str], fixtures: set[str]) -> str:
@@ -104,12 +106,12 @@ class Budget:
         return out
 
     def over_budget(self) -> list[str]:
-        """Lines saying the real tier passed its budget, naming its slowest tests; empty while within."""
-        real = self.tier_seconds().get("real", 0.0)
-        if real <= REAL_BUDGET_S:
+        """Lines saying the real tier started more engines than its budget, naming the tests that started them;
+        empty while within."""
+        starts = sum(self.starts.values())
+        if starts <= REAL_STARTS_MAX:
             return []
-        slowest = sorted((s, t) for t, s in self.per_test.items() if self.tier_of_test.get(t) == "real")[::-1]
-        out = [f"the real tier took {real:.0f} s, past its budget of {REAL_BUDGET_S:.0f} s "
-               "(tests/harness/budget.py): share an engine start or a boot rather than add one. The slowest:"]
-        out += [f"  {s:7.1f} s  {t}" for s, t in slowest[:10]]
+        out = [f"the real tier started {starts} vLLM engines, past its budget of {REAL_STARTS_MAX} "
+               "(tests/harness/budget.py): share an engine start rather than add one. The tests that started them:"]
+        out += [f"  {n:3d}  {t}" for t, n in sorted(self.starts.items(), key=lambda kv: -kv[1]) if n]
         return out

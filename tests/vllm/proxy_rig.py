@@ -12,6 +12,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import yaml
+
 HERE = Path(__file__).resolve().parent
 FULL_RULES = ("--rules", "billing_header,cache_control,sort_tools,date_line")
 
@@ -35,6 +37,10 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float, log: Path) ->
     raise RuntimeError(f"{url} not healthy within {timeout:g} s: {log.read_text()[-3000:]}")
 
 
+# the cpu-tiny profile's environment (its eager backend, its unpinned thread), as a daemon gives its engine
+PROFILE_ENV = yaml.safe_load((HERE / "cpu-tiny.yaml").read_text())["env"]
+
+
 class Rig:
     def __init__(self, vllm_python: Path, model: Path, workdir: Path, proxy_args=FULL_RULES,
                  gpuwarden=(sys.executable, "-m", "gpuwarden"), env=None):
@@ -49,7 +55,7 @@ class Rig:
                      "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.engine_port),
                      "--kv-cache-memory-bytes", "1073741824", "--max-model-len", "16384", "--enable-prefix-caching",
                      "--chat-template", str(HERE / "tools_first.jinja"), "--enable-auto-tool-choice",
-                     "--tool-call-parser", "hermes"], engine_log, {**os.environ, "VLLM_SERVER_DEV_MODE": "1"})
+                     "--tool-call-parser", "hermes"], engine_log, {**os.environ, **PROFILE_ENV, "VLLM_SERVER_DEV_MODE": "1"})
         wait_healthy(self.engine, self.procs[-1], 600, engine_log)
         from agent_session import TIMESTAMP_RULE
 

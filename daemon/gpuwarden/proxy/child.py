@@ -22,7 +22,7 @@ from ..serving.compose.homes import let_group_in
 from ..serving.compose.identity import Identity
 from ..serving.run.kinds import ChildKind
 from ..serving.run.spec import ChildSpec, Timing
-from ..serving.compose.apikey import KEY_FIX, KeyUnknown, engine_key
+from ..serving.compose.apikey import engine_key
 from .keys import ENV as KEY_ENV
 from .normalize import SWITCHES
 
@@ -66,10 +66,7 @@ def proxy_spec(config: Config, identity: Identity) -> ChildSpec | None:
         prepare_dump_dir(p.dump_dir, identity)
     env = child_env(os.environ, sys.executable)
     env["PYTHONPATH"] = PACKAGE_PARENT
-    try:
-        key = engine_key(config)
-    except KeyUnknown as exc:  # the start or the reload refuses the config (prepare.blocking says the same)
-        raise config.error(("serve", "args"), str(exc), KEY_FIX) from None
+    key = engine_key(config)  # a key in vLLM's flags is refused with the proxy on (prepare.blocking)
     if key:  # the proxy asks it on every path: vLLM asks it under /v1 alone (proxy/keys.py)
         env[KEY_ENV] = key
     timing = Timing.of(config.serve, startup_timeout_s=min(60.0, config.serve.startup_timeout_s))

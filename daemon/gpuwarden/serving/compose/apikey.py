@@ -5,25 +5,27 @@ changes it must restart both."""
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from ...base.yamlfile import ConfigError, InvalidConfig
 from ...config import Config
+from ..lint.flags import canonical, flag_value
 from .prepare import child_secrets
 
 KEY_ENV = "GPUWARDEN_PROXY_API_KEY"  # in the proxy's environment (proxy/keys.py reads it)
 
 
 def engine_key(config: Config) -> str | None:
-    """The vLLM engine's API key, as the engine gets it (serve.env, the credential, serve.env_file); None: none, or
-    another engine (vLLM's own check is the one known to skip paths)."""
+    """The vLLM engine's API key, as the engine gets it from its environment (serve.env, the credential,
+    serve.env_file); None: none, or another engine (vLLM's own check is the one known to skip paths). With the proxy
+    on, a key in vLLM's own flags is refused (flags_key_problem), so this is the very key the engine runs with."""
     if config.serve.engine != "vllm":
         return None
     try:
         secrets = child_secrets(config)
     except InvalidConfig:
         secrets = {}  # the engine's start says so, in its own line
-    return secrets.get("VLLM_API_KEY") or dict(config.serve.env).get("VLLM_API_KEY") or argv_key(config) or None
+    return secrets.get("VLLM_API_KEY") or dict(config.serve.env).get("VLLM_API_KEY") or None
 
 
 class KeyUnknown(Exception):
@@ -31,24 +33,25 @@ class KeyUnknown(Exception):
 
 
 def argv_key(config: Config) -> str | None:
-    """A key given to vLLM in its arguments: --api-key (the lint's error: a key on a command line), or `api-key` in
-    the YAML file --config names (vLLM reads its flags from it; attacker 13: the proxy, not told, asked none), read
-    as vLLM reads it (a number is its text). Raises KeyUnknown where such a file cannot be read or parsed here (one of
-    serve.user's own, 0600, is unreadable to root under the unit; attacker 15: the proxy then asked no key)."""
+    """A key given to vLLM in the config's command and arguments (flags_key)."""
+    return flags_key([*config.serve.command, *config.serve.args])
+
+
+def flags_key(words: Sequence[str]) -> str | None:
+    """A key given to vLLM in its flags: --api-key in any spelling its parser takes (--api_key, a prefix), or
+    `api-key` in the YAML file --config names (vLLM reads its flags from it), read as vLLM reads it (a number is its
+    text). Raises KeyUnknown where such a file cannot be read or parsed here (one of serve.user's own, 0600, is
+    unreadable to root under the unit)."""
     import yaml  # noqa: PLC0415
 
     from ...base import smallfile  # noqa: PLC0415
 
-    words = [*config.serve.command, *config.serve.args]
-    found = None
+    found = flag_value(words, "--api-key", prefix=True)
     for i, word in enumerate(words):
-        flag, _, value = word.partition("=")
-        if flag not in ("--api-key", "--config"):
+        flag, _, value = canonical(word).partition("=")
+        if flag != "--config":
             continue
         value = value or (words[i + 1] if i + 1 < len(words) else "")
-        if flag == "--api-key":
-            found = value or found
-            continue
         path = os.path.join("/", value)  # relative: to the engine's working directory, / (identity.popen)
         try:
             data = smallfile.read(path, 1 << 20, follow=True)
@@ -64,13 +67,30 @@ def argv_key(config: Config) -> str | None:
                              "is unknown to the proxy")
         key = (doc or {}).get("api-key", (doc or {}).get("api_key"))
         if isinstance(key, list) and key:
-            key = key[0]  # vLLM takes several; the proxy asks the first
+            key = key[0]  # vLLM takes several
         if isinstance(key, (str, int, float)) and not isinstance(key, bool) and str(key):
             found = str(key)
-    return found
+    return found or None
 
 
 KEY_FIX = "give the key in VLLM_API_KEY (serve.env_file or the systemd credential), or let root read the file"
+FLAGS_FIX = "give it as VLLM_API_KEY in serve.env_file or the systemd credential instead"
+
+
+def flags_key_problem(words: Sequence[str]) -> tuple[str, str] | None:
+    """Why vLLM's flags cannot run behind the proxy, and the fix: they give it an API key, or a --config file that
+    cannot be read here; None: they give none. The proxy asks the key on every path, so it must know the very key the engine runs
+    with, and only the engine's environment is fixed at its start: a key in its flags came from a file vLLM reads
+    again at each start, which an edit without a reload changes behind the proxy (attacker 15: every client then
+    refused, or vLLM's unguarded paths open with the key unasked)."""
+    try:
+        key = flags_key(words)
+    except KeyUnknown as exc:
+        return str(exc), KEY_FIX
+    if key is None:
+        return None
+    return ("with the proxy on, vLLM's flags give it an API key (--api-key, or api-key in its --config file), "
+            "which the proxy cannot follow", FLAGS_FIX)
 
 
 def secrets_changed(config: Config, running: Mapping[str, str]) -> bool:

@@ -67,12 +67,11 @@ class PreparedServe:
         if self.flags is not None and not self.flags.ok:
             problems.append(flag_problem(config, self.command, self.flags))
         if config.serve.proxy.enabled and config.serve.engine == "vllm":  # the proxy must know the engine's key
-            from .apikey import KEY_FIX, KeyUnknown, argv_key  # noqa: PLC0415 (apikey imports this module)
+            from .apikey import flags_key_problem  # noqa: PLC0415 (apikey imports this module)
 
-            try:
-                argv_key(config)
-            except KeyUnknown as exc:
-                problems.append(config.error(("serve", "args"), str(exc), KEY_FIX))
+            keyed = flags_key_problem([*config.serve.command, *config.serve.args])
+            if keyed:
+                problems.append(config.error(("serve", "args"), *keyed))
         # a container's command is the image's, not this host's (the shim says when the image has none)
         missing = None if config.serve.container else executable_problem(self.command.argv[0],
                                                                          self.command.env.get("PATH", os.defpath))

@@ -60,6 +60,8 @@ def main_spec(config: Config, parts: EngineParts) -> ChildSpec:
     answers and finds the cluster at RAY_ADDRESS, on another node its Ray node (no vLLM there)."""
     engine = engine_spec(config.serve, parts.command, parts.identity, parts.gpus, parts.version)
     engine = with_key_digest(engine, config)
+    if config.serve.proxy.enabled and config.serve.engine == "vllm":
+        engine = dataclasses.replace(engine, keyless_flags=True)
     if config.serve.container is not None:  # one host only: config refuses serve.nodes beside it
         return container_spec(engine, config.serve.container, config.gpu.backend == "sim")
     role = parts.command.role

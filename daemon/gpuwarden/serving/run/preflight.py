@@ -11,6 +11,7 @@ import signal
 from collections.abc import Sequence
 
 from ...gpu.base import Gpu
+from ..compose.apikey import flags_key_problem
 from ..compose.enginesock import clear_stale
 from .policy import Policy
 from .processes import Child, ProcessOps
@@ -79,7 +80,17 @@ def preflight(spec: ChildSpec, gpus: Sequence[Gpu], ops: ProcessOps, remains: Re
     if exiting:  # still exiting: SIGKILLed again, and waited for
         return exiting
     kill_leftovers_on(gpus, spec, ops)
-    return policy.blocks(now) or taken(gpus, spec, ops)
+    return policy.blocks(now) or keyed_flags(spec) or taken(gpus, spec, ops)
+
+
+def keyed_flags(spec: ChildSpec) -> str | None:
+    """Why an engine behind the proxy must not start with its flags as they are now: they give vLLM an API key the
+    proxy does not ask (its --config file edited since the start or the reload checked it); None: they give none.
+    The start waits, and the next try after the file is mended goes on."""
+    if not spec.keyless_flags:
+        return None
+    keyed = flags_key_problem(spec.argv)
+    return f"{keyed[0]}: {keyed[1]}, and reload" if keyed else None
 
 
 def kill_leftovers_on(gpus: Sequence[Gpu], spec: ChildSpec, ops: ProcessOps) -> None:

@@ -26,7 +26,7 @@ from ..compose.command import ServeCommand
 from ..compose.container import container_problems
 from ..lint.findings import INFO
 from ..probe.metrics import MetricsReader, ServingStats
-from ..compose.apikey import KEY_ENV, KeyUnknown, engine_key, secrets_changed
+from ..compose.apikey import KEY_ENV, engine_key, secrets_changed
 from ..compose.prepare import installed_for, prepare_serve
 from . import handover
 from .deepcheck import DeepCheck, due
@@ -462,13 +462,9 @@ def refuse_container(config: Config, launch: Launch | None) -> None:
 
 
 def key_rotated(config: Config, launch: Launch) -> bool:
-    """The engine's secrets or its API key differ from those it runs with: a key rotated in serve.env_file, or in
-    vLLM's --config file, restarts the engine with the proxy (attackers 13 and 14: the proxy alone restarted on the
-    new key, or nothing did, and the old key kept working)."""
+    """The engine's secrets or its API key differ from those it runs with: a key rotated in serve.env_file or
+    serve.env restarts the engine with the proxy (attackers 13 and 14: the proxy alone restarted on the new key, or
+    nothing did, and the old key kept working). A key in vLLM's own flags is refused with the proxy on."""
     proxy = next((spec for spec in launch.sides if spec.fronts_engine), None)
     given = proxy.env.get(KEY_ENV) if proxy is not None else None
-    try:
-        key = engine_key(config)
-    except KeyUnknown:
-        return True  # the reload's prepare refuses the config, in one line
-    return secrets_changed(config, launch.command.env) or (proxy is not None and key != given)
+    return secrets_changed(config, launch.command.env) or (proxy is not None and engine_key(config) != given)

@@ -102,6 +102,10 @@ class ChildSpec:
     # The Unix socket it listens on instead of host:port (the engine behind the proxy: serving/compose/enginesock.py;
     # port is then 0, and nothing listens on TCP); "": none.
     socket: str = ""
+    # The engine behind the proxy: each start waits while its flags give vLLM an API key (--api-key, or its --config
+    # file, which vLLM reads again at each start and an edit may change without a reload): the proxy asks the key
+    # of the engine's environment alone (serving/compose/apikey.flags_key_problem).
+    keyless_flags: bool = False
     # Who the process runs as where that is not identity (the container engine's shim: root without capabilities,
     # serving/compose/identity.shim_identity); identity is then the user its port and sockets belong to (the engine
     # inside the container runs as serve.user). None: identity.
