@@ -50,7 +50,7 @@ def vllm_start_blocked(view, _ctx=None) -> Check:
     waiting = view is not None and (view.problem or "").startswith("waiting for ")
     return Check(view is not None and view.blocked and not waiting,
                  f"{view.title} start waits: {view.problem}" if view else "",
-                 "the GPUs and the port must be free", "waiting")
+                 "the GPUs, the port and the engine's flags must let it start", "waiting")
 
 
 RULES = (
@@ -59,8 +59,9 @@ RULES = (
          vllm_stalled, for_s=0.0),
     Rule("vllm_fatal", CRITICAL, "fix the cause in the engine's error lines above, then `systemctl reload gpuwarden` "
          "to try again", vllm_fatal),
-    Rule("vllm_start_blocked", WARNING, "stop the process named here or free the memory or port; the engine starts "
-         "as soon as they are free", vllm_start_blocked),
+    Rule("vllm_start_blocked", WARNING, "do what the line says: stop the process named, free the memory or the port, "
+         "or mend the file named (a key in vLLM's --config file behind the proxy); the engine starts at the next try "
+         "after", vllm_start_blocked),
 )
 
 
