@@ -140,7 +140,7 @@ def test_the_container_engines_child_is_the_shim_run_as_root_without_capabilitie
 
     command = composed(vllm="0.32.0").command
     plain = engine_spec(serve, command, me(), [])
-    spec = container_spec(plain, serve.container, simulated=True)
+    spec = container_spec(plain, serve.container, simulated=True, port=8123)
     found = launch_in(spec.argv)
     assert spec.argv == shim_argv(found) and spec.argv[0] == sys.executable
     assert found.argv == plain.argv and found.gpus == () and found.user == "999:995"
@@ -154,3 +154,25 @@ def test_the_container_engines_child_is_the_shim_run_as_root_without_capabilitie
     assert not any(k.endswith("CUDA_VISIBLE_DEVICES") for k in spec.env)
     assert launch_in(("python3", "-m", "vllm")) is None and launch_in((*spec.argv[:-1], "{}")) is None
     assert isinstance(spec.timing, Timing)
+
+
+def test_behind_the_proxy_the_container_engine_listens_on_its_socket_whose_folder_alone_is_mounted_writable(
+        tmp_path, monkeypatch):
+    """Issue 53: the engine in a container listened on serve.port, so a local user reached vLLM past the proxy's
+    key (vLLM guards /v1 alone: /invocations answered anyone). Behind the proxy it listens on its Unix socket, as a
+    process engine does: the socket's folder is mounted at its own path, read-write, and nothing listens on TCP."""
+    monkeypatch.setenv("STATE_DIRECTORY", str(tmp_path / "state"))
+    text = "  port: 8124\n  proxy: {enabled: true}\n  container: {image: 'localhost/e:1'}\n"
+    serve = parse(f"serve:\n  model: /m/Qwen3-4B\n{text}").serve
+    from test_drain import composed
+
+    plain = engine_spec(serve, composed(text).command, me(), [])
+    socket = str(tmp_path / "state" / "engine" / "8124.sock")
+    assert plain.socket == socket and plain.port == 0
+    spec = container_spec(plain, serve.container, simulated=True, port=serve.port)
+    found = launch_in(spec.argv)
+    assert found.name == "gpuwarden-vllm-8124" and spec.socket == socket
+    assert found.argv[found.argv.index("--uds") + 1] == socket and "--port" not in found.argv
+    folder = str(tmp_path / "state" / "engine")
+    assert Mount(folder, folder, False) in found.mounts
+    assert [m for m in found.mounts if not m.read_only] == [Mount(folder, folder, False)]  # the model stays read-only

@@ -62,8 +62,6 @@ def _socket_or_why_not(serve: ServeConfig, engine, environ: Mapping[str, str]) -
         return None, f"{engine.title} has no flag to listen on a Unix socket"
     if serve.nodes is not None:
         return None, "a multi-node engine's head listens on TCP (its ranks and Ray reach it there)"
-    if serve.container is not None:
-        return None, "an engine in a container listens on TCP (the socket's folder is not mounted into it)"
     path = str(socket_dir(environ) / f"{serve.port}.sock")  # named by serve.port: one per daemon of the host
     if len(os.fsencode(path)) > MAX_PATH:
         return None, f"the socket's path {path} is longer than a Unix socket's {MAX_PATH} bytes"

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 from ...base.background import Background
 from ...base.containerapi import Runtime
-from ...config import ContainerConfig
+from ...config import ContainerConfig, Mount
 from ..compose.command import CHILD_PATH
 from ..compose.container import ENV_PREFIX, LABEL_OWNER, ContainerLaunch, inside_env, launch_of, owned
 from ..compose.drain import DRAIN_MARGIN_S
@@ -54,7 +54,8 @@ class ContainerPolicy(Policy):
                 log.warning("%s: the containers an earlier engine left were not looked for: %s", spec.title,
                             outcome.error)
         launch = launch_in(spec.argv)
-        if launch is None or self.program.ops.port_free(spec.host, spec.port):
+        # on its socket nothing is in the way: the preflight removes a stale one, the shim the container of its name
+        if launch is None or spec.socket or self.program.ops.port_free(spec.host, spec.port):
             return None
         if not self._own.busy:
             if self.swept:
@@ -107,18 +108,24 @@ def launch_in(argv: tuple[str, ...]) -> ContainerLaunch | None:
 SHIM_MARGIN_S = 15.0  # past the runtime's own stop: its API round trips and the removal
 
 
-def container_spec(spec: ChildSpec, container: ContainerConfig, simulated: bool,
+def container_spec(spec: ChildSpec, container: ContainerConfig, simulated: bool, port: int,
                    environ: Mapping[str, str] = os.environ) -> ChildSpec:
     """The engine's spec with its command run in a container: the child is the shim, run as root without
     capabilities, on the engine's command and environment (their values in the shim's environment, never its
-    argv); the engine's port stays serve.user's. The runtime's stop waits for the drain and its margin before its
-    SIGKILL, and the supervisor's SIGKILL of the shim comes after that. On the simulator no GPU is given to the
-    container (there is none)."""
+    argv); the engine's port, or its socket, stays serve.user's. Behind the proxy the engine listens on its Unix
+    socket as a process engine does (serving/compose/enginesock.py): the socket's folder (root's and serve.user's
+    group's, 0770) is mounted at its own path, and nothing listens on TCP, so no local user reaches the engine past
+    the proxy's key. The container is named by serve.port (port), which names the socket too. The runtime's stop
+    waits for the drain and its margin before its SIGKILL, and the supervisor's SIGKILL of the shim comes after
+    that. On the simulator no GPU is given to the container (there is none)."""
     identity = spec.identity
     stop_s = int(spec.drain_s + DRAIN_MARGIN_S) if spec.drain_s else int(spec.timing.stop_timeout_s)
     gpus = () if simulated else tuple(str(g.index) for g in spec.gpus)
     env = inside_env(spec.env)
-    launch = launch_of(container, spec.name, spec.port, spec.argv, env, identity.uid, identity.gid,
+    if spec.socket:
+        folder = os.path.dirname(spec.socket)
+        container = dataclasses.replace(container, mounts=(*container.mounts, Mount(folder, folder, False)))
+    launch = launch_of(container, spec.name, port, spec.argv, env, identity.uid, identity.gid,
                        identity.groups, spec.model, gpus, stop_s)
     shim_env = {"PATH": CHILD_PATH, **{ENV_PREFIX + k: v for k, v in env.items()}}
     for name in ("PYTHONPATH", "LANG"):  # the daemon's own (PYTHONPATH where it runs from a checkout)

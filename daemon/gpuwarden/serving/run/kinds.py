@@ -63,7 +63,7 @@ def main_spec(config: Config, parts: EngineParts) -> ChildSpec:
     if config.serve.proxy.enabled and config.serve.engine == "vllm":
         engine = dataclasses.replace(engine, keyless_flags=True)
     if config.serve.container is not None:  # one host only: config refuses serve.nodes beside it
-        return container_spec(engine, config.serve.container, config.gpu.backend == "sim")
+        return container_spec(engine, config.serve.container, config.gpu.backend == "sim", config.serve.port)
     role = parts.command.role
     if role is None or role.nodes.backend != "ray":
         return engine
