@@ -11,6 +11,7 @@ import json
 import os
 import pwd
 import signal
+import stat
 import subprocess
 import threading
 import time
@@ -21,6 +22,7 @@ import pytest
 
 from conftest import free_port, gpuwarden_cmd, subprocess_env
 from gpuwarden.serving.compose.container import LABEL_CHILD, LABEL_HOST, LABEL_OWNER, host_id
+from gpuwarden.serving.run.ports import port_free
 from harness.podman_rig import IMAGE, fake_vllm_dist
 
 pytestmark = pytest.mark.podman
@@ -161,7 +163,8 @@ def test_a_reload_that_changes_the_image_drains_the_old_container_and_fails_no_r
         podman, write, daemons, tmp_path, child_user, proxy_daemon):
     """The reload's restart of a process engine, for a container: the proxy is told first and holds new requests,
     the old container drains those in flight (the runtime's stop, with the drain's timeout), the new image's
-    container serves the held ones; a steady client through the proxy sees no failed request."""
+    container serves the held ones; a steady client through the proxy sees no failed request. The engine listens on
+    its Unix socket, not on TCP, as a process engine behind the proxy does."""
     from test_planned_restart import Clients
 
     second = podman.image() + "-again"
@@ -174,6 +177,11 @@ def test_a_reload_that_changes_the_image_drains_the_old_container_and_fails_no_r
         d.wait_for("vLLM healthy after", timeout=180)
         d.wait_for("the proxy healthy after", timeout=60)
         (old,) = podman.labelled(LABEL_OWNER, owner)
+        # behind the proxy the engine listens on its socket, mounted from the state directory, and on no TCP port:
+        # no local user reaches it past the proxy's key
+        socket_path = state / "engine" / f"{port}.sock"
+        assert stat.S_ISSOCK(socket_path.stat().st_mode)
+        assert port_free("127.0.0.1", port), "the container engine listens on TCP behind the proxy"
         slow = Clients(proxy_port)
         slow.stop()  # none: only its one() for the two in flight
         long = [threading.Thread(target=slow.one, args=(3,), daemon=True) for _ in range(2)]
