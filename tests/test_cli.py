@@ -131,6 +131,24 @@ def test_check_finds_what_run_would_refuse(write, cli, child_user, serve, says):
     assert status == 78 and says in err, err
 
 
+@pytest.mark.process
+@pytest.mark.parametrize("profile, says", [
+    ("env: {VLLM_API_KEY: in-the-profile}\nargs: []\n",
+     "serve.profile: with the proxy on, the profile's env gives vLLM VLLM_API_KEY, which the proxy cannot follow"),
+    ("args: [--config, FLAGS]\n", "serve.args: with the proxy on, vLLM's flags give it an API key"),
+], ids=["env", "config"])
+def test_check_refuses_a_key_a_profile_gives_vllm_behind_the_proxy(write, cli, child_user, tmp_path, profile, says):
+    """Attacker 16: a profile's env or args gave vLLM a key the proxy did not ask (check said OK; with --config in
+    the profile's args the first start then waited for ever)."""
+    flags = write("flags.yaml", "api-key: in-flags\n")
+    write("profiles.d/keyed.yaml", "name: keyed\ndescription: a key in a profile\n" + profile.replace("FLAGS", str(flags)))
+    status, _, err = cli("check", "-c", write("g.yaml", (
+        "gpu:\n  backend: sim\n  scenario: rtx-pro-4000-headless\nserve:\n  enabled: true\n  model: /m/Qwen3-4B\n"
+        f"  user: {child_user}\n  profile: keyed\n  proxy: {{enabled: true}}\n"
+        "  command: [/usr/bin/python3, -m, vllm.entrypoints.openai.api_server]\n")))
+    assert status == 78 and says in err, err
+
+
 # The commands of 0.2, in the order `gpuwarden --help` lists them; a new command may come anywhere among them.
 LISTED = ["check", "plan", "apply", "cleanup", "run", "profiles", "doctor", "status", "bench", "tune", "proxy"]
 NOT_COMMANDS = {"common", "main", "registry"}  # the modules of cli/ that serve every command

@@ -176,3 +176,24 @@ def test_behind_the_proxy_the_container_engine_listens_on_its_socket_whose_folde
     folder = str(tmp_path / "state" / "engine")
     assert Mount(folder, folder, False) in found.mounts
     assert [m for m in found.mounts if not m.read_only] == [Mount(folder, folder, False)]  # the model stays read-only
+
+
+def test_a_container_engine_behind_the_proxy_waits_to_start_while_its_config_file_has_a_key(tmp_path, monkeypatch):
+    """Attacker 16: the engine's spec argv is the shim's, so the check before each start (preflight.keyed_flags)
+    read no --config file there, and a key written into it without a reload reached the container's next start."""
+    import dataclasses
+
+    from gpuwarden.serving.run.preflight import keyed_flags
+
+    monkeypatch.setenv("STATE_DIRECTORY", str(tmp_path / "state"))
+    flags = tmp_path / "flags.yaml"
+    flags.write_text("max-num-seqs: 4\n")
+    text = f"  port: 8125\n  args: [--config, {flags}]\n  proxy: {{enabled: true}}\n  container: {{image: 'e:1'}}\n"
+    serve = parse(f"serve:\n  model: /m/Qwen3-4B\n{text}").serve
+    from test_drain import composed
+
+    plain = dataclasses.replace(engine_spec(serve, composed(text).command, me(), []), keyless_flags=True)
+    spec = container_spec(plain, serve.container, simulated=True, port=serve.port)
+    assert keyed_flags(spec) is None
+    flags.write_text("max-num-seqs: 4\napi-k: written-later\n")
+    assert keyed_flags(spec).startswith("with the proxy on, vLLM's flags give it an API key")

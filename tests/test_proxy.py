@@ -679,3 +679,47 @@ def test_a_key_in_vllms_flags_or_a_config_file_the_daemon_cannot_read_is_refused
     cfg = parse_text(f"serve:\n  model: /m\n  env: {{VLLM_API_KEY: k-env}}\n  args: [--config, {flags}]\n"
                      "  proxy: {enabled: true}\n", str(tmp_path / "g.yaml"))
     assert proxy_spec(cfg, resolve("nobody")).env["GPUWARDEN_PROXY_API_KEY"] == "k-env"  # never the flags'
+
+
+@pytest.mark.parametrize("words, flags_file", [
+    (["--api-key.x", "K"], None), (["--api-k.x", "K"], None), (["--api_ke=K"], None),
+    (["env", "VLLM_API_KEY=K", "vllm", "serve"], None), (["sh", "-c", "exec vllm serve --api-key K \"$@\"", "sh"], None),
+    (["sh", "-c", "VLLM_API_KEY=K exec vllm serve"], None),
+    ([], "api-k: abbrevkey16\n"), ([], "api_ke: K\n"), ([], "\"api-key=K\": true\n"), ([], "api-key.x: K\n"),
+    ([], "api-key: 2026-12-03\n"), ([], "api-key: ['', K]\n"), ([], "api-key: {a: b}\n"), ([], "api-key:\n"),
+], ids=lambda v: repr(v)[:40])
+def test_every_spelling_vllm_takes_for_its_key_is_seen_in_its_words_and_its_config_file(tmp_path, words, flags_file):
+    """Attacker 16: spellings vLLM 0.32's parser takes (argparse's prefixes, `--flag.field`, and the keys of its
+    --config file, which it turns into `--KEY VALUE` words before parsing) and wrappers in serve.command (`env
+    VLLM_API_KEY=K`, a shell's string) passed `check` with the proxy on, and a crash's restart started on them."""
+    from gpuwarden.serving.compose.apikey import flags_key_problem
+
+    if flags_file is not None:
+        flags = tmp_path / "flags.yaml"
+        flags.write_text(flags_file)
+        words = ["--config", str(flags)]
+    assert flags_key_problem(words) is not None, words
+
+
+def test_what_names_no_key_is_not_taken_for_one_and_a_large_config_file_is_refused_unparsed(tmp_path):
+    from gpuwarden.serving.compose.apikey import CONFIG_MAX_BYTES, flags_key_problem
+
+    flags = tmp_path / "flags.yaml"
+    flags.write_text("max-num-seqs: 4\napi-server-count: 2\nenable-prefix-caching: true\n")
+    for words in (["--config", str(flags)], ["--api-server-count", "2"], ["sh", "-c", "exec vllm serve --port 1"],
+                  ["env", "CUDA_VISIBLE_DEVICES=0", "vllm"]):
+        assert flags_key_problem(words) is None, words
+    flags.write_text("# " + "x" * CONFIG_MAX_BYTES + "\n")  # 1 MiB took 11.8 s to parse on the daemon's loop
+    what, _ = flags_key_problem(["--config", str(flags)])
+    assert what.startswith(f"vLLM's --config file {flags} cannot be read here") and len(what) < 400
+
+
+def test_secrets_in_a_wrapper_command_never_reach_a_log_whole():
+    """Attacker 16: `env VLLM_API_KEY=K vllm ...` and `sh -c '... --api-key K'` in serve.command were printed whole
+    in the "vLLM starting" line and by `check`."""
+    from gpuwarden.serving.compose.secrets import redact_argv
+
+    shown = redact_argv(["env", "VLLM_API_KEY=sk-1", "HF_TOKEN=hf-2", "vllm", "serve", "--api-key.x", "sk-3",
+                         "sh", "-c", "exec vllm serve --api-key sk-4 --hf_token=hf-5 \"$@\""])
+    assert not [w for w in shown if any(s in w for s in ("sk-1", "hf-2", "sk-3", "sk-4", "hf-5"))], shown
+    assert shown[:2] == ["env", "VLLM_API_KEY=<redacted>"] and "--port" not in " ".join(shown)

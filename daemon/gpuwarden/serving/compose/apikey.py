@@ -5,11 +5,12 @@ changes it must restart both."""
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping, Sequence
 
 from ...base.yamlfile import ConfigError, InvalidConfig
 from ...config import Config
-from ..lint.flags import canonical, flag_value
+from ..lint.flags import canonical, names_flag
 from .prepare import child_secrets
 
 KEY_ENV = "GPUWARDEN_PROXY_API_KEY"  # in the proxy's environment (proxy/keys.py reads it)
@@ -37,40 +38,69 @@ def argv_key(config: Config) -> str | None:
     return flags_key([*config.serve.command, *config.serve.args])
 
 
+CONFIG_MAX_BYTES = 64 << 10  # a file of flags; a larger one is refused, not parsed on the daemon's loop
+SET = "<set>"  # flags_key's answer where a key is given but its value is not read here (in a shell's string)
+ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*API_KEY=")  # `env VLLM_API_KEY=K vllm ...` in serve.command
+SHELL_KEY = re.compile(r"(?<![^\s'\"])--api[-_]k|(?<![A-Za-z0-9_])VLLM_API_KEY=")  # `sh -c '... --api-key K'`
+
+
 def flags_key(words: Sequence[str]) -> str | None:
-    """A key given to vLLM in its flags: --api-key in any spelling its parser takes (--api_key, a prefix), or
-    `api-key` in the YAML file --config names (vLLM reads its flags from it), read as vLLM reads it (a number is its
-    text). Raises KeyUnknown where such a file cannot be read or parsed here (one of serve.user's own, 0600, is
-    unreadable to root under the unit)."""
-    import yaml  # noqa: PLC0415
-
-    from ...base import smallfile  # noqa: PLC0415
-
-    found = flag_value(words, "--api-key", prefix=True)
+    """A key given to vLLM in its words: --api-key in any spelling its parser takes (--api_key, a prefix,
+    --api-key.field), the same spellings as keys of the YAML file --config names (vLLM turns each key of it into
+    `--KEY VALUE` before it parses: `api-k:`, `"api-key=K": true`), an `NAME_API_KEY=` word (an `env` wrapper),
+    or either inside a shell's string (`sh -c '... --api-key K'`; SET, its value unread). Raises KeyUnknown where
+    such a file cannot be read or parsed here (one of serve.user's own, 0600, is unreadable to root under the unit;
+    one over CONFIG_MAX_BYTES is not parsed)."""
+    words = list(words)
+    expanded: list[str] = []
     for i, word in enumerate(words):
+        expanded.append(word)
         flag, _, value = canonical(word).partition("=")
         if flag != "--config":
             continue
         value = value or (words[i + 1] if i + 1 < len(words) else "")
-        path = os.path.join("/", value)  # relative: to the engine's working directory, / (identity.popen)
-        try:
-            data = smallfile.read(path, 1 << 20, follow=True)
-            doc = yaml.safe_load(data) if data is not None else None
-        except (smallfile.Unreadable, OSError, yaml.YAMLError, RecursionError) as exc:
-            raise KeyUnknown(f"vLLM's --config file {path} cannot be read here ({type(exc).__name__}: "
-                             f"{str(exc)[:200]}): the API key it may set is unknown to the proxy") from None
-        if data is None:
-            raise KeyUnknown(f"vLLM's --config file {path} does not exist here: the API key it may set is unknown to "
-                             "the proxy")
-        if not isinstance(doc, (dict, type(None))):
-            raise KeyUnknown(f"vLLM's --config file {path} is not a mapping of flags here: the API key it may set "
-                             "is unknown to the proxy")
-        key = (doc or {}).get("api-key", (doc or {}).get("api_key"))
-        if isinstance(key, list) and key:
-            key = key[0]  # vLLM takes several
-        if isinstance(key, (str, int, float)) and not isinstance(key, bool) and str(key):
-            found = str(key)
-    return found or None
+        expanded += config_words(os.path.join("/", value))  # relative: to the engine's working directory, /
+    found = None
+    for i, word in enumerate(expanded):
+        if names_flag(word, "--api-key", prefix=True) and word.startswith("--"):
+            value = word.partition("=")[2] if "=" in word else (expanded[i + 1] if i + 1 < len(expanded) else "")
+            found = value or SET
+        elif ENV_KEY.match(word):
+            found = word.partition("=")[2] or SET
+        elif any(c.isspace() for c in word) and SHELL_KEY.search(word):
+            found = SET
+    return found
+
+
+def config_words(path: str) -> list[str]:
+    """The words vLLM makes of its --config file: `--KEY VALUE` for each key, each item of a list after it, a bare
+    `--KEY` for true. KeyUnknown where it cannot be read or parsed here."""
+    import yaml  # noqa: PLC0415
+
+    from ...base import smallfile  # noqa: PLC0415
+
+    try:
+        data = smallfile.read(path, CONFIG_MAX_BYTES, follow=True)
+        doc = yaml.load(data, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)) if data is not None else None
+    except (smallfile.Unreadable, OSError, yaml.YAMLError, RecursionError, ValueError) as exc:
+        raise KeyUnknown(f"vLLM's --config file {path} cannot be read here ({type(exc).__name__}: "
+                         f"{str(exc)[:200]}): the API key it may set is unknown to the proxy") from None
+    if data is None:
+        raise KeyUnknown(f"vLLM's --config file {path} does not exist here: the API key it may set is unknown to "
+                         "the proxy")
+    if not isinstance(doc, (dict, type(None))):
+        raise KeyUnknown(f"vLLM's --config file {path} is not a mapping of flags here: the API key it may set "
+                         "is unknown to the proxy")
+    out: list[str] = []
+    for key, value in (doc or {}).items():
+        flag = f"--{key}"
+        if value is True:
+            out.append(flag)
+        elif isinstance(value, list):
+            out += [flag, *(str(v) if v not in (None, "") else SET for v in value)] if value else [flag]
+        else:
+            out += [flag, str(value) if value not in (None, "") else SET]
+    return out
 
 
 KEY_FIX = "give the key in VLLM_API_KEY (serve.env_file or the systemd credential), or let root read the file"

@@ -67,11 +67,15 @@ class PreparedServe:
         if self.flags is not None and not self.flags.ok:
             problems.append(flag_problem(config, self.command, self.flags))
         if config.serve.proxy.enabled and config.serve.engine == "vllm":  # the proxy must know the engine's key
-            from .apikey import flags_key_problem  # noqa: PLC0415 (apikey imports this module)
+            from .apikey import FLAGS_FIX, engine_key, flags_key_problem  # noqa: PLC0415 (apikey imports this)
 
-            keyed = flags_key_problem([*config.serve.command, *config.serve.args])
+            keyed = flags_key_problem(self.command.argv)  # the profile's args and serve.command's words too
             if keyed:
                 problems.append(config.error(("serve", "args"), *keyed))
+            given = self.command.env.get("VLLM_API_KEY")
+            if given and given != engine_key(config):  # a profile's env (attacker 16): the engine's, not the proxy's
+                problems.append(config.error(("serve", "profile"), "with the proxy on, the profile's env gives vLLM "
+                                             "VLLM_API_KEY, which the proxy cannot follow", FLAGS_FIX))
         # a container's command is the image's, not this host's (the shim says when the image has none)
         missing = None if config.serve.container else executable_problem(self.command.argv[0],
                                                                          self.command.env.get("PATH", os.defpath))

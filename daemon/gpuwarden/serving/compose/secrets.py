@@ -41,11 +41,20 @@ def redact_env(env: Mapping[str, str]) -> dict[str, str]:
     return {k: (REDACTED if is_secret(k) and v else USERINFO.sub(REDACTED + "@", v)) for k, v in env.items()}
 
 
+SECRET_ASSIGNMENT = re.compile(r"(?<![A-Za-z0-9_])([A-Za-z_][A-Za-z0-9_]*(?:API_KEY|TOKEN|SECRET|PASSWORD)=)(\S*)")
+SECRET_IN_SHELL = re.compile(r"(?<![^\s'\"])(--(?:api[-_]k|hf[-_]t|ssl[-_]keyfile[-_]p)[\w.-]*(?:=|\s+))(\S+)")
+
+
 def redact_argv(argv: Sequence[str]) -> list[str]:
     """argv with every value of a secret flag replaced: `--api-key=X`, and each word after `--api-key` up to the
-    next flag (vLLM's --api-key takes several keys)."""
+    next flag (vLLM's --api-key takes several keys); and in any word, a secret's assignment (`VLLM_API_KEY=X`: an
+    `env` wrapper in serve.command) and a secret flag's value inside a shell's string (`sh -c '... --api-key X'`;
+    attacker 16: both reached the journal and `check` whole)."""
     out, hide = [], False
     for i, arg in enumerate(argv):
+        arg = SECRET_ASSIGNMENT.sub(lambda m: m.group(1) + REDACTED, arg)
+        if any(c.isspace() for c in arg):
+            arg = SECRET_IN_SHELL.sub(lambda m: m.group(1) + REDACTED, arg)
         # After a secret flag its value, whatever it looks like (argparse takes "-4242" as one), then any more
         # words that are not flags (vLLM's --api-key takes several keys).
         first = i > 0 and is_secret_flag(argv[i - 1]) and "=" not in argv[i - 1]

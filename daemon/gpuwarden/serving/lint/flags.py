@@ -22,9 +22,12 @@ def canonical(arg: str) -> str:
 
 
 def names_flag(arg: str, name: str, prefix: bool = False) -> bool:
-    """Whether the word arg (without any =value) names the flag name; with prefix, also as argparse's
-    abbreviation of it (at least one letter after the dashes)."""
+    """Whether the word arg (without any =value, and without a .field: vLLM's `--flag.field v` sets a field of
+    that flag) names the flag name; with prefix, also as argparse's abbreviation of it (at least one letter after
+    the dashes)."""
     word = canonical(arg).partition("=")[0]
+    if word.startswith("--"):
+        word = word.partition(".")[0]
     return word == name or (prefix and len(word) > 2 and word.startswith("--") and name.startswith(word))
 
 

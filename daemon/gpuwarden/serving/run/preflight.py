@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from ...gpu.base import Gpu
 from ..compose.apikey import flags_key_problem
 from ..compose.enginesock import clear_stale
+from .containers import launch_in
 from .policy import Policy
 from .processes import Child, ProcessOps
 from .spec import ChildSpec
@@ -89,7 +90,8 @@ def keyed_flags(spec: ChildSpec) -> str | None:
     The start waits, and the next try after the file is mended goes on."""
     if not spec.keyless_flags:
         return None
-    keyed = flags_key_problem(spec.argv)
+    launch = launch_in(spec.argv)  # a container's engine: the shim's argv carries the engine's (attacker 16)
+    keyed = flags_key_problem(launch.argv if launch is not None else spec.argv)
     return f"{keyed[0]}: {keyed[1]}, and reload" if keyed else None
 
 
