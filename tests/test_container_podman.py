@@ -43,12 +43,14 @@ def status_of(pid):
     return {k: v.strip() for k, v in fields.items()}
 
 
-def serving(podman, write, tmp_path, child_user, proxy_port=None, base_env=None):
+def serving(podman, write, tmp_path, child_user, proxy_port=None, base_env=None, state=None):
     """A config serving the fake engine from the tests' image, its state folder of its own (the containers' owner
-    label): (state, env, owner, port, path)."""
-    state = tmp_path / "state"
-    state.mkdir()
-    state.chmod(0o755)
+    label): (state, env, owner, port, path). Behind the proxy the state folder is conftest.passable_state: the
+    engine's socket is in it, and serve.user must pass it."""
+    if state is None:
+        state = tmp_path / "state"
+        state.mkdir()
+        state.chmod(0o755)
     env = dict(base_env or subprocess_env(), STATE_DIRECTORY=str(state))
     port = free_port()
     dist = fake_vllm_dist(tmp_path)
@@ -160,7 +162,7 @@ def test_a_container_engine_serves_is_back_after_a_crash_is_adopted_after_a_daem
 
 
 def test_a_reload_that_changes_the_image_drains_the_old_container_and_fails_no_request_through_the_proxy(
-        podman, write, daemons, tmp_path, child_user, proxy_daemon):
+        podman, write, daemons, tmp_path, child_user, proxy_daemon, passable_state):
     """The reload's restart of a process engine, for a container: the proxy is told first and holds new requests,
     the old container drains those in flight (the runtime's stop, with the drain's timeout), the new image's
     container serves the held ones; a steady client through the proxy sees no failed request. The engine listens on
@@ -171,7 +173,8 @@ def test_a_reload_that_changes_the_image_drains_the_old_container_and_fails_no_r
     assert podman.cli("tag", podman.image(), second).returncode == 0
     proxy_port = free_port()
     command, base_env = proxy_daemon
-    state, env, owner, port, path = serving(podman, write, tmp_path, child_user, proxy_port, base_env)
+    state, env, owner, port, path = serving(podman, write, tmp_path, child_user, proxy_port, base_env,
+                                            passable_state)
     try:
         d = daemons(path, env=env, command=[*UNIT_CAPS, *command])
         d.wait_for("vLLM healthy after", timeout=180)
