@@ -16,6 +16,12 @@ from .prepare import child_secrets
 KEY_ENV = "GPUWARDEN_PROXY_API_KEY"  # in the proxy's environment (proxy/keys.py reads it)
 
 
+def proxy_asks_key(config: Config) -> bool:
+    """Whether the proxy asks the engine's key in front of it (vLLM's own check is the one known to skip paths):
+    then a key in vLLM's words is refused (prepare.blocking) and each start reads them first (preflight.keyed_flags)."""
+    return config.serve.proxy.enabled and config.serve.engine == "vllm"
+
+
 def engine_key(config: Config) -> str | None:
     """The vLLM engine's API key, as the engine gets it from its environment (serve.env, the credential,
     serve.env_file); None: none, or another engine (vLLM's own check is the one known to skip paths). With the proxy
@@ -62,7 +68,7 @@ def flags_key(words: Sequence[str]) -> str | None:
         expanded += config_words(os.path.join("/", value))  # relative: to the engine's working directory, /
     found = None
     for i, word in enumerate(expanded):
-        if names_flag(word, "--api-key", prefix=True) and word.startswith("--"):
+        if names_flag(word, "--api-key", prefix=True):
             value = word.partition("=")[2] if "=" in word else (expanded[i + 1] if i + 1 < len(expanded) else "")
             found = value or SET
         elif ENV_KEY.match(word):
@@ -109,9 +115,9 @@ FLAGS_FIX = "give it as VLLM_API_KEY in serve.env_file or the systemd credential
 
 def flags_key_problem(words: Sequence[str]) -> tuple[str, str] | None:
     """Why vLLM's flags cannot run behind the proxy, and the fix: they give it an API key, or a --config file that
-    cannot be read here; None: they give none. The proxy asks the key on every path, so it must know the very key the engine runs
-    with, and only the engine's environment is fixed at its start: a key in its flags came from a file vLLM reads
-    again at each start, which an edit without a reload changes behind the proxy (attacker 15: every client then
+    cannot be read here; None: they give none. The proxy asks the key on every path, so it must know the very key
+    the engine runs with, and only the engine's environment is fixed at its start: a key in its flags came from a
+    file vLLM reads again at each start, which an edit without a reload changes behind the proxy (attacker 15: every client then
     refused, or vLLM's unguarded paths open with the key unasked)."""
     try:
         key = flags_key(words)

@@ -66,9 +66,9 @@ class PreparedServe:
                          for f in self.findings if f.severity == ERROR]
         if self.flags is not None and not self.flags.ok:
             problems.append(flag_problem(config, self.command, self.flags))
-        if config.serve.proxy.enabled and config.serve.engine == "vllm":  # the proxy must know the engine's key
-            from .apikey import FLAGS_FIX, engine_key, flags_key_problem  # noqa: PLC0415 (apikey imports this)
+        from .apikey import FLAGS_FIX, engine_key, flags_key_problem, proxy_asks_key  # noqa: PLC0415 (imports this)
 
+        if proxy_asks_key(config):  # the proxy must know the engine's key
             keyed = flags_key_problem(self.command.argv)  # the profile's args and serve.command's words too
             if keyed:
                 problems.append(config.error(("serve", "args"), *keyed))

@@ -23,7 +23,7 @@ from ...gpu.base import Gpu
 from ..compose.command import ServeCommand
 from ..compose.identity import Identity
 from .spec import ChildSpec, engine_spec, ray_spec
-from ..compose.apikey import KeyUnknown, argv_key
+from ..compose.apikey import KeyUnknown, argv_key, proxy_asks_key
 from .containers import container_spec
 
 
@@ -60,7 +60,7 @@ def main_spec(config: Config, parts: EngineParts) -> ChildSpec:
     answers and finds the cluster at RAY_ADDRESS, on another node its Ray node (no vLLM there)."""
     engine = engine_spec(config.serve, parts.command, parts.identity, parts.gpus, parts.version)
     engine = with_key_digest(engine, config)
-    if config.serve.proxy.enabled and config.serve.engine == "vllm":
+    if proxy_asks_key(config):
         engine = dataclasses.replace(engine, keyless_flags=True)
     if config.serve.container is not None:  # one host only: config refuses serve.nodes beside it
         return container_spec(engine, config.serve.container, config.gpu.backend == "sim", config.serve.port)
