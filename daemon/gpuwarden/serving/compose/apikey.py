@@ -117,8 +117,8 @@ def flags_key_problem(words: Sequence[str]) -> tuple[str, str] | None:
     """Why vLLM's flags cannot run behind the proxy, and the fix: they give it an API key, or a --config file that
     cannot be read here; None: they give none. The proxy asks the key on every path, so it must know the very key
     the engine runs with, and only the engine's environment is fixed at its start: a key in its flags came from a
-    file vLLM reads again at each start, which an edit without a reload changes behind the proxy (attacker 15: every client then
-    refused, or vLLM's unguarded paths open with the key unasked)."""
+    file vLLM reads again at each start, which an edit without a reload changes behind the proxy (attacker 15: every
+    client then refused, or vLLM's unguarded paths open with the key unasked)."""
     try:
         key = flags_key(words)
     except KeyUnknown as exc:
