@@ -519,8 +519,8 @@ def start_servers(servers: list, folder: Path, am_config: Path, am_port: int, pr
     servers.append(Server([tool("prometheus"), f"--config.file={prom_config}", f"--storage.tsdb.path={folder / 'tsdb'}",
                            f"--web.listen-address=127.0.0.1:{prom_port}"], folder / "prometheus.log"))
     wait("Alertmanager answers", lambda: get(f"http://127.0.0.1:{am_port}/api/v2/status"), 60)
-    # Prometheus answers 503 "Service Unavailable" until its TSDB is open (fresh23: a query met it and the test
-    # failed on the text); /-/ready says when it is (an HTTPError, an OSError, until then)
+    # Prometheus answers 503 "Service Unavailable" until its TSDB is open, which a query would read as its answer;
+    # /-/ready says when it is (an HTTPError, an OSError, until then)
     wait("Prometheus is ready", lambda: urllib.request.urlopen(f"http://127.0.0.1:{prom_port}/-/ready",
                                                                 timeout=10).status == 200, 120)
 
