@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 import time
+import urllib.request
 
 import pytest
 
@@ -25,7 +26,7 @@ class Rig:
         self.up_port, self.started = free_port(), []
 
     def engine(self, *args, chunk_delay=0.02) -> Process:
-        """The fake engine on the rig's one port; "/debug/open" answers even while it says 503 (--unready-s)."""
+        """The fake engine on the rig's one port; "/debug/open" answers even while it says 503 (--unready)."""
         p = Process([sys.executable, str(HERE / "harness" / "fake_upstream.py"), "--port", str(self.up_port),
                      "--chunk-delay", str(chunk_delay), *args], self.up_port, "/debug/open")
         self.started.append(p)
@@ -163,12 +164,21 @@ def test_requests_sent_while_the_engine_is_down_complete_once_it_is_back(rig):
 
 @pytest.mark.process
 def test_an_engine_answering_503_while_it_starts_gets_the_request_again_once_ready(rig):
-    engine = rig.engine("--unready-s", "2.5")
+    engine = rig.engine("--unready")  # 503 to everything, /health included, until the test says it is ready
     proxy = rig.proxy("--hold-s", "60")
     call = Call(proxy.port, b'{"model": "tiny", "stream": true}')
-    call.join(20)
+
+    def looked_after_the_503():  # the request's 503, then the proxy's look at /health, also 503: it holds
+        paths = engine.get_json("/debug/open")["unready_paths"]
+        return CHAT in paths and "/health" in paths[paths.index(CHAT):]
+
+    wait_until(looked_after_the_503, 20, "the engine's 503, then the proxy's look at /health")
+    assert call.status is None and call.error is None  # the 503 did not reach the client: the proxy holds it
+    with urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{engine.port}/debug/ready", data=b""),
+                                timeout=5) as reply:
+        assert json.loads(reply.read()) == {"ready": True}
+    call.join(30)
     assert call.status == 200 and call.data.endswith(b"data: [DONE]\n\n"), (call.status, call.data, call.error)
-    assert engine.get_json("/debug/open")["unready"] >= 1  # it did answer 503 first
     assert engine.get_json("/debug/open")["requests"] == 1  # and the request reached it once it was ready
 
 

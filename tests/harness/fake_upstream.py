@@ -1,6 +1,6 @@
 """A fake engine behind the proxy, as a real process: it records what reached it and streams back.
 
-    python3 tests/harness/fake_upstream.py --port P [--chunk-delay S] [--unready-s S] [--rcvbuf BYTES]
+    python3 tests/harness/fake_upstream.py --port P [--chunk-delay S] [--unready] [--rcvbuf BYTES]
 
 POST any path: the raw body and headers are kept for GET /debug/last. A JSON body with "stream": true gets
 SSE events (a text delta, a tool-call delta, then [DONE]; "chunks": N for N of them) --chunk-delay apart, or with
@@ -11,8 +11,8 @@ closes the connection unanswered, POST /slow?s=N answers after N seconds or ends
 its body nor answers. A request
 with an X-Reply-Hop header gets a reply whose Connection header names a hop-by-hop header of its own (X-Up-Hop).
 GET /v1/models lists one model; GET /metrics has vLLM's prefix-cache counters; GET /debug/open counts streams open
-now. GET /health answers 200, and for the first --unready-s seconds it and every request answer 503, as a vLLM
-starting or draining does.
+now. GET /health answers 200; with --unready it and every request answer 503, as a vLLM starting or draining does,
+until POST /debug/ready (the test, not the clock, says when it is ready: a busy box cannot reorder it).
 """
 
 import argparse
@@ -37,12 +37,14 @@ EVENTS = [
 
 
 def make_app(args) -> web.Application:
-    ready_at = time.monotonic() + args.unready_s
+    state["ready"] = not args.unready
 
     @web.middleware
     async def unready(request, handler):
-        if time.monotonic() < ready_at and not request.path.startswith("/debug/"):
+        if not state["ready"] and not request.path.startswith("/debug/"):
             state["unready"] = state.get("unready", 0) + 1
+            state.setdefault("unready_paths", []).append(request.path)  # in order: a test waits on the proxy's look
+            del state["unready_paths"][:-50]
             return web.json_response({"error": {"message": "the engine is not ready"}}, status=503)
         return await handler(request)
 
@@ -105,7 +107,12 @@ def make_app(args) -> web.Application:
 
     async def open_streams(request):
         return web.json_response({"open": state["open"], "requests": state["requests"],
-                                  "unready": state.get("unready", 0)})
+                                  "unready": state.get("unready", 0),
+                                  "unready_paths": state.get("unready_paths", [])})
+
+    async def ready(request):
+        state["ready"] = True
+        return web.json_response({"ready": True})
 
     async def models(request):
         return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
@@ -118,6 +125,7 @@ def make_app(args) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/debug/last", last)
     app.router.add_get("/debug/open", open_streams)
+    app.router.add_post("/debug/ready", ready)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/metrics", metrics)
     app.router.add_route("*", "/{tail:.*}", record)
@@ -128,7 +136,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--chunk-delay", type=float, default=0.05)
-    parser.add_argument("--unready-s", type=float, default=0.0)
+    parser.add_argument("--unready", action="store_true")
     parser.add_argument("--rcvbuf", type=int, default=0, help="SO_RCVBUF of its connections (0: the kernel's)")
     args = parser.parse_args()
 
