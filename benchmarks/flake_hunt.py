@@ -103,6 +103,8 @@ def main() -> int:
             rows.append((run, (time.monotonic() - began) / 60, passed, bad))
             for test, line in failures(report).items():
                 failed_in[test].append((run, line))
+            if passed + bad == 0:  # a run that ran nothing (interrupted, or a selection that matches no test)
+                failed_in["(no test ran)"].append((run, "the run ran no test: it proves nothing"))
             print(f"run {run}: {passed} passed, {bad} failed in {rows[-1][1]:.1f} min", flush=True)
     finally:
         stop_hogs(hogs)
