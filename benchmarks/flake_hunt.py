@@ -6,7 +6,8 @@ A test of the process tier (tests/harness/tiers.py) asserts order and outcome, n
 fail it. This makes the box busy on purpose: `stress-ng --cpu HOGS` (Debian's stress-ng; a busy loop of Python per
 hog where it is missing, which the table says) runs for the whole hunt, then each run is
 `pytest -n WORKERS -m "process and not real"` with a JUnit report. At the end a table: each run's minutes, passed
-and failed; then each test that failed in any run, with how many runs it failed and the first line of its failure.
+and failed; then each test that failed in any run, with how many runs it failed and the first line of its failure,
+and the folder that keeps each run's report and output whole (removed when no test failed).
 The hogs are stopped (their process group) however the hunt ends. Exit status 1 when any test failed.
 """
 
@@ -98,7 +99,7 @@ def main() -> int:
             print(f"run {run} of {args.runs} beside {what} ...", flush=True)
             subprocess.run([str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", str(args.workers),
                             "-m", SELECTION, f"--junitxml={report}", *args.pytest_args], cwd=ROOT,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                           stdout=(folder / f"run{run}.log").open("wb"), stderr=subprocess.STDOUT)
             passed, bad = counts(report)
             rows.append((run, (time.monotonic() - began) / 60, passed, bad))
             for test, line in failures(report).items():
@@ -116,9 +117,11 @@ def main() -> int:
         print("\n| test | runs failed | first failure |\n| --- | ---: | --- |")
         for test, runs in sorted(failed_in.items(), key=lambda kv: -len(kv[1])):
             print(f"| `{test}` | {len(runs)} of {args.runs} | {runs[0][1].replace('|', '/')} |")
+        # A failure's first line rarely says why: its whole text and the run's output are kept to read
+        print(f"\nEach run's JUnit report (runN.xml: every failure whole) and output (runN.log) are kept in {folder}")
     else:
         print("\nNo test failed in any run.")
-    shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(folder, ignore_errors=True)
     return 1 if failed_in else 0
 
 
