@@ -93,6 +93,7 @@ def test_a_container_engine_serves_is_back_after_a_crash_is_adopted_after_a_daem
         d = daemons(path, env=env, command=[*UNIT_CAPS, *gpuwarden_cmd()])
         d.wait_for("vLLM healthy after", timeout=180)
         assert "vLLM 0.32.0" in d.wait_for("in image " + podman.image(), timeout=5)  # read from the image
+        d.wait_for(f"vLLM 0.32.0 accepts the flags (checked with python3 in {podman.image()})", timeout=1)
         d.wait_for(f"removed container {stray[:12]} (gpuwarden-vllm-{port}-old", timeout=60)
         (first,) = podman.labelled(LABEL_OWNER, owner)
         assert first["Names"] == [f"/gpuwarden-vllm-{port}"] and first["State"] == "running"
@@ -129,12 +130,15 @@ def test_a_container_engine_serves_is_back_after_a_crash_is_adopted_after_a_daem
         assert same["Id"] == second["Id"] and same["State"] == "running"
 
         # A reload to an image the runtime does not have, or a mount that does not exist, is refused before anything
-        # stops (attacker 12's F5: a typo stopped the healthy container and ended FATAL).
+        # stops (attacker 12's F5: a typo stopped the healthy container and ended FATAL); so is one to flags the
+        # image's own parser refuses (the engine's flag check, run in a container of the image).
         original = path.read_text()
         for edit, said in ((original.replace(f"image: {podman.image()}", "image: localhost/no-such-image:1"),
                             "podman has no image localhost/no-such-image:1"),
                            (original.replace("/opt/fakevllm]", "/opt/fakevllm, /nonexistent/hf:/hf]"),
-                            "/nonexistent/hf does not exist")):
+                            "/nonexistent/hf does not exist"),
+                           (original.replace("  drain_s: 5\n", "  args: [--no-such-flag]\n  drain_s: 5\n"),
+                            "serve.args: vLLM rejects the flags: unrecognized arguments: --no-such-flag")):
             path.write_text(edit)
             mark = len(d2.lines)
             d2.proc.send_signal(signal.SIGHUP)
@@ -222,13 +226,15 @@ def test_a_reload_that_changes_the_image_drains_the_old_container_and_fails_no_r
      "serve.container.image: podman has no image localhost/no-such-image:1"),
     (lambda text, podman: text.replace("env: {PYTHONPATH: /opt/fakevllm}", "env: {}"),
      f"serve.container.image: {IMAGE} has no vllm for its python3"),
-], ids=["mount", "socket", "image", "engine"])
-def test_check_says_what_a_container_engine_lacks_in_one_line_with_exit_78(podman, write, tmp_path, child_user, edit,
-                                                                          said):
+    (lambda text, podman: text.replace("  drain_s: 5\n", "  args: [--no-such-flag]\n  drain_s: 5\n"),
+     "serve.args: vLLM rejects the flags: unrecognized arguments: --no-such-flag"),
+], ids=["mount", "socket", "image", "engine", "flags"])
+def test_check_says_what_a_container_engine_lacks_or_its_images_parser_refuses_in_one_line_with_exit_78(
+        podman, write, tmp_path, child_user, edit, said):
     _, env, owner, _, path = serving(podman, write, tmp_path, child_user)
     path.write_text(edit(path.read_text(), podman))
-    done = subprocess.run([*UNIT_CAPS, *gpuwarden_cmd(), "check", "-c", str(path)], env=env, capture_output=True,
-                          text=True, timeout=300)
-    errors = [line for line in done.stderr.splitlines() if "serve.container" in line]
+    done = subprocess.run([*UNIT_CAPS, *gpuwarden_cmd(), "check", "--deep", "-c", str(path)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    errors = [line for line in done.stderr.splitlines() if said.split(":")[0] in line]
     assert done.returncode == 78 and len(errors) == 1 and said in errors[0], (said, done.stdout, done.stderr)
     assert "Traceback" not in done.stderr and podman.labelled(LABEL_OWNER, owner) == []  # the probe's removed

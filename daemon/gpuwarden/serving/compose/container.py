@@ -17,6 +17,7 @@ DeviceRequests and mangles a CDI name in Devices into a path); Docker takes `Dev
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -224,6 +225,7 @@ def image_installed(container: ContainerConfig, uid: int, gid: int, python: str 
 NOT_READ = "is read at the next reload or restart"
 _faults: dict[str, Installed] = {}  # per image name, the last read that failed (this process's)
 PROBE_DEADLINE_S = PROBE_S + 60  # the probe, and every call around it: a runtime that trickles its answers
+WAIT_SLICE_S = 2.0  # a probe's wait, asked in slices: one no one waits for any more (cancel) is removed at once
 
 
 def _read_image(container: ContainerConfig, uid: int, gid: int, python: str | None, state: Path | None,
@@ -231,57 +233,96 @@ def _read_image(container: ContainerConfig, uid: int, gid: int, python: str | No
     """image_installed's read, with one deadline for all of it (a runtime answering a byte every 10 s held a start
     past 90 s, each call's timeout being per read: attacker 12's F8): past it, no answer, and the read is left to
     end on its thread (the runtime's own timeouts end it)."""
+    done = within(PROBE_DEADLINE_S, "image-versions",
+                  lambda: _ask_image(container, uid, gid, python, state, env, machine, key, cached))
+    if done is None:
+        return Installed(key, False, error=f"{container.runtime} did not answer within {PROBE_DEADLINE_S:g} s")
+    return done
+
+
+def within(deadline_s: float, name: str, work):
+    """work() on a thread of its own, its answer if it came within deadline_s, else None (it ends on its thread)."""
     import threading  # noqa: PLC0415
 
-    done: list[Installed] = []
-    worker = threading.Thread(target=lambda: done.append(_ask_image(container, uid, gid, python, state, env, machine,
-                                                                    key, cached)),
-                              name="image-versions", daemon=True)
+    done: list = []
+    worker = threading.Thread(target=lambda: done.append(work()), name=name, daemon=True)
     worker.start()
-    worker.join(PROBE_DEADLINE_S)
-    if not done:
-        return Installed(key, False, error=f"{container.runtime} did not answer within {PROBE_DEADLINE_S:g} s")
-    return done[0]
+    worker.join(deadline_s)
+    return done[0] if done else None
 
 
 def _ask_image(container: ContainerConfig, uid: int, gid: int, python: str | None, state: Path | None,
                env: Mapping[str, str] | None, machine: str | None, key: str, cached: Installed | None) -> Installed:
-    from ...base.containerapi import Runtime, RuntimeFault  # noqa: PLC0415 (docker-py: only for a container)
+    from ...base.containerapi import RuntimeFault  # noqa: PLC0415 (docker-py: only for a container)
 
+    probe_env = {"HOME": CONTAINER_HOME, **{k: v for k, v in (env or {}).items() if k in PROBE_ENV}}
     try:
-        runtime = Runtime(container.runtime, container.api_socket)
+        with image_runtime(container) as (runtime, image_id):
+            if cached is not None and cached.stamp == (image_id,):
+                return cached
+            status, out = in_image(runtime, container, uid, gid, (python or "python3", "-c", installed_mod.PROBE),
+                                   probe_env, PROBE_S, machine)
     except RuntimeFault as exc:
         return Installed(key, False, error=str(exc))
+    if status is None:
+        return Installed(key, False, error=f"{key} did not answer within {PROBE_S:g} s")
+    return installed_mod.answer(key, out, out, status, state, stamp=(image_id,))
+
+
+@contextlib.contextmanager
+def image_runtime(container: ContainerConfig):
+    """(the runtime's connection, the image's ID), closed after; RuntimeFault where the runtime cannot be asked or
+    has no such image."""
+    from ...base.containerapi import Runtime, RuntimeFault  # noqa: PLC0415 (docker-py: only for a container)
+
+    runtime = Runtime(container.runtime, container.api_socket)
     try:
         image_id = runtime.image_id(container.image)
         if image_id is None:
-            return Installed(key, False, error=f"{container.runtime} has no image {container.image} (pull it, or set "
-                                               "serve.container.pull: true)")
-        if cached is not None and cached.stamp == (image_id,):
-            return cached
-        launch = ContainerLaunch(container.runtime, container.api_socket, container.image, False,
-                                 f"gpuwarden-{PROBE_CHILD}-{os.getpid()}-{time.monotonic_ns() % 10**9}",
-                                 (python or "python3", "-c", installed_mod.PROBE), (), f"{uid}:{gid}", (),
-                                 tuple(Mount(m.host, m.container, True) for m in container.mounts
-                                       if os.path.exists(m.host)),  # a missing one is check's line of its own
-                                 (), ((LABEL_HOST, machine or host_id()), (LABEL_CHILD, PROBE_CHILD),
-                                      (LABEL_OWNER, str(state_dir()))), 0)
-        probe_env = {"HOME": CONTAINER_HOME, **{k: v for k, v in (env or {}).items() if k in PROBE_ENV}}
-        cid = create(runtime, launch, probe_env, network=False)
-        try:
-            runtime.start(cid)
-            try:
-                status = runtime.wait(cid, PROBE_S)
-            except RuntimeFault:
-                return Installed(key, False, error=f"{key} did not answer within {PROBE_S:g} s")
-            out = runtime.output(cid, PROBE_OUTPUT_MAX).decode("utf-8", "replace")
-        finally:
-            runtime.remove(cid)
-        return installed_mod.answer(key, out, out, status, state, stamp=(image_id,))
-    except RuntimeFault as exc:
-        return Installed(key, False, error=str(exc))
+            raise RuntimeFault(f"{container.runtime} has no image {container.image} (pull it, or set "
+                               "serve.container.pull: true)")
+        yield runtime, image_id
     finally:
         runtime.close()
+
+
+def in_image(runtime, container: ContainerConfig, uid: int, gid: int, argv: tuple[str, ...],
+             env: Mapping[str, str], wait_s: float, machine: str | None = None,
+             cancel=None) -> tuple[int | None, str]:
+    """argv run in a short-lived container of the image, as uid:gid, with the configured mounts read-only (an
+    engine's venv may be one), no network, no capability, no GPU; removed after, whatever happens. (its exit
+    status, what it wrote: at most PROBE_OUTPUT_MAX bytes, stdout and stderr together); status None: it did not
+    end within wait_s, or cancel (a threading.Event) was set first. Raises RuntimeFault. Labelled as this daemon's
+    (LABEL_CHILD probe): one a killed daemon leaves is removed at the next start (run/containers.sweep) or stop."""
+    from ...base.containerapi import RuntimeFault  # noqa: PLC0415
+
+    launch = ContainerLaunch(container.runtime, container.api_socket, container.image, False,
+                             f"gpuwarden-{PROBE_CHILD}-{os.getpid()}-{time.monotonic_ns() % 10**9}", tuple(argv), (),
+                             f"{uid}:{gid}", (),
+                             tuple(Mount(m.host, m.container, True) for m in container.mounts
+                                   if os.path.exists(m.host)),  # a missing one is check's line of its own
+                             (), ((LABEL_HOST, machine or host_id()), (LABEL_CHILD, PROBE_CHILD),
+                                  (LABEL_OWNER, str(state_dir()))), 0)
+    cid = create(runtime, launch, env, network=False)
+    try:
+        runtime.start(cid)
+        deadline = time.monotonic() + wait_s
+        status = None
+        while status is None and not (cancel is not None and cancel.is_set()):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            asked, slice_s = time.monotonic(), min(WAIT_SLICE_S, left)
+            try:
+                status = runtime.wait(cid, slice_s)
+            except RuntimeFault:
+                if time.monotonic() - asked < slice_s / 2:
+                    raise  # refused at once (the runtime went away), not a slice's end
+        if status is None:
+            return None, ""
+        return status, runtime.output(cid, PROBE_OUTPUT_MAX).decode("utf-8", "replace")
+    finally:
+        runtime.remove(cid)
 
 
 CDI_DIRS = ("/etc/cdi", "/var/run/cdi")  # where podman and dockerd read CDI specs

@@ -249,7 +249,7 @@ def prepare_serve(config: Config, backend: GpuBackend, deep: bool, create_home: 
     command = composed.command
     prepared = PreparedServe(command, identity, composed.findings, None, home_note, composed.installed,
                              composed.rules)
-    if not deep or command.engine.flag_probe is None or prepared.blocking(config) or config.serve.container:
-        return prepared  # lint already blocks: no need to wait for the engine's import (a container's: not yet)
+    if not deep or command.engine.flag_probe is None or prepared.blocking(config):
+        return prepared  # lint already blocks: no need to wait for the engine's import
     flags = check_flags(config.serve, command, identity)
     return PreparedServe(command, identity, composed.findings, flags, home_note, composed.installed, composed.rules)
