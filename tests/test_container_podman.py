@@ -43,6 +43,37 @@ def status_of(pid):
     return {k: v.strip() for k, v in fields.items()}
 
 
+SYSCALLS = """import ctypes, errno, os, socket, threading
+libc = ctypes.CDLL(None, use_errno=True)
+def said(name, result):
+    print(name, "ok" if result >= 0 else errno.errorcode[ctypes.get_errno()])
+said("unshare", libc.unshare(0x10000000))  # CLONE_NEWUSER
+said("keyctl", libc.syscall(250, 0, -3, 0))  # keyctl(KEYCTL_GET_KEYRING_ID, the session keyring), x86-64
+for family in (40, 1, 2, 10, 16):  # AF_VSOCK, then the unit's AF_UNIX AF_INET AF_INET6 AF_NETLINK
+    try:
+        socket.socket(family, socket.SOCK_RAW if family == 16 else socket.SOCK_STREAM).close()
+        print("socket", family, "ok")
+    except OSError:
+        print("socket", family, "no")
+thread = threading.Thread(target=lambda: None)
+thread.start()
+thread.join()
+print("thread ok")
+pid = os.fork()
+if pid == 0:
+    os._exit(0)
+print("fork", "ok" if os.waitpid(pid, 0)[1] == 0 else "no")
+"""
+
+
+def inside(podman, cid, user, code):
+    """The lines code prints, run by python3 in the running container cid as user (an exec: the container's
+    seccomp profile, capabilities and no_new_privs hold for it)."""
+    who = pwd.getpwnam(user)
+    exec_id = podman.api.exec_create(cid, ["python3", "-c", code], user=f"{who.pw_uid}:{who.pw_gid}")["Id"]
+    return podman.api.exec_start(exec_id).decode().splitlines()
+
+
 def serving(podman, write, tmp_path, child_user, proxy_port=None, base_env=None, state=None):
     """A config serving the fake engine from the tests' image, its state folder of its own (the containers' owner
     label): (state, env, owner, port, path). Behind the proxy the state folder is conftest.passable_state: the
@@ -101,6 +132,12 @@ def test_a_container_engine_serves_is_back_after_a_crash_is_adopted_after_a_daem
         engine = status_of(podman.pid_of(first["Id"]))
         assert engine["Uid"].split()[0] == str(pwd.getpwnam(child_user).pw_uid)
         assert engine["CapEff"] == engine["CapPrm"] == "0000000000000000" and engine["NoNewPrivs"] == "1"
+        # The unit's system-call rules hold inside (serving/compose/sandbox.py): no namespace, no keyring, no
+        # AF_VSOCK for the engine's user; threads, fork and the unit's socket families work.
+        assert engine["Seccomp"] == "2"
+        assert inside(podman, first["Id"], child_user, SYSCALLS) == ["unshare EPERM", "keyctl EPERM", "socket 40 no",
+                                                                     "socket 1 ok", "socket 2 ok", "socket 10 ok",
+                                                                     "socket 16 ok", "thread ok", "fork ok"]
         shim = int(d.wait_for("vLLM starting (pid", timeout=1).split("(pid ")[1].split(",")[0])
         assert status_of(shim)["CapEff"] == "0000000000000000" and status_of(shim)["Uid"].split()[0] == "0"
         assert "--shutdown-timeout" in " ".join(json.loads(Path(f"/proc/{shim}/cmdline").read_bytes()

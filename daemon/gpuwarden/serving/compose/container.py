@@ -185,9 +185,18 @@ def owned(runtime, owner: str | None = None) -> list:
 
 def create(runtime, launch: ContainerLaunch, env: Mapping[str, str], network: bool = True) -> str:
     """The container made by runtime (base/containerapi.Runtime): podman's libpod create, dockerd's create; its ID.
-    network False: none at all (a probe)."""
+    network False: none at all (a probe). podman's gets its profile narrowed to the unit's rules (sandbox.py),
+    written under the state directory of the gpuwarden that makes it; Docker's default profile has those rules.
+    Raises RuntimeFault."""
     if launch.runtime == "podman":
+        from ...base.containerapi import RuntimeFault  # noqa: PLC0415 (docker-py: only for a container)
+        from .sandbox import SandboxFault, podman_profile  # noqa: PLC0415
+
         body = libpod_body(launch, env)
+        try:
+            body["seccomp_profile_path"] = podman_profile(dict(launch.labels).get(LABEL_OWNER) or str(state_dir()))
+        except SandboxFault as exc:
+            raise RuntimeFault(f"{exc} ({SANDBOX_FIX})") from None
         if not network:
             body["netns"] = {"nsmode": "none"}
         return runtime.create_libpod(body)
@@ -325,6 +334,7 @@ def in_image(runtime, container: ContainerConfig, uid: int, gid: int, argv: tupl
         runtime.remove(cid)
 
 
+SANDBOX_FIX = "install podman's seccomp profile (Debian: golang-github-containers-common)"
 CDI_DIRS = ("/etc/cdi", "/var/run/cdi")  # where podman and dockerd read CDI specs
 CDI_KIND = "nvidia.com/gpu"
 CDI_FIX = "nvidia-ctk cdi generate --output=/etc/cdi/nvidia.yaml (NVIDIA Container Toolkit)"
@@ -353,15 +363,29 @@ def cdi_spec(dirs: tuple[str, ...] = CDI_DIRS) -> str | None:
 
 def container_problems(config, engine_module: str, found: Installed, simulated: bool) -> list:
     """What `check` refuses in serve.container (ConfigErrors to raise), each with its fix: a mount's source that
-    does not exist, a runtime that cannot be asked or has no such image, an image without the engine, GPUs with no
-    CDI spec for podman. `run` starts anyway: the shim then fails with the same reason, and FATAL says it."""
+    does not exist, podman's seccomp profile that cannot be narrowed (sandbox.py), a runtime that cannot be asked or
+    has no such image, an image without the engine, GPUs with no CDI spec for podman. `run` starts anyway: the shim
+    then fails with the same reason, and FATAL says it."""
+    from .sandbox import SandboxFault, base_profile, narrowed  # noqa: PLC0415
+
     c = config.serve.container
     problems = []
     for i, mount in enumerate(c.mounts):
         if not os.path.exists(mount.host):
             problems.append(config.error(("serve", "container", "mounts", str(i)), f"{mount.host} does not exist",
                                          "create it, or fix the path"))
-    if not found.known and NOT_READ in (found.error or ""):
+    sandbox = None
+    if c.runtime == "podman":
+        try:
+            source, profile = base_profile()
+            narrowed(profile, source)
+        except SandboxFault as exc:
+            sandbox = str(exc)
+            problems.append(config.error(("serve", "container", "runtime"), f"{exc}: the engine would run without "
+                                         "the unit's system-call rules", SANDBOX_FIX))
+    if sandbox is not None and sandbox in (found.error or ""):
+        pass  # the image's read could not make its container for the same reason: one line says it
+    elif not found.known and NOT_READ in (found.error or ""):
         pass  # on the daemon's loop, a read still to come: nothing known against it
     elif not found.known:
         problems.append(config.error(("serve", "container", "image"), found.error or "not read",
