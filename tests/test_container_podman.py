@@ -247,6 +247,29 @@ def test_a_reload_that_changes_the_image_drains_the_old_container_and_fails_no_r
         assert len(slow.outcomes) == 2
         (new,) = podman.labelled(LABEL_OWNER, owner)
         assert new["Id"] != old["Id"], new
+
+        # The same name, another image (a pull or a tag since the start), and a reload with the config unchanged:
+        # the engine restarts on the new image, as a process engine does on a vLLM upgraded under it, and no request
+        # fails through the proxy.
+        retagged = podman.derived(tmp_path, "io.gpuwarden.test=retagged")
+        assert podman.cli("tag", retagged, second).returncode == 0
+        steady = Clients(proxy_port)
+        mark = len(d.lines)
+        d.proc.send_signal(signal.SIGHUP)
+        said = d.wait_for(f"reload: {second} is now image sha256:{retagged.removeprefix('sha256:')[:12]}", after=mark,
+                          timeout=120)
+        assert "restarting it on the new image" in said
+        d.wait_for("vLLM healthy after", after=mark, timeout=180)
+        d.wait_for("proxy: engine back after", after=mark, timeout=60)
+        outcomes = steady.stop()
+        assert outcomes and {status for status, _, _ in outcomes} == {200}, [o for o in outcomes if o[0] != 200][:5]
+        (third,) = podman.labelled(LABEL_OWNER, owner)
+        assert third["Id"] != new["Id"] and podman.api.inspect_container(third["Id"])["Image"] == retagged
+        mark = len(d.lines)
+        d.proc.send_signal(signal.SIGHUP)  # nothing changed since: no restart
+        d.wait_for("config reloaded from", after=mark, timeout=60)
+        time.sleep(2)
+        assert [c["Id"] for c in podman.labelled(LABEL_OWNER, owner)] == [third["Id"]]
         assert d.stop() == 0
         assert podman.labelled(LABEL_OWNER, owner) == []
     finally:

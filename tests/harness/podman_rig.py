@@ -73,6 +73,16 @@ class Podman:
             raise PodmanUnavailable(f"podman import failed: {done.stderr[-2000:]}")
         return IMAGE
 
+    def derived(self, folder: Path, label: str) -> str:
+        """The ID of an image built FROM the tests' image with one more label: another image, no layer of its own
+        (no container runs to build it)."""
+        (folder / "Containerfile").write_text(f"FROM {self.image()}\nLABEL {label}\n")
+        done = self.cli("build", "--pull=never", "-q", "-f", str(folder / "Containerfile"), str(folder))
+        if done.returncode != 0:
+            raise PodmanUnavailable(f"podman build failed: {done.stderr[-2000:]}")
+        found = self.api.inspect_image(done.stdout.strip().splitlines()[-1])["Id"]
+        return found if found.startswith("sha256:") else f"sha256:{found}"
+
     def labelled(self, label: str, value: str) -> list[dict]:
         """The containers with that label, running or not, as the runtime lists them."""
         return [c for c in self.api.containers(all=True, filters={"label": [f"{label}={value}"]})
