@@ -209,14 +209,16 @@ class FakeImages:
         from gpuwarden.serving.compose import container, flagcheck
 
         monkeypatch.setattr(flagcheck, "_image_answers", {})
-        self.image_id, self.answers, self.runs = image_id, list(answers), []
+        self.image_id, self.answers, self.runs, self.made = image_id, list(answers), [], []
 
         @contextmanager
         def image_runtime(config):
             yield "runtime", self.image_id
 
-        def in_image(runtime, config, uid, gid, argv, env, wait_s, machine=None, cancel=None):
+        def in_image(runtime, config, uid, gid, argv, env, wait_s, machine=None, cancel=None, image_id=None,
+                     mounts=None):
             self.runs.append((uid, gid, argv, dict(env), wait_s))
+            self.made.append((image_id, mounts))
             return self.answers.pop(0)
 
         monkeypatch.setattr(container, "image_runtime", image_runtime)
@@ -235,9 +237,10 @@ def image_serve(tmp_path, extra=""):
 
 def test_a_container_engines_flags_are_checked_by_its_images_parser_once_per_image_id_and_command(
         tmp_path, monkeypatch):
-    """Issue 53: the engine's own parser is the image's. check_flags runs the engine's probe in a container of the
-    image (never this host's interpreter), as serve.user, with the engine's environment as the container gets it;
-    the parser's answer is kept per image ID and command: the same again asks nothing, a re-tag asks anew."""
+    """Issue 53: the engine's own parser is the image's. check_flags runs the engine's probe in a container made
+    from the image's ID (never this host's interpreter), as serve.user, with the engine's environment as the
+    container gets it less its secrets; the parser's answer is kept per image ID and command: the same again asks
+    nothing, a re-tag asks anew."""
     from test_drain import composed
 
     from gpuwarden.serving.compose import flagcheck
@@ -252,7 +255,8 @@ def test_a_container_engines_flags_are_checked_by_its_images_parser_once_per_ima
     (uid, gid, argv, env, wait_s), = images.runs
     assert (uid, gid, wait_s) == (999, 995, 90) and argv[:2] == ("python3", "-c")
     assert json.loads(argv[3]) == list(command.flags) and argv[2] == command.engine.flag_probe
-    assert env["HF_TOKEN"] == "hf_x" and "PATH" not in env and "CUDA_VISIBLE_DEVICES" not in env
+    assert "HF_TOKEN" not in env and "PATH" not in env and "CUDA_VISIBLE_DEVICES" not in env  # the parser needs none
+    assert images.made[0][0] == "sha256:aaa"  # made from the ID the answer is kept for, not the name
     assert flagcheck.check_flags(serve, command, me(), 90) == first and len(images.runs) == 1  # kept
     images.image_id = "sha256:bbb"  # the same name, another image
     assert flagcheck.check_flags(serve, command, me(), 90).ok and len(images.runs) == 2
@@ -275,9 +279,11 @@ def test_the_images_parser_refusing_names_its_reason_and_a_probe_that_did_not_an
     assert flagcheck.check_flags(config.serve, command, me(), 5) == refused and len(images.runs) == 1  # kept
     images.image_id = "sha256:bbb"
     late = flagcheck.check_flags(config.serve, command, me(), 5)
-    assert not late.ok and late.error == "vLLM's flag check did not finish within 5 s"
+    assert not late.ok and not late.ran and late.error == "vLLM's flag check did not finish within 5 s"
+    assert "serve.container.image: vLLM's flag check did not finish within 5 s (its flags are not checked)" in str(
+        flag_problem(config, command, late))  # no verdict: not the flags' fault
     broken = flagcheck.check_flags(config.serve, command, me(), 5)  # not kept: asked again
-    assert not broken.ok and broken.error == "vLLM's flag check failed to run: python3: not found"
+    assert not broken.ok and not broken.ran and broken.error == "vLLM's flag check failed to run: python3: not found"
     assert flagcheck.check_flags(config.serve, command, me(), 5).ok and len(images.runs) == 4
 
 
@@ -308,8 +314,9 @@ def test_a_runtime_that_cannot_be_asked_is_one_line_of_the_flag_check(tmp_path, 
     monkeypatch.setattr(container, "image_runtime", gone)
     serve, text = image_serve(tmp_path)
     found = flagcheck.check_flags(serve, composed(text).command, me(), 5)
-    assert not found.ok and found.error == ("vLLM's flag check could not run in localhost/e:1: podman's API socket "
-                                            "/run/podman/podman.sock: No such file or directory")
+    assert not found.ok and not found.ran and found.error == (
+        "vLLM's flag check could not run in localhost/e:1: podman's API socket /run/podman/podman.sock: No such file "
+        "or directory")
 
 
 def test_a_reload_or_handover_to_another_container_engine_waits_for_the_images_parser(tmp_path, monkeypatch):
@@ -359,3 +366,30 @@ def test_a_reload_restarts_a_container_engine_whose_image_name_is_now_another_im
     other = parse("serve:\n  model: /m/Qwen3-4B\n  container: {image: 'localhost/e:2'}\n")
     assert runtime._upgraded(other, launch, engine) is None
     assert runtime._upgraded(config, SimpleNamespace(**{**vars(launch), "image": None}), engine) is None
+
+
+CRASHED = (0, 'GPUWARDEN-FLAGCHECK {"ok": false, "error": "ModuleNotFoundError: No module named \'vllm\'", '
+              '"version": null}\n')
+
+
+def test_an_exception_in_the_engines_code_is_answered_but_not_kept_and_the_probe_sees_the_engines_files(
+        tmp_path, monkeypatch):
+    """The review of the branch: an import that failed in the probe (a mount not there yet) is the probe's answer,
+    not the parser's word, so it is asked again; a new mount is another key; the model's directory is mounted in
+    the probe as in the engine's container (vLLM's validation opens a chat template there)."""
+    from test_drain import composed
+
+    from gpuwarden.serving.compose import flagcheck
+
+    images = FakeImages(monkeypatch, "sha256:aaa", CRASHED, ACCEPTS, ACCEPTS)
+    model = tmp_path / "model"
+    model.mkdir()
+    text = "  port: 8127\n  container: {image: 'localhost/e:1'}\n"
+    serve = parse(f"serve:\n  model: {model}\n{text}").serve
+    command = composed(text).command
+    crashed = flagcheck.check_flags(serve, command, me(), 5)
+    assert not crashed.ok and crashed.ran and crashed.error == "ModuleNotFoundError: No module named 'vllm'"
+    assert flagcheck.check_flags(serve, command, me(), 5).ok and len(images.runs) == 2  # not kept: asked again
+    assert Mount(str(model), str(model), True) in images.made[0][1]
+    mounted = parse(f"serve:\n  model: {model}\n" + text.replace("'}", "', mounts: [/tmp:/extra]}")).serve
+    assert flagcheck.check_flags(mounted, command, me(), 5).ok and len(images.runs) == 3  # another mount: asked

@@ -43,7 +43,20 @@ def status_of(pid):
     return {k: v.strip() for k, v in fields.items()}
 
 
-SYSCALLS = """import ctypes, errno, os, socket, threading
+# socketcall(SYS_SOCKET, {AF_VSOCK, SOCK_STREAM, 0}) through the i386 ABI (int 0x80) from a 64-bit process: the
+# family sits behind a pointer (in the low 4 GiB, MAP_32BIT), which no seccomp rule reads. "ok": a socket came back.
+INT80 = r"""import ctypes, struct
+libc = ctypes.CDLL(None)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+args = libc.mmap(None, 4096, 3, 0x22 | 0x40, -1, 0)
+ctypes.memmove(args, struct.pack("<III", 40, 1, 0), 12)
+code = b"\x53\xb8\x66\x00\x00\x00\xbb\x01\x00\x00\x00\xb9" + struct.pack("<I", args) + b"\xcd\x80\x5b\xc3"
+page = libc.mmap(None, 4096, 7, 0x22, -1, 0)
+ctypes.memmove(page, code, len(code))
+print("ok" if ctypes.CFUNCTYPE(ctypes.c_int)(page)() >= 0 else "no")
+"""
+SYSCALLS = """import ctypes, errno, os, socket, subprocess, sys, threading
 libc = ctypes.CDLL(None, use_errno=True)
 def said(name, result):
     print(name, "ok" if result >= 0 else errno.errorcode[ctypes.get_errno()])
@@ -63,7 +76,9 @@ pid = os.fork()
 if pid == 0:
     os._exit(0)
 print("fork", "ok" if os.waitpid(pid, 0)[1] == 0 else "no")
-"""
+done = subprocess.run([sys.executable, "-c", INT80], capture_output=True, text=True)
+print("socketcall", "ok" if done.stdout.strip() == "ok" else "no")
+""".replace("INT80", repr(INT80))
 
 
 def inside(podman, cid, user, code):
@@ -137,7 +152,8 @@ def test_a_container_engine_serves_is_back_after_a_crash_is_adopted_after_a_daem
         assert engine["Seccomp"] == "2"
         assert inside(podman, first["Id"], child_user, SYSCALLS) == ["unshare EPERM", "keyctl EPERM", "socket 40 no",
                                                                      "socket 1 ok", "socket 2 ok", "socket 10 ok",
-                                                                     "socket 16 ok", "thread ok", "fork ok"]
+                                                                     "socket 16 ok", "thread ok", "fork ok",
+                                                                     "socketcall no"]
         shim = int(d.wait_for("vLLM starting (pid", timeout=1).split("(pid ")[1].split(",")[0])
         assert status_of(shim)["CapEff"] == "0000000000000000" and status_of(shim)["Uid"].split()[0] == "0"
         assert "--shutdown-timeout" in " ".join(json.loads(Path(f"/proc/{shim}/cmdline").read_bytes()

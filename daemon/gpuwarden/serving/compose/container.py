@@ -242,22 +242,38 @@ def _read_image(container: ContainerConfig, uid: int, gid: int, python: str | No
     """image_installed's read, with one deadline for all of it (a runtime answering a byte every 10 s held a start
     past 90 s, each call's timeout being per read: attacker 12's F8): past it, no answer, and the read is left to
     end on its thread (the runtime's own timeouts end it)."""
-    done = within(PROBE_DEADLINE_S, "image-versions",
-                  lambda: _ask_image(container, uid, gid, python, state, env, machine, key, cached))
+    try:
+        done = within(PROBE_DEADLINE_S, "image-versions",
+                      lambda: _ask_image(container, uid, gid, python, state, env, machine, key, cached))
+    except Exception as exc:  # a bug's: the versions unknown, said
+        return Installed(key, False, error=f"reading {container.image}'s versions failed: {type(exc).__name__}: {exc}")
     if done is None:
         return Installed(key, False, error=f"{container.runtime} did not answer within {PROBE_DEADLINE_S:g} s")
     return done
 
 
 def within(deadline_s: float, name: str, work):
-    """work() on a thread of its own, its answer if it came within deadline_s, else None (it ends on its thread)."""
+    """work() on a thread of its own: its answer if it came within deadline_s, else None (it ends on its thread);
+    what it raised is raised here."""
     import threading  # noqa: PLC0415
 
     done: list = []
-    worker = threading.Thread(target=lambda: done.append(work()), name=name, daemon=True)
+
+    def run() -> None:
+        try:
+            done.append((True, work()))
+        except BaseException as exc:  # noqa: BLE001 (handed to the caller, who says it)
+            done.append((False, exc))
+
+    worker = threading.Thread(target=run, name=name, daemon=True)
     worker.start()
     worker.join(deadline_s)
-    return done[0] if done else None
+    if not done:
+        return None
+    ok, value = done[0]
+    if not ok:
+        raise value
+    return value
 
 
 def _ask_image(container: ContainerConfig, uid: int, gid: int, python: str | None, state: Path | None,
@@ -270,7 +286,7 @@ def _ask_image(container: ContainerConfig, uid: int, gid: int, python: str | Non
             if cached is not None and cached.stamp == (image_id,):
                 return cached
             status, out = in_image(runtime, container, uid, gid, (python or "python3", "-c", installed_mod.PROBE),
-                                   probe_env, PROBE_S, machine)
+                                   probe_env, PROBE_S, machine, image_id=image_id)
     except RuntimeFault as exc:
         return Installed(key, False, error=str(exc))
     if status is None:
@@ -295,23 +311,37 @@ def image_runtime(container: ContainerConfig):
         runtime.close()
 
 
+def probe_mounts(container: ContainerConfig, model: str = "") -> tuple[Mount, ...]:
+    """What a probe of the image sees of this host: the configured mounts and the model's directory (as the
+    engine's container gets it: launch_of), every one read-only; a missing source is check's line of its own."""
+    mounts = [Mount(m.host, m.container, True) for m in container.mounts if os.path.exists(m.host)]
+    if model.startswith("/") and os.path.isdir(model) and not any(m.container == model for m in mounts):
+        mounts.append(Mount(model, model, True))
+    return tuple(mounts)
+
+
 def in_image(runtime, container: ContainerConfig, uid: int, gid: int, argv: tuple[str, ...],
              env: Mapping[str, str], wait_s: float, machine: str | None = None,
-             cancel=None) -> tuple[int | None, str]:
-    """argv run in a short-lived container of the image, as uid:gid, with the configured mounts read-only (an
-    engine's venv may be one), no network, no capability, no GPU; removed after, whatever happens. (its exit
-    status, what it wrote: at most PROBE_OUTPUT_MAX bytes, stdout and stderr together); status None: it did not
-    end within wait_s, or cancel (a threading.Event) was set first. Raises RuntimeFault. Labelled as this daemon's
-    (LABEL_CHILD probe): one a killed daemon leaves is removed at the next start (run/containers.sweep) or stop."""
+             cancel=None, image_id: str | None = None,
+             mounts: tuple[Mount, ...] | None = None) -> tuple[int | None, str]:
+    """argv run in a short-lived container of the image (of image_id where given: the very image its answer is kept
+    for, whatever the name points at by then), as uid:gid, with mounts (None: probe_mounts without the model), no
+    network, no capability, no GPU; removed after, whatever happens (a removal that fails is said, and the answer
+    stands). (its exit status, what it wrote: at most PROBE_OUTPUT_MAX bytes, stdout and stderr together); status
+    None: it did not end within wait_s, or cancel (a threading.Event) was set first. Raises RuntimeFault. Labelled
+    as this daemon's (LABEL_CHILD probe): one a killed daemon leaves is removed at the next start
+    (run/containers.sweep) or stop."""
+    import logging  # noqa: PLC0415
+
     from ...base.containerapi import RuntimeFault  # noqa: PLC0415
 
-    launch = ContainerLaunch(container.runtime, container.api_socket, container.image, False,
+    launch = ContainerLaunch(container.runtime, container.api_socket, image_id or container.image, False,
                              f"gpuwarden-{PROBE_CHILD}-{os.getpid()}-{time.monotonic_ns() % 10**9}", tuple(argv), (),
-                             f"{uid}:{gid}", (),
-                             tuple(Mount(m.host, m.container, True) for m in container.mounts
-                                   if os.path.exists(m.host)),  # a missing one is check's line of its own
+                             f"{uid}:{gid}", (), probe_mounts(container) if mounts is None else mounts,
                              (), ((LABEL_HOST, machine or host_id()), (LABEL_CHILD, PROBE_CHILD),
                                   (LABEL_OWNER, str(state_dir()))), 0)
+    if cancel is not None and cancel.is_set():
+        return None, ""
     cid = create(runtime, launch, env, network=False)
     try:
         runtime.start(cid)
@@ -331,7 +361,11 @@ def in_image(runtime, container: ContainerConfig, uid: int, gid: int, argv: tupl
             return None, ""
         return status, runtime.output(cid, PROBE_OUTPUT_MAX).decode("utf-8", "replace")
     finally:
-        runtime.remove(cid)
+        try:
+            runtime.remove(cid)
+        except RuntimeFault as exc:
+            logging.getLogger("gpuwarden").warning("a probe container of %s was not removed (the next start or stop "
+                                                   "removes it): %s", container.image, exc)
 
 
 SANDBOX_FIX = "install podman's seccomp profile (Debian: golang-github-containers-common)"

@@ -59,7 +59,7 @@ def prepare_launch(config: Config, backend: GpuBackend, sides: Sequence[ChildKin
     """Engine, profile, GPUs, lint, spawnability (and with deep, the engine's own parser), logged as a start
     logs them. Raises ConfigErrors when something would block the start. on_loop: from the daemon's loop (a
     reload), which must not wait on the engine's interpreter."""
-    prepared = prepare_serve(config, backend, deep=deep, create_home=True, on_loop=on_loop)
+    prepared = prepare_serve(config, backend, deep=deep, create_home=True, on_loop=on_loop, starting=deep)
     title = prepared.command.engine.title
     if prepared.home_note:
         log.info("%s's user %s", title, prepared.home_note)
