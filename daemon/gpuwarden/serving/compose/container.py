@@ -209,6 +209,7 @@ def create(runtime, launch: ContainerLaunch, env: Mapping[str, str], network: bo
 PROBE_S = 60.0  # the image's versions: a short-lived container of it, its Python importing nothing of the engine
 PROBE_OUTPUT_MAX = 1024 * 1024
 PROBE_CHILD = "probe"
+PROBE_SHM_BYTES = 64 << 20  # a probe's /dev/shm: the runtimes' own default, not the engine's 16 GiB
 PROBE_ENV = ("PYTHONPATH", "HOME", "LANG", "CUDA_HOME")  # of the engine's environment, as the probe on a host gets
 
 
@@ -339,7 +340,9 @@ def in_image(runtime, container: ContainerConfig, uid: int, gid: int, argv: tupl
                              f"gpuwarden-{PROBE_CHILD}-{os.getpid()}-{time.monotonic_ns() % 10**9}", tuple(argv), (),
                              f"{uid}:{gid}", (), probe_mounts(container) if mounts is None else mounts,
                              (), ((LABEL_HOST, machine or host_id()), (LABEL_CHILD, PROBE_CHILD),
-                                  (LABEL_OWNER, str(state_dir()))), 0)
+                                  (LABEL_OWNER, str(state_dir()))), 0, PROBE_SHM_BYTES)
+    # An image built on nvidia/cuda says NVIDIA_VISIBLE_DEVICES=all, which Docker's nvidia runtime reads: none here.
+    env = {**env, "NVIDIA_VISIBLE_DEVICES": "void"}
     if cancel is not None and cancel.is_set():
         return None, ""
     cid = create(runtime, launch, env, network=False)
