@@ -51,6 +51,7 @@ class Launch:
     command: ServeCommand  # the engine's composed command: its metrics path, model name and key
     engine: ChildSpec
     sides: tuple[ChildSpec, ...] = ()
+    image: str | None = None  # a container engine's image ID as it was read for this launch (None: unknown)
 
 
 def prepare_launch(config: Config, backend: GpuBackend, sides: Sequence[ChildKind], deep: bool,
@@ -58,7 +59,7 @@ def prepare_launch(config: Config, backend: GpuBackend, sides: Sequence[ChildKin
     """Engine, profile, GPUs, lint, spawnability (and with deep, the engine's own parser), logged as a start
     logs them. Raises ConfigErrors when something would block the start. on_loop: from the daemon's loop (a
     reload), which must not wait on the engine's interpreter."""
-    prepared = prepare_serve(config, backend, deep=deep, create_home=True, on_loop=on_loop)
+    prepared = prepare_serve(config, backend, deep=deep, create_home=True, on_loop=on_loop, starting=deep)
     title = prepared.command.engine.title
     if prepared.home_note:
         log.info("%s's user %s", title, prepared.home_note)
@@ -79,7 +80,9 @@ def prepare_launch(config: Config, backend: GpuBackend, sides: Sequence[ChildKin
     parts = EngineParts(prepared.command, prepared.identity, tuple(gpus), version)
     engine, *part = [spec for kind in ENGINE_PART if (spec := kind.build(config, parts)) is not None]
     sides = side_specs(config, prepared.identity, tuple(sides)).values()
-    return Launch(config, prepared.command, engine, (*part, *sides))
+    found = prepared.installed
+    image = found.stamp[0] if config.serve.container and found is not None and found.known and found.stamp else None
+    return Launch(config, prepared.command, engine, (*part, *sides), image)
 
 
 def _as_recorded(launch: Launch, adoptable: handover.Record | None) -> ChildSpec:
@@ -298,7 +301,9 @@ class ServingRuntime:
             return False
         if self._reread.busy:
             return True
-        if installed_for(config, self.launch.command, ask=False).known:
+        # A container's image may be another under the same name (a pull, a tag): only its runtime can say, so a
+        # reload always asks it (its ID, and the probe only where the ID is new; _upgraded compares them).
+        if config.serve.container is None and installed_for(config, self.launch.command, ask=False).known:
             return False
         return self._reread.start(installed_for, config, self.launch.command, True, self.ops.helper)
 
@@ -426,16 +431,28 @@ class Restart:
 
 def _upgraded(config: Config, launch: Launch, engine: Program) -> str | None:
     """Why the engine must restart although its section did not change: the installed version (as
-    reread_installed left it) is not the one it runs. None where they match, or either is unknown: an unknown
-    version never restarts the engine by itself."""
+    reread_installed left it) is not the one it runs, or a container engine's image name is now another image (a
+    pull or a tag since its start). None where they match, or either is unknown: an unknown version or image never
+    restarts the engine by itself."""
     running = engine.spec.version
     found = installed_for(config, launch.command, ask=False)
     kind = launch.command.engine
+    container = config.serve.container
+    if container is not None and launch.config.serve.container == container and launch.image and found.known \
+            and found.stamp and found.stamp[0] != launch.image:
+        return (f"reload: {container.image} is now image {short_id(found.stamp[0])}, the engine runs "
+                f"{short_id(launch.image)}: restarting it on the new image")
     version = found.version(kind.name) if found.known else None
     if not running or not version or version == running:
         return None
     return (f"reload: {kind.title} {version} is installed, the engine runs {running}: restarting it on the "
             "installed version")
+
+
+def short_id(image_id: str) -> str:
+    """An image ID as the runtimes show it: sha256:0123456789ab."""
+    algorithm, _, digest = image_id.partition(":")
+    return f"{algorithm}:{digest[:12]}" if digest else image_id[:19]
 
 
 def _unchanged_sides(children: Supervisor | None, launch: Launch | None, sides: tuple[ChildKind, ...]) -> dict:
