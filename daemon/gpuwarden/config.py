@@ -147,6 +147,19 @@ class ContainerConfig:
         return self.socket or CONTAINER_RUNTIMES[self.runtime]
 
 
+IDLE_ACTIONS = ("stop", "clocks")
+
+
+@dataclass(frozen=True)
+class IdleConfig:
+    """serve.idle: what an engine gives back while no request comes (design/idle-engine.md): `stop` stops it (the proxy
+    holds the next request and wakes it), `clocks` releases its GPUs' clock locks and locks them again before the next
+    request reaches it; after after_s with no request and none in flight."""
+
+    action: str = "stop"
+    after_s: float = 600.0
+
+
 @dataclass(frozen=True)
 class NodesConfig:
     """serve.nodes: one engine across hosts. The same file on every node, but for rank (or hosts, where each
@@ -209,6 +222,7 @@ class ServeConfig:
     proxy: ProxyConfig = ProxyConfig()
     nodes: NodesConfig | None = None  # None: one host
     container: ContainerConfig | None = None  # None: the engine is a process from a Python environment here
+    idle: IdleConfig | None = None  # None: the engine is kept as it is while no request comes
 
     @property
     def url(self) -> str:
@@ -354,6 +368,10 @@ def _serve_dict(s: ServeConfig) -> dict:
         c = s.container
         out["container"] = {"image": c.image, "runtime": c.runtime, "socket": c.api_socket, "pull": c.pull,
                             "mounts": [m.text() for m in c.mounts], "shm_gib": c.shm_gib}
+    if s.idle is None:
+        del out["idle"]
+    else:
+        out["idle"] = {"action": s.idle.action, "after_s": s.idle.after_s}
     if s.nodes is None:
         del out["nodes"]
     else:
@@ -396,6 +414,7 @@ def _validate(doc: Document, files: tuple[str, ...]) -> Config:
     r.mapping(("metrics",), ("listen", "web_config"))
     serve = _serve_section(r, Path(doc.file).parent)
     _listeners_apart(r, listeners(metrics, serve))
+    _idle_fits(r, serve, tuning)
     r.raise_if_errors()
     return Config(gpu=gpu, poll_interval_s=float(poll), counters_interval_s=float(counters),
                   log_interval_s=float(log_interval), tuning=tuning, alerts=alerts, health=health, metrics=metrics,
@@ -474,7 +493,49 @@ def _serve_section(r: Reader, base_dir: Path) -> ServeConfig:
         proxy=_proxy_section(r, base_dir),
         nodes=_nodes_section(r),
         container=_container_section(r),
+        idle=_idle_section(r),
     )
+
+
+IDLE_MIN_S, IDLE_MAX_S = 10, 86400
+
+
+def _idle_section(r: Reader) -> IdleConfig | None:
+    base = ("serve", "idle")
+    if r.get(base) is MISSING:
+        return None
+    d = IdleConfig()
+    r.mapping(base, [f.name for f in dataclasses.fields(IdleConfig)])
+    return IdleConfig(action=r.string(base + ("action",), d.action, IDLE_ACTIONS),
+                      after_s=float(r.number(base + ("after_s",), d.after_s, IDLE_MIN_S, IDLE_MAX_S, unit=" s")))
+
+
+def _idle_fits(r: Reader, serve: ServeConfig, tuning: TuningConfig) -> None:
+    """serve.idle against the rest of the config: the proxy must be in front (it sees every request and holds the
+    first one while the engine wakes); one host only; `clocks` needs a clock gpuwarden locks."""
+    idle = serve.idle
+    if idle is None:
+        return
+    if not serve.proxy.enabled:
+        r.fail(("serve", "idle"), "serve.idle needs the proxy in front of the engine: it sees every request, and "
+               "holds the first one while the engine wakes", "serve.proxy.enabled: true")
+    if serve.nodes is not None:
+        r.fail(("serve", "idle"), "an engine that spans hosts does not rest (not yet with serve.nodes)",
+               "leave out serve.idle, or serve.nodes")
+    if idle.action == "clocks" and not _may_lock_clocks(tuning):
+        r.fail(("serve", "idle", "action"), "clocks: gpuwarden locks no GPU clock here, so there is none to release "
+               "(tuning.apply is false, or gpu_clocks and memory_clocks are none on every GPU)",
+               "action: stop, or a clock lock under tuning:")
+
+
+def _may_lock_clocks(tuning: TuningConfig) -> bool:
+    """Whether the tuning may lock a clock on some GPU (gpu_clocks: auto locks one only where the card asks for it,
+    which the daemon sees at its start, not here)."""
+    if not tuning.apply:
+        return False
+    keys = [t.key for t in tunables.TUNABLES if t.lock_of]
+    wanted = [dict(tuning.default.wanted), *(dict(changes) for _, changes in tuning.overrides)]
+    return any(settings.get(key) is not None for settings in wanted for key in keys)
 
 
 def _container_section(r: Reader) -> ContainerConfig | None:
