@@ -60,3 +60,54 @@ def test_check_exits_78_on_serve_idle_without_the_proxy(cli, write):
     status, out, err = cli("check", "--config", path)
     assert status == 78 and f"{path}:4: serve.idle: serve.idle needs the proxy" in err, err
     assert "Traceback" not in out + err
+
+
+class Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_the_proxy_says_idle_once_after_the_quiet_and_never_with_a_request_in_flight():
+    """proxy/quiet.py on a clock the test drives: the word after after_s with nothing in flight, not a second before;
+    once per quiet spell; a request in flight for longer than after_s keeps it unsaid, and its end starts the count
+    again."""
+    from gpuwarden.proxy.quiet import Quiet
+
+    clock, said = Clock(), []
+    quiet = Quiet(60, lambda: said.append(clock.now), clock)
+    clock.now += 59.9
+    assert not quiet.tick() and quiet.due_in() == pytest.approx(0.1)
+    clock.now += 0.1
+    assert quiet.tick() and said == [1060.0]
+    clock.now += 600
+    assert not quiet.tick() and quiet.due_in() is None and said == [1060.0]  # once per spell
+    quiet.began()  # a request: the spell ends
+    clock.now += 3600  # a long stream, in flight all along
+    assert not quiet.tick() and quiet.due_in() is None
+    quiet.ended()
+    clock.now += 59
+    assert not quiet.tick()
+    clock.now += 1
+    assert quiet.tick() and said == [1060.0, 1060.0 + 600 + 3600 + 60]
+
+
+def test_two_requests_overlapping_keep_the_engine_awake_until_both_ended():
+    from gpuwarden.proxy.quiet import Quiet
+
+    clock, said = Clock(), []
+    quiet = Quiet(10, lambda: said.append(clock.now), clock)
+    quiet.began()
+    quiet.began()
+    clock.now += 20
+    quiet.ended()
+    clock.now += 20
+    assert not quiet.tick()  # one still in flight
+    quiet.ended()
+    quiet.ended()  # an end too many (a bug's) never makes a negative count
+    assert quiet.in_flight == 0
+    clock.now += 10
+    assert quiet.tick() and said == [1050.0]
+    assert Quiet(0, lambda: said.append(0), clock).due_in() is None  # off
