@@ -1,5 +1,8 @@
-"""An idle engine (issue 54, design/idle-engine.md): serve.idle's keys and what they need of the rest of the config.
-Each bad one is one line naming the file, its line and the key, and `check` exits 78."""
+"""An idle engine (issue 54, design/idle-engine.md): serve.idle's keys (each bad one a line at its key, exit 78),
+the proxy's word that no request came (proxy/quiet.py) and the supervisor's rest and wake (serving/run/resting.py),
+on clocks the tests drive."""
+
+import signal
 
 import pytest
 
@@ -30,12 +33,9 @@ BAD = [
     ("too-soon", serve(PROXY + "  idle: {after_s: 5}\n"), "serve.idle.after_s", "out of range"),
     ("too-late", serve(PROXY + "  idle: {after_s: 100000}\n"), "serve.idle.after_s", "out of range"),
     ("action", serve(PROXY + "  idle: {action: sleep}\n"), "serve.idle.action", "not a valid choice"),
+    ("clocks-not-yet", serve(PROXY + "  idle: {action: clocks}\n"), "serve.idle.action", "not a valid choice"),
     ("unknown-key", serve(PROXY + "  idle: {ttl: 60}\n"), "serve.idle.ttl", "unknown key"),
     ("not-mapping", serve(PROXY + "  idle: 60\n"), "serve.idle", "expected a mapping"),
-    ("clocks-unlocked", "tuning:\n  gpu_clocks: none\n" + serve(PROXY + "  idle: {action: clocks}\n"),
-     "serve.idle.action", "gpuwarden locks no GPU clock here"),
-    ("clocks-no-apply", "tuning:\n  apply: false\n" + serve(PROXY + "  idle: {action: clocks}\n"),
-     "serve.idle.action", "gpuwarden locks no GPU clock here"),
     ("nodes", serve(PROXY + "  idle: {}\n  nodes: {count: 2, hosts: [10.0.0.1, 10.0.0.2], rank: 0}\n"),
      "serve.idle", "an engine that spans hosts does not rest"),
 ]
@@ -47,12 +47,6 @@ def test_a_bad_serve_idle_is_one_line_at_its_key(case, text, key, fragment):
         config.parse_text(text, name="c.yaml")
     lines = [str(e) for e in raised.value.errors]
     assert len(lines) == 1 and f": {key}: " in lines[0] and fragment in lines[0], lines
-
-
-def test_clocks_is_taken_where_a_clock_may_be_locked():
-    assert config.parse_text(serve(PROXY + "  idle: {action: clocks}\n")).serve.idle.action == "clocks"  # auto
-    text = "tuning:\n  gpu_clocks: none\n  gpus:\n    '1': {memory_clocks: [1593, 1593]}\n"
-    assert config.parse_text(text + serve(PROXY + "  idle: {action: clocks}\n")).serve.idle.action == "clocks"
 
 
 def test_check_exits_78_on_serve_idle_without_the_proxy(cli, write):
@@ -70,10 +64,10 @@ class Clock:
         return self.now
 
 
-def test_the_proxy_says_idle_once_after_the_quiet_and_never_with_a_request_in_flight():
-    """proxy/quiet.py on a clock the test drives: the word after after_s with nothing in flight, not a second before;
-    once per quiet spell; a request in flight for longer than after_s keeps it unsaid, and its end starts the count
-    again."""
+def test_the_proxy_says_idle_after_the_quiet_and_each_after_s_it_lasts_never_with_a_request_in_flight():
+    """proxy/quiet.py on a clock the test drives: the word after after_s with nothing in flight, not a second before,
+    then again each after_s while the quiet lasts (a word the daemon let pass is said anew); a request in flight for
+    longer than after_s keeps it unsaid, and its end starts the count again."""
     from gpuwarden.proxy.quiet import Quiet
 
     clock, said = Clock(), []
@@ -82,16 +76,18 @@ def test_the_proxy_says_idle_once_after_the_quiet_and_never_with_a_request_in_fl
     assert not quiet.tick() and quiet.due_in() == pytest.approx(0.1)
     clock.now += 0.1
     assert quiet.tick() and said == [1060.0]
-    clock.now += 600
-    assert not quiet.tick() and quiet.due_in() is None and said == [1060.0]  # once per spell
-    quiet.began()  # a request: the spell ends
+    clock.now += 30
+    assert not quiet.tick()
+    clock.now += 30
+    assert quiet.tick() and said == [1060.0, 1120.0]
+    quiet.began()  # a request
     clock.now += 3600  # a long stream, in flight all along
     assert not quiet.tick() and quiet.due_in() is None
     quiet.ended()
     clock.now += 59
     assert not quiet.tick()
     clock.now += 1
-    assert quiet.tick() and said == [1060.0, 1060.0 + 600 + 3600 + 60]
+    assert quiet.tick() and said == [1060.0, 1120.0, 1120.0 + 3600 + 60]
 
 
 def test_two_requests_overlapping_keep_the_engine_awake_until_both_ended():
@@ -111,3 +107,92 @@ def test_two_requests_overlapping_keep_the_engine_awake_until_both_ended():
     clock.now += 10
     assert quiet.tick() and said == [1050.0]
     assert Quiet(0, lambda: said.append(0), clock).due_in() is None  # off
+
+
+IDLE_WORD, WAKE_WORD, HOLDING_WORD = (b'{"v": 1, "word": "%s"}\n' % w for w in (b"idle", b"wake", b"holding"))
+
+
+def test_an_idle_word_rests_the_engine_through_the_planned_stop_and_a_wake_word_starts_it_again(tmp_path):
+    """The supervisor's part, its OS seam replaced (tests/test_serving.FakeOps) and the clock driven: the proxy's idle
+    word (taken by resting.hear_idle) tells the proxy first (STOPPING_SIGNAL), the engine's SIGTERM waits for its
+    answer, the engine stops into RESTING (not STOPPED, not restarted however long it rests) and the proxy is told
+    REST_SIGNAL; the proxy's wake word starts it again with its restart budget whole, and once healthy the proxy is
+    told UP_SIGNAL. A rest is asked only of an engine that serves with nothing running by its own metrics."""
+    from types import SimpleNamespace
+
+    from test_planned_restart import engine_and_proxy
+
+    from gpuwarden.config import IdleConfig
+    from gpuwarden.serving.run.resting import hear_idle
+    from gpuwarden.serving.run.spec import REST_SIGNAL, STOPPING_SIGNAL, UP_SIGNAL
+    from gpuwarden.serving.run.supervisor import RESTING, RUNNING, STARTING, STOPPING
+
+    both, engine, proxy, ops, clock = engine_and_proxy(tmp_path)
+    idle, quiet = IdleConfig("stop", 60.0), SimpleNamespace(requests_running=0, requests_waiting=0)
+    busy = SimpleNamespace(requests_running=1, requests_waiting=0)
+    first = engine.child.pid
+    ops.say(proxy.child.pid, IDLE_WORD)
+    both.tick(clock.now)
+    hear_idle(both, idle, False, clock.now, busy)  # a request runs (a probe of the daemon's): no rest
+    assert engine.state == RUNNING and proxy.word.idles == 0  # the word is taken, once
+    ops.sent.clear()
+    ops.say(proxy.child.pid, IDLE_WORD)
+    both.tick(clock.now)
+    hear_idle(both, idle, False, clock.now, quiet)
+    assert engine.state == RUNNING and [sig for _, pid, sig in ops.sent] == [STOPPING_SIGNAL]  # the proxy first
+    ops.say(proxy.child.pid, HOLDING_WORD)
+    both.tick(clock.now)
+    assert engine.state == STOPPING and ops.sent[-1][1:] == (first, signal.SIGTERM)
+    ops.groups[engine.child.pgid] = []
+    clock.advance(1)
+    both.tick(clock.now)
+    assert engine.state == RESTING and engine.child is None and engine.resting.rests == 1
+    assert (proxy.child.pid, REST_SIGNAL) in [(pid, sig) for _, pid, sig in ops.sent]
+    clock.advance(86400)  # a day without a request: nothing restarts it
+    both.tick(clock.now)
+    hear_idle(both, idle, False, clock.now, None)
+    assert engine.state == RESTING and len(ops.children) == 2  # the engine's first start and the proxy's
+    ops.say(proxy.child.pid, WAKE_WORD)
+    both.tick(clock.now)
+    hear_idle(both, idle, False, clock.now, None)
+    assert engine.state == STARTING and engine.child.pid != first and not engine.backoff.failures
+    ops.sent.clear()
+    clock.advance(30)
+    both.tick(clock.now)
+    assert engine.state == RUNNING and (proxy.child.pid, UP_SIGNAL) in [(pid, sig) for _, pid, sig in ops.sent]
+    assert engine.time_to_healthy_s == 30
+    assert engine.transitions[("STOPPED", "RESTING")] == 1 and engine.transitions[("RESTING", "STOPPED")] == 1
+
+
+def test_a_stop_during_a_rests_drain_ends_stopped_and_a_wake_without_a_rest_starts_nothing(tmp_path):
+    from types import SimpleNamespace
+
+    from test_planned_restart import engine_and_proxy
+
+    from gpuwarden.config import IdleConfig
+    from gpuwarden.serving.run.resting import hear_idle
+    from gpuwarden.serving.run.supervisor import RUNNING, STOPPED
+
+    both, engine, proxy, ops, clock = engine_and_proxy(tmp_path)
+    ops.say(proxy.child.pid, WAKE_WORD)  # a wake for an engine that serves: nothing
+    both.tick(clock.now)
+    hear_idle(both, IdleConfig(), False, clock.now, None)
+    assert engine.state == RUNNING and len(ops.children) == 2
+    ops.say(proxy.child.pid, IDLE_WORD)
+    both.tick(clock.now)
+    hear_idle(both, IdleConfig(), True, clock.now, None)  # a replacement under way (a reload): no rest
+    assert engine.state == RUNNING
+    ops.say(proxy.child.pid, IDLE_WORD)
+    both.tick(clock.now)
+    hear_idle(both, None, False, clock.now, None)  # serve.idle off (a reload took it away): the word is dropped
+    assert engine.state == RUNNING
+    ops.say(proxy.child.pid, IDLE_WORD)
+    both.tick(clock.now)
+    hear_idle(both, IdleConfig(), False, clock.now, SimpleNamespace(requests_running=0, requests_waiting=0))
+    both.stop(clock.now)  # the daemon's stop while the rest's word waits: a stop, not a rest
+    ops.say(proxy.child.pid, HOLDING_WORD)
+    both.tick(clock.now)
+    ops.groups[engine.child.pgid] = []
+    clock.advance(1)
+    both.tick(clock.now)
+    assert engine.state == STOPPED and engine.resting.rests == 0

@@ -147,14 +147,13 @@ class ContainerConfig:
         return self.socket or CONTAINER_RUNTIMES[self.runtime]
 
 
-IDLE_ACTIONS = ("stop", "clocks")
+IDLE_ACTIONS = ("stop",)  # `clocks` (release the GPUs' clock locks while idle) is next: design/idle-engine.md
 
 
 @dataclass(frozen=True)
 class IdleConfig:
-    """serve.idle: what an engine gives back while no request comes (design/idle-engine.md): `stop` stops it (the proxy
-    holds the next request and wakes it), `clocks` releases its GPUs' clock locks and locks them again before the next
-    request reaches it; after after_s with no request and none in flight."""
+    """serve.idle: what an engine gives back while no request comes (design/idle-engine.md): `stop` stops it after
+    after_s with no request and none in flight (the proxy holds the next request and wakes it)."""
 
     action: str = "stop"
     after_s: float = 600.0
@@ -414,7 +413,7 @@ def _validate(doc: Document, files: tuple[str, ...]) -> Config:
     r.mapping(("metrics",), ("listen", "web_config"))
     serve = _serve_section(r, Path(doc.file).parent)
     _listeners_apart(r, listeners(metrics, serve))
-    _idle_fits(r, serve, tuning)
+    _idle_fits(r, serve)
     r.raise_if_errors()
     return Config(gpu=gpu, poll_interval_s=float(poll), counters_interval_s=float(counters),
                   log_interval_s=float(log_interval), tuning=tuning, alerts=alerts, health=health, metrics=metrics,
@@ -510,9 +509,9 @@ def _idle_section(r: Reader) -> IdleConfig | None:
                       after_s=float(r.number(base + ("after_s",), d.after_s, IDLE_MIN_S, IDLE_MAX_S, unit=" s")))
 
 
-def _idle_fits(r: Reader, serve: ServeConfig, tuning: TuningConfig) -> None:
+def _idle_fits(r: Reader, serve: ServeConfig) -> None:
     """serve.idle against the rest of the config: the proxy must be in front (it sees every request and holds the
-    first one while the engine wakes); one host only; `clocks` needs a clock gpuwarden locks."""
+    first one while the engine wakes); one host only."""
     idle = serve.idle
     if idle is None:
         return
@@ -522,20 +521,6 @@ def _idle_fits(r: Reader, serve: ServeConfig, tuning: TuningConfig) -> None:
     if serve.nodes is not None:
         r.fail(("serve", "idle"), "an engine that spans hosts does not rest (not yet with serve.nodes)",
                "leave out serve.idle, or serve.nodes")
-    if idle.action == "clocks" and not _may_lock_clocks(tuning):
-        r.fail(("serve", "idle", "action"), "clocks: gpuwarden locks no GPU clock here, so there is none to release "
-               "(tuning.apply is false, or gpu_clocks and memory_clocks are none on every GPU)",
-               "action: stop, or a clock lock under tuning:")
-
-
-def _may_lock_clocks(tuning: TuningConfig) -> bool:
-    """Whether the tuning may lock a clock on some GPU (gpu_clocks: auto locks one only where the card asks for it,
-    which the daemon sees at its start, not here)."""
-    if not tuning.apply:
-        return False
-    keys = [t.key for t in tunables.TUNABLES if t.lock_of]
-    wanted = [dict(tuning.default.wanted), *(dict(changes) for _, changes in tuning.overrides)]
-    return any(settings.get(key) is not None for settings in wanted for key in keys)
 
 
 def _container_section(r: Reader) -> ContainerConfig | None:
