@@ -160,7 +160,7 @@ def test_an_idle_word_rests_the_engine_through_the_planned_stop_and_a_wake_word_
     clock.advance(30)
     both.tick(clock.now)
     assert engine.state == RUNNING and (proxy.child.pid, UP_SIGNAL) in [(pid, sig) for _, pid, sig in ops.sent]
-    assert engine.time_to_healthy_s == 30
+    assert engine.time_to_healthy_s == 30 and engine.view().rests == 1 and engine.view().wake_s == 30
     assert engine.transitions[("STOPPED", "RESTING")] == 1 and engine.transitions[("RESTING", "STOPPED")] == 1
 
 

@@ -23,6 +23,7 @@ class Resting:
         self.rest_for: str | None = None  # a rest's planned stop runs: RESTING with this reason once it stopped
         self.rests = 0  # rests begun, for the view
         self.waking = False  # started by a wake: its time to healthy is the wake's
+        self.wake_s: float | None = None  # the last wake's, from the word to healthy
 
     def rest(self, reason: str) -> bool:
         """The engine rests once its planned stop (which the caller begins) has stopped it; False: it does not serve
@@ -59,7 +60,8 @@ class Resting:
         if self.waking:
             self.waking = False
             p = self.program
-            log.info("%s awake: healthy %.1f s after the request that woke it", p.title, p.time_to_healthy_s or 0.0)
+            self.wake_s = p.time_to_healthy_s
+            log.info("%s awake: healthy %.1f s after the request that woke it", p.title, self.wake_s or 0.0)
 
 
 def hear_idle(children, idle, replacing: bool, now: float, stats) -> None:

@@ -102,6 +102,8 @@ class ServingView:
     head_up: bool | None = None  # a worker: the head's rendezvous answered when last asked (None: not a worker)
     probes: int = 0  # liveness probes answered since it last turned RUNNING
     drains: tuple[tuple[str, int], ...] = ()  # (outcome, count) of the engine's planned stops (serving/run/drains.py)
+    rests: int = 0  # rests begun while no request came (serve.idle: serving/run/resting.py)
+    wake_s: float | None = None  # the last wake's seconds from the request that woke it to healthy
 
     @classmethod
     def of(cls, program: Program) -> ServingView:
@@ -113,7 +115,7 @@ class ServingView:
                    program.stalled, program.stalls, tuple(g.index for g in program.gpus), phase.started_wall,
                    spec.version, spec.role, spec.rank, spec.nodes, spec.head,
                    program.policy.head_up(phase.state == RUNNING, phase.probe_failures), phase.probes,
-                   program.drain.view())
+                   program.drain.view(), program.resting.rests, program.resting.wake_s)
 
 
 @dataclass(frozen=True)
