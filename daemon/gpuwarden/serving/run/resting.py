@@ -64,6 +64,16 @@ class Resting:
             log.info("%s awake: healthy %.1f s after the request that woke it", p.title, self.wake_s or 0.0)
 
 
+def each_tick(children, idle, replacing: bool, now: float, stats) -> None:
+    """The runtime's tick, for the rest: the GPUs told whether the engine holds a context on them (Gpu.note_engine:
+    the simulator draws its watts), then the proxy's words heard (hear_idle)."""
+    main = children.main
+    held = main.state not in (RESTING, STOPPED) and main.child is not None
+    for gpu in main.spec.gpus:
+        gpu.note_engine(held)
+    hear_idle(children, idle, replacing, now, stats)
+
+
 def hear_idle(children, idle, replacing: bool, now: float, stats) -> None:
     """serve.idle (idle: its IdleConfig, None: off), each tick: the proxy's word that no request came through it for
     after_s rests the engine (Supervisor.rest), unless a replacement is under way or the engine's own metrics (stats)

@@ -37,7 +37,7 @@ from .processes import ProcessOps
 from .spec import ChildSpec, other_drain
 from ..probe.stall import Progress, StallWatch
 from .takeover import take_over
-from .resting import hear_idle
+from .resting import each_tick
 from .word import close_word, kept_word
 from .supervisor import (BACKOFF, FATAL, HELD, RESTING, RUNNING, STARTING, STOPPING, Program, ServingView,
                          Supervisor)
@@ -264,7 +264,7 @@ class ServingRuntime:
             engine.note_stall(now, self.stall_watch.update(now, progress), self.launch.config.serve.restart_on_stall)
         elif engine.state == STOPPING and engine.drain.active and engine.spec.listens:
             engine.drain.note(self.reader.read(now))  # what the drain has left, for its last line; not published
-        hear_idle(self.children, self.launch.config.serve.idle if self.launch else None, self.pending is not None,
+        each_tick(self.children, self.launch.config.serve.idle if self.launch else None, self.pending is not None,
                   now, stats)
         return self.children.views(), stats
 
