@@ -8,6 +8,7 @@ import pytest
 
 from gpuwarden import config
 from gpuwarden.base.yamlfile import ConfigErrors
+from test_faults import fake, no_fakes_left  # noqa: F401 (fixtures)
 
 PROXY = "  proxy: {enabled: true}\n"
 
@@ -215,3 +216,43 @@ def test_the_simulated_card_draws_its_context_while_an_engine_holds_one_and_bare
     assert held.power_w == pytest.approx(bare.power_w + 50) and held.sm_clock_mhz == gpu.model.graphics_clock_max_mhz
     assert abs(rest.power_w - bare.power_w) <= 0.05 * bare.power_w and rest.sm_clock_mhz == bare.sm_clock_mhz
     assert bare.sm_clock_mhz < held.sm_clock_mhz
+
+
+@pytest.mark.process
+def test_the_engine_rests_after_the_quiet_and_the_next_request_through_the_proxy_wakes_it_and_is_answered(
+        write, fake, daemons, proxy_daemon, no_fakes_left):
+    """The daemon, the proxy and the fake engine as processes, on the simulator (after_s at its least, 10 s): no
+    request for after_s rests the engine (its process gone, RESTING, no restart); a request through the proxy is
+    held, wakes it, and is answered 200; the wake is logged in order (the proxy's word, the start, healthy, the
+    held request forwarded). Order and outcome, no seconds but the setting's own."""
+    import json
+    import os
+    import urllib.request
+
+    from test_planned_restart import Clients, with_proxy
+
+    path, base, port, proxy_port = with_proxy(write, fake, hold_s=120)
+    path.write_text(path.read_text() + "  idle: {after_s: 10}\n")
+    command, env = proxy_daemon
+    d = daemons(path, command=command, env=env)
+    d.wait_for("vLLM healthy after", timeout=30)
+    d.wait_for("the proxy healthy after", timeout=30)
+    pid = int(d.wait_for("vLLM starting (pid", timeout=1).split("(pid ")[1].split(",")[0])
+    rested = d.wait_for("vLLM rests: no request through the proxy for 10 s", timeout=120)
+    assert "the next request wakes it" in rested
+    d.wait_for("proxy: the engine rests (serve.idle)", timeout=30)
+    assert not os.path.exists(f"/proc/{pid}")  # the engine is gone: no process, no context
+    status = json.loads(urllib.request.urlopen(base + "/status", timeout=10).read())
+    assert status["serving"]["state"] == "RESTING" and status["serving"]["rests"] == 1, status["serving"]
+    mark = len(d.lines)
+    client = Clients(proxy_port)
+    client.stop()  # none but the one below
+    client.one(0.2)
+    assert client.outcomes and client.outcomes[0][0] == 200, client.outcomes
+    order = [d.wait_index(text, after=mark, timeout=10) for text in (
+        "proxy: a request for the resting engine: waking it", "vLLM wakes: a request came through the proxy",
+        "vLLM starting (pid", "vLLM healthy after", "vLLM awake: healthy")]
+    assert order == sorted(order), order
+    text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+    assert 'gpuwarden_serving_rests_total{child="vllm"} 1' in text and "gpuwarden_serving_wake_seconds{" in text
+    assert d.stop() == 0

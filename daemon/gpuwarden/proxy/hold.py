@@ -240,7 +240,8 @@ class Hold:
         if self.down_since is not None:
             return
         self.down_since, self.refused, self.gone = now, 0, 0
-        log.warning("proxy: engine down: holding requests (up to %g s, %d at most)", self.hold_s, self.hold_max)
+        log.log(logging.INFO if self.resting else logging.WARNING, "proxy: engine %s: holding requests (up to %g s, "
+                "%d at most)", "at rest" if self.resting else "down", self.hold_s, self.hold_max)
         self._watcher = asyncio.get_running_loop().create_task(self._watch())
 
     async def _watch(self) -> None:
@@ -291,7 +292,7 @@ class Hold:
         if outcome == UP:
             log.info("proxy: engine back after %.1f s: %d held requests forwarded, %d refused%s", took,
                      forwarded, self.refused, gone)
-        else:
+        elif not self.resting:  # at rest it is down on purpose until a request comes
             log.warning("proxy: engine still down after %.1f s, no request held now: %d refused%s", took,
                         self.refused, gone)
         watcher, self.down_since, self._watcher = self._watcher, None, None
