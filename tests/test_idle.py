@@ -256,3 +256,36 @@ def test_the_engine_rests_after_the_quiet_and_the_next_request_through_the_proxy
     text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
     assert 'gpuwarden_serving_rests_total{child="vllm"} 1' in text and "gpuwarden_serving_wake_seconds{" in text
     assert d.stop() == 0
+
+
+def test_a_gpu_that_must_not_serve_holds_a_resting_engine_and_a_wake_then_starts_nothing(tmp_path):
+    """A GPU's action while the engine rests: HELD (the proxy told DOWN: 503 at once, not a hold for a wake), and a
+    request's wake starts nothing until the GPU is back (Holding.release)."""
+    from types import SimpleNamespace
+
+    from test_planned_restart import engine_and_proxy
+
+    from gpuwarden.config import IdleConfig
+    from gpuwarden.serving.run.resting import hear_idle
+    from gpuwarden.serving.run.spec import DOWN_SIGNAL
+    from gpuwarden.serving.run.supervisor import HELD, RESTING, STARTING
+
+    both, engine, proxy, ops, clock = engine_and_proxy(tmp_path)
+    ops.say(proxy.child.pid, IDLE_WORD)
+    both.tick(clock.now)
+    hear_idle(both, IdleConfig(), False, clock.now, SimpleNamespace(requests_running=0, requests_waiting=0))
+    ops.say(proxy.child.pid, HOLDING_WORD)
+    both.tick(clock.now)
+    ops.groups[engine.child.pgid] = []
+    clock.advance(1)
+    both.tick(clock.now)
+    assert engine.state == RESTING
+    engine.hold(clock.now, "waiting for GPU0's action: reset the GPU (Xid 79)")
+    ops.sent.clear()
+    both.tick(clock.now)
+    assert engine.state == HELD and (proxy.child.pid, DOWN_SIGNAL) in [(pid, sig) for _, pid, sig in ops.sent]
+    ops.say(proxy.child.pid, WAKE_WORD)
+    both.tick(clock.now)
+    hear_idle(both, IdleConfig(), False, clock.now, None)
+    assert engine.state == HELD
+    assert engine.release(clock.now, "its GPUs answer again") and engine.state == STARTING

@@ -63,7 +63,7 @@ ALLOWED_FROM = {
     STOPPING: (STARTING, RUNNING),
     STOPPED: (STOPPED, STOPPING, BACKOFF, EXITED, FATAL, HELD, RESTING),
     FATAL: (STOPPED, BACKOFF, EXITED),
-    HELD: (STOPPED, BACKOFF, EXITED),  # its GPU must not serve (holding.py): released through STOPPED
+    HELD: (STOPPED, BACKOFF, EXITED, RESTING),  # its GPU must not serve (holding.py): released through STOPPED
     RESTING: (STOPPED,),  # stopped while no request comes (resting.py): woken through STOPPED
 }
 # What a child that could not bind its port says, as vLLM's OSError and uvicorn's own line write it.
