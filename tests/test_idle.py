@@ -289,3 +289,13 @@ def test_a_gpu_that_must_not_serve_holds_a_resting_engine_and_a_wake_then_starts
     hear_idle(both, IdleConfig(), False, clock.now, None)
     assert engine.state == HELD
     assert engine.release(clock.now, "its GPUs answer again") and engine.state == STARTING
+
+
+def test_the_status_line_says_an_engine_at_rest_as_a_choice():
+    from gpuwarden.serving.run.supervisor import ServingView
+    from gpuwarden.watch.monitor import Snapshot
+
+    view = ServingView("RESTING", "/m/Qwen3-4B", "generic", None, 0, None, 30.0, None, rests=2, wake_s=31.2)
+    snap = Snapshot(0.0, 0.0, (), (), children=(view,))
+    assert snap._serving_part(True) == "vLLM at rest (Qwen3-4B, generic): the next request wakes it; its last wake " \
+        "took 31 s"
