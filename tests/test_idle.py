@@ -299,3 +299,28 @@ def test_the_status_line_says_an_engine_at_rest_as_a_choice():
     snap = Snapshot(0.0, 0.0, (), (), children=(view,))
     assert snap._serving_part(True) == "vLLM at rest (Qwen3-4B, generic): the next request wakes it; its last wake " \
         "took 31 s"
+
+
+def test_a_reload_that_takes_serve_idle_away_wakes_a_resting_engine(tmp_path):
+    from types import SimpleNamespace
+
+    from test_planned_restart import engine_and_proxy
+
+    from gpuwarden.config import IdleConfig
+    from gpuwarden.serving.run.resting import hear_idle
+    from gpuwarden.serving.run.supervisor import RESTING, STARTING
+
+    both, engine, proxy, ops, clock = engine_and_proxy(tmp_path)
+    ops.say(proxy.child.pid, IDLE_WORD)
+    both.tick(clock.now)
+    hear_idle(both, IdleConfig(), False, clock.now, SimpleNamespace(requests_running=0, requests_waiting=0))
+    ops.say(proxy.child.pid, HOLDING_WORD)
+    both.tick(clock.now)
+    ops.groups[engine.child.pgid] = []
+    clock.advance(1)
+    both.tick(clock.now)
+    assert engine.state == RESTING
+    hear_idle(both, IdleConfig(), False, clock.now, None)
+    assert engine.state == RESTING
+    hear_idle(both, None, False, clock.now, None)  # serve.idle off now
+    assert engine.state == STARTING

@@ -80,13 +80,15 @@ def hear_idle(children, idle, replacing: bool, now: float, stats) -> None:
     show a request running or waiting (one of the daemon's probes, or one that came since the word: the proxy says it
     again after the next quiet); its word that a request came while the engine rests wakes it (Supervisor.wake). Each
     word is taken once."""
+    main = children.main
+    if idle is None and main.state == RESTING:  # a reload took serve.idle away: what rests is woken
+        children.wake(now, "serve.idle is off")
     front = next((p for p in children.programs.values() if p.spec.fronts_engine and p.word is not None), None)
     if front is None:
         return
     idles, wakes, front.word.idles, front.word.wakes = front.word.idles, front.word.wakes, 0, 0
     if wakes:
         children.wake(now, "a request came through the proxy")
-    main = children.main
     if not idles or idle is None or replacing or main.state != RUNNING:
         return
     if stats is not None and (stats.requests_running or stats.requests_waiting):
