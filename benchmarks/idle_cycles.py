@@ -54,9 +54,11 @@ def burst(rig: Rig) -> list:
 
 
 def cycle(rig: Rig, number: int, after: int) -> dict:
-    """Wait for the rest, look that the engine is gone, then a burst that wakes it."""
-    pid = int(re.search(r"\(pid (\d+)", rig.lines[rig.wait_for("vLLM starting (pid", 60, after)[0]]).group(1))
+    """Wait for the rest, look that the engine that rested (the last one started) is gone, then a burst that wakes
+    it."""
     rested, _ = rig.wait_for("vLLM rests: no request through the proxy", START_S, after)
+    start = next(line for line in reversed(rig.lines[:rested]) if "vLLM starting (pid" in line)
+    pid = int(re.search(r"\(pid (\d+)", start).group(1))
     gone = not os.path.exists(f"/proc/{pid}") and not (isinstance(rig.engine, str) and os.path.exists(rig.engine))
     mark = len(rig.lines)
     answers = burst(rig)

@@ -37,6 +37,7 @@ BAD = [
     ("clocks-not-yet", serve(PROXY + "  idle: {action: clocks}\n"), "serve.idle.action", "not a valid choice"),
     ("unknown-key", serve(PROXY + "  idle: {ttl: 60}\n"), "serve.idle.ttl", "unknown key"),
     ("not-mapping", serve(PROXY + "  idle: 60\n"), "serve.idle", "expected a mapping"),
+    ("no-hold", serve("  proxy: {enabled: true, hold_s: 0}\n  idle: {}\n"), "serve.idle", "hold_s above 0"),
     ("nodes", serve(PROXY + "  idle: {}\n  nodes: {count: 2, hosts: [10.0.0.1, 10.0.0.2], rank: 0}\n"),
      "serve.idle", "an engine that spans hosts does not rest"),
 ]
@@ -143,7 +144,7 @@ def test_an_idle_word_rests_the_engine_through_the_planned_stop_and_a_wake_word_
     assert engine.state == RUNNING and [sig for _, pid, sig in ops.sent] == [STOPPING_SIGNAL]  # the proxy first
     ops.say(proxy.child.pid, HOLDING_WORD)
     both.tick(clock.now)
-    assert engine.state == STOPPING and ops.sent[-1][1:] == (first, signal.SIGTERM)
+    assert engine.state == STOPPING and (first, signal.SIGTERM) in [(pid, sig) for _, pid, sig in ops.sent]
     ops.groups[engine.child.pgid] = []
     clock.advance(1)
     both.tick(clock.now)
@@ -249,10 +250,11 @@ def test_the_engine_rests_after_the_quiet_and_the_next_request_through_the_proxy
     client.stop()  # none but the one below
     client.one(0.2)
     assert client.outcomes and client.outcomes[0][0] == 200, client.outcomes
+    # The daemon's own lines in order; the proxy's (another pipe, another reader) only present
     order = [d.wait_index(text, after=mark, timeout=10) for text in (
-        "proxy: a request for the resting engine: waking it", "vLLM wakes: a request came through the proxy",
-        "vLLM starting (pid", "vLLM healthy after", "vLLM awake: healthy")]
+        "vLLM wakes: a request came through the proxy", "vLLM starting (pid", "vLLM healthy after", "vLLM awake: healthy")]
     assert order == sorted(order), order
+    d.wait_for("proxy: a request for the resting engine: waking it", after=mark, timeout=10)
     text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
     assert 'gpuwarden_serving_rests_total{child="vllm"} 1' in text and "gpuwarden_serving_wake_seconds{" in text
     assert d.stop() == 0
@@ -324,3 +326,41 @@ def test_a_reload_that_takes_serve_idle_away_wakes_a_resting_engine(tmp_path):
     assert engine.state == RESTING
     hear_idle(both, None, False, clock.now, None)  # serve.idle off now
     assert engine.state == STARTING
+
+
+def test_an_engine_that_ends_before_its_rest_begins_restarts_and_a_gpu_hold_during_a_rests_drain_stands(tmp_path):
+    """The review of the branch (M1): the engine ended between the idle word and the proxy's answer, so its rest
+    never began: it is restarted as any ended engine, not left STOPPED; a GPU's hold that came during a rest's drain
+    ends HELD, not at rest."""
+    from types import SimpleNamespace
+
+    from test_planned_restart import engine_and_proxy
+
+    from gpuwarden.config import IdleConfig
+    from gpuwarden.serving.run.resting import hear_idle
+    from gpuwarden.serving.run.supervisor import BACKOFF, HELD, RESTING, STARTING
+
+    quiet = SimpleNamespace(requests_running=0, requests_waiting=0)
+    both, engine, proxy, ops, clock = engine_and_proxy(tmp_path)
+    ops.say(proxy.child.pid, IDLE_WORD)
+    both.tick(clock.now)
+    hear_idle(both, IdleConfig(), False, clock.now, quiet)
+    ops.exit[engine.child.pid] = 1  # it crashes before the proxy answers
+    ops.groups[engine.child.pgid] = []
+    both.tick(clock.now)
+    assert engine.state in (BACKOFF, STARTING) and engine.resting.rest_for is None
+    clock.advance(60)
+    both.tick(clock.now)
+    assert engine.state != RESTING and engine.state in (STARTING, BACKOFF, "RUNNING")
+
+    both, engine, proxy, ops, clock = engine_and_proxy(tmp_path)
+    ops.say(proxy.child.pid, IDLE_WORD)
+    both.tick(clock.now)
+    hear_idle(both, IdleConfig(), False, clock.now, quiet)
+    ops.say(proxy.child.pid, HOLDING_WORD)
+    both.tick(clock.now)  # the rest's drain under way
+    engine.hold(clock.now, "waiting for GPU0's action: reset the GPU (Xid 79)")
+    ops.groups[engine.child.pgid] = []
+    clock.advance(1)
+    both.tick(clock.now)
+    assert engine.state == HELD and engine.resting.rests == 0

@@ -518,6 +518,9 @@ def _idle_fits(r: Reader, serve: ServeConfig) -> None:
     if not serve.proxy.enabled:
         r.fail(("serve", "idle"), "serve.idle needs the proxy in front of the engine: it sees every request, and "
                "holds the first one while the engine wakes", "serve.proxy.enabled: true")
+    elif serve.proxy.hold_s <= 0:
+        r.fail(("serve", "idle"), "serve.idle needs serve.proxy.hold_s above 0: the request that wakes the engine "
+               "waits at the proxy until it is healthy", "serve.proxy.hold_s longer than a start of the engine")
     if serve.nodes is not None:
         r.fail(("serve", "idle"), "an engine that spans hosts does not rest (not yet with serve.nodes)",
                "leave out serve.idle, or serve.nodes")

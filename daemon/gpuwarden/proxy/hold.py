@@ -142,8 +142,8 @@ class Hold:
         if self._woken_at is not None and now - self._woken_at < WAKE_AGAIN_S:
             return
         self._woken_at = now
-        word.say(word.WAKE)
         log.info("proxy: a request for the resting engine: waking it (held up to %g s)", self.hold_s)
+        word.say(word.WAKE)
 
     def refuse_if_not_restarting(self) -> None:
         """Refusal (503, Retry-After NOT_RESTARTING_RETRY_S) while the daemon says the engine is not restarting."""
@@ -261,7 +261,7 @@ class Hold:
             # then ended the planned stop's hold: its held requests went to the engine that was stopping).
             self._seen_down = self._seen_down or answers is False
             if answers:
-                self.planned_since = None
+                self.planned_since, self.resting = None, False  # an engine that answers rests no more
                 self._end(UP)
                 return
             if not self.waiting and self.clock() - self.down_since >= max(self.hold_s, QUIET_S):

@@ -29,9 +29,11 @@ def floor_clock(model: GpuModel, mhz: float) -> int:
 
 
 def draw(m: GpuModel, utilization: float, sm_mhz: float, context: bool = False) -> float:
-    """Watts at this load and clock; context: an engine holds a CUDA context on the card (model.context_w at rest)."""
-    return m.idle_power_w + (m.context_w if context else 0.0) + utilization / 100 * (
-        m.full_load_power_w - m.idle_power_w) * (sm_mhz / m.graphics_clock_max_mhz)
+    """Watts at this load and clock; context: an engine holds a CUDA context on the card, which draws at least
+    model.context_w above idle (its boost at rest; under load the load's draw, which includes it)."""
+    load = m.idle_power_w + utilization / 100 * (m.full_load_power_w - m.idle_power_w) * (
+        sm_mhz / m.graphics_clock_max_mhz)
+    return max(load, m.idle_power_w + m.context_w) if context else load
 
 
 def operating_point(gpu: SimGpu) -> tuple[int, int, float, float, R]:

@@ -40,9 +40,9 @@ class Resting:
     def stopped(self) -> None:
         """The child stopped: RESTING if a rest's stop stopped it."""
         reason, self.rest_for = self.rest_for, None
-        if reason is not None:
+        p = self.program
+        if reason is not None and p.state == STOPPED:  # not HELD: a GPU's hold that came meanwhile stands
             self.rests += 1
-            p = self.program
             p.enter(RESTING, f"{p.title} rests: {reason}; the next request wakes it")
 
     def wake(self, now: float, why: str) -> bool:

@@ -486,7 +486,10 @@ class Supervisor:
         # (it ended while waiting: no restart in the middle of a stop).
         if self.word.waiting and (self.main.state != RUNNING or self.word.heard(self._fronts(), now)):
             self.word.stop_waiting()
-            self.main.stop(now)
+            if self.main.state != RUNNING and self.main.resting.rest_for is not None:
+                self.main.resting.forget()  # it ended before its rest began: its own restart (or hold) stands
+            else:
+                self.main.stop(now)
         if self._incoming:
             self._swap(now)
         if self._fronts_stop and self.main.stopped:
