@@ -330,8 +330,9 @@ def test_a_reload_that_takes_serve_idle_away_wakes_a_resting_engine(tmp_path):
 
 def test_an_engine_that_ends_before_its_rest_begins_restarts_and_a_gpu_hold_during_a_rests_drain_stands(tmp_path):
     """The review of the branch (M1): the engine ended between the idle word and the proxy's answer, so its rest
-    never began: it is restarted as any ended engine, not left STOPPED; a GPU's hold that came during a rest's drain
-    ends HELD, not at rest."""
+    never began: it is restarted as any ended engine, not left STOPPED; a GPU's hold during a rest's drain waits for
+    it, then holds the resting engine (the next poll's hold), and one that drains in the rest's handshake ends HELD,
+    never RESTING."""
     from types import SimpleNamespace
 
     from test_planned_restart import engine_and_proxy
@@ -358,9 +359,21 @@ def test_an_engine_that_ends_before_its_rest_begins_restarts_and_a_gpu_hold_duri
     both.tick(clock.now)
     hear_idle(both, IdleConfig(), False, clock.now, quiet)
     ops.say(proxy.child.pid, HOLDING_WORD)
-    both.tick(clock.now)  # the rest's drain under way
+    both.tick(clock.now)  # the rest's drain under way: a hold waits for it (as for a reload's planned stop)
     engine.hold(clock.now, "waiting for GPU0's action: reset the GPU (Xid 79)")
     ops.groups[engine.child.pgid] = []
     clock.advance(1)
     both.tick(clock.now)
-    assert engine.state == HELD and engine.resting.rests == 0
+    assert engine.state == RESTING
+    engine.hold(clock.now, "waiting for GPU0's action: reset the GPU (Xid 79)")  # the next poll's: HELD
+    assert engine.state == HELD
+
+    both, engine, proxy, ops, clock = engine_and_proxy(tmp_path)  # a hold that drains, in the rest's handshake
+    ops.say(proxy.child.pid, IDLE_WORD)
+    both.tick(clock.now)
+    hear_idle(both, IdleConfig(), False, clock.now, quiet)
+    engine.hold(clock.now, "waiting for GPU0's action: reset the GPU (Xid 79)", drain=True)
+    ops.groups[engine.child.pgid] = []
+    clock.advance(1)
+    both.tick(clock.now)
+    assert engine.state == HELD and engine.resting.rests == 0  # no TransitionError: the hold stands

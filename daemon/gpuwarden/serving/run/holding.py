@@ -41,7 +41,6 @@ class Holding:
         """End the child (drain: a planned stop first, when it serves and its engine drains) and wait in HELD
         with reason as its problem (the STATUS line and /status say it), until release() or SIGHUP (reset)."""
         p = self.program
-        p.resting.forget()  # a GPU's action wins over a rest under way: the engine ends HELD
         if p.state == HELD:
             if reason != p.problem:
                 p.within(problem=reason)
