@@ -256,7 +256,10 @@ def test_the_engine_rests_after_the_quiet_and_the_next_request_through_the_proxy
     assert order == sorted(order), order
     d.wait_for("proxy: a request for the resting engine: waking it", after=mark, timeout=10)
     text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
-    assert 'gpuwarden_serving_rests_total{child="vllm"} 1' in text and "gpuwarden_serving_wake_seconds{" in text
+    lines = text.splitlines()
+    assert 'gpuwarden_serving_rests_total{child="vllm"} 1.0' in lines, [x for x in lines if "rests" in x]
+    assert any(x.startswith('gpuwarden_serving_wake_seconds{engine="vllm"} ') for x in lines), \
+        [x for x in lines if "wake" in x]
     assert d.stop() == 0
 
 
