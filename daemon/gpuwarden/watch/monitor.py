@@ -145,6 +145,9 @@ class Snapshot:
     def _serving_part(self, numbers: bool) -> str:
         s = self.serving
         model = s.model.rstrip("/").rsplit("/", 1)[-1]
+        if s.state == "RESTING":  # serve.idle: a choice, said as one
+            wake = f"; its last wake took {s.wake_s:.0f} s" if s.wake_s is not None else ""
+            return f"{s.title} at rest ({model}, {s.profile}): the next request wakes it{wake}"
         if s.state != "RUNNING":
             return f"{s.title} {s.state} ({model}, {s.profile})" + (f": {s.problem}" if s.problem else "")
         rate = self.stats.generation_tokens_per_s if self.stats and numbers else None

@@ -37,8 +37,10 @@ from .processes import ProcessOps
 from .spec import ChildSpec, other_drain
 from ..probe.stall import Progress, StallWatch
 from .takeover import take_over
+from .resting import each_tick
 from .word import close_word, kept_word
-from .supervisor import BACKOFF, FATAL, HELD, RUNNING, STARTING, STOPPING, Program, ServingView, Supervisor
+from .supervisor import (BACKOFF, FATAL, HELD, RESTING, RUNNING, STARTING, STOPPING, Program, ServingView,
+                         Supervisor)
 
 log = logging.getLogger("gpuwarden")
 
@@ -145,8 +147,9 @@ class ServingRuntime:
 
     @property
     def ready(self) -> bool:
-        """Start-up is over for serving: the engine is healthy, FATAL or HELD (so `systemctl start` returns)."""
-        return self.engine is None or self.engine.state in (RUNNING, FATAL, HELD)
+        """Start-up is over for serving: the engine is healthy, FATAL, HELD or at rest (so `systemctl start`
+        returns)."""
+        return self.engine is None or self.engine.state in (RUNNING, FATAL, HELD, RESTING)
 
     @property
     def replacing(self) -> bool:
@@ -264,6 +267,8 @@ class ServingRuntime:
             engine.note_stall(now, self.stall_watch.update(now, progress), self.launch.config.serve.restart_on_stall)
         elif engine.state == STOPPING and engine.drain.active and engine.spec.listens:
             engine.drain.note(self.reader.read(now))  # what the drain has left, for its last line; not published
+        each_tick(self.children, self.launch.config.serve.idle if self.launch else None, self.pending is not None,
+                  now, stats)
         return self.children.views(), stats
 
     def views(self) -> tuple[ServingView, ...] | None:

@@ -129,6 +129,9 @@ EXTRAS = (
     ("last_exit_code", "Exit status of the last child (negative: signal)", lambda snap: snap.serving.last_exit_code),
     ("time_to_healthy_seconds", "Seconds from the last start to /health answering 200",
      lambda snap: snap.serving.time_to_healthy_s))
+# serve.idle: new, no gpuwarden_vllm_* twin
+WAKE = ("wake_seconds", "Seconds from the request that woke the resting engine (serve.idle) to /health answering 200, "
+        "at its last wake", lambda snap: snap.serving.wake_s)
 EFFICIENCY = ("tokens_per_joule", "Generated tokens per joule of the engine's GPUs (NVML's energy counters), over the "
               "last minute", lambda snap: snap.tokens_per_joule)  # new: no gpuwarden_vllm_* twin
 
@@ -180,7 +183,9 @@ ROWS = (
     Row("gpuwarden_serving_start_time_seconds", "When the running child's process started (seconds since the "
         "epoch; time() minus it is its uptime: an upgrade of gpuwarden does not reset it)", ("child",),
         _children(lambda c: [((c.engine,), c.started_at)] if c.started_at is not None else []), shown=_serving),
-    *(_value_row(name, help, value, legacy=False) for name, help, value in (*STATS, *EXTRAS, EFFICIENCY)),
+    Row("gpuwarden_serving_rests", "Times the engine rested (stopped while no request came: serve.idle)", ("child",),
+        _children(lambda c: [((c.engine,), c.rests)]), COUNTER, lambda snap: _serving(snap) and snap.serving.rests > 0),
+    *(_value_row(name, help, value, legacy=False) for name, help, value in (*STATS, *EXTRAS, EFFICIENCY, WAKE)),
     Row("gpuwarden_vllm_info", "The served model and profile (value is always 1)", ("model", "profile"),
         lambda snap: [((snap.serving.model, snap.serving.profile), 1)], shown=_vllm),
     Row("gpuwarden_vllm_state", "1 for the vLLM child's current state", ("state",), _vllm_states, shown=_vllm),
