@@ -342,30 +342,30 @@ def test_a_reload_or_handover_to_another_container_engine_waits_for_the_images_p
 
 def test_a_reload_restarts_a_container_engine_whose_image_name_is_now_another_image(monkeypatch):
     """A pull or a tag since the start gives the image's name another image: a reload with the config unchanged
-    restarts the engine on it, as a process engine restarts on a vLLM upgraded under it (runtime._upgraded). The
+    restarts the engine on it, as a process engine restarts on a vLLM upgraded under it (replan._upgraded). The
     same image, an image not read, or another container section (which restarts it anyway) says nothing."""
     from types import SimpleNamespace
 
     from gpuwarden.serving.lint.packages import Installed
-    from gpuwarden.serving.run import runtime
+    from gpuwarden.serving.run import replan
 
     config = parse("serve:\n  model: /m/Qwen3-4B\n  container: {image: 'localhost/e:1'}\n")
     launch = SimpleNamespace(config=config, command=SimpleNamespace(engine=SimpleNamespace(name="vllm", title="vLLM")),
                              image="sha256:" + "a" * 64)
     engine = SimpleNamespace(spec=SimpleNamespace(version="0.32.0"))
     found = {"now": Installed("image localhost/e:1", True, {"vllm": "0.32.0"}, stamp=("sha256:" + "b" * 64,))}
-    monkeypatch.setattr(runtime, "installed_for", lambda *a, **k: found["now"])
-    assert runtime._upgraded(config, launch, engine) == (
+    monkeypatch.setattr(replan, "installed_for", lambda *a, **k: found["now"])
+    assert replan._upgraded(config, launch, engine) == (
         "reload: localhost/e:1 is now image sha256:bbbbbbbbbbbb, the engine runs sha256:aaaaaaaaaaaa: restarting it "
         "on the new image")
     found["now"] = Installed("image localhost/e:1", True, {"vllm": "0.32.0"}, stamp=(launch.image,))
-    assert runtime._upgraded(config, launch, engine) is None
+    assert replan._upgraded(config, launch, engine) is None
     found["now"] = Installed("image localhost/e:1", False, error="podman does not answer")
-    assert runtime._upgraded(config, launch, engine) is None
+    assert replan._upgraded(config, launch, engine) is None
     found["now"] = Installed("image localhost/e:1", True, {"vllm": "0.32.0"}, stamp=("sha256:" + "b" * 64,))
     other = parse("serve:\n  model: /m/Qwen3-4B\n  container: {image: 'localhost/e:2'}\n")
-    assert runtime._upgraded(other, launch, engine) is None
-    assert runtime._upgraded(config, SimpleNamespace(**{**vars(launch), "image": None}), engine) is None
+    assert replan._upgraded(other, launch, engine) is None
+    assert replan._upgraded(config, SimpleNamespace(**{**vars(launch), "image": None}), engine) is None
 
 
 CRASHED = (0, 'GPUWARDEN-FLAGCHECK {"ok": false, "error": "ModuleNotFoundError: No module named \'vllm\'", '

@@ -563,8 +563,8 @@ def test_the_proxy_is_given_the_vllm_engines_key_and_no_other_engines(tmp_path):
 def test_a_key_rotated_or_taken_out_of_the_secrets_file_restarts_the_engine_with_the_proxy(tmp_path):
     """Attacker 13's first: a key rotated in serve.env_file and a SIGHUP restarted the proxy alone (its key read from
     the file again) while the engine kept the old one: every client refused. Now a reload whose secrets differ from
-    what the running engine got restarts the engine too (ServingRuntime.plan_reload), as a handover does."""
-    from gpuwarden.serving.run.runtime import secrets_changed
+    what the running engine got restarts the engine too (serving/run/replan.Replan.plan), as a handover does."""
+    from gpuwarden.serving.run.replan import secrets_changed
 
     secrets = tmp_path / "vllm.env"
     secrets.write_text("VLLM_API_KEY=k-one\n")
@@ -599,7 +599,7 @@ def test_a_reload_that_changes_only_the_key_restarts_the_engine_and_the_proxy(tm
     'nothing changed' and the old key kept working. key_rotated compares the engine's key and secrets with what the running engine and proxy were given."""
     from types import SimpleNamespace
 
-    from gpuwarden.serving.run.runtime import key_rotated
+    from gpuwarden.serving.run.replan import key_rotated
 
     secrets = tmp_path / "vllm.env"
     secrets.write_text("VLLM_API_KEY=k-one\n")

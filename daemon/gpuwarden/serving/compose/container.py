@@ -219,7 +219,7 @@ def image_installed(container: ContainerConfig, uid: int, gid: int, python: str 
     installed-versions probe in a container of the image (serve.python inside it, else python3; the configured
     mounts, read-only: an engine's venv may be one): as uid:gid, no network, no capability, no GPU, removed after;
     cached under the image's name with its ID. ask False (the daemon's loop): the cache only, never the
-    runtime (a reload reads it again off the loop first: ServingRuntime.reread_installed)."""
+    runtime (a reload reads it again off the loop first: replan.Replan.reread_installed)."""
     key = f"image {container.image}"
     cached = installed_mod.remembered(state, key)
     if not ask:  # the cache, or what the last read met (a reload refuses that: ServingRuntime.refuse_container)
