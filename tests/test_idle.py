@@ -245,6 +245,10 @@ def test_the_engine_rests_after_the_quiet_and_the_next_request_through_the_proxy
     assert not os.path.exists(f"/proc/{pid}")  # the engine is gone: no process, no context
     status = json.loads(urllib.request.urlopen(base + "/status", timeout=10).read())
     assert status["serving"]["state"] == "RESTING" and status["serving"]["rests"] == 1, status["serving"]
+    # A balancer's /ping is answered by the proxy and wakes nothing (held, it would answer once the engine is up)
+    assert urllib.request.urlopen(f"http://127.0.0.1:{proxy_port}/ping", timeout=10).status == 200
+    status = json.loads(urllib.request.urlopen(base + "/status", timeout=10).read())
+    assert status["serving"]["state"] == "RESTING", status["serving"]
     mark = len(d.lines)
     client = Clients(proxy_port)
     client.stop()  # none but the one below
@@ -382,3 +386,29 @@ def test_an_engine_that_ends_before_its_rest_begins_restarts_and_a_gpu_hold_duri
     both.tick(clock.now)
     assert engine.state == HELD and engine.resting.rests == 0  # no TransitionError: the hold stands
     assert engine.resting.rest_for is None  # the rest that never began is forgotten
+
+
+def test_the_proxy_says_the_engines_counters_are_lost_as_a_fault_only_when_the_engine_is_not_away_by_choice(caplog):
+    """The proxy's scrape of the engine's /metrics: a failed read at an engine away by the daemon's word (a rest, a
+    planned stop) is said at info, once; the same failure at an engine that should answer is a warning."""
+    import asyncio
+    import logging
+    from types import SimpleNamespace
+
+    import aiohttp
+
+    from gpuwarden.proxy.scrape import scrape_once
+
+    class Refused:
+        def get(self, *args, **kwargs):
+            raise aiohttp.ClientConnectionError("connection refused")
+
+    for planned, level in ((True, logging.INFO), (False, logging.WARNING)):
+        metrics = SimpleNamespace(engine_up=1, engine="counters", prefix_names=())
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="gpuwarden.proxy"):
+            for _ in range(3):
+                asyncio.run(scrape_once(Refused(), "http://engine", "/metrics", metrics, lambda: planned))
+        said = [r for r in caplog.records if "cannot be read" in r.getMessage()]
+        assert [r.levelno for r in said] == [level], said  # once per outage
+        assert metrics.engine_up == 0 and metrics.engine is None

@@ -261,8 +261,8 @@ class Proxy:
         self.session = engine_session(self.conns.cap + 4 if self.conns else 0, self.read_timeout_s, self.engine_uid,
                                       self.faults, self.socket)
         self.looks = engine_session(LOOKS_AT_ONCE, LOOK_S, self.engine_uid, self.faults, self.socket)
-        self._scraper = asyncio.get_running_loop().create_task(scrape_forever(self.session, self.upstream,
-                                                                              self.metrics_path, self.metrics))
+        self._scraper = asyncio.get_running_loop().create_task(scrape_forever(
+            self.session, self.upstream, self.metrics_path, self.metrics, lambda: self.hold.planned))
         if self.quiet.after_s:
             self._quieter = asyncio.get_running_loop().create_task(self._listen_for_quiet())
 
@@ -304,8 +304,13 @@ class Proxy:
         if self.key is not None and not self.key.lets_in(request.method, request.path, request.headers):
             return self._refuse(request, label, 401, "unauthorized", "the engine's API key is needed (Authorization: "
                                 "Bearer KEY)")
+        liveness = request.path == "/ping" and not request.can_read_body  # a balancer's look, not work for it
+        if liveness and self.hold.resting:  # at rest by choice, and the next request wakes it: the service is up
+            return web.Response(status=200)
         held = self.budget.hold(client_of(request))
-        self.quiet.began()  # a request for the engine: it is not idle until this one has ended (quiet.py)
+        quiet = self.quiet if not liveness else None  # a look every few seconds must not keep the engine awake
+        if quiet is not None:
+            quiet.began()  # a request for the engine: it is not idle until this one has ended (quiet.py)
         try:
             try:
                 self.casualties.refuse(held.client)  # before a byte of its body is read
@@ -336,7 +341,8 @@ class Proxy:
             return await self._send(request, headers, held, label, began)
         finally:
             held.release()
-            self.quiet.ended()
+            if quiet is not None:
+                quiet.ended()
 
     async def _send(self, request: web.Request, headers: CIMultiDict, held: Held, label: str,
                     began: float) -> web.StreamResponse:
