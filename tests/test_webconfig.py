@@ -85,6 +85,11 @@ def test_a_bad_web_config_is_a_located_error(write, cli):
         f"{web}:3: tls_server_config.key_file: {path.parent / 'missing.key'} is not a readable file",
         f"{web}:5: basic_auth_users.prometheus: expected a bcrypt hash ($2b$...) "
         "(make one with: htpasswd -nBC 12 \"\" | tr -d ':\\n')"]
+    # Attacker 17's F5: a NUL in the path was a traceback and exit 1 (under the unit, a restart every 5 s)
+    path = write("nul.yaml", 'metrics:\n  web_config: "a\\0b"\n')
+    status, _, err = cli("check", "-c", path)
+    assert status == 78 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"{path}:2: metrics.web_config: the path has a NUL byte") and "Traceback" not in err, err
 
 
 @pytest.mark.process
