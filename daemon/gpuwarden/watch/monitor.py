@@ -335,7 +335,8 @@ class Monitor:
         for state in self.serving_states.values():
             check = state.rule.check(engine, samples)
             if state.rule.any_child and not check.active:
-                check = next((c for view in serving[1:] if (c := state.rule.check(view, samples)).active), check)
+                check = next((c for view in (serving or ())[1:] if (c := state.rule.check(view, samples)).active),
+                             check)
             event = state.step(check, now, self.config.alerts, restart_timers=stalled)
             if event:
                 self._log_event(event, state, None, now)
