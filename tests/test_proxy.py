@@ -583,15 +583,21 @@ def test_a_key_rotated_or_taken_out_of_the_secrets_file_restarts_the_engine_with
 def test_only_a_bodiless_options_passes_without_the_key():
     """Attacker 13's third: keyless OPTIONS requests of 32 MiB took the body budget while the engine was down. A CORS
     preflight has no body; one with a body needs the key."""
-    from gpuwarden.proxy.keys import ApiKey
+    from gpuwarden.proxy.keys import KEYED, KEYLESS, ApiKey
 
     key = ApiKey("k")
     assert key.lets_in("OPTIONS", "/v1/chat/completions", {})
     assert key.lets_in("OPTIONS", "/v1/chat/completions", {"Content-Length": "0"})
     assert not key.lets_in("OPTIONS", "/v1/chat/completions", {"Content-Length": "33554432"})
     assert not key.lets_in("OPTIONS", "/invocations", {"Transfer-Encoding": "chunked"})
-    assert key.lets_in("POST", "/invocations", {"Authorization": "Bearer k"}) and key.lets_in("GET", "/ping", {})
+    assert key.lets_in("POST", "/invocations", {"Authorization": "Bearer k"}) == KEYED
+    assert key.lets_in("GET", "/ping", {}) == KEYLESS and key.lets_in("OPTIONS", "/x", {}) == KEYLESS
     assert not key.lets_in("POST", "/invocations", {"Authorization": "bearer wrong"})
+    # attacker 17: a keyless path with a body needs the key (its F1), and a key that is no UTF-8 is refused (F4)
+    assert key.lets_in("POST", "/ping", {"Content-Length": "1000000"}) is None
+    assert key.lets_in("POST", "/ping", {"Content-Length": "9", "Authorization": "Bearer k"}) == KEYED
+    for given in ("Bearer \udcff", "Bearer \ud800", "Bearer k\udced\udca0\udc80"):
+        assert key.lets_in("GET", "/v1/models", {"Authorization": given}) is None, given
 
 
 def test_a_reload_that_changes_only_the_key_restarts_the_engine_and_the_proxy(tmp_path):

@@ -831,6 +831,9 @@ def _web_config(r: Reader, base_dir: Path) -> WebConfig | None:
     value = r.string(("metrics", "web_config"), "none")
     if str(value).lower() in NONE_WORDS:
         return None
+    if "\0" in str(value):  # no path has one (attacker 17's F5: a traceback and exit 1, restarted every 5 s)
+        r.fail(("metrics", "web_config"), "the path has a NUL byte", "a file's path")
+        return None
     try:
         return webconfig.load(base_dir / value)
     except yamlfile.InvalidConfig as exc:

@@ -44,7 +44,7 @@ from .dump import Dumper
 from .ends import Ends
 from .faults import proxy_faults
 from .hold import Hold
-from .keys import ApiKey
+from .keys import KEYED, KEYLESS, ApiKey
 from .listener import Connections
 from .normalize import Rules
 from .prepare import Prepare
@@ -301,7 +301,8 @@ class Proxy:
         began = time.monotonic()
         api = NORMALIZED.get(request.path) if request.method == "POST" else None
         label = api or "other"
-        if self.key is not None and not self.key.lets_in(request.method, request.path, request.headers):
+        let_in = self.key.lets_in(request.method, request.path, request.headers) if self.key is not None else KEYED
+        if let_in is None:
             return self._refuse(request, label, 401, "unauthorized", "the engine's API key is needed (Authorization: "
                                 "Bearer KEY)")
         liveness = request.path == "/ping" and not request.can_read_body  # a balancer's look, not work for it
@@ -338,14 +339,14 @@ class Proxy:
                 headers["Content-Length"] = str(len(body))
                 held.keep(body)
             body = None
-            return await self._send(request, headers, held, label, began)
+            return await self._send(request, headers, held, label, began, holds=let_in != KEYLESS)
         finally:
             held.release()
             if quiet is not None:
                 quiet.ended()
 
     async def _send(self, request: web.Request, headers: CIMultiDict, held: Held, label: str,
-                    began: float) -> web.StreamResponse:
+                    began: float, holds: bool = True) -> web.StreamResponse:
         """Send the request upstream and relay the answer; while the engine is down (it refused the connection, or
         answered 503; any 5xx while it drains for a planned stop) and it never had the request, hold it (hold.py) and
         send it again once the engine is back, while its body is still here (body.py may have given it up). A request
@@ -371,6 +372,9 @@ class Proxy:
                 elif not self.hold.on:
                     return self._refuse(request, label, 502, "upstream_down", f"upstream {self.shown} is down: "
                                         "the engine ended and its /health does not answer yet")
+            if not holds:  # a request without the key takes no place of the hold (keys.ApiKey.lets_in)
+                return self._refuse(request, label, 503, "not_held_keyless", "the engine is not up; a request "
+                                    "without the engine's API key is not held: retry later")
             first_held = time.monotonic() if first_held is None else first_held
             try:
                 await self.hold.wait(request, first_held)

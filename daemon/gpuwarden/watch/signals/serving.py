@@ -45,7 +45,8 @@ def _gpu_picture(s: GpuSample) -> str:
 
 
 def vllm_start_blocked(view, _ctx=None) -> Check:
-    # A node of a multi-node engine waiting for its head ("waiting for rank 0", "waiting for the Ray head") is
+    # Any child's (Rule.any_child): the proxy's port held by a local user is an outage too (attacker 17's F3: only
+    # an INFO line said it, and clients' keys went to the holder). A node of a multi-node engine waiting for its head ("waiting for rank 0", "waiting for the Ray head") is
     # not blocked by anything here that a person could free: ServingNodeDown names the node that is missing.
     waiting = view is not None and (view.problem or "").startswith("waiting for ")
     return Check(view is not None and view.blocked and not waiting,
@@ -61,7 +62,7 @@ RULES = (
          "to try again", vllm_fatal),
     Rule("vllm_start_blocked", WARNING, "do what the line says: stop the process named, free the memory or the port, "
          "or mend the file named (a key in vLLM's --config file behind the proxy); the engine starts at the next try "
-         "after", vllm_start_blocked),
+         "after", vllm_start_blocked, any_child=True),
 )
 
 
