@@ -112,7 +112,7 @@ def test_a_probe_that_floods_is_no_answer_in_one_line(flooding_python, tmp_path)
 @pytest.mark.process
 def test_a_flag_check_that_floods_is_no_answer_in_one_line(flooding_python, tmp_path):
     me = Identity("me", os.geteuid(), os.getegid(), str(tmp_path), (), switch=False)
-    serve = SimpleNamespace(python=flooding_python)
+    serve = SimpleNamespace(python=flooding_python, container=None)
     command = SimpleNamespace(engine=SimpleNamespace(title="vLLM", flag_probe="pass"), argv=("vllm", "serve"),
                               prefix=2, flags=[], env={"PATH": os.defpath})
     checked = flagcheck.check_flags(serve, command, me, timeout_s=TIMEOUT_S)

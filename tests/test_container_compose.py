@@ -197,3 +197,199 @@ def test_a_container_engine_behind_the_proxy_waits_to_start_while_its_config_fil
     assert keyed_flags(spec) is None
     flags.write_text("max-num-seqs: 4\napi-k: written-later\n")
     assert keyed_flags(spec).startswith("with the proxy on, vLLM's flags give it an API key")
+
+
+class FakeImages:
+    """image_runtime and in_image's stand-ins: the image's ID as the runtime would say it, and each probe run's
+    answer in turn (status, output); what each run was asked to run is kept."""
+
+    def __init__(self, monkeypatch, image_id, *answers):
+        from contextlib import contextmanager
+
+        from gpuwarden.serving.compose import container, flagcheck
+
+        monkeypatch.setattr(flagcheck, "_image_answers", {})
+        self.image_id, self.answers, self.runs, self.made = image_id, list(answers), [], []
+
+        @contextmanager
+        def image_runtime(config):
+            yield "runtime", self.image_id
+
+        def in_image(runtime, config, uid, gid, argv, env, wait_s, machine=None, cancel=None, image_id=None,
+                     mounts=None):
+            self.runs.append((uid, gid, argv, dict(env), wait_s))
+            self.made.append((image_id, mounts))
+            return self.answers.pop(0)
+
+        monkeypatch.setattr(container, "image_runtime", image_runtime)
+        monkeypatch.setattr(container, "in_image", in_image)
+
+
+ACCEPTS = (0, 'GPUWARDEN-FLAGCHECK {"ok": true, "error": null, "version": "0.32.0"}\n')
+REFUSES = (0, 'usage: vllm serve [-h]\nvllm serve: error: unrecognized arguments: --no-such-flag\n'
+              'GPUWARDEN-FLAGCHECK {"ok": false, "error": null, "version": "0.32.0"}\n')
+
+
+def image_serve(tmp_path, extra=""):
+    text = f"  port: 8126\n  env: {{HF_TOKEN: hf_x}}\n  container: {{image: 'localhost/e:1'}}\n{extra}"
+    return parse(f"serve:\n  model: /m/Qwen3-4B\n{text}").serve, text
+
+
+def test_a_container_engines_flags_are_checked_by_its_images_parser_once_per_image_id_and_command(
+        tmp_path, monkeypatch):
+    """Issue 53: the engine's own parser is the image's. check_flags runs the engine's probe in a container made
+    from the image's ID (never this host's interpreter), as serve.user, with the engine's environment as the
+    container gets it less its secrets; the parser's answer is kept per image ID and command: the same again asks
+    nothing, a re-tag asks anew."""
+    from test_drain import composed
+
+    from gpuwarden.serving.compose import flagcheck
+
+    images = FakeImages(monkeypatch, "sha256:aaa", ACCEPTS, ACCEPTS)
+    serve, text = image_serve(tmp_path)
+    command = composed(text).command
+    spawned = []
+    first = flagcheck.check_flags(serve, command, me(), 90, spawn=lambda *a, **k: spawned.append(a))
+    assert first.ok and first.version == "0.32.0" and first.python == "python3 in localhost/e:1"
+    assert spawned == []  # nothing of the host's
+    (uid, gid, argv, env, wait_s), = images.runs
+    assert (uid, gid, wait_s) == (999, 995, 90) and argv[:2] == ("python3", "-c")
+    assert json.loads(argv[3]) == list(command.flags) and argv[2] == command.engine.flag_probe
+    assert "HF_TOKEN" not in env and "PATH" not in env and "CUDA_VISIBLE_DEVICES" not in env  # the parser needs none
+    assert images.made[0][0] == "sha256:aaa"  # made from the ID the answer is kept for, not the name
+    assert flagcheck.check_flags(serve, command, me(), 90) == first and len(images.runs) == 1  # kept
+    images.image_id = "sha256:bbb"  # the same name, another image
+    assert flagcheck.check_flags(serve, command, me(), 90).ok and len(images.runs) == 2
+
+
+def test_the_images_parser_refusing_names_its_reason_and_a_probe_that_did_not_answer_is_asked_again(
+        tmp_path, monkeypatch):
+    from test_drain import composed
+
+    from gpuwarden.serving.compose import flagcheck
+    from gpuwarden.serving.compose.prepare import flag_problem
+
+    images = FakeImages(monkeypatch, "sha256:aaa", REFUSES, (None, ""), (1, "python3: not found\n"), ACCEPTS)
+    config = parse(f"serve:\n  model: /m/Qwen3-4B\n  args: [--no-such-flag]\n{image_serve(tmp_path)[1]}")
+    command = composed(image_serve(tmp_path, "  args: [--no-such-flag]\n")[1]).command
+    refused = flagcheck.check_flags(config.serve, command, me(), 5)
+    assert not refused.ok and refused.error == "unrecognized arguments: --no-such-flag"
+    assert "serve.args: vLLM rejects the flags: unrecognized arguments: --no-such-flag" in str(
+        flag_problem(config, command, refused))
+    assert flagcheck.check_flags(config.serve, command, me(), 5) == refused and len(images.runs) == 1  # kept
+    images.image_id = "sha256:bbb"
+    late = flagcheck.check_flags(config.serve, command, me(), 5)
+    assert not late.ok and not late.ran and late.error == "vLLM's flag check did not finish within 5 s"
+    assert "serve.container.image: vLLM's flag check did not finish within 5 s (its flags are not checked)" in str(
+        flag_problem(config, command, late))  # no verdict: not the flags' fault
+    broken = flagcheck.check_flags(config.serve, command, me(), 5)  # not kept: asked again
+    assert not broken.ok and not broken.ran and broken.error == "vLLM's flag check failed to run: python3: not found"
+    assert flagcheck.check_flags(config.serve, command, me(), 5).ok and len(images.runs) == 4
+
+
+def test_the_images_interpreter_is_serve_python_or_the_commands_own_else_python3():
+    from gpuwarden.serving.compose.flagcheck import image_python
+
+    image = ContainerConfig("localhost/e:1")
+    assert image_python(ServeConfig(container=image, python="/opt/venv/bin/python"), ["vllm", "serve"]) == \
+        "/opt/venv/bin/python"
+    assert image_python(ServeConfig(container=image), ["/opt/venv/bin/python3.12", "-m", "vllm"]) == \
+        "/opt/venv/bin/python3.12"
+    assert image_python(ServeConfig(container=image), ["vllm", "serve"]) == "python3"  # its #! is in the image
+
+
+def test_a_runtime_that_cannot_be_asked_is_one_line_of_the_flag_check(tmp_path, monkeypatch):
+    from contextlib import contextmanager
+
+    from test_drain import composed
+
+    from gpuwarden.base.containerapi import RuntimeFault
+    from gpuwarden.serving.compose import container, flagcheck
+
+    @contextmanager
+    def gone(config):
+        raise RuntimeFault("podman's API socket /run/podman/podman.sock: No such file or directory")
+        yield
+
+    monkeypatch.setattr(container, "image_runtime", gone)
+    serve, text = image_serve(tmp_path)
+    found = flagcheck.check_flags(serve, composed(text).command, me(), 5)
+    assert not found.ok and not found.ran and found.error == (
+        "vLLM's flag check could not run in localhost/e:1: podman's API socket /run/podman/podman.sock: No such file "
+        "or directory")
+
+
+def test_a_reload_or_handover_to_another_container_engine_waits_for_the_images_parser(tmp_path, monkeypatch):
+    """deepcheck.due: a container engine's launch is checked as a process engine's is (it was skipped: its parser was
+    not run from here), where its spec differs from the engine that runs; the same spec asks nothing."""
+    from types import SimpleNamespace
+
+    from test_drain import composed
+
+    from gpuwarden.serving.run.deepcheck import due
+
+    monkeypatch.setenv("STATE_DIRECTORY", str(tmp_path / "state"))
+    serve, text = image_serve(tmp_path)
+    command = composed(text).command
+    spec = container_spec(engine_spec(serve, command, me(), []), serve.container, simulated=True, port=serve.port)
+    launch = SimpleNamespace(command=command, engine=spec)
+    other = container_spec(engine_spec(serve, composed(text + "  args: [--max-num-seqs, '4']\n").command, me(), []),
+                           serve.container, simulated=True, port=serve.port)
+    assert due(launch, SimpleNamespace(engine=SimpleNamespace(spec=other), pending=None))
+    assert not due(launch, SimpleNamespace(engine=SimpleNamespace(spec=spec), pending=None))
+    assert due(launch, SimpleNamespace(engine=SimpleNamespace(spec=spec), pending=None), upgraded=True)
+
+
+def test_a_reload_restarts_a_container_engine_whose_image_name_is_now_another_image(monkeypatch):
+    """A pull or a tag since the start gives the image's name another image: a reload with the config unchanged
+    restarts the engine on it, as a process engine restarts on a vLLM upgraded under it (replan._upgraded). The
+    same image, an image not read, or another container section (which restarts it anyway) says nothing."""
+    from types import SimpleNamespace
+
+    from gpuwarden.serving.lint.packages import Installed
+    from gpuwarden.serving.run import replan
+
+    config = parse("serve:\n  model: /m/Qwen3-4B\n  container: {image: 'localhost/e:1'}\n")
+    launch = SimpleNamespace(config=config, command=SimpleNamespace(engine=SimpleNamespace(name="vllm", title="vLLM")),
+                             image="sha256:" + "a" * 64)
+    engine = SimpleNamespace(spec=SimpleNamespace(version="0.32.0"))
+    found = {"now": Installed("image localhost/e:1", True, {"vllm": "0.32.0"}, stamp=("sha256:" + "b" * 64,))}
+    monkeypatch.setattr(replan, "installed_for", lambda *a, **k: found["now"])
+    assert replan._upgraded(config, launch, engine) == (
+        "reload: localhost/e:1 is now image sha256:bbbbbbbbbbbb, the engine runs sha256:aaaaaaaaaaaa: restarting it "
+        "on the new image")
+    found["now"] = Installed("image localhost/e:1", True, {"vllm": "0.32.0"}, stamp=(launch.image,))
+    assert replan._upgraded(config, launch, engine) is None
+    found["now"] = Installed("image localhost/e:1", False, error="podman does not answer")
+    assert replan._upgraded(config, launch, engine) is None
+    found["now"] = Installed("image localhost/e:1", True, {"vllm": "0.32.0"}, stamp=("sha256:" + "b" * 64,))
+    other = parse("serve:\n  model: /m/Qwen3-4B\n  container: {image: 'localhost/e:2'}\n")
+    assert replan._upgraded(other, launch, engine) is None
+    assert replan._upgraded(config, SimpleNamespace(**{**vars(launch), "image": None}), engine) is None
+
+
+CRASHED = (0, 'GPUWARDEN-FLAGCHECK {"ok": false, "error": "ModuleNotFoundError: No module named \'vllm\'", '
+              '"version": null}\n')
+
+
+def test_an_exception_in_the_engines_code_is_answered_but_not_kept_and_the_probe_sees_the_engines_files(
+        tmp_path, monkeypatch):
+    """The review of the branch: an import that failed in the probe (a mount not there yet) is the probe's answer,
+    not the parser's word, so it is asked again; a new mount is another key; the model's directory is mounted in
+    the probe as in the engine's container (vLLM's validation opens a chat template there)."""
+    from test_drain import composed
+
+    from gpuwarden.serving.compose import flagcheck
+
+    images = FakeImages(monkeypatch, "sha256:aaa", CRASHED, ACCEPTS, ACCEPTS)
+    model = tmp_path / "model"
+    model.mkdir()
+    text = "  port: 8127\n  container: {image: 'localhost/e:1'}\n"
+    serve = parse(f"serve:\n  model: {model}\n{text}").serve
+    command = composed(text).command
+    crashed = flagcheck.check_flags(serve, command, me(), 5)
+    assert not crashed.ok and crashed.ran and crashed.error == "ModuleNotFoundError: No module named 'vllm'"
+    assert flagcheck.check_flags(serve, command, me(), 5).ok and len(images.runs) == 2  # not kept: asked again
+    assert Mount(str(model), str(model), True) in images.made[0][1]
+    mounted = parse(f"serve:\n  model: {model}\n" + text.replace("'}", "', mounts: [/tmp:/extra]}")).serve
+    assert flagcheck.check_flags(mounted, command, me(), 5).ok and len(images.runs) == 3  # another mount: asked

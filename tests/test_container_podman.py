@@ -43,6 +43,52 @@ def status_of(pid):
     return {k: v.strip() for k, v in fields.items()}
 
 
+# socketcall(SYS_SOCKET, {AF_VSOCK, SOCK_STREAM, 0}) through the i386 ABI (int 0x80) from a 64-bit process: the
+# family sits behind a pointer (in the low 4 GiB, MAP_32BIT), which no seccomp rule reads. "ok": a socket came back.
+INT80 = r"""import ctypes, struct
+libc = ctypes.CDLL(None)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+args = libc.mmap(None, 4096, 3, 0x22 | 0x40, -1, 0)
+ctypes.memmove(args, struct.pack("<III", 40, 1, 0), 12)
+code = b"\x53\xb8\x66\x00\x00\x00\xbb\x01\x00\x00\x00\xb9" + struct.pack("<I", args) + b"\xcd\x80\x5b\xc3"
+page = libc.mmap(None, 4096, 7, 0x22, -1, 0)
+ctypes.memmove(page, code, len(code))
+print("ok" if ctypes.CFUNCTYPE(ctypes.c_int)(page)() >= 0 else "no")
+"""
+SYSCALLS = """import ctypes, errno, os, socket, subprocess, sys, threading
+libc = ctypes.CDLL(None, use_errno=True)
+def said(name, result):
+    print(name, "ok" if result >= 0 else errno.errorcode[ctypes.get_errno()])
+said("unshare", libc.unshare(0x10000000))  # CLONE_NEWUSER
+said("keyctl", libc.syscall(250, 0, -3, 0))  # keyctl(KEYCTL_GET_KEYRING_ID, the session keyring), x86-64
+for family in (40, 1, 2, 10, 16):  # AF_VSOCK, then the unit's AF_UNIX AF_INET AF_INET6 AF_NETLINK
+    try:
+        socket.socket(family, socket.SOCK_RAW if family == 16 else socket.SOCK_STREAM).close()
+        print("socket", family, "ok")
+    except OSError:
+        print("socket", family, "no")
+thread = threading.Thread(target=lambda: None)
+thread.start()
+thread.join()
+print("thread ok")
+pid = os.fork()
+if pid == 0:
+    os._exit(0)
+print("fork", "ok" if os.waitpid(pid, 0)[1] == 0 else "no")
+done = subprocess.run([sys.executable, "-c", INT80], capture_output=True, text=True)
+print("socketcall", "ok" if done.stdout.strip() == "ok" else "no")
+""".replace("INT80", repr(INT80))
+
+
+def inside(podman, cid, user, code):
+    """The lines code prints, run by python3 in the running container cid as user (an exec: the container's
+    seccomp profile, capabilities and no_new_privs hold for it)."""
+    who = pwd.getpwnam(user)
+    exec_id = podman.api.exec_create(cid, ["python3", "-c", code], user=f"{who.pw_uid}:{who.pw_gid}")["Id"]
+    return podman.api.exec_start(exec_id).decode().splitlines()
+
+
 def serving(podman, write, tmp_path, child_user, proxy_port=None, base_env=None, state=None):
     """A config serving the fake engine from the tests' image, its state folder of its own (the containers' owner
     label): (state, env, owner, port, path). Behind the proxy the state folder is conftest.passable_state: the
@@ -93,6 +139,7 @@ def test_a_container_engine_serves_is_back_after_a_crash_is_adopted_after_a_daem
         d = daemons(path, env=env, command=[*UNIT_CAPS, *gpuwarden_cmd()])
         d.wait_for("vLLM healthy after", timeout=180)
         assert "vLLM 0.32.0" in d.wait_for("in image " + podman.image(), timeout=5)  # read from the image
+        d.wait_for(f"vLLM 0.32.0 accepts the flags (checked with python3 in {podman.image()})", timeout=1)
         d.wait_for(f"removed container {stray[:12]} (gpuwarden-vllm-{port}-old", timeout=60)
         (first,) = podman.labelled(LABEL_OWNER, owner)
         assert first["Names"] == [f"/gpuwarden-vllm-{port}"] and first["State"] == "running"
@@ -100,6 +147,13 @@ def test_a_container_engine_serves_is_back_after_a_crash_is_adopted_after_a_daem
         engine = status_of(podman.pid_of(first["Id"]))
         assert engine["Uid"].split()[0] == str(pwd.getpwnam(child_user).pw_uid)
         assert engine["CapEff"] == engine["CapPrm"] == "0000000000000000" and engine["NoNewPrivs"] == "1"
+        # The unit's system-call rules hold inside (serving/compose/sandbox.py): no namespace, no keyring, no
+        # AF_VSOCK for the engine's user; threads, fork and the unit's socket families work.
+        assert engine["Seccomp"] == "2"
+        assert inside(podman, first["Id"], child_user, SYSCALLS) == ["unshare EPERM", "keyctl EPERM", "socket 40 no",
+                                                                     "socket 1 ok", "socket 2 ok", "socket 10 ok",
+                                                                     "socket 16 ok", "thread ok", "fork ok",
+                                                                     "socketcall no"]
         shim = int(d.wait_for("vLLM starting (pid", timeout=1).split("(pid ")[1].split(",")[0])
         assert status_of(shim)["CapEff"] == "0000000000000000" and status_of(shim)["Uid"].split()[0] == "0"
         assert "--shutdown-timeout" in " ".join(json.loads(Path(f"/proc/{shim}/cmdline").read_bytes()
@@ -129,12 +183,15 @@ def test_a_container_engine_serves_is_back_after_a_crash_is_adopted_after_a_daem
         assert same["Id"] == second["Id"] and same["State"] == "running"
 
         # A reload to an image the runtime does not have, or a mount that does not exist, is refused before anything
-        # stops (attacker 12's F5: a typo stopped the healthy container and ended FATAL).
+        # stops (attacker 12's F5: a typo stopped the healthy container and ended FATAL); so is one to flags the
+        # image's own parser refuses (the engine's flag check, run in a container of the image).
         original = path.read_text()
         for edit, said in ((original.replace(f"image: {podman.image()}", "image: localhost/no-such-image:1"),
                             "podman has no image localhost/no-such-image:1"),
                            (original.replace("/opt/fakevllm]", "/opt/fakevllm, /nonexistent/hf:/hf]"),
-                            "/nonexistent/hf does not exist")):
+                            "/nonexistent/hf does not exist"),
+                           (original.replace("  drain_s: 5\n", "  args: [--no-such-flag]\n  drain_s: 5\n"),
+                            "serve.args: vLLM rejects the flags: unrecognized arguments: --no-such-flag")):
             path.write_text(edit)
             mark = len(d2.lines)
             d2.proc.send_signal(signal.SIGHUP)
@@ -206,6 +263,30 @@ def test_a_reload_that_changes_the_image_drains_the_old_container_and_fails_no_r
         assert len(slow.outcomes) == 2
         (new,) = podman.labelled(LABEL_OWNER, owner)
         assert new["Id"] != old["Id"], new
+
+        # The same name, another image (a pull or a tag since the start), and a reload with the config unchanged:
+        # the engine restarts on the new image, as a process engine does on a vLLM upgraded under it, and no request
+        # fails through the proxy.
+        retagged = podman.derived(tmp_path, "io.gpuwarden.test=retagged")
+        assert podman.cli("tag", retagged, second).returncode == 0
+        steady = Clients(proxy_port)
+        mark = len(d.lines)
+        d.proc.send_signal(signal.SIGHUP)
+        said = d.wait_for(f"reload: {second} is now image sha256:{retagged.removeprefix('sha256:')[:12]}", after=mark,
+                          timeout=120)
+        assert "restarting it on the new image" in said
+        d.wait_for("vLLM healthy after", after=mark, timeout=180)
+        d.wait_for("proxy: engine back after", after=mark, timeout=60)
+        outcomes = steady.stop()
+        assert outcomes and {status for status, _, _ in outcomes} == {200}, [o for o in outcomes if o[0] != 200][:5]
+        (third,) = podman.labelled(LABEL_OWNER, owner)
+        image_of = podman.api.inspect_container(third["Id"])["Image"]
+        assert third["Id"] != new["Id"] and image_of.removeprefix("sha256:") == retagged.removeprefix("sha256:")
+        mark = len(d.lines)
+        d.proc.send_signal(signal.SIGHUP)  # nothing changed since: no restart
+        d.wait_for("config reloaded from", after=mark, timeout=60)
+        time.sleep(2)
+        assert [c["Id"] for c in podman.labelled(LABEL_OWNER, owner)] == [third["Id"]]
         assert d.stop() == 0
         assert podman.labelled(LABEL_OWNER, owner) == []
     finally:
@@ -222,13 +303,15 @@ def test_a_reload_that_changes_the_image_drains_the_old_container_and_fails_no_r
      "serve.container.image: podman has no image localhost/no-such-image:1"),
     (lambda text, podman: text.replace("env: {PYTHONPATH: /opt/fakevllm}", "env: {}"),
      f"serve.container.image: {IMAGE} has no vllm for its python3"),
-], ids=["mount", "socket", "image", "engine"])
-def test_check_says_what_a_container_engine_lacks_in_one_line_with_exit_78(podman, write, tmp_path, child_user, edit,
-                                                                          said):
+    (lambda text, podman: text.replace("  drain_s: 5\n", "  args: [--no-such-flag]\n  drain_s: 5\n"),
+     "serve.args: vLLM rejects the flags: unrecognized arguments: --no-such-flag"),
+], ids=["mount", "socket", "image", "engine", "flags"])
+def test_check_says_what_a_container_engine_lacks_or_its_images_parser_refuses_in_one_line_with_exit_78(
+        podman, write, tmp_path, child_user, edit, said):
     _, env, owner, _, path = serving(podman, write, tmp_path, child_user)
     path.write_text(edit(path.read_text(), podman))
-    done = subprocess.run([*UNIT_CAPS, *gpuwarden_cmd(), "check", "-c", str(path)], env=env, capture_output=True,
-                          text=True, timeout=300)
-    errors = [line for line in done.stderr.splitlines() if "serve.container" in line]
+    done = subprocess.run([*UNIT_CAPS, *gpuwarden_cmd(), "check", "--deep", "-c", str(path)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    errors = [line for line in done.stderr.splitlines() if said.split(":")[0] in line]
     assert done.returncode == 78 and len(errors) == 1 and said in errors[0], (said, done.stdout, done.stderr)
     assert "Traceback" not in done.stderr and podman.labelled(LABEL_OWNER, owner) == []  # the probe's removed

@@ -563,8 +563,8 @@ def test_the_proxy_is_given_the_vllm_engines_key_and_no_other_engines(tmp_path):
 def test_a_key_rotated_or_taken_out_of_the_secrets_file_restarts_the_engine_with_the_proxy(tmp_path):
     """Attacker 13's first: a key rotated in serve.env_file and a SIGHUP restarted the proxy alone (its key read from
     the file again) while the engine kept the old one: every client refused. Now a reload whose secrets differ from
-    what the running engine got restarts the engine too (ServingRuntime.plan_reload), as a handover does."""
-    from gpuwarden.serving.run.runtime import secrets_changed
+    what the running engine got restarts the engine too (serving/run/replan.Replan.plan), as a handover does."""
+    from gpuwarden.serving.run.replan import secrets_changed
 
     secrets = tmp_path / "vllm.env"
     secrets.write_text("VLLM_API_KEY=k-one\n")
@@ -583,15 +583,21 @@ def test_a_key_rotated_or_taken_out_of_the_secrets_file_restarts_the_engine_with
 def test_only_a_bodiless_options_passes_without_the_key():
     """Attacker 13's third: keyless OPTIONS requests of 32 MiB took the body budget while the engine was down. A CORS
     preflight has no body; one with a body needs the key."""
-    from gpuwarden.proxy.keys import ApiKey
+    from gpuwarden.proxy.keys import KEYED, KEYLESS, ApiKey
 
     key = ApiKey("k")
     assert key.lets_in("OPTIONS", "/v1/chat/completions", {})
     assert key.lets_in("OPTIONS", "/v1/chat/completions", {"Content-Length": "0"})
     assert not key.lets_in("OPTIONS", "/v1/chat/completions", {"Content-Length": "33554432"})
     assert not key.lets_in("OPTIONS", "/invocations", {"Transfer-Encoding": "chunked"})
-    assert key.lets_in("POST", "/invocations", {"Authorization": "Bearer k"}) and key.lets_in("GET", "/ping", {})
+    assert key.lets_in("POST", "/invocations", {"Authorization": "Bearer k"}) == KEYED
+    assert key.lets_in("GET", "/ping", {}) == KEYLESS and key.lets_in("OPTIONS", "/x", {}) == KEYLESS
     assert not key.lets_in("POST", "/invocations", {"Authorization": "bearer wrong"})
+    # attacker 17: a keyless path with a body needs the key (its F1), and a key that is no UTF-8 is refused (F4)
+    assert key.lets_in("POST", "/ping", {"Content-Length": "1000000"}) is None
+    assert key.lets_in("POST", "/ping", {"Content-Length": "9", "Authorization": "Bearer k"}) == KEYED
+    for given in ("Bearer \udcff", "Bearer \ud800", "Bearer k\udced\udca0\udc80"):
+        assert key.lets_in("GET", "/v1/models", {"Authorization": given}) is None, given
 
 
 def test_a_reload_that_changes_only_the_key_restarts_the_engine_and_the_proxy(tmp_path):
@@ -599,7 +605,7 @@ def test_a_reload_that_changes_only_the_key_restarts_the_engine_and_the_proxy(tm
     'nothing changed' and the old key kept working. key_rotated compares the engine's key and secrets with what the running engine and proxy were given."""
     from types import SimpleNamespace
 
-    from gpuwarden.serving.run.runtime import key_rotated
+    from gpuwarden.serving.run.replan import key_rotated
 
     secrets = tmp_path / "vllm.env"
     secrets.write_text("VLLM_API_KEY=k-one\n")

@@ -6,6 +6,7 @@ import json
 import os
 import select
 import signal
+import socket
 import sys
 import threading
 import time
@@ -56,9 +57,10 @@ def rig():
 class Call(threading.Thread):
     """One request in a thread: its status, headers and whole body, or the error it ended with."""
 
-    def __init__(self, port, body: bytes, path=CHAT, timeout=30):
+    def __init__(self, port, body: bytes, path=CHAT, timeout=30, method="POST", headers=None):
         super().__init__(daemon=True)
         self.port, self.body, self.path, self.timeout = port, body, path, timeout
+        self.method, self.headers = method, dict(headers or {})
         self.status = self.data = self.error = self.retry_after = None
         self.took = None
         self.start()
@@ -67,7 +69,7 @@ class Call(threading.Thread):
         began = time.monotonic()
         try:
             conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=self.timeout)
-            conn.request("POST", self.path, body=self.body)
+            conn.request(self.method, self.path, body=self.body, headers=self.headers)
             reply = conn.getresponse()
             self.status, self.retry_after, self.data = reply.status, reply.getheader("Retry-After"), reply.read()
             conn.close()
@@ -507,3 +509,39 @@ def test_the_proxy_answers_a_stops_word_once_on_its_word_pipe(rig, hold_s, answe
     wait_until(lambda: len(lines(proxy, "the engine stops for a planned restart")) >= 2, 30, "the answers logged")
     said = lines(proxy, "the engine stops for a planned restart")
     assert len(said) == 2 and ("no hold" in said[0]) == (answer == 1), said
+
+
+@pytest.mark.process
+def test_with_the_engines_key_a_request_without_it_is_never_held_and_the_keyed_keep_every_place(rig, monkeypatch):
+    """Attacker 17's F1: keyless /ping and bodiless OPTIONS were held like any request while the engine was down, so
+    one client without the key took every place of hold_max and the keyed requests of the outage got 503 at once.
+    A keyless request is answered 503 at once instead; one with a body needs the key; a header that is not UTF-8 is
+    a 401 (F4: a 500 and a traceback)."""
+    monkeypatch.setenv("GPUWARDEN_PROXY_API_KEY", "k-17")
+    engine = rig.engine()
+    proxy = rig.proxy("--hold-s", "60", "--hold-max", "2")
+    rig.stop(engine)
+    keyless = [Call(proxy.port, b"", path="/ping") for _ in range(4)] + \
+        [Call(proxy.port, None, path=CHAT, method="OPTIONS") for _ in range(2)] + \
+        [Call(proxy.port, b"", path="/version", method="GET")]
+    for c in keyless:
+        c.join(20)
+        assert c.status == 503 and c.retry_after and b"without the engine's API key is not held" in c.data, \
+            (c.path, c.status, c.data, c.error)
+    with_body = Call(proxy.port, b"x" * 1000, path="/ping")
+    with_body.join(20)
+    assert with_body.status == 401, (with_body.status, with_body.data)
+    for header in (b"Bearer \xff", b"Bearer \xed\xa0\x80"):
+        sock = socket.create_connection(("127.0.0.1", proxy.port), timeout=10)
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: " + header + b"\r\nConnection: close\r\n\r\n")
+        assert sock.recv(64).startswith(b"HTTP/1.1 401"), header
+        sock.close()
+    keyed = [Call(proxy.port, json.dumps({"model": "tiny", "n": i}).encode(), headers={"Authorization": "Bearer k-17"})
+             for i in range(2)]
+    wait_until(lambda: held_now(proxy) == 2, 20, "both keyed requests held")
+    rig.engine()
+    for c in keyed:
+        c.join(30)
+        assert c.status == 200, (c.status, c.data, c.error)
+    assert metric(proxy, 'gpuwarden_proxy_failures_total{reason="not_held_keyless"}') == len(keyless)
+    assert not lines(proxy, "Traceback"), proxy.lines

@@ -514,3 +514,26 @@ def running_engine(d):
     pids = re.findall(r"vLLM starting \(pid (\d+)", d.log)
     assert pids, d.log
     return int(pids[-1])
+
+
+@pytest.mark.process
+def test_the_proxys_port_held_by_a_local_user_fires_vllm_start_blocked_naming_the_holder(write, fake, daemons,
+                                                                                          proxy_daemon, no_fakes_left):
+    """Attacker 17's F3: a local user who took the proxy's port at a restart got clients' keys, and only an INFO line
+    said so: vllm_start_blocked read the engine's view alone. It fires for the proxy too, naming the holder."""
+    from test_planned_restart import with_proxy
+    from test_ports import ended, listen_as
+
+    path, base, port, proxy_port = with_proxy(write, fake)
+    squatter = listen_as("nobody", "127.0.0.1", proxy_port)
+    try:
+        command, env = proxy_daemon
+        d = daemons(path, command=command, env=env)
+        d.wait_for("vLLM healthy after", timeout=30)
+        line = d.wait_for("vllm_start_blocked firing", timeout=30)
+        assert f"port {proxy_port} on 127.0.0.1 is in use by" in line and "nobody" in line, line
+    finally:
+        ended(squatter)
+    d.wait_for("the proxy healthy after", timeout=30)  # the port let go: the proxy starts, and the alert resolves
+    d.wait_for("vllm_start_blocked resolved", timeout=30)
+    assert d.stop() == 0

@@ -33,6 +33,8 @@ FULL = {
               "container": {"image": "localhost/vllm-cpu:v0.32"}},
     "tuning": {"gpus": {"0": {t.key: t.config_value(t.default) for t in tunables.TUNABLES}}},
 }
+# What serve.nodes excludes: an engine at rest while idle (one host, the proxy in front).
+FULL_ONE_HOST = {"serve": {"enabled": True, "model": "m", "proxy": {"enabled": True}, "idle": {"after_s": 60}}}
 # Mappings whose keys are the user's (a variable name, a GPU): one entry for the mapping, none per key.
 FREE_MAPPINGS = ("serve.env", "tuning.gpus")
 RELOADS = {what for what, _ in config_ref.RELOADS} | set(config_ref.RELOAD_NOTES.values())
@@ -92,9 +94,13 @@ def _accepted(errors) -> set[str]:
 
 
 def config_keys() -> set[str]:
-    """Every key of gpuwarden.yaml, without the generator: the effective config of FULL (Config.as_dict), and every
-    key each of its sections says it allows when it is given one it does not know."""
-    effective = configmod.parse_text(yaml.safe_dump(FULL)).as_dict()
+    """Every key of gpuwarden.yaml, without the generator: the effective config of FULL and of FULL_ONE_HOST
+    (Config.as_dict), and every key each of their sections says it allows when it is given one it does not know."""
+    return _keys_of(FULL) | _keys_of(FULL_ONE_HOST)
+
+
+def _keys_of(full: dict) -> set[str]:
+    effective = configmod.parse_text(yaml.safe_dump(full)).as_dict()
     keys = _flat(effective)
     doc = effective
     sections = _sections(effective)
@@ -151,7 +157,8 @@ def test_every_example_parses(entries):
         if e.file != config_ref.CONFIG or e.key == "metrics.web_config":  # that one loads a file of its own
             continue
         path = tuple("0" if p == config_ref.ID else p for p in e.key.split("."))
-        doc = _with(FULL, path[:-1], path[-1], yaml.safe_load(e.example))
+        full = FULL_ONE_HOST if path[:2] == ("serve", "idle") else FULL
+        doc = _with(full, path[:-1], path[-1], yaml.safe_load(e.example))
         if path[:2] == ("serve", "nodes") and path[-1] == "head":
             del doc["serve"]["nodes"]["hosts"]  # head with rank, instead of hosts
         configmod.parse_text(yaml.safe_dump(doc))

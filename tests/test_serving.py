@@ -403,6 +403,9 @@ class FakeGpu:
     def compute_processes(self):
         return list(self.processes)
 
+    def note_engine(self, held):
+        self.context = held
+
     def sample(self):
         return GpuSample(0, "GPU-0", "G", "", "12.0", memory_total_bytes=24 * 2**30,
                          memory_used_bytes=int(self.used * 2**30))

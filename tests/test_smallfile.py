@@ -79,6 +79,8 @@ def test_read_refuses_a_link_a_fifo_and_too_much_unless_told(tmp_path):
     with pytest.raises(smallfile.Unreadable, match="more than 10 bytes"):
         smallfile.read(target, 10)
     assert smallfile.read(target, 10, head=True) == b"#!/usr/bin"
+    with pytest.raises(smallfile.Unreadable, match="NUL"):  # attacker 17's F5: a ValueError and a traceback
+        smallfile.read(str(target) + "\0x", 1000)
 
 
 def test_read_lets_the_caller_refuse_the_open_file_before_a_byte_is_read(tmp_path, monkeypatch):

@@ -85,6 +85,11 @@ def test_a_bad_web_config_is_a_located_error(write, cli):
         f"{web}:3: tls_server_config.key_file: {path.parent / 'missing.key'} is not a readable file",
         f"{web}:5: basic_auth_users.prometheus: expected a bcrypt hash ($2b$...) "
         "(make one with: htpasswd -nBC 12 \"\" | tr -d ':\\n')"]
+    # Attacker 17's F5: a NUL in the path was a traceback and exit 1 (under the unit, a restart every 5 s)
+    path = write("nul.yaml", 'metrics:\n  web_config: "a\\0b"\n')
+    status, _, err = cli("check", "-c", path)
+    assert status == 78 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"{path}:2: metrics.web_config: the path has a NUL byte") and "Traceback" not in err, err
 
 
 @pytest.mark.process
@@ -134,3 +139,33 @@ def test_crowds_that_trickle_or_guess_passwords_leave_prometheus_its_scrapes(wri
     assert int(replies.get("503", 0)) > 0, f"24 guesses at once all waited for bcrypt: {replies}"
     assert d.stop() == 0 and "Traceback" not in d.log
     assert "metrics endpoint: client faults: " in d.log
+
+
+@pytest.mark.process
+def test_status_sends_no_password_to_a_local_user_who_holds_the_metrics_port(write, tmp_path):
+    """Attacker 17's F2: with basic auth and no TLS, `gpuwarden status --user` sent its password to whoever held the
+    metrics port (free at boot and at a stop and start). It goes only to a socket of root's or the caller's; a
+    squatter (nobody, tests/harness/squatter.py) gets the connection and not a byte of it."""
+    port = free_port()
+    hashed = bcrypt.hashpw(GOOD[1].encode(), bcrypt.gensalt(4)).decode()
+    write("web.yml", f"basic_auth_users:\n  prometheus: '{hashed}'\n")
+    path = write("gpuwarden.yaml", f"metrics:\n  listen: 127.0.0.1:{port}\n  web_config: web.yml\n")
+    squatter = subprocess.Popen(["setpriv", "--reuid", "nobody", "--regid", "nogroup", "--clear-groups",
+                                 "/usr/bin/python3", str(ROOT / "tests" / "harness" / "squatter.py"), "--port",
+                                 str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert squatter.stdout.readline() == "TRYING\n"
+        assert squatter.stdout.readline() == "BOUND\n"
+        env = subprocess_env() | {"GPUWARDEN_PASSWORD": GOOD[1], "RUNTIME_DIRECTORY": str(tmp_path)}
+        proc = subprocess.run(gpuwarden_cmd() + ["status", "-c", str(path), "--user", "prometheus"],
+                              capture_output=True, text=True, env=env, timeout=30)
+    finally:
+        squatter.kill()
+        seen = squatter.communicate(timeout=10)[0]
+    assert proc.returncode == 3 and proc.stderr.count("\n") == 1, (proc.returncode, proc.stderr)
+    assert "is not the daemon's" in proc.stderr and "the password was not sent" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    import base64
+
+    data = b"".join(base64.b64decode(line[5:]) for line in seen.splitlines() if line.startswith("DATA "))
+    assert b"Authorization" not in data and GOOD[1].encode() not in data, data

@@ -147,6 +147,18 @@ class ContainerConfig:
         return self.socket or CONTAINER_RUNTIMES[self.runtime]
 
 
+IDLE_ACTIONS = ("stop",)  # `clocks` (release the GPUs' clock locks while idle) is next: design/idle-engine.md
+
+
+@dataclass(frozen=True)
+class IdleConfig:
+    """serve.idle: what an engine gives back while no request comes (design/idle-engine.md): `stop` stops it after
+    after_s with no request and none in flight (the proxy holds the next request and wakes it)."""
+
+    action: str = "stop"
+    after_s: float = 600.0
+
+
 @dataclass(frozen=True)
 class NodesConfig:
     """serve.nodes: one engine across hosts. The same file on every node, but for rank (or hosts, where each
@@ -209,6 +221,7 @@ class ServeConfig:
     proxy: ProxyConfig = ProxyConfig()
     nodes: NodesConfig | None = None  # None: one host
     container: ContainerConfig | None = None  # None: the engine is a process from a Python environment here
+    idle: IdleConfig | None = None  # None: the engine is kept as it is while no request comes
 
     @property
     def url(self) -> str:
@@ -354,6 +367,10 @@ def _serve_dict(s: ServeConfig) -> dict:
         c = s.container
         out["container"] = {"image": c.image, "runtime": c.runtime, "socket": c.api_socket, "pull": c.pull,
                             "mounts": [m.text() for m in c.mounts], "shm_gib": c.shm_gib}
+    if s.idle is None:
+        del out["idle"]
+    else:
+        out["idle"] = {"action": s.idle.action, "after_s": s.idle.after_s}
     if s.nodes is None:
         del out["nodes"]
     else:
@@ -396,6 +413,7 @@ def _validate(doc: Document, files: tuple[str, ...]) -> Config:
     r.mapping(("metrics",), ("listen", "web_config"))
     serve = _serve_section(r, Path(doc.file).parent)
     _listeners_apart(r, listeners(metrics, serve))
+    _idle_fits(r, serve)
     r.raise_if_errors()
     return Config(gpu=gpu, poll_interval_s=float(poll), counters_interval_s=float(counters),
                   log_interval_s=float(log_interval), tuning=tuning, alerts=alerts, health=health, metrics=metrics,
@@ -474,7 +492,38 @@ def _serve_section(r: Reader, base_dir: Path) -> ServeConfig:
         proxy=_proxy_section(r, base_dir),
         nodes=_nodes_section(r),
         container=_container_section(r),
+        idle=_idle_section(r),
     )
+
+
+IDLE_MIN_S, IDLE_MAX_S = 10, 86400
+
+
+def _idle_section(r: Reader) -> IdleConfig | None:
+    base = ("serve", "idle")
+    if r.get(base) is MISSING:
+        return None
+    d = IdleConfig()
+    r.mapping(base, [f.name for f in dataclasses.fields(IdleConfig)])
+    return IdleConfig(action=r.string(base + ("action",), d.action, IDLE_ACTIONS),
+                      after_s=float(r.number(base + ("after_s",), d.after_s, IDLE_MIN_S, IDLE_MAX_S, unit=" s")))
+
+
+def _idle_fits(r: Reader, serve: ServeConfig) -> None:
+    """serve.idle against the rest of the config: the proxy must be in front (it sees every request and holds the
+    first one while the engine wakes); one host only."""
+    idle = serve.idle
+    if idle is None:
+        return
+    if not serve.proxy.enabled:
+        r.fail(("serve", "idle"), "serve.idle needs the proxy in front of the engine: it sees every request, and "
+               "holds the first one while the engine wakes", "serve.proxy.enabled: true")
+    elif serve.proxy.hold_s <= 0:
+        r.fail(("serve", "idle"), "serve.idle needs serve.proxy.hold_s above 0: the request that wakes the engine "
+               "waits at the proxy until it is healthy", "serve.proxy.hold_s longer than a start of the engine")
+    if serve.nodes is not None:
+        r.fail(("serve", "idle"), "an engine that spans hosts does not rest (not yet with serve.nodes)",
+               "leave out serve.idle, or serve.nodes")
 
 
 def _container_section(r: Reader) -> ContainerConfig | None:
@@ -781,6 +830,9 @@ def _threshold(r: Reader, path: Path_, default: Threshold) -> Threshold:
 def _web_config(r: Reader, base_dir: Path) -> WebConfig | None:
     value = r.string(("metrics", "web_config"), "none")
     if str(value).lower() in NONE_WORDS:
+        return None
+    if "\0" in str(value):  # no path has one (attacker 17's F5: a traceback and exit 1, restarted every 5 s)
+        r.fail(("metrics", "web_config"), "the path has a NUL byte", "a file's path")
         return None
     try:
         return webconfig.load(base_dir / value)

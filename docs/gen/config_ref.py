@@ -191,6 +191,9 @@ ENABLING = {
               "container": {"image": "localhost/vllm-cpu:v0.32"}},
     "tuning": {"gpus": {"0": {t.key: t.config_value(t.default) for t in tunables.TUNABLES}}},
 }
+# What serve.nodes excludes: an engine that rests while idle (serve.idle needs one host, and the proxy).
+ENABLING_ONE_HOST = {"serve": {"enabled": True, "model": "m", "proxy": {"enabled": True},
+                               "idle": {"action": "stop", "after_s": 600}}}
 WEB_ENABLING = {"tls_server_config": {"cert_file": "c", "key_file": "k"}, "basic_auth_users": {}}
 
 
@@ -298,9 +301,20 @@ def _record(module, run) -> dict[str, _Read]:
 
 
 def config_reads() -> dict[str, _Read]:
-    """Every key of gpuwarden.yaml the parser reads, in the order it reads them."""
-    reads = _record(configmod, lambda: configmod.parse_text(yaml.safe_dump(ENABLING)))
-    assert configmod.parse_text(yaml.safe_dump(ENABLING)), "the enabling document must parse"
+    """Every key of gpuwarden.yaml the parser reads, in the order it reads them: those of ENABLING, and those only
+    ENABLING_ONE_HOST enables placed after the key read before them there."""
+    reads: dict[str, _Read] = {}
+    for doc in (ENABLING, ENABLING_ONE_HOST):
+        assert configmod.parse_text(yaml.safe_dump(doc)), "an enabling document must parse"
+        more = _record(configmod, lambda: configmod.parse_text(yaml.safe_dump(doc)))
+        order, before = list(reads), None
+        for key in more:
+            if key not in reads:
+                order.insert(order.index(before) + 1 if before in order else len(order), key)
+            if key not in reads or reads[key].kind == "get":  # a typed read of a section the other left out
+                reads[key] = more[key]
+            before = key
+        reads = {key: reads[key] for key in order}
     return reads
 
 
@@ -434,7 +448,7 @@ def _reload(key: str, file: str) -> str:
         return RESTART
     if top == "serve":
         for kind in SIDE_KINDS:
-            if kind.section and key.startswith(f"serve.{kind.section}."):
+            if any(key.startswith(f"serve.{section}.") for section in (kind.section, *kind.also) if section):
                 return f"restarts the {kind.name} only"
         return ENGINE
     if top == "tuning":

@@ -5,7 +5,8 @@ own, as `podman.socket` serves /run/podman/podman.sock on a host; a local image 
 the nspawn tests build (tests/systemd/make-rootfs), no registry, with the host's libnuma (vLLM's CPU build needs it;
 the nspawn test installs Debian's libnuma1 into its copy of the rootfs). The fake engine (tests/harness/fakechild.py, which
 needs only the standard library) is mounted into each container, and a vLLM 0.32.0 dist-info beside it, so that the
-image's installed-versions probe hears the version the drain flag needs."""
+image's installed-versions probe hears the version the drain flag needs, with a stand-in of vLLM's serve parser for
+the engine's flag check in the image."""
 
 from __future__ import annotations
 
@@ -72,6 +73,16 @@ class Podman:
             raise PodmanUnavailable(f"podman import failed: {done.stderr[-2000:]}")
         return IMAGE
 
+    def derived(self, folder: Path, label: str) -> str:
+        """The ID of an image built FROM the tests' image with one more label: another image, no layer of its own
+        (no container runs to build it)."""
+        (folder / "Containerfile").write_text(f"FROM {self.image()}\nLABEL {label}\n")
+        done = self.cli("build", "--pull=never", "-q", "-f", str(folder / "Containerfile"), str(folder))
+        if done.returncode != 0:
+            raise PodmanUnavailable(f"podman build failed: {done.stderr[-2000:]}")
+        found = self.api.inspect_image(done.stdout.strip().splitlines()[-1])["Id"]
+        return found if found.startswith("sha256:") else f"sha256:{found}"
+
     def labelled(self, label: str, value: str) -> list[dict]:
         """The containers with that label, running or not, as the runtime lists them."""
         return [c for c in self.api.containers(all=True, filters={"label": [f"{label}={value}"]})
@@ -96,12 +107,36 @@ class Podman:
                 self.proc.wait(10)
 
 
+FAKE_PARSER = """import argparse
+
+
+class FlexibleArgumentParser(argparse.ArgumentParser):
+    def parse_args(self, args=None, namespace=None):
+        refused = [a for a in args or [] if a.startswith("--no-such-")]
+        if refused:
+            self.error("unrecognized arguments: " + " ".join(refused))
+        return argparse.Namespace(args=args)
+"""
+FAKE_CLI_ARGS = "def make_arg_parser(parser):\n    return parser\n\n\ndef validate_parsed_serve_args(args):\n    pass\n"
+
+
 def fake_vllm_dist(folder: Path) -> Path:
-    """A folder holding vLLM 0.32.0's dist-info alone: on PYTHONPATH inside the container, importlib.metadata finds
-    that version (the image's installed-versions probe), and nothing can be imported from it."""
-    info = folder / "fakevllm" / "vllm-0.32.0.dist-info"
+    """A folder holding vLLM 0.32.0's dist-info and a stand-in of its serve parser, nothing else: on PYTHONPATH
+    inside the container, importlib.metadata finds that version (the image's installed-versions probe), and the
+    engine's flag check, run in the image, finds the modules vLLM 0.32's parser is in. The stand-in accepts the flags
+    the fake engine does (tests/harness/fakechild-flagcheck): any, but one that starts with --no-such-, which it
+    refuses as argparse does."""
+    root = folder / "fakevllm"
+    info = root / "vllm-0.32.0.dist-info"
     info.mkdir(parents=True, exist_ok=True)
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0\n")
     (info / "top_level.txt").write_text("vllm\n")
-    folder.joinpath("fakevllm").chmod(0o755)
-    return info.parent
+    files = {"vllm/__init__.py": '__version__ = "0.32.0"\n', "vllm/entrypoints/__init__.py": "",
+             "vllm/entrypoints/launchers/__init__.py": "", "vllm/entrypoints/launchers/cli_args.py": FAKE_CLI_ARGS,
+             "vllm/utils/__init__.py": "", "vllm/utils/argparse_utils.py": FAKE_PARSER}
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    for path in [root, *root.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return root

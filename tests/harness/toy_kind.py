@@ -70,13 +70,13 @@ def main():
     runtime.start(runtime.prepare(config, deep=False), time.monotonic())
     seen = {"start": pids(runtime)}
     generation = 2
-    runtime.plan_reload(config)(time.monotonic())
+    runtime.reloads.plan(config)(time.monotonic())
     seen["toy"] = pids(runtime, ["toy"], seen["start"])
     proxy = dataclasses.replace(config.serve.proxy, client_timeout_s=config.serve.proxy.client_timeout_s + 1)
     changed = dataclasses.replace(config, serve=dataclasses.replace(config.serve, proxy=proxy))
-    runtime.plan_reload(changed)(time.monotonic())
+    runtime.reloads.plan(changed)(time.monotonic())
     seen["proxy"] = pids(runtime, [PROXY], seen["toy"])
-    seen["unchanged"] = runtime.plan_reload(changed) is None
+    seen["unchanged"] = runtime.reloads.plan(changed) is None
     runtime.stop(time.monotonic())
     while not runtime.stopped:
         runtime.tick(time.monotonic())

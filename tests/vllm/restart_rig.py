@@ -180,10 +180,12 @@ class Reload:
 
 class Rig:
     def __init__(self, vllm_python: Path, model: Path, workdir: Path, drain_s: float = 60, hold_s: float = 300,
-                 user: str = CHILD_USER, long_tokens: int = LONG, pause_s: float = 0.0):
+                 user: str = CHILD_USER, long_tokens: int = LONG, pause_s: float = 0.0,
+                 idle_after_s: float | None = None):
         """long_tokens, pause_s: the long requests' length and each client's pause between requests (the benchmark
-        runs flat out; the CI test lighter, beside the other tests' engines on two cores)."""
-        self.workdir, self.drain_s, self.hold_s = workdir, drain_s, hold_s
+        runs flat out; the CI test lighter, beside the other tests' engines on two cores); idle_after_s: serve.idle's
+        stop after this quiet (None: off)."""
+        self.workdir, self.drain_s, self.hold_s, self.idle_after_s = workdir, drain_s, hold_s, idle_after_s
         self.long_tokens, self.pause_s = long_tokens, pause_s
         self.port, self.proxy_port, self.metrics_port = free_port(), free_port(), free_port()
         self.engine: int | str = self.port  # where the engine listens, once it is healthy (start)
@@ -224,7 +226,7 @@ serve:
     enabled: true
     listen: 127.0.0.1:{self.proxy_port}
     hold_s: {self.hold_s:g}
-""")
+""" + (f"  idle: {{action: stop, after_s: {self.idle_after_s:g}}}\n" if self.idle_after_s else ""))
 
     # -- the daemon --------------------------------------------------------------------------------------------------
     def start(self) -> None:

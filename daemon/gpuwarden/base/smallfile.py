@@ -63,6 +63,8 @@ def read(path: Path | str, max_bytes: int, follow: bool = False,
         return None
     except OSError as exc:
         raise Unreadable(exc.strerror or str(exc), exc.errno) from None
+    except ValueError:  # a NUL in the path (attacker 17's F5: a config's path with one was a traceback and exit 1)
+        raise Unreadable("the path has a NUL byte") from None
     try:
         if inside is not None and not under(opened_path(fd), inside):
             raise Unreadable(f"not inside {inside}")

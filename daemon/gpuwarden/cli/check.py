@@ -84,7 +84,7 @@ def _serve_check(config: Config, backend, deep: bool, as_json: bool) -> dict:
     if not as_json:
         argv = shlex.join(redact_argv(prepared.command.argv))
         if prepared.flags is not None:
-            print(f"{engine.title} {version} accepts: {argv}")
+            print(visible(f"{engine.title} {version} accepts: {argv}"))  # the version is the engine's (an image's) word
         else:
             also = "(--deep also runs its parser)" if engine.flag_probe else f"({engine.title} has no parser to run)"
             print(f"{engine.title} command checked {also}: {argv}")

@@ -84,6 +84,8 @@ def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--crash-loop-failures", type=int, metavar="N", help="the daemon's crash_loop_failures: once "
                    "N - 1 of the engine's ends are within --ends-window-s, a client in flight at any of them is "
                    "refused (default: serve.crash_loop_failures, 5)")
+    p.add_argument("--idle-after-s", type=float, metavar="S", help="say on the daemon's word pipe that the engine is "
+                   "idle once no request has come for this long and none is in flight (serve.idle; default: off)")
     p.add_argument("action", nargs="?", choices=("run", "diff"), default="run", help="run (default) or diff")
     p.add_argument("dumps", nargs="*", type=Path, help="diff: two dump files, or one session folder (its last two "
                    "turns)")

@@ -294,6 +294,10 @@ class Gpu(ABC):
     @abstractmethod
     def set_power_limit_w(self, watts: float) -> None: ...
 
+    def note_engine(self, held: bool) -> None:
+        """The daemon's engine holds a CUDA context on this card (held) or none: the simulator draws the context's
+        watts from it (sim/physics.py); a real card knows without being told."""
+
 
 class GpuBackend(ABC):
     """The GPUs of one host, in PCI bus order."""

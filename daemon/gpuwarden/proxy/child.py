@@ -50,6 +50,8 @@ def proxy_argv(config: Config) -> tuple[str, ...]:
             "--crash-loop-failures", str(serve.crash_loop_failures)]
     for pattern in p.remove_patterns:
         argv += ["--remove-pattern", pattern]
+    if serve.idle is not None:  # the proxy says when the engine has had no request for this long (proxy/quiet.py)
+        argv += ["--idle-after-s", f"{serve.idle.after_s:g}"]
     if p.dump_dir is not None:
         argv += ["--dump-dir", str(p.dump_dir), "--dump-keep", str(p.dump_keep), "--dump-max-bytes",
                  str(p.dump_max_bytes)]
@@ -76,9 +78,9 @@ def proxy_spec(config: Config, identity: Identity) -> ChildSpec | None:
                      timing, log_level, fronts_engine=True, listener=PROXY)
 
 
-# Its entry in the registry of child kinds (serving/run/kinds.py): a side child that serve.proxy alone configures,
-# so that a reload that changes only serve.proxy restarts only the proxy.
-PROXY_KIND = ChildKind(PROXY, proxy_spec, section="proxy")
+# Its entry in the registry of child kinds (serving/run/kinds.py): a side child that serve.proxy alone configures
+# (and serve.idle, of the children), so that a reload that changes only those restarts only the proxy.
+PROXY_KIND = ChildKind(PROXY, proxy_spec, section="proxy", also=("idle",))
 
 
 def prepare_dump_dir(path: Path, identity: Identity) -> None:

@@ -11,7 +11,7 @@ import socket
 import sys
 from pathlib import Path
 
-from ..config import ProxyConfig, parse_address
+from ..config import IDLE_MAX_S, IDLE_MIN_S, ProxyConfig, parse_address
 from ..serving.compose.engines import engine_for
 from ..serving.compose.enginesock import engine_url
 from .keys import ENV as KEY_ENV
@@ -70,6 +70,10 @@ def cmd_proxy(args: argparse.Namespace, load_config) -> int:
                       "least 1048576, and --client-timeout 0.1 to 3600 s")
     if not 0 <= hold_s <= 3600 or not 1 <= hold_max <= 4096:
         return _usage("proxy: --hold-s must be 0 to 3600 s and --hold-max 1 to 4096")
+    idle_after = args.idle_after_s if args.idle_after_s is not None else \
+        (config.serve.idle.after_s if config and config.serve.idle else 0.0)
+    if idle_after and not IDLE_MIN_S <= idle_after <= IDLE_MAX_S:
+        return _usage(f"proxy: --idle-after-s must be {IDLE_MIN_S} to {IDLE_MAX_S} s")
     failures = (config.serve.crash_loop_failures if config else CRASH_LOOP_FAILURES) \
         if args.crash_loop_failures is None else args.crash_loop_failures
     if not 0 <= refuse_after <= 1000 or not 1 <= window_s <= 86400 or not 1 <= failures <= 1000:
@@ -84,7 +88,7 @@ def cmd_proxy(args: argparse.Namespace, load_config) -> int:
     dumper = Dumper(dump_dir, keep, args.dump_max_bytes, faults.note) if dump_dir else None
     key = os.environ.pop(KEY_ENV, "") or None  # the engine's API key, where the daemon passed it (proxy/keys.py)
     return serve(upstream, listen, rules, engine, dumper, max_body, args.client_timeout, faults, (hold_s, hold_max),
-                 owner, (refuse_after, window_s, failures), listen_fd, key)
+                 owner, (refuse_after, window_s, failures), listen_fd, key, idle_after)
 
 
 def _listen_fd(given: int | None) -> int | None:
@@ -101,8 +105,8 @@ def _listen_fd(given: int | None) -> int | None:
 
 
 def serve(upstream, listen, rules, engine, dumper, max_body, client_timeout_s, faults, hold, owner, ends,
-          listen_fd=None, api_key=None) -> int:
-    from ..serving.run.spec import DOWN_SIGNAL, STOPPING_SIGNAL, UP_SIGNAL
+          listen_fd=None, api_key=None, idle_after_s=0.0) -> int:
+    from ..serving.run.spec import DOWN_SIGNAL, REST_SIGNAL, STOPPING_SIGNAL, UP_SIGNAL
     from .listener import Connections, connection_cap, run
     from .server import Proxy, ProxyMetrics
 
@@ -113,7 +117,7 @@ def serve(upstream, listen, rules, engine, dumper, max_body, client_timeout_s, f
                         lambda reason: metrics.failures.labels(reason).inc())
     proxy = Proxy(upstream, rules, metrics, dumper, max_body, metrics_path=engine.metrics_path, faults=faults,
                   conns=conns, hold_s=hold[0], hold_max=hold[1], health_path=engine.health_path, engine_uid=owner,
-                  ends=ends, api_key=api_key)
+                  ends=ends, api_key=api_key, idle_after_s=idle_after_s)
     enabled = [name for name in RULES if getattr(rules, name)]
     held = (f"; requests held up to {proxy.hold.hold_s:g} s, {proxy.hold.hold_max} at most, while the engine is "
             "down" if proxy.hold.on else "; no hold while the engine is down")
@@ -121,14 +125,15 @@ def serve(upstream, listen, rules, engine, dumper, max_body, client_timeout_s, f
     refused = (f"; a client in flight at {ends[0]} of the engine's ends within {ends[1]:g} s refused" if ends[0]
                else "; no client refused for the engine's ends")
     keyed = "; the engine's API key asked on every path" if api_key else ""
-    log.info("proxy on http://%s:%d for %s (%s); rules: %s%s; at most %d connections%s%s%s", *listen, upstream, whose,
-             ", ".join(enabled) or "none", f"; dumps in {dumper.directory}" if dumper else "", conns.cap, held,
-             refused, keyed)
+    idle = f"; the engine idle after {idle_after_s:g} s without a request" if idle_after_s else ""
+    log.info("proxy on http://%s:%d for %s (%s); rules: %s%s; at most %d connections%s%s%s%s", *listen, upstream,
+             whose, ", ".join(enabled) or "none", f"; dumps in {dumper.directory}" if dumper else "", conns.cap, held,
+             refused, keyed, idle)
     try:
         # A stop cuts streams still open after 2 s; the daemon's word of the engine's planned stop, of its return
         # and of an end it does not restart from (serving/run/spec.py) reach the hold.
         told = {STOPPING_SIGNAL: proxy.hold.engine_stopping, UP_SIGNAL: proxy.hold.engine_up,
-                DOWN_SIGNAL: proxy.hold.engine_not_restarting}
+                DOWN_SIGNAL: proxy.hold.engine_not_restarting, REST_SIGNAL: proxy.hold.engine_resting}
         sock = None if listen_fd is None else socket.socket(fileno=listen_fd)  # the daemon's, kept by it
         asyncio.run(run(proxy.app(), listen[0], listen[1], conns, signals=told, sock=sock))
     except OSError as exc:

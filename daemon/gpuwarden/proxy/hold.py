@@ -10,6 +10,10 @@ engine that was never seen down within hold_s of the word was not restarted afte
 The proxy answers the word on its word pipe (serving/run/word.py), and the daemon waits for that answer before the
 engine's SIGTERM, so that no request goes to an engine already shutting down.
 
+An engine at rest (serve.idle: stopped while no request came) is told too (REST_SIGNAL): every new request is held
+unsent, however long the rest has lasted, and the first held says `wake` on the word pipe, which starts the engine;
+each request still waits its own hold_s at most.
+
 A crash the daemon does not restart from (FATAL until SIGHUP, or HELD for its GPU) is told too (DOWN_SIGNAL): every
 held request and every new one is answered 503 with Retry-After (NOT_RESTARTING_RETRY_S) at once, and nothing is sent
 to the engine's port (no engine of ours holds it), until the daemon says an engine is healthy again.
@@ -44,6 +48,7 @@ QUIET_S = 10.0
 UP, GONE, CLOSING, NOT_RESTARTING = "up", "gone", "closing", "not restarting"
 # A client's wait after a 503 while the engine is not restarted: an operator's SIGHUP or a GPU's reset, not seconds.
 NOT_RESTARTING_RETRY_S = 30
+WAKE_AGAIN_S = 5.0  # a rest's word that a request came, said again at most this often while requests come
 
 
 class Hold:
@@ -64,6 +69,8 @@ class Hold:
         self._answered_off = False  # without a hold, the word was answered (until the word that the engine is up)
         self.closing = False  # the proxy stops: a request held now, or later, is refused at once
         self.not_restarting = False  # the daemon's word: the engine is down for good (FATAL, HELD), until it is up
+        self.resting = False  # the daemon's word: the engine rests (serve.idle) until a request wakes it
+        self._woken_at: float | None = None  # when this rest's wake was last said
 
     @property
     def on(self) -> bool:
@@ -71,8 +78,8 @@ class Hold:
 
     @property
     def planned(self) -> bool:
-        """The engine drains for a planned stop: a new request is held without being sent to it."""
-        return self.planned_since is not None
+        """The engine drains for a planned stop, or rests: a new request is held without being sent to it."""
+        return self.planned_since is not None or self.resting
 
     def engine_stopping(self) -> None:
         """The daemon's word (SIGUSR1) that the engine begins a planned stop: hold every new request from now. The
@@ -94,12 +101,13 @@ class Hold:
         """The daemon's word (SIGUSR2) that an engine is healthy: the held requests go to it now. A stop's word
         answered before is taken back (word.RELEASED): this word can come just before it and be handled after it,
         and the daemon then waits for the stop's word repeated (serving/run/fronts.py)."""
-        if self.planned or self._answered_off:
+        if self.planned_since is not None or self._answered_off:
             word.say(word.RELEASED)
             log.info("proxy: told the engine is up: the planned stop's word ends")
         if self.not_restarting:
             log.info("proxy: told the engine is healthy again: requests go to it")
         self.planned_since, self._answered_off, self.not_restarting = None, False, False
+        self.resting, self._woken_at = False, None
         if self.down_since is not None:
             self._end(UP)
 
@@ -109,11 +117,33 @@ class Hold:
         if self.closing or self.not_restarting:  # each word comes twice (serving/run/fronts.py)
             return
         self.not_restarting, self.planned_since, self._answered_off = True, None, False
+        self.resting, self._woken_at = False, None
         log.warning("proxy: told the engine is not restarting (FATAL, or held for its GPU): answering 503 at once, "
                     "Retry-After %d s, until it is healthy again", NOT_RESTARTING_RETRY_S)
         for future in self.waiting:
             if not future.done():
                 future.set_result(NOT_RESTARTING)
+
+    def engine_resting(self) -> None:
+        """The daemon's word (REST_SIGNAL) that the engine rests (serve.idle): hold every new request unsent until
+        it is up, and say on the word pipe that requests wait (word.WAKE), now if some do (they came while it
+        stopped)."""
+        if self.closing or self.resting:  # each word comes twice (serving/run/fronts.py)
+            return
+        self.resting, self._woken_at, self.planned_since, self._answered_off = True, None, None, False
+        log.info("proxy: the engine rests (serve.idle): the next request is held and wakes it")
+        if self.waiting:
+            self._wake()
+
+    def _wake(self) -> None:
+        """Say that a request waits for the resting engine: once, and again WAKE_AGAIN_S later while requests come
+        (a word the daemon did not hear is said anew)."""
+        now = self.clock()
+        if self._woken_at is not None and now - self._woken_at < WAKE_AGAIN_S:
+            return
+        self._woken_at = now
+        log.info("proxy: a request for the resting engine: waking it (held up to %g s)", self.hold_s)
+        word.say(word.WAKE)
 
     def refuse_if_not_restarting(self) -> None:
         """Refusal (503, Retry-After NOT_RESTARTING_RETRY_S) while the daemon says the engine is not restarting."""
@@ -178,10 +208,12 @@ class Hold:
                          "(its hold_max): retry later")
         future = asyncio.get_running_loop().create_future()
         self.waiting[future] = request
+        if self.resting:
+            self._wake()
         try:
             outcome = await asyncio.wait_for(future, since + self.hold_s - now)
         except asyncio.TimeoutError:
-            if self.planned and not self._seen_down:  # the word lapses now: the engine never went down
+            if self.planned_since is not None and not self._seen_down:  # the word lapses: the engine never went down
                 self._lapse()
                 return
             self._refuse("held_too_long", f"the engine did not come back within {self.hold_s:g} s (the proxy's "
@@ -208,7 +240,8 @@ class Hold:
         if self.down_since is not None:
             return
         self.down_since, self.refused, self.gone = now, 0, 0
-        log.warning("proxy: engine down: holding requests (up to %g s, %d at most)", self.hold_s, self.hold_max)
+        log.log(logging.INFO if self.resting else logging.WARNING, "proxy: engine %s: holding requests (up to %g s, "
+                "%d at most)", "at rest" if self.resting else "down", self.hold_s, self.hold_max)
         self._watcher = asyncio.get_running_loop().create_task(self._watch())
 
     async def _watch(self) -> None:
@@ -218,7 +251,7 @@ class Hold:
             answers = await self.engine_answers()
             if self.down_since is None:  # ended meanwhile (engine_up)
                 return
-            if answers and self.planned and not self._seen_down:
+            if answers and self.planned_since is not None and not self._seen_down:
                 if self.clock() - self.planned_since < self.hold_s:
                     continue  # the old engine still drains
                 self._lapse()
@@ -228,7 +261,7 @@ class Hold:
             # then ended the planned stop's hold: its held requests went to the engine that was stopping).
             self._seen_down = self._seen_down or answers is False
             if answers:
-                self.planned_since = None
+                self.planned_since, self.resting = None, False  # an engine that answers rests no more
                 self._end(UP)
                 return
             if not self.waiting and self.clock() - self.down_since >= max(self.hold_s, QUIET_S):
@@ -259,7 +292,7 @@ class Hold:
         if outcome == UP:
             log.info("proxy: engine back after %.1f s: %d held requests forwarded, %d refused%s", took,
                      forwarded, self.refused, gone)
-        else:
+        elif not self.resting:  # at rest it is down on purpose until a request comes
             log.warning("proxy: engine still down after %.1f s, no request held now: %d refused%s", took,
                         self.refused, gone)
         watcher, self.down_since, self._watcher = self._watcher, None, None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import aiohttp
 
@@ -16,13 +17,17 @@ log = logging.getLogger("gpuwarden.proxy")
 SCRAPE_EVERY_S, SCRAPE_RETRY_S, SCRAPE_DEADLINE_S, SCRAPE_MAX_BYTES = 15.0, 2.0, 5.0, 8 << 20
 
 
-async def scrape_forever(session: aiohttp.ClientSession, upstream: str, path: str, metrics) -> None:
+async def scrape_forever(session: aiohttp.ClientSession, upstream: str, path: str, metrics,
+                         planned: Callable[[], bool] = lambda: False) -> None:
+    """planned: the engine is away by the daemon's word (a planned stop, a rest): losing its counters is said at
+    info, not as a fault."""
     while True:
-        await scrape_once(session, upstream, path, metrics)
+        await scrape_once(session, upstream, path, metrics, planned)
         await asyncio.sleep(SCRAPE_EVERY_S if metrics.engine_up else SCRAPE_RETRY_S)
 
 
-async def scrape_once(session: aiohttp.ClientSession, upstream: str, path: str, metrics) -> None:
+async def scrape_once(session: aiohttp.ClientSession, upstream: str, path: str, metrics,
+                      planned: Callable[[], bool] = lambda: False) -> None:
     try:
         async with session.get(upstream + path, timeout=aiohttp.ClientTimeout(total=SCRAPE_DEADLINE_S)) as reply:
             if reply.status != 200:
@@ -39,5 +44,6 @@ async def scrape_once(session: aiohttp.ClientSession, upstream: str, path: str, 
         metrics.engine_up = 1
     except (aiohttp.ClientError, asyncio.TimeoutError, HttpError, ValueError, OSError) as exc:
         if metrics.engine_up:  # once per outage, not once per retry
-            log.warning("proxy: the engine's %s cannot be read: %s", path, exc or type(exc).__name__)
+            log.log(logging.INFO if planned() else logging.WARNING, "proxy: the engine's %s cannot be read: %s", path,
+                    exc or type(exc).__name__)
         metrics.engine_up, metrics.engine = 0, None

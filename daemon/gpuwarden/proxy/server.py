@@ -36,6 +36,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..base import unixsock
 from ..base.faultlog import FaultLog
+from ..serving.run import word
 from .body import Budget, Held, Refusal, read
 from .casualties import (CRASH_LOOP_FAILURES, ENDED, HOLD, REFUSE_AFTER_ENDS, RESEND, WINDOW_S, Casualties,
                          after_failure, client_of)
@@ -43,10 +44,11 @@ from .dump import Dumper
 from .ends import Ends
 from .faults import proxy_faults
 from .hold import Hold
-from .keys import ApiKey
+from .keys import KEYED, KEYLESS, ApiKey
 from .listener import Connections
 from .normalize import Rules
 from .prepare import Prepare
+from .quiet import Quiet
 from .refusals import error_response
 from .relay import Relay, forwarded
 from .scrape import scrape_forever
@@ -199,11 +201,12 @@ class Proxy:
                  faults: FaultLog | None = None, conns: Connections | None = None, hold_s: float = 0.0,
                  hold_max: int = 256, health_path: str = "/health", engine_uid: int | None = SELF,
                  ends: tuple[int, float] | tuple[int, float, int] = (REFUSE_AFTER_ENDS, WINDOW_S),
-                 api_key: str | None = None):
+                 api_key: str | None = None, idle_after_s: float = 0.0):
         """engine_uid: the engine's user, the only one whose socket is sent a byte (SELF: the proxy's own; None:
         anyone's, an engine on another host); ends: a client in flight at this many of the engine's ends (0: never)
         within this many seconds is refused, and optionally the daemon's crash_loop_failures, for the brake
-        (casualties.py); api_key: the engine's key, which every request but KEYLESS_PATHS must carry (keys.py)."""
+        (casualties.py); api_key: the engine's key, which every request but KEYLESS_PATHS must carry (keys.py);
+        idle_after_s: no request for this long, none in flight, says the engine is idle (quiet.py; 0: never)."""
         # An engine on a Unix socket (an http+unix URL: base/unixsock.py) is asked by plain http:// paths over it.
         self.socket, self.shown = unixsock.path_of(upstream), unixsock.shown(upstream.rstrip("/"))
         self.upstream = "http://localhost" if self.socket else upstream.rstrip("/")
@@ -215,6 +218,7 @@ class Proxy:
         self.prepare = Prepare(rules, metrics.normalized, dumper, self.faults, max_body_bytes)
         self.health_path = health_path
         self.key = ApiKey(api_key) if api_key else None
+        self.quiet = Quiet(idle_after_s, lambda: word.say(word.IDLE))
         # Held requests keep their client connections: at most half the cap, so that /health, /metrics and new
         # requests still get in (and are answered 503 at once past hold_max).
         hold_max = min(hold_max, max(1, conns.cap // 2)) if conns is not None else hold_max
@@ -239,6 +243,7 @@ class Proxy:
         self.session: aiohttp.ClientSession | None = None
         self.looks: aiohttp.ClientSession | None = None  # the hold's and the ends' looks at /health, apart
         self._scraper: asyncio.Task | None = None
+        self._quieter: asyncio.Task | None = None
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.max_body_bytes,
@@ -256,8 +261,16 @@ class Proxy:
         self.session = engine_session(self.conns.cap + 4 if self.conns else 0, self.read_timeout_s, self.engine_uid,
                                       self.faults, self.socket)
         self.looks = engine_session(LOOKS_AT_ONCE, LOOK_S, self.engine_uid, self.faults, self.socket)
-        self._scraper = asyncio.get_running_loop().create_task(scrape_forever(self.session, self.upstream,
-                                                                              self.metrics_path, self.metrics))
+        self._scraper = asyncio.get_running_loop().create_task(scrape_forever(
+            self.session, self.upstream, self.metrics_path, self.metrics, lambda: self.hold.planned))
+        if self.quiet.after_s:
+            self._quieter = asyncio.get_running_loop().create_task(self._listen_for_quiet())
+
+    async def _listen_for_quiet(self) -> None:
+        """serve.idle: the word that the engine is idle, when it is due (quiet.py), looked at once a second."""
+        while True:
+            await asyncio.sleep(min(1.0, self.quiet.due_in() or 1.0))
+            self.quiet.tick()
 
     async def _closing(self, app) -> None:
         self.hold.close()  # held requests get their 503 while the connections are still open
@@ -265,9 +278,10 @@ class Proxy:
     async def _stop(self, app) -> None:
         await self.hold.stop()
         await self.ends.stop()
-        if self._scraper is not None:
-            self._scraper.cancel()
-            await asyncio.gather(self._scraper, return_exceptions=True)
+        for task in (self._scraper, self._quieter):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         for session in (self.session, self.looks):
             if session is not None:
                 await session.close()
@@ -287,10 +301,17 @@ class Proxy:
         began = time.monotonic()
         api = NORMALIZED.get(request.path) if request.method == "POST" else None
         label = api or "other"
-        if self.key is not None and not self.key.lets_in(request.method, request.path, request.headers):
+        let_in = self.key.lets_in(request.method, request.path, request.headers) if self.key is not None else KEYED
+        if let_in is None:
             return self._refuse(request, label, 401, "unauthorized", "the engine's API key is needed (Authorization: "
                                 "Bearer KEY)")
+        liveness = request.path == "/ping" and not request.can_read_body  # a balancer's look, not work for it
+        if liveness and self.hold.resting:  # at rest by choice, and the next request wakes it: the service is up
+            return web.Response(status=200)
         held = self.budget.hold(client_of(request))
+        quiet = self.quiet if not liveness else None  # a look every few seconds must not keep the engine awake
+        if quiet is not None:
+            quiet.began()  # a request for the engine: it is not idle until this one has ended (quiet.py)
         try:
             try:
                 self.casualties.refuse(held.client)  # before a byte of its body is read
@@ -318,12 +339,14 @@ class Proxy:
                 headers["Content-Length"] = str(len(body))
                 held.keep(body)
             body = None
-            return await self._send(request, headers, held, label, began)
+            return await self._send(request, headers, held, label, began, holds=let_in != KEYLESS)
         finally:
             held.release()
+            if quiet is not None:
+                quiet.ended()
 
     async def _send(self, request: web.Request, headers: CIMultiDict, held: Held, label: str,
-                    began: float) -> web.StreamResponse:
+                    began: float, holds: bool = True) -> web.StreamResponse:
         """Send the request upstream and relay the answer; while the engine is down (it refused the connection, or
         answered 503; any 5xx while it drains for a planned stop) and it never had the request, hold it (hold.py) and
         send it again once the engine is back, while its body is still here (body.py may have given it up). A request
@@ -349,6 +372,9 @@ class Proxy:
                 elif not self.hold.on:
                     return self._refuse(request, label, 502, "upstream_down", f"upstream {self.shown} is down: "
                                         "the engine ended and its /health does not answer yet")
+            if not holds:  # a request without the key takes no place of the hold (keys.ApiKey.lets_in)
+                return self._refuse(request, label, 503, "not_held_keyless", "the engine is not up; a request "
+                                    "without the engine's API key is not held: retry later")
             first_held = time.monotonic() if first_held is None else first_held
             try:
                 await self.hold.wait(request, first_held)

@@ -37,7 +37,7 @@ class Changes:
 
     def tick(self) -> None:
         """A SIGHUP planned; carried out once nothing is left to check (the engine's parser: the engine serves on)."""
-        if self.reload_asked and not self.daemon.serving.rereading:
+        if self.reload_asked and not self.daemon.serving.reloads.rereading:
             self.reload_asked = False
             self.reload()
         elif (step := self.waiting.reload_ready()) is not None:
@@ -51,7 +51,7 @@ class Changes:
         refuse_unbindable(config, self.daemon.metrics.settings.listen)
         refuse_unlistenable(config, handover=True)
         launch = self.daemon.check(config, deep=False, on_loop=True)[1]
-        self.daemon.serving.refuse_taken_port(config, launch)
+        self.daemon.serving.reloads.refuse_taken_port(config, launch)
         try:  # what the new image opens before anything else (cli/run.py): its GPU backend, in a new process
             would_open(config)
         except GpuError as exc:

@@ -33,7 +33,7 @@ from ..gpu.errors import GpuError
 from ..serving.probe import known
 from ..serving.run.handover import argv_digest
 from ..serving.run.runtime import ServingRuntime
-from ..serving.run.states import FATAL, HELD, RUNNING, STOPPED
+from ..serving.run.states import FATAL, HELD, RESTING, RUNNING, STOPPED
 from ..tune.tuning import TuningLife
 from ..watch import xids
 
@@ -185,7 +185,7 @@ class Recovery:
         for index, why in sorted(waiting.items()):
             if index < 0 or index in self._tried or not why.endswith(xids.RESET_GPU):
                 continue  # a reboot is never ours to do
-            if engine is not None and engine.state not in (HELD, STOPPED, FATAL) \
+            if engine is not None and engine.state not in (HELD, STOPPED, FATAL, RESTING) \
                     and index in {g.index for g in engine.gpus}:
                 continue  # our engine still stops (its drain)
             users = self._users(index)

@@ -46,7 +46,7 @@ def plan_reload(new: Config, running: Config, tuning: TuningLife, serving: Servi
     refuse_unlistenable(new, handover=False)
     # lint, with the installed versions from the cache (read again before this, off the loop, where they changed):
     # nothing here waits on the engine's interpreter; its parser runs later, off the loop (Reload.check)
-    step = serving.plan_reload(new)
+    step = serving.reloads.plan(new)
     return Reload(new, plan, step, kept, getattr(step, "check", None))
 
 
@@ -116,12 +116,12 @@ class Waiting:
     def reload_asked(self, load: Callable[[], Config], running: Config, tuning: TuningLife) -> bool:
         """SIGHUP: load the config on disk and plan its reload (plan_reload), which then waits here for the engine's
         parser where one is due; what the SIGHUP before waited for is not carried out. A refusal is said in one
-        line. True: ask again once the installed versions are read (ServingRuntime.reread_installed)."""
+        line. True: ask again once the installed versions are read (serving/run/replan.Replan.reread_installed)."""
         self.reload, self._stale = None, self.handover
         self.deep.forget()  # asked anew (a check already running for the same command is joined)
         try:
             new = load()
-            if self.serving.reread_installed(new):
+            if self.serving.reloads.reread_installed(new):
                 return True
             self.reload = plan_reload(new, running, tuning, self.serving)
             if self.reload.check is not None:

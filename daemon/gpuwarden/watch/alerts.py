@@ -86,6 +86,9 @@ class Rule:
     # evaluated again once the configured setting is back.
     swept: bool = False
     reapply: bool = False  # the daemon answers it by applying the tuning again (a lock or a mode a reset dropped)
+    # A serving rule that a side child (the proxy) trips as well as the engine: evaluated on the first child that
+    # meets it, the engine first (its port taken by a local user is an outage for clients as the engine's is).
+    any_child: bool = False
 
 
 INACTIVE = Check(False)

@@ -145,6 +145,9 @@ class Snapshot:
     def _serving_part(self, numbers: bool) -> str:
         s = self.serving
         model = s.model.rstrip("/").rsplit("/", 1)[-1]
+        if s.state == "RESTING":  # serve.idle: a choice, said as one
+            wake = f"; its last wake took {s.wake_s:.0f} s" if s.wake_s is not None else ""
+            return f"{s.title} at rest ({model}, {s.profile}): the next request wakes it{wake}"
         if s.state != "RUNNING":
             return f"{s.title} {s.state} ({model}, {s.profile})" + (f": {s.problem}" if s.problem else "")
         rate = self.stats.generation_tokens_per_s if self.stats and numbers else None
@@ -333,7 +336,11 @@ class Monitor:
         self.tuning.budget_tick(samples, now)  # the power budget's split follows the demand just read
         engine = serving[0] if serving else None  # the serving rules are about the engine
         for state in self.serving_states.values():
-            event = state.step(state.rule.check(engine, samples), now, self.config.alerts, restart_timers=stalled)
+            check = state.rule.check(engine, samples)
+            if state.rule.any_child and not check.active:
+                check = next((c for view in (serving or ())[1:] if (c := state.rule.check(view, samples)).active),
+                             check)
+            event = state.step(check, now, self.config.alerts, restart_timers=stalled)
             if event:
                 self._log_event(event, state, None, now)
         host_alerts = [_view(state) for state in self.serving_states.values()] if serving else []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import ssl
 import time
 from urllib.parse import urlsplit
@@ -42,10 +43,16 @@ def fetch_status(metrics: MetricsConfig, auth: tuple[str, str] | None = None, ti
     if web is not None and web.tls:
         context = ssl.create_default_context(cafile=str(web.cert_file))  # trust exactly the daemon's certificate
         context.check_hostname = False
+    owner = None
     if auth is not None:
         headers = {"Authorization": basic_auth_header(*auth)}
+        # Without TLS nothing proves the server is the daemon: the password goes only to a socket of root's (the
+        # unit's) or this user's. A local user who held the port at a restart got it (attacker 17's F2).
+        owner = None if context is not None else tuple(dict.fromkeys((0, os.geteuid())))
     try:
-        reply = httpget.get(f"{metrics.url}/status", timeout_s, 16 * 1024 * 1024, headers, context)
+        reply = httpget.get(f"{metrics.url}/status", timeout_s, 16 * 1024 * 1024, headers, context, owner=owner)
+    except httpget.Unasked as exc:
+        raise StatusError(f"{metrics.url} is not the daemon's: {exc}; the password was not sent") from None
     except httpget.HttpError as exc:
         if "refused" in str(exc).lower():
             return None

@@ -139,6 +139,7 @@ class SimGpu(Gpu):
         self.energy_j = 0.0
         self.violations = {name: 0.0 for name in VIOLATION_POLICIES}
         self.processes: list[tuple[int, int | None]] = []  # compute processes a test puts on the card
+        self.context = False  # an engine of the daemon's holds a CUDA context here (note_engine)
         self.ecc_uncorrected = 0
         self.remap_failure = False
         self.pcie_replays = 0.0
@@ -305,6 +306,9 @@ class SimGpu(Gpu):
 
     def compute_processes(self) -> list[tuple[int, int | None]]:
         return list(self.processes)
+
+    def note_engine(self, held: bool) -> None:
+        self.context = held
 
     def capabilities(self) -> GpuCapabilities:
         m = self.model

@@ -28,9 +28,12 @@ def floor_clock(model: GpuModel, mhz: float) -> int:
     return next((c for c in clocks if c <= mhz + 1e-6), clocks[-1])
 
 
-def draw(m: GpuModel, utilization: float, sm_mhz: float) -> float:
-    return m.idle_power_w + utilization / 100 * (m.full_load_power_w - m.idle_power_w) * (
+def draw(m: GpuModel, utilization: float, sm_mhz: float, context: bool = False) -> float:
+    """Watts at this load and clock; context: an engine holds a CUDA context on the card, which draws at least
+    model.context_w above idle (its boost at rest; under load the load's draw, which includes it)."""
+    load = m.idle_power_w + utilization / 100 * (m.full_load_power_w - m.idle_power_w) * (
         sm_mhz / m.graphics_clock_max_mhz)
+    return max(load, m.idle_power_w + m.context_w) if context else load
 
 
 def operating_point(gpu: SimGpu) -> tuple[int, int, float, float, R]:
@@ -43,8 +46,8 @@ def operating_point(gpu: SimGpu) -> tuple[int, int, float, float, R]:
         sm = gpu.gpu_lock[1]
         if sm < m.graphics_clock_max_mhz:
             reasons |= R.ApplicationsClocksSetting
-    elif busy and m.boost_under_load:
-        sm = m.graphics_clock_max_mhz
+    elif (busy or gpu.context and m.context_w) and m.boost_under_load:
+        sm = m.graphics_clock_max_mhz  # a context boosts the clock even at rest, where the model says it costs
     else:
         sm = m.idle_sm_clock_mhz
     if not busy and not gpu.gpu_lock:
@@ -65,7 +68,7 @@ def operating_point(gpu: SimGpu) -> tuple[int, int, float, float, R]:
         mem = m.memory_clocks_mhz[-1]
     else:
         mem = m.idle_memory_clock_mhz
-    power = draw(m, gpu.utilization, sm)
+    power = draw(m, gpu.utilization, sm, gpu.context)
     temp = m.idle_temperature_c + (power - m.idle_power_w) * m.celsius_per_watt
     for kind in ("thermal_slowdown", "hw_thermal_slowdown"):
         temp = gpu.conditions.get(kind, {}).get("temperature_c", temp)

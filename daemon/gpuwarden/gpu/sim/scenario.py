@@ -92,6 +92,9 @@ class GpuModel:
     form_factor: str | None = None
     nvlinks: int = 0  # NVLink links, each at nvlink_speed_mbps
     nvlink_speed_mbps: int = 0
+    # An engine's CUDA context at rest: the card boosts to its max graphics clock and draws this much above idle
+    # (an H200, driver 580.159.04: 116.2 W at 1980 MHz against 76.9 W bare; issue 54); 0: a context costs nothing
+    context_w: float = 0.0
 
     @property
     def hbm(self) -> bool:
@@ -206,7 +209,8 @@ def _gpu_models(r: Reader, path: tuple[str, ...]) -> list[GpuModel]:
     gmin, gmax, gstep = graphics if graphics else (1, 1, 1)
     mem = sorted(mem) or [1]
     r.mapping(path + ("idle_clocks_mhz",), ("sm", "memory"))
-    r.mapping(path + ("power",), ("idle_w", "full_load_w", "default_limit_w", "min_limit_w", "max_limit_w"))
+    r.mapping(path + ("power",), ("idle_w", "full_load_w", "default_limit_w", "min_limit_w", "max_limit_w",
+                                  "context_w"))
     r.mapping(path + ("temperature",), ("idle_c", "celsius_per_watt"))
     p = path + ("power",)
     full_w = r.number(p + ("full_load_w",), 300.0, 1, 5000, unit=" W")
@@ -240,6 +244,7 @@ def _gpu_models(r: Reader, path: tuple[str, ...]) -> list[GpuModel]:
         form_factor=r.string(path + ("form_factor",), None, ("sxm", "pcie")),
         nvlinks=r.number(path + ("nvlink", "links"), 0, 1, 36, integer=True),
         nvlink_speed_mbps=r.number(path + ("nvlink", "speed_mbps"), 26562, 1, 1_000_000, integer=True),
+        context_w=r.number(p + ("context_w",), 0.0, 0, 5000, unit=" W"),
     )
     if not model.min_power_limit_w <= model.default_power_limit_w <= model.max_power_limit_w:
         r.fail(p, "limits must satisfy min_limit_w <= default_limit_w <= max_limit_w")

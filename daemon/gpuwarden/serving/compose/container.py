@@ -17,6 +17,7 @@ DeviceRequests and mangles a CDI name in Devices into a path); Docker takes `Dev
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -184,9 +185,18 @@ def owned(runtime, owner: str | None = None) -> list:
 
 def create(runtime, launch: ContainerLaunch, env: Mapping[str, str], network: bool = True) -> str:
     """The container made by runtime (base/containerapi.Runtime): podman's libpod create, dockerd's create; its ID.
-    network False: none at all (a probe)."""
+    network False: none at all (a probe). podman's gets its profile narrowed to the unit's rules (sandbox.py),
+    written under the state directory of the gpuwarden that makes it; Docker's default profile has those rules.
+    Raises RuntimeFault."""
     if launch.runtime == "podman":
+        from ...base.containerapi import RuntimeFault  # noqa: PLC0415 (docker-py: only for a container)
+        from .sandbox import SandboxFault, podman_profile  # noqa: PLC0415
+
         body = libpod_body(launch, env)
+        try:
+            body["seccomp_profile_path"] = podman_profile(dict(launch.labels).get(LABEL_OWNER) or str(state_dir()))
+        except SandboxFault as exc:
+            raise RuntimeFault(f"{exc} ({SANDBOX_FIX})") from None
         if not network:
             body["netns"] = {"nsmode": "none"}
         return runtime.create_libpod(body)
@@ -199,6 +209,7 @@ def create(runtime, launch: ContainerLaunch, env: Mapping[str, str], network: bo
 PROBE_S = 60.0  # the image's versions: a short-lived container of it, its Python importing nothing of the engine
 PROBE_OUTPUT_MAX = 1024 * 1024
 PROBE_CHILD = "probe"
+PROBE_SHM_BYTES = 64 << 20  # a probe's /dev/shm: the runtimes' own default, not the engine's 16 GiB
 PROBE_ENV = ("PYTHONPATH", "HOME", "LANG", "CUDA_HOME")  # of the engine's environment, as the probe on a host gets
 
 
@@ -208,7 +219,7 @@ def image_installed(container: ContainerConfig, uid: int, gid: int, python: str 
     installed-versions probe in a container of the image (serve.python inside it, else python3; the configured
     mounts, read-only: an engine's venv may be one): as uid:gid, no network, no capability, no GPU, removed after;
     cached under the image's name with its ID. ask False (the daemon's loop): the cache only, never the
-    runtime (a reload reads it again off the loop first: ServingRuntime.reread_installed)."""
+    runtime (a reload reads it again off the loop first: replan.Replan.reread_installed)."""
     key = f"image {container.image}"
     cached = installed_mod.remembered(state, key)
     if not ask:  # the cache, or what the last read met (a reload refuses that: ServingRuntime.refuse_container)
@@ -224,6 +235,7 @@ def image_installed(container: ContainerConfig, uid: int, gid: int, python: str 
 NOT_READ = "is read at the next reload or restart"
 _faults: dict[str, Installed] = {}  # per image name, the last read that failed (this process's)
 PROBE_DEADLINE_S = PROBE_S + 60  # the probe, and every call around it: a runtime that trickles its answers
+WAIT_SLICE_S = 2.0  # a probe's wait, asked in slices: one no one waits for any more (cancel) is removed at once
 
 
 def _read_image(container: ContainerConfig, uid: int, gid: int, python: str | None, state: Path | None,
@@ -231,59 +243,135 @@ def _read_image(container: ContainerConfig, uid: int, gid: int, python: str | No
     """image_installed's read, with one deadline for all of it (a runtime answering a byte every 10 s held a start
     past 90 s, each call's timeout being per read: attacker 12's F8): past it, no answer, and the read is left to
     end on its thread (the runtime's own timeouts end it)."""
+    try:
+        done = within(PROBE_DEADLINE_S, "image-versions",
+                      lambda: _ask_image(container, uid, gid, python, state, env, machine, key, cached))
+    except Exception as exc:  # a bug's: the versions unknown, said
+        return Installed(key, False, error=f"reading {container.image}'s versions failed: {type(exc).__name__}: {exc}")
+    if done is None:
+        return Installed(key, False, error=f"{container.runtime} did not answer within {PROBE_DEADLINE_S:g} s")
+    return done
+
+
+def within(deadline_s: float, name: str, work):
+    """work() on a thread of its own: its answer if it came within deadline_s, else None (it ends on its thread);
+    what it raised is raised here."""
     import threading  # noqa: PLC0415
 
-    done: list[Installed] = []
-    worker = threading.Thread(target=lambda: done.append(_ask_image(container, uid, gid, python, state, env, machine,
-                                                                    key, cached)),
-                              name="image-versions", daemon=True)
+    done: list = []
+
+    def run() -> None:
+        try:
+            done.append((True, work()))
+        except BaseException as exc:  # noqa: BLE001 (handed to the caller, who says it)
+            done.append((False, exc))
+
+    worker = threading.Thread(target=run, name=name, daemon=True)
     worker.start()
-    worker.join(PROBE_DEADLINE_S)
+    worker.join(deadline_s)
     if not done:
-        return Installed(key, False, error=f"{container.runtime} did not answer within {PROBE_DEADLINE_S:g} s")
-    return done[0]
+        return None
+    ok, value = done[0]
+    if not ok:
+        raise value
+    return value
 
 
 def _ask_image(container: ContainerConfig, uid: int, gid: int, python: str | None, state: Path | None,
                env: Mapping[str, str] | None, machine: str | None, key: str, cached: Installed | None) -> Installed:
-    from ...base.containerapi import Runtime, RuntimeFault  # noqa: PLC0415 (docker-py: only for a container)
+    from ...base.containerapi import RuntimeFault  # noqa: PLC0415 (docker-py: only for a container)
 
+    probe_env = {"HOME": CONTAINER_HOME, **{k: v for k, v in (env or {}).items() if k in PROBE_ENV}}
     try:
-        runtime = Runtime(container.runtime, container.api_socket)
+        with image_runtime(container) as (runtime, image_id):
+            if cached is not None and cached.stamp == (image_id,):
+                return cached
+            status, out = in_image(runtime, container, uid, gid, (python or "python3", "-c", installed_mod.PROBE),
+                                   probe_env, PROBE_S, machine, image_id=image_id)
     except RuntimeFault as exc:
         return Installed(key, False, error=str(exc))
+    if status is None:
+        return Installed(key, False, error=f"{key} did not answer within {PROBE_S:g} s")
+    return installed_mod.answer(key, out, out, status, state, stamp=(image_id,))
+
+
+@contextlib.contextmanager
+def image_runtime(container: ContainerConfig):
+    """(the runtime's connection, the image's ID), closed after; RuntimeFault where the runtime cannot be asked or
+    has no such image."""
+    from ...base.containerapi import Runtime, RuntimeFault  # noqa: PLC0415 (docker-py: only for a container)
+
+    runtime = Runtime(container.runtime, container.api_socket)
     try:
         image_id = runtime.image_id(container.image)
         if image_id is None:
-            return Installed(key, False, error=f"{container.runtime} has no image {container.image} (pull it, or set "
-                                               "serve.container.pull: true)")
-        if cached is not None and cached.stamp == (image_id,):
-            return cached
-        launch = ContainerLaunch(container.runtime, container.api_socket, container.image, False,
-                                 f"gpuwarden-{PROBE_CHILD}-{os.getpid()}-{time.monotonic_ns() % 10**9}",
-                                 (python or "python3", "-c", installed_mod.PROBE), (), f"{uid}:{gid}", (),
-                                 tuple(Mount(m.host, m.container, True) for m in container.mounts
-                                       if os.path.exists(m.host)),  # a missing one is check's line of its own
-                                 (), ((LABEL_HOST, machine or host_id()), (LABEL_CHILD, PROBE_CHILD),
-                                      (LABEL_OWNER, str(state_dir()))), 0)
-        probe_env = {"HOME": CONTAINER_HOME, **{k: v for k, v in (env or {}).items() if k in PROBE_ENV}}
-        cid = create(runtime, launch, probe_env, network=False)
-        try:
-            runtime.start(cid)
-            try:
-                status = runtime.wait(cid, PROBE_S)
-            except RuntimeFault:
-                return Installed(key, False, error=f"{key} did not answer within {PROBE_S:g} s")
-            out = runtime.output(cid, PROBE_OUTPUT_MAX).decode("utf-8", "replace")
-        finally:
-            runtime.remove(cid)
-        return installed_mod.answer(key, out, out, status, state, stamp=(image_id,))
-    except RuntimeFault as exc:
-        return Installed(key, False, error=str(exc))
+            raise RuntimeFault(f"{container.runtime} has no image {container.image} (pull it, or set "
+                               "serve.container.pull: true)")
+        yield runtime, image_id
     finally:
         runtime.close()
 
 
+def probe_mounts(container: ContainerConfig, model: str = "") -> tuple[Mount, ...]:
+    """What a probe of the image sees of this host: the configured mounts and the model's directory (as the
+    engine's container gets it: launch_of), every one read-only; a missing source is check's line of its own."""
+    mounts = [Mount(m.host, m.container, True) for m in container.mounts if os.path.exists(m.host)]
+    if model.startswith("/") and os.path.isdir(model) and not any(m.container == model for m in mounts):
+        mounts.append(Mount(model, model, True))
+    return tuple(mounts)
+
+
+def in_image(runtime, container: ContainerConfig, uid: int, gid: int, argv: tuple[str, ...],
+             env: Mapping[str, str], wait_s: float, machine: str | None = None,
+             cancel=None, image_id: str | None = None,
+             mounts: tuple[Mount, ...] | None = None) -> tuple[int | None, str]:
+    """argv run in a short-lived container of the image (of image_id where given: the very image its answer is kept
+    for, whatever the name points at by then), as uid:gid, with mounts (None: probe_mounts without the model), no
+    network, no capability, no GPU; removed after, whatever happens (a removal that fails is said, and the answer
+    stands). (its exit status, what it wrote: at most PROBE_OUTPUT_MAX bytes, stdout and stderr together); status
+    None: it did not end within wait_s, or cancel (a threading.Event) was set first. Raises RuntimeFault. Labelled
+    as this daemon's (LABEL_CHILD probe): one a killed daemon leaves is removed at the next start
+    (run/containers.sweep) or stop."""
+    import logging  # noqa: PLC0415
+
+    from ...base.containerapi import RuntimeFault  # noqa: PLC0415
+
+    launch = ContainerLaunch(container.runtime, container.api_socket, image_id or container.image, False,
+                             f"gpuwarden-{PROBE_CHILD}-{os.getpid()}-{time.monotonic_ns() % 10**9}", tuple(argv), (),
+                             f"{uid}:{gid}", (), probe_mounts(container) if mounts is None else mounts,
+                             (), ((LABEL_HOST, machine or host_id()), (LABEL_CHILD, PROBE_CHILD),
+                                  (LABEL_OWNER, str(state_dir()))), 0, PROBE_SHM_BYTES)
+    # An image built on nvidia/cuda says NVIDIA_VISIBLE_DEVICES=all, which Docker's nvidia runtime reads: none here.
+    env = {**env, "NVIDIA_VISIBLE_DEVICES": "void"}
+    if cancel is not None and cancel.is_set():
+        return None, ""
+    cid = create(runtime, launch, env, network=False)
+    try:
+        runtime.start(cid)
+        deadline = time.monotonic() + wait_s
+        status = None
+        while status is None and not (cancel is not None and cancel.is_set()):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            asked, slice_s = time.monotonic(), min(WAIT_SLICE_S, left)
+            try:
+                status = runtime.wait(cid, slice_s)
+            except RuntimeFault:
+                if time.monotonic() - asked < slice_s / 2:
+                    raise  # refused at once (the runtime went away), not a slice's end
+        if status is None:
+            return None, ""
+        return status, runtime.output(cid, PROBE_OUTPUT_MAX).decode("utf-8", "replace")
+    finally:
+        try:
+            runtime.remove(cid)
+        except RuntimeFault as exc:
+            logging.getLogger("gpuwarden").warning("a probe container of %s was not removed (the next start or stop "
+                                                   "removes it): %s", container.image, exc)
+
+
+SANDBOX_FIX = "install podman's seccomp profile (Debian: golang-github-containers-common)"
 CDI_DIRS = ("/etc/cdi", "/var/run/cdi")  # where podman and dockerd read CDI specs
 CDI_KIND = "nvidia.com/gpu"
 CDI_FIX = "nvidia-ctk cdi generate --output=/etc/cdi/nvidia.yaml (NVIDIA Container Toolkit)"
@@ -312,15 +400,29 @@ def cdi_spec(dirs: tuple[str, ...] = CDI_DIRS) -> str | None:
 
 def container_problems(config, engine_module: str, found: Installed, simulated: bool) -> list:
     """What `check` refuses in serve.container (ConfigErrors to raise), each with its fix: a mount's source that
-    does not exist, a runtime that cannot be asked or has no such image, an image without the engine, GPUs with no
-    CDI spec for podman. `run` starts anyway: the shim then fails with the same reason, and FATAL says it."""
+    does not exist, podman's seccomp profile that cannot be narrowed (sandbox.py), a runtime that cannot be asked or
+    has no such image, an image without the engine, GPUs with no CDI spec for podman. `run` starts anyway: the shim
+    then fails with the same reason, and FATAL says it."""
+    from .sandbox import SandboxFault, base_profile, narrowed  # noqa: PLC0415
+
     c = config.serve.container
     problems = []
     for i, mount in enumerate(c.mounts):
         if not os.path.exists(mount.host):
             problems.append(config.error(("serve", "container", "mounts", str(i)), f"{mount.host} does not exist",
                                          "create it, or fix the path"))
-    if not found.known and NOT_READ in (found.error or ""):
+    sandbox = None
+    if c.runtime == "podman":
+        try:
+            source, profile = base_profile()
+            narrowed(profile, source)
+        except SandboxFault as exc:
+            sandbox = str(exc)
+            problems.append(config.error(("serve", "container", "runtime"), f"{exc}: the engine would run without "
+                                         "the unit's system-call rules", SANDBOX_FIX))
+    if sandbox is not None and sandbox in (found.error or ""):
+        pass  # the image's read could not make its container for the same reason: one line says it
+    elif not found.known and NOT_READ in (found.error or ""):
         pass  # on the daemon's loop, a read still to come: nothing known against it
     elif not found.known:
         problems.append(config.error(("serve", "container", "image"), found.error or "not read",

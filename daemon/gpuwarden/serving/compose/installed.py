@@ -168,7 +168,7 @@ def installed(python: str | None, identity: Identity, env: Mapping[str, str], st
               ) -> Installed:
     """What python has installed, from the cache while its environment is unchanged, else asked once (started
     with spawn). ask False (on the daemon's main loop): the cache or nothing, never a process to wait for; a
-    reload asks again first, on a worker thread (ServingRuntime.reread_installed)."""
+    reload asks again first, on a worker thread (replan.Replan.reread_installed)."""
     if python is None:
         return Installed("", False, error="the engine's Python is not known (set serve.python)")
     cached = _from_cache(state_dir, python)

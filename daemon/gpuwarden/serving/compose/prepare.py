@@ -4,6 +4,7 @@ parser. `run`, `check`, `doctor` and `profiles show` all come through compose().
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 import shutil
@@ -32,6 +33,8 @@ from .nodes import role_of
 from ..lint.rules import LintContext, Outcome, Rules
 from .profiles import Profile, load_profiles, select_profile
 from .secrets import SecretFileError, credentials_file, read_env_file
+
+log = logging.getLogger("gpuwarden")
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,8 @@ def flag_problem(config: Config, command: ServeCommand, flags: FlagCheck) -> Con
     `check --deep`, a reload and a handover say. None: it accepts them."""
     if flags.ok:
         return None
+    if config.serve.container is not None and not flags.ran:  # no verdict: the image's parser was not asked
+        return config.error(("serve", "container", "image"), f"{flags.error} (its flags are not checked)")
     where = ("serve", "args") if config.serve.args else ("serve", "profile")
     own = command.argv[command.prefix:len(config.serve.command)]  # the flags serve.command itself gives
     if any(word.startswith("-") and re.search(rf"(?<![\w-]){re.escape(word.split('=', 1)[0])}(?![\w-])",
@@ -230,13 +235,15 @@ def _socket_dir(config: Config, identity: Identity, create: bool) -> None:
 
 
 def prepare_serve(config: Config, backend: GpuBackend, deep: bool, create_home: bool = False,
-                  on_loop: bool = False) -> PreparedServe:
+                  on_loop: bool = False, starting: bool = False) -> PreparedServe:
     """compose() for this host's GPUs as serve.user, with its secrets and home; with deep, the engine's own
     parser too. Raises ConfigError(s) for an unknown engine, profile, GPU, profile file, serve.user or secrets
     file; starts nothing but the installed-versions probe. create_home: make the home the child gets when its
     own cannot be written. on_loop: called from the daemon's main loop (a reload, SIGUSR2's check), which must
     not wait on the engine's interpreter nor on any process run as serve.user: the installed versions come from
-    the cache only, and the home is only checked to be there (made at the daemon's start)."""
+    the cache only, and the home is only checked to be there (made at the daemon's start). starting (the daemon's
+    start): a container engine's flag check that could not run (a runtime not up yet, an image `pull: true` fetches
+    at the start) is said and stops nothing: the shim meets the same, and its backoff and FATAL say it."""
     identity = child_identity(config)
     secrets = child_secrets(config)
     try:
@@ -249,7 +256,13 @@ def prepare_serve(config: Config, backend: GpuBackend, deep: bool, create_home: 
     command = composed.command
     prepared = PreparedServe(command, identity, composed.findings, None, home_note, composed.installed,
                              composed.rules)
-    if not deep or command.engine.flag_probe is None or prepared.blocking(config) or config.serve.container:
-        return prepared  # lint already blocks: no need to wait for the engine's import (a container's: not yet)
+    if not deep or command.engine.flag_probe is None or prepared.blocking(config):
+        return prepared  # lint already blocks: no need to wait for the engine's import
+    found = composed.installed
+    if config.serve.container is not None and (found is None or found.version(command.engine.name) is None):
+        return prepared  # the image cannot be read, or has no engine: check says so (container_problems), once
     flags = check_flags(config.serve, command, identity)
+    if starting and config.serve.container is not None and not flags.ran:
+        log.warning("%s: its flags are not checked before the start: %s", command.engine.title, flags.error)
+        flags = None
     return PreparedServe(command, identity, composed.findings, flags, home_note, composed.installed, composed.rules)

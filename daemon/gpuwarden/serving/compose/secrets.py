@@ -41,6 +41,7 @@ def redact_env(env: Mapping[str, str]) -> dict[str, str]:
     return {k: (REDACTED if is_secret(k) and v else USERINFO.sub(REDACTED + "@", v)) for k, v in env.items()}
 
 
+SECRET_NAME = re.compile(r"(?:API_KEY|TOKEN|SECRET|PASSWORD)$")  # the names SECRET_ASSIGNMENT below redacts
 SECRET_ASSIGNMENT = re.compile(r"(?<![A-Za-z0-9_])([A-Za-z_][A-Za-z0-9_]*(?:API_KEY|TOKEN|SECRET|PASSWORD)=)(\S*)")
 SECRET_IN_SHELL = re.compile(r"(?<![^\s'\"])(--(?:api[-_]k|hf[-_]t|ssl[-_]keyfile[-_]p)[\w.-]*(?:=|\s+))(\S+)")
 

@@ -7,7 +7,9 @@ SIGKILLed; its output read into capped files (identity.run_bounded). One check r
 command while one runs (the config changed again: a reload storm), the running check is ended (its group SIGKILLed)
 and the new one starts on the first ask after it has ended, so a check that hangs never holds up a fixed config. An
 answer is kept for its command until forget() (a new SIGHUP or SIGUSR2 asks anew); the daemon's stop ends a running
-check with every other helper (ProcessOps.end_helpers).
+check with every other helper (ProcessOps.end_helpers). A container engine's check runs in a container of its image
+(flagcheck.check_in_image): ended, its container is removed within a wait's slice, and one a killed daemon left is
+removed by the next start's sweep.
 """
 
 from __future__ import annotations
@@ -28,18 +30,20 @@ log = logging.getLogger("gpuwarden")
 
 @dataclass(frozen=True)
 class _Key:
-    """What the parser's answer depends on: the command, its environment, who runs it, and serve.python."""
+    """What the parser's answer depends on: the command, its environment, who runs it, serve.python, and a container
+    engine's image (its parser is the image's)."""
 
     argv: tuple[str, ...]
     env: tuple[tuple[str, str], ...]
     identity: object
     python: str | None
+    container: object = None
 
 
 def _key(launch) -> _Key:
     command = launch.command
     return _Key(tuple(command.argv), tuple(sorted(command.env.items())), launch.engine.identity,
-                launch.config.serve.python)
+                launch.config.serve.python, launch.config.serve.container)
 
 
 def due(launch, runtime, upgraded: bool = False) -> bool:
@@ -47,8 +51,6 @@ def due(launch, runtime, upgraded: bool = False) -> bool:
     engine has a parser to run, and its command, environment or user differ from the engine that runs (or is about to
     start: a replacement under way), or another version is installed under it. Nothing runs: due, as at a start."""
     if launch is None or launch.command.engine.flag_probe is None:
-        return False
-    if launch.engine.launcher is not None:  # a container's engine: its parser is in the image, not run from here yet
         return False
     if upgraded:
         return True
@@ -141,7 +143,7 @@ class DeepCheck:
         def run() -> tuple[_Key, threading.Event, FlagCheck]:
             try:
                 flags = check_flags(launch.config.serve, launch.command, launch.engine.identity, self.timeout_s,
-                                    spawn)
+                                    spawn, cancel)
             except Exception as exc:  # a bug's last net: an answer, never a check that seems to run for ever
                 flags = FlagCheck(False, f"the flag check failed: {type(exc).__name__}: {exc}", None, "")
             return key, cancel, flags

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from .spec import DOWN_SIGNAL, STOPPING_SIGNAL, UP_SIGNAL
+from .spec import DOWN_SIGNAL, REST_SIGNAL, STOPPING_SIGNAL, UP_SIGNAL
 
 log = logging.getLogger("gpuwarden")
 TIMES = 2  # each word to each front: once at once, once on the next tick
@@ -68,13 +68,15 @@ class FrontWord:
     def stop_waiting(self) -> None:
         self._until = None
 
-    def update(self, running: bool, stopping: bool, fronts: Iterable, down: bool = False) -> None:
+    def update(self, running: bool, stopping: bool, fronts: Iterable, down: bool = False,
+               resting: bool = False) -> None:
         """Each tick: the standing word, to the fronts not told it twice (a new front process counts anew). While
         the engine's SIGTERM waits for the answer, the word is its stop; down: the engine is not restarted (FATAL,
-        HELD)."""
+        HELD); resting: it rests until a request comes (serve.idle: REST_SIGNAL, the proxy holds and wakes it)."""
         running, stopping = running and not self.waiting, stopping or self.waiting
         self.planned = self.planned and stopping
-        word = UP_SIGNAL if running else STOPPING_SIGNAL if self.planned else DOWN_SIGNAL if down else None
+        word = UP_SIGNAL if running else STOPPING_SIGNAL if self.planned else REST_SIGNAL if resting else \
+            DOWN_SIGNAL if down else None
         if word is not None:
             self._tell(fronts, word)
 

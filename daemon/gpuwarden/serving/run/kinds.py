@@ -48,6 +48,7 @@ class ChildKind:
     # The key of serve that this side alone reads ("proxy"): a reload that changes only such keys leaves the
     # engine running. A side that reads no key of its own leaves it "".
     section: str = ""
+    also: tuple[str, ...] = ()  # more keys of serve this side alone reads among the children (the proxy: idle)
 
     @property
     def what(self) -> str:
@@ -115,5 +116,5 @@ def side_specs(config: Config, identity: Identity, kinds: tuple[ChildKind, ...])
 def same_engine(old: ServeConfig, new: ServeConfig, sides: tuple[ChildKind, ...]) -> bool:
     """The engine's part is built from serve apart from the side kinds' own keys: those unchanged, so is it.
     (Built, it would be prepared: lint, its user, its home, which a reload that leaves it alone must not do.)"""
-    theirs = {kind.section: getattr(old, kind.section) for kind in sides if kind.section}
+    theirs = {key: getattr(old, key) for kind in sides for key in (kind.section, *kind.also) if key}
     return dataclasses.replace(new, **theirs) == old

@@ -11,7 +11,6 @@ only the kinds whose spec changed; a change of the engine's part restarts them a
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections import Counter
@@ -23,22 +22,23 @@ from ...config import Config
 from ...gpu.base import GpuBackend
 from ...base.yamlfile import ConfigErrors
 from ..compose.command import ServeCommand
-from ..compose.container import container_problems
 from ..lint.findings import INFO
 from ..probe.metrics import MetricsReader, ServingStats
-from ..compose.apikey import KEY_ENV, engine_key, secrets_changed
-from ..compose.prepare import installed_for, prepare_serve
+from ..compose.prepare import prepare_serve
 from . import handover
-from .deepcheck import DeepCheck, due
-from .kinds import ENGINE_PART, ChildKind, EngineParts, same_engine, side_specs
+from .deepcheck import DeepCheck
+from .replan import Replan
+from .kinds import ENGINE_PART, ChildKind, EngineParts, side_specs
 from .holding import waiting_for
 from .leftovers import Leftovers
 from .processes import ProcessOps
 from .spec import ChildSpec, other_drain
 from ..probe.stall import Progress, StallWatch
 from .takeover import take_over
+from .resting import each_tick
 from .word import close_word, kept_word
-from .supervisor import BACKOFF, FATAL, HELD, RUNNING, STARTING, STOPPING, Program, ServingView, Supervisor
+from .supervisor import (BACKOFF, FATAL, HELD, RESTING, RUNNING, STARTING, STOPPING, Program, ServingView,
+                         Supervisor)
 
 log = logging.getLogger("gpuwarden")
 
@@ -51,6 +51,7 @@ class Launch:
     command: ServeCommand  # the engine's composed command: its metrics path, model name and key
     engine: ChildSpec
     sides: tuple[ChildSpec, ...] = ()
+    image: str | None = None  # a container engine's image ID as it was read for this launch (None: unknown)
 
 
 def prepare_launch(config: Config, backend: GpuBackend, sides: Sequence[ChildKind], deep: bool,
@@ -58,7 +59,7 @@ def prepare_launch(config: Config, backend: GpuBackend, sides: Sequence[ChildKin
     """Engine, profile, GPUs, lint, spawnability (and with deep, the engine's own parser), logged as a start
     logs them. Raises ConfigErrors when something would block the start. on_loop: from the daemon's loop (a
     reload), which must not wait on the engine's interpreter."""
-    prepared = prepare_serve(config, backend, deep=deep, create_home=True, on_loop=on_loop)
+    prepared = prepare_serve(config, backend, deep=deep, create_home=True, on_loop=on_loop, starting=deep)
     title = prepared.command.engine.title
     if prepared.home_note:
         log.info("%s's user %s", title, prepared.home_note)
@@ -79,7 +80,9 @@ def prepare_launch(config: Config, backend: GpuBackend, sides: Sequence[ChildKin
     parts = EngineParts(prepared.command, prepared.identity, tuple(gpus), version)
     engine, *part = [spec for kind in ENGINE_PART if (spec := kind.build(config, parts)) is not None]
     sides = side_specs(config, prepared.identity, tuple(sides)).values()
-    return Launch(config, prepared.command, engine, (*part, *sides))
+    found = prepared.installed
+    image = found.stamp[0] if config.serve.container and found is not None and found.known and found.stamp else None
+    return Launch(config, prepared.command, engine, (*part, *sides), image)
 
 
 def _as_recorded(launch: Launch, adoptable: handover.Record | None) -> ChildSpec:
@@ -128,7 +131,7 @@ class ServingRuntime:
         self._kept: dict[str, Program] = {}  # side programs the pending launch runs on as they are (the proxy)
         self.reader: MetricsReader | None = None  # the engine's /metrics
         self.stall_watch: StallWatch | None = None  # is the engine making progress
-        self._reread = self.ops.background("installed")  # a reload's read of the engine's installed versions
+        self.reloads = Replan(self)  # a reload's plan: what a config read again asks, checked before anything stops
         self.deep = DeepCheck(self.ops)  # the engine's own parser on what a reload or a handover would start
         self.drains: Counter = Counter()  # the engine's planned stops by outcome, across its restarts (drains.py)
 
@@ -142,8 +145,9 @@ class ServingRuntime:
 
     @property
     def ready(self) -> bool:
-        """Start-up is over for serving: the engine is healthy, FATAL or HELD (so `systemctl start` returns)."""
-        return self.engine is None or self.engine.state in (RUNNING, FATAL, HELD)
+        """Start-up is over for serving: the engine is healthy, FATAL, HELD or at rest (so `systemctl start`
+        returns)."""
+        return self.engine is None or self.engine.state in (RUNNING, FATAL, HELD, RESTING)
 
     @property
     def replacing(self) -> bool:
@@ -186,7 +190,7 @@ class ServingRuntime:
         sides = {spec.name: spec for spec in launch.sides}
         if changed and stale <= set(sides):
             # Only side children changed (serve.proxy edited before an upgrade's SIGUSR2): they are replaced, the
-            # engine serves on, as a SIGHUP would do it (_replace_sides); replacing all would cut the requests in
+            # engine serves on, as a SIGHUP would do it (Replan._replace_sides); replacing all would cut the requests in
             # flight and make a real vLLM load anew.
             for name in sorted(stale):
                 self.children.replace(name, Program(sides[name], self.ops, self.clock), now)
@@ -261,6 +265,8 @@ class ServingRuntime:
             engine.note_stall(now, self.stall_watch.update(now, progress), self.launch.config.serve.restart_on_stall)
         elif engine.state == STOPPING and engine.drain.active and engine.spec.listens:
             engine.drain.note(self.reader.read(now))  # what the drain has left, for its last line; not published
+        each_tick(self.children, self.launch.config.serve.idle if self.launch else None, self.pending is not None,
+                  now, stats)
         return self.children.views(), stats
 
     def views(self) -> tuple[ServingView, ...] | None:
@@ -275,90 +281,6 @@ class ServingRuntime:
             self.start(launch, now)
         elif self.children is not None:
             self.launch = self.children = self.reader = self.stall_watch = None
-
-    # -- reload ------------------------------------------------------------------------------
-    @property
-    def rereading(self) -> bool:
-        """The installed versions are being read for a reload, which waits for them (the loop does not)."""
-        return self._reread.busy
-
-    def reread_installed(self, config: Config) -> bool:
-        """A reload's first step: where the engine's interpreter or one of its package folders changed since its
-        installed versions were read (a pip install upgrading the engine in place), read them again, on a worker
-        thread: the probe may take installed.TIMEOUT_S, and the loop must not wait on it. True: a read runs, and
-        the reload comes back once it has answered; False: the cache answers, or this reload's read ended (a
-        failed read leaves the versions unknown, and the reload goes on without them)."""
-        done = self._reread.take()
-        if done is not None and done.error is not None:
-            log.warning("reload: the engine's installed versions could not be read: %s: %s",
-                        type(done.error).__name__, done.error)
-        elif done is not None and not done.value.known:  # an unknown version restarts nothing: say why not
-            log.warning("reload: %s; the engine's version is not compared", done.value.describe())
-        if done is not None or self.launch is None or not config.serve.enabled:
-            return False
-        if self._reread.busy:
-            return True
-        if installed_for(config, self.launch.command, ask=False).known:
-            return False
-        return self._reread.start(installed_for, config, self.launch.command, True, self.ops.helper)
-
-    def plan_reload(self, config: Config) -> Callable[[float], None] | None:
-        """Check what a reloaded config asks of serving, and return the step that carries it out (None: no
-        change; a Restart where the engine's part restarts, whose `check` the engine's own parser must accept
-        first). Raises ConfigErrors (nothing is stopped then). The engine's part unchanged: only the side kinds
-        whose spec changed restart (serve.proxy changed: the proxy), and the engine keeps serving. Another engine
-        version installed under the running one: all restart, as for a changed section, so that the engine runs
-        (and gpuwarden_serving_info says) the installed version."""
-        old = self.launch.config.serve if self.launch is not None else None
-        new = config.serve
-        upgraded = None
-        if old is not None and new.enabled and self.pending is None:
-            upgraded = _upgraded(config, self.launch, self.engine)
-        rotated = old is not None and new.enabled and self.launch is not None and key_rotated(config, self.launch)
-        if old is not None and self.pending is None and upgraded is None and same_engine(old, new, self.sides) \
-                and not rotated:
-            wanted = side_specs(config, self.engine.identity, self.sides)
-            running = {spec.name: spec for spec in self.launch.sides}
-            changed = [kind for kind in self.sides if wanted.get(kind.name) != running.get(kind.name)]
-            return (lambda now: self._replace_sides(config, wanted, changed, now)) if changed else None
-        if old is not None and new == old and upgraded is None and not rotated:
-            return None
-        if old is None and not new.enabled and self.pending is None:
-            return None
-        launch = self.prepare(config, deep=False, on_loop=True) if new.enabled else None
-        self.refuse_taken_port(config, launch)
-        refuse_container(config, launch)
-        return Restart(self, launch, upgraded)
-
-    def refuse_taken_port(self, config: Config, launch: Launch | None) -> None:
-        """Before a reload or a handover stops the engine: a new engine's TCP port (one the running engine does not
-        listen on) that another process holds refuses the change (ConfigError), and the running engine serves on;
-        before, it was stopped first and its successor waited for a local user to let go. Between this look and
-        the new engine's bind (its predecessor's drain) a local user can still take the port: the start then waits
-        as at boot (vllm_start_blocked); behind the proxy the engine has no port (serving/compose/enginesock.py)."""
-        spec = launch.engine if launch is not None else None
-        if spec is None or not spec.port or spec.socket or spec.listener:
-            return
-        running = self.engine.spec if self.engine is not None else None
-        if running is None or (not running.socket and (running.host, running.port) == (spec.host, spec.port)):
-            return  # nothing serves that a refusal would keep, or the port is the running engine's
-        if not self.ops.port_free(spec.host, spec.port):
-            raise config.error(("serve", "port"), f"port {spec.port} on {spec.host} is in use by "
-                               f"{self.ops.who_listens(spec.host, spec.port)}; the running engine serves on",
-                               "a port nobody else holds")
-
-    def _replace_sides(self, config: Config, wanted: dict[str, ChildSpec], changed: list[ChildKind],
-                       now: float) -> None:
-        running = {spec.name: spec for spec in self.launch.sides}
-        titles = [(wanted.get(kind.name) or running[kind.name]).title for kind in changed]
-        log.info("reload: %s changed; restarting %s only", ", ".join(kind.what for kind in changed),
-                 " and ".join(titles))
-        for kind in changed:
-            spec = wanted.get(kind.name)
-            self.children.replace(kind.name, Program(spec, self.ops, self.clock) if spec else None, now)
-            running.pop(kind.name, None)
-        sides = (*running.values(), *(spec for name, spec in wanted.items() if name not in running))
-        self.launch = dataclasses.replace(self.launch, config=config, sides=sides)
 
     def replace_all(self, launch: Launch | None, now: float, stale: set[str] = frozenset()) -> None:
         """Stop the children; the launch's start once they have stopped. A side child whose spec the launch keeps
@@ -404,40 +326,6 @@ class ServingRuntime:
         self.leftovers.kill_now(now)  # a second stop request: no more grace
 
 
-@dataclass(frozen=True)
-class Restart:
-    """A reload's step that stops the engine's part and starts launch (None: serving off) once it has stopped;
-    upgraded: why, where the installed version changed under the running engine (said as it is carried out)."""
-
-    runtime: ServingRuntime
-    launch: Launch | None
-    upgraded: str | None = None
-
-    @property
-    def check(self) -> Launch | None:
-        """The launch whose flags the engine's own parser must accept before this step (deepcheck.due), or None."""
-        return self.launch if due(self.launch, self.runtime, self.upgraded is not None) else None
-
-    def __call__(self, now: float) -> None:
-        if self.upgraded is not None:
-            log.warning("%s", self.upgraded)
-        self.runtime.replace_all(self.launch, now)
-
-
-def _upgraded(config: Config, launch: Launch, engine: Program) -> str | None:
-    """Why the engine must restart although its section did not change: the installed version (as
-    reread_installed left it) is not the one it runs. None where they match, or either is unknown: an unknown
-    version never restarts the engine by itself."""
-    running = engine.spec.version
-    found = installed_for(config, launch.command, ask=False)
-    kind = launch.command.engine
-    version = found.version(kind.name) if found.known else None
-    if not running or not version or version == running:
-        return None
-    return (f"reload: {kind.title} {version} is installed, the engine runs {running}: restarting it on the "
-            "installed version")
-
-
 def _unchanged_sides(children: Supervisor | None, launch: Launch | None, sides: tuple[ChildKind, ...]) -> dict:
     """The running side programs (the proxy) whose spec the launch keeps as it is: they run on into it."""
     if children is None or launch is None:
@@ -446,25 +334,3 @@ def _unchanged_sides(children: Supervisor | None, launch: Launch | None, sides: 
     # Only one that runs or is on its way (a STOPPING one would end, a FATAL one never come back, in the launch)
     return {name: program for name, program in children.programs.items()
             if name in names and wanted.get(name) == program.spec and program.state in (STARTING, RUNNING, BACKOFF)}
-
-
-def refuse_container(config: Config, launch: Launch | None) -> None:
-    """A reload to a container engine that `check` refuses (an image the runtime does not have, a mount's source
-    that does not exist, an image without the engine) is refused (ConfigErrors) before the running engine stops:
-    before, a typo in the image's name stopped a healthy container and ended FATAL (attacker 12's F5). On the loop:
-    what the reload's read of the image met before it (installed_for, from its memory), the mounts looked at."""
-    if launch is None or config.serve.container is None:
-        return
-    found = installed_for(config, launch.command, ask=False)
-    problems = container_problems(config, launch.command.engine.name, found, config.gpu.backend == "sim")
-    if problems:
-        raise ConfigErrors(problems)
-
-
-def key_rotated(config: Config, launch: Launch) -> bool:
-    """The engine's secrets or its API key differ from those it runs with: a key rotated in serve.env_file or
-    serve.env restarts the engine with the proxy (attackers 13 and 14: the proxy alone restarted on the new key, or
-    nothing did, and the old key kept working). A key in vLLM's own flags is refused with the proxy on."""
-    proxy = next((spec for spec in launch.sides if spec.fronts_engine), None)
-    given = proxy.env.get(KEY_ENV) if proxy is not None else None
-    return secrets_changed(config, launch.command.env) or (proxy is not None and engine_key(config) != given)

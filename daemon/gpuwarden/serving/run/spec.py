@@ -54,6 +54,9 @@ STOPPING_SIGNAL, UP_SIGNAL = signal.SIGUSR1, signal.SIGUSR2
 # ... and that the engine is down and not restarted until someone acts (FATAL: SIGHUP; HELD: its GPU's action): the
 # proxy answers new and held requests 503 with Retry-After at once, and sends nothing, until told an engine is healthy.
 DOWN_SIGNAL = signal.SIGRTMIN
+# ... and that the engine rests (serve.idle: stopped while no request comes): the proxy holds every new request,
+# however long the rest, and says on its word pipe that one came (word.WAKE), which starts the engine again.
+REST_SIGNAL = signal.SIGRTMIN + 1
 # A front answers STOPPING_SIGNAL on its word pipe (serving/run/word.py), not in its output.
 
 

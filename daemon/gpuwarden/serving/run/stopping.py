@@ -83,6 +83,7 @@ class Stopping:
         p.enter(STOPPED, f"{p.title} stopped after {now - phase.since:.1f} s ({phase.stop_count} "
                                   "processes in its group at the stop)")
         p.holding.stopped()
+        p.resting.stopped()
 
 
 def _sigterm(ops: ProcessOps, child: Child, leader_only: bool) -> None:

@@ -45,10 +45,12 @@ from .preflight import Remains, preflight
 from .processes import UNSEEN_EXIT, Child, ProcessOps
 from .fronts import HEAR_S, FrontWord
 from .holding import Holding
+from .resting import Resting
 from .word import WORD_ENV, WordReader, make_pipe
 from .stopping import Stopping
 from .spec import ChildSpec
-from .states import BACKOFF, EXITED, FATAL, HELD, RUNNING, STARTING, STATES, STOPPED, STOPPING  # noqa: F401 (theirs)
+from .states import (BACKOFF, EXITED, FATAL, HELD, RESTING, RUNNING, STARTING, STATES,  # noqa: F401 (theirs)
+                     STOPPED, STOPPING)
 
 log = logging.getLogger("gpuwarden")
 
@@ -59,9 +61,10 @@ ALLOWED_FROM = {
     EXITED: (STARTING, RUNNING),
     BACKOFF: (STOPPED, BACKOFF, EXITED),
     STOPPING: (STARTING, RUNNING),
-    STOPPED: (STOPPED, STOPPING, BACKOFF, EXITED, FATAL, HELD),
+    STOPPED: (STOPPED, STOPPING, BACKOFF, EXITED, FATAL, HELD, RESTING),
     FATAL: (STOPPED, BACKOFF, EXITED),
-    HELD: (STOPPED, BACKOFF, EXITED),  # its GPU must not serve (holding.py): released through STOPPED
+    HELD: (STOPPED, BACKOFF, EXITED, RESTING),  # its GPU must not serve (holding.py): released through STOPPED
+    RESTING: (STOPPED,),  # stopped while no request comes (resting.py): woken through STOPPED
 }
 # What a child that could not bind its port says, as vLLM's OSError and uvicorn's own line write it.
 PORT_TAKEN = re.compile(r"address already in use", re.IGNORECASE)
@@ -99,6 +102,8 @@ class ServingView:
     head_up: bool | None = None  # a worker: the head's rendezvous answered when last asked (None: not a worker)
     probes: int = 0  # liveness probes answered since it last turned RUNNING
     drains: tuple[tuple[str, int], ...] = ()  # (outcome, count) of the engine's planned stops (serving/run/drains.py)
+    rests: int = 0  # rests begun while no request came (serve.idle: serving/run/resting.py)
+    wake_s: float | None = None  # the last wake's seconds from the request that woke it to healthy
 
     @classmethod
     def of(cls, program: Program) -> ServingView:
@@ -110,7 +115,7 @@ class ServingView:
                    program.stalled, program.stalls, tuple(g.index for g in program.gpus), phase.started_wall,
                    spec.version, spec.role, spec.rank, spec.nodes, spec.head,
                    program.policy.head_up(phase.state == RUNNING, phase.probe_failures), phase.probes,
-                   program.drain.view())
+                   program.drain.view(), program.resting.rests, program.resting.wake_s)
 
 
 @dataclass(frozen=True)
@@ -169,6 +174,7 @@ class Program:
         self.drain = DrainLog(self.title, spec.drain_s, drains)  # what a planned stop let finish (drains.py)
         self.stopping = Stopping(self)  # its planned stop, a timed state (stopping.py)
         self.holding = Holding(self)  # its hold for a GPU's action, and the release (holding.py)
+        self.resting = Resting(self)  # its rest while no request comes, and the wake (resting.py)
         self.word: WordReader | None = None  # a front's word back (its answers to the engine's stop: word.py)
 
     # -- the state, read through the phase ----------------------------------------------
@@ -309,6 +315,7 @@ class Program:
             self.enter(RUNNING, f"{self.title} healthy after {self.time_to_healthy_s:.1f} s on "
                                       f"{where}", since=now, child=self.child, started=started,
                              started_wall=self.phase.started_wall, next_probe=now + timing.liveness_interval_s)
+            self.resting.healthy()
         elif healthy is False and f"not by {self.title}'s process group" in why:
             self._lost_port(now, f"{self.title} not trusted: {why}")
         elif now - started > timing.startup_timeout_s:
@@ -479,7 +486,10 @@ class Supervisor:
         # (it ended while waiting: no restart in the middle of a stop).
         if self.word.waiting and (self.main.state != RUNNING or self.word.heard(self._fronts(), now)):
             self.word.stop_waiting()
-            self.main.stop(now)
+            if self.main.state != RUNNING and self.main.resting.rest_for is not None:
+                self.main.resting.forget()  # it ended before its rest began: its own restart (or hold) stands
+            else:
+                self.main.stop(now)
         if self._incoming:
             self._swap(now)
         if self._fronts_stop and self.main.stopped:
@@ -493,6 +503,7 @@ class Supervisor:
         and a front's after it), None: none."""
         self._incoming.clear()  # stopping everything: a pending replacement never starts
         self.kept = keep
+        self.main.resting.forget()  # a rest's drain under way ends in STOPPED: this is a stop
         fronts = [p for p in self._fronts() if p.name not in keep]
         self._fronts_stop = bool(fronts) and not self.main.stopped
         # The fronts first: they hold new requests before the engine refuses them, its SIGTERM waiting (in tick)
@@ -521,7 +532,21 @@ class Supervisor:
 
     def _tell_fronts(self) -> None:
         self.word.update(self.main.state == RUNNING, self.main.state == STOPPING, self._fronts(),
-                         down=self.main.state in (FATAL, HELD))
+                         down=self.main.state in (FATAL, HELD), resting=self.main.state == RESTING)
+
+    def rest(self, now: float, reason: str) -> bool:
+        """The engine rests (serve.idle): stopped as a reload stops it, its fronts told first (they hold new
+        requests), then RESTING (resting.py); False: it does not serve now, or a stop or a swap is under way."""
+        main = self.main
+        if self.word.waiting or self._incoming or self._fronts_stop or not main.resting.rest(reason):
+            return False
+        if not self.word.stopping(self._fronts(), now):  # no front to tell: the SIGTERM at once
+            main.stop(now)
+        return True
+
+    def wake(self, now: float, why: str) -> bool:
+        """A request came for the resting engine: start it (resting.py); False: it was not at rest."""
+        return self.main.resting.wake(now, why)
 
     def reset(self, now: float) -> None:
         self._each(lambda p: p.reset(now))

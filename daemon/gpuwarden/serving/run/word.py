@@ -1,10 +1,11 @@
 """The word from a child in front of the engine (ChildSpec.fronts_engine: the proxy) back to the daemon: that it
 holds new requests for the engine's planned stop (or has no hold), or that a stop's word it answered no longer
-stands (told the engine is up). Not its log text, which is for people and may change: one JSON object a line,
-{"v": 1, "word": "holding" | "no-hold" | "released"}, on a pipe of its own whose write end the child inherits (its
-number in GPUWARDEN_WORD_FD). The daemon reads the other end each tick (WordReader); a handover keeps it as it
-keeps the child's output pipe (serving/run/handover.py). The daemon's word to the child goes as signals
-(serving/run/fronts.py)."""
+stands (told the engine is up); with serve.idle, that no request came for its after_s (idle) or that one came while
+the engine rests (wake). Not its log text, which is for people and may change: one JSON object a line,
+{"v": 1, "word": "holding" | "no-hold" | "released" | "idle" | "wake"}, on a pipe of its own whose write end the
+child inherits (its number in GPUWARDEN_WORD_FD). The daemon reads the other end each tick (WordReader); a handover
+keeps it as it keeps the child's output pipe (serving/run/handover.py). The daemon's word to the child goes as
+signals (serving/run/fronts.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,10 @@ log = logging.getLogger("gpuwarden")
 WORD_ENV = "GPUWARDEN_WORD_FD"
 VERSION = 1
 HOLDING, NO_HOLD, RELEASED = "holding", "no-hold", "released"
-WORDS = (HOLDING, NO_HOLD, RELEASED)
+# serve.idle (design/idle-engine.md): no request for its after_s (the engine may rest), and a request came while it
+# rests (start it)
+IDLE, WAKE = "idle", "wake"
+WORDS = (HOLDING, NO_HOLD, RELEASED, IDLE, WAKE)
 LINE_MAX = 256  # a word is some 40 bytes
 WORDS_MAX = 64  # lines parsed as words in one tick
 READ_MAX = 64 * 1024  # what one tick reads: a child that floods its word pipe costs the loop no more
@@ -80,6 +84,7 @@ class WordReader:
         self.fd = fd
         self.answers = 0
         self.released = False
+        self.idles = self.wakes = 0  # serve.idle's words heard, each a count the runtime compares with its last
         self.ended = False  # the child closed its end (it ended)
         self._partial = b""
 
@@ -124,6 +129,10 @@ class WordReader:
             self.released = False
         elif word == RELEASED:
             self.released = True
+        elif word == IDLE:
+            self.idles += 1
+        elif word == WAKE:
+            self.wakes += 1
 
     def close(self) -> None:
         try:

@@ -45,7 +45,8 @@ def _gpu_picture(s: GpuSample) -> str:
 
 
 def vllm_start_blocked(view, _ctx=None) -> Check:
-    # A node of a multi-node engine waiting for its head ("waiting for rank 0", "waiting for the Ray head") is
+    # Any child's (Rule.any_child): the proxy's port held by a local user is an outage too (attacker 17's F3: only
+    # an INFO line said it, and clients' keys went to the holder). A node of a multi-node engine waiting for its head ("waiting for rank 0", "waiting for the Ray head") is
     # not blocked by anything here that a person could free: ServingNodeDown names the node that is missing.
     waiting = view is not None and (view.problem or "").startswith("waiting for ")
     return Check(view is not None and view.blocked and not waiting,
@@ -61,7 +62,7 @@ RULES = (
          "to try again", vllm_fatal),
     Rule("vllm_start_blocked", WARNING, "do what the line says: stop the process named, free the memory or the port, "
          "or mend the file named (a key in vLLM's --config file behind the proxy); the engine starts at the next try "
-         "after", vllm_start_blocked),
+         "after", vllm_start_blocked, any_child=True),
 )
 
 
@@ -129,6 +130,9 @@ EXTRAS = (
     ("last_exit_code", "Exit status of the last child (negative: signal)", lambda snap: snap.serving.last_exit_code),
     ("time_to_healthy_seconds", "Seconds from the last start to /health answering 200",
      lambda snap: snap.serving.time_to_healthy_s))
+# serve.idle: new, no gpuwarden_vllm_* twin
+WAKE = ("wake_seconds", "Seconds from the request that woke the resting engine (serve.idle) to /health answering 200, "
+        "at its last wake", lambda snap: snap.serving.wake_s)
 EFFICIENCY = ("tokens_per_joule", "Generated tokens per joule of the engine's GPUs (NVML's energy counters), over the "
               "last minute", lambda snap: snap.tokens_per_joule)  # new: no gpuwarden_vllm_* twin
 
@@ -180,7 +184,9 @@ ROWS = (
     Row("gpuwarden_serving_start_time_seconds", "When the running child's process started (seconds since the "
         "epoch; time() minus it is its uptime: an upgrade of gpuwarden does not reset it)", ("child",),
         _children(lambda c: [((c.engine,), c.started_at)] if c.started_at is not None else []), shown=_serving),
-    *(_value_row(name, help, value, legacy=False) for name, help, value in (*STATS, *EXTRAS, EFFICIENCY)),
+    Row("gpuwarden_serving_rests", "Times the engine rested (stopped while no request came: serve.idle)", ("child",),
+        _children(lambda c: [((c.engine,), c.rests)]), COUNTER, lambda snap: _serving(snap) and snap.serving.rests > 0),
+    *(_value_row(name, help, value, legacy=False) for name, help, value in (*STATS, *EXTRAS, EFFICIENCY, WAKE)),
     Row("gpuwarden_vllm_info", "The served model and profile (value is always 1)", ("model", "profile"),
         lambda snap: [((snap.serving.model, snap.serving.profile), 1)], shown=_vllm),
     Row("gpuwarden_vllm_state", "1 for the vLLM child's current state", ("state",), _vllm_states, shown=_vllm),

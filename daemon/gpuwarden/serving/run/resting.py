@@ -1,0 +1,98 @@
+"""A child at rest (serve.idle's `stop`, design/idle-engine.md): the proxy saw no request for after_s, so the engine
+is stopped as a reload stops it (the proxy told first, then the drain) and waits in RESTING, neither restarted nor
+FATAL, its GPUs free of its context; the proxy's word that a request came (word.WAKE) starts it again, the restart
+budget untouched: a rest is no failure. A part of Program (serving/run/supervisor.py), which it moves only through
+the program's enter()."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from .states import RESTING, RUNNING, STOPPED
+
+if TYPE_CHECKING:
+    from .supervisor import Program
+
+log = logging.getLogger("gpuwarden")
+
+
+class Resting:
+    def __init__(self, program: Program):
+        self.program = program
+        self.rest_for: str | None = None  # a rest's planned stop runs: RESTING with this reason once it stopped
+        self.rests = 0  # rests begun, for the view
+        self.waking = False  # started by a wake: its time to healthy is the wake's
+        self.wake_s: float | None = None  # the last wake's, from the word to healthy
+
+    def rest(self, reason: str) -> bool:
+        """The engine rests once its planned stop (which the caller begins) has stopped it; False: it does not serve
+        now (not RUNNING), so there is nothing to rest."""
+        if self.program.state != RUNNING:
+            return False
+        self.rest_for = reason
+        return True
+
+    def forget(self) -> None:
+        """A stop asked for now (the daemon's stop, a reload): it ends in STOPPED, not at rest."""
+        self.rest_for = None
+
+    def stopped(self) -> None:
+        """The child stopped: RESTING if a rest's stop stopped it."""
+        reason, self.rest_for = self.rest_for, None
+        p = self.program
+        if reason is not None and p.state == STOPPED:  # not HELD: a GPU's hold that came meanwhile stands
+            self.rests += 1
+            p.enter(RESTING, f"{p.title} rests: {reason}; the next request wakes it")
+
+    def wake(self, now: float, why: str) -> bool:
+        """Start it again (a request came); False: it was not at rest."""
+        p = self.program
+        if p.state != RESTING:
+            return False
+        self.waking = True
+        p.enter(STOPPED, f"{p.title} wakes: {why}", logging.INFO)
+        p.start(now)
+        return True
+
+    def healthy(self) -> None:
+        """Healthy again: a wake's time is said once."""
+        if self.waking:
+            self.waking = False
+            p = self.program
+            self.wake_s = p.time_to_healthy_s
+            log.info("%s awake: healthy %.1f s after the request that woke it", p.title, self.wake_s or 0.0)
+
+
+def each_tick(children, idle, replacing: bool, now: float, stats) -> None:
+    """The runtime's tick, for the rest: the GPUs told whether the engine holds a context on them (Gpu.note_engine:
+    the simulator draws its watts), then the proxy's words heard (hear_idle)."""
+    main = children.main
+    held = main.state not in (RESTING, STOPPED) and main.child is not None
+    for gpu in main.spec.gpus:
+        gpu.note_engine(held)
+    hear_idle(children, idle, replacing, now, stats)
+
+
+def hear_idle(children, idle, replacing: bool, now: float, stats) -> None:
+    """serve.idle (idle: its IdleConfig, None: off), each tick: the proxy's word that no request came through it for
+    after_s rests the engine (Supervisor.rest), unless a replacement is under way or the engine's own metrics (stats)
+    show a request running or waiting (one of the daemon's probes, or one that came since the word: the proxy says it
+    again after the next quiet); its word that a request came while the engine rests wakes it (Supervisor.wake). Each
+    word is taken once."""
+    main = children.main
+    if idle is None and main.state == RESTING:  # a reload took serve.idle away: what rests is woken
+        children.wake(now, "serve.idle is off")
+    front = next((p for p in children.programs.values() if p.spec.fronts_engine and p.word is not None), None)
+    if front is None:
+        return
+    idles, wakes, front.word.idles, front.word.wakes = front.word.idles, front.word.wakes, 0, 0
+    if wakes:
+        children.wake(now, "a request came through the proxy")
+    if not idles or idle is None or replacing or main.state != RUNNING:
+        return
+    if stats is not None and (stats.requests_running or stats.requests_waiting):
+        log.info("%s not rested: the proxy saw no request for %g s, but the engine has %d running and %d waiting",
+                 main.title, idle.after_s, stats.requests_running or 0, stats.requests_waiting or 0)
+        return
+    children.rest(now, f"no request through the proxy for {idle.after_s:g} s")
