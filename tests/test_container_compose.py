@@ -88,6 +88,22 @@ def test_the_engines_environment_inside_has_no_host_path_nor_host_gpu_numbers_an
     assert inside_env({"HOME": "/home/me"})["HOME"] == "/home/me"
 
 
+def test_a_home_the_daemon_made_on_this_host_is_the_containers_tmp_inside(tmp_path, monkeypatch):
+    """Attacker 19's F4: a serve.user without a writable home gets one under the state directory (homes.child_home),
+    HOME and the caches there; the container has no such folder, and under /var/lib its user cannot make one. Inside,
+    they are the container's /tmp's; a cache the config points elsewhere (a mount) stays."""
+    from gpuwarden.serving.compose.homes import CACHES
+
+    monkeypatch.setenv("STATE_DIRECTORY", str(tmp_path))
+    home = tmp_path / "home" / "vllm"
+    made = {"HOME": str(home), **{name: str(home / sub) for name, sub in CACHES.items()}}
+    inside = inside_env({**made, "HF_HOME": "/hf", "A": "1"})
+    assert inside == {"HOME": "/tmp", "XDG_CACHE_HOME": "/tmp/.cache", "VLLM_CACHE_ROOT": "/tmp/.cache/vllm",
+                      "HF_HOME": "/hf", "TRITON_CACHE_DIR": "/tmp/.cache/triton",
+                      "TORCHINDUCTOR_CACHE_DIR": "/tmp/.cache/torchinductor", "A": "1"}
+    assert not any(str(tmp_path) in value for value in inside.values())
+
+
 def test_podman_gets_the_libpod_body_with_cdi_gpus_and_every_privilege_dropped(tmp_path):
     one = launch(tmp_path)
     body = libpod_body(one, {"VLLM_API_KEY": "k"})

@@ -44,6 +44,11 @@ def test_the_narrowed_profile_keeps_the_runtimes_rules_and_takes_namespaces_the_
         "SCMP_ACT_ALLOW"} and all(r["args"][0]["op"] == "SCMP_CMP_EQ" for r in sockets)
     assert sockets[-1]["args"][1] == {"index": 2, "value": 9, "valueTwo": 0, "op": "SCMP_CMP_NE"}  # NETLINK_AUDIT
     assert all(len(r["args"]) == 1 for r in sockets[:3])
+    # personality: Linux's own and the query only (the unit's LockPersonality=yes; attacker 19's F5: PER_LINUX32 and
+    # UNAME26 went through podman's rule)
+    assert [r["args"] for r in rules_for(out, "personality")] == [
+        [{"index": 0, "value": 0, "valueTwo": 0, "op": "SCMP_CMP_EQ"}],
+        [{"index": 0, "value": 0xFFFFFFFF, "valueTwo": 0, "op": "SCMP_CMP_EQ"}]]
 
 
 def test_the_narrowed_profile_admits_the_native_architecture_alone():
@@ -146,3 +151,48 @@ def test_check_says_a_podman_without_its_profile_once(tmp_path, monkeypatch):
     docker = configmod.parse_text("serve:\n  model: /m\n  container: {image: 'e:1', runtime: docker}\n", name="c.yaml")
     unread = Installed("image e:1", False, error=f"image e:1 {NOT_READ}")
     assert container_problems(docker, "vllm", unread, simulated=True) == []  # Docker's own profile has the rules
+
+
+def test_only_roots_runtime_socket_is_asked_and_podman_answering_for_docker_is_refused():
+    """Attacker 19's F2: a socket a local user made got every create of the shim, the engine's secrets in each; F1:
+    runtime docker on podman's socket ran the engine under podman's wide profile (a user namespace with every
+    capability, keyctl, AF_VSOCK), and check said OK."""
+    import os
+    import stat
+
+    from gpuwarden.base.containerapi import not_roots, product_of
+
+    def st(uid, mode):
+        return os.stat_result((mode, 0, 0, 1, uid, 0, 0, 0, 0, 0))
+
+    sock, folder = stat.S_IFSOCK | 0o660, stat.S_IFDIR | 0o755
+    assert not_roots("/run/podman/podman.sock", st(0, sock), st(0, folder)) is None
+    assert not_roots("/tmp/x/podman.sock", st(0, sock), st(0, stat.S_IFDIR | 0o1777)) is None  # sticky: root's stays
+    mine = not_roots("/tmp/evil/podman.sock", st(1001, stat.S_IFSOCK | 0o777), st(1001, folder))
+    assert mine.startswith("/tmp/evil/podman.sock is not root's (its owner is uid 1001)"), mine
+    swappable = not_roots("/srv/rt/podman.sock", st(0, sock), st(0, stat.S_IFDIR | 0o777))
+    assert swappable.startswith("/srv/rt may be changed by a user other than root"), swappable
+    assert not_roots("/srv/rt/podman.sock", st(0, sock), st(1001, folder)) is not None
+    podman = {"Version": "4.3.1", "Components": [{"Name": "Podman Engine", "Version": "4.3.1"}]}
+    docker = {"Version": "27.3.1", "Components": [{"Name": "Engine"}, {"Name": "containerd"}, {"Name": "runc"}]}
+    assert product_of(podman) == "podman" and product_of(docker) == "docker" and product_of({}) == "docker"
+
+
+def test_a_mount_on_the_way_to_the_engines_socket_folder_is_refused_at_check(tmp_path, monkeypatch):
+    """Attacker 19's F3: a mount at the engine's socket folder passed check; a reload to it drained the healthy engine,
+    then podman refused each new container (duplicate mount destination) and serving ended FATAL."""
+    from gpuwarden import config as configmod
+    from gpuwarden.serving.compose.container import container_problems, overlaps
+    from gpuwarden.serving.lint.packages import Installed
+
+    monkeypatch.setenv("STATE_DIRECTORY", str(tmp_path / "state"))
+    engine_dir = tmp_path / "state" / "engine"
+    text = ("serve:\n  model: /m\n  container:\n    image: 'e:1'\n    runtime: docker\n    mounts:\n"
+            f"      - {tmp_path}:{engine_dir}\n      - {tmp_path}:{tmp_path / 'state'}\n      - {tmp_path}:/hf\n")
+    config = configmod.parse_text(text, name="c.yaml")
+    found = Installed("image e:1", True, {"vllm": "0.32.0"})
+    problems = [str(p) for p in container_problems(config, "vllm", found, simulated=True)]
+    assert [p.split(": ")[1] for p in problems] == ["serve.container.mounts.0", "serve.container.mounts.1"], problems
+    assert f"is on the way to {engine_dir}, the engine's socket folder" in problems[0]
+    assert overlaps("/a/b", "/a/b/") and overlaps("/a", "/a/b") and overlaps("/a/b/c", "/a/b")
+    assert not overlaps("/a/bc", "/a/b") and not overlaps("/hf", "/var/lib/gpuwarden/engine")

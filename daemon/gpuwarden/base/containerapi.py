@@ -32,6 +32,26 @@ class Found:
     labels: Mapping[str, str]
 
 
+def not_roots(path: str, found: os.stat_result, folder: os.stat_result) -> str | None:
+    """Why a runtime's API socket is not one to send the engine's environment to, secrets included (None: it is):
+    root's, in a folder only root may change (or a sticky one). A socket a local user made got every create request
+    of the shim, the engine's API key and Hugging Face token in them (attacker 19's F2)."""
+    if found.st_uid != 0:
+        return (f"{path} is not root's (its owner is uid {found.st_uid}): the engine's secrets go to the runtime's "
+                "socket, so only root's is asked (a rootful podman's or docker's)")
+    if folder.st_uid != 0 or (folder.st_mode & 0o022 and not folder.st_mode & stat.S_ISVTX):
+        return (f"{os.path.dirname(path) or '/'} may be changed by a user other than root: {path} there could be "
+                "replaced by another's socket; keep the runtime's socket in a folder of root's")
+    return None
+
+
+def product_of(version: Mapping) -> str:
+    """Which runtime answers, from its GET /version: podman names a component "Podman Engine"."""
+    components = version.get("Components") if isinstance(version, Mapping) else None
+    names = [str(c.get("Name", "")) for c in components or () if isinstance(c, Mapping)]
+    return "podman" if any(name.lower().startswith("podman") for name in names) else "docker"
+
+
 class Runtime:
     """A connection to the runtime's API socket."""
 
@@ -44,17 +64,27 @@ class Runtime:
             raise RuntimeFault(f"serve.container needs docker-py, which is not installed: {INSTALL}") from None
         self._errors = (docker.errors.DockerException, OSError)
         try:
-            mode = os.stat(socket_path).st_mode
+            found, folder = os.stat(socket_path), os.stat(os.path.dirname(socket_path) or "/")
         except OSError as exc:
             raise RuntimeFault(f"{runtime}'s API socket {socket_path}: {exc.strerror}; "
                                f"{start_hint(runtime)}") from None
-        if not stat.S_ISSOCK(mode):
+        if not stat.S_ISSOCK(found.st_mode):
             raise RuntimeFault(f"{socket_path} is not a socket ({runtime}'s API socket is expected there)")
+        why = not_roots(socket_path, found, folder)
+        if why:
+            raise RuntimeFault(why)
         try:
             self.api = docker.APIClient(base_url=f"unix://{socket_path}", version="auto", timeout=timeout_s)
+            answers = product_of(self.api.version(api_version=False))
         except self._errors as exc:
             raise RuntimeFault(f"{runtime} does not answer on {socket_path}: {one_line(exc)}; "
                                f"{start_hint(runtime)}") from None
+        if answers == "podman" and runtime != "podman":
+            # podman's Docker API takes docker's create and runs it under podman's own wide seccomp profile; the
+            # profile is narrowed for podman only (serving/compose/sandbox.py): attacker 19's F1, a user namespace
+            # with every capability, keyctl and AF_VSOCK in the engine's container, and `check` said OK
+            raise RuntimeFault(f"{socket_path} is podman's API (serve.container.runtime says {runtime}): set runtime: "
+                               "podman, so that the engine runs under the unit's system-call rules")
 
     def _fault(self, what: str, exc: BaseException) -> RuntimeFault:
         return RuntimeFault(f"{self.runtime}: {what}: {one_line(exc)}")

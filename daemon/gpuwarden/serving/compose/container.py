@@ -31,6 +31,8 @@ from ...base.statedir import state_dir
 from ...config import ContainerConfig, Mount
 from ..lint.packages import Installed
 from . import installed as installed_mod
+from .enginesock import socket_dir
+from .homes import CACHES
 
 LABEL_HOST = "io.gpuwarden.host"  # this host's machine ID: another host's containers on a shared runtime are not ours
 LABEL_CHILD = "io.gpuwarden.child"  # the child's name (vllm, sglang)
@@ -110,8 +112,15 @@ def launch_of(container: ContainerConfig, child: str, port: int, argv: tuple[str
 
 def inside_env(env: Mapping[str, str]) -> dict[str, str]:
     """The engine's environment as the container gets it: the host's PATH and CUDA_VISIBLE_DEVICES mean nothing
-    inside (the image has its PATH; the runtime gives the container its GPUs, numbered from 0), HOME is set."""
+    inside (the image has its PATH; the runtime gives the container its GPUs, numbered from 0), HOME is set, and a
+    home and caches the daemon made for serve.user on this host (homes.child_home) are the container's /tmp's."""
     out = {k: v for k, v in env.items() if k not in ("PATH", "CUDA_VISIBLE_DEVICES", "USER", "LOGNAME")}
+    home = out.get("HOME", "")
+    if home.startswith(str(state_dir() / "home") + "/"):  # homes.child_home's: a host folder the container lacks
+        del out["HOME"]  # (attacker 19's F4: under /var/lib the engine's user could not make its caches there)
+        for name, sub in CACHES.items():
+            if out.get(name, "").startswith(home):  # its, not a cache the config points at a mount
+                out[name] = f"{CONTAINER_HOME}/{sub}"
     out.setdefault("HOME", CONTAINER_HOME)
     return out
 
@@ -398,6 +407,14 @@ def cdi_spec(dirs: tuple[str, ...] = CDI_DIRS) -> str | None:
     return None
 
 
+def overlaps(path: str, other: str) -> bool:
+    """Whether two absolute paths in the container are one, or one is inside the other (a mount at either would
+    meet the other's: a duplicate destination, or a mount point inside a read-only mount). A mount at the engine's
+    socket folder drained a healthy engine at a reload and left it FATAL (attacker 19's F3)."""
+    a, b = path.rstrip("/") or "/", other.rstrip("/") or "/"
+    return a == b or b.startswith(a.rstrip("/") + "/") or a.startswith(b.rstrip("/") + "/")
+
+
 def container_problems(config, engine_module: str, found: Installed, simulated: bool) -> list:
     """What `check` refuses in serve.container (ConfigErrors to raise), each with its fix: a mount's source that
     does not exist, podman's seccomp profile that cannot be narrowed (sandbox.py), a runtime that cannot be asked or
@@ -407,10 +424,15 @@ def container_problems(config, engine_module: str, found: Installed, simulated: 
 
     c = config.serve.container
     problems = []
+    engine_dir = str(socket_dir())
     for i, mount in enumerate(c.mounts):
         if not os.path.exists(mount.host):
             problems.append(config.error(("serve", "container", "mounts", str(i)), f"{mount.host} does not exist",
                                          "create it, or fix the path"))
+        if overlaps(mount.container, engine_dir):  # the runtime refuses the engine's create, after the drain
+            problems.append(config.error(("serve", "container", "mounts", str(i)), f"{mount.container} is on the "
+                                         f"way to {engine_dir}, the engine's socket folder, which the engine's "
+                                         "container gets at that path", "mount it at another path inside"))
     sandbox = None
     if c.runtime == "podman":
         try:

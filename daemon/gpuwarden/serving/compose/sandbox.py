@@ -13,7 +13,8 @@ narrowed profile keeps every other rule of the runtime's (a newer runtime's addi
   stricter than the unit, whose @system-service has @keyring);
 - allows clone only without a namespace flag, and answers clone3 ENOSYS, so that glibc falls back to clone (the
   rule Docker's own profile has for a container without CAP_SYS_ADMIN);
-- allows socket for the unit's four families only (and NETLINK_AUDIT not, as podman's rule has it).
+- allows socket for the unit's four families only (and NETLINK_AUDIT not, as podman's rule has it);
+- allows personality only to query or to stay Linux's own (the unit's LockPersonality=yes).
 process_vm_readv/writev stay as podman has them (the unit's @ipc has them; UCX's shared-memory transport, which
 vLLM's NIXL connector uses, needs them).
 
@@ -44,7 +45,10 @@ AF_NETLINK, NETLINK_AUDIT = 16, 9
 COMPAT = frozenset(("SCMP_ARCH_X86", "SCMP_ARCH_X32", "SCMP_ARCH_ARM", "SCMP_ARCH_MIPS", "SCMP_ARCH_MIPSEL",
                     "SCMP_ARCH_MIPS64N32", "SCMP_ARCH_MIPSEL64N32", "SCMP_ARCH_PPC", "SCMP_ARCH_S390"))
 EPERM, ENOSYS = 1, 38
-REPLACED = frozenset((*DENIED, "clone", "clone3", "socket"))
+REPLACED = frozenset((*DENIED, "clone", "clone3", "socket", "personality"))
+# personality(2): Linux's own (0) and the query (0xffffffff) only, as the unit's LockPersonality=yes leaves a process
+# engine; podman's rule also lets PER_LINUX32 and UNAME26 through (attacker 19's F5)
+PERSONALITIES = (0, 0xFFFFFFFF)
 # containers-common's override first, as podman reads them (its DefaultSeccompPath); containers.conf's
 # seccomp_profile before both
 PODMAN_PROFILES = ("/etc/containers/seccomp.json", "/usr/share/containers/seccomp.json")
@@ -89,6 +93,8 @@ def narrowed(profile: object, source: str = "the profile") -> dict:
         {"names": ["clone"], "action": "SCMP_ACT_ALLOW",
          "args": [{"index": 0, "value": NAMESPACE_FLAGS, "valueTwo": 0, "op": "SCMP_CMP_MASKED_EQ"}]},
         {"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": ENOSYS},
+        *({"names": ["personality"], "action": "SCMP_ACT_ALLOW",
+           "args": [{"index": 0, "value": value, "valueTwo": 0, "op": "SCMP_CMP_EQ"}]} for value in PERSONALITIES),
         *({"names": ["socket"], "action": "SCMP_ACT_ALLOW",
            "args": [{"index": 0, "value": family, "valueTwo": 0, "op": "SCMP_CMP_EQ"},
                     *([{"index": 2, "value": NETLINK_AUDIT, "valueTwo": 0, "op": "SCMP_CMP_NE"}]
