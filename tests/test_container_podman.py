@@ -62,6 +62,8 @@ def said(name, result):
     print(name, "ok" if result >= 0 else errno.errorcode[ctypes.get_errno()])
 said("unshare", libc.unshare(0x10000000))  # CLONE_NEWUSER
 said("keyctl", libc.syscall(250, 0, -3, 0))  # keyctl(KEYCTL_GET_KEYRING_ID, the session keyring), x86-64
+said("personality", libc.personality(0x0008))  # PER_LINUX32, which the unit's LockPersonality=yes refuses
+said("personality query", libc.personality(0xFFFFFFFF))
 for family in (40, 1, 2, 10, 16):  # AF_VSOCK, then the unit's AF_UNIX AF_INET AF_INET6 AF_NETLINK
     try:
         socket.socket(family, socket.SOCK_RAW if family == 16 else socket.SOCK_STREAM).close()
@@ -150,7 +152,9 @@ def test_a_container_engine_serves_is_back_after_a_crash_is_adopted_after_a_daem
         # The unit's system-call rules hold inside (serving/compose/sandbox.py): no namespace, no keyring, no
         # AF_VSOCK for the engine's user; threads, fork and the unit's socket families work.
         assert engine["Seccomp"] == "2"
-        assert inside(podman, first["Id"], child_user, SYSCALLS) == ["unshare EPERM", "keyctl EPERM", "socket 40 no",
+        assert inside(podman, first["Id"], child_user, SYSCALLS) == ["unshare EPERM", "keyctl EPERM",
+                                                                     "personality ENOSYS", "personality query ok",
+                                                                     "socket 40 no",
                                                                      "socket 1 ok", "socket 2 ok", "socket 10 ok",
                                                                      "socket 16 ok", "thread ok", "fork ok",
                                                                      "socketcall no"]
@@ -305,7 +309,9 @@ def test_a_reload_that_changes_the_image_drains_the_old_container_and_fails_no_r
      f"serve.container.image: {IMAGE} has no vllm for its python3"),
     (lambda text, podman: text.replace("  drain_s: 5\n", "  args: [--no-such-flag]\n  drain_s: 5\n"),
      "serve.args: vLLM rejects the flags: unrecognized arguments: --no-such-flag"),
-], ids=["mount", "socket", "image", "engine", "flags"])
+    (lambda text, podman: text.replace("  container:\n", "  container:\n    runtime: docker\n"),  # attacker 19's F1
+     "is podman's API (serve.container.runtime says docker): set runtime: podman"),
+], ids=["mount", "socket", "image", "engine", "flags", "docker-on-podman"])
 def test_check_says_what_a_container_engine_lacks_or_its_images_parser_refuses_in_one_line_with_exit_78(
         podman, write, tmp_path, child_user, edit, said):
     _, env, owner, _, path = serving(podman, write, tmp_path, child_user)
