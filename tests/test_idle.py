@@ -245,8 +245,15 @@ def test_the_engine_rests_after_the_quiet_and_the_next_request_through_the_proxy
     assert not os.path.exists(f"/proc/{pid}")  # the engine is gone: no process, no context
     status = json.loads(urllib.request.urlopen(base + "/status", timeout=10).read())
     assert status["serving"]["state"] == "RESTING" and status["serving"]["rests"] == 1, status["serving"]
-    # A balancer's /ping is answered by the proxy and wakes nothing (held, it would answer once the engine is up)
+    # A balancer's /ping and a browser's CORS preflight are answered by the proxy and wake nothing (held, they would
+    # answer once the engine is up); the preflight allows what it asks, so the browser sends the request that wakes it
     assert urllib.request.urlopen(f"http://127.0.0.1:{proxy_port}/ping", timeout=10).status == 200
+    preflight = urllib.request.Request(f"http://127.0.0.1:{proxy_port}/v1/chat/completions", method="OPTIONS",
+                                       headers={"Origin": "https://chat.example", "Access-Control-Request-Method":
+                                                "POST", "Access-Control-Request-Headers": "authorization"})
+    with urllib.request.urlopen(preflight, timeout=10) as reply:
+        assert reply.status == 200 and reply.headers["Access-Control-Allow-Origin"] == "https://chat.example"
+        assert reply.headers["Access-Control-Allow-Headers"] == "authorization"
     status = json.loads(urllib.request.urlopen(base + "/status", timeout=10).read())
     assert status["serving"]["state"] == "RESTING", status["serving"]
     mark = len(d.lines)
@@ -412,3 +419,40 @@ def test_the_proxy_says_the_engines_counters_are_lost_as_a_fault_only_when_the_e
         said = [r for r in caplog.records if "cannot be read" in r.getMessage()]
         assert [r.levelno for r in said] == [level], said  # once per outage
         assert metrics.engine_up == 0 and metrics.engine is None
+
+
+def test_check_refuses_serve_idle_for_an_engine_on_tcp(cli, write, child_user):
+    """Attacker 18's first: an engine on TCP leaves its port free for the whole rest, and a local user who bound it
+    kept every wake waiting (vllm_start_blocked; each request 503 after hold_s). serve.idle needs the engine on its
+    Unix socket: engine_listen tcp, or an engine without the flag (SGLang), is one line at serve.idle."""
+    path = write("gpuwarden.yaml", "gpu: {backend: sim}\n" + serve(
+        PROXY + "  enabled: true\n  user: nobody\n  engine_listen: tcp\n  idle: {after_s: 120}\n"))
+    status, out, err = cli("check", "--config", path)
+    said = [line for line in err.splitlines() if "serve.idle:" in line]
+    assert status == 78 and len(said) == 1 and "on its Unix socket behind the proxy" in said[0], err
+    assert "Traceback" not in out + err
+    from gpuwarden.serving.compose.command import engine_of
+    from gpuwarden.serving.compose.prepare import on_socket
+
+    for engine, listens in (("vllm", True), ("sglang", False)):  # SGLang has no flag for a Unix socket
+        c = config.parse_text(serve(PROXY + f"  engine: {engine}\n  user: {child_user}\n  idle: {{}}\n"))
+        assert on_socket(c, engine_of(c)) is listens, engine
+
+
+def test_at_rest_the_proxy_answers_what_needs_no_key_and_wakes_nothing():
+    """Attacker 18's second: a browser's CORS preflight to a resting engine got 503, so the browser never sent the
+    keyed request that wakes it. At rest: /ping 200, a preflight allowed for what it asks (not cached), anything
+    else without the key 503 with Retry-After."""
+    from aiohttp.test_utils import make_mocked_request
+
+    from gpuwarden.proxy.server import at_rest
+
+    asked = {"Origin": "https://chat.example", "Access-Control-Request-Method": "POST",
+             "Access-Control-Request-Headers": "authorization, content-type"}
+    reply = at_rest(make_mocked_request("OPTIONS", "/v1/chat/completions", headers=asked))
+    assert reply.status == 200 and reply.headers["Access-Control-Allow-Origin"] == "https://chat.example"
+    assert reply.headers["Access-Control-Allow-Methods"] == "POST" and reply.headers["Access-Control-Max-Age"] == "0"
+    assert reply.headers["Access-Control-Allow-Headers"] == "authorization, content-type"
+    assert at_rest(make_mocked_request("GET", "/ping")).status == 200
+    version = at_rest(make_mocked_request("GET", "/version"))
+    assert version.status == 503 and version.headers["Retry-After"] == "5"

@@ -195,6 +195,24 @@ async def answers(session: aiohttp.ClientSession, url: str) -> bool | None:
         return None if getattr(cause, "errno", None) in OWN_LACK else False
 
 
+def at_rest(request: web.Request) -> web.Response:
+    """What needs no key, answered while the engine rests by choice (serve.idle), waking nothing: /ping 200 (the next
+    request will be served), a CORS preflight allowed for what it asks, so that a browser sends its keyed request,
+    which wakes the engine (attacker 18: the preflight got 503, and a browser client never woke it); the engine's own
+    CORS headers on that answer decide what the browser may read. Anything else 503 with Retry-After."""
+    if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+        asked = request.headers
+        return web.Response(status=200, headers={
+            "Access-Control-Allow-Origin": asked.get("Origin", "*"), "Vary": "Origin",
+            "Access-Control-Allow-Methods": asked["Access-Control-Request-Method"],
+            "Access-Control-Allow-Headers": asked.get("Access-Control-Request-Headers", ""),
+            "Access-Control-Max-Age": "0"})  # not kept: once the engine is up its own answer counts
+    if request.path == "/ping":
+        return web.Response(status=200)
+    return error_response("other", 503, "the engine rests (serve.idle): a request with the engine's API key wakes it",
+                          5)
+
+
 class Proxy:
     def __init__(self, upstream: str, rules: Rules, metrics: ProxyMetrics, dumper: Dumper | None = None,
                  max_body_bytes: int = 32 << 20, read_timeout_s: float = 600.0, metrics_path: str = "/metrics",
@@ -305,11 +323,14 @@ class Proxy:
         if let_in is None:
             return self._refuse(request, label, 401, "unauthorized", "the engine's API key is needed (Authorization: "
                                 "Bearer KEY)")
-        liveness = request.path == "/ping" and not request.can_read_body  # a balancer's look, not work for it
+        # A balancer's look, and whatever needs no key, is not work for the engine: it neither keeps it awake nor
+        # wakes it (attacker 18: keyless /version every few seconds kept it awake)
+        liveness = let_in == KEYLESS or (not request.can_read_body and (request.path == "/ping" or (
+            request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers)))
         if liveness and self.hold.resting:  # at rest by choice, and the next request wakes it: the service is up
-            return web.Response(status=200)
+            return at_rest(request)
         held = self.budget.hold(client_of(request))
-        quiet = self.quiet if not liveness else None  # a look every few seconds must not keep the engine awake
+        quiet = self.quiet if not liveness else None
         if quiet is not None:
             quiet.began()  # a request for the engine: it is not idle until this one has ended (quiet.py)
         try:

@@ -79,6 +79,12 @@ class PreparedServe:
             if given and given != engine_key(config):  # a profile's env (attacker 16): the engine's, not the proxy's
                 problems.append(config.error(("serve", "profile"), "with the proxy on, the profile's env gives vLLM "
                                              "VLLM_API_KEY, which the proxy cannot follow", FLAGS_FIX))
+        if config.serve.idle is not None and not on_socket(config, self.command.engine):
+            problems.append(config.error(("serve", "idle"), f"serve.idle needs {title} on its Unix socket behind the "
+                                         f"proxy: on {config.serve.host}:{config.serve.port} the port is free for the "
+                                         "whole rest, and a local user who binds it keeps the engine from waking",
+                                         "serve.engine_listen: auto with vLLM (and a serve.user with a group of its "
+                                         "own), or leave out serve.idle"))
         # a container's command is the image's, not this host's (the shim says when the image has none)
         missing = None if config.serve.container else executable_problem(self.command.argv[0],
                                                                          self.command.env.get("PATH", os.defpath))
@@ -86,6 +92,15 @@ class PreparedServe:
             problems.append(config.error(("serve", "command"), missing,
                                          f"an absolute path to {title}'s executable or Python"))
         return problems
+
+
+def on_socket(config: Config, engine) -> bool:
+    """Whether the engine listens on its Unix socket (enginesock.py): an engine at rest leaves no port to take
+    (attacker 18's first: a local user who bound a TCP engine's port kept every wake waiting, each request 503)."""
+    try:
+        return engine_socket(config.serve, engine) is not None
+    except ValueError:  # engine_listen unix that cannot be had: its own line says so
+        return True
 
 
 def flag_problem(config: Config, command: ServeCommand, flags: FlagCheck) -> ConfigError | None:
