@@ -62,6 +62,7 @@ def said(name, result):
     print(name, "ok" if result >= 0 else errno.errorcode[ctypes.get_errno()])
 said("unshare", libc.unshare(0x10000000))  # CLONE_NEWUSER
 said("keyctl", libc.syscall(250, 0, -3, 0))  # keyctl(KEYCTL_GET_KEYRING_ID, the session keyring), x86-64
+libc.personality.argtypes = [ctypes.c_ulong]  # as C passes it: 0xffffffff zero-extended, not an int's -1
 said("personality", libc.personality(0x0008))  # PER_LINUX32, which the unit's LockPersonality=yes refuses
 said("personality query", libc.personality(0xFFFFFFFF))
 for family in (40, 1, 2, 10, 16):  # AF_VSOCK, then the unit's AF_UNIX AF_INET AF_INET6 AF_NETLINK
