@@ -5,7 +5,7 @@ times (tests/vllm/restart_rig.py). Each burst's first request wakes the resting 
 
     python3 benchmarks/idle_cycles.py [--venv /opt/gpuwarden-test/venv-vllm] [--cycles 5] [--after-s 10]
 
-Prints a Markdown table for benchmarks/RESULTS.md: a row a cycle (the rest: the engine's process and its socket gone;
+Prints a Markdown table for benchmarks/RESULTS.md: a row a cycle (the rest: the engine's process gone and nothing listening on its socket;
 the wake: the daemon's "awake" line and gpuwarden_serving_wake_seconds; the burst: requests answered whole, failed,
 the first one's wait), and the totals. Run as root, as CI runs the tests (the engine runs as gpuwarden-test).
 """
@@ -14,6 +14,7 @@ import argparse
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -53,13 +54,23 @@ def burst(rig: Rig) -> list:
     return out
 
 
+def listens(path: str) -> bool:
+    """Whether anything accepts on the engine's Unix socket (its file may stay after the engine ended: no port)."""
+    with socket.socket(socket.AF_UNIX) as probe:
+        try:
+            probe.connect(path)
+        except OSError:
+            return False
+    return True
+
+
 def cycle(rig: Rig, number: int, after: int) -> dict:
     """Wait for the rest, look that the engine that rested (the last one started) is gone, then a burst that wakes
     it."""
     rested, _ = rig.wait_for("vLLM rests: no request through the proxy", START_S, after)
     start = next(line for line in reversed(rig.lines[:rested]) if "vLLM starting (pid" in line)
     pid = int(re.search(r"\(pid (\d+)", start).group(1))
-    gone = not os.path.exists(f"/proc/{pid}") and not (isinstance(rig.engine, str) and os.path.exists(rig.engine))
+    gone = not os.path.exists(f"/proc/{pid}") and not (isinstance(rig.engine, str) and listens(rig.engine))
     mark = len(rig.lines)
     answers = burst(rig)
     _, awake = rig.wait_for("vLLM awake: healthy", 60, mark)
