@@ -114,6 +114,37 @@ def test_two_requests_overlapping_keep_the_engine_awake_until_both_ended():
 IDLE_WORD, WAKE_WORD, HOLDING_WORD = (b'{"v": 1, "word": "%s"}\n' % w for w in (b"idle", b"wake", b"holding"))
 
 
+def asked_to_rest(tmp_path):
+    """The supervisor's engine and proxy on the fake OS seam (test_planned_restart.engine_and_proxy), the proxy's idle
+    word heard with nothing running: the rest's planned stop has begun (the proxy told first)."""
+    from types import SimpleNamespace
+
+    from test_planned_restart import engine_and_proxy
+
+    from gpuwarden.config import IdleConfig
+    from gpuwarden.serving.run.resting import hear_idle
+
+    both, engine, proxy, ops, clock = engine_and_proxy(tmp_path)
+    ops.say(proxy.child.pid, IDLE_WORD)
+    both.tick(clock.now)
+    hear_idle(both, IdleConfig(), False, clock.now, SimpleNamespace(requests_running=0, requests_waiting=0))
+    return both, engine, proxy, ops, clock
+
+
+def rested(tmp_path):
+    """asked_to_rest, then the proxy's answer and the engine's group ended: the engine RESTING."""
+    from gpuwarden.serving.run.supervisor import RESTING
+
+    both, engine, proxy, ops, clock = asked_to_rest(tmp_path)
+    ops.say(proxy.child.pid, HOLDING_WORD)
+    both.tick(clock.now)
+    ops.groups[engine.child.pgid] = []
+    clock.advance(1)
+    both.tick(clock.now)
+    assert engine.state == RESTING
+    return both, engine, proxy, ops, clock
+
+
 def test_an_idle_word_rests_the_engine_through_the_planned_stop_and_a_wake_word_starts_it_again(tmp_path):
     """The supervisor's part, its OS seam replaced (tests/test_serving.FakeOps) and the clock driven: the proxy's idle
     word (taken by resting.hear_idle) tells the proxy first (STOPPING_SIGNAL), the engine's SIGTERM waits for its
@@ -277,25 +308,12 @@ def test_the_engine_rests_after_the_quiet_and_the_next_request_through_the_proxy
 def test_a_gpu_that_must_not_serve_holds_a_resting_engine_and_a_wake_then_starts_nothing(tmp_path):
     """A GPU's action while the engine rests: HELD (the proxy told DOWN: 503 at once, not a hold for a wake), and a
     request's wake starts nothing until the GPU is back (Holding.release)."""
-    from types import SimpleNamespace
-
-    from test_planned_restart import engine_and_proxy
-
     from gpuwarden.config import IdleConfig
     from gpuwarden.serving.run.resting import hear_idle
     from gpuwarden.serving.run.spec import DOWN_SIGNAL
-    from gpuwarden.serving.run.supervisor import HELD, RESTING, STARTING
+    from gpuwarden.serving.run.supervisor import HELD, STARTING
 
-    both, engine, proxy, ops, clock = engine_and_proxy(tmp_path)
-    ops.say(proxy.child.pid, IDLE_WORD)
-    both.tick(clock.now)
-    hear_idle(both, IdleConfig(), False, clock.now, SimpleNamespace(requests_running=0, requests_waiting=0))
-    ops.say(proxy.child.pid, HOLDING_WORD)
-    both.tick(clock.now)
-    ops.groups[engine.child.pgid] = []
-    clock.advance(1)
-    both.tick(clock.now)
-    assert engine.state == RESTING
+    both, engine, proxy, ops, clock = rested(tmp_path)
     engine.hold(clock.now, "waiting for GPU0's action: reset the GPU (Xid 79)")
     ops.sent.clear()
     both.tick(clock.now)
@@ -318,24 +336,11 @@ def test_the_status_line_says_an_engine_at_rest_as_a_choice():
 
 
 def test_a_reload_that_takes_serve_idle_away_wakes_a_resting_engine(tmp_path):
-    from types import SimpleNamespace
-
-    from test_planned_restart import engine_and_proxy
-
     from gpuwarden.config import IdleConfig
     from gpuwarden.serving.run.resting import hear_idle
     from gpuwarden.serving.run.supervisor import RESTING, STARTING
 
-    both, engine, proxy, ops, clock = engine_and_proxy(tmp_path)
-    ops.say(proxy.child.pid, IDLE_WORD)
-    both.tick(clock.now)
-    hear_idle(both, IdleConfig(), False, clock.now, SimpleNamespace(requests_running=0, requests_waiting=0))
-    ops.say(proxy.child.pid, HOLDING_WORD)
-    both.tick(clock.now)
-    ops.groups[engine.child.pgid] = []
-    clock.advance(1)
-    both.tick(clock.now)
-    assert engine.state == RESTING
+    both, engine, proxy, ops, clock = rested(tmp_path)
     hear_idle(both, IdleConfig(), False, clock.now, None)
     assert engine.state == RESTING
     hear_idle(both, None, False, clock.now, None)  # serve.idle off now
@@ -347,19 +352,9 @@ def test_an_engine_that_ends_before_its_rest_begins_restarts_and_a_gpu_hold_duri
     never began: it is restarted as any ended engine, not left STOPPED; a GPU's hold during a rest's drain waits for
     it, then holds the resting engine (the next poll's hold), and one that drains in the rest's handshake ends HELD,
     never RESTING."""
-    from types import SimpleNamespace
-
-    from test_planned_restart import engine_and_proxy
-
-    from gpuwarden.config import IdleConfig
-    from gpuwarden.serving.run.resting import hear_idle
     from gpuwarden.serving.run.supervisor import BACKOFF, HELD, RESTING, STARTING
 
-    quiet = SimpleNamespace(requests_running=0, requests_waiting=0)
-    both, engine, proxy, ops, clock = engine_and_proxy(tmp_path)
-    ops.say(proxy.child.pid, IDLE_WORD)
-    both.tick(clock.now)
-    hear_idle(both, IdleConfig(), False, clock.now, quiet)
+    both, engine, proxy, ops, clock = asked_to_rest(tmp_path)
     ops.exit[engine.child.pid] = 1  # it crashes before the proxy answers
     ops.groups[engine.child.pgid] = []
     both.tick(clock.now)
@@ -368,10 +363,7 @@ def test_an_engine_that_ends_before_its_rest_begins_restarts_and_a_gpu_hold_duri
     both.tick(clock.now)
     assert engine.state != RESTING and engine.state in (STARTING, BACKOFF, "RUNNING")
 
-    both, engine, proxy, ops, clock = engine_and_proxy(tmp_path)
-    ops.say(proxy.child.pid, IDLE_WORD)
-    both.tick(clock.now)
-    hear_idle(both, IdleConfig(), False, clock.now, quiet)
+    both, engine, proxy, ops, clock = asked_to_rest(tmp_path)
     ops.say(proxy.child.pid, HOLDING_WORD)
     both.tick(clock.now)  # the rest's drain under way: a hold waits for it (as for a reload's planned stop)
     engine.hold(clock.now, "waiting for GPU0's action: reset the GPU (Xid 79)")
@@ -382,10 +374,7 @@ def test_an_engine_that_ends_before_its_rest_begins_restarts_and_a_gpu_hold_duri
     engine.hold(clock.now, "waiting for GPU0's action: reset the GPU (Xid 79)")  # the next poll's: HELD
     assert engine.state == HELD
 
-    both, engine, proxy, ops, clock = engine_and_proxy(tmp_path)  # a hold that drains, in the rest's handshake
-    ops.say(proxy.child.pid, IDLE_WORD)
-    both.tick(clock.now)
-    hear_idle(both, IdleConfig(), False, clock.now, quiet)
+    both, engine, proxy, ops, clock = asked_to_rest(tmp_path)  # a hold that drains, in the rest's handshake
     engine.hold(clock.now, "waiting for GPU0's action: reset the GPU (Xid 79)", drain=True)
     if engine.child is not None:  # it drains (a spec with drain_s): its group ends
         ops.groups[engine.child.pgid] = []
