@@ -15,7 +15,6 @@ import os
 import re
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -25,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "vllm"))
-from restart_rig import SHORT, START_S, Client, Rig  # noqa: E402
+from restart_rig import SHORT, START_S, Client, Rig, tiny_model  # noqa: E402
 
 BURST = 4  # requests a burst, at once
 
@@ -89,12 +88,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill stops the daemon it started (finally)
     python = args.venv / "bin" / "python"
     with tempfile.TemporaryDirectory() as tmp:
-        os.chmod(tmp, 0o755)  # the engine's user reads the model
-        model = Path(tmp) / "tiny"
-        subprocess.run([str(python), str(ROOT / "tests" / "vllm" / "make_tiny_model.py"), str(model)],
-                       check=True, capture_output=True, timeout=300)
-        for path in [model, *model.iterdir()]:
-            path.chmod(0o755 if path.is_dir() else 0o644)
+        model = tiny_model(python, Path(tmp))  # the engine's user reads it
         workdir = Path(tmp) / "run"
         workdir.mkdir()
         rig = Rig(python, model, workdir, hold_s=600, idle_after_s=args.after_s)

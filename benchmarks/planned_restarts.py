@@ -14,7 +14,6 @@ import argparse
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -22,7 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "vllm"))
-from restart_rig import Rig, table  # noqa: E402
+from restart_rig import Rig, table, tiny_model  # noqa: E402
 
 
 def run(python: Path, model: Path, workdir: Path, reloads: int, drain_s: float, hold_s: float) -> list:
@@ -77,12 +76,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill stops the daemon it started (finally)
     python = args.venv / "bin" / "python"
     with tempfile.TemporaryDirectory() as tmp:
-        os.chmod(tmp, 0o755)  # the engine's user reads the model
-        model = Path(tmp) / "tiny"
-        subprocess.run([str(python), str(ROOT / "tests" / "vllm" / "make_tiny_model.py"), str(model)],
-                       check=True, capture_output=True, timeout=300)
-        for path in [model, *model.iterdir()]:
-            path.chmod(0o755 if path.is_dir() else 0o644)
+        model = tiny_model(python, Path(tmp))  # the engine's user reads it
         for title, drain_s, hold_s in (("drain 60 s, hold 300 s (the defaults)", 60, 300),
                                        ("drain_s 0, hold_s 0 (as before issue 40)", 0, 0)):
             workdir = Path(tmp) / f"run-{drain_s}"

@@ -43,6 +43,17 @@ FLAGS = (["--uvicorn-log-level", "warning"], ["--uvicorn-log-level", "info"])  #
 SHORT, LONG = 24, 1500  # tokens
 
 
+def tiny_model(python: Path, folder: Path) -> Path:
+    """The tests' tiny model (make_tiny_model.py) made in folder/tiny with python, readable by the engine's user."""
+    os.chmod(folder, 0o755)
+    model = folder / "tiny"
+    subprocess.run([str(python), str(HERE / "make_tiny_model.py"), str(model)], check=True, capture_output=True,
+                   timeout=300)
+    for path in [model, *model.iterdir()]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return model
+
+
 def free_port() -> int:
     import socket
 
