@@ -7,11 +7,14 @@ the fake engine (tests/harness/fakechild.py, killer and crash modes) and the rea
 import asyncio
 import http.client
 import json
+import shutil
 import socket
 import struct
+import tempfile
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -399,8 +402,11 @@ def test_the_daemon_tells_the_proxy_when_the_engine_is_fatal_or_held_and_when_it
 ENGINE_ON_TCP = "  engine_listen: tcp\n"
 
 
-def served_config(write, fake, mode, serve_extra="", hold_s=300, proxy_extra=""):
+def served_config(write, fake, mode, serve_extra="", hold_s=300, proxy_extra="", gate=None):
     path, base, port = fault_config(write, fake, mode, serve_extra=serve_extra)
+    if gate is not None:
+        path.write_text(path.read_text().replace(f'--mode, "{mode}"]',
+                                                 f'--mode, "{mode}", --start-gate, "{gate.path}"]'))
     proxy_port = free_port()
     path.write_text(path.read_text() + f"  proxy: {{enabled: true, listen: '127.0.0.1:{proxy_port}', "
                                        f"hold_s: {hold_s}{proxy_extra}}}\n")
@@ -449,10 +455,49 @@ def healthy(d, after=0):
     return d.wait_index("vLLM healthy after", timeout=60, after=after)
 
 
-def serving_behind_the_proxy(write, fake, daemons, proxy_daemon, mode="killer", serve_extra=""):
+class Gate:
+    """The fake engine's --start-gate: while closed, a new engine process does not listen. The proxy judges an end by
+    looking at the engine's /health; an engine the daemon restarted before that look (a busy box runs the proxy late,
+    and the fake restarts in well under a second) hides the end, and the killer's client goes uncounted. A test that
+    counts ends closes the gate before each killer and opens it once the proxy has counted the end (judged())."""
+
+    def __init__(self):
+        self.folder = Path(tempfile.mkdtemp(prefix="gpuwarden-gate-"))
+        self.folder.chmod(0o755)  # serve.user looks for the file
+        self.path = self.folder / "closed"
+
+    def close(self):
+        self.path.touch()
+
+    def open(self):
+        self.path.unlink(missing_ok=True)
+
+    def remove(self):
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+@pytest.fixture
+def gate():
+    g = Gate()
+    yield g
+    g.remove()
+
+
+def judged(d, proxy_port, ends, healthy_lines):
+    """The proxy has counted `ends` of the engine's ends with requests in flight, while the gate held the next engine
+    back: no engine became healthy since (healthy_lines of them before). A bound for a hang, not a speed."""
+    wait = time.monotonic() + 60
+    while proxy_metric(proxy_port, "gpuwarden_proxy_engine_ends_total") < ends and time.monotonic() < wait:
+        time.sleep(0.1)
+    assert proxy_metric(proxy_port, "gpuwarden_proxy_engine_ends_total") == ends, d.log
+    assert sum("vLLM healthy after" in line for line in d.lines) == healthy_lines, d.log  # the gate held
+
+
+def serving_behind_the_proxy(write, fake, daemons, proxy_daemon, mode="killer", serve_extra="", gate=None):
     """A daemon serving the fake engine in mode behind its proxy, an ordinary request answered 200 through it:
-    (the daemon, its first healthy line's index, its config, the engine's port, the proxy's port)."""
-    path, _, port, proxy_port = served_config(write, fake, mode, serve_extra=serve_extra)
+    (the daemon, its first healthy line's index, its config, the engine's port, the proxy's port). gate: the fake's
+    --start-gate (Gate), open."""
+    path, _, port, proxy_port = served_config(write, fake, mode, serve_extra=serve_extra, gate=gate)
     command, env = proxy_daemon
     d = daemons(path, command=command, env=env)
     first = healthy(d)
@@ -485,16 +530,19 @@ def settled(d, proxy_port, crashes, engine_port=None):
 
 @pytest.mark.process
 def test_a_query_of_death_crashes_the_engine_once_and_its_client_gets_502_at_once(write, fake, daemons, proxy_daemon,
-                                                                                   no_fakes_left):
+                                                                                   no_fakes_left, gate):
     """The killer's request is answered 502 as soon as the engine ends, never held for the next engine (hold_s is
     300 s): the engine is restarted once and serves the next request. The same client's second killer ends the
     second engine, and the journal names the client by its address, never the prompt nor the API key."""
-    d, first, path, port, proxy_port = serving_behind_the_proxy(write, fake, daemons, proxy_daemon)
+    d, first, path, port, proxy_port = serving_behind_the_proxy(write, fake, daemons, proxy_daemon, gate=gate)
+    gate.close()
     killer = Call(proxy_port, "please QOD-NOW now")
     status, _, data, error = killer.result()
     assert status == 502, (status, data, error)
     assert "the engine ended while serving this request" in json.loads(data)["error"]["message"]
     assert killer.took < 60  # not held: its hold_s is 300 s (a bound a busy box cannot cross the wrong way)
+    judged(d, proxy_port, 1, 1)
+    gate.open()
     second = healthy(d, first + 1)  # restarted, once
     status, _, data, error = Call(proxy_port, "fine, thanks").result()
     assert status == 200 and json.loads(data)["choices"][0]["message"]["content"] == "fine", (status, data, error)
@@ -503,8 +551,11 @@ def test_a_query_of_death_crashes_the_engine_once_and_its_client_gets_502_at_onc
     assert exits(d) == 1, log
     # the same client, again: the second engine ends, the client is named (and refused from now on:
     # test_a_client_whose_requests_end_the_engine_again_and_again_is_refused_429_and_serving_never_goes_fatal)
+    gate.close()
     status, _, data, error = Call(proxy_port, "and QOD-NOW again").result()
     assert status == 502, (status, data, error)
+    judged(d, proxy_port, 2, 2)
+    gate.open()
     d.wait_for("client this host had requests in flight at 2 of the engine's 2 ends", timeout=30)
     healthy(d, second + 1)
     status, _, data, error = Call(proxy_port, "fine, thanks", source="127.0.0.2").result()
@@ -607,7 +658,7 @@ def refused_count(port):
 
 @pytest.mark.process
 def test_a_client_whose_requests_end_the_engine_again_and_again_is_refused_429_and_serving_never_goes_fatal(
-        write, fake, daemons, proxy_daemon, no_fakes_left):
+        write, fake, daemons, proxy_daemon, no_fakes_left, gate):
     """The attack: one client sends its query of death again and again, a new request each time (the rule that a
     request the engine had is never sent again does not stop that), toward the daemon's crash loop (5 ends within
     600 s: FATAL for everyone). With refuse_after_ends 2 it ends the engine twice; from then on each of its requests,
@@ -617,15 +668,25 @@ def test_a_client_whose_requests_end_the_engine_again_and_again_is_refused_429_a
     (the known limit, docs/proxy.md; a remote client's is its own, test_query_of_death_suspects.py)."""
     # The engine on TCP: the ordinary request at the end goes to it straight, the proxy refusing this host.
     d, first, path, port, proxy_port = serving_behind_the_proxy(write, fake, daemons, proxy_daemon,
-                                                                serve_extra=ENGINE_ON_TCP)
+                                                                serve_extra=ENGINE_ON_TCP, gate=gate)
     # the killer from 127.0.0.3; 127.0.0.1 is the same client (a local user may take any address of this host's)
     killer, other, tries = "127.0.0.3", "127.0.0.1", 6  # six tries: past the daemon's five, were they all let through
-    answers = []
+    answers, ends = [], 0
     for n in range(tries):
+        gate.close()
         call = Call(proxy_port, f"try {n}: QOD-NOW", source=killer)
         answers.append(call.result() + (call.took,))
         if answers[-1][0] == 502:  # an engine ended on it: the next one goes to the next engine (held meanwhile)
+            ends += 1
+            judged(d, proxy_port, ends, ends)
             assert exits(d) <= 2, d.log
+        gate.open()
+        if answers[-1][0] == 502:  # the next engine past the gate before it closes again
+            wait = time.monotonic() + 60  # a bound on a hang: the daemon logs the end a poll or two after the proxy
+            while exits(d) < ends and time.monotonic() < wait:
+                time.sleep(0.1)
+            assert exits(d) == ends, d.log
+            healthy(d, max(i for i, line in enumerate(d.lines) if "with exit status 4" in line))
     statuses = [status for status, *_ in answers]
     assert statuses == [502, 502] + [429] * (tries - 2), answers
     for status, retry_after, data, error, took in answers[2:]:
@@ -651,24 +712,30 @@ def test_a_client_whose_requests_end_the_engine_again_and_again_is_refused_429_a
 
 @pytest.mark.process
 def test_a_killer_that_the_engine_answers_500_before_it_ends_is_refused_429_and_serving_never_goes_fatal(
-        write, fake, daemons, proxy_daemon, no_fakes_left):
+        write, fake, daemons, proxy_daemon, no_fakes_left, gate):
     """vLLM 0.32 does not cut the connection when its EngineCore dies: it answers the request in flight 500 (a stream:
     its error event, then [DONE]), says 503 at /health, and ends a moment later (the fake's QOD-500 and QOD-500-STREAM
     do the same). The killer's client got an answer, never a cut, so it was never counted and drove the engine to
     FATAL. Now: its killer ends the engine once as a plain request, once more as a stream after the engine is back,
     and from then on each of its requests gets 429 at once and reaches no engine (no third end); the daemon never
     reaches FATAL; another local address is the same client, refused too."""
-    d, first, path, port, proxy_port = serving_behind_the_proxy(write, fake, daemons, proxy_daemon)
+    d, first, path, port, proxy_port = serving_behind_the_proxy(write, fake, daemons, proxy_daemon, gate=gate)
     killer, other = "127.0.0.3", "127.0.0.1"
+    gate.close()
     status, _, data, error = Call(proxy_port, "QOD-500 once", source=killer).result()
     assert status == 500, (status, data, error)
     assert json.loads(data)["error"]["type"] == "InternalServerError"  # vLLM's own answer, passed on as it is
+    judged(d, proxy_port, 1, 1)
+    gate.open()
     second = healthy(d, first + 1)  # it ended, and is back
     assert exits(d) == 1, d.log
     # the engine back: the killer again, as a stream, the first to reach this engine (the proxy sends a request after
     # an end only once /health answers, so this one went to the new engine, not to the dying one)
+    gate.close()
     status, _, data, error = Call(proxy_port, "QOD-500-STREAM twice", source=killer, stream=True).result()
     assert status == 200 and b'"code": 500' in data and data.endswith(b"data: [DONE]\n\n"), (status, data, error)
+    judged(d, proxy_port, 2, 2)
+    gate.open()
     healthy(d, second + 1)
     assert exits(d) == 2, d.log
     d.wait_for("proxy: refusing client this host for ", timeout=30)
@@ -713,10 +780,11 @@ def engine_answered_its_killer(d):
     return lambda: sum("a request ended my engine" in line for line in d.lines) > before
 
 
-def until_refused(d, proxy_port, kill, sources, tries=6):
+def until_refused(d, proxy_port, kill, sources, gate, tries=6):
     """Each try: an ordinary request from the next of sources first (429: refused, the end of it), then kill(source)
-    and the engine's end it makes, waited for; the statuses of the ordinary requests, in order. The engine ends at
-    most refuse_after_ends (2) times, whatever the way the killer fails."""
+    and the engine's end it makes, waited for, the next engine held back by the gate until the proxy has counted the
+    end; the statuses of the ordinary requests, in order. The engine ends at most refuse_after_ends (2) times,
+    whatever the way the killer fails."""
     statuses = []
     for n in range(tries):
         source = sources[n % len(sources)]
@@ -726,11 +794,14 @@ def until_refused(d, proxy_port, kill, sources, tries=6):
             break
         assert status == 200, (status, data, error)
         before = exits(d)
+        gate.close()
         kill(source)
         wait = time.monotonic() + 60  # a bound on a hang: the end it makes is waited for
         while exits(d) == before and time.monotonic() < wait:
             time.sleep(0.1)
         assert exits(d) == before + 1 and exits(d) <= 2, d.log
+        judged(d, proxy_port, before + 1, before + 1)
+        gate.open()
         healthy(d, max(i for i, line in enumerate(d.lines) if "with exit status 4" in line))
     return statuses
 
@@ -738,24 +809,24 @@ def until_refused(d, proxy_port, kill, sources, tries=6):
 @pytest.mark.process
 @pytest.mark.parametrize("attack", ["stream-500-and-leave", "slow", "from-127.0.0.1-and-127.0.0.2"])
 def test_a_killer_that_fails_any_way_or_from_any_local_address_is_refused_before_fatal(
-        attack, write, fake, daemons, proxy_daemon, no_fakes_left):
+        attack, write, fake, daemons, proxy_daemon, no_fakes_left, gate):
     """The attacker's findings 1-3: a streaming killer (vLLM's 500 error event) whose client resets at once, so the
     proxy never reads the event; QOD-SLOW, closed unanswered while /health still answers and the engine dead 2 s
     later (after_failure's BROKE); QOD-NOW from 127.0.0.1 and 127.0.0.2 in turn. Each is a suspect counted at the end
     that follows (or one client, this host): the engine ends twice (refuse_after_ends 2), the killer then gets 429,
     and the daemon never reaches FATAL (5 ends)."""
     d, first, path, port, proxy_port = serving_behind_the_proxy(write, fake, daemons, proxy_daemon,
-                                                                serve_extra=ENGINE_ON_TCP)  # as above
+                                                                serve_extra=ENGINE_ON_TCP, gate=gate)  # as above
     if attack == "stream-500-and-leave":
         statuses = until_refused(d, proxy_port, lambda src: send_and_leave(proxy_port, "QOD-500-STREAM", src,
                                                                            engine_answered_its_killer(d)),
-                                 ["127.0.0.1"])
+                                 ["127.0.0.1"], gate)
     elif attack == "slow":
         statuses = until_refused(d, proxy_port, lambda src: Call(proxy_port, "QOD-SLOW", source=src).result(),
-                                 ["127.0.0.1"])
+                                 ["127.0.0.1"], gate)
     else:
         statuses = until_refused(d, proxy_port, lambda src: Call(proxy_port, "QOD-NOW", source=src).result(),
-                                 ["127.0.0.1", "127.0.0.2"])
+                                 ["127.0.0.1", "127.0.0.2"], gate)
     assert statuses == [200, 200, 429], (statuses, d.log)
     for source in ("127.0.0.1", "127.0.0.2", "127.0.0.9"):  # every local address: one client, this host
         status, retry_after, data, error = Call(proxy_port, "QOD-NOW", source=source).result()

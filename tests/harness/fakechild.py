@@ -39,6 +39,8 @@ Modes:
                QOD-500 ends it as vLLM 0.32 ends when its EngineCore dies: the request is answered 500 with vLLM's
                error body, /health answers 503 and every request 500 from then on, and the process ends (status 4)
                1 s later; QOD-500-STREAM the same, as a stream: its head, one event, vLLM's error event, [DONE]
+--start-gate PATH: the process does not listen while PATH exists (120 s at most): a test holds the next engine back
+               until the proxy has judged the last one's end, which a busy box's fast restart would otherwise race
 """
 
 from __future__ import annotations
@@ -279,6 +281,7 @@ def main() -> None:
     parser.add_argument("--enable-metrics", action="store_true")
     parser.add_argument("--shutdown-timeout", type=int, default=0)  # vLLM's drain (0.18 and later)
     parser.add_argument("--answer-file", default="")
+    parser.add_argument("--start-gate", default="")
     args, rest = parser.parse_known_args()
     refused = [flag for flag in rest if flag.startswith("--no-such-")]
     if refused:
@@ -323,6 +326,9 @@ def main() -> None:
         sys.exit(3)
     if "chatty" in modes:
         threading.Thread(target=tick, daemon=True).start()
+    gate_until = time.monotonic() + 120
+    while args.start_gate and os.path.exists(args.start_gate) and time.monotonic() < gate_until:
+        time.sleep(0.05)
     serve(args.host, args.port, modes, args.uds)
 
 

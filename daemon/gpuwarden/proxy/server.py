@@ -105,6 +105,7 @@ class ProxyMetrics:
         self.engine: dict[str, float] | None = None  # the upstream's latest /metrics, parsed
         self.engine_up: int | None = None  # 1 read at the last scrape, 0 not, None no scrape yet
         self.now: dict[str, tuple[str, object]] = {}  # name -> (help, a function of no arguments): gauges
+        self.counts: dict[str, tuple[str, object]] = {}  # the same, counters read from another's book
         r.register(self)
 
     def collect(self):
@@ -114,6 +115,8 @@ class ProxyMetrics:
         yield up
         for name, (help_, read_now) in self.now.items():
             yield GaugeMetricFamily(name, help_, value=read_now())
+        for name, (help_, read_now) in self.counts.items():
+            yield CounterMetricFamily(name, help_, value=read_now())
         queries, hits = self.prefix_names
         if self.engine is None or not queries or not hits:
             return
@@ -257,6 +260,10 @@ class Proxy:
         self.casualties = Casualties(self.hold.clock, window_s=ends[1], refuse_after=ends[0],
                                      failures=ends[2] if len(ends) > 2 else CRASH_LOOP_FAILURES)
         self.ends = Ends(self.casualties, self.hold)
+        metrics.counts["gpuwarden_proxy_engine_ends"] = ("The engine's ends that the proxy saw with requests in "
+                                                         "flight, each counted against their clients "
+                                                         "(serve.proxy.refuse_after_ends)",
+                                                         lambda: self.casualties.count)
         self.relay = Relay(self.metrics, self.ends, self.hold, self.faults)
         self.session: aiohttp.ClientSession | None = None
         self.looks: aiohttp.ClientSession | None = None  # the hold's and the ends' looks at /health, apart
