@@ -34,7 +34,6 @@ BAD = [
     ("too-soon", serve(PROXY + "  idle: {after_s: 5}\n"), "serve.idle.after_s", "out of range"),
     ("too-late", serve(PROXY + "  idle: {after_s: 100000}\n"), "serve.idle.after_s", "out of range"),
     ("action", serve(PROXY + "  idle: {action: sleep}\n"), "serve.idle.action", "not a valid choice"),
-    ("clocks-not-yet", serve(PROXY + "  idle: {action: clocks}\n"), "serve.idle.action", "not a valid choice"),
     ("unknown-key", serve(PROXY + "  idle: {ttl: 60}\n"), "serve.idle.ttl", "unknown key"),
     ("not-mapping", serve(PROXY + "  idle: 60\n"), "serve.idle", "expected a mapping"),
     ("no-hold", serve("  proxy: {enabled: true, hold_s: 0}\n  idle: {}\n"), "serve.idle", "hold_s above 0"),

@@ -147,13 +147,14 @@ class ContainerConfig:
         return self.socket or CONTAINER_RUNTIMES[self.runtime]
 
 
-IDLE_ACTIONS = ("stop",)  # `clocks` (release the GPUs' clock locks while idle) is next: design/idle-engine.md
+IDLE_ACTIONS = ("stop", "clocks")  # design/idle-engine.md
 
 
 @dataclass(frozen=True)
 class IdleConfig:
-    """serve.idle: what an engine gives back while no request comes (design/idle-engine.md): `stop` stops it after
-    after_s with no request and none in flight (the proxy holds the next request and wakes it)."""
+    """serve.idle: what an engine gives back while no request comes (design/idle-engine.md): after after_s with no
+    request and none in flight, `stop` stops it, `clocks` locks its GPUs at their lowest SM clock and keeps it
+    running; the proxy holds the next request until it is started again, or its clocks are put back."""
 
     action: str = "stop"
     after_s: float = 600.0
@@ -413,7 +414,7 @@ def _validate(doc: Document, files: tuple[str, ...]) -> Config:
     r.mapping(("metrics",), ("listen", "web_config"))
     serve = _serve_section(r, Path(doc.file).parent)
     _listeners_apart(r, listeners(metrics, serve))
-    _idle_fits(r, serve)
+    _idle_fits(r, serve, tuning.apply)
     r.raise_if_errors()
     return Config(gpu=gpu, poll_interval_s=float(poll), counters_interval_s=float(counters),
                   log_interval_s=float(log_interval), tuning=tuning, alerts=alerts, health=health, metrics=metrics,
@@ -509,12 +510,16 @@ def _idle_section(r: Reader) -> IdleConfig | None:
                       after_s=float(r.number(base + ("after_s",), d.after_s, IDLE_MIN_S, IDLE_MAX_S, unit=" s")))
 
 
-def _idle_fits(r: Reader, serve: ServeConfig) -> None:
+def _idle_fits(r: Reader, serve: ServeConfig, tuning_applies: bool) -> None:
     """serve.idle against the rest of the config: the proxy must be in front (it sees every request and holds the
-    first one while the engine wakes); one host only."""
+    first one while the engine wakes); one host only; `clocks` sets the GPUs' clocks, which a read-only daemon
+    does not."""
     idle = serve.idle
     if idle is None:
         return
+    if idle.action == "clocks" and not tuning_applies:
+        r.fail(("serve", "idle", "action"), "serve.idle's clocks locks the GPUs' clocks while the engine rests, and "
+               "this daemon is read-only (tuning.apply: false)", "tuning.apply: true, or action: stop")
     if not serve.proxy.enabled:
         r.fail(("serve", "idle"), "serve.idle needs the proxy in front of the engine: it sees every request, and "
                "holds the first one while the engine wakes", "serve.proxy.enabled: true")

@@ -86,6 +86,9 @@ def arguments(p: argparse.ArgumentParser) -> None:
                    "refused (default: serve.crash_loop_failures, 5)")
     p.add_argument("--idle-after-s", type=float, metavar="S", help="say on the daemon's word pipe that the engine is "
                    "idle once no request has come for this long and none is in flight (serve.idle; default: off)")
+    p.add_argument("--idle-action", choices=("stop", "clocks"), help="what the engine's rest is (serve.idle.action): "
+                   "at a clocks rest the engine still answers, so a held request waits for the daemon's word that "
+                   "its clocks are back (SIGUSR2), 10 s at most; default: stop")
     p.add_argument("action", nargs="?", choices=("run", "diff"), default="run", help="run (default) or diff")
     p.add_argument("dumps", nargs="*", type=Path, help="diff: two dump files, or one session folder (its last two "
                    "turns)")

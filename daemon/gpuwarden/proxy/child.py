@@ -51,7 +51,7 @@ def proxy_argv(config: Config) -> tuple[str, ...]:
     for pattern in p.remove_patterns:
         argv += ["--remove-pattern", pattern]
     if serve.idle is not None:  # the proxy says when the engine has had no request for this long (proxy/quiet.py)
-        argv += ["--idle-after-s", f"{serve.idle.after_s:g}"]
+        argv += ["--idle-after-s", f"{serve.idle.after_s:g}", "--idle-action", serve.idle.action]
     if p.dump_dir is not None:
         argv += ["--dump-dir", str(p.dump_dir), "--dump-keep", str(p.dump_keep), "--dump-max-bytes",
                  str(p.dump_max_bytes)]

@@ -74,6 +74,7 @@ def cmd_proxy(args: argparse.Namespace, load_config) -> int:
         (config.serve.idle.after_s if config and config.serve.idle else 0.0)
     if idle_after and not IDLE_MIN_S <= idle_after <= IDLE_MAX_S:
         return _usage(f"proxy: --idle-after-s must be {IDLE_MIN_S} to {IDLE_MAX_S} s")
+    idle_action = args.idle_action or (config.serve.idle.action if config and config.serve.idle else "stop")
     failures = (config.serve.crash_loop_failures if config else CRASH_LOOP_FAILURES) \
         if args.crash_loop_failures is None else args.crash_loop_failures
     if not 0 <= refuse_after <= 1000 or not 1 <= window_s <= 86400 or not 1 <= failures <= 1000:
@@ -88,7 +89,7 @@ def cmd_proxy(args: argparse.Namespace, load_config) -> int:
     dumper = Dumper(dump_dir, keep, args.dump_max_bytes, faults.note) if dump_dir else None
     key = os.environ.pop(KEY_ENV, "") or None  # the engine's API key, where the daemon passed it (proxy/keys.py)
     return serve(upstream, listen, rules, engine, dumper, max_body, args.client_timeout, faults, (hold_s, hold_max),
-                 owner, (refuse_after, window_s, failures), listen_fd, key, idle_after)
+                 owner, (refuse_after, window_s, failures), listen_fd, key, idle_after, idle_action)
 
 
 def _listen_fd(given: int | None) -> int | None:
@@ -105,7 +106,7 @@ def _listen_fd(given: int | None) -> int | None:
 
 
 def serve(upstream, listen, rules, engine, dumper, max_body, client_timeout_s, faults, hold, owner, ends,
-          listen_fd=None, api_key=None, idle_after_s=0.0) -> int:
+          listen_fd=None, api_key=None, idle_after_s=0.0, idle_action="stop") -> int:
     from ..serving.run.spec import DOWN_SIGNAL, REST_SIGNAL, STOPPING_SIGNAL, UP_SIGNAL
     from .listener import Connections, connection_cap, run
     from .server import Proxy, ProxyMetrics
@@ -118,6 +119,7 @@ def serve(upstream, listen, rules, engine, dumper, max_body, client_timeout_s, f
     proxy = Proxy(upstream, rules, metrics, dumper, max_body, metrics_path=engine.metrics_path, faults=faults,
                   conns=conns, hold_s=hold[0], hold_max=hold[1], health_path=engine.health_path, engine_uid=owner,
                   ends=ends, api_key=api_key, idle_after_s=idle_after_s)
+    proxy.hold.rest_ends_on_word = idle_action == "clocks"
     enabled = [name for name in RULES if getattr(rules, name)]
     held = (f"; requests held up to {proxy.hold.hold_s:g} s, {proxy.hold.hold_max} at most, while the engine is "
             "down" if proxy.hold.on else "; no hold while the engine is down")
@@ -125,7 +127,7 @@ def serve(upstream, listen, rules, engine, dumper, max_body, client_timeout_s, f
     refused = (f"; a client in flight at {ends[0]} of the engine's ends within {ends[1]:g} s refused" if ends[0]
                else "; no client refused for the engine's ends")
     keyed = "; the engine's API key asked on every path" if api_key else ""
-    idle = f"; the engine idle after {idle_after_s:g} s without a request" if idle_after_s else ""
+    idle = f"; the engine idle after {idle_after_s:g} s without a request ({idle_action})" if idle_after_s else ""
     log.info("proxy on http://%s:%d for %s (%s); rules: %s%s; at most %d connections%s%s%s%s", *listen, upstream,
              whose, ", ".join(enabled) or "none", f"; dumps in {dumper.directory}" if dumper else "", conns.cap, held,
              refused, keyed, idle)

@@ -49,6 +49,10 @@ UP, GONE, CLOSING, NOT_RESTARTING = "up", "gone", "closing", "not restarting"
 # A client's wait after a 503 while the engine is not restarted: an operator's SIGHUP or a GPU's reset, not seconds.
 NOT_RESTARTING_RETRY_S = 30
 WAKE_AGAIN_S = 5.0  # a rest's word that a request came, said again at most this often while requests come
+# serve.idle's clocks: the longest a held request waits for the daemon's word that the engine's clocks are back. Their
+# put-back is a few NVML calls on the daemon's next tick (a poll, 1 s by default); past this the daemon is taken to be
+# gone, and the request goes to the engine at whatever clock it has (slow beats failed).
+CLOCKS_BACK_S = 10.0
 
 
 class Hold:
@@ -70,6 +74,9 @@ class Hold:
         self.closing = False  # the proxy stops: a request held now, or later, is refused at once
         self.not_restarting = False  # the daemon's word: the engine is down for good (FATAL, HELD), until it is up
         self.resting = False  # the daemon's word: the engine rests (serve.idle) until a request wakes it
+        # serve.idle's clocks: the resting engine still answers /health, so only the daemon's word (engine_up) ends
+        # a rest's hold, once its GPUs' clocks are back; CLOCKS_BACK_S at most (a daemon gone): sent as it is
+        self.rest_ends_on_word = False
         self._woken_at: float | None = None  # when this rest's wake was last said
 
     @property
@@ -260,6 +267,11 @@ class Hold:
             # verdict (a busy box timed one out while the old engine drained, and the next 200, the draining engine's,
             # then ended the planned stop's hold: its held requests went to the engine that was stopping).
             self._seen_down = self._seen_down or answers is False
+            if answers and self.resting and self.rest_ends_on_word:
+                if self.clock() - self.down_since < CLOCKS_BACK_S:
+                    continue  # the daemon puts the clocks back, then says the engine is up
+                log.warning("proxy: no word within %g s that the resting engine's clocks are back: sending the held "
+                            "requests to it as it is", CLOCKS_BACK_S)
             if answers:
                 self.planned_since, self.resting = None, False  # an engine that answers rests no more
                 self._end(UP)

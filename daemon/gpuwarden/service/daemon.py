@@ -43,6 +43,7 @@ from ..watch.health import waiting
 from ..watch.health_record import NAME as HEALTH_RECORD, HealthRecord, clear_handler, record_reboots
 from ..gpu.base import GpuBackend
 from ..watch.monitor import Monitor, describe_sample
+from ..tune.idleclocks import IdleClocks
 from ..tune.originals import originals_store
 from ..proxy.child import PROXY_KIND
 from ..serving.run.processes import ProcessOps
@@ -104,7 +105,7 @@ class Daemon:
         # takes them over (serving/run/handover.py); a daemon run by hand adopts nothing.
         records = state_dir() if os.environ.get("STATE_DIRECTORY") else None
         self.serving = ServingRuntime(backend, sides=SIDE_KINDS, ops=ops, clock=clock, state_dir=records,
-                                      keep_fd=self.notifier.keep_fd)
+                                      keep_fd=self.notifier.keep_fd, clocks=IdleClocks(self.sweeps))
         self.recovery = Recovery(self.serving, self.tuning, backend, clock, config.health)  # health:'s own steps
         self.watcher: EventWatcher | None = None  # Xid and fatal events, on their own thread
         self.wake: Callable[[], None] | None = None  # run() sets it: wakes the loop as a signal does

@@ -7,7 +7,8 @@ those GPUs; at its end (the client says so, its connection closes, or no message
 a tune that was stopped or hangs) the setting goes back to what the config wants, else to the value found before
 gpuwarden changed it (tuning.Tuner.restore, from the originals). Each set goes through Tuner.apply, which
 records the original on disk before the first change (originals.py); a marker file names the swept GPUs, so a
-daemon killed mid-sweep restores them at its next start (`recover`).
+daemon killed mid-sweep restores them at its next start (`recover`). serve.idle's clocks holds the same lease
+while the engine rests (idleclocks.py, `take` and `end`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class Lease:
     deadline: float
     peer: str
     owner: object = None  # the connection that began it: only it may set, renew or end it, its loss ends it
+    kind: str = "sweep"  # or "rest": serve.idle's clocks (idleclocks.py)
     sets: int = 0
     last_set: float = float("-inf")
     last: dict = field(default_factory=dict)
@@ -65,11 +67,12 @@ class Sweeps:
             if data.get("boot_id") == boot_id():  # after a reboot the card is at its defaults again
                 by_uuid = {g.uuid: g.index for g in self.tuning.backend.gpus()}
                 gpus = [by_uuid[u] for u in data["gpus"] if u in by_uuid]
-                log.log(NOTICE, "a sweep of %s on GPU %s did not end (%s): putting the setting back",
+                what = "the engine's rest (serve.idle's clocks)" if data.get("kind") == "rest" else "the sweep"
+                log.log(NOTICE, "%s of %s on GPU %s did not end (%s): putting the setting back", what.capitalize(),
                         data["setting"], ", ".join(map(str, gpus)),
-                        "the daemon handed over to the installed code mid-sweep; the sweep's lease ended with "
-                        "its connection" if handover else "the daemon before this one was killed mid-sweep")
-                self._put_back(data["setting"], gpus)
+                        f"the daemon handed over to the installed code during {what}; its lease does not pass "
+                        "over" if handover else f"the daemon before this one was killed during {what}")
+                self._put_back(data["setting"], gpus, originals=data.get("kind") == "rest")
         except MarkerError as exc:
             log.warning("sweep marker %s ignored: %s", self.marker, exc)
         except Exception as exc:  # a bug or a GPU error here must not stop the daemon from starting
@@ -127,18 +130,23 @@ class Sweeps:
                         "would skew every step (tune --force sweeps anyway)"}
         wanted = sorted(set(wanted))
         try:  # no marker, no sweep: a daemon killed mid-sweep would leave the swept setting on the GPUs for good
-            self._write_marker(setting, wanted)
+            self.take(Lease(setting, wanted, float(lease_s), self.clock() + lease_s, peer, owner))
         except OSError as exc:
             log.error("sweep refused: its marker cannot be saved to %s: %s", self.marker, exc.strerror or exc)
             return {"ok": False, "error": f"the daemon cannot save the sweep's marker {self.marker} "
                     f"({exc.strerror or exc}): a crash mid-sweep would leave the setting swept, so no sweep"}
-        self.lease = Lease(setting, wanted, float(lease_s), self.clock() + lease_s, peer, owner)
-        self.tuning.held |= set(wanted)
-        self.tuning.held_setting, self.tuning.held_step = setting, None
         log.log(NOTICE, "sweep of %s on GPU %s begins (%s, lease %g s): the configured setting comes back at its "
                 "end", setting, ", ".join(map(str, wanted)), peer, lease_s)
         uuids = {str(g.index): g.uuid for g in self.tuning.backend.gpus() if g.index in wanted}
         return {"ok": True, "limits": self._limits(setting, wanted), "uuids": uuids}
+
+    def take(self, lease: Lease) -> None:
+        """The one lease begins (none holds it): its marker on disk first (OSError when it cannot be, and nothing
+        is taken), then the tuning leaves its setting on its GPUs alone until it ends."""
+        self._write_marker(lease.setting, lease.gpus, lease.kind)
+        self.lease = lease
+        self.tuning.held |= set(lease.gpus)
+        self.tuning.held_setting, self.tuning.held_step = lease.setting, None
 
     def _budget_ceiling(self, setting: str, gpus: list[int]) -> float | None:
         """With tuning.power_budget_w, the highest power limit the budget leaves each swept GPU (the others at
@@ -230,29 +238,39 @@ class Sweeps:
             return []
         self.tuning.held -= set(lease.gpus)  # first: the config's value goes on these GPUs now
         self.tuning.held_step = None
-        done = self._put_back(lease.setting, lease.gpus)
+        # a rest puts back what the tuning planned before it: a plan made now would judge gpu_clocks: auto on a card
+        # the rest holds low (it idles low under load, and locks it at its max)
+        done = self._put_back(lease.setting, lease.gpus, planned=self.tuning.plan if lease.kind == "rest" else None)
         self._clear_marker()
-        log.log(NOTICE, "sweep of %s ended (%s, %d steps set): %s", lease.setting, why, lease.sets,
-                "; ".join(done) or "nothing to put back")
+        if lease.kind == "rest":
+            log.info("%s back on GPU %s (%s): %s", lease.setting, ", ".join(map(str, lease.gpus)), why,
+                     "; ".join(done) or "nothing to put back")
+        else:
+            log.log(NOTICE, "sweep of %s ended (%s, %d steps set): %s", lease.setting, why, lease.sets,
+                    "; ".join(done) or "nothing to put back")
         return done
 
-    def _put_back(self, setting: str, gpus: list[int]) -> list[str]:
+    def _put_back(self, setting: str, gpus: list[int], planned: Plan | None = None,
+                  originals: bool = False) -> list[str]:
         """The configured value where the config sets one (straight from the step: never the original first,
         which would put the card at a third value for a moment); the original elsewhere. Under a power budget a
         swept power limit is the budget's: it moves the card at the next poll (the card's original limit, often
-        its maximum, would take the sum past the budget)."""
+        its maximum, would take the sum past the budget). planned: the configured values from this plan, not one
+        made now; originals: the originals alone (a rest's at a start: the start's tuning then applies its plan,
+        made on the cards as they were)."""
         tuner, show = self.tuning.tuner, tunables.BY_KEY[setting].show
+        if originals:
+            return [f"GPU {o.action.gpu} {setting}: as before gpuwarden: {'ok' if o.ok else 'FAILED, ' + o.message}"
+                    for o in tuner.restore(only={(g, setting) for g in gpus})]
         budget = self.tuning.budget
         if setting == "power_limit_w" and budget is not None and self.tuning.config.tuning.apply:
             budget.wake()
             return [f"GPU {g} {setting}: left to the power budget ({budget.budget_w:g} W), which sets it at the "
                     "next poll" for g in gpus]
         try:
-            plan = make_plan(self.tuning.backend, self.tuning.config)
+            plan, done = planned or make_plan(self.tuning.backend, self.tuning.config), []
         except ConfigErrors as exc:
             plan, done = Plan(()), [f"the configured tuning no longer fits: {exc.errors[0]}"]
-        else:
-            done = []
         configured = {a.gpu for a in plan.actions if a.setting == setting and a.target is not None} \
             if self.tuning.config.tuning.apply else set()
         done += [f"GPU {o.action.gpu} {setting}: "
@@ -267,11 +285,11 @@ class Sweeps:
             done += [o.describe("verified") for o in tuner.verify(mine_plan)]
         return done
 
-    def _write_marker(self, setting: str, gpus: list[int]) -> None:
+    def _write_marker(self, setting: str, gpus: list[int], kind: str = "sweep") -> None:
         """The marker, on disk for good (file and folder fsynced) before the first set; OSError if not."""
         by_index = {g.index: g.uuid for g in self.tuning.backend.gpus()}
         self.marker.parent.mkdir(parents=True, exist_ok=True)
-        smallfile.write_atomic(self.marker, json.dumps({"boot_id": boot_id(), "setting": setting,
+        smallfile.write_atomic(self.marker, json.dumps({"boot_id": boot_id(), "setting": setting, "kind": kind,
                                                         "gpus": [by_index[i] for i in gpus]}).encode(),
                                durable=True)
 

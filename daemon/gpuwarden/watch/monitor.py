@@ -148,6 +148,8 @@ class Snapshot:
         if s.state == "RESTING":  # serve.idle: a choice, said as one
             wake = f"; its last wake took {s.wake_s:.0f} s" if s.wake_s is not None else ""
             return f"{s.title} at rest ({model}, {s.profile}): the next request wakes it{wake}"
+        if s.clocks_rest:  # serve.idle's clocks: the engine runs, its GPUs' clocks at rest
+            return f"{s.title} at rest ({model}, {s.profile}): its GPUs at their lowest clock until the next request"
         if s.state != "RUNNING":
             return f"{s.title} {s.state} ({model}, {s.profile})" + (f": {s.problem}" if s.problem else "")
         rate = self.stats.generation_tokens_per_s if self.stats and numbers else None

@@ -30,10 +30,16 @@ def floor_clock(model: GpuModel, mhz: float) -> int:
 
 def draw(m: GpuModel, utilization: float, sm_mhz: float, context: bool = False) -> float:
     """Watts at this load and clock; context: an engine holds a CUDA context on the card, which draws at least
-    model.context_w above idle (its boost at rest; under load the load's draw, which includes it)."""
+    model.context_w above idle at the boost clock (its boost at rest; under load the load's draw, which includes
+    it), in proportion to how far the clock stands above the idle clock: a lock at the card's lowest clock holds a
+    context at bare idle (serve.idle's clocks, design/idle-engine.md)."""
     load = m.idle_power_w + utilization / 100 * (m.full_load_power_w - m.idle_power_w) * (
         sm_mhz / m.graphics_clock_max_mhz)
-    return max(load, m.idle_power_w + m.context_w) if context else load
+    if not context:
+        return load
+    span = m.graphics_clock_max_mhz - m.idle_sm_clock_mhz
+    raised = 1.0 if span <= 0 else min(1.0, max(0.0, (sm_mhz - m.idle_sm_clock_mhz) / span))
+    return max(load, m.idle_power_w + m.context_w * raised)
 
 
 def operating_point(gpu: SimGpu) -> tuple[int, int, float, float, R]:

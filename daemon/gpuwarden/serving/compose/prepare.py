@@ -79,12 +79,14 @@ class PreparedServe:
             if given and given != engine_key(config):  # a profile's env (attacker 16): the engine's, not the proxy's
                 problems.append(config.error(("serve", "profile"), "with the proxy on, the profile's env gives vLLM "
                                              "VLLM_API_KEY, which the proxy cannot follow", FLAGS_FIX))
-        if config.serve.idle is not None and not on_socket(config, self.command.engine):
-            problems.append(config.error(("serve", "idle"), f"serve.idle needs {title} on its Unix socket behind the "
-                                         f"proxy: on {config.serve.host}:{config.serve.port} the port is free for the "
+        # clocks keeps the engine running, its port held: only a stop frees it
+        if config.serve.idle is not None and config.serve.idle.action == "stop" and \
+                not on_socket(config, self.command.engine):
+            problems.append(config.error(("serve", "idle"), f"serve.idle's stop needs {title} on its Unix socket "
+                                         f"behind the proxy: on {config.serve.host}:{config.serve.port} the port is free for the "
                                          "whole rest, and a local user who binds it keeps the engine from waking",
                                          "serve.engine_listen: auto with vLLM (and a serve.user with a group of its "
-                                         "own), or leave out serve.idle"))
+                                         "own), action: clocks, or leave out serve.idle"))
         # a container's command is the image's, not this host's (the shim says when the image has none)
         missing = None if config.serve.container else executable_problem(self.command.argv[0],
                                                                          self.command.env.get("PATH", os.defpath))

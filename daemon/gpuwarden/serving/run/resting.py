@@ -2,11 +2,16 @@
 is stopped as a reload stops it (the proxy told first, then the drain) and waits in RESTING, neither restarted nor
 FATAL, its GPUs free of its context; the proxy's word that a request came (word.WAKE) starts it again, the restart
 budget untouched: a rest is no failure. A part of Program (serving/run/supervisor.py), which it moves only through
-the program's enter()."""
+the program's enter().
+
+serve.idle's `clocks` rests the engine's GPUs instead: the engine runs on, its GPUs at their lowest clock through
+the daemon's seam (tune/idleclocks.py); the proxy is told REST all the same, and the wake puts the clocks back
+before it is told UP."""
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from .states import RESTING, RUNNING, STOPPED
@@ -23,7 +28,8 @@ class Resting:
         self.rest_for: str | None = None  # a rest's planned stop runs: RESTING with this reason once it stopped
         self.rests = 0  # rests begun, for the view
         self.waking = False  # started by a wake: its time to healthy is the wake's
-        self.wake_s: float | None = None  # the last wake's, from the word to healthy
+        self.wake_s: float | None = None  # the last wake's, from the word to healthy (clocks: to the clocks back)
+        self.clocks = False  # serve.idle's clocks: the engine runs, its GPUs' clocks at rest
 
     def rest(self, reason: str) -> bool:
         """The engine rests once its planned stop (which the caller begins) has stopped it; False: it does not serve
@@ -64,35 +70,73 @@ class Resting:
             log.info("%s awake: healthy %.1f s after the request that woke it", p.title, self.wake_s or 0.0)
 
 
-def each_tick(children, idle, replacing: bool, now: float, stats) -> None:
+def each_tick(children, idle, replacing: bool, now: float, stats, clocks=None) -> None:
     """The runtime's tick, for the rest: the GPUs told whether the engine holds a context on them (Gpu.note_engine:
-    the simulator draws its watts), then the proxy's words heard (hear_idle)."""
+    the simulator draws its watts), then the proxy's words heard (hear_idle). clocks: the daemon's seam for
+    serve.idle's clocks (tune/idleclocks.IdleClocks), None where there is none."""
     main = children.main
     held = main.state not in (RESTING, STOPPED) and main.child is not None
     for gpu in main.spec.gpus:
         gpu.note_engine(held)
-    hear_idle(children, idle, replacing, now, stats)
+    hear_idle(children, idle, replacing, now, stats, clocks)
 
 
-def hear_idle(children, idle, replacing: bool, now: float, stats) -> None:
+def hear_idle(children, idle, replacing: bool, now: float, stats, clocks=None) -> None:
     """serve.idle (idle: its IdleConfig, None: off), each tick: the proxy's word that no request came through it for
-    after_s rests the engine (Supervisor.rest), unless a replacement is under way or the engine's own metrics (stats)
-    show a request running or waiting (one of the daemon's probes, or one that came since the word: the proxy says it
-    again after the next quiet); its word that a request came while the engine rests wakes it (Supervisor.wake). Each
-    word is taken once."""
+    after_s rests the engine (Supervisor.rest; clocks: rest_clocks), unless a replacement is under way or the
+    engine's own metrics (stats) show a request running or waiting (one of the daemon's probes, or one that came
+    since the word: the proxy says it again after the next quiet); its word that a request came while the engine
+    rests wakes it (Supervisor.wake; clocks: wake_clocks). Each word is taken once."""
     main = children.main
+    if main.resting.clocks and (idle is None or idle.action != "clocks" or main.state != RUNNING or replacing):
+        wake_clocks(children, clocks, "serve.idle's clocks is off" if idle is None or idle.action != "clocks"
+                    else f"the engine is {main.state}" if main.state != RUNNING else "a reload replaces the engine")
     if idle is None and main.state == RESTING:  # a reload took serve.idle away: what rests is woken
         children.wake(now, "serve.idle is off")
     front = next((p for p in children.programs.values() if p.spec.fronts_engine and p.word is not None), None)
     if front is None:
         return
     idles, wakes, front.word.idles, front.word.wakes = front.word.idles, front.word.wakes, 0, 0
-    if wakes:
+    if wakes and main.resting.clocks:
+        wake_clocks(children, clocks, "a request came through the proxy")
+    elif wakes:
         children.wake(now, "a request came through the proxy")
-    if not idles or idle is None or replacing or main.state != RUNNING:
+    if not idles or idle is None or replacing or main.state != RUNNING or main.resting.clocks:
         return
     if stats is not None and (stats.requests_running or stats.requests_waiting):
         log.info("%s not rested: the proxy saw no request for %g s, but the engine has %d running and %d waiting",
                  main.title, idle.after_s, stats.requests_running or 0, stats.requests_waiting or 0)
         return
-    children.rest(now, f"no request through the proxy for {idle.after_s:g} s")
+    reason = f"no request through the proxy for {idle.after_s:g} s"
+    if idle.action == "clocks":
+        rest_clocks(children, clocks, reason)
+    else:
+        children.rest(now, reason)
+
+
+def rest_clocks(children, clocks, reason: str) -> None:
+    """serve.idle's clocks: the engine's GPUs at their lowest clock (the daemon's seam), then the proxy told REST: it
+    holds the next request and says wake. Where the clocks cannot be set, the engine serves on as it is, said."""
+    main = children.main
+    why_not = clocks.rest([gpu.index for gpu in main.spec.gpus]) if clocks is not None else \
+        "this daemon sets no GPU clock"
+    if why_not is not None:
+        log.warning("%s does not rest its clocks (%s): %s; it serves on as it is", main.title, reason, why_not)
+        return
+    main.resting.clocks = True
+    main.resting.rests += 1
+    log.info("%s rests (clocks): %s; its GPUs at their lowest clock until the next request", main.title, reason)
+    children.tell_fronts()
+
+
+def wake_clocks(children, clocks, why: str) -> None:
+    """The rest's clocks put back (the daemon's seam), and only then the proxy told UP: the held requests go to an
+    engine at its configured clocks. The wake's time is the put-back's."""
+    main = children.main
+    main.resting.clocks = False
+    began = time.monotonic()
+    if clocks is not None:
+        clocks.wake(why)
+    main.resting.wake_s = time.monotonic() - began
+    log.info("%s awake: its clocks back in %.3f s (%s)", main.title, main.resting.wake_s, why)
+    children.tell_fronts()

@@ -116,7 +116,7 @@ class ServingRuntime:
 
     def __init__(self, backend: GpuBackend, sides: Sequence[ChildKind] = (), ops: ProcessOps | None = None,
                  clock: Callable[[], float] = time.monotonic, state_dir: Path | None = None,
-                 keep_fd: Callable[[str, int | None], None] | None = None):
+                 keep_fd: Callable[[str, int | None], None] | None = None, clocks=None):
         self.backend = backend
         self.sides = tuple(sides)  # the side kinds of the registry, beside the engine's part (kinds.ENGINE_PART)
         self.ops = ops or ProcessOps()  # one for every child: it knows which processes we started
@@ -134,6 +134,7 @@ class ServingRuntime:
         self.reloads = Replan(self)  # a reload's plan: what a config read again asks, checked before anything stops
         self.deep = DeepCheck(self.ops)  # the engine's own parser on what a reload or a handover would start
         self.drains: Counter = Counter()  # the engine's planned stops by outcome, across its restarts (drains.py)
+        self.clocks = clocks  # serve.idle's clocks: the daemon's seam to the GPUs' clocks (tune/idleclocks.py)
 
     def prepare(self, config: Config, deep: bool, on_loop: bool = False) -> Launch:
         return prepare_launch(config, self.backend, self.sides, deep, on_loop)
@@ -266,7 +267,7 @@ class ServingRuntime:
         elif engine.state == STOPPING and engine.drain.active and engine.spec.listens:
             engine.drain.note(self.reader.read(now))  # what the drain has left, for its last line; not published
         each_tick(self.children, self.launch.config.serve.idle if self.launch else None, self.pending is not None,
-                  now, stats)
+                  now, stats, self.clocks)
         return self.children.views(), stats
 
     def views(self) -> tuple[ServingView, ...] | None:

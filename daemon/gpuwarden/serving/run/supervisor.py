@@ -104,6 +104,7 @@ class ServingView:
     drains: tuple[tuple[str, int], ...] = ()  # (outcome, count) of the engine's planned stops (serving/run/drains.py)
     rests: int = 0  # rests begun while no request came (serve.idle: serving/run/resting.py)
     wake_s: float | None = None  # the last wake's seconds from the request that woke it to healthy
+    clocks_rest: bool = False  # running, its GPUs at their lowest clock while no request comes (serve.idle's clocks)
 
     @classmethod
     def of(cls, program: Program) -> ServingView:
@@ -115,7 +116,7 @@ class ServingView:
                    program.stalled, program.stalls, tuple(g.index for g in program.gpus), phase.started_wall,
                    spec.version, spec.role, spec.rank, spec.nodes, spec.head,
                    program.policy.head_up(phase.state == RUNNING, phase.probe_failures), phase.probes,
-                   program.drain.view(), program.resting.rests, program.resting.wake_s)
+                   program.drain.view(), program.resting.rests, program.resting.wake_s, program.resting.clocks)
 
 
 @dataclass(frozen=True)
@@ -495,7 +496,7 @@ class Supervisor:
         if self._fronts_stop and self.main.stopped:
             self._fronts_stop = False
             self._each(lambda p: p.stop(now) if p in self._fronts() else None)
-        self._tell_fronts()
+        self.tell_fronts()
 
     def stop(self, now: float, keep: frozenset[str] = frozenset()) -> float | None:
         """Stop them all but keep (programs the next supervisor runs on: a reload keeps an unchanged proxy); a
@@ -530,9 +531,11 @@ class Supervisor:
     def _fronts(self) -> list[Program]:
         return [p for p in self.programs.values() if p.spec.fronts_engine and p is not self.main]
 
-    def _tell_fronts(self) -> None:
-        self.word.update(self.main.state == RUNNING, self.main.state == STOPPING, self._fronts(),
-                         down=self.main.state in (FATAL, HELD), resting=self.main.state == RESTING)
+    def tell_fronts(self) -> None:
+        """The standing word to the fronts: at rest by serve.idle's clocks the engine runs, and the word is REST."""
+        main, clocks = self.main, self.main.resting.clocks
+        self.word.update(main.state == RUNNING and not clocks, main.state == STOPPING, self._fronts(),
+                         down=main.state in (FATAL, HELD), resting=main.state == RESTING or clocks)
 
     def rest(self, now: float, reason: str) -> bool:
         """The engine rests (serve.idle): stopped as a reload stops it, its fronts told first (they hold new

@@ -132,7 +132,7 @@ EXTRAS = (
      lambda snap: snap.serving.time_to_healthy_s))
 # serve.idle: new, no gpuwarden_vllm_* twin
 WAKE = ("wake_seconds", "Seconds from the request that woke the resting engine (serve.idle) to /health answering 200, "
-        "at its last wake", lambda snap: snap.serving.wake_s)
+        "at its last wake (serve.idle's clocks: to its GPUs' clocks put back)", lambda snap: snap.serving.wake_s)
 EFFICIENCY = ("tokens_per_joule", "Generated tokens per joule of the engine's GPUs (NVML's energy counters), over the "
               "last minute", lambda snap: snap.tokens_per_joule)  # new: no gpuwarden_vllm_* twin
 
@@ -186,6 +186,10 @@ ROWS = (
         _children(lambda c: [((c.engine,), c.started_at)] if c.started_at is not None else []), shown=_serving),
     Row("gpuwarden_serving_rests", "Times the engine rested (stopped while no request came: serve.idle)", ("child",),
         _children(lambda c: [((c.engine,), c.rests)]), COUNTER, lambda snap: _serving(snap) and snap.serving.rests > 0),
+    Row("gpuwarden_serving_clocks_at_rest", "1 while the engine runs with its GPUs at their lowest clock because no "
+        "request came (serve.idle's clocks), else 0", ("child",),
+        _children(lambda c: [((c.engine,), int(c.clocks_rest))]), shown=lambda snap: _serving(snap) and
+        snap.serving.rests > 0),
     *(_value_row(name, help, value, legacy=False) for name, help, value in (*STATS, *EXTRAS, EFFICIENCY, WAKE)),
     Row("gpuwarden_vllm_info", "The served model and profile (value is always 1)", ("model", "profile"),
         lambda snap: [((snap.serving.model, snap.serving.profile), 1)], shown=_vllm),

@@ -1,0 +1,68 @@
+"""serve.idle's `clocks` (design/idle-engine.md): while the engine rests, its GPUs at their lowest supported SM
+clock, put back before the proxy sends the next request.
+
+An engine at rest still holds its CUDA context, and a context at rest holds the card at its boost clock: on an H200
+116.2 W at 1980 MHz against 76.9 W bare, whatever the memory it holds. CUDA_DISABLE_PERF_BOOST=1 kept the same
+context at 76.6 W, and slowed every first burst; a lock at the lowest clock for the rest only aims at that draw
+without the cost (not measured: the lent H200s are read-only, so no lock could be set there).
+
+The rest holds the one lease on the GPUs' settings (sweeps.py): a tune sweep waits for its end and a rest for a
+sweep's; the tuning re-applies nothing over it and its clock alerts are a sweep's, silent (a choice, not a fault);
+its marker is on disk before the lock, so a daemon killed during a rest puts the clocks back at its next start
+(Sweeps.recover); the wake puts back what the config locks, else what the card had before gpuwarden (Sweeps.end).
+"""
+
+from __future__ import annotations
+
+import math
+
+from .sweeps import Lease, Sweeps
+from .tuning import Action, GpuPlan, Plan
+
+REST = "serve.idle's rest"  # the peer and owner of a rest's lease: no connection of tune's is it
+SETTING = "gpu_clocks"
+
+
+class IdleClocks:
+    def __init__(self, sweeps: Sweeps):
+        self.sweeps = sweeps
+
+    @property
+    def resting(self) -> bool:
+        lease = self.sweeps.lease
+        return lease is not None and lease.owner is REST
+
+    def rest(self, gpus: list[int]) -> str | None:
+        """These GPUs (the engine's) at their lowest supported SM clock, read back. None when done; else why not,
+        in a line, with nothing left changed."""
+        sweeps, tuning = self.sweeps, self.sweeps.tuning
+        if sweeps.lease is not None:
+            return f"a sweep of {sweeps.lease.setting} holds the GPUs ({sweeps.lease.peer})"
+        if not tuning.config.tuning.apply:
+            return "this daemon is read-only (tuning.apply: false)"
+        lows = {}
+        for gpu in tuning.backend.gpus():
+            if gpu.index in gpus:
+                clocks = gpu.capabilities().graphics_clocks_mhz
+                if not clocks:
+                    return f"GPU {gpu.index} reports no supported graphics clocks"
+                lows[gpu.index] = (gpu, min(clocks))
+        if not lows:
+            return "the engine names no GPU"
+        try:  # no marker, no rest: a daemon killed during it would leave the cards slow for good
+            sweeps.take(Lease(SETTING, sorted(lows), math.inf, math.inf, REST, REST, kind="rest"))
+        except OSError as exc:
+            return f"its marker cannot be saved to {sweeps.marker} ({exc.strerror or exc})"
+        plan = Plan(tuple(GpuPlan(i, g.uuid, "", (Action(i, g.uuid, SETTING, g.sample().sm_clock_mhz,
+                                                              (low, low), True, "rest"),))
+                          for i, (g, low) in sorted(lows.items())))
+        failed = [o.describe() for o in tuning.tuner.apply(plan) if not o.ok]
+        failed += [o.describe("verified") for o in tuning.tuner.verify(plan) if not o.ok]
+        if failed:
+            sweeps.end("the rest's lock failed")
+            return "; ".join(failed)
+        return None
+
+    def wake(self, why: str) -> list[str] | None:
+        """The rest's clocks put back and read back (what each GPU got, a line each); None: no rest holds them."""
+        return self.sweeps.end(why) if self.resting else None

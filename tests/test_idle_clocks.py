@@ -1,0 +1,331 @@
+"""serve.idle's clocks (design/idle-engine.md; tune/idleclocks.py): while no request comes the engine runs on with its
+GPUs at their lowest SM clock, under the one lease on the GPUs' settings, and the next request is held at the proxy
+until the daemon has put the clocks back. The config, the lock and its put-back on the simulator, the daemon killed
+during a rest, the supervisor's word to the proxy in order, and the proxy's hold on a driven clock."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from gpuwarden import config
+from gpuwarden.backends import open_configured
+from gpuwarden.base.yamlfile import ConfigErrors
+from gpuwarden.gpu.sim.backend import ManualClock
+from gpuwarden.tune.idleclocks import REST, IdleClocks
+from gpuwarden.tune.originals import OriginalsStore
+from gpuwarden.tune.sweeps import Sweeps
+from gpuwarden.tune.tuning import Tuner, TuningLife
+from test_faults import fake, no_fakes_left  # noqa: F401 (fixtures)
+
+PROXY = "  proxy: {enabled: true}\n"
+
+
+def serve(text: str) -> str:
+    return f"serve:\n  model: /m/Qwen3-4B\n{text}"
+
+
+def test_serve_idle_clocks_is_read_and_a_read_only_daemon_refuses_it_at_its_key():
+    c = config.parse_text(serve(PROXY + "  idle: {action: clocks, after_s: 60}\n"))
+    assert c.serve.idle == config.IdleConfig("clocks", 60.0)
+    assert c.as_dict()["serve"]["idle"] == {"action": "clocks", "after_s": 60.0}
+    with pytest.raises(ConfigErrors) as raised:
+        config.parse_text("tuning: {apply: false}\n" + serve(PROXY + "  idle: {action: clocks}\n"), name="c.yaml")
+    lines = [str(e) for e in raised.value.errors]
+    assert len(lines) == 1 and ": serve.idle.action: " in lines[0] and "read-only" in lines[0], lines
+    config.parse_text("tuning: {apply: false}\n" + serve(PROXY + "  idle: {action: stop}\n"))  # stop sets nothing
+
+
+def rig(tmp_path, tuning=""):
+    """The simulator's H100s, the tuning applied as the daemon's start applies it (its originals kept on disk, as
+    on real cards), the one lease and the rest's seam."""
+    cfg = config.parse_text("gpu: {backend: sim, scenario: h100-nvswitch}\n" + tuning, name="x.yaml")
+    backend = open_configured(cfg, ManualClock(20))
+    life = TuningLife(backend, cfg, Tuner(backend, OriginalsStore(tmp_path / "originals.json", "boot")))
+    life.start(life.check(cfg))
+    sweeps = Sweeps(life, marker=tmp_path / "sweep.json")
+    return backend, life, sweeps, IdleClocks(sweeps)
+
+
+def test_a_clocks_rest_locks_the_engines_gpus_at_their_lowest_clock_and_the_wake_puts_back_nothing_it_found(
+        tmp_path):
+    """No clock configured (the H100: gpu_clocks auto leaves a datacenter card alone): the rest locks the engine's
+    GPUs, and only those, at their lowest supported clock, its marker on disk and the tuning told to leave them; the
+    wake unlocks them, as gpuwarden found them, and clears the marker."""
+    backend, life, sweeps, clocks = rig(tmp_path)
+    gpus = backend.gpus()
+    assert all(g.gpu_lock is None for g in gpus)
+    assert clocks.rest([0, 1]) is None and clocks.resting
+    lowest = min(gpus[0].capabilities().graphics_clocks_mhz)
+    assert [g.gpu_lock for g in gpus[:3]] == [(lowest, lowest), (lowest, lowest), None]
+    assert gpus[0].sample().sm_clock_mhz == lowest and life.held == {0, 1}
+    marker = json.loads((tmp_path / "sweep.json").read_text())
+    assert marker["kind"] == "rest" and marker["setting"] == "gpu_clocks" and len(marker["gpus"]) == 2
+    done = clocks.wake("a request came")
+    assert done and all("unlocked as before gpuwarden: ok" in line for line in done), done
+    assert all(g.gpu_lock is None for g in gpus) and not clocks.resting and life.held == set()
+    assert not (tmp_path / "sweep.json").exists()
+    assert clocks.wake("again") is None  # no rest holds the lease: nothing
+
+
+def test_the_wake_puts_back_the_configured_lock_and_a_sweep_and_a_rest_never_hold_the_gpus_at_once(tmp_path):
+    """A configured lock (tuning.gpu_clocks) is what the wake puts back, straight from the rest's clock. tune's sweep
+    is refused while a rest holds the lease, and a rest while a sweep does (the engine then serves on as it is)."""
+    backend, life, sweeps, clocks = rig(tmp_path, "tuning: {gpu_clocks: [1410, 1410]}\n")
+    gpu = backend.gpus()[0]
+    assert gpu.gpu_lock == (1410, 1410)
+    assert clocks.rest([0]) is None and gpu.gpu_lock[1] < 1410
+    answer = sweeps.handle({"op": "begin", "setting": "gpu_clocks", "lease_s": 60, "gpus": [1], "force": True},
+                           "tune", owner=object())
+    assert not answer["ok"] and REST in answer["error"], answer
+    clocks.wake("a request came")
+    assert gpu.gpu_lock == (1410, 1410) and not clocks.resting
+    tune = object()
+    assert sweeps.handle({"op": "begin", "setting": "power_limit_w", "lease_s": 60, "gpus": [0], "force": True},
+                         "tune", owner=tune)["ok"]
+    refused = clocks.rest([0])
+    assert refused is not None and "a sweep of power_limit_w holds the GPUs" in refused
+    assert gpu.gpu_lock == (1410, 1410) and not clocks.resting
+    sweeps.lost(tune, "its connection closed")
+
+
+def test_a_daemon_killed_during_a_clocks_rest_leaves_no_card_slow_after_its_next_start(tmp_path, caplog):
+    """The rest's marker is on disk before its lock: the next daemon's start (Sweeps.recover, then the tuning) puts
+    the cards back, the configured lock on the card that has one, none on the others, and says why in one line."""
+    backend, life, sweeps, clocks = rig(tmp_path, "tuning: {gpu_clocks: none, gpus: {'0': {gpu_clocks: [1410, 1410]}}}\n")
+    assert clocks.rest([0, 1]) is None
+    gpus = backend.gpus()
+    assert gpus[0].gpu_lock[1] < 1410 and gpus[1].gpu_lock is not None
+    # killed: nothing of this daemon runs its wake; the next one starts on the same cards and state
+    cfg = life.config
+    later = TuningLife(backend, cfg, Tuner(backend, OriginalsStore(tmp_path / "originals.json", "boot")))
+    with caplog.at_level(logging.INFO, logger="gpuwarden"):
+        Sweeps(later, marker=tmp_path / "sweep.json").recover()
+    later.start(later.check(cfg))
+    assert gpus[0].gpu_lock == (1410, 1410) and gpus[1].gpu_lock is None
+    assert gpus[0].sample().sm_clock_mhz == 1410 and gpus[1].sample().sm_clock_mhz > min(
+        gpus[1].capabilities().graphics_clocks_mhz)
+    said = [r.getMessage() for r in caplog.records if "did not end" in r.getMessage()]
+    assert len(said) == 1 and "the daemon before this one was killed during the engine's rest" in said[0], said
+    assert not (tmp_path / "sweep.json").exists()
+
+
+def test_an_idle_context_under_the_rests_lock_draws_bare_idle_and_at_its_boost_the_contexts_watts():
+    """gpu/sim/physics.py: a context holds the card at its boost clock and costs context_w (the H100 scenario's
+    50 W); the rest's lock at the lowest clock holds the same context at bare idle, within 5 %, as the issue asks."""
+    from gpuwarden.gpu.sim.backend import SimBackend
+    from gpuwarden.gpu.sim.scenario import load_scenario, resolve_scenario
+
+    backend = SimBackend(load_scenario(resolve_scenario("h100-nvswitch")), ManualClock())
+    gpu = backend.gpus()[0]
+    bare = gpu.sample().power_w
+    gpu.note_engine(True)
+    held = gpu.sample().power_w
+    lowest = min(gpu.capabilities().graphics_clocks_mhz)
+    gpu.set_gpu_locked_clocks(lowest, lowest)
+    rest = gpu.sample().power_w
+    assert held == pytest.approx(bare + 50) and abs(rest - bare) <= 0.05 * bare, (bare, held, rest)
+
+
+class SeamLog:
+    """The daemon's seam for the test: what the supervisor asked, in order, beside the signals the proxy got."""
+
+    def __init__(self, ops, refuse=None):
+        self.ops, self.refuse, self.said = ops, refuse, []
+
+    def rest(self, gpus):
+        self.said.append(("rest", tuple(gpus), len(self.ops.sent)))
+        return self.refuse
+
+    def wake(self, why):
+        self.said.append(("wake", why, len(self.ops.sent)))
+        return []
+
+
+IDLE_WORD, WAKE_WORD = (b'{"v": 1, "word": "%s"}\n' % w for w in (b"idle", b"wake"))
+
+
+def test_a_clocks_rest_keeps_the_engine_running_tells_the_proxy_rest_and_the_wake_puts_the_clocks_back_before_up(
+        tmp_path):
+    """The supervisor's part on the fake OS seam, the clock driven: the proxy's idle word rests the clocks (the
+    engine's process untouched, still RUNNING, the proxy told REST after the lock); its wake word puts them back
+    and only then is the proxy told UP. An engine that ends during a clocks rest has its clocks put back at once."""
+    from test_planned_restart import engine_and_proxy
+
+    from gpuwarden.serving.run.resting import hear_idle
+    from gpuwarden.serving.run.spec import REST_SIGNAL, UP_SIGNAL
+    from gpuwarden.serving.run.supervisor import RUNNING
+
+    both, engine, proxy, ops, clock = engine_and_proxy(tmp_path)
+    seam, idle = SeamLog(ops), config.IdleConfig("clocks", 60.0)
+    quiet = SimpleNamespace(requests_running=0, requests_waiting=0)
+    pid = engine.child.pid
+    ops.say(proxy.child.pid, IDLE_WORD)
+    both.tick(clock.now)
+    ops.sent.clear()
+    hear_idle(both, idle, False, clock.now, quiet, seam)
+    assert seam.said == [("rest", tuple(g.index for g in engine.spec.gpus), 0)]
+    assert engine.state == RUNNING and engine.child.pid == pid and engine.view().clocks_rest
+    assert [(p, s) for _, p, s in ops.sent] == [(proxy.child.pid, REST_SIGNAL)]  # told after the lock
+    clock.advance(3600)
+    both.tick(clock.now)
+    hear_idle(both, idle, False, clock.now, None, seam)
+    assert engine.state == RUNNING and engine.child.pid == pid and len(seam.said) == 1
+    ops.say(proxy.child.pid, WAKE_WORD)
+    both.tick(clock.now)
+    before = len(ops.sent)
+    hear_idle(both, idle, False, clock.now, None, seam)
+    assert seam.said[-1][:2] == ("wake", "a request came through the proxy") and seam.said[-1][2] == before
+    assert ops.sent[before:] and ops.sent[before][1:] == (proxy.child.pid, UP_SIGNAL)  # after the clocks are back
+    assert not engine.view().clocks_rest and engine.view().rests == 1 and engine.view().wake_s is not None
+    # rested again, and the engine ends meanwhile: its clocks come back on the next tick, whatever restarts it
+    ops.say(proxy.child.pid, IDLE_WORD)
+    both.tick(clock.now)
+    hear_idle(both, idle, False, clock.now, quiet, seam)
+    assert engine.view().clocks_rest
+    ops.exit[pid] = 1
+    ops.groups[engine.child.pgid] = []
+    clock.advance(1)
+    both.tick(clock.now)
+    hear_idle(both, idle, False, clock.now, None, seam)
+    assert seam.said[-1][0] == "wake" and "the engine is" in seam.said[-1][1] and not engine.view().clocks_rest
+
+
+def test_where_the_clocks_cannot_rest_the_engine_serves_on_as_it_is_and_the_proxy_is_not_told_rest(tmp_path, caplog):
+    from test_planned_restart import engine_and_proxy
+
+    from gpuwarden.serving.run.resting import hear_idle
+    from gpuwarden.serving.run.spec import REST_SIGNAL
+
+    both, engine, proxy, ops, clock = engine_and_proxy(tmp_path)
+    seam = SeamLog(ops, refuse="a sweep of power_limit_w holds the GPUs (tune)")
+    ops.sent.clear()
+    ops.say(proxy.child.pid, IDLE_WORD)
+    both.tick(clock.now)
+    with caplog.at_level(logging.WARNING, logger="gpuwarden"):
+        hear_idle(both, config.IdleConfig("clocks", 60.0), False, clock.now,
+                  SimpleNamespace(requests_running=0, requests_waiting=0), seam)
+    assert not engine.view().clocks_rest and REST_SIGNAL not in [s for _, _, s in ops.sent]
+    assert any("does not rest its clocks" in r.getMessage() and "a sweep of power_limit_w" in r.getMessage()
+               for r in caplog.records)
+
+
+@pytest.mark.parametrize("word_at", [2.0, None], ids=["the-word", "no-word"])
+def test_at_a_clocks_rest_the_proxy_holds_a_request_until_the_daemons_word_though_the_engine_answers(
+        word_at, monkeypatch, caplog):
+    """proxy/hold.py on a driven clock (each look at /health half a second of it, none slept): the resting engine
+    answers 200 all along, so a held request waits for the daemon's UP (its clocks back), not for a look; with no
+    word within CLOCKS_BACK_S (a daemon gone) it goes to the engine as it is, said once, never refused."""
+    from gpuwarden.proxy import hold as hold_module
+    from gpuwarden.proxy.hold import CLOCKS_BACK_S, Hold
+    from harness.book import Clock
+
+    monkeypatch.setattr(hold_module, "HEALTH_EVERY_S", 0)
+
+    async def scenario():
+        clock, looks = Clock(), []
+        hold = None
+
+        async def answers():
+            clock.now += 0.5
+            looks.append(clock.now)
+            if word_at is not None and clock.now - looks[0] >= word_at and hold.resting:
+                hold.engine_up()  # the daemon's word, between two looks
+            return True
+
+        hold = Hold(300, 16, answers, SimpleNamespace(observe=lambda s: None), clock=clock)
+        hold.rest_ends_on_word = True
+        hold.engine_resting()
+        began = clock.now
+        await asyncio.wait_for(hold.wait(SimpleNamespace(transport=object()), began), 5)  # a bound on a hang
+        await hold.stop()
+        return clock.now - began, looks
+
+    with caplog.at_level(logging.WARNING, logger="gpuwarden.proxy"):
+        held, looks = asyncio.run(scenario())
+    late = [r.getMessage() for r in caplog.records if "clocks are back" in r.getMessage()]
+    assert len(looks) >= 4  # the engine answered look after look, and the request was still held
+    if word_at is not None:
+        assert word_at <= held < CLOCKS_BACK_S and not late, (held, late)
+    else:
+        assert CLOCKS_BACK_S <= held < CLOCKS_BACK_S + 1 and len(late) == 1, (held, late)
+
+
+def gpu_rows(text: str, name: str) -> dict[str, float]:
+    """A per-GPU metric's values by its gpu label."""
+    return {line.split('gpu="')[1].split('"')[0]: float(line.split()[-1]) for line in text.splitlines()
+            if line.startswith(name + "{")}
+
+
+@pytest.mark.process
+def test_a_clocks_rest_draws_bare_idle_with_the_engine_running_and_the_next_request_gets_its_clocks_back_first(
+        write, fake, daemons, proxy_daemon, no_fakes_left):
+    """The daemon, the proxy and the fake engine as processes, on the simulated H100s (an idle engine's context: 50 W
+    a card at its boost clock): after after_s (10 s) without a request the engine runs on, its process the same, and
+    each card draws within 5 % of its bare idle at its lowest clock; a request through the proxy is held, the
+    clocks come back, and only then is it sent and answered 200. The order is the daemon's journal's: the proxy's
+    line that it sent the held request comes after the daemon's line that the clocks are back (it can only be
+    written after the daemon's word, sent after that line)."""
+    import json
+    import os
+    import urllib.request
+
+    from test_planned_restart import Clients, with_proxy
+
+    from gpuwarden.gpu.sim.scenario import load_scenario, resolve_scenario
+
+    h100 = resolve_scenario("h100-nvswitch").read_text()  # its cards, without its timeline's bursts of load
+    quiet = write("quiet-h100.yaml", h100.split("timeline:")[0] + "timeline:\n  - {at_s: 0, event: load, "
+                  "utilization_pct: 0, memory_used_pct: 1}\n")
+    models = {str(i): m for i, m in enumerate(load_scenario(quiet).gpus)}
+    path, base, port, proxy_port = with_proxy(write, fake, hold_s=120)
+    path.write_text(path.read_text().replace("scenario: dgx-spark", f"scenario: {quiet}")
+                    + "  idle: {action: clocks, after_s: 10}\n")
+    command, env = proxy_daemon
+    d = daemons(path, command=command, env=env)
+    d.wait_for("vLLM healthy after", timeout=30)
+    d.wait_for("the proxy healthy after", timeout=30)
+    pid = int(d.wait_for("vLLM starting (pid", timeout=1).split("(pid ")[1].split(",")[0])
+    awake = gpu_rows(urllib.request.urlopen(base + "/metrics", timeout=10).read().decode(), "gpuwarden_gpu_power_watts")
+    assert all(watts == pytest.approx(models[gpu].idle_power_w + models[gpu].context_w) for gpu, watts in
+               awake.items()), awake  # the engine's context at its boost clock: what the rest saves
+    d.wait_for("vLLM rests (clocks): no request through the proxy for 10 s", timeout=120)
+    d.wait_for("proxy: the engine rests (serve.idle)", timeout=30)
+    assert os.path.exists(f"/proc/{pid}")  # the engine runs on: its context, its memory, its port
+    status = json.loads(urllib.request.urlopen(base + "/status", timeout=10).read())
+    assert status["serving"]["state"] == "RUNNING" and status["serving"]["clocks_rest"], status["serving"]
+    wait = time.monotonic() + 30  # a bound on a hang: the poll after the lock reads the cards at it
+
+    def read():
+        text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+        return text, gpu_rows(text, "gpuwarden_gpu_power_watts"), gpu_rows(text, "gpuwarden_gpu_sm_clock_hertz")
+
+    text, watts, clocks = read()
+    while time.monotonic() < wait and any(clocks.get(g) != min(m.graphics_clocks_mhz) * 1e6
+                                          for g, m in models.items()):
+        time.sleep(0.2)
+        text, watts, clocks = read()
+    assert watts and set(watts) == set(models), watts
+    for gpu, model in models.items():
+        assert abs(watts[gpu] - model.idle_power_w) <= 0.05 * model.idle_power_w, (gpu, watts[gpu], model.idle_power_w)
+        assert clocks[gpu] == min(model.graphics_clocks_mhz) * 1e6, (gpu, clocks[gpu])
+    assert 'gpuwarden_serving_clocks_at_rest{child="vllm"} 1.0' in text.splitlines()
+    mark = len(d.lines)
+    client = Clients(proxy_port)
+    client.stop()  # none but the one below
+    client.one(0.2)
+    assert client.outcomes and client.outcomes[0][0] == 200, client.outcomes
+    back = d.wait_index("gpu_clocks back on GPU", after=mark, timeout=10)
+    awake = d.wait_index("vLLM awake: its clocks back in", after=mark, timeout=10)
+    sent = d.wait_index("proxy: engine back after", after=mark, timeout=10)
+    assert back < awake < sent, (back, awake, sent)
+    assert os.path.exists(f"/proc/{pid}") and "vLLM starting (pid" not in "\n".join(d.lines[mark:])  # no restart
+    text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+    assert 'gpuwarden_serving_clocks_at_rest{child="vllm"} 0.0' in text.splitlines()
+    assert 'gpuwarden_serving_rests_total{child="vllm"} 1.0' in text.splitlines()
+    assert d.stop() == 0
