@@ -110,8 +110,8 @@ def test_a_daemon_killed_during_a_clocks_rest_leaves_no_card_slow_after_its_next
     assert gpus[0].gpu_lock == (1410, 1410) and gpus[1].gpu_lock is None
     assert gpus[0].sample().sm_clock_mhz == 1410 and gpus[1].sample().sm_clock_mhz > min(
         gpus[1].capabilities().graphics_clocks_mhz)
-    said = [r.getMessage() for r in caplog.records if "did not end" in r.getMessage()]
-    assert len(said) == 1 and "the daemon before this one was killed during the engine's rest" in said[0], said
+    said = [r.getMessage() for r in caplog.records if "putting the setting back" in r.getMessage()]
+    assert len(said) == 1 and "rest" in said[0] and "the daemon before this one was killed during it" in said[0], said
     assert not (tmp_path / "sweep.json").exists()
 
 

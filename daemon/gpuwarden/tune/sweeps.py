@@ -67,11 +67,16 @@ class Sweeps:
             if data.get("boot_id") == boot_id():  # after a reboot the card is at its defaults again
                 by_uuid = {g.uuid: g.index for g in self.tuning.backend.gpus()}
                 gpus = [by_uuid[u] for u in data["gpus"] if u in by_uuid]
-                what = "the engine's rest (serve.idle's clocks)" if data.get("kind") == "rest" else "the sweep"
-                log.log(NOTICE, "%s of %s on GPU %s did not end (%s): putting the setting back", what.capitalize(),
-                        data["setting"], ", ".join(map(str, gpus)),
-                        f"the daemon handed over to the installed code during {what}; its lease does not pass "
-                        "over" if handover else f"the daemon before this one was killed during {what}")
+                if data.get("kind") == "rest":
+                    log.log(NOTICE, "the engine's rest (serve.idle's clocks) held %s on GPU %s (%s): putting the "
+                            "setting back", data["setting"], ", ".join(map(str, gpus)),
+                            "the daemon handed over to the installed code during it" if handover
+                            else "the daemon before this one was killed during it")
+                else:
+                    log.log(NOTICE, "a sweep of %s on GPU %s did not end (%s): putting the setting back",
+                            data["setting"], ", ".join(map(str, gpus)),
+                            "the daemon handed over to the installed code mid-sweep; the sweep's lease ended with "
+                            "its connection" if handover else "the daemon before this one was killed mid-sweep")
                 self._put_back(data["setting"], gpus, originals=data.get("kind") == "rest")
         except MarkerError as exc:
             log.warning("sweep marker %s ignored: %s", self.marker, exc)
