@@ -75,21 +75,21 @@ def test_a_clocks_rest_locks_the_engines_gpus_at_their_lowest_clock_and_the_wake
 
 def test_the_wake_puts_back_the_configured_lock_and_a_sweep_and_a_rest_never_hold_the_gpus_at_once(tmp_path):
     """A configured lock (tuning.gpu_clocks) is what the wake puts back, straight from the rest's clock. tune's sweep
-    is refused while a rest holds the lease, and a rest while a sweep does (the engine then serves on as it is)."""
+    ends a rest when it begins (the clocks back first), and no rest begins while a sweep holds the lease (the engine
+    then serves on as it is)."""
     backend, life, sweeps, clocks = rig(tmp_path, "tuning: {gpu_clocks: [1410, 1410]}\n")
     gpu = backend.gpus()[0]
     assert gpu.gpu_lock == (1410, 1410)
     assert clocks.rest([0]) is None and gpu.gpu_lock[1] < 1410
-    answer = sweeps.handle({"op": "begin", "setting": "gpu_clocks", "lease_s": 60, "gpus": [1], "force": True},
-                           "tune", owner=object())
-    assert not answer["ok"] and REST in answer["error"], answer
     clocks.wake("a request came")
     assert gpu.gpu_lock == (1410, 1410) and not clocks.resting
+    assert clocks.rest([0]) is None and gpu.gpu_lock[1] < 1410
     tune = object()
-    assert sweeps.handle({"op": "begin", "setting": "power_limit_w", "lease_s": 60, "gpus": [0], "force": True},
-                         "tune", owner=tune)["ok"]
+    answer = sweeps.handle({"op": "begin", "setting": "gpu_clocks", "lease_s": 60, "gpus": [1], "force": True},
+                           "tune", owner=tune)
+    assert answer["ok"] and not clocks.resting and gpu.gpu_lock == (1410, 1410), answer
     refused = clocks.rest([0])
-    assert refused is not None and "a sweep of power_limit_w holds the GPUs" in refused
+    assert refused is not None and "a sweep of gpu_clocks holds the GPUs" in refused
     assert gpu.gpu_lock == (1410, 1410) and not clocks.resting
     sweeps.lost(tune, "its connection closed")
 
@@ -97,7 +97,8 @@ def test_the_wake_puts_back_the_configured_lock_and_a_sweep_and_a_rest_never_hol
 def test_a_daemon_killed_during_a_clocks_rest_leaves_no_card_slow_after_its_next_start(tmp_path, caplog):
     """The rest's marker is on disk before its lock: the next daemon's start (Sweeps.recover, then the tuning) puts
     the cards back, the configured lock on the card that has one, none on the others, and says why in one line."""
-    backend, life, sweeps, clocks = rig(tmp_path, "tuning: {gpu_clocks: none, gpus: {'0': {gpu_clocks: [1410, 1410]}}}\n")
+    backend, life, sweeps, clocks = rig(tmp_path,
+                                        "tuning: {gpu_clocks: none, gpus: {'0': {gpu_clocks: [1410, 1410]}}}\n")
     assert clocks.rest([0, 1]) is None
     gpus = backend.gpus()
     assert gpus[0].gpu_lock[1] < 1410 and gpus[1].gpu_lock is not None
@@ -136,14 +137,16 @@ class SeamLog:
     """The daemon's seam for the test: what the supervisor asked, in order, beside the signals the proxy got."""
 
     def __init__(self, ops, refuse=None):
-        self.ops, self.refuse, self.said = ops, refuse, []
+        self.ops, self.refuse, self.said, self.resting = ops, refuse, [], False
 
     def rest(self, gpus):
         self.said.append(("rest", tuple(gpus), len(self.ops.sent)))
+        self.resting = self.refuse is None
         return self.refuse
 
     def wake(self, why):
         self.said.append(("wake", why, len(self.ops.sent)))
+        self.resting = False
         return []
 
 
@@ -207,7 +210,7 @@ def test_where_the_clocks_cannot_rest_the_engine_serves_on_as_it_is_and_the_prox
     ops.sent.clear()
     ops.say(proxy.child.pid, IDLE_WORD)
     both.tick(clock.now)
-    with caplog.at_level(logging.WARNING, logger="gpuwarden"):
+    with caplog.at_level(logging.INFO, logger="gpuwarden"):
         hear_idle(both, config.IdleConfig("clocks", 60.0), False, clock.now,
                   SimpleNamespace(requests_running=0, requests_waiting=0), seam)
     assert not engine.view().clocks_rest and REST_SIGNAL not in [s for _, _, s in ops.sent]
@@ -329,3 +332,132 @@ def test_a_clocks_rest_draws_bare_idle_with_the_engine_running_and_the_next_requ
     assert 'gpuwarden_serving_clocks_at_rest{child="vllm"} 0.0' in text.splitlines()
     assert 'gpuwarden_serving_rests_total{child="vllm"} 1.0' in text.splitlines()
     assert d.stop() == 0
+
+
+def test_the_settings_shown_follow_the_rest_a_sweeps_begin_ends_it_and_a_failed_lock_leaves_no_lease(tmp_path,
+                                                                                                     monkeypatch):
+    """During a rest the lock in force is shown as the rest's (tuning.locks, gpuwarden_gpu_sm_clock_lock_hertz), and
+    the tuning's own again after it. A tune sweep's begin ends the rest (the clocks back, then the sweep's lease);
+    the serving side's wake then has nothing left to put back. A lock that raises leaves no lease behind."""
+    backend, life, sweeps, clocks = rig(tmp_path,
+                                        "tuning: {gpu_clocks: none, gpus: {'0': {gpu_clocks: [1410, 1410]}}}\n")
+    before = dict(life.locks)
+    assert clocks.rest([0, 1]) is None
+    lowest = min(backend.gpus()[0].capabilities().graphics_clocks_mhz)
+    assert life.locks[0][0] == (lowest, lowest) and life.locks[1][0] == (lowest, lowest)
+    tune = object()
+    answer = sweeps.handle({"op": "begin", "setting": "power_limit_w", "lease_s": 60, "gpus": [0], "force": True},
+                           "tune", owner=tune)
+    assert answer["ok"] and not clocks.resting and sweeps.lease.kind == "sweep", answer
+    assert backend.gpus()[0].gpu_lock == (1410, 1410) and backend.gpus()[1].gpu_lock is None
+    assert clocks.wake("the settings lease ended") == [] and life.locks == before
+    sweeps.lost(tune, "its connection closed")
+
+    apply = life.tuner.apply
+
+    def broken(plan):  # once: the rest's lock; the put-back works
+        monkeypatch.setattr(life.tuner, "apply", apply)
+        raise RuntimeError("a GPU vanished")
+
+    monkeypatch.setattr(life.tuner, "apply", broken)
+    refused = clocks.rest([0])
+    assert refused == "RuntimeError: a GPU vanished" and sweeps.lease is None and not clocks.resting
+    assert life.held == set() and life.locks == before and not (tmp_path / "sweep.json").exists()
+
+
+def test_a_daemon_killed_before_the_rests_original_was_saved_still_leaves_the_card_unlocked(tmp_path):
+    """The original is saved after the lock (Tuner.apply): killed between the two, the next daemon finds the rest's
+    marker and no original on record, and unlocks the card rather than leave it at its lowest clock."""
+    backend, life, sweeps, clocks = rig(tmp_path)
+    assert clocks.rest([2]) is None and backend.gpus()[2].gpu_lock is not None
+    later = TuningLife(backend, life.config, Tuner(backend, OriginalsStore(tmp_path / "lost.json", "boot")))
+    Sweeps(later, marker=tmp_path / "sweep.json").recover()
+    assert backend.gpus()[2].gpu_lock is None
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    ("poll_interval_s: 5\n", "poll_interval_s is 5 s"),
+    ("", "serve.proxy.hold_s is 10 s"),
+], ids=["slow-poll", "short-hold"])
+def test_a_clocks_rest_needs_a_poll_that_hears_the_wake_in_time_and_a_hold_that_outlasts_it(extra, fragment):
+    hold = 60 if extra else 10
+    text = extra + serve(f"  proxy: {{enabled: true, hold_s: {hold}}}\n  idle: {{action: clocks}}\n")
+    with pytest.raises(ConfigErrors) as raised:
+        config.parse_text(text, name="c.yaml")
+    lines = [str(e) for e in raised.value.errors]
+    assert len(lines) == 1 and ": serve.idle.action: " in lines[0] and fragment in lines[0], lines
+
+
+def test_an_idle_heard_with_a_wake_rests_nothing_and_a_request_running_at_the_engine_ends_the_rest(tmp_path):
+    """The review's C1: the proxy's idle and its wake in one tick (the idle older than the request held at the
+    proxy, which the engine's metrics cannot show): the clocks come back and stay back. Its M1: a request running at
+    the engine by its own metrics (sent before the proxy held, or not through it) ends the rest at the next tick."""
+    from test_planned_restart import engine_and_proxy
+
+    from gpuwarden.serving.run.resting import hear_idle
+
+    both, engine, proxy, ops, clock = engine_and_proxy(tmp_path)
+    seam, idle = SeamLog(ops), config.IdleConfig("clocks", 60.0)
+    quiet = SimpleNamespace(requests_running=0, requests_waiting=0)
+    ops.say(proxy.child.pid, IDLE_WORD)
+    both.tick(clock.now)
+    hear_idle(both, idle, False, clock.now, quiet, seam)
+    assert engine.view().clocks_rest
+    ops.say(proxy.child.pid, IDLE_WORD + WAKE_WORD)
+    both.tick(clock.now)
+    hear_idle(both, idle, False, clock.now, quiet, seam)
+    assert [what for what, *_ in seam.said] == ["rest", "wake"] and not engine.view().clocks_rest
+    ops.say(proxy.child.pid, IDLE_WORD)
+    both.tick(clock.now)
+    hear_idle(both, idle, False, clock.now, quiet, seam)
+    assert engine.view().clocks_rest
+    hear_idle(both, idle, False, clock.now, SimpleNamespace(requests_running=1, requests_waiting=0), seam)
+    assert seam.said[-1][:2] == ("wake", "the engine has a request running or waiting")
+    assert not engine.view().clocks_rest and engine.view().wake_s is not None  # the first wake's, by a request
+
+
+def test_the_proxy_at_a_clocks_rest_wakes_for_a_request_in_flight_takes_a_stop_as_planned_and_nags_a_lost_wake(
+        monkeypatch):
+    """The review's M1, M3 and M2 on the proxy's side, no sleep: a REST that finds a request still at the engine
+    says wake at once; a planned stop's word during a clocks rest is answered (holding), as any stop's; after the
+    fallback the wake is said again until the daemon's word comes."""
+    from gpuwarden.proxy import hold as hold_module
+    from gpuwarden.proxy.hold import Hold
+    from gpuwarden.serving.run import word
+    from harness.book import Clock
+
+    said = []
+    monkeypatch.setattr(word, "say", lambda w, *a: said.append(w) or True)
+    monkeypatch.setattr(hold_module, "WAKE_AGAIN_S", 0)
+
+    async def scenario():
+        clock = Clock()
+
+        async def answers():
+            return True
+
+        hold = Hold(300, 16, answers, SimpleNamespace(observe=lambda s: None), clock=clock)
+        hold.rest_ends_on_word, hold.in_flight = True, lambda: 1
+        hold.engine_resting()
+        woke = said.count(word.WAKE)
+        hold.engine_stopping()
+        stopping = (hold.planned_since is not None, hold.resting, said[-1])
+        hold.engine_up()
+        hold.engine_resting()
+        hold.in_flight = lambda: 0
+        hold._unconfirmed = True
+        nagger = asyncio.ensure_future(hold._nag())
+        for _ in range(5):
+            await asyncio.sleep(0)
+        nagged = said.count(word.WAKE)
+        hold.engine_up()
+        for _ in range(3):
+            await asyncio.sleep(0)
+        await asyncio.wait_for(nagger, 1)
+        await hold.stop()
+        return woke, stopping, nagged
+
+    woke, stopping, nagged = asyncio.run(scenario())
+    assert woke == 1  # the request in flight woke it at once
+    assert stopping == (True, False, word.HOLDING)
+    assert nagged >= 3  # said again and again until the word; then the nag ended (wait_for above)

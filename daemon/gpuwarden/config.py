@@ -148,6 +148,11 @@ class ContainerConfig:
 
 
 IDLE_ACTIONS = ("stop", "clocks")  # design/idle-engine.md
+# serve.idle's clocks puts the clocks back at the daemon's next tick after the proxy's wake (the word pipes are read
+# each poll): the proxy holds a request that long, IDLE_CLOCKS_BACK_S at most (proxy/hold.py), then sends it as it
+# is. So the poll must be well inside it, and hold_s must outlast it.
+IDLE_CLOCKS_BACK_S = 10.0
+IDLE_CLOCKS_POLL_MAX_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -414,7 +419,7 @@ def _validate(doc: Document, files: tuple[str, ...]) -> Config:
     r.mapping(("metrics",), ("listen", "web_config"))
     serve = _serve_section(r, Path(doc.file).parent)
     _listeners_apart(r, listeners(metrics, serve))
-    _idle_fits(r, serve, tuning.apply)
+    _idle_fits(r, serve, tuning.apply, float(poll))
     r.raise_if_errors()
     return Config(gpu=gpu, poll_interval_s=float(poll), counters_interval_s=float(counters),
                   log_interval_s=float(log_interval), tuning=tuning, alerts=alerts, health=health, metrics=metrics,
@@ -510,7 +515,7 @@ def _idle_section(r: Reader) -> IdleConfig | None:
                       after_s=float(r.number(base + ("after_s",), d.after_s, IDLE_MIN_S, IDLE_MAX_S, unit=" s")))
 
 
-def _idle_fits(r: Reader, serve: ServeConfig, tuning_applies: bool) -> None:
+def _idle_fits(r: Reader, serve: ServeConfig, tuning_applies: bool, poll_s: float) -> None:
     """serve.idle against the rest of the config: the proxy must be in front (it sees every request and holds the
     first one while the engine wakes); one host only; `clocks` sets the GPUs' clocks, which a read-only daemon
     does not."""
@@ -520,6 +525,15 @@ def _idle_fits(r: Reader, serve: ServeConfig, tuning_applies: bool) -> None:
     if idle.action == "clocks" and not tuning_applies:
         r.fail(("serve", "idle", "action"), "serve.idle's clocks locks the GPUs' clocks while the engine rests, and "
                "this daemon is read-only (tuning.apply: false)", "tuning.apply: true, or action: stop")
+    elif idle.action == "clocks" and poll_s > IDLE_CLOCKS_POLL_MAX_S:
+        r.fail(("serve", "idle", "action"), f"serve.idle's clocks puts the clocks back at the daemon's next poll, "
+               f"and poll_interval_s is {poll_s:g} s: the request that wakes the engine would wait that long "
+               f"(past {IDLE_CLOCKS_BACK_S:g} s it is sent at the lowest clock)",
+               f"poll_interval_s at most {IDLE_CLOCKS_POLL_MAX_S:g}, or action: stop")
+    if idle.action == "clocks" and serve.proxy.enabled and 0 < serve.proxy.hold_s <= IDLE_CLOCKS_BACK_S:
+        r.fail(("serve", "idle", "action"), f"serve.idle's clocks holds the request that wakes the engine up to "
+               f"{IDLE_CLOCKS_BACK_S:g} s, and serve.proxy.hold_s is {serve.proxy.hold_s:g} s: it could be refused "
+               "while the engine serves", f"serve.proxy.hold_s above {IDLE_CLOCKS_BACK_S:g}")
     if not serve.proxy.enabled:
         r.fail(("serve", "idle"), "serve.idle needs the proxy in front of the engine: it sees every request, and "
                "holds the first one while the engine wakes", "serve.proxy.enabled: true")

@@ -37,6 +37,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from prometheus_client import Histogram
 
+from ..config import IDLE_CLOCKS_BACK_S as CLOCKS_BACK_S
 from ..serving.run import word
 from .body import Refusal
 
@@ -49,10 +50,9 @@ UP, GONE, CLOSING, NOT_RESTARTING = "up", "gone", "closing", "not restarting"
 # A client's wait after a 503 while the engine is not restarted: an operator's SIGHUP or a GPU's reset, not seconds.
 NOT_RESTARTING_RETRY_S = 30
 WAKE_AGAIN_S = 5.0  # a rest's word that a request came, said again at most this often while requests come
-# serve.idle's clocks: the longest a held request waits for the daemon's word that the engine's clocks are back. Their
-# put-back is a few NVML calls on the daemon's next tick (a poll, 1 s by default); past this the daemon is taken to be
-# gone, and the request goes to the engine at whatever clock it has (slow beats failed).
-CLOCKS_BACK_S = 10.0
+# serve.idle's clocks: CLOCKS_BACK_S is the longest a held request waits for the daemon's word that the engine's
+# clocks are back (config.py says why 10 s); past it the request goes to the engine at whatever clock it has (slow
+# beats failed), and the wake is said again every WAKE_AGAIN_S until the word comes (a wake the daemon lost).
 
 
 class Hold:
@@ -77,6 +77,9 @@ class Hold:
         # serve.idle's clocks: the resting engine still answers /health, so only the daemon's word (engine_up) ends
         # a rest's hold, once its GPUs' clocks are back; CLOCKS_BACK_S at most (a daemon gone): sent as it is
         self.rest_ends_on_word = False
+        self.in_flight: Callable[[], int] = lambda: 0  # requests at the engine now (the proxy's quiet.py count)
+        self._unconfirmed = False  # a clocks rest's hold ended without the daemon's word: say the wake until it comes
+        self._nagger: asyncio.Task | None = None
         self._woken_at: float | None = None  # when this rest's wake was last said
 
     @property
@@ -92,6 +95,8 @@ class Hold:
         """The daemon's word (SIGUSR1) that the engine begins a planned stop: hold every new request from now. The
         answer on the word pipe (serving/run/word.py) is what the daemon waits for before it sends the engine
         SIGTERM; the line logged is for people."""
+        if self.resting and self.rest_ends_on_word:  # a clocks rest's engine runs, and now stops: a planned stop
+            self.resting, self._woken_at, self._unconfirmed = False, None, False
         if self.closing or self.planned or self._answered_off:  # each word comes twice (serving/run/fronts.py)
             return
         if not self.on:  # no hold: the answer alone, once until the engine is back
@@ -114,7 +119,7 @@ class Hold:
         if self.not_restarting:
             log.info("proxy: told the engine is healthy again: requests go to it")
         self.planned_since, self._answered_off, self.not_restarting = None, False, False
-        self.resting, self._woken_at = False, None
+        self.resting, self._woken_at, self._unconfirmed = False, None, False
         if self.down_since is not None:
             self._end(UP)
 
@@ -138,8 +143,10 @@ class Hold:
         if self.closing or self.resting:  # each word comes twice (serving/run/fronts.py)
             return
         self.resting, self._woken_at, self.planned_since, self._answered_off = True, None, None, False
+        self._unconfirmed = False
         log.info("proxy: the engine rests (serve.idle): the next request is held and wakes it")
-        if self.waiting:
+        # a clocks rest's engine may have requests still running (sent before this word): they wake it too
+        if self.waiting or (self.rest_ends_on_word and self.in_flight()):
             self._wake()
 
     def _wake(self) -> None:
@@ -271,7 +278,10 @@ class Hold:
                 if self.clock() - self.down_since < CLOCKS_BACK_S:
                     continue  # the daemon puts the clocks back, then says the engine is up
                 log.warning("proxy: no word within %g s that the resting engine's clocks are back: sending the held "
-                            "requests to it as it is", CLOCKS_BACK_S)
+                            "requests to it as it is, and saying the wake again every %g s until the word comes",
+                            CLOCKS_BACK_S, WAKE_AGAIN_S)
+                self._unconfirmed = True
+                self._nagger = asyncio.get_running_loop().create_task(self._nag())
             if answers:
                 self.planned_since, self.resting = None, False  # an engine that answers rests no more
                 self._end(UP)
@@ -279,6 +289,14 @@ class Hold:
             if not self.waiting and self.clock() - self.down_since >= max(self.hold_s, QUIET_S):
                 self._end(None)
                 return
+
+    async def _nag(self) -> None:
+        """A clocks rest's hold ended without the daemon's word (CLOCKS_BACK_S): its wake may have been lost (a full
+        pipe), and the engine serves at its lowest clock meanwhile. Say it again until the word comes (engine_up)."""
+        while self._unconfirmed and not self.closing:
+            await asyncio.sleep(WAKE_AGAIN_S)
+            if self._unconfirmed and not self.closing:
+                word.say(word.WAKE)
 
     def _lapse(self) -> None:
         """hold_s since the word, and the engine never seen down: it was not restarted after all. The requests held
@@ -312,6 +330,7 @@ class Hold:
             watcher.cancel()  # ended by the daemon's word, not by the watcher
 
     async def stop(self) -> None:
-        if self._watcher is not None:
-            self._watcher.cancel()
-            await asyncio.gather(self._watcher, return_exceptions=True)
+        for task in (self._watcher, self._nagger):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)

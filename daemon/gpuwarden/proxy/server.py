@@ -247,6 +247,7 @@ class Proxy:
         # clients left while the engine answers them) would otherwise make a look wait for a slot and time out.
         self.hold = Hold(hold_s, hold_max, lambda: answers(self.looks, self.upstream + self.health_path),
                          metrics.held)
+        self.hold.in_flight = lambda: self.quiet.in_flight
         metrics.now["gpuwarden_proxy_held_requests"] = ("Requests waiting now for the engine to come back",
                                                         lambda: len(self.hold.waiting))
         metrics.now["gpuwarden_proxy_body_bytes"] = ("Bytes of request bodies and their parses held now, of "
@@ -295,7 +296,8 @@ class Proxy:
         """serve.idle: the word that the engine is idle, when it is due (quiet.py), looked at once a second."""
         while True:
             await asyncio.sleep(min(1.0, self.quiet.due_in() or 1.0))
-            self.quiet.tick()
+            if not self.hold.resting:  # at rest it is idle by the daemon's word: an idle said then could meet a wake
+                self.quiet.tick()
 
     async def _closing(self, app) -> None:
         self.hold.close()  # held requests get their 503 while the connections are still open

@@ -42,6 +42,8 @@ def plan_reload(new: Config, running: Config, tuning: TuningLife, serving: Servi
     """The reload of `new` over the running config; InvalidConfig where it does not fit."""
     kept = [key for key in RESTART_ONLY if getattr(new, key) != getattr(running, key)]
     new = dataclasses.replace(new, **{key: getattr(running, key) for key in kept})
+    if serving.clocks is not None:  # a plan made under a rest's low lock would judge gpu_clocks: auto on it
+        serving.clocks.wake("a reload reads the tuning again")
     plan = tuning.check(new)
     refuse_unlistenable(new, handover=False)
     # lint, with the installed versions from the cache (read again before this, off the loop, where they changed):

@@ -26,6 +26,8 @@ SETTING = "gpu_clocks"
 class IdleClocks:
     def __init__(self, sweeps: Sweeps):
         self.sweeps = sweeps
+        self._locks: dict[int, tuple] = {}  # the tuning's locks of the rested GPUs, shown again at the wake
+        self._rested: list[int] = []  # the GPUs of the rest under way (its lease may have been ended by another)
 
     @property
     def resting(self) -> bool:
@@ -53,16 +55,37 @@ class IdleClocks:
             sweeps.take(Lease(SETTING, sorted(lows), math.inf, math.inf, REST, REST, kind="rest"))
         except OSError as exc:
             return f"its marker cannot be saved to {sweeps.marker} ({exc.strerror or exc})"
-        plan = Plan(tuple(GpuPlan(i, g.uuid, "", (Action(i, g.uuid, SETTING, g.sample().sm_clock_mhz,
+        self._locks = {i: tuning.locks[i] for i in lows if i in tuning.locks}
+        try:
+            plan = Plan(tuple(GpuPlan(i, g.uuid, "", (Action(i, g.uuid, SETTING, g.sample().sm_clock_mhz,
                                                               (low, low), True, "rest"),))
-                          for i, (g, low) in sorted(lows.items())))
-        failed = [o.describe() for o in tuning.tuner.apply(plan) if not o.ok]
-        failed += [o.describe("verified") for o in tuning.tuner.verify(plan) if not o.ok]
+                              for i, (g, low) in sorted(lows.items())))
+            failed = [o.describe() for o in tuning.tuner.apply(plan) if not o.ok]
+            failed += [o.describe("verified") for o in tuning.tuner.verify(plan) if not o.ok]
+        except Exception as exc:  # a GPU that vanished meanwhile, a bug: the lease must not outlive the rest
+            failed = [f"{type(exc).__name__}: {exc}"]
         if failed:
-            sweeps.end("the rest's lock failed")
+            self.wake("the rest's lock failed")
             return "; ".join(failed)
+        self._rested = sorted(lows)
+        for i, (_, low) in lows.items():  # shown as the lock in force (gpuwarden_gpu_sm_clock_lock_hertz)
+            tuning.locks[i] = ((low, low), tuning.locks.get(i, (None, None))[1])
         return None
 
     def wake(self, why: str) -> list[str] | None:
-        """The rest's clocks put back and read back (what each GPU got, a line each); None: no rest holds them."""
-        return self.sweeps.end(why) if self.resting else None
+        """The rest's clocks put back and read back (what each GPU got, a line each; none where its lease was ended
+        already: a tune sweep's begin, the daemon's stop); None: no rest was under way."""
+        if not self._rested and not self.resting:
+            return None
+        gpus, tuning = self._rested or list(self.sweeps.lease.gpus), self.sweeps.tuning
+        self._rested = []
+        try:
+            done = self.sweeps.end(why) if self.resting else []
+        except Exception as exc:  # the lease is gone; its marker stays, and the next start puts the cards back
+            done = [f"putting the clocks back FAILED: {type(exc).__name__}: {exc}"]
+        for i in gpus:  # the tuning's own locks shown again
+            if i in self._locks:
+                tuning.locks[i] = self._locks[i]
+            else:
+                tuning.locks.pop(i, None)
+        return done

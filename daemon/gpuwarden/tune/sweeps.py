@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..base import smallfile
+from ..gpu import errors
 from . import tunables
 from .channel import LEASE_MAX_S, LEASE_MIN_S, SET_MIN_S, SETTINGS
 from .originals import boot_id
@@ -112,6 +113,8 @@ class Sweeps:
         return self.end(why)
 
     def _begin(self, message: dict, peer: str, owner: object = None) -> dict:
+        if self.lease is not None and self.lease.kind == "rest":  # an engine resting its clocks: a sweep ends it
+            self.end(f"a tune sweep begins ({peer})")
         if self.lease is not None:
             return {"ok": False, "error": f"a sweep of {self.lease.setting} runs already ({self.lease.peer})"}
         if not self.tuning.config.tuning.apply:
@@ -265,8 +268,17 @@ class Sweeps:
         made on the cards as they were)."""
         tuner, show = self.tuning.tuner, tunables.BY_KEY[setting].show
         if originals:
-            return [f"GPU {o.action.gpu} {setting}: as before gpuwarden: {'ok' if o.ok else 'FAILED, ' + o.message}"
-                    for o in tuner.restore(only={(g, setting) for g in gpus})]
+            outcomes = tuner.restore(only={(g, setting) for g in gpus})
+            done = [f"GPU {o.action.gpu} {setting}: as before gpuwarden: {'ok' if o.ok else 'FAILED, ' + o.message}"
+                    for o in outcomes]
+            for gpu in self.tuning.backend.gpus():  # killed between the lock and the save of its original: undone
+                if gpu.index in gpus and gpu.index not in {o.action.gpu for o in outcomes}:
+                    try:
+                        tunables.BY_KEY[setting].set(gpu, None)
+                        done.append(f"GPU {gpu.index} {setting}: unlocked (no original on record)")
+                    except errors.GpuError as exc:
+                        done.append(f"GPU {gpu.index} {setting}: unlocking FAILED, {exc}")
+            return done
         budget = self.tuning.budget
         if setting == "power_limit_w" and budget is not None and self.tuning.config.tuning.apply:
             budget.wake()

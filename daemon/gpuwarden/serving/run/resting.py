@@ -88,9 +88,10 @@ def hear_idle(children, idle, replacing: bool, now: float, stats, clocks=None) -
     since the word: the proxy says it again after the next quiet); its word that a request came while the engine
     rests wakes it (Supervisor.wake; clocks: wake_clocks). Each word is taken once."""
     main = children.main
-    if main.resting.clocks and (idle is None or idle.action != "clocks" or main.state != RUNNING or replacing):
-        wake_clocks(children, clocks, "serve.idle's clocks is off" if idle is None or idle.action != "clocks"
-                    else f"the engine is {main.state}" if main.state != RUNNING else "a reload replaces the engine")
+    if main.resting.clocks:
+        why = clocks_end(idle, main.state, replacing, clocks, stats)
+        if why is not None:
+            wake_clocks(children, clocks, why)
     if idle is None and main.state == RESTING:  # a reload took serve.idle away: what rests is woken
         children.wake(now, "serve.idle is off")
     front = next((p for p in children.programs.values() if p.spec.fronts_engine and p.word is not None), None)
@@ -98,10 +99,12 @@ def hear_idle(children, idle, replacing: bool, now: float, stats, clocks=None) -
         return
     idles, wakes, front.word.idles, front.word.wakes = front.word.idles, front.word.wakes, 0, 0
     if wakes and main.resting.clocks:
-        wake_clocks(children, clocks, "a request came through the proxy")
+        wake_clocks(children, clocks, "a request came through the proxy", request=True)
     elif wakes:
         children.wake(now, "a request came through the proxy")
-    if not idles or idle is None or replacing or main.state != RUNNING or main.resting.clocks:
+    # An idle heard with a wake in one tick is older than the request that woke it: no rest on it (the request is
+    # held at the proxy, so the engine's metrics could not show it)
+    if wakes or not idles or idle is None or replacing or main.state != RUNNING or main.resting.clocks:
         return
     if stats is not None and (stats.requests_running or stats.requests_waiting):
         log.info("%s not rested: the proxy saw no request for %g s, but the engine has %d running and %d waiting",
@@ -114,14 +117,33 @@ def hear_idle(children, idle, replacing: bool, now: float, stats, clocks=None) -
         children.rest(now, reason)
 
 
+def clocks_end(idle, state: str, replacing: bool, clocks, stats) -> str | None:
+    """Why a clocks rest ends now, other than a request through the proxy; None: it goes on."""
+    if idle is None or idle.action != "clocks":
+        return "serve.idle's clocks is off"
+    if state != RUNNING:
+        return f"the engine is {state}"
+    if replacing:
+        return "a reload replaces the engine"
+    if clocks is None or not clocks.resting:
+        return "the settings lease ended (a tune sweep began, or a reload)"
+    if stats is not None and (stats.requests_running or stats.requests_waiting):
+        return "the engine has a request running or waiting"  # one sent before the proxy held, or not through it
+    return None
+
+
 def rest_clocks(children, clocks, reason: str) -> None:
     """serve.idle's clocks: the engine's GPUs at their lowest clock (the daemon's seam), then the proxy told REST: it
-    holds the next request and says wake. Where the clocks cannot be set, the engine serves on as it is, said."""
+    holds the next request and says wake. Not while a stop or a swap of the children is under way; where the clocks
+    cannot be set, the engine serves on as it is, said."""
     main = children.main
+    if not children.may_rest:
+        return
     why_not = clocks.rest([gpu.index for gpu in main.spec.gpus]) if clocks is not None else \
         "this daemon sets no GPU clock"
     if why_not is not None:
-        log.warning("%s does not rest its clocks (%s): %s; it serves on as it is", main.title, reason, why_not)
+        level = logging.INFO if why_not.startswith("a sweep") else logging.WARNING  # a tune sweep: a choice
+        log.log(level, "%s does not rest its clocks (%s): %s; it serves on as it is", main.title, reason, why_not)
         return
     main.resting.clocks = True
     main.resting.rests += 1
@@ -129,14 +151,16 @@ def rest_clocks(children, clocks, reason: str) -> None:
     children.tell_fronts()
 
 
-def wake_clocks(children, clocks, why: str) -> None:
+def wake_clocks(children, clocks, why: str, request: bool = False) -> None:
     """The rest's clocks put back (the daemon's seam), and only then the proxy told UP: the held requests go to an
-    engine at its configured clocks. The wake's time is the put-back's."""
+    engine at its configured clocks. request: a request woke it, and the wake's time (the put-back's) is shown."""
     main = children.main
     main.resting.clocks = False
     began = time.monotonic()
     if clocks is not None:
         clocks.wake(why)
-    main.resting.wake_s = time.monotonic() - began
-    log.info("%s awake: its clocks back in %.3f s (%s)", main.title, main.resting.wake_s, why)
+    took = time.monotonic() - began
+    if request:
+        main.resting.wake_s = took
+    log.info("%s awake: its clocks back in %.3f s (%s)", main.title, took, why)
     children.tell_fronts()

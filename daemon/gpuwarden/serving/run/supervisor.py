@@ -537,11 +537,16 @@ class Supervisor:
         self.word.update(main.state == RUNNING and not clocks, main.state == STOPPING, self._fronts(),
                          down=main.state in (FATAL, HELD), resting=main.state == RESTING or clocks)
 
+    @property
+    def may_rest(self) -> bool:
+        """No stop's word waits for the fronts, no swap of children or stop of the fronts is under way."""
+        return not (self.word.waiting or self._incoming or self._fronts_stop)
+
     def rest(self, now: float, reason: str) -> bool:
         """The engine rests (serve.idle): stopped as a reload stops it, its fronts told first (they hold new
         requests), then RESTING (resting.py); False: it does not serve now, or a stop or a swap is under way."""
         main = self.main
-        if self.word.waiting or self._incoming or self._fronts_stop or not main.resting.rest(reason):
+        if not self.may_rest or not main.resting.rest(reason):
             return False
         if not self.word.stopping(self._fronts(), now):  # no front to tell: the SIGTERM at once
             main.stop(now)

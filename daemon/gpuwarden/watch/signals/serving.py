@@ -132,7 +132,8 @@ EXTRAS = (
      lambda snap: snap.serving.time_to_healthy_s))
 # serve.idle: new, no gpuwarden_vllm_* twin
 WAKE = ("wake_seconds", "Seconds from the request that woke the resting engine (serve.idle) to /health answering 200, "
-        "at its last wake (serve.idle's clocks: to its GPUs' clocks put back)", lambda snap: snap.serving.wake_s)
+        "at its last wake (serve.idle's clocks: the daemon's put-back of its GPUs' clocks, from when it heard the "
+        "request's wake)", lambda snap: snap.serving.wake_s)
 EFFICIENCY = ("tokens_per_joule", "Generated tokens per joule of the engine's GPUs (NVML's energy counters), over the "
               "last minute", lambda snap: snap.tokens_per_joule)  # new: no gpuwarden_vllm_* twin
 
@@ -184,7 +185,8 @@ ROWS = (
     Row("gpuwarden_serving_start_time_seconds", "When the running child's process started (seconds since the "
         "epoch; time() minus it is its uptime: an upgrade of gpuwarden does not reset it)", ("child",),
         _children(lambda c: [((c.engine,), c.started_at)] if c.started_at is not None else []), shown=_serving),
-    Row("gpuwarden_serving_rests", "Times the engine rested (stopped while no request came: serve.idle)", ("child",),
+    Row("gpuwarden_serving_rests", "Times the engine rested while no request came (serve.idle: stopped, or its GPUs "
+        "locked at their lowest clock)", ("child",),
         _children(lambda c: [((c.engine,), c.rests)]), COUNTER, lambda snap: _serving(snap) and snap.serving.rests > 0),
     Row("gpuwarden_serving_clocks_at_rest", "1 while the engine runs with its GPUs at their lowest clock because no "
         "request came (serve.idle's clocks), else 0", ("child",),
