@@ -3,6 +3,7 @@ the proxy's word that no request came (proxy/quiet.py) and the supervisor's rest
 on clocks the tests drive."""
 
 import signal
+import time
 
 import pytest
 
@@ -296,8 +297,12 @@ def test_the_engine_rests_after_the_quiet_and_the_next_request_through_the_proxy
         "vLLM wakes: a request came through the proxy", "vLLM starting (pid", "vLLM healthy after", "vLLM awake: healthy")]
     assert order == sorted(order), order
     d.wait_for("proxy: a request for the resting engine: waking it", after=mark, timeout=10)
-    text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
-    lines = text.splitlines()
+    # The poll that logs "awake" publishes its snapshot at its end: /metrics has the wake from that moment on
+    wait = time.monotonic() + 30  # a bound on a hang
+    lines = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode().splitlines()
+    while time.monotonic() < wait and not any(x.startswith("gpuwarden_serving_wake_seconds{") for x in lines):
+        time.sleep(0.2)
+        lines = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode().splitlines()
     assert 'gpuwarden_serving_rests_total{child="vllm"} 1.0' in lines, [x for x in lines if "rests" in x]
     assert any(x.startswith('gpuwarden_serving_wake_seconds{engine="vllm"} ') for x in lines), \
         [x for x in lines if "wake" in x]

@@ -259,6 +259,21 @@ def test_at_a_clocks_rest_the_proxy_holds_a_request_until_the_daemons_word_thoug
         assert CLOCKS_BACK_S <= held < CLOCKS_BACK_S + 1 and len(late) == 1, (held, late)
 
 
+def published(base: str, path: str, seen):
+    """The daemon's /status (parsed) or /metrics (text) once seen(body) holds: the poll that logs a line publishes its
+    snapshot at its end, so a read right after the line may still show the poll before. A bound on a hang (30 s),
+    not a speed."""
+    import json
+    import urllib.request
+
+    wait = time.monotonic() + 30
+    while True:
+        body = urllib.request.urlopen(base + path, timeout=10).read().decode()
+        if seen(body) or time.monotonic() > wait:
+            return json.loads(body) if path == "/status" else body
+        time.sleep(0.2)
+
+
 def gpu_rows(text: str, name: str) -> dict[str, float]:
     """A per-GPU metric's values by its gpu label."""
     return {line.split('gpu="')[1].split('"')[0]: float(line.split()[-1]) for line in text.splitlines()
@@ -300,7 +315,7 @@ def test_a_clocks_rest_draws_bare_idle_with_the_engine_running_and_the_next_requ
     d.wait_for("vLLM rests (clocks): no request through the proxy for 10 s", timeout=120)
     d.wait_for("proxy: the engine rests (serve.idle)", timeout=30)
     assert os.path.exists(f"/proc/{pid}")  # the engine runs on: its context, its memory, its port
-    status = json.loads(urllib.request.urlopen(base + "/status", timeout=10).read())
+    status = published(base, "/status", lambda body: json.loads(body)["serving"]["clocks_rest"])
     assert status["serving"]["state"] == "RUNNING" and status["serving"]["clocks_rest"], status["serving"]
     wait = time.monotonic() + 30  # a bound on a hang: the poll after the lock reads the cards at it
 
@@ -328,7 +343,8 @@ def test_a_clocks_rest_draws_bare_idle_with_the_engine_running_and_the_next_requ
     sent = d.wait_index("proxy: engine back after", after=mark, timeout=10)
     assert back < awake < sent, (back, awake, sent)
     assert os.path.exists(f"/proc/{pid}") and "vLLM starting (pid" not in "\n".join(d.lines[mark:])  # no restart
-    text = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+    text = published(base, "/metrics", lambda body: 'gpuwarden_serving_clocks_at_rest{child="vllm"} 0.0' in
+                     body.splitlines())
     assert 'gpuwarden_serving_clocks_at_rest{child="vllm"} 0.0' in text.splitlines()
     assert 'gpuwarden_serving_rests_total{child="vllm"} 1.0' in text.splitlines()
     assert d.stop() == 0
