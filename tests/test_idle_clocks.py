@@ -22,12 +22,7 @@ from gpuwarden.tune.originals import OriginalsStore
 from gpuwarden.tune.sweeps import Sweeps
 from gpuwarden.tune.tuning import Tuner, TuningLife
 from test_faults import fake, no_fakes_left  # noqa: F401 (fixtures)
-
-PROXY = "  proxy: {enabled: true}\n"
-
-
-def serve(text: str) -> str:
-    return f"serve:\n  model: /m/Qwen3-4B\n{text}"
+from test_idle import IDLE_WORD, PROXY, WAKE_WORD, serve
 
 
 def test_serve_idle_clocks_is_read_and_a_read_only_daemon_refuses_it_at_its_key():
@@ -150,7 +145,6 @@ class SeamLog:
         return []
 
 
-IDLE_WORD, WAKE_WORD = (b'{"v": 1, "word": "%s"}\n' % w for w in (b"idle", b"wake"))
 
 
 def test_a_clocks_rest_keeps_the_engine_running_tells_the_proxy_rest_and_the_wake_puts_the_clocks_back_before_up(
