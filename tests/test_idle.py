@@ -18,6 +18,21 @@ def serve(text: str) -> str:
     return f"serve:\n  model: /m/Qwen3-4B\n{text}"
 
 
+def published(base: str, path: str, seen):
+    """The daemon's /status (parsed) or /metrics (text) once seen(body) holds: the poll that logs a line publishes its
+    snapshot at its end, so a read right after the line may still show the poll before. A bound on a hang (30 s),
+    not a speed."""
+    import json
+    import urllib.request
+
+    wait = time.monotonic() + 30
+    while True:
+        body = urllib.request.urlopen(base + path, timeout=10).read().decode()
+        if seen(body) or time.monotonic() > wait:
+            return json.loads(body) if path == "/status" else body
+        time.sleep(0.2)
+
+
 def test_serve_idle_reads_its_keys_with_defaults_and_writes_them_back():
     c = config.parse_text(serve(PROXY + "  idle: {after_s: 120}\n"))
     assert c.serve.idle == config.IdleConfig("stop", 120.0)
@@ -297,12 +312,7 @@ def test_the_engine_rests_after_the_quiet_and_the_next_request_through_the_proxy
         "vLLM wakes: a request came through the proxy", "vLLM starting (pid", "vLLM healthy after", "vLLM awake: healthy")]
     assert order == sorted(order), order
     d.wait_for("proxy: a request for the resting engine: waking it", after=mark, timeout=10)
-    # The poll that logs "awake" publishes its snapshot at its end: /metrics has the wake from that moment on
-    wait = time.monotonic() + 30  # a bound on a hang
-    lines = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode().splitlines()
-    while time.monotonic() < wait and not any(x.startswith("gpuwarden_serving_wake_seconds{") for x in lines):
-        time.sleep(0.2)
-        lines = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode().splitlines()
+    lines = published(base, "/metrics", lambda body: "\ngpuwarden_serving_wake_seconds{" in body).splitlines()
     assert 'gpuwarden_serving_rests_total{child="vllm"} 1.0' in lines, [x for x in lines if "rests" in x]
     assert any(x.startswith('gpuwarden_serving_wake_seconds{engine="vllm"} ') for x in lines), \
         [x for x in lines if "wake" in x]

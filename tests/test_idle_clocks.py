@@ -22,7 +22,7 @@ from gpuwarden.tune.originals import OriginalsStore
 from gpuwarden.tune.sweeps import Sweeps
 from gpuwarden.tune.tuning import Tuner, TuningLife
 from test_faults import fake, no_fakes_left  # noqa: F401 (fixtures)
-from test_idle import IDLE_WORD, PROXY, WAKE_WORD, serve
+from test_idle import IDLE_WORD, PROXY, WAKE_WORD, published, serve
 
 
 def test_serve_idle_clocks_is_read_and_a_read_only_daemon_refuses_it_at_its_key():
@@ -251,21 +251,6 @@ def test_at_a_clocks_rest_the_proxy_holds_a_request_until_the_daemons_word_thoug
         assert word_at <= held < CLOCKS_BACK_S and not late, (held, late)
     else:
         assert CLOCKS_BACK_S <= held < CLOCKS_BACK_S + 1 and len(late) == 1, (held, late)
-
-
-def published(base: str, path: str, seen):
-    """The daemon's /status (parsed) or /metrics (text) once seen(body) holds: the poll that logs a line publishes its
-    snapshot at its end, so a read right after the line may still show the poll before. A bound on a hang (30 s),
-    not a speed."""
-    import json
-    import urllib.request
-
-    wait = time.monotonic() + 30
-    while True:
-        body = urllib.request.urlopen(base + path, timeout=10).read().decode()
-        if seen(body) or time.monotonic() > wait:
-            return json.loads(body) if path == "/status" else body
-        time.sleep(0.2)
 
 
 def gpu_rows(text: str, name: str) -> dict[str, float]:
