@@ -481,8 +481,9 @@ def test_a_channel_another_user_owns_and_rewrites_leaves_the_daemon_polling_unde
     base = f"http://127.0.0.1:{port}"
 
     def sequence():
+        """Polls published: 0 before the first (its /status has no snapshot yet: "serving /metrics" comes first)."""
         with urllib.request.urlopen(f"{base}/status", timeout=5) as reply:
-            return json.loads(reply.read())["sequence"]
+            return json.loads(reply.read()).get("sequence", 0)
 
     def polled_after_planting():
         """Two more polls published: at least one began after the plant, and read it (no timing: a count)."""
