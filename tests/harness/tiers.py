@@ -64,13 +64,16 @@ class Starts:
         self.by_test: dict[str, list[str]] = defaultdict(list)
         self.fixtures: set[str] = set()  # fixtures whose setup started a process
         self.current: str | None = None
-        self.older: set[int] = set()  # threads other than the main one that were alive when the test began
+        # threads other than the main one that were alive when the test began: the objects, not their idents, which
+        # a thread started later may take over once one of them has ended (hunt 8: a reset run on a new worker
+        # thread was taken for an earlier test's, and the test was judged to have started no process)
+        self.older: set[threading.Thread] = set()
         self._installed = False
 
     def note(self, what: str) -> None:
         self.total += 1
         # a thread an earlier test left running (a daemon's reader, a server) is not this test's doing
-        if self.current is not None and threading.get_ident() not in self.older:
+        if self.current is not None and threading.current_thread() not in self.older:
             self.by_test[self.current].append(what)
 
     def install(self) -> None:
@@ -159,7 +162,7 @@ def verdict(item, started: list[str], through: list[str]) -> str | None:
 def runtest_protocol(item):
     """Around a test's whole run (a hookwrapper's body): its starts are counted under its id."""
     STARTS.current = item.nodeid
-    STARTS.older = {t.ident for t in threading.enumerate() if t is not threading.main_thread()}
+    STARTS.older = {t for t in threading.enumerate() if t is not threading.main_thread()}
     try:
         yield
     finally:
