@@ -33,6 +33,23 @@ def published(base: str, path: str, seen):
         time.sleep(0.2)
 
 
+def quiet_h100(write):
+    """The simulated H100s (an idle engine's context: 50 W a card at its boost clock) without their timeline's bursts
+    of load: a config's scenario path, and each card's model by its gpu label."""
+    from gpuwarden.gpu.sim.scenario import load_scenario, resolve_scenario
+
+    h100 = resolve_scenario("h100-nvswitch").read_text()
+    quiet = write("quiet-h100.yaml", h100.split("timeline:")[0] + "timeline:\n  - {at_s: 0, event: load, "
+                  "utilization_pct: 0, memory_used_pct: 1}\n")
+    return quiet, {str(i): m for i, m in enumerate(load_scenario(quiet).gpus)}
+
+
+def saved_rows(text: str) -> dict[str, tuple[str, float]]:
+    """gpuwarden_serving_idle_saved_watts by its gpu label: (source, watts)."""
+    return {line.split('gpu="')[1].split('"')[0]: (line.split('source="')[1].split('"')[0], float(line.split()[-1]))
+            for line in text.splitlines() if line.startswith("gpuwarden_serving_idle_saved_watts{")}
+
+
 def test_serve_idle_reads_its_keys_with_defaults_and_writes_them_back():
     c = config.parse_text(serve(PROXY + "  idle: {after_s: 120}\n"))
     assert c.serve.idle == config.IdleConfig("stop", 120.0)
@@ -279,7 +296,8 @@ def test_the_engine_rests_after_the_quiet_and_the_next_request_through_the_proxy
     from test_planned_restart import Clients, with_proxy
 
     path, base, port, proxy_port = with_proxy(write, fake, hold_s=120)
-    path.write_text(path.read_text() + "  idle: {after_s: 10}\n")
+    quiet, models = quiet_h100(write)
+    path.write_text(path.read_text().replace("scenario: dgx-spark", f"scenario: {quiet}") + "  idle: {after_s: 10}\n")
     command, env = proxy_daemon
     d = daemons(path, command=command, env=env)
     d.wait_for("vLLM healthy after", timeout=30)
@@ -291,6 +309,13 @@ def test_the_engine_rests_after_the_quiet_and_the_next_request_through_the_proxy
     assert not os.path.exists(f"/proc/{pid}")  # the engine is gone: no process, no context
     status = json.loads(urllib.request.urlopen(base + "/status", timeout=10).read())
     assert status["serving"]["state"] == "RESTING" and status["serving"]["rests"] == 1, status["serving"]
+    # what the rest saves: each card's draw awake with no request (its context's, seen before the rest), less its
+    # bare idle now
+    saved = saved_rows(published(base, "/metrics", lambda body: "\ngpuwarden_serving_idle_saved_watts{" in body))
+    assert set(saved) == set(models), saved
+    for gpu, model in models.items():
+        assert saved[gpu][0] == "seen" and abs(saved[gpu][1] - model.context_w) <= 0.05 * model.idle_power_w, \
+            (gpu, saved[gpu], model.context_w)
     # A balancer's /ping and a browser's CORS preflight are answered by the proxy and wake nothing (held, they would
     # answer once the engine is up); the preflight allows what it asks, so the browser sends the request that wakes it
     assert urllib.request.urlopen(f"http://127.0.0.1:{proxy_port}/ping", timeout=10).status == 200

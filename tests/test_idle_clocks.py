@@ -22,7 +22,7 @@ from gpuwarden.tune.originals import OriginalsStore
 from gpuwarden.tune.sweeps import Sweeps
 from gpuwarden.tune.tuning import Tuner, TuningLife
 from test_faults import fake, no_fakes_left  # noqa: F401 (fixtures)
-from test_idle import IDLE_WORD, PROXY, WAKE_WORD, published, serve
+from test_idle import IDLE_WORD, PROXY, WAKE_WORD, published, quiet_h100, saved_rows, serve
 
 
 def test_serve_idle_clocks_is_read_and_a_read_only_daemon_refuses_it_at_its_key():
@@ -274,12 +274,7 @@ def test_a_clocks_rest_draws_bare_idle_with_the_engine_running_and_the_next_requ
 
     from test_planned_restart import Clients, with_proxy
 
-    from gpuwarden.gpu.sim.scenario import load_scenario, resolve_scenario
-
-    h100 = resolve_scenario("h100-nvswitch").read_text()  # its cards, without its timeline's bursts of load
-    quiet = write("quiet-h100.yaml", h100.split("timeline:")[0] + "timeline:\n  - {at_s: 0, event: load, "
-                  "utilization_pct: 0, memory_used_pct: 1}\n")
-    models = {str(i): m for i, m in enumerate(load_scenario(quiet).gpus)}
+    quiet, models = quiet_h100(write)
     path, base, port, proxy_port = with_proxy(write, fake, hold_s=120)
     path.write_text(path.read_text().replace("scenario: dgx-spark", f"scenario: {quiet}")
                     + "  idle: {action: clocks, after_s: 10}\n")
@@ -312,6 +307,11 @@ def test_a_clocks_rest_draws_bare_idle_with_the_engine_running_and_the_next_requ
         assert abs(watts[gpu] - model.idle_power_w) <= 0.05 * model.idle_power_w, (gpu, watts[gpu], model.idle_power_w)
         assert clocks[gpu] == min(model.graphics_clocks_mhz) * 1e6, (gpu, clocks[gpu])
     assert 'gpuwarden_serving_clocks_at_rest{child="vllm"} 1.0' in text.splitlines()
+    saved = saved_rows(text)  # the same poll's: what each card drew awake with no request, less what it draws now
+    assert set(saved) == set(models), saved
+    for gpu, model in models.items():
+        assert saved[gpu][0] == "seen" and abs(saved[gpu][1] - model.context_w) <= 0.05 * model.idle_power_w, \
+            (gpu, saved[gpu], model.context_w)
     mark = len(d.lines)
     client = Clients(proxy_port)
     client.stop()  # none but the one below

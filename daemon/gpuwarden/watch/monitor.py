@@ -26,7 +26,7 @@ from .health import Verdict
 from .rows import Row
 from .signals import BUDGET_RULES, GPU_ROWS, SERVING_RULES, SIGNALS, rows_of, rules_of, windows_of
 from .signals.nvlink import LinkErrors
-from .signals.serving import EnergyWindow
+from .signals.serving import EnergyWindow, RestSavings
 from ..base.systemd import NOTICE
 from ..gpu.throttle import is_busy
 from ..tune.tuning import TuningLife
@@ -88,6 +88,8 @@ class Snapshot:
     tokens_per_joule: float | None = None  # the engine's generated tokens over its GPUs' energy (EnergyWindow)
     rows: tuple[Row, ...] = GPU_ROWS  # the metric rows of the signals it was read with, for /metrics
     budget: dict | None = None  # tuning.power_budget_w's split (tune/budget.PowerBudget.view); None: no budget
+    idle_saved: tuple[tuple[int, float, str], ...] = ()  # (gpu, watts, source) while the engine rests (RestSavings)
+    idle_saved_joules: float = 0.0  # what its rests saved since the daemon started
 
     @property
     def serving(self) -> ServingView | None:
@@ -147,9 +149,10 @@ class Snapshot:
         model = s.model.rstrip("/").rsplit("/", 1)[-1]
         if s.state == "RESTING":  # serve.idle: a choice, said as one
             wake = f"; its last wake took {s.wake_s:.0f} s" if s.wake_s is not None else ""
-            return f"{s.title} at rest ({model}, {s.profile}): the next request wakes it{wake}"
+            return f"{s.title} at rest ({model}, {s.profile}): the next request wakes it{wake}{self._saving(numbers)}"
         if s.clocks_rest:  # serve.idle's clocks: the engine runs, its GPUs' clocks at rest
-            return f"{s.title} at rest ({model}, {s.profile}): its GPUs at their lowest clock until the next request"
+            return (f"{s.title} at rest ({model}, {s.profile}): its GPUs at their lowest clock until the next "
+                    f"request{self._saving(numbers)}")
         if s.state != "RUNNING":
             return f"{s.title} {s.state} ({model}, {s.profile})" + (f": {s.problem}" if s.problem else "")
         rate = self.stats.generation_tokens_per_s if self.stats and numbers else None
@@ -159,6 +162,15 @@ class Snapshot:
             since = f", up since {time.strftime(fmt, time.localtime(s.started_at))}"
         per_joule = f", {self.tokens_per_joule:.3g} tok/J" if self.tokens_per_joule is not None and numbers else ""
         return f"{model} ({s.profile}) " + (f"{rate:.0f} tok/s{per_joule}" if rate is not None else "serving") + since
+
+    def _saving(self, numbers: bool) -> str:
+        """e.g. "; saving 39 W (seen awake)": the rest's watts, on `gpuwarden status`, not in STATUS=."""
+        if not numbers or not self.idle_saved:
+            return ""
+        sources = sorted({source for _, _, source in self.idle_saved})
+        where = "seen awake" if sources == ["seen"] else "estimated from an H200" if sources == ["h200"] else \
+            "seen awake and estimated"
+        return f"; saving {sum(w for _, w, _ in self.idle_saved):.0f} W ({where})"
 
     def as_dict(self) -> dict:
         return {
@@ -179,6 +191,8 @@ class Snapshot:
             "children": [dataclasses.asdict(c) for c in self.children],
             "serving_stats": dataclasses.asdict(self.stats) if self.stats else None,
             "tokens_per_joule": self.tokens_per_joule,
+            "idle_saved": [{"gpu": gpu, "watts": watts, "source": source} for gpu, watts, source in self.idle_saved],
+            "idle_saved_joules": self.idle_saved_joules,
             "vllm": dataclasses.asdict(self.stats) if self.stats else None,  # the older name of serving_stats
             # tuning.power_budget_w's split (tune/budget.PowerBudget.view, GPU indices as strings); None: no budget
             "power_budget": {**self.budget, "alloc": {str(i): w for i, w in self.budget["alloc"].items()}}
@@ -240,6 +254,7 @@ class Monitor:
         self._last_tick: float | None = None
         self.polls = 0  # polls taken; the counters are read on every counters_every()-th, for all GPUs at once
         self.energy = EnergyWindow()  # the serving engine's tokens per joule
+        self.savings = RestSavings()  # serve.idle's watts saved while the engine rests
         self.reboots = reboots  # (uuid, fault) -> reboots recorded for it (watch/health_record.py): escalation
         self.verdicts: dict[int, Verdict] = {}  # gpu -> its last verdict, to log each change once
         self._reboots_failed = False  # the reboot record failed once: said once
@@ -363,7 +378,8 @@ class Monitor:
             published_at=time.monotonic() if published_at is None else published_at,
             loop_lag=LagWindow.of(list(self._lags)),
             tokens_per_joule=self._efficiency(engine, stats, samples, counters, now), rows=self.rows,
-            budget=budget)
+            budget=budget, idle_saved=self.savings.add(engine, stats, samples, now),
+            idle_saved_joules=self.savings.joules)
         return self.snapshot
 
     def unhealthy(self) -> list[tuple[int, str]]:

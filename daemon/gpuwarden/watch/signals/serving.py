@@ -90,6 +90,57 @@ class EnergyWindow:
         return (t1 - t0) / (j1 - j0) if j1 > j0 else None
 
 
+class RestSavings:
+    """serve.idle's watts saved, per GPU of the engine while it rests (stopped, or its GPUs at their lowest clock):
+    what the same poll would draw awake minus what it draws. "Awake" is this card's own draw awake with no request
+    at the engine (its running and waiting counts both 0), the mean of those polls in the last WINDOW_S of them
+    (source "seen"): a rest comes after serve.idle.after_s of exactly that, so it is nearly always known. Else (a
+    daemon started during a rest) the context's cost measured on an H200 (design/idle-engine.md: 116.2 W with an
+    idle context, 76.9 W without, at a 700 W limit), scaled by the card's power limit (source "h200"). The first
+    quiet poll after a busy one is not taken: the card's clock is still coming down."""
+
+    WINDOW_S = 60.0
+    H200_CONTEXT_W, H200_LIMIT_W = 116.2 - 76.9, 700.0
+
+    def __init__(self) -> None:
+        self.awake: dict[int, list[tuple[float, float]]] = {}  # gpu -> (when, watts) of its quiet awake polls
+        self.was_quiet = False
+        self.joules = 0.0  # saved since the daemon started, summed poll by poll
+        self.last: tuple[float, float] | None = None  # (when, watts saved in all) at the last resting poll
+
+    def add(self, engine, stats, samples, now: float) -> tuple[tuple[int, float, str], ...]:
+        """(gpu, watts saved, source) for each of the engine's GPUs that reads its power, while it rests; ()."""
+        if engine is None:
+            self.last, self.was_quiet = None, False
+            return ()
+        mine = [s for s in samples if s.up and s.power_w is not None and (not engine.gpus or s.index in engine.gpus)]
+        if engine.state != "RESTING" and not engine.clocks_rest:
+            self.last = None
+            quiet = (engine.state == "RUNNING" and stats is not None and stats.requests_running == 0
+                     and stats.requests_waiting == 0)
+            if quiet and self.was_quiet:
+                for s in mine:
+                    points = self.awake.setdefault(s.index, [])
+                    points.append((now, s.power_w))
+                    while now - points[0][0] > self.WINDOW_S:
+                        points.pop(0)
+            self.was_quiet = quiet
+            return ()
+        self.was_quiet = False
+        saved = tuple((s.index, *self._saved(s)) for s in mine)
+        total = sum(w for _, w, _ in saved)
+        if self.last is not None:
+            self.joules += (self.last[1] + total) / 2 * max(0.0, now - self.last[0])
+        self.last = (now, total)
+        return saved
+
+    def _saved(self, sample) -> tuple[float, str]:
+        if points := self.awake.get(sample.index):
+            return max(0.0, sum(w for _, w in points) / len(points) - sample.power_w), "seen"
+        limit = sample.power_limit_w or self.H200_LIMIT_W
+        return self.H200_CONTEXT_W * limit / self.H200_LIMIT_W, "h200"
+
+
 def _serving(snap) -> bool:
     return snap.serving is not None
 
@@ -188,6 +239,16 @@ ROWS = (
     Row("gpuwarden_serving_rests", "Times the engine rested while no request came (serve.idle: stopped, or its GPUs "
         "locked at their lowest clock)", ("child",),
         _children(lambda c: [((c.engine,), c.rests)]), COUNTER, lambda snap: _serving(snap) and snap.serving.rests > 0),
+    Row("gpuwarden_serving_idle_saved_watts", "Watts the engine's rest saves on each of its GPUs (serve.idle): what "
+        "the card drew awake with no request minus what it draws now; source is where the awake draw comes from: "
+        "seen (this card, the last minute awake with no request before the rest) or h200 (no such poll: the idle "
+        "context's cost measured on an H200, 39.3 W at a 700 W limit, scaled by this card's limit)",
+        ("gpu", "source"), lambda snap: [((str(gpu), source), watts) for gpu, watts, source in snap.idle_saved],
+        shown=lambda snap: _serving(snap) and bool(snap.idle_saved)),
+    Row("gpuwarden_serving_idle_saved_joules", "Joules the engine's rests saved on its GPUs since the daemon started "
+        "(serve.idle): gpuwarden_serving_idle_saved_watts summed over the polls of each rest", (),
+        lambda snap: [((), snap.idle_saved_joules)], COUNTER,
+        shown=lambda snap: _serving(snap) and snap.serving.rests > 0),
     Row("gpuwarden_serving_clocks_at_rest", "1 while the engine runs with its GPUs at their lowest clock because no "
         "request came (serve.idle's clocks), else 0", ("child",),
         _children(lambda c: [((c.engine,), int(c.clocks_rest))]), shown=lambda snap: _serving(snap) and
