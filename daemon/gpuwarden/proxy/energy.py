@@ -1,0 +1,167 @@
+"""Joules per request (design/joules-per-request.md): the ledger that splits each interval's energy, as the daemon
+measured it per GPU in whole millijoules, over the requests in flight in it, by the tokens each puts there; what no
+request's tokens claim is idle. Integers throughout, so that per GPU the shares plus the idle plus the unattributed
+are the energy measured, exactly: the conservation law, and its test.
+
+The model: a request's prompt tokens spread evenly over its prefill (sent to the engine, to its first byte back), its
+output tokens over its decode (first byte to end); a prefill or decode of no length puts its tokens at its instant.
+An interval's split waits until every request that may overlap it has ended (its tokens are known only then); a
+request's joules are final once the intervals up to its end have settled. Pure: no clock, no I/O; the proxy's
+wiring (proxy/joules.py) feeds it."""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+MAX_OPEN = 4096  # intervals waiting for their requests: over an hour of 1 s polls
+MAX_DONE = 16384  # ended requests waiting for the intervals up to their end
+LATE_S = 30.0  # an ended request no interval reached for this long is final with what it has
+SCALE = 1_000_000  # weights in millionths of a token: the split is integer arithmetic, exact and repeatable
+
+
+@dataclass(frozen=True)
+class Interval:
+    t0: float  # the interval's bounds on CLOCK_MONOTONIC, the one clock of every process of the host
+    t1: float
+    mj: dict[str, int]  # gpu -> its energy over the interval, whole millijoules
+    source: str = "counter"  # or "power": the trapezoid of the power readings (no counter, or one that went back)
+
+
+@dataclass
+class Request:
+    rid: int
+    sent: float
+    first: float = 0.0  # its first byte back
+    end: float = 0.0
+    prompt: int = 0
+    output: int = 0
+    estimated: bool = False  # its tokens are the proxy's estimate (no usage, or one that could not be true)
+    partial: bool = False  # part of its span had no measured energy to share (a gap, a bound crossed)
+    mj: Counter = field(default_factory=Counter)  # gpu -> its share so far
+
+    @property
+    def joules(self) -> float:
+        return sum(self.mj.values()) / 1000.0
+
+    def weight(self, a: float, b: float) -> int:
+        """Its tokens in [a, b), in millionths of a token."""
+        return round(SCALE * (self.prompt * _part(self.sent, self.first, a, b)
+                              + self.output * _part(self.first, self.end, a, b)))
+
+
+def _part(s: float, e: float, a: float, b: float) -> float:
+    """The part of the span [s, e) inside [a, b); a span of no length: 1 if its instant is in [a, b)."""
+    if e <= s:
+        return 1.0 if a <= s < b else 0.0
+    return max(0.0, min(e, b) - max(s, a)) / (e - s)
+
+
+def split(total: int, weights: list[int]) -> list[int]:
+    """total (an integer) over positive integer weights by the largest remainder: the parts sum to total exactly;
+    a tie in the remainder goes to the earlier."""
+    whole = sum(weights)
+    parts = [total * w // whole for w in weights]
+    rest = sorted(range(len(weights)), key=lambda i: (-(total * weights[i] % whole), i))
+    for i in rest[:total - sum(parts)]:
+        parts[i] += 1
+    return parts
+
+
+class Ledger:
+    """The intervals not yet settled, the requests in flight and those ended but not final, and per GPU the
+    energy measured, apportioned, idle and unattributed (each a Counter of whole mJ)."""
+
+    def __init__(self, max_request_s: float = 3600.0):
+        self.max_request_s = max_request_s
+        self.open: deque[Interval] = deque()
+        self.flight: dict[int, float] = {}  # rid -> when it was sent
+        self.done: dict[int, Request] = {}  # ended, not final
+        self.abandoned: dict[int, tuple[float, float]] = {}  # rid -> (sent, end or inf): in flight past the bound
+        self.settled_t = float("-inf")  # the end of the last interval settled
+        self.measured, self.apportioned, self.idle, self.unattributed = Counter(), Counter(), Counter(), Counter()
+        self.rejected = 0  # intervals refused: backwards, overlapping the settled, or not well formed
+
+    def begin(self, rid: int, now: float) -> None:
+        """A request sent to the engine."""
+        self.flight[rid] = now
+
+    def forget(self, rid: int) -> None:
+        """A request that never reached the engine after all (refused, held and given up)."""
+        self.flight.pop(rid, None)
+
+    def end(self, request: Request) -> list[Request]:
+        """A request ended, its tokens known (request.sent as begin() was told); the requests now final."""
+        sent = self.flight.pop(request.rid, None)
+        if sent is None:
+            if request.rid in self.abandoned:
+                self.abandoned[request.rid] = (self.abandoned[request.rid][0], request.end)
+            return self._settle()
+        request.first = min(max(request.first, request.sent), request.end)
+        self.done[request.rid] = request
+        finals = self._settle()
+        while len(self.done) > MAX_DONE:  # bounded: the oldest final with what it has
+            oldest = min(self.done.values(), key=lambda r: r.end)
+            oldest.partial = True
+            finals.append(self.done.pop(oldest.rid))
+        return finals
+
+    def add(self, interval: Interval) -> list[Request]:
+        """The daemon's energy over an interval; the requests now final. An interval that ends before it starts,
+        begins before the last one taken ended, or has a negative energy is refused (counted)."""
+        last = self.open[-1].t1 if self.open else self.settled_t
+        if not interval.t1 > interval.t0 or interval.t0 < last or any(mj < 0 for mj in interval.mj.values()):
+            self.rejected += 1
+            return []
+        self.open.append(interval)
+        if len(self.open) > MAX_OPEN:  # waiting on a request that never ends: settled as nobody's
+            self._unattributed(self.open.popleft())
+        return self._settle()
+
+    def expire(self, now: float) -> list[Request]:
+        """The bounds in time: a request in flight past max_request_s is abandoned (the intervals it overlaps are
+        nobody's: its tokens would have weighed in them); one ended LATE_S ago that no interval reached is final."""
+        for rid, sent in list(self.flight.items()):
+            if now - sent > self.max_request_s:
+                del self.flight[rid]
+                self.abandoned[rid] = (sent, float("inf"))
+        finals = self._settle()
+        for rid, request in list(self.done.items()):
+            if now - request.end > LATE_S and request.end > self.settled_t:
+                request.partial = True
+                finals.append(self.done.pop(rid))
+        return finals
+
+    def _settle(self) -> list[Request]:
+        while self.open and not any(sent < self.open[0].t1 for sent in self.flight.values()):
+            interval = self.open.popleft()
+            if any(s < interval.t1 and e > interval.t0 for s, e in self.abandoned.values()):
+                self._unattributed(interval)
+            else:
+                self._split(interval)
+        self.abandoned = {rid: (s, e) for rid, (s, e) in self.abandoned.items() if e > self.settled_t}
+        finals = [r for r in self.done.values() if r.end <= self.settled_t]
+        for request in finals:
+            del self.done[request.rid]
+        return finals
+
+    def _split(self, interval: Interval) -> None:
+        weighed = [(r, w) for r in self.done.values() if (w := r.weight(interval.t0, interval.t1)) > 0]
+        for gpu, mj in interval.mj.items():
+            self.measured[gpu] += mj
+            if not weighed:
+                self.idle[gpu] += mj
+                continue
+            for (request, _), part in zip(weighed, split(mj, [w for _, w in weighed]), strict=True):
+                request.mj[gpu] += part
+            self.apportioned[gpu] += mj
+        self.settled_t = interval.t1
+
+    def _unattributed(self, interval: Interval) -> None:
+        for gpu, mj in interval.mj.items():
+            self.measured[gpu] += mj
+            self.unattributed[gpu] += mj
+        for request in self.done.values():
+            if request.sent < interval.t1 and request.end > interval.t0:
+                request.partial = True
+        self.settled_t = interval.t1

@@ -1,0 +1,137 @@
+"""Joules per request, the ledger (proxy/energy.py, design/joules-per-request.md): each interval's whole millijoules
+split over the requests in flight by their tokens in it, the rest idle, with exact figures; the conservation law
+over a seeded random schedule; the bounds. Unit tests: no clock but the figures given."""
+
+import random
+
+import pytest
+
+from gpuwarden.proxy.energy import LATE_S, Interval, Ledger, Request, split
+
+
+def run(ledger: Ledger, request: Request) -> list[Request]:
+    ledger.begin(request.rid, request.sent)
+    return ledger.end(request)
+
+
+def test_two_requests_overlapping_share_the_interval_by_their_tokens_the_remainder_to_the_larger():
+    ledger = Ledger()
+    a = Request(1, sent=0.0, first=0.0, end=1.0, output=200)
+    b = Request(2, sent=0.0, first=0.0, end=1.0, output=100)
+    run(ledger, a), run(ledger, b)
+    finals = ledger.add(Interval(0.0, 1.0, {"0": 1000, "1": 900}))
+    assert {r.rid for r in finals} == {1, 2}
+    assert (a.mj["0"], b.mj["0"]) == (667, 333)  # 666.67 and 333.33: the larger remainder gets the last mJ
+    assert (a.mj["1"], b.mj["1"]) == (600, 300)
+    assert ledger.apportioned == {"0": 1000, "1": 900} and not ledger.idle
+
+
+def test_prompt_tokens_weigh_over_the_prefill_and_output_tokens_over_the_decode():
+    ledger = Ledger()
+    # A's prefill is [0, 1) with 100 prompt tokens, its decode [1, 3) with 100 output tokens: 100 in the first
+    # second, 50 in each of the next two; B decodes 50 tokens over [0, 3): 16.67 a second
+    a = Request(1, sent=0.0, first=1.0, end=3.0, prompt=100, output=100)
+    b = Request(2, sent=0.0, first=0.0, end=3.0, output=50)
+    run(ledger, a), run(ledger, b)
+    for t in range(3):
+        ledger.add(Interval(float(t), t + 1.0, {"0": 700}))
+    assert a.mj["0"] == 600 + 525 + 525 and b.mj["0"] == 100 + 175 + 175
+    assert a.mj["0"] + b.mj["0"] == 2100
+
+
+def test_twice_the_tokens_over_the_same_span_get_twice_the_joules():
+    ledger = Ledger()
+    small = Request(1, sent=0.2, first=0.7, end=4.3, prompt=30, output=60)
+    large = Request(2, sent=0.2, first=0.7, end=4.3, prompt=60, output=120)
+    run(ledger, small), run(ledger, large)
+    for t in range(5):
+        ledger.add(Interval(float(t), t + 1.0, {"0": 77_777}))
+    assert large.joules == pytest.approx(2 * small.joules, rel=0.05)
+    assert large.joules == pytest.approx(2 * small.joules, abs=0.005)  # one mJ of rounding an interval at most
+
+
+def test_an_interval_with_nothing_in_flight_is_idle_and_one_waits_for_the_requests_that_overlap_it():
+    ledger = Ledger()
+    assert ledger.add(Interval(0.0, 1.0, {"0": 500})) == []
+    assert ledger.idle == {"0": 500}
+    ledger.begin(7, 1.5)
+    assert ledger.add(Interval(1.0, 2.0, {"0": 800})) == []  # 7 is in flight: its tokens are not known yet
+    assert ledger.add(Interval(2.0, 3.0, {"0": 800})) == []
+    assert ledger.measured == {"0": 500}
+    finals = ledger.end(Request(7, sent=1.5, first=1.5, end=2.5, output=10))
+    assert [r.rid for r in finals] == [7] and finals[0].mj["0"] == 800 + 800
+    assert ledger.measured == {"0": 2100} and ledger.idle == {"0": 500} and ledger.apportioned == {"0": 1600}
+
+
+def test_a_request_ended_is_final_once_the_intervals_up_to_its_end_settled_and_late_ones_with_what_they_have():
+    ledger = Ledger()
+    r = Request(1, sent=0.5, first=0.6, end=1.5, output=10)
+    assert run(ledger, r) == []
+    assert ledger.add(Interval(0.0, 1.0, {"0": 100})) == []  # half of it: not final
+    assert [x.rid for x in ledger.add(Interval(1.0, 2.0, {"0": 100}))] == [1]
+    late = Request(2, sent=10.0, first=10.0, end=11.0, output=5)
+    run(ledger, late)
+    assert ledger.expire(11.0 + LATE_S - 1) == []
+    (final,) = ledger.expire(11.0 + LATE_S + 1)  # the daemon sent nothing since: final, marked partial
+    assert final.rid == 2 and final.partial and final.joules == 0
+
+
+def test_intervals_backwards_or_overlapping_or_negative_are_refused_and_counted():
+    ledger = Ledger()
+    ledger.add(Interval(5.0, 6.0, {"0": 10}))
+    for bad in (Interval(4.0, 5.5, {"0": 1}), Interval(7.0, 7.0, {"0": 1}), Interval(6.0, 7.0, {"0": -1}),
+                Interval(8.0, 7.5, {"0": 1})):
+        assert ledger.add(bad) == []
+    assert ledger.rejected == 4 and ledger.measured == {"0": 10}
+
+
+def test_a_request_in_flight_past_its_bound_leaves_the_intervals_it_overlaps_to_nobody():
+    ledger = Ledger(max_request_s=10.0)
+    ledger.begin(1, 0.0)
+    ledger.add(Interval(0.0, 5.0, {"0": 1000}))
+    ledger.expire(11.0)  # abandoned: its share of these cannot be known
+    finals = ledger.add(Interval(5.0, 12.0, {"0": 1000}))
+    assert finals == [] and ledger.unattributed == {"0": 2000}
+    assert ledger.end(Request(1, sent=0.0, first=1.0, end=13.0, output=99)) == []  # it gets nothing
+    ledger.add(Interval(12.0, 14.0, {"0": 1000}))  # still its span: nobody's
+    ledger.add(Interval(14.0, 15.0, {"0": 1000}))  # after its end: idle
+    assert ledger.unattributed == {"0": 3000} and ledger.idle == {"0": 1000} and ledger.measured == {"0": 4000}
+
+
+def test_the_shares_idle_and_unattributed_sum_to_the_measured_energy_exactly_over_five_minutes_of_random_work():
+    rng = random.Random(56)
+    ledger, finals, rid = Ledger(max_request_s=120.0), [], 0
+    events = []
+    for _ in range(400):  # requests of 0.05 to 20 s over 300 s, some of no tokens
+        sent = rng.uniform(0, 300)
+        first = sent + rng.choice([0.0, rng.uniform(0.001, 2.0)])
+        end = first + rng.choice([0.0, rng.uniform(0.001, 18.0)])
+        rid += 1
+        events.append((sent, "begin", Request(rid, sent, first, end, rng.randint(0, 4000), rng.randint(0, 900))))
+        events.append((end, "end", events[-1][2]))
+    t = 0.0
+    while t < 320:  # the daemon's polls, 0.5 to 1.5 s apart, 8 GPUs of 50 W to 700 W
+        t1 = t + rng.uniform(0.5, 1.5)
+        events.append((t1, "interval", Interval(t, t1, {str(g): rng.randint(25_000, 1_050_000) for g in range(8)})))
+        t = t1
+    for _, kind, what in sorted(events, key=lambda e: (e[0], e[1] != "begin")):
+        if kind == "begin":
+            ledger.begin(what.rid, what.sent)
+        elif kind == "end":
+            finals += ledger.end(what)
+        else:
+            finals += ledger.add(what)
+    finals += ledger.expire(10_000.0)
+    assert len(finals) == 400 and not ledger.open and not ledger.flight and not ledger.done
+    for g in map(str, range(8)):
+        assert ledger.measured[g] == ledger.apportioned[g] + ledger.idle[g] + ledger.unattributed[g]
+        assert sum(r.mj[g] for r in finals) == ledger.apportioned[g]
+    assert sum(ledger.idle.values()) > 0 and sum(ledger.apportioned.values()) > 0
+
+
+def test_split_is_exact_and_gives_a_tie_to_the_earlier():
+    assert split(10, [1, 1, 1]) == [4, 3, 3]
+    assert split(0, [5, 7]) == [0, 0]
+    assert split(1_000_003, [333, 333, 334]) == [333_001, 333_001, 334_001]  # remainders .999, .999, .002
+    parts = split(987_654_321, [3, 11, 13, 101])
+    assert sum(parts) == 987_654_321 and all(p >= 0 for p in parts)
