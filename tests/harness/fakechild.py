@@ -39,6 +39,10 @@ Modes:
                QOD-500 ends it as vLLM 0.32 ends when its EngineCore dies: the request is answered 500 with vLLM's
                error body, /health answers 503 and every request 500 from then on, and the process ends (status 4)
                1 s later; QOD-500-STREAM the same, as a stream: its head, one event, vLLM's error event, [DONE]
+  tokens       POST /v1/completions with a JSON body {"prompt_tokens": P, "output_tokens": O, "prefill_s": A,
+               "decode_s": B, "stream": false, "usage": true} answers as vLLM would have computed it: after A s its
+               first byte, O tokens over B s (a stream: one event each, spaced), then its usage (a stream: as its last
+               event, where "usage" is true), P and O as asked (joules per request: a known schedule)
 --start-gate PATH: the process does not listen while PATH exists (120 s at most): a test holds the next engine back
                until the proxy has judged the last one's end, which a busy box's fast restart would otherwise race
 """
@@ -104,6 +108,9 @@ def answer(conn: socket.socket, modes: set[str], started: float) -> None:
                 body = json.dumps({"object": "text_completion", "choices": [{"index": 0, "text": f.read()}]}).encode()
             conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
             return
+        if path == "/v1/completions" and "tokens" in modes:
+            tokens(conn, request)
+            return
         if path.startswith("/v1/") and "killer" in modes:
             killer(conn, request)
             return
@@ -133,6 +140,43 @@ def answer(conn: socket.socket, modes: set[str], started: float) -> None:
                 time.sleep(1)
             return
         conn.sendall(head + body)
+
+
+def tokens(conn: socket.socket, request: bytes) -> None:
+    """tokens mode: a completion made to the body's measure (its docstring above)."""
+    head, _, body = request.partition(b"\r\n\r\n")
+    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")[1:]
+                   if line.lower().startswith(b"content-length:")), 0)
+    while len(body) < length:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return
+        body += chunk
+    ask = json.loads(body)
+    prompt, output = int(ask.get("prompt_tokens", 0)), int(ask.get("output_tokens", 0))
+    usage = {"prompt_tokens": prompt, "completion_tokens": output, "total_tokens": prompt + output}
+    time.sleep(float(ask.get("prefill_s", 0)))
+    if not ask.get("stream"):
+        time.sleep(float(ask.get("decode_s", 0)))
+        answer_body = json.dumps({"object": "text_completion", "choices": [{"index": 0, "text": "x" * output}],
+                                  **({"usage": usage} if ask.get("usage", True) else {})}).encode()
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+                     b"Connection: close\r\n\r\n%s" % (len(answer_body), answer_body))
+        return
+    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
+                 b"Connection: close\r\n\r\n")
+
+    def send(event: bytes) -> None:
+        conn.sendall(b"%x\r\n%s\r\n" % (len(event), event))
+
+    events = [b'data: {"choices": [{"index": 0, "text": "x"}]}\n\n'] * output
+    if ask.get("usage", True):
+        events.append(b'data: %s\n\n' % json.dumps({"choices": [], "usage": usage}).encode())
+    for event in events:
+        send(event)
+        time.sleep(float(ask.get("decode_s", 0)) / max(1, output))
+    send(b"data: [DONE]\n\n")
+    conn.sendall(b"0\r\n\r\n")
 
 
 def killer(conn: socket.socket, request: bytes) -> None:

@@ -89,6 +89,11 @@ def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--idle-action", choices=("stop", "clocks"), help="what the engine's rest is (serve.idle.action): "
                    "at a clocks rest the engine still answers, so a held request waits for the daemon's word that "
                    "its clocks are back (SIGUSR2), 10 s at most; default: stop")
+    p.add_argument("--energy-file", type=Path, metavar="PATH", help="the daemon's file of the engine's GPUs' energy "
+                   "(rewritten each poll): each request's joules, its share by its tokens, in /metrics and one log "
+                   "line a request; default: none (no joules)")
+    p.add_argument("--model", help="the served model's name, the joules' model label (default: serve.model's last "
+                   "part)")
     p.add_argument("action", nargs="?", choices=("run", "diff"), default="run", help="run (default) or diff")
     p.add_argument("dumps", nargs="*", type=Path, help="diff: two dump files, or one session folder (its last two "
                    "turns)")

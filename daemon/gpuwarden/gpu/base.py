@@ -294,6 +294,12 @@ class Gpu(ABC):
     @abstractmethod
     def set_power_limit_w(self, watts: float) -> None: ...
 
+    def energy_mj(self) -> int | None:
+        """The card's energy counter now, whole mJ since the driver loaded (NVML's total energy, Volta and newer):
+        one call, for the engine's GPUs on every poll (joules per request, serving/run/energyfeed.py); None: no
+        counter, or it did not answer."""
+        return None
+
     def note_engine(self, held: bool) -> None:
         """The daemon's engine holds a CUDA context on this card (held) or none: the simulator draws the context's
         watts from it (sim/physics.py); a real card knows without being told."""

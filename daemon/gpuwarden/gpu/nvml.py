@@ -310,6 +310,10 @@ class NvmlGpu(NvmlSettings, Gpu):
         return self._read(*old) if value is None and self.lacks(new[0]) else value
 
     # -- reading ----------------------------------------------------------------
+    def energy_mj(self) -> int | None:
+        value = self._read("nvmlDeviceGetTotalEnergyConsumption") if self.up else None
+        return int(value) if isinstance(value, int) and value >= 0 else None
+
     def sample(self, counters: bool | None = None) -> GpuSample:
         now = self.backend.clock()
         if not self.up and not (self.backend.reinit() and self.up):

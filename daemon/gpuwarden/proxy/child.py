@@ -20,6 +20,7 @@ from ..serving.compose.command import child_env, engine_of
 from ..serving.compose.enginesock import engine_url
 from ..serving.compose.homes import let_group_in
 from ..serving.compose.identity import Identity
+from ..serving.run.energyfeed import feed_path
 from ..serving.run.kinds import ChildKind
 from ..serving.run.spec import ChildSpec, Timing
 from ..serving.compose.apikey import engine_key
@@ -50,6 +51,8 @@ def proxy_argv(config: Config) -> tuple[str, ...]:
             "--crash-loop-failures", str(serve.crash_loop_failures)]
     for pattern in p.remove_patterns:
         argv += ["--remove-pattern", pattern]
+    # joules per request: the daemon's file of the engine's GPUs' energy (serving/run/energyfeed.py)
+    argv += ["--energy-file", str(feed_path(p.listen[1])), "--model", serve.model.rstrip("/").rsplit("/", 1)[-1]]
     if serve.idle is not None:  # the proxy says when the engine has had no request for this long (proxy/quiet.py)
         argv += ["--idle-after-s", f"{serve.idle.after_s:g}", "--idle-action", serve.idle.action]
     if p.dump_dir is not None:

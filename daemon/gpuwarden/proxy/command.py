@@ -88,8 +88,10 @@ def cmd_proxy(args: argparse.Namespace, load_config) -> int:
     faults = proxy_faults()
     dumper = Dumper(dump_dir, keep, args.dump_max_bytes, faults.note) if dump_dir else None
     key = os.environ.pop(KEY_ENV, "") or None  # the engine's API key, where the daemon passed it (proxy/keys.py)
+    model = args.model or (config.serve.model.rstrip("/").rsplit("/", 1)[-1] if config else "") or "unnamed"
     return serve(upstream, listen, rules, engine, dumper, max_body, args.client_timeout, faults, (hold_s, hold_max),
-                 owner, (refuse_after, window_s, failures), listen_fd, key, idle_after, idle_action)
+                 owner, (refuse_after, window_s, failures), listen_fd, key, idle_after, idle_action,
+                 (args.energy_file, model[:128]))
 
 
 def _listen_fd(given: int | None) -> int | None:
@@ -106,7 +108,7 @@ def _listen_fd(given: int | None) -> int | None:
 
 
 def serve(upstream, listen, rules, engine, dumper, max_body, client_timeout_s, faults, hold, owner, ends,
-          listen_fd=None, api_key=None, idle_after_s=0.0, idle_action="stop") -> int:
+          listen_fd=None, api_key=None, idle_after_s=0.0, idle_action="stop", energy=(None, "unnamed")) -> int:
     from ..serving.run.spec import DOWN_SIGNAL, REST_SIGNAL, STOPPING_SIGNAL, UP_SIGNAL
     from .listener import Connections, connection_cap, run
     from .server import Proxy, ProxyMetrics
@@ -120,6 +122,7 @@ def serve(upstream, listen, rules, engine, dumper, max_body, client_timeout_s, f
                   conns=conns, hold_s=hold[0], hold_max=hold[1], health_path=engine.health_path, engine_uid=owner,
                   ends=ends, api_key=api_key, idle_after_s=idle_after_s)
     proxy.hold.rest_ends_on_word = idle_action == "clocks"
+    proxy.joules.path, proxy.joules.model = energy  # joules per request (proxy/joules.py), where the daemon feeds it
     enabled = [name for name in RULES if getattr(rules, name)]
     held = (f"; requests held up to {proxy.hold.hold_s:g} s, {proxy.hold.hold_max} at most, while the engine is "
             "down" if proxy.hold.on else "; no hold while the engine is down")
@@ -128,6 +131,7 @@ def serve(upstream, listen, rules, engine, dumper, max_body, client_timeout_s, f
                else "; no client refused for the engine's ends")
     keyed = "; the engine's API key asked on every path" if api_key else ""
     idle = f"; the engine idle after {idle_after_s:g} s without a request ({idle_action})" if idle_after_s else ""
+    idle += f"; joules per request from {energy[0]}" if energy[0] else ""
     log.info("proxy on http://%s:%d for %s (%s); rules: %s%s; at most %d connections%s%s%s%s", *listen, upstream,
              whose, ", ".join(enabled) or "none", f"; dumps in {dumper.directory}" if dumper else "", conns.cap, held,
              refused, keyed, idle)

@@ -38,6 +38,7 @@ class Request:
     output: int = 0
     estimated: bool = False  # its tokens are the proxy's estimate (no usage, or one that could not be true)
     partial: bool = False  # part of its span had no measured energy to share (a gap, a bound crossed)
+    what: str = ""  # for its log line: method, path, status
     mj: Counter = field(default_factory=Counter)  # gpu -> its share so far
 
     @property

@@ -14,6 +14,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from .casualties import tail_of
+from .joules import EVENT, TAIL_MAX
 
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
               "transfer-encoding", "upgrade", "proxy-connection", "host", "content-length"}
@@ -29,8 +30,8 @@ class Relay:
     """Answers relayed for one proxy: its metrics, its book of the engine's ends, its hold (the clock and whether
     the engine ended) and its fault lines."""
 
-    def __init__(self, metrics, ends, hold, faults):
-        self.metrics, self.ends, self.hold, self.faults = metrics, ends, hold, faults
+    def __init__(self, metrics, ends, hold, faults, joules=None):
+        self.metrics, self.ends, self.hold, self.faults, self.joules = metrics, ends, hold, faults, joules
 
     async def answer(self, request: web.Request, up: aiohttp.ClientResponse, label: str,
                      tries) -> web.StreamResponse:
@@ -48,14 +49,18 @@ class Relay:
         else:  # a stream's answer is told at its end, where an error event may be (ends.py)
             self.ends.answered(request, tries.sent_at, up.status)
         sent, tail, clean = 0, b"", False
+        first_at, end, events = None, b"", 0  # for the joules (joules.py): the first byte, the usage, the events
         try:
             await response.prepare(request)
             async for chunk in up.content.iter_any():
+                first_at = self.hold.clock() if first_at is None else first_at
                 await response.write(chunk)
                 sent += len(chunk)
                 self.metrics.chunks.inc()
                 if streaming:
                     tail = tail_of(tail, chunk)
+                    events += chunk.count(EVENT)
+                end = (end + chunk)[-TAIL_MAX:]
             await response.write_eof()
             clean = True
         except (ConnectionResetError, asyncio.CancelledError) as exc:
@@ -81,4 +86,6 @@ class Relay:
             # suspect whatever it said: a client that left at once never let the error event reach the tail.
             if streaming or not clean:
                 self.ends.answered(request, tries.sent_at, up.status, tail, suspect=not clean)
+            if self.joules is not None:  # a client gone mid-stream: what the engine made until then
+                self.joules.ended(request, tries, first_at, end, streaming, events, sent, up.status)
         return response

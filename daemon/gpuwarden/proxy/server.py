@@ -44,6 +44,7 @@ from .dump import Dumper
 from .ends import Ends
 from .faults import proxy_faults
 from .hold import Hold
+from .joules import Joules, counted
 from .keys import KEYED, KEYLESS, ApiKey
 from .listener import Connections
 from .normalize import Rules
@@ -152,6 +153,9 @@ class Tries:
     opened: bool = False  # the latest try had a connection open, whatever ended it (the session's trace says so)
     reused: bool = False  # ... a pooled one
     sent_at: float = 0.0  # when the latest try began, on the hold's clock
+    rid: int = 0  # its number in the joules' ledger (joules.py); 0: not counted there
+    answered: bool = False  # an answer was relayed: its joules come at the relay's end
+    body_bytes: int = 0  # the body sent: its prompt tokens' estimate where the answer gives no usage
 
 
 async def _opened(session, context, params) -> None:
@@ -265,11 +269,13 @@ class Proxy:
                                                          "flight, each counted against their clients "
                                                          "(serve.proxy.refuse_after_ends)",
                                                          lambda: self.casualties.count)
-        self.relay = Relay(self.metrics, self.ends, self.hold, self.faults)
+        self.joules = Joules(None, "unnamed", metrics.registry, self.hold.clock)  # command.serve names its file
+        self.relay = Relay(self.metrics, self.ends, self.hold, self.faults, self.joules)
         self.session: aiohttp.ClientSession | None = None
         self.looks: aiohttp.ClientSession | None = None  # the hold's and the ends' looks at /health, apart
         self._scraper: asyncio.Task | None = None
         self._quieter: asyncio.Task | None = None
+        self._joules: asyncio.Task | None = None
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.max_body_bytes,
@@ -291,6 +297,8 @@ class Proxy:
             self.session, self.upstream, self.metrics_path, self.metrics, lambda: self.hold.planned))
         if self.quiet.after_s:
             self._quieter = asyncio.get_running_loop().create_task(self._listen_for_quiet())
+        if self.joules.path is not None:
+            self._joules = asyncio.get_running_loop().create_task(self.joules.forever())
 
     async def _listen_for_quiet(self) -> None:
         """serve.idle: the word that the engine is idle, when it is due (quiet.py), looked at once a second."""
@@ -305,7 +313,7 @@ class Proxy:
     async def _stop(self, app) -> None:
         await self.hold.stop()
         await self.ends.stop()
-        for task in (self._scraper, self._quieter):
+        for task in (self._scraper, self._quieter, self._joules):
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
@@ -338,7 +346,7 @@ class Proxy:
             request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers)))
         if liveness and self.hold.resting:  # at rest by choice, and the next request wakes it: the service is up
             return at_rest(request)
-        held = self.budget.hold(client_of(request))
+        held, tries = self.budget.hold(client_of(request)), Tries()
         quiet = self.quiet if not liveness else None
         if quiet is not None:
             quiet.began()  # a request for the engine: it is not idle until this one has ended (quiet.py)
@@ -369,14 +377,15 @@ class Proxy:
                 headers["Content-Length"] = str(len(body))
                 held.keep(body)
             body = None
-            return await self._send(request, headers, held, label, began, holds=let_in != KEYLESS)
+            return await self._send(request, headers, held, label, began, tries, holds=let_in != KEYLESS)
         finally:
+            self.joules.gone(tries)
             held.release()
             if quiet is not None:
                 quiet.ended()
 
     async def _send(self, request: web.Request, headers: CIMultiDict, held: Held, label: str,
-                    began: float, holds: bool = True) -> web.StreamResponse:
+                    began: float, tries: Tries, holds: bool = True) -> web.StreamResponse:
         """Send the request upstream and relay the answer; while the engine is down (it refused the connection, or
         answered 503; any 5xx while it drains for a planned stop) and it never had the request, hold it (hold.py) and
         send it again once the engine is back, while its body is still here (body.py may have given it up). A request
@@ -384,7 +393,7 @@ class Proxy:
         try a client refused meanwhile gets 429. While the engine drains for a planned stop, a request is held unsent;
         while the daemon says it is not restarting, 503; after an end, until the engine's /health answers, held unsent
         (ends.py), or 502 without a hold."""
-        first_held, tries = None, Tries()
+        first_held = None
         while True:
             try:
                 self.casualties.refuse(client_of(request))
@@ -423,6 +432,9 @@ class Proxy:
         to be held; RESEND: a pooled connection closed unanswered while the engine is healthy, to be sent once more
         at once (casualties.after_failure decides)."""
         tries.opened, tries.reused, tries.sent_at = False, False, self.hold.clock()
+        if counted(request.method, request.path):  # a request that makes tokens: in flight for the joules from now
+            tries.body_bytes = int(headers.get("Content-Length") or 0)
+            self.joules.sent(tries)
         try:
             data = _sent(held, self.hold.on) if held.body is not None else None
             async with self.session.request(request.method, self.upstream + request.path_qs, data=data,

@@ -217,6 +217,10 @@ class Daemon:
         except Exception as exc:  # one bad poll must not end the daemon; the next one may work
             self._error_once(f"poll failed: {type(exc).__name__}: {exc}")
             return
+        try:  # joules per request: the engine's GPUs' energy for the proxy (serving/run/energyfeed.py)
+            self.serving.feed_energy({v.sample.index: v.sample.power_w for v in snapshot.gpus})
+        except Exception as exc:
+            self._error_once(f"energy for the proxy: {type(exc).__name__}: {exc}")
         try:  # a GPU back: the engine held for it starts again; a reset the policy allows; the known answer
             self.recovery.tick(now, waiting(self.monitor.events.needs_reset, self.monitor.verdicts), self.stopping)
         except Exception as exc:

@@ -257,6 +257,10 @@ class SimGpu(Gpu):
                                                                         m.max_power_limit_w)}
 
     # -- Gpu interface ----------------------------------------------------------
+    def energy_mj(self) -> int | None:
+        self.backend.advance()
+        return None if self.lost or "energy" in self.model.not_supported else int(self.energy_j * 1000)
+
     def sample(self, counters: bool | None = None) -> GpuSample:
         self.backend.advance()  # the simulated counters integrate continuously: there is nothing to schedule
         now = self.backend.clock()

@@ -27,6 +27,7 @@ from ..probe.metrics import MetricsReader, ServingStats
 from ..compose.prepare import prepare_serve
 from . import handover
 from .deepcheck import DeepCheck
+from .energyfeed import EnergyFeed, feed_path
 from .replan import Replan
 from .kinds import ENGINE_PART, ChildKind, EngineParts, side_specs
 from .holding import waiting_for
@@ -135,6 +136,7 @@ class ServingRuntime:
         self.deep = DeepCheck(self.ops)  # the engine's own parser on what a reload or a handover would start
         self.drains: Counter = Counter()  # the engine's planned stops by outcome, across its restarts (drains.py)
         self.clocks = clocks  # serve.idle's clocks: the daemon's seam to the GPUs' clocks (tune/idleclocks.py)
+        self.feed: EnergyFeed | None = None  # the engine's GPUs' energy for the proxy's joules (energyfeed.py)
 
     def prepare(self, config: Config, deep: bool, on_loop: bool = False) -> Launch:
         return prepare_launch(config, self.backend, self.sides, deep, on_loop)
@@ -273,6 +275,17 @@ class ServingRuntime:
     def views(self) -> tuple[ServingView, ...] | None:
         return self.children.views() if self.children is not None else None
 
+    def feed_energy(self, watts: Mapping[int, float | None]) -> None:
+        """The proxy's joules per request: the engine's GPUs' energy, read now (watts: this poll's power of each GPU,
+        for a card without a counter). Only while a proxy is configured to read it."""
+        config = self.launch.config if self.launch is not None and self.children is not None else None
+        if config is None or not config.serve.proxy.enabled:
+            return
+        path = feed_path(config.serve.proxy.listen[1])
+        if self.feed is None or self.feed.path != path:
+            self.feed = EnergyFeed(path)
+        self.feed.tick(self.children.main.gpus or self.backend.gpus(), watts)
+
     def _swap_in_pending(self, now: float) -> None:
         """After a reload, the new children start once the old ones are fully stopped."""
         if self.children is not None and not self.children.stopped:
@@ -314,6 +327,8 @@ class ServingRuntime:
     def stop(self, now: float) -> float | None:
         """Stop every child; the longest wait for SIGKILL among them (an engine's drain included), None: none."""
         self.pending, self._kept = None, {}
+        if self.feed is not None:  # the proxy stops too
+            self.feed.close()
         self.ops.end_helpers()  # a reload's read of the installed versions still running: nothing waits for it now
         wait = self.children.stop(now) if self.children is not None else None
         if self.children is not None or self.leftovers.unnamed:

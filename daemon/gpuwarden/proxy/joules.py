@@ -1,0 +1,201 @@
+"""Joules per request, the proxy's side (design/joules-per-request.md): the daemon's energy sums read from their file
+(serving/run/energyfeed.py) twice a second, each new reading the interval since the last, into the ledger
+(proxy/energy.py); each request's times and tokens from the relay; what the ledger settles to the metrics and one
+log line a request.
+
+A request's tokens are its answer's `usage` (a stream's last event carries it where the client asked for it with
+stream_options.include_usage, or vLLM's --enable-force-include-usage). Where there is none, or it cannot be true
+(more prompt tokens than the body could hold, more output tokens than bytes sent back), the proxy's estimate:
+the body's bytes over 4 as prompt tokens, a stream's events (or a body's bytes over 4) as output tokens, marked
+estimated."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import math
+import re
+import time
+from pathlib import Path
+
+from collections import Counter
+
+from prometheus_client import Counter as Counted, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ..base import smallfile
+from ..base.safetext import visible
+from .energy import Interval, Ledger, Request
+
+log = logging.getLogger("gpuwarden")
+READ_EVERY_S = 0.5
+FEED_MAX = 16 * 1024
+TAIL_MAX = 8 * 1024  # what of an answer's end is kept to find its usage
+TOKENS_MAX = 10_000_000  # a count past this is no count
+SLACK_TOKENS = 8192  # a chat template's tokens beyond the body's text
+LINES_A_SECOND = 10  # the per-request lines; past that, counted and said with the next
+USAGE = re.compile(rb'"usage"\s*:\s*\{([^{}]{0,512})\}')
+FIGURE = {name: re.compile(rb'"' + name.encode() + rb'"\s*:\s*(\d{1,9})\b') for name in ("prompt_tokens",
+                                                                                        "completion_tokens")}
+EVENT = b"data: {"
+BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10_000, 25_000, 100_000)
+
+
+# The paths whose answers are tokens the engine computed (POST): vLLM's and SGLang's OpenAI, Anthropic and native
+# APIs; anything else (/v1/models, /health, /tokenize) is no work to weigh.
+COUNTED = frozenset(("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses", "/v1/embeddings",
+                     "/v1/rerank", "/rerank", "/v1/score", "/score", "/pooling", "/classify", "/generate",
+                     "/v1/audio/transcriptions", "/v1/audio/translations", "/inference/v1/generate"))
+
+
+def counted(method: str, path: str) -> bool:
+    return method == "POST" and path in COUNTED
+
+
+def read_feed(path: Path) -> tuple[str, float, dict[str, int], bool] | None:
+    """(epoch, t, gpu -> mJ, any from the power readings) of the daemon's file; None: none, or not well formed."""
+    try:
+        data = smallfile.read(path, FEED_MAX)
+        feed = json.loads(data) if data else None
+    except (OSError, ValueError, RecursionError, smallfile.Unreadable):
+        return None
+    if not isinstance(feed, dict) or feed.get("v") != 1:
+        return None
+    epoch, t, gpus, power = feed.get("epoch"), feed.get("t"), feed.get("gpus"), feed.get("power")
+    if not (isinstance(epoch, str) and len(epoch) <= 64 and isinstance(t, (int, float)) and not isinstance(t, bool)
+            and math.isfinite(t) and isinstance(gpus, dict) and len(gpus) <= 64):
+        return None
+    sums = {g: mj for g, mj in gpus.items() if isinstance(g, str) and g.isdigit() and len(g) <= 2
+            and isinstance(mj, int) and not isinstance(mj, bool) and 0 <= mj < 1 << 62}
+    return (epoch, float(t), sums, bool(power)) if len(sums) == len(gpus) else None
+
+
+def tokens_of(tail: bytes, streaming: bool, events: int, sent: int, body: int) -> tuple[int, int, bool]:
+    """(prompt tokens, output tokens, estimated) of an answer: its usage where there is one that can be true."""
+    guess = (body // 4, max(0, events - 1) if streaming else sent // 4)
+    found = USAGE.findall(tail)
+    if not found:
+        return *guess, True
+    usage = found[-1]
+    figures = [int(m.group(1)) if (m := FIGURE[name].search(usage)) else None
+               for name in ("prompt_tokens", "completion_tokens")]
+    prompt, output = figures
+    if prompt is None or output is None or prompt > min(TOKENS_MAX, body + SLACK_TOKENS) or output > min(
+            TOKENS_MAX, sent):
+        return *guess, True
+    return prompt, output, False
+
+
+class Joules:
+    """One proxy's joules per request: the ledger, the feed it reads, and the metrics it adds to the registry."""
+
+    def __init__(self, path: Path | None, model: str, registry, clock=time.monotonic):
+        self.path, self.model, self.clock = path, model, clock
+        self.ledger = Ledger()
+        self.ids = itertools.count(1)
+        self.last: tuple[str, float, dict[str, int]] | None = None  # the last reading: (epoch, t, sums)
+        self.unread = 0  # reads that found no reading or a bad one (none yet is no fault)
+        self.first: dict[str, int] = {}  # the sums of the daemon's first reading this proxy took, of its epoch
+        self.joules = Histogram("gpuwarden_proxy_request_joules", "Joules of the engine's GPUs each request drew, "
+                                "its share of each poll interval's energy by its tokens in it (NVML's counter steps "
+                                "every 20-100 ms: a request shorter than a step gets a share its neighbours set)",
+                                ["model"], registry=registry, buckets=BUCKETS)
+        self.tokens = Counted("gpuwarden_proxy_tokens", "Tokens of the requests given joules, by kind (prompt, "
+                              "output): gpuwarden_proxy_request_joules_sum over the output ones is joules per output "
+                              "token", ["model", "kind"], registry=registry)
+        self.estimated = Counted("gpuwarden_proxy_requests_estimated", "Requests given joules by the proxy's estimate "
+                                 "of their tokens (no usage in the answer, or one that could not be true)", ["model"],
+                                 registry=registry)
+        registry.register(self)
+        self._said = (0.0, 0)  # (the second of the last per-request lines, lines said in it)
+        self._unsaid = 0
+
+    def collect(self):
+        ledger = self.ledger
+        family = CounterMetricFamily("gpuwarden_proxy_gpu_energy_joules", "The engine's GPUs' energy as the daemon "
+                                     "measured it since this proxy's first reading, settled, by where it went: "
+                                     "requests (their shares), idle (nothing in flight), nobody (a request past its "
+                                     "bound); with gpuwarden_proxy_gpu_energy_waiting_joules, what the GPU drew",
+                                     labels=["gpu", "to"])
+        for gpu in sorted(ledger.measured, key=int):
+            for to, book in (("requests", ledger.apportioned), ("idle", ledger.idle), ("nobody", ledger.unattributed)):
+                family.add_metric([gpu, to], book[gpu] / 1000.0)
+        yield family
+        waiting = Counter()
+        for interval in ledger.open:
+            waiting.update(interval.mj)
+        gauge = GaugeMetricFamily("gpuwarden_proxy_gpu_energy_waiting_joules", "The engine's GPUs' energy read but not "
+                                  "yet settled: its intervals wait for requests in flight to end", labels=["gpu"])
+        for gpu in sorted(set(ledger.measured) | set(waiting), key=int):
+            gauge.add_metric([gpu], waiting[gpu] / 1000.0)
+        yield gauge
+
+    # -- a request's life, told by the server and the relay --------------------------------------------------
+    def sent(self, tries) -> None:
+        """A try sent to the engine (tries.sent_at): it is in flight from then."""
+        if tries.rid == 0:
+            tries.rid = next(self.ids)
+        self.ledger.begin(tries.rid, tries.sent_at)
+
+    def gone(self, tries) -> None:
+        """The request's end without an answer relayed (refused, or given up held): no joules."""
+        if tries.rid and not tries.answered:
+            self.ledger.forget(tries.rid)
+            self._final(self.ledger.expire(self.clock()))
+
+    def ended(self, request, tries, first_at: float | None, tail: bytes, streaming: bool, events: int, sent: int,
+              status: int) -> None:
+        tries.answered = True
+        if not tries.rid:
+            return
+        end = self.clock()
+        prompt, output, estimated = tokens_of(tail, streaming, events, sent, tries.body_bytes)
+        record = Request(tries.rid, tries.sent_at, first_at if first_at is not None else end, end, prompt, output,
+                         estimated, what=f"{visible(request.method[:16])} {visible(request.path[:200])} {status}")
+        self._final(self.ledger.end(record))
+
+    # -- the daemon's readings ---------------------------------------------------------------------------------
+    async def forever(self) -> None:
+        while True:
+            await asyncio.sleep(READ_EVERY_S)
+            self.read()
+
+    def read(self) -> None:
+        reading = read_feed(self.path) if self.path is not None else None
+        if reading is None:
+            self.unread += 1
+        else:
+            epoch, t, sums, power = reading
+            last, self.last = self.last, (epoch, t, sums)
+            if last is None or last[0] != epoch:  # a new daemon: its sums begin anew, from this reading
+                self.first = sums
+                log.info("proxy: joules per request: the engine's GPUs' energy read from %s (the daemon's epoch %s; "
+                         "sums=%s mJ)", self.path, visible(epoch), json.dumps(sums, sort_keys=True))
+            elif t > last[1]:
+                steps = {g: mj - last[2].get(g, 0) for g, mj in sums.items()}
+                self._final(self.ledger.add(Interval(last[1], t, steps, "power" if power else "counter")))
+        self._final(self.ledger.expire(self.clock()))
+
+    def _final(self, finals: list[Request]) -> None:
+        for r in finals:
+            self.joules.labels(self.model).observe(r.joules)
+            self.tokens.labels(self.model, "prompt").inc(r.prompt)
+            self.tokens.labels(self.model, "output").inc(r.output)
+            if r.estimated:
+                self.estimated.labels(self.model).inc()
+            self._line(r)
+
+    def _line(self, r: Request) -> None:
+        second, said = self._said
+        now = int(self.clock())
+        if now == second and said >= LINES_A_SECOND:
+            self._unsaid += 1
+            return
+        self._said = (now, said + 1 if now == second else 1)
+        notes = [n for n, on in (("tokens estimated", r.estimated), ("partial", r.partial)) if on]
+        more = f" (+{self._unsaid} requests not logged)" if self._unsaid else ""
+        self._unsaid = 0
+        log.info("proxy: %s: %d prompt + %d output tokens, joules=%.2f%s%s", r.what or "a request",
+                 r.prompt, r.output, r.joules, f" ({', '.join(notes)})" if notes else "", more)

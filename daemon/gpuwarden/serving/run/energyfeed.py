@@ -1,0 +1,83 @@
+"""The engine's GPUs' energy, for the proxy's joules per request (design/joules-per-request.md): on every poll the
+daemon reads each of the engine's GPUs' energy counter and writes, whole and at once, one small JSON file in its
+runtime directory that the proxy reads:
+
+    {"v": 1, "epoch": "9f2c...", "t": 81235.251, "gpus": {"0": 84211, "1": 83002}, "power": ["1"]}
+
+`gpus` are running sums, whole mJ, since this daemon began (its `epoch`), `t` when they were read on
+CLOCK_MONOTONIC (one clock for every process of the host, the proxy's too). Sums, not each poll's energy: a read
+the proxy misses costs nothing, the next one covers it, and no pipe need cross a handover (a path is found again).
+Each poll adds the counter's step; where the card has no counter, or it went back (a GPU reset, a driver reload),
+the trapezoid of the two polls' power readings instead, and the GPU is named in `power` for that reading. The
+energy is no secret (any local user may ask NVML for it); only root writes the folder."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from ...base.smallfile import write_atomic
+
+log = logging.getLogger("gpuwarden")
+VERSION = 1
+FEED_MAX = 16 * 1024  # 64 GPUs' sums at most: the proxy reads no more
+
+
+def feed_path(port: int, environ: Mapping[str, str] = os.environ) -> Path:
+    """The file for the proxy on this port (one proxy a port, on one host): in systemd's RuntimeDirectory=, a tmpfs,
+    so a write a second wears no disk."""
+    return Path(environ.get("RUNTIME_DIRECTORY", "").split(":")[0] or "/run/gpuwarden") / "energy" / f"proxy-{port}.json"
+
+
+class EnergyFeed:
+    def __init__(self, path: Path, clock=time.monotonic):
+        self.path, self.clock = path, clock
+        self.epoch = secrets.token_hex(8)
+        self.sums: dict[int, int] = {}  # gpu -> mJ since this daemon began
+        self.last: dict[int, tuple[float, int | None, float | None]] = {}  # gpu -> (when, counter, watts) last read
+        self.failed = False  # the write failed: said once, until one works
+
+    def tick(self, gpus, watts: Mapping[int, float | None]) -> None:
+        """Read the engine's GPUs (Gpu objects; watts: this poll's power reading of each, for the trapezoid) and
+        write the sums."""
+        power, now = [], None
+        for gpu in gpus:
+            counter = gpu.energy_mj()
+            now = self.clock()
+            w = watts.get(gpu.index)
+            was = self.last.get(gpu.index)
+            self.last[gpu.index] = (now, counter, w)
+            step = 0
+            if was is not None:
+                then, before, w0 = was
+                if counter is not None and before is not None and counter >= before:
+                    step = counter - before
+                elif w is not None and w0 is not None:
+                    step = round((w + w0) / 2 * (now - then) * 1000)
+                    power.append(str(gpu.index))
+            self.sums[gpu.index] = self.sums.get(gpu.index, 0) + max(0, step)
+        if now is None:
+            return
+        line = {"v": VERSION, "epoch": self.epoch, "t": now, "gpus": {str(i): mj for i, mj in self.sums.items()},
+                "power": power}
+        try:
+            self.path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+            write_atomic(self.path, json.dumps(line).encode(), mode=0o644)
+            self.failed = False
+        except OSError as exc:
+            if not self.failed:
+                self.failed = True
+                log.warning("joules per request: the energy for the proxy cannot be written to %s (%s): the proxy "
+                            "counts no joules until it can", self.path, exc.strerror or exc)
+
+    def close(self) -> None:
+        """The daemon stops: the file goes (a proxy left running reads no stale sums; the next daemon writes anew)."""
+        try:
+            self.path.unlink()
+        except OSError:
+            pass

@@ -1,0 +1,283 @@
+"""Joules per request, end to end (issue 56, design/joules-per-request.md): the daemon's energy sums
+(serving/run/energyfeed.py), the proxy's reading of them and its tokens of each answer (proxy/joules.py), and the
+daemon, the proxy and the fake engine as processes on the simulator. The ledger's arithmetic: test_energy_ledger."""
+
+import json
+import signal
+import threading
+import time
+import urllib.request
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from gpuwarden.proxy.joules import Joules, counted, read_feed, tokens_of
+from gpuwarden.serving.run.energyfeed import EnergyFeed, feed_path
+from test_faults import fake, no_fakes_left  # noqa: F401 (fixtures)
+
+
+class Card:
+    def __init__(self, index, counter=None):
+        self.index, self.counter = index, counter
+
+    def energy_mj(self):
+        return self.counter
+
+
+class Tick:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_the_daemon_writes_running_sums_of_each_cards_counter_and_the_trapezoid_where_it_has_none_or_it_went_back(
+        tmp_path):
+    clock = Tick()
+    feed = EnergyFeed(tmp_path / "energy" / "proxy-8001.json", clock)
+    cards = [Card(0, 5_000), Card(1, None)]
+    feed.tick(cards, {0: 300.0, 1: 100.0})
+    first = json.loads(feed.path.read_text())
+    assert first["gpus"] == {"0": 0, "1": 0} and first["t"] == 100.0 and first["v"] == 1
+    clock.t, cards[0].counter = 102.0, 5_700
+    feed.tick(cards, {0: 350.0, 1: 200.0})
+    second = json.loads(feed.path.read_text())
+    assert second["gpus"] == {"0": 700, "1": 300_000} and second["power"] == ["1"]  # (100 + 200) / 2 W x 2 s
+    clock.t, cards[0].counter = 103.0, 10  # a GPU reset: the counter began again
+    feed.tick(cards, {0: 400.0, 1: 200.0})
+    third = json.loads(feed.path.read_text())
+    assert third["gpus"] == {"0": 700 + 375_000, "1": 500_000} and third["power"] == ["0", "1"]
+    assert third["epoch"] == first["epoch"] and oct(feed.path.stat().st_mode & 0o777) == "0o644"
+    feed.close()
+    assert not feed.path.exists()
+    assert feed_path(8001, {"RUNTIME_DIRECTORY": "/run/gpuwarden:/other"}).as_posix() == \
+        "/run/gpuwarden/energy/proxy-8001.json"
+
+
+@pytest.mark.parametrize("text", [
+    "", "not json", "[1]", '{"v": 2, "epoch": "e", "t": 1, "gpus": {}}', '{"v": 1, "epoch": 5, "t": 1, "gpus": {}}',
+    '{"v": 1, "epoch": "e", "t": true, "gpus": {}}', '{"v": 1, "epoch": "e", "t": 1e999, "gpus": {}}',
+    '{"v": 1, "epoch": "e", "t": 1, "gpus": {"0": -5}}', '{"v": 1, "epoch": "e", "t": 1, "gpus": {"0": true}}',
+    '{"v": 1, "epoch": "e", "t": 1, "gpus": {"x": 5}}', '{"v": 1, "epoch": "e", "t": 1, "gpus": {"0": 1.5}}',
+    '{"v": 1, "epoch": "e", "t": 1, "gpus": {"0": ' + "9" * 400 + "}}",
+    '{"v": 1, "epoch": "e", "t": 1, "gpus": {%s}}' % ", ".join(f'"{i}": 1' for i in range(65)),
+    "[" * 100_000])
+def test_a_feed_not_as_the_daemon_writes_it_is_no_reading(tmp_path, text):
+    path = tmp_path / "feed.json"
+    path.write_text(text)
+    assert read_feed(path) is None
+
+
+def test_a_feed_that_is_a_fifo_a_link_or_too_big_is_no_reading_and_never_waits(tmp_path):
+    import os
+
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "big").write_text('{"v": 1, "epoch": "e", "t": 1, "gpus": {}, "pad": "' + "x" * 20_000 + '"}')
+    os.symlink("/dev/zero", tmp_path / "link")
+    for name in ("fifo", "big", "link", "absent"):
+        assert read_feed(tmp_path / name) is None
+    (tmp_path / "good").write_text('{"v": 1, "epoch": "e", "t": 7.5, "gpus": {"0": 12}, "power": []}')
+    assert read_feed(tmp_path / "good") == ("e", 7.5, {"0": 12}, False)
+
+
+@pytest.mark.parametrize("tail,streaming,events,sent,body,expect", [
+    (b'{"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 40, "total_tokens": 52}}', False, 0, 500,
+     100, (12, 40, False)),
+    (b'data: {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3}}\n\ndata: [DONE]\n\n', True, 4,
+     400, 80, (9, 3, False)),
+    (b'{"choices": [{"text": "hi"}]}', False, 0, 400, 120, (30, 100, True)),  # no usage: the bytes over 4
+    (b'data: {"choices": []}\n\ndata: [DONE]\n\n', True, 7, 900, 40, (10, 6, True)),  # a stream's events, less one
+    (b'{"usage": {"prompt_tokens": 99999999, "completion_tokens": 2}}', False, 0, 400, 100, (25, 100, True)),
+    (b'{"usage": {"prompt_tokens": 5, "completion_tokens": 5000}}', False, 0, 400, 100, (25, 100, True)),  # a lie
+    (b'{"usage": {"prompt_tokens": "5", "completion_tokens": 1}}', False, 0, 400, 100, (25, 100, True)),
+    (b'{"usage": {"completion_tokens": 1}}', False, 0, 400, 100, (25, 100, True)),
+])
+def test_an_answers_tokens_are_its_usage_where_it_can_be_true_else_the_proxys_estimate(tail, streaming, events,
+                                                                                        sent, body, expect):
+    assert tokens_of(tail, streaming, events, sent, body) == expect
+
+
+def test_only_the_apis_that_make_tokens_are_weighed():
+    assert counted("POST", "/v1/chat/completions") and counted("POST", "/v1/completions")
+    assert not counted("GET", "/v1/chat/completions") and not counted("POST", "/v1/models")
+    assert not counted("POST", "/tokenize")
+
+
+def feed(path, epoch, t, sums):
+    path.write_text(json.dumps({"v": 1, "epoch": epoch, "t": t, "gpus": sums, "power": []}))
+
+
+class Tries:
+    def __init__(self, sent_at, body_bytes=400):
+        self.rid, self.answered, self.sent_at, self.body_bytes = 0, False, sent_at, body_bytes
+
+
+class Req:
+    method, path = "POST", "/v1/completions\x1b[2J"
+
+
+def test_the_proxy_takes_each_new_reading_as_the_interval_since_the_last_and_a_new_daemon_as_a_new_start(tmp_path,
+                                                                                                          caplog):
+    path, clock = tmp_path / "feed.json", Tick()
+    registry = CollectorRegistry()
+    joules = Joules(path, "Qwen3-4B", registry, clock)
+    joules.read()
+    assert joules.unread == 1  # no file yet: no reading
+    feed(path, "a", 10.0, {"0": 1_000})
+    with caplog.at_level("INFO", logger="gpuwarden"):
+        joules.read()
+    assert 'sums={"0": 1000} mJ' in caplog.text and not joules.ledger.measured  # the first: a baseline
+    feed(path, "a", 11.0, {"0": 3_000})
+    joules.read()
+    joules.read()  # the same reading again: nothing new
+    assert joules.ledger.idle == {"0": 2_000}
+    tries = Tries(11.2)
+    joules.sent(tries)
+    feed(path, "a", 12.0, {"0": 4_000})
+    joules.read()
+    clock.t = 11.8
+    with caplog.at_level("INFO", logger="gpuwarden"):
+        joules.ended(Req(), tries, 11.5, b'{"usage": {"prompt_tokens": 10, "completion_tokens": 20}}', False, 0, 300,
+                     200)
+    assert "POST /v1/completions\\x1b[2J 200: 10 prompt + 20 output tokens, joules=1.00" in caplog.text
+    feed(path, "b", 13.0, {"0": 50})  # a new daemon: its sums anew, no interval from the old ones
+    joules.read()
+    feed(path, "b", 14.0, {"0": 550})
+    joules.read()
+    assert joules.ledger.measured == {"0": 3_500} and joules.ledger.idle == {"0": 2_500}
+    text = generate_latest(registry).decode()
+    assert 'gpuwarden_proxy_gpu_energy_joules_total{gpu="0",to="requests"} 1.0' in text
+    assert 'gpuwarden_proxy_gpu_energy_joules_total{gpu="0",to="idle"} 2.5' in text
+    assert 'gpuwarden_proxy_request_joules_count{model="Qwen3-4B"} 1.0' in text
+    assert 'gpuwarden_proxy_tokens_total{kind="output",model="Qwen3-4B"} 20.0' in text
+
+
+def test_past_ten_lines_a_second_the_requests_are_counted_and_said_with_the_next_line(tmp_path, caplog):
+    path, clock = tmp_path / "feed.json", Tick()
+    joules = Joules(path, "m", CollectorRegistry(), clock)
+    feed(path, "a", 10.0, {"0": 0})
+    joules.read()
+    with caplog.at_level("INFO", logger="gpuwarden"):
+        for i in range(25):
+            tries = Tries(10.1)
+            joules.sent(tries)
+            clock.t = 10.2
+            joules.ended(Req(), tries, 10.15, b"", False, 0, 40, 200)
+        feed(path, "a", 11.0, {"0": 2_500})
+        joules.read()
+        clock.t = 11.5
+        tries = Tries(11.2)
+        joules.sent(tries)
+        joules.ended(Req(), tries, 11.3, b"", False, 0, 40, 200)
+        feed(path, "a", 12.0, {"0": 3_000})
+        joules.read()
+    lines = [r.getMessage() for r in caplog.records if "joules=" in r.getMessage()]
+    assert len(lines) == 11 and "(+15 requests not logged)" in lines[-1], lines
+
+
+def proxy_metrics(port: int) -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+
+
+def family(text: str, name: str) -> dict[tuple[str, ...], float]:
+    """A family's samples by their label values, in the order written."""
+    import re
+
+    return {tuple(v for _, v in re.findall(r'(\w+)="([^"]*)"', line[len(name):line.index("}")])):
+            float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{")}
+
+
+def ask(port: int, shape: dict, outcomes: list, cut_after: int | None = None) -> None:
+    """One completion through the proxy, as shape asks the fake engine to make it; cut_after: a client that leaves a
+    stream after this many bytes."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        conn.request("POST", "/v1/completions", body=json.dumps(shape), headers={"Content-Type": "application/json"})
+        reply = conn.getresponse()
+        body = reply.read(cut_after) if cut_after else reply.read()
+        outcomes.append((shape.get("name"), reply.status, len(body)))
+    finally:
+        conn.close()
+
+
+@pytest.mark.process
+def test_each_request_through_the_proxy_gets_its_joules_and_the_shares_idle_and_waiting_are_what_the_gpus_drew(
+        write, fake, daemons, proxy_daemon, no_fakes_left):
+    """The daemon, the proxy and the fake engine as processes on the simulated H100s, a known schedule: two requests
+    over the same span, one with twice the other's tokens, streamed and not, one streamed without usage, one whose
+    client leaves mid-stream. Each gets its joules (its log line, the histogram's count), twice the tokens twice the
+    joules within 5 %, and with the daemon stopped (SIGSTOP: its file no longer moves) the proxy's settled energy plus
+    what waits is exactly the daemon's sums since the proxy's first reading, per GPU."""
+    from test_drain import drain_config
+    from test_idle import quiet_h100
+
+    from gpuwarden.serving.run.energyfeed import feed_path
+    from harness.ports import free_port
+
+    quiet, _ = quiet_h100(write)
+    proxy_port = free_port()
+    path, base, port = drain_config(write, fake, "drain,tokens", 10)
+    path.write_text(path.read_text().replace("scenario: dgx-spark", f"scenario: {quiet}")
+                    + f"  proxy: {{enabled: true, listen: '127.0.0.1:{proxy_port}'}}\n")
+    command, env = proxy_daemon
+    d = daemons(path, command=command, env=env)
+    d.wait_for("vLLM healthy after", timeout=30)
+    d.wait_for("the proxy healthy after", timeout=30)
+    first = json.loads(d.wait_for("joules per request: the engine's GPUs' energy read from", timeout=30)
+                       .split("sums=")[1].split(" mJ")[0])
+    wait = time.monotonic() + 30  # a bound on a hang: the next reading after the first is an interval with nothing
+    while not any(to == "idle" and joules > 0 for (_, to), joules in  # in flight: idle
+                  family(proxy_metrics(proxy_port), "gpuwarden_proxy_gpu_energy_joules_total").items()):
+        assert time.monotonic() < wait, "no idle energy counted before the first request"
+        time.sleep(0.2)
+    shapes = [
+        {"name": "small", "prompt_tokens": 50, "output_tokens": 100, "prefill_s": 0.3, "decode_s": 1.5},
+        {"name": "large", "prompt_tokens": 100, "output_tokens": 200, "prefill_s": 0.3, "decode_s": 1.5},
+        {"name": "stream", "prompt_tokens": 20, "output_tokens": 30, "prefill_s": 0.1, "decode_s": 0.9, "stream": True},
+        {"name": "no-usage", "prompt_tokens": 20, "output_tokens": 30, "decode_s": 0.6, "stream": True, "usage": False},
+    ]
+    outcomes = []
+    threads = [threading.Thread(target=ask, args=(proxy_port, shape, outcomes)) for shape in shapes]
+    threads.append(threading.Thread(target=ask, args=(proxy_port, {"name": "cut", "prompt_tokens": 10,
+                                                                   "output_tokens": 400, "decode_s": 8,
+                                                                   "stream": True}, outcomes, 300)))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert sorted((n, s) for n, s, _ in outcomes) == [("cut", 200), ("large", 200), ("no-usage", 200),
+                                                      ("small", 200), ("stream", 200)], outcomes
+    lines = [d.wait_for(f"POST /v1/completions 200: {p} prompt + {o} output tokens, joules=", timeout=60)
+             for p, o in ((50, 100), (100, 200), (20, 30))]
+    joules = {name: float(line.split("joules=")[1].split()[0]) for name, line in zip(("small", "large", "stream"),
+                                                                                      lines)}
+    assert joules["large"] == pytest.approx(2 * joules["small"], rel=0.05), joules
+    assert all(j > 0 for j in joules.values()), joules
+    d.wait_for("(tokens estimated)", timeout=60)  # the stream without usage, and the one its client left
+    text = proxy_metrics(proxy_port)
+    assert 'gpuwarden_proxy_request_joules_count{model="model"} 5.0' in text, \
+        [x for x in text.splitlines() if "request_joules_count" in x]
+    engine_gpus = json.loads(urllib.request.urlopen(base + "/status", timeout=10).read())["serving"]["gpus"]
+    d.proc.send_signal(signal.SIGSTOP)  # its file stands still: the proxy's books must come to it exactly
+    try:
+        sums = json.loads(feed_path(proxy_port).read_text())["gpus"]
+        drew = {gpu: (mj - first[gpu]) / 1000 for gpu, mj in sums.items()}
+        wait = time.monotonic() + 30  # a bound on a hang: the proxy reads the file twice a second
+        while True:
+            text = proxy_metrics(proxy_port)
+            settled, waiting = family(text, "gpuwarden_proxy_gpu_energy_joules_total"), \
+                family(text, "gpuwarden_proxy_gpu_energy_waiting_joules")
+            books = {gpu: sum(v for (g, _), v in settled.items() if g == gpu) + waiting.get((gpu,), 0.0)
+                     for gpu in drew}
+            if all(books[g] == pytest.approx(drew[g], abs=0.002) for g in drew) or time.monotonic() > wait:
+                break
+            time.sleep(0.2)
+        assert books == pytest.approx(drew, abs=0.002), (books, drew)
+        assert engine_gpus and set(drew) == {str(i) for i in engine_gpus} and all(w > 0 for w in drew.values())
+        assert all(settled[(g, "requests")] > 0 and settled[(g, "idle")] > 0 for g in drew), settled
+    finally:
+        d.proc.send_signal(signal.SIGCONT)
+    assert d.stop() == 0
