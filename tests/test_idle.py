@@ -55,6 +55,8 @@ def test_serve_idle_reads_its_keys_with_defaults_and_writes_them_back():
     assert c.serve.idle == config.IdleConfig("stop", 120.0)
     assert config.parse_text(serve(PROXY)).serve.idle is None  # off unless given
     assert config.parse_text(serve(PROXY + "  idle: {}\n")).serve.idle == config.IdleConfig("stop", 600.0)
+    # every key commented out leaves `idle:` null: off, as it reads (attacker 47's F9: it was stop after 600 s)
+    assert config.parse_text(serve(PROXY + "  idle:\n  #  action: clocks\n")).serve.idle is None
     effective = c.as_dict()["serve"]["idle"]
     assert effective == {"action": "stop", "after_s": 120.0}
     import yaml

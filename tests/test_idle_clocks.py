@@ -133,6 +133,10 @@ class SeamLog:
 
     def __init__(self, ops, refuse=None):
         self.ops, self.refuse, self.said, self.resting = ops, refuse, [], False
+        self.foreign: list[int] = []  # processes not the daemon's on the rested GPUs (IdleClocks.others)
+
+    def others(self):
+        return self.foreign
 
     def rest(self, gpus):
         self.said.append(("rest", tuple(gpus), len(self.ops.sent)))
@@ -180,6 +184,12 @@ def test_a_clocks_rest_keeps_the_engine_running_tells_the_proxy_rest_and_the_wak
     assert seam.said[-1][:2] == ("wake", "a request came through the proxy") and seam.said[-1][2] == before
     assert ops.sent[before:] and ops.sent[before][1:] == (proxy.child.pid, UP_SIGNAL)  # after the clocks are back
     assert not engine.view().clocks_rest and engine.view().rests == 1 and engine.view().wake_s is not None
+    # an idle word within after_s of the wake moves no clock: the proxy is serve.user's (attacker 47, F1)
+    ops.say(proxy.child.pid, IDLE_WORD)
+    both.tick(clock.now)
+    hear_idle(both, idle, False, clock.now, quiet, seam)
+    assert not engine.view().clocks_rest and seam.said[-1][0] == "wake"
+    clock.advance(60)
     # rested again, and the engine ends meanwhile: its clocks come back on the next tick, whatever restarts it
     ops.say(proxy.child.pid, IDLE_WORD)
     both.tick(clock.now)
@@ -370,12 +380,14 @@ def test_a_daemon_killed_before_the_rests_original_was_saved_still_leaves_the_ca
     assert backend.gpus()[2].gpu_lock is None
 
 
-@pytest.mark.parametrize("extra, fragment", [
-    ("poll_interval_s: 5\n", "poll_interval_s is 5 s"),
-    ("", "serve.proxy.hold_s is 10 s"),
-], ids=["slow-poll", "short-hold"])
-def test_a_clocks_rest_needs_a_poll_that_hears_the_wake_in_time_and_a_hold_that_outlasts_it(extra, fragment):
-    hold = 60 if extra else 10
+@pytest.mark.parametrize("extra, hold, fragment", [
+    ("poll_interval_s: 5\n", 60, "poll_interval_s is 5 s"),
+    ("", 10, "serve.proxy.hold_s is 10 s"),
+    ("", 14.9, "serve.proxy.hold_s is 14.9 s"),  # attacker 47's F2: 10.0001 passed, and refused at the fallback
+], ids=["slow-poll", "short-hold", "barely-longer"])
+def test_a_clocks_rest_needs_a_poll_that_hears_the_wake_in_time_and_a_hold_that_outlasts_it(extra, hold, fragment):
+    assert config.parse_text(serve("  proxy: {enabled: true, hold_s: 15}\n  idle: {action: clocks}\n"),
+                             name="c.yaml").serve.idle.action == "clocks"
     text = extra + serve(f"  proxy: {{enabled: true, hold_s: {hold}}}\n  idle: {{action: clocks}}\n")
     with pytest.raises(ConfigErrors) as raised:
         config.parse_text(text, name="c.yaml")
@@ -402,6 +414,7 @@ def test_an_idle_heard_with_a_wake_rests_nothing_and_a_request_running_at_the_en
     both.tick(clock.now)
     hear_idle(both, idle, False, clock.now, quiet, seam)
     assert [what for what, *_ in seam.said] == ["rest", "wake"] and not engine.view().clocks_rest
+    clock.advance(60)
     ops.say(proxy.child.pid, IDLE_WORD)
     both.tick(clock.now)
     hear_idle(both, idle, False, clock.now, quiet, seam)
@@ -409,6 +422,89 @@ def test_an_idle_heard_with_a_wake_rests_nothing_and_a_request_running_at_the_en
     hear_idle(both, idle, False, clock.now, SimpleNamespace(requests_running=1, requests_waiting=0), seam)
     assert seam.said[-1][:2] == ("wake", "the engine has a request running or waiting")
     assert not engine.view().clocks_rest and engine.view().wake_s is not None  # the first wake's, by a request
+
+
+def test_a_clocks_rest_ends_for_another_process_on_its_gpus_or_a_restarted_proxy_and_never_begins_beside_one(
+        tmp_path):
+    """Attacker 47's F5: the rest's lowest clock would slow another user's work on a shared card, as a sweep would
+    (which refuses): a rest does not begin while a process not the daemon's computes on the engine's GPUs, and ends
+    when one appears. Its F7: a proxy restarted during a rest knows nothing of it and would send requests on at the
+    lowest clock: the rest ends at the next tick."""
+    import os
+
+    from test_planned_restart import engine_and_proxy
+
+    from gpuwarden.serving.run.resting import hear_idle
+
+    backend, _, _, clocks = rig(tmp_path)
+    backend.gpus()[1].processes.append((1, 2 << 30))  # init is no descendant of this process
+    assert "other processes than the engine use its GPUs (1)" in clocks.rest([0, 1])
+    assert not clocks.resting and all(g.gpu_lock is None for g in backend.gpus())
+    backend.gpus()[1].processes.clear()
+    assert clocks.rest([0, 1]) is None and clocks.others() == []
+    backend.gpus()[0].processes.append((os.getpid(), None))  # the daemon's own (its engine): no other
+    assert clocks.others() == []
+    backend.gpus()[0].processes.append((1, None))
+    assert clocks.others() == [1]
+    clocks.wake("done")
+
+    both, engine, proxy, ops, clock = engine_and_proxy(tmp_path)
+    seam, idle = SeamLog(ops), config.IdleConfig("clocks", 60.0)
+    quiet = SimpleNamespace(requests_running=0, requests_waiting=0)
+    ops.say(proxy.child.pid, IDLE_WORD)
+    both.tick(clock.now)
+    hear_idle(both, idle, False, clock.now, quiet, seam)
+    assert engine.view().clocks_rest
+    seam.foreign = [4242]
+    hear_idle(both, idle, False, clock.now, quiet, seam)
+    assert seam.said[-1][:2] == ("wake", "other processes than the engine use its GPUs (4242)")
+    seam.foreign = []
+    clock.advance(60)
+    ops.say(proxy.child.pid, IDLE_WORD)
+    both.tick(clock.now)
+    hear_idle(both, idle, False, clock.now, quiet, seam)
+    assert engine.view().clocks_rest
+    proxy.child.pid += 1000  # as the supervisor sees a proxy started again
+    hear_idle(both, idle, False, clock.now, quiet, seam)
+    assert seam.said[-1][:2] == ("wake", "the proxy restarted: it does not hold requests for the rest")
+
+
+def test_a_burst_past_hold_max_at_a_clocks_rest_waits_for_the_clocks_instead_of_being_refused():
+    """Attacker 47's F3: the engine at a clocks rest is up, so a burst past hold_max is not refused 503 as for an
+    engine that is down: each waits for the daemon's word, and all go on together (hold_max still holds when the
+    engine is down)."""
+    from gpuwarden.proxy.body import Refusal
+    from gpuwarden.proxy.hold import Hold
+    from harness.book import Clock
+
+    async def scenario():
+        async def answers():
+            return True
+
+        hold = Hold(300, 2, answers, SimpleNamespace(observe=lambda s: None), clock=Clock())
+        hold.rest_ends_on_word, hold.in_flight = True, lambda: 0
+        hold.engine_resting()
+        waits = [asyncio.ensure_future(hold.wait(SimpleNamespace(), hold.clock())) for _ in range(6)]
+        for _ in range(3):
+            await asyncio.sleep(0)
+        held = len(hold.waiting)
+        hold.engine_up()
+        outcomes = await asyncio.gather(*waits, return_exceptions=True)
+        down = Hold(300, 2, answers, SimpleNamespace(observe=lambda s: None), clock=Clock())
+        down.engine_stopping()
+        more = [asyncio.ensure_future(down.wait(SimpleNamespace(), down.clock())) for _ in range(3)]
+        for _ in range(3):
+            await asyncio.sleep(0)
+        refused = [w for w in more if w.done() and isinstance(w.exception(), Refusal)]
+        down.engine_up()
+        await asyncio.gather(*more, return_exceptions=True)
+        await hold.stop()
+        await down.stop()
+        return held, outcomes, len(refused)
+
+    held, outcomes, refused = asyncio.run(scenario())
+    assert held == 6 and outcomes == [None] * 6, (held, outcomes)
+    assert refused == 1  # down: the third past hold_max 2 is refused at once
 
 
 def test_the_proxy_at_a_clocks_rest_wakes_for_a_request_in_flight_takes_a_stop_as_planned_and_nags_a_lost_wake(

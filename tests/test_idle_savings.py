@@ -17,7 +17,8 @@ def engine(state="RUNNING", clocks_rest=False, gpus=(0, 1)):
 
 def cards(*watts, limit=700.0):
     """GPU0, GPU1, ... at these watts; None: a GPU that did not answer the poll."""
-    return [GpuSample(i, f"GPU-{i}", "H200", f"0000:{i:02x}:00.0", "9.0", up=w is not None, power_w=w, power_limit_w=limit)
+    return [GpuSample(i, f"GPU-{i}", "H200", f"0000:{i:02x}:00.0", "9.0", up=w is not None, power_w=w,
+                      power_limit_w=limit, utilization_pct=0 if w is not None and w < 300 else 95)
             for i, w in enumerate(watts)]
 
 
@@ -41,6 +42,19 @@ def test_the_awake_draw_is_the_last_minute_of_quiet_polls_and_a_card_drawing_mor
         s.add(engine(), QUIET, cards(100.0), float(t))
     assert s.add(engine("RESTING", gpus=(0,)), None, cards(90.0), 75.0) == ((0, pytest.approx(10.0), "seen"),)
     assert s.add(engine("RESTING", gpus=(0,)), None, cards(130.0), 76.0) == ((0, 0.0, "seen"),)
+
+
+def test_a_card_busy_by_its_own_reading_is_not_quiet_whatever_the_engine_says_nor_a_draw_seen_an_hour_ago():
+    """Attacker 47's F6: an engine that says 0 running while it keeps its card busy made its busy draw the awake one
+    (573 W saved where 43 W were); an awake draw from long ago is not today's."""
+    s = RestSavings()
+    for t in range(4):
+        s.add(engine(gpus=(0,)), QUIET, cards(573.0), float(t))  # 95 % busy: the engine's 0 is not believed
+    assert s.add(engine("RESTING", gpus=(0,)), None, cards(77.0), 5.0)[0][2] == "h200"
+    for t in range(10, 14):
+        s.add(engine(gpus=(0,)), QUIET, cards(120.0), float(t))
+    assert s.add(engine("RESTING", gpus=(0,)), None, cards(77.0), 15.0)[0] == (0, pytest.approx(43.0), "seen")
+    assert s.add(engine("RESTING", gpus=(0,)), None, cards(77.0), 13.0 + RestSavings.STALE_S + 1)[0][2] == "h200"
 
 
 def test_with_no_quiet_poll_seen_the_saving_is_the_h200s_context_cost_scaled_by_the_cards_limit():

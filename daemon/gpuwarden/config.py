@@ -153,6 +153,7 @@ IDLE_ACTIONS = ("stop", "clocks")  # design/idle-engine.md
 # is. So the poll must be well inside it, and hold_s must outlast it.
 IDLE_CLOCKS_BACK_S = 10.0
 IDLE_CLOCKS_POLL_MAX_S = 2.0
+IDLE_CLOCKS_HOLD_MIN_S = IDLE_CLOCKS_BACK_S + 5.0  # the hold outlasts the fallback by more than a busy tick
 
 
 @dataclass(frozen=True)
@@ -507,7 +508,7 @@ IDLE_MIN_S, IDLE_MAX_S = 10, 86400
 
 def _idle_section(r: Reader) -> IdleConfig | None:
     base = ("serve", "idle")
-    if r.get(base) is MISSING:
+    if r.get(base) in (MISSING, None):  # `idle:` with every key commented out: off, as it reads
         return None
     d = IdleConfig()
     r.mapping(base, [f.name for f in dataclasses.fields(IdleConfig)])
@@ -530,10 +531,10 @@ def _idle_fits(r: Reader, serve: ServeConfig, tuning_applies: bool, poll_s: floa
                f"and poll_interval_s is {poll_s:g} s: the request that wakes the engine would wait that long "
                f"(past {IDLE_CLOCKS_BACK_S:g} s it is sent at the lowest clock)",
                f"poll_interval_s at most {IDLE_CLOCKS_POLL_MAX_S:g}, or action: stop")
-    if idle.action == "clocks" and serve.proxy.enabled and 0 < serve.proxy.hold_s <= IDLE_CLOCKS_BACK_S:
+    if idle.action == "clocks" and serve.proxy.enabled and 0 < serve.proxy.hold_s < IDLE_CLOCKS_HOLD_MIN_S:
         r.fail(("serve", "idle", "action"), f"serve.idle's clocks holds the request that wakes the engine up to "
                f"{IDLE_CLOCKS_BACK_S:g} s, and serve.proxy.hold_s is {serve.proxy.hold_s:g} s: it could be refused "
-               "while the engine serves", f"serve.proxy.hold_s above {IDLE_CLOCKS_BACK_S:g}")
+               "while the engine serves", f"serve.proxy.hold_s at least {IDLE_CLOCKS_HOLD_MIN_S:g}")
     if not serve.proxy.enabled:
         r.fail(("serve", "idle"), "serve.idle needs the proxy in front of the engine: it sees every request, and "
                "holds the first one while the engine wakes", "serve.proxy.enabled: true")

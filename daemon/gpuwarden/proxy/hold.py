@@ -217,7 +217,9 @@ class Hold:
         if now - since >= self.hold_s:
             self._refuse("held_too_long", f"the engine did not come back within {self.hold_s:g} s (the proxy's "
                          "hold_s): retry later")
-        if len(self.waiting) >= self.hold_max:
+        # A clocks rest's engine is up: its hold lasts until the clocks are back (CLOCKS_BACK_S at most), and a burst
+        # past hold_max waits with it rather than be refused (attacker 47, F3); the connection cap still bounds it.
+        if len(self.waiting) >= self.hold_max and not (self.resting and self.rest_ends_on_word):
             self._refuse("held_too_many", f"the engine is down and the proxy holds {self.hold_max} requests already "
                          "(its hold_max): retry later")
         future = asyncio.get_running_loop().create_future()

@@ -51,6 +51,8 @@ class IdleClocks:
                 lows[gpu.index] = (gpu, min(clocks))
         if not lows:
             return "the engine names no GPU"
+        if others := sweeps.other_processes(sorted(lows)):  # a sweep refuses them too: their work is not ours to slow
+            return f"other processes than the engine use its GPUs ({', '.join(map(str, others))})"
         try:  # no marker, no rest: a daemon killed during it would leave the cards slow for good
             sweeps.take(Lease(SETTING, sorted(lows), math.inf, math.inf, REST, REST, kind="rest"))
         except OSError as exc:
@@ -71,6 +73,11 @@ class IdleClocks:
         for i, (_, low) in lows.items():  # shown as the lock in force (gpuwarden_gpu_sm_clock_lock_hertz)
             tuning.locks[i] = ((low, low), tuning.locks.get(i, (None, None))[1])
         return None
+
+    def others(self) -> list[int]:
+        """Processes not the daemon's that compute on the rested GPUs now (a rest ends for them: they would run at
+        the lowest clock)."""
+        return self.sweeps.other_processes(self._rested) if self._rested else []
 
     def wake(self, why: str) -> list[str] | None:
         """The rest's clocks put back and read back (what each GPU got, a line each; none where its lease was ended

@@ -132,7 +132,7 @@ class Sweeps:
                 any(type(g) is not int or g not in indices for g in wanted):  # True == 1: no bools
             return {"ok": False, "error": f"gpus {wanted!r}: expected a list of GPU indices ({indices})"}
         if not message.get("force"):
-            others = self._other_processes(wanted)
+            others = self.other_processes(wanted)
             if others:
                 return {"ok": False, "error": f"other processes than the engine use the GPUs ({others}): their load "
                         "would skew every step (tune --force sweeps anyway)"}
@@ -165,7 +165,7 @@ class Sweeps:
         backend = self.tuning.backend.gpus()
         return budget.sweep_ceiling(gpus, backend, {g.index: g.sample() for g in backend})
 
-    def _other_processes(self, gpus: list[int]) -> list[int]:
+    def other_processes(self, gpus: list[int]) -> list[int]:
         """Compute processes on these GPUs that are not the daemon's descendants (its engine and workers)."""
         mine = os.getpid()
         return sorted({pid for gpu in self.tuning.backend.gpus() if gpu.index in gpus

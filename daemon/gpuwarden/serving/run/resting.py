@@ -30,6 +30,8 @@ class Resting:
         self.waking = False  # started by a wake: its time to healthy is the wake's
         self.wake_s: float | None = None  # the last wake's, from the word to healthy (clocks: to the clocks back)
         self.clocks = False  # serve.idle's clocks: the engine runs, its GPUs' clocks at rest
+        self.woke_at = float("-inf")  # the last wake: no rest within after_s of it, whatever the proxy says
+        self.front_pid: int | None = None  # the proxy told of the clocks rest: one restarted since knows nothing of it
 
     def rest(self, reason: str) -> bool:
         """The engine rests once its planned stop (which the caller begins) has stopped it; False: it does not serve
@@ -56,7 +58,7 @@ class Resting:
         p = self.program
         if p.state != RESTING:
             return False
-        self.waking = True
+        self.waking, self.woke_at = True, now
         p.enter(STOPPED, f"{p.title} wakes: {why}", logging.INFO)
         p.start(now)
         return True
@@ -88,23 +90,25 @@ def hear_idle(children, idle, replacing: bool, now: float, stats, clocks=None) -
     since the word: the proxy says it again after the next quiet); its word that a request came while the engine
     rests wakes it (Supervisor.wake; clocks: wake_clocks). Each word is taken once."""
     main = children.main
+    front = next((p for p in children.programs.values() if p.spec.fronts_engine and p.word is not None), None)
     if main.resting.clocks:
-        why = clocks_end(idle, main.state, replacing, clocks, stats)
+        why = clocks_end(idle, main.state, replacing, clocks, stats, front, main.resting.front_pid)
         if why is not None:
-            wake_clocks(children, clocks, why)
+            wake_clocks(children, clocks, why, now=now)
     if idle is None and main.state == RESTING:  # a reload took serve.idle away: what rests is woken
         children.wake(now, "serve.idle is off")
-    front = next((p for p in children.programs.values() if p.spec.fronts_engine and p.word is not None), None)
     if front is None:
         return
     idles, wakes, front.word.idles, front.word.wakes = front.word.idles, front.word.wakes, 0, 0
     if wakes and main.resting.clocks:
-        wake_clocks(children, clocks, "a request came through the proxy", request=True)
+        wake_clocks(children, clocks, "a request came through the proxy", request=True, now=now)
     elif wakes:
         children.wake(now, "a request came through the proxy")
     # An idle heard with a wake in one tick is older than the request that woke it: no rest on it (the request is
-    # held at the proxy, so the engine's metrics could not show it)
-    if wakes or not idles or idle is None or replacing or main.state != RUNNING or main.resting.clocks:
+    # held at the proxy, so the engine's metrics could not show it). Nor within after_s of the last wake: the proxy
+    # is serve.user's, and its words alone must not move the GPUs' clocks more often than the setting says.
+    if wakes or not idles or idle is None or replacing or main.state != RUNNING or main.resting.clocks \
+            or now - main.resting.woke_at < idle.after_s:
         return
     if stats is not None and (stats.requests_running or stats.requests_waiting):
         log.info("%s not rested: the proxy saw no request for %g s, but the engine has %d running and %d waiting",
@@ -112,13 +116,14 @@ def hear_idle(children, idle, replacing: bool, now: float, stats, clocks=None) -
         return
     reason = f"no request through the proxy for {idle.after_s:g} s"
     if idle.action == "clocks":
-        rest_clocks(children, clocks, reason)
+        rest_clocks(children, clocks, reason, front)
     else:
         children.rest(now, reason)
 
 
-def clocks_end(idle, state: str, replacing: bool, clocks, stats) -> str | None:
-    """Why a clocks rest ends now, other than a request through the proxy; None: it goes on."""
+def clocks_end(idle, state: str, replacing: bool, clocks, stats, front=None, front_pid=None) -> str | None:
+    """Why a clocks rest ends now, other than a request through the proxy; None: it goes on. front: the proxy now,
+    front_pid: the process told of the rest (a proxy restarted since would send requests on at the lowest clock)."""
     if idle is None or idle.action != "clocks":
         return "serve.idle's clocks is off"
     if state != RUNNING:
@@ -129,10 +134,14 @@ def clocks_end(idle, state: str, replacing: bool, clocks, stats) -> str | None:
         return "the settings lease ended (a tune sweep began, or a reload)"
     if stats is not None and (stats.requests_running or stats.requests_waiting):
         return "the engine has a request running or waiting"  # one sent before the proxy held, or not through it
+    if front is None or front.child is None or front.child.pid != front_pid:
+        return "the proxy restarted: it does not hold requests for the rest"
+    if others := clocks.others():
+        return f"other processes than the engine use its GPUs ({', '.join(map(str, others))})"
     return None
 
 
-def rest_clocks(children, clocks, reason: str) -> None:
+def rest_clocks(children, clocks, reason: str, front=None) -> None:
     """serve.idle's clocks: the engine's GPUs at their lowest clock (the daemon's seam), then the proxy told REST: it
     holds the next request and says wake. Not while a stop or a swap of the children is under way; where the clocks
     cannot be set, the engine serves on as it is, said."""
@@ -146,17 +155,19 @@ def rest_clocks(children, clocks, reason: str) -> None:
         log.log(level, "%s does not rest its clocks (%s): %s; it serves on as it is", main.title, reason, why_not)
         return
     main.resting.clocks = True
+    main.resting.front_pid = front.child.pid if front is not None and front.child is not None else None
     main.resting.rests += 1
     log.info("%s rests (clocks): %s; its GPUs at their lowest clock until the next request", main.title, reason)
     children.tell_fronts()
 
 
-def wake_clocks(children, clocks, why: str, request: bool = False) -> None:
+def wake_clocks(children, clocks, why: str, request: bool = False, now: float | None = None) -> None:
     """The rest's clocks put back (the daemon's seam), and only then the proxy told UP: the held requests go to an
     engine at its configured clocks. request: a request woke it, and the wake's time (the put-back's) is shown."""
     main = children.main
     main.resting.clocks = False
     began = time.monotonic()
+    main.resting.woke_at = began if now is None else now
     if clocks is not None:
         clocks.wake(why)
     took = time.monotonic() - began

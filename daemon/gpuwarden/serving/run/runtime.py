@@ -265,6 +265,8 @@ class ServingRuntime:
             engine.drain.note(stats)
             progress = Progress(stats.tokens_total, stats.requests_running, stats.requests_waiting) \
                 if stats else None
+            # At a clocks rest no probe: its completion would run at the lowest clock and, seen running, end the rest
+            progress = None if engine.resting.clocks else progress
             engine.note_stall(now, self.stall_watch.update(now, progress), self.launch.config.serve.restart_on_stall)
         elif engine.state == STOPPING and engine.drain.active and engine.spec.listens:
             engine.drain.note(self.reader.read(now))  # what the drain has left, for its last line; not published

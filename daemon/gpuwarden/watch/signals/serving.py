@@ -97,9 +97,11 @@ class RestSavings:
     (source "seen"): a rest comes after serve.idle.after_s of exactly that, so it is nearly always known. Else (a
     daemon started during a rest) the context's cost measured on an H200 (design/idle-engine.md: 116.2 W with an
     idle context, 76.9 W without, at a 700 W limit), scaled by the card's power limit (source "h200"). The first
-    quiet poll after a busy one is not taken: the card's clock is still coming down."""
+    quiet poll after a busy one is not taken: the card's clock is still coming down; nor a card busy by its own
+    reading (utilization 10 % or more), whatever the engine's counts say; nor a draw seen over STALE_S ago."""
 
     WINDOW_S = 60.0
+    STALE_S = 3600.0  # an awake draw seen longer ago than this (a busy day since) is not today's: the estimate instead
     H200_CONTEXT_W, H200_LIMIT_W = 116.2 - 76.9, 700.0
 
     def __init__(self) -> None:
@@ -119,7 +121,8 @@ class RestSavings:
             quiet = (engine.state == "RUNNING" and stats is not None and stats.requests_running == 0
                      and stats.requests_waiting == 0)
             if quiet and self.was_quiet:
-                for s in mine:
+                # the engine's counts are its own word: a card it keeps busy is not quiet whatever it says
+                for s in (s for s in mine if s.utilization_pct is not None and s.utilization_pct < IDLE_UTIL_PCT):
                     points = self.awake.setdefault(s.index, [])
                     points.append((now, s.power_w))
                     while now - points[0][0] > self.WINDOW_S:
@@ -127,16 +130,17 @@ class RestSavings:
             self.was_quiet = quiet
             return ()
         self.was_quiet = False
-        saved = tuple((s.index, *self._saved(s)) for s in mine)
+        saved = tuple((s.index, *self._saved(s, now)) for s in mine)
         total = sum(w for _, w, _ in saved)
         if self.last is not None:
             self.joules += (self.last[1] + total) / 2 * max(0.0, now - self.last[0])
         self.last = (now, total)
         return saved
 
-    def _saved(self, sample) -> tuple[float, str]:
-        if points := self.awake.get(sample.index):
-            return max(0.0, sum(w for _, w in points) / len(points) - sample.power_w), "seen"
+    def _saved(self, sample, now: float) -> tuple[float, str]:
+        points = [w for t, w in self.awake.get(sample.index, ()) if now - t <= self.STALE_S]
+        if points:
+            return max(0.0, sum(points) / len(points) - sample.power_w), "seen"
         limit = sample.power_limit_w or self.H200_LIMIT_W
         return self.H200_CONTEXT_W * limit / self.H200_LIMIT_W, "h200"
 
