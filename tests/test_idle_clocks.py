@@ -138,7 +138,7 @@ class SeamLog:
     def others(self):
         return self.foreign
 
-    def rest(self, gpus):
+    def rest(self, gpus, engine=()):
         self.said.append(("rest", tuple(gpus), len(self.ops.sent)))
         self.resting = self.refuse is None
         return self.refuse
@@ -384,7 +384,8 @@ def test_a_daemon_killed_before_the_rests_original_was_saved_still_leaves_the_ca
     ("poll_interval_s: 5\n", 60, "poll_interval_s is 5 s"),
     ("", 10, "serve.proxy.hold_s is 10 s"),
     ("", 14.9, "serve.proxy.hold_s is 14.9 s"),  # attacker 47's F2: 10.0001 passed, and refused at the fallback
-], ids=["slow-poll", "short-hold", "barely-longer"])
+    ("", "60}\n  container: {image: 'localhost/e:1'", "a container engine's processes are the container runtime's"),
+], ids=["slow-poll", "short-hold", "barely-longer", "container"])
 def test_a_clocks_rest_needs_a_poll_that_hears_the_wake_in_time_and_a_hold_that_outlasts_it(extra, hold, fragment):
     assert config.parse_text(serve("  proxy: {enabled: true, hold_s: 15}\n  idle: {action: clocks}\n"),
                              name="c.yaml").serve.idle.action == "clocks"
@@ -440,6 +441,9 @@ def test_a_clocks_rest_ends_for_another_process_on_its_gpus_or_a_restarted_proxy
     backend.gpus()[1].processes.append((1, 2 << 30))  # init is no descendant of this process
     assert "other processes than the engine use its GPUs (1)" in clocks.rest([0, 1])
     assert not clocks.resting and all(g.gpu_lock is None for g in backend.gpus())
+    # the engine adopted after a daemon's restart is init's child, not this process's: its pids are the engine's
+    assert clocks.rest([0, 1], engine=(1,)) is None and clocks.others() == []
+    clocks.wake("adopted")
     backend.gpus()[1].processes.clear()
     assert clocks.rest([0, 1]) is None and clocks.others() == []
     backend.gpus()[0].processes.append((os.getpid(), None))  # the daemon's own (its engine): no other

@@ -531,6 +531,9 @@ def _idle_fits(r: Reader, serve: ServeConfig, tuning_applies: bool, poll_s: floa
                f"and poll_interval_s is {poll_s:g} s: the request that wakes the engine would wait that long "
                f"(past {IDLE_CLOCKS_BACK_S:g} s it is sent at the lowest clock)",
                f"poll_interval_s at most {IDLE_CLOCKS_POLL_MAX_S:g}, or action: stop")
+    if idle.action == "clocks" and serve.container is not None:
+        r.fail(("serve", "idle", "action"), "serve.idle's clocks does not rest GPUs where processes that are not the "
+               "daemon's compute, and a container engine's processes are the container runtime's", "action: stop")
     if idle.action == "clocks" and serve.proxy.enabled and 0 < serve.proxy.hold_s < IDLE_CLOCKS_HOLD_MIN_S:
         r.fail(("serve", "idle", "action"), f"serve.idle's clocks holds the request that wakes the engine up to "
                f"{IDLE_CLOCKS_BACK_S:g} s, and serve.proxy.hold_s is {serve.proxy.hold_s:g} s: it could be refused "

@@ -71,7 +71,7 @@ def _ceiling_line(r: dict) -> str:
 
 COLUMNS = ("C", "ok/sent", "cut", "system tok/s", "per-req tok/s mean", "p50", "TTFT p50 ms", "p99", "ITL p50 ms",
            "p99", "SM MHz min/mean", "mem MHz", "SM act%", "tensor%", "DRAM bw%", "bound", "W/GPU / limit", "GPUs W",
-           "J/tok", "tok/J", "tok/J >idle", "running", "waiting", "KV max", "prefix hit")
+           "J/tok", "tok/J", "tok/J >idle", "J/req p50/p90/p99", "running", "waiting", "KV max", "prefix hit")
 
 
 def _values(gpus: list[dict], key: str) -> list[float]:
@@ -99,8 +99,14 @@ def _row(step: dict) -> list[str]:
             sm, mem, *shares, activity.get("bound") or "-", power, _f(step.get("gpu_watts_mean"), ".0f"),
             _f(step.get("joules_per_token"), ".3g"),
             _f(step.get("tokens_per_joule"), ".3g"), _f(step.get("tokens_per_joule_above_idle"), ".3g"),
-            _f(engine.get("running_mean")), _f(engine.get("waiting_mean")),
+            _per_request(step), _f(engine.get("running_mean")), _f(engine.get("waiting_mean")),
             "-" if kv is None else f"{kv * 100:.0f}%", "-" if hit is None else f"{hit * 100:.0f}%"]
+
+
+def _per_request(step: dict) -> str:
+    """Each request's joules, from gpuwarden's proxy (bench/joules.py): p50/p90/p99."""
+    figures = [step.get(f"joules_per_request_p{q}") for q in (50, 90, 99)]
+    return "-" if figures[0] is None else "/".join(_f(f, ".3g") for f in figures)
 
 
 def _notes(result: dict) -> list[str]:

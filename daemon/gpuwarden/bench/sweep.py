@@ -27,6 +27,7 @@ from ..base.httpget import HttpError, read_capped
 from ..base.exits import EX_CONFIG, EX_FAIL, EX_UNAVAILABLE
 from .bound import step_activity
 from .client import RequestResult, stream
+from . import joules
 from .energy import gpu_watts, step_energy
 from .watch import Watch, step_flags
 from .workload import CALIBRATION_WORDS, MARK_WORDS, WORDS, Workload
@@ -258,10 +259,14 @@ async def run(sweep: Sweep, watch: Watch, progress: Callable[[int, int, int | No
             ids = itertools.count()
             for _ in range(settings.warmup):
                 await stream(session, url, workload.payload(next(ids)), *settings.limit())
+            through = await joules.read(session, base) is not None  # gpuwarden's proxy: joules per request
+            if not through:
+                sweep.notes.append(joules.NOT_THROUGH)
             for index, concurrency in enumerate(settings.concurrency):
                 if before_step is not None:
                     before_step(index)
                 watch.begin()
+                before = await joules.read(session, base) if through else None
                 results, duration, interrupted = await _step(
                     session, url, settings, workload, concurrency, ids,
                     lambda done, total, elapsed, c=concurrency: progress(c, done, total, elapsed))
@@ -270,6 +275,9 @@ async def run(sweep: Sweep, watch: Watch, progress: Callable[[int, int, int | No
                 step.update(gpus=gpus, engine=engine, flags=step_flags(gpus, None),
                             activity=step_activity(gpus, step["ok"]))
                 step.update(step_energy(step, sweep.idle_w))
+                if before is not None:  # the step's requests, once the proxy has settled their joules
+                    step.update(joules.step_joules(before, await joules.settled(session, base, before,
+                                                                                 step["requests"])))
                 sweep.steps.append(step)
                 if interrupted:
                     sweep.interrupted = True

@@ -28,15 +28,16 @@ class IdleClocks:
         self.sweeps = sweeps
         self._locks: dict[int, tuple] = {}  # the tuning's locks of the rested GPUs, shown again at the wake
         self._rested: list[int] = []  # the GPUs of the rest under way (its lease may have been ended by another)
+        self._engine: tuple[int, ...] = ()  # the engine's pids of that rest: its processes are not another's
 
     @property
     def resting(self) -> bool:
         lease = self.sweeps.lease
         return lease is not None and lease.owner is REST
 
-    def rest(self, gpus: list[int]) -> str | None:
+    def rest(self, gpus: list[int], engine: tuple[int, ...] = ()) -> str | None:
         """These GPUs (the engine's) at their lowest supported SM clock, read back. None when done; else why not,
-        in a line, with nothing left changed."""
+        in a line, with nothing left changed. engine: its processes' pids (sweeps.other_processes)."""
         sweeps, tuning = self.sweeps, self.sweeps.tuning
         if sweeps.lease is not None:
             return f"a sweep of {sweeps.lease.setting} holds the GPUs ({sweeps.lease.peer})"
@@ -51,7 +52,8 @@ class IdleClocks:
                 lows[gpu.index] = (gpu, min(clocks))
         if not lows:
             return "the engine names no GPU"
-        if others := sweeps.other_processes(sorted(lows)):  # a sweep refuses them too: their work is not ours to slow
+        self._engine = engine
+        if others := sweeps.other_processes(sorted(lows), engine):  # a sweep refuses them too: their work is not ours to slow
             return f"other processes than the engine use its GPUs ({', '.join(map(str, others))})"
         try:  # no marker, no rest: a daemon killed during it would leave the cards slow for good
             sweeps.take(Lease(SETTING, sorted(lows), math.inf, math.inf, REST, REST, kind="rest"))
@@ -77,7 +79,7 @@ class IdleClocks:
     def others(self) -> list[int]:
         """Processes not the daemon's that compute on the rested GPUs now (a rest ends for them: they would run at
         the lowest clock)."""
-        return self.sweeps.other_processes(self._rested) if self._rested else []
+        return self.sweeps.other_processes(self._rested, self._engine) if self._rested else []
 
     def wake(self, why: str) -> list[str] | None:
         """The rest's clocks put back and read back (what each GPU got, a line each; none where its lease was ended

@@ -165,11 +165,12 @@ class Sweeps:
         backend = self.tuning.backend.gpus()
         return budget.sweep_ceiling(gpus, backend, {g.index: g.sample() for g in backend})
 
-    def other_processes(self, gpus: list[int]) -> list[int]:
-        """Compute processes on these GPUs that are not the daemon's descendants (its engine and workers)."""
-        mine = os.getpid()
+    def other_processes(self, gpus: list[int], engine: tuple[int, ...] = ()) -> list[int]:
+        """Compute processes on these GPUs that are neither the daemon's descendants nor those of engine (the pids of
+        the engine's processes it supervises: one adopted after a daemon's restart is init's child, not ours)."""
+        roots = (os.getpid(), *engine)
         return sorted({pid for gpu in self.tuning.backend.gpus() if gpu.index in gpus
-                       for pid, _ in gpu.compute_processes() if not _descends_from(pid, mine)})
+                       for pid, _ in gpu.compute_processes() if not any(_descends_from(pid, r) for r in roots)})
 
     def _limits(self, setting: str, gpus: list[int]) -> dict:
         """What each GPU accepts: the power-limit constraints (nvmlDeviceGetPowerManagementLimitConstraints) or

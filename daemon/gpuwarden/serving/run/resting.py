@@ -32,6 +32,7 @@ class Resting:
         self.clocks = False  # serve.idle's clocks: the engine runs, its GPUs' clocks at rest
         self.woke_at = float("-inf")  # the last wake: no rest within after_s of it, whatever the proxy says
         self.front_pid: int | None = None  # the proxy told of the clocks rest: one restarted since knows nothing of it
+        self.refused: str | None = None  # why the last clocks rest was refused: a warning once, then at INFO
 
     def rest(self, reason: str) -> bool:
         """The engine rests once its planned stop (which the caller begins) has stopped it; False: it does not serve
@@ -148,12 +149,16 @@ def rest_clocks(children, clocks, reason: str, front=None) -> None:
     main = children.main
     if not children.may_rest:
         return
-    why_not = clocks.rest([gpu.index for gpu in main.spec.gpus]) if clocks is not None else \
+    engine = (main.child.pid,) if main.child is not None else ()
+    why_not = clocks.rest([gpu.index for gpu in main.spec.gpus], engine) if clocks is not None else \
         "this daemon sets no GPU clock"
     if why_not is not None:
-        level = logging.INFO if why_not.startswith("a sweep") else logging.WARNING  # a tune sweep: a choice
+        # a tune sweep is a choice; another process on its GPUs, once until a rest succeeds (each quiet spell asks)
+        level = logging.INFO if why_not.startswith("a sweep") or main.resting.refused == why_not else logging.WARNING
+        main.resting.refused = why_not
         log.log(level, "%s does not rest its clocks (%s): %s; it serves on as it is", main.title, reason, why_not)
         return
+    main.resting.refused = None
     main.resting.clocks = True
     main.resting.front_pid = front.child.pid if front is not None and front.child is not None else None
     main.resting.rests += 1

@@ -122,7 +122,8 @@ class RestSavings:
                      and stats.requests_waiting == 0)
             if quiet and self.was_quiet:
                 # the engine's counts are its own word: a card it keeps busy is not quiet whatever it says
-                for s in (s for s in mine if s.utilization_pct is not None and s.utilization_pct < IDLE_UTIL_PCT):
+                # (a card that reports none, MIG's: the counts alone)
+                for s in (s for s in mine if s.utilization_pct is None or s.utilization_pct < IDLE_UTIL_PCT):
                     points = self.awake.setdefault(s.index, [])
                     points.append((now, s.power_w))
                     while now - points[0][0] > self.WINDOW_S:

@@ -1,0 +1,93 @@
+"""Each step's joules per request (docs/serving/joules.md): where bench runs through gpuwarden's proxy, its own
+/metrics has the histogram of each request's joules (proxy/joules.py); bench reads it before and after each step,
+and the step's median, p90 and p99 come from the difference, as Prometheus's histogram_quantile reads buckets (a
+straight line within a bucket). A request's joules come a poll or two after it ends (its intervals must settle), so
+bench waits, SETTLE_S at most, for the step's requests to be counted. Straight to the engine there is no such
+histogram: no figure, said once."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import re
+
+import aiohttp
+
+HISTOGRAM = "gpuwarden_proxy_request_joules"
+SETTLE_S = 5.0
+READ_MAX = 4 << 20  # the proxy's /metrics is some KiB
+LINE = re.compile(r'^gpuwarden_proxy_request_joules_(bucket|sum|count)\{([^}]*)\} (\S+)$')
+NOT_THROUGH = ("no joules per request: bench did not run through gpuwarden's proxy (the server's /metrics has no "
+               "gpuwarden_proxy_request_joules); point --url at the proxy for them")
+
+
+def parse(text: str) -> dict | None:
+    """The histogram summed over its models: {"buckets": {upper bound: cumulative count}, "sum", "count"}; None: the
+    page has none."""
+    found, buckets, total, count = False, {}, 0.0, 0.0
+    for line in text.splitlines():
+        match = LINE.match(line)
+        if not match:
+            continue
+        found = True
+        kind, labels, value = match.group(1), match.group(2), float(match.group(3))
+        if kind == "bucket":
+            le = re.search(r'le="([^"]*)"', labels)
+            bound = math.inf if le is None or le.group(1) == "+Inf" else float(le.group(1))
+            buckets[bound] = buckets.get(bound, 0.0) + value
+        elif kind == "sum":
+            total += value
+        else:
+            count += value
+    return {"buckets": buckets, "sum": total, "count": count} if found else None
+
+
+def quantile(buckets: dict[float, float], q: float) -> float | None:
+    """histogram_quantile over cumulative buckets; None with no observation."""
+    bounds = sorted(buckets)
+    if not bounds or buckets[bounds[-1]] <= 0:
+        return None
+    rank, lower, below = q * buckets[bounds[-1]], 0.0, 0.0
+    for bound in bounds:
+        if buckets[bound] >= rank:
+            if math.isinf(bound):
+                return lower  # past the last finite bucket: its bound, as Prometheus says
+            within = buckets[bound] - below
+            return lower + (bound - lower) * ((rank - below) / within if within else 1.0)
+        lower, below = bound, buckets[bound]
+    return None
+
+
+def step_joules(before: dict | None, after: dict | None) -> dict:
+    """The step's figures from two readings: its requests counted, their mean, p50, p90 and p99 joules."""
+    if before is None or after is None:
+        return {}
+    count = after["count"] - before["count"]
+    if count <= 0:
+        return {"joules_requests": 0}
+    buckets = {b: after["buckets"].get(b, 0.0) - before["buckets"].get(b, 0.0) for b in after["buckets"]}
+    return {"joules_requests": int(count), "joules_per_request_mean": (after["sum"] - before["sum"]) / count,
+            **{f"joules_per_request_p{round(q * 100)}": quantile(buckets, q) for q in (0.5, 0.9, 0.99)}}
+
+
+async def read(session: aiohttp.ClientSession, base: str) -> dict | None:
+    """The proxy's histogram now; None where the server has none (or its /metrics does not answer)."""
+    try:
+        async with session.get(base + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as reply:
+            if reply.status != 200:
+                return None
+            body = await reply.content.read(READ_MAX)
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return None
+    return parse(body.decode("utf-8", "replace"))
+
+
+async def settled(session: aiohttp.ClientSession, base: str, before: dict, requests: int) -> dict | None:
+    """The histogram once the step's requests are counted in it, SETTLE_S at most."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + SETTLE_S
+    while True:
+        after = await read(session, base)
+        if after is None or after["count"] - before["count"] >= requests or loop.time() >= deadline:
+            return after
+        await asyncio.sleep(0.25)
