@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from gpuwarden.proxy.energy import LATE_S, Interval, Ledger, Request, split
+from gpuwarden.proxy.energy import GONE_S, Interval, Ledger, Request, split
 
 
 def run(ledger: Ledger, request: Request) -> list[Request]:
@@ -71,8 +71,8 @@ def test_a_request_ended_is_final_once_the_intervals_up_to_its_end_settled_and_l
     assert [x.rid for x in ledger.add(Interval(1.0, 2.0, {"0": 100}))] == [1]
     late = Request(2, sent=10.0, first=10.0, end=11.0, output=5)
     run(ledger, late)
-    assert ledger.expire(11.0 + LATE_S - 1) == []
-    (final,) = ledger.expire(11.0 + LATE_S + 1)  # the daemon sent nothing since: final, marked partial
+    assert ledger.expire(11.0 + GONE_S - 1) == []
+    (final,) = ledger.expire(11.0 + GONE_S + 1)  # the daemon sent nothing since: final, marked partial
     assert final.rid == 2 and final.partial and final.joules == 0
 
 
@@ -85,22 +85,37 @@ def test_intervals_backwards_or_overlapping_or_negative_are_refused_and_counted(
     assert ledger.rejected == 4 and ledger.measured == {"0": 10}
 
 
-def test_a_request_in_flight_past_its_bound_leaves_the_intervals_it_overlaps_to_nobody():
-    ledger = Ledger(max_request_s=10.0)
-    ledger.begin(1, 0.0)
-    ledger.add(Interval(0.0, 5.0, {"0": 1000}))
-    ledger.expire(11.0)  # abandoned: its share of these cannot be known
-    finals = ledger.add(Interval(5.0, 12.0, {"0": 1000}))
-    assert finals == [] and ledger.unattributed == {"0": 2000}
-    assert ledger.end(Request(1, sent=0.0, first=1.0, end=13.0, output=99)) == []  # it gets nothing
-    ledger.add(Interval(12.0, 14.0, {"0": 1000}))  # still its span: nobody's
-    ledger.add(Interval(14.0, 15.0, {"0": 1000}))  # after its end: idle
-    assert ledger.unattributed == {"0": 3000} and ledger.idle == {"0": 1000} and ledger.measured == {"0": 4000}
+def test_a_long_request_in_flight_holds_back_nobodys_joules_its_intervals_settle_with_its_tokens_so_far():
+    """Attacker 48's F1: a stream of ten minutes held every interval it overlapped, so the short requests beside it
+    were made final with 0 J and it took nearly all. Now an interval waits LATE_S at most: then the long one weighs
+    by its tokens so far (its estimated prompt over its prefill so far, its events over its decode so far)."""
+    ledger = Ledger()
+    ledger.begin(1, 0.0, prompt=100)  # the long one: its body's bytes over 4
+    ledger.progress(1, 1.0, 0)
+    finals = []
+    for t in range(40):  # a short request each second beside it, 10 prompt + 10 output tokens
+        short = Request(100 + t, sent=t + 0.1, first=t + 0.3, end=t + 0.9, prompt=10, output=10)
+        ledger.begin(short.rid, short.sent)
+        finals += ledger.end(short)
+        ledger.progress(1, 1.0, 20 * (t + 1))  # it streams 20 tokens a second
+        finals += ledger.add(Interval(float(t), t + 1.0, {"0": 1000}), now=t + 1.0)
+        finals += ledger.expire(t + 1.0)
+    assert len(finals) >= 25 and all(r.joules > 0 and not r.partial for r in finals), \
+        [(r.rid, r.joules, r.partial) for r in finals if r.joules == 0 or r.partial]
+    # each short one weighed 20 tokens against the long one's 20 a second: about half of its second; the first
+    # against the long one's prefill, 100 prompt tokens in that second: a sixth
+    assert all(0.3 <= r.joules <= 0.7 for r in finals if r.sent > 1), sorted(r.joules for r in finals)
+    assert next(r for r in finals if r.rid == 100).joules == pytest.approx(1 / 6, abs=0.002)
+    finals += ledger.end(Request(1, sent=0.0, first=1.0, end=40.0, prompt=100, output=800)) + \
+        ledger.add(Interval(40.0, 41.0, {"0": 1000}), now=41.0) + ledger.expire(100.0)
+    long = next(r for r in finals if r.rid == 1)
+    assert long.estimated and 10 < long.joules < 30 and len(finals) == 41
+    assert ledger.measured == {"0": 41_000} and ledger.apportioned["0"] + ledger.idle["0"] == 41_000
 
 
 def test_the_shares_idle_and_unattributed_sum_to_the_measured_energy_exactly_over_five_minutes_of_random_work():
     rng = random.Random(56)
-    ledger, finals, rid = Ledger(max_request_s=120.0), [], 0
+    ledger, finals, rid = Ledger(), [], 0
     events = []
     for _ in range(400):  # requests of 0.05 to 20 s over 300 s, some of no tokens
         sent = rng.uniform(0, 300)

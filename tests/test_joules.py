@@ -51,8 +51,35 @@ def test_the_daemon_writes_running_sums_of_each_cards_counter_and_the_trapezoid_
     assert third["epoch"] == first["epoch"] and oct(feed.path.stat().st_mode & 0o777) == "0o644"
     feed.close()
     assert not feed.path.exists()
-    assert feed_path(8001, {"RUNTIME_DIRECTORY": "/run/gpuwarden:/other"}).as_posix() == \
-        "/run/gpuwarden/energy/proxy-8001.json"
+    assert feed_path("127.0.0.1", 8001, {"RUNTIME_DIRECTORY": "/run/gpuwarden:/other"}).as_posix() == \
+        "/run/gpuwarden/energy/proxy-127.0.0.1-8001.json"
+    assert feed_path("::1", 8001, {}).name == "proxy-__1-8001.json"  # one file an address: two proxies, two files
+
+
+def test_the_daemon_writes_no_energy_into_a_folder_another_may_write_or_link(tmp_path, caplog):
+    """Attacker 48's F8: with a RUNTIME_DIRECTORY others may write, root's mkdir and write went through a linked
+    energy/ folder, and a planted folder let its owner forge the sums."""
+    import os
+
+    from gpuwarden.serving.run.energyfeed import safe_folder
+
+    run = tmp_path / "run"
+    run.mkdir(mode=0o755)
+    (run / "energy").mkdir(mode=0o755)
+    assert safe_folder(run / "energy") is None
+    os.chmod(run, 0o777)
+    assert "others may write in it" in safe_folder(run / "energy")
+    os.chmod(run, 0o755)
+    (run / "energy").rmdir()
+    (tmp_path / "elsewhere").mkdir()
+    (run / "energy").symlink_to(tmp_path / "elsewhere")
+    assert "is not a folder" in safe_folder(run / "energy")
+    feed = EnergyFeed(run / "energy" / "proxy-x-1.json", Tick())
+    with caplog.at_level("WARNING", logger="gpuwarden"):
+        feed.tick([Card(0, 5)], {0: 1.0})
+        feed.tick([Card(0, 9)], {0: 1.0})
+    assert not list((tmp_path / "elsewhere").iterdir())
+    assert len([r for r in caplog.records if "not written" in r.getMessage()]) == 1  # said once
 
 
 @pytest.mark.parametrize("text", [
@@ -92,10 +119,23 @@ def test_a_feed_that_is_a_fifo_a_link_or_too_big_is_no_reading_and_never_waits(t
     (b'{"usage": {"prompt_tokens": 5, "completion_tokens": 5000}}', False, 0, 400, 100, (25, 100, True)),  # a lie
     (b'{"usage": {"prompt_tokens": "5", "completion_tokens": 1}}', False, 0, 400, 100, (25, 100, True)),
     (b'{"usage": {"completion_tokens": 1}}', False, 0, 400, 100, (25, 100, True)),
+    # attacker 48's F4: vLLM's details nested in its usage, Anthropic's messages, OpenAI's responses
+    (b'{"usage": {"prompt_tokens": 12, "total_tokens": 52, "completion_tokens": 40, "prompt_tokens_details": '
+     b'{"cached_tokens": 8}}}', False, 0, 500, 100, (12, 40, False)),
+    (b'{"type": "message", "usage": {"input_tokens": 21, "output_tokens": 9}}', False, 0, 300, 100, (21, 9, False)),
+    (b'{"object": "response", "usage": {"input_tokens": 5, "input_tokens_details": {"cached_tokens": 0}, '
+     b'"output_tokens": 30, "output_tokens_details": {"reasoning_tokens": 0}}}', False, 0, 600, 100, (5, 30, False)),
 ])
 def test_an_answers_tokens_are_its_usage_where_it_can_be_true_else_the_proxys_estimate(tail, streaming, events,
                                                                                         sent, body, expect):
     assert tokens_of(tail, streaming, events, sent, body) == expect
+
+
+def test_an_anthropic_streams_prompt_tokens_come_from_its_first_event_and_its_output_from_its_last():
+    head = (b'event: message_start\ndata: {"type": "message_start", "message": {"usage": {"input_tokens": 31, '
+            b'"output_tokens": 1}}}\n\n')
+    tail = b'event: message_delta\ndata: {"type": "message_delta", "usage": {"output_tokens": 48}}\n\n'
+    assert tokens_of(tail, True, 50, 9000, 200, head) == (31, 48, False)
 
 
 def test_only_the_apis_that_make_tokens_are_weighed():
@@ -263,7 +303,7 @@ def test_each_request_through_the_proxy_gets_its_joules_and_the_shares_idle_and_
     engine_gpus = json.loads(urllib.request.urlopen(base + "/status", timeout=10).read())["serving"]["gpus"]
     d.proc.send_signal(signal.SIGSTOP)  # its file stands still: the proxy's books must come to it exactly
     try:
-        sums = json.loads(feed_path(proxy_port).read_text())["gpus"]
+        sums = json.loads(feed_path("127.0.0.1", proxy_port).read_text())["gpus"]
         drew = {gpu: (mj - first[gpu]) / 1000 for gpu, mj in sums.items()}
         wait = time.monotonic() + 30  # a bound on a hang: the proxy reads the file twice a second
         while True:
@@ -281,3 +321,4 @@ def test_each_request_through_the_proxy_gets_its_joules_and_the_shares_idle_and_
     finally:
         d.proc.send_signal(signal.SIGCONT)
     assert d.stop() == 0
+    assert not feed_path("127.0.0.1", proxy_port).exists()  # the daemon's stop takes its file away

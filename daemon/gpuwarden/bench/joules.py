@@ -2,7 +2,8 @@
 /metrics has the histogram of each request's joules (proxy/joules.py); bench reads it before and after each step,
 and the step's median, p90 and p99 come from the difference, as Prometheus's histogram_quantile reads buckets (a
 straight line within a bucket). A request's joules come a poll or two after it ends (its intervals must settle), so
-bench waits, SETTLE_S at most, for the step's requests to be counted. Straight to the engine there is no such
+bench waits, SETTLE_S at most, for the proxy to have none pending (gpuwarden_proxy_joules_pending_requests 0) before
+and after each step. Straight to the engine there is no such
 histogram: no figure, said once."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ HISTOGRAM = "gpuwarden_proxy_request_joules"
 SETTLE_S = 5.0
 READ_MAX = 4 << 20  # the proxy's /metrics is some KiB
 LINE = re.compile(r'^gpuwarden_proxy_request_joules_(bucket|sum|count)\{([^}]*)\} (\S+)$')
+PENDING = re.compile(r'^gpuwarden_proxy_joules_pending_requests (\S+)$', re.M)
 NOT_THROUGH = ("no joules per request: bench did not run through gpuwarden's proxy (the server's /metrics has no "
                "gpuwarden_proxy_request_joules); point --url at the proxy for them")
 
@@ -26,6 +28,7 @@ def parse(text: str) -> dict | None:
     page has none."""
     found, buckets, total, count = False, {}, 0.0, 0.0
     for line in text.splitlines():
+        found = found or line == f"# TYPE {HISTOGRAM} histogram"  # before its first request: no sample yet
         match = LINE.match(line)
         if not match:
             continue
@@ -39,7 +42,9 @@ def parse(text: str) -> dict | None:
             total += value
         else:
             count += value
-    return {"buckets": buckets, "sum": total, "count": count} if found else None
+    pending = PENDING.search(text)
+    return {"buckets": buckets, "sum": total, "count": count,
+            "pending": float(pending.group(1)) if pending else 0.0} if found else None
 
 
 def quantile(buckets: dict[float, float], q: float) -> float | None:
@@ -82,12 +87,13 @@ async def read(session: aiohttp.ClientSession, base: str) -> dict | None:
     return parse(body.decode("utf-8", "replace"))
 
 
-async def settled(session: aiohttp.ClientSession, base: str, before: dict, requests: int) -> dict | None:
-    """The histogram once the step's requests are counted in it, SETTLE_S at most."""
+async def settled(session: aiohttp.ClientSession, base: str) -> dict | None:
+    """The histogram once no counted request is pending at the proxy (every one before now final), SETTLE_S at
+    most; None: the server has none."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + SETTLE_S
     while True:
-        after = await read(session, base)
-        if after is None or after["count"] - before["count"] >= requests or loop.time() >= deadline:
-            return after
+        now = await read(session, base)
+        if now is None or now["pending"] <= 0 or loop.time() >= deadline:
+            return now
         await asyncio.sleep(0.25)

@@ -266,7 +266,7 @@ async def run(sweep: Sweep, watch: Watch, progress: Callable[[int, int, int | No
                 if before_step is not None:
                     before_step(index)
                 watch.begin()
-                before = await joules.read(session, base) if through else None
+                before = await joules.settled(session, base) if through else None  # the warm-up's final too
                 results, duration, interrupted = await _step(
                     session, url, settings, workload, concurrency, ids,
                     lambda done, total, elapsed, c=concurrency: progress(c, done, total, elapsed))
@@ -276,8 +276,7 @@ async def run(sweep: Sweep, watch: Watch, progress: Callable[[int, int, int | No
                             activity=step_activity(gpus, step["ok"]))
                 step.update(step_energy(step, sweep.idle_w))
                 if before is not None:  # the step's requests, once the proxy has settled their joules
-                    step.update(joules.step_joules(before, await joules.settled(session, base, before,
-                                                                                 step["requests"])))
+                    step.update(joules.step_joules(before, await joules.settled(session, base)))
                 sweep.steps.append(step)
                 if interrupted:
                     sweep.interrupted = True

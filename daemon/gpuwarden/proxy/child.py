@@ -52,7 +52,7 @@ def proxy_argv(config: Config) -> tuple[str, ...]:
     for pattern in p.remove_patterns:
         argv += ["--remove-pattern", pattern]
     # joules per request: the daemon's file of the engine's GPUs' energy (serving/run/energyfeed.py)
-    argv += ["--energy-file", str(feed_path(p.listen[1])), "--model", serve.model.rstrip("/").rsplit("/", 1)[-1]]
+    argv += ["--energy-file", str(feed_path(*p.listen)), "--model", serve.model.rstrip("/").rsplit("/", 1)[-1]]
     if serve.idle is not None:  # the proxy says when the engine has had no request for this long (proxy/quiet.py)
         argv += ["--idle-after-s", f"{serve.idle.after_s:g}", "--idle-action", serve.idle.action]
     if p.dump_dir is not None:

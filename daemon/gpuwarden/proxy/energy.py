@@ -5,8 +5,10 @@ are the energy measured, exactly: the conservation law, and its test.
 
 The model: a request's prompt tokens spread evenly over its prefill (sent to the engine, to its first byte back), its
 output tokens over its decode (first byte to end); a prefill or decode of no length puts its tokens at its instant.
-An interval's split waits until every request that may overlap it has ended (its tokens are known only then); a
-request's joules are final once the intervals up to its end have settled. Pure: no clock, no I/O; the proxy's
+An interval's split waits until every request that may overlap it has ended (its tokens are known only then), LATE_S
+at most: then a request still in flight weighs by its tokens so far (its estimated prompt, its stream's events), so
+that one long request holds back nobody's joules; a request's joules are final once the intervals up to its end have
+settled. Pure: no clock, no I/O; the proxy's
 wiring (proxy/joules.py) feeds it."""
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ from dataclasses import dataclass, field
 
 MAX_OPEN = 4096  # intervals waiting for their requests: over an hour of 1 s polls
 MAX_DONE = 16384  # ended requests waiting for the intervals up to their end
-LATE_S = 30.0  # an ended request no interval reached for this long is final with what it has
+# An interval waits this long for the requests in flight in it to end (their tokens known), then settles with them
+# weighed by their tokens so far; an ended request that no interval reached for GONE_S (the daemon sends none) is
+# final with what it has
+LATE_S, GONE_S = 10.0, 60.0
 SCALE = 1_000_000  # weights in millionths of a token: the split is integer arithmetic, exact and repeatable
 
 
@@ -73,32 +78,37 @@ class Ledger:
     """The intervals not yet settled, the requests in flight and those ended but not final, and per GPU the
     energy measured, apportioned, idle and unattributed (each a Counter of whole mJ)."""
 
-    def __init__(self, max_request_s: float = 3600.0):
-        self.max_request_s = max_request_s
+    def __init__(self):
         self.open: deque[Interval] = deque()
-        self.flight: dict[int, float] = {}  # rid -> when it was sent
+        self.flight: dict[int, Request] = {}  # in flight: its tokens so far (the estimate of its prompt, its events)
         self.done: dict[int, Request] = {}  # ended, not final
-        self.abandoned: dict[int, tuple[float, float]] = {}  # rid -> (sent, end or inf): in flight past the bound
         self.settled_t = float("-inf")  # the end of the last interval settled
         self.measured, self.apportioned, self.idle, self.unattributed = Counter(), Counter(), Counter(), Counter()
         self.rejected = 0  # intervals refused: backwards, overlapping the settled, or not well formed
 
-    def begin(self, rid: int, now: float) -> None:
-        """A request sent to the engine."""
-        self.flight[rid] = now
+    def begin(self, rid: int, now: float, prompt: int = 0) -> None:
+        """A request sent to the engine; prompt: its prompt tokens as estimated until its answer says."""
+        self.flight[rid] = Request(rid, now, prompt=prompt, estimated=True)
+
+    def progress(self, rid: int, first: float, output: int) -> None:
+        """A request's first byte came at first, and it has sent output tokens so far (a stream's events)."""
+        request = self.flight.get(rid)
+        if request is not None:
+            request.first, request.output = request.first or first, output
 
     def forget(self, rid: int) -> None:
         """A request that never reached the engine after all (refused, held and given up)."""
         self.flight.pop(rid, None)
 
     def end(self, request: Request) -> list[Request]:
-        """A request ended, its tokens known (request.sent as begin() was told); the requests now final."""
-        sent = self.flight.pop(request.rid, None)
-        if sent is None:
-            if request.rid in self.abandoned:
-                self.abandoned[request.rid] = (self.abandoned[request.rid][0], request.end)
+        """A request ended, its tokens known (request.sent as begin() was told); the requests now final. What it was
+        given while in flight (LATE_S) stays its own."""
+        was = self.flight.pop(request.rid, None)
+        if was is None:
             return self._settle()
         request.first = min(max(request.first, request.sent), request.end)
+        request.mj.update(was.mj)
+        request.estimated = request.estimated or bool(was.mj)  # part of it weighed by its tokens so far
         self.done[request.rid] = request
         finals = self._settle()
         while len(self.done) > MAX_DONE:  # bounded: the oldest final with what it has
@@ -107,7 +117,7 @@ class Ledger:
             finals.append(self.done.pop(oldest.rid))
         return finals
 
-    def add(self, interval: Interval) -> list[Request]:
+    def add(self, interval: Interval, now: float = float("-inf")) -> list[Request]:
         """The daemon's energy over an interval; the requests now final. An interval that ends before it starts,
         begins before the last one taken ended, or has a negative energy is refused (counted)."""
         last = self.open[-1].t1 if self.open else self.settled_t
@@ -115,39 +125,37 @@ class Ledger:
             self.rejected += 1
             return []
         self.open.append(interval)
-        if len(self.open) > MAX_OPEN:  # waiting on a request that never ends: settled as nobody's
+        if len(self.open) > MAX_OPEN:  # the daemon's intervals faster than they settle: the oldest is nobody's
             self._unattributed(self.open.popleft())
-        return self._settle()
+        return self._settle(now)
 
     def expire(self, now: float) -> list[Request]:
-        """The bounds in time: a request in flight past max_request_s is abandoned (the intervals it overlaps are
-        nobody's: its tokens would have weighed in them); one ended LATE_S ago that no interval reached is final."""
-        for rid, sent in list(self.flight.items()):
-            if now - sent > self.max_request_s:
-                del self.flight[rid]
-                self.abandoned[rid] = (sent, float("inf"))
-        finals = self._settle()
+        """The bounds in time: an interval LATE_S old settles with the requests still in flight weighed by their
+        tokens so far (a long request holds back nobody's joules); a request ended GONE_S ago that no interval
+        reached (the daemon sends none) is final with what it has."""
+        finals = self._settle(now)
         for rid, request in list(self.done.items()):
-            if now - request.end > LATE_S and request.end > self.settled_t:
+            if now - request.end > GONE_S and request.end > self.settled_t:
                 request.partial = True
                 finals.append(self.done.pop(rid))
         return finals
 
-    def _settle(self) -> list[Request]:
-        while self.open and not any(sent < self.open[0].t1 for sent in self.flight.values()):
-            interval = self.open.popleft()
-            if any(s < interval.t1 and e > interval.t0 for s, e in self.abandoned.values()):
-                self._unattributed(interval)
-            else:
-                self._split(interval)
-        self.abandoned = {rid: (s, e) for rid, (s, e) in self.abandoned.items() if e > self.settled_t}
+    def _settle(self, now: float = float("-inf")) -> list[Request]:
+        while self.open:
+            interval = self.open[0]
+            if any(r.sent < interval.t1 for r in self.flight.values()) and now - interval.t1 <= LATE_S:
+                break  # a request in flight may weigh in it: wait for its tokens, LATE_S at most
+            self.open.popleft()
+            self._split(interval, now)
         finals = [r for r in self.done.values() if r.end <= self.settled_t]
         for request in finals:
             del self.done[request.rid]
         return finals
 
-    def _split(self, interval: Interval) -> None:
-        weighed = [(r, w) for r in self.done.values() if (w := r.weight(interval.t0, interval.t1)) > 0]
+    def _split(self, interval: Interval, now: float) -> None:
+        a, b = interval.t0, interval.t1
+        weighed = [(r, w) for r in self.done.values() if (w := r.weight(a, b)) > 0]
+        weighed += [(r, w) for r in self.flight.values() if r.sent < b and (w := _so_far(r, a, b, now)) > 0]
         for gpu, mj in interval.mj.items():
             self.measured[gpu] += mj
             if not weighed:
@@ -156,7 +164,7 @@ class Ledger:
             for (request, _), part in zip(weighed, split(mj, [w for _, w in weighed]), strict=True):
                 request.mj[gpu] += part
             self.apportioned[gpu] += mj
-        self.settled_t = interval.t1
+        self.settled_t = b
 
     def _unattributed(self, interval: Interval) -> None:
         for gpu, mj in interval.mj.items():
@@ -166,3 +174,13 @@ class Ledger:
             if request.sent < interval.t1 and request.end > interval.t0:
                 request.partial = True
         self.settled_t = interval.t1
+
+
+def _so_far(r: Request, a: float, b: float, now: float) -> int:
+    """A request in flight's tokens in [a, b) as known now: its estimated prompt over its prefill so far (to its first
+    byte, else to now), its output so far over its decode so far."""
+    prefill_end = r.first or now
+    w = r.prompt * _part(r.sent, prefill_end, a, b)
+    if r.first:
+        w += r.output * _part(r.first, max(now, r.first), a, b)
+    return round(SCALE * w)

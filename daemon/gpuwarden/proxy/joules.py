@@ -36,9 +36,13 @@ TAIL_MAX = 8 * 1024  # what of an answer's end is kept to find its usage
 TOKENS_MAX = 10_000_000  # a count past this is no count
 SLACK_TOKENS = 8192  # a chat template's tokens beyond the body's text
 LINES_A_SECOND = 10  # the per-request lines; past that, counted and said with the next
-USAGE = re.compile(rb'"usage"\s*:\s*\{([^{}]{0,512})\}')
-FIGURE = {name: re.compile(rb'"' + name.encode() + rb'"\s*:\s*(\d{1,9})\b') for name in ("prompt_tokens",
-                                                                                        "completion_tokens")}
+USAGE = re.compile(rb'"usage"\s*:\s*\{')
+USAGE_SPAN = 1024  # what follows a usage's brace is looked in: its figures and its nested details
+# OpenAI's chat and completions (prompt_tokens, completion_tokens), Anthropic's messages and OpenAI's responses
+# (input_tokens, output_tokens)
+PROMPT = re.compile(rb'"(?:prompt_tokens|input_tokens)"\s*:\s*(\d{1,9})\b')
+OUTPUT = re.compile(rb'"(?:completion_tokens|output_tokens)"\s*:\s*(\d{1,9})\b')
+HEAD_MAX = 4 * 1024  # a stream's first bytes: Anthropic's message_start carries its input_tokens
 EVENT = b"data: {"
 BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10_000, 25_000, 100_000)
 
@@ -72,16 +76,21 @@ def read_feed(path: Path) -> tuple[str, float, dict[str, int], bool] | None:
     return (epoch, float(t), sums, bool(power)) if len(sums) == len(gpus) else None
 
 
-def tokens_of(tail: bytes, streaming: bool, events: int, sent: int, body: int) -> tuple[int, int, bool]:
-    """(prompt tokens, output tokens, estimated) of an answer: its usage where there is one that can be true."""
+def _last(pattern: re.Pattern, *texts: bytes) -> int | None:
+    """The figure in the last usage that has one, the later text first."""
+    for text in reversed(texts):
+        for start in reversed([m.end() for m in USAGE.finditer(text)]):
+            if found := pattern.search(text, start, start + USAGE_SPAN):
+                return int(found.group(1))
+    return None
+
+
+def tokens_of(tail: bytes, streaming: bool, events: int, sent: int, body: int,
+              head: bytes = b"") -> tuple[int, int, bool]:
+    """(prompt tokens, output tokens, estimated) of an answer: its usage where there is one that can be true (head:
+    a stream's first bytes, where its first event may say its prompt's)."""
     guess = (body // 4, max(0, events - 1) if streaming else sent // 4)
-    found = USAGE.findall(tail)
-    if not found:
-        return *guess, True
-    usage = found[-1]
-    figures = [int(m.group(1)) if (m := FIGURE[name].search(usage)) else None
-               for name in ("prompt_tokens", "completion_tokens")]
-    prompt, output = figures
+    prompt, output = _last(PROMPT, head, tail), _last(OUTPUT, head, tail)
     if prompt is None or output is None or prompt > min(TOKENS_MAX, body + SLACK_TOKENS) or output > min(
             TOKENS_MAX, sent):
         return *guess, True
@@ -131,13 +140,27 @@ class Joules:
         for gpu in sorted(set(ledger.measured) | set(waiting), key=int):
             gauge.add_metric([gpu], waiting[gpu] / 1000.0)
         yield gauge
+        yield CounterMetricFamily("gpuwarden_proxy_energy_unread", "Reads of the daemon's energy file that found no "
+                                  "reading: none yet, gone, or not as the daemon writes it (a broken feed counts no "
+                                  "joules)", value=self.unread)
+        yield CounterMetricFamily("gpuwarden_proxy_energy_intervals_refused", "Intervals of the daemon's readings the "
+                                  "ledger refused: back in time, overlapping, or a negative energy",
+                                  value=ledger.rejected)
+        yield GaugeMetricFamily("gpuwarden_proxy_joules_pending_requests", "Counted requests whose joules are not yet "
+                                "final: in flight, or ended and waiting for the intervals up to their end",
+                                value=len(ledger.flight) + len(ledger.done))
 
     # -- a request's life, told by the server and the relay --------------------------------------------------
     def sent(self, tries) -> None:
         """A try sent to the engine (tries.sent_at): it is in flight from then."""
         if tries.rid == 0:
             tries.rid = next(self.ids)
-        self.ledger.begin(tries.rid, tries.sent_at)
+        self.ledger.begin(tries.rid, tries.sent_at, tries.body_bytes // 4)
+
+    def progress(self, tries, first_at: float, events: int) -> None:
+        """A counted answer's bytes so far: its first byte's time, its stream's events (its output tokens so far)."""
+        if tries.rid:
+            self.ledger.progress(tries.rid, first_at, max(0, events - 1))
 
     def gone(self, tries) -> None:
         """The request's end without an answer relayed (refused, or given up held): no joules."""
@@ -146,12 +169,12 @@ class Joules:
             self._final(self.ledger.expire(self.clock()))
 
     def ended(self, request, tries, first_at: float | None, tail: bytes, streaming: bool, events: int, sent: int,
-              status: int) -> None:
+              status: int, head: bytes = b"") -> None:
         tries.answered = True
         if not tries.rid:
             return
         end = self.clock()
-        prompt, output, estimated = tokens_of(tail, streaming, events, sent, tries.body_bytes)
+        prompt, output, estimated = tokens_of(tail, streaming, events, sent, tries.body_bytes, head)
         record = Request(tries.rid, tries.sent_at, first_at if first_at is not None else end, end, prompt, output,
                          estimated, what=f"{visible(request.method[:16])} {visible(request.path[:200])} {status}")
         self._final(self.ledger.end(record))
@@ -175,7 +198,8 @@ class Joules:
                          "sums=%s mJ)", self.path, visible(epoch), json.dumps(sums, sort_keys=True))
             elif t > last[1]:
                 steps = {g: mj - last[2].get(g, 0) for g, mj in sums.items()}
-                self._final(self.ledger.add(Interval(last[1], t, steps, "power" if power else "counter")))
+                self._final(self.ledger.add(Interval(last[1], t, steps, "power" if power else "counter"),
+                                            self.clock()))
         self._final(self.ledger.expire(self.clock()))
 
     def _final(self, finals: list[Request]) -> None:

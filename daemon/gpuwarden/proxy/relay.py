@@ -14,7 +14,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from .casualties import tail_of
-from .joules import EVENT, TAIL_MAX
+from .joules import EVENT, HEAD_MAX, TAIL_MAX
 
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
               "transfer-encoding", "upgrade", "proxy-connection", "host", "content-length"}
@@ -49,7 +49,7 @@ class Relay:
         else:  # a stream's answer is told at its end, where an error event may be (ends.py)
             self.ends.answered(request, tries.sent_at, up.status)
         sent, tail, clean = 0, b"", False
-        first_at, end, events = None, b"", 0  # for the joules (joules.py): the first byte, the usage, the events
+        first_at, head, end, events = None, b"", b"", 0  # for the joules (joules.py): the first byte, the usage, events
         try:
             await response.prepare(request)
             async for chunk in up.content.iter_any():
@@ -61,6 +61,9 @@ class Relay:
                     tail = tail_of(tail, chunk)
                     events += chunk.count(EVENT)
                 end = (end + chunk)[-TAIL_MAX:]
+                head += chunk[:HEAD_MAX - len(head)] if streaming and len(head) < HEAD_MAX else b""
+                if self.joules is not None:  # its tokens so far, should its interval settle before it ends
+                    self.joules.progress(tries, first_at, events)
             await response.write_eof()
             clean = True
         except (ConnectionResetError, asyncio.CancelledError) as exc:
@@ -87,5 +90,5 @@ class Relay:
             if streaming or not clean:
                 self.ends.answered(request, tries.sent_at, up.status, tail, suspect=not clean)
             if self.joules is not None:  # a client gone mid-stream: what the engine made until then
-                self.joules.ended(request, tries, first_at, end, streaming, events, sent, up.status)
+                self.joules.ended(request, tries, first_at, end, streaming, events, sent, up.status, head)
         return response

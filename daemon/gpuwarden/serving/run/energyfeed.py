@@ -16,7 +16,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import secrets
+import stat
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,10 +30,24 @@ VERSION = 1
 FEED_MAX = 16 * 1024  # 64 GPUs' sums at most: the proxy reads no more
 
 
-def feed_path(port: int, environ: Mapping[str, str] = os.environ) -> Path:
-    """The file for the proxy on this port (one proxy a port, on one host): in systemd's RuntimeDirectory=, a tmpfs,
-    so a write a second wears no disk."""
-    return Path(environ.get("RUNTIME_DIRECTORY", "").split(":")[0] or "/run/gpuwarden") / "energy" / f"proxy-{port}.json"
+def feed_path(host: str, port: int, environ: Mapping[str, str] = os.environ) -> Path:
+    """The file for the proxy on this address (one proxy an address, on one host): in systemd's RuntimeDirectory=,
+    a tmpfs, so a write a second wears no disk."""
+    name = re.sub(r"[^0-9A-Za-z.]", "_", host)[:64]
+    return Path(environ.get("RUNTIME_DIRECTORY", "").split(":")[0] or "/run/gpuwarden") / "energy" / \
+        f"proxy-{name}-{port}.json"
+
+
+def safe_folder(folder: Path) -> str | None:
+    """Why the daemon (root) must not write there; None: it may. A real folder of its own, and the one above it too,
+    that no other user may write: else another could link it elsewhere (root would write through) or forge the sums."""
+    for path in (folder.parent, folder):
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode):
+            return f"{path} is not a folder"
+        if st.st_uid not in (0, os.geteuid()) or st.st_mode & 0o022:
+            return f"{path} is another user's, or others may write in it"
+    return None
 
 
 class EnergyFeed:
@@ -67,13 +83,15 @@ class EnergyFeed:
                 "power": power}
         try:
             self.path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-            write_atomic(self.path, json.dumps(line).encode(), mode=0o644)
-            self.failed = False
+            unsafe = safe_folder(self.path.parent)
+            if unsafe is None:
+                write_atomic(self.path, json.dumps(line).encode(), mode=0o644)
         except OSError as exc:
-            if not self.failed:
-                self.failed = True
-                log.warning("joules per request: the energy for the proxy cannot be written to %s (%s): the proxy "
-                            "counts no joules until it can", self.path, exc.strerror or exc)
+            unsafe = exc.strerror or str(exc)
+        if unsafe is not None and not self.failed:
+            log.warning("joules per request: the energy for the proxy is not written to %s (%s): the proxy counts no "
+                        "joules until it can", self.path, unsafe)
+        self.failed = unsafe is not None
 
     def close(self) -> None:
         """The daemon stops: the file goes (a proxy left running reads no stale sums; the next daemon writes anew)."""

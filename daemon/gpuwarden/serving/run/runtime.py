@@ -281,10 +281,12 @@ class ServingRuntime:
         """The proxy's joules per request: the engine's GPUs' energy, read now (watts: this poll's power of each GPU,
         for a card without a counter). Only while a proxy is configured to read it."""
         config = self.launch.config if self.launch is not None and self.children is not None else None
-        if config is None or not config.serve.proxy.enabled:
+        if config is None or not config.serve.proxy.enabled or self._stopping:  # stopping: the file is gone
             return
-        path = feed_path(config.serve.proxy.listen[1])
+        path = feed_path(*config.serve.proxy.listen)
         if self.feed is None or self.feed.path != path:
+            if self.feed is not None:  # the proxy moved (a reload): its old file goes
+                self.feed.close()
             self.feed = EnergyFeed(path)
         self.feed.tick(self.children.main.gpus or self.backend.gpus(), watts)
 
