@@ -1,9 +1,12 @@
 """The proxy against the real CPU vLLM: a 24-turn coding-agent session with its cache busters, replayed
 directly and through the proxy on the same server (cache reset in between), judged by vLLM's own prefix-cache
-counters; and streams through the proxy carry the same tokens as direct ones."""
+counters; streams through the proxy carry the same tokens as direct ones; and each request's joules come from vLLM's
+own usage, from an energy feed this module writes as the daemon does (a card at a steady 200 W)."""
 
 import json
 import sys
+import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -19,10 +22,37 @@ pytestmark = [pytest.mark.process, pytest.mark.vllm]
 TURNS = 24
 
 
+class Feed:
+    """What serving/run/energyfeed.py writes each poll, for one card at a steady WATTS, every 0.25 s."""
+
+    WATTS = 200
+
+    def __init__(self, path: Path):
+        self.path, self.began, self.stopped = path, time.monotonic(), threading.Event()
+        self.write()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def write(self) -> None:
+        now = time.monotonic()
+        self.last = {"v": 1, "epoch": "rig", "t": now, "gpus": {"0": round((now - self.began) * self.WATTS * 1000)},
+                     "power": []}
+        self.path.write_text(json.dumps(self.last))
+
+    def _run(self) -> None:
+        while not self.stopped.wait(0.25):
+            self.write()
+
+
 @pytest.fixture(scope="module")
 def rig(vllm_python, tiny_model, tmp_path_factory):
-    rig = Rig(vllm_python, tiny_model, tmp_path_factory.mktemp("proxy-rig"), env=subprocess_env())
+    folder = tmp_path_factory.mktemp("proxy-rig")
+    feed = Feed(folder / "energy.json")
+    rig = Rig(vllm_python, tiny_model, folder, env=subprocess_env(),
+              proxy_args=(*FULL_RULES, "--energy-file", str(feed.path), "--model", "tiny"))
+    rig.feed = feed
     yield rig
+    feed.stopped.set()
     rig.stop()
 
 
@@ -65,3 +95,50 @@ def test_streams_carry_the_same_tokens_as_direct(rig, path):
     # What the proxy controls: it passes events on as they come, never one buffered event. How many events the
     # engine makes of 48 tokens is its own affair (a starved CPU vLLM sent 3 and 6 where an idle one sends 48).
     assert through_events >= 2 or direct_events < 2, (direct_events, through_events)
+
+
+def proxy_family(rig, name: str) -> dict[tuple[str, ...], float]:
+    import re
+
+    text = urllib.request.urlopen(rig.proxy + "/metrics", timeout=10).read().decode()
+    return {tuple(v for _, v in re.findall(r'(\w+)="([^"]*)"', line[len(name):line.index("}")])):
+            float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{")}
+
+
+def test_a_streamed_and_a_plain_completion_get_their_joules_from_vllms_usage_and_the_books_hold(rig):
+    """Issue 56 on the real engine: a streamed chat (its usage in its last event, asked) and a plain completion
+    through the proxy each get joules, by vLLM's own usage (no estimate), and with the feed stopped the proxy's books
+    (settled and waiting) are exactly the feed's energy since the proxy's first reading."""
+    count = proxy_family(rig, "gpuwarden_proxy_request_joules_count").get(("tiny",), 0.0)
+    body = {"model": "tiny", "max_tokens": 24, "temperature": 0, "messages": [{"role": "user", "content": "the gpu"}],
+            "stream_options": {"include_usage": True}}
+    text, _ = stream(rig.proxy, "/v1/chat/completions", body)
+    assert text
+    plain = urllib.request.Request(rig.proxy + "/v1/completions", json.dumps(
+        {"model": "tiny", "prompt": "the gpu", "max_tokens": 16, "temperature": 0}).encode(),
+        {"Content-Type": "application/json"})
+    with urllib.request.urlopen(plain, timeout=120) as reply:
+        usage = json.loads(reply.read())["usage"]
+    wait = time.monotonic() + 60  # a bound on a hang: the joules come once the feed's next readings settle them
+    while proxy_family(rig, "gpuwarden_proxy_request_joules_count").get(("tiny",), 0.0) < count + 2:
+        assert time.monotonic() < wait, "the two requests' joules never came"
+        time.sleep(0.25)
+    lines = [line for line in rig.proxy_log.read_text().splitlines() if "joules=" in line]
+    plain_line = next(line for line in lines if "POST /v1/completions 200: " in line)
+    assert f"{usage['prompt_tokens']} prompt + {usage['completion_tokens']} output tokens, joules=" in plain_line
+    chat_line = next(line for line in lines if "POST /v1/chat/completions 200: " in line)
+    assert "estimated" not in plain_line and "estimated" not in chat_line, (plain_line, chat_line)
+    assert float(plain_line.split("joules=")[1].split()[0]) > 0 and float(chat_line.split("joules=")[1].split()[0]) > 0
+    first = json.loads(next(line for line in rig.proxy_log.read_text().splitlines()
+                            if "energy read from" in line).split("sums=")[1].split(" mJ")[0])
+    rig.feed.stopped.set()  # the feed stands still: the proxy's books must come to it
+    rig.feed.thread.join(5)
+    drew = (rig.feed.last["gpus"]["0"] - first["0"]) / 1000
+    wait = time.monotonic() + 30
+    while True:
+        books = sum(v for (g, _), v in proxy_family(rig, "gpuwarden_proxy_gpu_energy_joules_total").items()
+                    if g == "0") + proxy_family(rig, "gpuwarden_proxy_gpu_energy_waiting_joules").get(("0",), 0.0)
+        if books == pytest.approx(drew, abs=0.002) or time.monotonic() > wait:
+            break
+        time.sleep(0.25)
+    assert books == pytest.approx(drew, abs=0.002), (books, drew)
