@@ -16,7 +16,7 @@ from conftest import subprocess_env
 
 sys.path.insert(0, str(Path(__file__).parent / "vllm"))
 import agent_session  # noqa: E402
-from proxy_rig import Rig  # noqa: E402
+from proxy_rig import FULL_RULES, Rig  # noqa: E402
 
 pytestmark = [pytest.mark.process, pytest.mark.vllm]
 TURNS = 24
