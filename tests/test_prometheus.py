@@ -88,7 +88,8 @@ def test_dashboard_is_templated_by_datasource_instance_and_gpu():
                    "gpuwarden_loop_lag_seconds", "gpuwarden_proxy_engine_prefix_cache_hits_tokens_total",
                    "gpuwarden_proxy_requests_total", "gpuwarden_gpu_nvlink_links_up",
                    "gpuwarden_gpu_nvlink_errors_total", "gpuwarden_gpu_nvlink_link_speed_bytes_per_second",
-                   "gpuwarden_gpu_fabric_ready", "gpuwarden_serving_tokens_per_joule"):
+                   "gpuwarden_gpu_fabric_ready", "gpuwarden_serving_tokens_per_joule",
+                   "gpuwarden_proxy_request_joules_bucket", "gpuwarden_proxy_gpu_energy_joules_total"):
         assert metric in exprs, metric
 
 
@@ -181,9 +182,13 @@ serve:
     d = daemons(config_b)
     # The proxy in front of host B's vLLM, scraped as docs/fleet.md says, for the dashboard's prefix-cache row.
     # The engine runs as child_user, the proxy as us: it sends only to a socket of --engine-user (proxy/upstream.py).
+    # Its energy, for the joules row, from a feed this test writes as a daemon does (test_proxy_vllm.Feed).
+    from test_proxy_vllm import Feed
+
+    feed = Feed(tmp_path / "energy.json")
     proxy = subprocess.Popen([*gpuwarden_cmd(), "proxy", "-c", "none", "--upstream", f"http://127.0.0.1:{engine_port}",
                               "--listen", f"127.0.0.1:{proxy_port}", "--rules", "date_line",
-                              "--engine-user", child_user],
+                              "--engine-user", child_user, "--energy-file", str(feed.path), "--model", "tiny"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     host_a = daemons(config_a)
     host_c = daemons(config_c)
@@ -223,6 +228,7 @@ serve:
         d.wait_for("vLLM healthy after", timeout=VLLM_START_S)
         through_proxy(proxy_port, tiny_model)
         wait_for_series(base, 'gpuwarden_proxy_engine_prefix_cache_queries_tokens_total{job="gpuwarden-proxy"}')
+        wait_for_series(base, 'gpuwarden_proxy_request_joules_count{job="gpuwarden-proxy"}')  # settled, scraped
         wait_for_series(base, "gpuwarden_serving_tokens_per_joule")  # two reads of the energy counters, serving
         time.sleep(3)  # two reads of vLLM's metrics make a rate; a few rule evaluations
         rules = yaml.safe_load(RULES.read_text())
@@ -241,6 +247,7 @@ serve:
             else:
                 assert found, f"no series {name}"
     finally:
+        feed.stopped.set()
         prom.terminate()
         prom.wait(30)
         proxy.terminate()
