@@ -193,6 +193,28 @@ def test_the_proxy_takes_each_new_reading_as_the_interval_since_the_last_and_a_n
     assert 'gpuwarden_proxy_tokens_total{kind="output",model="Qwen3-4B"} 20.0' in text
 
 
+def test_without_a_reading_no_request_is_kept_and_one_no_reading_reached_is_counted_not_given_zero(tmp_path):
+    """A proxy whose daemon writes nothing keeps no request for joules (they would pile up to the ledger's bound);
+    one whose feed stops gives the requests no reading reached no figure, rather than 0 J in the histogram."""
+    path, clock = tmp_path / "feed.json", Tick()
+    registry = CollectorRegistry()
+    joules = Joules(path, "m", registry, clock)
+    tries = Tries(10.0)
+    joules.sent(tries)
+    assert tries.rid == 0 and not joules.ledger.flight
+    feed(path, "a", 10.0, {"0": 0})
+    joules.read()
+    tries = Tries(10.5)
+    joules.sent(tries)
+    clock.t = 11.0
+    joules.ended(Req(), tries, 10.6, b"", False, 0, 40, 200)
+    clock.t = 200.0  # the daemon wrote nothing since
+    joules.read()
+    text = generate_latest(registry).decode()
+    assert "gpuwarden_proxy_requests_unmeasured_total 1.0" in text
+    assert 'gpuwarden_proxy_request_joules_count{model="m"}' not in text
+
+
 def test_past_ten_lines_a_second_the_requests_are_counted_and_said_with_the_next_line(tmp_path, caplog):
     path, clock = tmp_path / "feed.json", Tick()
     joules = Joules(path, "m", CollectorRegistry(), clock)

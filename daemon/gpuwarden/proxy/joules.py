@@ -107,6 +107,7 @@ class Joules:
         self.last: tuple[str, float, dict[str, int]] | None = None  # the last reading: (epoch, t, sums)
         self.unread = 0  # reads that found no reading or a bad one (none yet is no fault)
         self.first: dict[str, int] = {}  # the sums of the daemon's first reading this proxy took, of its epoch
+        self.unmeasured = 0  # requests no reading reached (the daemon stopped writing): no joules
         self.joules = Histogram("gpuwarden_proxy_request_joules", "Joules of the engine's GPUs each request drew, "
                                 "its share of each poll interval's energy by its tokens in it (NVML's counter steps "
                                 "every 20-100 ms: a request shorter than a step gets a share its neighbours set)",
@@ -143,6 +144,9 @@ class Joules:
         yield CounterMetricFamily("gpuwarden_proxy_energy_unread", "Reads of the daemon's energy file that found no "
                                   "reading: none yet, gone, or not as the daemon writes it (a broken feed counts no "
                                   "joules)", value=self.unread)
+        yield CounterMetricFamily("gpuwarden_proxy_requests_unmeasured", "Counted requests that no energy reading "
+                                  "reached (the daemon's feed stopped): given no joules, not in the histogram",
+                                  value=self.unmeasured)
         yield CounterMetricFamily("gpuwarden_proxy_energy_intervals_refused", "Intervals of the daemon's readings the "
                                   "ledger refused: back in time, overlapping, or a negative energy",
                                   value=ledger.rejected)
@@ -152,7 +156,10 @@ class Joules:
 
     # -- a request's life, told by the server and the relay --------------------------------------------------
     def sent(self, tries) -> None:
-        """A try sent to the engine (tries.sent_at): it is in flight from then."""
+        """A try sent to the engine (tries.sent_at): it is in flight from then. Not before the daemon's first
+        reading (no feed: no joules, and no request kept for them)."""
+        if self.last is None:
+            return
         if tries.rid == 0:
             tries.rid = next(self.ids)
         self.ledger.begin(tries.rid, tries.sent_at, tries.body_bytes // 4)
@@ -204,6 +211,9 @@ class Joules:
 
     def _final(self, finals: list[Request]) -> None:
         for r in finals:
+            if r.partial and not r.mj:  # the daemon sent nothing over its life: no figure, not a zero
+                self.unmeasured += 1
+                continue
             self.joules.labels(self.model).observe(r.joules)
             self.tokens.labels(self.model, "prompt").inc(r.prompt)
             self.tokens.labels(self.model, "output").inc(r.output)
