@@ -15,7 +15,7 @@ import re
 import aiohttp
 
 HISTOGRAM = "gpuwarden_proxy_request_joules"
-SETTLE_S = 5.0
+SETTLE_S = 15.0  # a poll or two in the usual case; a busy proxy or daemon may take longer
 READ_MAX = 4 << 20  # the proxy's /metrics is some KiB
 LINE = re.compile(r'^gpuwarden_proxy_request_joules_(bucket|sum|count)\{([^}]*)\} (\S+)$')
 PENDING = re.compile(r'^gpuwarden_proxy_joules_pending_requests (\S+)$', re.M)
