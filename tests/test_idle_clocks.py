@@ -396,6 +396,15 @@ def test_a_clocks_rest_needs_a_poll_that_hears_the_wake_in_time_and_a_hold_that_
     assert len(lines) == 1 and ": serve.idle.action: " in lines[0] and fragment in lines[0], lines
 
 
+def heard(both, proxy, ops, clock, idle, stats, seam, words=IDLE_WORD) -> None:
+    """The proxy says words, the supervisor ticks, and the rest hears them (resting.hear_idle)."""
+    from gpuwarden.serving.run.resting import hear_idle
+
+    ops.say(proxy.child.pid, words)
+    both.tick(clock.now)
+    hear_idle(both, idle, False, clock.now, stats, seam)
+
+
 def test_an_idle_heard_with_a_wake_rests_nothing_and_a_request_running_at_the_engine_ends_the_rest(tmp_path):
     """The review's C1: the proxy's idle and its wake in one tick (the idle older than the request held at the
     proxy, which the engine's metrics cannot show): the clocks come back and stay back. Its M1: a request running at
@@ -407,18 +416,12 @@ def test_an_idle_heard_with_a_wake_rests_nothing_and_a_request_running_at_the_en
     both, engine, proxy, ops, clock = engine_and_proxy(tmp_path)
     seam, idle = SeamLog(ops), config.IdleConfig("clocks", 60.0)
     quiet = SimpleNamespace(requests_running=0, requests_waiting=0)
-    ops.say(proxy.child.pid, IDLE_WORD)
-    both.tick(clock.now)
-    hear_idle(both, idle, False, clock.now, quiet, seam)
+    heard(both, proxy, ops, clock, idle, quiet, seam)
     assert engine.view().clocks_rest
-    ops.say(proxy.child.pid, IDLE_WORD + WAKE_WORD)
-    both.tick(clock.now)
-    hear_idle(both, idle, False, clock.now, quiet, seam)
+    heard(both, proxy, ops, clock, idle, quiet, seam, IDLE_WORD + WAKE_WORD)
     assert [what for what, *_ in seam.said] == ["rest", "wake"] and not engine.view().clocks_rest
     clock.advance(60)
-    ops.say(proxy.child.pid, IDLE_WORD)
-    both.tick(clock.now)
-    hear_idle(both, idle, False, clock.now, quiet, seam)
+    heard(both, proxy, ops, clock, idle, quiet, seam)
     assert engine.view().clocks_rest
     hear_idle(both, idle, False, clock.now, SimpleNamespace(requests_running=1, requests_waiting=0), seam)
     assert seam.said[-1][:2] == ("wake", "the engine has a request running or waiting")
@@ -455,18 +458,14 @@ def test_a_clocks_rest_ends_for_another_process_on_its_gpus_or_a_restarted_proxy
     both, engine, proxy, ops, clock = engine_and_proxy(tmp_path)
     seam, idle = SeamLog(ops), config.IdleConfig("clocks", 60.0)
     quiet = SimpleNamespace(requests_running=0, requests_waiting=0)
-    ops.say(proxy.child.pid, IDLE_WORD)
-    both.tick(clock.now)
-    hear_idle(both, idle, False, clock.now, quiet, seam)
+    heard(both, proxy, ops, clock, idle, quiet, seam)
     assert engine.view().clocks_rest
     seam.foreign = [4242]
     hear_idle(both, idle, False, clock.now, quiet, seam)
     assert seam.said[-1][:2] == ("wake", "other processes than the engine use its GPUs (4242)")
     seam.foreign = []
     clock.advance(60)
-    ops.say(proxy.child.pid, IDLE_WORD)
-    both.tick(clock.now)
-    hear_idle(both, idle, False, clock.now, quiet, seam)
+    heard(both, proxy, ops, clock, idle, quiet, seam)
     assert engine.view().clocks_rest
     proxy.child.pid += 1000  # as the supervisor sees a proxy started again
     hear_idle(both, idle, False, clock.now, quiet, seam)

@@ -142,17 +142,25 @@ def answer(conn: socket.socket, modes: set[str], started: float) -> None:
         conn.sendall(head + body)
 
 
-def tokens(conn: socket.socket, request: bytes) -> None:
-    """tokens mode: a completion made to the body's measure (its docstring above)."""
+def read_body(conn: socket.socket, request: bytes) -> tuple[bytes, bytes] | None:
+    """(head, body) of a request whose head is read: the body read whole (Content-Length); None: the client left."""
     head, _, body = request.partition(b"\r\n\r\n")
     length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")[1:]
                    if line.lower().startswith(b"content-length:")), 0)
     while len(body) < length:
         chunk = conn.recv(65536)
         if not chunk:
-            return
+            return None
         body += chunk
-    ask = json.loads(body)
+    return head, body
+
+
+def tokens(conn: socket.socket, request: bytes) -> None:
+    """tokens mode: a completion made to the body's measure (its docstring above)."""
+    whole = read_body(conn, request)
+    if whole is None:
+        return
+    ask = json.loads(whole[1])
     prompt, output = int(ask.get("prompt_tokens", 0)), int(ask.get("output_tokens", 0))
     usage = {"prompt_tokens": prompt, "completion_tokens": output, "total_tokens": prompt + output}
     time.sleep(float(ask.get("prefill_s", 0)))
@@ -181,14 +189,10 @@ def tokens(conn: socket.socket, request: bytes) -> None:
 
 def killer(conn: socket.socket, request: bytes) -> None:
     """killer mode: the body read whole (Content-Length); a query of death ends the process (exit status 4)."""
-    head, _, body = request.partition(b"\r\n\r\n")
-    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")[1:]
-                   if line.lower().startswith(b"content-length:")), 0)
-    while len(body) < length:
-        chunk = conn.recv(65536)
-        if not chunk:
-            return
-        body += chunk
+    whole = read_body(conn, request)
+    if whole is None:
+        return
+    head, body = whole
     body = head.split(b"\r\n", 1)[0] + b"\n" + body  # the request line: a GET's path may carry the marker too
     if DEAD.is_set() or b"QOD-500" in body:
         answered_then_died(conn, stream=b"QOD-500-STREAM" in body and not DEAD.is_set())
