@@ -57,6 +57,7 @@ class EnergyFeed:
         self.sums: dict[int, int] = {}  # gpu -> mJ since this daemon began
         self.last: dict[int, tuple[float, int | None, float | None]] = {}  # gpu -> (when, counter, watts) last read
         self.failed = False  # the write failed: said once, until one works
+        self.ready = False  # its folder is made and safe (safe_folder), judged at the first write and after a failure
 
     def tick(self, gpus, watts: Mapping[int, float | None]) -> None:
         """Read the engine's GPUs (Gpu objects; watts: this poll's power reading of each, for the trapezoid) and
@@ -82,8 +83,11 @@ class EnergyFeed:
         line = {"v": VERSION, "epoch": self.epoch, "t": now, "gpus": {str(i): mj for i, mj in self.sums.items()},
                 "power": power}
         try:
-            self.path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-            unsafe = safe_folder(self.path.parent)
+            unsafe = None
+            if self.failed or not self.ready:  # the folder made and judged once: no other user may swap it after
+                self.path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+                unsafe = safe_folder(self.path.parent)
+                self.ready = unsafe is None
             if unsafe is None:
                 write_atomic(self.path, json.dumps(line).encode(), mode=0o644)
         except OSError as exc:
