@@ -76,7 +76,8 @@ def test_bench_through_the_proxy_gives_each_steps_joules_per_request_and_straigh
     writer.start()
     proxy = subprocess.Popen([*gpuwarden_cmd(), "proxy", "-c", "none", "--upstream", fake.url, "--listen",
                               f"127.0.0.1:{proxy_port}", "--energy-file", str(feed), "--model", "fake-model"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=subprocess_env())
+                             stdout=subprocess.DEVNULL, stderr=(tmp_path / "proxy.log").open("w"),
+                             env=subprocess_env())  # a file, not a pipe nobody reads: its lines would fill it and stop it
     conf = write("b.yaml", "gpu: {backend: sim, scenario: rtx-pro-4000-headless}\nmetrics: {listen: none}\n")
     env = {**subprocess_env(), "STATE_DIRECTORY": str(tmp_path / "state")}
 
@@ -91,7 +92,7 @@ def test_bench_through_the_proxy_gives_each_steps_joules_per_request_and_straigh
                 urllib_get(f"http://127.0.0.1:{proxy_port}/health")
                 break
             except OSError:
-                assert proxy.poll() is None and time.monotonic() < wait, proxy.stderr.read() if proxy.poll() else ""
+                assert proxy.poll() is None and time.monotonic() < wait, (tmp_path / "proxy.log").read_text()
                 time.sleep(0.2)
         out = bench(f"http://127.0.0.1:{proxy_port}")
         assert out.returncode == 0, out.stderr
