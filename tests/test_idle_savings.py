@@ -57,12 +57,18 @@ def test_a_card_busy_by_its_own_reading_is_not_quiet_whatever_the_engine_says_no
     assert s.add(engine("RESTING", gpus=(0,)), None, cards(77.0), 13.0 + RestSavings.STALE_S + 1)[0][2] == "h200"
 
 
-def test_with_no_quiet_poll_seen_the_saving_is_the_h200s_context_cost_scaled_by_the_cards_limit():
+def test_with_no_quiet_poll_seen_the_saving_is_the_h200s_context_cost_scaled_by_the_cards_limit_and_within_it():
     s = RestSavings()
     s.add(engine(), None, cards(116.0), 0.0)  # no counters from the engine: nothing known of its requests
     s.add(engine(), None, cards(116.0), 1.0)
     (gpu, watts, source), = s.add(engine("RESTING", gpus=(0,)), None, cards(40.0, limit=300.0), 2.0)
     assert (gpu, source) == (0, "h200") and watts == pytest.approx((116.2 - 76.9) * 300 / 700)
+    # a card at rest drawing near its limit (a sensor's lie, or another's load the check missed): awake it could
+    # draw no more than the limit, so the estimate is no more than what is left under it
+    (_, watts, source), = s.add(engine("RESTING", gpus=(0,)), None, cards(290.0, limit=300.0), 3.0)
+    assert source == "h200" and watts == pytest.approx(10.0)
+    (_, watts, _), = s.add(engine("RESTING", gpus=(0,)), None, cards(310.0, limit=300.0), 4.0)
+    assert watts == 0.0
 
 
 def test_only_the_engines_gpus_that_answered_count_and_the_joules_add_up_over_each_rests_polls():

@@ -96,7 +96,8 @@ class RestSavings:
     at the engine (its running and waiting counts both 0), the mean of those polls in the last WINDOW_S of them
     (source "seen"): a rest comes after serve.idle.after_s of exactly that, so it is nearly always known. Else (a
     daemon started during a rest) the context's cost measured on an H200 (design/idle-engine.md: 116.2 W with an
-    idle context, 76.9 W without, at a 700 W limit), scaled by the card's power limit (source "h200"). The first
+    idle context, 76.9 W without, at a 700 W limit), scaled by the card's power limit, and no more than the card could
+    draw above its draw now within that limit (source "h200"). The first
     quiet poll after a busy one is not taken: the card's clock is still coming down; nor a card busy by its own
     reading (utilization 10 % or more), whatever the engine's counts say; nor a draw seen over STALE_S ago."""
 
@@ -143,7 +144,10 @@ class RestSavings:
         if points:
             return max(0.0, sum(points) / len(points) - sample.power_w), "seen"
         limit = sample.power_limit_w or self.H200_LIMIT_W
-        return self.H200_CONTEXT_W * limit / self.H200_LIMIT_W, "h200"
+        estimate = self.H200_CONTEXT_W * limit / self.H200_LIMIT_W
+        if sample.power_limit_w:  # awake, the card would draw no more than its limit: a saving past that is none
+            estimate = min(estimate, max(0.0, sample.power_limit_w - sample.power_w))
+        return estimate, "h200"
 
 
 def _serving(snap) -> bool:
