@@ -229,9 +229,9 @@ def test_the_hold_takes_no_answer_in_time_as_down_for_a_request_and_as_no_end_fo
 
         clock = Clock()
         hold = Hold(300, 10, engine_answers, Histogram("held", "held", registry=CollectorRegistry()), clock=clock)
-        assert not await hold.engine_ended(since=clock())  # no answer in time: no end
+        assert not await hold.health.ended(since=clock())  # no answer in time: no end
         clock.now += 1
-        assert await hold.engine_ended(since=clock())  # refused, closed or not 200: an end
+        assert await hold.health.ended(since=clock())  # refused, closed or not 200: an end
         clock.now += 1
         assert not await hold.engine_down(since=clock())  # 200: a request goes to it
         clock.now += 1

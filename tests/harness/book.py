@@ -21,6 +21,7 @@ class FakeHold:
 
     def __init__(self, looks, clock, step=0.0):
         self.looks, self.clock, self.step, self.planned, self.asked = list(looks), clock, step, False, 0
+        self.health = self  # hold.Hold's look.HealthLook: here the script answers both
 
     async def look(self, since=None):
         self.asked += 1

@@ -9,10 +9,10 @@ event and [DONE] (its watchdog stops the server within 5 s: entrypoints/launcher
 only then does the process end. So after a failed answer, or any request that did not end cleanly (a suspect: its
 client left mid-answer, before the error event was read; the engine broke it off, or closed it unanswered while its
 /health still answered, a moment before it ended) (casualties.failed: a 5xx but 503, or a stream ending in an
-error) the engine's /health is looked at every HEALTH_EVERY_S, the hold's shared look, while the answer is within
-END_AFTER_5XX_S: refused, or answered other than 200 (vLLM says 503 once its engine is dead), it is an end, and the
-request is in flight at it. A look with no answer in time is no end (hold.engine_ended). The daemon does not tell
-the proxy of an end it restarts from (DOWN_SIGNAL is only FATAL or HELD), so the
+error) the engine's /health is looked at every HEALTH_EVERY_S, the shared look (look.py), while the answer is
+within END_AFTER_5XX_S: refused, or answered other than 200 (vLLM says 503 once its engine is dead), it is an end,
+and the request is in flight at it. A look with no answer in time is no end (look.HealthLook.ended). The daemon does
+not tell the proxy of an end it restarts from (DOWN_SIGNAL is only FATAL or HELD), so the
 proxy looks itself; one watcher at a time, whatever the crowd.
 
 From an end until the engine's /health is seen answering again (Casualties.end_open), a request is sent only after
@@ -28,7 +28,8 @@ import asyncio
 from aiohttp import web
 
 from .casualties import Casualties, client_of
-from .hold import HEALTH_EVERY_S, Hold
+from .hold import Hold
+from .look import HEALTH_EVERY_S
 
 
 class Ends:
@@ -72,11 +73,11 @@ class Ends:
 
     async def _watch(self) -> None:
         while self.casualties.answers_pending:
-            answered = await self.hold.look(since=self.hold.clock())
+            answered = await self.hold.health.look(since=self.hold.clock())
             if self.hold.planned:  # the daemon's word came meanwhile: this end is a planned stop's
                 self.casualties.forget_answers()
                 return
-            if answered is False:  # refused, closed or not 200: an end (no answer in time is none: hold.engine_ended)
+            if answered is False:  # refused, closed or not 200: an end (no answer in time is none: look.py)
                 self.casualties.engine_seen_down()
                 return
             if answered:

@@ -21,8 +21,8 @@ to the engine's port (no engine of ours holds it), until the daemon says an engi
 Only a request the engine never saw is held (server.py, casualties.py): one in flight when the engine ended may be
 what ended it, and is answered at once instead.
 
-One watcher for all held requests reads /health every HEALTH_EVERY_S while any is held, and sees clients that left
-(dropped, their budget given back, within a tick). Bounds: `hold_s` from a request's first hold, `hold_max` at
+One watcher for all held requests reads /health every HEALTH_EVERY_S (look.py) while any is held, and sees clients
+that left (dropped, their budget given back, within a tick). Bounds: `hold_s` from a request's first hold, `hold_max` at
 once, and the body budget (body.py), where held bodies count; past any, 503 with Retry-After at once. The journal
 gets two lines an outage, not one a request.
 """
@@ -40,9 +40,9 @@ from prometheus_client import Histogram
 from ..config import IDLE_CLOCKS_BACK_S as CLOCKS_BACK_S
 from ..serving.run import word
 from .body import Refusal
+from .look import HEALTH_EVERY_S, HealthLook
 
 log = logging.getLogger("gpuwarden.proxy")
-HEALTH_EVERY_S = 0.5
 # An outage no held request waits for any more ends (said once) after this long, or hold_s if longer: a client that
 # comes and goes costs two lines at most this often.
 QUIET_S = 10.0
@@ -66,8 +66,7 @@ class Hold:
         self.down_since: float | None = None  # the outage's start, None while the engine answers
         self.refused = self.gone = 0  # in this outage, for its closing line
         self._watcher: asyncio.Task | None = None
-        self._probe: asyncio.Future | None = None  # engine_down()'s look at /health, shared by every request
-        self._probed_at = 0.0
+        self.health = HealthLook(engine_answers, clock)  # the shared look at /health (look.py)
         self.planned_since: float | None = None  # the daemon's word that the engine stops (a drain), until it is back
         self._seen_down = False  # since that word, /health was seen down: the next answer is a new engine
         self._answered_off = False  # without a hold, the word was answered (until the word that the engine is up)
@@ -181,29 +180,7 @@ class Hold:
         with no answer in time is down here: the request waits rather than going to an engine that does not answer."""
         if self.down_since is not None:
             return True
-        return not await self.look(since)
-
-    async def engine_ended(self, since: float) -> bool:
-        """Whether the engine is gone (an end, for the book of ends: casualties.py): a look begun at since or later
-        was refused, closed unanswered, or answered other than 200 (vLLM's /health says 503 once its engine died).
-        A look with no answer in time is no verdict, and no end: an engine busy with a crowd, or a pool of
-        connections to it that clients fill, must not make the proxy count ends that never were (ends from
-        timed-out looks would put the brake on for everyone)."""
-        return await self.look(since) is False
-
-    async def look(self, since: float | None = None) -> bool | None:
-        """The engine's /health, looked at once for every asker at a time (engine_answers: True, False, or None
-        for no answer in time). since: only a look begun then or later; None: a look of this tick, or one under
-        way."""
-        while True:
-            now, probe = self.clock(), self._probe
-            if probe is not None and (self._probed_at >= since if since is not None
-                                      else not probe.done() or now - self._probed_at < HEALTH_EVERY_S):
-                return await asyncio.shield(probe)  # a client that leaves does not cancel it for the others
-            if probe is not None and not probe.done():  # begun before `since`: then the next look, shared too
-                await asyncio.wait([probe])
-                continue
-            self._probe, self._probed_at = asyncio.ensure_future(self.engine_answers()), now
+        return not await self.health.look(since)
 
     async def wait(self, request: web.BaseRequest, since: float) -> None:
         """Wait until the engine answers again (then return: send the request again). Refusal (503) past hold_s

@@ -81,7 +81,7 @@ class Relay:
                              f"from {request.remote} after {sent} bytes: {exc or type(exc).__name__}")
             if request.transport is not None:
                 request.transport.close()  # the client must see a cut stream, not a finished one
-            if isinstance(exc, aiohttp.ClientError) and await self.hold.engine_ended(since=broke_at):
+            if isinstance(exc, aiohttp.ClientError) and await self.hold.health.ended(since=broke_at):
                 self.ends.cut(request, tries.sent_at)
         finally:
             self.metrics.bytes_out.inc(sent)

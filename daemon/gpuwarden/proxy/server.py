@@ -64,7 +64,7 @@ BUDGET_BODIES = 12
 RESERVE_BODIES = 2  # of them, always left to the other clients: one client's requests use at most the rest
 OFF_LOOP_BYTES = 256 << 10
 LOOK_S = 2.0  # a look at the engine's /health: an answer within this, or none (answers)
-LOOKS_AT_ONCE = 2  # the looks' own connections: one look at a time (hold.look), and one closing
+LOOKS_AT_ONCE = 2  # the looks' own connections: one look at a time (look.HealthLook), and one closing
 OWN_LACK = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}  # a look that failed for the proxy's want
 
 
@@ -189,7 +189,7 @@ def engine_session(limit: int, read_timeout_s: float, uid: int | None,
 async def answers(session: aiohttp.ClientSession, url: str) -> bool | None:
     """Whether the engine's /health answers 200 now (hold.py's one watcher asks, every half second): True; False:
     it answered otherwise, or refused or closed the connection; None: no answer within LOOK_S (a busy engine, or a
-    frozen one: the daemon's stall check judges those), which is no end of it (hold.engine_ended)."""
+    frozen one: the daemon's stall check judges those), which is no end of it (look.HealthLook.ended)."""
     try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=LOOK_S)) as reply:
             return reply.status == 200
@@ -465,7 +465,7 @@ class Proxy:
             # engine may have read the request, and if it then ended, the request may be what ended it.
             connected = tries.opened or not isinstance(exc, aiohttp.ClientConnectorError)
             asked = connected or tries.seen  # a refused connect of a request never seen is held, however the engine is
-            down = asked and await self.hold.engine_ended(since=self.hold.clock())
+            down = asked and await self.hold.health.ended(since=self.hold.clock())
             verdict = after_failure(connected=connected, seen=tries.seen, reused=tries.reused, resent=tries.resent,
                                     engine_down=down, hold_on=self.hold.on)
             tries.seen = asked
