@@ -67,6 +67,17 @@ def test_supervisor_benchmark_smoke():
 
 
 @pytest.mark.process
+def test_joules_conservation_smoke_keeps_the_books_and_leaves_nothing(child_user):
+    # two cycles of the 5-minute schedule (RESULTS.md has the long run): the books per GPU, every request's joules
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "joules_conservation.py"), "--smoke"],
+                          capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "- 11 requests sent over 20 s, 0 not answered 200" in proc.stdout, proc.stdout
+    assert "given joules: 11 (the histogram's count), 11 per-request lines; estimated: 3" in proc.stdout, proc.stdout
+    assert "the daemon's exit 0" in proc.stdout and "left running" not in proc.stdout and "Traceback" not in proc.stderr
+
+
+@pytest.mark.process
 @pytest.mark.parametrize("script", ["sample_cost.py", "roofline.py", "nvml_cold_calls.py"])
 def test_gpu_benchmarks_say_plainly_that_they_need_a_gpu(script):
     # They measure a real card (RESULTS.md has the numbers from the lent H200); here there is none.

@@ -1,29 +1,40 @@
 """A planned restart with the real CPU vLLM: a reload that changes the engine's flags under a steady mix of clients
 (tests/vllm/restart_rig.py) fails no request through the proxy, every answer whole by its token count, and the
-requests in flight straight to the engine finish. One reload, two engine starts: the soak (five reloads in a row)
+requests in flight straight to the engine finish. The same run gives joules per request (issue 56) on the real engine
+from the daemon's own energy file, the simulated GPU's counter: every request through the proxy, streamed and plain,
+gets its joules by vLLM's usage, and the proxy's books come to what the daemon measured. One reload, two engine
+starts: the soak (five reloads in a row)
 and the control (without the drain and the hold, a reload fails requests) are benchmarks/planned_restarts.py's,
 with their figures in benchmarks/RESULTS.md."""
 
+import json
+import signal
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "vllm"))
-from restart_rig import Rig, table  # noqa: E402
+from restart_rig import SHORT, Rig, table  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 # Lighter than the benchmark's flat-out clients: the test's own clients must not be the load it suffers from.
 LIGHT = {"long_tokens": 400, "pause_s": 0.3}
 
 
-def run(rig: Rig, reloads: int) -> list:
+def run(rig: Rig, reloads: int, before_stop=None) -> list:
     try:
         rig.start()
+        # the proxy's first reading of the daemon's energy file: from it on, every request through it gets joules
+        rig.wait_for("joules per request: the engine's GPUs' energy read from", 30)
         rig.start_clients()
         done = [rig.reload(number) for number in range(1, reloads + 1)]
         rig.settle(done)
         rig.stop_clients()
+        if before_stop is not None:
+            before_stop(rig)
     finally:
         code = rig.stop()
     assert code == 0, "\n".join(rig.lines[-40:])
@@ -35,7 +46,8 @@ def test_a_reload_fails_no_request_through_the_proxy_and_drains_what_runs_on_the
                                                                                          tiny_model, tmp_path):
     tmp_path.chmod(0o755)
     rig = Rig(vllm_python, tiny_model, tmp_path, **LIGHT)
-    reloads = run(rig, 1)
+    books: dict = {}
+    reloads = run(rig, 1, lambda rig: books.update(joules_books(rig)))
     proxied = [o for o in rig.outcomes if o.client.startswith("proxy")]
     failed = [o for o in proxied if not o.ok]
     assert len(proxied) >= 6 and not failed, (failed[:5], [line for line in rig.lines if "proxy" in line][-30:])
@@ -57,3 +69,62 @@ def test_a_reload_fails_no_request_through_the_proxy_and_drains_what_runs_on_the
     # New requests straight to the engine meanwhile fail (500 while it drains, refused while it restarts): what the
     # proxy's hold is for.
     assert [o for o in rig.outcomes if o.client == "direct plain" and not o.ok], table(reloads)
+    # Joules per request: every request through the proxy, held across the restart or not, got its joules by vLLM's
+    # usage (none estimated); the streams (the long ones, LIGHT's 400 tokens) and the short ones, streamed and plain.
+    assert books["count"] == len(proxied), (books["count"], len(proxied))
+    lines = books["lines"]
+    assert not [line for line in lines if "estimated" in line], [line for line in lines if "estimated" in line][:3]
+    tokens = [int(line.split(" prompt + ")[1].split(" output")[0]) for line in lines]
+    short = [o for o in proxied if o.client in ("proxy stream", "proxy plain")]
+    assert tokens.count(LIGHT["long_tokens"]) == sum(o.client == "proxy stream long" for o in proxied), tokens
+    assert tokens.count(SHORT) == len(short), (tokens, len(short))
+    assert all(float(line.split("joules=")[1].split()[0]) > 0 for line in lines), lines[:3]
+    # the books: what the requests got, the idle and what waits are what the daemon measured since the proxy's first
+    # reading, per GPU, exactly
+    assert books["books"] == pytest.approx(books["drew"], abs=0.002), books
+    assert all(w > 0 for w in books["drew"].values()) and all(r > 0 for r in books["requests"].values()), books
+
+
+def proxy_families(port: int) -> dict[str, dict[tuple[str, ...], float]]:
+    import re
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out: dict[str, dict[tuple[str, ...], float]] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            series, _, value = line.rpartition(" ")
+            name = series.split("{")[0]
+            out.setdefault(name, {})[tuple(re.findall(r'="([^"]*)"', series[len(name):]))] = float(value)
+    return out
+
+
+def joules_books(rig: Rig) -> dict:
+    """Once every request's joules are final (the clients stopped), the daemon stopped in place (SIGSTOP: its energy
+    file stands still): the proxy's per-request lines and histogram count, and its books per GPU beside the daemon's
+    sums since the proxy's first reading."""
+    from gpuwarden.serving.run.energyfeed import feed_path
+
+    wait = time.monotonic() + 60  # a bound on a hang: the next readings settle the last requests
+    while sum(proxy_families(rig.proxy_port).get("gpuwarden_proxy_joules_pending_requests", {}).values()):
+        assert time.monotonic() < wait, "the requests' joules never came"
+        time.sleep(0.5)
+    first = json.loads(next(line for line in rig.lines if "energy read from" in line).split("sums=")[1]
+                       .split(" mJ")[0])
+    rig.proc.send_signal(signal.SIGSTOP)
+    try:
+        sums = json.loads(feed_path("127.0.0.1", rig.proxy_port, rig.env).read_text())["gpus"]
+        drew = {g: (mj - first[g]) / 1000 for g, mj in sums.items()}
+        wait = time.monotonic() + 30  # the proxy reads the file twice a second
+        while True:
+            f = proxy_families(rig.proxy_port)
+            settled = f.get("gpuwarden_proxy_gpu_energy_joules_total", {})
+            waiting = f.get("gpuwarden_proxy_gpu_energy_waiting_joules", {})
+            books = {g: sum(v for (gpu, _), v in settled.items() if gpu == g) + waiting.get((g,), 0.0) for g in drew}
+            if all(abs(books[g] - drew[g]) <= 0.002 for g in drew) or time.monotonic() > wait:
+                break
+            time.sleep(0.5)
+    finally:
+        rig.proc.send_signal(signal.SIGCONT)
+    return {"count": sum(f.get("gpuwarden_proxy_request_joules_count", {}).values()), "books": books, "drew": drew,
+            "requests": {g: settled.get((g, "requests"), 0.0) for g in drew},
+            "lines": [line for line in rig.lines if "POST /v1/chat/completions 200: " in line and "joules=" in line]}

@@ -109,6 +109,23 @@ class ProxyMetrics:
         self.counts: dict[str, tuple[str, object]] = {}  # the same, counters read from another's book
         r.register(self)
 
+    def read_state(self, hold, budget, conns, casualties) -> None:
+        """The proxy's parts read at each scrape: the hold's requests, the body budget, the client connections (None:
+        no cap) and the book of the engine's ends."""
+        self.now["gpuwarden_proxy_held_requests"] = ("Requests waiting now for the engine to come back",
+                                                     lambda: len(hold.waiting))
+        self.now["gpuwarden_proxy_body_bytes"] = ("Bytes of request bodies and their parses held now, of the budget",
+                                                  lambda: budget.used)
+        self.now["gpuwarden_proxy_body_budget_bytes"] = ("At most this many bytes of request bodies and their "
+                                                         "parses at once", lambda: budget.limit)
+        if conns is not None:
+            self.now["gpuwarden_proxy_connections"] = ("Client connections open now", lambda: len(conns.open))
+            self.now["gpuwarden_proxy_connections_max"] = ("At most this many client connections at once",
+                                                           lambda: conns.cap)
+        self.counts["gpuwarden_proxy_engine_ends"] = ("The engine's ends that the proxy saw with requests in flight, "
+                                                      "each counted against their clients "
+                                                      "(serve.proxy.refuse_after_ends)", lambda: casualties.count)
+
     def collect(self):
         up = GaugeMetricFamily("gpuwarden_proxy_upstream_up", "Whether the upstream's /metrics was read at the "
                                "last scrape")
@@ -252,23 +269,10 @@ class Proxy:
         self.hold = Hold(hold_s, hold_max, lambda: answers(self.looks, self.upstream + self.health_path),
                          metrics.held)
         self.hold.in_flight = lambda: self.quiet.in_flight
-        metrics.now["gpuwarden_proxy_held_requests"] = ("Requests waiting now for the engine to come back",
-                                                        lambda: len(self.hold.waiting))
-        metrics.now["gpuwarden_proxy_body_bytes"] = ("Bytes of request bodies and their parses held now, of "
-                                                     "the budget", lambda: self.budget.used)
-        metrics.now["gpuwarden_proxy_body_budget_bytes"] = ("At most this many bytes of request bodies and their "
-                                                            "parses at once", lambda: self.budget.limit)
-        if conns is not None:
-            metrics.now["gpuwarden_proxy_connections"] = ("Client connections open now", lambda: len(conns.open))
-            metrics.now["gpuwarden_proxy_connections_max"] = ("At most this many client connections at once",
-                                                              lambda: conns.cap)
         self.casualties = Casualties(self.hold.clock, window_s=ends[1], refuse_after=ends[0],
                                      failures=ends[2] if len(ends) > 2 else CRASH_LOOP_FAILURES)
         self.ends = Ends(self.casualties, self.hold)
-        metrics.counts["gpuwarden_proxy_engine_ends"] = ("The engine's ends that the proxy saw with requests in "
-                                                         "flight, each counted against their clients "
-                                                         "(serve.proxy.refuse_after_ends)",
-                                                         lambda: self.casualties.count)
+        metrics.read_state(self.hold, self.budget, conns, self.casualties)
         self.joules = Joules(None, "unnamed", metrics.registry, self.hold.clock)  # command.serve names its file
         self.relay = Relay(self.metrics, self.ends, self.hold, self.faults, self.joules)
         self.session: aiohttp.ClientSession | None = None
