@@ -510,6 +510,38 @@ def test_a_burst_past_hold_max_at_a_clocks_rest_waits_for_the_clocks_instead_of_
     assert refused == 1  # down: the third past hold_max 2 is refused at once
 
 
+def test_a_burst_at_a_clocks_rest_is_held_up_to_half_the_connection_cap_and_the_rest_refused():
+    """Noticed after F3's mend: at a clocks rest a burst could take the proxy's whole connection cap for up to
+    CLOCKS_BACK_S, leaving no connection for /health or /metrics. The proxy gives the hold half its cap (rest_max):
+    past it, 503 at once, as hold_max does for an engine that is down."""
+    from gpuwarden.proxy import server
+    from gpuwarden.proxy.body import Refusal
+    from gpuwarden.proxy.faults import proxy_faults
+    from gpuwarden.proxy.listener import Connections
+    from gpuwarden.proxy.normalize import Rules
+
+    async def scenario():
+        proxy = server.Proxy("http://127.0.0.1:9", Rules(), server.ProxyMetrics((None, None)),
+                             conns=Connections(10, 1.0, proxy_faults()), hold_s=300, hold_max=2)
+        hold = proxy.hold
+        assert (hold.hold_max, hold.rest_max) == (2, 5)
+        hold.rest_ends_on_word = True
+        hold.engine_resting()
+        waits = [asyncio.ensure_future(hold.wait(SimpleNamespace(), hold.clock())) for _ in range(8)]
+        for _ in range(3):
+            await asyncio.sleep(0)
+        refused = [w for w in waits if w.done() and isinstance(w.exception(), Refusal)]
+        held = len(hold.waiting)
+        hold.engine_up()
+        outcomes = await asyncio.gather(*waits, return_exceptions=True)
+        await hold.stop()
+        return held, len(refused), outcomes
+
+    held, refused, outcomes = asyncio.run(scenario())
+    assert (held, refused) == (5, 3), (held, refused)
+    assert outcomes.count(None) == 5 and all("half its connection cap" in str(o) for o in outcomes if o is not None)
+
+
 def test_the_proxy_at_a_clocks_rest_wakes_for_a_request_in_flight_takes_a_stop_as_planned_and_nags_a_lost_wake(
         monkeypatch):
     """The review's M1, M3 and M2 on the proxy's side, no sleep: a REST that finds a request still at the engine

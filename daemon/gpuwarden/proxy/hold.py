@@ -76,6 +76,7 @@ class Hold:
         # serve.idle's clocks: the resting engine still answers /health, so only the daemon's word (engine_up) ends
         # a rest's hold, once its GPUs' clocks are back; CLOCKS_BACK_S at most (a daemon gone): sent as it is
         self.rest_ends_on_word = False
+        self.rest_max: int | None = None  # the most held at once at a clocks rest (None: no bound but the caller's)
         self.in_flight: Callable[[], int] = lambda: 0  # requests at the engine now (the proxy's quiet.py count)
         self._unconfirmed = False  # a clocks rest's hold ended without the daemon's word: say the wake until it comes
         self._nagger: asyncio.Task | None = None
@@ -195,8 +196,13 @@ class Hold:
             self._refuse("held_too_long", f"the engine did not come back within {self.hold_s:g} s (the proxy's "
                          "hold_s): retry later")
         # A clocks rest's engine is up: its hold lasts until the clocks are back (CLOCKS_BACK_S at most), and a burst
-        # past hold_max waits with it rather than be refused (attacker 47, F3); the connection cap still bounds it.
-        if len(self.waiting) >= self.hold_max and not (self.resting and self.rest_ends_on_word):
+        # past hold_max waits with it rather than be refused (attacker 47, F3), up to rest_max (half the proxy's
+        # connection cap: /health, /metrics and a new client still get in).
+        if self.resting and self.rest_ends_on_word:
+            if self.rest_max is not None and len(self.waiting) >= self.rest_max:
+                self._refuse("held_too_many", f"the proxy holds {self.rest_max} requests already while the engine's "
+                             "clocks come back (half its connection cap): retry later")
+        elif len(self.waiting) >= self.hold_max:
             self._refuse("held_too_many", f"the engine is down and the proxy holds {self.hold_max} requests already "
                          "(its hold_max): retry later")
         future = asyncio.get_running_loop().create_future()

@@ -263,12 +263,13 @@ class Proxy:
         self.quiet = Quiet(idle_after_s, lambda: word.say(word.IDLE))
         # Held requests keep their client connections: at most half the cap, so that /health, /metrics and new
         # requests still get in (and are answered 503 at once past hold_max).
-        hold_max = min(hold_max, max(1, conns.cap // 2)) if conns is not None else hold_max
+        half = max(1, conns.cap // 2) if conns is not None else None
+        hold_max = min(hold_max, half) if half is not None else hold_max
         # The looks at /health go on a session of their own: the clients' pool full (streams, or requests whose
         # clients left while the engine answers them) would otherwise make a look wait for a slot and time out.
         self.hold = Hold(hold_s, hold_max, lambda: answers(self.looks, self.upstream + self.health_path),
                          metrics.held)
-        self.hold.in_flight = lambda: self.quiet.in_flight
+        self.hold.in_flight, self.hold.rest_max = (lambda: self.quiet.in_flight), half
         self.casualties = Casualties(self.hold.clock, window_s=ends[1], refuse_after=ends[0],
                                      failures=ends[2] if len(ends) > 2 else CRASH_LOOP_FAILURES)
         self.ends = Ends(self.casualties, self.hold)
