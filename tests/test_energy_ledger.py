@@ -113,6 +113,55 @@ def test_a_long_request_in_flight_holds_back_nobodys_joules_its_intervals_settle
     assert ledger.measured == {"0": 41_000} and ledger.apportioned["0"] + ledger.idle["0"] == 41_000
 
 
+def test_an_answer_not_streamed_spreads_all_its_tokens_over_its_span_and_in_flight_weighs_at_the_rate_seen():
+    """The re-check's N2: a non-streamed answer's first byte is its end, so its output tokens sat on its last instant,
+    and in flight it weighed its estimated prompt alone: a 30 s answer of 3,000 tokens beside streams of 200 tokens
+    a second got 2 % of its share. Now its tokens spread over its span (`whole`), and in flight, with no byte back,
+    it weighs at the output rate the ended requests had: within 2x of its share by the tokens."""
+    ledger = Ledger()
+    ledger.begin(1, 0.0, prompt=3)  # the long one, not streamed: 10 prompt + 3,000 output tokens over 30 s
+    finals = []
+    for t in range(30):  # a stream a second beside it: 100 prompt + 100 output tokens over its second
+        stream = Request(100 + t, sent=t + 0.0, first=t + 0.1, end=t + 1.0, prompt=100, output=100)
+        ledger.begin(stream.rid, stream.sent)
+        finals += ledger.end(stream)
+        finals += ledger.add(Interval(float(t), t + 1.0, {"0": 1000}), now=t + 1.0) + ledger.expire(t + 1.0)
+    finals += ledger.end(Request(1, sent=0.0, first=30.0, end=30.0, prompt=10, output=3000, whole=True))
+    finals += ledger.add(Interval(30.0, 31.0, {"0": 1000}), now=31.0) + ledger.expire(100.0)
+    long = next(r for r in finals if r.rid == 1)
+    streams = sum(r.joules for r in finals if r.rid != 1)
+    share = 30.0 * 3010 / (3010 + 30 * 200)  # its tokens of all tokens over the 30 s
+    assert share / 2 <= long.joules <= share * 2, (long.joules, share)
+    assert long.joules + streams == pytest.approx(30.0, abs=0.001) and len(finals) == 31
+    # once ended within LATE_S of its intervals, the model's own figure: 2 tokens in each of two equal intervals
+    ledger = Ledger()
+    finals = run(ledger, Request(1, sent=0.0, first=2.0, end=2.0, prompt=1, output=3, whole=True))
+    finals += run(ledger, Request(2, sent=0.0, first=0.1, end=2.0, prompt=1, output=3))
+    finals += ledger.add(Interval(0.0, 1.0, {"0": 1000})) + ledger.add(Interval(1.0, 2.0, {"0": 1000}))
+    whole = next(r for r in finals if r.rid == 1)
+    # its 4 tokens, 2 in each interval, against the other's prompt (in the first) and output (over both)
+    expect = 1000 * 2 / (2 + 1 + 3 * 0.9 / 1.9) + 1000 * 2 / (2 + 3 * 1.0 / 1.9)
+    assert whole.mj["0"] == pytest.approx(expect, abs=1)
+
+
+def test_joules_given_in_flight_stay_with_a_try_sent_again_and_go_to_nobody_when_it_ends_unanswered():
+    """The re-check's N7: a try sent anew lost what it had been given in flight, and a request ended with no answer
+    kept its share in the requests' book that no request's joules summed to."""
+    ledger = Ledger()
+    ledger.begin(1, 0.0, prompt=10)
+    ledger.begin(2, 0.0, prompt=10)
+    ledger.add(Interval(0.0, 1.0, {"0": 1000}), now=20.0)  # past LATE_S: settled with both in flight
+    assert ledger.flight[1].mj["0"] == 500 and ledger.flight[2].mj["0"] == 500
+    ledger.begin(1, 1.5, prompt=10)  # sent again: the engine went down and came back
+    assert ledger.flight[1].mj["0"] == 500
+    ledger.forget(2)  # given up: no answer
+    assert ledger.apportioned["0"] == 500 and ledger.unattributed["0"] == 500
+    finals = ledger.end(Request(1, sent=1.5, first=1.6, end=1.9, prompt=10, output=10))
+    finals += ledger.add(Interval(1.0, 2.0, {"0": 1000}), now=21.0)
+    assert [r.joules for r in finals] == [1.5]
+    assert ledger.apportioned["0"] == 1500 and ledger.measured["0"] == 2000 and ledger.unattributed["0"] == 500
+
+
 def test_the_shares_idle_and_unattributed_sum_to_the_measured_energy_exactly_over_five_minutes_of_random_work():
     rng = random.Random(56)
     ledger, finals, rid = Ledger(), [], 0

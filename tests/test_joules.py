@@ -82,6 +82,78 @@ def test_the_daemon_writes_no_energy_into_a_folder_another_may_write_or_link(tmp
     assert len([r for r in caplog.records if "not written" in r.getMessage()]) == 1  # said once
 
 
+def test_under_the_units_umask_the_folder_is_made_readable_for_the_proxy_and_a_0700_one_is_mended(tmp_path):
+    """The re-check's N1: the unit's UMask=0077 made energy/ 0700, so the proxy (serve.user) read nothing, silently."""
+    import os
+    import stat
+
+    run = tmp_path / "run"
+    run.mkdir(mode=0o755)
+    old = os.umask(0o077)
+    try:
+        feed = EnergyFeed(run / "energy" / "proxy-x-1.json", Tick())
+        feed.tick([Card(0, 5)], {0: 1.0})
+        assert stat.S_IMODE(os.stat(run / "energy").st_mode) == 0o755
+        assert stat.S_IMODE(os.stat(feed.path).st_mode) == 0o644
+        feed.close()
+        os.chmod(run / "energy", 0o700)  # made so by an older daemon under the unit
+        feed = EnergyFeed(run / "energy" / "proxy-x-1.json", Tick())
+        feed.tick([Card(0, 5)], {0: 1.0})
+        assert stat.S_IMODE(os.stat(run / "energy").st_mode) == 0o755
+    finally:
+        os.umask(old)
+
+
+def test_a_folder_above_that_another_user_owns_is_refused_before_any_mkdir(tmp_path, monkeypatch, caplog):
+    """The re-check's N4: the check judged energy/ and its parent alone, once, after root's mkdir had followed a link
+    a plain user planted higher up (root wrote into a root-only folder through it)."""
+    import os
+
+    from gpuwarden.serving.run.energyfeed import prepare
+
+    user = tmp_path / "u"
+    user.mkdir(mode=0o755)
+    (tmp_path / "target").mkdir(mode=0o700)
+    (user / "rt").symlink_to(tmp_path / "target")
+    if os.geteuid() == 0:
+        os.chown(user, 65534, 65534)  # nobody's
+    else:  # the folder is this user's: the daemon's euid made another's
+        monkeypatch.setattr(os, "geteuid", lambda: os.getuid() + 1)
+    assert "is another user's" in prepare(user / "rt" / "energy")
+    assert not list((tmp_path / "target").iterdir())  # no mkdir through the link
+    feed = EnergyFeed(user / "rt" / "energy" / "proxy-x-1.json", Tick())
+    with caplog.at_level("WARNING", logger="gpuwarden"):
+        feed.tick([Card(0, 5)], {0: 1.0})
+    assert not list((tmp_path / "target").iterdir()) and "not written" in caplog.text
+
+
+def test_a_gpu_the_engine_left_and_came_back_to_starts_anew_not_with_its_whole_absence(tmp_path):
+    """The re-check's N3: a reload that moved the engine off GPU 0 and back an hour later put the hour's energy in
+    one poll (720 kJ to one request)."""
+    clock = Tick()
+    feed = EnergyFeed(tmp_path / "energy" / "proxy-x-1.json", clock)
+    cards = {i: Card(i, 0) for i in range(4)}
+    feed.tick([cards[0], cards[1]], {0: 100.0, 1: 100.0})
+    clock.t += 1
+    for c in cards.values():
+        c.counter += 100_000
+    feed.tick([cards[0], cards[1]], {0: 100.0, 1: 100.0})
+    assert feed.sums == {0: 100_000, 1: 100_000}
+    clock.t += 3600  # an hour on GPUs 2 and 3
+    for c in cards.values():
+        c.counter += 360_000_000
+    feed.tick([cards[2], cards[3]], {2: 100.0, 3: 100.0})
+    clock.t += 1
+    for c in cards.values():
+        c.counter += 100_000
+    feed.tick([cards[0], cards[1]], {0: 100.0, 1: 100.0})  # back: its first read again, no step
+    assert feed.sums[0] == 100_000 and feed.sums[1] == 100_000
+    clock.t += 1
+    cards[0].counter += 100_000
+    feed.tick([cards[0]], {0: 100.0})
+    assert feed.sums[0] == 200_000
+
+
 @pytest.mark.parametrize("text", [
     "", "not json", "[1]", '{"v": 2, "epoch": "e", "t": 1, "gpus": {}}', '{"v": 1, "epoch": 5, "t": 1, "gpus": {}}',
     '{"v": 1, "epoch": "e", "t": true, "gpus": {}}', '{"v": 1, "epoch": "e", "t": 1e999, "gpus": {}}',
@@ -140,6 +212,7 @@ def test_an_anthropic_streams_prompt_tokens_come_from_its_first_event_and_its_ou
 
 def test_only_the_apis_that_make_tokens_are_weighed():
     assert counted("POST", "/v1/chat/completions") and counted("POST", "/v1/completions")
+    assert counted("POST", "/invocations") and counted("POST", "/v2/rerank")  # the re-check's N6
     assert not counted("GET", "/v1/chat/completions") and not counted("POST", "/v1/models")
     assert not counted("POST", "/tokenize")
 
@@ -215,6 +288,58 @@ def test_without_a_reading_no_request_is_kept_and_one_no_reading_reached_is_coun
     assert 'gpuwarden_proxy_request_joules_count{model="m"}' not in text
 
 
+def test_requests_between_two_daemons_readings_are_unmeasured_and_a_step_no_gpu_draws_is_refused(tmp_path, caplog):
+    """The re-check's N5: requests that ended between an old daemon's last reading and a new one's first were logged
+    0.00 J; and N4: a forged file's step of 10^15 mJ gave one request 8e12 J."""
+    path, clock = tmp_path / "feed.json", Tick()
+    registry = CollectorRegistry()
+    joules = Joules(path, "m", registry, clock)
+    feed(path, "a", 10.0, {"0": 0})
+    joules.read()
+    with caplog.at_level("INFO", logger="gpuwarden"):
+        for i in range(3):  # end while no daemon writes
+            tries = Tries(10.5)
+            joules.sent(tries)
+            clock.t = 11.0
+            joules.ended(Req(), tries, 10.6, b"", False, 0, 40, 200)
+        feed(path, "b", 40.0, {"0": 0})  # a new daemon
+        joules.read()
+        feed(path, "b", 41.0, {"0": 1_000})
+        clock.t = 41.0
+        joules.read()
+    assert "joules=0.00" not in caplog.text
+    text = generate_latest(registry).decode()
+    assert "gpuwarden_proxy_requests_unmeasured_total 3.0" in text and "request_joules_count" not in text
+    tries = Tries(41.2)
+    joules.sent(tries)
+    feed(path, "b", 41.5, {"0": 1_000 + 10**15})  # 2e15 W
+    joules.read()
+    clock.t = 41.6
+    joules.ended(Req(), tries, 41.3, b"", False, 0, 40, 200)
+    feed(path, "b", 42.0, {"0": 1_000 + 10**15 + 100})
+    joules.read()
+    # the forged step refused; the next reading's 100 mJ taken, a little to the request
+    assert joules.ledger.rejected == 1 and sum(joules.ledger.measured.values()) == 1_100
+    assert 'gpuwarden_proxy_request_joules_sum{model="m"} 0.1' in generate_latest(registry).decode()
+
+
+def test_a_feed_unreadable_for_ten_seconds_is_said_once_with_why_and_its_return_too(tmp_path, caplog):
+    """The re-check's N1: the proxy read nothing for good and said nothing."""
+    path, clock = tmp_path / "energy" / "feed.json", Tick()
+    joules = Joules(path, "m", CollectorRegistry(), clock)
+    with caplog.at_level("INFO", logger="gpuwarden"):
+        for _ in range(30):
+            joules.read()
+            clock.t += 0.5
+    said = [r.getMessage() for r in caplog.records if "not been readable" in r.getMessage()]
+    assert len(said) == 1 and "(no such file)" in said[0], said
+    path.parent.mkdir()
+    feed(path, "a", clock.t, {"0": 0})
+    with caplog.at_level("INFO", logger="gpuwarden"):
+        joules.read()
+    assert "is read again" in caplog.text
+
+
 def test_past_ten_lines_a_second_the_requests_are_counted_and_said_with_the_next_line(tmp_path, caplog):
     path, clock = tmp_path / "feed.json", Tick()
     joules = Joules(path, "m", CollectorRegistry(), clock)
@@ -265,9 +390,22 @@ def ask(port: int, shape: dict, outcomes: list, cut_after: int | None = None) ->
         conn.close()
 
 
+@pytest.fixture
+def runtime_dir():
+    """A daemon's RUNTIME_DIRECTORY that the proxy (serve.user) can reach: under /tmp, not the test's 0700 tmp_path."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    folder = Path(tempfile.mkdtemp(prefix="gpuwarden-run-"))
+    folder.chmod(0o755)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 @pytest.mark.process
 def test_each_request_through_the_proxy_gets_its_joules_and_the_shares_idle_and_waiting_are_what_the_gpus_drew(
-        write, fake, daemons, proxy_daemon, no_fakes_left):
+        write, fake, daemons, proxy_daemon, no_fakes_left, runtime_dir):
     """The daemon, the proxy and the fake engine as processes on the simulated H100s, a known schedule: two requests
     over the same span, one with twice the other's tokens, streamed and not, one streamed without usage, one whose
     client leaves mid-stream. Each gets its joules (its log line, the histogram's count), twice the tokens twice the
@@ -285,6 +423,7 @@ def test_each_request_through_the_proxy_gets_its_joules_and_the_shares_idle_and_
     path.write_text(path.read_text().replace("scenario: dgx-spark", f"scenario: {quiet}")
                     + f"  proxy: {{enabled: true, listen: '127.0.0.1:{proxy_port}'}}\n")
     command, env = proxy_daemon
+    env = dict(env, RUNTIME_DIRECTORY=str(runtime_dir))  # not the host's /run/gpuwarden
     d = daemons(path, command=command, env=env)
     d.wait_for("vLLM healthy after", timeout=30)
     d.wait_for("the proxy healthy after", timeout=30)
@@ -328,7 +467,7 @@ def test_each_request_through_the_proxy_gets_its_joules_and_the_shares_idle_and_
     engine_gpus = json.loads(urllib.request.urlopen(base + "/status", timeout=10).read())["serving"]["gpus"]
     d.proc.send_signal(signal.SIGSTOP)  # its file stands still: the proxy's books must come to it exactly
     try:
-        sums = json.loads(feed_path("127.0.0.1", proxy_port).read_text())["gpus"]
+        sums = json.loads(feed_path("127.0.0.1", proxy_port, env).read_text())["gpus"]
         drew = {gpu: (mj - first[gpu]) / 1000 for gpu, mj in sums.items()}
         wait = time.monotonic() + 30  # a bound on a hang: the proxy reads the file twice a second
         while True:
@@ -346,4 +485,4 @@ def test_each_request_through_the_proxy_gets_its_joules_and_the_shares_idle_and_
     finally:
         d.proc.send_signal(signal.SIGCONT)
     assert d.stop() == 0
-    assert not feed_path("127.0.0.1", proxy_port).exists()  # the daemon's stop takes its file away
+    assert not feed_path("127.0.0.1", proxy_port, env).exists()  # the daemon's stop takes its file away

@@ -207,6 +207,11 @@ class Rig:
         self.vllm_python, self.model, self.flags = vllm_python, model, 0
         self.write_config()
         self.command, self.env, self._package = runnable_daemon(vllm_python, self.user)
+        # the daemon's RUNTIME_DIRECTORY (its energy file for the proxy), not the host's /run/gpuwarden: under /tmp,
+        # where serve.user reaches it (a test's tmp_path is in root's 0700 pytest folder)
+        self._runtime = Path(tempfile.mkdtemp(prefix="gpuwarden-run-"))
+        self._runtime.chmod(0o755)
+        self.env["RUNTIME_DIRECTORY"] = str(self._runtime)
         self.lines: list[str] = []
         self.proc: subprocess.Popen | None = None
         self.outcomes: list[Outcome] = []
@@ -282,6 +287,7 @@ serve:
                 code = self.proc.wait(30)
         if self._package is not None:
             shutil.rmtree(self._package, ignore_errors=True)
+        shutil.rmtree(self._runtime, ignore_errors=True)
         (self.workdir / "daemon.log").write_text("\n".join(self.lines) + "\n")
         return code
 

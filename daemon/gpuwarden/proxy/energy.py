@@ -5,6 +5,7 @@ are the energy measured, exactly: the conservation law, and its test.
 
 The model: a request's prompt tokens spread evenly over its prefill (sent to the engine, to its first byte back), its
 output tokens over its decode (first byte to end); a prefill or decode of no length puts its tokens at its instant.
+An answer not streamed has its first byte at its end, so its prompt and output tokens together spread over its span.
 An interval's split waits until every request that may overlap it has ended (its tokens are known only then), LATE_S
 at most: then a request still in flight weighs by its tokens so far (its estimated prompt, its stream's events), so
 that one long request holds back nobody's joules; a request's joules are final once the intervals up to its end have
@@ -43,6 +44,7 @@ class Request:
     output: int = 0
     estimated: bool = False  # its tokens are the proxy's estimate (no usage, or one that could not be true)
     partial: bool = False  # part of its span had no measured energy to share (a gap, a bound crossed)
+    whole: bool = False  # an answer not streamed: its first byte is its end, so all its tokens spread over its span
     what: str = ""  # for its log line: method, path, status
     mj: Counter = field(default_factory=Counter)  # gpu -> its share so far
 
@@ -52,6 +54,8 @@ class Request:
 
     def weight(self, a: float, b: float) -> int:
         """Its tokens in [a, b), in millionths of a token."""
+        if self.whole:  # when its decode began is unknown: prompt and output together over its whole span
+            return round(SCALE * (self.prompt + self.output) * _part(self.sent, self.end, a, b))
         return round(SCALE * (self.prompt * _part(self.sent, self.first, a, b)
                               + self.output * _part(self.first, self.end, a, b)))
 
@@ -85,10 +89,16 @@ class Ledger:
         self.settled_t = float("-inf")  # the end of the last interval settled
         self.measured, self.apportioned, self.idle, self.unattributed = Counter(), Counter(), Counter(), Counter()
         self.rejected = 0  # intervals refused: backwards, overlapping the settled, or not well formed
+        # Output tokens a second of one request, over its life, as the ended ones with their usage went (a moving
+        # mean): what a request in flight with no byte back yet is weighed by past LATE_S (a whole answer being
+        # made, not streamed, whose tokens come only at its end: the re-check's N2)
+        self.rate = 0.0
 
     def begin(self, rid: int, now: float, prompt: int = 0) -> None:
-        """A request sent to the engine; prompt: its prompt tokens as estimated until its answer says."""
-        self.flight[rid] = Request(rid, now, prompt=prompt, estimated=True)
+        """A request sent to the engine (again, for a try sent anew: what it was given stays its own); prompt: its
+        prompt tokens as estimated until its answer says."""
+        was = self.flight.get(rid)
+        self.flight[rid] = Request(rid, now, prompt=prompt, estimated=True, mj=was.mj if was else Counter())
 
     def progress(self, rid: int, first: float, output: int) -> None:
         """A request's first byte came at first, and it has sent output tokens so far (a stream's events)."""
@@ -97,8 +107,12 @@ class Ledger:
             request.first, request.output = request.first or first, output
 
     def forget(self, rid: int) -> None:
-        """A request that never reached the engine after all (refused, held and given up)."""
-        self.flight.pop(rid, None)
+        """A request that ended with no answer (refused, held and given up): no joules of its own; what it was given
+        while in flight (LATE_S) is nobody's, so that the requests' book is what the requests' joules sum to."""
+        was = self.flight.pop(rid, None)
+        for gpu, mj in (was.mj if was else {}).items():
+            self.apportioned[gpu] -= mj
+            self.unattributed[gpu] += mj
 
     def end(self, request: Request) -> list[Request]:
         """A request ended, its tokens known (request.sent as begin() was told); the requests now final. What it was
@@ -108,6 +122,9 @@ class Ledger:
             return self._settle()
         request.first = min(max(request.first, request.sent), request.end)
         request.mj.update(was.mj)
+        if not request.estimated and request.end > request.sent:
+            life = request.output / (request.end - request.sent)
+            self.rate = life if not self.rate else 0.9 * self.rate + 0.1 * life
         request.estimated = request.estimated or bool(was.mj)  # part of it weighed by its tokens so far
         self.done[request.rid] = request
         finals = self._settle()
@@ -155,7 +172,7 @@ class Ledger:
     def _split(self, interval: Interval, now: float) -> None:
         a, b = interval.t0, interval.t1
         weighed = [(r, w) for r in self.done.values() if (w := r.weight(a, b)) > 0]
-        weighed += [(r, w) for r in self.flight.values() if r.sent < b and (w := _so_far(r, a, b, now)) > 0]
+        weighed += [(r, w) for r in self.flight.values() if r.sent < b and (w := _so_far(r, a, b, now, self.rate)) > 0]
         for gpu, mj in interval.mj.items():
             self.measured[gpu] += mj
             if not weighed:
@@ -176,11 +193,14 @@ class Ledger:
         self.settled_t = interval.t1
 
 
-def _so_far(r: Request, a: float, b: float, now: float) -> int:
+def _so_far(r: Request, a: float, b: float, now: float, rate: float = 0.0) -> int:
     """A request in flight's tokens in [a, b) as known now: its estimated prompt over its prefill so far (to its first
-    byte, else to now), its output so far over its decode so far."""
+    byte, else to now), its output so far over its decode so far; with no byte back yet, also `rate` output tokens a
+    second over its time so far (an answer made whole before its first byte, or a prefill that waits its turn)."""
     prefill_end = r.first or now
     w = r.prompt * _part(r.sent, prefill_end, a, b)
     if r.first:
         w += r.output * _part(r.first, max(now, r.first), a, b)
+    else:
+        w += rate * max(0.0, min(b, now) - max(a, r.sent))
     return round(SCALE * w)

@@ -44,14 +44,19 @@ PROMPT = re.compile(rb'"(?:prompt_tokens|input_tokens)"\s*:\s*(\d{1,9})\b')
 OUTPUT = re.compile(rb'"(?:completion_tokens|output_tokens)"\s*:\s*(\d{1,9})\b')
 HEAD_MAX = 4 * 1024  # a stream's first bytes: Anthropic's message_start carries its input_tokens
 EVENT = b"data: {"
+# No GPU draws this much: a step past it over its interval is no reading (a forged file; a GPU's absence as one step)
+MAX_WATTS = 5000
+UNREAD_SAY_S = 10.0  # the daemon's file unreadable this long: said once (the unit's umask once made it so, silently)
 BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10_000, 25_000, 100_000)
 
 
 # The paths whose answers are tokens the engine computed (POST): vLLM's and SGLang's OpenAI, Anthropic and native
-# APIs; anything else (/v1/models, /health, /tokenize) is no work to weigh.
+# APIs (vLLM's /invocations runs a completion or a chat by its body: keys.py); anything else (/v1/models, /health,
+# /tokenize) is no work to weigh.
 COUNTED = frozenset(("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses", "/v1/embeddings",
                      "/v1/rerank", "/rerank", "/v1/score", "/score", "/pooling", "/classify", "/generate",
-                     "/v1/audio/transcriptions", "/v1/audio/translations", "/inference/v1/generate"))
+                     "/v1/audio/transcriptions", "/v1/audio/translations", "/inference/v1/generate",
+                     "/invocations", "/v2/rerank"))
 
 
 def counted(method: str, path: str) -> bool:
@@ -119,6 +124,8 @@ class Joules:
                                  "of their tokens (no usage in the answer, or one that could not be true)", ["model"],
                                  registry=registry)
         registry.register(self)
+        self._unread_since: float | None = None  # the first of the reads that found no reading, since the last one did
+        self._unread_said = False
         self._said = (0.0, 0)  # (the second of the last per-request lines, lines said in it)
         self._unsaid = 0
 
@@ -183,7 +190,8 @@ class Joules:
         end = self.clock()
         prompt, output, estimated = tokens_of(tail, streaming, events, sent, tries.body_bytes, head)
         record = Request(tries.rid, tries.sent_at, first_at if first_at is not None else end, end, prompt, output,
-                         estimated, what=f"{visible(request.method[:16])} {visible(request.path[:200])} {status}")
+                         estimated, what=f"{visible(request.method[:16])} {visible(request.path[:200])} {status}",
+                         whole=not streaming)
         self._final(self.ledger.end(record))
 
     # -- the daemon's readings ---------------------------------------------------------------------------------
@@ -196,18 +204,44 @@ class Joules:
         reading = read_feed(self.path) if self.path is not None else None
         if reading is None:
             self.unread += 1
+            self._unreadable()
         else:
+            if self._unread_said:
+                log.info("proxy: joules per request: the daemon's energy file %s is read again", self.path)
+            self._unread_since, self._unread_said = None, False
             epoch, t, sums, power = reading
             last, self.last = self.last, (epoch, t, sums)
             if last is None or last[0] != epoch:  # a new daemon: its sums begin anew, from this reading
+                if last is not None:  # what ran since the old one's last reading had no energy read: partial
+                    for r in (*self.ledger.flight.values(), *self.ledger.done.values()):
+                        r.partial = True
                 self.first = sums
                 log.info("proxy: joules per request: the engine's GPUs' energy read from %s (the daemon's epoch %s; "
                          "sums=%s mJ)", self.path, visible(epoch), json.dumps(sums, sort_keys=True))
             elif t > last[1]:
                 steps = {g: mj - last[2].get(g, 0) for g, mj in sums.items()}
-                self._final(self.ledger.add(Interval(last[1], t, steps, "power" if power else "counter"),
-                                            self.clock()))
+                if any(mj > MAX_WATTS * (t - last[1]) * 1000 for mj in steps.values()):
+                    self.ledger.rejected += 1  # no GPU draws that: the interval is no reading
+                else:
+                    self._final(self.ledger.add(Interval(last[1], t, steps, "power" if power else "counter"),
+                                                self.clock()))
         self._final(self.ledger.expire(self.clock()))
+
+    def _unreadable(self) -> None:
+        """A read that found no reading: said once when the file stays unreadable UNREAD_SAY_S, with why."""
+        now = self.clock()
+        if self.path is None or self._unread_said:
+            return
+        if self._unread_since is None:
+            self._unread_since = now
+        elif now - self._unread_since >= UNREAD_SAY_S:
+            try:
+                why = "no such file" if smallfile.read(self.path, FEED_MAX) is None else "not as the daemon writes it"
+            except (OSError, smallfile.Unreadable) as exc:  # Unreadable: a permission denied is said in its words
+                why = str(exc)
+            log.warning("proxy: joules per request: the daemon's energy file %s has not been readable for %.0f s "
+                        "(%s): no joules until it is", self.path, now - self._unread_since, why)
+            self._unread_said = True
 
     def _final(self, finals: list[Request]) -> None:
         for r in finals:

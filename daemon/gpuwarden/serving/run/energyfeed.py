@@ -39,14 +39,48 @@ def feed_path(host: str, port: int, environ: Mapping[str, str] = os.environ) -> 
 
 
 def safe_folder(folder: Path) -> str | None:
-    """Why the daemon (root) must not write there; None: it may. A real folder of its own, and the one above it too,
-    that no other user may write: else another could link it elsewhere (root would write through) or forge the sums."""
-    for path in (folder.parent, folder):
-        st = os.lstat(path)
-        if not stat.S_ISDIR(st.st_mode):
-            return f"{path} is not a folder"
-        if st.st_uid not in (0, os.geteuid()) or st.st_mode & 0o022:
-            return f"{path} is another user's, or others may write in it"
+    """Why the daemon (root) must not write there; None: it may. A real folder of its own that no other user may
+    write, and above it, every folder up to / (as resolved) root's or the daemon's, none that another may write but a
+    sticky one (/tmp): else another could swap a folder on the way for a link (root would write through it) or forge
+    the sums."""
+    st = os.lstat(folder)
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{folder} is not a folder"
+    if st.st_uid not in (0, os.geteuid()) or st.st_mode & 0o022:
+        return f"{folder} is another user's, or others may write in it"
+    return _safe_above(folder.parent)
+
+
+def _safe_above(path: Path) -> str | None:
+    """The first folder on the way to / that another user owns, or may write without a sticky bit: on the path as
+    written (a link on it must be root's or the daemon's, in a folder so judged) and on the path it resolves to."""
+    written = Path(os.path.abspath(path))
+    real = Path(os.path.realpath(path))
+    for above, st in [(p, os.lstat(p)) for p in (written, *written.parents)] + \
+            [(p, os.stat(p)) for p in (real, *real.parents)]:
+        if st.st_uid not in (0, os.geteuid()) or (not stat.S_ISLNK(st.st_mode) and st.st_mode & 0o022
+                                                    and not st.st_mode & stat.S_ISVTX):
+            return f"{above} is another user's, or others may write in it"
+    return None
+
+
+def prepare(folder: Path) -> str | None:
+    """Make the feed's folder, judged before and after: what is above it first (no mkdir through another's link),
+    then the folder itself, readable by the proxy's user whatever the daemon's umask (the unit's UMask=0077 made it
+    0700: the proxy read nothing). Why not, or None."""
+    existing = folder.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if unsafe := _safe_above(existing):
+        return unsafe
+    folder.mkdir(mode=0o755, parents=True, exist_ok=True)
+    if unsafe := safe_folder(folder):
+        return unsafe
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        os.fchmod(fd, 0o755)
+    finally:
+        os.close(fd)
     return None
 
 
@@ -78,6 +112,10 @@ class EnergyFeed:
                     step = round((w + w0) / 2 * (now - then) * 1000)
                     power.append(str(gpu.index))
             self.sums[gpu.index] = self.sums.get(gpu.index, 0) + max(0, step)
+        # A GPU not read this poll (the engine moved off it) is forgotten: back later, it starts from its next read,
+        # not with its whole absence as one step (the re-check's N3: an hour away, 720 kJ to one request)
+        ticked = {gpu.index for gpu in gpus}
+        self.last = {i: v for i, v in self.last.items() if i in ticked}
         if now is None:
             return
         line = {"v": VERSION, "epoch": self.epoch, "t": now, "gpus": {str(i): mj for i, mj in self.sums.items()},
@@ -85,8 +123,7 @@ class EnergyFeed:
         try:
             unsafe = None
             if self.failed or not self.ready:  # the folder made and judged once: no other user may swap it after
-                self.path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-                unsafe = safe_folder(self.path.parent)
+                unsafe = prepare(self.path.parent)
                 self.ready = unsafe is None
             if unsafe is None:
                 write_atomic(self.path, json.dumps(line).encode(), mode=0o644)
