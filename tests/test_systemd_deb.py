@@ -260,6 +260,8 @@ def test_serving_ready_only_when_vllm_is_healthy_and_stop_leaves_nothing(install
     assert got["proxy_health"] == "200" and got["proxy_user"] == "gpuwarden", journal
     assert got["proxy_completion"] == "1" and got["proxy_completion_without_key"] == "401"
     assert got["proxy_state"] == "1"
+    # joules per request under the unit's UMask=0077 (the re-check's N1: a 0700 folder, and no joules, silently)
+    assert got["energy_folder_mode"] == "755" and got["proxy_joules_count"] == "1.0", journal
     assert got["proxy_back"] == "200" and got["proxy_restart_logged"] == "1", journal
     assert got["state_after_proxy_kill"] == "active" and got["health_after_proxy_kill"] == "200"
     # An upgrade under a steady stream (direct and through the proxy): the same engine, proxy and daemon
