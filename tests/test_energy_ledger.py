@@ -162,6 +162,31 @@ def test_joules_given_in_flight_stay_with_a_try_sent_again_and_go_to_nobody_when
     assert ledger.apportioned["0"] == 1500 and ledger.measured["0"] == 2000 and ledger.unattributed["0"] == 500
 
 
+def test_ended_requests_are_final_in_the_order_of_their_ends_and_the_bound_takes_the_first_ended(monkeypatch):
+    """The re-check's N8: the ended requests were scanned at every end (0.9 ms an end at the bound, a feed stalled);
+    they wait in a heap by their end now. Whatever order they end in, each is final once the intervals reach its
+    end, the bound makes the first ended final (partial), and a rid that ends again is not taken by its old entry."""
+    from gpuwarden.proxy import energy
+
+    monkeypatch.setattr(energy, "MAX_DONE", 3)
+    ledger = Ledger()
+    finals = []
+    for rid, end in ((1, 5.0), (2, 2.0), (3, 4.0)):
+        finals += run(ledger, Request(rid, sent=0.5, first=0.6, end=end, prompt=1, output=1))
+    finals += ledger.add(Interval(0.0, 3.0, {"0": 300}))
+    assert [r.rid for r in finals] == [2] and set(ledger.done) == {1, 3}
+    finals += run(ledger, Request(4, sent=3.5, first=3.6, end=6.0, prompt=1, output=1))
+    finals += run(ledger, Request(5, sent=3.5, first=3.6, end=7.0, prompt=1, output=1))  # past the bound of 3
+    assert [r.rid for r in finals] == [2, 3] and finals[-1].partial and set(ledger.done) == {1, 4, 5}
+    finals += ledger.add(Interval(3.0, 6.5, {"0": 350}))
+    assert [r.rid for r in finals] == [2, 3, 1, 4] and list(ledger.done) == [5]
+    finals += run(ledger, Request(1, sent=6.6, first=6.7, end=9.0, prompt=1, output=1))  # rid 1 again, later
+    finals += ledger.add(Interval(6.5, 8.0, {"0": 150}))
+    assert [r.rid for r in finals] == [2, 3, 1, 4, 5] and list(ledger.done) == [1]
+    assert sum(ledger.measured.values()) == 800 == sum(ledger.apportioned.values()) + sum(ledger.idle.values()) + \
+        sum(ledger.unattributed.values())
+
+
 def test_the_shares_idle_and_unattributed_sum_to_the_measured_energy_exactly_over_five_minutes_of_random_work():
     rng = random.Random(56)
     ledger, finals, rid = Ledger(), [], 0
