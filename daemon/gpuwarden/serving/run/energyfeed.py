@@ -43,12 +43,17 @@ def safe_folder(folder: Path) -> str | None:
     write, and above it, every folder up to / (as resolved) root's or the daemon's, none that another may write but a
     sticky one (/tmp): else another could swap a folder on the way for a link (root would write through it) or forge
     the sums."""
+    return _own_folder(folder) or _safe_above(folder.parent)
+
+
+def _own_folder(folder: Path) -> str | None:
+    """Why folder itself is not the daemon's to write in: not a real folder, or another's, or others may write."""
     st = os.lstat(folder)
     if not stat.S_ISDIR(st.st_mode):
         return f"{folder} is not a folder"
     if st.st_uid not in (0, os.geteuid()) or st.st_mode & 0o022:
         return f"{folder} is another user's, or others may write in it"
-    return _safe_above(folder.parent)
+    return None
 
 
 def _safe_above(path: Path) -> str | None:
@@ -73,8 +78,8 @@ def prepare(folder: Path) -> str | None:
         existing = existing.parent
     if unsafe := _safe_above(existing):
         return unsafe
-    folder.mkdir(mode=0o755, parents=True, exist_ok=True)
-    if unsafe := safe_folder(folder):
+    folder.mkdir(mode=0o755, parents=True, exist_ok=True)  # what it makes above folder is the daemon's own
+    if unsafe := _own_folder(folder):
         return unsafe
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
