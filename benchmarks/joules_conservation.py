@@ -26,7 +26,6 @@ import argparse
 import http.client
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -40,7 +39,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "vllm"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tests"))
 from _common import free_port, percentile  # noqa: E402
+from harness.scrape import samples  # noqa: E402
 from restart_rig import CHILD_USER, runnable_daemon  # noqa: E402
 
 HARNESS = ROOT / "tests" / "harness"
@@ -120,16 +121,7 @@ def ask(port: int, shape: dict, cut_after: int | None, outcomes: list) -> None:
 
 def families(port: int) -> dict[str, dict[tuple[str, ...], float]]:
     """The proxy's /metrics: each family's samples by their label values."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    out: dict[str, dict[tuple[str, ...], float]] = {}
-    for line in text.splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        series, _, value = line.rpartition(" ")
-        name = series.split("{")[0]
-        labels = tuple(v for _, v in re.findall(r'(\w+)="([^"]*)"', series[len(name):]))
-        out.setdefault(name, {})[labels] = float(value)
-    return out
+    return samples(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode())
 
 
 def write_config(folder: Path, user: str, proxy_port: int) -> Path:

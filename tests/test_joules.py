@@ -369,10 +369,9 @@ def proxy_metrics(port: int) -> str:
 
 def family(text: str, name: str) -> dict[tuple[str, ...], float]:
     """A family's samples by their label values, in the order written."""
-    import re
+    from harness.scrape import samples
 
-    return {tuple(v for _, v in re.findall(r'(\w+)="([^"]*)"', line[len(name):line.index("}")])):
-            float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{")}
+    return samples(text).get(name, {})
 
 
 def ask(port: int, shape: dict, outcomes: list, cut_after: int | None = None) -> None:

@@ -87,16 +87,9 @@ def test_a_reload_fails_no_request_through_the_proxy_and_drains_what_runs_on_the
 
 
 def proxy_families(port: int) -> dict[str, dict[tuple[str, ...], float]]:
-    import re
+    from harness.scrape import samples
 
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    out: dict[str, dict[tuple[str, ...], float]] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            series, _, value = line.rpartition(" ")
-            name = series.split("{")[0]
-            out.setdefault(name, {})[tuple(re.findall(r'="([^"]*)"', series[len(name):]))] = float(value)
-    return out
+    return samples(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode())
 
 
 def joules_books(rig: Rig) -> dict:

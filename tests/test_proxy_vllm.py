@@ -98,11 +98,9 @@ def test_streams_carry_the_same_tokens_as_direct(rig, path):
 
 
 def proxy_family(rig, name: str) -> dict[tuple[str, ...], float]:
-    import re
+    from harness.scrape import samples
 
-    text = urllib.request.urlopen(rig.proxy + "/metrics", timeout=10).read().decode()
-    return {tuple(v for _, v in re.findall(r'(\w+)="([^"]*)"', line.rpartition(" ")[0][len(name):])):
-            float(line.split()[-1]) for line in text.splitlines() if line.startswith((name + "{", name + " "))}
+    return samples(urllib.request.urlopen(rig.proxy + "/metrics", timeout=10).read().decode()).get(name, {})
 
 
 def test_a_streamed_and_a_plain_completion_get_their_joules_from_vllms_usage_and_the_books_hold(rig):
