@@ -82,9 +82,13 @@ def test_bench_through_the_proxy_gives_each_steps_joules_per_request_and_straigh
     env = {**subprocess_env(), "STATE_DIRECTORY": str(tmp_path / "state")}
 
     def bench(url):
-        return subprocess.run([*gpuwarden_cmd(), "bench", "-c", str(conf), "--idle", "0", "--url", url,
-                               "--concurrency", "1,4", "--requests", "8", "--input-len", "64", "--output-len", "32",
-                               "--json"], capture_output=True, text=True, env=env, timeout=180)
+        try:
+            return subprocess.run([*gpuwarden_cmd(), "bench", "-c", str(conf), "--idle", "0", "--url", url,
+                                   "--concurrency", "1,4", "--requests", "8", "--input-len", "64", "--output-len",
+                                   "32", "--json"], capture_output=True, text=True, env=env, timeout=180)
+        except subprocess.TimeoutExpired as exc:  # what bench and the proxy said, for the hang's cause
+            raise AssertionError(f"bench's stderr: {(exc.stderr or b'')[-3000:]!r}\nthe proxy's log: "
+                                 f"{(tmp_path / 'proxy.log').read_text()[-3000:]}") from None
     try:
         wait = time.monotonic() + 60  # a bound on a hang: the proxy's start
         while True:
