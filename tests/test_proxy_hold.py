@@ -464,6 +464,23 @@ def test_an_engine_that_drops_every_request_while_healthy_gets_502_not_a_loop_of
 
 
 @pytest.mark.process
+def test_an_engine_whose_health_is_404_is_up_so_a_broken_request_holds_nothing_after_it(rig):
+    """A server with no /health of its own (Ollama; bench's fake): a request it closed unanswered is 502, as with
+    /health up, and the next request is served at once. A 404 taken as down made an end of the engine: every later
+    request was held for hold_s (bench through a proxy hung 300 s after one client left mid-answer)."""
+    engine = rig.engine("--health-status", "404")
+    proxy = rig.proxy("--hold-s", "60")
+    dropped = Call(proxy.port, b"{}", path="/drop")
+    dropped.join(10)
+    assert dropped.status == 502, (dropped.status, dropped.error, proxy.lines)
+    after = Call(proxy.port, b"{}", timeout=20)
+    after.join(25)
+    assert after.status == 200 and json.loads(after.data)["echo_bytes"] == 2, (after.status, after.error, proxy.lines)
+    assert not lines(proxy, "holding requests") and held_now(proxy) == 0, proxy.lines
+    assert metric(proxy, "gpuwarden_proxy_engine_ends_total") == 0, proxy.lines  # no end counted
+
+
+@pytest.mark.process
 def test_the_words_repeat_settles_two_that_came_together_in_either_order(rig):
     """The last word of health and a stop's word pending at once are handled in no set order; the daemon repeats
     the standing word a tick later (serving/run/fronts.py), and that one settles it: new requests are held."""

@@ -280,7 +280,7 @@ def test_a_planned_stops_hold_ends_only_once_the_engine_was_seen_down_never_on_a
 
 def test_a_look_at_health_answers_true_false_or_none_for_no_answer_in_time(monkeypatch):
     """server.answers on real sockets of this process: a listener that never answers is None within LOOK_S, a port
-    nobody listens on is False, a 200 is True."""
+    nobody listens on is False, a 200 or a 4xx is True, a 5xx False."""
     from aiohttp import web
 
     from gpuwarden.proxy import server
@@ -294,7 +294,7 @@ def test_a_look_at_health_answers_true_false_or_none_for_no_answer_in_time(monke
         closed = socket.socket()
         closed.bind(("127.0.0.1", 0))  # bound, not listening: refused
         async def health(request):
-            return web.Response(text="")
+            return web.Response(text="", status=int(request.query.get("status", "200")))
 
         app = web.Application()
         app.router.add_get("/health", health)
@@ -308,6 +308,11 @@ def test_a_look_at_health_answers_true_false_or_none_for_no_answer_in_time(monke
             assert await server.answers(session, f"http://127.0.0.1:{mute.getsockname()[1]}/health") is None
             assert await server.answers(session, f"http://127.0.0.1:{closed.getsockname()[1]}/health") is False
             assert await server.answers(session, f"http://127.0.0.1:{port}/health") is True
+            # a 4xx answers: a server with no /health of its own (404), or one behind a key (401); a 5xx is down
+            assert await server.answers(session, f"http://127.0.0.1:{port}/nothing") is True
+            assert await server.answers(session, f"http://127.0.0.1:{port}/health?status=401") is True
+            for status in (500, 503):
+                assert await server.answers(session, f"http://127.0.0.1:{port}/health?status={status}") is False
         finally:
             await session.close()
             await runner.cleanup()

@@ -1,6 +1,6 @@
 """A fake engine behind the proxy, as a real process: it records what reached it and streams back.
 
-    python3 tests/harness/fake_upstream.py --port P [--chunk-delay S] [--unready] [--rcvbuf BYTES]
+    python3 tests/harness/fake_upstream.py --port P [--chunk-delay S] [--unready] [--health-status N] [--rcvbuf BYTES]
 
 POST any path: the raw body and headers are kept for GET /debug/last. A JSON body with "stream": true gets
 SSE events (a text delta, a tool-call delta, then [DONE]; "chunks": N for N of them) --chunk-delay apart, or with
@@ -11,7 +11,7 @@ closes the connection unanswered, POST /slow?s=N answers after N seconds or ends
 its body nor answers. A request
 with an X-Reply-Hop header gets a reply whose Connection header names a hop-by-hop header of its own (X-Up-Hop).
 GET /v1/models lists one model; GET /metrics has vLLM's prefix-cache counters; GET /debug/open counts streams open
-now. GET /health answers 200; with --unready it and every request answer 503, as a vLLM starting or draining does,
+now. GET /health answers 200 (--health-status N: N, as 404 from a server with no /health of its own); with --unready it and every request answer 503, as a vLLM starting or draining does,
 until POST /debug/ready (the test, not the clock, says when it is ready: a busy box cannot reorder it).
 """
 
@@ -49,7 +49,7 @@ def make_app(args) -> web.Application:
         return await handler(request)
 
     async def health(request):
-        return web.Response(text="")
+        return web.Response(text="", status=args.health_status)
 
     async def record(request):
         if request.path == "/deaf":  # takes a request and never reads its body, nor answers, until it stops
@@ -137,6 +137,7 @@ if __name__ == "__main__":
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--chunk-delay", type=float, default=0.05)
     parser.add_argument("--unready", action="store_true")
+    parser.add_argument("--health-status", type=int, default=200, help="GET /health's status")
     parser.add_argument("--rcvbuf", type=int, default=0, help="SO_RCVBUF of its connections (0: the kernel's)")
     args = parser.parse_args()
 

@@ -10,7 +10,7 @@ only then does the process end. So after a failed answer, or any request that di
 client left mid-answer, before the error event was read; the engine broke it off, or closed it unanswered while its
 /health still answered, a moment before it ended) (casualties.failed: a 5xx but 503, or a stream ending in an
 error) the engine's /health is looked at every HEALTH_EVERY_S, the shared look (look.py), while the answer is
-within END_AFTER_5XX_S: refused, or answered other than 200 (vLLM says 503 once its engine is dead), it is an end,
+within END_AFTER_5XX_S: refused, or answered 5xx (vLLM says 503 once its engine is dead), it is an end,
 and the request is in flight at it. A look with no answer in time is no end (look.HealthLook.ended). The daemon does
 not tell the proxy of an end it restarts from (DOWN_SIGNAL is only FATAL or HELD), so the
 proxy looks itself; one watcher at a time, whatever the crowd.
@@ -77,7 +77,7 @@ class Ends:
             if self.hold.planned:  # the daemon's word came meanwhile: this end is a planned stop's
                 self.casualties.forget_answers()
                 return
-            if answered is False:  # refused, closed or not 200: an end (no answer in time is none: look.py)
+            if answered is False:  # refused, closed or 5xx: an end (no answer in time is none: look.py)
                 self.casualties.engine_seen_down()
                 return
             if answered:

@@ -58,8 +58,8 @@ WAKE_AGAIN_S = 5.0  # a rest's word that a request came, said again at most this
 class Hold:
     def __init__(self, hold_s: float, hold_max: int, engine_answers: Callable[[], Awaitable[bool | None]],
                  held_seconds: Histogram, clock=time.monotonic):
-        """engine_answers: whether the engine's /health answers 200 now, within a short deadline (None: it did not
-        answer in time; server.answers)."""
+        """engine_answers: whether the engine's /health says it is up now, within a short deadline (None: it did
+        not answer in time; server.answers)."""
         self.hold_s, self.hold_max, self.engine_answers = hold_s, hold_max, engine_answers
         self.held_seconds, self.clock = held_seconds, clock
         self.waiting: dict[asyncio.Future, web.BaseRequest] = {}
@@ -255,7 +255,7 @@ class Hold:
                     continue  # the old engine still drains
                 self._lapse()
                 return
-            # Only a refusal, a close or a status not 200 is the engine seen down: a look with no answer in time is no
+            # Only a refusal, a close or a 5xx is the engine seen down: a look with no answer in time is no
             # verdict (a busy box timed one out while the old engine drained, and the next 200, the draining engine's,
             # then ended the planned stop's hold: its held requests went to the engine that was stopping).
             self._seen_down = self._seen_down or answers is False

@@ -15,8 +15,8 @@ HEALTH_EVERY_S = 0.5
 
 class HealthLook:
     def __init__(self, engine_answers: Callable[[], Awaitable[bool | None]], clock=time.monotonic):
-        """engine_answers: whether the engine's /health answers 200 now, within a short deadline (None: it did not
-        answer in time; server.answers)."""
+        """engine_answers: whether the engine's /health says it is up now, within a short deadline (None: it did
+        not answer in time; server.answers)."""
         self.engine_answers, self.clock = engine_answers, clock
         self._probe: asyncio.Future | None = None  # the look under way or last, shared by every asker
         self._probed_at = 0.0
@@ -36,7 +36,7 @@ class HealthLook:
 
     async def ended(self, since: float) -> bool:
         """Whether the engine is gone (an end, for the book of ends: casualties.py): a look begun at since or later
-        was refused, closed unanswered, or answered other than 200 (vLLM's /health says 503 once its engine died).
+        was refused, closed unanswered, or answered 5xx (vLLM's /health says 503 once its engine died).
         A look with no answer in time is no verdict, and no end: an engine busy with a crowd, or a pool of
         connections to it that clients fill, must not make the proxy count ends that never were (ends from
         timed-out looks would put the brake on for everyone)."""

@@ -204,12 +204,15 @@ def engine_session(limit: int, read_timeout_s: float, uid: int | None,
 
 
 async def answers(session: aiohttp.ClientSession, url: str) -> bool | None:
-    """Whether the engine's /health answers 200 now (hold.py's one watcher asks, every half second): True; False:
-    it answered otherwise, or refused or closed the connection; None: no answer within LOOK_S (a busy engine, or a
-    frozen one: the daemon's stall check judges those), which is no end of it (look.HealthLook.ended)."""
+    """Whether the engine's /health says it is up now (hold.py's one watcher asks, every half second): True; False:
+    it answered 5xx (vLLM's 503 once its engine died), or refused or closed the connection; None: no answer within
+    LOOK_S (a busy engine, or a frozen one: the daemon's stall check judges those), which is no end of it
+    (look.HealthLook.ended). A 4xx is up: the server answers, and has no /health of its own (404: an
+    OpenAI-compatible server that is not vLLM, such as Ollama) or keeps it behind a key (401); taken as down, one
+    client that left mid-answer made an end of it, and every later request was held for hold_s."""
     try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=LOOK_S)) as reply:
-            return reply.status == 200
+            return reply.status < 500
     except asyncio.TimeoutError:  # before ClientError: aiohttp's timeouts are both
         return None
     except (aiohttp.ClientError, OSError) as exc:
