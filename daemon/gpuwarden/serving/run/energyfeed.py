@@ -71,15 +71,17 @@ def _safe_above(path: Path) -> str | None:
 
 def prepare(folder: Path) -> str | None:
     """Make the feed's folder, judged before and after: what is above it first (no mkdir through another's link),
-    then the folder itself, readable by the proxy's user whatever the daemon's umask (the unit's UMask=0077 made it
-    0700: the proxy read nothing). Why not, or None."""
+    then, once made, the folder and every one above it again: in a sticky folder such as /tmp another user may make
+    a missing part between the look and the mkdir, and root's folder would then sit in theirs (a run outside systemd,
+    whose RuntimeDirectory= is made before the daemon starts). Readable by the proxy's user whatever the daemon's umask
+    (the unit's UMask=0077 made it 0700: the proxy read nothing). Why not, or None."""
     existing = folder.parent
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if unsafe := _safe_above(existing):
         return unsafe
-    folder.mkdir(mode=0o755, parents=True, exist_ok=True)  # what it makes above folder is the daemon's own
-    if unsafe := _own_folder(folder):
+    folder.mkdir(mode=0o755, parents=True, exist_ok=True)
+    if unsafe := safe_folder(folder):
         return unsafe
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
