@@ -40,6 +40,18 @@ def test_a_steps_quantiles_come_from_the_difference_of_two_readings():
     assert step_joules(None, after) == {}
 
 
+def test_a_step_whose_joules_are_not_bench_s_alone_says_why():
+    """Attacker 51's finding 6: the histogram is the whole proxy's, and a settle that ran out was silent."""
+    from gpuwarden.bench.joules import doubts
+
+    settled = {"pending": 0.0}
+    assert doubts({"concurrency": 4, "ok": 8, "joules_requests": 8}, settled) == []
+    assert doubts({"concurrency": 4, "ok": 8}, None) == []  # straight to the engine: said once elsewhere
+    late, other = doubts({"concurrency": 4, "ok": 8, "joules_requests": 11}, {"pending": 2.0})
+    assert late.startswith("step at concurrency 4: the proxy still had 2 requests without their final joules")
+    assert "gave joules to 11 requests, 8 of bench's succeeded" in other
+
+
 def test_quantile_reads_buckets_as_prometheus_does():
     assert quantile({1.0: 0, 2.0: 10, math.inf: 10}, 0.5) == pytest.approx(1.5)
     assert quantile({1.0: 5, math.inf: 10}, 0.9) == 1.0  # past the last finite bucket: its bound
@@ -105,7 +117,7 @@ def test_bench_through_the_proxy_gives_each_steps_joules_per_request_and_straigh
             assert step["joules_requests"] == step["requests"] == 8, step
             assert 0 < step["joules_per_request_p50"] <= step["joules_per_request_p90"] <= step["joules_per_request_p99"]
             assert step["joules_per_request_mean"] > 0
-        assert not any("no joules per request" in n for n in result["notes"])
+        assert not any("no joules per request" in n or "concurrency" in n for n in result["notes"]), result["notes"]
         direct = bench(fake.url)
         assert direct.returncode == 0, direct.stderr
         notes = json.loads(direct.stdout)["notes"]

@@ -207,32 +207,54 @@ def test_a_feed_that_is_a_fifo_a_link_or_too_big_is_no_reading_and_never_waits(t
 
 @pytest.mark.parametrize("tail,streaming,events,sent,body,expect", [
     (b'{"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 40, "total_tokens": 52}}', False, 0, 500,
-     100, (12, 40, False)),
+     100, (12, 40, False, False)),
     (b'data: {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3}}\n\ndata: [DONE]\n\n', True, 4,
-     400, 80, (9, 3, False)),
-    (b'{"choices": [{"text": "hi"}]}', False, 0, 400, 120, (30, 100, True)),  # no usage: the bytes over 4
-    (b'data: {"choices": []}\n\ndata: [DONE]\n\n', True, 7, 900, 40, (10, 6, True)),  # a stream's events, less one
-    (b'{"usage": {"prompt_tokens": 99999999, "completion_tokens": 2}}', False, 0, 400, 100, (25, 100, True)),
-    (b'{"usage": {"prompt_tokens": 5, "completion_tokens": 5000}}', False, 0, 400, 100, (25, 100, True)),  # a lie
-    (b'{"usage": {"prompt_tokens": "5", "completion_tokens": 1}}', False, 0, 400, 100, (25, 100, True)),
-    (b'{"usage": {"completion_tokens": 1}}', False, 0, 400, 100, (25, 100, True)),
+     400, 80, (9, 3, False, False)),
+    (b'{"choices": [{"text": "hi"}]}', False, 0, 400, 120, (30, 100, True, False)),  # no usage: the bytes over 4
+    (b'data: {"choices": []}\n\ndata: [DONE]\n\n', True, 7, 900, 40, (10, 6, True, False)),  # a stream's events, less one
+    # past TOKENS_MAX: no count, the estimate
+    (b'{"usage": {"prompt_tokens": 99999999, "completion_tokens": 2}}', False, 0, 400, 100, (25, 100, True, False)),
+    # more than the bytes could carry: taken, and said (attacker 51's finding 2: an image's prompt tokens, a
+    # reasoning model's thinking not sent back; the estimate in their place gave them a fourteenth of their joules)
+    (b'{"usage": {"prompt_tokens": 5, "completion_tokens": 5000}}', False, 0, 400, 100, (5, 5000, False, True)),
+    (b'{"usage": {"prompt_tokens": 20000, "completion_tokens": 26}}', False, 0, 400, 100, (20000, 26, False, True)),
+    (b'{"usage": {"prompt_tokens": "5", "completion_tokens": 1}}', False, 0, 400, 100, (25, 100, True, False)),
+    (b'{"usage": {"completion_tokens": 1}}', False, 0, 400, 100, (25, 100, True, False)),
     # attacker 48's F4: vLLM's details nested in its usage, Anthropic's messages, OpenAI's responses
     (b'{"usage": {"prompt_tokens": 12, "total_tokens": 52, "completion_tokens": 40, "prompt_tokens_details": '
-     b'{"cached_tokens": 8}}}', False, 0, 500, 100, (12, 40, False)),
-    (b'{"type": "message", "usage": {"input_tokens": 21, "output_tokens": 9}}', False, 0, 300, 100, (21, 9, False)),
+     b'{"cached_tokens": 8}}}', False, 0, 500, 100, (12, 40, False, False)),
+    (b'{"type": "message", "usage": {"input_tokens": 21, "output_tokens": 9}}', False, 0, 300, 100,
+     (21, 9, False, False)),
     (b'{"object": "response", "usage": {"input_tokens": 5, "input_tokens_details": {"cached_tokens": 0}, '
-     b'"output_tokens": 30, "output_tokens_details": {"reasoning_tokens": 0}}}', False, 0, 600, 100, (5, 30, False)),
+     b'"output_tokens": 30, "output_tokens_details": {"reasoning_tokens": 0}}}', False, 0, 600, 100,
+     (5, 30, False, False)),
 ])
-def test_an_answers_tokens_are_its_usage_where_it_can_be_true_else_the_proxys_estimate(tail, streaming, events,
-                                                                                        sent, body, expect):
+def test_an_answers_tokens_are_its_usage_up_to_ten_million_else_the_proxys_estimate(tail, streaming, events, sent,
+                                                                                      body, expect):
     assert tokens_of(tail, streaming, events, sent, body) == expect
+
+
+def test_a_tail_full_of_usages_is_looked_in_at_its_last_two_only():
+    """Attacker 51's note: an engine's tail of 8 KiB of `"usage":{` made each answer's scan cost 5.5 ms."""
+    from gpuwarden.proxy import joules
+
+    flood = b'"usage":{' * 900 + b'"usage": {"prompt_tokens": 7, "completion_tokens": 3}}'
+    assert tokens_of(flood, False, 0, 10_000, 100) == (7, 3, False, False)
+
+    class Counting:  # a pattern that finds nothing and counts its looks
+        looks = 0
+
+        def search(self, *args):
+            Counting.looks += 1
+
+    assert joules._last(Counting(), flood[:-60]) is None and Counting.looks == 2  # not 900
 
 
 def test_an_anthropic_streams_prompt_tokens_come_from_its_first_event_and_its_output_from_its_last():
     head = (b'event: message_start\ndata: {"type": "message_start", "message": {"usage": {"input_tokens": 31, '
             b'"output_tokens": 1}}}\n\n')
     tail = b'event: message_delta\ndata: {"type": "message_delta", "usage": {"output_tokens": 48}}\n\n'
-    assert tokens_of(tail, True, 50, 9000, 200, head) == (31, 48, False)
+    assert tokens_of(tail, True, 50, 9000, 200, head) == (31, 48, False, False)
 
 
 def test_only_the_apis_that_make_tokens_are_weighed():
@@ -240,6 +262,9 @@ def test_only_the_apis_that_make_tokens_are_weighed():
     assert counted("POST", "/invocations") and counted("POST", "/v2/rerank")  # the re-check's N6
     assert not counted("GET", "/v1/chat/completions") and not counted("POST", "/v1/models")
     assert not counted("POST", "/tokenize")
+    # attacker 51's finding 3: SGLang serves /generate, /encode and /classify on PUT too
+    assert all(counted(m, p) for m in ("POST", "PUT") for p in ("/generate", "/encode", "/classify"))
+    assert not counted("DELETE", "/generate") and not counted("PATCH", "/v1/completions")
 
 
 def feed(path, epoch, t, sums):
@@ -289,6 +314,102 @@ def test_the_proxy_takes_each_new_reading_as_the_interval_since_the_last_and_a_n
     assert 'gpuwarden_proxy_gpu_energy_joules_total{gpu="0",to="idle"} 2.5' in text
     assert 'gpuwarden_proxy_request_joules_count{model="Qwen3-4B"} 1.0' in text
     assert 'gpuwarden_proxy_tokens_total{kind="output",model="Qwen3-4B"} 20.0' in text
+
+
+def test_a_held_try_leaves_flight_and_an_error_answer_is_no_sample_its_share_nobodys(tmp_path):
+    """Attacker 51's findings 1 and 5. A try the engine never had (refused at connect), held: out of flight, so the
+    outage's intervals are idle, and sent again it starts with nothing. An answer that is an error (400: a bad
+    request) made no tokens: no histogram sample, no line; what it was given in flight (LATE_S) goes to nobody."""
+    from gpuwarden.proxy.energy import LATE_S
+
+    path, clock = tmp_path / "feed.json", Tick()
+    registry = CollectorRegistry()
+    joules = Joules(path, "m", registry, clock)
+    feed(path, "a", 10.0, {"0": 0})
+    joules.read()
+    held = Tries(10.5)
+    joules.sent(held)
+    joules.held(held)  # refused at connect: held for the engine's return
+    feed(path, "a", 40.0, {"0": 30_000})  # 30 s of outage at 1 W
+    joules.read()
+    assert joules.ledger.idle == {"0": 30_000} and not joules.ledger.flight
+    held.sent_at = clock.t = 40.5
+    joules.sent(held)  # the engine is back: sent again
+    feed(path, "a", 41.0, {"0": 31_000})
+    joules.read()
+    clock.t = 41.0
+    joules.ended(Req(), held, 40.6, b'{"usage": {"prompt_tokens": 10, "completion_tokens": 20}}', False, 0, 300, 200)
+    bad = Tries(41.0)
+    joules.sent(bad)
+    feed(path, "a", 46.0, {"0": 31_000 + 5_000})
+    clock.t = 46.0 + LATE_S + 1
+    joules.read()  # LATE_S past the interval: the error answer, still in flight, is given its share so far
+    assert joules.ledger.flight[bad.rid].mj["0"] > 0
+    joules.ended(Req(), bad, 41.5, b'{"error": {"message": "no such model"}}', False, 0, 40, 400)
+    text = generate_latest(registry).decode()
+    assert 'gpuwarden_proxy_request_joules_count{model="m"} 1.0' in text  # the 200's alone
+    assert 'gpuwarden_proxy_request_joules_sum{model="m"} 1.0' in text  # the second after the restart, not 30 more
+    assert 'gpuwarden_proxy_gpu_energy_joules_total{gpu="0",to="nobody"} 5.0' in text  # the error's share
+    assert joules.ledger.apportioned == {"0": 1_000} and not joules.ledger.flight and not joules.ledger.done
+
+
+def test_the_proxy_takes_a_request_held_for_the_engine_out_of_flight(tmp_path):
+    """Attacker 51's finding 1, the wiring: the real proxy with no engine (its port refuses), a request held; an
+    interval read meanwhile settles at once as idle. Before, the held request stayed in flight: the interval waited
+    for it, and past LATE_S it was given the outage's energy (8,447 J after a 30 s restart against 402 J)."""
+    import asyncio
+    import socket
+
+    import aiohttp
+    from aiohttp import web
+
+    from gpuwarden.proxy import server
+    from gpuwarden.proxy.energy import Interval
+    from gpuwarden.proxy.faults import proxy_faults
+    from gpuwarden.proxy.listener import Connections
+    from gpuwarden.proxy.normalize import Rules
+
+    refused = socket.socket()
+    refused.bind(("127.0.0.1", 0))  # bound, never listening: every connect refused
+
+    async def scenario():
+        proxy = server.Proxy(f"http://127.0.0.1:{refused.getsockname()[1]}", Rules(),
+                             server.ProxyMetrics((None, None)), conns=Connections(16, 1.0, proxy_faults()),
+                             hold_s=300, engine_uid=None)
+        proxy.joules.last = ("e", proxy.hold.clock(), {"0": 0})  # as after the daemon's first reading
+        runner = web.AppRunner(proxy.app())
+        await runner.setup()
+        site = web.SockSite(runner, socket.create_server(("127.0.0.1", 0)))
+        await site.start()
+        url = f"http://127.0.0.1:{site._sock.getsockname()[1]}/v1/completions"
+        reached, wait = asyncio.Event(), proxy.hold.wait
+
+        async def held_here(*args):
+            reached.set()
+            return await wait(*args)
+
+        proxy.hold.wait = held_here
+        async with aiohttp.ClientSession() as client:
+            call = asyncio.ensure_future(client.post(url, json={"model": "m", "prompt": "hi"}))
+            await asyncio.wait_for(reached.wait(), 60)  # a bound on a hang
+            await asyncio.sleep(0)  # into the hold's own wait
+            held = len(proxy.hold.waiting)
+            now = proxy.hold.clock()
+            proxy.joules.ledger.add(Interval(now - 5, now, {"0": 7_000}), now)
+            books = (dict(proxy.joules.ledger.idle), len(proxy.joules.ledger.open), len(proxy.joules.ledger.flight))
+            proxy.hold.close()  # the held request gets its 503
+            reply = await call
+            status = reply.status
+            reply.release()
+        await runner.cleanup()
+        return held, books, status
+
+    try:
+        held, books, status = asyncio.run(scenario())
+    finally:
+        refused.close()
+    assert held == 1 and status == 503
+    assert books == ({"0": 7_000}, 0, 0), books  # settled at once, as idle: nobody in flight
 
 
 def test_without_a_reading_no_request_is_kept_and_one_no_reading_reached_is_counted_not_given_zero(tmp_path):

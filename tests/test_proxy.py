@@ -434,17 +434,20 @@ def test_dumps_are_private_bounded_and_diffable(rig, tmp_path):
 def test_the_proxy_child_command_carries_every_setting(tmp_path):
     from gpuwarden.proxy.child import proxy_argv
 
-    cfg = parse_text("serve:\n  port: 8123\n  proxy:\n    listen: '[::1]:9001'\n    date_line: true\n"
-                     "    sort_tools: false\n    remove_patterns: ['^ts=\\d+ ']\n    dump_dir: dumps\n    dump_keep: 9\n",
-                     str(tmp_path / "g.yaml"))
+    from gpuwarden.cli.registry import build_parser, find_commands
+
+    cfg = parse_text("serve:\n  port: 8123\n  model: /srv/models/-merged\n  proxy:\n    listen: '[::1]:9001'\n"
+                     "    date_line: true\n    sort_tools: false\n    remove_patterns: ['^ts=\\d+ ', '-x']\n"
+                     "    dump_dir: -dumps\n    dump_keep: 9\n", str(tmp_path / "g.yaml"))
     argv = proxy_argv(cfg)
     assert argv[1:4] == ("-m", "gpuwarden", "proxy") and argv[argv.index("-c") + 1] == "none"
-    value = {argv[i]: argv[i + 1] for i in range(4, len(argv) - 1) if argv[i].startswith("--")}
-    assert value["--upstream"] == "http://127.0.0.1:8123" and value["--listen"] == "[::1]:9001"
-    assert value["--rules"] == "billing_header,cache_control,date_line"
-    assert value["--remove-pattern"] == r"^ts=\d+ " and value["--dump-dir"] == str(tmp_path / "dumps")
-    assert value["--dump-keep"] == "9" and value["--dump-max-bytes"] == str(1 << 30)
-    assert value["--client-timeout"] == "15"
+    # as the proxy's own parser reads it: a value beginning with "-" is a value (attacker 51: the proxy did not start)
+    args = build_parser(find_commands()).parse_args(list(argv[3:]))
+    assert args.upstream == "http://127.0.0.1:8123" and args.listen == "[::1]:9001"
+    assert args.rules == "billing_header,cache_control,date_line"
+    assert args.remove_pattern == [r"^ts=\d+ ", "-x"] and str(args.dump_dir) == str(tmp_path / "-dumps")
+    assert args.dump_keep == 9 and args.dump_max_bytes == 1 << 30 and args.model == "-merged"
+    assert args.client_timeout == 15
 
 
 def test_a_proxy_only_change_restarts_the_proxy_and_leaves_the_engine(tmp_path):

@@ -75,6 +75,22 @@ def step_joules(before: dict | None, after: dict | None) -> dict:
             **{f"joules_per_request_p{round(q * 100)}": quantile(buckets, q) for q in (0.5, 0.9, 0.99)}}
 
 
+def doubts(step: dict, after: dict | None) -> list[str]:
+    """What makes a step's joules per request not bench's alone, said with the step (attacker 51): the proxy's
+    histogram is the whole proxy's, so another client's requests in the step count in it; a request still pending
+    at SETTLE_S is missing from it."""
+    said, where = [], f"step at concurrency {step['concurrency']}"
+    if after is not None and after["pending"] > 0:
+        said.append(f"{where}: the proxy still had {after['pending']:g} requests without their final joules after "
+                    f"{SETTLE_S:g} s; the step's joules per request leave them out")
+    counted = step.get("joules_requests")
+    if counted is not None and counted != step["ok"]:
+        said.append(f"{where}: the proxy gave joules to {counted} requests, {step['ok']} of bench's succeeded: "
+                    "another client's requests share the proxy, or some had no energy reading; the step's joules "
+                    "per request are the proxy's, not bench's alone")
+    return said
+
+
 async def read(session: aiohttp.ClientSession, base: str) -> dict | None:
     """The proxy's histogram now; None where the server has none (or its /metrics does not answer)."""
     try:

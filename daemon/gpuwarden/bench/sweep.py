@@ -276,7 +276,9 @@ async def run(sweep: Sweep, watch: Watch, progress: Callable[[int, int, int | No
                             activity=step_activity(gpus, step["ok"]))
                 step.update(step_energy(step, sweep.idle_w))
                 if before is not None:  # the step's requests, once the proxy has settled their joules
-                    step.update(joules.step_joules(before, await joules.settled(session, base)))
+                    after = await joules.settled(session, base)
+                    step.update(joules.step_joules(before, after))
+                    sweep.notes += joules.doubts(step, after)
                 sweep.steps.append(step)
                 if interrupted:
                     sweep.interrupted = True

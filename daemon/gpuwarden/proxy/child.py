@@ -49,14 +49,16 @@ def proxy_argv(config: Config) -> tuple[str, ...]:
             # the engine's ends are counted over the daemon's crash-loop window: fewer within it than its failures
             "--refuse-after-ends", str(p.refuse_after_ends), "--ends-window-s", f"{serve.crash_loop_window_s:g}",
             "--crash-loop-failures", str(serve.crash_loop_failures)]
+    # A value the config's author wrote goes as --flag=VALUE: one beginning with "-" (a model /srv/models/-merged, a
+    # pattern -x) would be taken for a flag, and the proxy would not start (attacker 51)
     for pattern in p.remove_patterns:
-        argv += ["--remove-pattern", pattern]
+        argv.append(f"--remove-pattern={pattern}")
     # joules per request: the daemon's file of the engine's GPUs' energy (serving/run/energyfeed.py)
-    argv += ["--energy-file", str(feed_path(*p.listen)), "--model", serve.model.rstrip("/").rsplit("/", 1)[-1]]
+    argv += [f"--energy-file={feed_path(*p.listen)}", f"--model={serve.model.rstrip('/').rsplit('/', 1)[-1]}"]
     if serve.idle is not None:  # the proxy says when the engine has had no request for this long (proxy/quiet.py)
         argv += ["--idle-after-s", f"{serve.idle.after_s:g}", "--idle-action", serve.idle.action]
     if p.dump_dir is not None:
-        argv += ["--dump-dir", str(p.dump_dir), "--dump-keep", str(p.dump_keep), "--dump-max-bytes",
+        argv += [f"--dump-dir={p.dump_dir}", "--dump-keep", str(p.dump_keep), "--dump-max-bytes",
                  str(p.dump_max_bytes)]
     return tuple(argv)
 

@@ -46,6 +46,7 @@ class Request:
     estimated: bool = False  # its tokens are the proxy's estimate (no usage, or one that could not be true)
     partial: bool = False  # part of its span had no measured energy to share (a gap, a bound crossed)
     whole: bool = False  # an answer not streamed: its first byte is its end, so all its tokens spread over its span
+    past_bytes: bool = False  # its usage says more tokens than its body and answer's bytes could carry (joules.py)
     what: str = ""  # for its log line: method, path, status
     mj: Counter = field(default_factory=Counter)  # gpu -> its share so far
 

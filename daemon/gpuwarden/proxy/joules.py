@@ -4,10 +4,16 @@
 log line a request.
 
 A request's tokens are its answer's `usage` (a stream's last event carries it where the client asked for it with
-stream_options.include_usage, or vLLM's --enable-force-include-usage). Where there is none, or it cannot be true
-(more prompt tokens than the body could hold, more output tokens than bytes sent back), the proxy's estimate:
-the body's bytes over 4 as prompt tokens, a stream's events (or a body's bytes over 4) as output tokens, marked
-estimated."""
+stream_options.include_usage, or vLLM's --enable-force-include-usage), up to TOKENS_MAX: the engine's own count of
+the work it did. Where it is more than the bytes could carry (more prompt tokens than the body could hold, more
+output tokens than bytes sent back) it is still taken, and the request is marked so: an image's tokens, or a
+reasoning model's thinking not sent back (`include_reasoning: false`), are true and larger than their bytes, and the
+proxy cannot tell them from an engine's lie (attacker 51: the byte estimate in their place gave an 8,000-token answer
+a fourteenth of its neighbour's joules). Where there is no usage, the proxy's estimate: the body's bytes over 4 as
+prompt tokens, a stream's events (or a body's bytes over 4) as output tokens, marked estimated.
+
+Only an answer the engine gave as a success (2xx) is weighed: an error answer (a bad request, an unknown model) made
+no tokens, and is no sample of what serving costs; what it was given in flight is nobody's."""
 
 from __future__ import annotations
 
@@ -38,6 +44,7 @@ SLACK_TOKENS = 8192  # a chat template's tokens beyond the body's text
 LINES_A_SECOND = 10  # the per-request lines; past that, counted and said with the next
 USAGE = re.compile(rb'"usage"\s*:\s*\{')
 USAGE_SPAN = 1024  # what follows a usage's brace is looked in: its figures and its nested details
+USAGE_LAST = 2  # the last usages of a text looked in: an engine that fills its tail with usages costs no more
 # OpenAI's chat and completions (prompt_tokens, completion_tokens), Anthropic's messages and OpenAI's responses
 # (input_tokens, output_tokens)
 PROMPT = re.compile(rb'"(?:prompt_tokens|input_tokens)"\s*:\s*(\d{1,9})\b')
@@ -50,17 +57,19 @@ UNREAD_SAY_S = 10.0  # the daemon's file unreadable this long: said once (the un
 BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10_000, 25_000, 100_000)
 
 
-# The paths whose answers are tokens the engine computed (POST): vLLM's and SGLang's OpenAI, Anthropic and native
-# APIs (vLLM's /invocations runs a completion or a chat by its body: keys.py); anything else (/v1/models, /health,
-# /tokenize) is no work to weigh.
+# The paths whose answers are tokens the engine computed: vLLM's and SGLang's OpenAI, Anthropic and native APIs
+# (vLLM's /invocations runs a completion or a chat by its body: keys.py); anything else (/v1/models, /health,
+# /tokenize) is no work to weigh. POST, and PUT: SGLang serves /generate, /encode and /classify on both
+# (sglang/srt/entrypoints/http_server.py), and a request not counted took its neighbours' joules (attacker 51).
 COUNTED = frozenset(("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses", "/v1/embeddings",
-                     "/v1/rerank", "/rerank", "/v1/score", "/score", "/pooling", "/classify", "/generate",
+                     "/v1/rerank", "/rerank", "/v1/score", "/score", "/pooling", "/classify", "/generate", "/encode",
                      "/v1/audio/transcriptions", "/v1/audio/translations", "/inference/v1/generate",
                      "/invocations", "/v2/rerank"))
+METHODS = frozenset(("POST", "PUT"))
 
 
 def counted(method: str, path: str) -> bool:
-    return method == "POST" and path in COUNTED
+    return method in METHODS and path in COUNTED
 
 
 def read_feed(path: Path) -> tuple[str, float, dict[str, int], bool] | None:
@@ -82,24 +91,23 @@ def read_feed(path: Path) -> tuple[str, float, dict[str, int], bool] | None:
 
 
 def _last(pattern: re.Pattern, *texts: bytes) -> int | None:
-    """The figure in the last usage that has one, the later text first."""
+    """The figure in the last usage that has one, among each text's last USAGE_LAST, the later text first."""
     for text in reversed(texts):
-        for start in reversed([m.end() for m in USAGE.finditer(text)]):
+        for start in [m.end() for m in USAGE.finditer(text)][:-USAGE_LAST - 1:-1]:
             if found := pattern.search(text, start, start + USAGE_SPAN):
                 return int(found.group(1))
     return None
 
 
 def tokens_of(tail: bytes, streaming: bool, events: int, sent: int, body: int,
-              head: bytes = b"") -> tuple[int, int, bool]:
-    """(prompt tokens, output tokens, estimated) of an answer: its usage where there is one that can be true (head:
-    a stream's first bytes, where its first event may say its prompt's)."""
-    guess = (body // 4, max(0, events - 1) if streaming else sent // 4)
+              head: bytes = b"") -> tuple[int, int, bool, bool]:
+    """(prompt tokens, output tokens, estimated, past its bytes) of an answer: its usage where it has one within
+    TOKENS_MAX (head: a stream's first bytes, where its first event may say its prompt's), else the estimate; past
+    its bytes: the usage says more than the body and the answer's bytes could carry."""
     prompt, output = _last(PROMPT, head, tail), _last(OUTPUT, head, tail)
-    if prompt is None or output is None or prompt > min(TOKENS_MAX, body + SLACK_TOKENS) or output > min(
-            TOKENS_MAX, sent):
-        return *guess, True
-    return prompt, output, False
+    if prompt is None or output is None or prompt > TOKENS_MAX or output > TOKENS_MAX:
+        return body // 4, max(0, events - 1) if streaming else sent // 4, True, False
+    return prompt, output, False, prompt > body + SLACK_TOKENS or output > sent
 
 
 class Joules:
@@ -121,7 +129,11 @@ class Joules:
                               "output): gpuwarden_proxy_request_joules_sum over the output ones is joules per output "
                               "token", ["model", "kind"], registry=registry)
         self.estimated = Counted("gpuwarden_proxy_requests_estimated", "Requests given joules by the proxy's estimate "
-                                 "of their tokens (no usage in the answer, or one that could not be true)", ["model"],
+                                 "of their tokens (no usage in the answer, or one past 10 million tokens)", ["model"],
+                                 registry=registry)
+        self.unchecked = Counted("gpuwarden_proxy_requests_usage_past_bytes", "Requests given joules by a usage that "
+                                 "says more tokens than their body and answer's bytes could carry: an image's tokens, "
+                                 "a reasoning model's thinking not sent back, or an engine that miscounts", ["model"],
                                  registry=registry)
         registry.register(self)
         self._unread_since: float | None = None  # the first of the reads that found no reading, since the last one did
@@ -182,16 +194,27 @@ class Joules:
             self.ledger.forget(tries.rid)
             self._final(self.ledger.expire(self.clock()))
 
+    def held(self, tries) -> None:
+        """A try the engine never had (refused at connect, or answered 503 while it was down), held for the engine's
+        return: out of flight until it is sent again, so that the outage's energy is idle, not its (attacker 51: a
+        request held through a 30 s restart took the restart's 8,447 J against 402 J with the engine up)."""
+        if tries.rid:
+            self.ledger.forget(tries.rid)
+
     def ended(self, request, tries, first_at: float | None, tail: bytes, streaming: bool, events: int, sent: int,
               status: int, head: bytes = b"") -> None:
         tries.answered = True
         if not tries.rid:
             return
+        if not 200 <= status < 300:  # an error answer made no tokens: no joules, no sample (what it had is nobody's)
+            self.ledger.forget(tries.rid)
+            self._final(self.ledger.expire(self.clock()))
+            return
         end = self.clock()
-        prompt, output, estimated = tokens_of(tail, streaming, events, sent, tries.body_bytes, head)
+        prompt, output, estimated, past = tokens_of(tail, streaming, events, sent, tries.body_bytes, head)
         record = Request(tries.rid, tries.sent_at, first_at if first_at is not None else end, end, prompt, output,
                          estimated, what=f"{visible(request.method[:16])} {visible(request.path[:200])} {status}",
-                         whole=not streaming)
+                         whole=not streaming, past_bytes=past)
         self._final(self.ledger.end(record))
 
     # -- the daemon's readings ---------------------------------------------------------------------------------
@@ -253,6 +276,8 @@ class Joules:
             self.tokens.labels(self.model, "output").inc(r.output)
             if r.estimated:
                 self.estimated.labels(self.model).inc()
+            if r.past_bytes:
+                self.unchecked.labels(self.model).inc()
             self._line(r)
 
     def _line(self, r: Request) -> None:
@@ -262,7 +287,8 @@ class Joules:
             self._unsaid += 1
             return
         self._said = (now, said + 1 if now == second else 1)
-        notes = [n for n, on in (("tokens estimated", r.estimated), ("partial", r.partial)) if on]
+        notes = [n for n, on in (("tokens estimated", r.estimated), ("partial", r.partial),
+                                 ("usage past its bytes", r.past_bytes)) if on]
         more = f" (+{self._unsaid} requests not logged)" if self._unsaid else ""
         self._unsaid = 0
         log.info("proxy: %s: %d prompt + %d output tokens, joules=%.2f%s%s", r.what or "a request",

@@ -423,6 +423,7 @@ class Proxy:
                 return self._refuse(request, label, 503, "not_held_keyless", "the engine is not up; a request "
                                     "without the engine's API key is not held: retry later")
             first_held = time.monotonic() if first_held is None else first_held
+            self.joules.held(tries)  # the engine never had it: the outage's energy is not its
             try:
                 await self.hold.wait(request, first_held)
             except Refusal as exc:
