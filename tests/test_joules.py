@@ -208,8 +208,9 @@ def test_a_feed_that_is_a_fifo_a_link_or_too_big_is_no_reading_and_never_waits(t
 @pytest.mark.parametrize("tail,streaming,events,sent,body,expect", [
     (b'{"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 40, "total_tokens": 52}}', False, 0, 500,
      100, (12, 40, False, False)),
-    (b'data: {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3}}\n\ndata: [DONE]\n\n', True, 4,
-     400, 80, (9, 3, False, False)),
+    # a stream's tail begins mid-event (400 bytes sent, fewer kept): its first line is no event
+    (b'"x"}]}\n\ndata: {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 3}}\n\ndata: [DONE]\n\n',
+     True, 4, 400, 80, (9, 3, False, False)),
     (b'{"choices": [{"text": "hi"}]}', False, 0, 400, 120, (30, 100, True, False)),  # no usage: the bytes over 4
     (b'data: {"choices": []}\n\ndata: [DONE]\n\n', True, 7, 900, 40, (10, 6, True, False)),  # a stream's events, less one
     # past TOKENS_MAX: no count, the estimate
@@ -234,20 +235,40 @@ def test_an_answers_tokens_are_its_usage_up_to_ten_million_else_the_proxys_estim
     assert tokens_of(tail, streaming, events, sent, body) == expect
 
 
-def test_a_tail_full_of_usages_is_looked_in_at_its_last_two_only():
+def test_a_tail_full_of_usages_is_looked_in_at_its_last_two_only(monkeypatch):
     """Attacker 51's note: an engine's tail of 8 KiB of `"usage":{` made each answer's scan cost 5.5 ms."""
     from gpuwarden.proxy import joules
 
-    flood = b'"usage":{' * 900 + b'"usage": {"prompt_tokens": 7, "completion_tokens": 3}}'
+    flood = b'{"a": [' + b'{"usage":{}},' * 600 + b'1], "usage": {"prompt_tokens": 7, "completion_tokens": 3}}'
     assert tokens_of(flood, False, 0, 10_000, 100) == (7, 3, False, False)
+    decodes = []
 
-    class Counting:  # a pattern that finds nothing and counts its looks
-        looks = 0
+    class Counting(json.JSONDecoder):
+        def raw_decode(self, *args):
+            decodes.append(args)
+            return super().raw_decode(*args)
 
-        def search(self, *args):
-            Counting.looks += 1
+    monkeypatch.setattr(joules, "_DECODER", Counting())
+    nested = b'{"a": [' + b'{"usage":{}},' * 600 + b'1]}'  # none its own: each nested
+    assert tokens_of(nested[-8192:], False, 0, 10_000, 100)[2] is True and len(decodes) == 2  # not 600
 
-    assert joules._last(Counting(), flood[:-60]) is None and Counting.looks == 2  # not 900
+
+def test_a_usage_the_client_wrote_into_what_the_answer_echoes_is_never_read():
+    """The re-check's N1: the responses API echoes the client's `tools` (and more) into its answer; a usage written
+    there, found by a search of the bytes, was taken: 0 J, or nearly all its neighbour's. Only the engine's own
+    places count: the answer's own `usage`, an event's, `response.usage`, `message.usage`."""
+    fake = b'"tools": [{"type": "function", "parameters": {"usage": {"input_tokens": 9999999, "output_tokens": 9999999}}}]'
+    # non-streamed: a nested usage after the real one, or no real one at all
+    body = b'{"object": "response", "usage": {"input_tokens": 10, "output_tokens": 30}, ' + fake + b'}'
+    assert tokens_of(body, False, 0, 600, 100) == (10, 30, False, False)
+    assert tokens_of(b'{"object": "response", ' + fake + b', "status": "incomplete"}', False, 0, 600, 100)[2] is True
+    # streamed: response.created echoes the tools; the client left before response.completed
+    head = b'event: response.created\ndata: {"type": "response.created", "response": {"usage": null, ' + fake + b'}}\n\n'
+    tail = b'event: response.output_text.done\ndata: {"type": "response.output_text.done", "text": "hi"}\n\n'
+    assert tokens_of(tail, True, 5, 900, 100, head) == (25, 4, True, False)
+    done = (b'event: response.completed\ndata: {"type": "response.completed", "response": {"usage": {"input_tokens": 12,'
+            b' "output_tokens": 40}, ' + fake + b'}}\n\n')
+    assert tokens_of(tail + done, True, 6, 900, 100, head) == (12, 40, False, False)
 
 
 def test_an_anthropic_streams_prompt_tokens_come_from_its_first_event_and_its_output_from_its_last():
@@ -319,7 +340,7 @@ def test_the_proxy_takes_each_new_reading_as_the_interval_since_the_last_and_a_n
 def test_a_held_try_leaves_flight_and_an_error_answer_is_no_sample_its_share_nobodys(tmp_path):
     """Attacker 51's findings 1 and 5. A try the engine never had (refused at connect), held: out of flight, so the
     outage's intervals are idle, and sent again it starts with nothing. An answer that is an error (400: a bad
-    request) made no tokens: no histogram sample, no line; what it was given in flight (LATE_S) goes to nobody."""
+    request) is no histogram sample and has no line; its share, in flight (LATE_S) and to its end, goes to nobody."""
     from gpuwarden.proxy.energy import LATE_S
 
     path, clock = tmp_path / "feed.json", Tick()
@@ -346,11 +367,49 @@ def test_a_held_try_leaves_flight_and_an_error_answer_is_no_sample_its_share_nob
     joules.read()  # LATE_S past the interval: the error answer, still in flight, is given its share so far
     assert joules.ledger.flight[bad.rid].mj["0"] > 0
     joules.ended(Req(), bad, 41.5, b'{"error": {"message": "no such model"}}', False, 0, 40, 400)
+    feed(path, "a", clock.t + 1, {"0": 36_000 + 12_000})  # up to past its end: it is weighed, alone, over its span
+    joules.read()
     text = generate_latest(registry).decode()
     assert 'gpuwarden_proxy_request_joules_count{model="m"} 1.0' in text  # the 200's alone
     assert 'gpuwarden_proxy_request_joules_sum{model="m"} 1.0' in text  # the second after the restart, not 30 more
-    assert 'gpuwarden_proxy_gpu_energy_joules_total{gpu="0",to="nobody"} 5.0' in text  # the error's share
+    # the error answer's share, in flight and to its end, is nobody's: not its neighbours', not idle
+    assert 'gpuwarden_proxy_gpu_energy_joules_total{gpu="0",to="nobody"} 17.0' in text
     assert joules.ledger.apportioned == {"0": 1_000} and not joules.ledger.flight and not joules.ledger.done
+
+
+@pytest.mark.parametrize("how", ["client left", "500", "204", "error event"])
+def test_a_request_the_engine_ran_that_is_no_sample_is_weighed_and_its_share_is_nobodys(tmp_path, how):
+    """The re-check's N2 and N4: a request whose client left before its answer, or whose answer is no success (a
+    500; a 204 with no bytes; a 200 stream that ended in an error event), was taken out of the ledger, and the
+    request beside it over the same span paid for it too. It is weighed like any, its share to nobody."""
+    path, clock = tmp_path / "feed.json", Tick()
+    registry = CollectorRegistry()
+    joules = Joules(path, "m", registry, clock)
+    feed(path, "a", 10.0, {"0": 0})
+    joules.read()
+    # 200 tokens each over the same span: the error event's stream has 2 output tokens (3 events) and 198 prompt
+    good, other = Tries(10.0, body_bytes=400), Tries(10.0, body_bytes=792 if how == "error event" else 800)
+    joules.sent(good)
+    joules.sent(other)
+    clock.t = 12.0
+    joules.ended(Req(), good, 11.0, b'{"usage": {"prompt_tokens": 100, "completion_tokens": 100}}', False, 0, 900, 200)
+    usage = b'{"usage": {"prompt_tokens": 150, "completion_tokens": 50}}'
+    if how == "client left":
+        joules.gone(other)  # its prompt estimated: 800 bytes over 4, over its span
+    elif how == "500":
+        joules.ended(Req(), other, 12.0, usage, False, 0, 900, 500)
+    elif how == "204":
+        joules.ended(Req(), other, 12.0, usage, False, 0, 0, 204)
+    else:
+        joules.ended(Req(), other, 11.0, b'data: {"error": {"message": "engine dead", "code": 500}}\n\ndata: [DONE]'
+                     b'\n\n', True, 3, 900, 200)
+    feed(path, "a", 12.0, {"0": 2_000})
+    joules.read()
+    text = generate_latest(registry).decode()
+    assert 'gpuwarden_proxy_request_joules_count{model="m"} 1.0' in text
+    assert joules.ledger.apportioned == {"0": 1_000}, joules.ledger.apportioned  # 200 tokens each: half each
+    assert joules.ledger.unattributed == {"0": 1_000} and joules.ledger.measured == {"0": 2_000}
+    assert not joules.ledger.flight and not joules.ledger.done
 
 
 def test_the_proxy_takes_a_request_held_for_the_engine_out_of_flight(tmp_path):

@@ -200,8 +200,10 @@ def test_config_section_is_validated_with_file_and_line(tmp_path):
 
     with pytest.raises(InvalidConfig) as caught:
         parse_text("serve:\n  enabled: true\n  model: /m\n  proxy:\n    enabled: true\n    listen: 127.0.0.1:8000\n"
-                   "    remove_patterns: ['(']\n    sort: yes\n", str(tmp_path / "g.yaml"))
+                   "    remove_patterns: ['(', '--']\n    sort: yes\n", str(tmp_path / "g.yaml"))
     text = "\n".join(str(e) for e in caught.value.errors)
+    # the re-check's N3: argparse takes "--remove-pattern=--" for the end of options, and the proxy never started
+    assert "g.yaml:7: serve.proxy.remove_patterns.1: '--' cannot reach the proxy's command line" in text
     assert "g.yaml:6: serve.proxy.listen: 127.0.0.1:8000 (the proxy) collides with serve.port 127.0.0.1:8000" in text
     assert "g.yaml:7: serve.proxy.remove_patterns.0: not a regular expression" in text
     assert "g.yaml:8: serve.proxy.sort: unknown key" in text
@@ -448,6 +450,8 @@ def test_the_proxy_child_command_carries_every_setting(tmp_path):
     assert args.remove_pattern == [r"^ts=\d+ ", "-x"] and str(args.dump_dir) == str(tmp_path / "-dumps")
     assert args.dump_keep == 9 and args.dump_max_bytes == 1 << 30 and args.model == "-merged"
     assert args.client_timeout == 15
+    dashes = proxy_argv(parse_text("serve:\n  model: /srv/models/--\n", str(tmp_path / "g.yaml")))
+    assert build_parser(find_commands()).parse_args(list(dashes[3:])).model == "/srv/models/--"  # not []
 
 
 def test_a_proxy_only_change_restarts_the_proxy_and_leaves_the_engine(tmp_path):

@@ -690,6 +690,10 @@ def _proxy_section(r: Reader, base_dir: Path) -> ProxyConfig:
                    "; the proxy takes no host name"))
         listen = d.listen
     patterns = tuple(_string_list(r, base + ("remove_patterns",), ()))
+    for index, pattern in enumerate(patterns):
+        if pattern == "--":  # argparse takes "--remove-pattern=--" for the end of options: the proxy would not start
+            r.fail(base + ("remove_patterns", str(index)), "'--' cannot reach the proxy's command line",
+                   "the same pattern written '-{2}'")
     try:
         compile_patterns(patterns)  # as the proxy compiles them (base/timedregex: each match within a time limit)
     except PatternError as exc:  # a{4294967295}, 1,000 nested groups, copies past MAX_REPEATS in all

@@ -47,6 +47,9 @@ class Request:
     partial: bool = False  # part of its span had no measured energy to share (a gap, a bound crossed)
     whole: bool = False  # an answer not streamed: its first byte is its end, so all its tokens spread over its span
     past_bytes: bool = False  # its usage says more tokens than its body and answer's bytes could carry (joules.py)
+    # weighed over its span like any, but its share is nobody's and it is no sample: an error answer, a stream that
+    # ended in an error event, one whose client left before any answer (the engine ran it: its neighbours must not pay)
+    unsampled: bool = False
     what: str = ""  # for its log line: method, path, status
     mj: Counter = field(default_factory=Counter)  # gpu -> its share so far
 
@@ -114,6 +117,12 @@ class Ledger:
         while in flight (LATE_S) is nobody's, so that the requests' book is what the requests' joules sum to."""
         was = self.flight.pop(rid, None)
         for gpu, mj in (was.mj if was else {}).items():
+            self.apportioned[gpu] -= mj
+            self.unattributed[gpu] += mj
+
+    def disown(self, request: Request) -> None:
+        """A final request that is no sample (Request.unsampled): its share is nobody's."""
+        for gpu, mj in request.mj.items():
             self.apportioned[gpu] -= mj
             self.unattributed[gpu] += mj
 

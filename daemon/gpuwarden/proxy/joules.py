@@ -12,8 +12,9 @@ proxy cannot tell them from an engine's lie (attacker 51: the byte estimate in t
 a fourteenth of its neighbour's joules). Where there is no usage, the proxy's estimate: the body's bytes over 4 as
 prompt tokens, a stream's events (or a body's bytes over 4) as output tokens, marked estimated.
 
-Only an answer the engine gave as a success (2xx) is weighed: an error answer (a bad request, an unknown model) made
-no tokens, and is no sample of what serving costs; what it was given in flight is nobody's."""
+An answer that is no success (not 2xx, no bytes, a stream that ended in an error event) and a request whose client
+left before any answer are weighed over their span like any (the engine ran them: their neighbours must not pay for
+them), but their share is nobody's and they are no sample of what serving costs."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..base import smallfile
 from ..base.safetext import visible
+from .casualties import STREAM_ERROR
 from .energy import Interval, Ledger, Request
 
 log = logging.getLogger("gpuwarden")
@@ -42,13 +44,9 @@ TAIL_MAX = 8 * 1024  # what of an answer's end is kept to find its usage
 TOKENS_MAX = 10_000_000  # a count past this is no count
 SLACK_TOKENS = 8192  # a chat template's tokens beyond the body's text
 LINES_A_SECOND = 10  # the per-request lines; past that, counted and said with the next
-USAGE = re.compile(rb'"usage"\s*:\s*\{')
-USAGE_SPAN = 1024  # what follows a usage's brace is looked in: its figures and its nested details
-USAGE_LAST = 2  # the last usages of a text looked in: an engine that fills its tail with usages costs no more
-# OpenAI's chat and completions (prompt_tokens, completion_tokens), Anthropic's messages and OpenAI's responses
-# (input_tokens, output_tokens)
-PROMPT = re.compile(rb'"(?:prompt_tokens|input_tokens)"\s*:\s*(\d{1,9})\b')
-OUTPUT = re.compile(rb'"(?:completion_tokens|output_tokens)"\s*:\s*(\d{1,9})\b')
+TEXT_USAGE = re.compile(r'"usage"\s*:\s*\{')
+_DECODER = json.JSONDecoder()
+USAGE_LAST = 2  # the last usages of an answer's end looked at: an engine that fills its tail with usages costs no more
 HEAD_MAX = 4 * 1024  # a stream's first bytes: Anthropic's message_start carries its input_tokens
 EVENT = b"data: {"
 # No GPU draws this much: a step past it over its interval is no reading (a forged file; a GPU's absence as one step)
@@ -90,13 +88,64 @@ def read_feed(path: Path) -> tuple[str, float, dict[str, int], bool] | None:
     return (epoch, float(t), sums, bool(power)) if len(sums) == len(gpus) else None
 
 
-def _last(pattern: re.Pattern, *texts: bytes) -> int | None:
-    """The figure in the last usage that has one, among each text's last USAGE_LAST, the later text first."""
-    for text in reversed(texts):
-        for start in [m.end() for m in USAGE.finditer(text)][:-USAGE_LAST - 1:-1]:
-            if found := pattern.search(text, start, start + USAGE_SPAN):
-                return int(found.group(1))
-    return None
+def _count(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= TOKENS_MAX else None
+
+
+def _figures(usage) -> tuple[int | None, int | None]:
+    """(prompt, output) of a usage object: OpenAI's names, or Anthropic's and the responses API's."""
+    if not isinstance(usage, dict):
+        return None, None
+    prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+    return _count(prompt), _count(usage.get("completion_tokens", usage.get("output_tokens")))
+
+
+def _stream_usage(head: bytes, tail: bytes, cut: bool) -> tuple[int | None, int | None]:
+    """A stream's usage, from its events whole (each a JSON object on its `data:` line) and only where the engine
+    puts it: the event's own `usage` (OpenAI's last chunk, Anthropic's message_delta), `response.usage` (the
+    responses API's response.completed) or `message.usage` (Anthropic's message_start); a later event's figure over
+    an earlier one's. Never a search of the bytes: the responses API echoes the client's `tools` into its events,
+    and a usage written there was read (attacker 51's re-check, N1). cut: the tail begins mid-event."""
+    prompt = output = None
+    for text, partial in ((head, False), (tail, cut)):
+        lines = text.split(b"\n")[1 if partial else 0:]
+        for line in lines:
+            if not line.startswith(b"data:") or b'"usage"' not in line:
+                continue
+            try:
+                event = json.loads(line[5:])
+            except (ValueError, RecursionError):  # cut at the kept bytes' end, or not JSON
+                continue
+            if not isinstance(event, dict):
+                continue
+            for usage in (event.get("usage"), *(inner.get("usage") for key in ("response", "message")
+                                                if isinstance(inner := event.get(key), dict))):
+                p, o = _figures(usage)
+                prompt, output = p if p is not None else prompt, o if o is not None else output
+    return prompt, output
+
+
+def _body_usage(tail: bytes) -> tuple[int | None, int | None]:
+    """An answer's usage where it is a member of the answer's own object, not of one nested in it (the responses
+    API echoes the client's `tools` and more): a `"usage": {...}` among the last USAGE_LAST of the kept end whose
+    object is followed only by the top-level object's other members and its end. Past the kept end (an answer larger
+    than TAIL_MAX whose usage is not near its end): none."""
+    text = tail.decode("utf-8", "replace")
+    for match in [m for m in TEXT_USAGE.finditer(text)][:-USAGE_LAST - 1:-1]:
+        try:
+            usage, end = _DECODER.raw_decode(text, match.end() - 1)
+        except (ValueError, RecursionError):
+            continue
+        rest = text[end:].strip()
+        if rest == "}":
+            return _figures(usage)
+        if rest.startswith(","):
+            try:
+                if isinstance(json.loads("{" + rest[1:]), dict):  # the rest of one object: usage was its member
+                    return _figures(usage)
+            except (ValueError, RecursionError):
+                continue
+    return None, None
 
 
 def tokens_of(tail: bytes, streaming: bool, events: int, sent: int, body: int,
@@ -104,8 +153,11 @@ def tokens_of(tail: bytes, streaming: bool, events: int, sent: int, body: int,
     """(prompt tokens, output tokens, estimated, past its bytes) of an answer: its usage where it has one within
     TOKENS_MAX (head: a stream's first bytes, where its first event may say its prompt's), else the estimate; past
     its bytes: the usage says more than the body and the answer's bytes could carry."""
-    prompt, output = _last(PROMPT, head, tail), _last(OUTPUT, head, tail)
-    if prompt is None or output is None or prompt > TOKENS_MAX or output > TOKENS_MAX:
+    if streaming:
+        prompt, output = _stream_usage(head, tail, sent > len(tail))
+    else:
+        prompt, output = _body_usage(tail)
+    if prompt is None or output is None:
         return body // 4, max(0, events - 1) if streaming else sent // 4, True, False
     return prompt, output, False, prompt > body + SLACK_TOKENS or output > sent
 
@@ -189,10 +241,15 @@ class Joules:
             self.ledger.progress(tries.rid, first_at, max(0, events - 1))
 
     def gone(self, tries) -> None:
-        """The request's end without an answer relayed (refused, or given up held): no joules."""
+        """The request's end without an answer relayed: one at the engine when its client left is weighed over its
+        span, its prompt estimated, and its share is nobody's (Request.unsampled); one held or refused is in flight
+        no more (held) and is nothing."""
         if tries.rid and not tries.answered:
-            self.ledger.forget(tries.rid)
-            self._final(self.ledger.expire(self.clock()))
+            end = self.clock()
+            if tries.rid in self.ledger.flight:
+                self._final(self.ledger.end(Request(tries.rid, tries.sent_at, end, end, tries.body_bytes // 4, 0,
+                                                    True, whole=True, unsampled=True)))
+            self._final(self.ledger.expire(end))
 
     def held(self, tries) -> None:
         """A try the engine never had (refused at connect, or answered 503 while it was down), held for the engine's
@@ -206,15 +263,12 @@ class Joules:
         tries.answered = True
         if not tries.rid:
             return
-        if not 200 <= status < 300:  # an error answer made no tokens: no joules, no sample (what it had is nobody's)
-            self.ledger.forget(tries.rid)
-            self._final(self.ledger.expire(self.clock()))
-            return
         end = self.clock()
+        sample = 200 <= status < 300 and sent > 0 and not (streaming and STREAM_ERROR.search(tail))
         prompt, output, estimated, past = tokens_of(tail, streaming, events, sent, tries.body_bytes, head)
         record = Request(tries.rid, tries.sent_at, first_at if first_at is not None else end, end, prompt, output,
                          estimated, what=f"{visible(request.method[:16])} {visible(request.path[:200])} {status}",
-                         whole=not streaming, past_bytes=past)
+                         whole=not streaming, past_bytes=past, unsampled=not sample)
         self._final(self.ledger.end(record))
 
     # -- the daemon's readings ---------------------------------------------------------------------------------
@@ -268,6 +322,9 @@ class Joules:
 
     def _final(self, finals: list[Request]) -> None:
         for r in finals:
+            if r.unsampled:  # weighed, its share nobody's (Request.unsampled)
+                self.ledger.disown(r)
+                continue
             if r.partial and not r.mj:  # the daemon sent nothing over its life: no figure, not a zero
                 self.unmeasured += 1
                 continue
