@@ -226,6 +226,9 @@ def test_a_feed_that_is_a_fifo_a_link_or_too_big_is_no_reading_and_never_waits(t
      b'{"cached_tokens": 8}}}', False, 0, 500, 100, (12, 40, False, False)),
     (b'{"type": "message", "usage": {"input_tokens": 21, "output_tokens": 9}}', False, 0, 300, 100,
      (21, 9, False, False)),
+    # a rerank's or a score's usage has no output figure: its prompt, no output (the re-check's R5)
+    (b'{"results": [], "usage": {"total_tokens": 30}}', False, 0, 20_000, 200, (30, 0, False, False)),
+    (b'{"data": [], "usage": {"prompt_tokens": 12, "total_tokens": 12}}', False, 0, 20_000, 200, (12, 0, False, False)),
     (b'{"object": "response", "usage": {"input_tokens": 5, "input_tokens_details": {"cached_tokens": 0}, '
      b'"output_tokens": 30, "output_tokens_details": {"reasoning_tokens": 0}}}', False, 0, 600, 100,
      (5, 30, False, False)),
@@ -269,6 +272,13 @@ def test_a_usage_the_client_wrote_into_what_the_answer_echoes_is_never_read():
     done = (b'event: response.completed\ndata: {"type": "response.completed", "response": {"usage": {"input_tokens": 12,'
             b' "output_tokens": 40}, ' + fake + b'}}\n\n')
     assert tokens_of(tail + done, True, 6, 900, 100, head) == (12, 40, False, False)
+    # response.completed over the 8 KiB kept (the whole answer and the tools in it): the tail begins inside it, and
+    # its response.usage is read from its end (the re-check's R1), never the client's nested in it
+    big = (b'data: {"type": "response.completed", "response": {"output": [{"text": "' + b"word " * 3000 + b'"}], '
+           + fake + b', "usage": {"input_tokens": 900, "output_tokens": 8000}, "user": null}, "sequence_number": 9}\n\n')
+    assert tokens_of(big[-8192:], True, 3000, 40_000, 4000, head) == (900, 8000, False, False)
+    forged = big.replace(b', "usage": {"input_tokens": 900, "output_tokens": 8000}', b"")
+    assert tokens_of(forged[-8192:], True, 3000, 40_000, 4000, head)[2] is True  # the nested fake: not read
 
 
 def test_an_anthropic_streams_prompt_tokens_come_from_its_first_event_and_its_output_from_its_last():
@@ -387,8 +397,10 @@ def test_a_request_the_engine_ran_that_is_no_sample_is_weighed_and_its_share_is_
     joules = Joules(path, "m", registry, clock)
     feed(path, "a", 10.0, {"0": 0})
     joules.read()
-    # 200 tokens each over the same span: the error event's stream has 2 output tokens (3 events) and 198 prompt
-    good, other = Tries(10.0, body_bytes=400), Tries(10.0, body_bytes=792 if how == "error event" else 800)
+    # 200 tokens each over the same span: the error event's stream has 2 output tokens (3 events) and 198 prompt; the
+    # client gone has its prompt (400 bytes) and its output so far at the rate the ended had (100 in 2 s: 100; R2)
+    body = {"error event": 792, "client left": 400}.get(how, 800)
+    good, other = Tries(10.0, body_bytes=400), Tries(10.0, body_bytes=body)
     joules.sent(good)
     joules.sent(other)
     clock.t = 12.0

@@ -452,6 +452,8 @@ def test_the_proxy_child_command_carries_every_setting(tmp_path):
     assert args.client_timeout == 15
     dashes = proxy_argv(parse_text("serve:\n  model: /srv/models/--\n", str(tmp_path / "g.yaml")))
     assert build_parser(find_commands()).parse_args(list(dashes[3:])).model == "/srv/models/--"  # not []
+    bare = proxy_argv(parse_text("serve:\n  model: '--'\n", str(tmp_path / "g.yaml")))
+    assert build_parser(find_commands()).parse_args(list(bare[3:])).model == "./--"
 
 
 def test_a_proxy_only_change_restarts_the_proxy_and_leaves_the_engine(tmp_path):

@@ -56,6 +56,7 @@ def proxy_argv(config: Config) -> tuple[str, ...]:
     # joules per request: the daemon's file of the engine's GPUs' energy (serving/run/energyfeed.py)
     label = serve.model.rstrip("/").rsplit("/", 1)[-1]
     label = label if label not in ("", "--") else serve.model  # "--model=--" is the end of options to argparse
+    label = "./--" if label == "--" else label
     argv += [f"--energy-file={feed_path(*p.listen)}", f"--model={label}"]
     if serve.idle is not None:  # the proxy says when the engine has had no request for this long (proxy/quiet.py)
         argv += ["--idle-after-s", f"{serve.idle.after_s:g}", "--idle-action", serve.idle.action]

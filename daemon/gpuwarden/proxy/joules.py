@@ -92,12 +92,18 @@ def _count(value) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= TOKENS_MAX else None
 
 
+OUTPUT_KEYS = ("completion_tokens", "output_tokens")
+
+
 def _figures(usage) -> tuple[int | None, int | None]:
-    """(prompt, output) of a usage object: OpenAI's names, or Anthropic's and the responses API's."""
+    """(prompt, output) of a usage object: OpenAI's names, or Anthropic's and the responses API's. One with no output
+    figure at all (a rerank's or a score's: total_tokens, sometimes prompt_tokens) made no output: its prompt, 0."""
     if not isinstance(usage, dict):
         return None, None
+    if not any(key in usage for key in OUTPUT_KEYS):
+        return _count(usage.get("prompt_tokens", usage.get("input_tokens", usage.get("total_tokens")))), 0
     prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
-    return _count(prompt), _count(usage.get("completion_tokens", usage.get("output_tokens")))
+    return _count(prompt), _count(usage.get(OUTPUT_KEYS[0], usage.get(OUTPUT_KEYS[1])))
 
 
 def _stream_usage(head: bytes, tail: bytes, cut: bool) -> tuple[int | None, int | None]:
@@ -105,10 +111,14 @@ def _stream_usage(head: bytes, tail: bytes, cut: bool) -> tuple[int | None, int 
     puts it: the event's own `usage` (OpenAI's last chunk, Anthropic's message_delta), `response.usage` (the
     responses API's response.completed) or `message.usage` (Anthropic's message_start); a later event's figure over
     an earlier one's. Never a search of the bytes: the responses API echoes the client's `tools` into its events,
-    and a usage written there was read (attacker 51's re-check, N1). cut: the tail begins mid-event."""
+    and a usage written there was read (attacker 51's re-check, N1). cut: the tail may begin mid-event."""
     prompt = output = None
     for text, partial in ((head, False), (tail, cut)):
-        lines = text.split(b"\n")[1 if partial else 0:]
+        lines = text.split(b"\n")  # an event's JSON has no raw newline: each line is one, or the cut end of one
+        if partial and not lines[0].startswith(b"data:"):  # the end of an event over 8 KiB: the responses API's
+            # response.completed, with the whole answer and the client's tools in it, ends with response.usage
+            p, o = _closing_usage(lines[0].decode("utf-8", "replace"), 2)
+            prompt, output = p if p is not None else prompt, o if o is not None else output
         for line in lines:
             if not line.startswith(b"data:") or b'"usage"' not in line:
                 continue
@@ -125,27 +135,43 @@ def _stream_usage(head: bytes, tail: bytes, cut: bool) -> tuple[int | None, int 
     return prompt, output
 
 
-def _body_usage(tail: bytes) -> tuple[int | None, int | None]:
-    """An answer's usage where it is a member of the answer's own object, not of one nested in it (the responses
-    API echoes the client's `tools` and more): a `"usage": {...}` among the last USAGE_LAST of the kept end whose
-    object is followed only by the top-level object's other members and its end. Past the kept end (an answer larger
-    than TAIL_MAX whose usage is not near its end): none."""
-    text = tail.decode("utf-8", "replace")
+def _rest_of_object(text: str) -> int | None:
+    """The length of text's start that is the rest of an object (its other members, then its `}`); None: not so."""
+    if text.startswith("}"):
+        return 1
+    if not text.startswith(","):
+        return None
+    try:  # the same text with its comma made a brace: it parses as one object where the rest is one object's
+        return _DECODER.raw_decode("{" + text[1:])[1]
+    except (ValueError, RecursionError):
+        return None
+
+
+def _closing_usage(text: str, levels: int) -> tuple[int | None, int | None]:
+    """The usage of a JSON text's end that is a member of the object `levels` deep from the end, and of no object
+    nested deeper (the responses API echoes the client's `tools` and more): a `"usage": {...}` among the last
+    USAGE_LAST whose object is followed only by the rest of `levels` objects, then the text's end."""
     for match in [m for m in TEXT_USAGE.finditer(text)][:-USAGE_LAST - 1:-1]:
         try:
             usage, end = _DECODER.raw_decode(text, match.end() - 1)
         except (ValueError, RecursionError):
             continue
         rest = text[end:].strip()
-        if rest == "}":
-            return _figures(usage)
-        if rest.startswith(","):
-            try:
-                if isinstance(json.loads("{" + rest[1:]), dict):  # the rest of one object: usage was its member
-                    return _figures(usage)
-            except (ValueError, RecursionError):
-                continue
+        for _ in range(levels):
+            closed = _rest_of_object(rest)
+            if closed is None:
+                break
+            rest = rest[closed:].strip()
+        else:
+            if not rest:
+                return _figures(usage)
     return None, None
+
+
+def _body_usage(tail: bytes) -> tuple[int | None, int | None]:
+    """An answer's usage where it is a member of the answer's own object (past the kept end, an answer larger than
+    TAIL_MAX whose usage is not near its end: none)."""
+    return _closing_usage(tail.decode("utf-8", "replace"), 1)
 
 
 def tokens_of(tail: bytes, streaming: bool, events: int, sent: int, body: int,
@@ -246,9 +272,11 @@ class Joules:
         no more (held) and is nothing."""
         if tries.rid and not tries.answered:
             end = self.clock()
-            if tries.rid in self.ledger.flight:
-                self._final(self.ledger.end(Request(tries.rid, tries.sent_at, end, end, tries.body_bytes // 4, 0,
-                                                    True, whole=True, unsampled=True)))
+            if tries.rid in self.ledger.flight:  # its output so far at the rate ended requests had (the re-check's R2:
+                # its prompt alone, its decode was its neighbours' to pay); high or low, its share is nobody's
+                output = round(self.ledger.rate * max(0.0, end - tries.sent_at))
+                self._final(self.ledger.end(Request(tries.rid, tries.sent_at, end, end, tries.body_bytes // 4,
+                                                    output, True, whole=True, unsampled=True)))
             self._final(self.ledger.expire(end))
 
     def held(self, tries) -> None:
