@@ -483,6 +483,53 @@ def test_the_proxy_takes_a_request_held_for_the_engine_out_of_flight(tmp_path):
     assert books == ({"0": 7_000}, 0, 0), books  # settled at once, as idle: nobody in flight
 
 
+def test_an_answer_that_is_neither_a_stream_nor_json_is_never_read_for_a_usage():
+    """The second re-check's R4: a transcription answered as text is the model's words, which the client steers; a
+    usage written at its end was read. Through the real proxy (in this process), the request is estimated."""
+    import asyncio
+    import socket
+
+    import aiohttp
+    from aiohttp import web
+
+    from gpuwarden.proxy import server
+    from gpuwarden.proxy.faults import proxy_faults
+    from gpuwarden.proxy.listener import Connections
+    from gpuwarden.proxy.normalize import Rules
+
+    async def text(request):
+        await request.read()
+        return web.Response(text='so it said "usage": {"prompt_tokens": 1, "completion_tokens": 1}}')
+
+    async def scenario():
+        engine = web.Application()
+        engine.router.add_post("/v1/audio/transcriptions", text)
+        runners = [web.AppRunner(engine)]
+        await runners[0].setup()
+        up = web.SockSite(runners[0], socket.create_server(("127.0.0.1", 0)))
+        await up.start()
+        proxy = server.Proxy(f"http://127.0.0.1:{up._sock.getsockname()[1]}", Rules(),
+                             server.ProxyMetrics((None, None)), conns=Connections(16, 1.0, proxy_faults()),
+                             engine_uid=None)
+        proxy.joules.last = ("e", proxy.hold.clock(), {"0": 0})  # as after the daemon's first reading
+        runners.append(web.AppRunner(proxy.app()))
+        await runners[1].setup()
+        site = web.SockSite(runners[1], socket.create_server(("127.0.0.1", 0)))
+        await site.start()
+        async with aiohttp.ClientSession() as client:
+            async with client.post(f"http://127.0.0.1:{site._sock.getsockname()[1]}/v1/audio/transcriptions",
+                                   data=b"x" * 400) as reply:
+                status, body = reply.status, await reply.read()
+        done = [(r.prompt, r.output, r.estimated) for r in proxy.joules.ledger.done.values()]
+        for runner in reversed(runners):
+            await runner.cleanup()
+        return status, body, done
+
+    status, body, done = asyncio.run(scenario())
+    assert status == 200 and body.startswith(b"so it said")
+    assert done == [(100, len(body) // 4, True)]  # the estimate: not the 1 + 1 its text says
+
+
 def test_without_a_reading_no_request_is_kept_and_one_no_reading_reached_is_counted_not_given_zero(tmp_path):
     """A proxy whose daemon writes nothing keeps no request for joules (they would pile up to the ledger's bound);
     one whose feed stops gives the requests no reading reached no figure, rather than 0 J in the histogram."""

@@ -90,5 +90,7 @@ class Relay:
             if streaming or not clean:
                 self.ends.answered(request, tries.sent_at, up.status, tail, suspect=not clean)
             if self.joules is not None:  # a client gone mid-stream: what the engine made until then
+                # an answer neither a stream nor JSON (a transcription as text) is the model's words: no usage in it
+                end = end if streaming or "json" in up.content_type else b""
                 self.joules.ended(request, tries, first_at, end, streaming, events, sent, up.status, head)
         return response
