@@ -11,7 +11,8 @@ import urllib.request
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from gpuwarden.proxy.joules import Joules, counted, read_feed, tokens_of
+from gpuwarden.proxy.joules import Joules, counted, read_feed
+from gpuwarden.proxy.usage import tokens_of
 from gpuwarden.serving.run.energyfeed import EnergyFeed, feed_path
 from test_faults import fake, no_fakes_left  # noqa: F401 (fixtures)
 
@@ -240,7 +241,7 @@ def test_an_answers_tokens_are_its_usage_up_to_ten_million_else_the_proxys_estim
 
 def test_a_tail_full_of_usages_is_looked_in_at_its_last_two_only(monkeypatch):
     """Attacker 51's note: an engine's tail of 8 KiB of `"usage":{` made each answer's scan cost 5.5 ms."""
-    from gpuwarden.proxy import joules
+    from gpuwarden.proxy import usage
 
     flood = b'{"a": [' + b'{"usage":{}},' * 600 + b'1], "usage": {"prompt_tokens": 7, "completion_tokens": 3}}'
     assert tokens_of(flood, False, 0, 10_000, 100) == (7, 3, False, False)
@@ -251,7 +252,7 @@ def test_a_tail_full_of_usages_is_looked_in_at_its_last_two_only(monkeypatch):
             decodes.append(args)
             return super().raw_decode(*args)
 
-    monkeypatch.setattr(joules, "_DECODER", Counting())
+    monkeypatch.setattr(usage, "_DECODER", Counting())
     nested = b'{"a": [' + b'{"usage":{}},' * 600 + b'1]}'  # none its own: each nested
     assert tokens_of(nested[-8192:], False, 0, 10_000, 100)[2] is True and len(decodes) == 2  # not 600
 
