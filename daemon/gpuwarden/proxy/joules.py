@@ -26,7 +26,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..base import smallfile
 from ..base.safetext import visible
-from .casualties import STREAM_ERROR
+from .casualties import failed
 from .energy import Interval, Ledger, Request
 from .usage import tokens_of
 
@@ -180,7 +180,7 @@ class Joules:
         if not tries.rid:
             return
         end = self.clock()
-        sample = 200 <= status < 300 and sent > 0 and not (streaming and STREAM_ERROR.search(tail))
+        sample = 200 <= status < 300 and sent > 0 and not failed(status, tail)  # a 200 stream's error event: failed
         prompt, output, estimated, past = tokens_of(tail, streaming, events, sent, tries.body_bytes, head)
         record = Request(tries.rid, tries.sent_at, first_at if first_at is not None else end, end, prompt, output,
                          estimated, what=f"{visible(request.method[:16])} {visible(request.path[:200])} {status}",

@@ -44,13 +44,12 @@ def _stream_usage(head: bytes, tail: bytes, cut: bool) -> tuple[int | None, int 
     responses API's response.completed) or `message.usage` (Anthropic's message_start); a later event's figure over
     an earlier one's. Never a search of the bytes: the responses API echoes the client's `tools` into its events,
     and a usage written there was read (attacker 51's re-check, N1). cut: the tail may begin mid-event."""
-    prompt = output = None
+    found: list[tuple[int | None, int | None]] = []  # each usage's figures, in the stream's order
     for text, partial in ((head, False), (tail, cut)):
         lines = text.split(b"\n")  # an event's JSON has no raw newline: each line is one, or the cut end of one
         if partial and not lines[0].startswith(b"data:"):  # the end of an event over 8 KiB: the responses API's
             # response.completed, with the whole answer and the client's tools in it, ends with response.usage
-            p, o = _closing_usage(lines[0].decode("utf-8", "replace"), 2)
-            prompt, output = p if p is not None else prompt, o if o is not None else output
+            found.append(_closing_usage(lines[0].decode("utf-8", "replace"), 2))
         for line in lines:
             if not line.startswith(b"data:") or b'"usage"' not in line:
                 continue
@@ -58,13 +57,11 @@ def _stream_usage(head: bytes, tail: bytes, cut: bool) -> tuple[int | None, int 
                 event = json.loads(line[5:])
             except (ValueError, RecursionError):  # cut at the kept bytes' end, or not JSON
                 continue
-            if not isinstance(event, dict):
-                continue
-            for usage in (event.get("usage"), *(inner.get("usage") for key in ("response", "message")
-                                                if isinstance(inner := event.get(key), dict))):
-                p, o = _figures(usage)
-                prompt, output = p if p is not None else prompt, o if o is not None else output
-    return prompt, output
+            if isinstance(event, dict):
+                inner = [event[key] for key in ("response", "message") if isinstance(event.get(key), dict)]
+                found += [_figures(holder.get("usage")) for holder in (event, *inner)]
+    prompt = next((p for p, _ in reversed(found) if p is not None), None)
+    return prompt, next((o for _, o in reversed(found) if o is not None), None)
 
 
 def _rest_of_object(text: str) -> int | None:
