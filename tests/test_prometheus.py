@@ -103,7 +103,9 @@ def query(base, expr):
 
 
 def through_proxy(port, model):
-    """One chat request the proxy normalizes (its date line), and one body it refuses."""
+    """One chat request the proxy normalizes (its date line), and one body it refuses. Each answer read whole, as a
+    client does: one that leaves at the head is no sample of joules per request (Request.unsampled), and under load
+    the proxy may not have relayed a byte of the body before it left, so the joules row would have no series."""
     body = {"model": str(model), "max_tokens": 2, "messages": [
         {"role": "system", "content": "Today's date is 2026-11-26.\nBe brief."}, {"role": "user", "content": "the gpu"}]}
     for data, status in ((json.dumps(body).encode(), 200), (b"{not json", 400)):
@@ -111,7 +113,9 @@ def through_proxy(port, model):
                                          {"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(request, timeout=60) as reply:
-                assert reply.status == status
+                answer = json.loads(reply.read())
+            assert reply.status == status
+            assert answer["usage"]["completion_tokens"] >= 1, answer
         except urllib.error.HTTPError as exc:
             assert exc.code == status, exc.read()
 
@@ -186,10 +190,12 @@ serve:
     from test_proxy_vllm import Feed
 
     feed = Feed(tmp_path / "energy.json")
-    proxy = subprocess.Popen([*gpuwarden_cmd(), "proxy", "-c", "none", "--upstream", f"http://127.0.0.1:{engine_port}",
-                              "--listen", f"127.0.0.1:{proxy_port}", "--rules", "date_line",
-                              "--engine-user", child_user, "--energy-file", str(feed.path), "--model", "tiny"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with open(tmp_path / "proxy.log", "w") as proxy_log:  # read when the joules row has no series
+        proxy = subprocess.Popen([*gpuwarden_cmd(), "proxy", "-c", "none",
+                                  "--upstream", f"http://127.0.0.1:{engine_port}",
+                                  "--listen", f"127.0.0.1:{proxy_port}", "--rules", "date_line",
+                                  "--engine-user", child_user, "--energy-file", str(feed.path), "--model", "tiny"],
+                                 stdout=subprocess.DEVNULL, stderr=proxy_log)
     host_a = daemons(config_a)
     host_c = daemons(config_c)
     started = time.monotonic()
@@ -228,7 +234,10 @@ serve:
         d.wait_for("vLLM healthy after", timeout=VLLM_START_S)
         through_proxy(proxy_port, tiny_model)
         wait_for_series(base, 'gpuwarden_proxy_engine_prefix_cache_queries_tokens_total{job="gpuwarden-proxy"}')
-        wait_for_series(base, 'gpuwarden_proxy_request_joules_count{job="gpuwarden-proxy"}')  # settled, scraped
+        try:
+            wait_for_series(base, 'gpuwarden_proxy_request_joules_count{job="gpuwarden-proxy"}')  # settled, scraped
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; the proxy said:\n{(tmp_path / 'proxy.log').read_text()[-4000:]}") from None
         wait_for_series(base, "gpuwarden_serving_tokens_per_joule")  # two reads of the energy counters, serving
         time.sleep(3)  # two reads of vLLM's metrics make a rate; a few rule evaluations
         rules = yaml.safe_load(RULES.read_text())
