@@ -198,8 +198,8 @@ def test_a_503_from_an_engine_whose_health_answers_passes_through_at_once(rig):
     proxy = rig.proxy("--hold-s", "60")
     for _ in range(3):
         call = Call(proxy.port, b"{}", path="/busy")
-        call.join(5)
-        assert call.status == 503 and call.retry_after == "7" and call.took < 3  # the engine's own answer
+        call.join(60)  # a bound on a hang; held, it would end at hold_s with the proxy's own 503 (Retry-After 1)
+        assert call.status == 503 and call.retry_after == "7"  # the engine's own answer
         assert call.data == b'{"error": {"message": "busy"}}'
     assert engine.get_json("/debug/open")["requests"] == 3 and not lines(proxy, "holding requests"), proxy.lines
 
@@ -215,12 +215,12 @@ def test_past_hold_max_the_budget_or_hold_s_a_request_gets_503_with_retry_after(
     held = [Call(proxy.port, body, path="/v1/completions") for _ in range(10)]
     wait_until(lambda: held_now(proxy) == 10, 10, "ten requests held")
     over_budget = Call(proxy.port, b"{}" + body[2:], path="/v1/completions")
-    over_budget.join(5)
-    assert over_budget.status == 503 and over_budget.retry_after == "1" and over_budget.took < 3
+    over_budget.join(60)  # refused at once: its own words, not hold_s's (the held ones' below)
+    assert over_budget.status == 503 and over_budget.retry_after == "1"
     assert b"request bodies" in over_budget.data
     over_count = Call(proxy.port, b"{}")
-    over_count.join(5)
-    assert over_count.status == 503 and over_count.retry_after == "1" and over_count.took < 3
+    over_count.join(60)
+    assert over_count.status == 503 and over_count.retry_after == "1"
     assert b"hold_max" in over_count.data
     for c in held:  # hold_s from each one's first hold: 503 then, not before
         c.join(10)
@@ -239,7 +239,7 @@ def test_a_client_that_leaves_while_held_is_dropped_and_the_engine_never_sees_it
     sock = open_socket(proxy.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
     wait_until(lambda: held_now(proxy) == 1, 10, "the request held")
     sock.close()
-    wait_until(lambda: held_now(proxy) == 0, 2, "the request dropped within a watcher's tick or two")
+    wait_until(lambda: held_now(proxy) == 0, 30, "the request dropped (a bound on a hang: hold_s is 60)")
     assert metric(proxy, "gpuwarden_proxy_body_bytes") == 0
     assert metric(proxy, 'gpuwarden_proxy_failures_total{reason="client_gone"}') == 1
     engine = rig.engine()
@@ -255,8 +255,8 @@ def test_hold_s_0_gives_502_at_once(rig):
     proxy = rig.proxy("--hold-s", "0")
     rig.stop(engine)
     call = Call(proxy.port, b"{}")
-    call.join(5)
-    assert call.status == 502 and call.took < 3 and b"unreachable" in call.data
+    call.join(60)  # a bound on a hang: held, it would wait for an engine that never comes back
+    assert call.status == 502 and b"unreachable" in call.data
     assert not lines(proxy, "holding requests") and "no hold while the engine is down" in proxy.lines[0]
 
 
@@ -288,7 +288,6 @@ def test_a_body_trickled_in_while_the_engine_is_down_is_closed_and_never_held(ri
     proxy = rig.proxy("--hold-s", "60", "--client-timeout", "1")
     rig.stop(engine)
     sock = open_socket(proxy.port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n{")
-    began = time.monotonic()
     for _ in range(20):  # a byte every 0.2 s: far under 16 KiB/s
         try:
             sock.sendall(b" ")
@@ -296,7 +295,7 @@ def test_a_body_trickled_in_while_the_engine_is_down_is_closed_and_never_held(ri
             break
         assert held_now(proxy) == 0
         time.sleep(0.2)
-    assert closed_by_peer(sock, 3) and time.monotonic() - began < 5
+    assert closed_by_peer(sock, 30)  # a bound on a hang: held, it would stay open for hold_s (60)
     assert metric(proxy, 'gpuwarden_proxy_failures_total{reason="slow_body"}') == 1
     assert held_now(proxy) == 0 and metric(proxy, "gpuwarden_proxy_body_bytes") == 0
 
@@ -437,13 +436,11 @@ def test_held_requests_get_503_at_once_when_the_proxy_stops(rig):
     rig.stop(engine)
     calls = [Call(proxy.port, b'{"model": "tiny"}') for _ in range(3)]
     wait_until(lambda: held_now(proxy) == 3, 10, "three held")
-    began = time.monotonic()
     proxy.proc.send_signal(signal.SIGTERM)
     for c in calls:
-        c.join(10)
+        c.join(60)  # a bound on a hang; answered at hold_s's end, they would say hold_s, not the stop
     assert all(c.status == 503 and c.retry_after == "1" and b"the proxy is stopping" in c.data for c in calls), \
         [(c.status, c.data, c.error) for c in calls]
-    assert max(c.took for c in calls) < 60 and time.monotonic() - began < 3
     assert proxy.proc.wait(10) == 0
 
 
@@ -456,8 +453,8 @@ def test_an_engine_that_drops_every_request_while_healthy_gets_502_not_a_loop_of
     proxy = rig.proxy("--hold-s", "60")
     calls = [Call(proxy.port, b"{}", path="/drop") for _ in range(5)]
     for c in calls:
-        c.join(10)
-    assert all(c.status == 502 and c.took < 5 for c in calls), [(c.status, c.took, c.error) for c in calls]
+        c.join(60)  # a bound on a hang; held, they would end at hold_s with 503
+    assert all(c.status == 502 for c in calls), [(c.status, c.took, c.error) for c in calls]
     # each sent once, or twice where its first try went on a pooled connection (the scrape's), never more
     assert 5 <= engine.get_json("/debug/open")["requests"] <= 10
     assert not lines(proxy, "holding requests") and not lines(proxy, "engine back"), proxy.lines

@@ -344,7 +344,7 @@ def test_the_reset_command_has_a_time_limit_and_its_group_is_killed(tmp_path):
     began = time.monotonic()
     with pytest.raises(ResetFailed, match="no end within 0.5 s: killed"):
         run_reset([sys.executable, "-c", script], timeout_s=0.5)
-    assert time.monotonic() - began < 5
+    assert time.monotonic() - began < 30  # a bound on a hang: the script sleeps 60 s
     pid = int(pidfile.read_text())
     assert not _alive(pid)
     with pytest.raises(ResetFailed, match="could not be started"):
@@ -431,7 +431,7 @@ def test_the_known_answer_is_read_bounded_and_compared(engine):
     began = time.monotonic()
     with pytest.raises(HttpError, match="timed out|within 0.5 s"):
         known.ask(f"http://127.0.0.1:{_silent_port()}/v1/completions", "m", timeout_s=0.5)
-    assert time.monotonic() - began < 3
+    assert time.monotonic() - began < 30  # a bound on a hang: the silent port never answers
 
 
 def _silent_port():

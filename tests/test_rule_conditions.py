@@ -332,9 +332,9 @@ def test_a_regex_on_a_list_of_100000_names_and_a_name_of_a_megabyte_takes_no_tim
     long_type = model_dir(tmp_path, "long", {"model_type": "a" * 2**20})
     assert M.model_facts(long_type).model_type is None
     rules = site_rules(tmp_path, "values: {model.quant_ignore: '.*l.*b.*'}")
-    start = time.monotonic()
+    start = time.process_time()  # CPU, not wall: a busy box slows the wall clock, not the work
     assert site_outcome(rules, context(model=many)).status == "clear"
-    assert time.monotonic() - start < 5
+    assert time.process_time() - start < 5
     assert F.condition("l9999.").holds(tuple(names)) is True  # item by item, still
 
 
