@@ -5,6 +5,7 @@ the fake engine (tests/harness/fakechild.py, modes drain and stuck-drain) as rea
 
 import dataclasses
 import signal
+import socket
 import threading
 import time
 import urllib.error
@@ -225,13 +226,15 @@ def drain_config(write, fake, mode, drain_s):
     return path, base, port
 
 
-def ask(port, count, seconds):
-    """count requests of the fake engine's slow kind, each on its thread: their outcomes ("200 ..." or the error)."""
+def ask(port, count):
+    """count requests of the fake engine's slow kind, each on its thread, in flight until release(port) (the test says
+    when they end, not the clock: a busy box cannot end them before the daemon acts): their outcomes ("200 ..." or
+    the error)."""
     outcomes = []
 
     def one():
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/completions?s={seconds}", timeout=60) as reply:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/completions?gate=1", timeout=120) as reply:
                 outcomes.append(f"{reply.status} {reply.read().decode()}")
         except (OSError, urllib.error.URLError) as exc:
             outcomes.append(f"failed: {exc}")
@@ -242,8 +245,20 @@ def ask(port, count, seconds):
     return threads, outcomes
 
 
+def release(where):
+    """The fake engine's gated requests end now. where: its port, or its Unix socket (--uds: behind the proxy)."""
+    if isinstance(where, int):
+        urllib.request.urlopen(f"http://127.0.0.1:{where}/debug/release", timeout=30).close()
+        return
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(30)
+        sock.connect(str(where))
+        sock.sendall(b"GET /debug/release HTTP/1.1\r\nHost: engine\r\n\r\n")
+        assert sock.recv(64).startswith(b"HTTP/1.1 200"), "the fake engine did not release its requests"
+
+
 def in_flight(base, count):
-    wait_until(lambda: f'gpuwarden_serving_requests_running{{engine="vllm"}} {count:.1f}' in metrics(base), 15)
+    wait_until(lambda: f'gpuwarden_serving_requests_running{{engine="vllm"}} {count:.1f}' in metrics(base), 60)
 
 
 @pytest.mark.process
@@ -252,12 +267,13 @@ def test_a_reload_that_restarts_the_engine_drains_it_and_its_requests_finish(wri
     d = daemons(path)
     d.wait_for("vLLM healthy after", timeout=30)
     assert d.wait_for("vLLM starting").endswith("--shutdown-timeout 10")
-    threads, outcomes = ask(port, 2, seconds=3)
+    threads, outcomes = ask(port, 2)
     in_flight(base, 2)
     mark = len(d.lines)
     path.write_text(path.read_text().replace("  drain_s: 10\n", '  drain_s: 10\n  args: [--max-num-seqs, "4"]\n'))
     d.proc.send_signal(signal.SIGHUP)
     d.wait_for("draining vLLM: 2 requests in flight, up to 10 s", after=mark)
+    release(port)  # they end during the drain
     took = float(d.wait_for("vLLM drained in", after=mark, timeout=15).split("drained in ")[1].split(" s")[0])
     for thread in threads:
         thread.join(10)
@@ -266,7 +282,7 @@ def test_a_reload_that_restarts_the_engine_drains_it_and_its_requests_finish(wri
     assert outcomes == ['200 {"done": true}'] * 2 and took >= 0
     assert "drain timed out" not in "\n".join(d.lines[mark:])
     d.wait_for("vLLM healthy after", after=mark, timeout=30)
-    wait_until(lambda: 'gpuwarden_serving_drains_total{outcome="drained"} 1.0' in metrics(base), 10)
+    wait_until(lambda: 'gpuwarden_serving_drains_total{outcome="drained"} 1.0' in metrics(base), 60)
     assert "SIGKILL to" not in "\n".join(d.lines[mark:])
     assert d.stop() == 0
 
@@ -278,7 +294,7 @@ def test_a_stop_whose_drain_never_ends_is_killed_at_drain_s_plus_the_margin(writ
     notify = Notify(tmp_path)
     d = daemons(path, env=notify.env())
     d.wait_for("vLLM healthy after", timeout=30)
-    threads, outcomes = ask(port, 2, seconds=3)
+    threads, outcomes = ask(port, 2)  # never released: the stuck drain's requests never end anyway
     in_flight(base, 2)
     mark, began = len(d.lines), time.monotonic()
     d.proc.send_signal(signal.SIGTERM)  # systemctl stop
@@ -302,9 +318,9 @@ def test_drain_s_0_keeps_the_abort_of_before(write, fake, daemons, no_fakes_left
     d = daemons(path)
     d.wait_for("vLLM healthy after", timeout=30)
     assert "--shutdown-timeout" not in d.wait_for("vLLM starting")
-    threads, outcomes = ask(port, 1, seconds=5)
+    threads, outcomes = ask(port, 1)  # never released
     in_flight(base, 1)
-    # No drain: the request in flight (5 s long) is aborted, not waited for: the outcome below, not a stopwatch
+    # No drain: the request in flight (until released) is aborted, not waited for: the outcome below, not a stopwatch
     assert d.stop() == 0
     threads[0].join(10)
     assert outcomes[0].startswith("failed"), outcomes

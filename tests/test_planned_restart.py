@@ -24,7 +24,7 @@ from gpuwarden.proxy.child import PROXY, proxy_spec
 from gpuwarden.serving.run.fronts import HEAR_S
 from gpuwarden.serving.run.spec import STOPPING_SIGNAL, UP_SIGNAL
 from gpuwarden.serving.run.supervisor import RUNNING, STOPPED, STOPPING, Program, Supervisor
-from test_drain import drain_config, in_flight
+from test_drain import drain_config, in_flight, release
 from test_faults import fake, no_fakes_left, wait_until  # noqa: F401 (fixtures)
 from test_serving import running_supervisor
 
@@ -227,9 +227,10 @@ class Clients:
             self.threads.append(thread)
 
     def one(self, seconds):
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        """One request: seconds long, or None: in flight until the fake engine's release (test_drain.release)."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
         try:
-            conn.request("GET", f"/v1/completions?s={seconds}")
+            conn.request("GET", "/v1/completions?gate=1" if seconds is None else f"/v1/completions?s={seconds}")
             reply = conn.getresponse()
             self.outcomes.append((reply.status, reply.getheader("Retry-After"), reply.read().decode()))
         except OSError as exc:
@@ -249,6 +250,11 @@ def proxy_metric(port, name):
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")
                or line.startswith(name + "{"))
+
+
+def engine_socket(d) -> str:
+    """The Unix socket the engine behind the proxy listens on (--uds, in its start line)."""
+    return d.wait_for("vLLM starting").split(" --uds ")[1].split()[0]
 
 
 def with_proxy(write, fake, drain_s=10, hold_s=60):
@@ -271,7 +277,7 @@ def test_a_reload_that_restarts_the_engine_fails_no_request_through_the_proxy(wr
     d.wait_for("the proxy healthy after", timeout=30)
     slow = Clients(proxy_port)
     slow.stop()  # none: only its one() for the two in flight
-    long = [threading.Thread(target=slow.one, args=(3,), daemon=True) for _ in range(2)]
+    long = [threading.Thread(target=slow.one, args=(None,), daemon=True) for _ in range(2)]
     for thread in long:
         thread.start()
     in_flight(base, 2)
@@ -280,7 +286,10 @@ def test_a_reload_that_restarts_the_engine_fails_no_request_through_the_proxy(wr
     path.write_text(path.read_text().replace("  drain_s: 10\n", '  drain_s: 10\n  args: [--max-num-seqs, "4"]\n'))
     d.proc.send_signal(signal.SIGHUP)
     d.wait_for("proxy: the engine stops for a planned restart", after=mark)
-    d.wait_for("vLLM drained in", after=mark, timeout=15)
+    # the two in flight end once a steady request is held, so that the drain has one to hold, however busy the box
+    wait_until(lambda: proxy_metric(proxy_port, "gpuwarden_proxy_held_requests") >= 1, 60)
+    release(engine_socket(d))
+    d.wait_for("vLLM drained in", after=mark, timeout=60)
     d.wait_for("vLLM healthy after", after=mark, timeout=30)
     d.wait_for("proxy: engine back after", after=mark, timeout=15)
     time.sleep(0.5)  # a few requests after the restart too
@@ -378,13 +387,15 @@ def test_a_stop_lets_a_request_through_the_proxy_finish_and_refuses_the_held_wit
     d.wait_for("the proxy healthy after", timeout=30)
     clients = Clients(proxy_port)
     clients.stop()
-    first = threading.Thread(target=clients.one, args=(3,), daemon=True)
+    first = threading.Thread(target=clients.one, args=(None,), daemon=True)
     first.start()
     in_flight(base, 1)
     d.proc.send_signal(signal.SIGTERM)
     d.wait_for("proxy: the engine stops for a planned restart")
     late = threading.Thread(target=clients.one, args=(0.1,), daemon=True)
     late.start()
+    wait_until(lambda: proxy_metric(proxy_port, "gpuwarden_proxy_held_requests") == 1, 60)
+    release(engine_socket(d))  # the first ends now, during the drain
     assert d.proc.wait(60) == 0
     first.join(10)
     late.join(10)

@@ -25,9 +25,11 @@ Modes:
   crash        exits with status 3 after 1 s
   chatty       prints "INFO fakechild tick N" every 0.3 s (is its output still read after a handover?)
   controls     prints one line with NUL, CR, ESC and a forged `<0>` record in it, then serves as healthy
-  drain        answers GET /v1/... after 3 s (?s=N: N s), counted as running in /metrics; at SIGTERM it drains as
-               vLLM does with --shutdown-timeout N: new requests get 500 (its /health 200), it exits once those in
-               flight finished or N s passed (without the flag, or 0: it exits at once, aborting them, as vLLM does)
+  drain        answers GET /v1/... after 3 s (?s=N: N s; ?gate=1: once GET /debug/release came, 300 s at most: the
+               test, not the clock, says when a request in flight ends), counted as running in /metrics; at
+               SIGTERM it drains as vLLM does with --shutdown-timeout N: new requests get 500 (its /health 200),
+               it exits once those in flight finished or N s passed (without the flag, or 0: it exits at once,
+               aborting them, as vLLM does)
   stuck-drain  as drain, but its requests never finish and SIGTERM never ends it: a drain that never ends
   answer       POST /v1/completions answers a completion whose text is what --answer-file holds when asked (the
                known-answer check: a test changes the file to make a restarted engine compute something else)
@@ -57,6 +59,7 @@ import socket
 import sys
 import threading
 import time
+import urllib.parse
 
 METRICS = """# TYPE vllm:generation_tokens_total counter
 vllm:generation_tokens_total{{engine="0",model_name="m"}} {gen}
@@ -72,6 +75,7 @@ ANSWER_FILE = [""]  # answer mode: where the completion's text is read
 IN_FLIGHT = [0]  # the slow requests being answered (drain modes)
 IN_FLIGHT_LOCK = threading.Lock()
 DRAINING = threading.Event()  # SIGTERM came
+RELEASED = threading.Event()  # GET /debug/release: the gated slow requests end
 LOADED = threading.Event()  # loading mode: set by SIGUSR1
 DEAD = threading.Event()  # killer mode: its engine died on a QOD-500 request; the server answers 500 until it ends
 # vLLM 0.32's answer once its EngineCore is dead: EngineDeadError's message through create_error_response, the same
@@ -99,6 +103,10 @@ def answer(conn: socket.socket, modes: set[str], started: float) -> None:
                 return
             request += chunk
         path = request.split(b" ", 2)[1].decode()
+        if path == "/debug/release":  # the gated slow requests (drain modes) end now
+            RELEASED.set()
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            return
         if path == "/health":
             status = b"503 Service Unavailable" if DEAD.is_set() else b"200 OK"  # vLLM: 503 once its engine died
             conn.sendall(b"HTTP/1.1 %s\r\nContent-Length: 0\r\nConnection: close\r\n\r\n" % status)
@@ -243,13 +251,17 @@ def slow_request(conn: socket.socket, path: str, modes: set[str]) -> None:
         conn.sendall(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
                      % (len(body), body))
         return
-    seconds = float(path.partition("?s=")[2] or 3)
+    query = urllib.parse.parse_qs(urllib.parse.urlsplit(path).query)
+    seconds = float(query.get("s", ["3"])[0])
     with IN_FLIGHT_LOCK:
         IN_FLIGHT[0] += 1
     try:
         if "stuck-drain" in modes:
             threading.Event().wait()  # never answered
-        time.sleep(seconds)
+        if query.get("gate"):
+            RELEASED.wait(300)
+        else:
+            time.sleep(seconds)
         body = b'{"done": true}'
         conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
     finally:
