@@ -133,7 +133,7 @@ def test_a_handover_while_the_engine_loads_waits_for_its_health_and_never_probes
     assert engine_of(base) == ("STARTING", pid)
     d.wait_for("vllm: INFO fakechild tick", after=len(d.lines), timeout=10)  # the new image reads its output
     os.kill(pid, signal.SIGUSR1)  # the model loaded
-    d.wait_for("vLLM healthy after", after=mark, timeout=30)
+    d.wait_for("vLLM healthy after", after=mark, timeout=120)
     assert running_pid(base) == pid
     after = "\n".join(d.lines[mark:])
     assert "liveness probe failed" not in after and "vLLM starting (pid" not in after

@@ -265,7 +265,7 @@ def in_flight(base, count):
 def test_a_reload_that_restarts_the_engine_drains_it_and_its_requests_finish(write, fake, daemons, no_fakes_left):
     path, base, port = drain_config(write, fake, "drain", 10)
     d = daemons(path)
-    d.wait_for("vLLM healthy after", timeout=30)
+    d.wait_for("vLLM healthy after", timeout=120)
     assert d.wait_for("vLLM starting").endswith("--shutdown-timeout 10")
     threads, outcomes = ask(port, 2)
     in_flight(base, 2)
@@ -281,7 +281,7 @@ def test_a_reload_that_restarts_the_engine_drains_it_and_its_requests_finish(wri
     # is the box's business
     assert outcomes == ['200 {"done": true}'] * 2 and took >= 0
     assert "drain timed out" not in "\n".join(d.lines[mark:])
-    d.wait_for("vLLM healthy after", after=mark, timeout=30)
+    d.wait_for("vLLM healthy after", after=mark, timeout=120)
     wait_until(lambda: 'gpuwarden_serving_drains_total{outcome="drained"} 1.0' in metrics(base), 60)
     assert "SIGKILL to" not in "\n".join(d.lines[mark:])
     assert d.stop() == 0
@@ -293,7 +293,7 @@ def test_a_stop_whose_drain_never_ends_is_killed_at_drain_s_plus_the_margin(writ
     path, base, port = drain_config(write, fake, "stuck-drain", 2)
     notify = Notify(tmp_path)
     d = daemons(path, env=notify.env())
-    d.wait_for("vLLM healthy after", timeout=30)
+    d.wait_for("vLLM healthy after", timeout=120)
     threads, outcomes = ask(port, 2)  # never released: the stuck drain's requests never end anyway
     in_flight(base, 2)
     mark, began = len(d.lines), time.monotonic()
@@ -316,7 +316,7 @@ def test_a_stop_whose_drain_never_ends_is_killed_at_drain_s_plus_the_margin(writ
 def test_drain_s_0_keeps_the_abort_of_before(write, fake, daemons, no_fakes_left):
     path, base, port = drain_config(write, fake, "drain", 0)
     d = daemons(path)
-    d.wait_for("vLLM healthy after", timeout=30)
+    d.wait_for("vLLM healthy after", timeout=120)
     assert "--shutdown-timeout" not in d.wait_for("vLLM starting")
     threads, outcomes = ask(port, 1)  # never released
     in_flight(base, 1)

@@ -197,7 +197,7 @@ def test_a_hostile_metrics_endpoint_never_stalls_the_loop(write, fake, daemons, 
     path, base, _ = fault_config(write, fake, mode)
     notify = Notify(tmp_path)
     d = daemons(path, env=notify.env())
-    d.wait_for("vLLM healthy after", timeout=30)
+    d.wait_for("vLLM healthy after", timeout=120)
     began = time.monotonic()
     last = assert_polls_go_on(base, 16)  # a 2 s read's deadline twice over, at the schedule's pace
     assert_fed(notify, began)
@@ -230,7 +230,7 @@ def test_an_endless_line_is_cut_and_memory_stays_flat(write, fake, daemons, no_f
     d = daemons(path)
     line = d.wait_for("[line cut:", timeout=60)
     assert len(line) < 20_000 and "more bytes dropped" in line
-    d.wait_for("vLLM healthy after", timeout=30)
+    d.wait_for("vLLM healthy after", timeout=120)
     assert_polls_go_on(base, 8)
     rss_kib = int(next(row.split()[1] for row in Path(f"/proc/{d.proc.pid}/status").read_text().splitlines()
                        if row.startswith("VmRSS:")))
@@ -243,7 +243,7 @@ def test_a_child_that_ignores_sigterm_is_killed_after_the_timeout_while_the_loop
     path, base, _ = fault_config(write, fake, "ignore-term", serve_extra="  stop_timeout_s: 3\n")
     notify = Notify(tmp_path)
     d = daemons(path, env=notify.env())
-    d.wait_for("vLLM healthy after", timeout=30)
+    d.wait_for("vLLM healthy after", timeout=120)
     mark, began = len(d.lines), time.monotonic()
     d.proc.send_signal(signal.SIGTERM)
     assert d.proc.wait(60) == 0  # a bound on a hang
@@ -261,7 +261,7 @@ def test_a_child_that_ignores_sigterm_is_killed_after_the_timeout_while_the_loop
 def test_a_second_sigterm_does_not_wait_for_the_drain(write, fake, daemons, no_fakes_left):
     path, _, _ = fault_config(write, fake, "ignore-term", serve_extra="  stop_timeout_s: 600\n")
     d = daemons(path)
-    d.wait_for("vLLM healthy after", timeout=30)
+    d.wait_for("vLLM healthy after", timeout=120)
     began = time.monotonic()
     d.proc.send_signal(signal.SIGTERM)
     d.wait_for("vLLM stopping: SIGTERM")
@@ -293,7 +293,7 @@ def test_the_leftover_check_sees_only_this_sessions_fake_children(fake, tmp_path
 def test_processes_that_leave_the_group_are_found_and_killed(write, fake, daemons, no_fakes_left, mode):
     path, _, _ = fault_config(write, fake, mode)
     d = daemons(path)
-    d.wait_for("vLLM healthy after", timeout=30)
+    d.wait_for("vLLM healthy after", timeout=120)
     wait = time.monotonic() + 30  # a bound on a hang: the child forks its grandchild after it serves
     while len(fakes_alive(fake["script"])) < 2 and time.monotonic() < wait:
         time.sleep(0.1)
@@ -311,7 +311,7 @@ def test_a_missing_binary_backs_off_to_fatal_and_the_gpus_are_still_polled(write
     path.write_text(path.read_text().replace(f"command: [{fake['python']},", f"command: [{gone},"))
     notify = Notify(tmp_path)
     d = daemons(path, env=notify.env())
-    d.wait_for("vLLM healthy after", timeout=30)
+    d.wait_for("vLLM healthy after", timeout=120)
     gone.unlink()  # removed by an upgrade while vLLM runs
     child = status(base)["serving"]["pid"]
     os.kill(child, signal.SIGKILL)
@@ -331,7 +331,7 @@ def test_a_missing_binary_backs_off_to_fatal_and_the_gpus_are_still_polled(write
 def test_a_reload_that_cannot_be_carried_out_keeps_the_running_child(write, fake, daemons, no_fakes_left):
     path, base, _ = fault_config(write, fake, "healthy")
     d = daemons(path)
-    d.wait_for("vLLM healthy after", timeout=30)
+    d.wait_for("vLLM healthy after", timeout=120)
     pid = status(base)["serving"]["pid"]
     good = path.read_text()
     for bad, says in ((good.replace(f"command: [{fake['python']},", "command: [/nonexistent/python,"),
@@ -356,7 +356,7 @@ def test_a_reload_that_cannot_be_carried_out_keeps_the_running_child(write, fake
 def test_a_changed_serve_section_starts_the_new_child_after_the_old_one_stopped(write, fake, daemons, no_fakes_left):
     path, base, _ = fault_config(write, fake, "ignore-term", serve_extra="  stop_timeout_s: 2\n  startup_timeout_s: 3\n")
     d = daemons(path)
-    d.wait_for("vLLM healthy after", timeout=30)
+    d.wait_for("vLLM healthy after", timeout=120)
     old = status(base)["serving"]["pid"]
     path.write_text(path.read_text().replace('"ignore-term"', '"healthy"'))
     d.proc.send_signal(signal.SIGHUP)

@@ -302,8 +302,8 @@ def test_the_engine_rests_after_the_quiet_and_the_next_request_through_the_proxy
     path.write_text(path.read_text().replace("scenario: dgx-spark", f"scenario: {quiet}") + "  idle: {after_s: 10}\n")
     command, env = proxy_daemon
     d = daemons(path, command=command, env=env)
-    d.wait_for("vLLM healthy after", timeout=30)
-    d.wait_for("the proxy healthy after", timeout=30)
+    d.wait_for("vLLM healthy after", timeout=120)
+    d.wait_for("the proxy healthy after", timeout=120)
     pid = int(d.wait_for("vLLM starting (pid", timeout=1).split("(pid ")[1].split(",")[0])
     rested = d.wait_for("vLLM rests: no request through the proxy for 10 s", timeout=120)
     assert "the next request wakes it" in rested

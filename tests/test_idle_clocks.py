@@ -290,8 +290,8 @@ def test_a_clocks_rest_draws_bare_idle_with_the_engine_running_and_the_next_requ
                     + "  idle: {action: clocks, after_s: 10}\n")
     command, env = proxy_daemon
     d = daemons(path, command=command, env=env)
-    d.wait_for("vLLM healthy after", timeout=30)
-    d.wait_for("the proxy healthy after", timeout=30)
+    d.wait_for("vLLM healthy after", timeout=120)
+    d.wait_for("the proxy healthy after", timeout=120)
     pid = int(d.wait_for("vLLM starting (pid", timeout=1).split("(pid ")[1].split(",")[0])
     awake = gpu_rows(urllib.request.urlopen(base + "/metrics", timeout=10).read().decode(), "gpuwarden_gpu_power_watts")
     assert all(watts == pytest.approx(models[gpu].idle_power_w + models[gpu].context_w) for gpu, watts in

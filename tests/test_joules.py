@@ -689,8 +689,8 @@ def test_each_request_through_the_proxy_gets_its_joules_and_the_shares_idle_and_
     command, env = proxy_daemon
     env = dict(env, RUNTIME_DIRECTORY=str(runtime_dir))  # not the host's /run/gpuwarden
     d = daemons(path, command=command, env=env)
-    d.wait_for("vLLM healthy after", timeout=30)
-    d.wait_for("the proxy healthy after", timeout=30)
+    d.wait_for("vLLM healthy after", timeout=120)
+    d.wait_for("the proxy healthy after", timeout=120)
     first = json.loads(d.wait_for("joules per request: the engine's GPUs' energy read from", timeout=30)
                        .split("sums=")[1].split(" mJ")[0])
     wait = time.monotonic() + 30  # a bound on a hang: the next reading after the first is an interval with nothing

@@ -273,8 +273,8 @@ def test_a_reload_that_restarts_the_engine_fails_no_request_through_the_proxy(wr
     path, base, port, proxy_port = with_proxy(write, fake)
     command, env = proxy_daemon
     d = daemons(path, command=command, env=env)
-    d.wait_for("vLLM healthy after", timeout=30)
-    d.wait_for("the proxy healthy after", timeout=30)
+    d.wait_for("vLLM healthy after", timeout=120)
+    d.wait_for("the proxy healthy after", timeout=120)
     slow = Clients(proxy_port)
     slow.stop()  # none: only its one() for the two in flight
     long = [threading.Thread(target=slow.one, args=(None,), daemon=True) for _ in range(2)]
@@ -290,7 +290,7 @@ def test_a_reload_that_restarts_the_engine_fails_no_request_through_the_proxy(wr
     wait_until(lambda: proxy_metric(proxy_port, "gpuwarden_proxy_held_requests") >= 1, 60)
     release(engine_socket(d))
     d.wait_for("vLLM drained in", after=mark, timeout=60)
-    d.wait_for("vLLM healthy after", after=mark, timeout=30)
+    d.wait_for("vLLM healthy after", after=mark, timeout=120)
     d.wait_for("proxy: engine back after", after=mark, timeout=15)
     time.sleep(0.5)  # a few requests after the restart too
     outcomes = steady.stop()
@@ -328,8 +328,8 @@ def test_the_proxys_word_pipe_is_kept_across_a_handover(write, fake, daemons, pr
     path, base, port, proxy_port = with_proxy(write, fake)
     command, env = proxy_daemon
     d = daemons(path, command=command, env=dict(env, STATE_DIRECTORY=str(passable_state)))
-    d.wait_for("vLLM healthy after", timeout=30)
-    d.wait_for("the proxy healthy after", timeout=30)
+    d.wait_for("vLLM healthy after", timeout=120)
+    d.wait_for("the proxy healthy after", timeout=120)
     mark = len(d.lines)
     d.proc.send_signal(signal.SIGUSR2)
     d.wait_for("the proxy adopted after an upgrade (re-exec, same daemon pid)", after=mark, timeout=60)
@@ -364,8 +364,8 @@ def test_the_proxys_word_survives_a_change_of_its_log_wording(write, fake, daemo
         for item in copy.rglob("*"):
             item.chmod(0o755 if item.is_dir() else 0o644)
         d = daemons(path, command=command, env=dict(env, PYTHONPATH=str(copy)))
-        d.wait_for("vLLM healthy after", timeout=30)
-        d.wait_for("the proxy healthy after", timeout=30)
+        d.wait_for("vLLM healthy after", timeout=120)
+        d.wait_for("the proxy healthy after", timeout=120)
         mark = len(d.lines)
         reload_restarting_the_engine(d, path, mark, "proxy: STOP HEARD, WORDS CHANGED: keeping requests back")
         after = "\n".join(d.lines[mark:])
@@ -383,8 +383,8 @@ def test_a_stop_lets_a_request_through_the_proxy_finish_and_refuses_the_held_wit
     path, base, port, proxy_port = with_proxy(write, fake)
     command, env = proxy_daemon
     d = daemons(path, command=command, env=env)
-    d.wait_for("vLLM healthy after", timeout=30)
-    d.wait_for("the proxy healthy after", timeout=30)
+    d.wait_for("vLLM healthy after", timeout=120)
+    d.wait_for("the proxy healthy after", timeout=120)
     clients = Clients(proxy_port)
     clients.stop()
     first = threading.Thread(target=clients.one, args=(None,), daemon=True)

@@ -217,12 +217,14 @@ def test_past_the_cap_with_every_connection_served_a_new_one_gets_a_503(rig):
 
 @pytest.mark.process
 def test_slow_headers_slow_bodies_and_idle_connections_are_closed_a_steady_body_is_not(rig):
-    upstream, proxy = rig("--client-timeout", "1")
+    # 5 s windows: the steady body keeps its pace through a stall of 4 s of this test's thread (a busy box); with 1 s
+    # windows, one stall of a second cut it
+    upstream, proxy = rig("--client-timeout", "5")
     silent = open_socket(proxy.port)
     slow_headers = open_socket(proxy.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
     slow_body = open_socket(proxy.port, HALF_SENT)
     # the attackers' bursts (2026-12-02): a body sent at once to near its end, then nothing, or a byte now and then:
-    # the bytes sent earn no pause (an average-rate deadline was 65 s away); each window of 1 s must bring 16 KiB
+    # the bytes sent earn no pause (an average-rate deadline was 65 s away); each window of 5 s must bring 80 KiB
     head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (1 << 20)
     burst = open_socket(proxy.port, head + b"x" * ((1 << 20) - 1))
     trickle = open_socket(proxy.port, head + b"x" * ((1 << 20) - 100))
@@ -231,21 +233,24 @@ def test_slow_headers_slow_bodies_and_idle_connections_are_closed_a_steady_body_
                          b"Transfer-Encoding: chunked\r\n\r\n")
     kept_alive = open_socket(proxy.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
     assert kept_alive.recv(65536).startswith(b"HTTP/1.1 200")
-    body = json.dumps({"model": "tiny", "pad": "x" * (100 << 10)}).encode()
-    steady = open_socket(proxy.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
-                         % len(body))
+    body = json.dumps({"model": "tiny", "pad": "x" * (470 << 10)}).encode()
+    # from another address: a client of its own, whose body's share of the budget the attackers' bodies do not hold
+    steady = socket.create_connection(("127.0.0.1", proxy.port), timeout=2, source_address=("127.0.0.2", 0))
+    steady.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body))
     trickled = 0
-    for at in range(0, len(body), 20 << 10):  # 40 KiB/s, over 2.5 s: past the 1 s deadline, above 16 KiB/s
-        steady.sendall(body[at:at + (20 << 10)])
+    for sock in (trickle, padded):  # never blocking this loop: a send that would wait is dropped (the steady pace)
+        sock.setblocking(False)
+    for at in range(0, len(body), 40 << 10):  # 80 KiB/s, over 6 s: past the 5 s deadline, above 16 KiB/s
+        steady.sendall(body[at:at + (40 << 10)])
         with contextlib.suppress(OSError):  # a byte every half second: closed once a window brings too little
             trickle.sendall(b"x")
             trickled += 1
-        with contextlib.suppress(OSError):  # 20 KiB of framing a half second: past the quota on the wire
-            padded.sendall(b"0" * (20 << 10))
+        with contextlib.suppress(OSError):  # 40 KiB of framing a half second: past the quota on the wire
+            padded.sendall(b"0" * (40 << 10))
         time.sleep(0.5)
     steady.settimeout(30)
-    assert steady.recv(65536).startswith(b"HTTP/1.1 200 OK")
-    for sock in (silent, slow_headers, slow_body, kept_alive, burst, trickle, padded):  # 1 s, swept every second
+    assert steady.recv(65536).startswith(b"HTTP/1.1 200 OK"), proxy.lines
+    for sock in (silent, slow_headers, slow_body, kept_alive, burst, trickle, padded):  # 5 s, swept every second
         assert closed_by_peer(sock, 30)
         sock.close()
     steady.close()
@@ -253,7 +258,7 @@ def test_slow_headers_slow_bodies_and_idle_connections_are_closed_a_steady_body_
         assert sum(f"connections closed ({kind})" in line for line in proxy.lines) <= 1
     assert [metric(proxy, f'gpuwarden_proxy_failures_total{{reason="{kind}"}}') for kind in
             ("idle", "slow_headers", "slow_body")] == [1, 1, 4]
-    assert any("its body came slower than 16 KiB/s over 1 s" in line for line in proxy.lines), proxy.lines
+    assert any("its body came slower than 16 KiB/s over 5 s" in line for line in proxy.lines), proxy.lines
 
 
 def flood_head(proxy, before: bytes) -> None:

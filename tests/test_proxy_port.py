@@ -529,11 +529,11 @@ def test_the_proxys_port_held_by_a_local_user_fires_vllm_start_blocked_naming_th
     try:
         command, env = proxy_daemon
         d = daemons(path, command=command, env=env)
-        d.wait_for("vLLM healthy after", timeout=30)
+        d.wait_for("vLLM healthy after", timeout=120)
         line = d.wait_for("vllm_start_blocked firing", timeout=30)
         assert f"port {proxy_port} on 127.0.0.1 is in use by" in line and "nobody" in line, line
     finally:
         ended(squatter)
-    d.wait_for("the proxy healthy after", timeout=30)  # the port let go: the proxy starts, and the alert resolves
+    d.wait_for("the proxy healthy after", timeout=120)  # the port let go: the proxy starts, and the alert resolves
     d.wait_for("vllm_start_blocked resolved", timeout=30)
     assert d.stop() == 0

@@ -485,7 +485,7 @@ def test_the_engine_drains_waits_for_the_reset_and_comes_back_with_the_known_ans
     path, base, port, answer, channel = recovery_config(write, fake, tmp_path, "  drain_before_stop: true\n"
                                                                                "  known_answer: true\n")
     d = daemons(path, env={**_env(), power.ENV: str(channel)})
-    d.wait_for("vLLM healthy after", timeout=30)
+    d.wait_for("vLLM healthy after", timeout=120)
     d.wait_for('known answer recorded at the first healthy start: " the first answer"', timeout=15)
     thread, outcome = slow_request(port, 3)
     wait_until(lambda: (status(base).get("serving_stats") or {}).get("requests_running") == 1.0, 15)
@@ -499,7 +499,7 @@ def test_the_engine_drains_waits_for_the_reset_and_comes_back_with_the_known_ans
     assert st["serving"]["problem"].startswith("waiting for GPU0's action: reset the GPU")
     assert "vLLM HELD" in st["status"] and "vllm_fatal" not in {a["alert"] for a in st["alerts_firing"]}
     d.wait_for("vLLM released: its GPUs answer again", after=mark, timeout=20)  # the scripted reset at 1008 s
-    d.wait_for("vLLM healthy after", after=mark, timeout=30)
+    d.wait_for("vLLM healthy after", after=mark, timeout=120)
     d.wait_for("the known-answer check passed after the recovery", after=mark, timeout=15)
     tail = "\n".join(d.lines[mark:])
     assert tail.count("vLLM starting") == 1 and "FATAL" not in tail and "SIGKILL to" not in tail

@@ -78,7 +78,7 @@ def unit_daemon(write, fake, venv, tmp_path):
         state.mkdir(exist_ok=True)
         d = UnitDaemon(path, env={**subprocess_env(), "STATE_DIRECTORY": str(state)})
         started.append(d)
-        d.wait_for("vLLM healthy after", timeout=30)
+        d.wait_for("vLLM healthy after", timeout=120)
         return d, base
 
     yield start

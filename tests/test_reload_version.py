@@ -80,7 +80,7 @@ def _serving(write, fake, daemons, venv, tmp_path):
     state = tmp_path / "state"
     state.mkdir()
     d = daemons(path, env={**subprocess_env(), "STATE_DIRECTORY": str(state)})
-    d.wait_for("vLLM healthy after", timeout=30)
+    d.wait_for("vLLM healthy after", timeout=120)
     return d, path, base
 
 
@@ -123,7 +123,7 @@ def test_a_reload_after_an_in_place_upgrade_restarts_the_engine_on_the_installed
     assert line.endswith("WARNING reload: vLLM 0.32.1 is installed, the engine runs 0.32.0: restarting it on the "
                          "installed version"), line
     stopped = d.wait_for("vLLM stopped after", after=mark, timeout=10)
-    d.wait_for("vLLM healthy after", after=d.lines.index(stopped), timeout=20)
+    d.wait_for("vLLM healthy after", after=d.lines.index(stopped), timeout=120)
     # The log line comes as the state changes; /status and /metrics show it from the next published poll.
     wait_until(lambda: _running_anew(base, first), timeout=10)
     wait_until(lambda: 'version="0.32.1"' in _info(base), timeout=10)
