@@ -19,7 +19,9 @@ from gpuwarden.serving.compose.identity import Identity, popen, resolve, run_bou
 from gpuwarden.serving.run.processes import ProcessOps
 
 CAP = 4 << 20  # the tests' limit: a few MiB written (today's code wrote gigabytes before its deadline)
-TIMEOUT_S = 5
+# A bound on a hang: the flood ends at the byte cap long before it (a 5 s deadline could beat a busy box's Python
+# start, and the child ended by the deadline, not the cap)
+TIMEOUT_S = 60
 PYTHON = shutil.which("python3", path=os.defpath)  # one the child user can run (ours may sit under /root)
 FLOOD = "import sys\nwhile True: sys.{}.buffer.write(b'x' * 65536)"
 LIMITS = "import resource; print(resource.getrlimit(resource.RLIMIT_FSIZE))"

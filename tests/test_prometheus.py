@@ -123,7 +123,7 @@ def through_proxy(port, model):
 MULTI_NODE_ONLY = {"gpuwarden_serving_node_info", "gpuwarden_serving_node_up", "gpuwarden_serving_head_reachable"}
 
 
-def wait_for_series(base, expr, timeout=30):
+def wait_for_series(base, expr, timeout=120):  # a bound on a hang: a 1 s scrape a busy box times out is stale
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if query(base, expr).get("data", {}).get("result"):
@@ -239,22 +239,28 @@ serve:
         except AssertionError as exc:
             raise AssertionError(f"{exc}; the proxy said:\n{(tmp_path / 'proxy.log').read_text()[-4000:]}") from None
         wait_for_series(base, "gpuwarden_serving_tokens_per_joule")  # two reads of the energy counters, serving
-        time.sleep(3)  # two reads of vLLM's metrics make a rate; a few rule evaluations
         rules = yaml.safe_load(RULES.read_text())
         rule_exprs = [r["expr"] for g in rules["groups"] for r in g["rules"]]
         for expr in rule_exprs + [substitute(e) for e in dashboard_exprs()]:
-            result = query(base, expr)
-            assert result["status"] == "success", (expr, result)
-            if "alert" not in expr and not re.search(r"(==|[<>]=?) *[0-9.]+$|absent\(|\band\b", expr):
-                assert result["data"]["result"], f"no data for {expr}"
+            # until it has data: two reads of vLLM's metrics make a rate, and a scrape a busy box timed out leaves
+            # the series stale until the next (a bound on a hang, not a wait for a fixed number of seconds)
+            wanted = "alert" not in expr and not re.search(r"(==|[<>]=?) *[0-9.]+$|absent\(|\band\b", expr)
+            deadline = time.monotonic() + 120
+            while True:
+                result = query(base, expr)
+                assert result["status"] == "success", (expr, result)
+                if not wanted or result["data"]["result"]:
+                    break
+                assert time.monotonic() < deadline, f"no data for {expr}"
+                time.sleep(0.5)
         # Alert expressions are empty while all is well: each metric they read must still exist. A single-node
         # engine exports no node series (the two-node vLLM test reads them; promtool tests the rules on them).
         for name in sorted(set(re.findall(r"\b(gpuwarden[_:][a-z0-9_:]+|up)\b", " ".join(rule_exprs)))):
-            found = query(base, f'{{__name__="{name}"}}')["data"]["result"]
             if name in MULTI_NODE_ONLY:
-                assert not found, f"a single-node engine exports {name}"
+                assert not query(base, f'{{__name__="{name}"}}')["data"]["result"], \
+                    f"a single-node engine exports {name}"
             else:
-                assert found, f"no series {name}"
+                wait_for_series(base, f'{{__name__="{name}"}}')
     finally:
         feed.stopped.set()
         prom.terminate()
