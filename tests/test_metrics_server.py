@@ -9,7 +9,6 @@ import logging
 import re
 import socket
 import ssl
-import statistics
 import subprocess
 import sys
 import time
@@ -131,11 +130,11 @@ def test_a_request_has_one_deadline_however_its_bytes_are_spaced(serve, monkeypa
         began = time.monotonic()
         s.sendall(b"GET /metrics HTTP/1.1\r\nX-Trickle: ")
         open_ = [s]
-        while open_ and time.monotonic() - began < 6:
+        while open_ and time.monotonic() - began < 60:  # a bound on a hang: no deadline would keep it open
             time.sleep(0.2)
             trickle(open_)
         took = time.monotonic() - began
-    assert not open_, "a request trickled a byte every 0.2 s was still open after 6 s (deadline 1 s)"
+    assert not open_, "a request trickled a byte every 0.2 s was still open after 60 s (deadline 1 s)"
     assert took >= 0.9, f"closed after {took:.2f} s, before its 1 s deadline"
 
 
@@ -152,17 +151,22 @@ def slow_hash():
     return bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(rounds=10)).decode()
 
 
-def test_an_unknown_user_takes_as_long_as_a_wrong_password(serve, slow_hash):
+def test_an_unknown_user_takes_as_long_as_a_wrong_password(serve, slow_hash, monkeypatch):
+    """An unknown user costs one bcrypt check against a real configured hash (the costliest), as a wrong password
+    costs one against its user's: the same work, counted, so timing does not tell which names exist. Counted rather
+    than timed: a busy box's stopwatch says nothing either way."""
     port = serve(WebConfig("web.yml", users=(("prometheus", slow_hash),)))
-    times = {"unknown user": [], "wrong password": []}
-    for i in range(5):  # interleaved, so that a busy moment slows both alike
-        for kind, user in (("unknown user", "nobody"), ("wrong password", "prometheus")):
-            began = time.perf_counter()
-            assert scrape(port, auth=(user, f"guess{i}")) == 401
-            times[kind].append(time.perf_counter() - began)
-    unknown, wrong = (statistics.median(times[k]) for k in ("unknown user", "wrong password"))
-    assert unknown >= 0.5 * wrong, f"an unknown user took {unknown * 1000:.1f} ms, a wrong password " \
-                                   f"{wrong * 1000:.1f} ms: the time tells which names exist"
+    checked = []
+    real = bcrypt.checkpw
+
+    def counting(password, hashed):
+        checked.append(hashed.decode())
+        return real(password, hashed)
+
+    monkeypatch.setattr(bcrypt, "checkpw", counting)
+    for user in ("nobody", "prometheus"):
+        assert scrape(port, auth=(user, "guess")) == 401
+    assert checked == [slow_hash, slow_hash], checked  # one check each, at the same cost
 
 
 def test_passwords_that_passed_are_remembered_up_to_a_bound():
@@ -187,7 +191,7 @@ def test_client_faults_are_one_line_a_minute_with_a_count_per_kind(serve, caplog
     for _ in range(3):
         socket.create_connection(("127.0.0.1", port), timeout=10).close()  # hangs up before a byte
     expected = {"not an HTTP/1 request": 5, "hung up": 3}
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # a bound on a hang
     while fault_counts(caplog) != expected and time.monotonic() < deadline:
         time.sleep(0.1)
     lines = [r for r in caplog.records if "metrics endpoint" in r.getMessage()]

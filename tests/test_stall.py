@@ -14,8 +14,11 @@ from test_serving import Inline, running_supervisor, supervisor
 
 
 def watch(clock, stall_after_s=10, probe_after_s=5, background=None, url="http://127.0.0.1:9/v1/completions",
-          key=None):
-    return StallWatch(stall_after_s, probe_after_s, 2, url, "m", clock, background or Inline(clock), key=key)
+          key=None, probe_timeout_s=30):
+    """probe_timeout_s: real seconds, against this process's server (30 by default: a bound on a hang, where a busy
+    box made a 2 s probe of an answering server fail)."""
+    return StallWatch(stall_after_s, probe_after_s, probe_timeout_s, url, "m", clock, background or Inline(clock),
+                      key=key)
 
 
 def test_counters_that_stop_while_requests_run_are_a_stall_and_moving_again_ends_it():
@@ -46,6 +49,7 @@ def test_waiting_requests_alone_count_as_work():
 
 class Completions(BaseHTTPRequestHandler):
     hang = threading.Event()
+    released = threading.Event()  # the fixture's end: a hung answer lets go
     bodies: list = []
     key: str | None = None  # as vLLM with VLLM_API_KEY: /v1/* wants "Authorization: Bearer KEY", else 401
     authorizations: list = []
@@ -60,8 +64,8 @@ class Completions(BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(body)
             return
-        if Completions.hang.is_set():  # a frozen engine: the answer does not come in time
-            threading.Event().wait(5)
+        if Completions.hang.is_set():  # a frozen engine: the answer does not come, until the test ends
+            Completions.released.wait(120)
             return
         body = b'{"choices": [{"text": "k"}]}'
         self.send_response(200)
@@ -80,14 +84,16 @@ def completions():
     Completions.bodies.clear()
     Completions.authorizations.clear()
     Completions.hang.clear()
+    Completions.released.clear()
     Completions.key = None
     yield f"http://127.0.0.1:{server.server_address[1]}/v1/completions"
+    Completions.released.set()
     server.shutdown()
 
 
 def test_idle_probe_answers_keep_it_alive_and_a_hung_probe_is_a_stall(completions):
     clock = ManualClock(0)
-    w = watch(clock, url=completions)
+    w = watch(clock, url=completions, probe_timeout_s=5)  # the hung probe takes all of it
 
     def at(t, progress=Progress(10, 0, 0)):
         clock.advance(t - clock.now)
@@ -102,7 +108,7 @@ def test_idle_probe_answers_keep_it_alive_and_a_hung_probe_is_a_stall(completion
     Completions.hang.set()
     assert at(10) is None and w.probes == 2  # the engine froze: this probe hangs
     reason = at(11)
-    assert reason and "the stall probe (a one-token completion, serve.probe_timeout_s 2) failed" in reason
+    assert reason and "the stall probe (a one-token completion, serve.probe_timeout_s 5) failed" in reason
     assert at(12) == reason and w.probes == 2  # stalled until the counters move: no more probes
     assert at(13, Progress(11, 0, 0)) is None
 

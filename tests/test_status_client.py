@@ -56,7 +56,7 @@ BAD_BODIES = [
     ("nesting past the recursion limit", b'{"daemon": {}, "gpus": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"),
     ("a gigabyte announced", ("length", 10**9)),
     ("a gigabyte streamed", ("stream", 10**9)),
-    ("a trickle", ("trickle", 10.0)),
+    ("a trickle", ("trickle", 120.0)),  # cut by the read's 3 s deadline, long before it ends
 ]
 
 
@@ -134,6 +134,6 @@ def test_status_from_a_foreign_server_is_one_line_naming_what_and_where(what, an
     assert out.returncode == 3 and out.stdout == "", (what, out)
     assert len(out.stderr.splitlines()) == 1 and "Traceback" not in out.stderr, (what, out.stderr)
     assert f"127.0.0.1:{server.server_address[1]}" in out.stderr, out.stderr
-    assert took < 20, took  # the read's 3 s deadline, and the interpreter's start
+    assert took < 60, took  # the read's 3 s deadline and the interpreter's start, not the 120 s trickle
     if answer in dict(BAD_FIGURES).values() and "started_at" not in what and "power" not in what:
         assert "GPU 0" in out.stderr and "is not a share 0..1" in out.stderr, out.stderr  # names the figure
