@@ -49,7 +49,7 @@ def start(tree: Path, folder: Path, gpus: int) -> tuple[subprocess.Popen, int]:
     env = dict(os.environ, PYTHONPATH=str(tree))
     proc = subprocess.Popen([sys.executable, "-m", "gpuwarden", "run", "-c", str(cfg)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120  # a bound on a hang: a busy box's start, not a speed
     while time.monotonic() < deadline:
         try:
             if b"gpuwarden_gpu_up" in fetch(port):

@@ -579,7 +579,7 @@ def test_the_proxy_at_a_clocks_rest_wakes_for_a_request_in_flight_takes_a_stop_a
         hold.engine_up()
         for _ in range(3):
             await asyncio.sleep(0)
-        await asyncio.wait_for(nagger, 1)
+        await asyncio.wait_for(nagger, 30)  # a bound on a hang
         await hold.stop()
         return woke, stopping, nagged
 
