@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "daemon")]
+# the daemon, the fake server and tune (`python -m gpuwarden`, children of this one) run this tree's code too
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT / "daemon"), os.environ.get("PYTHONPATH"))))
 
 from conftest import DaemonProcess  # noqa: E402  (the tests' own rig)
 from test_tune import Rig, expected_knee  # noqa: E402
@@ -36,8 +39,9 @@ def one(shape: str, folder: Path) -> dict:
         started.append(DaemonProcess(path, *args, env=env, command=command))
         return started[-1]
 
-    rig = Rig(folder, daemons)
+    rig = None
     try:
+        rig = Rig(folder, daemons)  # its fake server first: ended below however the start goes
         rig.start_daemon()
         input_len, output_len = LENGTHS[shape]
         out = rig.tune("--steps", "6", "--duration", "1.5", "--input-len", str(input_len), "--output-len",
@@ -46,7 +50,8 @@ def one(shape: str, folder: Path) -> dict:
             raise SystemExit(f"tune_knee: tune {shape} exited {out.returncode}: {out.stderr.strip()[-400:]}")
         result = json.loads(out.stdout)
     finally:
-        rig.close()
+        if rig is not None:
+            rig.close()
         for d in started:
             d.end()
     values = [s["setting"] for s in result["steps"]]

@@ -199,4 +199,4 @@ def test_the_tokenize_calibration_has_one_deadline_for_all_its_calls(monkeypatch
 
     monkeypatch.setattr(sweep, "WORD_SIZES_DEADLINE_S", 2.0)
     found = asyncio.run(run())
-    assert found is None and len(calls) <= 2, len(calls)
+    assert found is None and 1 <= len(calls) <= 2, len(calls)

@@ -263,16 +263,16 @@ def in_flight(base, count):
 
 @pytest.mark.process
 def test_a_reload_that_restarts_the_engine_drains_it_and_its_requests_finish(write, fake, daemons, no_fakes_left):
-    path, base, port = drain_config(write, fake, "drain", 10)
+    path, base, port = drain_config(write, fake, "drain", 60)  # long: the gate, not it, ends the requests
     d = daemons(path)
     d.wait_for("vLLM healthy after", timeout=120)
-    assert d.wait_for("vLLM starting").endswith("--shutdown-timeout 10")
+    assert d.wait_for("vLLM starting").endswith("--shutdown-timeout 60")
     threads, outcomes = ask(port, 2)
     in_flight(base, 2)
     mark = len(d.lines)
-    path.write_text(path.read_text().replace("  drain_s: 10\n", '  drain_s: 10\n  args: [--max-num-seqs, "4"]\n'))
+    path.write_text(path.read_text().replace("  drain_s: 60\n", '  drain_s: 60\n  args: [--max-num-seqs, "4"]\n'))
     d.proc.send_signal(signal.SIGHUP)
-    d.wait_for("draining vLLM: 2 requests in flight, up to 10 s", after=mark)
+    d.wait_for("draining vLLM: 2 requests in flight, up to 60 s", after=mark)
     release(port)  # they end during the drain
     took = float(d.wait_for("vLLM drained in", after=mark, timeout=15).split("drained in ")[1].split(" s")[0])
     for thread in threads:

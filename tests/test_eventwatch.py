@@ -2,6 +2,7 @@
 and what happens to the engine on that GPU. Through the fake NVML; a real-process run of the sim at the end."""
 
 import dataclasses
+import inspect
 import threading
 import time
 import urllib.request
@@ -17,6 +18,7 @@ from gpuwarden.gpu.events import XID, GpuEvent
 from gpuwarden.gpu.nvml import NvmlBackend
 from gpuwarden.gpu.sim.backend import ManualClock
 from gpuwarden.gpu.sim.scenario import resolve_scenario
+from gpuwarden.watch import eventwatch
 from gpuwarden.watch.eventwatch import EventBook, EventWatcher
 from gpuwarden.watch.monitor import Monitor
 from gpuwarden.serving.run.supervisor import HELD, Supervisor
@@ -50,9 +52,11 @@ def test_the_thread_only_waits_hands_events_over_with_a_wake_up_and_ends_cleanly
     watcher = EventWatcher(backend.events(), woken.set)
     watcher.start()
     fake.events.append((1, XID, 13))
-    assert woken.wait(2)
+    assert woken.wait(30)  # a bound on a hang
     assert watcher.take() == [GpuEvent(0, "xid", 13)]
-    assert watcher.stop(timeout_s=30)  # it wakes every 0.5 s to see the stop (30: a bound on a hang, not a speed)
+    assert watcher.stop(timeout_s=30)  # it wakes every WAIT_S to see the stop (30: a bound on a hang, not a speed)
+    # and the daemon's stop (its default) waits for two of those wakes: no clock needed to see that it can
+    assert eventwatch.WAIT_S * 2 <= inspect.signature(EventWatcher.stop).parameters["timeout_s"].default
     assert fake.event_set.freed
 
 

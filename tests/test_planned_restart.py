@@ -252,12 +252,20 @@ def proxy_metric(port, name):
                or line.startswith(name + "{"))
 
 
+def held_now(proxy_port) -> float:
+    """The proxy's held requests now; -1 for a scrape that failed (a busy box's slow answer: the wait asks again)."""
+    try:
+        return proxy_metric(proxy_port, "gpuwarden_proxy_held_requests")
+    except OSError:
+        return -1
+
+
 def engine_socket(d) -> str:
     """The Unix socket the engine behind the proxy listens on (--uds, in its start line)."""
     return d.wait_for("vLLM starting").split(" --uds ")[1].split()[0]
 
 
-def with_proxy(write, fake, drain_s=10, hold_s=60):
+def with_proxy(write, fake, drain_s=60, hold_s=60):
     proxy_port = free_port()
     path, base, port = drain_config(write, fake, "drain", drain_s)
     path.write_text(path.read_text() + f"  proxy: {{enabled: true, listen: '127.0.0.1:{proxy_port}', "
@@ -283,11 +291,11 @@ def test_a_reload_that_restarts_the_engine_fails_no_request_through_the_proxy(wr
     in_flight(base, 2)
     steady = Clients(proxy_port)
     mark = len(d.lines)
-    path.write_text(path.read_text().replace("  drain_s: 10\n", '  drain_s: 10\n  args: [--max-num-seqs, "4"]\n'))
+    path.write_text(path.read_text().replace("  drain_s: 60\n", '  drain_s: 60\n  args: [--max-num-seqs, "4"]\n'))
     d.proc.send_signal(signal.SIGHUP)
     d.wait_for("proxy: the engine stops for a planned restart", after=mark)
     # the two in flight end once a steady request is held, so that the drain has one to hold, however busy the box
-    wait_until(lambda: proxy_metric(proxy_port, "gpuwarden_proxy_held_requests") >= 1, 60)
+    wait_until(lambda: held_now(proxy_port) >= 1, 60)
     release(engine_socket(d))
     d.wait_for("vLLM drained in", after=mark, timeout=60)
     d.wait_for("vLLM healthy after", after=mark, timeout=120)
@@ -313,7 +321,7 @@ def test_a_reload_that_restarts_the_engine_fails_no_request_through_the_proxy(wr
 def reload_restarting_the_engine(d, path, mark, held_line):
     """A reload whose new flags restart the engine: the proxy says it holds (held_line in the daemon's log), then the
     engine's SIGTERM, then the new engine healthy."""
-    path.write_text(path.read_text().replace("  drain_s: 10\n", '  drain_s: 10\n  args: [--max-num-seqs, "4"]\n'))
+    path.write_text(path.read_text().replace("  drain_s: 60\n", '  drain_s: 60\n  args: [--max-num-seqs, "4"]\n'))
     d.proc.send_signal(signal.SIGHUP)
     d.wait_for(held_line, after=mark, timeout=30)
     d.wait_for("vLLM stopping: SIGTERM", after=mark, timeout=30)
@@ -394,7 +402,7 @@ def test_a_stop_lets_a_request_through_the_proxy_finish_and_refuses_the_held_wit
     d.wait_for("proxy: the engine stops for a planned restart")
     late = threading.Thread(target=clients.one, args=(0.1,), daemon=True)
     late.start()
-    wait_until(lambda: proxy_metric(proxy_port, "gpuwarden_proxy_held_requests") == 1, 60)
+    wait_until(lambda: held_now(proxy_port) == 1, 60)
     release(engine_socket(d))  # the first ends now, during the drain
     assert d.proc.wait(60) == 0
     first.join(10)

@@ -64,7 +64,7 @@ def test_a_reload_fails_no_request_through_the_proxy_and_drains_what_runs_on_the
             f"reload {r.number}: the direct long request seen in flight began {r.long_since - r.began:.2f} s before "
             f"it; that client's requests near it (began, took, answer): {near}\n{table(reloads)}")
     # the longest request through the proxy waited about one restart and its own generation, not the hold's 300 s:
-    # held past the engine's return, it would end near hold_s (120: a busy box's slow generation, still far under)
+    # held past the engine's return, it would end near hold_s (the margin of 120 s is for a busy box's generation)
     assert max(o.took for o in proxied) < restart + 120, (restart, table(reloads))
     assert sum(r.held for r in reloads) >= 1, table(reloads)  # the hold did work: requests came meanwhile
     # New requests straight to the engine meanwhile fail (500 while it drains, refused while it restarts): what the

@@ -234,8 +234,7 @@ def test_slow_headers_slow_bodies_and_idle_connections_are_closed_a_steady_body_
     kept_alive = open_socket(proxy.port, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
     assert kept_alive.recv(65536).startswith(b"HTTP/1.1 200")
     body = json.dumps({"model": "tiny", "pad": "x" * (470 << 10)}).encode()
-    # from another address: a client of its own, whose body's share of the budget the attackers' bodies do not hold
-    steady = socket.create_connection(("127.0.0.1", proxy.port), timeout=2, source_address=("127.0.0.2", 0))
+    steady = socket.create_connection(("127.0.0.1", proxy.port), timeout=30)  # its sends: a bound on a hang
     steady.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body))
     trickled = 0
     for sock in (trickle, padded):  # never blocking this loop: a send that would wait is dropped (the steady pace)

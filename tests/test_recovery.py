@@ -34,7 +34,7 @@ from gpuwarden.tune.tuning import Tuner, TuningLife
 from gpuwarden.watch.health import waiting
 from gpuwarden.watch.monitor import Monitor
 from gpuwarden.watch.signals.serving import vllm_fatal
-from test_drain import running
+from test_drain import release, running
 from test_faults import FLAGCHECK, fake, fault_config, no_fakes_left, status, wait_until  # noqa: F401 (fixtures)
 from test_serving import running_supervisor
 
@@ -465,12 +465,14 @@ def recovery_config(write, fake, tmp_path, health):
     return path, base, port, answer, channel
 
 
-def slow_request(port, seconds):
+def slow_request(port, seconds=None):
+    """A slow request of the fake engine's, seconds long, or None: in flight until test_drain.release(port)."""
     outcome = []
 
     def one():
+        query = "gate=1" if seconds is None else f"s={seconds}"
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/x?s={seconds}", timeout=60) as reply:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/x?{query}", timeout=120) as reply:
                 outcome.append(reply.status)
         except OSError as exc:
             outcome.append(f"failed: {exc}")
@@ -487,15 +489,16 @@ def test_the_engine_drains_waits_for_the_reset_and_comes_back_with_the_known_ans
     d = daemons(path, env={**_env(), power.ENV: str(channel)})
     d.wait_for("vLLM healthy after", timeout=120)
     d.wait_for('known answer recorded at the first healthy start: " the first answer"', timeout=15)
-    thread, outcome = slow_request(port, 3)
-    wait_until(lambda: (status(base).get("serving_stats") or {}).get("requests_running") == 1.0, 15)
+    thread, outcome = slow_request(port)
+    wait_until(lambda: (status(base).get("serving_stats") or {}).get("requests_running") == 1.0, 60)
     mark = len(d.lines)
     power.move_clock(channel, 1000)  # the fault: the driver asks for a GPU reset
-    d.wait_for("draining vLLM: 1 request in flight, up to 10 s", after=mark, timeout=15)
-    d.wait_for("vLLM held, not restarting: waiting for GPU0's action: reset the GPU", after=mark, timeout=15)
-    thread.join(10)
+    d.wait_for("draining vLLM: 1 request in flight, up to 10 s", after=mark, timeout=60)
+    release(port)  # it ends during the drain
+    d.wait_for("vLLM held, not restarting: waiting for GPU0's action: reset the GPU", after=mark, timeout=60)
+    thread.join(60)
     assert outcome == [200]  # the request in flight finished: drained, not killed
-    st = wait_until(lambda: (lambda s: s if s["serving"]["state"] == HELD else None)(status(base)), 10)
+    st = wait_until(lambda: (lambda s: s if s["serving"]["state"] == HELD else None)(status(base)), 60)
     assert st["serving"]["problem"].startswith("waiting for GPU0's action: reset the GPU")
     assert "vLLM HELD" in st["status"] and "vllm_fatal" not in {a["alert"] for a in st["alerts_firing"]}
     d.wait_for("vLLM released: its GPUs answer again", after=mark, timeout=20)  # the scripted reset at 1008 s

@@ -258,7 +258,7 @@ def slow_request(conn: socket.socket, path: str, modes: set[str]) -> None:
     try:
         if "stuck-drain" in modes:
             threading.Event().wait()  # never answered
-        if query.get("gate"):
+        if query.get("gate") == ["1"]:  # released once for the process: every gated request after it ends at once
             RELEASED.wait(300)
         else:
             time.sleep(seconds)
