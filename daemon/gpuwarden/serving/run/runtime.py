@@ -240,10 +240,13 @@ class ServingRuntime:
     def tick(self, now: float) -> tuple[tuple[ServingView, ...] | None, ServingStats | None]:
         """Advance the children, read the engine's metrics and judge its progress: (views, stats)."""
         self._swap_in_pending(now)
+        # Something ran at the last tick, or runs as this one begins: an unnamed child whose group was gone by this
+        # daemon's first tick (a busy box's slow start) is taken out below, and its end still calls for the look
+        ran = self._busy or not self._idle
         if self.leftovers.unnamed:
             self.leftovers.tick(now)
             self._record(now)
-        due, self._busy = self._idle and self._busy, not self._idle  # a look that fails is not due again
+        due, self._busy = self._idle and ran, not self._idle  # a look that fails is not due again
         if due:  # the children's groups are gone: anything left of them is a leftover
             self._sweep(None, None, now)
         self.leftovers.strays.tick(now)
